@@ -1,0 +1,52 @@
+# kvplan developer entry points. Everything installs into .venv.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard proto/kvplan/v1/*.proto)
+
+.PHONY: install run test lint proto proto-check unit conformance bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[server,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Start the service on its embedded defaults (gRPC :50051, metrics :9464).
+run: $(STAMP)
+	$(BIN)/kvplan serve
+
+## Regenerate the protobuf / gRPC stubs under kvplan/v1.
+proto: $(STAMP)
+	PATH=$(abspath $(BIN)):$$PATH scripts/gen-proto kvplan/v1
+
+## Fail when the committed stubs differ from what the .proto files generate.
+proto-check: $(STAMP)
+	PATH=$(abspath $(BIN)):$$PATH scripts/gen-proto --check kvplan/v1
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvplan client server tests bench scripts conformance
+	$(BIN)/ruff format --check kvplan client server tests bench conformance
+	$(BIN)/mypy kvplan tests bench
+	cd proto && ../$(BIN)/buf lint
+
+unit: $(STAMP)
+	$(BIN)/pytest -q -p no:cacheprovider
+
+## The whole suite: stubs up to date, lint, type checks, tests.
+test: $(STAMP) proto-check lint
+	bash scripts/run-tests $(BIN)
+
+## Differential check against vLLM 0.33.0's own planner (separate venv).
+conformance: $(STAMP)
+	bash conformance/run
+
+bench: $(STAMP)
+	$(PY) -m bench.plan_core
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,1 @@
+"""Thin client: needs only grpcio and protobuf."""

@@ -1,0 +1,1 @@
+"""The kvplan gRPC service (needs the server extra)."""
