@@ -1,0 +1,579 @@
+"""Grouping: which layers share a block table, in vLLM 0.33's decision order.
+
+1. hybrid manager disabled -> promote local attention to full allocation
+2. no specs -> attention-free (no groups)
+3. every spec merges into one -> one group
+4. one layer type (pages may differ) -> one wrapper group
+5. block-outermost layout with mixed pages -> packed groups
+6. unify page sizes (or fall back to full allocation for MLA + sliding window)
+7. equal-size hybrid groups over one page size
+8. hidden-state layers appended with pages aligned to the common page
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from kvplan.core.diagnostics import PaddingInfo, PlanWarning, WarningCode
+from kvplan.core.errors import InvalidRequest, UnplannableSpecs
+from kvplan.core.groups import GroupingPath, KVCacheGroup
+from kvplan.core.layout import KVCacheLayout
+from kvplan.core.specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
+    ConflictingWindows,
+    FullAttentionSpec,
+    HiddenStateCacheSpec,
+    IncompatibleSpecs,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    SpecInvariantError,
+    UniformTypeSpecs,
+    cdiv,
+    init_field_names,
+)
+
+SpecDict = dict[str, KVCacheSpec]
+
+
+class PageSizesNotUnifiable(UnplannableSpecs):
+    """A smaller page neither divides the largest page nor may be padded."""
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """Layer names per group with their group spec, before ids and draft flags."""
+
+    layer_names: tuple[str, ...]
+    spec: KVCacheSpec
+    padding_layers: int = 0
+
+
+@dataclass
+class GroupingResult:
+    path: GroupingPath
+    groups: list[KVCacheGroup]
+    specs: SpecDict  # the specs grouping worked on (after promotion)
+    # The spec dict the positional draft rule reads (the packed path leaves
+    # hidden-state layers out of it).
+    annotation_specs: SpecDict
+    # The positional rule sees only the first groups (packed path: not the
+    # hidden-state groups appended after it).
+    annotated_group_count: int
+    # Whether the seed's positional / spec-marker draft rules run on this path.
+    positional_rules_apply: bool
+    warnings: list[PlanWarning] = field(default_factory=list)
+    padding: list[PaddingInfo] = field(default_factory=list)
+    group_size: int = 0
+    page_sizes_unified: bool = False
+    local_attention_promoted: bool = False
+
+
+def is_uniform_spec(specs: Mapping[str, KVCacheSpec]) -> bool:
+    """All specs merge into one. Conflicting windows propagate as an error."""
+    values = list(specs.values())
+    if not values:
+        return True
+    try:
+        type(values[0]).merge(values)
+    except IncompatibleSpecs:
+        return False
+    return True
+
+
+def is_uniform_type(specs: Mapping[str, KVCacheSpec]) -> bool:
+    return UniformTypeSpecs.is_uniform_type(specs)
+
+
+def _merge_group(specs: SpecDict, names: Sequence[str]) -> KVCacheSpec:
+    layer_specs = [specs[name] for name in names]
+    return type(layer_specs[0]).merge(layer_specs)
+
+
+def _replace_as(
+    spec: AttentionSpec, target: type[AttentionSpec], drop: tuple[str, ...], **changes: Any
+) -> AttentionSpec:
+    """Rebuild `spec` as `target`; every field must exist there unless dropped."""
+    target_fields = {f.name for f in fields(target) if f.init}
+    kwargs = {name: getattr(spec, name) for name in init_field_names(spec) if name not in drop}
+    missing = sorted(set(kwargs) - target_fields)
+    if missing:
+        raise UnplannableSpecs(
+            f"{spec.kind} layers cannot be allocated as {target.kind}: "
+            f"{', '.join(missing)} has no counterpart there"
+        )
+    kwargs.update(changes)
+    return target(**kwargs)
+
+
+# Local-attention kinds and the full-allocation kind each is promoted to.
+_PROMOTIONS: dict[type[KVCacheSpec], type[AttentionSpec]] = {
+    SlidingWindowMLASpec: MLAAttentionSpec,
+    SlidingWindowSpec: FullAttentionSpec,
+    ChunkedLocalAttentionSpec: FullAttentionSpec,
+}
+
+
+def _promotion_target(spec: KVCacheSpec) -> type[AttentionSpec] | None:
+    return next((_PROMOTIONS[cls] for cls in type(spec).__mro__ if cls in _PROMOTIONS), None)
+
+
+def promote_local_attention(specs: SpecDict) -> SpecDict:
+    """Allocate sliding-window / chunked layers as full attention (compute is
+    unchanged). Raises UnplannableSpecs if the result is still not one type."""
+    promoted = dict(specs)
+    if is_uniform_spec(promoted) or is_uniform_type(promoted):
+        return promoted
+    values = list(promoted.values())
+    has_full = any(isinstance(spec, FullAttentionSpec) for spec in values)
+    has_local = any(
+        isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec) for spec in values
+    )
+    full_block_sizes = {spec.block_size for spec in values if isinstance(spec, FullAttentionSpec)}
+    full_block_size = next(iter(full_block_sizes)) if len(full_block_sizes) == 1 else None
+    if has_full and has_local:
+        for name, spec in specs.items():
+            target = _promotion_target(spec)
+            if target is None:
+                continue
+            assert isinstance(spec, AttentionSpec)
+            block_size = full_block_size or spec.block_size
+            padded = spec.page_size_padded
+            if padded is not None:
+                rescaled = spec.unpadded_page_size_bytes * block_size // spec.block_size
+                padded = max(padded, rescaled)
+            promoted[name] = _replace_as(
+                spec,
+                target,
+                drop=("extra_retained_tokens",),
+                block_size=block_size,
+                page_size_padded=padded,
+            )
+    try:
+        unified = is_uniform_spec(promoted) or is_uniform_type(promoted)
+    except ConflictingWindows as error:
+        raise UnplannableSpecs(
+            f"Failed to promote local KV cache specs to one unified type: {error}"
+        ) from error
+    if not unified:
+        kinds = sorted({spec.kind for spec in promoted.values()})
+        raise UnplannableSpecs(
+            "Failed to promote local KV cache specs to one unified type "
+            f"(kinds left: {', '.join(kinds)}); the hybrid KV cache manager is needed "
+            "for this model (disable_hybrid_kv_cache_manager=false)"
+        )
+    return promoted
+
+
+def _disable_hybrid(specs: SpecDict, warnings: list[PlanWarning]) -> tuple[SpecDict, bool]:
+    """Promote replicated (DCP-unsharded attention) and other layers separately."""
+    partitions: dict[bool, SpecDict] = {}
+    for name, spec in specs.items():
+        replicated = isinstance(spec, AttentionSpec) and not spec.dcp_sharded
+        partitions.setdefault(replicated, {})[name] = spec
+    result = dict(specs)
+    changed = False
+    for partition in partitions.values():
+        promoted = promote_local_attention(partition)
+        if promoted == partition:
+            continue
+        changed = True
+        result.update(promoted)
+    if changed:
+        warnings.append(
+            PlanWarning(
+                WarningCode.HYBRID_MANAGER_DISABLED,
+                "hybrid KV cache manager is disabled: sliding-window / chunked layers are "
+                "allocated as full attention (no memory saved outside their windows)",
+            )
+        )
+    return result, changed
+
+
+def approximate_gcd(values: Sequence[int], lower_bound: int | None = None) -> int:
+    """The divisor in [lower_bound, max(values)] that minimises total round-up
+    padding of `values`; ties go to the larger divisor."""
+    if not values:
+        raise InvalidRequest("approximate_gcd needs a non-empty list of values")
+    if any(value <= 0 for value in values):
+        raise InvalidRequest(f"approximate_gcd needs positive values, got {list(values)}")
+    low = max(1, lower_bound if lower_bound is not None else 1)
+    high = max(values)
+    if low > high:
+        return low
+    best, best_pad = low, -1
+    for divisor in range(low, high + 1):
+        pad = sum((divisor - value % divisor) % divisor for value in values)
+        if best_pad < 0 or pad < best_pad or (pad == best_pad and divisor > best):
+            best, best_pad = divisor, pad
+    return best
+
+
+def packed_groups(specs: SpecDict, layout: KVCacheLayout) -> list[Grouping] | None:
+    """Groups for block-outermost layouts with mixed page sizes: layers packed
+    side by side inside each block."""
+    if not layout.is_block_outermost or len({s.page_size_bytes for s in specs.values()}) <= 1:
+        return None
+    buckets: list[SpecDict] = []
+    for name, spec in specs.items():
+        for bucket in buckets:
+            if is_uniform_type({**bucket, name: spec}):
+                bucket[name] = spec
+                break
+        else:
+            buckets.append({name: spec})
+
+    bucketed: list[tuple[UniformTypeSpecs, dict[int, list[str]], bool]] = []
+    for bucket in buckets:
+        wrapper = UniformTypeSpecs.from_specs(bucket)
+        if wrapper is None:
+            raise SpecInvariantError("a packed bucket is not of one layer type")
+        by_page: dict[int, list[str]] = {}
+        for name, spec in bucket.items():
+            by_page.setdefault(spec.page_size_bytes, []).append(name)
+        balanced = len({len(names) for names in by_page.values()}) == 1
+        bucketed.append((wrapper, by_page, balanced))
+
+    min_repeats = max(
+        (
+            wrapper.max_layers_per_page_size()
+            for wrapper, by_page, balanced in bucketed
+            if balanced and len(by_page) > 1
+        ),
+        default=0,
+    )
+    repeats = (
+        approximate_gcd(
+            [wrapper.max_layers_per_page_size() for wrapper, _, balanced in bucketed if balanced],
+            lower_bound=min_repeats,
+        )
+        if min_repeats
+        else None
+    )
+
+    def group_count(wrapper: UniformTypeSpecs, balanced: bool) -> int:
+        if balanced and repeats is not None:
+            return cdiv(wrapper.max_layers_per_page_size(), repeats)
+        return 1
+
+    def widest_group_bytes(by_page: dict[int, list[str]], count: int) -> int:
+        return sum(cdiv(len(names), count) * page for page, names in by_page.items())
+
+    def is_state_bucket(wrapper: UniformTypeSpecs) -> bool:
+        # State-like buckets can shrink down to one layer per group.
+        if isinstance(wrapper.first_spec, MambaSpec | CircularBufferSpec):
+            return True
+        return repeats is None and isinstance(wrapper.first_spec, SlidingWindowSpec)
+
+    anchor = max(
+        (
+            widest_group_bytes(
+                by_page,
+                len(wrapper.layer_specs)
+                if is_state_bucket(wrapper)
+                else group_count(wrapper, balanced),
+            )
+            for wrapper, by_page, balanced in bucketed
+        ),
+        default=0,
+    )
+
+    result: list[Grouping] = []
+    for wrapper, by_page, balanced in bucketed:
+        count = group_count(wrapper, balanced)
+        if anchor and is_state_bucket(wrapper):
+            states_per_block = max(anchor // wrapper.first_spec.page_size_bytes, 1)
+            count = max(count, cdiv(len(wrapper.layer_specs), states_per_block))
+        if count == 1:
+            result.append(Grouping(tuple(name for name, _ in wrapper.layer_specs), wrapper))
+            continue
+        pattern_repeats = list(zip(*by_page.values(), strict=False))
+        members = wrapper.specs_by_layer
+        for index in range(count):
+            names = tuple(name for repeat in pattern_repeats[index::count] for name in repeat)
+            group_spec = UniformTypeSpecs.from_specs({name: members[name] for name in names})
+            if group_spec is None:
+                raise SpecInvariantError("a packed group is not of one layer type")
+            result.append(Grouping(names, group_spec))
+    return result
+
+
+def unify_page_sizes(specs: SpecDict) -> tuple[SpecDict, bool]:
+    """Give every layer the largest page: Mamba and non-MLA attention pages are
+    padded, other pages grow with their block size when they divide it."""
+    pages = {spec.page_size_bytes for spec in specs.values()}
+    if len(pages) <= 1:
+        return specs, False
+    largest = max(pages)
+    unified: SpecDict = {}
+    for name, spec in specs.items():
+        page = spec.page_size_bytes
+        new_spec: KVCacheSpec
+        if page == largest:
+            new_spec = spec
+        elif isinstance(spec, MambaSpec):
+            new_spec = replace(spec, page_size_padded=largest)
+        elif largest % page == 0:
+            new_spec = spec.with_block_size(spec.block_size * (largest // page))
+        elif isinstance(spec, AttentionSpec) and not isinstance(spec, MLAAttentionSpec):
+            new_spec = replace(spec, page_size_padded=largest)
+        else:
+            raise PageSizesNotUnifiable(
+                f"layer {name!r}: its page ({page} bytes) does not divide the largest page "
+                f"({largest} bytes) and cannot be padded (only non-MLA attention and Mamba "
+                "pages can); use a block-outermost layout (BLHNC) or align the page sizes"
+            )
+        if new_spec.page_size_bytes != largest:
+            raise SpecInvariantError(
+                f"layer {name!r}: its page cannot be brought to {largest} bytes "
+                f"(got {new_spec.page_size_bytes})"
+            )
+        unified[name] = new_spec
+    return unified, True
+
+
+def _full_allocation_fallback(specs: SpecDict) -> Grouping | None:
+    """MLA next to an unpaddable sliding-window page: allocate the window as full."""
+    values = list(specs.values())
+    if any(isinstance(spec, HiddenStateCacheSpec) for spec in values):
+        return None
+    if any(isinstance(spec, SlidingWindowMLASpec | ChunkedLocalAttentionSpec) for spec in values):
+        return None
+    has_mla = any(isinstance(spec, MLAAttentionSpec) for spec in values)
+    has_window = any(isinstance(spec, SlidingWindowSpec) for spec in values)
+    if not (has_mla and has_window):
+        return None
+    try:
+        promoted = promote_local_attention(specs)
+    except UnplannableSpecs:
+        return None
+    wrapper = UniformTypeSpecs.from_specs(promoted)
+    if wrapper is None:
+        return None
+    return Grouping(tuple(promoted), wrapper)
+
+
+def hybrid_groups(
+    specs: SpecDict,
+) -> tuple[list[Grouping], int, list[PaddingInfo], list[PlanWarning]]:
+    """Equal-size groups over specs that share one page size. Layer i of a type
+    goes to group i mod n, so pipeline stages get balanced groups."""
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in specs.items():
+        by_spec.setdefault(spec, []).append(name)
+
+    # Coalesce specs that merge (e.g. full layers differing only in window metadata).
+    buckets: list[tuple[list[str], list[KVCacheSpec]]] = []
+    for spec, names in by_spec.items():
+        for bucket_names, bucket_specs in buckets:
+            try:
+                type(bucket_specs[0]).merge([*bucket_specs, spec])
+            except (IncompatibleSpecs, ConflictingWindows):
+                continue
+            bucket_names.extend(names)
+            bucket_specs.append(spec)
+            break
+        else:
+            buckets.append((list(names), [spec]))
+
+    sizes = [len(names) for names, _ in buckets]
+    group_size = min(sizes)
+    if max(sizes) < group_size * 1.5:
+        # Close counts (e.g. 12 SW + 13 full with an EAGLE layer): pad the smaller.
+        group_size = max(sizes)
+
+    page = next(iter(specs.values())).page_size_bytes
+    groupings: list[Grouping] = []
+    padding: list[PaddingInfo] = []
+    warnings: list[PlanWarning] = []
+    for index, (names, _) in enumerate(buckets):
+        remainder = len(names) % group_size
+        num_groups = cdiv(len(names), group_size)
+        padding_layers = group_size - remainder if remainder else 0
+        if padding_layers:
+            waste = padding_layers / len(names) * 100
+            padding.append(PaddingInfo(index, padding_layers, waste, padding_layers * page))
+            warnings.append(
+                PlanWarning(
+                    WarningCode.PADDING_LAYERS,
+                    f"Add {padding_layers} padding layers, may waste at most {waste:.2f}% "
+                    "KV cache memory",
+                )
+            )
+        for group_index in range(num_groups):
+            members = tuple(names[group_index::num_groups])
+            groupings.append(
+                Grouping(members, _merge_group(specs, members), group_size - len(members))
+            )
+    return groupings, group_size, padding, warnings
+
+
+def _largest_divisor_at_most(value: int, limit: int) -> int:
+    for candidate in range(min(value, limit), 0, -1):
+        if value % candidate == 0:
+            return candidate
+    return 1
+
+
+def _append_hidden_state_groups(
+    groupings: list[Grouping], hidden: dict[str, HiddenStateCacheSpec], warnings: list[PlanWarning]
+) -> list[Grouping]:
+    pages = {grouping.spec.page_size_bytes for grouping in groupings}
+    if len(pages) != 1:
+        raise SpecInvariantError(f"groups must share one page size, got {sorted(pages)}")
+    common_page = pages.pop()
+    per_token_max = max(
+        spec.num_kv_heads * spec.head_size * spec.dtype.size_bytes for spec in hidden.values()
+    )
+    if per_token_max > common_page:
+        # Scale every group so one hidden-state token fits a page.
+        scale = cdiv(per_token_max, common_page)
+        common_page *= scale
+        scaled: list[Grouping] = []
+        for grouping in groupings:
+            spec = grouping.spec
+            changes: dict[str, Any] = {"block_size": spec.block_size * scale}
+            padded = getattr(spec, "page_size_padded", None)
+            if isinstance(spec, AttentionSpec | MambaSpec) and padded is not None:
+                changes["page_size_padded"] = padded * scale
+            scaled.append(replace(grouping, spec=replace(spec, **changes)))
+        groupings = scaled
+    block_gcd = math.gcd(*(grouping.spec.block_size for grouping in groupings))
+    result = list(groupings)
+    for name, spec in hidden.items():
+        per_token = spec.num_kv_heads * spec.head_size * spec.dtype.size_bytes
+        block_size = _largest_divisor_at_most(block_gcd, max(common_page // per_token, 1))
+        wasted = common_page - block_size * per_token
+        if wasted:
+            warnings.append(
+                PlanWarning(
+                    WarningCode.HIDDEN_STATE_PADDING,
+                    f"hidden-state layer {name!r} uses block size {block_size}; page alignment "
+                    f"wastes {wasted} bytes ({wasted / common_page * 100:.2f}%) per block",
+                )
+            )
+        aligned = replace(spec, block_size=block_size, page_size_padded=common_page)
+        result.append(Grouping((name,), aligned))
+    return result
+
+
+def _numbered(groupings: list[Grouping]) -> list[KVCacheGroup]:
+    return [
+        KVCacheGroup(
+            group_id=index,
+            layer_names=grouping.layer_names,
+            spec=grouping.spec,
+            padding_layers=grouping.padding_layers,
+        )
+        for index, grouping in enumerate(groupings)
+    ]
+
+
+def group_layers(
+    specs: SpecDict, *, layout: KVCacheLayout, disable_hybrid: bool
+) -> GroupingResult:
+    """Split the engine's layers (registration order) into KV cache groups."""
+    warnings: list[PlanWarning] = []
+    promoted = False
+    if disable_hybrid:
+        specs, promoted = _disable_hybrid(specs, warnings)
+
+    def done(
+        path: GroupingPath,
+        groupings: list[Grouping],
+        *,
+        annotation_specs: SpecDict | None = None,
+        annotated_group_count: int | None = None,
+        positional: bool = False,
+        padding: list[PaddingInfo] | None = None,
+        group_size: int = 0,
+        page_sizes_unified: bool = False,
+    ) -> GroupingResult:
+        groups = _numbered(groupings)
+        _check_exact_partition(groups, specs)
+        return GroupingResult(
+            path=path,
+            groups=groups,
+            specs=specs,
+            annotation_specs=specs if annotation_specs is None else annotation_specs,
+            annotated_group_count=(
+                len(groups) if annotated_group_count is None else annotated_group_count
+            ),
+            positional_rules_apply=positional,
+            warnings=warnings,
+            padding=padding or [],
+            group_size=group_size,
+            page_sizes_unified=page_sizes_unified,
+            local_attention_promoted=promoted,
+        )
+
+    if not specs:
+        return done(GroupingPath.ATTENTION_FREE, [])
+    if is_uniform_spec(specs):
+        merged = _merge_group(specs, list(specs))
+        return done(GroupingPath.UNIFORM_SPEC, [Grouping(tuple(specs), merged)])
+    wrapper = UniformTypeSpecs.from_specs(specs)
+    if wrapper is not None:
+        return done(GroupingPath.UNIFORM_TYPE, [Grouping(tuple(specs), wrapper)])
+
+    hidden = {n: s for n, s in specs.items() if isinstance(s, HiddenStateCacheSpec)}
+    filtered = {n: s for n, s in specs.items() if not isinstance(s, HiddenStateCacheSpec)}
+
+    packed = packed_groups(filtered, layout)
+    if packed is not None:
+        # Blocks are strided by the widest group, so hidden-state pages need no alignment.
+        hidden_groupings = [Grouping((name,), spec) for name, spec in hidden.items()]
+        return done(
+            GroupingPath.PACKED,
+            packed + hidden_groupings,
+            annotation_specs=filtered,
+            positional=True,
+            annotated_group_count=len(packed),
+        )
+
+    try:
+        unified, page_sizes_unified = unify_page_sizes(filtered)
+    except PageSizesNotUnifiable:
+        fallback = _full_allocation_fallback(specs)
+        if fallback is None:
+            raise
+        warnings.append(
+            PlanWarning(
+                WarningCode.FULL_ALLOCATION_FALLBACK,
+                "KV cache page sizes cannot be unified; sliding-window layers are allocated "
+                "as full attention (their attention compute is unchanged)",
+            )
+        )
+        return done(GroupingPath.FULL_ALLOCATION_FALLBACK, [fallback])
+
+    groupings, group_size, padding, hybrid_warnings = hybrid_groups(unified)
+    warnings.extend(hybrid_warnings)
+    if hidden:
+        groupings = _append_hidden_state_groups(groupings, hidden, warnings)
+    return done(
+        GroupingPath.HYBRID,
+        groupings,
+        positional=True,
+        padding=padding,
+        group_size=group_size,
+        page_sizes_unified=page_sizes_unified,
+    )
+
+
+def _check_exact_partition(groups: Sequence[KVCacheGroup], specs: Mapping[str, object]) -> None:
+    seen: set[str] = set()
+    for group in groups:
+        overlap = seen & set(group.layer_names)
+        if overlap:
+            raise SpecInvariantError(f"KV cache groups overlap: {sorted(overlap)}")
+        seen |= set(group.layer_names)
+    missing = set(specs) - seen
+    if missing:
+        raise SpecInvariantError(f"KV cache groups miss layers: {sorted(missing)}")

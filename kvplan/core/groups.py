@@ -1,0 +1,48 @@
+"""KV cache groups: layers that share one block table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from kvplan.core.specs import KVCacheSpec, UniformTypeSpecs
+
+
+class DraftRule(Enum):
+    """Which rule marked a group as holding the drafter's layers."""
+
+    NONE = "none"
+    IS_DRAFT = "is_draft"  # a layer of the group is marked is_draft
+    SPEC_MARKER = "spec_marker"  # an MLA layer has non_causal_multi_token_decode
+    TRAILING_LAYER = "trailing_layer"  # holds the last registered layer (MTP)
+
+
+class GroupingPath(Enum):
+    ATTENTION_FREE = "attention_free"
+    UNIFORM_SPEC = "uniform_spec"
+    UNIFORM_TYPE = "uniform_type"
+    PACKED = "packed"
+    HYBRID = "hybrid"
+    FULL_ALLOCATION_FALLBACK = "full_allocation_fallback"
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    group_id: int
+    layer_names: tuple[str, ...]
+    spec: KVCacheSpec  # merged spec, or a UniformTypeSpecs wrapper
+    is_draft: bool = False
+    draft_rule: DraftRule = DraftRule.NONE
+    padding_layers: int = 0  # hybrid path: nominal group size minus len(layer_names)
+
+    def spec_of(self, layer_name: str) -> KVCacheSpec:
+        if isinstance(self.spec, UniformTypeSpecs):
+            return self.spec.specs_by_layer[layer_name]
+        return self.spec
+
+    @property
+    def representative_spec(self) -> KVCacheSpec:
+        """The spec a scheduler sees: a wrapper's first layer spec."""
+        if isinstance(self.spec, UniformTypeSpecs):
+            return self.spec.first_spec
+        return self.spec

@@ -1,0 +1,172 @@
+"""Physical layout of a worker's KV cache: bytes per block, strides, tensors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from kvplan.core.errors import UnplannableSpecs
+from kvplan.core.groups import KVCacheGroup
+from kvplan.core.specs import KVCacheSpec, SpecInvariantError, UniformTypeSpecs, round_up
+
+AXIS_L, AXIS_B, AXIS_H, AXIS_N, AXIS_C = 0, 1, 2, 3, 4
+
+
+class KVCacheLayout(Enum):
+    """Physical order of the logical [L, B, H, N, C] axes, outermost first."""
+
+    LBNHC = (AXIS_L, AXIS_B, AXIS_N, AXIS_H, AXIS_C)
+    LBHNC = (AXIS_L, AXIS_B, AXIS_H, AXIS_N, AXIS_C)
+    LHBNC = (AXIS_L, AXIS_H, AXIS_B, AXIS_N, AXIS_C)
+    BLHNC = (AXIS_B, AXIS_L, AXIS_H, AXIS_N, AXIS_C)
+    BLNHC = (AXIS_B, AXIS_L, AXIS_N, AXIS_H, AXIS_C)
+    BHLNC = (AXIS_B, AXIS_H, AXIS_L, AXIS_N, AXIS_C)
+
+    @property
+    def is_layer_compact(self) -> bool:
+        return self.value[0] == AXIS_L
+
+    @property
+    def is_block_compact(self) -> bool:
+        """Each page is one contiguous run: L and B are the two outer axes."""
+        return set(self.value[:2]) == {AXIS_L, AXIS_B}
+
+    @property
+    def is_block_outermost(self) -> bool:
+        return self.value[0] == AXIS_B
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """Layer `layer_names[l]`, block `b` starts at
+    offset_bytes + l * layer_stride_bytes + b * block_stride_bytes."""
+
+    size_bytes: int
+    layer_names: tuple[str, ...]
+    layer_stride_bytes: int
+    block_stride_bytes: int
+    offset_bytes: int
+    group_id: int
+
+
+def layer_block_stride(spec: KVCacheSpec) -> int:
+    """A layer-outer block stride: the page rounded up to its alignment."""
+    return round_up(spec.page_size_bytes, spec.stride_alignment_bytes())
+
+
+def bytes_per_block(groups: list[KVCacheGroup], layout: KVCacheLayout) -> int:
+    """Bytes one block id costs the pool: the widest group's footprint."""
+    if not layout.is_block_outermost:
+        return max(
+            sum(layer_block_stride(group.spec_of(name)) for name in group.layer_names)
+            for group in groups
+        )
+    widest = max(
+        sum(group.spec_of(name).page_size_bytes for name in group.layer_names)
+        for group in groups
+    )
+    if widest <= 0:
+        raise UnplannableSpecs("a worker without layers cannot hold a block-outermost cache")
+    alignments = [
+        group.spec_of(name).stride_alignment_bytes()
+        for group in groups
+        for name in group.layer_names
+    ]
+    return round_up(widest, math.lcm(*alignments)) if alignments else widest
+
+
+def validate_layout(layout: KVCacheLayout, groups: list[KVCacheGroup]) -> None:
+    """Mixed page sizes pack pages side by side inside a block, which the layout
+    must be able to express."""
+    page_sizes = {
+        group.spec_of(name).page_size_bytes for group in groups for name in group.layer_names
+    }
+    if len(page_sizes) <= 1:
+        return
+    if not layout.is_block_compact or (len(groups) > 1 and layout.is_layer_compact):
+        raise UnplannableSpecs(
+            f"KV cache layout {layout.name} cannot express mixed page sizes "
+            f"{sorted(page_sizes)} bytes; use a block-outermost layout such as BLHNC"
+        )
+
+
+def layout_strides(
+    spec: KVCacheSpec,
+    num_blocks: int,
+    num_layers: int,
+    layout: KVCacheLayout,
+    fixed_block_stride: int | None,
+) -> tuple[int, int]:
+    """(layer stride, block stride) in bytes for `num_layers` layers of `spec`."""
+    shape = (
+        num_layers,
+        num_blocks,
+        spec.num_heads,
+        spec.states_per_block,
+        spec.state_content_size_bytes,
+    )
+    order = layout.value
+    padded_page = spec.padded_page_bytes
+    page_grid_end = max(order.index(AXIS_L), order.index(AXIS_B)) + 1
+    if padded_page is not None:
+        grid = math.prod(shape[axis] for axis in order[:page_grid_end])
+        if grid != num_layers * num_blocks:
+            raise SpecInvariantError(
+                f"layout {layout.name} cannot pad pages of layers with "
+                f"{spec.num_heads} head slots; use a block-compact layout such as LBNHC"
+            )
+    strides = [0] * 5
+    running = 1
+    for position in range(len(order) - 1, -1, -1):
+        axis = order[position]
+        if padded_page is not None and position == page_grid_end - 1:
+            running = max(running, padded_page)
+        fixed = fixed_block_stride if axis == AXIS_B else None
+        strides[axis] = fixed or running
+        running = strides[axis] * shape[axis]
+    return strides[AXIS_L], strides[AXIS_B]
+
+
+def place_tensors(
+    groups: list[KVCacheGroup], num_blocks: int, layout: KVCacheLayout, block_bytes: int
+) -> list[TensorPlacement]:
+    """Tensors of one worker. Every group starts at byte 0 (groups alias the pool:
+    a block id belongs to one group at a time); inside a group each run of
+    identically specced layers follows the previous one."""
+    size = block_bytes * num_blocks
+    interleaved_stride = block_bytes if layout.is_block_outermost else None
+    placements: list[TensorPlacement] = []
+    for group in groups:
+        runs: dict[KVCacheSpec, list[str]] = {}
+        if isinstance(group.spec, UniformTypeSpecs):
+            for name, layer_spec in group.spec.layer_specs:
+                runs.setdefault(layer_spec, []).append(name)
+        elif group.layer_names:
+            runs[group.spec] = list(group.layer_names)
+        offset = 0
+        for spec, names in runs.items():
+            block_stride = interleaved_stride
+            padded_stride = layer_block_stride(spec)
+            if block_stride is None and padded_stride != spec.page_size_bytes:
+                if not layout.is_block_compact:
+                    raise UnplannableSpecs(
+                        f"layout {layout.name} cannot pad pages to their stride alignment"
+                    )
+                block_stride = padded_stride
+            layer_stride, block_stride = layout_strides(
+                spec, num_blocks, len(names), layout, block_stride
+            )
+            placements.append(
+                TensorPlacement(
+                    size_bytes=size,
+                    layer_names=tuple(names),
+                    layer_stride_bytes=layer_stride,
+                    block_stride_bytes=block_stride,
+                    offset_bytes=offset,
+                    group_id=group.group_id,
+                )
+            )
+            advance = spec.page_size_bytes if layout.is_block_outermost else layer_stride
+            offset += len(names) * advance
+    return placements

@@ -1,0 +1,148 @@
+"""Memory planning: worker budgets, blocks per request, the one-request check,
+max_model_len auto-fit, and capacity."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from kvplan.core.errors import InsufficientMemory, InvalidRequest
+from kvplan.core.groups import KVCacheGroup
+from kvplan.core.request import DEFAULT_GPU_MEMORY_UTILIZATION, WorkerInput
+from kvplan.core.specs import PlanningContext, UniformTypeSpecs, cdiv
+
+GIB = 1 << 30
+
+
+def format_gib(num_bytes: int) -> float:
+    return round(num_bytes / GIB, 2)
+
+
+class BudgetMode(Enum):
+    UTILIZATION = "utilization"
+    EXPLICIT_BYTES = "explicit_bytes"
+    BLOCKS_OVERRIDE = "blocks_override"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Every number that went into one worker's KV budget (bytes)."""
+
+    mode: BudgetMode
+    available_bytes: int  # what planning divides into blocks
+    total_bytes: int = 0
+    gpu_memory_utilization: float = 0.0
+    requested_bytes: int = 0
+    non_kv_bytes: int = 0
+
+
+def worker_budget(worker: WorkerInput, index: int) -> Budget:
+    """KV budget = ceil(total * utilization) - non-KV bytes, or explicit bytes."""
+    memory = worker.memory
+    device = worker.device
+    if memory.kv_cache_memory_bytes is not None:
+        return Budget(
+            BudgetMode.EXPLICIT_BYTES,
+            available_bytes=memory.kv_cache_memory_bytes,
+            total_bytes=device.total_memory_bytes or 0,
+            non_kv_bytes=memory.non_kv.total_bytes,
+        )
+    utilization = memory.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    total = device.total_memory_bytes
+    if total is None:
+        raise InvalidRequest(
+            f"worker rank {worker.rank} plans by gpu_memory_utilization but its device's "
+            "total memory is unknown: set device.total_memory_bytes, a known device.name, "
+            "or memory.kv_cache_memory_bytes",
+            field=f"workers[{index}].device.total_memory_bytes",
+        )
+    requested = math.ceil(total * utilization)
+    free = device.free_memory_bytes
+    if free is not None and free < requested:
+        raise InsufficientMemory(
+            f"worker rank {worker.rank}: free memory on the device ({format_gib(free)}/"
+            f"{format_gib(total)} GiB) is below the desired GPU memory utilization "
+            f"({utilization}, {format_gib(requested)} GiB); lower gpu_memory_utilization "
+            "or free memory on the device",
+            field=f"workers[{index}].memory.gpu_memory_utilization",
+            details={"free_bytes": free, "total_bytes": total, "requested_bytes": requested},
+        )
+    non_kv = memory.non_kv.total_bytes
+    return Budget(
+        BudgetMode.UTILIZATION,
+        available_bytes=requested - non_kv,
+        total_bytes=total,
+        gpu_memory_utilization=utilization,
+        requested_bytes=requested,
+        non_kv_bytes=non_kv,
+    )
+
+
+def group_blocks_per_request(group: KVCacheGroup, ctx: PlanningContext) -> int:
+    spec = group.spec
+    if isinstance(spec, UniformTypeSpecs):
+        return spec.max_memory_usage_pages(ctx)
+    return cdiv(spec.max_memory_usage_bytes(ctx), spec.page_size_bytes)
+
+
+def needed_bytes(groups: Sequence[KVCacheGroup], block_bytes: int, ctx: PlanningContext) -> int:
+    """Bytes one max_model_len request needs: every group draws its blocks from
+    the one pool, so a request costs the sum over groups."""
+    return block_bytes * sum(group_blocks_per_request(group, ctx) for group in groups)
+
+
+def estimate_max_model_len(
+    fits: Callable[[int], bool], upper_bound: int
+) -> int:
+    """The largest length in [1, upper_bound] that fits; 0 if even 1 does not."""
+    if not fits(1):
+        return 0
+    low, high, best = 1, upper_bound, 1
+    while low <= high:
+        middle = (low + high) // 2
+        if fits(middle):
+            best, low = middle, middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
+def check_one_request_fits(
+    *,
+    rank: int,
+    check_bytes: int,
+    needed: int,
+    max_model_len: int,
+    estimate: Callable[[int], int],
+) -> None:
+    """The pool minus the null block must hold one max_model_len request."""
+    if check_bytes <= 0:
+        raise InsufficientMemory(
+            f"No available memory for the cache blocks on worker rank {rank} "
+            f"({check_bytes} bytes after the null block). Increase gpu_memory_utilization "
+            "or kv_cache_memory_bytes, or reduce the non-KV memory.",
+            details={"rank": rank, "available_bytes": check_bytes},
+        )
+    if needed > check_bytes:
+        estimated = estimate(check_bytes)
+        hint = (
+            f" Based on the available memory, the estimated maximum model length is "
+            f"{estimated}."
+            if estimated > 0
+            else ""
+        )
+        raise InsufficientMemory(
+            f"To serve at least one request with the model's max seq len ({max_model_len}), "
+            f"{format_gib(needed)} GiB KV cache is needed, which is larger than the available "
+            f"KV cache memory ({format_gib(check_bytes)} GiB) on worker rank {rank}.{hint} "
+            "Increase gpu_memory_utilization or decrease max_model_len.",
+            details={
+                "rank": rank,
+                "max_model_len": max_model_len,
+                "needed_bytes": needed,
+                "available_bytes": check_bytes,
+                "estimated_max_model_len": estimated,
+            },
+        )

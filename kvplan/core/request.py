@@ -1,0 +1,147 @@
+"""Typed planning inputs: engine options, spec-decode setup, workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvplan.core.layout import KVCacheLayout
+from kvplan.core.specs import KVCacheSpec
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+# Drafters that read the target's hidden states (vLLM's `use_eagle()`).
+EAGLE_FAMILY = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
+# Target model types whose drafter caches are the trailing layers.
+TRAILING_DRAFT_MODEL_TYPES = frozenset({"deepseek_v4", "deepseek_v41"})
+
+
+@dataclass(frozen=True)
+class SpecDecode:
+    method: str = "none"  # "eagle", "eagle3", "mtp", "dspark", "dflash", "ngram", ...
+    num_speculative_tokens: int = 0
+    target_model_type: str = ""
+    disable_eagle_block_drop: bool = False
+    num_nextn_predict_layers: int = 1
+
+    @property
+    def uses_eagle(self) -> bool:
+        return self.method in EAGLE_FAMILY
+
+    @property
+    def block_drop_enabled(self) -> bool:
+        """The seed's gate for draft annotation: DSpark and DFlash are eligible."""
+        return self.uses_eagle and not self.disable_eagle_block_drop
+
+    @property
+    def uses_trailing_draft_layers(self) -> bool:
+        return self.uses_eagle and (
+            self.method == "mtp" or self.target_model_type in TRAILING_DRAFT_MODEL_TYPES
+        )
+
+    @property
+    def multi_module_mtp(self) -> bool:
+        return self.method == "mtp" and min(
+            self.num_nextn_predict_layers, self.num_speculative_tokens
+        ) > 1
+
+    @property
+    def prefill_lookahead_tokens(self) -> int:
+        """Prefill tokens past the computed range that the drafter reads."""
+        if not self.uses_eagle:
+            return 0
+        return self.num_speculative_tokens if self.multi_module_mtp else 1
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_model_len: int  # tokens; -1 = auto-fit up to derived_max_model_len
+    derived_max_model_len: int  # the model's own maximum (auto-fit ceiling)
+    block_size: int = DEFAULT_BLOCK_SIZE
+    disable_hybrid_kv_cache_manager: bool = False
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    async_scheduling: bool = False
+    use_v2_model_runner: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    layout: KVCacheLayout = KVCacheLayout.LBNHC
+    mamba_align_mode: bool = False
+    max_num_encoder_input_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    enable_prefix_caching: bool = True
+    prefix_match_unit: int | None = None
+
+    @property
+    def auto_fit(self) -> bool:
+        return self.max_model_len == -1
+
+    @property
+    def starting_max_model_len(self) -> int:
+        return self.derived_max_model_len if self.auto_fit else self.max_model_len
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        pp = self.pipeline_parallel_size
+        if self.async_scheduling:
+            if self.use_v2_model_runner:
+                return pp + 1
+            if pp <= 1:
+                return 2
+        return pp
+
+    @property
+    def max_in_flight_tokens(self) -> int:
+        return self.max_concurrent_batches * self.max_num_batched_tokens
+
+
+@dataclass(frozen=True)
+class NonKVMemory:
+    """What the worker already uses besides the KV cache (bytes)."""
+
+    weights_bytes: int = 0
+    activation_peak_bytes: int = 0
+    non_torch_bytes: int = 0
+    cuda_graph_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.weights_bytes
+            + self.activation_peak_bytes
+            + self.non_torch_bytes
+            + self.cuda_graph_bytes
+        )
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    gpu_memory_utilization: float | None = None  # None with no explicit bytes: 0.92
+    kv_cache_memory_bytes: int | None = None
+    non_kv: NonKVMemory = field(default_factory=NonKVMemory)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    uuid: str = ""
+    name: str = ""
+    total_memory_bytes: int | None = None
+    free_memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkerInput:
+    rank: int
+    layers: tuple[tuple[str, KVCacheSpec], ...]  # registration order
+    memory: MemoryRequest = field(default_factory=MemoryRequest)
+    device: DeviceInfo = field(default_factory=DeviceInfo)
+    encoder_only_layers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    engine_id: str
+    options: EngineOptions
+    workers: tuple[WorkerInput, ...]
+    spec_decode: SpecDecode = field(default_factory=SpecDecode)
