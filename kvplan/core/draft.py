@@ -26,7 +26,9 @@ def _groups_partition_exactly(groups: list[KVCacheGroup], names: list[str]) -> b
     return len(grouped) == len(names) and set(grouped) == set(names)
 
 
-def _find_draft_groups(result: GroupingResult, spec_decode: SpecDecode) -> tuple[set[int], DraftRule]:
+def _find_draft_groups(
+    result: GroupingResult, spec_decode: SpecDecode
+) -> tuple[set[int], DraftRule]:
     groups = result.groups
     draft_layers = {name for name, spec in result.specs.items() if spec.is_draft}
     if draft_layers:
@@ -49,12 +51,17 @@ def _find_draft_groups(result: GroupingResult, spec_decode: SpecDecode) -> tuple
         return marked, DraftRule.SPEC_MARKER
 
     names = list(result.annotation_specs)
-    if spec_decode.uses_trailing_draft_layers and names:
-        if _groups_partition_exactly(candidates, names):
-            last_layer = names[-1]
-            for group in candidates:
-                if last_layer in group.layer_names:
-                    return {group.group_id}, DraftRule.TRAILING_LAYER
+    # The exact-partition guard: dropped, duplicated or foreign layers make
+    # "the last registered layer" meaningless.
+    if (
+        spec_decode.uses_trailing_draft_layers
+        and names
+        and _groups_partition_exactly(candidates, names)
+    ):
+        last_layer = names[-1]
+        for group in candidates:
+            if last_layer in group.layer_names:
+                return {group.group_id}, DraftRule.TRAILING_LAYER
     return set(), DraftRule.NONE
 
 

@@ -476,9 +476,7 @@ def _numbered(groupings: list[Grouping]) -> list[KVCacheGroup]:
     ]
 
 
-def group_layers(
-    specs: SpecDict, *, layout: KVCacheLayout, disable_hybrid: bool
-) -> GroupingResult:
+def group_layers(specs: SpecDict, *, layout: KVCacheLayout, disable_hybrid: bool) -> GroupingResult:
     """Split the engine's layers (registration order) into KV cache groups."""
     warnings: list[PlanWarning] = []
     promoted = False

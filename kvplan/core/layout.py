@@ -63,8 +63,7 @@ def bytes_per_block(groups: list[KVCacheGroup], layout: KVCacheLayout) -> int:
             for group in groups
         )
     widest = max(
-        sum(group.spec_of(name).page_size_bytes for name in group.layer_names)
-        for group in groups
+        sum(group.spec_of(name).page_size_bytes for name in group.layer_names) for group in groups
     )
     if widest <= 0:
         raise UnplannableSpecs("a worker without layers cannot hold a block-outermost cache")

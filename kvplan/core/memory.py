@@ -93,9 +93,7 @@ def needed_bytes(groups: Sequence[KVCacheGroup], block_bytes: int, ctx: Planning
     return block_bytes * sum(group_blocks_per_request(group, ctx) for group in groups)
 
 
-def estimate_max_model_len(
-    fits: Callable[[int], bool], upper_bound: int
-) -> int:
+def estimate_max_model_len(fits: Callable[[int], bool], upper_bound: int) -> int:
     """The largest length in [1, upper_bound] that fits; 0 if even 1 does not."""
     if not fits(1):
         return 0
@@ -128,8 +126,7 @@ def check_one_request_fits(
     if needed > check_bytes:
         estimated = estimate(check_bytes)
         hint = (
-            f" Based on the available memory, the estimated maximum model length is "
-            f"{estimated}."
+            f" Based on the available memory, the estimated maximum model length is {estimated}."
             if estimated > 0
             else ""
         )

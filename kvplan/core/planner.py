@@ -109,9 +109,7 @@ def _validate(request: EngineRequest) -> list[WorkerInput]:
     return sorted(request.workers, key=lambda worker: worker.rank)
 
 
-def _merge_worker_specs(
-    workers: list[WorkerInput], request: EngineRequest
-) -> SpecDict:
+def _merge_worker_specs(workers: list[WorkerInput], request: EngineRequest) -> SpecDict:
     """All workers' layers in registration order; one layer, one spec."""
     index_of = {worker.rank: index for index, worker in enumerate(request.workers)}
     merged: SpecDict = {}
@@ -202,9 +200,10 @@ def _block_sizes(groups: list[KVCacheGroup], options: EngineOptions) -> tuple[in
         size = tokens(groups[0])
         return size, size
     scheduler = math.lcm(*(tokens(group) for group in groups))
-    has_mamba_none = any(
-        isinstance(group.representative_spec, MambaSpec) for group in groups
-    ) and not options.mamba_align_mode
+    has_mamba_none = (
+        any(isinstance(group.representative_spec, MambaSpec) for group in groups)
+        and not options.mamba_align_mode
+    )
     if not options.enable_prefix_caching or has_mamba_none:
         return scheduler, scheduler
     if options.prefix_match_unit:
@@ -322,7 +321,9 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     for worker, worker_groups, bpb, budget, memory, need in zip(
         workers, projected, block_bytes, budgets, check, needed, strict=True
     ):
-        tensors = place_tensors(worker_groups, num_blocks, options.layout, bpb) if worker_groups else []
+        tensors = (
+            place_tensors(worker_groups, num_blocks, options.layout, bpb) if worker_groups else []
+        )
         worker_plans.append(
             WorkerPlan(
                 rank=worker.rank,

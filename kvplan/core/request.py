@@ -42,9 +42,10 @@ class SpecDecode:
 
     @property
     def multi_module_mtp(self) -> bool:
-        return self.method == "mtp" and min(
-            self.num_nextn_predict_layers, self.num_speculative_tokens
-        ) > 1
+        return (
+            self.method == "mtp"
+            and min(self.num_nextn_predict_layers, self.num_speculative_tokens) > 1
+        )
 
     @property
     def prefill_lookahead_tokens(self) -> int:

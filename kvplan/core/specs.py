@@ -382,9 +382,7 @@ class MLAAttentionSpec(FullAttentionSpec):
             block_stride_alignment=_single(
                 (s.block_stride_alignment for s in mla_specs), "block stride alignment"
             ),
-            non_causal_multi_token_decode=any(
-                s.non_causal_multi_token_decode for s in mla_specs
-            ),
+            non_causal_multi_token_decode=any(s.non_causal_multi_token_decode for s in mla_specs),
         )
         _check_attention_identity(specs, merged)
         return merged
