@@ -8,7 +8,7 @@ from enum import Enum
 
 from kvplan.core.errors import UnplannableSpecs
 from kvplan.core.groups import KVCacheGroup
-from kvplan.core.specs import KVCacheSpec, SpecInvariantError, UniformTypeSpecs, round_up
+from kvplan.core.specs import KVCacheSpec, SpecInvariantError, round_up
 
 AXIS_L, AXIS_B, AXIS_H, AXIS_N, AXIS_C = 0, 1, 2, 3, 4
 
@@ -137,12 +137,11 @@ def place_tensors(
     interleaved_stride = block_bytes if layout.is_block_outermost else None
     placements: list[TensorPlacement] = []
     for group in groups:
+        # Only this worker's layers: a group with no layer here gets no tensor
+        # (vLLM 0.33 would place the whole wrapper's foreign layers here).
         runs: dict[KVCacheSpec, list[str]] = {}
-        if isinstance(group.spec, UniformTypeSpecs):
-            for name, layer_spec in group.spec.layer_specs:
-                runs.setdefault(layer_spec, []).append(name)
-        elif group.layer_names:
-            runs[group.spec] = list(group.layer_names)
+        for name in group.layer_names:
+            runs.setdefault(group.spec_of(name), []).append(name)
         offset = 0
         for spec, names in runs.items():
             block_stride = interleaved_stride
