@@ -971,7 +971,7 @@ scenario(
     },
 )
 one_sw = [layer("sw", sw(4096))]
-for label, options, pages in (
+window_cases: list[tuple[str, Json, int]] = [
     ("plain", {"max_num_batched_tokens": 2048, "max_model_len": 32_768}, 385),
     (
         "async",
@@ -979,7 +979,8 @@ for label, options, pages in (
         513,
     ),
     ("short", {"max_num_batched_tokens": 2048, "max_model_len": 1000}, 64),
-):
+]
+for label, options, pages in window_cases:
     scenario(
         f"sliding-window-pages-{label}",
         "§2.3, §7.24",
