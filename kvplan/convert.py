@@ -1,0 +1,705 @@
+"""Proto <-> domain conversion: the only module that knows both.
+
+`request_from_proto` validates every field (errors name the proto field path)
+and applies kvplan's documented defaults (docs/semantics.md);
+`plan_to_proto` renders an EnginePlan as a PlanResponse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from fractions import Fraction
+from typing import Any
+
+from kvplan.core.diagnostics import WarningCode
+from kvplan.core.dtypes import StorageDtype, storage_dtype_for_cache_dtype
+from kvplan.core.errors import FieldViolation, InvalidRequest, PlanningError
+from kvplan.core.groups import DraftRule, GroupingPath
+from kvplan.core.layout import KVCacheLayout
+from kvplan.core.memory import BudgetMode
+from kvplan.core.planner import EnginePlan, plan_engine
+from kvplan.core.request import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DeviceInfo,
+    EngineOptions,
+    EngineRequest,
+    MemoryRequest,
+    NonKVMemory,
+    SpecDecode,
+    WorkerInput,
+)
+from kvplan.core.specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    HiddenStateCacheSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    MultipleOf,
+    RSWASpec,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    SparseCacheRole,
+    StateShape,
+    UniformTypeSpecs,
+)
+from kvplan.v1 import plan_pb2, spec_pb2
+
+GIB = 1 << 30
+
+# Total device memory in bytes of common GPUs, for planning hardware one does
+# not have. Values are the marketed capacity in GiB * 2^30 (NVML reports a few
+# hundred MiB less on some boards; pass total_memory_bytes for exact numbers).
+GPU_MEMORY_BYTES: dict[str, int] = {
+    "A10G-24GB": 24 * GIB,
+    "L4-24GB": 24 * GIB,
+    "RTX-4090-24GB": 24 * GIB,
+    "A100-40GB": 40 * GIB,
+    "L40S-48GB": 48 * GIB,
+    "A100-80GB": 80 * GIB,
+    "H100-80GB": 80 * GIB,
+    "H100-94GB": 94 * GIB,
+    "H200-141GB": 141 * GIB,
+    "B200-180GB": 180 * GIB,
+    "MI300X-192GB": 192 * GIB,
+}
+
+_STORAGE = {
+    spec_pb2.DTYPE_FLOAT32: StorageDtype.FLOAT32,
+    spec_pb2.DTYPE_FLOAT16: StorageDtype.FLOAT16,
+    spec_pb2.DTYPE_BFLOAT16: StorageDtype.BFLOAT16,
+    spec_pb2.DTYPE_UINT8: StorageDtype.UINT8,
+    spec_pb2.DTYPE_INT8: StorageDtype.INT8,
+    spec_pb2.DTYPE_FLOAT8_E4M3FN: StorageDtype.FLOAT8_E4M3FN,
+    spec_pb2.DTYPE_FLOAT8_E5M2: StorageDtype.FLOAT8_E5M2,
+}
+_STORAGE_TO_PROTO = {value: key for key, value in _STORAGE.items()}
+_MLA_FAMILY = ("mla_attention", "sliding_window_mla", "hidden_state_cache")
+
+
+def _enum_suffix(enum_type: Any, value: int, prefix: str) -> str:
+    return str(enum_type.Name(value)).removeprefix(prefix).lower()
+
+
+def cache_dtype_name(value: int) -> str:
+    return _enum_suffix(spec_pb2.KVCacheDtype, value, "KV_CACHE_DTYPE_")
+
+
+class _Context:
+    """Engine-level values the layer conversion needs."""
+
+    def __init__(self, options: plan_pb2.EngineOptions) -> None:
+        self.block_size = options.block_size or DEFAULT_BLOCK_SIZE
+        model_dtype = _STORAGE.get(options.model_dtype, StorageDtype.BFLOAT16)
+        self.cache_dtype = storage_dtype_for_cache_dtype(
+            cache_dtype_name(options.cache_dtype), model_dtype
+        )
+        self.align_mode = options.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN
+        self.starting_max_model_len = (
+            options.derived_max_model_len
+            if options.max_model_len == -1 and options.HasField("derived_max_model_len")
+            else options.max_model_len
+        )
+
+
+def _positive(value: int, path: str, what: str, violations: list[FieldViolation]) -> None:
+    if value <= 0:
+        violations.append(FieldViolation(path, f"{what} must be >= 1"))
+
+
+def _attention_kwargs(
+    params: spec_pb2.AttentionParams, path: str, ctx: _Context, mla_family: bool
+) -> dict[str, Any]:
+    violations: list[FieldViolation] = []
+    _positive(params.num_kv_heads, f"{path}.num_kv_heads", "num_kv_heads", violations)
+    _positive(params.head_size, f"{path}.head_size", "head_size", violations)
+    kwargs: dict[str, Any] = {
+        "num_kv_heads": params.num_kv_heads,
+        "head_size": params.head_size,
+        "dtype": _STORAGE.get(params.dtype, ctx.cache_dtype),
+        "kv_quant_mode": int(params.kv_quant_mode),
+        "dcp_sharded": params.dcp_sharded if params.HasField("dcp_sharded") else True,
+    }
+    if params.HasField("head_size_v"):
+        if mla_family and params.head_size_v != 0:
+            violations.append(
+                FieldViolation(f"{path}.head_size_v", "MLA layers have no separate V head")
+            )
+        kwargs["head_size_v"] = params.head_size_v
+    elif not mla_family:
+        kwargs["head_size_v"] = params.head_size
+    for name, field in (
+        ("page_size_padded_bytes", "page_size_padded"),
+        ("num_head_slots", "num_head_slots"),
+        ("state_content_bytes", "state_content_bytes"),
+        ("max_tp_shards", "max_tp_shards"),
+    ):
+        if params.HasField(name):  # type: ignore[arg-type]
+            _positive(getattr(params, name), f"{path}.{name}", name, violations)
+            kwargs[field] = getattr(params, name)
+    which = params.tokens_per_state.WhichOneof("value")
+    if which == "tokens":
+        _positive(
+            params.tokens_per_state.tokens, f"{path}.tokens_per_state.tokens", "tokens", violations
+        )
+        kwargs["tokens_per_state"] = params.tokens_per_state.tokens
+    elif which == "states_per_token":
+        count = params.tokens_per_state.states_per_token
+        _positive(
+            count, f"{path}.tokens_per_state.states_per_token", "states_per_token", violations
+        )
+        kwargs["tokens_per_state"] = Fraction(1, max(count, 1))
+    if violations:
+        raise InvalidRequest(
+            violations[0].description, field=violations[0].field, violations=violations
+        )
+    return kwargs
+
+
+def _mla_kwargs(mla: spec_pb2.MLAParams) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "cache_dtype_str": cache_dtype_name(mla.cache_dtype),
+        "model_version": mla.model_version or None,
+    }
+    if mla.HasField("topk_buffer_width"):
+        kwargs["topk_buffer_width"] = mla.topk_buffer_width
+    if mla.HasField("alignment_bytes"):
+        if mla.alignment_bytes <= 0:
+            raise InvalidRequest("alignment_bytes must be >= 1", field="mla.alignment_bytes")
+        kwargs["alignment"] = mla.alignment_bytes
+    return kwargs
+
+
+def _require(value: int, path: str, what: str) -> int:
+    if value <= 0:
+        raise InvalidRequest(f"{what} must be >= 1", field=path)
+    return value
+
+
+def _window_kwargs(message: Any, path: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    for name in ("sliding_window", "attention_chunk_size"):
+        if message.HasField(name):
+            kwargs[name] = _require(getattr(message, name), f"{path}.{name}", name)
+    return kwargs
+
+
+def layer_from_proto(layer: spec_pb2.LayerSpec, path: str, ctx: _Context) -> KVCacheSpec:
+    """One LayerSpec as a domain spec (raises InvalidRequest with field paths)."""
+    kind = layer.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest("a layer needs a spec kind (full_attention, mamba, ...)", field=path)
+    body = getattr(layer, kind)
+    body_path = f"{path}.{kind}"
+    common: dict[str, Any] = {"is_draft": layer.is_draft}
+    alignment = layer.block_stride_alignment.WhichOneof("alignment")
+    if alignment == "bytes":
+        common["block_stride_alignment"] = _require(
+            layer.block_stride_alignment.bytes, f"{path}.block_stride_alignment.bytes", "bytes"
+        )
+    elif alignment == "multiple_of_kernel_block_tokens":
+        tokens = layer.block_stride_alignment.multiple_of_kernel_block_tokens
+        common["block_stride_alignment"] = MultipleOf(
+            _require(
+                tokens, f"{path}.block_stride_alignment.multiple_of_kernel_block_tokens", "tokens"
+            )
+        )
+    if layer.HasField("block_size"):
+        common["block_size"] = _require(layer.block_size, f"{path}.block_size", "block_size")
+    elif kind == "mamba" and not ctx.align_mode:
+        common["block_size"] = max(ctx.starting_max_model_len, 1)
+    else:
+        common["block_size"] = ctx.block_size
+
+    try:
+        if kind == "mamba":
+            return _mamba_from_proto(body, body_path, common)
+        attention = _attention_kwargs(
+            body.attention, f"{body_path}.attention", ctx, kind in _MLA_FAMILY
+        )
+        kwargs = {**common, **attention}
+        if kind == "full_attention":
+            return FullAttentionSpec(
+                **kwargs, **_window_kwargs(body, body_path), non_causal=body.non_causal
+            )
+        if kind == "sink_full_attention":
+            return SinkFullAttentionSpec(
+                **kwargs,
+                **_window_kwargs(body, body_path),
+                non_causal=body.non_causal,
+                sink_len=body.sink_len,
+            )
+        if kind == "rswa":
+            window = _require(body.rswa_window, f"{body_path}.rswa_window", "rswa_window")
+            return RSWASpec(**kwargs, rswa_window=window)
+        if kind == "mla_attention":
+            return MLAAttentionSpec(
+                **kwargs,
+                **_mla_kwargs(body.mla),
+                cache_role=SparseCacheRole.INDEXER
+                if body.cache_role == spec_pb2.SPARSE_CACHE_ROLE_INDEXER
+                else SparseCacheRole.SPARSE,
+                is_index_group_leader=body.is_index_group_leader,
+                non_causal_multi_token_decode=body.non_causal_multi_token_decode,
+            )
+        if kind == "hidden_state_cache":
+            return HiddenStateCacheSpec(**kwargs, **_mla_kwargs(body.mla))
+        if kind == "sliding_window":
+            window = _require(body.sliding_window, f"{body_path}.sliding_window", "sliding_window")
+            return SlidingWindowSpec(**kwargs, sliding_window=window)
+        if kind == "sliding_window_mla":
+            window = _require(body.sliding_window, f"{body_path}.sliding_window", "sliding_window")
+            return SlidingWindowMLASpec(
+                **kwargs,
+                **_mla_kwargs(body.mla),
+                sliding_window=window,
+                bounded_replay=body.bounded_replay,
+            )
+        if kind == "chunked_local_attention":
+            chunk = _require(
+                body.attention_chunk_size,
+                f"{body_path}.attention_chunk_size",
+                "attention_chunk_size",
+            )
+            return ChunkedLocalAttentionSpec(**kwargs, attention_chunk_size=chunk)
+        if kind == "cross_attention":
+            return CrossAttentionSpec(**kwargs)
+        if kind == "encoder_only_attention":
+            return EncoderOnlyAttentionSpec(**kwargs)
+        if kind == "circular_buffer":
+            return CircularBufferSpec(**kwargs)
+    except InvalidRequest as error:
+        # Errors raised while building the spec name the field they concern.
+        field = error.field
+        if not field.startswith(path):
+            field = f"{body_path}.{field}" if field else body_path
+        raise InvalidRequest(error.message, field=field) from error
+    raise InvalidRequest(f"unsupported layer kind {kind!r}", field=path)
+
+
+def _mamba_from_proto(body: spec_pb2.MambaSpec, path: str, common: dict[str, Any]) -> MambaSpec:
+    if not body.states:
+        raise InvalidRequest(
+            "a Mamba layer needs at least one state tensor", field=f"{path}.states"
+        )
+    states = []
+    for index, state in enumerate(body.states):
+        state_path = f"{path}.states[{index}]"
+        if state.dtype not in _STORAGE:
+            raise InvalidRequest(
+                "a state tensor needs an explicit dtype", field=f"{state_path}.dtype"
+            )
+        if not state.shape or any(size <= 0 for size in state.shape):
+            raise InvalidRequest(
+                "a state tensor shape needs positive dimensions", field=f"{state_path}.shape"
+            )
+        states.append(StateShape(tuple(state.shape), _STORAGE[state.dtype]))
+    kwargs: dict[str, Any] = {
+        **common,
+        "states": tuple(states),
+        "mamba_type": _enum_suffix(spec_pb2.MambaType, body.mamba_type, "MAMBA_TYPE_").upper(),
+        "num_speculative_blocks": body.num_speculative_blocks,
+        "num_prefill_checkpoint_blocks": body.num_prefill_checkpoint_blocks,
+        "num_state_heads": body.num_heads or 1,
+        "tp_replicated": body.tp_replicated,
+    }
+    if body.HasField("page_size_padded_bytes"):
+        kwargs["page_size_padded"] = _require(
+            body.page_size_padded_bytes, f"{path}.page_size_padded_bytes", "page_size_padded_bytes"
+        )
+    if body.HasField("prefill_checkpoint_alignment"):
+        kwargs["prefill_checkpoint_alignment"] = body.prefill_checkpoint_alignment
+    return MambaSpec(**kwargs)
+
+
+def _options_from_proto(options: plan_pb2.EngineOptions) -> EngineOptions:
+    max_model_len = options.max_model_len
+    if max_model_len == 0 or max_model_len < -1:
+        raise InvalidRequest(
+            "max_model_len must be a positive number of tokens, or -1 to auto-fit",
+            field="options.max_model_len",
+        )
+    if options.HasField("derived_max_model_len"):
+        derived = _require(
+            options.derived_max_model_len, "options.derived_max_model_len", "derived_max_model_len"
+        )
+    elif max_model_len == -1:
+        raise InvalidRequest(
+            "auto-fit (max_model_len = -1) needs derived_max_model_len, the model's own limit",
+            field="options.derived_max_model_len",
+        )
+    else:
+        derived = max_model_len
+    override: int | None = None
+    if options.HasField("num_gpu_blocks_override"):
+        override = _require(
+            options.num_gpu_blocks_override, "options.num_gpu_blocks_override", "override"
+        )
+    batched = options.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    parallel = options.parallel
+    return EngineOptions(
+        max_model_len=max_model_len,
+        derived_max_model_len=derived,
+        block_size=options.block_size or DEFAULT_BLOCK_SIZE,
+        disable_hybrid_kv_cache_manager=options.disable_hybrid_kv_cache_manager,
+        num_gpu_blocks_override=override,
+        max_num_batched_tokens=batched,
+        async_scheduling=options.async_scheduling,
+        use_v2_model_runner=options.use_v2_model_runner,
+        tensor_parallel_size=parallel.tensor_parallel_size or 1,
+        pipeline_parallel_size=parallel.pipeline_parallel_size or 1,
+        decode_context_parallel_size=parallel.decode_context_parallel_size or 1,
+        layout=KVCacheLayout[
+            _enum_suffix(plan_pb2.KVCacheLayout, options.layout, "KV_CACHE_LAYOUT_").upper()
+        ],
+        mamba_align_mode=options.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN,
+        max_num_encoder_input_tokens=options.max_num_encoder_input_tokens or batched,
+        enable_prefix_caching=(
+            options.enable_prefix_caching if options.HasField("enable_prefix_caching") else True
+        ),
+        prefix_match_unit=(
+            options.prefix_match_unit if options.HasField("prefix_match_unit") else None
+        ),
+    )
+
+
+def _spec_decode_from_proto(config: plan_pb2.SpecDecodeConfig) -> SpecDecode:
+    return SpecDecode(
+        method=_enum_suffix(plan_pb2.SpecDecodeMethod, config.method, "SPEC_DECODE_METHOD_"),
+        num_speculative_tokens=config.num_speculative_tokens,
+        target_model_type=config.target_model_type,
+        disable_eagle_block_drop=config.disable_eagle_block_drop,
+        num_nextn_predict_layers=(
+            config.num_nextn_predict_layers if config.HasField("num_nextn_predict_layers") else 1
+        ),
+    )
+
+
+def _worker_from_proto(
+    worker: plan_pb2.WorkerSpec, index: int, ctx: _Context, table: Mapping[str, int]
+) -> WorkerInput:
+    path = f"workers[{index}]"
+    memory = worker.memory
+    which = memory.WhichOneof("budget")
+    utilization: float | None = None
+    explicit: int | None = None
+    if which == "gpu_memory_utilization":
+        utilization = memory.gpu_memory_utilization
+        if not 0.0 < utilization <= 1.0:
+            raise InvalidRequest(
+                f"gpu_memory_utilization must be in (0, 1], got {utilization}",
+                field=f"{path}.memory.gpu_memory_utilization",
+            )
+    elif which == "kv_cache_memory_bytes":
+        explicit = memory.kv_cache_memory_bytes
+    device = worker.device
+    total: int | None = device.total_memory_bytes or None
+    if total is None and device.name:
+        by_name = {name.lower(): size for name, size in table.items()}
+        total = by_name.get(device.name.lower())
+        if total is None and explicit is None:
+            raise InvalidRequest(
+                f"unknown device name {device.name!r}; known: {', '.join(sorted(table))} "
+                "(or set device.total_memory_bytes)",
+                field=f"{path}.device.name",
+            )
+    non_kv = memory.non_kv
+    layers: list[tuple[str, KVCacheSpec]] = []
+    encoder_only: list[str] = []
+    for layer_index, layer in enumerate(worker.layers):
+        layer_path = f"{path}.layers[{layer_index}]"
+        if not layer.name:
+            raise InvalidRequest("a layer needs a name", field=f"{layer_path}.name")
+        spec = layer_from_proto(layer, layer_path, ctx)
+        if isinstance(spec, EncoderOnlyAttentionSpec):
+            # Encoder-only layers need no KV cache and never enter planning.
+            encoder_only.append(layer.name)
+        else:
+            layers.append((layer.name, spec))
+    return WorkerInput(
+        rank=worker.rank,
+        layers=tuple(layers),
+        memory=MemoryRequest(
+            gpu_memory_utilization=utilization,
+            kv_cache_memory_bytes=explicit,
+            non_kv=NonKVMemory(
+                weights_bytes=non_kv.weights_bytes,
+                activation_peak_bytes=non_kv.activation_peak_bytes,
+                non_torch_bytes=non_kv.non_torch_bytes,
+                cuda_graph_bytes=non_kv.cuda_graph_bytes,
+            ),
+        ),
+        device=DeviceInfo(
+            uuid=device.uuid,
+            name=device.name,
+            total_memory_bytes=total,
+            free_memory_bytes=(
+                device.free_memory_bytes if device.HasField("free_memory_bytes") else None
+            ),
+        ),
+        encoder_only_layers=tuple(encoder_only),
+    )
+
+
+def request_from_proto(
+    message: plan_pb2.PlanRequest, *, gpu_memory_table: Mapping[str, int] | None = None
+) -> EngineRequest:
+    options = _options_from_proto(message.options)
+    ctx = _Context(message.options)
+    table = GPU_MEMORY_BYTES if gpu_memory_table is None else gpu_memory_table
+    return EngineRequest(
+        engine_id=message.engine_id,
+        options=options,
+        workers=tuple(
+            _worker_from_proto(worker, index, ctx, table)
+            for index, worker in enumerate(message.workers)
+        ),
+        spec_decode=_spec_decode_from_proto(message.spec_decode),
+    )
+
+
+# --- domain -> proto -------------------------------------------------------------
+
+
+def _attention_to_proto(spec: AttentionSpec, params: spec_pb2.AttentionParams) -> None:
+    params.num_kv_heads = spec.num_kv_heads
+    params.head_size = spec.head_size
+    if spec.head_size_v is not None:
+        params.head_size_v = spec.head_size_v
+    params.dtype = _STORAGE_TO_PROTO[spec.dtype]
+    params.kv_quant_mode = spec.kv_quant_mode  # type: ignore[assignment]
+    params.dcp_sharded = spec.dcp_sharded
+    if spec.page_size_padded is not None:
+        params.page_size_padded_bytes = spec.page_size_padded
+    if spec.num_head_slots is not None:
+        params.num_head_slots = spec.num_head_slots
+    if spec.state_content_bytes is not None:
+        params.state_content_bytes = spec.state_content_bytes
+    if spec.max_tp_shards is not None:
+        params.max_tp_shards = spec.max_tp_shards
+    tokens = spec.tokens_per_state
+    if isinstance(tokens, Fraction) and tokens.numerator == 1 and tokens.denominator > 1:
+        params.tokens_per_state.states_per_token = tokens.denominator
+    elif tokens != 1:
+        params.tokens_per_state.tokens = int(tokens)
+
+
+def _mla_to_proto(spec: MLAAttentionSpec | SlidingWindowMLASpec, mla: spec_pb2.MLAParams) -> None:
+    if spec.cache_dtype_str:
+        mla.cache_dtype = spec_pb2.KVCacheDtype.Value(
+            f"KV_CACHE_DTYPE_{spec.cache_dtype_str.upper()}"
+        )
+    if isinstance(spec, MLAAttentionSpec) and spec.topk_buffer_width is not None:
+        mla.topk_buffer_width = spec.topk_buffer_width
+    if spec.alignment is not None:
+        mla.alignment_bytes = spec.alignment
+    mla.model_version = spec.model_version or ""
+
+
+def spec_to_proto(spec: KVCacheSpec, name: str = "") -> spec_pb2.LayerSpec:
+    """A domain spec as a LayerSpec (inverse of `layer_from_proto`)."""
+    out = spec_pb2.LayerSpec(name=name, is_draft=spec.is_draft, block_size=spec.block_size)
+    alignment = spec.block_stride_alignment
+    if isinstance(alignment, MultipleOf):
+        out.block_stride_alignment.multiple_of_kernel_block_tokens = alignment.base
+    elif alignment is not None:
+        out.block_stride_alignment.bytes = alignment
+    if isinstance(spec, MambaSpec):
+        body = out.mamba
+        for state in spec.states:
+            body.states.add(shape=state.shape, dtype=_STORAGE_TO_PROTO[state.dtype])
+        if spec.page_size_padded is not None:
+            body.page_size_padded_bytes = spec.page_size_padded
+        body.mamba_type = spec_pb2.MambaType.Value(f"MAMBA_TYPE_{spec.mamba_type}")
+        body.num_speculative_blocks = spec.num_speculative_blocks
+        body.num_prefill_checkpoint_blocks = spec.num_prefill_checkpoint_blocks
+        if spec.prefill_checkpoint_alignment is not None:
+            body.prefill_checkpoint_alignment = spec.prefill_checkpoint_alignment
+        body.num_heads = spec.num_state_heads
+        body.tp_replicated = spec.tp_replicated
+        return out
+    assert isinstance(spec, AttentionSpec)
+    # Subclasses before their bases.
+    if isinstance(spec, HiddenStateCacheSpec):
+        _attention_to_proto(spec, out.hidden_state_cache.attention)
+        _mla_to_proto(spec, out.hidden_state_cache.mla)
+    elif isinstance(spec, MLAAttentionSpec):
+        body_mla = out.mla_attention
+        _attention_to_proto(spec, body_mla.attention)
+        _mla_to_proto(spec, body_mla.mla)
+        body_mla.cache_role = (
+            spec_pb2.SPARSE_CACHE_ROLE_INDEXER
+            if spec.cache_role is SparseCacheRole.INDEXER
+            else spec_pb2.SPARSE_CACHE_ROLE_SPARSE
+        )
+        body_mla.is_index_group_leader = spec.is_index_group_leader
+        body_mla.non_causal_multi_token_decode = spec.non_causal_multi_token_decode
+    elif isinstance(spec, RSWASpec):
+        _attention_to_proto(spec, out.rswa.attention)
+        out.rswa.rswa_window = spec.rswa_window
+    elif isinstance(spec, SinkFullAttentionSpec):
+        sink = out.sink_full_attention
+        _attention_to_proto(spec, sink.attention)
+        sink.sink_len = spec.sink_len or 0
+        _windows_to_proto(spec, sink)
+        sink.non_causal = spec.non_causal
+    elif isinstance(spec, FullAttentionSpec):
+        body_full = out.full_attention
+        _attention_to_proto(spec, body_full.attention)
+        _windows_to_proto(spec, body_full)
+        body_full.non_causal = spec.non_causal
+    elif isinstance(spec, SlidingWindowMLASpec):
+        swa = out.sliding_window_mla
+        _attention_to_proto(spec, swa.attention)
+        _mla_to_proto(spec, swa.mla)
+        swa.sliding_window = spec.sliding_window
+        swa.bounded_replay = spec.bounded_replay
+    elif isinstance(spec, SlidingWindowSpec):
+        _attention_to_proto(spec, out.sliding_window.attention)
+        out.sliding_window.sliding_window = spec.sliding_window
+    elif isinstance(spec, ChunkedLocalAttentionSpec):
+        _attention_to_proto(spec, out.chunked_local_attention.attention)
+        out.chunked_local_attention.attention_chunk_size = spec.attention_chunk_size
+    elif isinstance(spec, CrossAttentionSpec):
+        _attention_to_proto(spec, out.cross_attention.attention)
+    elif isinstance(spec, EncoderOnlyAttentionSpec):
+        _attention_to_proto(spec, out.encoder_only_attention.attention)
+    elif isinstance(spec, CircularBufferSpec):
+        _attention_to_proto(spec, out.circular_buffer.attention)
+    return out
+
+
+def _windows_to_proto(spec: FullAttentionSpec, body: Any) -> None:
+    if spec.sliding_window is not None:
+        body.sliding_window = spec.sliding_window
+    if spec.attention_chunk_size is not None:
+        body.attention_chunk_size = spec.attention_chunk_size
+
+
+_PATHS = {path: plan_pb2.GroupingPath.Value(f"GROUPING_PATH_{path.name}") for path in GroupingPath}
+_RULES = {rule: plan_pb2.DraftRule.Value(f"DRAFT_RULE_{rule.name}") for rule in DraftRule}
+_WARNINGS = {code: plan_pb2.WarningCode.Value(f"WARNING_CODE_{code.name}") for code in WarningCode}
+_BUDGET_MODES = {mode: plan_pb2.BudgetMode.Value(f"BUDGET_MODE_{mode.name}") for mode in BudgetMode}
+
+
+def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
+    response = plan_pb2.PlanResponse(
+        plan_id=plan_id,
+        engine_id=plan.engine_id,
+        max_model_len=plan.max_model_len,
+        num_blocks=plan.num_blocks,
+    )
+    for group in plan.groups:
+        out = response.groups.add(
+            group_id=group.group_id,
+            layer_names=group.layer_names,
+            uniform_type=isinstance(group.spec, UniformTypeSpecs),
+            block_size=group.spec.block_size,
+            page_size_bytes=group.spec.page_size_bytes,
+            is_draft=group.is_draft,
+            draft_rule=_RULES[group.draft_rule],
+            padding_layers=group.padding_layers,
+            prefix_cacheable=group.spec.prefix_cacheable,
+        )
+        if isinstance(group.spec, UniformTypeSpecs):
+            out.spec.CopyFrom(spec_to_proto(group.spec.first_spec))
+            for name, layer_spec in group.spec.layer_specs:
+                out.layer_specs.append(spec_to_proto(layer_spec, name))
+        else:
+            out.spec.CopyFrom(spec_to_proto(group.spec))
+    for worker in plan.workers:
+        budget = worker.budget
+        out_worker = response.workers.add(
+            rank=worker.rank,
+            device_uuid=worker.device_uuid,
+            num_blocks=worker.num_blocks,
+            bytes_per_block=worker.bytes_per_block,
+            kv_cache_size_tokens=plan.kv_cache_size_tokens,
+            max_concurrency=plan.max_concurrency,
+            max_model_len=plan.max_model_len,
+            blocks_per_request=plan.blocks_per_request,
+            encoder_only_layers=worker.encoder_only_layers,
+            kv_tp_replicas=worker.kv_tp_replicas,
+        )
+        out_worker.budget.CopyFrom(
+            plan_pb2.MemoryBudget(
+                mode=_BUDGET_MODES[budget.mode],
+                total_bytes=budget.total_bytes,
+                gpu_memory_utilization=budget.gpu_memory_utilization,
+                requested_bytes=max(budget.requested_bytes, 0),
+                non_kv_bytes=budget.non_kv_bytes,
+                available_bytes=max(budget.available_bytes, 0),
+                check_bytes=max(worker.check_bytes, 0),
+                needed_per_request_bytes=worker.needed_per_request_bytes,
+            )
+        )
+        for tensor in worker.tensors:
+            out_worker.tensors.add(
+                size_bytes=tensor.size_bytes,
+                layer_names=tensor.layer_names,
+                offset_bytes=tensor.offset_bytes,
+                layer_stride_bytes=tensor.layer_stride_bytes,
+                block_stride_bytes=tensor.block_stride_bytes,
+                group_id=tensor.group_id,
+            )
+        for projected in worker.groups:
+            out_worker.groups.add(
+                group_id=projected.group_id,
+                layer_names=projected.layer_names,
+                is_draft=projected.is_draft,
+            )
+    diagnostics = response.diagnostics
+    diagnostics.grouping_path = _PATHS[plan.path]
+    diagnostics.page_sizes_unified = plan.page_sizes_unified
+    diagnostics.local_attention_promoted = plan.local_attention_promoted
+    diagnostics.scheduler_block_size = plan.scheduler_block_size
+    diagnostics.hash_block_size = plan.hash_block_size
+    diagnostics.group_size = plan.group_size
+    for padding in plan.padding:
+        diagnostics.padding.add(
+            bucket_index=padding.bucket_index,
+            padding_layers=padding.padding_layers,
+            waste_percent=padding.waste_percent,
+            wasted_bytes_per_block=padding.wasted_bytes_per_block,
+        )
+    for warning in plan.warnings:
+        diagnostics.warnings.add(code=_WARNINGS[warning.code], message=warning.message)
+    return response
+
+
+def plan_id_for(message: plan_pb2.PlanRequest) -> str:
+    """Content address of a request: workers in rank order, deterministic bytes."""
+    normalised = plan_pb2.PlanRequest()
+    normalised.CopyFrom(message)
+    ordered = sorted(message.workers, key=lambda worker: worker.rank)
+    del normalised.workers[:]
+    normalised.workers.extend(ordered)
+    digest = hashlib.sha256(normalised.SerializeToString(deterministic=True)).hexdigest()
+    return f"plan-{digest[:32]}"
+
+
+def plan_from_proto(
+    message: plan_pb2.PlanRequest, *, gpu_memory_table: Mapping[str, int] | None = None
+) -> plan_pb2.PlanResponse:
+    """request -> validate -> plan -> budget -> respond."""
+    request = request_from_proto(message, gpu_memory_table=gpu_memory_table)
+    return plan_to_proto(plan_engine(request), plan_id=plan_id_for(message))
+
+
+__all__ = [
+    "GPU_MEMORY_BYTES",
+    "PlanningError",
+    "layer_from_proto",
+    "plan_from_proto",
+    "plan_id_for",
+    "plan_to_proto",
+    "request_from_proto",
+    "spec_to_proto",
+]
