@@ -298,6 +298,13 @@ def packed_groups(specs: SpecDict, layout: KVCacheLayout) -> list[Grouping] | No
         members = wrapper.specs_by_layer
         for index in range(count):
             names = tuple(name for repeat in pattern_repeats[index::count] for name in repeat)
+            if not names:
+                # vLLM 0.33 fails here too (an empty packed group).
+                raise SpecInvariantError(
+                    f"the packed layout cannot split {len(wrapper.layer_specs)} "
+                    f"{wrapper.first_spec.kind} layers of mixed page sizes into {count} groups; "
+                    "use a layer-outer layout such as LBNHC"
+                )
             group_spec = UniformTypeSpecs.from_specs({name: members[name] for name in names})
             if group_spec is None:
                 raise SpecInvariantError("a packed group is not of one layer type")

@@ -88,7 +88,12 @@ def _plan_or_none(request: EngineRequest) -> EnginePlan | None:
         return None
 
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=400,
+    deadline=None,
+    derandomize=True,  # the same examples in CI as here
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @SETTINGS
