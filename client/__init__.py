@@ -1,1 +1,30 @@
-"""Thin client: needs only grpcio and protobuf."""
+"""Thin client for engine workers: needs only grpcio and protobuf.
+
+    with PlannerClient("planner:50051") as planner:
+        plan = planner.plan(request)               # engine mode: all workers
+        plan.group_of("model.layers.3.self_attn.attn")
+        plan.draft_group_ids, plan.worker(rank).num_blocks
+
+`AsyncPlannerClient` is the asyncio twin. Errors raise `PlannerError` with the
+gRPC code and the server's field violations.
+"""
+
+from kvplan.client.errors import PlannerError, error_from_rpc
+from kvplan.client.model import PlanResult, WorkerView
+from kvplan.client.planner import (
+    DEFAULT_TIMEOUT_S,
+    AsyncPlannerClient,
+    PlannerClient,
+    channel_options,
+)
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "AsyncPlannerClient",
+    "PlanResult",
+    "PlannerClient",
+    "PlannerError",
+    "WorkerView",
+    "channel_options",
+    "error_from_rpc",
+]

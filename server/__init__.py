@@ -1,1 +1,1 @@
-"""The kvplan gRPC service (needs the server extra)."""
+"""The kvplan gRPC service (needs the `server` extra). Entry point: `kvplan serve`."""

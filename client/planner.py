@@ -1,0 +1,210 @@
+"""Sync and asyncio planner clients over one reused channel each."""
+
+from __future__ import annotations
+
+import json
+from types import TracebackType
+from typing import Self
+
+import grpc
+import grpc.aio
+
+from kvplan.client.errors import error_from_rpc
+from kvplan.client.model import PlanResult
+from kvplan.v1 import plan_pb2, service_pb2, service_pb2_grpc
+
+DEFAULT_TIMEOUT_S = 30.0
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Keepalive the server permits (server/config.py sets the matching policy).
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+_SERVICE = "kvplan.v1.KVCachePlanner"
+# Retries with backoff on UNAVAILABLE, for calls that are safe to repeat. A plan
+# is content-addressed and a repeated rank with the same spec joins the same
+# rendezvous, so PlanKVCache is idempotent too.
+_SERVICE_CONFIG = {
+    "methodConfig": [
+        {
+            "name": [
+                {"service": _SERVICE, "method": method}
+                for method in ("PlanKVCache", "GetPlan", "ListDevices", "Echo")
+            ],
+            "retryPolicy": {
+                "maxAttempts": 4,
+                "initialBackoff": "0.1s",
+                "maxBackoff": "2s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ]
+}
+
+
+def channel_options() -> list[tuple[str, int | str]]:
+    return [
+        ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
+        ("grpc.enable_retries", 1),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+def _credentials(
+    root_certificates: bytes | None, private_key: bytes | None, certificate_chain: bytes | None
+) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+
+
+def _plan_get_request(
+    plan_id: str = "", engine_id: str = "", rank: int | None = None
+) -> service_pb2.GetPlanRequest:
+    request = service_pb2.GetPlanRequest(plan_id=plan_id, engine_id=engine_id)
+    if rank is not None:
+        request.rank = rank
+    return request
+
+
+class PlannerClient:
+    """Blocking client. Use as a context manager or call close()."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        if tls:
+            creds = _credentials(root_certificates, private_key, certificate_chain)
+            self._channel = grpc.secure_channel(target, creds, options=channel_options())
+        else:
+            self._channel = grpc.insecure_channel(target, options=channel_options())
+        self._stub = service_pb2_grpc.KVCachePlannerStub(self._channel)
+
+    def plan(self, request: plan_pb2.PlanRequest, *, timeout_s: float | None = None) -> PlanResult:
+        """Engine mode (all workers) or rank mode (one worker and world_size)."""
+        try:
+            response = self._stub.PlanKVCache(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+        return PlanResult(response)
+
+    def get_plan(
+        self,
+        *,
+        plan_id: str = "",
+        engine_id: str = "",
+        rank: int | None = None,
+        timeout_s: float | None = None,
+    ) -> PlanResult:
+        try:
+            response = self._stub.GetPlan(
+                _plan_get_request(plan_id, engine_id, rank), timeout=timeout_s or self.timeout_s
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+        return PlanResult(response)
+
+    def list_devices(self, *, timeout_s: float | None = None) -> service_pb2.ListDevicesResponse:
+        try:
+            return self._stub.ListDevices(
+                service_pb2.ListDevicesRequest(), timeout=timeout_s or self.timeout_s
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class AsyncPlannerClient:
+    """asyncio client. Use `async with` or await close()."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+    ) -> None:
+        self.timeout_s = timeout_s
+        if tls:
+            creds = _credentials(root_certificates, private_key, certificate_chain)
+            self._channel = grpc.aio.secure_channel(target, creds, options=channel_options())
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        self._stub = service_pb2_grpc.KVCachePlannerStub(self._channel)
+
+    async def plan(
+        self, request: plan_pb2.PlanRequest, *, timeout_s: float | None = None
+    ) -> PlanResult:
+        try:
+            response = await self._stub.PlanKVCache(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+        return PlanResult(response)
+
+    async def get_plan(
+        self,
+        *,
+        plan_id: str = "",
+        engine_id: str = "",
+        rank: int | None = None,
+        timeout_s: float | None = None,
+    ) -> PlanResult:
+        try:
+            response = await self._stub.GetPlan(
+                _plan_get_request(plan_id, engine_id, rank), timeout=timeout_s or self.timeout_s
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+        return PlanResult(response)
+
+    async def list_devices(
+        self, *, timeout_s: float | None = None
+    ) -> service_pb2.ListDevicesResponse:
+        try:
+            return await self._stub.ListDevices(
+                service_pb2.ListDevicesRequest(), timeout=timeout_s or self.timeout_s
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    async def echo(self, request: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:
+        return await self._stub.Echo(request, timeout=self.timeout_s)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()

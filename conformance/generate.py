@@ -1,0 +1,2399 @@
+"""Deterministic generator of PlanRequests for the differential check.
+
+`generate_cases(seed)` returns several hundred `Case`s (id, category, description,
+request). Every case is built from a fixed seed, so two runs produce the same
+requests. The categories cover every spec kind and grouping path, spec decoding,
+pipeline splits, memory budgets and the worked examples of the planning reference
+(kv-cache-planning.md §7). The scenario files of tests/conformance/scenarios are
+appended as their own category when present.
+
+Usage: python -m conformance.generate [--seed N] [--out cases.jsonl] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+
+from kvplan.v1 import plan_pb2, spec_pb2
+
+GIB = 1 << 30
+MIB = 1 << 20
+SCENARIO_DIR = Path(__file__).resolve().parent.parent / "tests" / "conformance" / "scenarios"
+
+Layer = spec_pb2.LayerSpec
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    category: str
+    description: str
+    request: plan_pb2.PlanRequest
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "category": self.category,
+            "description": self.description,
+            "request": json_format.MessageToDict(self.request),
+        }
+
+
+# --- layer builders ----------------------------------------------------------------
+
+_DTYPES = {
+    None: spec_pb2.DTYPE_UNSPECIFIED,
+    "fp32": spec_pb2.DTYPE_FLOAT32,
+    "fp16": spec_pb2.DTYPE_FLOAT16,
+    "bf16": spec_pb2.DTYPE_BFLOAT16,
+    "u8": spec_pb2.DTYPE_UINT8,
+    "i8": spec_pb2.DTYPE_INT8,
+    "e4m3": spec_pb2.DTYPE_FLOAT8_E4M3FN,
+    "e5m2": spec_pb2.DTYPE_FLOAT8_E5M2,
+}
+
+
+def _clean(**kwargs: Any) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def attn(
+    heads: int = 8,
+    head: int = 128,
+    *,
+    dtype: str | None = None,
+    head_v: int | None = None,
+    padded: int | None = None,
+    slots: int | None = None,
+    content: int | None = None,
+    tokens: int | None = None,
+    states_per_token: int | None = None,
+    tp_shards: int | None = None,
+    dcp_sharded: bool | None = None,
+    quant: int = 0,
+) -> spec_pb2.AttentionParams:
+    params = spec_pb2.AttentionParams(
+        **_clean(
+            num_kv_heads=heads,
+            head_size=head,
+            head_size_v=head_v,
+            dtype=_DTYPES[dtype],
+            kv_quant_mode=quant,
+            page_size_padded_bytes=padded,
+            num_head_slots=slots,
+            state_content_bytes=content,
+            max_tp_shards=tp_shards,
+            dcp_sharded=dcp_sharded,
+        )
+    )
+    if tokens is not None:
+        params.tokens_per_state.tokens = tokens
+    if states_per_token is not None:
+        params.tokens_per_state.states_per_token = states_per_token
+    return params
+
+
+def _layer(
+    name: str,
+    *,
+    draft: bool = False,
+    block: int | None = None,
+    align_bytes: int | None = None,
+    align_kernel: int | None = None,
+    **kind: Any,
+) -> Layer:
+    layer = Layer(name=name, is_draft=draft, **kind)
+    if block is not None:
+        layer.block_size = block
+    if align_bytes is not None:
+        layer.block_stride_alignment.bytes = align_bytes
+    if align_kernel is not None:
+        layer.block_stride_alignment.multiple_of_kernel_block_tokens = align_kernel
+    return layer
+
+
+def full(
+    name: str,
+    heads: int = 8,
+    head: int = 128,
+    *,
+    window: int | None = None,
+    chunk: int | None = None,
+    non_causal: bool = False,
+    a: dict[str, Any] | None = None,
+    **common: Any,
+) -> Layer:
+    body = spec_pb2.FullAttentionSpec(
+        attention=attn(heads, head, **(a or {})),
+        **_clean(sliding_window=window, attention_chunk_size=chunk),
+        non_causal=non_causal,
+    )
+    return _layer(name, full_attention=body, **common)
+
+
+def sw(
+    name: str,
+    window: int,
+    heads: int = 8,
+    head: int = 128,
+    *,
+    a: dict[str, Any] | None = None,
+    **common: Any,
+) -> Layer:
+    body = spec_pb2.SlidingWindowSpec(
+        attention=attn(heads, head, **(a or {})), sliding_window=window
+    )
+    return _layer(name, sliding_window=body, **common)
+
+
+def chunked(
+    name: str,
+    chunk: int,
+    heads: int = 8,
+    head: int = 128,
+    *,
+    a: dict[str, Any] | None = None,
+    **common: Any,
+) -> Layer:
+    body = spec_pb2.ChunkedLocalAttentionSpec(
+        attention=attn(heads, head, **(a or {})), attention_chunk_size=chunk
+    )
+    return _layer(name, chunked_local_attention=body, **common)
+
+
+def _mla_params(
+    cache_dtype: int = spec_pb2.KV_CACHE_DTYPE_AUTO,
+    topk: int | None = None,
+    alignment: int | None = None,
+    version: str = "",
+) -> spec_pb2.MLAParams:
+    return spec_pb2.MLAParams(
+        cache_dtype=cache_dtype,
+        **_clean(topk_buffer_width=topk, alignment_bytes=alignment),
+        model_version=version,
+    )
+
+
+def mla(
+    name: str,
+    head: int = 576,
+    *,
+    a: dict[str, Any] | None = None,
+    cache_dtype: int = spec_pb2.KV_CACHE_DTYPE_AUTO,
+    topk: int | None = None,
+    alignment: int | None = None,
+    version: str = "",
+    indexer: bool = False,
+    leader: bool = False,
+    marker: bool = False,
+    **common: Any,
+) -> Layer:
+    body = spec_pb2.MLAAttentionSpec(
+        attention=attn(1, head, **(a or {})),
+        mla=_mla_params(cache_dtype, topk, alignment, version),
+        cache_role=spec_pb2.SPARSE_CACHE_ROLE_INDEXER if indexer else 0,
+        is_index_group_leader=leader,
+        non_causal_multi_token_decode=marker,
+    )
+    return _layer(name, mla_attention=body, **common)
+
+
+def sw_mla(
+    name: str,
+    window: int,
+    head: int = 576,
+    *,
+    a: dict[str, Any] | None = None,
+    cache_dtype: int = spec_pb2.KV_CACHE_DTYPE_AUTO,
+    alignment: int | None = None,
+    version: str = "",
+    bounded_replay: bool = False,
+    **common: Any,
+) -> Layer:
+    body = spec_pb2.SlidingWindowMLASpec(
+        attention=attn(1, head, **(a or {})),
+        mla=_mla_params(cache_dtype, None, alignment, version),
+        sliding_window=window,
+        bounded_replay=bounded_replay,
+    )
+    return _layer(name, sliding_window_mla=body, **common)
+
+
+def sink(
+    name: str,
+    sink_len: int = 16,
+    heads: int = 8,
+    head: int = 128,
+    *,
+    a: dict[str, Any] | None = None,
+    **common: Any,
+) -> Layer:
+    body = spec_pb2.SinkFullAttentionSpec(
+        attention=attn(heads, head, **(a or {})), sink_len=sink_len
+    )
+    return _layer(name, sink_full_attention=body, **common)
+
+
+def rswa(
+    name: str,
+    window: int = 512,
+    heads: int = 8,
+    head: int = 128,
+    *,
+    a: dict[str, Any] | None = None,
+    **common: Any,
+) -> Layer:
+    body = spec_pb2.RSWASpec(attention=attn(heads, head, **(a or {})), rswa_window=window)
+    return _layer(name, rswa=body, **common)
+
+
+def hidden(
+    name: str, heads: int = 1, head: int = 4096, *, dtype: str = "bf16", **common: Any
+) -> Layer:
+    body = spec_pb2.HiddenStateCacheSpec(
+        attention=attn(heads, head, dtype=dtype), mla=_mla_params()
+    )
+    return _layer(name, hidden_state_cache=body, **common)
+
+
+def cross(
+    name: str, heads: int = 8, head: int = 64, *, dtype: str | None = None, **common: Any
+) -> Layer:
+    body = spec_pb2.CrossAttentionSpec(attention=attn(heads, head, dtype=dtype))
+    return _layer(name, cross_attention=body, **common)
+
+
+def encoder_only(name: str, heads: int = 8, head: int = 64, **common: Any) -> Layer:
+    body = spec_pb2.EncoderOnlyAttentionSpec(attention=attn(heads, head))
+    return _layer(name, encoder_only_attention=body, **common)
+
+
+def circular(name: str, heads: int = 1, head: int = 512, **common: Any) -> Layer:
+    body = spec_pb2.CircularBufferSpec(attention=attn(heads, head))
+    return _layer(name, circular_buffer=body, **common)
+
+
+GDN_STATES: list[tuple[list[int], str]] = [([3, 2048], "bf16"), ([8, 128, 128], "fp32")]
+SMALL_STATES: list[tuple[list[int], str]] = [([2, 512], "fp32"), ([3, 32, 32], "fp32")]  # 16,384
+
+
+def mamba(
+    name: str,
+    states: list[tuple[list[int], str]] | None = None,
+    *,
+    padded: int | None = None,
+    mamba_type: int = spec_pb2.MAMBA_TYPE_MAMBA2,
+    spec_blocks: int = 0,
+    checkpoint_blocks: int = 0,
+    checkpoint_alignment: int | None = None,
+    heads: int = 0,
+    tp_replicated: bool = False,
+    **common: Any,
+) -> Layer:
+    body = spec_pb2.MambaSpec(
+        states=[
+            spec_pb2.StateTensor(shape=shape, dtype=_DTYPES[dtype])
+            for shape, dtype in (states or SMALL_STATES)
+        ],
+        mamba_type=mamba_type,
+        num_speculative_blocks=spec_blocks,
+        num_prefill_checkpoint_blocks=checkpoint_blocks,
+        num_heads=heads,
+        tp_replicated=tp_replicated,
+        **_clean(page_size_padded_bytes=padded, prefill_checkpoint_alignment=checkpoint_alignment),
+    )
+    return _layer(name, mamba=body, **common)
+
+
+# --- request builders ------------------------------------------------------------
+
+LAYOUTS = {
+    "LBNHC": plan_pb2.KV_CACHE_LAYOUT_LBNHC,
+    "LBHNC": plan_pb2.KV_CACHE_LAYOUT_LBHNC,
+    "LHBNC": plan_pb2.KV_CACHE_LAYOUT_LHBNC,
+    "BLHNC": plan_pb2.KV_CACHE_LAYOUT_BLHNC,
+    "BLNHC": plan_pb2.KV_CACHE_LAYOUT_BLNHC,
+    "BHLNC": plan_pb2.KV_CACHE_LAYOUT_BHLNC,
+}
+
+METHODS = {
+    "none": plan_pb2.SPEC_DECODE_METHOD_NONE,
+    "eagle": plan_pb2.SPEC_DECODE_METHOD_EAGLE,
+    "eagle3": plan_pb2.SPEC_DECODE_METHOD_EAGLE3,
+    "mtp": plan_pb2.SPEC_DECODE_METHOD_MTP,
+    "dspark": plan_pb2.SPEC_DECODE_METHOD_DSPARK,
+    "dflash": plan_pb2.SPEC_DECODE_METHOD_DFLASH,
+    "ngram": plan_pb2.SPEC_DECODE_METHOD_NGRAM,
+    "suffix": plan_pb2.SPEC_DECODE_METHOD_SUFFIX,
+    "draft_model": plan_pb2.SPEC_DECODE_METHOD_DRAFT_MODEL,
+}
+
+
+@dataclass
+class W:
+    """One worker: its layers and budget (explicit bytes, or utilization of a device)."""
+
+    layers: list[Layer]
+    kv_bytes: int | None = None
+    total: int | None = None
+    utilization: float | None = None
+    non_kv: tuple[int, int, int, int] = (0, 0, 0, 0)
+    rank: int | None = None
+
+
+def request(
+    workers: list[W] | W,
+    *,
+    max_model_len: int = 8192,
+    derived: int | None = None,
+    block_size: int = 0,
+    cache_dtype: int = spec_pb2.KV_CACHE_DTYPE_AUTO,
+    model_dtype: str | None = None,
+    disable_hybrid: bool = False,
+    override: int | None = None,
+    batched: int = 0,
+    async_scheduling: bool = False,
+    v2_runner: bool = False,
+    tp: int = 0,
+    pp: int = 0,
+    dcp: int = 0,
+    layout: str = "LBNHC",
+    mamba_align: bool = False,
+    encoder_tokens: int = 0,
+    prefix_caching: bool | None = None,
+    method: str = "none",
+    spec_tokens: int = 0,
+    target_model_type: str = "",
+    disable_block_drop: bool = False,
+    nextn: int | None = None,
+) -> plan_pb2.PlanRequest:
+    if isinstance(workers, W):
+        workers = [workers]
+    req = plan_pb2.PlanRequest(engine_id="conformance")
+    o = req.options
+    o.max_model_len = max_model_len
+    if derived is not None:
+        o.derived_max_model_len = derived
+    o.block_size = block_size
+    o.cache_dtype = cache_dtype  # type: ignore[assignment]
+    o.model_dtype = _DTYPES[model_dtype]  # type: ignore[assignment]
+    o.disable_hybrid_kv_cache_manager = disable_hybrid
+    if override is not None:
+        o.num_gpu_blocks_override = override
+    o.max_num_batched_tokens = batched
+    o.async_scheduling = async_scheduling
+    o.use_v2_model_runner = v2_runner
+    o.parallel.tensor_parallel_size = tp
+    o.parallel.pipeline_parallel_size = pp
+    o.parallel.decode_context_parallel_size = dcp
+    o.layout = LAYOUTS[layout]  # type: ignore[assignment]
+    if mamba_align:
+        o.mamba_cache_mode = plan_pb2.MAMBA_CACHE_MODE_ALIGN
+    o.max_num_encoder_input_tokens = encoder_tokens
+    if prefix_caching is not None:
+        o.enable_prefix_caching = prefix_caching
+    if method != "none":
+        s = req.spec_decode
+        s.method = METHODS[method]  # type: ignore[assignment]
+        s.num_speculative_tokens = spec_tokens or 1
+        s.target_model_type = target_model_type
+        s.disable_eagle_block_drop = disable_block_drop
+        if nextn is not None:
+            s.num_nextn_predict_layers = nextn
+    for index, w in enumerate(workers):
+        out = req.workers.add(rank=index if w.rank is None else w.rank)
+        out.device.uuid = f"GPU-{index:04d}"
+        if w.kv_bytes is not None:
+            out.memory.kv_cache_memory_bytes = w.kv_bytes
+        else:
+            out.device.total_memory_bytes = w.total or 80 * GIB
+            if w.utilization is not None:
+                out.memory.gpu_memory_utilization = w.utilization
+            weights, activation, non_torch, graphs = w.non_kv
+            out.memory.non_kv.weights_bytes = weights
+            out.memory.non_kv.activation_peak_bytes = activation
+            out.memory.non_kv.non_torch_bytes = non_torch
+            out.memory.non_kv.cuda_graph_bytes = graphs
+        out.layers.extend(w.layers)
+    return req
+
+
+# --- model shapes ------------------------------------------------------------------
+
+
+def llama(
+    n: int = 32, heads: int = 8, head: int = 128, prefix: str = "model.layers", **kw: Any
+) -> list[Layer]:
+    return [full(f"{prefix}.{i}.self_attn.attn", heads, head, **kw) for i in range(n)]
+
+
+def pattern(
+    n: int,
+    is_full: Callable[[int], bool],
+    local: Callable[[str], Layer],
+    heads: int = 8,
+    head: int = 128,
+    a: dict[str, Any] | None = None,
+) -> list[Layer]:
+    """n decoder layers: full attention where is_full(i), else local(name)."""
+    return [
+        full(f"model.layers.{i}.attn", heads, head, a=a)
+        if is_full(i)
+        else local(f"model.layers.{i}.attn")
+        for i in range(n)
+    ]
+
+
+def qwen35(*, draft: bool = False) -> list[Layer]:
+    """Qwen3.5-like seed specs: L0-2 Mamba, L3 full, L4-6 Mamba, L7 full, mtp.0 full."""
+    out: list[Layer] = []
+    for i in range(8):
+        if i in (3, 7):
+            out.append(full(f"model.layers.{i}.self_attn.attn", 2, 256, a={"dtype": "fp32"}))
+        else:
+            out.append(mamba(f"model.layers.{i}.linear_attn", SMALL_STATES))
+    out.append(full("mtp.layers.0.self_attn.attn", 2, 256, a={"dtype": "fp32"}, draft=draft))
+    return out
+
+
+def dsv4_packed(n: int = 8, mtp: bool = False, draft: bool = False) -> list[Layer]:
+    """§3.5 packed example: per layer an SW-MLA cache and a full MLA cache whose
+    tokens_per_state alternates 4 and 128 (block 256)."""
+    out: list[Layer] = []
+    for i in range(n):
+        out.append(sw_mla(f"model.layers.{i}.swa", 128, block=64))
+        tps = 4 if i % 2 == 0 else 128
+        out.append(mla(f"model.layers.{i}.mla", block=256, a={"tokens": tps}))
+    if mtp:
+        out.append(sw_mla(f"mtp.{n}.swa", 128, block=64, draft=draft))
+        out.append(mla(f"mtp.{n}.mla", block=256, a={"tokens": 4}, draft=draft))
+    return out
+
+
+# --- case collection -------------------------------------------------------------
+
+
+class Cases:
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.items: list[Case] = []
+        self._ids: set[str] = set()
+
+    def add(self, category: str, cid: str, description: str, req: plan_pb2.PlanRequest) -> None:
+        full_id = f"{category}/{cid}"
+        if full_id in self._ids:
+            raise ValueError(f"duplicate case id {full_id}")
+        self._ids.add(full_id)
+        self.items.append(Case(full_id, category, description, req))
+
+    def pick(self, values: Iterable[Any]) -> Any:
+        return self.rng.choice(list(values))
+
+
+def _reference(c: Cases) -> None:
+    """Worked examples of the reference §7 (expressible ones)."""
+    cat = "reference"
+    c.add(cat, "r01", "§7.1 32xF(8,128), 54 GiB, len 8192", request(W(llama(), 54 * GIB)))
+    c.add(
+        cat,
+        "r02",
+        "§7.2 fp8 cache",
+        request(W(llama(), 54 * GIB), cache_dtype=spec_pb2.KV_CACHE_DTYPE_FP8),
+    )
+    c.add(
+        cat,
+        "r03",
+        "§7.3 utilization 0.92 on 80 GiB, 18 GiB non-KV",
+        request(W(llama(), total=80 * GIB, utilization=0.92, non_kv=(16 * GIB, 2 * GIB, 0, 0))),
+    )
+    c.add(
+        cat,
+        "r03b",
+        "§5.8 utilization 0.9 on 80 GiB",
+        request(W(llama(), total=80 * GIB, utilization=0.9, non_kv=(16 * GIB, 2 * GIB, 0, 0))),
+    )
+    c.add(cat, "r04", "§7.4 override 1000", request(W(llama(), 54 * GIB), override=1000))
+    c.add(cat, "r05", "§7.5 512 MiB not enough", request(W(llama(), 512 * MIB)))
+    c.add(cat, "r06", "§7.6 override 100 not enough", request(W(llama(), 54 * GIB), override=100))
+    c.add(cat, "r07", "§7.7 available 0", request(W(llama(), 0)))
+    c.add(
+        cat,
+        "r08",
+        "§7.8 auto-fit derived 131072, 5 GiB",
+        request(W(llama(), 5 * GIB), max_model_len=-1, derived=131072),
+    )
+    fss = pattern(30, lambda i: i % 3 == 0, lambda n: sw(n, 4096))
+    c.add(
+        cat,
+        "r09",
+        "§7.9 F,S,S x10, 54 GiB, len 32768",
+        request(W(fss, 54 * GIB), max_model_len=32768, batched=8192),
+    )
+    c.add(
+        cat, "r10", "§7.10 same, 2 GiB", request(W(fss, 2 * GIB), max_model_len=32768, batched=8192)
+    )
+    gpt = [
+        sw(f"model.layers.{i}.attn", 128) if i % 2 == 0 else full(f"model.layers.{i}.attn")
+        for i in range(24)
+    ] + [full("draft.layers.0.attn", draft=True)]
+    c.add(cat, "r11", "§7.11 12 SW(128) + 13 F (draft)", request(W(gpt, 16 * GIB)))
+    f20s30 = [full(f"f.{i}") for i in range(20)] + [sw(f"s.{i}", 1024) for i in range(30)]
+    c.add(cat, "r12", "§7.12 20 F then 30 SW, 54 GiB", request(W(f20s30, 54 * GIB)))
+    gemma = pattern(62, lambda i: i % 6 == 5, lambda n: sw(n, 1024, 16), heads=16)
+    c.add(
+        cat,
+        "r13",
+        "§7.13 Gemma-3-like 62 layers, 40 GiB, len 131072",
+        request(W(gemma, 40 * GIB), max_model_len=131072, batched=8192),
+    )
+    l14 = [full(f"f.{i}") for i in range(4)] + [sw(f"s.{i}", 1024, 4) for i in range(8)]
+    c.add(cat, "r14", "§7.14 4 F(8) + 8 SW(4 heads): SW block 32", request(W(l14, 8 * GIB)))
+    l15 = [full(f"f.{i}", 8, 96) for i in range(3)] + [sw(f"s.{i}", 1024) for i in range(3)]
+    c.add(cat, "r15", "§7.15 F head 96 padded to 65,536", request(W(l15, 8 * GIB)))
+    mla_pair = [mla(f"m.{i}", block=64, a={"tokens": 4}) for i in range(2)]
+    c.add(
+        cat,
+        "r16",
+        "§7.16 2 MLA(18,432) + SW(1,384: 24,576): full-allocation fallback",
+        request(W([*mla_pair, sw("s.0", 1024, 1, 384)], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "r16b",
+        "§7.16 2 MLA(18,432) + F(1,384): NotImplementedError",
+        request(W([*mla_pair, full("f.0", 1, 384)], 4 * GIB)),
+    )
+    l17 = [mamba(f"m.{i}", padded=65536) for i in range(3)] + [
+        full("f.0"),
+        full("draft.0", 16, 128, draft=True),
+    ]
+    c.add(cat, "r17", "§7.17 Mamba padded to draft page", request(W(l17, 8 * GIB), method="eagle"))
+    l18 = [full("a.0"), full("a.1"), full("b.0", 4), full("b.1", 4)]
+    for layout in ("LBNHC", "BLHNC", "LHBNC"):
+        c.add(
+            cat,
+            f"r18-{layout}",
+            f"§7.18 uniform-type 2xF(8)+2xF(4), 1 GiB, {layout}",
+            request(W(l18, GIB), layout=layout),
+        )
+    c.add(
+        cat,
+        "r19",
+        "§7.19 packed (BLHNC) 8 SW-MLA + 8 MLA, 1 GiB",
+        request(W(dsv4_packed(), GIB), layout="BLHNC", max_model_len=8192),
+    )
+    c.add(
+        cat,
+        "r19b",
+        "§7.19 packed with MTP layer (mtp, no is_draft)",
+        request(W(dsv4_packed(mtp=True), GIB), layout="BLHNC", method="mtp"),
+    )
+    c.add(
+        cat,
+        "r19c",
+        "§7.19 packed with MTP layer (is_draft)",
+        request(W(dsv4_packed(mtp=True, draft=True), GIB), layout="BLHNC", method="mtp"),
+    )
+    c.add(
+        cat,
+        "r20a",
+        "§7.20 disable HMA: F + SW(1024)",
+        request(W([full("f.0"), sw("s.0", 1024)], 4 * GIB), disable_hybrid=True),
+    )
+    c.add(
+        cat,
+        "r20b",
+        "§7.20 disable HMA: F + SW1024 + SW2048 error",
+        request(W([full("f.0"), sw("s.0", 1024), sw("s.1", 2048)], 4 * GIB), disable_hybrid=True),
+    )
+    c.add(
+        cat,
+        "r20c",
+        "§7.20 disable HMA: Mamba + F error",
+        request(W([mamba("m.0", padded=65536), full("f.0")], 4 * GIB), disable_hybrid=True),
+    )
+    c.add(
+        cat,
+        "r21",
+        "§7.21 PP 2x16 F, 20 and 10 GiB",
+        request([W(llama(16), 20 * GIB), W(llama(16, prefix="model.layers2"), 10 * GIB)], pp=2),
+    )
+    c.add(
+        cat,
+        "r22",
+        "§7.22 attention-free (encoder-only only)",
+        request(W([encoder_only("enc.0"), encoder_only("enc.1")], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "r22b",
+        "§7.22 attention-free auto-fit unchanged",
+        request(W([encoder_only("enc.0")], 4 * GIB), max_model_len=-1, derived=4096),
+    )
+    c.add(
+        cat,
+        "r23a",
+        "§7.23 F + SW + hidden 12,288/token",
+        request(W([full("f.0"), sw("s.0", 1024), hidden("h.0", 1, 6144)], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "r23b",
+        "§7.23 1-head F + SW + hidden 49,152/token: scaled groups",
+        request(W([full("f.0", 1), sw("s.0", 1024, 1), hidden("h.0", 1, 24576)], 4 * GIB)),
+    )
+    sw4096 = [sw(f"s.{i}", 4096) for i in range(2)] + [full("f.0")]
+    c.add(
+        cat,
+        "r24a",
+        "§7.24 SW(4096) T 2048 len 32768",
+        request(W(sw4096, 8 * GIB), max_model_len=32768, batched=2048),
+    )
+    c.add(
+        cat,
+        "r24b",
+        "§7.24 SW(4096) async T 4096",
+        request(W(sw4096, 8 * GIB), max_model_len=32768, batched=2048, async_scheduling=True),
+    )
+    c.add(
+        cat,
+        "r24c",
+        "§7.24 SW(4096) len 1000",
+        request(W(sw4096, 8 * GIB), max_model_len=1000, batched=2048),
+    )
+    ch = [chunked(f"c.{i}", 8192) for i in range(3)] + [full("f.0")]
+    c.add(
+        cat,
+        "r24d",
+        "§7.24 chunked(8192) T 2048 len 32768",
+        request(W(ch, 8 * GIB), max_model_len=32768, batched=2048),
+    )
+    c.add(
+        cat,
+        "r24e",
+        "§7.24 chunked(8192) len 1000",
+        request(W(ch, 8 * GIB), max_model_len=1000, batched=2048),
+    )
+    m25 = [([3, 1024], "bf16"), ([4, 64, 64], "bf16")]
+    for align in (True, False):
+        mode = "align" if align else "none"
+        c.add(
+            cat,
+            f"r25-{mode}",
+            f"§7.25 Mamba 38,912 page, 2 spec blocks, {mode}",
+            request(
+                W([mamba(f"m.{i}", m25, spec_blocks=2) for i in range(2)], 2 * GIB),
+                mamba_align=align,
+            ),
+        )
+    c.add(
+        cat,
+        "r26a",
+        "§7.26 cross-attention fp16, 1500 encoder tokens",
+        request(
+            W([cross("x.0", dtype="fp16"), cross("x.1", dtype="fp16")], 2 * GIB),
+            encoder_tokens=1500,
+        ),
+    )
+    c.add(cat, "r26b", "§7.26 DCP 4, F at 8192", request(W(llama(8), 8 * GIB), dcp=4, tp=4))
+    gdn = [
+        full(f"model.layers.{i}.attn", 2, 256, block=272)
+        if i % 4 == 3
+        else mamba(
+            f"model.layers.{i}.linear",
+            GDN_STATES,
+            padded=557056,
+            mamba_type=spec_pb2.MAMBA_TYPE_GDN_ATTENTION,
+            block=272,
+        )
+        for i in range(48)
+    ]
+    c.add(
+        cat,
+        "r27",
+        "§7.27 GDN hybrid 36 Mamba + 12 F, align, 40 GiB, len 32768",
+        request(W(gdn, 40 * GIB), max_model_len=32768, mamba_align=True),
+    )
+    drafted = [*llama(4), full("draft.0", draft=True)]
+    c.add(
+        cat,
+        "r29a",
+        "§7.29 4 F + draft F, eagle: 1 group flagged",
+        request(W(drafted, 4 * GIB), method="eagle"),
+    )
+    c.add(
+        cat,
+        "r29b",
+        "§7.29 draft with 4 heads: wrapper flagged",
+        request(W([*llama(4), full("draft.0", 4, draft=True)], 4 * GIB), method="eagle"),
+    )
+    c.add(
+        cat,
+        "r29c",
+        "§7.29 SW/F target + draft F, eagle3",
+        request(
+            W(
+                [
+                    *pattern(8, lambda i: i % 2 == 1, lambda n: sw(n, 1024)),
+                    full("draft.0", draft=True),
+                ],
+                4 * GIB,
+            ),
+            method="eagle3",
+        ),
+    )
+    c.add(
+        cat,
+        "r29d",
+        "§7.29 disable_eagle_block_drop: none flagged",
+        request(W(drafted, 4 * GIB), method="eagle", disable_block_drop=True),
+    )
+    c.add(
+        cat,
+        "r30",
+        "§7.30 PP projection with draft SW, mtp",
+        request(
+            [
+                W([full("L0"), sw("L1", 1024)], 4 * GIB),
+                W([full("L2"), sw("L3", 1024), sw("draft", 1024, draft=True)], 4 * GIB),
+            ],
+            pp=2,
+            method="mtp",
+        ),
+    )
+    for method in ("mtp", "eagle", "eagle3", "dspark"):
+        c.add(
+            cat,
+            f"r31-qwen35-{method}",
+            f"§4.6 Qwen3.5 seed specs, {method}, no is_draft",
+            request(W(qwen35(), GIB), method=method, mamba_align=True, target_model_type="qwen3_5"),
+        )
+    c.add(
+        cat,
+        "r31-qwen35-mtp-draft",
+        "§4.6 Qwen3.5 seed specs, mtp, is_draft on mtp.0",
+        request(W(qwen35(draft=True), GIB), method="mtp", mamba_align=True),
+    )
+
+
+def _uniform(c: Cases) -> None:
+    cat = "uniform"
+    dtypes = [
+        ("auto", spec_pb2.KV_CACHE_DTYPE_AUTO, None),
+        ("auto-fp16", spec_pb2.KV_CACHE_DTYPE_AUTO, "fp16"),
+        ("auto-fp32", spec_pb2.KV_CACHE_DTYPE_AUTO, "fp32"),
+        ("fp8", spec_pb2.KV_CACHE_DTYPE_FP8, None),
+        ("fp8_e5m2", spec_pb2.KV_CACHE_DTYPE_FP8_E5M2, None),
+        ("int8pth", spec_pb2.KV_CACHE_DTYPE_INT8_PER_TOKEN_HEAD, None),
+        ("fp8_inc", spec_pb2.KV_CACHE_DTYPE_FP8_INC, None),
+        ("nvfp4", spec_pb2.KV_CACHE_DTYPE_NVFP4, None),
+        ("float32", spec_pb2.KV_CACHE_DTYPE_FLOAT32, None),
+    ]
+    for i in range(36):
+        name, cache_dtype, model_dtype = dtypes[i % len(dtypes)]
+        n = c.pick([1, 2, 16, 24, 32, 40, 61, 80])
+        heads = c.pick([1, 2, 4, 8, 16])
+        head = c.pick([64, 80, 96, 128, 256])
+        block = c.pick([0, 16, 32, 64, 128, 256])
+        mem = c.pick([GIB, 6 * GIB, 17 * GIB + 12345, 54 * GIB, 70 * GIB + 3])
+        mml = c.pick([2048, 4096, 8192, 32768, 131072])
+        c.add(
+            cat,
+            f"u{i:02d}-{name}",
+            f"{n}xF({heads},{head}) block {block or 16} {name}",
+            request(
+                W(llama(n, heads, head), mem),
+                cache_dtype=cache_dtype,
+                model_dtype=model_dtype,
+                block_size=block,
+                max_model_len=mml,
+            ),
+        )
+    c.add(
+        cat,
+        "quant-content",
+        "int8 per-token-head content 264 B (Triton)",
+        request(
+            W(llama(8, a={"content": 264, "quant": 2}), 4 * GIB),
+            cache_dtype=spec_pb2.KV_CACHE_DTYPE_INT8_PER_TOKEN_HEAD,
+        ),
+    )
+    c.add(
+        cat,
+        "head-v",
+        "F with head_size_v 64 (K 128)",
+        request(W(llama(8, a={"head_v": 64}), 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "slots",
+        "F with num_head_slots 4 (8 kv heads)",
+        request(W(llama(8, a={"slots": 4}), 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "padded",
+        "F with page_size_padded 70,000",
+        request(W(llama(8, a={"padded": 70000}), 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "padded-small",
+        "F with page_size_padded below real page (assertion)",
+        request(W(llama(4, a={"padded": 1000}), 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "states-per-token",
+        "F with states_per_token 2",
+        request(W(llama(8, a={"states_per_token": 2}), 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "tokens-per-state",
+        "F with tokens_per_state 4",
+        request(W(llama(8, a={"tokens": 4}), 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "align-bytes",
+        "F with block_stride_alignment 100,000 B (LBNHC)",
+        request(W(llama(4, align_bytes=100_000), 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "align-bytes-blhnc",
+        "F with block_stride_alignment 100,000 B (BLHNC)",
+        request(W(llama(4, align_bytes=100_000), 4 * GIB), layout="BLHNC"),
+    )
+    c.add(
+        cat,
+        "align-kernel",
+        "F block 64 with MultipleOf(16) alignment",
+        request(W(llama(4, align_kernel=16), 4 * GIB), block_size=64),
+    )
+    c.add(
+        cat,
+        "align-kernel-blhnc",
+        "F block 48 with MultipleOf(32) alignment, BLHNC",
+        request(W(llama(4, align_kernel=32), 4 * GIB), block_size=48, layout="BLHNC"),
+    )
+    c.add(
+        cat,
+        "align-zero",
+        "block_stride_alignment 0 bytes (vLLM ValueError)",
+        request(W(llama(2, align_bytes=0), 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "window-meta",
+        "F layers, some with sliding_window metadata (merge)",
+        request(W([full("f.0"), full("f.1", window=1024), full("f.2", window=1024)], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "window-meta-two",
+        "F with two window metadata values (merge ValueError)",
+        request(W([full("f.0", window=512), full("f.1", window=1024)], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "window-and-chunk",
+        "F with window and chunk metadata (assertion)",
+        request(W([full("f.0", window=512), full("f.1", chunk=1024)], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "non-causal",
+        "F with one non-causal layer",
+        request(W([full("f.0"), full("f.1", non_causal=True)], 4 * GIB)),
+    )
+    for layout in ("LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"):
+        c.add(
+            cat,
+            f"layout-{layout}",
+            f"32xF on {layout}",
+            request(W(llama(), 54 * GIB), layout=layout),
+        )
+
+
+def _uniform_type(c: Cases) -> None:
+    cat = "uniform_type"
+    for i in range(14):
+        a_heads, b_heads = c.pick([(8, 4), (8, 2), (16, 8), (4, 1), (8, 6)])
+        n_a, n_b = c.pick([(2, 2), (4, 4), (16, 16), (3, 5), (30, 2)])
+        layout = c.pick(["LBNHC", "LBHNC", "BLHNC", "BLNHC", "BHLNC", "LHBNC"])
+        layers = [full(f"a.{j}", a_heads) for j in range(n_a)] + [
+            full(f"b.{j}", b_heads) for j in range(n_b)
+        ]
+        c.rng.shuffle(layers)
+        mem = c.pick([GIB, 4 * GIB, 13 * GIB + 777])
+        c.add(
+            cat,
+            f"t{i:02d}-{layout}",
+            f"{n_a}xF({a_heads}) + {n_b}xF({b_heads}) on {layout}",
+            request(W(layers, mem), layout=layout),
+        )
+    c.add(
+        cat,
+        "mla-full",
+        "MLA + F same block: one wrapper (FullAttention base)",
+        request(W([mla("m.0"), mla("m.1"), full("f.0"), full("f.1")], 4 * GIB), layout="BLHNC"),
+    )
+    c.add(
+        cat,
+        "mla-full-lbnhc",
+        "MLA + F same block on LBNHC (mixed pages)",
+        request(W([mla("m.0"), full("f.0")], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "sink-full",
+        "sink + full: uniform type",
+        request(W([sink("s.0"), full("f.0", 4), full("f.1")], 4 * GIB), layout="BLHNC"),
+    )
+    c.add(
+        cat,
+        "rswa-full",
+        "RSWA + full (FullAttention base)",
+        request(W([rswa("r.0"), rswa("r.1"), full("f.0")], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "sw-mixed-heads",
+        "SW(1024) with 8 and 4 heads",
+        request(W([sw("s.0", 1024), sw("s.1", 1024, 4)], 4 * GIB), layout="BLHNC"),
+    )
+    c.add(
+        cat,
+        "sw-two-windows",
+        "SW(1024) + SW(2048): not uniform type",
+        request(W([sw("s.0", 1024), sw("s.1", 2048)], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "dcp-mixed",
+        "F dcp_sharded + F not sharded (different dcp flag)",
+        request(W([full("f.0"), full("f.1", a={"dcp_sharded": False})], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "sink-tps",
+        "sink with tokens_per_state 2 (sink merge resets it)",
+        request(W([sink("s.0", a={"tokens": 2}), sink("s.1", a={"tokens": 2})], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "sink-tps-hybrid",
+        "sink tokens_per_state 2 + SW (hybrid merge)",
+        request(W([sink("s.0", a={"tokens": 2}), sw("w.0", 512), sw("w.1", 512)], 4 * GIB)),
+    )
+
+
+def _local_builder(kind: int, window: int) -> Callable[[str], Layer]:
+    """Local-attention layer factories for the hybrid ratios."""
+
+    def build(name: str) -> Layer:
+        if kind == 1:
+            return chunked(name, window * 2)
+        if kind == 2:
+            return sw(name, window, 4)
+        if kind == 3:
+            return sw(name, window, 8, 96)
+        return sw(name, window)
+
+    return build
+
+
+def _hybrid(c: Cases) -> None:
+    cat = "hybrid"
+    ratios = [
+        ("5to1", lambda i: i % 6 == 5, 48),
+        ("3to1", lambda i: i % 4 == 3, 48),
+        ("2to1", lambda i: i % 3 == 0, 30),
+        ("1to1", lambda i: i % 2 == 1, 24),
+        ("5to1-62", lambda i: i % 6 == 5, 62),
+        ("3to1-odd", lambda i: i % 4 == 3, 46),
+        ("7to1", lambda i: i % 8 == 7, 40),
+    ]
+    for name, is_full, n in ratios:
+        for variant in range(4):
+            window = c.pick([128, 512, 1024, 4096])
+            batched = c.pick([0, 2048, 8192])
+            mml = c.pick([8192, 32768, 131072])
+            mem = c.pick([2 * GIB, 12 * GIB, 40 * GIB])
+            local_kind = variant % 4
+            local = _local_builder(local_kind, window)
+            kind = ["sw", "chunked", "sw-4heads", "sw-head96"][local_kind]
+            c.add(
+                cat,
+                f"{name}-{kind}",
+                f"{n} layers {name} full:{kind}, window {window}",
+                request(W(pattern(n, is_full, local), mem), max_model_len=mml, batched=batched),
+            )
+    c.add(
+        cat,
+        "12sw-13f",
+        "12 SW + 13 F (gpt-oss + eagle): group size 13",
+        request(
+            W([sw(f"s.{i}", 128) for i in range(12)] + [full(f"f.{i}") for i in range(13)], 8 * GIB)
+        ),
+    )
+    c.add(
+        cat,
+        "20f-30sw",
+        "20 F then 30 SW: group size 20",
+        request(
+            W(
+                [full(f"f.{i}") for i in range(20)] + [sw(f"s.{i}", 1024) for i in range(30)],
+                54 * GIB,
+            )
+        ),
+    )
+    c.add(
+        cat,
+        "2sw-3f",
+        "2 SW + 3 F: group size 2, padding",
+        request(
+            W([sw("s.0", 512), full("f.0"), sw("s.1", 512), full("f.1"), full("f.2")], 2 * GIB)
+        ),
+    )
+    c.add(
+        cat,
+        "three-kinds",
+        "F + SW + chunked, 1:1:1",
+        request(W([full("f.0"), sw("s.0", 1024), chunked("c.0", 2048)] * 1, 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "identical-mla-sw",
+        "2 identical MLA + 1 SW-MLA: three groups of one",
+        request(W([mla("m.0"), mla("m.1"), sw_mla("s.0", 128)], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "sink-sw",
+        "sink + SW",
+        request(W([sink("k.0"), sw("s.0", 1024), sink("k.1"), sw("s.1", 1024)], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "rswa-sw",
+        "RSWA + SW",
+        request(W([rswa("r.0"), sw("s.0", 1024), rswa("r.1"), sw("s.1", 1024)], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "cross-full",
+        "decoder F + cross-attention (whisper-like)",
+        request(
+            W(
+                [full(f"d.{i}", 8, 64) for i in range(4)] + [cross(f"x.{i}") for i in range(4)],
+                2 * GIB,
+            ),
+            encoder_tokens=1500,
+        ),
+    )
+    c.add(
+        cat,
+        "circular-full",
+        "F + circular buffer ring",
+        request(W([full("f.0"), full("f.1"), circular("r.0", 2, 256, block=16)], 2 * GIB)),
+    )
+    c.add(
+        cat,
+        "window-meta-coalesce",
+        "F + F(window meta) + SW: coalesced full bucket",
+        request(
+            W([full("f.0"), full("f.1", window=2048), sw("s.0", 1024), sw("s.1", 1024)], 4 * GIB)
+        ),
+    )
+    for i in range(10):
+        n_f = c.pick([2, 3, 4, 6, 10])
+        n_s = c.pick([3, 5, 7, 9, 13, 20])
+        layers = [full(f"f.{j}") for j in range(n_f)] + [sw(f"s.{j}", 256) for j in range(n_s)]
+        c.rng.shuffle(layers)
+        c.add(
+            cat,
+            f"random-{i:02d}",
+            f"{n_f} F + {n_s} SW shuffled",
+            request(W(layers, c.pick([GIB, 8 * GIB])), max_model_len=c.pick([4096, 16384])),
+        )
+
+
+def _page_unify(c: Cases) -> None:
+    cat = "page_unify"
+    for i, (fh, sh) in enumerate([(8, 4), (8, 2), (16, 4), (4, 1)]):
+        c.add(
+            cat,
+            f"divisible-{i}",
+            f"F({fh}) + SW({sh} heads): SW block scaled",
+            request(
+                W(
+                    [full(f"f.{j}", fh) for j in range(4)]
+                    + [sw(f"s.{j}", 1024, sh) for j in range(8)],
+                    4 * GIB,
+                )
+            ),
+        )
+    for i, (fhead, shead) in enumerate([(96, 128), (80, 128), (128, 192), (64, 80)]):
+        c.add(
+            cat,
+            f"padding-{i}",
+            f"F head {fhead} + SW head {shead}: page padding",
+            request(
+                W(
+                    [full(f"f.{j}", 8, fhead) for j in range(3)]
+                    + [sw(f"s.{j}", 1024, 8, shead) for j in range(3)],
+                    4 * GIB,
+                )
+            ),
+        )
+    c.add(
+        cat,
+        "mla-impossible",
+        "MLA (18,432) + F (24,576): NotImplementedError",
+        request(W([mla("m.0", block=64, a={"tokens": 4}), full("f.0", 1, 384, block=32)], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "mla-sw-fallback",
+        "MLA + SW non-divisible: full-allocation fallback",
+        request(
+            W(
+                [
+                    mla("m.0", block=64, a={"tokens": 4}),
+                    mla("m.1", block=64, a={"tokens": 4}),
+                    sw("s.0", 1024, 1, 384, block=32),
+                ],
+                4 * GIB,
+            )
+        ),
+    )
+    c.add(
+        cat,
+        "mla-sw-fallback-chunk",
+        "MLA + SW + chunked: no fallback",
+        request(
+            W(
+                [
+                    mla("m.0", block=64, a={"tokens": 4}),
+                    sw("s.0", 1024, 1, 384, block=32),
+                    chunked("c.0", 4096, 1, 384, block=32),
+                ],
+                4 * GIB,
+            )
+        ),
+    )
+    c.add(
+        cat,
+        "mla-divisible",
+        "MLA(36,864 fp8) + SW 73,728: MLA block scaled",
+        request(
+            W(
+                [
+                    mla(
+                        "m.0", block=64, cache_dtype=spec_pb2.KV_CACHE_DTYPE_FP8, a={"dtype": "u8"}
+                    ),
+                    sw("s.0", 1024, 1, 576, block=64),
+                ],
+                4 * GIB,
+            )
+        ),
+    )
+    c.add(
+        cat,
+        "mamba-pad",
+        "Mamba 16,384 + F 65,536: Mamba padded",
+        request(W([mamba(f"m.{i}") for i in range(3)] + [full("f.0")], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "mamba-bigger",
+        "Mamba 536,576 + F 65,536: F padded (not divisible)",
+        request(
+            W([mamba(f"m.{i}", GDN_STATES) for i in range(3)] + [full("f.0")], 8 * GIB),
+            mamba_align=True,
+        ),
+    )
+    c.add(
+        cat,
+        "mamba-bigger-divisible",
+        "Mamba 131,072 + F 65,536: F block doubles",
+        request(
+            W([mamba(f"m.{i}", [([32768], "fp32")]) for i in range(3)] + [full("f.0")], 8 * GIB),
+            mamba_align=True,
+        ),
+    )
+    c.add(
+        cat,
+        "mamba-mla-impossible",
+        "Mamba bigger than MLA non-divisible: error",
+        request(
+            W([mamba("m.0", [([10000], "fp32")]), mla("l.0", block=16)], 8 * GIB), mamba_align=True
+        ),
+    )
+    c.add(
+        cat,
+        "hidden-scaled",
+        "hidden state with per-token above common page",
+        request(W([full("f.0", 1), sw("s.0", 1024, 1), hidden("h.0", 1, 24576)], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "hidden-two",
+        "two hidden-state layers next to hybrid groups",
+        request(
+            W(
+                [full("f.0"), sw("s.0", 512), hidden("h.0", 1, 4096), hidden("h.1", 1, 2048)],
+                4 * GIB,
+            )
+        ),
+    )
+    c.add(
+        cat,
+        "hidden-only-uniform",
+        "F + hidden-state only (uniform type)",
+        request(W([full("f.0"), hidden("h.0", 1, 4096)], 4 * GIB)),
+    )
+    c.add(
+        cat,
+        "hidden-packed",
+        "hidden state on the packed path (BLHNC)",
+        request(
+            W([full("f.0"), sw("s.0", 512, 4), hidden("h.0", 1, 4096)], 4 * GIB), layout="BLHNC"
+        ),
+    )
+    for i in range(8):
+        heads = [c.pick([1, 2, 4, 8]) for _ in range(3)]
+        heads_ = sorted(set(heads))
+        layers = []
+        for j, h in enumerate(heads_):
+            layers += [sw(f"s{j}.{k}", 512, h) for k in range(2)]
+        layers += [full(f"f.{k}", c.pick([2, 8])) for k in range(2)]
+        c.add(
+            cat,
+            f"random-{i}",
+            f"SW heads {heads_} + F: unification",
+            request(W(layers, c.pick([GIB, 4 * GIB]))),
+        )
+
+
+def _mla(c: Cases) -> None:
+    cat = "mla"
+    variants: list[tuple[str, dict[str, Any]]] = [
+        ("bf16", {}),
+        ("fp8", {"cache_dtype": spec_pb2.KV_CACHE_DTYPE_FP8, "a": {"dtype": "u8"}}),
+        (
+            "fp8_ds_mla",
+            {
+                "cache_dtype": spec_pb2.KV_CACHE_DTYPE_FP8_DS_MLA,
+                "a": {"dtype": "u8", "content": 656},
+            },
+        ),
+        (
+            "nvfp4_ds_mla",
+            {
+                "cache_dtype": spec_pb2.KV_CACHE_DTYPE_NVFP4_DS_MLA,
+                "a": {"dtype": "u8", "content": 352, "quant": 10},
+            },
+        ),
+        ("align576", {"alignment": 576}),
+        ("align4096", {"alignment": 4096, "a": {"tokens": 4}}),
+        ("tps4", {"a": {"tokens": 4}}),
+        ("tps128", {"a": {"tokens": 128}}),
+        ("topk", {"topk": 2048}),
+        ("dsv4", {"version": "deepseek_v4", "alignment": 576}),
+        ("indexer", {"indexer": True, "a": {"head": 128}}),
+    ]
+    for name, variant in variants:
+        a = dict(variant.get("a", {}))
+        head = a.pop("head", 576)
+        kw = {k: v for k, v in variant.items() if k != "a"}
+        for block in (16, 64):
+            layers = [mla(f"model.layers.{i}.attn", head, a=a, block=block, **kw) for i in range(4)]
+            c.add(
+                cat,
+                f"{name}-b{block}",
+                f"4 MLA {name} block {block}",
+                request(W(layers, 2 * GIB), max_model_len=16384),
+            )
+    c.add(
+        cat,
+        "mla-mixed-dtype",
+        "MLA bf16 + MLA fp8 strings: not uniform",
+        request(
+            W(
+                [
+                    mla("m.0"),
+                    mla("m.1", cache_dtype=spec_pb2.KV_CACHE_DTYPE_FP8, a={"dtype": "u8"}),
+                ],
+                2 * GIB,
+            ),
+            layout="BLHNC",
+        ),
+    )
+    c.add(
+        cat,
+        "mla-marker",
+        "MLA with non_causal_multi_token_decode marker, eagle",
+        request(
+            W([mla(f"m.{i}") for i in range(3)] + [mla("mtp.0", marker=True)], 2 * GIB),
+            method="eagle",
+        ),
+    )
+    c.add(
+        cat,
+        "mla-marker-draft",
+        "MLA marker + is_draft, mtp",
+        request(
+            W([mla(f"m.{i}") for i in range(3)] + [mla("mtp.0", marker=True, draft=True)], 2 * GIB),
+            method="mtp",
+        ),
+    )
+    for i, window in enumerate((128, 512)):
+        c.add(
+            cat,
+            f"sw-mla-{window}",
+            f"SW-MLA({window}) + MLA",
+            request(
+                W(
+                    [sw_mla(f"s.{j}", window) for j in range(4)]
+                    + [mla(f"m.{j}") for j in range(4)],
+                    2 * GIB,
+                )
+            ),
+        )
+        c.add(
+            cat,
+            f"sw-mla-only-{i}",
+            f"SW-MLA({window}) only, bounded replay {bool(i)}",
+            request(
+                W([sw_mla(f"s.{j}", window, bounded_replay=bool(i)) for j in range(4)], 2 * GIB)
+            ),
+        )
+    c.add(
+        cat,
+        "sw-mla-bad-version",
+        "SW-MLA model_version 'other' (assertion)",
+        request(W([sw_mla("s.0", 128, version="other")], 2 * GIB)),
+    )
+    c.add(
+        cat,
+        "sw-mla-quant",
+        "SW-MLA with kv_quant_mode (merge drops it)",
+        request(
+            W(
+                [
+                    sw_mla("s.0", 128, a={"quant": 1, "dtype": "u8"}),
+                    sw_mla("s.1", 128, a={"quant": 1, "dtype": "u8"}),
+                    mla("m.0"),
+                ],
+                2 * GIB,
+            )
+        ),
+    )
+    c.add(
+        cat,
+        "sw-mla-dcp",
+        "SW-MLA with DCP 2 (sharded): assertion",
+        request(W([sw_mla("s.0", 128), mla("m.0")], 2 * GIB), dcp=2, tp=2),
+    )
+
+
+def _packed(c: Cases) -> None:
+    cat = "packed"
+    for layout in ("BLHNC", "BLNHC", "BHLNC"):
+        c.add(
+            cat,
+            f"dsv4-{layout}",
+            f"§3.5 packed example on {layout}",
+            request(W(dsv4_packed(), GIB), layout=layout),
+        )
+        c.add(
+            cat,
+            f"dsv4-mtp-{layout}",
+            f"§3.5 packed example + MTP on {layout}",
+            request(W(dsv4_packed(mtp=True), GIB), layout=layout),
+        )
+        c.add(
+            cat,
+            f"mixed-{layout}",
+            f"F(8) + SW(4 heads) mixed pages on {layout}",
+            request(
+                W(pattern(12, lambda i: i % 3 == 0, lambda n: sw(n, 1024, 4)), 4 * GIB),
+                layout=layout,
+            ),
+        )
+        c.add(
+            cat,
+            f"mamba-{layout}",
+            f"Mamba + F mixed pages on {layout}",
+            request(
+                W([mamba(f"m.{i}") for i in range(6)] + [full("f.0"), full("f.1")], 4 * GIB),
+                layout=layout,
+                mamba_align=True,
+            ),
+        )
+        c.add(
+            cat,
+            f"circ-{layout}",
+            f"circular + F + SW on {layout}",
+            request(
+                W([full("f.0"), sw("s.0", 256, 4), circular("r.0", block=16)], 4 * GIB),
+                layout=layout,
+            ),
+        )
+    for i in range(12):
+        n = c.pick([4, 6, 8, 10])
+        tps = c.pick([(4, 128), (4, 64), (2, 8)])
+        layout = c.pick(["BLHNC", "BLNHC", "BHLNC"])
+        mtp = c.pick([False, True])
+        layers: list[Layer] = []
+        for j in range(n):
+            layers.append(sw_mla(f"l.{j}.swa", c.pick([64, 128]) if j == 0 else 128, block=64))
+            layers.append(mla(f"l.{j}.mla", block=256, a={"tokens": tps[j % 2]}))
+        if mtp:
+            layers.append(sw_mla("mtp.swa", 128, block=64))
+            layers.append(mla("mtp.mla", block=256, a={"tokens": tps[0]}))
+        c.add(
+            cat,
+            f"random-{i:02d}",
+            f"packed {n} SW-MLA+MLA tps {tps} mtp={mtp} {layout}",
+            request(
+                W(layers, c.pick([GIB, 3 * GIB])),
+                layout=layout,
+                method=c.pick(["none", "mtp", "eagle"]),
+            ),
+        )
+    c.add(
+        cat,
+        "gcd-bucket",
+        "packed with unbalanced bucket and SW state bucket",
+        request(
+            W(
+                [full(f"f.{i}", 8) for i in range(3)]
+                + [full(f"g.{i}", 4) for i in range(2)]
+                + [sw(f"s.{i}", 512, 2) for i in range(7)],
+                2 * GIB,
+            ),
+            layout="BLHNC",
+        ),
+    )
+    c.add(
+        cat,
+        "align-lcm",
+        "packed with byte alignments (lcm round-up)",
+        request(
+            W([full("f.0", align_bytes=4096), sw("s.0", 512, 4, align_bytes=6144)], 2 * GIB),
+            layout="BLHNC",
+        ),
+    )
+
+
+def _layout_errors(c: Cases) -> None:
+    cat = "layout"
+    mixed = [full("a.0"), full("a.1"), full("b.0", 4), full("b.1", 4)]
+    for layout in ("LHBNC", "LBHNC", "LBNHC"):
+        c.add(
+            cat,
+            f"uniform-type-{layout}",
+            f"uniform-type mixed pages on {layout}",
+            request(W(mixed, GIB), layout=layout),
+        )
+    hybrid_mixed = [full("f.0"), sw("s.0", 512, 4), sw("s.1", 512, 4)]
+    for layout in ("LHBNC", "LBHNC", "LBNHC"):
+        c.add(
+            cat,
+            f"unified-{layout}",
+            f"hybrid unified pages on {layout}",
+            request(W(hybrid_mixed, GIB), layout=layout),
+        )
+    c.add(
+        cat,
+        "padded-lhbnc",
+        "padded pages (head 96) on LHBNC",
+        request(W([full("f.0", 8, 96), sw("s.0", 512)], GIB), layout="LHBNC"),
+    )
+    c.add(
+        cat,
+        "padded-lbhnc",
+        "padded pages (head 96) on LBHNC",
+        request(W([full("f.0", 8, 96), sw("s.0", 512)], GIB), layout="LBHNC"),
+    )
+    c.add(
+        cat,
+        "mamba-lhbnc",
+        "Mamba padded next to F on LHBNC",
+        request(W([mamba("m.0"), full("f.0")], GIB), layout="LHBNC"),
+    )
+    c.add(
+        cat,
+        "slots-padded-lhbnc",
+        "padded page with 4 head slots on LHBNC",
+        request(W([full("f.0", a={"padded": 70000, "slots": 4})], GIB), layout="LHBNC"),
+    )
+    c.add(
+        cat,
+        "hidden-lhbnc",
+        "hidden-state aligned pages on LHBNC",
+        request(W([full("f.0"), sw("s.0", 512), hidden("h.0", 1, 6144)], GIB), layout="LHBNC"),
+    )
+
+
+def _disable_hybrid(c: Cases) -> None:
+    cat = "disable_hybrid"
+    cases: list[tuple[str, str, list[Layer]]] = [
+        ("f-sw", "F + SW(1024)", [full("f.0"), sw("s.0", 1024), sw("s.1", 1024)]),
+        ("f-chunk", "F + chunked(8192)", [full("f.0"), chunked("c.0", 8192)]),
+        (
+            "f-sw-chunk",
+            "F + SW + chunked: wrapper",
+            [full("f.0"), sw("s.0", 1024), chunked("c.0", 8192)],
+        ),
+        (
+            "two-windows",
+            "F + SW1024 + SW2048: error",
+            [full("f.0"), sw("s.0", 1024), sw("s.1", 2048)],
+        ),
+        ("sw-only", "SW1024 + SW2048 only: error", [sw("s.0", 1024), sw("s.1", 2048)]),
+        ("mamba-f", "Mamba + F: error", [mamba("m.0", padded=65536), full("f.0")]),
+        ("mla-swmla", "MLA + SW-MLA: promoted to MLA", [mla("m.0"), sw_mla("s.0", 128)]),
+        ("f-sw-heads", "F(8) + SW(4 heads): wrapper", [full("f.0"), sw("s.0", 1024, 4)]),
+        ("f-sw-blocks", "F block 32 + SW block 16", [full("f.0", block=32), sw("s.0", 1024)]),
+        (
+            "f-sw-padded",
+            "F + padded SW (head 96)",
+            [full("f.0"), sw("s.0", 1024, 8, 96, a={"padded": 65536})],
+        ),
+        ("uniform", "already uniform: no warning", llama(4)),
+        (
+            "f-sw-replicated",
+            "F + SW + replicated draft F (dcp_sharded False)",
+            [full("f.0"), sw("s.0", 1024), full("d.0", a={"dcp_sharded": False}, draft=True)],
+        ),
+        (
+            "f-sw-replicated-sw",
+            "F + SW + replicated SW draft",
+            [full("f.0"), sw("s.0", 1024), sw("d.0", 512, a={"dcp_sharded": False}, draft=True)],
+        ),
+        ("sink-sw", "sink + SW", [sink("k.0"), sw("s.0", 512)]),
+        (
+            "f-f-blocks-sw",
+            "F block 16 + F block 32 + SW",
+            [full("f.0"), full("f.1", block=32), sw("s.0", 512)],
+        ),
+        ("gemma", "Gemma-like 5:1", pattern(24, lambda i: i % 6 == 5, lambda n: sw(n, 1024))),
+    ]
+    for cid, desc, layers in cases:
+        c.add(cat, cid, f"disable HMA: {desc}", request(W(layers, 4 * GIB), disable_hybrid=True))
+
+
+def _pipeline(c: Cases) -> None:
+    cat = "pipeline"
+    for n_workers in (2, 3, 4):
+        for variant in range(6):
+            n_layers = c.pick([16, 24, 32, 48])
+            per = n_layers // n_workers
+            kind = variant % 3
+            workers = []
+            names = list(range(n_layers))
+            for w in range(n_workers):
+                own = names[w * per : (w + 1) * per] if w < n_workers - 1 else names[w * per :]
+                if kind == 0:
+                    layers = [full(f"model.layers.{i}.attn") for i in own]
+                elif kind == 1:
+                    layers = [
+                        full(f"model.layers.{i}.attn")
+                        if i % 4 == 3
+                        else sw(f"model.layers.{i}.attn", 1024)
+                        for i in own
+                    ]
+                else:
+                    layers = [full(f"model.layers.{i}.attn", 8 if i % 2 else 4) for i in own]
+                mem = c.pick([2 * GIB, 5 * GIB + 4097, 10 * GIB, 20 * GIB])
+                workers.append(W(layers, mem))
+            kind_name = ["full", "hybrid", "uniform-type"][kind]
+            c.add(
+                cat,
+                f"pp{n_workers}-{kind_name}-{variant}",
+                f"PP {n_workers} workers, {n_layers} layers, {kind_name}, unequal memory",
+                request(
+                    workers,
+                    pp=n_workers,
+                    max_model_len=c.pick([4096, 8192, 32768]),
+                    override=c.pick([None, None, None, 2000]),
+                ),
+            )
+    c.add(
+        cat,
+        "pp-strided",
+        "PP {f0,s0,s1} / {f1,s2,s3}: strided groups",
+        request(
+            [
+                W([full("full.0"), sw("sw.0", 512), sw("sw.1", 512)], 2 * GIB),
+                W([full("full.1"), sw("sw.2", 512), sw("sw.3", 512)], 3 * GIB),
+            ],
+            pp=2,
+        ),
+    )
+    c.add(
+        cat,
+        "pp-conflict",
+        "PP same layer name with different specs (assertion)",
+        request([W([full("x.0")], 2 * GIB), W([full("x.0", 4)], 2 * GIB)], pp=2),
+    )
+    c.add(
+        cat,
+        "pp-same-layer",
+        "PP same layer on both workers (TP-like)",
+        request([W(llama(4), 2 * GIB), W(llama(4), 3 * GIB)], pp=2),
+    )
+    c.add(
+        cat,
+        "pp-empty-worker",
+        "PP with a worker that has no layers",
+        request([W(llama(4), 2 * GIB), W([], 3 * GIB)], pp=2),
+    )
+    c.add(
+        cat,
+        "pp-one-tight",
+        "PP one worker too small: error names it",
+        request([W(llama(16), 20 * GIB), W(llama(16, prefix="m2"), 100 * MIB)], pp=2),
+    )
+    c.add(
+        cat,
+        "pp-autofit",
+        "PP auto-fit limited by the smaller worker",
+        request(
+            [W(llama(16), 2 * GIB), W(llama(16, prefix="m2"), GIB)],
+            pp=2,
+            max_model_len=-1,
+            derived=131072,
+        ),
+    )
+    c.add(
+        cat,
+        "pp-ranks-reversed",
+        "PP workers listed in reverse rank order",
+        request([W(llama(8, prefix="b"), 3 * GIB, rank=1), W(llama(8), 2 * GIB, rank=0)], pp=2),
+    )
+    c.add(
+        cat,
+        "pp-mamba",
+        "PP hybrid Mamba + F",
+        request(
+            [
+                W([mamba(f"m.{i}") for i in range(3)] + [full("f.0")], 2 * GIB),
+                W([mamba(f"m.{i}") for i in range(3, 6)] + [full("f.1")], 2 * GIB),
+            ],
+            pp=2,
+            mamba_align=True,
+        ),
+    )
+    c.add(
+        cat,
+        "pp-packed",
+        "PP on the packed path (BLHNC)",
+        request(
+            [
+                W(dsv4_packed(4), GIB),
+                W(
+                    dsv4_packed(4)[:0]
+                    + [sw_mla(f"b.{i}.swa", 128, block=64) for i in range(4)]
+                    + [
+                        mla(f"b.{i}.mla", block=256, a={"tokens": 4 if i % 2 == 0 else 128})
+                        for i in range(4)
+                    ],
+                    2 * GIB,
+                ),
+            ],
+            pp=2,
+            layout="BLHNC",
+        ),
+    )
+    c.add(
+        cat,
+        "pp-async-v2",
+        "PP 2 async V2 runner, SW layers",
+        request(
+            [
+                W(pattern(8, lambda i: i % 2 == 0, lambda n: sw(n, 2048)), 4 * GIB),
+                W([sw(f"b.{i}", 2048) if i % 2 else full(f"b.{i}") for i in range(8)], 4 * GIB),
+            ],
+            pp=2,
+            async_scheduling=True,
+            v2_runner=True,
+            max_model_len=32768,
+        ),
+    )
+
+
+def _spec_decode(c: Cases) -> None:
+    cat = "spec_decode"
+    methods = ["eagle", "eagle3", "mtp", "dspark", "dflash", "ngram", "suffix", "draft_model"]
+    targets: list[tuple[str, Callable[[bool], list[Layer]], bool]] = [
+        ("uniform", lambda d: [*llama(8), full("draft.0", draft=d)], False),
+        ("uniform-type", lambda d: [*llama(8), full("draft.0", 4, draft=d)], False),
+        (
+            "hybrid",
+            lambda d: (
+                [
+                    *pattern(12, lambda i: i % 3 == 0, lambda n: sw(n, 1024)),
+                    full("draft.0", draft=d),
+                ]
+            ),
+            False,
+        ),
+        (
+            "hybrid-sw-draft",
+            lambda d: (
+                [
+                    *pattern(12, lambda i: i % 3 == 0, lambda n: sw(n, 1024)),
+                    sw("draft.0", 1024, draft=d),
+                ]
+            ),
+            False,
+        ),
+        ("qwen35", lambda d: qwen35(draft=d), True),
+        (
+            "mamba-gdn",
+            lambda d: (
+                [mamba(f"m.{i}", padded=65536) for i in range(6)]
+                + [full("f.0"), full("f.1"), full("draft.0", draft=d)]
+            ),
+            True,
+        ),
+    ]
+    for tname, build, align in targets:
+        for method in methods:
+            for draft in (False, True):
+                if method in ("ngram", "suffix") and draft:
+                    continue
+                c.add(
+                    cat,
+                    f"{tname}-{method}-{'draft' if draft else 'nodraft'}",
+                    f"{tname} target, {method}, is_draft={draft}",
+                    request(
+                        W(build(draft), 4 * GIB),
+                        method=method,
+                        spec_tokens=c.pick([1, 2, 3, 4]),
+                        mamba_align=align,
+                    ),
+                )
+    for tname, build, align in targets:
+        for method in ("eagle", "mtp", "dspark"):
+            c.add(
+                cat,
+                f"{tname}-{method}-nodrop",
+                f"{tname}, {method}, disable_eagle_block_drop",
+                request(
+                    W(build(True), 4 * GIB),
+                    method=method,
+                    disable_block_drop=True,
+                    mamba_align=align,
+                ),
+            )
+    # Multi-module MTP: extra retained tokens on sliding windows.
+    for k, nextn in ((1, 1), (3, 1), (3, 3), (4, 2), (5, 5), (2, 4)):
+        c.add(
+            cat,
+            f"mtp-multi-k{k}-n{nextn}",
+            f"MTP k={k} nextn={nextn} with SW layers",
+            request(
+                W(
+                    [
+                        *pattern(12, lambda i: i % 3 == 0, lambda n: sw(n, 512)),
+                        sw("mtp.0", 512, draft=True),
+                    ],
+                    4 * GIB,
+                ),
+                method="mtp",
+                spec_tokens=k,
+                nextn=nextn,
+                batched=2048,
+                max_model_len=32768,
+            ),
+        )
+        c.add(
+            cat,
+            f"mtp-multi-swmla-k{k}-n{nextn}",
+            f"MTP k={k} nextn={nextn} SW-MLA",
+            request(
+                W(
+                    [sw_mla(f"s.{i}", 128) for i in range(4)] + [mla(f"m.{i}") for i in range(4)],
+                    4 * GIB,
+                ),
+                method="mtp",
+                spec_tokens=k,
+                nextn=nextn,
+                max_model_len=16384,
+            ),
+        )
+    c.add(
+        cat,
+        "eagle-multi-module-flag",
+        "eagle with nextn 3 (not MTP: lookahead 1)",
+        request(
+            W(pattern(6, lambda i: i % 3 == 0, lambda n: sw(n, 512)), 4 * GIB),
+            method="eagle",
+            spec_tokens=3,
+            nextn=3,
+        ),
+    )
+    for mt in ("deepseek_v4", "deepseek_v41", "qwen3_5", ""):
+        c.add(
+            cat,
+            f"trailing-{mt or 'none'}-eagle",
+            f"trailing-layer rule candidate, target {mt}",
+            request(
+                W(dsv4_packed(mtp=True), 2 * GIB),
+                layout="BLHNC",
+                method="eagle",
+                target_model_type=mt,
+            ),
+        )
+    c.add(
+        cat,
+        "alternating-eagle3-nodraft",
+        "SW/F + eagle3 without draft: every group drops",
+        request(
+            W(pattern(12, lambda i: i % 2 == 0, lambda n: sw(n, 128)), 4 * GIB), method="eagle3"
+        ),
+    )
+
+
+def _memory(c: Cases) -> None:
+    cat = "memory"
+    hybrid = pattern(30, lambda i: i % 3 == 0, lambda n: sw(n, 4096))
+    for i in range(12):
+        mem = c.pick([0, 1, 65535, 2 * MIB, 100 * MIB, 512 * MIB, GIB, 2 * GIB + 1])
+        mml = c.pick([1024, 8192, 32768, 131072])
+        layers = llama() if i % 2 == 0 else hybrid
+        c.add(
+            cat,
+            f"tight-{i:02d}",
+            f"tight memory {mem} B len {mml}",
+            request(W(layers, mem), max_model_len=mml, batched=8192),
+        )
+    c.add(
+        cat,
+        "negative",
+        "non-KV above the budget: negative available",
+        request(W(llama(), total=80 * GIB, utilization=0.5, non_kv=(40 * GIB, GIB, 0, 0))),
+    )
+    c.add(
+        cat,
+        "default-utilization",
+        "no memory fields: utilization 0.92 of 80 GiB",
+        request(W(llama(), total=80 * GIB)),
+    )
+    for i, util in enumerate((0.3, 0.5, 0.85, 0.9, 0.95, 1.0)):
+        c.add(
+            cat,
+            f"util-{i}",
+            f"utilization {util}, weights + activation + non-torch + graphs",
+            request(
+                W(
+                    llama(),
+                    total=c.pick([24 * GIB, 80 * GIB, 141 * GIB]),
+                    utilization=util,
+                    non_kv=(c.pick([2, 8, 16]) * GIB, 512 * MIB, 300 * MIB, 100 * MIB),
+                )
+            ),
+        )
+    for i, override in enumerate((1, 2, 64, 513, 1000, 100000)):
+        c.add(
+            cat,
+            f"override-{i}",
+            f"num_gpu_blocks_override {override}",
+            request(W(llama(), 54 * GIB), override=override),
+        )
+    c.add(
+        cat,
+        "override-hybrid",
+        "override on hybrid",
+        request(W(hybrid, 54 * GIB), override=5000, max_model_len=32768),
+    )
+    for i in range(10):
+        derived = c.pick([4096, 32768, 131072, 1 << 20])
+        mem = c.pick([64 * MIB, 512 * MIB, GIB, 5 * GIB, 80 * GIB])
+        layers = [
+            llama(),
+            hybrid,
+            pattern(62, lambda j: j % 6 == 5, lambda n: sw(n, 1024, 16), heads=16),
+        ][i % 3]
+        c.add(
+            cat,
+            f"autofit-{i:02d}",
+            f"auto-fit derived {derived}, {mem} B",
+            request(W(layers, mem), max_model_len=-1, derived=derived, batched=8192),
+        )
+    c.add(
+        cat,
+        "autofit-impossible",
+        "auto-fit with one block of memory",
+        request(W(llama(), 2 * 2097152), max_model_len=-1, derived=8192),
+    )
+    c.add(
+        cat,
+        "autofit-override",
+        "auto-fit with override",
+        request(W(llama(), 54 * GIB), max_model_len=-1, derived=131072, override=3000),
+    )
+    c.add(
+        cat,
+        "autofit-mamba-none",
+        "auto-fit Mamba none mode (block = derived)",
+        request(
+            W([mamba(f"m.{i}") for i in range(3)] + [full("f.0", 2, 64)], GIB),
+            max_model_len=-1,
+            derived=65536,
+        ),
+    )
+    c.add(
+        cat,
+        "exactly-one-request",
+        "memory exactly one request + null block",
+        request(W(llama(), 512 * 2097152 + 2097152)),
+    )
+    c.add(
+        cat,
+        "one-short",
+        "memory one byte short of one request + null block",
+        request(W(llama(), 512 * 2097152 + 2097152 - 1)),
+    )
+
+
+def _parallel(c: Cases) -> None:
+    cat = "parallel"
+    for dcp in (2, 4, 8):
+        c.add(
+            cat,
+            f"dcp{dcp}-full",
+            f"DCP {dcp}, F layers",
+            request(W(llama(8), 4 * GIB), dcp=dcp, tp=dcp, max_model_len=32768),
+        )
+        c.add(
+            cat,
+            f"dcp{dcp}-replicated",
+            f"DCP {dcp}, F not DCP-sharded",
+            request(W(llama(8, a={"dcp_sharded": False}), 4 * GIB), dcp=dcp, tp=dcp),
+        )
+        c.add(
+            cat,
+            f"dcp{dcp}-sw",
+            f"DCP {dcp} with SW (assertion)",
+            request(W([full("f.0"), sw("s.0", 1024)], 4 * GIB), dcp=dcp, tp=dcp),
+        )
+        c.add(
+            cat,
+            f"dcp{dcp}-sw-replicated",
+            f"DCP {dcp} with replicated SW",
+            request(
+                W([full("f.0"), sw("s.0", 1024, a={"dcp_sharded": False})], 4 * GIB),
+                dcp=dcp,
+                tp=dcp,
+            ),
+        )
+        c.add(
+            cat,
+            f"dcp{dcp}-mamba",
+            f"DCP {dcp} Mamba + F",
+            request(
+                W([mamba("m.0"), mamba("m.1"), full("f.0", 2, 64)], 4 * GIB),
+                dcp=dcp,
+                tp=dcp,
+                mamba_align=True,
+            ),
+        )
+        c.add(
+            cat,
+            f"dcp{dcp}-draft-replicated",
+            f"DCP {dcp} with replicated draft, BLHNC",
+            request(
+                W([*llama(4), full("d.0", 4, a={"dcp_sharded": False}, draft=True)], 4 * GIB),
+                dcp=dcp,
+                tp=dcp,
+                layout="BLHNC",
+                method="eagle",
+            ),
+        )
+    for tp, shards in ((2, 1), (4, 2), (8, 1), (8, 8), (4, 3)):
+        c.add(
+            cat,
+            f"tp{tp}-shards{shards}",
+            f"TP {tp}, max_tp_shards {shards}",
+            request(W(llama(4, a={"tp_shards": shards}), 4 * GIB), tp=tp),
+        )
+    c.add(
+        cat,
+        "tp-mixed-shards",
+        "TP 8, layers with shards 2 and 4",
+        request(
+            W([full("f.0", a={"tp_shards": 2}), full("f.1", a={"tp_shards": 4})], 4 * GIB),
+            tp=8,
+            layout="BLHNC",
+        ),
+    )
+    for async_, v2, pp in (
+        (True, False, 1),
+        (True, True, 1),
+        (True, False, 2),
+        (True, True, 2),
+        (False, True, 2),
+        (False, False, 3),
+    ):
+        workers = [
+            W(pattern(6, lambda i: i % 3 == 0, lambda n, w=w: sw(f"w{w}.{n}", 2048)), 4 * GIB)
+            for w in range(pp)
+        ]
+        c.add(
+            cat,
+            f"async{int(async_)}-v2{int(v2)}-pp{pp}",
+            f"async={async_} v2={v2} pp={pp}: in-flight tokens",
+            request(
+                workers,
+                async_scheduling=async_,
+                v2_runner=v2,
+                pp=pp,
+                batched=4096,
+                max_model_len=65536,
+            ),
+        )
+
+
+def _mamba(c: Cases) -> None:
+    cat = "mamba"
+    for align in (True, False):
+        mode = "align" if align else "none"
+        for spec_blocks, ckpt in ((0, 0), (2, 0), (0, 3), (1, 1)):
+            c.add(
+                cat,
+                f"only-{mode}-s{spec_blocks}-c{ckpt}",
+                f"Mamba only, {mode}, spec {spec_blocks}, checkpoint {ckpt}",
+                request(
+                    W(
+                        [
+                            mamba(f"m.{i}", spec_blocks=spec_blocks, checkpoint_blocks=ckpt)
+                            for i in range(4)
+                        ],
+                        GIB,
+                    ),
+                    mamba_align=align,
+                ),
+            )
+        c.add(
+            cat,
+            f"gdn-hybrid-{mode}",
+            f"GDN 3:1 hybrid, {mode}",
+            request(
+                W(
+                    [
+                        full(f"l.{i}", 2, 256, block=272)
+                        if i % 4 == 3
+                        else mamba(
+                            f"l.{i}",
+                            GDN_STATES,
+                            padded=557056,
+                            block=272,
+                            mamba_type=spec_pb2.MAMBA_TYPE_GDN_ATTENTION,
+                        )
+                        for i in range(16)
+                    ],
+                    8 * GIB,
+                ),
+                mamba_align=align,
+                max_model_len=32768,
+            ),
+        )
+        c.add(
+            cat,
+            f"unpadded-hybrid-{mode}",
+            f"Mamba without padding next to F, {mode}",
+            request(
+                W([mamba(f"m.{i}") for i in range(3)] + [full("f.0", 2, 64)] * 1, GIB),
+                mamba_align=align,
+            ),
+        )
+        c.add(
+            cat,
+            f"types-{mode}",
+            f"Mamba1 + ShortConv (different types), {mode}",
+            request(
+                W(
+                    [
+                        mamba("a.0", mamba_type=spec_pb2.MAMBA_TYPE_MAMBA1),
+                        mamba("b.0", mamba_type=spec_pb2.MAMBA_TYPE_SHORT_CONV),
+                        full("f.0", 2, 64),
+                    ],
+                    GIB,
+                ),
+                mamba_align=align,
+            ),
+        )
+        c.add(
+            cat,
+            f"different-pages-{mode}",
+            f"two Mamba page sizes + F, {mode}",
+            request(
+                W([mamba("a.0"), mamba("b.0", [([1024], "fp32")]), full("f.0", 2, 64)], GIB),
+                mamba_align=align,
+            ),
+        )
+    c.add(
+        cat,
+        "tp-replicated",
+        "Mamba tp_replicated next to sharded Mamba",
+        request(
+            W([mamba("a.0"), mamba("b.0", tp_replicated=True), full("f.0", 2, 64)], GIB),
+            mamba_align=True,
+            tp=2,
+        ),
+    )
+    c.add(
+        cat,
+        "heads",
+        "Mamba num_heads 4",
+        request(W([mamba("a.0", heads=4), mamba("a.1", heads=4)], GIB), mamba_align=True),
+    )
+    c.add(
+        cat,
+        "checkpoint-alignment",
+        "Mamba prefill_checkpoint_alignment 64",
+        request(
+            W(
+                [
+                    mamba("a.0", checkpoint_alignment=64, checkpoint_blocks=1),
+                    mamba("a.1", checkpoint_alignment=64, checkpoint_blocks=1),
+                ],
+                GIB,
+            ),
+            mamba_align=True,
+        ),
+    )
+    c.add(
+        cat,
+        "padded-below",
+        "Mamba page_size_padded below the real page (assertion)",
+        request(W([mamba("a.0", padded=100)], GIB), mamba_align=True),
+    )
+    c.add(
+        cat,
+        "explicit-block",
+        "Mamba with explicit block size in none mode",
+        request(W([mamba("a.0", block=64), full("f.0", block=64)], GIB)),
+    )
+    c.add(
+        cat,
+        "none-mode-prefix-caching",
+        "Mamba none mode with prefix caching on",
+        request(W([mamba("a.0"), full("f.0", 2, 64)], GIB), prefix_caching=True),
+    )
+    c.add(
+        cat,
+        "tight",
+        "Mamba hybrid, tight memory",
+        request(
+            W([mamba(f"m.{i}") for i in range(3)] + [full("f.0")], 300 * 65536), mamba_align=True
+        ),
+    )
+
+
+def _kinds(c: Cases) -> None:
+    cat = "kinds"
+    c.add(
+        cat,
+        "cross-only",
+        "cross-attention only",
+        request(W([cross(f"x.{i}") for i in range(4)], GIB), encoder_tokens=1500),
+    )
+    c.add(
+        cat,
+        "cross-default-encoder",
+        "cross-attention, encoder tokens default (batched)",
+        request(W([cross(f"x.{i}") for i in range(4)], GIB), batched=4096),
+    )
+    c.add(
+        cat,
+        "encoder-only-mixed",
+        "decoder F + encoder-only layers (excluded)",
+        request(W(llama(4) + [encoder_only(f"e.{i}") for i in range(4)], GIB)),
+    )
+    c.add(
+        cat,
+        "circular-only",
+        "circular buffer only",
+        request(W([circular(f"r.{i}", block=8) for i in range(2)], GIB)),
+    )
+    c.add(
+        cat,
+        "circular-sw",
+        "circular + SW",
+        request(W([circular("r.0", 8, 128), sw("s.0", 128)], GIB)),
+    )
+    c.add(
+        cat,
+        "sink-only",
+        "sink full attention only",
+        request(W([sink(f"k.{i}", 32) for i in range(4)], GIB)),
+    )
+    c.add(
+        cat,
+        "sink-window-meta",
+        "sink with sliding_window metadata",
+        request(W([sink("k.0"), full("f.0", window=1024)], GIB)),
+    )
+    c.add(cat, "rswa-only", "RSWA only", request(W([rswa(f"r.{i}", 256) for i in range(4)], GIB)))
+    c.add(
+        cat,
+        "rswa-two-windows",
+        "RSWA with two windows (merge assertion)",
+        request(W([rswa("r.0", 256), rswa("r.1", 512)], GIB)),
+    )
+    c.add(cat, "hidden-only", "hidden-state cache only", request(W([hidden("h.0", 1, 4096)], GIB)))
+    c.add(
+        cat,
+        "chunked-only",
+        "chunked local attention only",
+        request(W([chunked(f"c.{i}", 8192) for i in range(4)], GIB), max_model_len=32768),
+    )
+    c.add(
+        cat,
+        "chunked-two-sizes",
+        "chunked 4096 + 8192",
+        request(W([chunked("c.0", 4096), chunked("c.1", 8192)], GIB), max_model_len=32768),
+    )
+    c.add(
+        cat,
+        "sw-only",
+        "sliding window only",
+        request(W([sw(f"s.{i}", 4096) for i in range(4)], GIB), max_model_len=131072),
+    )
+    c.add(cat, "no-workers", "no workers at all", request([], max_model_len=8192))
+    c.add(cat, "empty-worker", "one worker without layers", request(W([], GIB)))
+    c.add(
+        cat,
+        "all-kinds",
+        "one layer of every kind, BLHNC",
+        request(
+            W(
+                [
+                    full("a"),
+                    mla("b"),
+                    sw("c", 512),
+                    sw_mla("d", 128),
+                    chunked("e", 2048),
+                    sink("f"),
+                    rswa("g"),
+                    hidden("h", 1, 4096),
+                    cross("i"),
+                    encoder_only("j"),
+                    circular("k", block=16),
+                    mamba("l"),
+                ],
+                4 * GIB,
+            ),
+            layout="BLHNC",
+            mamba_align=True,
+        ),
+    )
+    c.add(
+        cat,
+        "all-kinds-lbnhc",
+        "one layer of every kind, LBNHC",
+        request(
+            W(
+                [
+                    full("a"),
+                    mla("b"),
+                    sw("c", 512),
+                    sw_mla("d", 128),
+                    chunked("e", 2048),
+                    sink("f"),
+                    rswa("g"),
+                    hidden("h", 1, 4096),
+                    cross("i"),
+                    encoder_only("j"),
+                    circular("k", block=16),
+                    mamba("l"),
+                ],
+                4 * GIB,
+            ),
+            mamba_align=True,
+        ),
+    )
+
+
+def _scenario_files(c: Cases) -> None:
+    if not SCENARIO_DIR.is_dir():
+        return
+    for path in sorted(SCENARIO_DIR.glob("*.json")):
+        data = json.loads(path.read_text())
+        req = json_format.ParseDict(data["request"], plan_pb2.PlanRequest())
+        c.add("scenarios", path.stem, f"{data.get('reference', '')} {data.get('name', '')}", req)
+
+
+SECTIONS: tuple[Callable[[Cases], None], ...] = (
+    _reference,
+    _uniform,
+    _uniform_type,
+    _hybrid,
+    _page_unify,
+    _mla,
+    _packed,
+    _layout_errors,
+    _disable_hybrid,
+    _pipeline,
+    _spec_decode,
+    _memory,
+    _parallel,
+    _mamba,
+    _kinds,
+    _scenario_files,
+)
+
+
+def generate_cases(seed: int = 20260, *, scenarios: bool = True) -> list[Case]:
+    cases = Cases(seed)
+    for section in SECTIONS:
+        if section is _scenario_files and not scenarios:
+            continue
+        section(cases)
+    return cases.items
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=20260)
+    parser.add_argument("--out", type=Path, help="write the cases as JSON lines")
+    parser.add_argument("--list", action="store_true", help="print id and description")
+    args = parser.parse_args(argv)
+    cases = generate_cases(args.seed)
+    if args.out:
+        with args.out.open("w") as fh:
+            for case in cases:
+                fh.write(json.dumps(case.to_json()) + "\n")
+    if args.list:
+        for case in cases:
+            print(f"{case.id:55s} {case.description}")
+    counts: dict[str, int] = {}
+    for case in cases:
+        counts[case.category] = counts.get(case.category, 0) + 1
+    print(
+        f"{len(cases)} cases: " + ", ".join(f"{k} {v}" for k, v in counts.items()), file=sys.stderr
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

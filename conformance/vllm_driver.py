@@ -1,0 +1,704 @@
+"""Plan a kvplan `PlanRequest` with vLLM 0.33.0's own planner.
+
+Runs inside the reference virtual environment (vllm + CPU torch + protobuf), with
+the repository root on `sys.path` so `kvplan.v1` (the generated protobuf modules)
+imports. Nothing here copies vLLM code: it builds vLLM's inputs from a request the
+way kvplan reads it, calls vLLM's planning functions in the order the engine core
+does, and turns their results into a plain dict (see `plan_with_vllm`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+# vllm.config must be imported before the attention registry (circular import).
+import torch  # noqa: E402
+import vllm.config  # noqa: E402
+import vllm.logger  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.config.attention import AttentionConfig  # noqa: E402
+from vllm.v1.attention.backend import MultipleOf  # noqa: E402
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
+from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder  # noqa: E402
+from vllm.v1.core.kv_cache_planning import (  # noqa: E402
+    _max_memory_usage_bytes_from_groups,
+    _pool_bytes_per_block_from_builder,
+    get_global_kv_cache_groups,
+    get_kv_cache_configs,
+)
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    generate_scheduler_kv_cache_config,
+    get_kv_cache_capacity,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    HiddenStateCacheSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVQuantMode,
+    MambaSpec,
+    MLAAttentionSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    SparseCacheRole,
+    UniformTypeKVCacheSpecs,
+)
+
+from kvplan.v1 import plan_pb2, spec_pb2  # noqa: E402
+
+Json = dict[str, Any]
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+
+# vLLM memory errors, recognised by how their messages start.
+MEMORY_ERROR_PREFIXES = (
+    "No available memory for the cache blocks",
+    "To serve at least one request",
+    "Cannot auto-fit max_model_len",
+)
+
+_STORAGE: dict[int, torch.dtype] = {
+    spec_pb2.DTYPE_FLOAT32: torch.float32,
+    spec_pb2.DTYPE_FLOAT16: torch.float16,
+    spec_pb2.DTYPE_BFLOAT16: torch.bfloat16,
+    spec_pb2.DTYPE_UINT8: torch.uint8,
+    spec_pb2.DTYPE_INT8: torch.int8,
+    spec_pb2.DTYPE_FLOAT8_E4M3FN: torch.float8_e4m3fn,
+    spec_pb2.DTYPE_FLOAT8_E5M2: torch.float8_e5m2,
+}
+
+_MAMBA_TYPES: dict[int, MambaAttentionBackendEnum] = {
+    spec_pb2.MAMBA_TYPE_MAMBA2: MambaAttentionBackendEnum.MAMBA2,
+    spec_pb2.MAMBA_TYPE_MAMBA1: MambaAttentionBackendEnum.MAMBA1,
+    spec_pb2.MAMBA_TYPE_SHORT_CONV: MambaAttentionBackendEnum.SHORT_CONV,
+    spec_pb2.MAMBA_TYPE_LINEAR: MambaAttentionBackendEnum.LINEAR,
+    spec_pb2.MAMBA_TYPE_GDN_ATTENTION: MambaAttentionBackendEnum.GDN_ATTN,
+    spec_pb2.MAMBA_TYPE_CUSTOM: MambaAttentionBackendEnum.CUSTOM,
+}
+
+# Warning codes (kvplan's WarningCode names) for the vLLM log lines that mean the same.
+WARNING_PATTERNS: tuple[tuple[str, str], ...] = (
+    ("padding layers, may waste at most", "PADDING_LAYERS"),
+    ("KV cache page sizes cannot be unified", "FULL_ALLOCATION_FALLBACK"),
+    ("Hybrid KV cache manager is disabled", "HYBRID_MANAGER_DISABLED"),
+    ("could be identified as the draft model's", "NO_DRAFT_GROUP_MAMBA"),
+    ("Auto-fit max_model_len: reduced", "MAX_MODEL_LEN_AUTO_FIT"),
+)
+
+
+def enum_suffix(enum_type: Any, value: int, prefix: str) -> str:
+    """`KV_CACHE_DTYPE_FP8_DS_MLA` -> "fp8_ds_mla"."""
+    name: str = enum_type.Name(value)
+    return name.removeprefix(prefix).lower()
+
+
+def engine_cache_dtype(options: plan_pb2.EngineOptions) -> torch.dtype:
+    """The storage dtype a DTYPE_UNSPECIFIED layer inherits."""
+    cache = options.cache_dtype
+    if cache == spec_pb2.KV_CACHE_DTYPE_AUTO:
+        if options.model_dtype == spec_pb2.DTYPE_UNSPECIFIED:
+            return torch.bfloat16
+        return _STORAGE[options.model_dtype]
+    direct = {
+        spec_pb2.KV_CACHE_DTYPE_FLOAT16: torch.float16,
+        spec_pb2.KV_CACHE_DTYPE_BFLOAT16: torch.bfloat16,
+        spec_pb2.KV_CACHE_DTYPE_FLOAT32: torch.float32,
+        spec_pb2.KV_CACHE_DTYPE_INT8_PER_TOKEN_HEAD: torch.int8,
+        spec_pb2.KV_CACHE_DTYPE_FP8_INC: torch.float8_e4m3fn,
+    }
+    return direct.get(cache, torch.uint8)
+
+
+# --- captured log lines ------------------------------------------------------------
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.records: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.levelno, record.getMessage()))
+
+
+_CAPTURE = _Capture()
+
+
+def _install_capture() -> None:
+    """Route vLLM's log lines into `_CAPTURE` only (quiet console)."""
+    root = logging.getLogger("vllm")
+    for handler in list(root.handlers):
+        if handler is not _CAPTURE:
+            root.removeHandler(handler)
+    if _CAPTURE not in root.handlers:
+        root.addHandler(_CAPTURE)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+def _reset_log_once() -> None:
+    """vLLM's *_once helpers are lru_cached per process; forget what they saw."""
+    for name in ("_print_debug_once", "_print_info_once", "_print_warning_once"):
+        fn = getattr(vllm.logger, name, None)
+        if fn is not None and hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+
+
+_PADDING_RE = re.compile(r"Add (\d+) padding layers, may waste at most ([0-9.]+)%")
+
+
+def classify_warning(message: str) -> str | None:
+    for needle, code in WARNING_PATTERNS:
+        if needle in message:
+            return code
+    return None
+
+
+# --- the config object the planner reads -------------------------------------------
+
+
+class PlannerConfig:
+    """Stands in for `VllmConfig` (which cannot be built without a model and a GPU).
+
+    The attributes the planner reads are real vLLM sub-configs; the derived
+    properties are VllmConfig's own property objects, so their rules are vLLM's.
+    """
+
+    max_concurrent_batches = VllmConfig.max_concurrent_batches
+    max_in_flight_tokens = VllmConfig.max_in_flight_tokens
+    num_speculative_tokens = VllmConfig.num_speculative_tokens
+    num_prefill_lookahead_tokens = VllmConfig.num_prefill_lookahead_tokens
+
+    def __init__(
+        self,
+        *,
+        model_config: Any,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        parallel_config: ParallelConfig,
+        speculative_config: SpeculativeConfig | None,
+        use_v2_model_runner: bool,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.parallel_config = parallel_config
+        self.speculative_config = speculative_config
+        self.attention_config = AttentionConfig()
+        self.device_config = SimpleNamespace(device_type="cuda")
+        self.kv_transfer_config = None
+        self.diffusion_config = None
+        self.use_v2_model_runner = use_v2_model_runner
+
+
+def _speculative_config(spec: plan_pb2.SpecDecodeConfig) -> SpeculativeConfig | None:
+    """A SpeculativeConfig without its heavy __init__ (which loads the draft model):
+    only the fields its predicates (use_eagle, use_eagle_block_drop,
+    use_multi_module_mtp) read are set, so those predicates run unchanged."""
+    if spec.method == plan_pb2.SPEC_DECODE_METHOD_NONE:
+        return None
+    method = enum_suffix(plan_pb2.SpecDecodeMethod, spec.method, "SPEC_DECODE_METHOD_")
+    n_predict = spec.num_nextn_predict_layers if spec.HasField("num_nextn_predict_layers") else 1
+    config = object.__new__(SpeculativeConfig)
+    hf_config = SimpleNamespace(num_nextn_predict_layers=n_predict, model_type=method)
+    has_draft_model = method not in ("ngram", "suffix")
+    values = {
+        "method": method,
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "disable_eagle_block_drop": spec.disable_eagle_block_drop,
+        "disable_lookahead_block_hashes": False,
+        "num_speculative_tokens_per_batch_size": None,
+        "draft_model_config": (
+            SimpleNamespace(hf_config=hf_config, architectures=[], model=method)
+            if has_draft_model
+            else None
+        ),
+        "target_model_config": SimpleNamespace(
+            hf_config=SimpleNamespace(model_type=spec.target_model_type)
+        ),
+    }
+    for key, value in values.items():
+        object.__setattr__(config, key, value)
+    return config
+
+
+# --- layer specs ---------------------------------------------------------------------
+
+
+@dataclass
+class _LayerContext:
+    options: plan_pb2.EngineOptions
+    block_size: int
+    mamba_block_size: int
+    cache_dtype: torch.dtype
+    mamba_mode: str
+
+
+def _tokens_per_state(params: spec_pb2.AttentionParams) -> int | Fraction:
+    which = params.tokens_per_state.WhichOneof("value")
+    if which == "tokens":
+        return params.tokens_per_state.tokens
+    if which == "states_per_token":
+        k = params.tokens_per_state.states_per_token
+        return 1 if k == 1 else Fraction(1, k)
+    return 1
+
+
+def _attention_kwargs(params: spec_pb2.AttentionParams, ctx: _LayerContext, mla: bool) -> Json:
+    kwargs: Json = {
+        "num_kv_heads": params.num_kv_heads,
+        "head_size": params.head_size,
+        "dtype": ctx.cache_dtype
+        if params.dtype == spec_pb2.DTYPE_UNSPECIFIED
+        else _STORAGE[params.dtype],
+        "kv_quant_mode": KVQuantMode(params.kv_quant_mode),
+        "tokens_per_state": _tokens_per_state(params),
+        "dcp_sharded": params.dcp_sharded if params.HasField("dcp_sharded") else True,
+    }
+    if not mla:
+        kwargs["head_size_v"] = (
+            params.head_size_v if params.HasField("head_size_v") else params.head_size
+        )
+    if params.HasField("page_size_padded_bytes"):
+        kwargs["page_size_padded"] = params.page_size_padded_bytes
+    if params.HasField("num_head_slots"):
+        kwargs["num_head_slots"] = params.num_head_slots
+    if params.HasField("state_content_bytes"):
+        kwargs["state_content_bytes"] = params.state_content_bytes
+    if params.HasField("max_tp_shards"):
+        kwargs["max_tp_shards"] = params.max_tp_shards
+    return kwargs
+
+
+def _mla_kwargs(mla: spec_pb2.MLAParams, *, with_topk: bool = True) -> Json:
+    kwargs: Json = {
+        "cache_dtype_str": enum_suffix(spec_pb2.KVCacheDtype, mla.cache_dtype, "KV_CACHE_DTYPE_"),
+        "model_version": mla.model_version or None,
+    }
+    if with_topk and mla.HasField("topk_buffer_width"):
+        kwargs["topk_buffer_width"] = mla.topk_buffer_width
+    if mla.HasField("alignment_bytes"):
+        kwargs["alignment"] = mla.alignment_bytes
+    return kwargs
+
+
+def _common_kwargs(layer: spec_pb2.LayerSpec, block_size: int) -> Json:
+    kwargs: Json = {
+        "block_size": layer.block_size if layer.HasField("block_size") else block_size,
+        "is_draft": layer.is_draft,
+    }
+    which = layer.block_stride_alignment.WhichOneof("alignment")
+    if which == "bytes":
+        kwargs["block_stride_alignment"] = layer.block_stride_alignment.bytes
+    elif which == "multiple_of_kernel_block_tokens":
+        kwargs["block_stride_alignment"] = MultipleOf(
+            layer.block_stride_alignment.multiple_of_kernel_block_tokens
+        )
+    return kwargs
+
+
+def build_layer_spec(layer: spec_pb2.LayerSpec, ctx: _LayerContext) -> KVCacheSpec | None:
+    """The vLLM spec kvplan's reading of `layer` corresponds to (None: encoder-only)."""
+    kind = layer.WhichOneof("kind")
+    if kind == "encoder_only_attention":
+        return None
+    if kind == "mamba":
+        body = layer.mamba
+        kwargs = _common_kwargs(layer, ctx.mamba_block_size)
+        kwargs.update(
+            shapes=tuple(tuple(int(d) for d in state.shape) for state in body.states),
+            dtypes=tuple(_STORAGE[state.dtype] for state in body.states),
+            mamba_type=_MAMBA_TYPES[body.mamba_type],
+            mamba_cache_mode=ctx.mamba_mode,
+            num_speculative_blocks=body.num_speculative_blocks,
+            num_prefill_checkpoint_blocks=body.num_prefill_checkpoint_blocks,
+            num_heads=body.num_heads or 1,
+            tp_replicated=body.tp_replicated,
+        )
+        if body.HasField("page_size_padded_bytes"):
+            kwargs["page_size_padded"] = body.page_size_padded_bytes
+        if body.HasField("prefill_checkpoint_alignment"):
+            kwargs["prefill_checkpoint_alignment"] = body.prefill_checkpoint_alignment
+        return MambaSpec(**kwargs)
+    common = _common_kwargs(layer, ctx.block_size)
+    if kind == "full_attention":
+        b = layer.full_attention
+        extra: Json = {"non_causal": b.non_causal}
+        if b.HasField("sliding_window"):
+            extra["sliding_window"] = b.sliding_window
+        if b.HasField("attention_chunk_size"):
+            extra["attention_chunk_size"] = b.attention_chunk_size
+        return FullAttentionSpec(**common, **_attention_kwargs(b.attention, ctx, False), **extra)
+    if kind == "mla_attention":
+        m = layer.mla_attention
+        return MLAAttentionSpec(
+            **common,
+            **_attention_kwargs(m.attention, ctx, True),
+            **_mla_kwargs(m.mla),
+            cache_role=(
+                SparseCacheRole.INDEXER
+                if m.cache_role == spec_pb2.SPARSE_CACHE_ROLE_INDEXER
+                else SparseCacheRole.SPARSE
+            ),
+            is_index_group_leader=m.is_index_group_leader,
+            non_causal_multi_token_decode=m.non_causal_multi_token_decode,
+        )
+    if kind == "sliding_window":
+        s = layer.sliding_window
+        return SlidingWindowSpec(
+            **common, **_attention_kwargs(s.attention, ctx, False), sliding_window=s.sliding_window
+        )
+    if kind == "sliding_window_mla":
+        sm = layer.sliding_window_mla
+        return SlidingWindowMLASpec(
+            **common,
+            **_attention_kwargs(sm.attention, ctx, True),
+            **_mla_kwargs(sm.mla, with_topk=False),
+            sliding_window=sm.sliding_window,
+            bounded_replay=sm.bounded_replay,
+        )
+    if kind == "chunked_local_attention":
+        c = layer.chunked_local_attention
+        return ChunkedLocalAttentionSpec(
+            **common,
+            **_attention_kwargs(c.attention, ctx, False),
+            attention_chunk_size=c.attention_chunk_size,
+        )
+    if kind == "sink_full_attention":
+        k = layer.sink_full_attention
+        extra = {"non_causal": k.non_causal, "sink_len": k.sink_len}
+        if k.HasField("sliding_window"):
+            extra["sliding_window"] = k.sliding_window
+        if k.HasField("attention_chunk_size"):
+            extra["attention_chunk_size"] = k.attention_chunk_size
+        return SinkFullAttentionSpec(
+            **common, **_attention_kwargs(k.attention, ctx, False), **extra
+        )
+    if kind == "rswa":
+        r = layer.rswa
+        return RSWASpec(
+            **common, **_attention_kwargs(r.attention, ctx, False), rswa_window=r.rswa_window
+        )
+    if kind == "hidden_state_cache":
+        h = layer.hidden_state_cache
+        return HiddenStateCacheSpec(
+            **common, **_attention_kwargs(h.attention, ctx, True), **_mla_kwargs(h.mla)
+        )
+    if kind == "cross_attention":
+        return CrossAttentionSpec(
+            **common, **_attention_kwargs(layer.cross_attention.attention, ctx, False)
+        )
+    if kind == "circular_buffer":
+        return CircularBufferSpec(
+            **common, **_attention_kwargs(layer.circular_buffer.attention, ctx, False)
+        )
+    raise ValueError(f"layer {layer.name!r} has no spec kind")
+
+
+# --- inputs ----------------------------------------------------------------------
+
+
+@dataclass
+class VllmInputs:
+    config: PlannerConfig
+    specs: list[dict[str, KVCacheSpec]]
+    available_memory: list[int]
+    ranks: list[int]
+    encoder_only: list[list[str]] = field(default_factory=list)
+
+
+def available_kv_memory(worker: plan_pb2.WorkerSpec, table: dict[str, int] | None = None) -> int:
+    """The per-worker KV budget handed to get_kv_cache_configs (kvplan's rule)."""
+    memory = worker.memory
+    if memory.WhichOneof("budget") == "kv_cache_memory_bytes":
+        return int(memory.kv_cache_memory_bytes)
+    total = worker.device.total_memory_bytes
+    if not total and table:
+        total = {k.lower(): v for k, v in table.items()}.get(worker.device.name.lower(), 0)
+    if not total:
+        raise ValueError(f"worker rank {worker.rank}: unknown device total memory")
+    utilization = memory.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    non_kv = memory.non_kv
+    used = (
+        non_kv.weights_bytes
+        + non_kv.activation_peak_bytes
+        + non_kv.non_torch_bytes
+        + non_kv.cuda_graph_bytes
+    )
+    return math.ceil(total * utilization) - used
+
+
+def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None) -> VllmInputs:
+    """Fresh vLLM inputs for one request (vLLM mutates its configs in place)."""
+    o = req.options
+    block_size = o.block_size or DEFAULT_BLOCK_SIZE
+    auto_fit = o.max_model_len == -1
+    if auto_fit:
+        max_model_len = int(o.derived_max_model_len)
+        original = -1
+    else:
+        max_model_len = int(o.max_model_len)
+        original = max_model_len
+    batched = o.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    align = o.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN
+    prefix_caching = o.enable_prefix_caching if o.HasField("enable_prefix_caching") else True
+
+    cache_config = CacheConfig(
+        block_size=block_size,
+        mamba_cache_mode="align" if align else "none",
+        enable_prefix_caching=prefix_caching,
+    )
+    if o.HasField("num_gpu_blocks_override"):
+        cache_config.num_gpu_blocks_override = int(o.num_gpu_blocks_override)
+    if o.HasField("prefix_match_unit"):
+        cache_config.prefix_match_unit = o.prefix_match_unit
+    # The engine core resolves the layout once; a layout already on the cache
+    # config wins outright, which is how kvplan takes it (as given).
+    layout_name = plan_pb2.KVCacheLayout.Name(o.layout).removeprefix("KV_CACHE_LAYOUT_")
+    cache_config.kv_cache_layout = layout_name
+
+    scheduler_config = SchedulerConfig(
+        max_model_len=max_model_len,
+        is_encoder_decoder=False,
+        max_num_batched_tokens=batched,
+        max_num_seqs=min(128, batched),
+        enable_chunked_prefill=True,
+        async_scheduling=o.async_scheduling,
+    )
+    scheduler_config.disable_hybrid_kv_cache_manager = o.disable_hybrid_kv_cache_manager
+    scheduler_config.max_num_encoder_input_tokens = o.max_num_encoder_input_tokens or batched
+
+    par = o.parallel
+    parallel_config = ParallelConfig(
+        tensor_parallel_size=par.tensor_parallel_size or 1,
+        pipeline_parallel_size=par.pipeline_parallel_size or 1,
+    )
+    # DCP's constructor checks want a real TP world; the planner only reads the size.
+    parallel_config.decode_context_parallel_size = par.decode_context_parallel_size or 1
+
+    model_config = SimpleNamespace(
+        max_model_len=max_model_len,
+        original_max_model_len=original,
+        supports_kv_cache_grouping=False,
+    )
+    config = PlannerConfig(
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        parallel_config=parallel_config,
+        speculative_config=_speculative_config(req.spec_decode),
+        use_v2_model_runner=o.use_v2_model_runner,
+    )
+    ctx = _LayerContext(
+        options=o,
+        block_size=block_size,
+        mamba_block_size=block_size if align else max_model_len,
+        cache_dtype=engine_cache_dtype(o),
+        mamba_mode="align" if align else "none",
+    )
+    workers = sorted(req.workers, key=lambda w: w.rank)
+    specs: list[dict[str, KVCacheSpec]] = []
+    encoder_only: list[list[str]] = []
+    for worker in workers:
+        one: dict[str, KVCacheSpec] = {}
+        skipped: list[str] = []
+        for layer in worker.layers:
+            spec = build_layer_spec(layer, ctx)
+            if spec is None:
+                skipped.append(layer.name)
+            else:
+                one[layer.name] = spec
+        specs.append(one)
+        encoder_only.append(skipped)
+    has_kv_cache = any(specs)
+    memory = [available_kv_memory(w, table) if has_kv_cache else 0 for w in workers]
+    # The engine core turns prefix caching off for non-causal layers.
+    if any(getattr(s, "non_causal", False) for one in specs for s in one.values()):
+        cache_config.enable_prefix_caching = False
+    return VllmInputs(config, specs, memory, [w.rank for w in workers], encoder_only)
+
+
+# --- normalised output ---------------------------------------------------------------
+
+
+def _spec_class(spec: KVCacheSpec) -> tuple[str, bool]:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return type(spec.first_spec).__name__, True
+    return type(spec).__name__, False
+
+
+def _group_dict(group: KVCacheGroupSpec) -> Json:
+    spec_class, uniform_type = _spec_class(group.kv_cache_spec)
+    return {
+        "layers": list(group.layer_names),
+        "spec": spec_class,
+        "uniform_type": uniform_type,
+        "block_size": int(group.kv_cache_spec.block_size),
+        "page_size_bytes": int(group.kv_cache_spec.page_size_bytes),
+        "is_draft": bool(group.is_eagle_group),
+    }
+
+
+def _worker_dict(
+    rank: int, config: KVCacheConfig, inputs: VllmInputs, encoder_only: list[str]
+) -> Json:
+    builder = get_kv_cache_config_builder(inputs.config)
+    groups = config.kv_cache_groups
+    if groups:
+        bpb = int(_pool_bytes_per_block_from_builder(builder, inputs.config, groups))
+        needed = int(_max_memory_usage_bytes_from_groups(builder, inputs.config, groups))
+    else:
+        bpb = needed = 0
+    return {
+        "rank": rank,
+        "num_blocks": int(config.num_blocks),
+        "bytes_per_block": bpb,
+        "needed_per_request_bytes": needed,
+        "kv_tp_replicas": int(config.kv_tp_replicas),
+        "encoder_only_layers": encoder_only,
+        "tensors": [
+            {
+                "size": int(t.size),
+                "layers": list(t.layers),
+                "offset": int(t.offset),
+                "layer_stride": int(t.layer_stride),
+                "block_stride": int(t.block_stride),
+            }
+            for t in config.kv_cache_tensors
+        ],
+        "groups": [
+            {"layers": list(g.layer_names), "is_draft": bool(g.is_eagle_group)} for g in groups
+        ],
+    }
+
+
+def _error_dict(exc: BaseException, stage: str) -> Json:
+    message = str(exc)
+    kind = "memory" if message.startswith(MEMORY_ERROR_PREFIXES) else "other"
+    return {"class": type(exc).__name__, "message": message, "kind": kind, "stage": stage}
+
+
+def _warnings() -> tuple[list[Json], list[list[Any]]]:
+    warnings: list[Json] = []
+    padding: list[list[Any]] = []
+    for level, message in _CAPTURE.records:
+        code = classify_warning(message)
+        if code is None:
+            continue
+        if code == "MAX_MODEL_LEN_AUTO_FIT" and level < logging.INFO:
+            continue
+        warnings.append({"code": code, "message": message})
+        if code == "PADDING_LAYERS" and (match := _PADDING_RE.search(message)):
+            padding.append([int(match.group(1)), match.group(2)])
+    return warnings, padding
+
+
+def _post_planning(inputs: VllmInputs, configs: list[KVCacheConfig]) -> Json:
+    """What the engine core derives next: scheduler view, capacity, block sizes."""
+    cfg = inputs.config
+    scheduler = generate_scheduler_kv_cache_config(configs)
+    out: Json = {"capacity": None, "block_sizes": None}
+    groups = scheduler.kv_cache_groups
+    if groups:
+        participating = [
+            g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable
+        ]
+        cfg.cache_config.block_size = min(
+            participating or [g.kv_cache_spec.block_size for g in groups]
+        )
+        tokens, concurrency = get_kv_cache_capacity(cfg, scheduler)
+        out["capacity"] = {
+            "kv_cache_size_tokens": int(tokens),
+            "max_concurrency": float(concurrency),
+        }
+    try:
+        scheduler_block, hash_block = resolve_kv_cache_block_sizes(scheduler, cfg)
+        out["block_sizes"] = {"scheduler": int(scheduler_block), "hash": int(hash_block)}
+    except Exception as exc:  # reported, not part of planning proper
+        out["block_sizes"] = {"error": _error_dict(exc, "block_sizes")}
+    return out
+
+
+def plan_with_vllm(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None) -> Json:
+    """Plan `req` with vLLM 0.33.0 and return the normalised result.
+
+    Keys: ok, error ({class, message, kind: memory|other, stage}), max_model_len,
+    num_blocks, groups, workers, capacity, block_sizes, warnings, padding.
+    """
+    _install_capture()
+    _reset_log_once()
+    _CAPTURE.records.clear()
+    result: Json = {
+        "ok": False,
+        "error": None,
+        "max_model_len": None,
+        "num_blocks": None,
+        "groups": [],
+        "workers": [],
+        "capacity": None,
+        "block_sizes": None,
+        "warnings": [],
+        "padding": [],
+    }
+    stage = "inputs"
+    try:
+        inputs = build_inputs(req, table)
+        cfg = inputs.config
+        stage = "register"
+        register_all_kvcache_specs(cfg)
+        stage = "grouping"
+        global_groups = get_global_kv_cache_groups(cfg, inputs.specs)
+        result["groups"] = [_group_dict(g) for g in global_groups]
+        stage = "configs"
+        configs = get_kv_cache_configs(cfg, inputs.specs, inputs.available_memory, global_groups)
+        stage = "post"
+        result["max_model_len"] = int(cfg.model_config.max_model_len)
+        result["num_blocks"] = int(configs[0].num_blocks) if configs else None
+        result["workers"] = [
+            _worker_dict(rank, config, inputs, enc)
+            for rank, config, enc in zip(inputs.ranks, configs, inputs.encoder_only, strict=True)
+        ]
+        result.update(_post_planning(inputs, configs))
+        result["ok"] = True
+    except Exception as exc:
+        result["error"] = _error_dict(exc, stage)
+    result["warnings"], result["padding"] = _warnings()
+    return result
+
+
+__all__ = [
+    "MEMORY_ERROR_PREFIXES",
+    "PlannerConfig",
+    "VllmInputs",
+    "build_inputs",
+    "build_layer_spec",
+    "plan_with_vllm",
+]

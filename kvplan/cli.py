@@ -1,0 +1,226 @@
+"""The `kvplan` command: offline planning, and the server entry point.
+
+Exit codes: 0 ok; 1 internal / unavailable; 2 bad input (unreadable file, bad
+YAML/JSON, INVALID_ARGUMENT); 3 FAILED_PRECONDITION; 4 RESOURCE_EXHAUSTED;
+5 NOT_FOUND.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+
+from kvplan.v1 import plan_pb2
+
+EXIT_CODES = {
+    "INVALID_ARGUMENT": 2,
+    "FAILED_PRECONDITION": 3,
+    "RESOURCE_EXHAUSTED": 4,
+    "NOT_FOUND": 5,
+}
+GIB = 1 << 30
+
+
+class InputError(Exception):
+    """A request file that cannot be read or parsed."""
+
+
+def load_request(path: str) -> plan_pb2.PlanRequest:
+    """A PlanRequest from YAML or JSON in the proto's JSON mapping."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise InputError(f"{path}: cannot read: {error.strerror}") from error
+    data: Any
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError as error:  # the client-only install has no PyYAML
+            raise InputError("reading YAML needs PyYAML (pip install 'kvplan[server]')") from error
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise InputError(f"{path}: not valid YAML: {error}") from error
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise InputError(f"{path}: not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a mapping with engine_id, options, workers")
+    try:
+        return json_format.ParseDict(data, plan_pb2.PlanRequest())
+    except json_format.ParseError as error:
+        raise InputError(f"{path}: {error}") from error
+
+
+def apply_hardware(request: plan_pb2.PlanRequest, gpu: str | None, gpu_memory: int | None) -> None:
+    """Give every worker without a known device size the named GPU / size."""
+    for worker in request.workers:
+        if worker.device.total_memory_bytes:
+            continue
+        if gpu_memory is not None:
+            worker.device.total_memory_bytes = gpu_memory
+        elif gpu is not None:
+            worker.device.name = gpu
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.2f} GiB"
+
+
+def _enum(message: Any, field: str, prefix: str) -> str:
+    descriptor = message.DESCRIPTOR.fields_by_name[field].enum_type
+    return str(descriptor.values_by_number[getattr(message, field)].name).removeprefix(prefix)
+
+
+def format_report(response: plan_pb2.PlanResponse) -> str:
+    """A readable report of a plan."""
+    diagnostics = response.diagnostics
+    lines = [
+        f"engine {response.engine_id or '-'}  plan {response.plan_id}",
+        f"grouping path: {_enum(diagnostics, 'grouping_path', 'GROUPING_PATH_').lower()}"
+        f"   max_model_len: {response.max_model_len:,}   num_blocks: {response.num_blocks:,}",
+        "",
+        f"{'group':>5}  {'kind':<24} {'layers':>6} {'block':>6} {'page bytes':>12}  draft",
+    ]
+    for group in response.groups:
+        kind: str = group.spec.WhichOneof("kind") or "-"
+        if group.uniform_type:
+            kind = f"{kind} (uniform type)"
+        draft = "-"
+        if group.is_draft:
+            draft = f"yes ({_enum(group, 'draft_rule', 'DRAFT_RULE_').lower()})"
+        padding = f"  +{group.padding_layers} padding" if group.padding_layers else ""
+        lines.append(
+            f"{group.group_id:>5}  {kind:<24} {len(group.layer_names):>6} {group.block_size:>6} "
+            f"{group.page_size_bytes:>12,}  {draft}{padding}"
+        )
+    lines.append("")
+    for worker in response.workers:
+        budget = worker.budget
+        mode = _enum(budget, "mode", "BUDGET_MODE_").lower()
+        device = worker.device_uuid or "-"
+        available = _gib(budget.available_bytes)
+        lines.append(
+            f"rank {worker.rank} ({device}): budget {mode}, available {available}"
+            + (
+                f" = {_gib(budget.requested_bytes)} requested - {_gib(budget.non_kv_bytes)} non-KV"
+                if budget.requested_bytes
+                else ""
+            )
+        )
+        lines.append(
+            f"  {worker.bytes_per_block:,} bytes/block, {worker.num_blocks:,} blocks, "
+            f"{len(worker.tensors)} tensors, {worker.kv_cache_size_tokens:,} tokens, "
+            f"max concurrency {worker.max_concurrency:.2f}x at {worker.max_model_len:,} tokens"
+        )
+        if worker.encoder_only_layers:
+            lines.append(f"  encoder-only layers (no KV cache): {len(worker.encoder_only_layers)}")
+    if diagnostics.warnings:
+        lines.append("")
+        for warning in diagnostics.warnings:
+            lines.append(f"warning: {warning.message}")
+    return "\n".join(lines)
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    from kvplan.core.errors import PlanningError
+
+    try:
+        request = load_request(args.file)
+    except InputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    apply_hardware(request, args.gpu, args.gpu_memory)
+    try:
+        if args.target:
+            response = _plan_remote(args.target, request)
+        else:
+            from kvplan.convert import plan_from_proto
+
+            response = plan_from_proto(request)
+    except PlanningError as error:
+        where = f"{error.field}: " if error.field else ""
+        print(f"error: {where}{error.message}", file=sys.stderr)
+        return EXIT_CODES.get(str(error.code), 1)
+    except RemoteError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+    if args.json:
+        print(
+            json.dumps(
+                json_format.MessageToDict(response, preserving_proto_field_name=True), indent=1
+            )
+        )
+    else:
+        print(format_report(response))
+    return 0
+
+
+class RemoteError(Exception):
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _plan_remote(target: str, request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
+    from kvplan.client import PlannerClient, PlannerError
+
+    try:
+        with PlannerClient(target) as client:
+            return client.plan(request).response
+    except PlannerError as error:
+        field = f"{error.violations[0].field}: " if error.violations else ""
+        raise RemoteError(f"{field}{error.details}", EXIT_CODES.get(error.code_name, 1)) from error
+
+
+def _serve_command(argv: Sequence[str]) -> int:
+    try:
+        from kvplan.server.main import serve_main
+    except ImportError as error:
+        print(
+            f"error: the server needs its extra dependencies (pip install 'kvplan[server]'): "
+            f"{error}",
+            file=sys.stderr,
+        )
+        return 1
+    return serve_main(list(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvplan",
+        description="Plan the KV cache of an LLM inference engine (vLLM 0.33 semantics).",
+        epilog=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan = commands.add_parser("plan", help="plan a request file (YAML or JSON)")
+    plan.add_argument("file", help="PlanRequest in the proto JSON mapping (.yaml/.yml/.json)")
+    plan.add_argument("--json", action="store_true", help="print the PlanResponse as JSON")
+    plan.add_argument("--gpu", help="device name for workers without a device size, e.g. H100-80GB")
+    plan.add_argument("--gpu-memory", type=int, help="device total memory in bytes")
+    plan.add_argument("--target", help="plan on a server at HOST:PORT instead of in-process")
+    commands.add_parser("serve", help="run the gRPC service", add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] == "serve":
+        return _serve_command(args_list[1:])
+    args = build_parser().parse_args(args_list)
+    if args.command == "plan":
+        return _plan_command(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

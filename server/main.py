@@ -1,0 +1,156 @@
+"""`kvplan serve`: the gRPC service with health, reflection and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from kvplan import __version__
+from kvplan.server.config import Settings, parse_settings
+from kvplan.server.devices import parse_inventory
+from kvplan.server.metrics import Metrics, MetricsInterceptor
+from kvplan.server.servicer import PlannerServicer
+from kvplan.v1 import service_pb2, service_pb2_grpc
+
+log = logging.getLogger("kvplan.server")
+SERVICE_NAME = service_pb2.DESCRIPTOR.services_by_name["KVCachePlanner"].full_name
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(settings: Settings) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.log_format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger("kvplan")
+    root.handlers[:] = [handler]
+    root.setLevel(settings.log_level.upper())
+    root.propagate = False
+
+
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        # Let clients ping every 30 s (the thin client's keepalive), no faster than 10 s.
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    metrics_port: int
+    health: health.aio.HealthServicer
+    servicer: PlannerServicer
+    metrics: Metrics
+    settings: Settings
+    _http: object | None = None
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: NOT_SERVING, waiting ranks get UNAVAILABLE, in-flight calls finish."""
+        await self.health.enter_graceful_shutdown()
+        self.servicer.rendezvous.drain()
+        await self.server.stop(self.settings.grace_s if grace_s is None else grace_s)
+        if self._http is not None:
+            self._http.shutdown()  # type: ignore[attr-defined]
+
+
+async def start_server(settings: Settings) -> RunningServer:
+    metrics = Metrics()
+    devices = parse_inventory(settings.devices)
+    servicer = PlannerServicer(settings, metrics, devices)
+    server = grpc.aio.server(
+        interceptors=[MetricsInterceptor(metrics)], options=server_options(settings)
+    )
+    service_pb2_grpc.add_KVCachePlannerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"cannot bind gRPC to {settings.host}:{settings.port}")
+    http = None
+    metrics_port = 0
+    if settings.metrics_port != 0:  # -1: any free port (tests)
+        http, _ = start_http_server(
+            max(settings.metrics_port, 0), addr=settings.host, registry=metrics.registry
+        )
+        metrics_port = http.server_port
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "kvplan %s serving gRPC on %s:%d, metrics on :%d, devices=%d (probe static)",
+        __version__,
+        settings.host,
+        port,
+        metrics_port,
+        len(devices),
+    )
+    return RunningServer(
+        server, port, metrics_port, health_servicer, servicer, metrics, settings, http
+    )
+
+
+async def _serve(settings: Settings) -> None:
+    started = time.perf_counter()
+    running = await start_server(settings)
+    log.info("ready in %.3f s", time.perf_counter() - started)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining for up to %.1f s", settings.grace_s)
+    await running.stop()
+    log.info("stopped")
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    settings = parse_settings(argv)
+    configure_logging(settings)
+    try:
+        asyncio.run(_serve(settings))
+    except OSError as error:
+        log.error("%s", error)
+        return 1
+    return 0
+
+
+__all__ = ["RunningServer", "serve_main", "start_server"]

@@ -1,0 +1,154 @@
+"""Prometheus metrics: the standard gRPC server set plus kvplan's own."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from kvplan import __version__
+
+
+class Metrics:
+    """All metrics of one server, in its own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["grpc_type", "grpc_service", "grpc_method"]
+        self.started = Counter(
+            "grpc_server_started_total",
+            "RPCs started on the server.",
+            labels,
+            registry=self.registry,
+        )
+        self.handled = Counter(
+            "grpc_server_handled_total",
+            "RPCs completed on the server, by status code.",
+            [*labels, "grpc_code"],
+            registry=self.registry,
+        )
+        self.handling = Histogram(
+            "grpc_server_handling_seconds",
+            "Time to handle an RPC on the server.",
+            labels,
+            buckets=(
+                0.0005,
+                0.001,
+                0.0025,
+                0.005,
+                0.01,
+                0.025,
+                0.05,
+                0.1,
+                0.25,
+                0.5,
+                1,
+                2.5,
+                5,
+                10,
+                30,
+            ),
+            registry=self.registry,
+        )
+        self.plans = Counter(
+            "kvplan_plans_total",
+            "Plans computed, by grouping path.",
+            ["grouping_path"],
+            registry=self.registry,
+        )
+        self.draft_annotations = Counter(
+            "kvplan_draft_annotations_total",
+            "Plans with spec decode on, by the rule that identified the draft group "
+            '("none": no group identified).',
+            ["rule"],
+            registry=self.registry,
+        )
+        self.cache_hits = Counter(
+            "kvplan_plan_cache_hits_total", "Plans served from the cache.", registry=self.registry
+        )
+        self.cache_misses = Counter(
+            "kvplan_plan_cache_misses_total", "Plans computed afresh.", registry=self.registry
+        )
+        self.rendezvous_waiting = Gauge(
+            "kvplan_rendezvous_waiting_ranks",
+            "Ranks waiting for their engine's other ranks.",
+            registry=self.registry,
+        )
+        self.rendezvous_wait = Histogram(
+            "kvplan_rendezvous_wait_seconds",
+            "Time a rank waited for its engine's plan.",
+            registry=self.registry,
+        )
+        self.kv_bytes = Gauge(
+            "kvplan_planned_kv_bytes",
+            "KV cache bytes planned per worker, by engine.",
+            ["engine_id"],
+            registry=self.registry,
+        )
+        self.blocks = Gauge(
+            "kvplan_planned_blocks",
+            "KV cache blocks planned per rank, by engine.",
+            ["engine_id"],
+            registry=self.registry,
+        )
+        self.validation_errors = Counter(
+            "kvplan_validation_errors_total",
+            "Rejected requests, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        build = Info("kvplan_build", "kvplan build information.", registry=self.registry)
+        build.info({"version": __version__})
+
+
+def _split(method: str) -> tuple[str, str]:
+    _, service, name = method.split("/", 2)
+    return service, name
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts and times every unary RPC with the usual grpc_server_* names."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        service, method = _split(handler_call_details.method)
+        metrics = self._metrics
+        inner = handler.unary_unary
+
+        async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            metrics.started.labels("unary", service, method).inc()
+            start = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                return await inner(request, context)
+            except BaseException:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            finally:
+                if code is grpc.StatusCode.OK and context.code() is not None:
+                    code = context.code()
+                if not isinstance(code, grpc.StatusCode):
+                    code = grpc.StatusCode.UNKNOWN
+                metrics.handled.labels("unary", service, method, code.name).inc()
+                metrics.handling.labels("unary", service, method).observe(
+                    time.perf_counter() - start
+                )
+
+        return grpc.unary_unary_rpc_method_handler(
+            observed,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
