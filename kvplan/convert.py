@@ -102,6 +102,7 @@ class _Context:
             cache_dtype_name(options.cache_dtype), model_dtype
         )
         self.align_mode = options.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN
+        self.specs: dict[tuple[object, ...], KVCacheSpec] = {}
         self.starting_max_model_len = (
             options.derived_max_model_len
             if options.max_model_len == -1 and options.HasField("derived_max_model_len")
@@ -192,8 +193,30 @@ def _window_kwargs(message: Any, path: str) -> dict[str, Any]:
 
 
 def layer_from_proto(layer: spec_pb2.LayerSpec, path: str, ctx: _Context) -> KVCacheSpec:
-    """One LayerSpec as a domain spec (raises InvalidRequest with field paths)."""
+    """One LayerSpec as a domain spec (raises InvalidRequest with field paths).
+    Layers with the same spec share one immutable value."""
     kind = layer.WhichOneof("kind")
+    key = None
+    if kind is not None:
+        key = (
+            kind,
+            getattr(layer, kind).SerializeToString(deterministic=True),
+            layer.is_draft,
+            layer.block_size if layer.HasField("block_size") else -1,
+            layer.block_stride_alignment.SerializeToString(deterministic=True),
+        )
+        cached = ctx.specs.get(key)
+        if cached is not None:
+            return cached
+    spec = _build_layer(layer, path, ctx, kind)
+    if key is not None:
+        ctx.specs[key] = spec
+    return spec
+
+
+def _build_layer(
+    layer: spec_pb2.LayerSpec, path: str, ctx: _Context, kind: str | None
+) -> KVCacheSpec:
     if kind is None:
         raise InvalidRequest("a layer needs a spec kind (full_attention, mamba, ...)", field=path)
     body = getattr(layer, kind)

@@ -320,7 +320,11 @@ def unify_page_sizes(specs: SpecDict) -> tuple[SpecDict, bool]:
         return specs, False
     largest = max(pages)
     unified: SpecDict = {}
+    done: dict[int, KVCacheSpec] = {}  # layers share spec objects: convert each once
     for name, spec in specs.items():
+        if id(spec) in done:
+            unified[name] = done[id(spec)]
+            continue
         page = spec.page_size_bytes
         new_spec: KVCacheSpec
         if page == largest:
@@ -342,7 +346,7 @@ def unify_page_sizes(specs: SpecDict) -> tuple[SpecDict, bool]:
                 f"layer {name!r}: its page cannot be brought to {largest} bytes "
                 f"(got {new_spec.page_size_bytes})"
             )
-        unified[name] = new_spec
+        unified[name] = done[id(spec)] = new_spec
     return unified, True
 
 
@@ -367,14 +371,25 @@ def _full_allocation_fallback(specs: SpecDict) -> Grouping | None:
     return Grouping(tuple(promoted), wrapper)
 
 
+def _layers_by_equal_spec(specs: SpecDict) -> dict[KVCacheSpec, list[str]]:
+    """Layer names per distinct spec, in registration order. Layers usually share
+    spec objects, so group by identity first and hash each object once."""
+    by_object: dict[int, tuple[KVCacheSpec, list[int]]] = {}
+    names = list(specs)
+    for index, spec in enumerate(specs.values()):
+        by_object.setdefault(id(spec), (spec, []))[1].append(index)
+    by_spec: dict[KVCacheSpec, list[int]] = {}
+    for spec, indices in by_object.values():
+        by_spec.setdefault(spec, []).extend(indices)
+    return {spec: [names[i] for i in sorted(indices)] for spec, indices in by_spec.items()}
+
+
 def hybrid_groups(
     specs: SpecDict,
 ) -> tuple[list[Grouping], int, list[PaddingInfo], list[PlanWarning]]:
     """Equal-size groups over specs that share one page size. Layer i of a type
     goes to group i mod n, so pipeline stages get balanced groups."""
-    by_spec: dict[KVCacheSpec, list[str]] = {}
-    for name, spec in specs.items():
-        by_spec.setdefault(spec, []).append(name)
+    by_spec = _layers_by_equal_spec(specs)
 
     # Coalesce specs that merge (e.g. full layers differing only in window metadata).
     buckets: list[tuple[list[str], list[KVCacheSpec]]] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 from kvplan.core.specs import KVCacheSpec, UniformTypeSpecs
 
@@ -39,6 +40,17 @@ class KVCacheGroup:
         if isinstance(self.spec, UniformTypeSpecs):
             return self.spec.specs_by_layer[layer_name]
         return self.spec
+
+    @cached_property
+    def layer_runs(self) -> tuple[tuple[KVCacheSpec, tuple[str, ...]], ...]:
+        """The group's layers as runs of one identical spec, in order of first use."""
+        if not isinstance(self.spec, UniformTypeSpecs):
+            return ((self.spec, self.layer_names),) if self.layer_names else ()
+        members = self.spec.specs_by_layer
+        runs: dict[KVCacheSpec, list[str]] = {}
+        for name in self.layer_names:
+            runs.setdefault(members[name], []).append(name)
+        return tuple((spec, tuple(names)) for spec, names in runs.items())
 
     @property
     def representative_spec(self) -> KVCacheSpec:

@@ -59,28 +59,23 @@ def bytes_per_block(groups: list[KVCacheGroup], layout: KVCacheLayout) -> int:
     """Bytes one block id costs the pool: the widest group's footprint."""
     if not layout.is_block_outermost:
         return max(
-            sum(layer_block_stride(group.spec_of(name)) for name in group.layer_names)
+            sum(len(names) * layer_block_stride(spec) for spec, names in group.layer_runs)
             for group in groups
         )
     widest = max(
-        sum(group.spec_of(name).page_size_bytes for name in group.layer_names) for group in groups
+        sum(len(names) * spec.page_size_bytes for spec, names in group.layer_runs)
+        for group in groups
     )
     if widest <= 0:
         raise UnplannableSpecs("a worker without layers cannot hold a block-outermost cache")
-    alignments = [
-        group.spec_of(name).stride_alignment_bytes()
-        for group in groups
-        for name in group.layer_names
-    ]
+    alignments = [spec.stride_alignment_bytes() for group in groups for spec, _ in group.layer_runs]
     return round_up(widest, math.lcm(*alignments)) if alignments else widest
 
 
 def validate_layout(layout: KVCacheLayout, groups: list[KVCacheGroup]) -> None:
     """Mixed page sizes pack pages side by side inside a block, which the layout
     must be able to express."""
-    page_sizes = {
-        group.spec_of(name).page_size_bytes for group in groups for name in group.layer_names
-    }
+    page_sizes = {spec.page_size_bytes for group in groups for spec, _ in group.layer_runs}
     if len(page_sizes) <= 1:
         return
     if not layout.is_block_compact or (len(groups) > 1 and layout.is_layer_compact):
@@ -139,11 +134,8 @@ def place_tensors(
     for group in groups:
         # Only this worker's layers: a group with no layer here gets no tensor
         # (vLLM 0.33 would place the whole wrapper's foreign layers here).
-        runs: dict[KVCacheSpec, list[str]] = {}
-        for name in group.layer_names:
-            runs.setdefault(group.spec_of(name), []).append(name)
         offset = 0
-        for spec, names in runs.items():
+        for spec, names in group.layer_runs:
             block_stride = interleaved_stride
             padded_stride = layer_block_stride(spec)
             if block_stride is None and padded_stride != spec.page_size_bytes:

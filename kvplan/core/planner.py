@@ -30,6 +30,7 @@ from kvplan.core.memory import (
 from kvplan.core.request import EngineOptions, EngineRequest, WorkerInput
 from kvplan.core.specs import (
     AttentionSpec,
+    KVCacheSpec,
     MambaSpec,
     PlanningContext,
     SlidingWindowSpec,
@@ -119,7 +120,7 @@ def _merge_worker_specs(workers: list[WorkerInput], request: EngineRequest) -> S
             if name not in merged:
                 merged[name] = spec
                 owner[name] = worker.rank
-            elif merged[name] != spec:
+            elif merged[name] is not spec and merged[name] != spec:
                 raise InvalidRequest(
                     f"layer {name!r} has different specs on worker ranks {owner[name]} and "
                     f"{worker.rank}; ranks of one engine must agree on every shared layer",
@@ -131,12 +132,20 @@ def _merge_worker_specs(workers: list[WorkerInput], request: EngineRequest) -> S
 def _tag_retained_tokens(specs: SpecDict, request: EngineRequest) -> SpecDict:
     # Multi-module MTP re-prefills its last k-1 tokens: windows keep them.
     extra = max(0, request.spec_decode.prefill_lookahead_tokens - 1)
-    return {
-        name: replace(spec, extra_retained_tokens=extra)
-        if isinstance(spec, SlidingWindowSpec)
-        else spec
-        for name, spec in specs.items()
-    }
+    tagged: dict[KVCacheSpec, KVCacheSpec] = {}  # layers share specs: rebuild each once
+
+    def tag(spec: KVCacheSpec) -> KVCacheSpec:
+        if not isinstance(spec, SlidingWindowSpec) or spec.extra_retained_tokens == extra:
+            return spec
+        if spec not in tagged:
+            tagged[spec] = replace(spec, extra_retained_tokens=extra)
+        # is_draft is no part of equality: keep each layer's own marker.
+        result = tagged[spec]
+        return (
+            result if result.is_draft == spec.is_draft else replace(result, is_draft=spec.is_draft)
+        )
+
+    return {name: tag(spec) for name, spec in specs.items()}
 
 
 def _project(groups: list[KVCacheGroup], worker: WorkerInput) -> list[KVCacheGroup]:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from fractions import Fraction
+from functools import cached_property
 from typing import Any, ClassVar, Self
 
 from kvplan.core.dtypes import StorageDtype
@@ -127,7 +128,8 @@ class KVCacheSpec:
     @classmethod
     def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
         """One spec standing for all `specs`; raises IncompatibleSpecs if none can."""
-        if not all(spec == specs[0] for spec in specs[1:]):
+        first = specs[0]
+        if not all(spec is first or spec == first for spec in specs[1:]):
             raise IncompatibleSpecs("all layers of one KV cache group must have the same spec")
         return specs[0]
 
@@ -238,18 +240,18 @@ class AttentionSpec(KVCacheSpec):
             return int(self.block_size // self.tokens_per_state)
         return 1
 
-    @property
+    @cached_property
     def state_content_size_bytes(self) -> int:
         if self.state_content_bytes is not None:
             return self.state_content_bytes
         head_size_v = self.head_size_v if self.head_size_v is not None else self.head_size
         return (self.head_size + head_size_v) * self.dtype.size_bytes
 
-    @property
+    @cached_property
     def unpadded_page_size_bytes(self) -> int:
         return self.num_heads * self.states_per_block * self.state_content_size_bytes
 
-    @property
+    @cached_property
     def page_size_bytes(self) -> int:
         if self.page_size_padded is not None:
             if self.page_size_padded < self.unpadded_page_size_bytes:
@@ -636,11 +638,11 @@ class MambaSpec(KVCacheSpec):
     def num_heads(self) -> int:
         return self.num_state_heads
 
-    @property
+    @cached_property
     def state_content_size_bytes(self) -> int:
         return sum(state.size_bytes for state in self.states)
 
-    @property
+    @cached_property
     def page_size_bytes(self) -> int:
         real_page = self.state_content_size_bytes
         if self.page_size_padded is not None:
@@ -694,7 +696,7 @@ class UniformTypeSpecs(KVCacheSpec):
         if self.layer_specs:
             object.__setattr__(self, "dcp_sharded", self.first_spec.dcp_sharded)
 
-    @property
+    @cached_property
     def specs_by_layer(self) -> dict[str, KVCacheSpec]:
         return dict(self.layer_specs)
 
@@ -706,7 +708,7 @@ class UniformTypeSpecs(KVCacheSpec):
     def prefix_cacheable(self) -> bool:
         return all(spec.prefix_cacheable for _, spec in self.layer_specs)
 
-    @property
+    @cached_property
     def page_size_bytes(self) -> int:
         return sum(spec.page_size_bytes for _, spec in self.layer_specs)
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 from google.protobuf import json_format
-from kvplan.convert import plan_from_proto
 
+from kvplan.convert import plan_from_proto
 from kvplan.core.errors import PlanningError
 from kvplan.v1 import plan_pb2
 from tests.conformance import build
