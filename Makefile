@@ -6,7 +6,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvplan/v1/*.proto)
 
-.PHONY: install run test lint proto proto-check unit conformance bench clean
+.PHONY: install run test lint proto proto-check unit conformance bench bench-rpc clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,15 @@ conformance: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.plan_core
+
+## The gRPC service under load: throughput vs Echo, rendezvous, cold start, RSS.
+bench-rpc: $(STAMP)
+	$(PY) -m bench.rpc_bench
+
+## The service image (Dockerfile; see docs/deployment.md). Needs a Docker engine.
+.PHONY: docker
+docker:
+	docker build -t kvplan .
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

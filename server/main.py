@@ -8,11 +8,12 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 import grpc.aio
+from google.protobuf import message, message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -22,10 +23,16 @@ from kvplan.server.config import Settings, parse_settings
 from kvplan.server.devices import parse_inventory
 from kvplan.server.metrics import Metrics, MetricsInterceptor
 from kvplan.server.servicer import PlannerServicer
-from kvplan.v1 import service_pb2, service_pb2_grpc
+from kvplan.v1 import service_pb2
 
 log = logging.getLogger("kvplan.server")
-SERVICE_NAME = service_pb2.DESCRIPTOR.services_by_name["KVCachePlanner"].full_name
+SERVICE = service_pb2.DESCRIPTOR.services_by_name["KVCachePlanner"]
+SERVICE_NAME = SERVICE.full_name
+# Calls gRPC core holds before the event loop picks them up. Its default (1,000, with
+# early drops above it) cancels ranks when a fleet's engines start at once: 256
+# engines x 8 ranks is 2,048 calls in a burst, and a dropped rank strands its engine.
+MAX_PENDING_CALLS = 16_384
+MAX_PENDING_CALLS_HARD_LIMIT = 32_768
 
 
 class _JsonFormatter(logging.Formatter):
@@ -61,7 +68,38 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.so_reuseport", 0),
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS_HARD_LIMIT),
     ]
+
+
+def _serializer(
+    response_class: type[message.Message],
+) -> Callable[[message.Message | bytes], bytes]:
+    serialize = response_class.SerializeToString
+
+    def serialized(response: message.Message | bytes) -> bytes:
+        return response if isinstance(response, bytes) else serialize(response)
+
+    return serialized
+
+
+def add_planner_service(servicer: PlannerServicer, server: grpc.aio.Server) -> None:
+    """The generated add_KVCachePlannerServicer_to_server, except that a method may
+    return its response already serialized: cached plans go out as stored bytes."""
+    handlers = {}
+    for method in SERVICE.methods:
+        if method.client_streaming or method.server_streaming:
+            raise TypeError(f"{method.full_name}: only unary methods are served")
+        request_class = message_factory.GetMessageClass(method.input_type)
+        response_class = message_factory.GetMessageClass(method.output_type)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=request_class.FromString,
+            response_serializer=_serializer(response_class),
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 @dataclass
@@ -91,7 +129,7 @@ async def start_server(settings: Settings) -> RunningServer:
     server = grpc.aio.server(
         interceptors=[MetricsInterceptor(metrics)], options=server_options(settings)
     )
-    service_pb2_grpc.add_KVCachePlannerServicer_to_server(servicer, server)
+    add_planner_service(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -153,4 +191,4 @@ def serve_main(argv: Sequence[str]) -> int:
     return 0
 
 
-__all__ = ["RunningServer", "serve_main", "start_server"]
+__all__ = ["RunningServer", "add_planner_service", "serve_main", "start_server"]

@@ -111,10 +111,16 @@ def _split(method: str) -> tuple[str, str]:
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Counts and times every unary RPC with the usual grpc_server_* names."""
+    """Counts and times every unary RPC with the usual grpc_server_* names.
+
+    Each method's handler is wrapped once, with its label children bound once: the
+    wrapping and the label lookups are per-method work, not per-call work.
+    """
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
+        # method -> (the handler as served, the observed handler wrapping it)
+        self._observed: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -124,12 +130,24 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler
-        service, method = _split(handler_call_details.method)
+        method = handler_call_details.method
+        known = self._observed.get(method)
+        if known is not None and known[0] is handler:
+            return known[1]
+        observed = self._observe(handler, method)
+        self._observed[method] = (handler, observed)
+        return observed
+
+    def _observe(self, handler: grpc.RpcMethodHandler, full_method: str) -> grpc.RpcMethodHandler:
+        service, method = _split(full_method)
         metrics = self._metrics
         inner = handler.unary_unary
+        started = metrics.started.labels("unary", service, method)
+        handling = metrics.handling.labels("unary", service, method)
+        handled: dict[grpc.StatusCode, Any] = {}  # code -> its counter child
 
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            metrics.started.labels("unary", service, method).inc()
+            started.inc()
             start = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
@@ -142,10 +160,13 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                     code = context.code()
                 if not isinstance(code, grpc.StatusCode):
                     code = grpc.StatusCode.UNKNOWN
-                metrics.handled.labels("unary", service, method, code.name).inc()
-                metrics.handling.labels("unary", service, method).observe(
-                    time.perf_counter() - start
-                )
+                counter = handled.get(code)
+                if counter is None:
+                    counter = handled[code] = metrics.handled.labels(
+                        "unary", service, method, code.name
+                    )
+                counter.inc()
+                handling.observe(time.perf_counter() - start)
 
         return grpc.unary_unary_rpc_method_handler(
             observed,

@@ -1,12 +1,14 @@
 """Rank-mode rendezvous: hold each rank's call until its engine is complete,
 plan once over the merged workers, answer every rank with the same plan.
 
-Everything runs on the server's event loop, so the state needs no locks.
+Everything runs on the server's event loop, so the state needs no locks. Plans
+travel serialized (bytes of a PlanResponse), as the servicer's cache keeps them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,16 +23,17 @@ class _Pending:
     engine_id: str
     world_size: int
     template: plan_pb2.PlanRequest  # options and spec decode, no workers
+    template_bytes: bytes  # its deterministic serialization, to compare other ranks with
     workers: dict[int, plan_pb2.WorkerSpec]
-    result: asyncio.Future[plan_pb2.PlanResponse]
+    result: asyncio.Future[bytes]  # the serialized PlanResponse
     created: float = field(default_factory=time.monotonic)
 
 
 @dataclass
 class _Finished:
-    workers: dict[int, bytes]  # rank -> deterministic serialization of its worker
-    template: bytes
-    response: plan_pb2.PlanResponse
+    workers: dict[int, bytes]  # rank -> digest of its worker's deterministic serialization
+    template: bytes  # digest of the template's deterministic serialization
+    response: bytes  # the serialized PlanResponse
     finished: float = field(default_factory=time.monotonic)
 
 
@@ -45,10 +48,15 @@ def _bytes(message: plan_pb2.PlanRequest | plan_pb2.WorkerSpec) -> bytes:
     return message.SerializeToString(deterministic=True)
 
 
+def _digest(message: plan_pb2.PlanRequest | plan_pb2.WorkerSpec) -> bytes:
+    """Stands for the message in a finished engine: 32 bytes, not the whole spec."""
+    return hashlib.sha256(_bytes(message)).digest()
+
+
 class Rendezvous:
     def __init__(
         self,
-        plan: Callable[[plan_pb2.PlanRequest], asyncio.Future[plan_pb2.PlanResponse]],
+        plan: Callable[[plan_pb2.PlanRequest], asyncio.Future[bytes]],
         metrics: Metrics,
         *,
         max_pending: int,
@@ -68,21 +76,31 @@ class Rendezvous:
         return len(self._pending)
 
     def _expire(self) -> None:
+        """Forget what is older than the TTL.
+
+        Both dicts are in the order of their timestamps (an entry is inserted when it
+        is stamped and never moved), so the expired entries are a prefix: the scan
+        stops at the first live one instead of visiting every engine on every join.
+        """
         now = time.monotonic()
-        for engine_id, pending in list(self._pending.items()):
-            if now - pending.created > self._ttl_s:
-                del self._pending[engine_id]
-                if not pending.result.done():
-                    pending.result.set_exception(
-                        ServiceError(
-                            "DEADLINE_EXCEEDED",
-                            f"engine {engine_id!r}: rendezvous expired after {self._ttl_s:.0f} s "
-                            f"with ranks {sorted(pending.workers)} of {pending.world_size}",
-                        )
+        while self._pending:
+            engine_id, pending = next(iter(self._pending.items()))
+            if now - pending.created <= self._ttl_s:
+                break
+            del self._pending[engine_id]
+            if not pending.result.done():
+                pending.result.set_exception(
+                    ServiceError(
+                        "DEADLINE_EXCEEDED",
+                        f"engine {engine_id!r}: rendezvous expired after {self._ttl_s:.0f} s "
+                        f"with ranks {sorted(pending.workers)} of {pending.world_size}",
                     )
-        for engine_id, finished in list(self._finished.items()):
-            if now - finished.finished > self._ttl_s:
-                del self._finished[engine_id]
+                )
+        while self._finished:
+            engine_id, finished = next(iter(self._finished.items()))
+            if now - finished.finished <= self._ttl_s:
+                break
+            del self._finished[engine_id]
 
     def _validate(self, request: plan_pb2.PlanRequest) -> plan_pb2.WorkerSpec:
         if not request.engine_id:
@@ -105,13 +123,16 @@ class Rendezvous:
         return worker
 
     def _join_finished(
-        self, request: plan_pb2.PlanRequest, worker: plan_pb2.WorkerSpec
-    ) -> plan_pb2.PlanResponse | None:
+        self, request: plan_pb2.PlanRequest, worker: plan_pb2.WorkerSpec, template_bytes: bytes
+    ) -> bytes | None:
         finished = self._finished.get(request.engine_id)
         if finished is None:
             return None
         planned = finished.workers.get(worker.rank)
-        if planned == _bytes(worker) and finished.template == _bytes(_template_of(request)):
+        if (
+            planned == _digest(worker)
+            and finished.template == hashlib.sha256(template_bytes).digest()
+        ):
             return finished.response  # a late joiner or a restarted rank
         raise ServiceError(
             "FAILED_PRECONDITION",
@@ -120,14 +141,15 @@ class Rendezvous:
             field="workers[0]",
         )
 
-    async def join(
-        self, request: plan_pb2.PlanRequest, timeout_s: float | None
-    ) -> plan_pb2.PlanResponse:
+    async def join(self, request: plan_pb2.PlanRequest, timeout_s: float | None) -> bytes:
+        """The serialized plan of the rank's engine, once all its ranks arrived."""
         if self._draining:
             raise ServiceError("UNAVAILABLE", "server is shutting down; retry on another replica")
         self._expire()
         worker = self._validate(request)
-        done = self._join_finished(request, worker)
+        template = _template_of(request)
+        template_bytes = _bytes(template)
+        done = self._join_finished(request, worker, template_bytes)
         if done is not None:
             return done
         pending = self._pending.get(request.engine_id)
@@ -142,19 +164,24 @@ class Rendezvous:
             pending = _Pending(
                 engine_id=request.engine_id,
                 world_size=request.world_size,
-                template=_template_of(request),
+                template=template,
+                template_bytes=template_bytes,
                 workers={},
                 result=asyncio.get_running_loop().create_future(),
             )
             self._pending[request.engine_id] = pending
-        self._check_compatible(pending, request, worker)
+        self._check_compatible(pending, request, worker, template_bytes)
         pending.workers[worker.rank] = worker
         if len(pending.workers) == pending.world_size:
             self._complete(pending)
         return await self._wait(pending, worker.rank, timeout_s)
 
     def _check_compatible(
-        self, pending: _Pending, request: plan_pb2.PlanRequest, worker: plan_pb2.WorkerSpec
+        self,
+        pending: _Pending,
+        request: plan_pb2.PlanRequest,
+        worker: plan_pb2.WorkerSpec,
+        template_bytes: bytes,
     ) -> None:
         if request.world_size != pending.world_size:
             raise ServiceError(
@@ -163,7 +190,7 @@ class Rendezvous:
                 f"{pending.world_size} sent by the first rank",
                 field="world_size",
             )
-        if _bytes(_template_of(request)) != _bytes(pending.template):
+        if template_bytes != pending.template_bytes:
             raise ServiceError(
                 "INVALID_ARGUMENT",
                 f"engine {pending.engine_id!r}: rank {worker.rank} sent engine options or a "
@@ -187,7 +214,7 @@ class Rendezvous:
         merged.workers.extend(pending.workers[rank] for rank in sorted(pending.workers))
         planned = self._plan(merged)
 
-        def finish(future: asyncio.Future[plan_pb2.PlanResponse]) -> None:
+        def finish(future: asyncio.Future[bytes]) -> None:
             if pending.result.done():
                 return
             error = future.exception()
@@ -195,18 +222,17 @@ class Rendezvous:
                 pending.result.set_exception(error)
                 return
             response = future.result()
+            self._finished.pop(pending.engine_id, None)  # re-inserted last: in time order
             self._finished[pending.engine_id] = _Finished(
-                workers={rank: _bytes(w) for rank, w in pending.workers.items()},
-                template=_bytes(pending.template),
+                workers={rank: _digest(w) for rank, w in pending.workers.items()},
+                template=hashlib.sha256(pending.template_bytes).digest(),
                 response=response,
             )
             pending.result.set_result(response)
 
         planned.add_done_callback(finish)
 
-    async def _wait(
-        self, pending: _Pending, rank: int, timeout_s: float | None
-    ) -> plan_pb2.PlanResponse:
+    async def _wait(self, pending: _Pending, rank: int, timeout_s: float | None) -> bytes:
         start = time.perf_counter()
         self._waiting += 1
         self._metrics.rendezvous_waiting.set(self._waiting)
@@ -250,6 +276,7 @@ class Rendezvous:
                 )
         self._pending.clear()
 
-    def finished_plan(self, engine_id: str) -> plan_pb2.PlanResponse | None:
+    def finished_plan(self, engine_id: str) -> bytes | None:
+        """The serialized plan of a finished engine."""
         finished = self._finished.get(engine_id)
         return finished.response if finished else None

@@ -1,0 +1,78 @@
+"""The servicer's plan cache (serialized plans, remembered plan ids) and the
+rendezvous' expiry, below the RPC layer."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvplan.client import AsyncPlannerClient
+from kvplan.convert import plan_from_proto, plan_id_for
+from kvplan.server.main import RunningServer
+from kvplan.server.metrics import Metrics
+from kvplan.server.rendezvous import Rendezvous
+from kvplan.server.servicer import PlanCache
+from kvplan.v1 import plan_pb2
+from tests.server.conftest import engine_request, rank_request
+
+
+def test_remembered_plan_id_is_plan_id_for() -> None:
+    cache = PlanCache(capacity=2)
+    request = engine_request(stages=2)
+    reordered = plan_pb2.PlanRequest()
+    reordered.CopyFrom(request)
+    reordered.workers.reverse()
+    for _ in range(2):  # computed, then remembered
+        assert cache.plan_id(request) == plan_id_for(request)
+        assert cache.plan_id(reordered) == plan_id_for(request)
+    for engine in range(3):  # the memo is bounded like the plans
+        cache.plan_id(engine_request(f"other-{engine}"))
+    assert len(cache._plan_ids) == 2
+    assert cache.plan_id(request) == plan_id_for(request)
+
+
+def test_cache_keeps_serialized_plans() -> None:
+    cache = PlanCache(capacity=1)
+    first = plan_from_proto(engine_request("engine-a"))
+    assert cache.put(first) == first.SerializeToString()
+    assert plan_pb2.PlanResponse.FromString(cache.get(first.plan_id) or b"") == first
+    assert cache.for_engine("engine-a") == first.SerializeToString()
+    second = plan_from_proto(engine_request("engine-b"))
+    cache.put(second)
+    assert cache.get(first.plan_id) is None and cache.for_engine("engine-a") is None
+
+
+async def test_cache_hit_is_the_planned_response(
+    client: AsyncPlannerClient, server: RunningServer
+) -> None:
+    planned = await client.plan(engine_request("engine-hit", stages=2))
+    again = await client.plan(engine_request("engine-hit", stages=2))
+    assert again.response == planned.response
+    assert server.metrics.cache_hits._value.get() == 1
+    by_rank = await client.get_plan(engine_id="engine-hit", rank=1)
+    assert [w.rank for w in by_rank.response.workers] == [1]
+
+
+async def test_expired_rendezvous_entries_are_forgotten_in_order() -> None:
+    loop = asyncio.get_running_loop()
+
+    def plan(request: plan_pb2.PlanRequest) -> asyncio.Future[bytes]:
+        future: asyncio.Future[bytes] = loop.create_future()
+        future.set_result(plan_from_proto(request).SerializeToString())
+        return future
+
+    rendezvous = Rendezvous(plan, Metrics(), max_pending=16, ttl_s=0.05)
+    plan_bytes = await rendezvous.join(rank_request("done", 0, 1), timeout_s=1)
+    assert rendezvous.finished_plan("done") == plan_bytes
+    waiting = asyncio.ensure_future(rendezvous.join(rank_request("stuck", 0, 2), timeout_s=5))
+    await asyncio.sleep(0.1)
+    assert rendezvous.pending_engines == 1
+    await rendezvous.join(rank_request("later", 0, 1), timeout_s=1)  # expires the two above
+    assert rendezvous.pending_engines == 0
+    assert rendezvous.finished_plan("done") is None
+    assert rendezvous.finished_plan("later") is not None
+    try:
+        await waiting
+    except Exception as error:
+        assert "expired" in str(error)
+    else:
+        raise AssertionError("the stuck rank should have expired")
