@@ -2,15 +2,16 @@
 
 Exit codes: 0 ok; 1 internal / unavailable; 2 bad input (unreadable file, bad
 YAML/JSON, INVALID_ARGUMENT); 3 FAILED_PRECONDITION; 4 RESOURCE_EXHAUSTED;
-5 NOT_FOUND.
+5 NOT_FOUND. `kvplan health`: 0 when the service is SERVING, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,56 @@ def _serve_command(argv: Sequence[str]) -> int:
     return serve_main(list(argv))
 
 
+def default_health_target(environ: Mapping[str, str] | None = None) -> str:
+    """The local server as `kvplan serve` would bind it from the same KVPLAN_* variables:
+    a container's HEALTHCHECK then follows KVPLAN_PORT / KVPLAN_HOST overrides."""
+    env = os.environ if environ is None else environ
+    host = env.get("KVPLAN_HOST", "") or "0.0.0.0"
+    if host in ("0.0.0.0", "::", "[::]"):  # a wildcard bind answers on loopback
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 literal
+    return f"{host}:{env.get('KVPLAN_PORT', '') or '50051'}"
+
+
+def _health_command(args: argparse.Namespace) -> int:
+    """grpc.health.v1.Health/Check: 0 only for SERVING; always one line of output."""
+    try:  # only here: `kvplan plan` needs nothing but the base install
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+    except ImportError as error:
+        print(
+            f"error: kvplan health needs grpcio-health-checking "
+            f"(pip install 'kvplan[server]'): {error}",
+            file=sys.stderr,
+        )
+        return 1
+    service = args.service or "(server)"
+    try:
+        # A health probe goes straight to the target, never through an HTTP proxy.
+        with grpc.insecure_channel(args.target, options=[("grpc.enable_http_proxy", 0)]) as channel:
+            response = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+    except grpc.RpcError as error:
+        code = error.code()
+        name = code.name if code is not None else "UNKNOWN"
+        details = " ".join(str(error.details() or "").split())
+        suffix = f": {details}" if details else ""
+        print(f"error: {args.target} {service}: {name}{suffix}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    print(f"{args.target} {service}: {status}")
+    return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvplan",
@@ -209,6 +260,27 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory", type=int, help="device total memory in bytes")
     plan.add_argument("--target", help="plan on a server at HOST:PORT instead of in-process")
     commands.add_parser("serve", help="run the gRPC service", add_help=False)
+    health = commands.add_parser(
+        "health",
+        help="check a server with grpc.health.v1 (exit 0 only when SERVING)",
+        description="Call grpc.health.v1.Health/Check; exit 0 when SERVING, 1 otherwise.",
+    )
+    health.add_argument(
+        "--target",
+        default=default_health_target(),
+        help="HOST:PORT of the server (default from KVPLAN_HOST / KVPLAN_PORT: %(default)s)",
+    )
+    health.add_argument(
+        "--service",
+        default="",
+        help="service name to check, e.g. kvplan.v1.KVCachePlanner (default: the whole server)",
+    )
+    health.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=3.0,
+        help="seconds to wait for the answer (default %(default)s)",
+    )
     return parser
 
 
@@ -219,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(args_list)
     if args.command == "plan":
         return _plan_command(args)
+    if args.command == "health":
+        return _health_command(args)
     return 2
 
 

@@ -1,0 +1,60 @@
+# syntax=docker/dockerfile:1
+# kvplan: the KV-cache planning gRPC service.
+#
+#   docker build -t kvplan .
+#   docker run --rm -p 50051:50051 -p 9464:9464 -e KVPLAN_DEVICES=8xH100-80GB kvplan
+#
+# The image has the server extra only: no torch (the torch.cuda probe is the separate
+# `torch` extra). Devices come from KVPLAN_DEVICES, a static inventory, or from what the
+# workers report. See docs/deployment.md.
+
+# ---- builder: the wheel, from the files .dockerignore lets into the context ----------
+FROM python:3.11-slim AS builder
+WORKDIR /src
+COPY . .
+RUN pip wheel --no-cache-dir --disable-pip-version-check --no-deps --wheel-dir /wheels .
+
+# ---- runtime: the wheel with its server extra, in a venv at /opt/kvplan --------------
+FROM python:3.11-slim AS runtime
+
+LABEL org.opencontainers.image.title="kvplan" \
+      org.opencontainers.image.description="KV-cache planning gRPC service for LLM inference engines" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+# A fixed, unprivileged uid/gid: volume permissions and runAsNonRoot checks can rely on it.
+RUN groupadd --system --gid 10001 kvplan \
+    && useradd --system --uid 10001 --gid kvplan --no-create-home \
+        --home-dir /nonexistent --shell /usr/sbin/nologin kvplan
+
+# The wheel is bind-mounted from the builder, so it never lands in a layer. The build
+# fails if anything pulled in torch.
+RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+    python -m venv /opt/kvplan \
+    && wheel="$(echo /wheels/kvplan-*.whl)" \
+    && /opt/kvplan/bin/pip install --no-cache-dir --disable-pip-version-check "${wheel}[server]" \
+    && /opt/kvplan/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
+
+# Settings are KVPLAN_* variables (server/config.py); flags after the image name win.
+ENV PATH=/opt/kvplan/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    KVPLAN_HOST=0.0.0.0 \
+    KVPLAN_PORT=50051 \
+    KVPLAN_METRICS_PORT=9464 \
+    KVPLAN_LOG_FORMAT=json \
+    KVPLAN_LOG_LEVEL=INFO
+
+USER 10001:10001
+WORKDIR /opt/kvplan
+
+# 50051: gRPC (kvplan.v1.KVCachePlanner, grpc.health.v1.Health, reflection)
+# 9464: Prometheus /metrics
+EXPOSE 50051 9464
+
+# grpc.health.v1 Check against 127.0.0.1:$KVPLAN_PORT; exit 0 only when SERVING.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["kvplan", "health", "--timeout", "3"]
+
+# SIGTERM drains: NOT_SERVING, in-flight calls get KVPLAN_GRACE_S (10 s) to finish.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["kvplan", "serve"]

