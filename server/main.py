@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -23,7 +25,7 @@ from kvplan.server.config import Settings, parse_settings
 from kvplan.server.devices import parse_inventory
 from kvplan.server.metrics import Metrics, MetricsInterceptor
 from kvplan.server.servicer import PlannerServicer
-from kvplan.v1 import service_pb2
+from kvplan.v1 import plan_pb2, service_pb2
 
 log = logging.getLogger("kvplan.server")
 SERVICE = service_pb2.DESCRIPTOR.services_by_name["KVCachePlanner"]
@@ -84,18 +86,48 @@ def _serializer(
     return serialized
 
 
+def _digesting_deserializer(
+    request_class: type[message.Message],
+) -> Callable[[bytes], tuple[message.Message, bytes]]:
+    parse = request_class.FromString
+
+    def deserialize(raw: bytes) -> tuple[message.Message, bytes]:
+        return parse(raw), hashlib.sha256(raw).digest()
+
+    return deserialize
+
+
+def _plan_with_digest(
+    servicer: PlannerServicer,
+) -> Callable[[tuple[plan_pb2.PlanRequest, bytes], grpc.aio.ServicerContext], Awaitable[bytes]]:
+    async def plan(
+        received: tuple[plan_pb2.PlanRequest, bytes], context: grpc.aio.ServicerContext
+    ) -> bytes:
+        request, request_digest = received
+        return await servicer.PlanKVCache(request, context, request_digest=request_digest)
+
+    return plan
+
+
 def add_planner_service(servicer: PlannerServicer, server: grpc.aio.Server) -> None:
     """The generated add_KVCachePlannerServicer_to_server, except that a method may
-    return its response already serialized: cached plans go out as stored bytes."""
+    return its response already serialized (cached plans go out as stored bytes), and
+    PlanKVCache gets the digest of its request's wire bytes with the request: the plan
+    cache knows a repeated request by it without serializing the request again."""
     handlers = {}
     for method in SERVICE.methods:
         if method.client_streaming or method.server_streaming:
             raise TypeError(f"{method.full_name}: only unary methods are served")
         request_class = message_factory.GetMessageClass(method.input_type)
         response_class = message_factory.GetMessageClass(method.output_type)
+        behaviour: Callable[..., Awaitable[Any]] = getattr(servicer, method.name)
+        deserializer: Callable[[bytes], Any] = request_class.FromString
+        if method.name == "PlanKVCache":
+            behaviour = _plan_with_digest(servicer)
+            deserializer = _digesting_deserializer(request_class)
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name),
-            request_deserializer=request_class.FromString,
+            behaviour,
+            request_deserializer=deserializer,
             response_serializer=_serializer(response_class),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

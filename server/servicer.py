@@ -41,13 +41,17 @@ class PlanCache:
         self._by_engine: dict[str, str] = {}
         self._plan_ids: OrderedDict[bytes, str] = OrderedDict()  # request digest -> plan id
 
-    def plan_id(self, request: plan_pb2.PlanRequest) -> str:
+    def plan_id(self, request: plan_pb2.PlanRequest, request_digest: bytes | None = None) -> str:
         """`plan_id_for(request)`, computed once per distinct request.
 
-        Equal deterministic bytes are an equal request, so the digest of those bytes
-        stands for the request; a remembered id stays right after its plan is evicted.
+        `request_digest`: the SHA-256 of bytes that parse to `request` (the bytes it
+        came in as); without it, of its deterministic serialization. Equal bytes are
+        an equal request, so the digest stands for the request; a remembered id stays
+        right after its plan is evicted.
         """
-        digest = hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
+        digest = (
+            request_digest or hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
+        )
         plan_id = self._plan_ids.get(digest)
         if plan_id is not None:
             self._plan_ids.move_to_end(digest)
@@ -132,14 +136,21 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                     field=f"workers[{index}].layers",
                 )
 
-    async def _plan(self, request: plan_pb2.PlanRequest, *, repeats: bool = True) -> bytes:
+    async def _plan(
+        self,
+        request: plan_pb2.PlanRequest,
+        *,
+        repeats: bool = True,
+        request_digest: bytes | None = None,
+    ) -> bytes:
         """The serialized PlanResponse, from the cache or planned now.
 
         `repeats`: the same request may come again, so remember its plan id. A merged
         rendezvous request does not (a rank that comes again joins the finished engine).
+        `request_digest`: see PlanCache.plan_id.
         """
         self._check_limits(request)
-        plan_id = self._cache.plan_id(request) if repeats else plan_id_for(request)
+        plan_id = self._cache.plan_id(request, request_digest) if repeats else plan_id_for(request)
         cached = self._cache.get(plan_id)
         if cached is not None:
             self._metrics.cache_hits.inc()
@@ -212,13 +223,20 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
 
     # The stubs type the response as a message; main.add_planner_service also takes bytes.
     async def PlanKVCache(  # type: ignore[override]
-        self, request: plan_pb2.PlanRequest, context: grpc.aio.ServicerContext
+        self,
+        request: plan_pb2.PlanRequest,
+        context: grpc.aio.ServicerContext,
+        request_digest: bytes | None = None,
     ) -> bytes:
-        """The plan, serialized (main.py registers a serializer that passes bytes on)."""
+        """The plan, serialized (main.py registers a serializer that passes bytes on).
+
+        `request_digest`: SHA-256 of the request's wire bytes, from main.py's
+        deserializer, so that a repeated request is known without re-serializing it.
+        """
         try:
             if request.world_size:
                 return await self.rendezvous.join(request, context.time_remaining())
-            return await self._plan(request)
+            return await self._plan(request, request_digest=request_digest)
         except (PlanningError, ServiceError) as error:
             await self._fail(context, error)
             raise AssertionError("unreachable") from error

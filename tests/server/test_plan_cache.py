@@ -4,6 +4,7 @@ rendezvous' expiry, below the RPC layer."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 from kvplan.client import AsyncPlannerClient
 from kvplan.convert import plan_from_proto, plan_id_for
@@ -21,12 +22,15 @@ def test_remembered_plan_id_is_plan_id_for() -> None:
     reordered = plan_pb2.PlanRequest()
     reordered.CopyFrom(request)
     reordered.workers.reverse()
+    wire_digest = hashlib.sha256(request.SerializeToString()).digest()
     for _ in range(2):  # computed, then remembered
         assert cache.plan_id(request) == plan_id_for(request)
         assert cache.plan_id(reordered) == plan_id_for(request)
+        assert cache.plan_id(request, wire_digest) == plan_id_for(request)
     for engine in range(3):  # the memo is bounded like the plans
         cache.plan_id(engine_request(f"other-{engine}"))
     assert len(cache._plan_ids) == 2
+    assert cache.plan_id(reordered) == plan_id_for(request)
     assert cache.plan_id(request) == plan_id_for(request)
 
 
