@@ -2343,6 +2343,148 @@ def _scenario_files(c: Cases) -> None:
         c.add("scenarios", path.stem, f"{data.get('reference', '')} {data.get('name', '')}", req)
 
 
+# --- random engines ----------------------------------------------------------------
+
+FUZZ_CASES = 240
+
+
+def _fuzz_layer(
+    c: Cases, kind: str, name: str, heads: int, head: int, dtype: str | None, window: int
+) -> Layer:
+    a = {"dtype": dtype} if dtype else None
+    if kind == "full":
+        return full(name, heads, head, a=a)
+    if kind == "sw":
+        return sw(name, window, heads, head, a=a)
+    if kind == "chunked":
+        return chunked(name, c.pick([256, 2048, 8192]), heads, head, a=a)
+    if kind == "mla":
+        return mla(name, c.pick([576, 512, 656]))
+    if kind == "sw_mla":
+        return sw_mla(name, window)
+    if kind == "sink":
+        return sink(name, c.pick([16, 64]), heads, head, a=a)
+    if kind == "cross":
+        return cross(name, heads, head)
+    if kind == "encoder_only":
+        return encoder_only(name, heads, head)
+    return mamba(name, c.pick([SMALL_STATES, GDN_STATES]))
+
+
+# Kind mixes real engines use: dense, local+global, MLA, Mamba hybrids, encoder-decoder.
+_FUZZ_MIXES: tuple[tuple[str, ...], ...] = (
+    ("full",),
+    ("full", "sw"),
+    ("full", "chunked"),
+    ("sw",),
+    ("mla",),
+    ("mla", "sw_mla"),
+    ("full", "mamba"),
+    ("mamba",),
+    ("full", "sw", "mamba"),
+    ("full", "sink"),
+    ("full", "cross"),
+    ("full", "encoder_only"),
+    ("full", "sw", "chunked"),
+)
+
+
+def _fuzz(c: Cases) -> None:
+    """Random engines: kind mixes, ratios, head shapes, dtypes, drafts, pipeline
+    splits, layouts and budgets, so agreement is not limited to hand-picked shapes."""
+    cat = "fuzz"
+    for i in range(FUZZ_CASES):
+        mix = c.pick(_FUZZ_MIXES)
+        n_layers = c.pick([1, 2, 3, 5, 8, 12, 16, 24, 30, 36, 48, 61, 64])
+        # One "minority" kind every `period` layers, like Gemma's 5:1 or Qwen3-Next's 3:1.
+        period = c.pick([1, 2, 3, 4, 6, 8])
+        heads = c.pick([1, 2, 4, 8, 16])
+        head = c.pick([64, 96, 128, 256])
+        dtype = c.pick([None, None, "fp16", "fp32", "e4m3"])
+        # One window per engine, as a model config has (mixed windows are an error).
+        window = c.pick([128, 512, 1024, 4096])
+        names = [f"model.layers.{j}.attn" for j in range(n_layers)]
+        kinds = [
+            mix[0] if len(mix) == 1 or j % period == period - 1 else mix[1 + j % (len(mix) - 1)]
+            for j in range(n_layers)
+        ]
+        # Some engines vary KV heads across layers (uniform-type / unification paths).
+        mixed_heads = c.pick([False, False, True])
+        layers = [
+            _fuzz_layer(
+                c,
+                kind,
+                name,
+                c.pick([heads, 2 * heads]) if mixed_heads else heads,
+                head,
+                dtype,
+                window,
+            )
+            for kind, name in zip(kinds, names, strict=True)
+        ]
+        method = c.pick(["none", "none", "mtp", "eagle", "eagle3", "dspark", "ngram"])
+        if method in ("mtp", "eagle", "eagle3", "dspark") and c.pick([True, False]):
+            draft_kind = "mla" if mix[0] == "mla" else "full"
+            for d in range(c.pick([1, 1, 2])):
+                layer = _fuzz_layer(
+                    c, draft_kind, f"mtp.layers.{d}.attn", heads, head, dtype, window
+                )
+                layer.is_draft = c.pick([True, False])
+                layers.append(layer)
+        pp = c.pick([1, 1, 1, 2, 3, 4]) if len(layers) >= 4 else 1
+        tp = c.pick([1, 1, 2, 4])
+        per_stage = len(layers) // pp
+        workers: list[W] = []
+        utilization_mode = c.pick([False, False, True])
+        for stage in range(pp):
+            own = layers[stage * per_stage : (stage + 1) * per_stage]
+            if stage == pp - 1:
+                own = layers[stage * per_stage :]
+            for _ in range(tp):
+                workers.append(_fuzz_worker(c, own, utilization_mode))
+        auto_fit = c.pick([False, False, False, True])
+        c.add(
+            cat,
+            f"f{i:03d}",
+            f"{n_layers} layers {'+'.join(mix)} period {period} heads {heads}x{head} "
+            f"{dtype or 'auto'} {method} pp{pp} tp{tp}",
+            request(
+                workers,
+                max_model_len=-1 if auto_fit else c.pick([2048, 8192, 32768, 131072]),
+                derived=c.pick([32768, 131072]) if auto_fit else None,
+                block_size=c.pick([0, 0, 16, 32, 64]),
+                cache_dtype=c.pick(
+                    [spec_pb2.KV_CACHE_DTYPE_AUTO] * 3 + [spec_pb2.KV_CACHE_DTYPE_FP8]
+                ),
+                disable_hybrid=c.pick([False, False, False, True]),
+                override=c.pick([None, None, None, None, 64, 4096]),
+                batched=c.pick([0, 2048, 8192]),
+                async_scheduling=c.pick([False, True]),
+                pp=pp if pp > 1 else 0,
+                tp=tp if tp > 1 else 0,
+                dcp=c.pick([0, 0, 0, 2]) if tp > 1 else 0,
+                layout=c.pick(["LBNHC", "LBNHC", "LBHNC", "BLHNC"]),
+                mamba_align="mamba" in mix and c.pick([False, True]),
+                encoder_tokens=c.pick([0, 4096]) if "cross" in mix else 0,
+                method=method,
+                spec_tokens=c.pick([1, 2, 3]),
+                target_model_type=c.pick(["", "qwen3_next", "deepseek_v3"]),
+            ),
+        )
+
+
+def _fuzz_worker(c: Cases, own: list[Layer], utilization_mode: bool) -> W:
+    """One rank: explicit KV bytes, or a device fraction minus what it already uses."""
+    if utilization_mode:
+        return W(
+            own,
+            total=c.pick([24 * GIB, 80 * GIB, 141 * GIB]),
+            utilization=c.pick([0.5, 0.9, 0.92]),
+            non_kv=(c.pick([1, 8, 16]) * GIB, 512 * MIB, 200 * MIB, 0),
+        )
+    return W(own, c.pick([16 * MIB, 256 * MIB, GIB, 3 * GIB + 12345, 20 * GIB, 60 * GIB]))
+
+
 SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _reference,
     _uniform,
@@ -2359,6 +2501,7 @@ SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _parallel,
     _mamba,
     _kinds,
+    _fuzz,
     _scenario_files,
 )
 

@@ -83,6 +83,7 @@ MEMORY_ERROR_PREFIXES = (
     "No available memory for the cache blocks",
     "To serve at least one request",
     "Cannot auto-fit max_model_len",
+    "Free memory on device",
 )
 
 _STORAGE: dict[int, torch.dtype] = {
@@ -446,6 +447,16 @@ def available_kv_memory(worker: plan_pb2.WorkerSpec, table: dict[str, int] | Non
     if not total:
         raise ValueError(f"worker rank {worker.rank}: unknown device total memory")
     utilization = memory.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    if worker.device.HasField("free_memory_bytes"):
+        # The worker's start-up check (vLLM's own request_memory).
+        from vllm.v1.worker.utils import request_memory
+
+        snapshot = SimpleNamespace(
+            total_memory=total,
+            free_memory=int(worker.device.free_memory_bytes),
+            device_=f"cuda:{worker.rank}",
+        )
+        request_memory(snapshot, SimpleNamespace(gpu_memory_utilization=utilization))
     non_kv = memory.non_kv
     used = (
         non_kv.weights_bytes

@@ -248,6 +248,15 @@ def _build_layer(
             body.attention, f"{body_path}.attention", ctx, kind in _MLA_FAMILY
         )
         kwargs = {**common, **attention}
+        tokens_per_state = attention.get("tokens_per_state", 1)
+        if tokens_per_state > common["block_size"]:
+            # A block must hold at least one state, or its page is 0 bytes.
+            raise InvalidRequest(
+                f"tokens_per_state ({tokens_per_state}) exceeds the layer's block_size "
+                f"({common['block_size']}): a block would hold no state; raise block_size "
+                "to a multiple of tokens_per_state",
+                field=f"{body_path}.attention.tokens_per_state.tokens",
+            )
         if kind == "full_attention":
             return FullAttentionSpec(
                 **kwargs, **_window_kwargs(body, body_path), non_causal=body.non_causal

@@ -111,11 +111,13 @@ def check_one_request_fits(
     *,
     rank: int,
     check_bytes: int,
-    needed: int,
+    needed: Callable[[], int],
     max_model_len: int,
     estimate: Callable[[int], int],
-) -> None:
-    """The pool minus the null block must hold one max_model_len request."""
+) -> int:
+    """The pool minus the null block must hold one max_model_len request; returns the
+    bytes that request needs. `needed` is only evaluated once memory is known to be
+    positive, so an empty budget is reported before any spec's own limits."""
     if check_bytes <= 0:
         raise InsufficientMemory(
             f"No available memory for the cache blocks on worker rank {rank} "
@@ -123,7 +125,8 @@ def check_one_request_fits(
             "or kv_cache_memory_bytes, or reduce the non-KV memory.",
             details={"rank": rank, "available_bytes": check_bytes},
         )
-    if needed > check_bytes:
+    request_bytes = needed()
+    if request_bytes > check_bytes:
         estimated = estimate(check_bytes)
         hint = (
             f" Based on the available memory, the estimated maximum model length is {estimated}."
@@ -132,14 +135,16 @@ def check_one_request_fits(
         )
         raise InsufficientMemory(
             f"To serve at least one request with the model's max seq len ({max_model_len}), "
-            f"{format_gib(needed)} GiB KV cache is needed, which is larger than the available "
-            f"KV cache memory ({format_gib(check_bytes)} GiB) on worker rank {rank}.{hint} "
+            f"{format_gib(request_bytes)} GiB KV cache is needed, which is larger than the "
+            f"available KV cache memory ({format_gib(check_bytes)} GiB) on worker rank "
+            f"{rank}.{hint} "
             "Increase gpu_memory_utilization or decrease max_model_len.",
             details={
                 "rank": rank,
                 "max_model_len": max_model_len,
-                "needed_bytes": needed,
+                "needed_bytes": request_bytes,
                 "available_bytes": check_bytes,
                 "estimated_max_model_len": estimated,
             },
         )
+    return request_bytes

@@ -310,15 +310,14 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
         if not worker_groups:
             needed.append(0)
             continue
-        need = needed_bytes(worker_groups, bpb, ctx)
-        needed.append(need)
-        check_one_request_fits(
+        need = check_one_request_fits(
             rank=worker.rank,
             check_bytes=memory,
-            needed=need,
+            needed=lambda g=worker_groups, b=bpb: needed_bytes(g, b, ctx),  # type: ignore[misc]
             max_model_len=max_model_len,
             estimate=lambda memory, g=worker_groups, b=bpb: fits_for(g, b, memory),  # type: ignore[misc]
         )
+        needed.append(need)
 
     per_worker_blocks = [
         (override if override is not None else avail // bpb) if worker_groups else 1

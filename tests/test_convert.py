@@ -1,0 +1,135 @@
+"""The wire converter: proto <-> domain, defaults, validation, content addressing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvplan.convert import (
+    GPU_MEMORY_BYTES,
+    plan_from_proto,
+    plan_id_for,
+    request_from_proto,
+    spec_to_proto,
+)
+from kvplan.core.errors import InsufficientMemory, InvalidRequest
+from kvplan.core.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from kvplan.v1 import plan_pb2, spec_pb2
+
+GIB = 1 << 30
+
+
+def full_layer(name: str, heads: int = 8, head: int = 128) -> spec_pb2.LayerSpec:
+    layer = spec_pb2.LayerSpec(name=name)
+    layer.full_attention.attention.num_kv_heads = heads
+    layer.full_attention.attention.head_size = head
+    return layer
+
+
+def sliding_layer(name: str, window: int = 1024) -> spec_pb2.LayerSpec:
+    layer = spec_pb2.LayerSpec(name=name)
+    layer.sliding_window.attention.num_kv_heads = 8
+    layer.sliding_window.attention.head_size = 128
+    layer.sliding_window.sliding_window = window
+    return layer
+
+
+def engine(*stages: list[spec_pb2.LayerSpec], kv_bytes: int = 4 * GIB) -> plan_pb2.PlanRequest:
+    request = plan_pb2.PlanRequest(engine_id="convert-test")
+    request.options.max_model_len = 8192
+    for rank, layers in enumerate(stages):
+        worker = request.workers.add(rank=rank)
+        worker.device.uuid = f"GPU-{rank}"
+        worker.memory.kv_cache_memory_bytes = kv_bytes
+        worker.layers.extend(layers)
+    return request
+
+
+def test_defaults_block_size_dtype_and_utilization() -> None:
+    request = engine([full_layer("l0")])
+    domain = request_from_proto(request)
+    spec = domain.workers[0].layers[0][1]
+    assert isinstance(spec, FullAttentionSpec)
+    assert spec.block_size == 16  # vLLM's default block size
+    assert spec.dtype.size_bytes == 2  # auto cache dtype on a bf16 model
+    assert spec.page_size_bytes == 2 * 16 * 8 * 128 * 2
+
+
+def test_domain_spec_round_trips_through_the_wire() -> None:
+    request = engine([full_layer("f"), sliding_layer("s", 4096)])
+    ctx_specs = [spec for _, spec in request_from_proto(request).workers[0].layers]
+    for spec in ctx_specs:
+        again = engine([spec_to_proto(spec, "x")])
+        (back,) = [s for _, s in request_from_proto(again).workers[0].layers]
+        assert back == spec
+        assert back.page_size_bytes == spec.page_size_bytes
+    assert isinstance(ctx_specs[1], SlidingWindowSpec)
+    assert ctx_specs[1].sliding_window == 4096
+
+
+def test_mamba_state_round_trip() -> None:
+    layer = spec_pb2.LayerSpec(name="m")
+    layer.mamba.states.add(shape=[3, 2048], dtype=spec_pb2.DTYPE_BFLOAT16)
+    layer.mamba.states.add(shape=[8, 128, 128], dtype=spec_pb2.DTYPE_FLOAT32)
+    (spec,) = [s for _, s in request_from_proto(engine([layer])).workers[0].layers]
+    assert isinstance(spec, MambaSpec)
+    assert spec.page_size_bytes == 3 * 2048 * 2 + 8 * 128 * 128 * 4
+    (back,) = [
+        s for _, s in request_from_proto(engine([spec_to_proto(spec, "m")])).workers[0].layers
+    ]
+    assert back == spec
+
+
+def test_plan_id_ignores_worker_order_but_not_content() -> None:
+    forward = engine([full_layer("a")], [full_layer("b")])
+    backward = plan_pb2.PlanRequest()
+    backward.CopyFrom(forward)
+    del backward.workers[:]
+    backward.workers.extend(reversed(forward.workers))
+    assert plan_id_for(forward) == plan_id_for(backward)
+    changed = plan_pb2.PlanRequest()
+    changed.CopyFrom(forward)
+    changed.workers[1].memory.kv_cache_memory_bytes += 1
+    assert plan_id_for(changed) != plan_id_for(forward)
+    assert plan_from_proto(forward).SerializeToString(deterministic=True) == plan_from_proto(
+        backward
+    ).SerializeToString(deterministic=True)
+
+
+def test_device_name_resolves_total_memory() -> None:
+    request = engine([full_layer("l0")])
+    worker = request.workers[0]
+    worker.memory.gpu_memory_utilization = 0.9
+    worker.device.name = "H100-80GB"
+    domain = request_from_proto(request)
+    assert domain.workers[0].device.total_memory_bytes == GPU_MEMORY_BYTES["H100-80GB"]
+
+
+def test_duplicate_rank_names_the_field() -> None:
+    request = engine([full_layer("a")], [full_layer("b")])
+    request.workers[1].rank = 0
+    with pytest.raises(InvalidRequest) as caught:
+        plan_from_proto(request)
+    assert caught.value.field == "workers[1].rank"
+
+
+def test_tokens_per_state_above_block_size_is_invalid() -> None:
+    layer = spec_pb2.LayerSpec(name="mla", block_size=16)
+    layer.mla_attention.attention.num_kv_heads = 1
+    layer.mla_attention.attention.head_size = 576
+    layer.mla_attention.attention.tokens_per_state.tokens = 128
+    with pytest.raises(InvalidRequest) as caught:
+        plan_from_proto(engine([layer]))
+    assert (
+        caught.value.field == "workers[0].layers[0].mla_attention.attention.tokens_per_state.tokens"
+    )
+    assert "block_size" in str(caught.value)
+
+
+def test_empty_budget_is_reported_before_a_spec_limit() -> None:
+    # vLLM checks for an empty budget before asking any spec for its memory bound,
+    # so a DCP + sliding-window engine with no memory is a memory error.
+    request = engine([sliding_layer("s")], kv_bytes=0)
+    request.options.parallel.tensor_parallel_size = 2
+    request.options.parallel.decode_context_parallel_size = 2
+    with pytest.raises(InsufficientMemory, match="No available memory"):
+        plan_from_proto(request)
