@@ -45,8 +45,15 @@ test: $(STAMP) proto-check lint
 conformance: $(STAMP)
 	bash conformance/run
 
+## In-process planning time; with vLLM 0.33 timed alongside when its venv exists
+## (`make conformance` creates it).
+VLLM_VENV ?= $(HOME)/.cache/kvplan/vllm-0.33/venv
 bench: $(STAMP)
-	$(PY) -m bench.plan_core
+	if [ -f $(VLLM_VENV)/.kvplan-vllm-ready ]; then \
+		PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m bench.plan_core; \
+	else \
+		$(PY) -m bench.plan_core; \
+	fi
 
 ## The gRPC service under load: throughput vs Echo, rendezvous, cold start, RSS.
 bench-rpc: $(STAMP)

@@ -103,6 +103,11 @@ class _Context:
         )
         self.align_mode = options.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN
         self.specs: dict[tuple[object, ...], KVCacheSpec] = {}
+        self.specs_by_bytes: dict[bytes, KVCacheSpec] = {}
+        # Tensor-parallel ranks repeat one layer list: convert each distinct list once.
+        self.layer_lists: dict[
+            tuple[bytes, ...], tuple[tuple[tuple[str, KVCacheSpec], ...], tuple[str, ...]]
+        ] = {}
         self.starting_max_model_len = (
             options.derived_max_model_len
             if options.max_model_len == -1 and options.HasField("derived_max_model_len")
@@ -443,21 +448,10 @@ def _worker_from_proto(
                 field=f"{path}.device.name",
             )
     non_kv = memory.non_kv
-    layers: list[tuple[str, KVCacheSpec]] = []
-    encoder_only: list[str] = []
-    for layer_index, layer in enumerate(worker.layers):
-        layer_path = f"{path}.layers[{layer_index}]"
-        if not layer.name:
-            raise InvalidRequest("a layer needs a name", field=f"{layer_path}.name")
-        spec = layer_from_proto(layer, layer_path, ctx)
-        if isinstance(spec, EncoderOnlyAttentionSpec):
-            # Encoder-only layers need no KV cache and never enter planning.
-            encoder_only.append(layer.name)
-        else:
-            layers.append((layer.name, spec))
+    layers, encoder_only = _layers_from_proto(worker, path, ctx)
     return WorkerInput(
         rank=worker.rank,
-        layers=tuple(layers),
+        layers=layers,
         memory=MemoryRequest(
             gpu_memory_utilization=utilization,
             kv_cache_memory_bytes=explicit,
@@ -476,8 +470,59 @@ def _worker_from_proto(
                 device.free_memory_bytes if device.HasField("free_memory_bytes") else None
             ),
         ),
-        encoder_only_layers=tuple(encoder_only),
+        encoder_only_layers=encoder_only,
     )
+
+
+_NAME_TAG = bytes([spec_pb2.LayerSpec.NAME_FIELD_NUMBER << 3 | 2])  # length-delimited
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _layers_from_proto(
+    worker: plan_pb2.WorkerSpec, path: str, ctx: _Context
+) -> tuple[tuple[tuple[str, KVCacheSpec], ...], tuple[str, ...]]:
+    """(name, spec) of the layers that need KV cache, and the encoder-only names.
+    A list identical to an earlier worker's was validated there (errors name the
+    first worker that has it) and is reused."""
+    encoded = [layer.SerializeToString(deterministic=True) for layer in worker.layers]
+    key = tuple(encoded)
+    cached = ctx.layer_lists.get(key)
+    if cached is not None:
+        return cached
+    layers: list[tuple[str, KVCacheSpec]] = []
+    encoder_only: list[str] = []
+    specs_by_bytes = ctx.specs_by_bytes
+    for layer_index, (layer, layer_bytes) in enumerate(zip(worker.layers, encoded, strict=True)):
+        name = layer.name
+        if not name:
+            raise InvalidRequest("a layer needs a name", field=f"{path}.layers[{layer_index}].name")
+        # The layer's bytes without its name (field 1, encoded first) identify its
+        # spec: layers that differ only by name share one converted value.
+        name_bytes = name.encode()
+        size = len(name_bytes)
+        prefix = _NAME_TAG + (bytes((size,)) if size < 0x80 else _varint(size)) + name_bytes
+        spec_key = layer_bytes[len(prefix) :] if layer_bytes.startswith(prefix) else None
+        spec = specs_by_bytes.get(spec_key) if spec_key is not None else None
+        if spec is None:
+            spec = layer_from_proto(layer, f"{path}.layers[{layer_index}]", ctx)
+            if spec_key is not None:
+                specs_by_bytes[spec_key] = spec
+        if isinstance(spec, EncoderOnlyAttentionSpec):
+            # Encoder-only layers need no KV cache and never enter planning.
+            encoder_only.append(name)
+        else:
+            layers.append((name, spec))
+    result = (tuple(layers), tuple(encoder_only))
+    ctx.layer_lists[key] = result
+    return result
 
 
 def request_from_proto(
@@ -707,22 +752,36 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
 
 
 def plan_id_for(message: plan_pb2.PlanRequest) -> str:
-    """Content address of a request: workers in rank order, deterministic bytes."""
-    normalised = plan_pb2.PlanRequest()
-    normalised.CopyFrom(message)
-    ordered = sorted(message.workers, key=lambda worker: worker.rank)
-    del normalised.workers[:]
-    normalised.workers.extend(ordered)
-    digest = hashlib.sha256(normalised.SerializeToString(deterministic=True)).hexdigest()
-    return f"plan-{digest[:32]}"
+    """Content address of a request: every set field in deterministic bytes, workers
+    in rank order (so worker order does not change the id). Each part is framed with
+    its field number and length; nothing is copied."""
+    hasher = hashlib.sha256()
+    workers_field = plan_pb2.PlanRequest.WORKERS_FIELD_NUMBER
+    for field, value in message.ListFields():
+        if field.number == workers_field:
+            continue
+        part = (
+            value.SerializeToString(deterministic=True)
+            if field.message_type is not None
+            else repr(value).encode()
+        )
+        hasher.update(b"%d:%d:" % (field.number, len(part)) + part)
+    for worker in sorted(message.workers, key=lambda worker: worker.rank):
+        part = worker.SerializeToString(deterministic=True)
+        hasher.update(b"%d:%d:" % (workers_field, len(part)) + part)
+    return f"plan-{hasher.hexdigest()[:32]}"
 
 
 def plan_from_proto(
-    message: plan_pb2.PlanRequest, *, gpu_memory_table: Mapping[str, int] | None = None
+    message: plan_pb2.PlanRequest,
+    *,
+    gpu_memory_table: Mapping[str, int] | None = None,
+    plan_id: str | None = None,
 ) -> plan_pb2.PlanResponse:
-    """request -> validate -> plan -> budget -> respond."""
+    """request -> validate -> plan -> budget -> respond. `plan_id`: the request's
+    `plan_id_for`, when the caller already has it."""
     request = request_from_proto(message, gpu_memory_table=gpu_memory_table)
-    return plan_to_proto(plan_engine(request), plan_id=plan_id_for(message))
+    return plan_to_proto(plan_engine(request), plan_id=plan_id or plan_id_for(message))
 
 
 __all__ = [

@@ -160,9 +160,9 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         layers = sum(len(worker.layers) for worker in request.workers)
         if layers > self._settings.offload_layers:
             # Large engines take milliseconds: keep the event loop serving.
-            response = await asyncio.to_thread(plan_from_proto, request)
+            response = await asyncio.to_thread(plan_from_proto, request, plan_id=plan_id)
         else:
-            response = plan_from_proto(request)
+            response = plan_from_proto(request, plan_id=plan_id)
         serialized = self._cache.put(response)
         self._record(request, response, time.perf_counter() - start)
         return serialized
