@@ -22,6 +22,7 @@ class Settings:
     max_pending_rendezvous: int = 4096  # engines waiting for ranks
     rendezvous_ttl_s: float = 600.0  # a rendezvous or finished engine is forgotten after this
     plan_cache_size: int = 4096  # plans kept for GetPlan and cache hits
+    plan_cache_bytes: int = 32 * 1024 * 1024  # and at most this many serialized bytes
     grace_s: float = 10.0  # shutdown grace for in-flight calls
     offload_layers: int = 2048  # plan in a worker thread above this many layers
 
@@ -39,6 +40,7 @@ _HELP = {
     "max_pending_rendezvous": "limit on engines waiting for their ranks",
     "rendezvous_ttl_s": "seconds an unfinished rendezvous or a finished engine is kept",
     "plan_cache_size": "plans kept in memory",
+    "plan_cache_bytes": "bytes of serialized plans kept in memory",
     "grace_s": "seconds in-flight calls get on shutdown",
     "offload_layers": "plan off the event loop above this many layers",
 }

@@ -35,8 +35,12 @@ class PlanCache:
     8 workers x 65 layers), more than the rest of a cache hit costs the server.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int = 32 * 1024 * 1024) -> None:
         self._capacity = capacity
+        # Plans of large engines are big: bound the bytes too, so the server's memory
+        # stays flat whatever engines it sees (the newest plan is always kept).
+        self._max_bytes = max_bytes
+        self._bytes = 0
         self._plans: OrderedDict[str, tuple[str, bytes]] = OrderedDict()  # id -> engine, plan
         self._by_engine: dict[str, str] = {}
         self._plan_ids: OrderedDict[bytes, str] = OrderedDict()  # request digest -> plan id
@@ -77,15 +81,26 @@ class PlanCache:
     def put(self, plan: plan_pb2.PlanResponse) -> bytes:
         """Keep `plan`; returns its serialization."""
         serialized = plan.SerializeToString()
+        previous = self._plans.get(plan.plan_id)
+        if previous is not None:
+            self._bytes -= len(previous[1])
         self._plans[plan.plan_id] = (plan.engine_id, serialized)
+        self._bytes += len(serialized)
         self._plans.move_to_end(plan.plan_id)
         if plan.engine_id:
             self._by_engine[plan.engine_id] = plan.plan_id
-        while len(self._plans) > self._capacity:
-            evicted_id, (evicted_engine, _) = self._plans.popitem(last=False)
+        while len(self._plans) > 1 and (
+            len(self._plans) > self._capacity or self._bytes > self._max_bytes
+        ):
+            evicted_id, (evicted_engine, evicted) = self._plans.popitem(last=False)
+            self._bytes -= len(evicted)
             if self._by_engine.get(evicted_engine) == evicted_id:
                 del self._by_engine[evicted_engine]
         return serialized
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
 
 
 def _only_rank(plan: plan_pb2.PlanResponse, rank: int) -> plan_pb2.PlanResponse:
@@ -108,7 +123,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self._settings = settings
         self._metrics = metrics
         self._devices = devices
-        self._cache = PlanCache(settings.plan_cache_size)
+        self._cache = PlanCache(settings.plan_cache_size, settings.plan_cache_bytes)
         self.rendezvous = Rendezvous(
             self._plan_in_background,
             metrics,

@@ -45,6 +45,20 @@ def test_cache_keeps_serialized_plans() -> None:
     assert cache.get(first.plan_id) is None and cache.for_engine("engine-a") is None
 
 
+def test_cache_is_bounded_by_bytes() -> None:
+    plans = [plan_from_proto(engine_request(f"engine-{n}")) for n in range(4)]
+    size = max(len(plan.SerializeToString()) for plan in plans)
+    cache = PlanCache(capacity=100, max_bytes=2 * size)
+    for plan in plans:
+        cache.put(plan)
+    assert cache.size_bytes <= 2 * size
+    assert cache.get(plans[0].plan_id) is None and cache.get(plans[1].plan_id) is None
+    assert cache.get(plans[3].plan_id) == plans[3].SerializeToString()
+    tiny = PlanCache(capacity=100, max_bytes=1)  # the newest plan is always kept
+    tiny.put(plans[0])
+    assert tiny.get(plans[0].plan_id) is not None
+
+
 async def test_cache_hit_is_the_planned_response(
     client: AsyncPlannerClient, server: RunningServer
 ) -> None:
