@@ -72,18 +72,13 @@ PlanFn = Callable[[plan_pb2.PlanRequest], plan_pb2.PlanResponse]
 
 
 def load_kvplan() -> tuple[PlanFn | None, type[BaseException] | None, str]:
-    """kvplan's proto entry point: kvplan.core.wire, else kvplan.convert."""
-    for module_name in ("kvplan.core.wire", "kvplan.convert"):
-        try:
-            module = __import__(module_name, fromlist=["plan_from_proto"])
-        except ImportError:
-            continue
-        fn = getattr(module, "plan_from_proto", None)
-        if fn is not None:
-            from kvplan.core.errors import PlanningError
-
-            return fn, PlanningError, module_name
-    return None, None, ""
+    """kvplan's proto entry point (None when kvplan is not importable)."""
+    try:
+        from kvplan.convert import plan_from_proto
+        from kvplan.core.errors import PlanningError
+    except ImportError:
+        return None, None, ""
+    return plan_from_proto, PlanningError, "kvplan.convert"
 
 
 # --- kvplan -> the driver's dict shape ----------------------------------------------

@@ -102,7 +102,6 @@ class _Context:
             cache_dtype_name(options.cache_dtype), model_dtype
         )
         self.align_mode = options.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN
-        self.specs: dict[tuple[object, ...], KVCacheSpec] = {}
         self.specs_by_bytes: dict[bytes, KVCacheSpec] = {}
         # Tensor-parallel ranks repeat one layer list: convert each distinct list once.
         self.layer_lists: dict[
@@ -198,30 +197,8 @@ def _window_kwargs(message: Any, path: str) -> dict[str, Any]:
 
 
 def layer_from_proto(layer: spec_pb2.LayerSpec, path: str, ctx: _Context) -> KVCacheSpec:
-    """One LayerSpec as a domain spec (raises InvalidRequest with field paths).
-    Layers with the same spec share one immutable value."""
+    """One LayerSpec as a domain spec (raises InvalidRequest with field paths)."""
     kind = layer.WhichOneof("kind")
-    key = None
-    if kind is not None:
-        key = (
-            kind,
-            getattr(layer, kind).SerializeToString(deterministic=True),
-            layer.is_draft,
-            layer.block_size if layer.HasField("block_size") else -1,
-            layer.block_stride_alignment.SerializeToString(deterministic=True),
-        )
-        cached = ctx.specs.get(key)
-        if cached is not None:
-            return cached
-    spec = _build_layer(layer, path, ctx, kind)
-    if key is not None:
-        ctx.specs[key] = spec
-    return spec
-
-
-def _build_layer(
-    layer: spec_pb2.LayerSpec, path: str, ctx: _Context, kind: str | None
-) -> KVCacheSpec:
     if kind is None:
         raise InvalidRequest("a layer needs a spec kind (full_attention, mamba, ...)", field=path)
     body = getattr(layer, kind)
@@ -508,7 +485,7 @@ def _layers_from_proto(
         # spec: layers that differ only by name share one converted value.
         name_bytes = name.encode()
         size = len(name_bytes)
-        prefix = _NAME_TAG + (bytes((size,)) if size < 0x80 else _varint(size)) + name_bytes
+        prefix = _NAME_TAG + _varint(size) + name_bytes
         spec_key = layer_bytes[len(prefix) :] if layer_bytes.startswith(prefix) else None
         spec = specs_by_bytes.get(spec_key) if spec_key is not None else None
         if spec is None:

@@ -31,8 +31,9 @@ class PlanCache:
     (about 33 KB against 80 KB for 8 workers x 65 layers).
 
     It also remembers the plan id of recent requests by their bytes' digest:
-    `plan_id_for` copies and re-sorts the request (about half a millisecond for
-    8 workers x 65 layers), more than the rest of a cache hit costs the server.
+    `plan_id_for` copies and re-sorts the request (about 180 µs for 8 workers x
+    65 layers, against 23 µs to hash the raw bytes), more than the rest of a cache
+    hit costs the server.
     """
 
     def __init__(self, capacity: int, max_bytes: int = 32 * 1024 * 1024) -> None:

@@ -132,18 +132,17 @@ def _merge_worker_specs(workers: list[WorkerInput], request: EngineRequest) -> S
 def _tag_retained_tokens(specs: SpecDict, request: EngineRequest) -> SpecDict:
     # Multi-module MTP re-prefills its last k-1 tokens: windows keep them.
     extra = max(0, request.spec_decode.prefill_lookahead_tokens - 1)
-    tagged: dict[KVCacheSpec, KVCacheSpec] = {}  # layers share specs: rebuild each once
+    # Layers share spec objects: rebuild each object once. Keyed by identity, as
+    # equal specs may still differ in is_draft, which equality ignores.
+    tagged: dict[int, KVCacheSpec] = {}
 
     def tag(spec: KVCacheSpec) -> KVCacheSpec:
         if not isinstance(spec, SlidingWindowSpec) or spec.extra_retained_tokens == extra:
             return spec
-        if spec not in tagged:
-            tagged[spec] = replace(spec, extra_retained_tokens=extra)
-        # is_draft is no part of equality: keep each layer's own marker.
-        result = tagged[spec]
-        return (
-            result if result.is_draft == spec.is_draft else replace(result, is_draft=spec.is_draft)
-        )
+        result = tagged.get(id(spec))
+        if result is None:
+            result = tagged[id(spec)] = replace(spec, extra_retained_tokens=extra)
+        return result
 
     return {name: tag(spec) for name, spec in specs.items()}
 
