@@ -32,7 +32,8 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     python -m venv /opt/kvplan \
     && wheel="$(echo /wheels/kvplan-*.whl)" \
     && /opt/kvplan/bin/pip install --no-cache-dir --disable-pip-version-check "${wheel}[server]" \
-    && /opt/kvplan/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
+    && /opt/kvplan/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)" \
+    && install -d -o 10001 -g 10001 -m 0750 /var/lib/kvplan
 
 # Settings are KVPLAN_* variables (server/config.py); flags after the image name win.
 ENV PATH=/opt/kvplan/bin:$PATH \
@@ -42,7 +43,11 @@ ENV PATH=/opt/kvplan/bin:$PATH \
     KVPLAN_PORT=50051 \
     KVPLAN_METRICS_PORT=9464 \
     KVPLAN_LOG_FORMAT=json \
-    KVPLAN_LOG_LEVEL=INFO
+    KVPLAN_LOG_LEVEL=INFO \
+    KVPLAN_STATE_DIR=/var/lib/kvplan
+
+# Plans, rendezvous and leases (SQLite, WAL): keep them across container restarts.
+VOLUME ["/var/lib/kvplan"]
 
 USER 10001:10001
 WORKDIR /opt/kvplan

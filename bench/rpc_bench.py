@@ -199,6 +199,8 @@ def spawn_server(log_dir: Path, label: str, profile_to: Path | None = None) -> S
     port, metrics_port = free_port(), free_port()
     flags = ["serve", "--host", "127.0.0.1", "--port", str(port)]
     flags += ["--metrics-port", str(metrics_port)]
+    # The embedded default store (SQLite), in a folder of this run's own.
+    flags += ["--state-dir", str(log_dir / f"{label}-state")]
     if profile_to is None:
         command = [str(kvplan_executable()), *flags]
     else:

@@ -5,11 +5,15 @@
         plan.group_of("model.layers.3.self_attn.attn")
         plan.draft_group_ids, plan.worker(rank).num_blocks
 
-`AsyncPlannerClient` is the asyncio twin. Errors raise `PlannerError` with the
+A plan whose workers named their devices (device.uuid) carries leases: keep
+them with `LeaseKeeper(planner, plan)` (or `AsyncLeaseKeeper`), which renews
+them in the background and releases them on exit. `AsyncPlannerClient` is the
+asyncio twin. Errors raise `PlannerError` with the
 gRPC code and the server's field violations.
 """
 
 from kvplan.client.errors import PlannerError, error_from_rpc
+from kvplan.client.leases import AsyncLeaseKeeper, LeaseKeeper
 from kvplan.client.model import PlanResult, WorkerView
 from kvplan.client.planner import (
     DEFAULT_TIMEOUT_S,
@@ -20,7 +24,9 @@ from kvplan.client.planner import (
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "AsyncLeaseKeeper",
     "AsyncPlannerClient",
+    "LeaseKeeper",
     "PlanResult",
     "PlannerClient",
     "PlannerError",

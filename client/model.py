@@ -19,6 +19,8 @@ class WorkerView:
     max_model_len: int
     tensors: tuple[plan_pb2.KVCacheTensor, ...]
     group_layers: dict[int, tuple[str, ...]]  # group id -> this worker's layers
+    budget: plan_pb2.MemoryBudget  # the mode and every number of the KV budget
+    lease: plan_pb2.Lease | None  # the device memory reserved for it, if it named a device
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,20 @@ class PlanResult:
         return self._group_of_layer[layer_name]
 
     @property
+    def engine_id(self) -> str:
+        return self.response.engine_id
+
+    @property
+    def leases(self) -> tuple[plan_pb2.Lease, ...]:
+        """Device memory reserved for the workers that named a device; keep them
+        alive with a LeaseKeeper (or RenewLeases) and release them at shutdown."""
+        return tuple(self.response.leases)
+
+    @property
+    def lease_ttl_s(self) -> float:
+        return min((lease.ttl_seconds for lease in self.response.leases), default=0.0)
+
+    @property
     def warnings(self) -> tuple[str, ...]:
         return tuple(warning.message for warning in self.response.diagnostics.warnings)
 
@@ -76,5 +92,9 @@ class PlanResult:
                     max_model_len=worker.max_model_len,
                     tensors=tuple(worker.tensors),
                     group_layers={g.group_id: tuple(g.layer_names) for g in worker.groups},
+                    budget=worker.budget,
+                    lease=next(
+                        (lease for lease in self.response.leases if lease.rank == rank), None
+                    ),
                 )
         raise KeyError(f"rank {rank} is not part of plan {self.plan_id}")

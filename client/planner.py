@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Self
 
@@ -28,7 +29,15 @@ _SERVICE_CONFIG = {
         {
             "name": [
                 {"service": _SERVICE, "method": method}
-                for method in ("PlanKVCache", "GetPlan", "ListDevices", "Echo")
+                # Renewing and releasing leases are idempotent as well.
+                for method in (
+                    "PlanKVCache",
+                    "GetPlan",
+                    "ListDevices",
+                    "Echo",
+                    "RenewLeases",
+                    "ReleasePlan",
+                )
             ],
             "retryPolicy": {
                 "maxAttempts": 4,
@@ -57,6 +66,25 @@ def _credentials(
     root_certificates: bytes | None, private_key: bytes | None, certificate_chain: bytes | None
 ) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+
+
+def _renew_request(
+    engine_id: str, allocations: Mapping[int, int] | None
+) -> service_pb2.RenewLeasesRequest:
+    return service_pb2.RenewLeasesRequest(
+        engine_id=engine_id,
+        allocations=[
+            service_pb2.WorkerAllocation(rank=rank, allocated_bytes=allocated)
+            for rank, allocated in sorted((allocations or {}).items())
+        ],
+    )
+
+
+def _release_request(engine_id: str, rank: int | None) -> service_pb2.ReleasePlanRequest:
+    request = service_pb2.ReleasePlanRequest(engine_id=engine_id)
+    if rank is not None:
+        request.rank = rank
+    return request
 
 
 def _plan_get_request(
@@ -117,6 +145,35 @@ class PlannerClient:
         try:
             return self._stub.ListDevices(
                 service_pb2.ListDevicesRequest(), timeout=timeout_s or self.timeout_s
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    def renew_leases(
+        self,
+        engine_id: str,
+        allocations: Mapping[int, int] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> tuple[plan_pb2.Lease, ...]:
+        """Heartbeat: extend the engine's leases; `allocations` (rank -> bytes the
+        worker holds on its device now) tells the ledger what is no longer only
+        promised."""
+        try:
+            response = self._stub.RenewLeases(
+                _renew_request(engine_id, allocations), timeout=timeout_s or self.timeout_s
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+        return tuple(response.leases)
+
+    def release_plan(
+        self, engine_id: str, rank: int | None = None, *, timeout_s: float | None = None
+    ) -> service_pb2.ReleasePlanResponse:
+        """Give the engine's leases (or one rank's) back."""
+        try:
+            return self._stub.ReleasePlan(
+                _release_request(engine_id, rank), timeout=timeout_s or self.timeout_s
             )
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
@@ -188,6 +245,32 @@ class AsyncPlannerClient:
         try:
             return await self._stub.ListDevices(
                 service_pb2.ListDevicesRequest(), timeout=timeout_s or self.timeout_s
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    async def renew_leases(
+        self,
+        engine_id: str,
+        allocations: Mapping[int, int] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> tuple[plan_pb2.Lease, ...]:
+        """See PlannerClient.renew_leases."""
+        try:
+            response = await self._stub.RenewLeases(
+                _renew_request(engine_id, allocations), timeout=timeout_s or self.timeout_s
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+        return tuple(response.leases)
+
+    async def release_plan(
+        self, engine_id: str, rank: int | None = None, *, timeout_s: float | None = None
+    ) -> service_pb2.ReleasePlanResponse:
+        try:
+            return await self._stub.ReleasePlan(
+                _release_request(engine_id, rank), timeout=timeout_s or self.timeout_s
             )
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None

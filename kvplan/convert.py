@@ -404,6 +404,7 @@ def _worker_from_proto(
     which = memory.WhichOneof("budget")
     utilization: float | None = None
     explicit: int | None = None
+    free_fraction: float | None = None
     if which == "gpu_memory_utilization":
         utilization = memory.gpu_memory_utilization
         if not 0.0 < utilization <= 1.0:
@@ -413,12 +414,19 @@ def _worker_from_proto(
             )
     elif which == "kv_cache_memory_bytes":
         explicit = memory.kv_cache_memory_bytes
+    elif which == "free_memory_fraction":
+        free_fraction = memory.free_memory_fraction
+        if not 0.0 < free_fraction <= 1.0:
+            raise InvalidRequest(
+                f"free_memory_fraction must be in (0, 1], got {free_fraction}",
+                field=f"{path}.memory.free_memory_fraction",
+            )
     device = worker.device
     total: int | None = device.total_memory_bytes or None
     if total is None and device.name:
         by_name = {name.lower(): size for name, size in table.items()}
         total = by_name.get(device.name.lower())
-        if total is None and explicit is None:
+        if total is None and explicit is None and free_fraction is None:
             raise InvalidRequest(
                 f"unknown device name {device.name!r}; known: {', '.join(sorted(table))} "
                 "(or set device.total_memory_bytes)",
@@ -432,12 +440,14 @@ def _worker_from_proto(
         memory=MemoryRequest(
             gpu_memory_utilization=utilization,
             kv_cache_memory_bytes=explicit,
+            free_memory_fraction=free_fraction,
             non_kv=NonKVMemory(
                 weights_bytes=non_kv.weights_bytes,
                 activation_peak_bytes=non_kv.activation_peak_bytes,
                 non_torch_bytes=non_kv.non_torch_bytes,
                 cuda_graph_bytes=non_kv.cuda_graph_bytes,
             ),
+            device_bytes_in_use=memory.device_bytes_in_use,
         ),
         device=DeviceInfo(
             uuid=device.uuid,
@@ -692,6 +702,10 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
                 available_bytes=max(budget.available_bytes, 0),
                 check_bytes=max(worker.check_bytes, 0),
                 needed_per_request_bytes=worker.needed_per_request_bytes,
+                free_bytes=budget.free_bytes,
+                free_memory_fraction=budget.free_memory_fraction,
+                in_use_bytes=budget.in_use_bytes,
+                footprint_bytes=max(worker.footprint_bytes, 0),
             )
         )
         for tensor in worker.tensors:

@@ -15,7 +15,12 @@ class Settings:
     metrics_port: int = 9464  # Prometheus /metrics; 0 disables, -1 picks a free port
     log_format: str = "text"  # "text" or "json"
     log_level: str = "INFO"
+    probe: str = "auto"  # auto (NVML where a driver is, else static), nvml, torch, static
     devices: str = ""  # static inventory: "8xH100-80GB" or a YAML/JSON file
+    store: str = ""  # "" (SQLite in state_dir), sqlite:///PATH, redis://HOST:PORT/DB, memory
+    state_dir: str = "kvplan-state"
+    lease_ttl_s: float = 60.0  # a lease not renewed for this long expires
+    max_commit_fraction: float = 1.0  # leases on a device sum to at most total x this
     max_message_bytes: int = 64 * 1024 * 1024
     max_layers_per_worker: int = 8192
     max_workers_per_engine: int = 1024
@@ -25,6 +30,7 @@ class Settings:
     plan_cache_bytes: int = 32 * 1024 * 1024  # and at most this many serialized bytes
     grace_s: float = 10.0  # shutdown grace for in-flight calls
     offload_layers: int = 2048  # plan in a worker thread above this many layers
+    claim_timeout_s: float = 10.0  # a rendezvous claimed by a vanished server is re-claimed
 
 
 _HELP = {
@@ -33,7 +39,12 @@ _HELP = {
     "metrics_port": "Prometheus metrics port (0: off)",
     "log_format": "text or json",
     "log_level": "DEBUG, INFO, WARNING, ...",
+    "probe": "device probe: auto, nvml, torch or static",
     "devices": "static device inventory, e.g. 8xH100-80GB, or a YAML/JSON file",
+    "store": "state store: empty (SQLite in --state-dir), sqlite:///PATH, redis://..., memory",
+    "state_dir": "directory of the embedded SQLite store",
+    "lease_ttl_s": "seconds a lease lives without a heartbeat",
+    "max_commit_fraction": "leases on a device sum to at most its total times this",
     "max_message_bytes": "largest request/response",
     "max_layers_per_worker": "limit on layers one worker may send",
     "max_workers_per_engine": "limit on workers of one engine",
@@ -43,6 +54,7 @@ _HELP = {
     "plan_cache_bytes": "bytes of serialized plans kept in memory",
     "grace_s": "seconds in-flight calls get on shutdown",
     "offload_layers": "plan off the event loop above this many layers",
+    "claim_timeout_s": "seconds before another server may plan a claimed rendezvous",
 }
 
 
@@ -65,4 +77,10 @@ def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -
     settings = Settings(**vars(namespace))
     if settings.log_format not in ("text", "json"):
         parser.error("--log-format must be text or json")
+    if settings.probe not in ("auto", "nvml", "torch", "static"):
+        parser.error("--probe must be auto, nvml, torch or static")
+    if not 0.0 < settings.max_commit_fraction <= 1.0:
+        parser.error("--max-commit-fraction must be in (0, 1]")
+    if settings.lease_ttl_s <= 0:
+        parser.error("--lease-ttl-s must be positive")
     return settings

@@ -33,7 +33,9 @@ def parse_inventory(spec: str) -> list[Device]:
     if not spec:
         return []
     path = Path(spec)
-    if path.suffix in (".json", ".yaml", ".yml") and path.exists():
+    if path.suffix.lower() in (".json", ".yaml", ".yml"):
+        if not path.is_file():
+            raise ValueError(f"device inventory file {spec!r} does not exist")
         return _from_file(path)
     devices: list[Device] = []
     for part in spec.split(","):
@@ -42,30 +44,44 @@ def parse_inventory(spec: str) -> list[Device]:
             raise ValueError(f"bad device inventory entry {part!r}; expected e.g. 8xH100-80GB")
         count = int(match.group(1) or 1)
         name = match.group(2)
-        sizes = {key.lower(): value for key, value in GPU_MEMORY_BYTES.items()}
-        if name.lower() not in sizes:
-            raise ValueError(f"unknown GPU {name!r}; known: {', '.join(sorted(GPU_MEMORY_BYTES))}")
-        devices.extend(
-            _device(name, len(devices) + offset, sizes[name.lower()]) for offset in range(count)
-        )
+        total = _known_size(name)
+        first = len(devices)  # fixed before extend: a generator would see the list grow
+        devices.extend(_device(name, first + offset, total) for offset in range(count))
     return devices
+
+
+def _known_size(name: str) -> int:
+    sizes = {key.lower(): value for key, value in GPU_MEMORY_BYTES.items()}
+    if name.lower() not in sizes:
+        raise ValueError(
+            f"unknown GPU {name!r}; known: {', '.join(sorted(GPU_MEMORY_BYTES))} "
+            "(or give total_bytes in an inventory file)"
+        )
+    return sizes[name.lower()]
 
 
 def _from_file(path: Path) -> list[Device]:
     text = path.read_text()
-    if path.suffix == ".json":
+    if path.suffix.lower() == ".json":
         data = json.loads(text)
     else:
-        import yaml
+        import yaml  # PyYAML: a server extra, needed only for YAML inventories
 
         data = yaml.safe_load(text)
     entries = data.get("devices", data) if isinstance(data, dict) else data
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a list of devices (or {{devices: [...]}})")
     devices = []
     for index, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not entry.get("name"):
+            raise ValueError(f"{path}: device {index} needs a name, e.g. {{name: H100-80GB}}")
         name = str(entry["name"])
-        total = int(entry.get("total_bytes") or GPU_MEMORY_BYTES[name])
+        total = int(entry.get("total_bytes") or _known_size(name))
         device = _device(name, index, total)
         if entry.get("uuid"):
             device = Device(str(entry["uuid"]), name, index, total)
         devices.append(device)
+    uuids = [device.uuid for device in devices]
+    if len(set(uuids)) != len(uuids):
+        raise ValueError(f"{path}: device uuids must be distinct")
     return devices

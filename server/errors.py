@@ -20,6 +20,9 @@ _CODES = {
 }
 
 
+_NAME_BY_RPC_CODE = {rpc_code: name for name, (_, rpc_code) in _CODES.items()}
+
+
 class ServiceError(Exception):
     """An error of the service layer itself (rendezvous, limits, lookups)."""
 
@@ -38,8 +41,24 @@ class ServiceError(Exception):
         self.details = dict(details or {})
 
 
-def to_status(error: PlanningError | ServiceError) -> grpc.Status:
-    """The status to abort with: code, message, BadRequest / ErrorInfo details."""
+class RemoteStatus(Exception):
+    """A status decided elsewhere (another replica's rendezvous), passed on as is."""
+
+    def __init__(self, status: status_pb2.Status) -> None:
+        super().__init__(status.message)
+        self.status = status
+        self.code = _NAME_BY_RPC_CODE.get(status.code, "UNKNOWN")
+
+
+def to_status(error: PlanningError | ServiceError | RemoteStatus) -> grpc.Status:
+    """The status to abort with."""
+    if isinstance(error, RemoteStatus):
+        return rpc_status.to_status(error.status)
+    return rpc_status.to_status(to_rpc_status(error))
+
+
+def to_rpc_status(error: PlanningError | ServiceError) -> status_pb2.Status:
+    """google.rpc.Status: code, message, BadRequest / ErrorInfo details."""
     code_name = str(error.code)
     _, rpc_code = _CODES[code_name]
     status = status_pb2.Status(code=rpc_code, message=error.message)
@@ -67,4 +86,4 @@ def to_status(error: PlanningError | ServiceError) -> grpc.Status:
     packed_info = any_pb2.Any()
     packed_info.Pack(info)
     status.details.append(packed_info)
-    return rpc_status.to_status(status)
+    return status

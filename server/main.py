@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,9 +23,10 @@ from prometheus_client import start_http_server
 
 from kvplan import __version__
 from kvplan.server.config import Settings, parse_settings
-from kvplan.server.devices import parse_inventory
 from kvplan.server.metrics import Metrics, MetricsInterceptor
+from kvplan.server.probes import DeviceProbe, ProbeUnavailable, open_probe
 from kvplan.server.servicer import PlannerServicer
+from kvplan.server.store import Store, open_store
 from kvplan.v1 import plan_pb2, service_pb2
 
 log = logging.getLogger("kvplan.server")
@@ -143,21 +145,43 @@ class RunningServer:
     servicer: PlannerServicer
     metrics: Metrics
     settings: Settings
+    probe: DeviceProbe
+    store: Store
     _http: object | None = None
+    _sweeper: asyncio.Task[None] | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING, waiting ranks get UNAVAILABLE, in-flight calls finish."""
         await self.health.enter_graceful_shutdown()
         self.servicer.rendezvous.drain()
         await self.server.stop(self.settings.grace_s if grace_s is None else grace_s)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.store.close()
+        self.probe.close()
         if self._http is not None:
             self._http.shutdown()  # type: ignore[attr-defined]
 
 
+async def _sweep_leases(servicer: PlannerServicer, interval_s: float) -> None:
+    """Expired leases already count for nothing; this drops them and keeps the
+    lease and device metrics current."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await servicer.sweep_expired_leases()
+        except Exception as error:  # a store outage must not end the sweeper
+            log.warning("lease sweep failed: %s", error)
+
+
 async def start_server(settings: Settings) -> RunningServer:
     metrics = Metrics()
-    devices = parse_inventory(settings.devices)
-    servicer = PlannerServicer(settings, metrics, devices)
+    probe = open_probe(settings.probe, settings.devices)
+    store = open_store(settings.store, settings.state_dir, max_plans=settings.plan_cache_size)
+    await store.start()
+    servicer = PlannerServicer(settings, metrics, probe, store)
     server = grpc.aio.server(
         interceptors=[MetricsInterceptor(metrics)], options=server_options(settings)
     )
@@ -185,16 +209,32 @@ async def start_server(settings: Settings) -> RunningServer:
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    devices = await servicer.refresh_device_metrics()
+    sweeper = asyncio.create_task(
+        _sweep_leases(servicer, min(5.0, settings.lease_ttl_s / 4)), name="kvplan-lease-sweeper"
+    )
     log.info(
-        "kvplan %s serving gRPC on %s:%d, metrics on :%d, devices=%d (probe static)",
+        "kvplan %s serving gRPC on %s:%d, metrics on :%d, probe=%s devices=%d store=%s",
         __version__,
         settings.host,
         port,
         metrics_port,
+        probe.name,
         len(devices),
+        store.kind,
     )
     return RunningServer(
-        server, port, metrics_port, health_servicer, servicer, metrics, settings, http
+        server,
+        port,
+        metrics_port,
+        health_servicer,
+        servicer,
+        metrics,
+        settings,
+        probe,
+        store,
+        http,
+        sweeper,
     )
 
 
@@ -217,8 +257,8 @@ def serve_main(argv: Sequence[str]) -> int:
     configure_logging(settings)
     try:
         asyncio.run(_serve(settings))
-    except OSError as error:
-        log.error("%s", error)
+    except (OSError, ProbeUnavailable, ValueError) as error:
+        log.error("cannot start: %s", error)
         return 1
     return 0
 

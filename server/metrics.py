@@ -101,6 +101,52 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        # The ledger (issue: budgets and leases).
+        self.device_total = Gauge(
+            "kvplan_device_total_bytes",
+            "Device memory, by device.",
+            ["device_uuid"],
+            registry=self.registry,
+        )
+        self.device_free = Gauge(
+            "kvplan_device_free_bytes",
+            "Free device memory as the probe last read it, by device.",
+            ["device_uuid"],
+            registry=self.registry,
+        )
+        self.device_committed = Gauge(
+            "kvplan_device_committed_bytes",
+            "Bytes promised to live leases, by device.",
+            ["device_uuid"],
+            registry=self.registry,
+        )
+        self.device_available = Gauge(
+            "kvplan_device_available_to_grant_bytes",
+            "Bytes a new lease could still get, by device.",
+            ["device_uuid"],
+            registry=self.registry,
+        )
+        self.leases_active = Gauge("kvplan_leases_active", "Live leases.", registry=self.registry)
+        self.leases_granted = Counter(
+            "kvplan_leases_granted_total", "Leases granted.", registry=self.registry
+        )
+        self.leases_ended = Counter(
+            "kvplan_leases_ended_total",
+            'Leases that ended, by how ("released", "expired", "replaced").',
+            ["reason"],
+            registry=self.registry,
+        )
+        self.grants_refused = Counter(
+            "kvplan_grants_refused_total",
+            'Lease grants refused, by the bound hit ("commit_limit", "free_memory").',
+            ["reason"],
+            registry=self.registry,
+        )
+        self.store_errors = Counter(
+            "kvplan_store_errors_total",
+            "Calls that failed because the store could not be reached.",
+            registry=self.registry,
+        )
         build = Info("kvplan_build", "kvplan build information.", registry=self.registry)
         build.info({"version": __version__})
 

@@ -1,106 +1,80 @@
 """Rank-mode rendezvous: hold each rank's call until its engine is complete,
 plan once over the merged workers, answer every rank with the same plan.
 
-Everything runs on the server's event loop, so the state needs no locks. Plans
-travel serialized (bytes of a PlanResponse), as the servicer's cache keeps them.
+The ranks' specs live in the store, so a rendezvous survives a restart (SQLite)
+and spans replicas (Redis): the rank that completes an engine plans it, on
+whichever replica it reached, and the store tells every replica's waiting
+ranks. This module only keeps the local waiters.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 
-from kvplan.server.errors import ServiceError
+from google.rpc import status_pb2
+
+from kvplan.core.errors import PlanningError
+from kvplan.server.errors import RemoteStatus, ServiceError, to_rpc_status
 from kvplan.server.metrics import Metrics
+from kvplan.server.store import RendezvousResult, Store
 from kvplan.v1 import plan_pb2
 
-
-@dataclass
-class _Pending:
-    engine_id: str
-    world_size: int
-    template: plan_pb2.PlanRequest  # options and spec decode, no workers
-    template_bytes: bytes  # its deterministic serialization, to compare other ranks with
-    workers: dict[int, plan_pb2.WorkerSpec]
-    result: asyncio.Future[bytes]  # the serialized PlanResponse
-    created: float = field(default_factory=time.monotonic)
+PlanFn = Callable[[plan_pb2.PlanRequest], Awaitable[bytes]]
 
 
-@dataclass
-class _Finished:
-    workers: dict[int, bytes]  # rank -> digest of its worker's deterministic serialization
-    template: bytes  # digest of the template's deterministic serialization
-    response: bytes  # the serialized PlanResponse
-    finished: float = field(default_factory=time.monotonic)
-
-
-def _template_of(request: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:
+def _template_bytes(request: plan_pb2.PlanRequest) -> bytes:
+    """The request without its workers: what every rank must send alike."""
     template = plan_pb2.PlanRequest()
     template.CopyFrom(request)
     del template.workers[:]
-    return template
+    return template.SerializeToString(deterministic=True)
 
 
-def _bytes(message: plan_pb2.PlanRequest | plan_pb2.WorkerSpec) -> bytes:
-    return message.SerializeToString(deterministic=True)
+def _merged(template: bytes, workers: tuple[bytes, ...]) -> plan_pb2.PlanRequest:
+    merged = plan_pb2.PlanRequest.FromString(template)
+    merged.world_size = 0
+    for worker in workers:
+        merged.workers.add().ParseFromString(worker)
+    return merged
 
 
-def _digest(message: plan_pb2.PlanRequest | plan_pb2.WorkerSpec) -> bytes:
-    """Stands for the message in a finished engine: 32 bytes, not the whole spec."""
-    return hashlib.sha256(_bytes(message)).digest()
+def _raise_for(result: RendezvousResult) -> bytes:
+    if result.ok:
+        return result.payload
+    raise RemoteStatus(status_pb2.Status.FromString(result.payload))
 
 
 class Rendezvous:
     def __init__(
         self,
-        plan: Callable[[plan_pb2.PlanRequest], asyncio.Future[bytes]],
+        store: Store,
+        plan: PlanFn,
         metrics: Metrics,
         *,
         max_pending: int,
         ttl_s: float,
+        claim_timeout_s: float,
     ) -> None:
+        self._store = store
         self._plan = plan
         self._metrics = metrics
         self._max_pending = max_pending
         self._ttl_s = ttl_s
-        self._pending: dict[str, _Pending] = {}
-        self._finished: dict[str, _Finished] = {}
+        self._claim_timeout_s = claim_timeout_s
+        # One future per engine with local waiters, resolved by the store's news.
+        self._waiters: dict[str, asyncio.Future[RendezvousResult]] = {}
+        self._joining: dict[str, int] = {}  # engine -> local ranks inside join()
+        self._planning: set[asyncio.Task[None]] = set()
         self._draining = False
         self._waiting = 0
+        store.subscribe(self._on_finished)
 
-    @property
-    def pending_engines(self) -> int:
-        return len(self._pending)
-
-    def _expire(self) -> None:
-        """Forget what is older than the TTL.
-
-        Both dicts are in the order of their timestamps (an entry is inserted when it
-        is stamped and never moved), so the expired entries are a prefix: the scan
-        stops at the first live one instead of visiting every engine on every join.
-        """
-        now = time.monotonic()
-        while self._pending:
-            engine_id, pending = next(iter(self._pending.items()))
-            if now - pending.created <= self._ttl_s:
-                break
-            del self._pending[engine_id]
-            if not pending.result.done():
-                pending.result.set_exception(
-                    ServiceError(
-                        "DEADLINE_EXCEEDED",
-                        f"engine {engine_id!r}: rendezvous expired after {self._ttl_s:.0f} s "
-                        f"with ranks {sorted(pending.workers)} of {pending.world_size}",
-                    )
-                )
-        while self._finished:
-            engine_id, finished = next(iter(self._finished.items()))
-            if now - finished.finished <= self._ttl_s:
-                break
-            del self._finished[engine_id]
+    def _on_finished(self, engine_id: str, result: RendezvousResult) -> None:
+        future = self._waiters.pop(engine_id, None)
+        if future is not None and not future.done():
+            future.set_result(result)
 
     def _validate(self, request: plan_pb2.PlanRequest) -> plan_pb2.WorkerSpec:
         if not request.engine_id:
@@ -122,161 +96,111 @@ class Rendezvous:
             )
         return worker
 
-    def _join_finished(
-        self, request: plan_pb2.PlanRequest, worker: plan_pb2.WorkerSpec, template_bytes: bytes
-    ) -> bytes | None:
-        finished = self._finished.get(request.engine_id)
-        if finished is None:
-            return None
-        planned = finished.workers.get(worker.rank)
-        if (
-            planned == _digest(worker)
-            and finished.template == hashlib.sha256(template_bytes).digest()
-        ):
-            return finished.response  # a late joiner or a restarted rank
-        raise ServiceError(
-            "FAILED_PRECONDITION",
-            f"engine {request.engine_id!r} was already planned and rank {worker.rank}'s spec "
-            "differs from the planned one; plan a changed engine under a new engine_id",
-            field="workers[0]",
-        )
-
     async def join(self, request: plan_pb2.PlanRequest, timeout_s: float | None) -> bytes:
         """The serialized plan of the rank's engine, once all its ranks arrived."""
         if self._draining:
             raise ServiceError("UNAVAILABLE", "server is shutting down; retry on another replica")
-        self._expire()
         worker = self._validate(request)
-        template = _template_of(request)
-        template_bytes = _bytes(template)
-        done = self._join_finished(request, worker, template_bytes)
-        if done is not None:
-            return done
-        pending = self._pending.get(request.engine_id)
-        if pending is None:
-            if len(self._pending) >= self._max_pending:
-                raise ServiceError(
-                    "RESOURCE_EXHAUSTED",
-                    f"{len(self._pending)} engines are already waiting for ranks (limit "
-                    f"{self._max_pending}); retry later",
-                    details={"pending": len(self._pending), "limit": self._max_pending},
-                )
-            pending = _Pending(
-                engine_id=request.engine_id,
+        engine_id = request.engine_id
+        template = _template_bytes(request)
+        # Registered before joining, so news of the engine cannot slip past; kept
+        # while any local rank of the engine is inside join().
+        future = self._waiters.get(engine_id)
+        if future is None or future.done():
+            future = self._waiters[engine_id] = asyncio.get_running_loop().create_future()
+        self._joining[engine_id] = self._joining.get(engine_id, 0) + 1
+        try:
+            arrival = await self._store.rendezvous_join(
+                engine_id=engine_id,
                 world_size=request.world_size,
                 template=template,
-                template_bytes=template_bytes,
-                workers={},
-                result=asyncio.get_running_loop().create_future(),
+                rank=worker.rank,
+                worker=worker.SerializeToString(deterministic=True),
+                now=time.time(),
+                ttl_s=self._ttl_s,
+                max_pending=self._max_pending,
+                claim_timeout_s=self._claim_timeout_s,
             )
-            self._pending[request.engine_id] = pending
-        self._check_compatible(pending, request, worker, template_bytes)
-        pending.workers[worker.rank] = worker
-        if len(pending.workers) == pending.world_size:
-            self._complete(pending)
-        return await self._wait(pending, worker.rank, timeout_s)
+            if arrival.state == "finished":
+                assert arrival.result is not None
+                return _raise_for(arrival.result)
+            if arrival.state == "plan":
+                task = asyncio.create_task(self._plan_engine(engine_id, template, arrival.workers))
+                self._planning.add(task)
+                task.add_done_callback(self._planning.discard)
+            return await self._wait(engine_id, future, worker.rank, timeout_s)
+        finally:
+            left = self._joining[engine_id] - 1
+            if left:
+                self._joining[engine_id] = left
+            else:
+                del self._joining[engine_id]
+                if self._waiters.get(engine_id) is future:
+                    del self._waiters[engine_id]
 
-    def _check_compatible(
-        self,
-        pending: _Pending,
-        request: plan_pb2.PlanRequest,
-        worker: plan_pb2.WorkerSpec,
-        template_bytes: bytes,
+    async def _plan_engine(
+        self, engine_id: str, template: bytes, workers: tuple[bytes, ...]
     ) -> None:
-        if request.world_size != pending.world_size:
-            raise ServiceError(
-                "INVALID_ARGUMENT",
-                f"engine {pending.engine_id!r}: world_size {request.world_size} disagrees with "
-                f"{pending.world_size} sent by the first rank",
-                field="world_size",
-            )
-        if template_bytes != pending.template_bytes:
-            raise ServiceError(
-                "INVALID_ARGUMENT",
-                f"engine {pending.engine_id!r}: rank {worker.rank} sent engine options or a "
-                "spec-decode config that differ from the other ranks'",
-                field="options",
-            )
-        seen = pending.workers.get(worker.rank)
-        if seen is not None and _bytes(seen) != _bytes(worker):
-            raise ServiceError(
-                "INVALID_ARGUMENT",
-                f"engine {pending.engine_id!r}: rank {worker.rank} already joined with a "
-                "different spec",
-                field="workers[0].rank",
-            )
+        """This replica completed the engine: plan it and tell every replica."""
+        try:
+            result = RendezvousResult(True, await self._plan(_merged(template, workers)))
+        except (PlanningError, ServiceError) as error:
+            result = RendezvousResult(False, to_rpc_status(error).SerializeToString())
+        except RemoteStatus as error:
+            result = RendezvousResult(False, error.status.SerializeToString())
+        await self._store.rendezvous_finish(engine_id, result, time.time())
 
-    def _complete(self, pending: _Pending) -> None:
-        del self._pending[pending.engine_id]
-        merged = plan_pb2.PlanRequest()
-        merged.CopyFrom(pending.template)
-        merged.world_size = 0
-        merged.workers.extend(pending.workers[rank] for rank in sorted(pending.workers))
-        planned = self._plan(merged)
-
-        def finish(future: asyncio.Future[bytes]) -> None:
-            if pending.result.done():
-                return
-            error = future.exception()
-            if error is not None:
-                pending.result.set_exception(error)
-                return
-            response = future.result()
-            self._finished.pop(pending.engine_id, None)  # re-inserted last: in time order
-            self._finished[pending.engine_id] = _Finished(
-                workers={rank: _digest(w) for rank, w in pending.workers.items()},
-                template=hashlib.sha256(pending.template_bytes).digest(),
-                response=response,
-            )
-            pending.result.set_result(response)
-
-        planned.add_done_callback(finish)
-
-    async def _wait(self, pending: _Pending, rank: int, timeout_s: float | None) -> bytes:
+    async def _wait(
+        self,
+        engine_id: str,
+        future: asyncio.Future[RendezvousResult],
+        rank: int,
+        timeout_s: float | None,
+    ) -> bytes:
         start = time.perf_counter()
         self._waiting += 1
         self._metrics.rendezvous_waiting.set(self._waiting)
         try:
-            return await asyncio.wait_for(asyncio.shield(pending.result), timeout_s)
+            result = await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except TimeoutError:
-            self._leave(pending, rank)
+            await self._leave(engine_id, rank)
             raise ServiceError(
                 "DEADLINE_EXCEEDED",
-                f"engine {pending.engine_id!r}: deadline passed with ranks "
-                f"{sorted(pending.workers)} of {pending.world_size} arrived",
+                f"engine {engine_id!r}: the deadline passed before all ranks arrived "
+                f"(rank {rank} waited {time.perf_counter() - start:.1f} s)",
             ) from None
         except asyncio.CancelledError:
-            self._leave(pending, rank)
+            await self._leave(engine_id, rank)
             raise
         finally:
             self._waiting -= 1
             self._metrics.rendezvous_waiting.set(self._waiting)
             self._metrics.rendezvous_wait.observe(time.perf_counter() - start)
+        return _raise_for(result)
 
-    def _leave(self, pending: _Pending, rank: int) -> None:
+    async def _leave(self, engine_id: str, rank: int) -> None:
         """A rank that stops waiting leaves an unfinished rendezvous."""
-        if pending.result.done():
+        try:
+            await self._store.rendezvous_leave(engine_id, rank)
+        except Exception:  # the caller is gone; the TTL cleans up what this could not
             return
-        pending.workers.pop(rank, None)
-        if not pending.workers and self._pending.get(pending.engine_id) is pending:
-            del self._pending[pending.engine_id]
+
+    async def pending_engines(self) -> int:
+        return await self._store.pending_engines()
 
     def drain(self) -> None:
-        """Shutdown: waiting ranks get UNAVAILABLE and retry elsewhere."""
+        """Shutdown: local waiting ranks get UNAVAILABLE and retry elsewhere; their
+        specs stay in the store, so a retry is accepted as the same rank."""
         self._draining = True
-        for pending in self._pending.values():
-            if not pending.result.done():
-                pending.result.set_exception(
-                    ServiceError(
-                        "UNAVAILABLE",
-                        f"server shutting down before engine {pending.engine_id!r} completed; "
-                        "retry (all ranks) on another replica",
-                        details={"retry_after_s": 1},
-                    )
-                )
-        self._pending.clear()
-
-    def finished_plan(self, engine_id: str) -> bytes | None:
-        """The serialized plan of a finished engine."""
-        finished = self._finished.get(engine_id)
-        return finished.response if finished else None
+        unavailable = to_rpc_status(
+            ServiceError(
+                "UNAVAILABLE",
+                "server shutting down before the engine completed; retry (every waiting rank "
+                "does so by itself) on another replica",
+                details={"retry_after_s": 1},
+            )
+        ).SerializeToString()
+        waiters, self._waiters = self._waiters, {}
+        for future in waiters.values():
+            if not future.done():
+                future.set_result(RendezvousResult(False, unavailable))

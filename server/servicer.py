@@ -1,23 +1,35 @@
-"""The KVCachePlanner servicer: convert, delegate to the core, respond."""
+"""The KVCachePlanner servicer: convert, delegate to the core and the store,
+respond. The flow of a plan is in `_plan_engine`."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import grpc
 import grpc.aio
 
 from kvplan.convert import plan_from_proto, plan_id_for
 from kvplan.core.errors import PlanningError
+from kvplan.core.ledger import (
+    DeviceAccount,
+    DeviceState,
+    GrantRefused,
+    Lease,
+    LeaseRequest,
+    account,
+)
 from kvplan.server.config import Settings
-from kvplan.server.devices import Device
-from kvplan.server.errors import ServiceError, to_status
+from kvplan.server.errors import RemoteStatus, ServiceError, to_status
 from kvplan.server.metrics import Metrics
+from kvplan.server.probes import DeviceMemory, DeviceProbe
 from kvplan.server.rendezvous import Rendezvous
+from kvplan.server.store import Store, StoreUnavailable
 from kvplan.v1 import plan_pb2, service_pb2, service_pb2_grpc
 
 log = logging.getLogger("kvplan.server")
@@ -111,6 +123,8 @@ def _only_rank(plan: plan_pb2.PlanResponse, rank: int) -> plan_pb2.PlanResponse:
     view.workers.extend(worker for worker in plan.workers if worker.rank == rank)
     if not view.workers:
         raise ServiceError("NOT_FOUND", f"plan {plan.plan_id} has no rank {rank}", field="rank")
+    del view.leases[:]
+    view.leases.extend(lease for lease in plan.leases if lease.rank == rank)
     return view
 
 
@@ -119,20 +133,109 @@ def _enum(message: object, field: str) -> str:
     return str(descriptor.values_by_number[getattr(message, field)].name)
 
 
+def _lease_to_proto(
+    lease: Lease, ttl_s: float, device_account: DeviceAccount | None = None
+) -> plan_pb2.Lease:
+    out = plan_pb2.Lease(
+        engine_id=lease.engine_id,
+        rank=lease.rank,
+        device_uuid=lease.device_uuid,
+        bytes=lease.bytes,
+        allocated_bytes=lease.allocated_bytes,
+        ttl_seconds=ttl_s,
+    )
+    out.granted_at.FromNanoseconds(int(lease.granted_at * 1e9))
+    out.expires_at.FromNanoseconds(int(lease.expires_at * 1e9))
+    if device_account is not None:
+        out.account.CopyFrom(
+            plan_pb2.DeviceAccount(
+                total_bytes=device_account.total_bytes,
+                free_bytes=device_account.free_bytes,
+                commit_limit_bytes=device_account.commit_limit_bytes,
+                committed_bytes=device_account.committed_bytes,
+                outstanding_bytes=device_account.outstanding_bytes,
+                available_to_grant_bytes=device_account.available_to_grant_bytes,
+            )
+        )
+    return out
+
+
+_LEASES_TAG = bytes([plan_pb2.PlanResponse.LEASES_FIELD_NUMBER << 3 | 2])
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _with_leases(plan: bytes, leases: Sequence[plan_pb2.Lease]) -> bytes:
+    """The serialized plan with `leases` appended: a repeated field's entries may
+    follow the rest of a message, so the cached bytes are not parsed again."""
+    parts = [plan]
+    for lease in leases:
+        body = lease.SerializeToString()
+        parts.append(_LEASES_TAG + _varint(len(body)) + body)
+    return b"".join(parts)
+
+
+_SPEC_DECODE_ON = (
+    plan_pb2.SPEC_DECODE_METHOD_EAGLE,
+    plan_pb2.SPEC_DECODE_METHOD_EAGLE3,
+    plan_pb2.SPEC_DECODE_METHOD_MTP,
+    plan_pb2.SPEC_DECODE_METHOD_DSPARK,
+    plan_pb2.SPEC_DECODE_METHOD_DFLASH,
+)
+
+
 class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
-    def __init__(self, settings: Settings, metrics: Metrics, devices: list[Device]) -> None:
+    def __init__(
+        self, settings: Settings, metrics: Metrics, probe: DeviceProbe, store: Store
+    ) -> None:
         self._settings = settings
         self._metrics = metrics
-        self._devices = devices
+        self._probe = probe
+        self._store = store
         self._cache = PlanCache(settings.plan_cache_size, settings.plan_cache_bytes)
         self.rendezvous = Rendezvous(
-            self._plan_in_background,
+            store,
+            lambda merged: self._plan_engine(merged, repeats=False),
             metrics,
             max_pending=settings.max_pending_rendezvous,
             ttl_s=settings.rendezvous_ttl_s,
+            claim_timeout_s=settings.claim_timeout_s,
         )
 
-    # --- the flow: request -> validate -> plan -> budget -> respond -------------
+    # --- the flow: request -> validate -> devices -> plan -> lease -> respond ------
+
+    async def _plan_engine(
+        self,
+        request: plan_pb2.PlanRequest,
+        *,
+        repeats: bool = True,
+        request_digest: bytes | None = None,
+    ) -> bytes:
+        """One engine (all its workers): the serialized PlanResponse.
+
+        Workers that name a device (device.uuid) get their budget from the
+        server's probe and ledger and a lease; the others are planned from the
+        numbers they sent, and reserve nothing.
+        """
+        self._check_limits(request)
+        named = [index for index, worker in enumerate(request.workers) if worker.device.uuid]
+        if not named:
+            return await self._plan(request, repeats=repeats, request_digest=request_digest)
+        now = time.time()
+        resolved, devices, accounts = await self._resolve_devices(request, named, now)
+        plan = await self._plan(resolved, repeats=False)
+        leases = await self._grant(resolved, named, plan, devices, now)
+        ttl_s = self._settings.lease_ttl_s
+        return _with_leases(
+            plan, [_lease_to_proto(lease, ttl_s, accounts[lease.device_uuid]) for lease in leases]
+        )
 
     def _check_limits(self, request: plan_pb2.PlanRequest) -> None:
         settings = self._settings
@@ -152,6 +255,111 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                     field=f"workers[{index}].layers",
                 )
 
+    def _device_state(self, device: DeviceMemory) -> DeviceState:
+        return DeviceState(
+            uuid=device.uuid,
+            total_bytes=device.total_bytes,
+            free_bytes=device.free_bytes,
+            commit_limit_bytes=math.floor(device.total_bytes * self._settings.max_commit_fraction),
+        )
+
+    async def _resolve_devices(
+        self, request: plan_pb2.PlanRequest, named: list[int], now: float
+    ) -> tuple[plan_pb2.PlanRequest, dict[str, DeviceState], dict[str, DeviceAccount]]:
+        """The request with the named devices' numbers from the probe and ledger:
+        the device's total memory, and for the free-fraction mode the bytes the
+        ledger can still grant. Free memory a worker sent is dropped for named
+        devices: the ledger, which knows the other engines' leases, decides."""
+        if not request.engine_id:
+            raise ServiceError(
+                "INVALID_ARGUMENT",
+                "workers that name a device get leases, which are held per engine: set engine_id",
+                field="engine_id",
+            )
+        snapshot = {device.uuid: device for device in self._probe.snapshot()}
+        resolved = plan_pb2.PlanRequest()
+        resolved.CopyFrom(request)
+        devices: dict[str, DeviceState] = {}
+        for index in named:
+            device_ref = resolved.workers[index].device
+            found = snapshot.get(device_ref.uuid)
+            if found is None:
+                known = sorted(snapshot)
+                raise ServiceError(
+                    "NOT_FOUND",
+                    f"worker rank {resolved.workers[index].rank} names device "
+                    f"{device_ref.uuid!r}, which this server does not know (probe "
+                    f"{self._probe.name}, {len(known)} devices"
+                    + (f": {', '.join(known)}" if known else "")
+                    + "); name one of them, or leave device.uuid empty to plan without a lease",
+                    field=f"workers[{index}].device.uuid",
+                    details={"known_uuids": ",".join(known), "probe": self._probe.name},
+                )
+            devices[found.uuid] = self._device_state(found)
+            device_ref.total_memory_bytes = found.total_bytes
+        leases = await self._store.leases(now)
+        accounts = {
+            uuid: account(state, leases, now, exclude_engine=request.engine_id)
+            for uuid, state in devices.items()
+        }
+        for index in named:
+            worker = resolved.workers[index]
+            if worker.memory.WhichOneof("budget") == "free_memory_fraction":
+                ledger = accounts[worker.device.uuid]
+                # The lease covers what the worker already holds too, so that comes
+                # off the policy room; physically it is already not free.
+                worker.device.free_memory_bytes = max(
+                    0,
+                    min(
+                        ledger.commit_limit_bytes
+                        - ledger.committed_bytes
+                        - worker.memory.device_bytes_in_use,
+                        ledger.free_bytes - ledger.outstanding_bytes,
+                    ),
+                )
+            else:
+                worker.device.ClearField("free_memory_bytes")
+        return resolved, devices, accounts
+
+    async def _grant(
+        self,
+        request: plan_pb2.PlanRequest,
+        named: list[int],
+        plan: bytes,
+        devices: dict[str, DeviceState],
+        now: float,
+    ) -> tuple[Lease, ...]:
+        footprint = {
+            worker.rank: worker.budget.footprint_bytes
+            for worker in plan_pb2.PlanResponse.FromString(plan).workers
+        }
+        wanted = [
+            LeaseRequest(
+                rank=worker.rank,
+                device_uuid=worker.device.uuid,
+                bytes=footprint[worker.rank],
+                in_use_bytes=worker.memory.device_bytes_in_use,
+            )
+            for worker in (request.workers[index] for index in named)
+        ]
+        try:
+            leases = await self._store.grant(
+                request.engine_id, wanted, devices, now, self._settings.lease_ttl_s
+            )
+        except GrantRefused as refused:
+            self._metrics.grants_refused.labels(refused.grant_reason).inc()
+            raise
+        self._metrics.leases_granted.inc(len(leases))
+        log.info(
+            "lease engine=%s ranks=%s bytes=%s ttl_s=%.0f",
+            request.engine_id,
+            ",".join(str(lease.rank) for lease in leases),
+            ",".join(str(lease.bytes) for lease in leases),
+            self._settings.lease_ttl_s,
+        )
+        await self.refresh_device_metrics()
+        return leases
+
     async def _plan(
         self,
         request: plan_pb2.PlanRequest,
@@ -159,13 +367,12 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         repeats: bool = True,
         request_digest: bytes | None = None,
     ) -> bytes:
-        """The serialized PlanResponse, from the cache or planned now.
+        """The serialized plan, from the cache or planned now.
 
-        `repeats`: the same request may come again, so remember its plan id. A merged
-        rendezvous request does not (a rank that comes again joins the finished engine).
-        `request_digest`: see PlanCache.plan_id.
+        `repeats`: the same request may come again, so remember its plan id (a
+        merged rendezvous request or a request resolved against the devices does
+        not come in as these bytes). `request_digest`: see PlanCache.plan_id.
         """
-        self._check_limits(request)
         plan_id = self._cache.plan_id(request, request_digest) if repeats else plan_id_for(request)
         cached = self._cache.get(plan_id)
         if cached is not None:
@@ -181,11 +388,14 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             response = plan_from_proto(request, plan_id=plan_id)
         serialized = self._cache.put(response)
         self._record(request, response, time.perf_counter() - start)
+        try:
+            await self._store.put_plan(plan_id, response.engine_id, serialized, time.time())
+        except StoreUnavailable as error:
+            # The plan stands and is cached here; only GetPlan after a restart (or
+            # on another replica) misses it.
+            self._metrics.store_errors.inc()
+            log.warning("plan %s not persisted: store unavailable (%s)", plan_id, error)
         return serialized
-
-    def _plan_in_background(self, request: plan_pb2.PlanRequest) -> asyncio.Future[bytes]:
-        """The rendezvous' planner: a merged engine."""
-        return asyncio.ensure_future(self._plan(request, repeats=False))
 
     def _record(
         self, request: plan_pb2.PlanRequest, response: plan_pb2.PlanResponse, seconds: float
@@ -197,13 +407,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         rule = "none"
         if flagged:
             rule = _enum(flagged[0], "draft_rule").removeprefix("DRAFT_RULE_").lower()
-        spec_decode_on = request.spec_decode.method in (
-            plan_pb2.SPEC_DECODE_METHOD_EAGLE,
-            plan_pb2.SPEC_DECODE_METHOD_EAGLE3,
-            plan_pb2.SPEC_DECODE_METHOD_MTP,
-            plan_pb2.SPEC_DECODE_METHOD_DSPARK,
-            plan_pb2.SPEC_DECODE_METHOD_DFLASH,
-        )
+        spec_decode_on = request.spec_decode.method in _SPEC_DECODE_ON
         if spec_decode_on:
             metrics.draft_annotations.labels(rule).inc()
         engine = response.engine_id or "-"
@@ -227,15 +431,73 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             seconds * 1000,
         )
 
-    async def _fail(
-        self, context: grpc.aio.ServicerContext, error: PlanningError | ServiceError
-    ) -> None:
-        self._metrics.validation_errors.labels(
-            error.reason if isinstance(error, PlanningError) else error.code
-        ).inc()
-        await context.abort_with_status(to_status(error))
+    # --- ledger upkeep ---------------------------------------------------------------
+
+    async def refresh_device_metrics(self) -> list[service_pb2.Device]:
+        """Every device with its ledger numbers; the device gauges follow."""
+        now = time.time()
+        leases = await self._store.leases(now)
+        metrics = self._metrics
+        metrics.leases_active.set(len(leases))
+        out = []
+        for device in self._probe.snapshot():
+            ledger = account(self._device_state(device), leases, now)
+            labels = (device.uuid,)
+            metrics.device_total.labels(*labels).set(device.total_bytes)
+            metrics.device_free.labels(*labels).set(device.free_bytes)
+            metrics.device_committed.labels(*labels).set(ledger.committed_bytes)
+            metrics.device_available.labels(*labels).set(ledger.available_to_grant_bytes)
+            out.append(
+                service_pb2.Device(
+                    uuid=device.uuid,
+                    name=device.name,
+                    index=device.index,
+                    total_bytes=device.total_bytes,
+                    free_bytes=device.free_bytes,
+                    used_bytes=device.used_bytes,
+                    committed_bytes=ledger.committed_bytes,
+                    available_to_grant_bytes=ledger.available_to_grant_bytes,
+                    commit_limit_bytes=ledger.commit_limit_bytes,
+                    outstanding_bytes=ledger.outstanding_bytes,
+                    live_leases=ledger.live_leases,
+                    parent_uuid=device.parent_uuid,
+                )
+            )
+        return out
+
+    async def sweep_expired_leases(self) -> int:
+        """Drop expired leases (they already count for nothing) and count them."""
+        expired = await self._store.sweep_expired(time.time())
+        if expired:
+            self._metrics.leases_ended.labels("expired").inc(len(expired))
+            for lease in expired:
+                log.info(
+                    "lease expired engine=%s rank=%d device=%s bytes=%d",
+                    lease.engine_id,
+                    lease.rank,
+                    lease.device_uuid,
+                    lease.bytes,
+                )
+            await self.refresh_device_metrics()
+        return len(expired)
 
     # --- RPCs ---------------------------------------------------------------------
+
+    async def _fail(
+        self,
+        context: grpc.aio.ServicerContext,
+        error: PlanningError | ServiceError | RemoteStatus | StoreUnavailable,
+    ) -> None:
+        if isinstance(error, StoreUnavailable):
+            self._metrics.store_errors.inc()
+            error = ServiceError(
+                "UNAVAILABLE",
+                f"the state store cannot be reached ({error}); retry shortly",
+                details={"retry_after_s": 1},
+            )
+        reason = error.reason if isinstance(error, PlanningError) else error.code
+        self._metrics.validation_errors.labels(reason).inc()
+        await context.abort_with_status(to_status(error))
 
     # The stubs type the response as a message; main.add_planner_service also takes bytes.
     async def PlanKVCache(  # type: ignore[override]
@@ -251,61 +513,107 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         """
         try:
             if request.world_size:
+                self._check_limits(request)
                 return await self.rendezvous.join(request, context.time_remaining())
-            return await self._plan(request, request_digest=request_digest)
-        except (PlanningError, ServiceError) as error:
+            return await self._plan_engine(request, request_digest=request_digest)
+        except (PlanningError, ServiceError, RemoteStatus, StoreUnavailable) as error:
             await self._fail(context, error)
             raise AssertionError("unreachable") from error
+
+    async def _find_plan(self, request: service_pb2.GetPlanRequest) -> bytes:
+        if request.plan_id:
+            plan = self._cache.get(request.plan_id) or await self._store.get_plan(request.plan_id)
+            if plan is None:
+                raise ServiceError("NOT_FOUND", f"no plan {request.plan_id!r}", field="plan_id")
+            return plan
+        if request.engine_id:
+            plan = self._cache.for_engine(request.engine_id) or await self._store.plan_for_engine(
+                request.engine_id
+            )
+            if plan is None:
+                raise ServiceError(
+                    "NOT_FOUND",
+                    f"engine {request.engine_id!r} has no plan (yet)",
+                    field="engine_id",
+                )
+            now = time.time()
+            ttl_s = self._settings.lease_ttl_s
+            live = [
+                _lease_to_proto(lease, ttl_s)
+                for lease in await self._store.leases(now)
+                if lease.engine_id == request.engine_id
+            ]
+            return _with_leases(plan, live)
+        raise ServiceError("INVALID_ARGUMENT", "give a plan_id or an engine_id", field="plan_id")
 
     async def GetPlan(  # type: ignore[override]
         self, request: service_pb2.GetPlanRequest, context: grpc.aio.ServicerContext
     ) -> plan_pb2.PlanResponse | bytes:
-        """The plan (serialized when whole; one rank's view is built as a message)."""
+        """The plan (serialized when whole; one rank's view is built as a message).
+        By engine id it carries the engine's live leases."""
         try:
-            plan: bytes | None = None
-            if request.plan_id:
-                plan = self._cache.get(request.plan_id)
-                if plan is None:
-                    raise ServiceError("NOT_FOUND", f"no plan {request.plan_id!r}", field="plan_id")
-            elif request.engine_id:
-                plan = self._cache.for_engine(request.engine_id) or self.rendezvous.finished_plan(
-                    request.engine_id
-                )
-                if plan is None:
-                    raise ServiceError(
-                        "NOT_FOUND",
-                        f"engine {request.engine_id!r} has no plan (yet)",
-                        field="engine_id",
-                    )
-            else:
-                raise ServiceError(
-                    "INVALID_ARGUMENT", "give a plan_id or an engine_id", field="plan_id"
-                )
+            plan = await self._find_plan(request)
             if request.HasField("rank"):
                 return _only_rank(plan_pb2.PlanResponse.FromString(plan), request.rank)
             return plan
-        except ServiceError as error:
+        except (ServiceError, StoreUnavailable) as error:
+            await self._fail(context, error)
+            raise AssertionError("unreachable") from error
+
+    async def RenewLeases(
+        self, request: service_pb2.RenewLeasesRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb2.RenewLeasesResponse:
+        try:
+            if not request.engine_id:
+                raise ServiceError("INVALID_ARGUMENT", "give an engine_id", field="engine_id")
+            ttl_s = self._settings.lease_ttl_s
+            leases = await self._store.renew(
+                request.engine_id,
+                {item.rank: item.allocated_bytes for item in request.allocations},
+                time.time(),
+                ttl_s,
+            )
+            return service_pb2.RenewLeasesResponse(
+                leases=[_lease_to_proto(lease, ttl_s) for lease in leases]
+            )
+        except (ServiceError, StoreUnavailable) as error:
+            await self._fail(context, error)
+            raise AssertionError("unreachable") from error
+
+    async def ReleasePlan(
+        self, request: service_pb2.ReleasePlanRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb2.ReleasePlanResponse:
+        try:
+            if not request.engine_id:
+                raise ServiceError("INVALID_ARGUMENT", "give an engine_id", field="engine_id")
+            rank = request.rank if request.HasField("rank") else None
+            released = await self._store.release(request.engine_id, rank, time.time())
+            if released:
+                self._metrics.leases_ended.labels("released").inc(len(released))
+                log.info(
+                    "lease released engine=%s ranks=%s",
+                    request.engine_id,
+                    ",".join(str(lease.rank) for lease in released),
+                )
+                await self.refresh_device_metrics()
+            ttl_s = self._settings.lease_ttl_s
+            return service_pb2.ReleasePlanResponse(
+                released=[_lease_to_proto(lease, ttl_s) for lease in released],
+                released_bytes=sum(lease.bytes for lease in released),
+            )
+        except (ServiceError, StoreUnavailable) as error:
             await self._fail(context, error)
             raise AssertionError("unreachable") from error
 
     async def ListDevices(
         self, request: service_pb2.ListDevicesRequest, context: grpc.aio.ServicerContext
     ) -> service_pb2.ListDevicesResponse:
-        return service_pb2.ListDevicesResponse(
-            probe="static",
-            devices=[
-                service_pb2.Device(
-                    uuid=device.uuid,
-                    name=device.name,
-                    index=device.index,
-                    total_bytes=device.total_bytes,
-                    free_bytes=device.total_bytes,
-                    committed_bytes=0,
-                    available_to_grant_bytes=device.total_bytes,
-                )
-                for device in self._devices
-            ],
-        )
+        try:
+            devices = await self.refresh_device_metrics()
+        except StoreUnavailable as error:
+            await self._fail(context, error)
+            raise AssertionError("unreachable") from error
+        return service_pb2.ListDevicesResponse(probe=self._probe.name, devices=devices)
 
     async def Echo(
         self, request: plan_pb2.PlanRequest, context: grpc.aio.ServicerContext

@@ -24,6 +24,7 @@ class BudgetMode(Enum):
     UTILIZATION = "utilization"
     EXPLICIT_BYTES = "explicit_bytes"
     BLOCKS_OVERRIDE = "blocks_override"
+    FREE_FRACTION = "free_fraction"
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,25 @@ class Budget:
     gpu_memory_utilization: float = 0.0
     requested_bytes: int = 0
     non_kv_bytes: int = 0
+    free_bytes: int = 0
+    free_memory_fraction: float = 0.0
+    in_use_bytes: int = 0
+
+    def footprint_bytes(self, kv_tensor_bytes: int) -> int:
+        """What the worker's instance holds on its device at most (weights,
+        activations, KV cache): the bytes a lease reserves for it."""
+        if self.mode is BudgetMode.UTILIZATION:
+            return self.requested_bytes
+        if self.mode is BudgetMode.EXPLICIT_BYTES:
+            return self.available_bytes + self.non_kv_bytes
+        if self.mode is BudgetMode.FREE_FRACTION:
+            return self.in_use_bytes + self.available_bytes
+        return self.non_kv_bytes + kv_tensor_bytes  # blocks override: what it allocates
 
 
 def worker_budget(worker: WorkerInput, index: int) -> Budget:
-    """KV budget = ceil(total * utilization) - non-KV bytes, or explicit bytes."""
+    """KV budget = ceil(total * utilization) - non-KV bytes, explicit bytes, or
+    floor(free * free_memory_fraction)."""
     memory = worker.memory
     device = worker.device
     if memory.kv_cache_memory_bytes is not None:
@@ -48,6 +64,26 @@ def worker_budget(worker: WorkerInput, index: int) -> Budget:
             available_bytes=memory.kv_cache_memory_bytes,
             total_bytes=device.total_memory_bytes or 0,
             non_kv_bytes=memory.non_kv.total_bytes,
+            in_use_bytes=memory.device_bytes_in_use,
+        )
+    if memory.free_memory_fraction is not None:
+        free = device.free_memory_bytes
+        if free is None:
+            raise InvalidRequest(
+                f"worker rank {worker.rank} plans by free_memory_fraction but the free memory "
+                "of its device is unknown: name a device the server probes (device.uuid) or "
+                "set device.free_memory_bytes",
+                field=f"workers[{index}].device.free_memory_bytes",
+            )
+        return Budget(
+            BudgetMode.FREE_FRACTION,
+            # The worker's non-KV memory is already allocated, so not in `free`.
+            available_bytes=math.floor(free * memory.free_memory_fraction),
+            total_bytes=device.total_memory_bytes or 0,
+            non_kv_bytes=memory.non_kv.total_bytes,
+            free_bytes=free,
+            free_memory_fraction=memory.free_memory_fraction,
+            in_use_bytes=memory.device_bytes_in_use,
         )
     utilization = memory.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     total = device.total_memory_bytes
@@ -77,6 +113,7 @@ def worker_budget(worker: WorkerInput, index: int) -> Budget:
         gpu_memory_utilization=utilization,
         requested_bytes=requested,
         non_kv_bytes=non_kv,
+        in_use_bytes=memory.device_bytes_in_use,
     )
 
 

@@ -60,6 +60,7 @@ class WorkerPlan:
     needed_per_request_bytes: int
     encoder_only_layers: tuple[str, ...]
     kv_tp_replicas: int
+    footprint_bytes: int  # what a lease reserves on the device: Budget.footprint_bytes
 
 
 @dataclass(frozen=True)
@@ -346,6 +347,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
                 needed_per_request_bytes=need,
                 encoder_only_layers=worker.encoder_only_layers,
                 kv_tp_replicas=_tp_replicas(worker_groups, options),
+                footprint_bytes=budget.footprint_bytes(num_blocks * bpb if worker_groups else 0),
             )
         )
 

@@ -118,9 +118,13 @@ class NonKVMemory:
 
 @dataclass(frozen=True)
 class MemoryRequest:
-    gpu_memory_utilization: float | None = None  # None with no explicit bytes: 0.92
+    """At most one of the three budget modes; none set means utilization 0.92."""
+
+    gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
+    free_memory_fraction: float | None = None  # of device.free_memory_bytes
     non_kv: NonKVMemory = field(default_factory=NonKVMemory)
+    device_bytes_in_use: int = 0  # already held by this worker when it asks
 
 
 @dataclass(frozen=True)

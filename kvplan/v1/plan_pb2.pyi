@@ -8,6 +8,7 @@ and the resulting KV cache groups, draft flags and per-worker layouts.
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from kvplan.v1 import spec_pb2 as _spec_pb2
@@ -178,6 +179,8 @@ class _BudgetModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BudgetMode
     """kv_cache_memory_bytes"""
     BUDGET_MODE_BLOCKS_OVERRIDE: _BudgetMode.ValueType  # 3
     """num_gpu_blocks_override * bytes_per_block"""
+    BUDGET_MODE_FREE_FRACTION: _BudgetMode.ValueType  # 4
+    """floor(free * free_memory_fraction)"""
 
 class BudgetMode(_BudgetMode, metaclass=_BudgetModeEnumTypeWrapper): ...
 
@@ -188,6 +191,8 @@ BUDGET_MODE_EXPLICIT_BYTES: BudgetMode.ValueType  # 2
 """kv_cache_memory_bytes"""
 BUDGET_MODE_BLOCKS_OVERRIDE: BudgetMode.ValueType  # 3
 """num_gpu_blocks_override * bytes_per_block"""
+BUDGET_MODE_FREE_FRACTION: BudgetMode.ValueType  # 4
+"""floor(free * free_memory_fraction)"""
 Global___BudgetMode: _TypeAlias = BudgetMode  # noqa: Y015
 
 class _WarningCode:
@@ -428,13 +433,27 @@ class MemoryRequest(_message.Message):
 
     GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _builtins.int
     KV_CACHE_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    FREE_MEMORY_FRACTION_FIELD_NUMBER: _builtins.int
     NON_KV_FIELD_NUMBER: _builtins.int
+    DEVICE_BYTES_IN_USE_FIELD_NUMBER: _builtins.int
     gpu_memory_utilization: _builtins.float
     """Fraction (0, 1] of the device's total memory for the whole instance;
     KV budget = ceil(total * fraction) - non-KV bytes.
     """
     kv_cache_memory_bytes: _builtins.int
     """Fixed KV cache budget in bytes, ignoring utilization."""
+    free_memory_fraction: _builtins.float
+    """Fraction (0, 1] of the memory free for this worker now (TensorRT-LLM's
+    free_gpu_memory_fraction): KV budget = floor(free * fraction). Meant for a
+    worker that already loaded its weights and profiled, so its non-KV memory
+    is no longer free. Free = the server's available-to-grant bytes on the
+    named device, or device.free_memory_bytes when planning offline.
+    """
+    device_bytes_in_use: _builtins.int
+    """Bytes this worker process already holds on the device when it asks
+    (weights loaded before planning). A lease counts them as allocated, so
+    they are not taken from free memory a second time.
+    """
     @_builtins.property
     def non_kv(self) -> Global___NonKVMemory: ...
     def __init__(
@@ -442,13 +461,15 @@ class MemoryRequest(_message.Message):
         *,
         gpu_memory_utilization: _builtins.float = ...,
         kv_cache_memory_bytes: _builtins.int = ...,
+        free_memory_fraction: _builtins.float = ...,
         non_kv: Global___NonKVMemory | None = ...,
+        device_bytes_in_use: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "gpu_memory_utilization", b"gpu_memory_utilization", "kv_cache_memory_bytes", b"kv_cache_memory_bytes", "non_kv", b"non_kv"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "free_memory_fraction", b"free_memory_fraction", "gpu_memory_utilization", b"gpu_memory_utilization", "kv_cache_memory_bytes", b"kv_cache_memory_bytes", "non_kv", b"non_kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "gpu_memory_utilization", b"gpu_memory_utilization", "kv_cache_memory_bytes", b"kv_cache_memory_bytes", "non_kv", b"non_kv"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "device_bytes_in_use", b"device_bytes_in_use", "free_memory_fraction", b"free_memory_fraction", "gpu_memory_utilization", b"gpu_memory_utilization", "kv_cache_memory_bytes", b"kv_cache_memory_bytes", "non_kv", b"non_kv"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_budget: _TypeAlias = _typing.Literal["gpu_memory_utilization", "kv_cache_memory_bytes"]  # noqa: Y015
+    _WhichOneofReturnType_budget: _TypeAlias = _typing.Literal["gpu_memory_utilization", "kv_cache_memory_bytes", "free_memory_fraction"]  # noqa: Y015
     _WhichOneofArgType_budget: _TypeAlias = _typing.Literal["budget", b"budget"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_budget) -> _WhichOneofReturnType_budget | None: ...
 
@@ -704,6 +725,10 @@ class MemoryBudget(_message.Message):
     AVAILABLE_BYTES_FIELD_NUMBER: _builtins.int
     CHECK_BYTES_FIELD_NUMBER: _builtins.int
     NEEDED_PER_REQUEST_BYTES_FIELD_NUMBER: _builtins.int
+    FREE_BYTES_FIELD_NUMBER: _builtins.int
+    FREE_MEMORY_FRACTION_FIELD_NUMBER: _builtins.int
+    IN_USE_BYTES_FIELD_NUMBER: _builtins.int
+    FOOTPRINT_BYTES_FIELD_NUMBER: _builtins.int
     mode: Global___BudgetMode.ValueType
     total_bytes: _builtins.int
     gpu_memory_utilization: _builtins.float
@@ -715,6 +740,17 @@ class MemoryBudget(_message.Message):
     """available minus the null block"""
     needed_per_request_bytes: _builtins.int
     """one max_model_len request"""
+    free_bytes: _builtins.int
+    """free-fraction mode: the free memory it applied to"""
+    free_memory_fraction: _builtins.float
+    in_use_bytes: _builtins.int
+    """memory.device_bytes_in_use"""
+    footprint_bytes: _builtins.int
+    """What the worker's instance holds on its device at most (weights,
+    activations and KV cache): the bytes its lease reserves.
+      utilization: requested; explicit: kv_cache_memory_bytes + non-KV;
+      free fraction: in-use + KV budget; blocks override: non-KV + KV tensors.
+    """
     def __init__(
         self,
         *,
@@ -726,10 +762,14 @@ class MemoryBudget(_message.Message):
         available_bytes: _builtins.int = ...,
         check_bytes: _builtins.int = ...,
         needed_per_request_bytes: _builtins.int = ...,
+        free_bytes: _builtins.int = ...,
+        free_memory_fraction: _builtins.float = ...,
+        in_use_bytes: _builtins.int = ...,
+        footprint_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_bytes", b"available_bytes", "check_bytes", b"check_bytes", "gpu_memory_utilization", b"gpu_memory_utilization", "mode", b"mode", "needed_per_request_bytes", b"needed_per_request_bytes", "non_kv_bytes", b"non_kv_bytes", "requested_bytes", b"requested_bytes", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_bytes", b"available_bytes", "check_bytes", b"check_bytes", "footprint_bytes", b"footprint_bytes", "free_bytes", b"free_bytes", "free_memory_fraction", b"free_memory_fraction", "gpu_memory_utilization", b"gpu_memory_utilization", "in_use_bytes", b"in_use_bytes", "mode", b"mode", "needed_per_request_bytes", b"needed_per_request_bytes", "non_kv_bytes", b"non_kv_bytes", "requested_bytes", b"requested_bytes", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -896,6 +936,101 @@ class Diagnostics(_message.Message):
 Global___Diagnostics: _TypeAlias = Diagnostics  # noqa: Y015
 
 @_typing.final
+class DeviceAccount(_message.Message):
+    """A device's ledger when a lease was granted (bytes; other engines' leases only)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    FREE_BYTES_FIELD_NUMBER: _builtins.int
+    COMMIT_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    COMMITTED_BYTES_FIELD_NUMBER: _builtins.int
+    OUTSTANDING_BYTES_FIELD_NUMBER: _builtins.int
+    AVAILABLE_TO_GRANT_BYTES_FIELD_NUMBER: _builtins.int
+    total_bytes: _builtins.int
+    free_bytes: _builtins.int
+    """the probe's reading"""
+    commit_limit_bytes: _builtins.int
+    """total * max_commit_fraction"""
+    committed_bytes: _builtins.int
+    """leased to other engines"""
+    outstanding_bytes: _builtins.int
+    """of those, promised but not yet allocated"""
+    available_to_grant_bytes: _builtins.int
+    """min(commit_limit - committed, free - outstanding), at least 0."""
+    def __init__(
+        self,
+        *,
+        total_bytes: _builtins.int = ...,
+        free_bytes: _builtins.int = ...,
+        commit_limit_bytes: _builtins.int = ...,
+        committed_bytes: _builtins.int = ...,
+        outstanding_bytes: _builtins.int = ...,
+        available_to_grant_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_to_grant_bytes", b"available_to_grant_bytes", "commit_limit_bytes", b"commit_limit_bytes", "committed_bytes", b"committed_bytes", "free_bytes", b"free_bytes", "outstanding_bytes", b"outstanding_bytes", "total_bytes", b"total_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeviceAccount: _TypeAlias = DeviceAccount  # noqa: Y015
+
+@_typing.final
+class Lease(_message.Message):
+    """A worker's reservation of device memory. Renew it with RenewLeases before
+    `expires_at` (the client does, every ttl/3); release it with ReleasePlan.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    DEVICE_UUID_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    ALLOCATED_BYTES_FIELD_NUMBER: _builtins.int
+    GRANTED_AT_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    ACCOUNT_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    rank: _builtins.int
+    device_uuid: _builtins.str
+    bytes: _builtins.int
+    """the worker's footprint_bytes"""
+    allocated_bytes: _builtins.int
+    """held on the device, as last reported"""
+    ttl_seconds: _builtins.float
+    @_builtins.property
+    def granted_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def account(self) -> Global___DeviceAccount:
+        """the device when granted"""
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        device_uuid: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        allocated_bytes: _builtins.int = ...,
+        granted_at: _timestamp_pb2.Timestamp | None = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+        ttl_seconds: _builtins.float = ...,
+        account: Global___DeviceAccount | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["account", b"account", "expires_at", b"expires_at", "granted_at", b"granted_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account", b"account", "allocated_bytes", b"allocated_bytes", "bytes", b"bytes", "device_uuid", b"device_uuid", "engine_id", b"engine_id", "expires_at", b"expires_at", "granted_at", b"granted_at", "rank", b"rank", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Lease: _TypeAlias = Lease  # noqa: Y015
+
+@_typing.final
 class PlanResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -906,6 +1041,7 @@ class PlanResponse(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     DIAGNOSTICS_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
     plan_id: _builtins.str
     """content hash of the normalised request"""
     engine_id: _builtins.str
@@ -921,6 +1057,13 @@ class PlanResponse(_message.Message):
 
     @_builtins.property
     def diagnostics(self) -> Global___Diagnostics: ...
+    @_builtins.property
+    def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___Lease]:
+        """Leases granted by this call, for workers that named a device the server
+        knows (rank order). Not part of the plan: GetPlan returns the engine's
+        live leases.
+        """
+
     def __init__(
         self,
         *,
@@ -931,10 +1074,11 @@ class PlanResponse(_message.Message):
         max_model_len: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
         diagnostics: Global___Diagnostics | None = ...,
+        leases: _abc.Iterable[Global___Lease] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["diagnostics", b"diagnostics"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["diagnostics", b"diagnostics", "engine_id", b"engine_id", "groups", b"groups", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "plan_id", b"plan_id", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["diagnostics", b"diagnostics", "engine_id", b"engine_id", "groups", b"groups", "leases", b"leases", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "plan_id", b"plan_id", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

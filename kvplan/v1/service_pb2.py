@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvplan.v1 import plan_pb2 as kvplan_dot_v1_dot_plan__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvplan/v1/service.proto\x12\tkvplan.v1\x1a\x14kvplan/v1/plan.proto\"P\n\x0eGetPlanRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\x04rank\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"\x14\n\x12ListDevicesRequest\"\x97\x01\n\x06\x44\x65vice\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x12\n\nfree_bytes\x18\x05 \x01(\x04\x12\x17\n\x0f\x63ommitted_bytes\x18\x06 \x01(\x04\x12 \n\x18\x61vailable_to_grant_bytes\x18\x07 \x01(\x04\"H\n\x13ListDevicesResponse\x12\"\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x11.kvplan.v1.Device\x12\r\n\x05probe\x18\x02 \x01(\t2\x95\x02\n\x0eKVCachePlanner\x12>\n\x0bPlanKVCache\x12\x16.kvplan.v1.PlanRequest\x1a\x17.kvplan.v1.PlanResponse\x12=\n\x07GetPlan\x12\x19.kvplan.v1.GetPlanRequest\x1a\x17.kvplan.v1.PlanResponse\x12L\n\x0bListDevices\x12\x1d.kvplan.v1.ListDevicesRequest\x1a\x1e.kvplan.v1.ListDevicesResponse\x12\x36\n\x04\x45\x63ho\x12\x16.kvplan.v1.PlanRequest\x1a\x16.kvplan.v1.PlanRequestb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvplan/v1/service.proto\x12\tkvplan.v1\x1a\x14kvplan/v1/plan.proto\"P\n\x0eGetPlanRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\x04rank\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"\x14\n\x12ListDevicesRequest\"9\n\x10WorkerAllocation\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x17\n\x0f\x61llocated_bytes\x18\x02 \x01(\x04\"Y\n\x12RenewLeasesRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x30\n\x0b\x61llocations\x18\x02 \x03(\x0b\x32\x1b.kvplan.v1.WorkerAllocation\"7\n\x13RenewLeasesResponse\x12 \n\x06leases\x18\x01 \x03(\x0b\x32\x10.kvplan.v1.Lease\"C\n\x12ReleasePlanRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x11\n\x04rank\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"Q\n\x13ReleasePlanResponse\x12\"\n\x08released\x18\x01 \x03(\x0b\x32\x10.kvplan.v1.Lease\x12\x16\n\x0ereleased_bytes\x18\x02 \x01(\x04\"\x8c\x02\n\x06\x44\x65vice\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x12\n\nfree_bytes\x18\x05 \x01(\x04\x12\x17\n\x0f\x63ommitted_bytes\x18\x06 \x01(\x04\x12 \n\x18\x61vailable_to_grant_bytes\x18\x07 \x01(\x04\x12\x12\n\nused_bytes\x18\x08 \x01(\x04\x12\x1a\n\x12\x63ommit_limit_bytes\x18\t \x01(\x04\x12\x19\n\x11outstanding_bytes\x18\n \x01(\x04\x12\x13\n\x0blive_leases\x18\x0b \x01(\r\x12\x13\n\x0bparent_uuid\x18\x0c \x01(\t\"H\n\x13ListDevicesResponse\x12\"\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x11.kvplan.v1.Device\x12\r\n\x05probe\x18\x02 \x01(\t2\xb1\x03\n\x0eKVCachePlanner\x12>\n\x0bPlanKVCache\x12\x16.kvplan.v1.PlanRequest\x1a\x17.kvplan.v1.PlanResponse\x12=\n\x07GetPlan\x12\x19.kvplan.v1.GetPlanRequest\x1a\x17.kvplan.v1.PlanResponse\x12L\n\x0bListDevices\x12\x1d.kvplan.v1.ListDevicesRequest\x1a\x1e.kvplan.v1.ListDevicesResponse\x12L\n\x0bRenewLeases\x12\x1d.kvplan.v1.RenewLeasesRequest\x1a\x1e.kvplan.v1.RenewLeasesResponse\x12L\n\x0bReleasePlan\x12\x1d.kvplan.v1.ReleasePlanRequest\x1a\x1e.kvplan.v1.ReleasePlanResponse\x12\x36\n\x04\x45\x63ho\x12\x16.kvplan.v1.PlanRequest\x1a\x16.kvplan.v1.PlanRequestb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETPLANREQUEST']._serialized_end=140
   _globals['_LISTDEVICESREQUEST']._serialized_start=142
   _globals['_LISTDEVICESREQUEST']._serialized_end=162
-  _globals['_DEVICE']._serialized_start=165
-  _globals['_DEVICE']._serialized_end=316
-  _globals['_LISTDEVICESRESPONSE']._serialized_start=318
-  _globals['_LISTDEVICESRESPONSE']._serialized_end=390
-  _globals['_KVCACHEPLANNER']._serialized_start=393
-  _globals['_KVCACHEPLANNER']._serialized_end=670
+  _globals['_WORKERALLOCATION']._serialized_start=164
+  _globals['_WORKERALLOCATION']._serialized_end=221
+  _globals['_RENEWLEASESREQUEST']._serialized_start=223
+  _globals['_RENEWLEASESREQUEST']._serialized_end=312
+  _globals['_RENEWLEASESRESPONSE']._serialized_start=314
+  _globals['_RENEWLEASESRESPONSE']._serialized_end=369
+  _globals['_RELEASEPLANREQUEST']._serialized_start=371
+  _globals['_RELEASEPLANREQUEST']._serialized_end=438
+  _globals['_RELEASEPLANRESPONSE']._serialized_start=440
+  _globals['_RELEASEPLANRESPONSE']._serialized_end=521
+  _globals['_DEVICE']._serialized_start=524
+  _globals['_DEVICE']._serialized_end=792
+  _globals['_LISTDEVICESRESPONSE']._serialized_start=794
+  _globals['_LISTDEVICESRESPONSE']._serialized_end=866
+  _globals['_KVCACHEPLANNER']._serialized_start=869
+  _globals['_KVCACHEPLANNER']._serialized_end=1302
 # @@protoc_insertion_point(module_scope)

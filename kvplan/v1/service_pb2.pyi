@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from kvplan.v1 import plan_pb2 as _plan_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -62,6 +63,122 @@ class ListDevicesRequest(_message.Message):
 Global___ListDevicesRequest: _TypeAlias = ListDevicesRequest  # noqa: Y015
 
 @_typing.final
+class WorkerAllocation(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    ALLOCATED_BYTES_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    allocated_bytes: _builtins.int
+    """what the worker holds on its device now"""
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        allocated_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_bytes", b"allocated_bytes", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerAllocation: _TypeAlias = WorkerAllocation  # noqa: Y015
+
+@_typing.final
+class RenewLeasesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    ALLOCATIONS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    @_builtins.property
+    def allocations(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerAllocation]:
+        """Ranks not listed keep their last reported allocation."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        allocations: _abc.Iterable[Global___WorkerAllocation] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocations", b"allocations", "engine_id", b"engine_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewLeasesRequest: _TypeAlias = RenewLeasesRequest  # noqa: Y015
+
+@_typing.final
+class RenewLeasesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def leases(self) -> _containers.RepeatedCompositeFieldContainer[_plan_pb2.Lease]: ...
+    def __init__(
+        self,
+        *,
+        leases: _abc.Iterable[_plan_pb2.Lease] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leases", b"leases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewLeasesResponse: _TypeAlias = RenewLeasesResponse  # noqa: Y015
+
+@_typing.final
+class ReleasePlanRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    rank: _builtins.int
+    """unset: every rank of the engine"""
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        rank: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_rank", b"_rank", "rank", b"rank"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_rank", b"_rank", "engine_id", b"engine_id", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__rank: _TypeAlias = _typing.Literal["rank"]  # noqa: Y015
+    _WhichOneofArgType__rank: _TypeAlias = _typing.Literal["_rank", b"_rank"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rank) -> _WhichOneofReturnType__rank | None: ...
+
+Global___ReleasePlanRequest: _TypeAlias = ReleasePlanRequest  # noqa: Y015
+
+@_typing.final
+class ReleasePlanResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    RELEASED_BYTES_FIELD_NUMBER: _builtins.int
+    released_bytes: _builtins.int
+    @_builtins.property
+    def released(self) -> _containers.RepeatedCompositeFieldContainer[_plan_pb2.Lease]: ...
+    def __init__(
+        self,
+        *,
+        released: _abc.Iterable[_plan_pb2.Lease] | None = ...,
+        released_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released", "released_bytes", b"released_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleasePlanResponse: _TypeAlias = ReleasePlanResponse  # noqa: Y015
+
+@_typing.final
 class Device(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -72,6 +189,11 @@ class Device(_message.Message):
     FREE_BYTES_FIELD_NUMBER: _builtins.int
     COMMITTED_BYTES_FIELD_NUMBER: _builtins.int
     AVAILABLE_TO_GRANT_BYTES_FIELD_NUMBER: _builtins.int
+    USED_BYTES_FIELD_NUMBER: _builtins.int
+    COMMIT_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    OUTSTANDING_BYTES_FIELD_NUMBER: _builtins.int
+    LIVE_LEASES_FIELD_NUMBER: _builtins.int
+    PARENT_UUID_FIELD_NUMBER: _builtins.int
     uuid: _builtins.str
     name: _builtins.str
     index: _builtins.int
@@ -79,8 +201,16 @@ class Device(_message.Message):
     total_bytes: _builtins.int
     free_bytes: _builtins.int
     committed_bytes: _builtins.int
-    """promised to leases"""
+    """promised to live leases"""
     available_to_grant_bytes: _builtins.int
+    used_bytes: _builtins.int
+    commit_limit_bytes: _builtins.int
+    """total * max_commit_fraction"""
+    outstanding_bytes: _builtins.int
+    """leased, not yet allocated"""
+    live_leases: _builtins.int
+    parent_uuid: _builtins.str
+    """a MIG instance: its GPU"""
     def __init__(
         self,
         *,
@@ -91,10 +221,15 @@ class Device(_message.Message):
         free_bytes: _builtins.int = ...,
         committed_bytes: _builtins.int = ...,
         available_to_grant_bytes: _builtins.int = ...,
+        used_bytes: _builtins.int = ...,
+        commit_limit_bytes: _builtins.int = ...,
+        outstanding_bytes: _builtins.int = ...,
+        live_leases: _builtins.int = ...,
+        parent_uuid: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_to_grant_bytes", b"available_to_grant_bytes", "committed_bytes", b"committed_bytes", "free_bytes", b"free_bytes", "index", b"index", "name", b"name", "total_bytes", b"total_bytes", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_to_grant_bytes", b"available_to_grant_bytes", "commit_limit_bytes", b"commit_limit_bytes", "committed_bytes", b"committed_bytes", "free_bytes", b"free_bytes", "index", b"index", "live_leases", b"live_leases", "name", b"name", "outstanding_bytes", b"outstanding_bytes", "parent_uuid", b"parent_uuid", "total_bytes", b"total_bytes", "used_bytes", b"used_bytes", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -50,6 +50,16 @@ class KVCachePlannerStub:
                 request_serializer=kvplan_dot_v1_dot_service__pb2.ListDevicesRequest.SerializeToString,
                 response_deserializer=kvplan_dot_v1_dot_service__pb2.ListDevicesResponse.FromString,
                 _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/kvplan.v1.KVCachePlanner/RenewLeases',
+                request_serializer=kvplan_dot_v1_dot_service__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=kvplan_dot_v1_dot_service__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
+        self.ReleasePlan = channel.unary_unary(
+                '/kvplan.v1.KVCachePlanner/ReleasePlan',
+                request_serializer=kvplan_dot_v1_dot_service__pb2.ReleasePlanRequest.SerializeToString,
+                response_deserializer=kvplan_dot_v1_dot_service__pb2.ReleasePlanResponse.FromString,
+                _registered_method=True)
         self.Echo = channel.unary_unary(
                 '/kvplan.v1.KVCachePlanner/Echo',
                 request_serializer=kvplan_dot_v1_dot_plan__pb2.PlanRequest.SerializeToString,
@@ -83,6 +93,21 @@ class KVCachePlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLeases(self, request, context):
+        """Heartbeat: extend the engine's leases by their TTL and report what each
+        worker has allocated on its device.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleasePlan(self, request, context):
+        """Give back an engine's leases (all, or one rank's) when it shuts down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Echo(self, request, context):
         """Returns its payload unchanged: the baseline of the benchmarks.
         """
@@ -107,6 +132,16 @@ def add_KVCachePlannerServicer_to_server(servicer, server):
                     servicer.ListDevices,
                     request_deserializer=kvplan_dot_v1_dot_service__pb2.ListDevicesRequest.FromString,
                     response_serializer=kvplan_dot_v1_dot_service__pb2.ListDevicesResponse.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=kvplan_dot_v1_dot_service__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=kvplan_dot_v1_dot_service__pb2.RenewLeasesResponse.SerializeToString,
+            ),
+            'ReleasePlan': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleasePlan,
+                    request_deserializer=kvplan_dot_v1_dot_service__pb2.ReleasePlanRequest.FromString,
+                    response_serializer=kvplan_dot_v1_dot_service__pb2.ReleasePlanResponse.SerializeToString,
             ),
             'Echo': grpc.unary_unary_rpc_method_handler(
                     servicer.Echo,
@@ -195,6 +230,60 @@ class KVCachePlanner:
             '/kvplan.v1.KVCachePlanner/ListDevices',
             kvplan_dot_v1_dot_service__pb2.ListDevicesRequest.SerializeToString,
             kvplan_dot_v1_dot_service__pb2.ListDevicesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvplan.v1.KVCachePlanner/RenewLeases',
+            kvplan_dot_v1_dot_service__pb2.RenewLeasesRequest.SerializeToString,
+            kvplan_dot_v1_dot_service__pb2.RenewLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleasePlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvplan.v1.KVCachePlanner/ReleasePlan',
+            kvplan_dot_v1_dot_service__pb2.ReleasePlanRequest.SerializeToString,
+            kvplan_dot_v1_dot_service__pb2.ReleasePlanResponse.FromString,
             options,
             channel_credentials,
             insecure,

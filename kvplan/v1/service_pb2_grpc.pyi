@@ -41,6 +41,12 @@ class KVCachePlannerStub:
     """Fetch an existing plan by id, or by engine id (+ rank)."""
     ListDevices: _grpc.UnaryUnaryMultiCallable[_service_pb2.ListDevicesRequest, _service_pb2.ListDevicesResponse]
     """Devices the server knows, with their memory accounting."""
+    RenewLeases: _grpc.UnaryUnaryMultiCallable[_service_pb2.RenewLeasesRequest, _service_pb2.RenewLeasesResponse]
+    """Heartbeat: extend the engine's leases by their TTL and report what each
+    worker has allocated on its device.
+    """
+    ReleasePlan: _grpc.UnaryUnaryMultiCallable[_service_pb2.ReleasePlanRequest, _service_pb2.ReleasePlanResponse]
+    """Give back an engine's leases (all, or one rank's) when it shuts down."""
     Echo: _grpc.UnaryUnaryMultiCallable[_plan_pb2.PlanRequest, _plan_pb2.PlanRequest]
     """Returns its payload unchanged: the baseline of the benchmarks."""
 
@@ -56,6 +62,12 @@ class KVCachePlannerAsyncStub(KVCachePlannerStub):
     """Fetch an existing plan by id, or by engine id (+ rank)."""
     ListDevices: _aio.UnaryUnaryMultiCallable[_service_pb2.ListDevicesRequest, _service_pb2.ListDevicesResponse]  # type: ignore[assignment]
     """Devices the server knows, with their memory accounting."""
+    RenewLeases: _aio.UnaryUnaryMultiCallable[_service_pb2.RenewLeasesRequest, _service_pb2.RenewLeasesResponse]  # type: ignore[assignment]
+    """Heartbeat: extend the engine's leases by their TTL and report what each
+    worker has allocated on its device.
+    """
+    ReleasePlan: _aio.UnaryUnaryMultiCallable[_service_pb2.ReleasePlanRequest, _service_pb2.ReleasePlanResponse]  # type: ignore[assignment]
+    """Give back an engine's leases (all, or one rank's) when it shuts down."""
     Echo: _aio.UnaryUnaryMultiCallable[_plan_pb2.PlanRequest, _plan_pb2.PlanRequest]  # type: ignore[assignment]
     """Returns its payload unchanged: the baseline of the benchmarks."""
 
@@ -86,6 +98,24 @@ class KVCachePlannerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_service_pb2.ListDevicesResponse, _abc.Awaitable[_service_pb2.ListDevicesResponse]]:
         """Devices the server knows, with their memory accounting."""
+
+    @_abc_1.abstractmethod
+    def RenewLeases(
+        self,
+        request: _service_pb2.RenewLeasesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_service_pb2.RenewLeasesResponse, _abc.Awaitable[_service_pb2.RenewLeasesResponse]]:
+        """Heartbeat: extend the engine's leases by their TTL and report what each
+        worker has allocated on its device.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleasePlan(
+        self,
+        request: _service_pb2.ReleasePlanRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_service_pb2.ReleasePlanResponse, _abc.Awaitable[_service_pb2.ReleasePlanResponse]]:
+        """Give back an engine's leases (all, or one rank's) when it shuts down."""
 
     @_abc_1.abstractmethod
     def Echo(

@@ -21,7 +21,9 @@ from tests.deploy.parsing import ROOT
 
 @pytest_asyncio.fixture
 async def server() -> AsyncIterator[RunningServer]:
-    running = await start_server(Settings(host="127.0.0.1", port=0, metrics_port=0, grace_s=1))
+    running = await start_server(
+        Settings(host="127.0.0.1", port=0, metrics_port=0, grace_s=1, store="memory")
+    )
     yield running
     await running.stop(0)
 

@@ -91,6 +91,8 @@ def container_env(venv: Path, grpc_port: int, metrics_port: int) -> dict[str, st
     env.update(
         KVPLAN_HOST="127.0.0.1", KVPLAN_PORT=str(grpc_port), KVPLAN_METRICS_PORT=str(metrics_port)
     )
+    # The image's state volume, moved beside the venv.
+    env["KVPLAN_STATE_DIR"] = str(venv.parent / "state")
     return env
 
 

@@ -13,7 +13,9 @@ from kvplan.server.main import RunningServer, start_server
 from kvplan.v1 import plan_pb2, spec_pb2
 
 GIB = 1 << 30
-TEST_SETTINGS = Settings(host="127.0.0.1", port=0, metrics_port=-1, grace_s=2.0)
+TEST_SETTINGS = Settings(
+    host="127.0.0.1", port=0, metrics_port=-1, grace_s=2.0, store="memory", probe="static"
+)
 
 
 @pytest_asyncio.fixture

@@ -37,7 +37,7 @@ async def test_64_engines_by_8_ranks(server: RunningServer) -> None:
         assert len({w.num_blocks for w in result.response.workers}) == 1
     assert len(by_engine) == 64
     assert all(len(plan_ids) == 1 for plan_ids in by_engine.values())
-    assert server.servicer.rendezvous.pending_engines == 0
+    assert await server.servicer.rendezvous.pending_engines() == 0
 
 
 def _free_port() -> int:
@@ -61,7 +61,12 @@ def _wait_serving(port: int, timeout_s: float = 10.0) -> None:
 
 def test_serve_command_drains_on_sigterm() -> None:
     port, metrics_port = _free_port(), _free_port()
-    env = {**os.environ, "KVPLAN_PORT": str(port), "KVPLAN_LOG_FORMAT": "json"}
+    env = {
+        **os.environ,
+        "KVPLAN_PORT": str(port),
+        "KVPLAN_LOG_FORMAT": "json",
+        "KVPLAN_STORE": "memory",
+    }
     process = subprocess.Popen(
         [str(Path(sys.executable).parent / "kvplan"), "serve", "--metrics-port", str(metrics_port)],
         env=env,
@@ -131,6 +136,8 @@ def test_client_needs_only_grpcio_and_protobuf(tmp_path: Path) -> None:
             str(port),
             "--metrics-port",
             "0",
+            "--store",
+            "memory",
         ],
         stderr=subprocess.DEVNULL,
     )

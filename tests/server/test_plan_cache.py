@@ -12,8 +12,9 @@ from kvplan.server.main import RunningServer
 from kvplan.server.metrics import Metrics
 from kvplan.server.rendezvous import Rendezvous
 from kvplan.server.servicer import PlanCache
+from kvplan.server.store.memory import MemoryStore
 from kvplan.v1 import plan_pb2
-from tests.server.conftest import engine_request, rank_request
+from tests.server.conftest import GIB, engine_request, rank_request
 
 
 def test_remembered_plan_id_is_plan_id_for() -> None:
@@ -70,27 +71,22 @@ async def test_cache_hit_is_the_planned_response(
     assert [w.rank for w in by_rank.response.workers] == [1]
 
 
-async def test_expired_rendezvous_entries_are_forgotten_in_order() -> None:
-    loop = asyncio.get_running_loop()
+async def test_expired_rendezvous_entries_are_forgotten() -> None:
+    async def plan(request: plan_pb2.PlanRequest) -> bytes:
+        return plan_from_proto(request).SerializeToString()
 
-    def plan(request: plan_pb2.PlanRequest) -> asyncio.Future[bytes]:
-        future: asyncio.Future[bytes] = loop.create_future()
-        future.set_result(plan_from_proto(request).SerializeToString())
-        return future
-
-    rendezvous = Rendezvous(plan, Metrics(), max_pending=16, ttl_s=0.05)
+    store = MemoryStore()
+    rendezvous = Rendezvous(store, plan, Metrics(), max_pending=16, ttl_s=0.05, claim_timeout_s=1.0)
     plan_bytes = await rendezvous.join(rank_request("done", 0, 1), timeout_s=1)
-    assert rendezvous.finished_plan("done") == plan_bytes
+    assert await store.plan_for_engine("done") is None  # the servicer persists plans
+    again = await rendezvous.join(rank_request("done", 0, 1), timeout_s=1)
+    assert again == plan_bytes  # a finished engine answers a repeated rank
     waiting = asyncio.ensure_future(rendezvous.join(rank_request("stuck", 0, 2), timeout_s=5))
     await asyncio.sleep(0.1)
-    assert rendezvous.pending_engines == 1
+    assert await rendezvous.pending_engines() == 1
     await rendezvous.join(rank_request("later", 0, 1), timeout_s=1)  # expires the two above
-    assert rendezvous.pending_engines == 0
-    assert rendezvous.finished_plan("done") is None
-    assert rendezvous.finished_plan("later") is not None
-    try:
-        await waiting
-    except Exception as error:
-        assert "expired" in str(error)
-    else:
-        raise AssertionError("the stuck rank should have expired")
+    assert await rendezvous.pending_engines() == 0
+    # "done" is forgotten: a changed spec is a new engine, not a conflict.
+    changed = await rendezvous.join(rank_request("done", 0, 1, kv_bytes=2 * GIB), timeout_s=1)
+    assert changed != plan_bytes
+    waiting.cancel()

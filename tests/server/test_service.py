@@ -127,18 +127,18 @@ async def test_rank_mode_deadline_and_cancellation(
         await client.plan(rank_request("engine-d", 0, 2), timeout_s=0.3)
     assert caught.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.sleep(0.1)
-    assert server.servicer.rendezvous.pending_engines == 0  # the rank left
+    assert await server.servicer.rendezvous.pending_engines() == 0  # the rank left
     call = asyncio.ensure_future(client.plan(rank_request("engine-k", 0, 2)))
     await asyncio.sleep(0.1)
-    assert server.servicer.rendezvous.pending_engines == 1
+    assert await server.servicer.rendezvous.pending_engines() == 1
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
     for _ in range(50):
-        if server.servicer.rendezvous.pending_engines == 0:
+        if await server.servicer.rendezvous.pending_engines() == 0:
             break
         await asyncio.sleep(0.02)
-    assert server.servicer.rendezvous.pending_engines == 0
+    assert await server.servicer.rendezvous.pending_engines() == 0
 
 
 async def test_pending_rendezvous_limit(client: AsyncPlannerClient, server: RunningServer) -> None:

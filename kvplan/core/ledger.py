@@ -1,0 +1,194 @@
+"""The lease ledger's arithmetic: what a device can still grant, and whether a
+set of new leases fits. Pure: the stores call it inside their transactions.
+
+Per device, with every byte count in bytes and only live leases counted (a lease
+is live until its expiry; the engine asking is left out, since a re-plan
+replaces its own leases):
+
+    committed   = sum(lease.bytes)                                 promised in all
+    outstanding = sum(max(0, lease.bytes - lease.allocated_bytes)) promised, not yet
+                                                                    held on the device
+    available_to_grant = max(0, min(commit_limit - committed, free - outstanding))
+
+`commit_limit` is total x max_commit_fraction (the policy). `free` is what the
+probe reads now: memory held by processes kvplan has no lease for (and the
+allocated part of every lease) is already missing from it, so it is never
+granted again; `outstanding` is the part of leases that free memory still
+shows but that is already promised.
+
+A new set of leases for one engine fits a device when
+
+    committed + sum(new.bytes)                     <= commit_limit
+    sum(new.bytes - new.in_use_bytes) + outstanding <= free
+
+`in_use_bytes` is what the asking worker already holds on the device (weights it
+loaded before planning): that memory is in the device's used memory, so it is
+not taken from free a second time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvplan.core.errors import InsufficientMemory
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    """One device as the probe sees it now, with the commit policy applied."""
+
+    uuid: str
+    total_bytes: int
+    free_bytes: int
+    commit_limit_bytes: int  # total x max_commit_fraction
+
+
+@dataclass(frozen=True)
+class Lease:
+    engine_id: str
+    rank: int
+    device_uuid: str
+    bytes: int  # the worker's whole footprint on the device
+    allocated_bytes: int  # of those, held on the device (last heartbeat)
+    granted_at: float  # seconds since the epoch
+    expires_at: float
+
+    def live(self, now: float) -> bool:
+        return self.expires_at > now
+
+    @property
+    def outstanding_bytes(self) -> int:
+        return max(0, self.bytes - self.allocated_bytes)
+
+
+@dataclass(frozen=True)
+class LeaseRequest:
+    rank: int
+    device_uuid: str
+    bytes: int
+    in_use_bytes: int = 0  # already held by this worker on the device
+
+
+@dataclass(frozen=True)
+class DeviceAccount:
+    """A device's ledger view (bytes)."""
+
+    uuid: str
+    total_bytes: int
+    free_bytes: int
+    commit_limit_bytes: int
+    committed_bytes: int
+    outstanding_bytes: int
+    live_leases: int
+
+    @property
+    def available_to_grant_bytes(self) -> int:
+        return max(
+            0,
+            min(
+                self.commit_limit_bytes - self.committed_bytes,
+                self.free_bytes - self.outstanding_bytes,
+            ),
+        )
+
+
+def account(
+    device: DeviceState,
+    leases: Iterable[Lease],
+    now: float,
+    *,
+    exclude_engine: str | None = None,
+) -> DeviceAccount:
+    committed = outstanding = count = 0
+    for lease in leases:
+        if lease.device_uuid != device.uuid or not lease.live(now):
+            continue
+        if exclude_engine is not None and lease.engine_id == exclude_engine:
+            continue
+        committed += lease.bytes
+        outstanding += lease.outstanding_bytes
+        count += 1
+    return DeviceAccount(
+        uuid=device.uuid,
+        total_bytes=device.total_bytes,
+        free_bytes=device.free_bytes,
+        commit_limit_bytes=device.commit_limit_bytes,
+        committed_bytes=committed,
+        outstanding_bytes=outstanding,
+        live_leases=count,
+    )
+
+
+class GrantRefused(InsufficientMemory):
+    """A lease set does not fit a device; `reason` says which bound."""
+
+    def __init__(self, message: str, *, reason: str, details: dict[str, int | float | str]) -> None:
+        super().__init__(message, details=details)
+        self.grant_reason = reason
+
+
+def check_grant(
+    engine_id: str,
+    requests: Sequence[LeaseRequest],
+    devices: Mapping[str, DeviceState],
+    leases: Sequence[Lease],
+    now: float,
+) -> dict[str, DeviceAccount]:
+    """Raise GrantRefused unless every device can take the engine's new leases;
+    returns each touched device's account without the engine's own leases."""
+    by_device: dict[str, list[LeaseRequest]] = {}
+    for request in requests:
+        by_device.setdefault(request.device_uuid, []).append(request)
+    accounts: dict[str, DeviceAccount] = {}
+    for uuid, wanted in by_device.items():
+        device = devices[uuid]
+        current = account(device, leases, now, exclude_engine=engine_id)
+        accounts[uuid] = current
+        ranks = sorted(request.rank for request in wanted)
+        asked = sum(request.bytes for request in wanted)
+        new_outstanding = sum(max(0, r.bytes - r.in_use_bytes) for r in wanted)
+        details: dict[str, int | float | str] = {
+            "device_uuid": uuid,
+            "ranks": _ranks(ranks),
+            "requested_bytes": asked,
+            "in_use_bytes": asked - new_outstanding,
+            "total_bytes": device.total_bytes,
+            "free_bytes": device.free_bytes,
+            "commit_limit_bytes": device.commit_limit_bytes,
+            "committed_bytes": current.committed_bytes,
+            "outstanding_bytes": current.outstanding_bytes,
+            "available_to_grant_bytes": current.available_to_grant_bytes,
+        }
+        who = f"engine {engine_id!r} rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}"
+        if current.committed_bytes + asked > device.commit_limit_bytes:
+            raise GrantRefused(
+                f"{who} asks for {_gib(asked)} GiB on device {uuid}, but "
+                f"{_gib(current.committed_bytes)} GiB of its commit limit "
+                f"{_gib(device.commit_limit_bytes)} GiB (total {_gib(device.total_bytes)} GiB) "
+                f"are leased to {current.live_leases} other worker(s): "
+                f"{_gib(device.commit_limit_bytes - current.committed_bytes)} GiB left. "
+                "Lower gpu_memory_utilization, or release or wait for another engine's leases.",
+                reason="commit_limit",
+                details=details,
+            )
+        if new_outstanding + current.outstanding_bytes > device.free_bytes:
+            raise GrantRefused(
+                f"{who} needs {_gib(new_outstanding)} GiB more on device {uuid}, but only "
+                f"{_gib(device.free_bytes)} GiB are free and {_gib(current.outstanding_bytes)} "
+                "GiB of that are promised to other leases not yet allocated: "
+                f"{_gib(current.available_to_grant_bytes)} GiB can be granted. Memory used by "
+                "processes without a lease counts as taken. Lower gpu_memory_utilization or "
+                "free memory on the device.",
+                reason="free_memory",
+                details=details,
+            )
+    return accounts
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(rank) for rank in ranks)
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 30):.2f}"

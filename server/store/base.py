@@ -1,0 +1,178 @@
+"""The store contract: plans, rank-mode rendezvous state and the lease ledger.
+
+Every backend (memory, SQLite, Redis) implements `Store` with the same
+behaviour; tests/server/test_store_contract.py runs one suite against all.
+
+- Every method is atomic: it sees and leaves a consistent state even when
+  several servers (Redis) or threads (SQLite) call at once.
+- Time is passed in (`now`, seconds since the epoch), so expiry is testable and
+  all replicas measure against the same wall clock.
+- Conflicts a caller can act on raise `ServiceError` with its gRPC code; a
+  backend that cannot be reached raises `StoreUnavailable` (-> UNAVAILABLE),
+  never a half-applied change.
+- The ledger's arithmetic is `kvplan.core.ledger.check_grant`; a backend only
+  reads the live leases, calls it, and writes the result in one transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from kvplan.core.ledger import DeviceState, Lease, LeaseRequest
+
+
+class StoreUnavailable(Exception):
+    """The backend cannot be reached or failed mid-call; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class RendezvousResult:
+    """How a rendezvous ended: a plan (serialized PlanResponse) or an error
+    (serialized google.rpc.Status)."""
+
+    ok: bool
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What `rendezvous_join` tells the joining rank.
+
+    - "waiting": the engine is not complete; wait for `subscribe`'s callback.
+    - "plan": this rank completed the engine (exactly one caller gets it, or a
+      retry after the previous claimer vanished): plan `workers` (each rank's
+      serialized WorkerSpec, in rank order) and call `rendezvous_finish`.
+    - "finished": the engine was planned before and this rank's spec matches
+      the planned one: `result` is the plan.
+    """
+
+    state: Literal["waiting", "plan", "finished"]
+    workers: tuple[bytes, ...] = ()
+    result: RendezvousResult | None = None
+
+
+FinishedCallback = Callable[[str, RendezvousResult], None]
+
+
+class Store(Protocol):
+    """Backends: memory (tests, `--store memory`), SQLite (the embedded default),
+    Redis (several replicas behind one address)."""
+
+    kind: str  # "memory", "sqlite", "redis"
+
+    async def start(self) -> None:
+        """Connect / open; SQLite also drops rendezvous claims a killed server left."""
+
+    async def close(self) -> None: ...
+
+    async def ping(self) -> None:
+        """Raise StoreUnavailable unless the backend answers."""
+
+    # --- plans ------------------------------------------------------------------
+
+    async def put_plan(self, plan_id: str, engine_id: str, plan: bytes, now: float) -> None:
+        """Keep a serialized PlanResponse; `engine_id` (may be "") then names it.
+        Bounded: the oldest plans beyond the store's `max_plans` are dropped."""
+
+    async def get_plan(self, plan_id: str) -> bytes | None: ...
+
+    async def plan_for_engine(self, engine_id: str) -> bytes | None:
+        """The engine's newest plan (engine mode or a finished rendezvous)."""
+
+    # --- rank-mode rendezvous ---------------------------------------------------
+
+    async def rendezvous_join(
+        self,
+        *,
+        engine_id: str,
+        world_size: int,
+        template: bytes,
+        rank: int,
+        worker: bytes,
+        now: float,
+        ttl_s: float,
+        max_pending: int,
+        claim_timeout_s: float,
+    ) -> Arrival:
+        """Record rank `rank`'s serialized WorkerSpec for `engine_id`.
+
+        `template` is the deterministic serialization of the request without its
+        workers (engine options, spec decode, world size): every rank must send
+        the same. Rules, checked in this order:
+        1. Open rendezvous older than `ttl_s` and finished engines older than
+           `ttl_s` are forgotten first.
+        2. A finished engine: a rank whose template and worker bytes equal the
+           planned ones gets state "finished" (a late joiner or restarted
+           rank); otherwise FAILED_PRECONDITION (field "workers[0]").
+        3. An open one: world_size must match (INVALID_ARGUMENT, "world_size"),
+           the template too (INVALID_ARGUMENT, "options"); a rank already there
+           with other bytes is INVALID_ARGUMENT ("workers[0].rank"); with the
+           same bytes it is a retry and is accepted.
+        4. A new engine when `max_pending` engines are open: RESOURCE_EXHAUSTED
+           with the numbers.
+        5. When all `world_size` ranks are present and nobody claimed the
+           planning, or the claim is older than `claim_timeout_s` (its server
+           died), this caller claims it: state "plan". Otherwise "waiting".
+        """
+
+    async def rendezvous_leave(self, engine_id: str, rank: int) -> None:
+        """A waiting rank gave up (deadline, cancel): drop it from an open,
+        unclaimed rendezvous; an empty rendezvous is deleted."""
+
+    async def rendezvous_finish(
+        self,
+        engine_id: str,
+        result: RendezvousResult,
+        now: float,
+    ) -> None:
+        """The claimer's outcome. A plan: the engine becomes finished (its
+        ranks' worker digests kept for rule 2, the plan kept for
+        `plan_for_engine`). An error: the rendezvous is deleted, so the ranks
+        can retry from scratch. Either way every subscriber on every replica
+        is called with `(engine_id, result)`."""
+
+    def subscribe(self, callback: FinishedCallback) -> None:
+        """Call `callback` (on the event loop) for every finished rendezvous,
+        this replica's and the others'."""
+
+    async def pending_engines(self) -> int: ...
+
+    # --- lease ledger -----------------------------------------------------------
+
+    async def grant(
+        self,
+        engine_id: str,
+        requests: Sequence[LeaseRequest],
+        devices: Mapping[str, DeviceState],
+        now: float,
+        ttl_s: float,
+    ) -> tuple[Lease, ...]:
+        """Atomically: check `requests` with `check_grant` against the live
+        leases (GrantRefused propagates, nothing changes), then replace every
+        lease of `engine_id` by the new ones (allocated_bytes = in_use_bytes,
+        expires_at = now + ttl_s). Returns the new leases in request order."""
+
+    async def renew(
+        self,
+        engine_id: str,
+        allocations: Mapping[int, int],
+        now: float,
+        ttl_s: float,
+    ) -> tuple[Lease, ...]:
+        """Heartbeat: push expires_at of the engine's live leases to now + ttl_s;
+        `allocations` (rank -> bytes held on the device) updates allocated_bytes
+        of those ranks (others keep theirs). NOT_FOUND (field "engine_id") when
+        the engine has no lease at all; FAILED_PRECONDITION when all its leases
+        expired (the memory may be granted elsewhere: plan again)."""
+
+    async def release(self, engine_id: str, rank: int | None, now: float) -> tuple[Lease, ...]:
+        """Delete the engine's leases (or one rank's); returns the live ones deleted."""
+
+    async def leases(self, now: float) -> tuple[Lease, ...]:
+        """Every live lease."""
+
+    async def sweep_expired(self, now: float) -> tuple[Lease, ...]:
+        """Delete and return leases whose expiry passed (they already count for
+        nothing; this is bookkeeping for metrics and disk)."""

@@ -1,0 +1,304 @@
+"""The in-process store: the reference behaviour of the contract, nothing
+survives a restart. `--store memory`, and the tests' baseline."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, check_grant
+from kvplan.server.errors import ServiceError
+from kvplan.server.store.base import Arrival, FinishedCallback, RendezvousResult
+
+
+def digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+@dataclass
+class _Open:
+    world_size: int
+    template: bytes
+    created: float
+    workers: dict[int, bytes] = field(default_factory=dict)
+    claimed_at: float | None = None
+
+
+@dataclass(frozen=True)
+class _Finished:
+    template_digest: bytes
+    worker_digests: dict[int, bytes]
+    plan: bytes
+    finished: float
+
+
+def check_open(
+    engine_id: str, entry: _Open, world_size: int, template: bytes, rank: int, worker: bytes
+) -> None:
+    """Rule 3 of `rendezvous_join`, shared by the backends that hold `_Open`."""
+    check_compatible(
+        engine_id,
+        entry.world_size,
+        entry.template,
+        entry.workers.get(rank),
+        world_size=world_size,
+        template=template,
+        rank=rank,
+        worker=worker,
+    )
+
+
+def check_compatible(
+    engine_id: str,
+    open_world_size: int,
+    open_template: bytes,
+    seen_worker: bytes | None,
+    *,
+    world_size: int,
+    template: bytes,
+    rank: int,
+    worker: bytes,
+) -> None:
+    if world_size != open_world_size:
+        raise ServiceError(
+            "INVALID_ARGUMENT",
+            f"engine {engine_id!r}: world_size {world_size} disagrees with {open_world_size} "
+            "sent by the first rank",
+            field="world_size",
+        )
+    if template != open_template:
+        raise ServiceError(
+            "INVALID_ARGUMENT",
+            f"engine {engine_id!r}: rank {rank} sent engine options or a spec-decode config "
+            "that differ from the other ranks'",
+            field="options",
+        )
+    if seen_worker is not None and seen_worker != worker:
+        raise ServiceError(
+            "INVALID_ARGUMENT",
+            f"engine {engine_id!r}: rank {rank} already joined with a different spec",
+            field="workers[0].rank",
+        )
+
+
+def check_finished(
+    engine_id: str,
+    template_digest: bytes,
+    worker_digest: bytes | None,
+    *,
+    template: bytes,
+    rank: int,
+    worker: bytes,
+) -> None:
+    """Rule 2 of `rendezvous_join`: only an unchanged rank joins a finished engine."""
+    if worker_digest == digest(worker) and template_digest == digest(template):
+        return
+    raise ServiceError(
+        "FAILED_PRECONDITION",
+        f"engine {engine_id!r} was already planned and rank {rank}'s spec differs from the "
+        "planned one; plan a changed engine under a new engine_id",
+        field="workers[0]",
+    )
+
+
+def too_many_pending(pending: int, limit: int) -> ServiceError:
+    return ServiceError(
+        "RESOURCE_EXHAUSTED",
+        f"{pending} engines are already waiting for ranks (limit {limit}); retry later",
+        details={"pending": pending, "limit": limit},
+    )
+
+
+def no_leases(engine_id: str) -> ServiceError:
+    return ServiceError("NOT_FOUND", f"engine {engine_id!r} holds no leases", field="engine_id")
+
+
+def leases_expired(engine_id: str) -> ServiceError:
+    return ServiceError(
+        "FAILED_PRECONDITION",
+        f"every lease of engine {engine_id!r} expired; its memory may be granted to another "
+        "engine: plan again",
+        field="engine_id",
+    )
+
+
+class MemoryStore:
+    kind = "memory"
+
+    def __init__(self, max_plans: int = 4096) -> None:
+        self._max_plans = max_plans
+        self._plans: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
+        self._engine_plans: dict[str, str] = {}
+        self._open: dict[str, _Open] = {}
+        self._finished: dict[str, _Finished] = {}
+        self._leases: dict[tuple[str, int], Lease] = {}
+        self._subscribers: list[FinishedCallback] = []
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def ping(self) -> None:
+        return None
+
+    # --- plans ------------------------------------------------------------------
+
+    async def put_plan(self, plan_id: str, engine_id: str, plan: bytes, now: float) -> None:
+        self._plans[plan_id] = (engine_id, plan)
+        self._plans.move_to_end(plan_id)
+        if engine_id:
+            self._engine_plans[engine_id] = plan_id
+        while len(self._plans) > self._max_plans:
+            evicted_id, (evicted_engine, _) = self._plans.popitem(last=False)
+            if self._engine_plans.get(evicted_engine) == evicted_id:
+                del self._engine_plans[evicted_engine]
+
+    async def get_plan(self, plan_id: str) -> bytes | None:
+        entry = self._plans.get(plan_id)
+        return entry[1] if entry else None
+
+    async def plan_for_engine(self, engine_id: str) -> bytes | None:
+        plan_id = self._engine_plans.get(engine_id)
+        return await self.get_plan(plan_id) if plan_id else None
+
+    # --- rendezvous -------------------------------------------------------------
+
+    def _expire(self, now: float, ttl_s: float) -> None:
+        for engine_id in [e for e, entry in self._open.items() if now - entry.created > ttl_s]:
+            del self._open[engine_id]
+        for engine_id in [e for e, entry in self._finished.items() if now - entry.finished > ttl_s]:
+            del self._finished[engine_id]
+
+    async def rendezvous_join(
+        self,
+        *,
+        engine_id: str,
+        world_size: int,
+        template: bytes,
+        rank: int,
+        worker: bytes,
+        now: float,
+        ttl_s: float,
+        max_pending: int,
+        claim_timeout_s: float,
+    ) -> Arrival:
+        self._expire(now, ttl_s)
+        finished = self._finished.get(engine_id)
+        if finished is not None:
+            check_finished(
+                engine_id,
+                finished.template_digest,
+                finished.worker_digests.get(rank),
+                template=template,
+                rank=rank,
+                worker=worker,
+            )
+            return Arrival("finished", result=RendezvousResult(True, finished.plan))
+        entry = self._open.get(engine_id)
+        if entry is None:
+            if len(self._open) >= max_pending:
+                raise too_many_pending(len(self._open), max_pending)
+            entry = self._open[engine_id] = _Open(world_size, template, created=now)
+        check_open(engine_id, entry, world_size, template, rank, worker)
+        entry.workers[rank] = worker
+        if len(entry.workers) < entry.world_size:
+            return Arrival("waiting")
+        if entry.claimed_at is not None and now - entry.claimed_at <= claim_timeout_s:
+            return Arrival("waiting")
+        entry.claimed_at = now
+        return Arrival("plan", workers=tuple(entry.workers[r] for r in sorted(entry.workers)))
+
+    async def rendezvous_leave(self, engine_id: str, rank: int) -> None:
+        entry = self._open.get(engine_id)
+        if entry is None or entry.claimed_at is not None:
+            return
+        entry.workers.pop(rank, None)
+        if not entry.workers:
+            del self._open[engine_id]
+
+    async def rendezvous_finish(self, engine_id: str, result: RendezvousResult, now: float) -> None:
+        entry = self._open.pop(engine_id, None)
+        if result.ok and entry is not None:
+            self._finished.pop(engine_id, None)  # re-inserted last: in time order
+            self._finished[engine_id] = _Finished(
+                template_digest=digest(entry.template),
+                worker_digests={rank: digest(w) for rank, w in entry.workers.items()},
+                plan=result.payload,
+                finished=now,
+            )
+        for callback in self._subscribers:
+            callback(engine_id, result)
+
+    def subscribe(self, callback: FinishedCallback) -> None:
+        self._subscribers.append(callback)
+
+    async def pending_engines(self) -> int:
+        return len(self._open)
+
+    # --- ledger -----------------------------------------------------------------
+
+    async def grant(
+        self,
+        engine_id: str,
+        requests: Sequence[LeaseRequest],
+        devices: Mapping[str, DeviceState],
+        now: float,
+        ttl_s: float,
+    ) -> tuple[Lease, ...]:
+        check_grant(engine_id, requests, devices, tuple(self._leases.values()), now)
+        for key in [key for key in self._leases if key[0] == engine_id]:
+            del self._leases[key]
+        granted = tuple(
+            Lease(
+                engine_id=engine_id,
+                rank=request.rank,
+                device_uuid=request.device_uuid,
+                bytes=request.bytes,
+                allocated_bytes=min(request.in_use_bytes, request.bytes),
+                granted_at=now,
+                expires_at=now + ttl_s,
+            )
+            for request in requests
+        )
+        for lease in granted:
+            self._leases[(engine_id, lease.rank)] = lease
+        return granted
+
+    async def renew(
+        self, engine_id: str, allocations: Mapping[int, int], now: float, ttl_s: float
+    ) -> tuple[Lease, ...]:
+        mine = [lease for key, lease in self._leases.items() if key[0] == engine_id]
+        if not mine:
+            raise no_leases(engine_id)
+        live = [lease for lease in mine if lease.live(now)]
+        if not live:
+            raise leases_expired(engine_id)
+        renewed = tuple(
+            replace(
+                lease,
+                expires_at=now + ttl_s,
+                allocated_bytes=allocations.get(lease.rank, lease.allocated_bytes),
+            )
+            for lease in sorted(live, key=lambda lease: lease.rank)
+        )
+        for lease in renewed:
+            self._leases[(engine_id, lease.rank)] = lease
+        return renewed
+
+    async def release(self, engine_id: str, rank: int | None, now: float) -> tuple[Lease, ...]:
+        keys = [
+            key for key in self._leases if key[0] == engine_id and (rank is None or key[1] == rank)
+        ]
+        released = tuple(self._leases.pop(key) for key in sorted(keys))
+        return tuple(lease for lease in released if lease.live(now))
+
+    async def leases(self, now: float) -> tuple[Lease, ...]:
+        return tuple(lease for _, lease in sorted(self._leases.items()) if lease.live(now))
+
+    async def sweep_expired(self, now: float) -> tuple[Lease, ...]:
+        expired = [key for key, lease in self._leases.items() if not lease.live(now)]
+        return tuple(self._leases.pop(key) for key in sorted(expired))

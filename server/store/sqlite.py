@@ -1,0 +1,517 @@
+"""The embedded store: one SQLite file, served by one server process.
+
+Durability: WAL journal with synchronous=NORMAL. A commit is in the WAL (in the
+OS page cache) before the call returns, so it survives the server being killed
+(kill -9, OOM) without an fsync per commit. It does not cover an OS crash or a
+power loss: the last commits before one may be lost (the file stays consistent).
+
+Every method runs its statements synchronously: each takes well under a
+millisecond, less than a hop to a worker thread would. Write transactions start
+with BEGIN IMMEDIATE, so several connections (threads, processes, a CLI) on one
+file serialize on SQLite's write lock instead of failing on a lock upgrade.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, check_grant
+from kvplan.server.errors import ServiceError
+from kvplan.server.store.base import Arrival, FinishedCallback, RendezvousResult, StoreUnavailable
+from kvplan.server.store.memory import (
+    check_compatible,
+    check_finished,
+    digest,
+    leases_expired,
+    no_leases,
+    too_many_pending,
+)
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_S = 5.0  # how long a writer waits for another connection's transaction
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS plans (
+    seq INTEGER PRIMARY KEY,          -- insertion order: the oldest are dropped first
+    plan_id TEXT NOT NULL UNIQUE,
+    engine_id TEXT NOT NULL,
+    plan BLOB NOT NULL,
+    stored_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS plans_by_engine ON plans (engine_id, seq);
+
+CREATE TABLE IF NOT EXISTS rendezvous_open (
+    engine_id TEXT PRIMARY KEY,
+    world_size INTEGER NOT NULL,
+    template BLOB NOT NULL,
+    created REAL NOT NULL,
+    claimed_at REAL                   -- NULL: nobody is planning it
+);
+CREATE TABLE IF NOT EXISTS rendezvous_open_worker (
+    engine_id TEXT NOT NULL REFERENCES rendezvous_open (engine_id) ON DELETE CASCADE,
+    rank INTEGER NOT NULL,
+    worker BLOB NOT NULL,             -- the rank's serialized WorkerSpec
+    PRIMARY KEY (engine_id, rank)
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS rendezvous_finished (
+    engine_id TEXT PRIMARY KEY,
+    template_digest BLOB NOT NULL,
+    plan BLOB NOT NULL,
+    finished REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rendezvous_finished_worker (
+    engine_id TEXT NOT NULL REFERENCES rendezvous_finished (engine_id) ON DELETE CASCADE,
+    rank INTEGER NOT NULL,
+    worker_digest BLOB NOT NULL,
+    PRIMARY KEY (engine_id, rank)
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS leases (
+    engine_id TEXT NOT NULL,
+    rank INTEGER NOT NULL,
+    device_uuid TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    allocated_bytes INTEGER NOT NULL,
+    granted_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    PRIMARY KEY (engine_id, rank)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS leases_by_expiry ON leases (expires_at);
+"""
+
+_LEASE_COLUMNS = "engine_id, rank, device_uuid, bytes, allocated_bytes, granted_at, expires_at"
+
+
+def _lease(row: tuple[Any, ...]) -> Lease:
+    engine_id, rank, device_uuid, size, allocated, granted_at, expires_at = row
+    return Lease(
+        engine_id=engine_id,
+        rank=rank,
+        device_uuid=device_uuid,
+        bytes=size,
+        allocated_bytes=allocated,
+        granted_at=float(granted_at),
+        expires_at=float(expires_at),
+    )
+
+
+def _unavailable(error: sqlite3.Error, path: str) -> StoreUnavailable:
+    return StoreUnavailable(f"SQLite store {path}: {error}")
+
+
+class SQLiteStore:
+    kind = "sqlite"
+
+    def __init__(self, path: str, max_plans: int = 4096) -> None:
+        self._path = path
+        self._max_plans = max_plans
+        self._connection: sqlite3.Connection | None = None
+        # One connection per store; the lock keeps its transactions from
+        # interleaving when the store is used from several threads.
+        self._lock = threading.Lock()
+        self._subscribers: list[FinishedCallback] = []
+
+    # --- connection and transactions ----------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        Path(self._path).parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: no implicit transactions, every BEGIN is ours.
+        connection = sqlite3.connect(
+            self._path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )
+        try:
+            connection.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            mode = connection.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                log.warning("SQLite store %s: journal mode %s, not WAL", self._path, mode)
+            connection.execute("PRAGMA synchronous = NORMAL")
+            connection.execute("PRAGMA foreign_keys = ON")
+        except BaseException:
+            connection.close()
+            raise
+        return connection
+
+    @contextmanager
+    def _transaction(
+        self, *, write: bool, commit_on: tuple[type[Exception], ...] = ()
+    ) -> Iterator[sqlite3.Connection]:
+        """One transaction: committed when the body returns or raises one of
+        `commit_on` (a refusal after bookkeeping that must stay), else rolled back.
+        SQLite errors become StoreUnavailable."""
+        with self._lock:
+            connection = self._connection
+            if connection is None:
+                raise StoreUnavailable(f"SQLite store {self._path} is not open")
+            try:
+                connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            except sqlite3.Error as error:
+                raise _unavailable(error, self._path) from error
+            try:
+                yield connection
+            except commit_on:
+                self._commit(connection)
+                raise
+            except BaseException as error:
+                self._rollback(connection)
+                if isinstance(error, sqlite3.Error):
+                    raise _unavailable(error, self._path) from error
+                raise
+            else:
+                self._commit(connection)
+
+    def _commit(self, connection: sqlite3.Connection) -> None:
+        try:
+            connection.execute("COMMIT")
+        except sqlite3.Error as error:
+            self._rollback(connection)
+            raise _unavailable(error, self._path) from error
+
+    def _rollback(self, connection: sqlite3.Connection) -> None:
+        if connection.in_transaction:
+            try:
+                connection.execute("ROLLBACK")
+            except sqlite3.Error as error:  # SQLite may have rolled back already
+                log.warning("SQLite store %s: rollback failed: %s", self._path, error)
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        with self._lock:
+            if self._connection is not None:
+                return
+            try:
+                self._connection = self._connect()
+            except (sqlite3.Error, OSError) as error:
+                raise StoreUnavailable(f"SQLite store {self._path}: {error}") from error
+        with self._transaction(write=True) as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreUnavailable(
+                    f"SQLite store {self._path} has schema version {version}; this server "
+                    f"knows {SCHEMA_VERSION}: upgrade the server or point it at another file"
+                )
+            if version < SCHEMA_VERSION:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            # One server per file: a claim left in it is from a server that was
+            # killed while planning, so the next rank to arrive plans again.
+            db.execute("UPDATE rendezvous_open SET claimed_at = NULL WHERE claimed_at IS NOT NULL")
+
+    async def close(self) -> None:
+        with self._lock:
+            connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close()
+
+    async def ping(self) -> None:
+        with self._transaction(write=False) as db:
+            db.execute("SELECT 1").fetchone()
+
+    # --- plans --------------------------------------------------------------------
+
+    async def put_plan(self, plan_id: str, engine_id: str, plan: bytes, now: float) -> None:
+        with self._transaction(write=True) as db:
+            # Delete and insert: a plan put again becomes the newest.
+            db.execute("DELETE FROM plans WHERE plan_id = ?", (plan_id,))
+            db.execute(
+                "INSERT INTO plans (plan_id, engine_id, plan, stored_at) VALUES (?, ?, ?, ?)",
+                (plan_id, engine_id, plan, now),
+            )
+            db.execute(
+                "DELETE FROM plans WHERE seq <= "
+                "(SELECT seq FROM plans ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+                (self._max_plans,),
+            )
+
+    async def get_plan(self, plan_id: str) -> bytes | None:
+        with self._transaction(write=False) as db:
+            row = db.execute("SELECT plan FROM plans WHERE plan_id = ?", (plan_id,)).fetchone()
+        return bytes(row[0]) if row else None
+
+    async def plan_for_engine(self, engine_id: str) -> bytes | None:
+        if not engine_id:
+            return None
+        with self._transaction(write=False) as db:
+            row = db.execute(
+                "SELECT plan FROM plans WHERE engine_id = ? ORDER BY seq DESC LIMIT 1",
+                (engine_id,),
+            ).fetchone()
+        return bytes(row[0]) if row else None
+
+    # --- rendezvous ---------------------------------------------------------------
+
+    async def rendezvous_join(
+        self,
+        *,
+        engine_id: str,
+        world_size: int,
+        template: bytes,
+        rank: int,
+        worker: bytes,
+        now: float,
+        ttl_s: float,
+        max_pending: int,
+        claim_timeout_s: float,
+    ) -> Arrival:
+        # A refusal keeps rule 1's forgetting, as the memory store does.
+        with self._transaction(write=True, commit_on=(ServiceError,)) as db:
+            db.execute("DELETE FROM rendezvous_open WHERE ? - created > ?", (now, ttl_s))
+            db.execute("DELETE FROM rendezvous_finished WHERE ? - finished > ?", (now, ttl_s))
+            finished = db.execute(
+                "SELECT template_digest, plan FROM rendezvous_finished WHERE engine_id = ?",
+                (engine_id,),
+            ).fetchone()
+            if finished is not None:
+                worker_digest = db.execute(
+                    "SELECT worker_digest FROM rendezvous_finished_worker "
+                    "WHERE engine_id = ? AND rank = ?",
+                    (engine_id, rank),
+                ).fetchone()
+                check_finished(
+                    engine_id,
+                    bytes(finished[0]),
+                    bytes(worker_digest[0]) if worker_digest else None,
+                    template=template,
+                    rank=rank,
+                    worker=worker,
+                )
+                return Arrival("finished", result=RendezvousResult(True, bytes(finished[1])))
+            entry = db.execute(
+                "SELECT world_size, template, claimed_at FROM rendezvous_open WHERE engine_id = ?",
+                (engine_id,),
+            ).fetchone()
+            if entry is None:
+                pending = db.execute("SELECT count(*) FROM rendezvous_open").fetchone()[0]
+                if pending >= max_pending:
+                    raise too_many_pending(pending, max_pending)
+                db.execute(
+                    "INSERT INTO rendezvous_open (engine_id, world_size, template, created) "
+                    "VALUES (?, ?, ?, ?)",
+                    (engine_id, world_size, template, now),
+                )
+                open_world_size, open_template, claimed_at = world_size, template, None
+            else:
+                open_world_size, open_template, claimed_at = (
+                    int(entry[0]),
+                    bytes(entry[1]),
+                    entry[2],
+                )
+            seen = db.execute(
+                "SELECT worker FROM rendezvous_open_worker WHERE engine_id = ? AND rank = ?",
+                (engine_id, rank),
+            ).fetchone()
+            check_compatible(
+                engine_id,
+                open_world_size,
+                open_template,
+                bytes(seen[0]) if seen else None,
+                world_size=world_size,
+                template=template,
+                rank=rank,
+                worker=worker,
+            )
+            if seen is None:
+                db.execute(
+                    "INSERT INTO rendezvous_open_worker (engine_id, rank, worker) VALUES (?, ?, ?)",
+                    (engine_id, rank, worker),
+                )
+            workers = db.execute(
+                "SELECT worker FROM rendezvous_open_worker WHERE engine_id = ? ORDER BY rank",
+                (engine_id,),
+            ).fetchall()
+            if len(workers) < open_world_size:
+                return Arrival("waiting")
+            if claimed_at is not None and now - float(claimed_at) <= claim_timeout_s:
+                return Arrival("waiting")
+            db.execute(
+                "UPDATE rendezvous_open SET claimed_at = ? WHERE engine_id = ?", (now, engine_id)
+            )
+            return Arrival("plan", workers=tuple(bytes(row[0]) for row in workers))
+
+    async def rendezvous_leave(self, engine_id: str, rank: int) -> None:
+        with self._transaction(write=True) as db:
+            entry = db.execute(
+                "SELECT claimed_at FROM rendezvous_open WHERE engine_id = ?", (engine_id,)
+            ).fetchone()
+            if entry is None or entry[0] is not None:
+                return
+            db.execute(
+                "DELETE FROM rendezvous_open_worker WHERE engine_id = ? AND rank = ?",
+                (engine_id, rank),
+            )
+            left = db.execute(
+                "SELECT count(*) FROM rendezvous_open_worker WHERE engine_id = ?", (engine_id,)
+            ).fetchone()[0]
+            if not left:
+                db.execute("DELETE FROM rendezvous_open WHERE engine_id = ?", (engine_id,))
+
+    async def rendezvous_finish(self, engine_id: str, result: RendezvousResult, now: float) -> None:
+        with self._transaction(write=True) as db:
+            entry = db.execute(
+                "SELECT template FROM rendezvous_open WHERE engine_id = ?", (engine_id,)
+            ).fetchone()
+            if result.ok and entry is not None:
+                workers = db.execute(
+                    "SELECT rank, worker FROM rendezvous_open_worker WHERE engine_id = ?",
+                    (engine_id,),
+                ).fetchall()
+                db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
+                db.execute(
+                    "INSERT INTO rendezvous_finished (engine_id, template_digest, plan, finished) "
+                    "VALUES (?, ?, ?, ?)",
+                    (engine_id, digest(bytes(entry[0])), result.payload, now),
+                )
+                db.executemany(
+                    "INSERT INTO rendezvous_finished_worker (engine_id, rank, worker_digest) "
+                    "VALUES (?, ?, ?)",
+                    [(engine_id, rank, digest(bytes(spec))) for rank, spec in workers],
+                )
+            db.execute("DELETE FROM rendezvous_open WHERE engine_id = ?", (engine_id,))
+        # One server per file: its own subscribers are all there are.
+        for callback in list(self._subscribers):
+            try:
+                callback(engine_id, result)
+            except Exception:  # one broken waiter must not hide the outcome from the rest
+                log.exception("rendezvous subscriber failed for engine %s", engine_id)
+
+    def subscribe(self, callback: FinishedCallback) -> None:
+        self._subscribers.append(callback)
+
+    async def pending_engines(self) -> int:
+        with self._transaction(write=False) as db:
+            return int(db.execute("SELECT count(*) FROM rendezvous_open").fetchone()[0])
+
+    # --- ledger -------------------------------------------------------------------
+
+    async def grant(
+        self,
+        engine_id: str,
+        requests: Sequence[LeaseRequest],
+        devices: Mapping[str, DeviceState],
+        now: float,
+        ttl_s: float,
+    ) -> tuple[Lease, ...]:
+        with self._transaction(write=True) as db:
+            live = tuple(
+                _lease(row)
+                for row in db.execute(
+                    f"SELECT {_LEASE_COLUMNS} FROM leases WHERE expires_at > ?", (now,)
+                )
+            )
+            check_grant(engine_id, requests, devices, live, now)
+            granted = tuple(
+                Lease(
+                    engine_id=engine_id,
+                    rank=request.rank,
+                    device_uuid=request.device_uuid,
+                    bytes=request.bytes,
+                    allocated_bytes=min(request.in_use_bytes, request.bytes),
+                    granted_at=now,
+                    expires_at=now + ttl_s,
+                )
+                for request in requests
+            )
+            db.execute("DELETE FROM leases WHERE engine_id = ?", (engine_id,))
+            # OR REPLACE: a rank asked twice keeps its last request, as in memory.
+            db.executemany(
+                f"INSERT OR REPLACE INTO leases ({_LEASE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (
+                        lease.engine_id,
+                        lease.rank,
+                        lease.device_uuid,
+                        lease.bytes,
+                        lease.allocated_bytes,
+                        lease.granted_at,
+                        lease.expires_at,
+                    )
+                    for lease in granted
+                ],
+            )
+        return granted
+
+    async def renew(
+        self, engine_id: str, allocations: Mapping[int, int], now: float, ttl_s: float
+    ) -> tuple[Lease, ...]:
+        with self._transaction(write=True) as db:
+            mine = [
+                _lease(row)
+                for row in db.execute(
+                    f"SELECT {_LEASE_COLUMNS} FROM leases WHERE engine_id = ? ORDER BY rank",
+                    (engine_id,),
+                )
+            ]
+            if not mine:
+                raise no_leases(engine_id)
+            live = [lease for lease in mine if lease.live(now)]
+            if not live:
+                raise leases_expired(engine_id)
+            renewed = tuple(
+                Lease(
+                    engine_id=engine_id,
+                    rank=lease.rank,
+                    device_uuid=lease.device_uuid,
+                    bytes=lease.bytes,
+                    allocated_bytes=allocations.get(lease.rank, lease.allocated_bytes),
+                    granted_at=lease.granted_at,
+                    expires_at=now + ttl_s,
+                )
+                for lease in live
+            )
+            db.executemany(
+                "UPDATE leases SET expires_at = ?, allocated_bytes = ? "
+                "WHERE engine_id = ? AND rank = ?",
+                [
+                    (lease.expires_at, lease.allocated_bytes, engine_id, lease.rank)
+                    for lease in renewed
+                ],
+            )
+        return renewed
+
+    async def release(self, engine_id: str, rank: int | None, now: float) -> tuple[Lease, ...]:
+        where = "engine_id = ?" if rank is None else "engine_id = ? AND rank = ?"
+        params: tuple[object, ...] = (engine_id,) if rank is None else (engine_id, rank)
+        with self._transaction(write=True) as db:
+            released = [
+                _lease(row)
+                for row in db.execute(
+                    f"SELECT {_LEASE_COLUMNS} FROM leases WHERE {where} ORDER BY rank", params
+                )
+            ]
+            db.execute(f"DELETE FROM leases WHERE {where}", params)
+        return tuple(lease for lease in released if lease.live(now))
+
+    async def leases(self, now: float) -> tuple[Lease, ...]:
+        with self._transaction(write=False) as db:
+            return tuple(
+                _lease(row)
+                for row in db.execute(
+                    f"SELECT {_LEASE_COLUMNS} FROM leases WHERE expires_at > ? "
+                    "ORDER BY engine_id, rank",
+                    (now,),
+                )
+            )
+
+    async def sweep_expired(self, now: float) -> tuple[Lease, ...]:
+        with self._transaction(write=True) as db:
+            expired = tuple(
+                _lease(row)
+                for row in db.execute(
+                    f"SELECT {_LEASE_COLUMNS} FROM leases WHERE expires_at <= ? "
+                    "ORDER BY engine_id, rank",
+                    (now,),
+                )
+            )
+            db.execute("DELETE FROM leases WHERE expires_at <= ?", (now,))
+        return expired

@@ -1,0 +1,199 @@
+"""The ledger arithmetic and the budget modes' footprints (what a lease reserves)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvplan.core.ledger import (
+    DeviceState,
+    GrantRefused,
+    Lease,
+    LeaseRequest,
+    account,
+    check_grant,
+)
+from kvplan.core.memory import BudgetMode
+from kvplan.core.planner import WorkerPlan, plan_engine
+from kvplan.core.request import DeviceInfo, MemoryRequest, NonKVMemory
+from tests.core.builders import GIB, engine, full
+
+TOTAL = 80 * GIB
+DEVICE = DeviceState("GPU-a", total_bytes=TOTAL, free_bytes=TOTAL, commit_limit_bytes=TOTAL)
+NOW = 1_000.0
+
+
+def lease(
+    engine_id: str, nbytes: int, allocated: int = 0, *, rank: int = 0, expires: float = NOW + 60
+) -> Lease:
+    return Lease(engine_id, rank, "GPU-a", nbytes, allocated, granted_at=NOW, expires_at=expires)
+
+
+def test_account_counts_live_leases_of_others_only() -> None:
+    leases = [
+        lease("a", 30 * GIB, allocated=10 * GIB),
+        lease("b", 20 * GIB, allocated=20 * GIB),
+        lease("dead", 25 * GIB, expires=NOW),  # expired exactly now: counts for nothing
+    ]
+    device = replace(DEVICE, free_bytes=TOTAL - 30 * GIB)  # a and b hold 30 GiB
+    view = account(device, leases, NOW)
+    assert (view.committed_bytes, view.outstanding_bytes, view.live_leases) == (
+        50 * GIB,
+        20 * GIB,
+        2,
+    )
+    # min(80 - 50, 50 - 20) = 30 GiB
+    assert view.available_to_grant_bytes == 30 * GIB
+    mine_excluded = account(device, leases, NOW, exclude_engine="a")
+    assert mine_excluded.committed_bytes == 20 * GIB
+
+
+def test_two_engines_at_045_fit_a_third_is_refused_with_numbers() -> None:
+    share = int(0.45 * TOTAL)
+    leases = [lease("a", share), lease("b", share)]
+    check_grant("a", [LeaseRequest(0, "GPU-a", share)], {"GPU-a": DEVICE}, leases[1:], NOW)
+    with pytest.raises(GrantRefused) as refused:
+        check_grant("c", [LeaseRequest(0, "GPU-a", share)], {"GPU-a": DEVICE}, leases, NOW)
+    assert refused.value.grant_reason == "commit_limit"
+    assert refused.value.details["committed_bytes"] == 2 * share
+    assert refused.value.details["requested_bytes"] == share
+    assert refused.value.code == "RESOURCE_EXHAUSTED"
+    assert "72.00 GiB" in refused.value.message  # 2 x 36 GiB already leased
+
+
+def test_memory_used_without_a_lease_is_not_granted_again() -> None:
+    # Another process (no lease) holds 50 GiB: only 30 GiB are free.
+    device = replace(DEVICE, free_bytes=30 * GIB)
+    check_grant("a", [LeaseRequest(0, "GPU-a", 30 * GIB)], {"GPU-a": device}, [], NOW)
+    with pytest.raises(GrantRefused) as refused:
+        check_grant("a", [LeaseRequest(0, "GPU-a", 31 * GIB)], {"GPU-a": device}, [], NOW)
+    assert refused.value.grant_reason == "free_memory"
+
+
+def test_promised_not_allocated_memory_is_not_granted_twice() -> None:
+    # Engine a was promised 40 GiB and has allocated nothing yet: free still shows it.
+    leases = [lease("a", 40 * GIB, allocated=0)]
+    with pytest.raises(GrantRefused) as refused:
+        check_grant("b", [LeaseRequest(0, "GPU-a", 41 * GIB)], {"GPU-a": DEVICE}, leases, NOW)
+    assert refused.value.grant_reason == "commit_limit"
+    # With a generous policy the physical bound still holds.
+    loose = replace(DEVICE, commit_limit_bytes=2 * TOTAL)
+    with pytest.raises(GrantRefused) as refused:
+        check_grant("b", [LeaseRequest(0, "GPU-a", 41 * GIB)], {"GPU-a": loose}, leases, NOW)
+    assert refused.value.grant_reason == "free_memory"
+
+
+def test_bytes_already_in_use_by_the_worker_are_not_taken_from_free_twice() -> None:
+    device = replace(DEVICE, free_bytes=TOTAL - 20 * GIB)  # the worker loaded 20 GiB of weights
+    request = LeaseRequest(0, "GPU-a", 72 * GIB, in_use_bytes=20 * GIB)
+    check_grant("a", [request], {"GPU-a": device}, [], NOW)
+    with pytest.raises(GrantRefused):
+        check_grant("a", [replace(request, in_use_bytes=0)], {"GPU-a": device}, [], NOW)
+
+
+def test_several_ranks_on_one_device_are_summed() -> None:
+    requests = [LeaseRequest(rank, "GPU-a", 30 * GIB) for rank in range(3)]
+    with pytest.raises(GrantRefused) as refused:
+        check_grant("a", requests, {"GPU-a": DEVICE}, [], NOW)
+    assert refused.value.details["ranks"] == "0, 1, 2"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from("abcd"),
+            st.integers(0, TOTAL),
+            st.integers(0, TOTAL),
+            st.floats(0, 120),
+        ),
+        max_size=12,
+    ),
+    st.integers(0, TOTAL),
+)
+def test_granted_sets_never_exceed_either_bound(
+    steps: list[tuple[str, int, int, float]], foreign_used: int
+) -> None:
+    """Replaying grants in order, every accepted state keeps committed <= limit and
+    outstanding <= free; the available figure is exactly what the next grant may take."""
+    device = DeviceState("GPU-a", TOTAL, TOTAL - foreign_used, int(TOTAL * 0.9))
+    leases: list[Lease] = []
+    for engine_id, nbytes, in_use, age in steps:
+        now = NOW + age
+        live = [item for item in leases if item.live(now)]
+        view = account(device, live, now, exclude_engine=engine_id)
+        request = LeaseRequest(0, "GPU-a", nbytes, min(in_use, nbytes))
+        try:
+            check_grant(engine_id, [request], {"GPU-a": device}, live, now)
+        except GrantRefused:
+            assert nbytes - min(in_use, nbytes) > view.available_to_grant_bytes or (
+                nbytes > device.commit_limit_bytes - view.committed_bytes
+            )
+            continue
+        leases = [item for item in live if item.engine_id != engine_id]
+        leases.append(Lease(engine_id, 0, "GPU-a", nbytes, request.in_use_bytes, now, now + 60))
+        after = account(device, leases, now)
+        assert after.committed_bytes <= device.commit_limit_bytes
+        assert after.outstanding_bytes <= device.free_bytes
+
+
+# --- footprints: what each budget mode asks the ledger for ----------------------
+
+
+def _plan_one(
+    memory: MemoryRequest, device: DeviceInfo, blocks_override: int | None = None
+) -> WorkerPlan:
+    request = engine(
+        [(f"l{i}", full()) for i in range(4)],
+        GIB,
+        max_model_len=4096,
+        num_gpu_blocks_override=blocks_override,
+    )
+    worker = replace(request.workers[0], memory=memory, device=device)
+    return plan_engine(replace(request, workers=(worker,))).workers[0]
+
+
+NON_KV = NonKVMemory(weights_bytes=16 * GIB, activation_peak_bytes=2 * GIB)
+
+
+def test_utilization_footprint_is_the_requested_share() -> None:
+    worker = _plan_one(
+        MemoryRequest(gpu_memory_utilization=0.45, non_kv=NON_KV),
+        DeviceInfo(uuid="GPU-a", total_memory_bytes=TOTAL),
+    )
+    requested = -(-TOTAL * 45 // 100)
+    assert worker.budget.mode is BudgetMode.UTILIZATION
+    assert worker.budget.requested_bytes == requested
+    assert worker.budget.available_bytes == requested - 18 * GIB
+    assert worker.footprint_bytes == requested
+
+
+def test_explicit_footprint_adds_non_kv() -> None:
+    worker = _plan_one(
+        MemoryRequest(kv_cache_memory_bytes=10 * GIB, non_kv=NON_KV), DeviceInfo(uuid="GPU-a")
+    )
+    assert worker.footprint_bytes == 28 * GIB
+
+
+def test_free_fraction_applies_to_free_memory_and_keeps_in_use() -> None:
+    worker = _plan_one(
+        MemoryRequest(free_memory_fraction=0.9, non_kv=NON_KV, device_bytes_in_use=18 * GIB),
+        DeviceInfo(uuid="GPU-a", total_memory_bytes=TOTAL, free_memory_bytes=60 * GIB),
+    )
+    assert worker.budget.mode is BudgetMode.FREE_FRACTION
+    assert worker.budget.available_bytes == int(60 * GIB * 0.9)
+    assert worker.budget.free_bytes == 60 * GIB
+    assert worker.footprint_bytes == 18 * GIB + int(60 * GIB * 0.9)
+
+
+def test_blocks_override_footprint_is_what_it_allocates() -> None:
+    worker = _plan_one(
+        MemoryRequest(kv_cache_memory_bytes=10 * GIB, non_kv=NON_KV),
+        DeviceInfo(uuid="GPU-a"),
+        blocks_override=1000,
+    )
+    assert worker.budget.mode is BudgetMode.BLOCKS_OVERRIDE
+    assert worker.footprint_bytes == 18 * GIB + 1000 * worker.bytes_per_block
