@@ -11,7 +11,6 @@ import copy
 import functools
 import json
 import re
-from dataclasses import fields
 from importlib import resources
 from typing import Any
 
@@ -19,7 +18,7 @@ import jsonschema
 import pytest
 import yaml
 
-from kvplan.server.config import Settings, parse_settings
+from kvplan.server.config import parse_settings
 from tests.deploy import parsing
 from tests.deploy.parsing import COMPOSE_FILE, PROMETHEUS_CONFIG, ROOT
 
@@ -114,15 +113,19 @@ def test_planner_healthcheck_reuses_kvplan_health() -> None:
     assert int(healthcheck["retries"]) >= 1
 
 
-def test_state_volume_only_with_a_state_dir_setting() -> None:
+def test_state_directory_is_a_volume_in_the_image_and_in_compose() -> None:
+    """The SQLite store must outlive the container: the image declares its state
+    directory a volume and compose mounts a named volume there."""
+    state_dir = parsing.env()["KVPLAN_STATE_DIR"]
+    assert state_dir == "/var/lib/kvplan"
+    assert parsing.exec_form(parsing.last("VOLUME").args) == [state_dir]
     planner = compose()["services"]["planner"]
     mounts = [
         str(v) if isinstance(v, str) else v.get("target", "") for v in planner.get("volumes", [])
     ]
-    if any("state" in field.name for field in fields(Settings)):
-        assert any(m.endswith(":/var/lib/kvplan") or m == "/var/lib/kvplan" for m in mounts)
-    else:
-        assert mounts == [], "the planner has no state to keep"
+    assert f"planner-state:{state_dir}" in mounts
+    assert "planner-state" in compose()["volumes"]
+    assert planner["environment"]["KVPLAN_STORE"] == "${KVPLAN_STORE:-}"
 
 
 def test_prometheus_scrapes_the_planner_metrics_port() -> None:
