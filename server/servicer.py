@@ -255,6 +255,19 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                     field=f"workers[{index}].layers",
                 )
 
+    def _read_devices(self) -> tuple[DeviceMemory, ...]:
+        """A fresh probe reading; a failing device or driver is the server's state,
+        not the caller's mistake: UNAVAILABLE, so the client retries."""
+        try:
+            return self._probe.snapshot()
+        except Exception as error:
+            log.error("device probe %s failed: %s", self._probe.name, error)
+            raise ServiceError(
+                "UNAVAILABLE",
+                f"the {self._probe.name} device probe failed ({error}); retry shortly",
+                details={"retry_after_s": 1},
+            ) from error
+
     def _device_state(self, device: DeviceMemory) -> DeviceState:
         return DeviceState(
             uuid=device.uuid,
@@ -276,7 +289,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 "workers that name a device get leases, which are held per engine: set engine_id",
                 field="engine_id",
             )
-        snapshot = {device.uuid: device for device in self._probe.snapshot()}
+        snapshot = {device.uuid: device for device in self._read_devices()}
         resolved = plan_pb2.PlanRequest()
         resolved.CopyFrom(request)
         devices: dict[str, DeviceState] = {}
@@ -357,7 +370,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             ",".join(str(lease.bytes) for lease in leases),
             self._settings.lease_ttl_s,
         )
-        await self.refresh_device_metrics()
+        await self._refresh_quietly()
         return leases
 
     async def _plan(
@@ -440,7 +453,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         metrics = self._metrics
         metrics.leases_active.set(len(leases))
         out = []
-        for device in self._probe.snapshot():
+        for device in self._read_devices():
             ledger = account(self._device_state(device), leases, now)
             labels = (device.uuid,)
             metrics.device_total.labels(*labels).set(device.total_bytes)
@@ -464,6 +477,13 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 )
             )
         return out
+
+    async def _refresh_quietly(self) -> None:
+        """Gauges after a ledger change; the change stands even if they cannot be read."""
+        try:
+            await self.refresh_device_metrics()
+        except (ServiceError, StoreUnavailable) as error:
+            log.warning("device metrics not refreshed: %s", error)
 
     async def sweep_expired_leases(self) -> int:
         """Drop expired leases (they already count for nothing) and count them."""
@@ -595,7 +615,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                     request.engine_id,
                     ",".join(str(lease.rank) for lease in released),
                 )
-                await self.refresh_device_metrics()
+                await self._refresh_quietly()
             ttl_s = self._settings.lease_ttl_s
             return service_pb2.ReleasePlanResponse(
                 released=[_lease_to_proto(lease, ttl_s) for lease in released],
@@ -610,7 +630,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
     ) -> service_pb2.ListDevicesResponse:
         try:
             devices = await self.refresh_device_metrics()
-        except StoreUnavailable as error:
+        except (ServiceError, StoreUnavailable) as error:
             await self._fail(context, error)
             raise AssertionError("unreachable") from error
         return service_pb2.ListDevicesResponse(probe=self._probe.name, devices=devices)

@@ -290,3 +290,30 @@ async def test_concurrent_engines_never_over_commit(
         assert device.committed_bytes == 3 * math.ceil(TOTAL * 0.3) <= TOTAL
         for result in granted:
             await planner.release_plan(result.engine_id)
+
+
+class _BrokenProbe:
+    """A driver that fails mid-run (e.g. a GPU fell off the bus)."""
+
+    name = "nvml"
+
+    def snapshot(self) -> tuple[()]:
+        raise RuntimeError("NVML: GPU is lost")
+
+    def close(self) -> None:
+        return None
+
+
+async def test_a_failing_probe_is_unavailable_not_internal(
+    planner: AsyncPlannerClient, ledger_server: RunningServer
+) -> None:
+    uuid = (await device_uuids(planner))[0]
+    ledger_server.servicer._probe = _BrokenProbe()
+    for call in (
+        planner.plan(leased_request("engine-lost", uuid), timeout_s=5),
+        planner.list_devices(timeout_s=5),
+    ):
+        with pytest.raises(PlannerError) as caught:
+            await call
+        assert caught.value.code is grpc.StatusCode.UNAVAILABLE
+        assert "GPU is lost" in caught.value.details
