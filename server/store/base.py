@@ -128,8 +128,9 @@ class Store(Protocol):
         now: float,
     ) -> None:
         """The claimer's outcome. A plan: the engine becomes finished (its
-        ranks' worker digests kept for rule 2, the plan kept for
-        `plan_for_engine`). An error: the rendezvous is deleted, so the ranks
+        ranks' worker digests kept for rule 2, the plan kept to answer late
+        joiners; `plan_for_engine` sees it through the servicer's `put_plan`,
+        not through this). An error: the rendezvous is deleted, so the ranks
         can retry from scratch. Either way every subscriber on every replica
         is called with `(engine_id, result)`."""
 

@@ -166,7 +166,7 @@ def _begin(pipe: Pipeline) -> None:
 
 
 async def _read_hash(pipe: Pipeline, key: str) -> dict[bytes, bytes]:
-    return cast(dict[bytes, bytes], await _read_hash(pipe, key))
+    return cast(dict[bytes, bytes], await pipe.hgetall(key))
 
 
 class RedisStore:
@@ -189,6 +189,8 @@ class RedisStore:
         self._client: redis.asyncio.Redis | None = None
         self._scripts: dict[str, AsyncScript] = {}
         self._listener: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()
+        self._closing = False
         self._subscribers: list[FinishedCallback] = []
         self.transaction_retries = 0  # conflicts seen (tests, diagnostics)
 
@@ -261,12 +263,26 @@ class RedisStore:
         except StoreUnavailable:
             await self.close()
             raise
+        self._closing = False
+        self._subscribed = asyncio.Event()
         self._listener = asyncio.create_task(self._listen(), name="kvplan-redis-listener")
+        # Serve only once other replicas' news reaches this one: a rendezvous
+        # finished before the subscription would leave local ranks waiting.
+        try:
+            await asyncio.wait_for(self._subscribed.wait(), timeout=5.0)
+        except TimeoutError:
+            await self.close()
+            raise StoreUnavailable(f"cannot subscribe to {self._channel} on {self._url}") from None
 
     async def close(self) -> None:
         listener, self._listener = self._listener, None
         if listener is not None:
-            listener.cancel()
+            self._closing = True
+            # redis-py can turn a cancellation inside a read into its own
+            # TimeoutError; the flag ends the loop then, the re-cancel the wait.
+            while not listener.done():
+                listener.cancel()
+                await asyncio.wait({listener}, timeout=0.1)
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
         client, self._client = self._client, None
@@ -518,14 +534,15 @@ class RedisStore:
         reconnects after Redis goes away (what is published meanwhile is missed:
         those waiters time out and their retry finds the finished engine)."""
         delay, failing = LISTENER_BACKOFF_S[0], False
-        while True:
+        while not self._closing:
             pubsub = self._redis().pubsub()
             try:
                 await pubsub.subscribe(self._channel)
+                self._subscribed.set()
                 if failing:
                     log.info("Redis store %s: rendezvous listener reconnected", self._url)
                 delay, failing = LISTENER_BACKOFF_S[0], False
-                while True:
+                while not self._closing:
                     # A timeout, not a blocking read: the connection's health
                     # check (PING) runs on each call, so a dead link is noticed.
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
@@ -542,6 +559,8 @@ class RedisStore:
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
+            if self._closing:
+                return
             await asyncio.sleep(delay)
             delay = min(delay * 2, LISTENER_BACKOFF_S[1])
 

@@ -104,8 +104,16 @@ def _lease(row: tuple[Any, ...]) -> Lease:
     )
 
 
-def _unavailable(error: sqlite3.Error, path: str) -> StoreUnavailable:
+def _unavailable(error: BaseException, path: str) -> StoreUnavailable:
     return StoreUnavailable(f"SQLite store {path}: {error}")
+
+
+def _is_outage(error: BaseException) -> bool:
+    """The file cannot be used now (locked, I/O error, disk full, corrupt), as
+    opposed to a statement this module got wrong, which stays a loud error."""
+    return isinstance(error, sqlite3.Error) and not isinstance(
+        error, sqlite3.IntegrityError | sqlite3.ProgrammingError | sqlite3.InterfaceError
+    )
 
 
 class SQLiteStore:
@@ -162,7 +170,7 @@ class SQLiteStore:
                 raise
             except BaseException as error:
                 self._rollback(connection)
-                if isinstance(error, sqlite3.Error):
+                if _is_outage(error):
                     raise _unavailable(error, self._path) from error
                 raise
             else:

@@ -1,0 +1,796 @@
+"""One contract suite for every store: memory (the reference), SQLite, Redis.
+
+Each test runs against all three backends and checks a rule of the docstrings
+in server/store/base.py; the Hypothesis tests run random call sequences on
+SQLite and Redis next to memory and require the same answer to every call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+import pytest_asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvplan.core.ledger import DeviceState, GrantRefused, Lease, LeaseRequest, account
+from kvplan.server.errors import ServiceError
+from kvplan.server.store.base import Arrival, RendezvousResult, Store
+from kvplan.server.store.memory import MemoryStore
+from kvplan.server.store.redis import RedisStore
+from kvplan.server.store.sqlite import SQLiteStore
+from tests.server.redis_server import RedisServer, running_redis, wait_for_listeners
+
+BACKENDS = ["memory", "sqlite", "redis"]
+TTL_S = 600.0
+CLAIM_TIMEOUT_S = 10.0
+LEASE_TTL_S = 30.0
+GIB = 1 << 30
+
+
+class OpenStore(Protocol):
+    async def __call__(self, max_plans: int = ...) -> Store: ...
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+def new_store(backend: str, directory: Path, redis_url: str | None, max_plans: int = 4096) -> Store:
+    if backend == "memory":
+        return MemoryStore(max_plans=max_plans)
+    if backend == "sqlite":
+        return SQLiteStore(str(directory / "kvplan.sqlite3"), max_plans=max_plans)
+    assert redis_url is not None
+    # A fresh prefix: every test sees an empty Redis.
+    return RedisStore(redis_url, max_plans=max_plans, key_prefix=f"test-{uuid.uuid4().hex}:")
+
+
+@pytest_asyncio.fixture(params=BACKENDS)
+async def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[OpenStore]:
+    backend: str = request.param
+    redis_url = request.getfixturevalue("redis_server").url if backend == "redis" else None
+    opened: list[Store] = []
+
+    async def open_one(max_plans: int = 4096) -> Store:
+        store = new_store(backend, tmp_path, redis_url, max_plans)
+        await store.start()
+        opened.append(store)
+        return store
+
+    yield open_one
+    for store in opened:
+        await store.close()
+
+
+@pytest_asyncio.fixture
+async def store(open_store: OpenStore) -> Store:
+    return await open_store()
+
+
+async def settle(store: Store) -> None:
+    """Give a Redis store's pub/sub echo of its own finish time to arrive (and be
+    ignored), so a test can tell "called once" from "not called twice yet"."""
+    if store.kind == "redis":
+        await asyncio.sleep(0.1)
+
+
+async def join(
+    store: Store,
+    engine_id: str,
+    rank: int,
+    *,
+    world_size: int = 2,
+    template: bytes = b"template",
+    worker: bytes | None = None,
+    now: float = 0.0,
+    ttl_s: float = TTL_S,
+    max_pending: int = 16,
+    claim_timeout_s: float = CLAIM_TIMEOUT_S,
+) -> Arrival:
+    return await store.rendezvous_join(
+        engine_id=engine_id,
+        world_size=world_size,
+        template=template,
+        rank=rank,
+        worker=worker if worker is not None else f"worker-{rank}".encode(),
+        now=now,
+        ttl_s=ttl_s,
+        max_pending=max_pending,
+        claim_timeout_s=claim_timeout_s,
+    )
+
+
+def device(uuid_: str, *, total: int = 100, free: int = 100, limit: int = 90) -> DeviceState:
+    return DeviceState(uuid_, total * GIB, free * GIB, limit * GIB)
+
+
+def devices(*states: DeviceState) -> dict[str, DeviceState]:
+    return {state.uuid: state for state in states}
+
+
+def ask(rank: int, uuid_: str, gib: int, in_use_gib: int = 0) -> LeaseRequest:
+    return LeaseRequest(
+        rank=rank, device_uuid=uuid_, bytes=gib * GIB, in_use_bytes=in_use_gib * GIB
+    )
+
+
+def committed(leases: Sequence[Lease], uuid_: str) -> int:
+    return sum(lease.bytes for lease in leases if lease.device_uuid == uuid_)
+
+
+# --- plans -------------------------------------------------------------------------
+
+
+async def test_put_and_get_plan(store: Store) -> None:
+    await store.put_plan("p1", "engine-a", b"plan-1", 1.0)
+    await store.put_plan("p-anonymous", "", b"plan-anonymous", 2.0)
+    assert await store.get_plan("p1") == b"plan-1"
+    assert await store.get_plan("p-anonymous") == b"plan-anonymous"
+    assert await store.get_plan("unknown") is None
+    assert await store.plan_for_engine("engine-a") == b"plan-1"
+    assert await store.plan_for_engine("") is None  # "" names no engine
+    assert await store.plan_for_engine("engine-b") is None
+    await store.put_plan("p2", "engine-a", b"plan-2", 3.0)
+    assert await store.plan_for_engine("engine-a") == b"plan-2"  # the newest
+    assert await store.get_plan("p1") == b"plan-1"
+
+
+async def test_plans_are_bounded_oldest_first(open_store: OpenStore) -> None:
+    store = await open_store(max_plans=3)
+    for index in range(5):
+        await store.put_plan(f"p{index}", f"engine-{index}", f"plan-{index}".encode(), index)
+    assert [await store.get_plan(f"p{index}") for index in range(5)] == [
+        None,
+        None,
+        b"plan-2",
+        b"plan-3",
+        b"plan-4",
+    ]
+    assert await store.plan_for_engine("engine-0") is None
+    assert await store.plan_for_engine("engine-4") == b"plan-4"
+    # A plan put again is the newest: p3 goes next, not p2.
+    await store.put_plan("p2", "engine-2", b"plan-2", 5.0)
+    await store.put_plan("p5", "engine-5", b"plan-5", 6.0)
+    assert await store.get_plan("p3") is None
+    assert await store.get_plan("p2") == b"plan-2"
+
+
+async def test_dropping_an_older_plan_keeps_the_engines_newest(open_store: OpenStore) -> None:
+    store = await open_store(max_plans=2)
+    await store.put_plan("old", "engine-a", b"old", 1.0)
+    await store.put_plan("new", "engine-a", b"new", 2.0)
+    await store.put_plan("other", "engine-b", b"other", 3.0)
+    assert await store.get_plan("old") is None
+    assert await store.plan_for_engine("engine-a") == b"new"
+
+
+# --- rendezvous ----------------------------------------------------------------------
+
+
+async def test_complete_engine_is_planned_exactly_once(store: Store) -> None:
+    assert await join(store, "e", 2, world_size=3) == Arrival("waiting")
+    assert await join(store, "e", 0, world_size=3) == Arrival("waiting")
+    assert await store.pending_engines() == 1
+    completing = await join(store, "e", 1, world_size=3)
+    assert completing == Arrival("plan", workers=(b"worker-0", b"worker-1", b"worker-2"))
+    # Every later arrival (retries included) waits for the claimer's result.
+    for rank in range(3):
+        assert await join(store, "e", rank, world_size=3, now=1.0) == Arrival("waiting")
+    assert await store.pending_engines() == 1
+
+
+async def test_retry_of_a_present_rank_is_accepted(store: Store) -> None:
+    assert await join(store, "e", 0) == Arrival("waiting")
+    assert await join(store, "e", 0, now=1.0) == Arrival("waiting")
+    assert await store.pending_engines() == 1
+    assert await join(store, "e", 1, now=2.0) == Arrival("plan", workers=(b"worker-0", b"worker-1"))
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"world_size": 3}, "world_size"),
+        ({"template": b"other options"}, "options"),
+        ({"rank": 0, "worker": b"another spec"}, "workers[0].rank"),
+    ],
+)
+async def test_a_rank_that_disagrees_with_the_open_rendezvous_is_refused(
+    store: Store, change: dict[str, Any], field: str
+) -> None:
+    await join(store, "e", 0)
+    arguments: dict[str, Any] = {"rank": 1, **change}
+    with pytest.raises(ServiceError) as refused:
+        await join(store, "e", **arguments)
+    assert (refused.value.code, refused.value.field) == ("INVALID_ARGUMENT", field)
+    assert "'e'" in refused.value.message
+    # Nothing changed: the right rank 1 still completes the engine with rank 0's spec.
+    assert await join(store, "e", 1) == Arrival("plan", workers=(b"worker-0", b"worker-1"))
+
+
+async def test_finished_engine_answers_an_unchanged_late_rank(store: Store) -> None:
+    await join(store, "e", 0)
+    await join(store, "e", 1)
+    planned = RendezvousResult(True, b"the plan")
+    await store.rendezvous_finish("e", planned, 5.0)
+    assert await store.pending_engines() == 0
+    assert await store.plan_for_engine("e") is None  # that is the servicer's put_plan
+    for rank in (0, 1):
+        assert await join(store, "e", rank, now=6.0) == Arrival("finished", result=planned)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"rank": 0, "worker": b"a changed spec"},
+        {"rank": 1, "template": b"changed options"},
+        {"rank": 2, "world_size": 3},  # a rank the planned engine did not have
+    ],
+)
+async def test_finished_engine_refuses_a_changed_spec(store: Store, change: dict[str, Any]) -> None:
+    await join(store, "e", 0)
+    await join(store, "e", 1)
+    await store.rendezvous_finish("e", RendezvousResult(True, b"the plan"), 5.0)
+    with pytest.raises(ServiceError) as refused:
+        await join(store, "e", **{"now": 6.0, **change})
+    assert (refused.value.code, refused.value.field) == ("FAILED_PRECONDITION", "workers[0]")
+    assert await store.pending_engines() == 0
+
+
+async def test_old_rendezvous_and_finished_engines_are_forgotten(store: Store) -> None:
+    await join(store, "open", 0, now=0.0)
+    await join(store, "done", 0, world_size=1, now=0.0)
+    await store.rendezvous_finish("done", RendezvousResult(True, b"plan"), 0.0)
+    # Exactly ttl_s old: still kept.
+    await join(store, "other", 0, now=TTL_S)
+    assert await store.pending_engines() == 2
+    with pytest.raises(ServiceError):
+        await join(store, "done", 0, world_size=1, worker=b"changed", now=TTL_S)
+    # Older: forgotten before anything else is decided.
+    await join(store, "other", 1, now=TTL_S + 0.5)  # completes "other"
+    assert await store.pending_engines() == 1  # "open" is gone
+    changed = await join(store, "done", 0, world_size=1, worker=b"changed", now=TTL_S + 0.5)
+    assert changed == Arrival("plan", workers=(b"changed",))  # a new engine, no conflict
+    assert await join(store, "open", 1, now=TTL_S + 0.5) == Arrival("waiting")  # rank 0 forgotten
+
+
+async def test_too_many_pending_engines(store: Store) -> None:
+    await join(store, "a", 0, max_pending=2)
+    await join(store, "b", 0, max_pending=2)
+    with pytest.raises(ServiceError) as refused:
+        await join(store, "c", 0, max_pending=2)
+    assert refused.value.code == "RESOURCE_EXHAUSTED"
+    assert refused.value.details == {"pending": 2, "limit": 2}
+    assert await store.pending_engines() == 2
+    # An engine already open is not new: it may complete at the limit.
+    assert (await join(store, "a", 1, max_pending=2)).state == "plan"
+    await store.rendezvous_finish("a", RendezvousResult(True, b"plan"), 1.0)
+    assert await join(store, "c", 0, max_pending=2) == Arrival("waiting")
+
+
+async def test_forgetting_comes_before_the_pending_limit(store: Store) -> None:
+    await join(store, "stale", 0, now=0.0, max_pending=1)
+    assert await join(store, "new", 0, now=TTL_S + 1, max_pending=1) == Arrival("waiting")
+    assert await store.pending_engines() == 1
+
+
+async def test_a_waiting_rank_leaves(store: Store) -> None:
+    await join(store, "e", 0, world_size=3)
+    await join(store, "e", 1, world_size=3)
+    await store.rendezvous_leave("e", 1)
+    assert await store.pending_engines() == 1
+    # Rank 1 is gone, so another spec for it is a new arrival, not a conflict.
+    assert await join(store, "e", 1, world_size=3, worker=b"new spec") == Arrival("waiting")
+    await store.rendezvous_leave("e", 0)
+    await store.rendezvous_leave("e", 1)
+    assert await store.pending_engines() == 0  # an empty rendezvous is deleted
+    await store.rendezvous_leave("e", 0)  # nothing there: no-op
+    await store.rendezvous_leave("never-joined", 0)
+
+
+async def test_leaving_a_claimed_rendezvous_changes_nothing(store: Store) -> None:
+    await join(store, "e", 0)
+    assert (await join(store, "e", 1)).state == "plan"
+    await store.rendezvous_leave("e", 0)
+    await store.rendezvous_leave("e", 1)
+    assert await store.pending_engines() == 1
+    # The claimer died: after the claim timeout a retry plans with both specs.
+    later = CLAIM_TIMEOUT_S + 1
+    assert await join(store, "e", 0, now=later) == Arrival(
+        "plan", workers=(b"worker-0", b"worker-1")
+    )
+
+
+async def test_a_stale_claim_is_taken_over(store: Store) -> None:
+    assert (await join(store, "e", 0, world_size=1, now=0.0)).state == "plan"
+    assert await join(store, "e", 0, world_size=1, now=CLAIM_TIMEOUT_S) == Arrival("waiting")
+    retaken = await join(store, "e", 0, world_size=1, now=CLAIM_TIMEOUT_S + 0.5)
+    assert retaken == Arrival("plan", workers=(b"worker-0",))
+    # The new claim starts its own timeout.
+    assert await join(store, "e", 0, world_size=1, now=CLAIM_TIMEOUT_S + 1) == Arrival("waiting")
+
+
+async def test_an_error_result_deletes_the_rendezvous(store: Store) -> None:
+    heard: list[tuple[str, RendezvousResult]] = []
+    store.subscribe(lambda engine_id, result: heard.append((engine_id, result)))
+    await join(store, "e", 0)
+    await join(store, "e", 1)
+    failed = RendezvousResult(False, b"serialized google.rpc.Status")
+    await store.rendezvous_finish("e", failed, 1.0)
+    assert heard == [("e", failed)]
+    assert await store.pending_engines() == 0
+    # The ranks retry from scratch; a changed spec is welcome now.
+    assert await join(store, "e", 0, worker=b"fixed spec", now=2.0) == Arrival("waiting")
+
+
+async def test_every_subscriber_hears_each_finish_once(store: Store) -> None:
+    first: list[tuple[str, RendezvousResult]] = []
+    second: list[tuple[str, RendezvousResult]] = []
+    store.subscribe(lambda engine_id, result: first.append((engine_id, result)))
+    store.subscribe(lambda engine_id, result: second.append((engine_id, result)))
+    await join(store, "e", 0, world_size=1)
+    planned = RendezvousResult(True, b"plan")
+    await store.rendezvous_finish("e", planned, 1.0)
+    # A finish for a rendezvous that is gone (forgotten meanwhile) is still news.
+    lost = RendezvousResult(False, b"status")
+    await store.rendezvous_finish("gone", lost, 2.0)
+    await settle(store)
+    assert first == second == [("e", planned), ("gone", lost)]
+
+
+async def test_pending_engines_counts_open_rendezvous(store: Store) -> None:
+    assert await store.pending_engines() == 0
+    await join(store, "a", 0)
+    await join(store, "b", 0)
+    await join(store, "b", 1)  # complete and claimed: still open until finished
+    assert await store.pending_engines() == 2
+    await store.rendezvous_finish("b", RendezvousResult(True, b"plan"), 1.0)
+    assert await store.pending_engines() == 1
+
+
+# --- lease ledger ----------------------------------------------------------------------
+
+
+async def test_grant_returns_the_new_leases_in_request_order(store: Store) -> None:
+    gpus = devices(device("gpu-0"), device("gpu-1"))
+    granted = await store.grant(
+        "e", [ask(1, "gpu-1", 30, in_use_gib=5), ask(0, "gpu-0", 20, in_use_gib=40)], gpus, 10.0,
+        LEASE_TTL_S,
+    )  # fmt: skip
+    assert granted == (
+        Lease("e", 1, "gpu-1", 30 * GIB, 5 * GIB, 10.0, 10.0 + LEASE_TTL_S),
+        # In use beyond the footprint counts as allocated up to the footprint.
+        Lease("e", 0, "gpu-0", 20 * GIB, 20 * GIB, 10.0, 10.0 + LEASE_TTL_S),
+    )
+    assert await store.leases(10.0) == (granted[1], granted[0])  # by engine, then rank
+
+
+async def test_a_grant_over_the_commit_limit_changes_nothing(store: Store) -> None:
+    gpus = devices(device("gpu-0", limit=90), device("gpu-1"))
+    await store.grant("a", [ask(0, "gpu-0", 60)], gpus, 0.0, LEASE_TTL_S)
+    before_b = await store.grant("b", [ask(0, "gpu-1", 10)], gpus, 0.0, LEASE_TTL_S)
+    before = await store.leases(1.0)
+    with pytest.raises(GrantRefused) as refused:
+        await store.grant("b", [ask(0, "gpu-1", 10), ask(1, "gpu-0", 40)], gpus, 1.0, LEASE_TTL_S)
+    assert refused.value.grant_reason == "commit_limit"
+    assert refused.value.details["committed_bytes"] == 60 * GIB
+    assert refused.value.details["device_uuid"] == "gpu-0"
+    assert await store.leases(1.0) == before  # b keeps its old lease, a its own
+    assert before_b[0] in before
+
+
+async def test_a_grant_beyond_free_memory_is_refused(store: Store) -> None:
+    gpus = devices(device("gpu-0", free=50, limit=100))
+    await store.grant("a", [ask(0, "gpu-0", 40)], gpus, 0.0, LEASE_TTL_S)  # 40 outstanding
+    with pytest.raises(GrantRefused) as refused:
+        await store.grant("b", [ask(0, "gpu-0", 20)], gpus, 0.0, LEASE_TTL_S)
+    assert refused.value.grant_reason == "free_memory"
+    assert refused.value.details["outstanding_bytes"] == 40 * GIB
+    # Memory b already holds is in the device's used memory, not taken twice.
+    granted = await store.grant("b", [ask(0, "gpu-0", 20, in_use_gib=15)], gpus, 0.0, LEASE_TTL_S)
+    assert [lease.engine_id for lease in await store.leases(0.0)] == ["a", "b"]
+    assert granted[0].allocated_bytes == 15 * GIB
+
+
+async def test_a_regrant_replaces_the_engines_own_leases(store: Store) -> None:
+    gpus = devices(device("gpu-0", limit=90), device("gpu-1"))
+    await store.grant("a", [ask(0, "gpu-0", 60), ask(1, "gpu-1", 10)], gpus, 0.0, LEASE_TTL_S)
+    # 80 fits in 90 only because a's 60 are not counted a second time.
+    regranted = await store.grant("a", [ask(0, "gpu-0", 80)], gpus, 5.0, LEASE_TTL_S)
+    assert await store.leases(5.0) == regranted  # rank 1 is gone too
+    with pytest.raises(GrantRefused):
+        await store.grant("b", [ask(0, "gpu-0", 20)], gpus, 5.0, LEASE_TTL_S)
+    # An empty grant leaves the engine with no lease at all.
+    assert await store.grant("a", [], gpus, 6.0, LEASE_TTL_S) == ()
+    assert await store.leases(6.0) == ()
+
+
+async def test_renew_extends_live_leases_and_updates_allocations(store: Store) -> None:
+    gpus = devices(device("gpu-0"), device("gpu-1"))
+    await store.grant("e", [ask(0, "gpu-0", 20), ask(1, "gpu-1", 30)], gpus, 0.0, LEASE_TTL_S)
+    renewed = await store.renew("e", {1: 25 * GIB}, 20.0, LEASE_TTL_S)
+    assert renewed == (
+        Lease("e", 0, "gpu-0", 20 * GIB, 0, 0.0, 20.0 + LEASE_TTL_S),
+        Lease("e", 1, "gpu-1", 30 * GIB, 25 * GIB, 0.0, 20.0 + LEASE_TTL_S),
+    )
+    assert await store.leases(45.0) == renewed  # past the first expiry, still live
+    again = await store.renew("e", {0: 5 * GIB}, 40.0, LEASE_TTL_S)
+    assert [lease.allocated_bytes for lease in again] == [5 * GIB, 25 * GIB]  # others keep theirs
+
+
+async def test_renew_without_leases_is_not_found(store: Store) -> None:
+    with pytest.raises(ServiceError) as refused:
+        await store.renew("nobody", {}, 0.0, LEASE_TTL_S)
+    assert (refused.value.code, refused.value.field) == ("NOT_FOUND", "engine_id")
+
+
+async def test_renew_after_every_lease_expired_is_a_failed_precondition(store: Store) -> None:
+    await store.grant("e", [ask(0, "gpu-0", 20)], devices(device("gpu-0")), 0.0, LEASE_TTL_S)
+    with pytest.raises(ServiceError) as refused:
+        await store.renew("e", {0: GIB}, LEASE_TTL_S, LEASE_TTL_S)  # expires_at == now: expired
+    assert (refused.value.code, refused.value.field) == ("FAILED_PRECONDITION", "engine_id")
+    assert await store.leases(LEASE_TTL_S) == ()
+    # Once swept, the engine holds nothing at all.
+    assert len(await store.sweep_expired(LEASE_TTL_S)) == 1
+    with pytest.raises(ServiceError) as gone:
+        await store.renew("e", {}, LEASE_TTL_S, LEASE_TTL_S)
+    assert gone.value.code == "NOT_FOUND"
+
+
+async def test_release_one_rank_or_all(store: Store) -> None:
+    gpus = devices(device("gpu-0"), device("gpu-1"))
+    first, second = await store.grant(
+        "e", [ask(0, "gpu-0", 20), ask(1, "gpu-1", 30)], gpus, 0.0, LEASE_TTL_S
+    )
+    other = await store.grant("other", [ask(0, "gpu-0", 10)], gpus, 0.0, LEASE_TTL_S)
+    assert await store.release("e", 1, 1.0) == (second,)
+    assert await store.release("e", 1, 1.0) == ()
+    assert await store.leases(1.0) == (first, *other)
+    assert await store.release("e", None, 1.0) == (first,)
+    assert await store.leases(1.0) == other
+    # An expired lease is deleted but not reported: it held nothing any more.
+    assert await store.release("other", None, 100.0) == ()
+    assert await store.sweep_expired(100.0) == ()
+
+
+async def test_an_expired_lease_counts_for_nothing(store: Store) -> None:
+    gpus = devices(device("gpu-0", limit=90))
+    (lease,) = await store.grant("a", [ask(0, "gpu-0", 60)], gpus, 0.0, LEASE_TTL_S)
+    with pytest.raises(GrantRefused):
+        await store.grant("b", [ask(0, "gpu-0", 60)], gpus, LEASE_TTL_S - 0.5, LEASE_TTL_S)
+    assert await store.leases(LEASE_TTL_S - 0.5) == (lease,)
+    assert await store.leases(LEASE_TTL_S) == ()  # live while expires_at > now
+    granted = await store.grant("b", [ask(0, "gpu-0", 60)], gpus, LEASE_TTL_S, LEASE_TTL_S)
+    assert await store.leases(LEASE_TTL_S) == granted
+
+
+async def test_sweep_expired_deletes_and_returns_the_dead(store: Store) -> None:
+    gpus = devices(device("gpu-0"), device("gpu-1"))
+    (early,) = await store.grant("early", [ask(0, "gpu-0", 10)], gpus, 0.0, LEASE_TTL_S)
+    late = await store.grant("late", [ask(0, "gpu-1", 10), ask(1, "gpu-0", 10)], gpus, 20.0, 30.0)
+    assert await store.sweep_expired(LEASE_TTL_S - 1) == ()
+    assert await store.sweep_expired(40.0) == (early,)
+    assert await store.sweep_expired(40.0) == ()
+    assert await store.leases(40.0) == late
+    assert await store.sweep_expired(60.0) == late
+
+
+# --- Hypothesis: same answers as the reference ---------------------------------------
+
+LEDGER_DEVICES = {
+    "gpu-0": DeviceState("gpu-0", total_bytes=100, free_bytes=100, commit_limit_bytes=80),
+    "gpu-1": DeviceState("gpu-1", total_bytes=100, free_bytes=100, commit_limit_bytes=100),
+}
+ENGINES = ("a", "b", "c")
+
+lease_requests = st.lists(
+    st.builds(
+        LeaseRequest,
+        rank=st.integers(0, 2),
+        device_uuid=st.sampled_from(sorted(LEDGER_DEVICES)),
+        bytes=st.sampled_from([30, 40, 50, 10, 20]),
+        in_use_bytes=st.sampled_from([0, 0, 5, 10, 60]),
+    ),
+    min_size=1,
+    max_size=3,
+    unique_by=lambda request: request.rank,
+)
+ledger_ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("grant"),
+            st.sampled_from(ENGINES),
+            lease_requests,
+            st.sampled_from([100, 100, 50, 20]),  # what the probe reads as free on every device
+        ),
+        st.tuples(
+            st.just("renew"),
+            st.sampled_from(ENGINES),
+            st.dictionaries(st.integers(0, 2), st.sampled_from([0, 10, 50]), max_size=2),
+        ),
+        st.tuples(
+            st.just("release"), st.sampled_from(ENGINES), st.one_of(st.none(), st.integers(0, 2))
+        ),
+        st.tuples(st.just("advance"), st.sampled_from([5.0, 15.0, 31.0])),
+        st.tuples(st.just("sweep")),
+    ),
+    min_size=4,
+    max_size=14,
+)
+
+
+def outcome_of_error(error: Exception) -> tuple[object, ...]:
+    """What a caller sees of a refusal: everything but the object's identity."""
+    if isinstance(error, GrantRefused):
+        return ("GrantRefused", error.grant_reason, error.message, error.details)
+    if isinstance(error, ServiceError):
+        return ("ServiceError", error.code, error.message, error.field, error.details)
+    raise error
+
+
+async def run_ledger(store: Store, ops: list[tuple[Any, ...]]) -> list[object]:
+    """Apply `ops`; every call's outcome and the live leases after it."""
+    now = 1000.0
+    trace: list[object] = []
+    for op in ops:
+        result: object
+        try:
+            match op:
+                case ("grant", engine_id, requests, free):
+                    seen = {
+                        uuid_: DeviceState(uuid_, state.total_bytes, free, state.commit_limit_bytes)
+                        for uuid_, state in LEDGER_DEVICES.items()
+                    }
+                    result = await store.grant(engine_id, requests, seen, now, 30.0)
+                case ("renew", engine_id, allocations):
+                    result = await store.renew(engine_id, allocations, now, 30.0)
+                case ("release", engine_id, rank):
+                    result = await store.release(engine_id, rank, now)
+                case ("advance", seconds):
+                    now += seconds
+                    result = now
+                case ("sweep",):
+                    result = await store.sweep_expired(now)
+        except (GrantRefused, ServiceError) as error:
+            result = outcome_of_error(error)
+        live = await store.leases(now)
+        for uuid_, state in LEDGER_DEVICES.items():
+            # The ledger's promise: never more committed than the commit limit.
+            assert committed(live, uuid_) <= state.commit_limit_bytes
+            assert account(state, live, now).committed_bytes == committed(live, uuid_)
+        trace.append((op[0], result, live))
+    return trace
+
+
+rendezvous_joins = st.tuples(
+    st.just("join"),
+    st.sampled_from(["x", "x", "y"]),
+    st.integers(0, 1),
+    st.sampled_from([2, 2, 2, 1]),  # world size, mostly the agreed one
+    st.sampled_from([b"t", b"t", b"other"]),  # template
+    st.sampled_from([b"", b"", b"-changed"]),  # worker spec variant
+)
+rendezvous_ops = st.lists(
+    st.one_of(
+        rendezvous_joins,
+        rendezvous_joins,  # joins twice as often as the rest
+        st.tuples(st.just("leave"), st.sampled_from(["x", "y"]), st.integers(0, 1)),
+        st.tuples(st.just("finish"), st.sampled_from(["x", "y"]), st.booleans()),
+        st.tuples(st.just("advance"), st.sampled_from([0.0, 4.0, 6.0, 700.0])),
+    ),
+    min_size=4,
+    max_size=16,
+)
+
+
+async def run_rendezvous(store: Store, ops: list[tuple[Any, ...]]) -> list[object]:
+    heard: list[tuple[str, RendezvousResult]] = []
+    store.subscribe(lambda engine_id, result: heard.append((engine_id, result)))
+    now = 1000.0
+    trace: list[object] = []
+    for step, op in enumerate(ops):
+        result: object = None
+        try:
+            match op:
+                case ("join", engine_id, rank, world_size, template, variant):
+                    result = await join(
+                        store,
+                        engine_id,
+                        rank,
+                        world_size=world_size,
+                        template=template,
+                        worker=f"worker-{rank}".encode() + variant,
+                        now=now,
+                        max_pending=1,
+                        claim_timeout_s=5.0,
+                    )
+                case ("leave", engine_id, rank):
+                    await store.rendezvous_leave(engine_id, rank)
+                case ("finish", engine_id, ok):
+                    outcome = RendezvousResult(ok, f"result-{step}".encode())
+                    await store.rendezvous_finish(engine_id, outcome, now)
+                case ("advance", seconds):
+                    now += seconds
+        except ServiceError as error:
+            result = outcome_of_error(error)
+        trace.append((op[0], result, await store.pending_engines(), list(heard)))
+    return trace
+
+
+plan_ops = st.lists(st.tuples(st.sampled_from(["", "e0", "e1"]), st.integers(0, 2)), max_size=12)
+
+
+async def run_plans(store: Store, ops: list[tuple[str, int]]) -> list[object]:
+    trace: list[object] = []
+    ids = [f"{engine}-{n}" for engine in ("", "e0", "e1") for n in range(3)]
+    for step, (engine_id, n) in enumerate(ops):
+        # A plan id stands for one request, so for one engine.
+        await store.put_plan(f"{engine_id}-{n}", engine_id, f"plan-{step}".encode(), step)
+        trace.append(
+            (
+                [await store.get_plan(plan_id) for plan_id in ids],
+                [await store.plan_for_engine(e) for e in ("", "e0", "e1")],
+            )
+        )
+    return trace
+
+
+Runner = Callable[[Store, list[Any]], Awaitable[list[object]]]
+
+
+def agree_with_memory(
+    backend: str, redis_url: str | None, runner: Runner, ops: list[Any], max_plans: int = 4096
+) -> None:
+    async def both() -> None:
+        with tempfile.TemporaryDirectory() as directory:
+            reference = MemoryStore(max_plans=max_plans)
+            candidate = new_store(backend, Path(directory), redis_url, max_plans)
+            await candidate.start()
+            try:
+                expected = await runner(reference, ops)
+                assert await runner(candidate, ops) == expected
+            finally:
+                await candidate.close()
+
+    asyncio.run(both())
+
+
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module", params=["sqlite", "redis"])
+def candidate(request: pytest.FixtureRequest) -> tuple[str, str | None]:
+    """A backend compared with memory, and its Redis URL."""
+    if request.param == "redis":
+        return "redis", request.getfixturevalue("redis_server").url
+    return "sqlite", None
+
+
+@FAST
+@given(ops=ledger_ops)
+def test_ledger_sequences_agree_with_memory(
+    candidate: tuple[str, str | None], ops: list[tuple[Any, ...]]
+) -> None:
+    agree_with_memory(*candidate, run_ledger, ops)
+
+
+@FAST
+@given(ops=rendezvous_ops)
+def test_rendezvous_sequences_agree_with_memory(
+    candidate: tuple[str, str | None], ops: list[tuple[Any, ...]]
+) -> None:
+    agree_with_memory(*candidate, run_rendezvous, ops)
+
+
+@FAST
+@given(ops=plan_ops)
+def test_plan_sequences_agree_with_memory(
+    candidate: tuple[str, str | None], ops: list[tuple[str, int]]
+) -> None:
+    agree_with_memory(*candidate, run_plans, ops, max_plans=3)
+
+
+# --- Redis: what only several replicas show --------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def replicas(redis_server: RedisServer) -> AsyncIterator[tuple[RedisStore, RedisStore]]:
+    prefix = f"test-{uuid.uuid4().hex}:"
+    first, second = (
+        RedisStore(redis_server.url, key_prefix=prefix),
+        RedisStore(redis_server.url, key_prefix=prefix),
+    )
+    await first.start()
+    await second.start()
+    await wait_for_listeners(first, 2)
+    yield first, second
+    await first.close()
+    await second.close()
+
+
+async def test_a_finish_reaches_every_replica_once(
+    replicas: tuple[RedisStore, RedisStore],
+) -> None:
+    first, second = replicas
+    heard: dict[str, list[tuple[str, RendezvousResult]]] = {"first": [], "second": []}
+    first.subscribe(lambda engine_id, result: heard["first"].append((engine_id, result)))
+    second.subscribe(lambda engine_id, result: heard["second"].append((engine_id, result)))
+    await join(first, "e", 0)
+    assert (await join(second, "e", 1)).state == "plan"  # the ranks met across replicas
+    planned = RendezvousResult(True, b"plan")
+    await second.rendezvous_finish("e", planned, 1.0)
+    assert heard["second"] == [("e", planned)]  # delivered at once on the finishing replica
+    for _ in range(200):
+        if heard["first"]:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # room for a duplicate to show up
+    assert heard == {"first": [("e", planned)], "second": [("e", planned)]}
+    assert await join(first, "e", 0, now=2.0) == Arrival("finished", result=planned)
+
+
+async def test_replicas_share_one_ledger(replicas: tuple[RedisStore, RedisStore]) -> None:
+    first, second = replicas
+    gpus = devices(device("gpu-0", limit=90))
+    granted = await first.grant("a", [ask(0, "gpu-0", 60)], gpus, 0.0, LEASE_TTL_S)
+    assert await second.leases(0.0) == granted
+    with pytest.raises(GrantRefused):
+        await second.grant("b", [ask(0, "gpu-0", 40)], gpus, 0.0, LEASE_TTL_S)
+    await second.renew("a", {0: 60 * GIB}, 10.0, LEASE_TTL_S)
+    assert (await first.leases(LEASE_TTL_S + 5))[0].allocated_bytes == 60 * GIB
+
+
+async def test_redis_drops_a_dead_engines_leases_by_itself(redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.url, key_prefix=f"test-{uuid.uuid4().hex}:", expiry_grace_s=0.0)
+    await store.start()
+    try:
+        client = store._redis()
+        await store.grant("e", [ask(0, "gpu-0", 10)], devices(device("gpu-0")), 0.0, 0.3)
+        key = store._lease_key("e")
+        assert 0 < await client.pttl(key) <= 300
+        await asyncio.sleep(0.5)
+        assert not await client.exists(key)  # gone from Redis itself
+        assert await store.sweep_expired(1.0) == ()
+        # The stale entry in the engine index is dropped by the next ledger write.
+        await store.grant("f", [ask(0, "gpu-0", 10)], devices(device("gpu-0")), 1.0, 60.0)
+        assert await client.smembers(store._key("lease-engines")) == {b"f"}
+    finally:
+        await store.close()
+
+
+async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> None:
+    prefix = f"test-{uuid.uuid4().hex}:"
+    store = RedisStore(redis_server.url, key_prefix=prefix)
+    await store.start()
+    try:
+        await store.put_plan("p", "e", b"plan", 0.0)
+        await join(store, "e", 0, world_size=1)
+        await store.rendezvous_finish("e", RendezvousResult(True, b"plan"), 0.0)
+        await join(store, "f", 0)
+        await store.grant("e", [ask(0, "gpu-0", 10)], devices(device("gpu-0")), 0.0, 60.0)
+        keys = {key.decode() async for key in store._redis().scan_iter(match=prefix + "*")}
+        assert {key.removeprefix(prefix) for key in keys} == {
+            "plans",
+            "plans-seq",
+            "plan:p",
+            "engine-plan:e",
+            "rdv:open",
+            "rdv:open:f",
+            "rdv:done",
+            "rdv:done:e",
+            "lease-engines",
+            "lease:e",
+            "lease-version",
+        }
+        for janitored in ("rdv:open:f", "rdv:done:e", "lease:e"):
+            assert await store._redis().pttl(prefix + janitored) > 0  # Redis expires them too
+    finally:
+        await store.close()
