@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 5.0  # how long a writer waits for another connection's transaction
+# Slack on the index range of the expiry scan: covers float rounding of now - ttl.
+_EXPIRY_MARGIN_S = 1.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS plans (
@@ -68,6 +70,9 @@ CREATE TABLE IF NOT EXISTS rendezvous_finished (
     plan BLOB NOT NULL,
     finished REAL NOT NULL
 );
+-- Expiry runs on every join: an index range finds the (usually no) old rows.
+CREATE INDEX IF NOT EXISTS rendezvous_open_by_created ON rendezvous_open (created);
+CREATE INDEX IF NOT EXISTS rendezvous_finished_by_time ON rendezvous_finished (finished);
 CREATE TABLE IF NOT EXISTS rendezvous_finished_worker (
     engine_id TEXT NOT NULL REFERENCES rendezvous_finished (engine_id) ON DELETE CASCADE,
     rank INTEGER NOT NULL,
@@ -274,8 +279,17 @@ class SQLiteStore:
     ) -> Arrival:
         # A refusal keeps rule 1's forgetting, as the memory store does.
         with self._transaction(write=True, commit_on=(ServiceError,)) as db:
-            db.execute("DELETE FROM rendezvous_open WHERE ? - created > ?", (now, ttl_s))
-            db.execute("DELETE FROM rendezvous_finished WHERE ? - finished > ?", (now, ttl_s))
+            # `created < now - ttl + margin` narrows by the index; the exact test,
+            # the memory store's, decides.
+            horizon = now - ttl_s + _EXPIRY_MARGIN_S
+            db.execute(
+                "DELETE FROM rendezvous_open WHERE created < ? AND ? - created > ?",
+                (horizon, now, ttl_s),
+            )
+            db.execute(
+                "DELETE FROM rendezvous_finished WHERE finished < ? AND ? - finished > ?",
+                (horizon, now, ttl_s),
+            )
             finished = db.execute(
                 "SELECT template_digest, plan FROM rendezvous_finished WHERE engine_id = ?",
                 (engine_id,),
@@ -334,14 +348,17 @@ class SQLiteStore:
                     "INSERT INTO rendezvous_open_worker (engine_id, rank, worker) VALUES (?, ?, ?)",
                     (engine_id, rank, worker),
                 )
+            (arrived,) = db.execute(
+                "SELECT count(*) FROM rendezvous_open_worker WHERE engine_id = ?", (engine_id,)
+            ).fetchone()
+            if arrived < open_world_size:
+                return Arrival("waiting")
+            if claimed_at is not None and now - float(claimed_at) <= claim_timeout_s:
+                return Arrival("waiting")
             workers = db.execute(
                 "SELECT worker FROM rendezvous_open_worker WHERE engine_id = ? ORDER BY rank",
                 (engine_id,),
             ).fetchall()
-            if len(workers) < open_world_size:
-                return Arrival("waiting")
-            if claimed_at is not None and now - float(claimed_at) <= claim_timeout_s:
-                return Arrival("waiting")
             db.execute(
                 "UPDATE rendezvous_open SET claimed_at = ? WHERE engine_id = ?", (now, engine_id)
             )
