@@ -124,6 +124,30 @@ def leases_expired(engine_id: str) -> ServiceError:
     )
 
 
+def renew_leases(
+    engine_id: str,
+    mine: Sequence[Lease],
+    allocations: Mapping[int, int],
+    now: float,
+    ttl_s: float,
+) -> tuple[Lease, ...]:
+    """`renew`'s outcome for the engine's leases `mine`, in rank order: every live
+    one pushed to now + ttl_s with its reported allocation (shared by the backends)."""
+    if not mine:
+        raise no_leases(engine_id)
+    live = [lease for lease in mine if lease.live(now)]
+    if not live:
+        raise leases_expired(engine_id)
+    return tuple(
+        replace(
+            lease,
+            expires_at=now + ttl_s,
+            allocated_bytes=allocations.get(lease.rank, lease.allocated_bytes),
+        )
+        for lease in sorted(live, key=lambda lease: lease.rank)
+    )
+
+
 class MemoryStore:
     kind = "memory"
 
@@ -272,22 +296,10 @@ class MemoryStore:
         self, engine_id: str, allocations: Mapping[int, int], now: float, ttl_s: float
     ) -> tuple[Lease, ...]:
         mine = [lease for key, lease in self._leases.items() if key[0] == engine_id]
-        if not mine:
-            raise no_leases(engine_id)
-        live = [lease for lease in mine if lease.live(now)]
-        if not live:
-            raise leases_expired(engine_id)
-        renewed = tuple(
-            replace(
-                lease,
-                expires_at=now + ttl_s,
-                allocated_bytes=allocations.get(lease.rank, lease.allocated_bytes),
-            )
-            for lease in sorted(live, key=lambda lease: lease.rank)
-        )
-        for lease in renewed:
+        leases = renew_leases(engine_id, mine, allocations, now, ttl_s)
+        for lease in leases:
             self._leases[(engine_id, lease.rank)] = lease
-        return renewed
+        return leases
 
     async def release(self, engine_id: str, rank: int | None, now: float) -> tuple[Lease, ...]:
         keys = [

@@ -56,8 +56,7 @@ from kvplan.server.store.memory import (
     check_compatible,
     check_finished,
     digest,
-    leases_expired,
-    no_leases,
+    renew_leases,
     too_many_pending,
 )
 
@@ -647,23 +646,7 @@ class RedisStore:
             # makes a concurrent grant start over.
             await pipe.watch(lease_key)
             mine = _decode_hash(engine_id, await _read_hash(pipe, lease_key))
-            if not mine:
-                raise no_leases(engine_id)
-            live = [lease for lease in mine if lease.live(now)]
-            if not live:
-                raise leases_expired(engine_id)
-            renewed = tuple(
-                Lease(
-                    engine_id=engine_id,
-                    rank=lease.rank,
-                    device_uuid=lease.device_uuid,
-                    bytes=lease.bytes,
-                    allocated_bytes=allocations.get(lease.rank, lease.allocated_bytes),
-                    granted_at=lease.granted_at,
-                    expires_at=now + ttl_s,
-                )
-                for lease in live
-            )
+            renewed = renew_leases(engine_id, mine, allocations, now, ttl_s)
             _begin(pipe)
             pipe.hset(
                 lease_key, mapping={str(lease.rank): _encode_lease(lease) for lease in renewed}

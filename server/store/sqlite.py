@@ -28,8 +28,7 @@ from kvplan.server.store.memory import (
     check_compatible,
     check_finished,
     digest,
-    leases_expired,
-    no_leases,
+    renew_leases,
     too_many_pending,
 )
 
@@ -477,23 +476,7 @@ class SQLiteStore:
                     (engine_id,),
                 )
             ]
-            if not mine:
-                raise no_leases(engine_id)
-            live = [lease for lease in mine if lease.live(now)]
-            if not live:
-                raise leases_expired(engine_id)
-            renewed = tuple(
-                Lease(
-                    engine_id=engine_id,
-                    rank=lease.rank,
-                    device_uuid=lease.device_uuid,
-                    bytes=lease.bytes,
-                    allocated_bytes=allocations.get(lease.rank, lease.allocated_bytes),
-                    granted_at=lease.granted_at,
-                    expires_at=now + ttl_s,
-                )
-                for lease in live
-            )
+            renewed = renew_leases(engine_id, mine, allocations, now, ttl_s)
             db.executemany(
                 "UPDATE leases SET expires_at = ?, allocated_bytes = ? "
                 "WHERE engine_id = ? AND rank = ?",

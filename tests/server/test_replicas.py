@@ -94,10 +94,10 @@ async def test_redis_outage_is_unavailable_then_recovers(
     redis_server.stop()
     try:
         with pytest.raises(PlannerError) as caught:
-            await first.plan(leased_request("engine-down", uuid), timeout_s=5)
+            await first.plan(leased_request("engine-down", uuid), timeout_s=30)
         assert caught.value.code is grpc.StatusCode.UNAVAILABLE
         with pytest.raises(PlannerError) as caught:
-            await second.renew_leases("engine-down", timeout_s=5)
+            await second.renew_leases("engine-down", timeout_s=30)
         assert caught.value.code is grpc.StatusCode.UNAVAILABLE
     finally:
         redis_server.start()
