@@ -22,13 +22,20 @@ from kvplan.server.store import RendezvousResult, Store
 from kvplan.v1 import plan_pb2
 
 PlanFn = Callable[[plan_pb2.PlanRequest], Awaitable[bytes]]
+_WORKERS_FIELD = plan_pb2.PlanRequest.WORKERS_FIELD_NUMBER
 
 
 def _template_bytes(request: plan_pb2.PlanRequest) -> bytes:
     """The request without its workers: what every rank must send alike."""
     template = plan_pb2.PlanRequest()
-    template.CopyFrom(request)
-    del template.workers[:]
+    # Field by field, so the worker's layers are never copied just to be dropped.
+    for field, value in request.ListFields():
+        if field.number == _WORKERS_FIELD:
+            continue
+        if field.message_type is not None:
+            getattr(template, field.name).CopyFrom(value)
+        else:
+            setattr(template, field.name, value)
     return template.SerializeToString(deterministic=True)
 
 
