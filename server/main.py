@@ -163,6 +163,7 @@ class RunningServer:
         self.probe.close()
         if self._http is not None:
             self._http.shutdown()  # type: ignore[attr-defined]
+            self._http.server_close()  # type: ignore[attr-defined]  # its listening socket
 
 
 async def _sweep_leases(servicer: PlannerServicer, interval_s: float) -> None:
