@@ -91,8 +91,14 @@ class PlanCache:
         plan_id = self._by_engine.get(engine_id)
         return self.get(plan_id) if plan_id else None
 
-    def put(self, plan: plan_pb2.PlanResponse) -> bytes:
-        """Keep `plan`; returns its serialization."""
+    def name_engine(self, engine_id: str, plan_id: str) -> None:
+        """`for_engine(engine_id)` answers with this (kept) plan from now on."""
+        if engine_id and plan_id in self._plans:
+            self._by_engine[engine_id] = plan_id
+
+    def put(self, plan: plan_pb2.PlanResponse, *, name_engine: bool = True) -> bytes:
+        """Keep `plan`; returns its serialization. `name_engine=False`: not yet the
+        engine's plan (its leases are not granted yet; see `name_engine`)."""
         serialized = plan.SerializeToString()
         previous = self._plans.get(plan.plan_id)
         if previous is not None:
@@ -100,7 +106,7 @@ class PlanCache:
         self._plans[plan.plan_id] = (plan.engine_id, serialized)
         self._bytes += len(serialized)
         self._plans.move_to_end(plan.plan_id)
-        if plan.engine_id:
+        if plan.engine_id and name_engine:
             self._by_engine[plan.engine_id] = plan.plan_id
         while len(self._plans) > 1 and (
             len(self._plans) > self._capacity or self._bytes > self._max_bytes
@@ -230,8 +236,12 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             return await self._plan(request, repeats=repeats, request_digest=request_digest)
         now = time.time()
         resolved, devices, accounts = await self._resolve_devices(request, named, now)
-        plan = await self._plan(resolved, repeats=False)
+        # The plan becomes the engine's (GetPlan, persisted) only once it is granted.
+        plan_id = plan_id_for(resolved)
+        plan = await self._plan(resolved, plan_id=plan_id, publish=False)
         leases = await self._grant(resolved, named, plan, devices, now)
+        self._cache.name_engine(request.engine_id, plan_id)
+        await self._persist(plan_id, request.engine_id, plan)
         ttl_s = self._settings.lease_ttl_s
         return _with_leases(
             plan, [_lease_to_proto(lease, ttl_s, accounts[lease.device_uuid]) for lease in leases]
@@ -379,14 +389,21 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         *,
         repeats: bool = True,
         request_digest: bytes | None = None,
+        plan_id: str | None = None,
+        publish: bool = True,
     ) -> bytes:
         """The serialized plan, from the cache or planned now.
 
         `repeats`: the same request may come again, so remember its plan id (a
-        merged rendezvous request or a request resolved against the devices does
-        not come in as these bytes). `request_digest`: see PlanCache.plan_id.
+        merged rendezvous request does not come in as these bytes).
+        `request_digest`: see PlanCache.plan_id. `plan_id`: already known.
+        `publish`: a new plan becomes the engine's plan and is persisted now
+        (otherwise the caller does that once its leases are granted).
         """
-        plan_id = self._cache.plan_id(request, request_digest) if repeats else plan_id_for(request)
+        if plan_id is None:
+            plan_id = (
+                self._cache.plan_id(request, request_digest) if repeats else plan_id_for(request)
+            )
         cached = self._cache.get(plan_id)
         if cached is not None:
             self._metrics.cache_hits.inc()
@@ -399,16 +416,20 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             response = await asyncio.to_thread(plan_from_proto, request, plan_id=plan_id)
         else:
             response = plan_from_proto(request, plan_id=plan_id)
-        serialized = self._cache.put(response)
+        serialized = self._cache.put(response, name_engine=publish)
         self._record(request, response, time.perf_counter() - start)
+        if publish:
+            await self._persist(plan_id, response.engine_id, serialized)
+        return serialized
+
+    async def _persist(self, plan_id: str, engine_id: str, plan: bytes) -> None:
         try:
-            await self._store.put_plan(plan_id, response.engine_id, serialized, time.time())
+            await self._store.put_plan(plan_id, engine_id, plan, time.time())
         except StoreUnavailable as error:
             # The plan stands and is cached here; only GetPlan after a restart (or
             # on another replica) misses it.
             self._metrics.store_errors.inc()
             log.warning("plan %s not persisted: store unavailable (%s)", plan_id, error)
-        return serialized
 
     def _record(
         self, request: plan_pb2.PlanRequest, response: plan_pb2.PlanResponse, seconds: float

@@ -90,6 +90,9 @@ async def test_two_engines_share_a_device_a_third_waits_for_a_release(
     assert refused.value.metadata["requested_bytes"] == str(SHARE)
     assert refused.value.metadata["commit_limit_bytes"] == str(TOTAL)
     assert "engine 'engine-c'" in refused.value.details
+    with pytest.raises(PlannerError) as missing:  # a refused engine has no plan to fetch
+        await planner.get_plan(engine_id="engine-c")
+    assert missing.value.code is grpc.StatusCode.NOT_FOUND
 
     released = await planner.release_plan("engine-a")
     assert released.released_bytes == SHARE
