@@ -40,7 +40,38 @@ def _interval(plan: PlanResult, interval_s: float | None) -> float:
     return plan.lease_ttl_s / 3  # two beats may be lost before a lease expires
 
 
-class LeaseKeeper:
+class _Keeper:
+    """What both keepers hold: the engine, the beat, and how renewals went."""
+
+    def __init__(
+        self,
+        plan: PlanResult,
+        interval_s: float | None,
+        allocations: Allocations | None,
+        on_lost: Callable[[PlannerError], None] | None,
+        release_on_exit: bool,
+    ) -> None:
+        self.engine_id = plan.engine_id
+        self.interval_s = _interval(plan, interval_s)
+        self._allocations = allocations
+        self._on_lost = on_lost
+        self._release_on_exit = release_on_exit
+        self.renewals = 0
+        self.last_error: PlannerError | None = None
+        self.lost = False
+
+    def _failed(self, error: PlannerError) -> bool:
+        """Record a failed renewal; True when the leases are gone (stop renewing)."""
+        self.last_error = error
+        if error.code in _TRANSIENT:
+            return False
+        self.lost = True
+        if self._on_lost is not None:
+            self._on_lost(error)
+        return True
+
+
+class LeaseKeeper(_Keeper):
     """Renews a plan's leases from a daemon thread (sync client)."""
 
     def __init__(
@@ -53,19 +84,12 @@ class LeaseKeeper:
         on_lost: Callable[[PlannerError], None] | None = None,
         release_on_exit: bool = True,
     ) -> None:
+        super().__init__(plan, interval_s, allocations, on_lost, release_on_exit)
         self._client = client
-        self.engine_id = plan.engine_id
-        self.interval_s = _interval(plan, interval_s)
-        self._allocations = allocations
-        self._on_lost = on_lost
-        self._release_on_exit = release_on_exit
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"kvplan-leases-{self.engine_id}", daemon=True
         )
-        self.renewals = 0
-        self.last_error: PlannerError | None = None
-        self.lost = False
 
     def renew_now(self) -> None:
         allocations = self._allocations() if self._allocations else None
@@ -77,13 +101,8 @@ class LeaseKeeper:
             try:
                 self.renew_now()
             except PlannerError as error:
-                self.last_error = error
-                if error.code in _TRANSIENT:
-                    continue
-                self.lost = True
-                if self._on_lost is not None:
-                    self._on_lost(error)
-                return
+                if self._failed(error):
+                    return
 
     def start(self) -> Self:
         self._thread.start()
@@ -109,7 +128,7 @@ class LeaseKeeper:
         self.stop()
 
 
-class AsyncLeaseKeeper:
+class AsyncLeaseKeeper(_Keeper):
     """Renews a plan's leases from an asyncio task (asyncio client)."""
 
     def __init__(
@@ -122,16 +141,9 @@ class AsyncLeaseKeeper:
         on_lost: Callable[[PlannerError], None] | None = None,
         release_on_exit: bool = True,
     ) -> None:
+        super().__init__(plan, interval_s, allocations, on_lost, release_on_exit)
         self._client = client
-        self.engine_id = plan.engine_id
-        self.interval_s = _interval(plan, interval_s)
-        self._allocations = allocations
-        self._on_lost = on_lost
-        self._release_on_exit = release_on_exit
         self._task: asyncio.Task[None] | None = None
-        self.renewals = 0
-        self.last_error: PlannerError | None = None
-        self.lost = False
 
     async def renew_now(self) -> None:
         allocations = self._allocations() if self._allocations else None
@@ -144,13 +156,8 @@ class AsyncLeaseKeeper:
             try:
                 await self.renew_now()
             except PlannerError as error:
-                self.last_error = error
-                if error.code in _TRANSIENT:
-                    continue
-                self.lost = True
-                if self._on_lost is not None:
-                    self._on_lost(error)
-                return
+                if self._failed(error):
+                    return
 
     def start(self) -> Self:
         self._task = asyncio.get_running_loop().create_task(self._run())

@@ -405,22 +405,18 @@ def _worker_from_proto(
     utilization: float | None = None
     explicit: int | None = None
     free_fraction: float | None = None
-    if which == "gpu_memory_utilization":
-        utilization = memory.gpu_memory_utilization
-        if not 0.0 < utilization <= 1.0:
+    if which in ("gpu_memory_utilization", "free_memory_fraction"):
+        fraction = getattr(memory, which)
+        if not 0.0 < fraction <= 1.0:
             raise InvalidRequest(
-                f"gpu_memory_utilization must be in (0, 1], got {utilization}",
-                field=f"{path}.memory.gpu_memory_utilization",
+                f"{which} must be in (0, 1], got {fraction}", field=f"{path}.memory.{which}"
             )
+        if which == "gpu_memory_utilization":
+            utilization = fraction
+        else:
+            free_fraction = fraction
     elif which == "kv_cache_memory_bytes":
         explicit = memory.kv_cache_memory_bytes
-    elif which == "free_memory_fraction":
-        free_fraction = memory.free_memory_fraction
-        if not 0.0 < free_fraction <= 1.0:
-            raise InvalidRequest(
-                f"free_memory_fraction must be in (0, 1], got {free_fraction}",
-                field=f"{path}.memory.free_memory_fraction",
-            )
     device = worker.device
     total: int | None = device.total_memory_bytes or None
     if total is None and device.name:
@@ -464,7 +460,8 @@ def _worker_from_proto(
 _NAME_TAG = bytes([spec_pb2.LayerSpec.NAME_FIELD_NUMBER << 3 | 2])  # length-delimited
 
 
-def _varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
+    """Protobuf's base-128 varint (field lengths of hand-framed wire bytes)."""
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
@@ -495,7 +492,7 @@ def _layers_from_proto(
         # spec: layers that differ only by name share one converted value.
         name_bytes = name.encode()
         size = len(name_bytes)
-        prefix = _NAME_TAG + _varint(size) + name_bytes
+        prefix = _NAME_TAG + encode_varint(size) + name_bytes
         spec_key = layer_bytes[len(prefix) :] if layer_bytes.startswith(prefix) else None
         spec = specs_by_bytes.get(spec_key) if spec_key is not None else None
         if spec is None:
@@ -778,6 +775,7 @@ def plan_from_proto(
 __all__ = [
     "GPU_MEMORY_BYTES",
     "PlanningError",
+    "encode_varint",
     "layer_from_proto",
     "plan_from_proto",
     "plan_id_for",

@@ -18,7 +18,7 @@ from google.rpc import status_pb2
 from kvplan.core.errors import PlanningError
 from kvplan.server.errors import RemoteStatus, ServiceError, to_rpc_status
 from kvplan.server.metrics import Metrics
-from kvplan.server.store import RendezvousResult, Store
+from kvplan.server.store import RendezvousResult, Store, StoreUnavailable
 from kvplan.v1 import plan_pb2
 
 PlanFn = Callable[[plan_pb2.PlanRequest], Awaitable[bytes]]
@@ -45,6 +45,14 @@ def _merged(template: bytes, workers: tuple[bytes, ...]) -> plan_pb2.PlanRequest
     for worker in workers:
         merged.workers.add().ParseFromString(worker)
     return merged
+
+
+def _unavailable(what: str, *, prefix: str = "cannot reach ") -> bytes:
+    """A serialized UNAVAILABLE status with a retry hint."""
+    error = ServiceError(
+        "UNAVAILABLE", f"{prefix}{what}; retry shortly", details={"retry_after_s": 1}
+    )
+    return to_rpc_status(error).SerializeToString()
 
 
 def _raise_for(result: RendezvousResult) -> bytes:
@@ -153,9 +161,16 @@ class Rendezvous:
             result = RendezvousResult(True, await self._plan(_merged(template, workers)))
         except (PlanningError, ServiceError) as error:
             result = RendezvousResult(False, to_rpc_status(error).SerializeToString())
-        except RemoteStatus as error:
-            result = RendezvousResult(False, error.status.SerializeToString())
-        await self._store.rendezvous_finish(engine_id, result, time.time())
+        except StoreUnavailable as error:  # the grant could not reach the ledger
+            result = RendezvousResult(False, _unavailable(f"the state store ({error})"))
+        try:
+            await self._store.rendezvous_finish(engine_id, result, time.time())
+        except StoreUnavailable as error:
+            # The claim stays in the store, so a retry after claim_timeout_s plans
+            # again; the ranks waiting here learn now instead of at their deadline.
+            self._on_finished(
+                engine_id, RendezvousResult(False, _unavailable(f"the state store ({error})"))
+            )
 
     async def _wait(
         self,
@@ -199,14 +214,11 @@ class Rendezvous:
         """Shutdown: local waiting ranks get UNAVAILABLE and retry elsewhere; their
         specs stay in the store, so a retry is accepted as the same rank."""
         self._draining = True
-        unavailable = to_rpc_status(
-            ServiceError(
-                "UNAVAILABLE",
-                "server shutting down before the engine completed; retry (every waiting rank "
-                "does so by itself) on another replica",
-                details={"retry_after_s": 1},
-            )
-        ).SerializeToString()
+        unavailable = _unavailable(
+            "server shutting down before the engine completed; retry (every waiting rank "
+            "does so by itself) on another replica",
+            prefix="",
+        )
         waiters, self._waiters = self._waiters, {}
         for future in waiters.values():
             if not future.done():

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import grpc
 import grpc.aio
 
-from kvplan.convert import plan_from_proto, plan_id_for
+from kvplan.convert import encode_varint, plan_from_proto, plan_id_for
 from kvplan.core.errors import PlanningError
 from kvplan.core.ledger import (
     DeviceAccount,
@@ -169,22 +169,13 @@ def _lease_to_proto(
 _LEASES_TAG = bytes([plan_pb2.PlanResponse.LEASES_FIELD_NUMBER << 3 | 2])
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _with_leases(plan: bytes, leases: Sequence[plan_pb2.Lease]) -> bytes:
     """The serialized plan with `leases` appended: a repeated field's entries may
     follow the rest of a message, so the cached bytes are not parsed again."""
     parts = [plan]
     for lease in leases:
         body = lease.SerializeToString()
-        parts.append(_LEASES_TAG + _varint(len(body)) + body)
+        parts.append(_LEASES_TAG + encode_varint(len(body)) + body)
     return b"".join(parts)
 
 
@@ -235,11 +226,16 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         if not named:
             return await self._plan(request, repeats=repeats, request_digest=request_digest)
         now = time.time()
-        resolved, devices, accounts = await self._resolve_devices(request, named, now)
+        resolved, devices, accounts, others = await self._resolve_devices(request, named, now)
         # The plan becomes the engine's (GetPlan, persisted) only once it is granted.
         plan_id = plan_id_for(resolved)
         plan = await self._plan(resolved, plan_id=plan_id, publish=False)
         leases = await self._grant(resolved, named, plan, devices, now)
+        # The gauges from what this call read and wrote, not from a second reading.
+        after = [*others, *leases]
+        self._metrics.leases_active.set(len(after))
+        for state in devices.values():
+            self._set_device_gauges(state, account(state, after, now))
         self._cache.name_engine(request.engine_id, plan_id)
         await self._persist(plan_id, request.engine_id, plan)
         ttl_s = self._settings.lease_ttl_s
@@ -288,7 +284,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
 
     async def _resolve_devices(
         self, request: plan_pb2.PlanRequest, named: list[int], now: float
-    ) -> tuple[plan_pb2.PlanRequest, dict[str, DeviceState], dict[str, DeviceAccount]]:
+    ) -> tuple[plan_pb2.PlanRequest, dict[str, DeviceState], dict[str, DeviceAccount], list[Lease]]:
         """The request with the named devices' numbers from the probe and ledger:
         the device's total memory, and for the free-fraction mode the bytes the
         ledger can still grant. Free memory a worker sent is dropped for named
@@ -320,11 +316,11 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 )
             devices[found.uuid] = self._device_state(found)
             device_ref.total_memory_bytes = found.total_bytes
-        leases = await self._store.leases(now)
-        accounts = {
-            uuid: account(state, leases, now, exclude_engine=request.engine_id)
-            for uuid, state in devices.items()
-        }
+        # The other engines' live leases (this engine's are replaced by its grant).
+        others = [
+            lease for lease in await self._store.leases(now) if lease.engine_id != request.engine_id
+        ]
+        accounts = {uuid: account(state, others, now) for uuid, state in devices.items()}
         for index in named:
             worker = resolved.workers[index]
             if worker.memory.WhichOneof("budget") == "free_memory_fraction":
@@ -342,7 +338,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 )
             else:
                 worker.device.ClearField("free_memory_bytes")
-        return resolved, devices, accounts
+        return resolved, devices, accounts, others
 
     async def _grant(
         self,
@@ -380,7 +376,6 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             ",".join(str(lease.bytes) for lease in leases),
             self._settings.lease_ttl_s,
         )
-        await self._refresh_quietly()
         return leases
 
     async def _plan(
@@ -467,20 +462,23 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
 
     # --- ledger upkeep ---------------------------------------------------------------
 
+    def _set_device_gauges(self, device: DeviceState, ledger: DeviceAccount) -> None:
+        metrics = self._metrics
+        metrics.device_total.labels(device.uuid).set(device.total_bytes)
+        metrics.device_free.labels(device.uuid).set(device.free_bytes)
+        metrics.device_committed.labels(device.uuid).set(ledger.committed_bytes)
+        metrics.device_available.labels(device.uuid).set(ledger.available_to_grant_bytes)
+
     async def refresh_device_metrics(self) -> list[service_pb2.Device]:
         """Every device with its ledger numbers; the device gauges follow."""
         now = time.time()
         leases = await self._store.leases(now)
-        metrics = self._metrics
-        metrics.leases_active.set(len(leases))
+        self._metrics.leases_active.set(len(leases))
         out = []
         for device in self._read_devices():
-            ledger = account(self._device_state(device), leases, now)
-            labels = (device.uuid,)
-            metrics.device_total.labels(*labels).set(device.total_bytes)
-            metrics.device_free.labels(*labels).set(device.free_bytes)
-            metrics.device_committed.labels(*labels).set(ledger.committed_bytes)
-            metrics.device_available.labels(*labels).set(ledger.available_to_grant_bytes)
+            state = self._device_state(device)
+            ledger = account(state, leases, now)
+            self._set_device_gauges(state, ledger)
             out.append(
                 service_pb2.Device(
                     uuid=device.uuid,

@@ -186,6 +186,31 @@ def check_grant(
     return accounts
 
 
+def grant_leases(
+    engine_id: str,
+    requests: Sequence[LeaseRequest],
+    devices: Mapping[str, DeviceState],
+    leases: Sequence[Lease],
+    now: float,
+    ttl_s: float,
+) -> tuple[Lease, ...]:
+    """`check_grant`, then the engine's new leases (in request order): what a store
+    writes in place of the engine's old ones, in the same transaction."""
+    check_grant(engine_id, requests, devices, leases, now)
+    return tuple(
+        Lease(
+            engine_id=engine_id,
+            rank=request.rank,
+            device_uuid=request.device_uuid,
+            bytes=request.bytes,
+            allocated_bytes=min(request.in_use_bytes, request.bytes),
+            granted_at=now,
+            expires_at=now + ttl_s,
+        )
+        for request in requests
+    )
+
+
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(rank) for rank in ranks)
 

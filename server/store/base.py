@@ -10,7 +10,7 @@ behaviour; tests/server/test_store_contract.py runs one suite against all.
 - Conflicts a caller can act on raise `ServiceError` with its gRPC code; a
   backend that cannot be reached raises `StoreUnavailable` (-> UNAVAILABLE),
   never a half-applied change.
-- The ledger's arithmetic is `kvplan.core.ledger.check_grant`; a backend only
+- The ledger's arithmetic is `kvplan.core.ledger.grant_leases`; a backend only
   reads the live leases, calls it, and writes the result in one transaction.
 """
 
@@ -150,7 +150,7 @@ class Store(Protocol):
         now: float,
         ttl_s: float,
     ) -> tuple[Lease, ...]:
-        """Atomically: check `requests` with `check_grant` against the live
+        """Atomically: check `requests` with `grant_leases` against the live
         leases (GrantRefused propagates, nothing changes), then replace every
         lease of `engine_id` by the new ones (allocated_bytes = in_use_bytes,
         expires_at = now + ttl_s). Returns the new leases in request order."""

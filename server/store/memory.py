@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, check_grant
+from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, grant_leases
 from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import Arrival, FinishedCallback, RendezvousResult
 
@@ -32,22 +32,6 @@ class _Finished:
     worker_digests: dict[int, bytes]
     plan: bytes
     finished: float
-
-
-def check_open(
-    engine_id: str, entry: _Open, world_size: int, template: bytes, rank: int, worker: bytes
-) -> None:
-    """Rule 3 of `rendezvous_join`, shared by the backends that hold `_Open`."""
-    check_compatible(
-        engine_id,
-        entry.world_size,
-        entry.template,
-        entry.workers.get(rank),
-        world_size=world_size,
-        template=template,
-        rank=rank,
-        worker=worker,
-    )
 
 
 def check_compatible(
@@ -227,7 +211,16 @@ class MemoryStore:
             if len(self._open) >= max_pending:
                 raise too_many_pending(len(self._open), max_pending)
             entry = self._open[engine_id] = _Open(world_size, template, created=now)
-        check_open(engine_id, entry, world_size, template, rank, worker)
+        check_compatible(
+            engine_id,
+            entry.world_size,
+            entry.template,
+            entry.workers.get(rank),
+            world_size=world_size,
+            template=template,
+            rank=rank,
+            worker=worker,
+        )
         entry.workers[rank] = worker
         if len(entry.workers) < entry.world_size:
             return Arrival("waiting")
@@ -273,21 +266,11 @@ class MemoryStore:
         now: float,
         ttl_s: float,
     ) -> tuple[Lease, ...]:
-        check_grant(engine_id, requests, devices, tuple(self._leases.values()), now)
+        granted = grant_leases(
+            engine_id, requests, devices, tuple(self._leases.values()), now, ttl_s
+        )
         for key in [key for key in self._leases if key[0] == engine_id]:
             del self._leases[key]
-        granted = tuple(
-            Lease(
-                engine_id=engine_id,
-                rank=request.rank,
-                device_uuid=request.device_uuid,
-                bytes=request.bytes,
-                allocated_bytes=min(request.in_use_bytes, request.bytes),
-                granted_at=now,
-                expires_at=now + ttl_s,
-            )
-            for request in requests
-        )
         for lease in granted:
             self._leases[(engine_id, lease.rank)] = lease
         return granted

@@ -3,7 +3,7 @@
 Every change is one MULTI/EXEC transaction guarded by WATCH (optimistic: a
 concurrent change to a watched key makes EXEC fail and the method starts
 over), or one Lua script, so a replica that dies or loses Redis mid-call
-leaves nothing half-written. Decisions (the ledger's `check_grant`, the
+leaves nothing half-written. Decisions (the ledger's `grant_leases`, the
 rendezvous rules) run here in Python, between the reads and the EXEC, with the
 helpers the memory store uses: one formula, one set of messages.
 
@@ -49,7 +49,7 @@ from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, WatchError
 
-from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, check_grant
+from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, grant_leases
 from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import Arrival, FinishedCallback, RendezvousResult, StoreUnavailable
 from kvplan.server.store.memory import (
@@ -603,19 +603,7 @@ class RedisStore:
             await pipe.watch(version_key)
             hashes = await self._lease_hashes()
             everyone = tuple(lease for leases in hashes.values() for lease in leases)
-            check_grant(engine_id, requests, devices, everyone, now)
-            granted = tuple(
-                Lease(
-                    engine_id=engine_id,
-                    rank=request.rank,
-                    device_uuid=request.device_uuid,
-                    bytes=request.bytes,
-                    allocated_bytes=min(request.in_use_bytes, request.bytes),
-                    granted_at=now,
-                    expires_at=now + ttl_s,
-                )
-                for request in requests
-            )
+            granted = grant_leases(engine_id, requests, devices, everyone, now, ttl_s)
             vanished = [e for e, leases in hashes.items() if not leases and e != engine_id]
             _begin(pipe)
             pipe.delete(lease_key)

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, check_grant
+from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, grant_leases
 from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import Arrival, FinishedCallback, RendezvousResult, StoreUnavailable
 from kvplan.server.store.memory import (
@@ -433,19 +433,7 @@ class SQLiteStore:
                     f"SELECT {_LEASE_COLUMNS} FROM leases WHERE expires_at > ?", (now,)
                 )
             )
-            check_grant(engine_id, requests, devices, live, now)
-            granted = tuple(
-                Lease(
-                    engine_id=engine_id,
-                    rank=request.rank,
-                    device_uuid=request.device_uuid,
-                    bytes=request.bytes,
-                    allocated_bytes=min(request.in_use_bytes, request.bytes),
-                    granted_at=now,
-                    expires_at=now + ttl_s,
-                )
-                for request in requests
-            )
+            granted = grant_leases(engine_id, requests, devices, live, now, ttl_s)
             db.execute("DELETE FROM leases WHERE engine_id = ?", (engine_id,))
             # OR REPLACE: a rank asked twice keeps its last request, as in memory.
             db.executemany(

@@ -16,7 +16,13 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvplan.client import AsyncLeaseKeeper, AsyncPlannerClient, PlannerError
+from kvplan.client import (
+    AsyncLeaseKeeper,
+    AsyncPlannerClient,
+    LeaseKeeper,
+    PlannerClient,
+    PlannerError,
+)
 from kvplan.server.main import RunningServer, start_server
 from kvplan.v1 import plan_pb2
 from tests.server.conftest import GIB, TEST_SETTINGS, full_layer
@@ -320,3 +326,31 @@ async def test_a_failing_probe_is_unavailable_not_internal(
             await call
         assert caught.value.code is grpc.StatusCode.UNAVAILABLE
         assert "GPU is lost" in caught.value.details
+
+
+async def test_sync_lease_keeper_renews_releases_and_reports_a_lost_lease(
+    planner: AsyncPlannerClient, ledger_server: RunningServer
+) -> None:
+    uuid = (await device_uuids(planner))[0]
+    target = f"127.0.0.1:{ledger_server.port}"
+
+    def run_keepers() -> tuple[int, int, bool, list[grpc.StatusCode]]:
+        with PlannerClient(target, timeout_s=5) as client:
+            plan = client.plan(leased_request("engine-sync", uuid))
+            with LeaseKeeper(client, plan, interval_s=0.1, allocations=lambda: {0: GIB}) as kept:
+                time.sleep(0.45)
+            committed_after_exit = client.list_devices().devices[0].committed_bytes
+            lost_codes: list[grpc.StatusCode] = []
+            plan = client.plan(leased_request("engine-sync", uuid))
+            keeper = LeaseKeeper(
+                client, plan, interval_s=0.1, on_lost=lambda error: lost_codes.append(error.code)
+            ).start()
+            client.release_plan("engine-sync")  # released behind the keeper's back
+            time.sleep(0.35)
+            keeper.stop()
+            return kept.renewals, committed_after_exit, keeper.lost, lost_codes
+
+    renewals, committed, lost, codes = await asyncio.to_thread(run_keepers)
+    assert renewals >= 3
+    assert committed == 0  # released on exit
+    assert lost and codes == [grpc.StatusCode.NOT_FOUND]

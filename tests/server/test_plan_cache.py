@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 
 from kvplan.client import AsyncPlannerClient
 from kvplan.convert import plan_from_proto, plan_id_for
+from kvplan.server.errors import RemoteStatus
 from kvplan.server.main import RunningServer
 from kvplan.server.metrics import Metrics
 from kvplan.server.rendezvous import Rendezvous
 from kvplan.server.servicer import PlanCache
+from kvplan.server.store import RendezvousResult, StoreUnavailable
 from kvplan.server.store.memory import MemoryStore
 from kvplan.v1 import plan_pb2
 from tests.server.conftest import GIB, engine_request, rank_request
@@ -90,3 +93,28 @@ async def test_expired_rendezvous_entries_are_forgotten() -> None:
     changed = await rendezvous.join(rank_request("done", 0, 1, kv_bytes=2 * GIB), timeout_s=1)
     assert changed != plan_bytes
     waiting.cancel()
+
+
+async def test_a_store_outage_at_finish_reaches_the_waiting_ranks_at_once() -> None:
+    class FinishFails(MemoryStore):
+        async def rendezvous_finish(
+            self, engine_id: str, result: RendezvousResult, now: float
+        ) -> None:
+            raise StoreUnavailable("connection refused")
+
+    async def plan(request: plan_pb2.PlanRequest) -> bytes:
+        return plan_from_proto(request).SerializeToString()
+
+    rendezvous = Rendezvous(
+        FinishFails(), plan, Metrics(), max_pending=16, ttl_s=60, claim_timeout_s=1.0
+    )
+    started = time.monotonic()
+    results = await asyncio.gather(
+        *(rendezvous.join(rank_request("outage", rank, 2), timeout_s=30) for rank in range(2)),
+        return_exceptions=True,
+    )
+    assert time.monotonic() - started < 5  # not at the 30 s deadline
+    for result in results:
+        assert isinstance(result, RemoteStatus)
+        assert result.code == "UNAVAILABLE"
+        assert "connection refused" in result.status.message
