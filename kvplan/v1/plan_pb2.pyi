@@ -319,6 +319,7 @@ class EngineOptions(_message.Message):
     MAX_NUM_ENCODER_INPUT_TOKENS_FIELD_NUMBER: _builtins.int
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _builtins.int
     PREFIX_MATCH_UNIT_FIELD_NUMBER: _builtins.int
+    ENGINE_VERSION_FIELD_NUMBER: _builtins.int
     max_model_len: _builtins.int
     """Longest request in tokens. -1 asks kvplan to fit the largest length the
     memory allows, up to `derived_max_model_len`.
@@ -348,6 +349,10 @@ class EngineOptions(_message.Message):
     """unset = true"""
     prefix_match_unit: _builtins.int
     """tokens per prefix-cache hash"""
+    engine_version: _builtins.str
+    """The rule set to plan with: "vllm-0.32", "vllm-0.33", "vllm-0.34" follow that
+    vLLM release exactly; empty = kvplan's own rules (docs/semantics.md).
+    """
     @_builtins.property
     def parallel(self) -> Global___ParallelConfig: ...
     def __init__(
@@ -369,10 +374,11 @@ class EngineOptions(_message.Message):
         max_num_encoder_input_tokens: _builtins.int = ...,
         enable_prefix_caching: _builtins.bool | None = ...,
         prefix_match_unit: _builtins.int | None = ...,
+        engine_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "derived_max_model_len", b"derived_max_model_len", "enable_prefix_caching", b"enable_prefix_caching", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "async_scheduling", b"async_scheduling", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "derived_max_model_len", b"derived_max_model_len", "disable_hybrid_kv_cache_manager", b"disable_hybrid_kv_cache_manager", "enable_prefix_caching", b"enable_prefix_caching", "layout", b"layout", "mamba_cache_mode", b"mamba_cache_mode", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "model_dtype", b"model_dtype", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "async_scheduling", b"async_scheduling", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "derived_max_model_len", b"derived_max_model_len", "disable_hybrid_kv_cache_manager", b"disable_hybrid_kv_cache_manager", "enable_prefix_caching", b"enable_prefix_caching", "engine_version", b"engine_version", "layout", b"layout", "mamba_cache_mode", b"mamba_cache_mode", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "model_dtype", b"model_dtype", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__derived_max_model_len: _TypeAlias = _typing.Literal["derived_max_model_len"]  # noqa: Y015
     _WhichOneofArgType__derived_max_model_len: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len"]  # noqa: Y015
@@ -1042,6 +1048,7 @@ class PlanResponse(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     DIAGNOSTICS_FIELD_NUMBER: _builtins.int
     LEASES_FIELD_NUMBER: _builtins.int
+    RULE_SET_FIELD_NUMBER: _builtins.int
     plan_id: _builtins.str
     """content hash of the normalised request"""
     engine_id: _builtins.str
@@ -1049,6 +1056,10 @@ class PlanResponse(_message.Message):
     """used for every worker"""
     num_blocks: _builtins.int
     """common to all ranks"""
+    rule_set: _builtins.str
+    """The rule set that produced the plan ("kvplan" for kvplan's own rules, else
+    the request's engine_version).
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheGroup]: ...
     @_builtins.property
@@ -1075,10 +1086,11 @@ class PlanResponse(_message.Message):
         num_blocks: _builtins.int = ...,
         diagnostics: Global___Diagnostics | None = ...,
         leases: _abc.Iterable[Global___Lease] | None = ...,
+        rule_set: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["diagnostics", b"diagnostics"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["diagnostics", b"diagnostics", "engine_id", b"engine_id", "groups", b"groups", "leases", b"leases", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "plan_id", b"plan_id", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["diagnostics", b"diagnostics", "engine_id", b"engine_id", "groups", b"groups", "leases", b"leases", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "plan_id", b"plan_id", "rule_set", b"rule_set", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
