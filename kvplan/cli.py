@@ -85,7 +85,8 @@ def format_report(response: plan_pb2.PlanResponse) -> str:
     """A readable report of a plan."""
     diagnostics = response.diagnostics
     lines = [
-        f"engine {response.engine_id or '-'}  plan {response.plan_id}",
+        f"engine {response.engine_id or '-'}  plan {response.plan_id}"
+        f"  rules {response.rule_set or 'kvplan'}",
         f"grouping path: {_enum(diagnostics, 'grouping_path', 'GROUPING_PATH_').lower()}"
         f"   max_model_len: {response.max_model_len:,}   num_blocks: {response.num_blocks:,}",
         "",
@@ -140,6 +141,8 @@ def _plan_command(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     apply_hardware(request, args.gpu, args.gpu_memory)
+    if args.engine_version is not None:
+        request.options.engine_version = args.engine_version
     try:
         if args.target:
             response = _plan_remote(args.target, request)
@@ -259,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu", help="device name for workers without a device size, e.g. H100-80GB")
     plan.add_argument("--gpu-memory", type=int, help="device total memory in bytes")
     plan.add_argument("--target", help="plan on a server at HOST:PORT instead of in-process")
+    plan.add_argument(
+        "--engine-version",
+        help="rule set of the engine release that will run the plan: vllm-0.32, vllm-0.33, "
+        "vllm-0.34, or '' for kvplan's own rules (overrides options.engine_version)",
+    )
     commands.add_parser("serve", help="run the gRPC service", add_help=False)
     health = commands.add_parser(
         "health",

@@ -20,7 +20,6 @@ from kvplan.core.layout import KVCacheLayout
 from kvplan.core.memory import BudgetMode
 from kvplan.core.planner import EnginePlan, plan_engine
 from kvplan.core.request import (
-    DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DeviceInfo,
     EngineOptions,
@@ -29,6 +28,12 @@ from kvplan.core.request import (
     NonKVMemory,
     SpecDecode,
     WorkerInput,
+)
+from kvplan.core.rules import (
+    FIELD_IS_DRAFT,
+    FIELD_TOPK_BUFFER_WIDTH,
+    RuleSet,
+    rule_set_for,
 )
 from kvplan.core.specs import (
     AttentionSpec,
@@ -95,8 +100,9 @@ def cache_dtype_name(value: int) -> str:
 class _Context:
     """Engine-level values the layer conversion needs."""
 
-    def __init__(self, options: plan_pb2.EngineOptions) -> None:
-        self.block_size = options.block_size or DEFAULT_BLOCK_SIZE
+    def __init__(self, options: plan_pb2.EngineOptions, rules: RuleSet) -> None:
+        self.rules = rules
+        self.block_size = options.block_size or rules.default_block_size
         model_dtype = _STORAGE.get(options.model_dtype, StorageDtype.BFLOAT16)
         self.cache_dtype = storage_dtype_for_cache_dtype(
             cache_dtype_name(options.cache_dtype), model_dtype
@@ -196,6 +202,16 @@ def _window_kwargs(message: Any, path: str) -> dict[str, Any]:
     return kwargs
 
 
+def _release_fields_set(layer: spec_pb2.LayerSpec, kind: str, body: Any) -> list[tuple[str, str]]:
+    """(rule-set field name, path suffix) of the release-specific fields `layer` sets."""
+    found: list[tuple[str, str]] = []
+    if layer.is_draft:
+        found.append((FIELD_IS_DRAFT, "is_draft"))
+    if kind in ("mla_attention", "hidden_state_cache") and body.mla.HasField("topk_buffer_width"):
+        found.append((FIELD_TOPK_BUFFER_WIDTH, f"{kind}.mla.topk_buffer_width"))
+    return found
+
+
 def layer_from_proto(layer: spec_pb2.LayerSpec, path: str, ctx: _Context) -> KVCacheSpec:
     """One LayerSpec as a domain spec (raises InvalidRequest with field paths)."""
     kind = layer.WhichOneof("kind")
@@ -203,6 +219,9 @@ def layer_from_proto(layer: spec_pb2.LayerSpec, path: str, ctx: _Context) -> KVC
         raise InvalidRequest("a layer needs a spec kind (full_attention, mamba, ...)", field=path)
     body = getattr(layer, kind)
     body_path = f"{path}.{kind}"
+    for name, suffix in _release_fields_set(layer, kind, body):
+        if not ctx.rules.has_field(name):
+            raise ctx.rules.unsupported_field(name, f"{path}.{suffix}")
     common: dict[str, Any] = {"is_draft": layer.is_draft}
     alignment = layer.block_stride_alignment.WhichOneof("alignment")
     if alignment == "bytes":
@@ -333,7 +352,7 @@ def _mamba_from_proto(body: spec_pb2.MambaSpec, path: str, common: dict[str, Any
     return MambaSpec(**kwargs)
 
 
-def _options_from_proto(options: plan_pb2.EngineOptions) -> EngineOptions:
+def _options_from_proto(options: plan_pb2.EngineOptions, rules: RuleSet) -> EngineOptions:
     max_model_len = options.max_model_len
     if max_model_len == 0 or max_model_len < -1:
         raise InvalidRequest(
@@ -361,7 +380,7 @@ def _options_from_proto(options: plan_pb2.EngineOptions) -> EngineOptions:
     return EngineOptions(
         max_model_len=max_model_len,
         derived_max_model_len=derived,
-        block_size=options.block_size or DEFAULT_BLOCK_SIZE,
+        block_size=options.block_size or rules.default_block_size,
         disable_hybrid_kv_cache_manager=options.disable_hybrid_kv_cache_manager,
         num_gpu_blocks_override=override,
         max_num_batched_tokens=batched,
@@ -512,8 +531,9 @@ def _layers_from_proto(
 def request_from_proto(
     message: plan_pb2.PlanRequest, *, gpu_memory_table: Mapping[str, int] | None = None
 ) -> EngineRequest:
-    options = _options_from_proto(message.options)
-    ctx = _Context(message.options)
+    rules = rule_set_for(message.options.engine_version)
+    options = _options_from_proto(message.options, rules)
+    ctx = _Context(message.options, rules)
     table = GPU_MEMORY_BYTES if gpu_memory_table is None else gpu_memory_table
     return EngineRequest(
         engine_id=message.engine_id,
@@ -523,6 +543,7 @@ def request_from_proto(
             for index, worker in enumerate(message.workers)
         ),
         spec_decode=_spec_decode_from_proto(message.spec_decode),
+        rules=rules,
     )
 
 
@@ -656,6 +677,7 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
         engine_id=plan.engine_id,
         max_model_len=plan.max_model_len,
         num_blocks=plan.num_blocks,
+        rule_set=plan.rule_set,
     )
     for group in plan.groups:
         out = response.groups.add(

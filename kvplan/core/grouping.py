@@ -21,6 +21,7 @@ from kvplan.core.diagnostics import PaddingInfo, PlanWarning, WarningCode
 from kvplan.core.errors import InvalidRequest, UnplannableSpecs
 from kvplan.core.groups import GroupingPath, KVCacheGroup
 from kvplan.core.layout import KVCacheLayout
+from kvplan.core.rules import KVPLAN, RuleSet
 from kvplan.core.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -125,7 +126,7 @@ def _promotion_target(spec: KVCacheSpec) -> type[AttentionSpec] | None:
     return next((_PROMOTIONS[cls] for cls in type(spec).__mro__ if cls in _PROMOTIONS), None)
 
 
-def promote_local_attention(specs: SpecDict) -> SpecDict:
+def promote_local_attention(specs: SpecDict, rules: RuleSet = KVPLAN) -> SpecDict:
     """Allocate sliding-window / chunked layers as full attention (compute is
     unchanged). Raises UnplannableSpecs if the result is still not one type."""
     promoted = dict(specs)
@@ -149,10 +150,15 @@ def promote_local_attention(specs: SpecDict) -> SpecDict:
             if padded is not None:
                 rescaled = spec.unpadded_page_size_bytes * block_size // spec.block_size
                 padded = max(padded, rescaled)
+            # The window's trailing extension (and, where the release drops it,
+            # the replay bound) means nothing once every token keeps its block.
+            drop: tuple[str, ...] = ("extra_retained_tokens",)
+            if rules.promotion_drops_bounded_replay:
+                drop = (*drop, "bounded_replay")
             promoted[name] = _replace_as(
                 spec,
                 target,
-                drop=("extra_retained_tokens",),
+                drop=drop,
                 block_size=block_size,
                 page_size_padded=padded,
             )
@@ -172,7 +178,9 @@ def promote_local_attention(specs: SpecDict) -> SpecDict:
     return promoted
 
 
-def _disable_hybrid(specs: SpecDict, warnings: list[PlanWarning]) -> tuple[SpecDict, bool]:
+def _disable_hybrid(
+    specs: SpecDict, warnings: list[PlanWarning], rules: RuleSet
+) -> tuple[SpecDict, bool]:
     """Promote replicated (DCP-unsharded attention) and other layers separately."""
     partitions: dict[bool, SpecDict] = {}
     for name, spec in specs.items():
@@ -181,7 +189,7 @@ def _disable_hybrid(specs: SpecDict, warnings: list[PlanWarning]) -> tuple[SpecD
     result = dict(specs)
     changed = False
     for partition in partitions.values():
-        promoted = promote_local_attention(partition)
+        promoted = promote_local_attention(partition, rules)
         if promoted == partition:
             continue
         changed = True
@@ -350,19 +358,22 @@ def unify_page_sizes(specs: SpecDict) -> tuple[SpecDict, bool]:
     return unified, True
 
 
-def _full_allocation_fallback(specs: SpecDict) -> Grouping | None:
+def _full_allocation_fallback(specs: SpecDict, rules: RuleSet) -> Grouping | None:
     """MLA next to an unpaddable sliding-window page: allocate the window as full."""
     values = list(specs.values())
     if any(isinstance(spec, HiddenStateCacheSpec) for spec in values):
         return None
-    if any(isinstance(spec, SlidingWindowMLASpec | ChunkedLocalAttentionSpec) for spec in values):
+    excluded: tuple[type[KVCacheSpec], ...] = (ChunkedLocalAttentionSpec,)
+    if not rules.fallback_admits_sliding_window_mla:
+        excluded = (*excluded, SlidingWindowMLASpec)
+    if any(isinstance(spec, excluded) for spec in values):
         return None
     has_mla = any(isinstance(spec, MLAAttentionSpec) for spec in values)
     has_window = any(isinstance(spec, SlidingWindowSpec) for spec in values)
     if not (has_mla and has_window):
         return None
     try:
-        promoted = promote_local_attention(specs)
+        promoted = promote_local_attention(specs, rules)
     except UnplannableSpecs:
         return None
     wrapper = UniformTypeSpecs.from_specs(promoted)
@@ -498,12 +509,14 @@ def _numbered(groupings: list[Grouping]) -> list[KVCacheGroup]:
     ]
 
 
-def group_layers(specs: SpecDict, *, layout: KVCacheLayout, disable_hybrid: bool) -> GroupingResult:
+def group_layers(
+    specs: SpecDict, *, layout: KVCacheLayout, disable_hybrid: bool, rules: RuleSet = KVPLAN
+) -> GroupingResult:
     """Split the engine's layers (registration order) into KV cache groups."""
     warnings: list[PlanWarning] = []
     promoted = False
     if disable_hybrid:
-        specs, promoted = _disable_hybrid(specs, warnings)
+        specs, promoted = _disable_hybrid(specs, warnings, rules)
 
     def done(
         path: GroupingPath,
@@ -561,7 +574,7 @@ def group_layers(specs: SpecDict, *, layout: KVCacheLayout, disable_hybrid: bool
     try:
         unified, page_sizes_unified = unify_page_sizes(filtered)
     except PageSizesNotUnifiable:
-        fallback = _full_allocation_fallback(specs)
+        fallback = _full_allocation_fallback(specs, rules)
         if fallback is None:
             raise
         warnings.append(

@@ -52,6 +52,17 @@ class KVCacheGroup:
             runs.setdefault(members[name], []).append(name)
         return tuple((spec, tuple(names)) for spec, names in runs.items())
 
+    @cached_property
+    def wrapper_layer_runs(self) -> tuple[tuple[KVCacheSpec, tuple[str, ...]], ...]:
+        """Runs over every layer of a uniform-type wrapper, whatever `layer_names`
+        holds (a group projected to a worker keeps the global wrapper)."""
+        if not isinstance(self.spec, UniformTypeSpecs):
+            return ()
+        runs: dict[KVCacheSpec, list[str]] = {}
+        for name, spec in self.spec.layer_specs:
+            runs.setdefault(spec, []).append(name)
+        return tuple((spec, tuple(names)) for spec, names in runs.items())
+
     @property
     def representative_spec(self) -> KVCacheSpec:
         """The spec a scheduler sees: a wrapper's first layer spec."""

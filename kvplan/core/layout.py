@@ -123,11 +123,18 @@ def layout_strides(
 
 
 def place_tensors(
-    groups: list[KVCacheGroup], num_blocks: int, layout: KVCacheLayout, block_bytes: int
+    groups: list[KVCacheGroup],
+    num_blocks: int,
+    layout: KVCacheLayout,
+    block_bytes: int,
+    *,
+    own_layers_only: bool = True,
 ) -> list[TensorPlacement]:
     """Tensors of one worker. Every group starts at byte 0 (groups alias the pool:
     a block id belongs to one group at a time); inside a group each run of
-    identically specced layers follows the previous one."""
+    identically specced layers follows the previous one. Without
+    `own_layers_only` (vLLM 0.32 / 0.33), a uniform-type group the worker holds
+    no layer of places tensors for all of the group's layers."""
     size = block_bytes * num_blocks
     interleaved_stride = block_bytes if layout.is_block_outermost else None
     placements: list[TensorPlacement] = []
@@ -135,7 +142,10 @@ def place_tensors(
         # Only this worker's layers: a group with no layer here gets no tensor
         # (vLLM 0.33 would place the whole wrapper's foreign layers here).
         offset = 0
-        for spec, names in group.layer_runs:
+        runs = group.layer_runs
+        if not own_layers_only and not group.layer_names:
+            runs = group.wrapper_layer_runs
+        for spec, names in runs:
             block_stride = interleaved_stride
             padded_stride = layer_block_stride(spec)
             if block_stride is None and padded_stride != spec.page_size_bytes:

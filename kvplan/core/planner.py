@@ -28,6 +28,7 @@ from kvplan.core.memory import (
     worker_budget,
 )
 from kvplan.core.request import EngineOptions, EngineRequest, WorkerInput
+from kvplan.core.rules import RuleSet
 from kvplan.core.specs import (
     AttentionSpec,
     KVCacheSpec,
@@ -81,6 +82,7 @@ class EnginePlan:
     local_attention_promoted: bool
     scheduler_block_size: int
     hash_block_size: int
+    rule_set: str = "kvplan"  # RuleSet.name of the rules that made this plan
 
 
 def _validate(request: EngineRequest) -> list[WorkerInput]:
@@ -148,9 +150,10 @@ def _tag_retained_tokens(specs: SpecDict, request: EngineRequest) -> SpecDict:
     return {name: tag(spec) for name, spec in specs.items()}
 
 
-def _project(groups: list[KVCacheGroup], worker: WorkerInput) -> list[KVCacheGroup]:
-    """Global groups seen from one worker: its layers only. Draft flags survive
-    even where the worker holds none of the group's layers (vLLM 0.33)."""
+def _project(groups: list[KVCacheGroup], worker: WorkerInput, rules: RuleSet) -> list[KVCacheGroup]:
+    """Global groups seen from one worker: its layers only. Where the worker
+    holds none of a group's layers, the draft flag survives or not by the rule
+    set (vLLM 0.33 keeps it, 0.32 drops it)."""
     present = {name for name, _ in worker.layers}
     projected: list[KVCacheGroup] = []
     for group in groups:
@@ -165,14 +168,15 @@ def _project(groups: list[KVCacheGroup], worker: WorkerInput) -> list[KVCacheGro
                 block_size=spec.block_size,
                 layer_specs=tuple((name, members[name]) for name in names),
             )
-        projected.append(replace(group, layer_names=names, spec=spec))
+        is_draft = group.is_draft and (bool(names) or rules.flag_survives_empty_projection)
+        projected.append(replace(group, layer_names=names, spec=spec, is_draft=is_draft))
     return projected
 
 
-def _context(options: EngineOptions, max_model_len: int) -> PlanningContext:
+def _context(options: EngineOptions, rules: RuleSet, max_model_len: int) -> PlanningContext:
     return PlanningContext(
         max_model_len=max_model_len,
-        max_in_flight_tokens=options.max_in_flight_tokens,
+        max_in_flight_tokens=options.max_in_flight_tokens(rules),
         dcp_size=options.decode_context_parallel_size,
         mamba_align_mode=options.mamba_align_mode,
         max_num_encoder_input_tokens=options.max_num_encoder_input_tokens,
@@ -223,6 +227,7 @@ def _block_sizes(groups: list[KVCacheGroup], options: EngineOptions) -> tuple[in
 
 def plan_engine(request: EngineRequest) -> EnginePlan:
     options = request.options
+    rules = request.rules
     workers = _validate(request)
     specs = _tag_retained_tokens(_merge_worker_specs(workers, request), request)
 
@@ -230,11 +235,12 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
         specs,
         layout=options.layout,
         disable_hybrid=options.disable_hybrid_kv_cache_manager,
+        rules=rules,
     )
-    groups, draft_warnings = annotate_draft_groups(grouping, request.spec_decode)
+    groups, draft_warnings = annotate_draft_groups(grouping, request.spec_decode, rules)
     warnings = [*grouping.warnings, *draft_warnings]
 
-    projected = [_project(groups, worker) for worker in workers]
+    projected = [_project(groups, worker, rules) for worker in workers]
     index_of = {worker.rank: index for index, worker in enumerate(request.workers)}
     budgets = [worker_budget(worker, index_of[worker.rank]) for worker in workers]
     available = [budget.available_bytes for budget in budgets]
@@ -250,7 +256,8 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
                 "every worker needs at least one layer",
                 field=f"workers[{index_of[worker.rank]}].layers",
             )
-        validate_layout(options.layout, worker_groups)
+        if not rules.layout_checked_after_memory:
+            validate_layout(options.layout, worker_groups)
         block_bytes.append(bytes_per_block(worker_groups, options.layout))
 
     override = options.num_gpu_blocks_override
@@ -273,7 +280,9 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
 
     def fits_for(worker_groups: list[KVCacheGroup], bpb: int, memory: int) -> int:
         return estimate_max_model_len(
-            lambda length: needed_bytes(worker_groups, bpb, _context(options, length)) <= memory,
+            lambda length: (
+                needed_bytes(worker_groups, bpb, _context(options, rules, length)) <= memory
+            ),
             max_model_len,
         )
 
@@ -302,7 +311,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
             )
             max_model_len = fitted
 
-    ctx = _context(options, max_model_len)
+    ctx = _context(options, rules, max_model_len)
     needed: list[int] = []
     for worker, worker_groups, bpb, memory in zip(
         workers, projected, block_bytes, check, strict=True
@@ -319,6 +328,12 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
         )
         needed.append(need)
 
+    if rules.layout_checked_after_memory:
+        # vLLM 0.32 validates the layout while building each worker's config.
+        for worker_groups in projected:
+            if worker_groups:
+                validate_layout(options.layout, worker_groups)
+
     per_worker_blocks = [
         (override if override is not None else avail // bpb) if worker_groups else 1
         for avail, bpb, worker_groups in zip(available, block_bytes, projected, strict=True)
@@ -330,7 +345,15 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
         workers, projected, block_bytes, budgets, check, needed, strict=True
     ):
         tensors = (
-            place_tensors(worker_groups, num_blocks, options.layout, bpb) if worker_groups else []
+            place_tensors(
+                worker_groups,
+                num_blocks,
+                options.layout,
+                bpb,
+                own_layers_only=rules.tensors_for_own_layers_only,
+            )
+            if worker_groups
+            else []
         )
         worker_plans.append(
             WorkerPlan(
@@ -379,6 +402,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
         local_attention_promoted=grouping.local_attention_promoted,
         scheduler_block_size=scheduler_block,
         hash_block_size=hash_block,
+        rule_set=rules.name,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvplan.core.layout import KVCacheLayout
+from kvplan.core.rules import KVPLAN, RuleSet
 from kvplan.core.specs import KVCacheSpec
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
@@ -29,10 +30,15 @@ class SpecDecode:
     def uses_eagle(self) -> bool:
         return self.method in EAGLE_FAMILY
 
-    @property
-    def block_drop_enabled(self) -> bool:
-        """The seed's gate for draft annotation: DSpark and DFlash are eligible."""
-        return self.uses_eagle and not self.disable_eagle_block_drop
+    def block_drop_enabled(self, rules: RuleSet) -> bool:
+        """The draft-annotation gate: the release's drop methods, not disabled."""
+        return self.method in rules.block_drop_methods and not self.disable_eagle_block_drop
+
+    def warns_unflagged(self, rules: RuleSet) -> bool:
+        """Whether an unflagged Mamba group draws the no-draft-group warning."""
+        if self.method not in rules.warning_methods:
+            return False
+        return not (rules.warning_needs_block_drop and self.disable_eagle_block_drop)
 
     @property
     def uses_trailing_draft_layers(self) -> bool:
@@ -82,19 +88,14 @@ class EngineOptions:
     def starting_max_model_len(self) -> int:
         return self.derived_max_model_len if self.auto_fit else self.max_model_len
 
-    @property
-    def max_concurrent_batches(self) -> int:
-        pp = self.pipeline_parallel_size
-        if self.async_scheduling:
-            if self.use_v2_model_runner:
-                return pp + 1
-            if pp <= 1:
-                return 2
-        return pp
-
-    @property
-    def max_in_flight_tokens(self) -> int:
-        return self.max_concurrent_batches * self.max_num_batched_tokens
+    def max_in_flight_tokens(self, rules: RuleSet) -> int:
+        """Tokens scheduled but not yet settled: every batch in flight may be full."""
+        batches = rules.max_concurrent_batches(
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            async_scheduling=self.async_scheduling,
+            use_v2_model_runner=self.use_v2_model_runner,
+        )
+        return batches * self.max_num_batched_tokens
 
 
 @dataclass(frozen=True)
@@ -150,3 +151,4 @@ class EngineRequest:
     options: EngineOptions
     workers: tuple[WorkerInput, ...]
     spec_decode: SpecDecode = field(default_factory=SpecDecode)
+    rules: RuleSet = KVPLAN  # the engine release whose rules plan this request

@@ -1,0 +1,228 @@
+"""Engine-release rule sets: every planning rule that differs between the vLLM
+releases kvplan plans for, in one place.
+
+A request names its rule set (`EngineOptions.engine_version`); the planning
+steps read the fields of the `RuleSet` value and never test a version string.
+Adding a release is adding one entry to `RULE_SETS` (and, for a rule no field
+covers yet, one field here and the step that reads it).
+
+The values were read off each release's own planner (vLLM 0.32.0, 0.33.0 and
+0.34.0 on the CPU; see conformance/) and are checked against it by
+`make conformance`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from kvplan.core.errors import InvalidRequest
+
+
+class DraftFlagRule(Enum):
+    """How draft groups (the EAGLE last-block drop) are found."""
+
+    # vLLM 0.33 / 0.34: exactly the groups holding an `is_draft` layer, on every path.
+    IS_DRAFT_ONLY = "is_draft_only"
+    # vLLM 0.31 / 0.32 (PR #55390 as shipped), packed and hybrid paths only: the
+    # spec marker flags its groups, and for MTP (or a DeepSeek-V4 target) the
+    # group holding the last registered layer is flagged too, both rules at once.
+    SPEC_MARKER_AND_TRAILING = "spec_marker_and_trailing"
+    # kvplan's own: `is_draft` on every path; when no layer is marked, the spec
+    # marker, else the trailing layer (packed and hybrid paths; first match decides).
+    IS_DRAFT_THEN_POSITIONAL = "is_draft_then_positional"
+
+
+class InFlightBatches(Enum):
+    """How many batches may be in flight (sliding-window / chunked reserves)."""
+
+    # Model runner V2: pp + 1 under async scheduling. V1: pp, or 2 when pp == 1.
+    BY_MODEL_RUNNER = "by_model_runner"
+    # Only model runner V2 exists (vLLM 0.34): pp + 1 under async scheduling.
+    V2_ONLY = "v2_only"
+
+
+# Optional request fields that only some releases have (their proto field paths,
+# relative to a layer's spec body or to the request, as `unsupported_field` reports).
+FIELD_IS_DRAFT = "is_draft"
+FIELD_TOPK_BUFFER_WIDTH = "mla.topk_buffer_width"
+FIELD_KV_HEAD_MAJOR_SLOTS = "attention.kv_head_major_slots"
+FIELD_STATE_ALIGNMENT = "state_alignment_bytes"
+FIELD_SW_MLA_SPEC_MARKER = "non_causal_multi_token_decode"
+FIELD_MEASURED_KV_BYTES = "measured_kv_cache_bytes"
+
+_ALL_FIELDS = frozenset(
+    {
+        FIELD_IS_DRAFT,
+        FIELD_TOPK_BUFFER_WIDTH,
+        FIELD_KV_HEAD_MAJOR_SLOTS,
+        FIELD_STATE_ALIGNMENT,
+        FIELD_SW_MLA_SPEC_MARKER,
+        FIELD_MEASURED_KV_BYTES,
+    }
+)
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    """The planning rules of one engine release."""
+
+    name: str  # what PlanResponse.rule_set reports
+    description: str
+    default_block_size: int  # tokens, when options.block_size is unset
+
+    # Draft groups.
+    draft_rule: DraftFlagRule
+    # Methods whose drafter takes the last-block drop (the annotation gate).
+    block_drop_methods: frozenset[str]
+    # Methods for which an unflagged Mamba group draws the warning (0.32 warns
+    # even when the drop is disabled; 0.33 only when it applies).
+    warning_methods: frozenset[str]
+    warning_needs_block_drop: bool
+    # kvplan's own extra warning: spec decode on, no group flagged, no Mamba group.
+    warns_unflagged_without_mamba: bool
+    # A projected group keeps its flag on a worker that holds none of its layers.
+    flag_survives_empty_projection: bool
+
+    # Order of checks.
+    layout_checked_after_memory: bool  # 0.32: inside the per-worker config build
+
+    # Grouping.
+    fallback_admits_sliding_window_mla: bool  # MLA + SW-MLA full-allocation fallback
+    promotion_drops_bounded_replay: bool  # SW-MLA promoted to MLA under disable_hybrid
+    sw_mla_merge_keeps_quant_and_alignment: bool
+    # Uniform-type groups a worker holds only some layers of place tensors for
+    # the worker's own layers (0.34) or for every layer of the group (0.32/0.33).
+    tensors_for_own_layers_only: bool
+
+    in_flight_batches: InFlightBatches
+
+    # 0.34's extensible KV cache: the planner only reserves; a worker's measured
+    # KV bytes decide the final block count.
+    extensible_kv_cache: bool
+
+    # Optional request fields this release has (see FIELD_*).
+    fields: frozenset[str]
+
+    def max_concurrent_batches(
+        self, *, pipeline_parallel_size: int, async_scheduling: bool, use_v2_model_runner: bool
+    ) -> int:
+        """Batches in flight at once: pp fills the pipeline; async scheduling
+        overlaps one more (V2), or runs 2 when pp == 1 (V1)."""
+        pp = pipeline_parallel_size
+        if not async_scheduling:
+            return pp
+        if use_v2_model_runner or self.in_flight_batches is InFlightBatches.V2_ONLY:
+            return pp + 1
+        return 2 if pp <= 1 else pp
+
+    def has_field(self, name: str) -> bool:
+        return name in self.fields
+
+    def unsupported_field(self, name: str, path: str) -> InvalidRequest:
+        return InvalidRequest(
+            f"{path} does not exist in {self.description}; leave it unset or choose an "
+            f"engine_version that has it ({', '.join(versions_with_field(name)) or 'none'})",
+            field=path,
+        )
+
+
+_EAGLE_FAMILY = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
+_BLOCK_DROP_033 = frozenset({"eagle", "eagle3", "mtp"})  # DFlash / DSpark need no drop
+
+KVPLAN = RuleSet(
+    name="kvplan",
+    description="kvplan's own rules (vLLM 0.33 plus the draft rules of PR #55390)",
+    default_block_size=16,
+    draft_rule=DraftFlagRule.IS_DRAFT_THEN_POSITIONAL,
+    block_drop_methods=_EAGLE_FAMILY,
+    warning_methods=_EAGLE_FAMILY,
+    warning_needs_block_drop=True,
+    warns_unflagged_without_mamba=True,
+    flag_survives_empty_projection=True,
+    layout_checked_after_memory=False,
+    fallback_admits_sliding_window_mla=False,
+    promotion_drops_bounded_replay=False,
+    sw_mla_merge_keeps_quant_and_alignment=False,
+    tensors_for_own_layers_only=True,
+    in_flight_batches=InFlightBatches.BY_MODEL_RUNNER,
+    extensible_kv_cache=False,
+    fields=frozenset({FIELD_IS_DRAFT, FIELD_TOPK_BUFFER_WIDTH}),
+)
+
+VLLM_0_33 = RuleSet(
+    name="vllm-0.33",
+    description="vLLM 0.33.0",
+    default_block_size=16,
+    draft_rule=DraftFlagRule.IS_DRAFT_ONLY,
+    block_drop_methods=_BLOCK_DROP_033,
+    warning_methods=_BLOCK_DROP_033,
+    warning_needs_block_drop=True,
+    warns_unflagged_without_mamba=False,
+    flag_survives_empty_projection=True,
+    layout_checked_after_memory=False,
+    fallback_admits_sliding_window_mla=False,
+    promotion_drops_bounded_replay=False,
+    sw_mla_merge_keeps_quant_and_alignment=False,
+    tensors_for_own_layers_only=False,
+    in_flight_batches=InFlightBatches.BY_MODEL_RUNNER,
+    extensible_kv_cache=False,
+    fields=frozenset({FIELD_IS_DRAFT, FIELD_TOPK_BUFFER_WIDTH}),
+)
+
+VLLM_0_32 = RuleSet(
+    name="vllm-0.32",
+    description="vLLM 0.32.0",
+    default_block_size=16,
+    draft_rule=DraftFlagRule.SPEC_MARKER_AND_TRAILING,
+    block_drop_methods=_EAGLE_FAMILY,
+    warning_methods=_EAGLE_FAMILY,
+    warning_needs_block_drop=False,
+    warns_unflagged_without_mamba=False,
+    flag_survives_empty_projection=False,
+    layout_checked_after_memory=True,
+    fallback_admits_sliding_window_mla=False,
+    promotion_drops_bounded_replay=False,
+    sw_mla_merge_keeps_quant_and_alignment=False,
+    tensors_for_own_layers_only=False,
+    in_flight_batches=InFlightBatches.BY_MODEL_RUNNER,
+    extensible_kv_cache=False,
+    fields=frozenset(),
+)
+
+RULE_SETS: dict[str, RuleSet] = {
+    "": KVPLAN,
+    VLLM_0_32.name: VLLM_0_32,
+    VLLM_0_33.name: VLLM_0_33,
+}
+
+
+def versions_with_field(name: str) -> list[str]:
+    return [key for key, rules in RULE_SETS.items() if key and rules.has_field(name)]
+
+
+def rule_set_for(engine_version: str) -> RuleSet:
+    """The rule set a request names; INVALID_ARGUMENT listing the known ones."""
+    rules = RULE_SETS.get(engine_version)
+    if rules is None:
+        known = ", ".join(repr(key) for key in RULE_SETS)
+        raise InvalidRequest(
+            f"unknown engine_version {engine_version!r}; supported: {known} "
+            "('' plans with kvplan's own rules)",
+            field="options.engine_version",
+        )
+    return rules
+
+
+assert all(rules.fields <= _ALL_FIELDS for rules in RULE_SETS.values())
+
+__all__ = [
+    "KVPLAN",
+    "RULE_SETS",
+    "VLLM_0_32",
+    "VLLM_0_33",
+    "DraftFlagRule",
+    "InFlightBatches",
+    "RuleSet",
+    "rule_set_for",
+]
