@@ -323,8 +323,11 @@ _GROUP_FLAG = re.compile(r"^groups\[(\d+)\]\.is_draft$")
 _PROJECTED_FLAG = re.compile(r"^workers\[\d+\]\.groups\[(\d+)\]\.is_draft$")
 
 
-def documented_deviation(case: Case, v: Json, k: Json, diffs: list[Diff]) -> str | None:
-    """The deviation that explains every diff, or None."""
+def documented_deviation(
+    case: Case, v: Json, k: Json, diffs: list[Diff], *, own_rules: bool = True
+) -> str | None:
+    """The deviation that explains every diff, or None. Under a release's rule set
+    only the validation deviations (D7) apply; D1, D2 and D4 are kvplan's own rules."""
     if not diffs:
         return None
     if v.get("ok") and not k.get("ok"):
@@ -333,7 +336,7 @@ def documented_deviation(case: Case, v: Json, k: Json, diffs: list[Diff]) -> str
             if error.get("code") == "INVALID_ARGUMENT" and pattern.match(error.get("field", "")):
                 return reason
         return None
-    if not (v.get("ok") and k.get("ok")):
+    if not (v.get("ok") and k.get("ok")) or not own_rules:
         return None
     method = plan_pb2.SpecDecodeMethod.Name(case.request.spec_decode.method)
     # The seed's gate, use_eagle() and not disable_eagle_block_drop, admits both.
@@ -401,22 +404,47 @@ class Outcome:
         return out
 
 
-def run_case(case: Case, kv: tuple[PlanFn, type[BaseException]] | None) -> Outcome:
+def for_release(request: plan_pb2.PlanRequest, engine_version: str) -> plan_pb2.PlanRequest:
+    """The request as the installed release can express it: fields it lacks are
+    cleared (kvplan answers INVALID_ARGUMENT for them under that rule set, which
+    tests/test_rule_sets.py checks), and kvplan is told the rule set to use."""
+    from conformance.vllm_driver import HAS_IS_DRAFT, HAS_TOPK_BUFFER_WIDTH
+
+    adapted = plan_pb2.PlanRequest()
+    adapted.CopyFrom(request)
+    adapted.options.engine_version = engine_version
+    for worker in adapted.workers:
+        for layer in worker.layers:
+            if not HAS_IS_DRAFT:
+                layer.is_draft = False
+            kind = layer.WhichOneof("kind")
+            if not HAS_TOPK_BUFFER_WIDTH and kind in ("mla_attention", "hidden_state_cache"):
+                getattr(layer, kind).mla.ClearField("topk_buffer_width")
+    return adapted
+
+
+def run_case(
+    case: Case, kv: tuple[PlanFn, type[BaseException]] | None, engine_version: str
+) -> Outcome:
     from conformance.vllm_driver import plan_with_vllm
     from kvplan.convert import GPU_MEMORY_BYTES
 
+    request = for_release(case.request, engine_version)
+    case = Case(case.id, case.category, case.description, request)
     # The same device-name table kvplan resolves names with: an input, not a rule.
-    v = plan_with_vllm(case.request, GPU_MEMORY_BYTES)
+    v = plan_with_vllm(request, GPU_MEMORY_BYTES)
     if kv is None:
         return Outcome(case, "vllm-only", v, None)
-    k = plan_with_kvplan(kv[0], kv[1], case.request)
+    k = plan_with_kvplan(kv[0], kv[1], request)
     diffs = compare_results(v, k)
     info = informational_diffs(v, k)
     if not diffs:
         return Outcome(case, "agree", v, k, diffs, info)
-    reason = documented_deviation(case, v, k, diffs)
+    reason = documented_deviation(case, v, k, diffs, own_rules=not engine_version)
     if reason:
         return Outcome(case, "deviation", v, k, diffs, info, reason)
+    if engine_version:
+        return Outcome(case, "disagree", v, k, diffs, info)
     without_phantoms = drop_phantom_tensors(v, case.request)
     if without_phantoms is not None:
         remaining = compare_results(without_phantoms, k)
@@ -470,7 +498,7 @@ def summarize(outcomes: list[Outcome]) -> list[Json]:
 
 def render_markdown(summary: list[Json], outcomes: list[Outcome], meta: Json) -> str:
     lines = [
-        "# kvplan vs vLLM 0.33.0 planner: differential check",
+        f"# kvplan (rule set `{meta['rule_set']}`) vs vLLM {meta['vllm']}'s own planner",
         "",
         f"- cases: {meta['cases']} (seed {meta['seed']}); kvplan entry point: "
         f"`{meta['kvplan_entry'] or 'none (vLLM only)'}`; wall time {meta['seconds']:.1f} s",
@@ -521,13 +549,20 @@ def render_markdown(summary: list[Json], outcomes: list[Outcome], meta: Json) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="kvplan vs vLLM 0.33 differential check")
+    from conformance.vllm_driver import ENGINE_VERSION, VLLM_VERSION
+
+    parser = argparse.ArgumentParser(description="kvplan vs the installed vLLM release")
     parser.add_argument("--seed", type=int, default=20260)
     parser.add_argument("--only", action="append", default=[], help="id substring filter")
     parser.add_argument("--vllm-only", action="store_true", help="dump vLLM results only")
     parser.add_argument("--allow-disagreement", action="store_true")
     parser.add_argument("--no-scenarios", action="store_true", help="skip tests/ scenarios")
-    parser.add_argument("--out-dir", type=Path, default=HERE)
+    parser.add_argument("--out-dir", type=Path, default=HERE / "reports")
+    parser.add_argument(
+        "--engine-version",
+        default=ENGINE_VERSION,
+        help="kvplan's rule set ('' = kvplan's own rules; default: the installed release)",
+    )
     parser.add_argument("--verbose-json", action="store_true", help="full results in json")
     args = parser.parse_args(argv)
 
@@ -540,14 +575,22 @@ def main(argv: list[str] | None = None) -> int:
         print("kvplan's plan_from_proto is not importable: running vLLM only", file=sys.stderr)
 
     start = time.perf_counter()
-    outcomes = [run_case(case, kv) for case in cases]
+    outcomes = [run_case(case, kv, args.engine_version) for case in cases]
     seconds = time.perf_counter() - start
-    meta = {"cases": len(cases), "seed": args.seed, "kvplan_entry": entry, "seconds": seconds}
+    rule_set = args.engine_version or "kvplan"
+    meta = {
+        "cases": len(cases),
+        "seed": args.seed,
+        "kvplan_entry": entry,
+        "seconds": seconds,
+        "vllm": VLLM_VERSION,
+        "rule_set": rule_set,
+    }
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     if kv is None:
         dump = {"meta": meta, "results": [{"id": o.case.id, **o.vllm} for o in outcomes]}
-        path = args.out_dir / "vllm_results.json"
+        path = args.out_dir / f"vllm-{VLLM_VERSION}-results.json"
         path.write_text(json.dumps(dump, indent=1, default=str) + "\n")
         errors = sum(1 for o in outcomes if not o.vllm["ok"])
         print(f"{len(outcomes)} cases planned with vLLM ({errors} raised) -> {path}")
@@ -563,9 +606,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.verbose_json or o.status != "agree" or o.info
         ],
     }
-    (args.out_dir / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    stem = f"vllm-{VLLM_VERSION}-{rule_set}"
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     markdown = render_markdown(summary, outcomes, meta)
-    (args.out_dir / "report.md").write_text(markdown)
+    (args.out_dir / f"{stem}.md").write_text(markdown)
     print(markdown.split("\n## Documented deviations")[0])
     disagreements = summary[-1]["disagree"]
     if disagreements and not args.allow_disagreement:

@@ -1,6 +1,7 @@
-"""Plan a kvplan `PlanRequest` with vLLM 0.33.0's own planner.
+"""Plan a kvplan `PlanRequest` with the installed vLLM release's own planner
+(0.32.0, 0.33.0 or 0.34.0).
 
-Runs inside the reference virtual environment (vllm + CPU torch + protobuf), with
+Runs inside a reference virtual environment (vllm + CPU torch + protobuf), with
 the repository root on `sys.path` so `kvplan.v1` (the generated protobuf modules)
 imports. Nothing here copies vLLM code: it builds vLLM's inputs from a request the
 way kvplan reads it, calls vLLM's planning functions in the order the engine core
@@ -14,6 +15,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +27,7 @@ if str(_REPO) not in sys.path:
 
 # vllm.config must be imported before the attention registry (circular import).
 import torch  # noqa: E402
+import vllm  # noqa: E402
 import vllm.config  # noqa: E402
 import vllm.logger  # noqa: E402
 from vllm.config import (  # noqa: E402
@@ -37,13 +40,7 @@ from vllm.config import (  # noqa: E402
 from vllm.config.attention import AttentionConfig  # noqa: E402
 from vllm.v1.attention.backend import MultipleOf  # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
-from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder  # noqa: E402
-from vllm.v1.core.kv_cache_planning import (  # noqa: E402
-    _max_memory_usage_bytes_from_groups,
-    _pool_bytes_per_block_from_builder,
-    get_global_kv_cache_groups,
-    get_kv_cache_configs,
-)
+from vllm.v1.core import kv_cache_utils  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     generate_scheduler_kv_cache_config,
     get_kv_cache_capacity,
@@ -72,9 +69,21 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from kvplan.v1 import plan_pb2, spec_pb2  # noqa: E402
 
+try:  # vLLM 0.33+: grouping and per-worker configs are two calls
+    from vllm.v1.core import kv_cache_planning as _planning  # noqa: E402
+    from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder  # noqa: E402
+except ImportError:  # vLLM 0.32: get_kv_cache_configs(config, specs, memory) groups itself
+    _planning = None
+
 Json = dict[str, Any]
 
-DEFAULT_BLOCK_SIZE = 16
+VLLM_VERSION: str = vllm.__version__
+# The rule set kvplan plans this release with (PlanRequest.options.engine_version).
+ENGINE_VERSION = "vllm-" + ".".join(VLLM_VERSION.split(".")[:2])
+DEFAULT_BLOCK_SIZE: int = CacheConfig.DEFAULT_BLOCK_SIZE
+_SPEC_FIELDS = {f.name for f in dataclass_fields(MLAAttentionSpec)}
+HAS_IS_DRAFT = "is_draft" in _SPEC_FIELDS
+HAS_TOPK_BUFFER_WIDTH = "topk_buffer_width" in _SPEC_FIELDS
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 
@@ -304,7 +313,7 @@ def _mla_kwargs(mla: spec_pb2.MLAParams, *, with_topk: bool = True) -> Json:
         "cache_dtype_str": enum_suffix(spec_pb2.KVCacheDtype, mla.cache_dtype, "KV_CACHE_DTYPE_"),
         "model_version": mla.model_version or None,
     }
-    if with_topk and mla.HasField("topk_buffer_width"):
+    if with_topk and HAS_TOPK_BUFFER_WIDTH and mla.HasField("topk_buffer_width"):
         kwargs["topk_buffer_width"] = mla.topk_buffer_width
     if mla.HasField("alignment_bytes"):
         kwargs["alignment"] = mla.alignment_bytes
@@ -314,8 +323,9 @@ def _mla_kwargs(mla: spec_pb2.MLAParams, *, with_topk: bool = True) -> Json:
 def _common_kwargs(layer: spec_pb2.LayerSpec, block_size: int) -> Json:
     kwargs: Json = {
         "block_size": layer.block_size if layer.HasField("block_size") else block_size,
-        "is_draft": layer.is_draft,
     }
+    if HAS_IS_DRAFT:
+        kwargs["is_draft"] = layer.is_draft
     which = layer.block_stride_alignment.WhichOneof("alignment")
     if which == "bytes":
         kwargs["block_stride_alignment"] = layer.block_stride_alignment.bytes
@@ -519,6 +529,8 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         max_model_len=max_model_len,
         original_max_model_len=original,
         supports_kv_cache_grouping=False,
+        # vLLM 0.32's trailing-layer draft rule reads the target's model type here.
+        hf_config=SimpleNamespace(model_type=req.spec_decode.target_model_type),
     )
     config = PlannerConfig(
         model_config=model_config,
@@ -578,14 +590,60 @@ def _group_dict(group: KVCacheGroupSpec) -> Json:
     }
 
 
+def _block_bytes_and_needed(config: Any, groups: list[KVCacheGroupSpec]) -> tuple[int, int]:
+    """(pool bytes per block, bytes one max_model_len request needs) for a worker."""
+    if _planning is None:
+        return (
+            int(kv_cache_utils._pool_bytes_per_block(config, groups)),
+            int(kv_cache_utils._max_memory_usage_bytes_from_groups(config, groups)),
+        )
+    builder = get_kv_cache_config_builder(config)
+    return (
+        int(_planning._pool_bytes_per_block_from_builder(builder, config, groups)),
+        int(_planning._max_memory_usage_bytes_from_groups(builder, config, groups)),
+    )
+
+
+def _plan_groups_and_configs(
+    inputs: VllmInputs, result: Json
+) -> tuple[list[KVCacheGroupSpec], list[KVCacheConfig]]:
+    """The release's own calls, in the engine core's order; `result["stage"]` says
+    how far they got (for errors)."""
+    cfg = inputs.config
+    if _planning is not None:
+        result["stage"] = "grouping"
+        groups = _planning.get_global_kv_cache_groups(cfg, inputs.specs)
+        result["groups"] = [_group_dict(g) for g in groups]
+        result["stage"] = "configs"
+        configs = _planning.get_kv_cache_configs(cfg, inputs.specs, inputs.available_memory, groups)
+        return groups, configs
+    # 0.32 groups inside get_kv_cache_configs: observe its one grouping call.
+    seen: list[list[KVCacheGroupSpec]] = []
+    original = kv_cache_utils.get_kv_cache_groups
+
+    def observed(config: Any, specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+        groups = original(config, specs)
+        seen.append(groups)
+        result["groups"] = [_group_dict(g) for g in groups]
+        result["stage"] = "configs"
+        return groups
+
+    result["stage"] = "grouping"
+    kv_cache_utils.get_kv_cache_groups = observed  # type: ignore[assignment]
+    try:
+        configs = kv_cache_utils.get_kv_cache_configs(cfg, inputs.specs, inputs.available_memory)
+    finally:
+        kv_cache_utils.get_kv_cache_groups = original  # type: ignore[assignment]
+    result["groups"] = [_group_dict(g) for g in seen[0]]
+    return seen[0], configs
+
+
 def _worker_dict(
     rank: int, config: KVCacheConfig, inputs: VllmInputs, encoder_only: list[str]
 ) -> Json:
-    builder = get_kv_cache_config_builder(inputs.config)
     groups = config.kv_cache_groups
     if groups:
-        bpb = int(_pool_bytes_per_block_from_builder(builder, inputs.config, groups))
-        needed = int(_max_memory_usage_bytes_from_groups(builder, inputs.config, groups))
+        bpb, needed = _block_bytes_and_needed(inputs.config, groups)
     else:
         bpb = needed = 0
     return {
@@ -659,7 +717,7 @@ def _post_planning(inputs: VllmInputs, configs: list[KVCacheConfig]) -> Json:
 
 
 def plan_with_vllm(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None) -> Json:
-    """Plan `req` with vLLM 0.33.0 and return the normalised result.
+    """Plan `req` with the installed vLLM release and return the normalised result.
 
     Keys: ok, error ({class, message, kind: memory|other, stage}), max_model_len,
     num_blocks, groups, workers, capacity, block_sizes, warnings, padding.
@@ -685,11 +743,13 @@ def plan_with_vllm(req: plan_pb2.PlanRequest, table: dict[str, int] | None = Non
         cfg = inputs.config
         stage = "register"
         register_all_kvcache_specs(cfg)
-        stage = "grouping"
-        global_groups = get_global_kv_cache_groups(cfg, inputs.specs)
-        result["groups"] = [_group_dict(g) for g in global_groups]
-        stage = "configs"
-        configs = get_kv_cache_configs(cfg, inputs.specs, inputs.available_memory, global_groups)
+        progress: Json = {"stage": "grouping"}
+        try:
+            _, configs = _plan_groups_and_configs(inputs, progress)
+        finally:
+            stage = progress["stage"]
+            if "groups" in progress:
+                result["groups"] = progress["groups"]
         stage = "post"
         result["max_model_len"] = int(cfg.model_config.max_model_len)
         result["num_blocks"] = int(configs[0].num_blocks) if configs else None
