@@ -70,8 +70,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from kvplan.v1 import plan_pb2, spec_pb2  # noqa: E402
 
 try:  # vLLM 0.33+: grouping and per-worker configs are two calls
-    from vllm.v1.core import kv_cache_planning as _planning  # noqa: E402
-    from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder  # noqa: E402
+    from vllm.v1.core import kv_cache_planning as _planning
+    from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
 except ImportError:  # vLLM 0.32: get_kv_cache_configs(config, specs, memory) groups itself
     _planning = None
 
