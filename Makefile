@@ -41,7 +41,7 @@ unit: $(STAMP)
 test: $(STAMP) proto-check lint
 	bash scripts/run-tests $(BIN)
 
-## Differential check against vLLM 0.33.0's own planner (separate venv).
+## Differential check against vLLM 0.32.0, 0.33.0 and 0.34.0 (separate venvs, cached).
 conformance: $(STAMP)
 	bash conformance/run
 

@@ -238,7 +238,11 @@ def _speculative_config(spec: plan_pb2.SpecDecodeConfig) -> SpeculativeConfig | 
     method = enum_suffix(plan_pb2.SpecDecodeMethod, spec.method, "SPEC_DECODE_METHOD_")
     n_predict = spec.num_nextn_predict_layers if spec.HasField("num_nextn_predict_layers") else 1
     config = object.__new__(SpeculativeConfig)
-    hf_config = SimpleNamespace(num_nextn_predict_layers=n_predict, model_type=method)
+    # 0.34 counts MTP modules from the draft config's n_predict; earlier releases
+    # from num_nextn_predict_layers. Both are the same engine input.
+    hf_config = SimpleNamespace(
+        num_nextn_predict_layers=n_predict, n_predict=n_predict, model_type=method
+    )
     has_draft_model = method not in ("ngram", "suffix")
     values = {
         "method": method,
@@ -466,7 +470,15 @@ def available_kv_memory(worker: plan_pb2.WorkerSpec, table: dict[str, int] | Non
             free_memory=int(worker.device.free_memory_bytes),
             device_=f"cuda:{worker.rank}",
         )
-        request_memory(snapshot, SimpleNamespace(gpu_memory_utilization=utilization))
+        request_memory(
+            snapshot,
+            SimpleNamespace(
+                gpu_memory_utilization=utilization,
+                resolved_gpu_memory_utilization=utilization,
+                # kvplan's vllm-0.34 rule set plans the classic (non-extensible) cache.
+                enable_extensible_kv_cache=False,
+            ),
+        )
     non_kv = memory.non_kv
     used = (
         non_kv.weights_bytes

@@ -77,13 +77,13 @@ class GroupingResult:
     local_attention_promoted: bool = False
 
 
-def is_uniform_spec(specs: Mapping[str, KVCacheSpec]) -> bool:
+def is_uniform_spec(specs: Mapping[str, KVCacheSpec], rules: RuleSet = KVPLAN) -> bool:
     """All specs merge into one. Conflicting windows propagate as an error."""
     values = list(specs.values())
     if not values:
         return True
     try:
-        type(values[0]).merge(values)
+        type(values[0]).merge(values, rules)
     except IncompatibleSpecs:
         return False
     return True
@@ -93,9 +93,9 @@ def is_uniform_type(specs: Mapping[str, KVCacheSpec]) -> bool:
     return UniformTypeSpecs.is_uniform_type(specs)
 
 
-def _merge_group(specs: SpecDict, names: Sequence[str]) -> KVCacheSpec:
+def _merge_group(specs: SpecDict, names: Sequence[str], rules: RuleSet) -> KVCacheSpec:
     layer_specs = [specs[name] for name in names]
-    return type(layer_specs[0]).merge(layer_specs)
+    return type(layer_specs[0]).merge(layer_specs, rules)
 
 
 def _replace_as(
@@ -130,7 +130,7 @@ def promote_local_attention(specs: SpecDict, rules: RuleSet = KVPLAN) -> SpecDic
     """Allocate sliding-window / chunked layers as full attention (compute is
     unchanged). Raises UnplannableSpecs if the result is still not one type."""
     promoted = dict(specs)
-    if is_uniform_spec(promoted) or is_uniform_type(promoted):
+    if is_uniform_spec(promoted, rules) or is_uniform_type(promoted):
         return promoted
     values = list(promoted.values())
     has_full = any(isinstance(spec, FullAttentionSpec) for spec in values)
@@ -163,7 +163,7 @@ def promote_local_attention(specs: SpecDict, rules: RuleSet = KVPLAN) -> SpecDic
                 page_size_padded=padded,
             )
     try:
-        unified = is_uniform_spec(promoted) or is_uniform_type(promoted)
+        unified = is_uniform_spec(promoted, rules) or is_uniform_type(promoted)
     except ConflictingWindows as error:
         raise UnplannableSpecs(
             f"Failed to promote local KV cache specs to one unified type: {error}"
@@ -396,7 +396,7 @@ def _layers_by_equal_spec(specs: SpecDict) -> dict[KVCacheSpec, list[str]]:
 
 
 def hybrid_groups(
-    specs: SpecDict,
+    specs: SpecDict, rules: RuleSet = KVPLAN
 ) -> tuple[list[Grouping], int, list[PaddingInfo], list[PlanWarning]]:
     """Equal-size groups over specs that share one page size. Layer i of a type
     goes to group i mod n, so pipeline stages get balanced groups."""
@@ -407,7 +407,7 @@ def hybrid_groups(
     for spec, names in by_spec.items():
         for bucket_names, bucket_specs in buckets:
             try:
-                type(bucket_specs[0]).merge([*bucket_specs, spec])
+                type(bucket_specs[0]).merge([*bucket_specs, spec], rules)
             except (IncompatibleSpecs, ConflictingWindows):
                 continue
             bucket_names.extend(names)
@@ -443,7 +443,7 @@ def hybrid_groups(
         for group_index in range(num_groups):
             members = tuple(names[group_index::num_groups])
             groupings.append(
-                Grouping(members, _merge_group(specs, members), group_size - len(members))
+                Grouping(members, _merge_group(specs, members, rules), group_size - len(members))
             )
     return groupings, group_size, padding, warnings
 
@@ -549,8 +549,8 @@ def group_layers(
 
     if not specs:
         return done(GroupingPath.ATTENTION_FREE, [])
-    if is_uniform_spec(specs):
-        merged = _merge_group(specs, list(specs))
+    if is_uniform_spec(specs, rules):
+        merged = _merge_group(specs, list(specs), rules)
         return done(GroupingPath.UNIFORM_SPEC, [Grouping(tuple(specs), merged)])
     wrapper = UniformTypeSpecs.from_specs(specs)
     if wrapper is not None:
@@ -586,7 +586,7 @@ def group_layers(
         )
         return done(GroupingPath.FULL_ALLOCATION_FALLBACK, [fallback])
 
-    groupings, group_size, padding, hybrid_warnings = hybrid_groups(unified)
+    groupings, group_size, padding, hybrid_warnings = hybrid_groups(unified, rules)
     warnings.extend(hybrid_warnings)
     if hidden:
         groupings = _append_hidden_state_groups(groupings, hidden, warnings)

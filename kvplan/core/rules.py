@@ -190,10 +190,31 @@ VLLM_0_32 = RuleSet(
     fields=frozenset(),
 )
 
+VLLM_0_34 = RuleSet(
+    name="vllm-0.34",
+    description="vLLM 0.34.0",
+    default_block_size=64,
+    draft_rule=DraftFlagRule.IS_DRAFT_ONLY,
+    block_drop_methods=_BLOCK_DROP_033,
+    warning_methods=_BLOCK_DROP_033,
+    warning_needs_block_drop=True,
+    warns_unflagged_without_mamba=False,
+    flag_survives_empty_projection=True,
+    layout_checked_after_memory=False,
+    fallback_admits_sliding_window_mla=True,
+    promotion_drops_bounded_replay=True,
+    sw_mla_merge_keeps_quant_and_alignment=True,
+    tensors_for_own_layers_only=True,
+    in_flight_batches=InFlightBatches.V2_ONLY,
+    extensible_kv_cache=False,  # reservation / final plans: not implemented yet
+    fields=frozenset({FIELD_IS_DRAFT, FIELD_TOPK_BUFFER_WIDTH}),
+)
+
 RULE_SETS: dict[str, RuleSet] = {
     "": KVPLAN,
     VLLM_0_32.name: VLLM_0_32,
     VLLM_0_33.name: VLLM_0_33,
+    VLLM_0_34.name: VLLM_0_34,
 }
 
 
@@ -221,6 +242,7 @@ __all__ = [
     "RULE_SETS",
     "VLLM_0_32",
     "VLLM_0_33",
+    "VLLM_0_34",
     "DraftFlagRule",
     "InFlightBatches",
     "RuleSet",

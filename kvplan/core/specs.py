@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Self
 
 from kvplan.core.dtypes import StorageDtype
 from kvplan.core.errors import InvalidRequest, UnplannableSpecs
+from kvplan.core.rules import KVPLAN, RuleSet
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -126,7 +127,7 @@ class KVCacheSpec:
         return self.with_block_size(kernel_block_size).page_size_bytes
 
     @classmethod
-    def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+    def merge(cls, specs: Sequence[KVCacheSpec], rules: RuleSet = KVPLAN) -> KVCacheSpec:
         """One spec standing for all `specs`; raises IncompatibleSpecs if none can."""
         first = specs[0]
         if not all(spec is first or spec == first for spec in specs[1:]):
@@ -309,7 +310,7 @@ class FullAttentionSpec(AttentionSpec):
             )
 
     @classmethod
-    def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+    def merge(cls, specs: Sequence[KVCacheSpec], rules: RuleSet = KVPLAN) -> KVCacheSpec:
         full_specs = cls._check_full_family(specs)
         merged = cls(
             **_take(full_specs[0], _FULL_MERGE_FIELDS),
@@ -352,7 +353,7 @@ class MLAAttentionSpec(FullAttentionSpec):
         _pad_to_alignment(self)
 
     @classmethod
-    def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+    def merge(cls, specs: Sequence[KVCacheSpec], rules: RuleSet = KVPLAN) -> KVCacheSpec:
         mla_specs = [spec for spec in specs if isinstance(spec, MLAAttentionSpec)]
         if len(mla_specs) != len(specs):
             raise IncompatibleSpecs("MLA layers merge only with MLA layers")
@@ -406,12 +407,12 @@ class RSWASpec(FullAttentionSpec):
     rswa_window: int
 
     @classmethod
-    def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+    def merge(cls, specs: Sequence[KVCacheSpec], rules: RuleSet = KVPLAN) -> KVCacheSpec:
         rswa_specs = [spec for spec in specs if isinstance(spec, RSWASpec)]
         if len(rswa_specs) != len(specs):
             raise IncompatibleSpecs("R-SWA layers merge only with R-SWA layers")
         window = _single((spec.rswa_window for spec in rswa_specs), "rswa_window")
-        base = FullAttentionSpec.merge(specs)
+        base = FullAttentionSpec.merge(specs, rules)
         return cls(
             **_take(
                 base,
@@ -430,7 +431,7 @@ class SinkFullAttentionSpec(FullAttentionSpec):
     sink_len: int | None = None
 
     @classmethod
-    def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+    def merge(cls, specs: Sequence[KVCacheSpec], rules: RuleSet = KVPLAN) -> KVCacheSpec:
         full_specs = cls._check_full_family(specs)
         first = full_specs[0]
         # Like vLLM 0.33, the merged sink spec keeps the default tokens_per_state.
@@ -517,16 +518,21 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
         return not self.bounded_replay
 
     @classmethod
-    def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+    def merge(cls, specs: Sequence[KVCacheSpec], rules: RuleSet = KVPLAN) -> KVCacheSpec:
         sw_specs = [spec for spec in specs if isinstance(spec, SlidingWindowMLASpec)]
         if len(sw_specs) != len(specs):
             raise IncompatibleSpecs("sliding-window MLA layers merge only with their own kind")
         _single((s.dcp_sharded for s in sw_specs), "DCP sharding")
         _single((s.max_tp_shards for s in sw_specs), "TP shard count")
         first = sw_specs[0]
-        # Like vLLM 0.33, only these fields are carried: heads and quant mode of
-        # the first layer stand for the group.
+        # vLLM 0.32 / 0.33 carry only these fields (the merged spec has the default
+        # quant mode and no alignment); 0.34 requires and keeps equal ones.
+        kept: dict[str, Any] = {}
+        if rules.sw_mla_merge_keeps_quant_and_alignment:
+            kept["kv_quant_mode"] = _single((s.kv_quant_mode for s in sw_specs), "KV quant mode")
+            kept["alignment"] = _single((s.alignment for s in sw_specs), "alignment")
         return cls(
+            **kept,
             **_take(
                 first,
                 (
