@@ -1136,6 +1136,272 @@ scenario(
 )
 
 
+# --- engine releases: the same engine under each rule set (options.engine_version) ---
+def for_release(req: Json, engine_version: str) -> Json:
+    out = json.loads(json.dumps(req))
+    out["options"]["engine_version"] = engine_version
+    return out
+
+
+scenario(
+    "release-0.32-qwen3_5-mtp-trailing",
+    "vLLM 0.32 (PR #55390): MTP without is_draft flags the last layer's group",
+    for_release(qwen_request("SPEC_DECODE_METHOD_MTP"), "vllm-0.32"),
+    {
+        "rule_set": "vllm-0.32",
+        "flagged_groups": 1,
+        "flagged_contains": "mtp.layers.0.self_attn.attn",
+        "draft_rule": "DRAFT_RULE_TRAILING_LAYER",
+        "warnings_absent": ["WARNING_CODE_NO_DRAFT_GROUP_MAMBA"],
+    },
+)
+scenario(
+    "release-0.33-qwen3_5-mtp-unflagged",
+    "vLLM 0.33: only is_draft flags; an unflagged Mamba group warns",
+    for_release(qwen_request("SPEC_DECODE_METHOD_MTP"), "vllm-0.33"),
+    {
+        "rule_set": "vllm-0.33",
+        "flagged_groups": 0,
+        "warnings": ["WARNING_CODE_NO_DRAFT_GROUP_MAMBA"],
+    },
+)
+scenario(
+    "release-0.33-qwen3_5-dspark-is-draft-not-flagged",
+    "vLLM 0.33: DSpark needs no block drop, so is_draft flags nothing and nothing warns",
+    for_release(qwen_request("SPEC_DECODE_METHOD_DSPARK", is_draft=True), "vllm-0.33"),
+    {
+        "flagged_groups": 0,
+        "warnings_absent": ["WARNING_CODE_NO_DRAFT_GROUP_MAMBA", "WARNING_CODE_NO_DRAFT_GROUP"],
+    },
+)
+scenario(
+    "release-0.32-qwen3_5-dspark-warns",
+    "vLLM 0.32: DSpark passes the gate; no marker, no trailing rule, so it warns",
+    for_release(qwen_request("SPEC_DECODE_METHOD_DSPARK"), "vllm-0.32"),
+    {"flagged_groups": 0, "warnings": ["WARNING_CODE_NO_DRAFT_GROUP_MAMBA"]},
+)
+scenario(
+    "release-0.32-is-draft-rejected",
+    "vLLM 0.32 has no is_draft field: INVALID_ARGUMENT with the field path",
+    for_release(qwen_request("SPEC_DECODE_METHOD_EAGLE", is_draft=True), "vllm-0.32"),
+    {
+        "error": {
+            "code": "INVALID_ARGUMENT",
+            "field": "workers[0].layers[8].is_draft",
+            "contains": ["vLLM 0.32.0"],
+        }
+    },
+)
+_DISABLED_DROP = request(
+    [worker(0, qwen_layers, GIB)],
+    mamba_cache_mode="MAMBA_CACHE_MODE_ALIGN",
+    spec_decode={
+        "method": "SPEC_DECODE_METHOD_EAGLE",
+        "num_speculative_tokens": 1,
+        "disable_eagle_block_drop": True,
+    },
+)
+scenario(
+    "release-0.32-disabled-drop-still-warns",
+    "vLLM 0.32 warns on use_eagle(), even with the block drop disabled",
+    for_release(_DISABLED_DROP, "vllm-0.32"),
+    {"flagged_groups": 0, "warnings": ["WARNING_CODE_NO_DRAFT_GROUP_MAMBA"]},
+)
+scenario(
+    "release-0.33-disabled-drop-no-warning",
+    "vLLM 0.33 warns only when the block drop applies",
+    for_release(_DISABLED_DROP, "vllm-0.33"),
+    {"flagged_groups": 0, "warnings_absent": ["WARNING_CODE_NO_DRAFT_GROUP_MAMBA"]},
+)
+
+
+def marked_hybrid_request() -> Json:
+    """Hybrid MLA + sliding-window engine, MTP; the first MLA layer carries the spec
+    marker and the last registered layer is a sliding-window one."""
+    marked = mla(512)
+    marked["mla_attention"]["non_causal_multi_token_decode"] = True
+    layers = [
+        layer("mla.0", marked),
+        layer("mla.1", mla(512)),
+        layer("sw.0", sw(1024)),
+        layer("sw.1", sw(1024)),
+    ]
+    return request([worker(0, layers, GIB)], spec_decode=MTP)
+
+
+scenario(
+    "release-0.32-marker-and-trailing",
+    "vLLM 0.32 applies the spec marker and the trailing-layer rule together",
+    for_release(marked_hybrid_request(), "vllm-0.32"),
+    {
+        "grouping_path": "GROUPING_PATH_HYBRID",
+        "groups": [
+            {"layers": 2, "is_draft": True, "draft_rule": "DRAFT_RULE_SPEC_MARKER"},
+            {"layers": 2, "is_draft": True, "draft_rule": "DRAFT_RULE_TRAILING_LAYER"},
+        ],
+    },
+)
+scenario(
+    "release-kvplan-marker-first",
+    "kvplan's own rules: the spec marker decides, the trailing rule is not consulted",
+    marked_hybrid_request(),
+    {
+        "rule_set": "kvplan",
+        "groups": [
+            {"layers": 2, "is_draft": True, "draft_rule": "DRAFT_RULE_SPEC_MARKER"},
+            {"layers": 2, "is_draft": False},
+        ],
+    },
+)
+
+# Two stages: full attention on stage 0, sliding window on stage 1; the last
+# registered layer (stage 1's) puts the sliding-window group under the drop.
+_STAGES = request(
+    [
+        worker(0, [layer(f"model.layers.{i}.attn", full()) for i in range(2)], GIB),
+        worker(1, [layer(f"model.layers.{i}.attn", sw(1024)) for i in range(2, 4)], GIB),
+    ],
+    parallel={"pipeline_parallel_size": 2},
+    spec_decode=MTP,
+)
+scenario(
+    "release-0.32-pp-flag-dropped-off-stage",
+    "vLLM 0.32: a stage holding none of a draft group's layers sees it unflagged",
+    for_release(_STAGES, "vllm-0.32"),
+    {
+        "flagged_groups": 1,
+        "flagged_contains": "model.layers.3.attn",
+        "projected_draft": {"0": [False, False], "1": [False, True]},
+    },
+)
+_STAGES_MARKED = json.loads(json.dumps(_STAGES))
+_STAGES_MARKED["workers"][1]["layers"][1]["is_draft"] = True
+scenario(
+    "release-0.33-pp-flag-kept-off-stage",
+    "vLLM 0.33: the flag survives on a stage holding none of the group's layers",
+    for_release(_STAGES_MARKED, "vllm-0.33"),
+    {"flagged_groups": 1, "projected_draft": {"0": [False, True], "1": [False, True]}},
+)
+
+# Mixed pages on a layout that cannot express them, and far too little memory.
+_MISLAID_AND_SHORT = request(
+    [worker(0, [layer("a", full()), layer("b", full(4))], 1 * MIB)],
+    layout="KV_CACHE_LAYOUT_LHBNC",
+)
+scenario(
+    "release-0.32-memory-checked-before-layout",
+    "vLLM 0.32 validates the layout after the memory checks",
+    for_release(_MISLAID_AND_SHORT, "vllm-0.32"),
+    {"error": {"code": "RESOURCE_EXHAUSTED"}},
+)
+scenario(
+    "release-0.33-layout-checked-first",
+    "vLLM 0.33 validates the layout before the memory checks",
+    for_release(_MISLAID_AND_SHORT, "vllm-0.33"),
+    {"error": {"code": "FAILED_PRECONDITION", "contains": ["LHBNC"]}},
+)
+
+scenario(
+    "release-0.34-default-block-size-64",
+    "vLLM 0.34: CacheConfig.DEFAULT_BLOCK_SIZE is 64",
+    for_release(request([worker(0, llama_layers(), 54 * GIB)]), "vllm-0.34"),
+    {
+        "rule_set": "vllm-0.34",
+        "groups": [{"layers": 32, "block_size": 64}],
+        "num_blocks": 54 * GIB // (4 * LLAMA_BPB),
+    },
+)
+# MLA pages of 16,384 bytes next to sliding-window MLA pages of 18,432 bytes: the
+# smaller does not divide the larger and MLA pages cannot be padded.
+_MLA_SW_MLA = request(
+    [worker(0, [layer("mla.0", mla(512)), layer("swmla.0", sw_mla(256))], GIB)],
+    block_size=16,
+)
+scenario(
+    "release-0.33-sw-mla-no-fallback",
+    "vLLM 0.33: the full-allocation fallback refuses sliding-window MLA",
+    for_release(_MLA_SW_MLA, "vllm-0.33"),
+    {"error": {"code": "FAILED_PRECONDITION"}},
+)
+scenario(
+    "release-0.34-sw-mla-fallback",
+    "vLLM 0.34: the fallback admits sliding-window MLA (one uniform-type group)",
+    for_release(_MLA_SW_MLA, "vllm-0.34"),
+    {
+        "grouping_path": "GROUPING_PATH_FULL_ALLOCATION_FALLBACK",
+        "groups": [{"layers": 2, "uniform_type": True}],
+        "warnings": ["WARNING_CODE_FULL_ALLOCATION_FALLBACK"],
+        "workers": [{"bytes_per_block": 16 * 512 * 2 + 16 * 576 * 2}],
+    },
+)
+_MLA_SW_MLA_NO_HYBRID = for_release(_MLA_SW_MLA, "vllm-0.34")
+_MLA_SW_MLA_NO_HYBRID["options"]["disable_hybrid_kv_cache_manager"] = True
+scenario(
+    "release-0.34-sw-mla-promoted",
+    "vLLM 0.34: promotion drops bounded_replay, so SW-MLA becomes MLA",
+    _MLA_SW_MLA_NO_HYBRID,
+    {
+        "local_attention_promoted": True,
+        "groups": [{"layers": 2, "uniform_type": True}],
+        "warnings": ["WARNING_CODE_HYBRID_MANAGER_DISABLED"],
+    },
+)
+scenario(
+    "release-0.33-sw-mla-promotion-fails",
+    "vLLM 0.33: promoting SW-MLA fails (its bounded_replay has no MLA counterpart)",
+    for_release(_MLA_SW_MLA_NO_HYBRID, "vllm-0.33"),
+    {"error": {"code": "FAILED_PRECONDITION"}},
+)
+
+
+def sw_mla_quant_request(engine_version: str) -> Json:
+    layers = [layer(f"swmla.{i}", sw_mla(256)) for i in range(2)]
+    layers[1]["sliding_window_mla"]["attention"]["kv_quant_mode"] = "KV_QUANT_MODE_FP8_PER_TENSOR"
+    return for_release(request([worker(0, layers, GIB)]), engine_version)
+
+
+scenario(
+    "release-0.33-sw-mla-merge-ignores-quant-mode",
+    "vLLM 0.33: sliding-window MLA layers of two quant modes merge into one spec",
+    sw_mla_quant_request("vllm-0.33"),
+    {"grouping_path": "GROUPING_PATH_UNIFORM_SPEC", "groups": [{"uniform_type": False}]},
+)
+scenario(
+    "release-0.34-sw-mla-merge-needs-one-quant-mode",
+    "vLLM 0.34: sliding-window MLA merges need one KV quant mode (uniform type instead)",
+    sw_mla_quant_request("vllm-0.34"),
+    {"grouping_path": "GROUPING_PATH_UNIFORM_TYPE", "groups": [{"uniform_type": True}]},
+)
+
+
+def async_pp_request(engine_version: str) -> Json:
+    layers = [layer(f"l.{i}", full() if i % 2 else sw(4096)) for i in range(4)]
+    req = request(
+        [worker(0, layers, GIB)],
+        max_model_len=65_536,
+        block_size=16,
+        async_scheduling=True,
+        parallel={"pipeline_parallel_size": 2},
+    )
+    return for_release(req, engine_version)
+
+
+# One sliding-window block table row: the window plus every in-flight batch's tokens.
+SW_PAGE = LLAMA_PAGE
+for version, batches in (("vllm-0.33", 2), ("vllm-0.34", 3)):
+    scenario(
+        f"release-{version.removeprefix('vllm-')}-async-pp-in-flight",
+        f"{version}: async scheduling with pp=2 keeps {batches} batches in flight "
+        "(0.33's V1 runner: pp; 0.34 has only V2: pp + 1)",
+        async_pp_request(version),
+        {
+            "blocks_per_request": cdiv(65_536, 16)
+            + cdiv(min(4095 + batches * 8192, 65_536), 16)
+            + 1,
+        },
+    )
+
+
 def main() -> None:
     SCENARIO_DIR.mkdir(exist_ok=True)
     for old in SCENARIO_DIR.glob("*.json"):

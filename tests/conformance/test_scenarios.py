@@ -75,7 +75,9 @@ def _check_plan(response: plan_pb2.PlanResponse, expect: Json) -> None:
     flagged = [group for group in response.groups if group.is_draft]
     first_worker = response.workers[0]
     for key, value in expect.items():
-        if key == "grouping_path":
+        if key == "rule_set":
+            assert response.rule_set == value
+        elif key == "grouping_path":
             assert _enum_name(diagnostics, "grouping_path") == value
         elif key in ("page_sizes_unified", "local_attention_promoted"):
             assert getattr(diagnostics, key) == value
