@@ -1138,7 +1138,7 @@ scenario(
 
 # --- engine releases: the same engine under each rule set (options.engine_version) ---
 def for_release(req: Json, engine_version: str) -> Json:
-    out = json.loads(json.dumps(req))
+    out: Json = json.loads(json.dumps(req))
     out["options"]["engine_version"] = engine_version
     return out
 
@@ -1274,7 +1274,7 @@ scenario(
         "projected_draft": {"0": [False, False], "1": [False, True]},
     },
 )
-_STAGES_MARKED = json.loads(json.dumps(_STAGES))
+_STAGES_MARKED: Json = json.loads(json.dumps(_STAGES))
 _STAGES_MARKED["workers"][1]["layers"][1]["is_draft"] = True
 scenario(
     "release-0.33-pp-flag-kept-off-stage",
