@@ -408,18 +408,34 @@ def for_release(request: plan_pb2.PlanRequest, engine_version: str) -> plan_pb2.
     """The request as the installed release can express it: fields it lacks are
     cleared (kvplan answers INVALID_ARGUMENT for them under that rule set, which
     tests/test_rule_sets.py checks), and kvplan is told the rule set to use."""
-    from conformance.vllm_driver import HAS_IS_DRAFT, HAS_TOPK_BUFFER_WIDTH
+    from conformance import vllm_driver as driver
 
     adapted = plan_pb2.PlanRequest()
     adapted.CopyFrom(request)
     adapted.options.engine_version = engine_version
+    if not driver.HAS_EXTENSIBLE_KV_CACHE:
+        adapted.options.ClearField("extensible_kv_cache")
     for worker in adapted.workers:
+        if not driver.HAS_EXTENSIBLE_KV_CACHE:
+            worker.memory.ClearField("measured_kv_cache_bytes")
+            worker.memory.ClearField("allocation_granule_bytes")
         for layer in worker.layers:
-            if not HAS_IS_DRAFT:
+            if not driver.HAS_IS_DRAFT:
                 layer.is_draft = False
             kind = layer.WhichOneof("kind")
-            if not HAS_TOPK_BUFFER_WIDTH and kind in ("mla_attention", "hidden_state_cache"):
-                getattr(layer, kind).mla.ClearField("topk_buffer_width")
+            if kind is None:
+                continue
+            body = getattr(layer, kind)
+            if not driver.HAS_TOPK_BUFFER_WIDTH and kind in ("mla_attention", "hidden_state_cache"):
+                body.mla.ClearField("topk_buffer_width")
+            if kind == "mamba":
+                if not driver.HAS_STATE_ALIGNMENT:
+                    body.ClearField("state_alignment_bytes")
+                continue
+            if not driver.HAS_KV_HEAD_MAJOR_SLOTS:
+                body.attention.kv_head_major_slots = False
+            if kind == "sliding_window_mla" and not driver.HAS_SW_MLA_SPEC_MARKER:
+                body.non_causal_multi_token_decode = False
     return adapted
 
 
@@ -472,6 +488,23 @@ def drop_phantom_tensors(v: Json, request: plan_pb2.PlanRequest) -> Json | None:
         dropped |= len(tensors) != len(worker["tensors"])
         workers.append({**worker, "tensors": tensors})
     return {**v, "workers": workers} if dropped else None
+
+
+def vllm_digest(v: Json) -> str:
+    """A short fingerprint of the compared part of vLLM's answer, so answers of two
+    releases can be told apart (conformance/summary.py counts the differences)."""
+    import hashlib
+
+    error = v.get("error") or {}
+    kind = error_class(v, "vllm")
+    core = {
+        "error": [kind, _memory_numbers(error.get("message", ""))] if kind != "ok" else None,
+        "groups": v.get("groups") if kind == "ok" else None,
+        "plan": [v.get(key) for key in ("max_model_len", "num_blocks", "workers", "capacity")],
+        "padding": v.get("padding"),
+        "warnings": sorted({w["code"] for w in v.get("warnings", [])} & set(COMPARED_WARNINGS)),
+    }
+    return hashlib.sha256(json.dumps(core, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def summarize(outcomes: list[Outcome]) -> list[Json]:
@@ -600,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "meta": meta,
         "summary": summary,
+        "vllm_digests": {o.case.id: vllm_digest(o.vllm) for o in outcomes},
         "outcomes": [
             o.to_json(args.verbose_json or o.status == "disagree")
             for o in outcomes

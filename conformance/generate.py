@@ -2485,6 +2485,211 @@ def _fuzz_worker(c: Cases, own: list[Layer], utilization_mode: bool) -> W:
     return W(own, c.pick([16 * MIB, 256 * MIB, GIB, 3 * GIB + 12345, 20 * GIB, 60 * GIB]))
 
 
+def _with_release_options(
+    req: plan_pb2.PlanRequest,
+    *,
+    extensible: bool | None = None,
+    measured: list[int] | None = None,
+    granule: int | None = None,
+) -> plan_pb2.PlanRequest:
+    """0.34-only request fields (the comparison clears them for older releases)."""
+    if extensible is not None:
+        req.options.extensible_kv_cache = extensible
+    for index, worker in enumerate(req.workers):
+        if measured is not None:
+            worker.memory.measured_kv_cache_bytes = measured[index]
+        if granule is not None:
+            worker.memory.allocation_granule_bytes = granule
+    return req
+
+
+def _releases(c: Cases) -> None:
+    """Engines that reach every rule that differs between vLLM 0.32, 0.33 and 0.34:
+    the draft rules on every path (is_draft, spec marker, trailing layer, gate,
+    warning, flags on stages without the group's layers), the layout-check order,
+    the default block size, SW-MLA fallback / promotion / merge, in-flight
+    batches, kv_head_major_slots, Mamba state alignment and the extensible cache."""
+    rng = c.rng
+    methods = ("eagle", "eagle3", "mtp", "dspark", "dflash", "ngram")
+
+    # Draft rules on the uniform, uniform-type, hybrid and packed paths, with and
+    # without is_draft / the spec marker, the drop on or off, one or two stages.
+    for index in range(60):
+        path = rng.choice(("uniform", "uniform_type", "hybrid", "hybrid_mla", "packed", "qwen"))
+        method = rng.choice(methods)
+        draft_at = rng.choice((None, "last", "first"))
+        kw: dict[str, Any] = {}
+        if path == "uniform":
+            layers = [*llama(rng.choice((2, 4, 6)), 8, 64), full("mtp.0.attn", 8, 64)]
+        elif path == "uniform_type":
+            layers = [*llama(4, 8, 64), full("mtp.0.attn", 4, 64)]
+        elif path == "hybrid":
+            layers = pattern(6, lambda i: i % 2 == 1, lambda name: sw(name, 1024, 8, 64))
+            layers.append(rng.choice((full, lambda n, h, d: sw(n, 1024, h, d)))("mtp.0", 8, 64))
+        elif path == "hybrid_mla":
+            layers = [mla(f"mla.{i}", 512, marker=rng.random() < 0.3) for i in range(2)]
+            layers += [sw(f"sw.{i}", 1024) for i in range(2)]
+            if rng.random() < 0.5:
+                layers.append(mla("mtp.0", 512, marker=rng.random() < 0.5))
+        elif path == "packed":
+            layers = dsv4_packed(rng.choice((4, 8)), mtp=rng.random() < 0.5)
+            if rng.random() < 0.4:
+                layers[
+                    rng.randrange(len(layers))
+                ].mla_attention.non_causal_multi_token_decode = True
+            kw.update(layout="BLHNC", block_size=64)
+        else:
+            layers = qwen35()
+            kw.update(mamba_align=True)
+        if draft_at == "last":
+            layers[-1].is_draft = True
+        elif draft_at == "first":
+            layers[0].is_draft = True
+        stages = 2 if path in ("hybrid", "uniform") and rng.random() < 0.4 else 1
+        if stages == 2:
+            cut = len(layers) // 2
+            workers = [W(layers[:cut], kv_bytes=GIB), W(layers[cut:], kv_bytes=GIB)]
+            kw["pp"] = 2
+        else:
+            workers = [W(layers, kv_bytes=GIB)]
+        req = request(
+            workers,
+            method=method,
+            target_model_type=rng.choice(("", "deepseek_v4", "deepseek_v41", "qwen3_5")),
+            disable_block_drop=rng.random() < 0.2,
+            **kw,
+        )
+        c.add("releases", f"draft-{index:02d}-{path}-{method}", f"draft rules, {path}", req)
+
+    # A layout that cannot express mixed pages, with and without enough memory.
+    for index, kv in enumerate((1 << 20, 64 << 20, GIB)):
+        for layout in ("LHBNC", "BHLNC"):
+            req = request(W([full("a", 8, 128), full("b", 4, 128)], kv_bytes=kv), layout=layout)
+            c.add("releases", f"layout-order-{layout}-{index}", "layout vs memory order", req)
+
+    # Default block size (unset), async scheduling with pipeline stages, V1 / V2.
+    for index in range(8):
+        layers = pattern(8, lambda i: i % 4 == 3, lambda name: sw(name, rng.choice((512, 4096))))
+        req = request(
+            W(layers, kv_bytes=rng.choice((GIB, 4 * GIB))),
+            max_model_len=rng.choice((8192, 65_536)),
+            async_scheduling=rng.random() < 0.8,
+            pp=rng.choice((1, 2, 3)),
+            v2_runner=rng.random() < 0.5,
+            batched=rng.choice((0, 2048)),
+        )
+        c.add("releases", f"in-flight-{index}", "default block size, in-flight batches", req)
+
+    # Sliding-window MLA next to MLA: fallback, promotion, merge of quant / alignment.
+    for index in range(16):
+        mla_head, sw_head = rng.choice(((512, 576), (576, 512), (576, 576), (512, 512)))
+        quant = rng.choice((0, 0, 1))
+        alignment = rng.choice((None, None, 4096))
+        layers = [mla(f"mla.{i}", mla_head) for i in range(rng.choice((1, 2)))]
+        for i in range(rng.choice((1, 2, 3))):
+            layer = sw_mla(
+                f"swmla.{i}",
+                256,
+                sw_head,
+                a={"quant": quant if i else 0},
+                alignment=alignment if i else None,
+                bounded_replay=rng.random() < 0.3,
+            )
+            layer.sliding_window_mla.non_causal_multi_token_decode = rng.random() < 0.3
+            layers.append(layer)
+        if rng.random() < 0.3:
+            layers = layers[len(layers) // 2 :]  # sometimes SW-MLA only
+        req = request(
+            W(layers, kv_bytes=GIB),
+            block_size=16,
+            disable_hybrid=rng.random() < 0.4,
+            method=rng.choice(("none", "dspark")),
+        )
+        c.add("releases", f"sw-mla-{index:02d}", "SW-MLA fallback / promotion / merge", req)
+
+    # kv_head_major_slots (own tensor entries) and Mamba state alignment.
+    for index in range(10):
+        layers = llama(4, 8, 64, a={"slots": 16, "content": 128})
+        for i in rng.sample(range(4), rng.choice((1, 2))):
+            layers[i].full_attention.attention.kv_head_major_slots = True
+        if rng.random() < 0.5:
+            for i in range(3):
+                layer = mamba(f"mamba.{i}", [([3, 130], "bf16"), ([4, 30, 30], "fp32")])
+                if rng.random() < 0.7:
+                    layer.mamba.state_alignment_bytes = rng.choice((256, 4096))
+                layers.append(layer)
+        req = request(
+            W(layers, kv_bytes=GIB),
+            layout=rng.choice(("LBNHC", "BLHNC")),
+            mamba_align=True,
+        )
+        c.add("releases", f"slots-alignment-{index}", "kv_head_major_slots, state alignment", req)
+
+    # The extensible cache: reservations (utilization 1.0 by default) and final
+    # plans from measured KV bytes, over layouts, granules, stages and auto-fit.
+    for index in range(40):
+        shape = rng.choice(("llama", "hybrid", "mamba", "mla"))
+        if shape == "llama":
+            layers = llama(rng.choice((4, 16, 32)), 8, 128)
+        elif shape == "hybrid":
+            layers = pattern(8, lambda i: i % 2 == 1, lambda name: sw(name, 2048))
+        elif shape == "mamba":
+            layers = [
+                full(f"model.layers.{i}.attn", 2, 256)
+                if i % 4 == 3
+                else mamba(f"model.layers.{i}.mamba", [([3, 2048], "bf16"), ([8, 64, 64], "fp32")])
+                for i in range(8)
+            ]
+        else:
+            layers = [mla(f"mla.{i}", 576) for i in range(6)]
+        stages = rng.choice((1, 1, 2))
+        utilization_mode = rng.random() < 0.5
+        cut = len(layers) // stages
+        parts = [
+            layers[i * cut : (i + 1) * cut] if i < stages - 1 else layers[i * cut :]
+            for i in range(stages)
+        ]
+        workers = [
+            W(
+                part,
+                total=rng.choice((24, 80)) * GIB,
+                utilization=rng.choice((None, 0.9)),
+                non_kv=(rng.choice((2, 8)) * GIB, GIB, 0, 0),
+            )
+            if utilization_mode
+            else W(part, kv_bytes=rng.choice((256 << 20, 2 * GIB, 40 * GIB)))
+            for part in parts
+        ]
+        auto_fit = rng.random() < 0.3
+        req = request(
+            workers,
+            max_model_len=-1 if auto_fit else rng.choice((8192, 131_072)),
+            derived=rng.choice((32_768, 1_048_576)) if auto_fit else None,
+            layout=rng.choice(("LBNHC", "LBNHC", "BLHNC", "LBHNC", "LHBNC")),
+            pp=stages if stages > 1 else 0,
+            mamba_align=shape == "mamba",
+        )
+        final = rng.random() < 0.75
+        measured = None
+        if final:
+            measured = [
+                rng.choice((64 << 20, 700 << 20, 3 * GIB, 30 * GIB, 100 * GIB))
+                + rng.randrange(1 << 20)
+                for _ in workers
+            ]
+        _with_release_options(
+            req,
+            extensible=rng.choice((None, None, True, False)),
+            measured=measured,
+            granule=rng.choice((None, 64 << 10, 2 << 20)),
+        )
+        if not req.options.extensible_kv_cache and req.options.HasField("extensible_kv_cache"):
+            for worker in req.workers:  # measured bytes belong to an extensible cache
+                worker.memory.ClearField("measured_kv_cache_bytes")
+                worker.memory.ClearField("allocation_granule_bytes")
+        c.add("releases", f"extensible-{index:02d}-{shape}", "extensible KV cache", req)
+
+
 SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _reference,
     _uniform,
@@ -2502,6 +2707,7 @@ SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _mamba,
     _kinds,
     _fuzz,
+    _releases,
     _scenario_files,
 )
 

@@ -33,6 +33,33 @@ def main() -> int:
             f"| {overall['deviation']} | {overall['disagree']} | {meta['seconds']:.1f} "
             f"| [{path.stem}.md](reports/{path.stem}.md) |"
         )
+    lines += [
+        "",
+        "## How often the releases answer differently",
+        "",
+        "Cases whose vLLM answers (groups, flags, blocks, tensors, lengths, warnings, error",
+        "class and numbers) differ between two releases, per generator category: the",
+        "generator reaches the rules that differ.",
+        "",
+    ]
+    digests = {
+        json.loads(path.read_text())["meta"]["vllm"]: json.loads(path.read_text()).get(
+            "vllm_digests", {}
+        )
+        for path in reports
+    }
+    versions = sorted(digests)
+    for first, second in zip(versions, versions[1:], strict=False):
+        common = set(digests[first]) & set(digests[second])
+        differ = [case for case in common if digests[first][case] != digests[second][case]]
+        by_category: dict[str, int] = {}
+        for case in differ:
+            category = case.split("/", 1)[0]
+            by_category[category] = by_category.get(category, 0) + 1
+        detail = ", ".join(f"{name} {count}" for name, count in sorted(by_category.items()))
+        lines.append(
+            f"- vLLM {first} vs {second}: {len(differ)} of {len(common)} cases differ ({detail})"
+        )
     deviations: dict[str, int] = {}
     for path in reports:
         for outcome in json.loads(path.read_text())["outcomes"]:

@@ -84,6 +84,25 @@ DEFAULT_BLOCK_SIZE: int = CacheConfig.DEFAULT_BLOCK_SIZE
 _SPEC_FIELDS = {f.name for f in dataclass_fields(MLAAttentionSpec)}
 HAS_IS_DRAFT = "is_draft" in _SPEC_FIELDS
 HAS_TOPK_BUFFER_WIDTH = "topk_buffer_width" in _SPEC_FIELDS
+_ATTENTION_FIELDS = {f.name for f in dataclass_fields(FullAttentionSpec)}
+HAS_KV_HEAD_MAJOR_SLOTS = "kv_head_major_slots" in _ATTENTION_FIELDS
+HAS_SW_MLA_SPEC_MARKER = "non_causal_multi_token_decode" in {
+    f.name for f in dataclass_fields(SlidingWindowMLASpec)
+}
+HAS_STATE_ALIGNMENT = "state_alignment" in {f.name for f in dataclass_fields(MambaSpec)}
+# vLLM 0.34's extensible KV cache (on by default on CUDA/ROCm).
+HAS_EXTENSIBLE_KV_CACHE = _planning is not None and hasattr(
+    _planning, "finalize_extensible_kv_cache"
+)
+DEFAULT_ALLOCATION_GRANULE_BYTES = 2 << 20
+
+
+def extensible(options: plan_pb2.EngineOptions) -> bool:
+    if not HAS_EXTENSIBLE_KV_CACHE:
+        return False
+    return options.extensible_kv_cache if options.HasField("extensible_kv_cache") else True
+
+
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 
@@ -309,6 +328,8 @@ def _attention_kwargs(params: spec_pb2.AttentionParams, ctx: _LayerContext, mla:
         kwargs["state_content_bytes"] = params.state_content_bytes
     if params.HasField("max_tp_shards"):
         kwargs["max_tp_shards"] = params.max_tp_shards
+    if HAS_KV_HEAD_MAJOR_SLOTS:
+        kwargs["kv_head_major_slots"] = params.kv_head_major_slots
     return kwargs
 
 
@@ -362,6 +383,8 @@ def build_layer_spec(layer: spec_pb2.LayerSpec, ctx: _LayerContext) -> KVCacheSp
             kwargs["page_size_padded"] = body.page_size_padded_bytes
         if body.HasField("prefill_checkpoint_alignment"):
             kwargs["prefill_checkpoint_alignment"] = body.prefill_checkpoint_alignment
+        if HAS_STATE_ALIGNMENT and body.HasField("state_alignment_bytes"):
+            kwargs["state_alignment"] = body.state_alignment_bytes
         return MambaSpec(**kwargs)
     common = _common_kwargs(layer, ctx.block_size)
     if kind == "full_attention":
@@ -399,6 +422,11 @@ def build_layer_spec(layer: spec_pb2.LayerSpec, ctx: _LayerContext) -> KVCacheSp
             **_mla_kwargs(sm.mla, with_topk=False),
             sliding_window=sm.sliding_window,
             bounded_replay=sm.bounded_replay,
+            **(
+                {"non_causal_multi_token_decode": sm.non_causal_multi_token_decode}
+                if HAS_SW_MLA_SPEC_MARKER
+                else {}
+            ),
         )
     if kind == "chunked_local_attention":
         c = layer.chunked_local_attention
@@ -448,10 +476,45 @@ class VllmInputs:
     available_memory: list[int]
     ranks: list[int]
     encoder_only: list[list[str]] = field(default_factory=list)
+    # Extensible cache after warm-up: (measured KV bytes, granule) per worker.
+    measured: list[tuple[int, int]] | None = None
 
 
-def available_kv_memory(worker: plan_pb2.WorkerSpec, table: dict[str, int] | None = None) -> int:
-    """The per-worker KV budget handed to get_kv_cache_configs (kvplan's rule)."""
+def _measured_blocks(config: KVCacheConfig, layout: Any, measured: int, granule: int) -> int:
+    """What vLLM 0.34's worker measures: ExtensibleKVCache's own segment and
+    fitting rules over the granule-padded reservation (no device needed)."""
+    from vllm.v1.worker.extensible_kv_cache import ExtensibleKVCache, pad_kv_cache_segments
+
+    padded = pad_kv_cache_segments(config, layout, granule)
+    tensors = [t for t in padded.kv_cache_tensors if not t.host_resident]
+    cache = object.__new__(ExtensibleKVCache)
+    cache.size = tensors[0].size
+    cache.capacity_blocks = padded.num_blocks
+    cache._is_block_outermost = layout.is_block_outermost
+    cache.segment_offsets, cache.segment_strides = cache._segments(tensors, layout)
+    cache.bytes_per_block = sum(cache.segment_strides)
+    cache.buffer = SimpleNamespace(granularity=granule)  # type: ignore[assignment]
+    return int(cache.blocks_within(measured))
+
+
+def _finalize_extensible(inputs: VllmInputs, configs: list[KVCacheConfig]) -> None:
+    assert _planning is not None and inputs.measured is not None
+    cfg = inputs.config
+    layout = cfg.cache_config.get_resolved_kv_cache_layout()
+    times = [
+        SimpleNamespace(num_kv_blocks=_measured_blocks(config, layout, measured, granule))
+        for config, (measured, granule) in zip(configs, inputs.measured, strict=True)
+        if config.kv_cache_groups
+    ]
+    scheduler = generate_scheduler_kv_cache_config(configs)
+    _planning.finalize_extensible_kv_cache(cfg, configs, scheduler, times)
+
+
+def available_kv_memory(
+    worker: plan_pb2.WorkerSpec, table: dict[str, int] | None = None, *, extensible: bool = False
+) -> int:
+    """The per-worker KV budget handed to get_kv_cache_configs (kvplan's rule); an
+    extensible cache reserves at utilization 1.0 unless told otherwise."""
     memory = worker.memory
     if memory.WhichOneof("budget") == "kv_cache_memory_bytes":
         return int(memory.kv_cache_memory_bytes)
@@ -460,7 +523,8 @@ def available_kv_memory(worker: plan_pb2.WorkerSpec, table: dict[str, int] | Non
         total = {k.lower(): v for k, v in table.items()}.get(worker.device.name.lower(), 0)
     if not total:
         raise ValueError(f"worker rank {worker.rank}: unknown device total memory")
-    utilization = memory.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    default = 1.0 if extensible else DEFAULT_GPU_MEMORY_UTILIZATION
+    utilization = memory.gpu_memory_utilization or default
     if worker.device.HasField("free_memory_bytes"):
         # The worker's start-up check (vLLM's own request_memory).
         from vllm.v1.worker.utils import request_memory
@@ -475,8 +539,7 @@ def available_kv_memory(worker: plan_pb2.WorkerSpec, table: dict[str, int] | Non
             SimpleNamespace(
                 gpu_memory_utilization=utilization,
                 resolved_gpu_memory_utilization=utilization,
-                # kvplan's vllm-0.34 rule set plans the classic (non-extensible) cache.
-                enable_extensible_kv_cache=False,
+                enable_extensible_kv_cache=extensible,
             ),
         )
     non_kv = memory.non_kv
@@ -574,11 +637,30 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         specs.append(one)
         encoder_only.append(skipped)
     has_kv_cache = any(specs)
-    memory = [available_kv_memory(w, table) if has_kv_cache else 0 for w in workers]
+    is_extensible = extensible(o)
+    if HAS_EXTENSIBLE_KV_CACHE:
+        cache_config.enable_extensible_kv_cache = is_extensible
+    memory = [
+        available_kv_memory(w, table, extensible=is_extensible) if has_kv_cache else 0
+        for w in workers
+    ]
     # The engine core turns prefix caching off for non-causal layers.
     if any(getattr(s, "non_causal", False) for one in specs for s in one.values()):
         cache_config.enable_prefix_caching = False
-    return VllmInputs(config, specs, memory, [w.rank for w in workers], encoder_only)
+    measured = None
+    if (
+        is_extensible
+        and workers
+        and all(w.memory.HasField("measured_kv_cache_bytes") for w in workers)
+    ):
+        measured = [
+            (
+                int(w.memory.measured_kv_cache_bytes),
+                int(w.memory.allocation_granule_bytes or DEFAULT_ALLOCATION_GRANULE_BYTES),
+            )
+            for w in workers
+        ]
+    return VllmInputs(config, specs, memory, [w.rank for w in workers], encoder_only, measured)
 
 
 # --- normalised output ---------------------------------------------------------------
@@ -628,6 +710,9 @@ def _plan_groups_and_configs(
         result["groups"] = [_group_dict(g) for g in groups]
         result["stage"] = "configs"
         configs = _planning.get_kv_cache_configs(cfg, inputs.specs, inputs.available_memory, groups)
+        if inputs.measured is not None:
+            result["stage"] = "finalize"
+            _finalize_extensible(inputs, configs)
         return groups, configs
     # 0.32 groups inside get_kv_cache_configs: observe its one grouping call.
     seen: list[list[KVCacheGroupSpec]] = []

@@ -29,8 +29,14 @@ from kvplan.core.request import (
     SpecDecode,
     WorkerInput,
 )
+from kvplan.core.extensible import DEFAULT_ALLOCATION_GRANULE_BYTES
 from kvplan.core.rules import (
+    FIELD_EXTENSIBLE_KV_CACHE,
     FIELD_IS_DRAFT,
+    FIELD_KV_HEAD_MAJOR_SLOTS,
+    FIELD_MEASURED_KV_BYTES,
+    FIELD_STATE_ALIGNMENT,
+    FIELD_SW_MLA_SPEC_MARKER,
     FIELD_TOPK_BUFFER_WIDTH,
     RuleSet,
     rule_set_for,
@@ -137,6 +143,7 @@ def _attention_kwargs(
         "dtype": _STORAGE.get(params.dtype, ctx.cache_dtype),
         "kv_quant_mode": int(params.kv_quant_mode),
         "dcp_sharded": params.dcp_sharded if params.HasField("dcp_sharded") else True,
+        "kv_head_major_slots": params.kv_head_major_slots,
     }
     if params.HasField("head_size_v"):
         if mla_family and params.head_size_v != 0:
@@ -209,6 +216,12 @@ def _release_fields_set(layer: spec_pb2.LayerSpec, kind: str, body: Any) -> list
         found.append((FIELD_IS_DRAFT, "is_draft"))
     if kind in ("mla_attention", "hidden_state_cache") and body.mla.HasField("topk_buffer_width"):
         found.append((FIELD_TOPK_BUFFER_WIDTH, f"{kind}.mla.topk_buffer_width"))
+    if kind != "mamba" and body.attention.kv_head_major_slots:
+        found.append((FIELD_KV_HEAD_MAJOR_SLOTS, f"{kind}.attention.kv_head_major_slots"))
+    if kind == "sliding_window_mla" and body.non_causal_multi_token_decode:
+        found.append((FIELD_SW_MLA_SPEC_MARKER, f"{kind}.non_causal_multi_token_decode"))
+    if kind == "mamba" and body.HasField("state_alignment_bytes"):
+        found.append((FIELD_STATE_ALIGNMENT, f"{kind}.state_alignment_bytes"))
     return found
 
 
@@ -294,6 +307,7 @@ def layer_from_proto(layer: spec_pb2.LayerSpec, path: str, ctx: _Context) -> KVC
                 **_mla_kwargs(body.mla),
                 sliding_window=window,
                 bounded_replay=body.bounded_replay,
+                non_causal_multi_token_decode=body.non_causal_multi_token_decode,
             )
         if kind == "chunked_local_attention":
             chunk = _require(
@@ -349,7 +363,14 @@ def _mamba_from_proto(body: spec_pb2.MambaSpec, path: str, common: dict[str, Any
         )
     if body.HasField("prefill_checkpoint_alignment"):
         kwargs["prefill_checkpoint_alignment"] = body.prefill_checkpoint_alignment
-    return MambaSpec(**kwargs)
+    if body.HasField("state_alignment_bytes"):
+        kwargs["state_alignment"] = _require(
+            body.state_alignment_bytes, f"{path}.state_alignment_bytes", "state_alignment_bytes"
+        )
+    try:
+        return MambaSpec(**kwargs)
+    except InvalidRequest as error:
+        raise InvalidRequest(error.message, field=f"{path}.page_size_padded_bytes") from error
 
 
 def _options_from_proto(options: plan_pb2.EngineOptions, rules: RuleSet) -> EngineOptions:
@@ -399,6 +420,11 @@ def _options_from_proto(options: plan_pb2.EngineOptions, rules: RuleSet) -> Engi
         ),
         prefix_match_unit=(
             options.prefix_match_unit if options.HasField("prefix_match_unit") else None
+        ),
+        extensible_kv_cache=(
+            options.extensible_kv_cache
+            if options.HasField("extensible_kv_cache")
+            else rules.extensible_kv_cache
         ),
     )
 
@@ -463,6 +489,14 @@ def _worker_from_proto(
                 cuda_graph_bytes=non_kv.cuda_graph_bytes,
             ),
             device_bytes_in_use=memory.device_bytes_in_use,
+            measured_kv_cache_bytes=(
+                memory.measured_kv_cache_bytes
+                if memory.HasField("measured_kv_cache_bytes")
+                else None
+            ),
+            allocation_granule_bytes=(
+                memory.allocation_granule_bytes or DEFAULT_ALLOCATION_GRANULE_BYTES
+            ),
         ),
         device=DeviceInfo(
             uuid=device.uuid,
@@ -528,10 +562,52 @@ def _layers_from_proto(
     return result
 
 
+def _check_release_request_fields(message: plan_pb2.PlanRequest, rules: RuleSet) -> None:
+    """Engine- and worker-level fields only some releases have; measured KV bytes
+    belong to an extensible cache and are given by every worker or none."""
+    options = message.options
+    if options.HasField("extensible_kv_cache") and not rules.has_field(FIELD_EXTENSIBLE_KV_CACHE):
+        raise rules.unsupported_field(FIELD_EXTENSIBLE_KV_CACHE, "options.extensible_kv_cache")
+    extensible = (
+        options.extensible_kv_cache
+        if options.HasField("extensible_kv_cache")
+        else rules.extensible_kv_cache
+    )
+    measured = [w.memory.HasField("measured_kv_cache_bytes") for w in message.workers]
+    for index, worker in enumerate(message.workers):
+        memory = worker.memory
+        for name in ("measured_kv_cache_bytes", "allocation_granule_bytes"):
+            if not memory.HasField(name):
+                continue
+            path = f"workers[{index}].memory.{name}"
+            if not rules.has_field(FIELD_MEASURED_KV_BYTES):
+                raise rules.unsupported_field(FIELD_MEASURED_KV_BYTES, path)
+            if not extensible:
+                raise InvalidRequest(
+                    f"{name} applies to the extensible KV cache, which this request "
+                    "turns off (options.extensible_kv_cache = false)",
+                    field=path,
+                )
+        if memory.HasField("allocation_granule_bytes"):
+            _require(
+                memory.allocation_granule_bytes,
+                f"workers[{index}].memory.allocation_granule_bytes",
+                "allocation_granule_bytes",
+            )
+    if any(measured) and not all(measured):
+        index = measured.index(False)
+        raise InvalidRequest(
+            "the final extensible plan needs measured_kv_cache_bytes from every worker "
+            "(or from none, for the reservation)",
+            field=f"workers[{index}].memory.measured_kv_cache_bytes",
+        )
+
+
 def request_from_proto(
     message: plan_pb2.PlanRequest, *, gpu_memory_table: Mapping[str, int] | None = None
 ) -> EngineRequest:
     rules = rule_set_for(message.options.engine_version)
+    _check_release_request_fields(message, rules)
     options = _options_from_proto(message.options, rules)
     ctx = _Context(message.options, rules)
     table = GPU_MEMORY_BYTES if gpu_memory_table is None else gpu_memory_table
@@ -566,6 +642,7 @@ def _attention_to_proto(spec: AttentionSpec, params: spec_pb2.AttentionParams) -
         params.state_content_bytes = spec.state_content_bytes
     if spec.max_tp_shards is not None:
         params.max_tp_shards = spec.max_tp_shards
+    params.kv_head_major_slots = spec.kv_head_major_slots
     tokens = spec.tokens_per_state
     if isinstance(tokens, Fraction) and tokens.numerator == 1 and tokens.denominator > 1:
         params.tokens_per_state.states_per_token = tokens.denominator
@@ -606,6 +683,8 @@ def spec_to_proto(spec: KVCacheSpec, name: str = "") -> spec_pb2.LayerSpec:
             body.prefill_checkpoint_alignment = spec.prefill_checkpoint_alignment
         body.num_heads = spec.num_state_heads
         body.tp_replicated = spec.tp_replicated
+        if spec.state_alignment != 1:
+            body.state_alignment_bytes = spec.state_alignment
         return out
     assert isinstance(spec, AttentionSpec)
     # Subclasses before their bases.
@@ -643,6 +722,7 @@ def spec_to_proto(spec: KVCacheSpec, name: str = "") -> spec_pb2.LayerSpec:
         _mla_to_proto(spec, swa.mla)
         swa.sliding_window = spec.sliding_window
         swa.bounded_replay = spec.bounded_replay
+        swa.non_causal_multi_token_decode = spec.non_causal_multi_token_decode
     elif isinstance(spec, SlidingWindowSpec):
         _attention_to_proto(spec, out.sliding_window.attention)
         out.sliding_window.sliding_window = spec.sliding_window
@@ -678,6 +758,8 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
         max_model_len=plan.max_model_len,
         num_blocks=plan.num_blocks,
         rule_set=plan.rule_set,
+        plan_stage=plan_pb2.PlanStage.Value(f"PLAN_STAGE_{plan.stage.name}"),
+        reserved_num_blocks=plan.reserved_num_blocks,
     )
     for group in plan.groups:
         out = response.groups.add(

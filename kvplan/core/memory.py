@@ -53,9 +53,11 @@ class Budget:
         return self.non_kv_bytes + kv_tensor_bytes  # blocks override: what it allocates
 
 
-def worker_budget(worker: WorkerInput, index: int) -> Budget:
+def worker_budget(worker: WorkerInput, index: int, *, extensible: bool = False) -> Budget:
     """KV budget = ceil(total * utilization) - non-KV bytes, explicit bytes, or
-    floor(free * free_memory_fraction)."""
+    floor(free * free_memory_fraction). An extensible cache (vLLM 0.34) reserves
+    at utilization 1.0 unless told otherwise, and its budget is only a cap, so
+    free memory below it is no error."""
     memory = worker.memory
     device = worker.device
     if memory.kv_cache_memory_bytes is not None:
@@ -85,7 +87,8 @@ def worker_budget(worker: WorkerInput, index: int) -> Budget:
             free_memory_fraction=memory.free_memory_fraction,
             in_use_bytes=memory.device_bytes_in_use,
         )
-    utilization = memory.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    default_utilization = 1.0 if extensible else DEFAULT_GPU_MEMORY_UTILIZATION
+    utilization = memory.gpu_memory_utilization or default_utilization
     total = device.total_memory_bytes
     if total is None:
         raise InvalidRequest(
@@ -96,7 +99,7 @@ def worker_budget(worker: WorkerInput, index: int) -> Budget:
         )
     requested = math.ceil(total * utilization)
     free = device.free_memory_bytes
-    if free is not None and free < requested:
+    if free is not None and free < requested and not extensible:
         raise InsufficientMemory(
             f"worker rank {worker.rank}: free memory on the device ({format_gib(free)}/"
             f"{format_gib(total)} GiB) is below the desired GPU memory utilization "

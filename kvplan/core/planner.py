@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from enum import Enum
 from functools import reduce
 
 from kvplan.core.diagnostics import PaddingInfo, PlanWarning, WarningCode
 from kvplan.core.draft import annotate_draft_groups
 from kvplan.core.errors import InsufficientMemory, InvalidRequest
+from kvplan.core.extensible import blocks_within, segment_strides
 from kvplan.core.grouping import SpecDict, group_layers
 from kvplan.core.groups import GroupingPath, KVCacheGroup
 from kvplan.core.layout import TensorPlacement, bytes_per_block, place_tensors, validate_layout
@@ -39,6 +41,14 @@ from kvplan.core.specs import (
     cdiv,
     layer_specs_of,
 )
+
+
+class PlanStage(Enum):
+    """Which plan this is (vLLM 0.34's extensible cache is planned twice)."""
+
+    CLASSIC = "classic"  # an estimate-sized cache: the only plan
+    EXTENSIBLE_RESERVATION = "extensible_reservation"  # before warm-up: upper bounds
+    EXTENSIBLE_FINAL = "extensible_final"  # from the workers' measured KV bytes
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,8 @@ class EnginePlan:
     scheduler_block_size: int
     hash_block_size: int
     rule_set: str = "kvplan"  # RuleSet.name of the rules that made this plan
+    stage: PlanStage = PlanStage.CLASSIC
+    reserved_num_blocks: int = 0  # extensible final plans: the reservation (the cap)
 
 
 def _validate(request: EngineRequest) -> list[WorkerInput]:
@@ -242,7 +254,10 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
 
     projected = [_project(groups, worker, rules) for worker in workers]
     index_of = {worker.rank: index for index, worker in enumerate(request.workers)}
-    budgets = [worker_budget(worker, index_of[worker.rank]) for worker in workers]
+    budgets = [
+        worker_budget(worker, index_of[worker.rank], extensible=options.extensible_kv_cache)
+        for worker in workers
+    ]
     available = [budget.available_bytes for budget in budgets]
 
     block_bytes: list[int] = []
@@ -286,9 +301,12 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
             max_model_len,
         )
 
-    if options.auto_fit and any(projected):
-        fitted, limiting_memory = max_model_len, check[0]
-        for worker_groups, bpb, memory in zip(projected, block_bytes, check, strict=True):
+    def auto_fit(memory_per_worker: list[int], when: str) -> None:
+        nonlocal max_model_len
+        fitted, limiting_memory = max_model_len, memory_per_worker[0]
+        for worker_groups, bpb, memory in zip(
+            projected, block_bytes, memory_per_worker, strict=True
+        ):
             if not worker_groups:
                 continue
             worker_max = fits_for(worker_groups, bpb, memory)
@@ -297,36 +315,42 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
         if fitted <= 0:
             raise InsufficientMemory(
                 "Cannot auto-fit max_model_len: not enough GPU memory available to serve "
-                "even a single token. Increase gpu_memory_utilization.",
+                f"even a single token{when}. Increase gpu_memory_utilization.",
                 field="options.max_model_len",
-                details={"available_bytes": min(check)},
+                details={"available_bytes": min(memory_per_worker)},
             )
         if fitted < max_model_len:
             warnings.append(
                 PlanWarning(
                     WarningCode.MAX_MODEL_LEN_AUTO_FIT,
                     f"Auto-fit max_model_len: reduced from {max_model_len} to {fitted} to fit "
-                    f"in available KV cache memory ({format_gib(limiting_memory)} GiB)",
+                    f"in available KV cache memory ({format_gib(limiting_memory)} GiB){when}",
                 )
             )
             max_model_len = fitted
 
-    ctx = _context(options, rules, max_model_len)
-    needed: list[int] = []
-    for worker, worker_groups, bpb, memory in zip(
-        workers, projected, block_bytes, check, strict=True
-    ):
-        if not worker_groups:
-            needed.append(0)
-            continue
-        need = check_one_request_fits(
-            rank=worker.rank,
-            check_bytes=memory,
-            needed=lambda g=worker_groups, b=bpb: needed_bytes(g, b, ctx),  # type: ignore[misc]
-            max_model_len=max_model_len,
-            estimate=lambda memory, g=worker_groups, b=bpb: fits_for(g, b, memory),  # type: ignore[misc]
-        )
-        needed.append(need)
+    def one_request_fits(memory_per_worker: list[int]) -> list[int]:
+        ctx = _context(options, rules, max_model_len)
+        needed: list[int] = []
+        for worker, worker_groups, bpb, memory in zip(
+            workers, projected, block_bytes, memory_per_worker, strict=True
+        ):
+            if not worker_groups:
+                needed.append(0)
+                continue
+            need = check_one_request_fits(
+                rank=worker.rank,
+                check_bytes=memory,
+                needed=lambda g=worker_groups, b=bpb: needed_bytes(g, b, ctx),  # type: ignore[misc]
+                max_model_len=max_model_len,
+                estimate=lambda memory, g=worker_groups, b=bpb: fits_for(g, b, memory),  # type: ignore[misc]
+            )
+            needed.append(need)
+        return needed
+
+    if options.auto_fit and any(projected):
+        auto_fit(check, "")
+    needed = one_request_fits(check)
 
     if rules.layout_checked_after_memory:
         # vLLM 0.32 validates the layout while building each worker's config.
@@ -340,21 +364,63 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     ]
     num_blocks = min(per_worker_blocks)
 
-    worker_plans = []
-    for worker, worker_groups, bpb, budget, memory, need in zip(
-        workers, projected, block_bytes, budgets, check, needed, strict=True
-    ):
-        tensors = (
-            place_tensors(
-                worker_groups,
-                num_blocks,
-                options.layout,
-                bpb,
-                own_layers_only=rules.tensors_for_own_layers_only,
-            )
-            if worker_groups
-            else []
+    tensors_per_worker = [
+        place_tensors(
+            worker_groups,
+            num_blocks,
+            options.layout,
+            bpb,
+            own_layers_only=rules.tensors_for_own_layers_only,
         )
+        if worker_groups
+        else []
+        for worker_groups, bpb in zip(projected, block_bytes, strict=True)
+    ]
+
+    stage = PlanStage.CLASSIC
+    reserved_blocks = num_blocks
+    if options.extensible_kv_cache:
+        stage = PlanStage.EXTENSIBLE_RESERVATION
+        measured = [worker.memory.measured_kv_cache_bytes for worker in workers]
+        if measured and all(value is not None for value in measured):
+            # vLLM 0.34 after warm-up: the most blocks each worker's measured bytes
+            # map, the minimum over ranks, never above the reservation.
+            stage = PlanStage.EXTENSIBLE_FINAL
+            counts = [
+                blocks_within(
+                    segment_strides(tensors, options.layout, reserved_blocks),
+                    worker.memory.measured_kv_cache_bytes or 0,
+                    worker.memory.allocation_granule_bytes,
+                    reserved_blocks,
+                )
+                for worker, tensors, worker_groups in zip(
+                    workers, tensors_per_worker, projected, strict=True
+                )
+                if worker_groups
+            ]
+            num_blocks = min(counts, default=reserved_blocks)
+            # The null block stays held back.
+            check = [
+                (num_blocks - 1) * bpb if worker_groups else 0
+                for bpb, worker_groups in zip(block_bytes, projected, strict=True)
+            ]
+            if options.auto_fit and any(projected):
+                auto_fit(check, " after warm-up")
+            needed = one_request_fits(check)
+            # Strides and offsets keep describing the reservation; sizes shrink.
+            tensors_per_worker = [
+                [
+                    replace(tensor, size_bytes=num_blocks * tensor.size_bytes // reserved_blocks)
+                    for tensor in tensors
+                ]
+                for tensors in tensors_per_worker
+            ]
+    ctx = _context(options, rules, max_model_len)
+
+    worker_plans = []
+    for worker, worker_groups, bpb, budget, memory, need, tensors in zip(
+        workers, projected, block_bytes, budgets, check, needed, tensors_per_worker, strict=True
+    ):
         worker_plans.append(
             WorkerPlan(
                 rank=worker.rank,
@@ -403,6 +469,8 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
         scheduler_block_size=scheduler_block,
         hash_block_size=hash_block,
         rule_set=rules.name,
+        stage=stage,
+        reserved_num_blocks=reserved_blocks if stage is PlanStage.EXTENSIBLE_FINAL else 0,
     )
 
 

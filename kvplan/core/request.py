@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvplan.core.extensible import DEFAULT_ALLOCATION_GRANULE_BYTES
 from kvplan.core.layout import KVCacheLayout
 from kvplan.core.rules import KVPLAN, RuleSet
 from kvplan.core.specs import KVCacheSpec
@@ -79,6 +80,9 @@ class EngineOptions:
     max_num_encoder_input_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
     prefix_match_unit: int | None = None
+    # vLLM 0.34's extensible KV cache: plan a reservation, or the final plan from
+    # the workers' measured KV bytes.
+    extensible_kv_cache: bool = False
 
     @property
     def auto_fit(self) -> bool:
@@ -126,6 +130,10 @@ class MemoryRequest:
     free_memory_fraction: float | None = None  # of device.free_memory_bytes
     non_kv: NonKVMemory = field(default_factory=NonKVMemory)
     device_bytes_in_use: int = 0  # already held by this worker when it asks
+    # Extensible KV cache: bytes measured for the KV cache after warm-up, and the
+    # device's physical allocation granule.
+    measured_kv_cache_bytes: int | None = None
+    allocation_granule_bytes: int = DEFAULT_ALLOCATION_GRANULE_BYTES
 
 
 @dataclass(frozen=True)

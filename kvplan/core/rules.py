@@ -49,7 +49,8 @@ FIELD_TOPK_BUFFER_WIDTH = "mla.topk_buffer_width"
 FIELD_KV_HEAD_MAJOR_SLOTS = "attention.kv_head_major_slots"
 FIELD_STATE_ALIGNMENT = "state_alignment_bytes"
 FIELD_SW_MLA_SPEC_MARKER = "non_causal_multi_token_decode"
-FIELD_MEASURED_KV_BYTES = "measured_kv_cache_bytes"
+FIELD_MEASURED_KV_BYTES = "memory.measured_kv_cache_bytes"
+FIELD_EXTENSIBLE_KV_CACHE = "options.extensible_kv_cache"
 
 _ALL_FIELDS = frozenset(
     {
@@ -59,6 +60,7 @@ _ALL_FIELDS = frozenset(
         FIELD_STATE_ALIGNMENT,
         FIELD_SW_MLA_SPEC_MARKER,
         FIELD_MEASURED_KV_BYTES,
+        FIELD_EXTENSIBLE_KV_CACHE,
     }
 )
 
@@ -206,8 +208,8 @@ VLLM_0_34 = RuleSet(
     sw_mla_merge_keeps_quant_and_alignment=True,
     tensors_for_own_layers_only=True,
     in_flight_batches=InFlightBatches.V2_ONLY,
-    extensible_kv_cache=False,  # reservation / final plans: not implemented yet
-    fields=frozenset({FIELD_IS_DRAFT, FIELD_TOPK_BUFFER_WIDTH}),
+    extensible_kv_cache=True,
+    fields=_ALL_FIELDS,
 )
 
 RULE_SETS: dict[str, RuleSet] = {

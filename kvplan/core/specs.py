@@ -159,6 +159,7 @@ _ATTENTION_IDENTITY_FIELDS = (
     "num_head_slots",
     "state_content_bytes",
     "tokens_per_state",
+    "kv_head_major_slots",
 )
 
 # What a merged full-attention spec takes from the group's first layer.
@@ -176,6 +177,7 @@ _FULL_MERGE_FIELDS = (
     "num_head_slots",
     "state_content_bytes",
     "tokens_per_state",
+    "kv_head_major_slots",
 )
 
 
@@ -225,6 +227,8 @@ class AttentionSpec(KVCacheSpec):
     num_head_slots: int | None = None
     state_content_bytes: int | None = None  # bytes per (head slot, state) cell
     tokens_per_state: int | Fraction = 1
+    # vLLM 0.34+: head slots grouped by KV head; part of the identity only.
+    kv_head_major_slots: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -372,6 +376,7 @@ class MLAAttentionSpec(FullAttentionSpec):
                     "page_size_padded",
                     "num_head_slots",
                     "state_content_bytes",
+                    "kv_head_major_slots",
                 ),
             ),
             cache_dtype_str=_single((s.cache_dtype_str for s in mla_specs), "cache dtype"),
@@ -503,6 +508,8 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
     model_version: str | None = None
     bounded_replay: bool = False
     head_size_v: int | None = 0
+    # vLLM 0.34+: the spec marker of a windowed drafter layer (OR-ed by merge).
+    non_causal_multi_token_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.model_version not in (None, "deepseek_v4"):
@@ -545,8 +552,10 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
                     "page_size_padded",
                     "num_head_slots",
                     "state_content_bytes",
+                    "kv_head_major_slots",
                 ),
             ),
+            non_causal_multi_token_decode=any(s.non_causal_multi_token_decode for s in sw_specs),
             block_stride_alignment=_single(
                 (s.block_stride_alignment for s in sw_specs), "block stride alignment"
             ),
@@ -639,6 +648,18 @@ class MambaSpec(KVCacheSpec):
     prefill_checkpoint_alignment: int | None = None  # tokens
     num_state_heads: int = 1  # H of the logical page
     tp_replicated: bool = False
+    state_alignment: int = 1  # vLLM 0.34+: bytes each state is rounded up to
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.state_alignment <= 0:
+            raise InvalidRequest("state_alignment_bytes must be >= 1")
+        padded = self.page_size_padded
+        if padded is not None and padded % self.state_alignment:
+            raise InvalidRequest(
+                f"page_size_padded_bytes ({padded}) must be a multiple of "
+                f"state_alignment_bytes ({self.state_alignment})"
+            )
 
     @property
     def num_heads(self) -> int:
@@ -646,7 +667,7 @@ class MambaSpec(KVCacheSpec):
 
     @cached_property
     def state_content_size_bytes(self) -> int:
-        return sum(state.size_bytes for state in self.states)
+        return sum(round_up(state.size_bytes, self.state_alignment) for state in self.states)
 
     @cached_property
     def page_size_bytes(self) -> int:
@@ -684,6 +705,7 @@ class MambaSpec(KVCacheSpec):
             and spec.num_prefill_checkpoint_blocks == self.num_prefill_checkpoint_blocks
             and spec.prefill_checkpoint_alignment == self.prefill_checkpoint_alignment
             and spec.page_size_bytes == page
+            and spec.state_alignment == self.state_alignment
             and spec.tp_replicated == self.tp_replicated
             for spec in specs
         )

@@ -236,6 +236,31 @@ WARNING_CODE_HIDDEN_STATE_PADDING: WarningCode.ValueType  # 7
 WARNING_CODE_MAMBA_PAGE_PADDED: WarningCode.ValueType  # 8
 Global___WarningCode: _TypeAlias = WarningCode  # noqa: Y015
 
+class _PlanStage:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PlanStageEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PlanStage.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PLAN_STAGE_UNSPECIFIED: _PlanStage.ValueType  # 0
+    PLAN_STAGE_CLASSIC: _PlanStage.ValueType  # 1
+    """estimate-sized cache: the final plan"""
+    PLAN_STAGE_EXTENSIBLE_RESERVATION: _PlanStage.ValueType  # 2
+    """upper bound on blocks and on max_model_len"""
+    PLAN_STAGE_EXTENSIBLE_FINAL: _PlanStage.ValueType  # 3
+    """from the workers' measured KV bytes"""
+
+class PlanStage(_PlanStage, metaclass=_PlanStageEnumTypeWrapper): ...
+
+PLAN_STAGE_UNSPECIFIED: PlanStage.ValueType  # 0
+PLAN_STAGE_CLASSIC: PlanStage.ValueType  # 1
+"""estimate-sized cache: the final plan"""
+PLAN_STAGE_EXTENSIBLE_RESERVATION: PlanStage.ValueType  # 2
+"""upper bound on blocks and on max_model_len"""
+PLAN_STAGE_EXTENSIBLE_FINAL: PlanStage.ValueType  # 3
+"""from the workers' measured KV bytes"""
+Global___PlanStage: _TypeAlias = PlanStage  # noqa: Y015
+
 @_typing.final
 class SpecDecodeConfig(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -320,6 +345,7 @@ class EngineOptions(_message.Message):
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _builtins.int
     PREFIX_MATCH_UNIT_FIELD_NUMBER: _builtins.int
     ENGINE_VERSION_FIELD_NUMBER: _builtins.int
+    EXTENSIBLE_KV_CACHE_FIELD_NUMBER: _builtins.int
     max_model_len: _builtins.int
     """Longest request in tokens. -1 asks kvplan to fit the largest length the
     memory allows, up to `derived_max_model_len`.
@@ -353,6 +379,12 @@ class EngineOptions(_message.Message):
     """The rule set to plan with: "vllm-0.32", "vllm-0.33", "vllm-0.34" follow that
     vLLM release exactly; empty = kvplan's own rules (docs/semantics.md).
     """
+    extensible_kv_cache: _builtins.bool
+    """vLLM 0.34's extensible KV cache (engine_version "vllm-0.34" only). Unset =
+    on, the release's default on CUDA/ROCm: the plan is then a reservation
+    (utilization defaults to 1.0), or the final plan when every worker gives
+    memory.measured_kv_cache_bytes. false = the classic, estimate-sized cache.
+    """
     @_builtins.property
     def parallel(self) -> Global___ParallelConfig: ...
     def __init__(
@@ -375,15 +407,18 @@ class EngineOptions(_message.Message):
         enable_prefix_caching: _builtins.bool | None = ...,
         prefix_match_unit: _builtins.int | None = ...,
         engine_version: _builtins.str = ...,
+        extensible_kv_cache: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "derived_max_model_len", b"derived_max_model_len", "enable_prefix_caching", b"enable_prefix_caching", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "derived_max_model_len", b"derived_max_model_len", "enable_prefix_caching", b"enable_prefix_caching", "extensible_kv_cache", b"extensible_kv_cache", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "async_scheduling", b"async_scheduling", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "derived_max_model_len", b"derived_max_model_len", "disable_hybrid_kv_cache_manager", b"disable_hybrid_kv_cache_manager", "enable_prefix_caching", b"enable_prefix_caching", "engine_version", b"engine_version", "layout", b"layout", "mamba_cache_mode", b"mamba_cache_mode", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "model_dtype", b"model_dtype", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "async_scheduling", b"async_scheduling", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "derived_max_model_len", b"derived_max_model_len", "disable_hybrid_kv_cache_manager", b"disable_hybrid_kv_cache_manager", "enable_prefix_caching", b"enable_prefix_caching", "engine_version", b"engine_version", "extensible_kv_cache", b"extensible_kv_cache", "layout", b"layout", "mamba_cache_mode", b"mamba_cache_mode", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "model_dtype", b"model_dtype", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__derived_max_model_len: _TypeAlias = _typing.Literal["derived_max_model_len"]  # noqa: Y015
     _WhichOneofArgType__derived_max_model_len: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len"]  # noqa: Y015
     _WhichOneofReturnType__enable_prefix_caching: _TypeAlias = _typing.Literal["enable_prefix_caching"]  # noqa: Y015
     _WhichOneofArgType__enable_prefix_caching: _TypeAlias = _typing.Literal["_enable_prefix_caching", b"_enable_prefix_caching"]  # noqa: Y015
+    _WhichOneofReturnType__extensible_kv_cache: _TypeAlias = _typing.Literal["extensible_kv_cache"]  # noqa: Y015
+    _WhichOneofArgType__extensible_kv_cache: _TypeAlias = _typing.Literal["_extensible_kv_cache", b"_extensible_kv_cache"]  # noqa: Y015
     _WhichOneofReturnType__num_gpu_blocks_override: _TypeAlias = _typing.Literal["num_gpu_blocks_override"]  # noqa: Y015
     _WhichOneofArgType__num_gpu_blocks_override: _TypeAlias = _typing.Literal["_num_gpu_blocks_override", b"_num_gpu_blocks_override"]  # noqa: Y015
     _WhichOneofReturnType__prefix_match_unit: _TypeAlias = _typing.Literal["prefix_match_unit"]  # noqa: Y015
@@ -392,6 +427,8 @@ class EngineOptions(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__derived_max_model_len) -> _WhichOneofReturnType__derived_max_model_len | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__enable_prefix_caching) -> _WhichOneofReturnType__enable_prefix_caching | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__extensible_kv_cache) -> _WhichOneofReturnType__extensible_kv_cache | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_gpu_blocks_override) -> _WhichOneofReturnType__num_gpu_blocks_override | None: ...
     @_typing.overload
@@ -442,6 +479,8 @@ class MemoryRequest(_message.Message):
     FREE_MEMORY_FRACTION_FIELD_NUMBER: _builtins.int
     NON_KV_FIELD_NUMBER: _builtins.int
     DEVICE_BYTES_IN_USE_FIELD_NUMBER: _builtins.int
+    MEASURED_KV_CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    ALLOCATION_GRANULE_BYTES_FIELD_NUMBER: _builtins.int
     gpu_memory_utilization: _builtins.float
     """Fraction (0, 1] of the device's total memory for the whole instance;
     KV budget = ceil(total * fraction) - non-KV bytes.
@@ -460,6 +499,15 @@ class MemoryRequest(_message.Message):
     (weights loaded before planning). A lease counts them as allocated, so
     they are not taken from free memory a second time.
     """
+    measured_kv_cache_bytes: _builtins.int
+    """vLLM 0.34 extensible KV cache: the bytes this worker measured for its KV
+    cache after warm-up and CUDA graph capture. Given on every worker, the plan
+    is the final one (PLAN_STAGE_EXTENSIBLE_FINAL).
+    """
+    allocation_granule_bytes: _builtins.int
+    """The device's physical allocation granule (each layer segment of an
+    extensible cache is mapped in whole granules); unset = 2 MiB.
+    """
     @_builtins.property
     def non_kv(self) -> Global___NonKVMemory: ...
     def __init__(
@@ -470,13 +518,24 @@ class MemoryRequest(_message.Message):
         free_memory_fraction: _builtins.float = ...,
         non_kv: Global___NonKVMemory | None = ...,
         device_bytes_in_use: _builtins.int = ...,
+        measured_kv_cache_bytes: _builtins.int | None = ...,
+        allocation_granule_bytes: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "free_memory_fraction", b"free_memory_fraction", "gpu_memory_utilization", b"gpu_memory_utilization", "kv_cache_memory_bytes", b"kv_cache_memory_bytes", "non_kv", b"non_kv"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_allocation_granule_bytes", b"_allocation_granule_bytes", "_measured_kv_cache_bytes", b"_measured_kv_cache_bytes", "allocation_granule_bytes", b"allocation_granule_bytes", "budget", b"budget", "free_memory_fraction", b"free_memory_fraction", "gpu_memory_utilization", b"gpu_memory_utilization", "kv_cache_memory_bytes", b"kv_cache_memory_bytes", "measured_kv_cache_bytes", b"measured_kv_cache_bytes", "non_kv", b"non_kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "device_bytes_in_use", b"device_bytes_in_use", "free_memory_fraction", b"free_memory_fraction", "gpu_memory_utilization", b"gpu_memory_utilization", "kv_cache_memory_bytes", b"kv_cache_memory_bytes", "non_kv", b"non_kv"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_allocation_granule_bytes", b"_allocation_granule_bytes", "_measured_kv_cache_bytes", b"_measured_kv_cache_bytes", "allocation_granule_bytes", b"allocation_granule_bytes", "budget", b"budget", "device_bytes_in_use", b"device_bytes_in_use", "free_memory_fraction", b"free_memory_fraction", "gpu_memory_utilization", b"gpu_memory_utilization", "kv_cache_memory_bytes", b"kv_cache_memory_bytes", "measured_kv_cache_bytes", b"measured_kv_cache_bytes", "non_kv", b"non_kv"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__allocation_granule_bytes: _TypeAlias = _typing.Literal["allocation_granule_bytes"]  # noqa: Y015
+    _WhichOneofArgType__allocation_granule_bytes: _TypeAlias = _typing.Literal["_allocation_granule_bytes", b"_allocation_granule_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__measured_kv_cache_bytes: _TypeAlias = _typing.Literal["measured_kv_cache_bytes"]  # noqa: Y015
+    _WhichOneofArgType__measured_kv_cache_bytes: _TypeAlias = _typing.Literal["_measured_kv_cache_bytes", b"_measured_kv_cache_bytes"]  # noqa: Y015
     _WhichOneofReturnType_budget: _TypeAlias = _typing.Literal["gpu_memory_utilization", "kv_cache_memory_bytes", "free_memory_fraction"]  # noqa: Y015
     _WhichOneofArgType_budget: _TypeAlias = _typing.Literal["budget", b"budget"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__allocation_granule_bytes) -> _WhichOneofReturnType__allocation_granule_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__measured_kv_cache_bytes) -> _WhichOneofReturnType__measured_kv_cache_bytes | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_budget) -> _WhichOneofReturnType_budget | None: ...
 
 Global___MemoryRequest: _TypeAlias = MemoryRequest  # noqa: Y015
@@ -1049,6 +1108,8 @@ class PlanResponse(_message.Message):
     DIAGNOSTICS_FIELD_NUMBER: _builtins.int
     LEASES_FIELD_NUMBER: _builtins.int
     RULE_SET_FIELD_NUMBER: _builtins.int
+    PLAN_STAGE_FIELD_NUMBER: _builtins.int
+    RESERVED_NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     plan_id: _builtins.str
     """content hash of the normalised request"""
     engine_id: _builtins.str
@@ -1060,6 +1121,12 @@ class PlanResponse(_message.Message):
     """The rule set that produced the plan ("kvplan" for kvplan's own rules, else
     the request's engine_version).
     """
+    plan_stage: Global___PlanStage.ValueType
+    """Which plan this is: the only one (classic cache), or, for vLLM 0.34's
+    extensible cache, the reservation made before warm-up or the final plan.
+    """
+    reserved_num_blocks: _builtins.int
+    """Extensible final plans: the reservation's block count (the cap)."""
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheGroup]: ...
     @_builtins.property
@@ -1087,10 +1154,12 @@ class PlanResponse(_message.Message):
         diagnostics: Global___Diagnostics | None = ...,
         leases: _abc.Iterable[Global___Lease] | None = ...,
         rule_set: _builtins.str = ...,
+        plan_stage: Global___PlanStage.ValueType = ...,
+        reserved_num_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["diagnostics", b"diagnostics"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["diagnostics", b"diagnostics", "engine_id", b"engine_id", "groups", b"groups", "leases", b"leases", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "plan_id", b"plan_id", "rule_set", b"rule_set", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["diagnostics", b"diagnostics", "engine_id", b"engine_id", "groups", b"groups", "leases", b"leases", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "plan_id", b"plan_id", "plan_stage", b"plan_stage", "reserved_num_blocks", b"reserved_num_blocks", "rule_set", b"rule_set", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -278,6 +278,7 @@ class AttentionParams(_message.Message):
     TOKENS_PER_STATE_FIELD_NUMBER: _builtins.int
     MAX_TP_SHARDS_FIELD_NUMBER: _builtins.int
     DCP_SHARDED_FIELD_NUMBER: _builtins.int
+    KV_HEAD_MAJOR_SLOTS_FIELD_NUMBER: _builtins.int
     num_kv_heads: _builtins.int
     head_size: _builtins.int
     """elements per head (K; and V unless head_size_v)"""
@@ -296,6 +297,10 @@ class AttentionParams(_message.Message):
     """distinct TP shards; TP ranks beyond hold replicas"""
     dcp_sharded: _builtins.bool
     """unset = true for attention specs"""
+    kv_head_major_slots: _builtins.bool
+    """vLLM 0.34+: the num_head_slots slots are grouped by KV head (H2ND), so each
+    KV head is one contiguous run of the page. Part of the spec's identity.
+    """
     @_builtins.property
     def tokens_per_state(self) -> Global___TokensPerState: ...
     def __init__(
@@ -312,10 +317,11 @@ class AttentionParams(_message.Message):
         tokens_per_state: Global___TokensPerState | None = ...,
         max_tp_shards: _builtins.int | None = ...,
         dcp_sharded: _builtins.bool | None = ...,
+        kv_head_major_slots: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_dcp_sharded", b"_dcp_sharded", "_head_size_v", b"_head_size_v", "_max_tp_shards", b"_max_tp_shards", "_num_head_slots", b"_num_head_slots", "_page_size_padded_bytes", b"_page_size_padded_bytes", "_state_content_bytes", b"_state_content_bytes", "dcp_sharded", b"dcp_sharded", "head_size_v", b"head_size_v", "max_tp_shards", b"max_tp_shards", "num_head_slots", b"num_head_slots", "page_size_padded_bytes", b"page_size_padded_bytes", "state_content_bytes", b"state_content_bytes", "tokens_per_state", b"tokens_per_state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dcp_sharded", b"_dcp_sharded", "_head_size_v", b"_head_size_v", "_max_tp_shards", b"_max_tp_shards", "_num_head_slots", b"_num_head_slots", "_page_size_padded_bytes", b"_page_size_padded_bytes", "_state_content_bytes", b"_state_content_bytes", "dcp_sharded", b"dcp_sharded", "dtype", b"dtype", "head_size", b"head_size", "head_size_v", b"head_size_v", "kv_quant_mode", b"kv_quant_mode", "max_tp_shards", b"max_tp_shards", "num_head_slots", b"num_head_slots", "num_kv_heads", b"num_kv_heads", "page_size_padded_bytes", b"page_size_padded_bytes", "state_content_bytes", b"state_content_bytes", "tokens_per_state", b"tokens_per_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dcp_sharded", b"_dcp_sharded", "_head_size_v", b"_head_size_v", "_max_tp_shards", b"_max_tp_shards", "_num_head_slots", b"_num_head_slots", "_page_size_padded_bytes", b"_page_size_padded_bytes", "_state_content_bytes", b"_state_content_bytes", "dcp_sharded", b"dcp_sharded", "dtype", b"dtype", "head_size", b"head_size", "head_size_v", b"head_size_v", "kv_head_major_slots", b"kv_head_major_slots", "kv_quant_mode", b"kv_quant_mode", "max_tp_shards", b"max_tp_shards", "num_head_slots", b"num_head_slots", "num_kv_heads", b"num_kv_heads", "page_size_padded_bytes", b"page_size_padded_bytes", "state_content_bytes", b"state_content_bytes", "tokens_per_state", b"tokens_per_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__dcp_sharded: _TypeAlias = _typing.Literal["dcp_sharded"]  # noqa: Y015
     _WhichOneofArgType__dcp_sharded: _TypeAlias = _typing.Literal["_dcp_sharded", b"_dcp_sharded"]  # noqa: Y015
@@ -498,9 +504,12 @@ class SlidingWindowMLASpec(_message.Message):
     MLA_FIELD_NUMBER: _builtins.int
     SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
     BOUNDED_REPLAY_FIELD_NUMBER: _builtins.int
+    NON_CAUSAL_MULTI_TOKEN_DECODE_FIELD_NUMBER: _builtins.int
     sliding_window: _builtins.int
     """tokens, > 0"""
     bounded_replay: _builtins.bool
+    non_causal_multi_token_decode: _builtins.bool
+    """vLLM 0.34+: spec marker of a windowed drafter layer (see MLAAttentionSpec)."""
     @_builtins.property
     def attention(self) -> Global___AttentionParams: ...
     @_builtins.property
@@ -512,10 +521,11 @@ class SlidingWindowMLASpec(_message.Message):
         mla: Global___MLAParams | None = ...,
         sliding_window: _builtins.int = ...,
         bounded_replay: _builtins.bool = ...,
+        non_causal_multi_token_decode: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["attention", b"attention", "mla", b"mla"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention", b"attention", "bounded_replay", b"bounded_replay", "mla", b"mla", "sliding_window", b"sliding_window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention", b"attention", "bounded_replay", b"bounded_replay", "mla", b"mla", "non_causal_multi_token_decode", b"non_causal_multi_token_decode", "sliding_window", b"sliding_window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -751,6 +761,7 @@ class MambaSpec(_message.Message):
     PREFILL_CHECKPOINT_ALIGNMENT_FIELD_NUMBER: _builtins.int
     NUM_HEADS_FIELD_NUMBER: _builtins.int
     TP_REPLICATED_FIELD_NUMBER: _builtins.int
+    STATE_ALIGNMENT_BYTES_FIELD_NUMBER: _builtins.int
     page_size_padded_bytes: _builtins.int
     mamba_type: Global___MambaType.ValueType
     num_speculative_blocks: _builtins.int
@@ -761,6 +772,10 @@ class MambaSpec(_message.Message):
     num_heads: _builtins.int
     """unset = 1"""
     tp_replicated: _builtins.bool
+    state_alignment_bytes: _builtins.int
+    """vLLM 0.34+: byte alignment of each state within the page (each state's
+    bytes are rounded up to it); unset = 1.
+    """
     @_builtins.property
     def states(self) -> _containers.RepeatedCompositeFieldContainer[Global___StateTensor]: ...
     def __init__(
@@ -774,19 +789,24 @@ class MambaSpec(_message.Message):
         prefill_checkpoint_alignment: _builtins.int | None = ...,
         num_heads: _builtins.int = ...,
         tp_replicated: _builtins.bool = ...,
+        state_alignment_bytes: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_page_size_padded_bytes", b"_page_size_padded_bytes", "_prefill_checkpoint_alignment", b"_prefill_checkpoint_alignment", "page_size_padded_bytes", b"page_size_padded_bytes", "prefill_checkpoint_alignment", b"prefill_checkpoint_alignment"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_page_size_padded_bytes", b"_page_size_padded_bytes", "_prefill_checkpoint_alignment", b"_prefill_checkpoint_alignment", "_state_alignment_bytes", b"_state_alignment_bytes", "page_size_padded_bytes", b"page_size_padded_bytes", "prefill_checkpoint_alignment", b"prefill_checkpoint_alignment", "state_alignment_bytes", b"state_alignment_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_page_size_padded_bytes", b"_page_size_padded_bytes", "_prefill_checkpoint_alignment", b"_prefill_checkpoint_alignment", "mamba_type", b"mamba_type", "num_heads", b"num_heads", "num_prefill_checkpoint_blocks", b"num_prefill_checkpoint_blocks", "num_speculative_blocks", b"num_speculative_blocks", "page_size_padded_bytes", b"page_size_padded_bytes", "prefill_checkpoint_alignment", b"prefill_checkpoint_alignment", "states", b"states", "tp_replicated", b"tp_replicated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_page_size_padded_bytes", b"_page_size_padded_bytes", "_prefill_checkpoint_alignment", b"_prefill_checkpoint_alignment", "_state_alignment_bytes", b"_state_alignment_bytes", "mamba_type", b"mamba_type", "num_heads", b"num_heads", "num_prefill_checkpoint_blocks", b"num_prefill_checkpoint_blocks", "num_speculative_blocks", b"num_speculative_blocks", "page_size_padded_bytes", b"page_size_padded_bytes", "prefill_checkpoint_alignment", b"prefill_checkpoint_alignment", "state_alignment_bytes", b"state_alignment_bytes", "states", b"states", "tp_replicated", b"tp_replicated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__page_size_padded_bytes: _TypeAlias = _typing.Literal["page_size_padded_bytes"]  # noqa: Y015
     _WhichOneofArgType__page_size_padded_bytes: _TypeAlias = _typing.Literal["_page_size_padded_bytes", b"_page_size_padded_bytes"]  # noqa: Y015
     _WhichOneofReturnType__prefill_checkpoint_alignment: _TypeAlias = _typing.Literal["prefill_checkpoint_alignment"]  # noqa: Y015
     _WhichOneofArgType__prefill_checkpoint_alignment: _TypeAlias = _typing.Literal["_prefill_checkpoint_alignment", b"_prefill_checkpoint_alignment"]  # noqa: Y015
+    _WhichOneofReturnType__state_alignment_bytes: _TypeAlias = _typing.Literal["state_alignment_bytes"]  # noqa: Y015
+    _WhichOneofArgType__state_alignment_bytes: _TypeAlias = _typing.Literal["_state_alignment_bytes", b"_state_alignment_bytes"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__page_size_padded_bytes) -> _WhichOneofReturnType__page_size_padded_bytes | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prefill_checkpoint_alignment) -> _WhichOneofReturnType__prefill_checkpoint_alignment | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__state_alignment_bytes) -> _WhichOneofReturnType__state_alignment_bytes | None: ...
 
 Global___MambaSpec: _TypeAlias = MambaSpec  # noqa: Y015
 
