@@ -5,6 +5,7 @@ Usage: python -m conformance.summary (run by conformance/run after every release
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def main() -> int:
         for path in reports
     }
     versions = sorted(digests)
-    for first, second in zip(versions, versions[1:], strict=False):
+    for first, second in itertools.pairwise(versions):
         common = set(digests[first]) & set(digests[second])
         differ = [case for case in common if digests[first][case] != digests[second][case]]
         by_category: dict[str, int] = {}

@@ -15,6 +15,7 @@ from typing import Any
 from kvplan.core.diagnostics import WarningCode
 from kvplan.core.dtypes import StorageDtype, storage_dtype_for_cache_dtype
 from kvplan.core.errors import FieldViolation, InvalidRequest, PlanningError
+from kvplan.core.extensible import DEFAULT_ALLOCATION_GRANULE_BYTES
 from kvplan.core.groups import DraftRule, GroupingPath
 from kvplan.core.layout import KVCacheLayout
 from kvplan.core.memory import BudgetMode
@@ -29,7 +30,6 @@ from kvplan.core.request import (
     SpecDecode,
     WorkerInput,
 )
-from kvplan.core.extensible import DEFAULT_ALLOCATION_GRANULE_BYTES
 from kvplan.core.rules import (
     FIELD_EXTENSIBLE_KV_CACHE,
     FIELD_IS_DRAFT,
