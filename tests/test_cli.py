@@ -185,3 +185,17 @@ def test_bad_input(
 def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "/nonexistent/request.yaml"]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_engine_version_flag_picks_the_release_rules(capsys: pytest.CaptureFixture[str]) -> None:
+    # vLLM 0.32 flags the MTP group by its trailing layer; 0.33 flags only is_draft
+    # layers (none here) and warns about the unflagged Mamba groups.
+    plan_032 = plan_json("qwen3-next-80b-a3b-mtp.yaml", capsys, "--engine-version", "vllm-0.32")
+    assert plan_032.rule_set == "vllm-0.32"
+    assert [g.is_draft for g in plan_032.groups] == [False, False, False, True]
+    plan_033 = plan_json("qwen3-next-80b-a3b-mtp.yaml", capsys, "--engine-version", "vllm-0.33")
+    assert plan_033.rule_set == "vllm-0.33"
+    assert not any(g.is_draft for g in plan_033.groups)
+    codes = [w.code for w in plan_033.diagnostics.warnings]
+    assert plan_pb2.WARNING_CODE_NO_DRAFT_GROUP_MAMBA in codes
+    assert main(["plan", str(EXAMPLES / "llama-3.1-8b.yaml"), "--engine-version", "x"]) == 2

@@ -238,3 +238,16 @@ async def test_sync_client_in_thread(server: RunningServer) -> None:
             return result.num_blocks
 
     assert await asyncio.to_thread(call) == GIB // (8 * 65_536)
+
+
+async def test_engine_version_selects_the_rule_set(client: AsyncPlannerClient) -> None:
+    request = engine_request()
+    request.options.engine_version = "vllm-0.33"
+    plan = await client.plan(request)
+    assert plan.response.rule_set == "vllm-0.33"
+    request.options.engine_version = "vllm-9.99"
+    with pytest.raises(PlannerError) as caught:
+        await client.plan(request)
+    assert caught.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.violations[0].field == "options.engine_version"
+    assert "vllm-0.34" in caught.value.details
