@@ -436,7 +436,12 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
                 needed_per_request_bytes=need,
                 encoder_only_layers=worker.encoder_only_layers,
                 kv_tp_replicas=_tp_replicas(worker_groups, options),
-                footprint_bytes=budget.footprint_bytes(num_blocks * bpb if worker_groups else 0),
+                footprint_bytes=(
+                    # A final extensible cache holds what it committed, not its cap.
+                    budget.non_kv_bytes + num_blocks * bpb
+                    if stage is PlanStage.EXTENSIBLE_FINAL and worker_groups
+                    else budget.footprint_bytes(num_blocks * bpb if worker_groups else 0)
+                ),
             )
         )
 
