@@ -493,7 +493,7 @@ def _measured_blocks(config: KVCacheConfig, layout: Any, measured: int, granule:
     cache._is_block_outermost = layout.is_block_outermost
     cache.segment_offsets, cache.segment_strides = cache._segments(tensors, layout)
     cache.bytes_per_block = sum(cache.segment_strides)
-    cache.buffer = SimpleNamespace(granularity=granule)  # type: ignore[assignment]
+    cache.buffer = SimpleNamespace(granularity=granule)
     return int(cache.blocks_within(measured))
 
 
@@ -719,18 +719,18 @@ def _plan_groups_and_configs(
     original = kv_cache_utils.get_kv_cache_groups
 
     def observed(config: Any, specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
-        groups = original(config, specs)
+        groups: list[KVCacheGroupSpec] = original(config, specs)
         seen.append(groups)
         result["groups"] = [_group_dict(g) for g in groups]
         result["stage"] = "configs"
         return groups
 
     result["stage"] = "grouping"
-    kv_cache_utils.get_kv_cache_groups = observed  # type: ignore[assignment]
+    kv_cache_utils.get_kv_cache_groups = observed
     try:
         configs = kv_cache_utils.get_kv_cache_configs(cfg, inputs.specs, inputs.available_memory)
     finally:
-        kv_cache_utils.get_kv_cache_groups = original  # type: ignore[assignment]
+        kv_cache_utils.get_kv_cache_groups = original
     result["groups"] = [_group_dict(g) for g in seen[0]]
     return seen[0], configs
 
