@@ -2689,6 +2689,29 @@ def _releases(c: Cases) -> None:
                 worker.memory.ClearField("allocation_granule_bytes")
         c.add("releases", f"extensible-{index:02d}-{shape}", "extensible KV cache", req)
 
+    # Extensible final plans with a block override, hidden-state and cross-attention
+    # layers, chunked-local layers, DCP, and an attention-free engine.
+    extras: list[tuple[str, plan_pb2.PlanRequest]] = [
+        ("override", request(W(llama(8), kv_bytes=8 * GIB), override=rng.choice((500, 5000)))),
+        (
+            "hidden",
+            request(W([*llama(4), hidden("hs.0", 1, 4096)], kv_bytes=4 * GIB)),
+        ),
+        (
+            "chunked",
+            request(
+                W(pattern(8, lambda i: i % 4 == 3, lambda n: chunked(n, 8192)), kv_bytes=4 * GIB),
+                async_scheduling=True,
+                pp=2,
+            ),
+        ),
+        ("dcp", request([W(llama(4), kv_bytes=2 * GIB) for _ in range(2)], tp=2, dcp=2)),
+        ("attention-free", request(W([encoder_only("enc.0")], kv_bytes=GIB))),
+    ]
+    for name, req in extras:
+        _with_release_options(req, measured=[rng.choice((300 << 20, 2 * GIB)) for _ in req.workers])
+        c.add("releases", f"extensible-final-{name}", "extensible final plan", req)
+
 
 SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _reference,
