@@ -12,8 +12,9 @@ from kvplan.core.dtypes import StorageDtype
 from kvplan.core.errors import PlanningError
 from kvplan.core.groups import GroupingPath
 from kvplan.core.layout import KVCacheLayout
-from kvplan.core.planner import EnginePlan, plan_engine
+from kvplan.core.planner import EnginePlan, PlanStage, plan_engine
 from kvplan.core.request import EngineRequest, SpecDecode
+from kvplan.core.rules import rule_set_for
 from kvplan.core.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -149,3 +150,76 @@ def test_deterministic_and_worker_order_invariant(
     rng.shuffle(shuffled)
     permuted = _plan_or_none(replace(request, workers=tuple(shuffled)))
     assert permuted == first
+
+
+@SETTINGS
+@given(engines(), st.sampled_from(["vllm-0.32", "vllm-0.33", "vllm-0.34"]))
+def test_release_rule_sets_keep_the_invariants(request: EngineRequest, version: str) -> None:
+    released = replace(request, rules=rule_set_for(version))
+    plan = _plan_or_none(released)
+    assert plan == _plan_or_none(released)
+    if plan is None:
+        return
+    assert plan.rule_set == version
+    names = sorted(name for worker in request.workers for name, _ in worker.layers)
+    assert sorted(name for group in plan.groups for name in group.layer_names) == names
+    assert len({worker.num_blocks for worker in plan.workers}) == 1
+    for worker in plan.workers:
+        for tensor in worker.tensors:
+            assert tensor.size_bytes == worker.bytes_per_block * plan.num_blocks
+
+
+@SETTINGS
+@given(engines())
+def test_0_32_and_0_33_differ_only_in_draft_flags(request: EngineRequest) -> None:
+    """Same groups, blocks and lengths; 0.33 flags only groups holding is_draft."""
+    plan_032 = _plan_or_none(replace(request, rules=rule_set_for("vllm-0.32")))
+    plan_033 = _plan_or_none(replace(request, rules=rule_set_for("vllm-0.33")))
+    if plan_032 is None or plan_033 is None:
+        return
+    assert [g.layer_names for g in plan_032.groups] == [g.layer_names for g in plan_033.groups]
+    assert (plan_032.num_blocks, plan_032.max_model_len) == (
+        plan_033.num_blocks,
+        plan_033.max_model_len,
+    )
+    draft_layers = {
+        name for worker in request.workers for name, spec in worker.layers if spec.is_draft
+    }
+    for group in plan_033.groups:
+        if group.is_draft:
+            assert draft_layers & set(group.layer_names)
+
+
+@SETTINGS
+@given(engines(), st.lists(st.integers(0, 80 * GIB), min_size=4, max_size=4))
+def test_extensible_final_plans_never_exceed_the_reservation(
+    request: EngineRequest, measured: list[int]
+) -> None:
+    request = replace(
+        request,
+        rules=rule_set_for("vllm-0.34"),
+        options=replace(request.options, extensible_kv_cache=True),
+    )
+    reservation = _plan_or_none(request)
+    if reservation is None:
+        return
+    assert reservation.stage is PlanStage.EXTENSIBLE_RESERVATION
+
+    def final_with(extra: int) -> EnginePlan | None:
+        workers = tuple(
+            replace(
+                worker,
+                memory=replace(worker.memory, measured_kv_cache_bytes=measured[index] + extra),
+            )
+            for index, worker in enumerate(request.workers)
+        )
+        return _plan_or_none(replace(request, workers=workers))
+
+    final, larger = final_with(0), final_with(GIB)
+    if final is None:
+        return
+    assert final.stage is PlanStage.EXTENSIBLE_FINAL
+    assert final.num_blocks <= reservation.num_blocks == final.reserved_num_blocks
+    assert final.max_model_len <= reservation.max_model_len
+    # More measured memory never yields fewer blocks.
+    assert larger is not None and larger.num_blocks >= final.num_blocks
