@@ -81,12 +81,20 @@ def _enum(message: Any, field: str, prefix: str) -> str:
     return str(descriptor.values_by_number[getattr(message, field)].name).removeprefix(prefix)
 
 
+def _stage_note(response: plan_pb2.PlanResponse) -> str:
+    if response.plan_stage == plan_pb2.PLAN_STAGE_EXTENSIBLE_RESERVATION:
+        return " (extensible KV cache: reservation, upper bounds until warm-up)"
+    if response.plan_stage == plan_pb2.PLAN_STAGE_EXTENSIBLE_FINAL:
+        return f" (extensible KV cache: final, reserved {response.reserved_num_blocks:,} blocks)"
+    return ""
+
+
 def format_report(response: plan_pb2.PlanResponse) -> str:
     """A readable report of a plan."""
     diagnostics = response.diagnostics
     lines = [
         f"engine {response.engine_id or '-'}  plan {response.plan_id}"
-        f"  rules {response.rule_set or 'kvplan'}",
+        f"  rules {response.rule_set or 'kvplan'}{_stage_note(response)}",
         f"grouping path: {_enum(diagnostics, 'grouping_path', 'GROUPING_PATH_').lower()}"
         f"   max_model_len: {response.max_model_len:,}   num_blocks: {response.num_blocks:,}",
         "",

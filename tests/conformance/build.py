@@ -1,7 +1,9 @@
 """Builds the conformance scenario files: `python -m tests.conformance.build`.
 
 Each scenario is a PlanRequest in the proto JSON mapping plus the plan figures
-the reference (kv-cache-planning.md, vLLM 0.33 semantics) predicts. Expected
+the reference (kv-cache-planning.md, vLLM 0.33 semantics) predicts; the
+`release-*` scenarios name an engine_version and pin that release's rules (each
+is also planned by every vLLM release in `make conformance`). Expected
 numbers are written as the reference's own arithmetic, never read back from
 kvplan. tests/conformance/test_scenarios.py checks the files are current.
 """
