@@ -53,6 +53,8 @@ KIND_CLASS = {
     "encoder_only_attention": "EncoderOnlyAttentionSpec",
     "circular_buffer": "CircularBufferSpec",
     "mamba": "MambaSpec",
+    "hisparse_hot": "HiSparseHotSpec",
+    "hisparse_resident": "HiSparseResidentSpec",
 }
 # Warnings vLLM 0.33 logs that kvplan reports with a WarningCode; compared as sets.
 COMPARED_WARNINGS = (
@@ -105,6 +107,7 @@ def normalize_kvplan(resp: plan_pb2.PlanResponse) -> Json:
             {
                 "rank": int(w.rank),
                 "num_blocks": int(w.num_blocks),
+                "hisparse_host_num_blocks": int(resp.hisparse_host_num_blocks),
                 "bytes_per_block": int(w.bytes_per_block),
                 "needed_per_request_bytes": int(w.budget.needed_per_request_bytes),
                 "kv_tp_replicas": int(w.kv_tp_replicas),
@@ -116,6 +119,7 @@ def normalize_kvplan(resp: plan_pb2.PlanResponse) -> Json:
                         "offset": int(t.offset_bytes),
                         "layer_stride": int(t.layer_stride_bytes),
                         "block_stride": int(t.block_stride_bytes),
+                        "host_resident": bool(t.host_resident),
                     }
                     for t in w.tensors
                 ],
@@ -266,11 +270,18 @@ def compare_results(v: Json, k: Json) -> list[Diff]:
     _cmp(diffs, "num_blocks", v["num_blocks"], k["num_blocks"])
     _cmp(diffs, "workers.count", len(v["workers"]), len(k["workers"]))
     for w, (vw, kw) in enumerate(zip(v["workers"], k["workers"], strict=False)):
-        for key in ("rank", "num_blocks", "bytes_per_block"):
+        for key in ("rank", "num_blocks", "bytes_per_block", "hisparse_host_num_blocks"):
             _cmp(diffs, f"workers[{w}].{key}", vw[key], kw[key])
         _cmp(diffs, f"workers[{w}].tensors.count", len(vw["tensors"]), len(kw["tensors"]))
         for t, (vt, kt) in enumerate(zip(vw["tensors"], kw["tensors"], strict=False)):
-            for key in ("layers", "size", "offset", "layer_stride", "block_stride"):
+            for key in (
+                "layers",
+                "size",
+                "offset",
+                "layer_stride",
+                "block_stride",
+                "host_resident",
+            ):
                 _cmp(diffs, f"workers[{w}].tensors[{t}].{key}", vt[key], kt[key])
         _cmp(diffs, f"workers[{w}].groups.count", len(vw["groups"]), len(kw["groups"]))
         for g, (vp, kp) in enumerate(zip(vw["groups"], kw["groups"], strict=False)):
@@ -431,6 +442,8 @@ def for_release(request: plan_pb2.PlanRequest, engine_version: str) -> plan_pb2.
             if kind == "mamba":
                 if not driver.HAS_STATE_ALIGNMENT:
                     body.ClearField("state_alignment_bytes")
+                continue
+            if kind in ("hisparse_hot", "hisparse_resident"):
                 continue
             if not driver.HAS_KV_HEAD_MAJOR_SLOTS:
                 body.attention.kv_head_major_slots = False

@@ -2713,6 +2713,102 @@ def _releases(c: Cases) -> None:
         c.add("releases", f"extensible-final-{name}", "extensible final plan", req)
 
 
+def _hisparse_engine(
+    rng: random.Random,
+    *,
+    sparse: int,
+    indexers: int,
+    leader_every: int,
+    block: int,
+    sparse_head: int,
+    others: list[Layer],
+    topk: int | None,
+    mixed_pages: bool = False,
+) -> list[Layer]:
+    """A DeepSeek-V3.2-like engine under HiSparse: sparse-MLA and indexer layers,
+    other layers, then the hot / resident entries the model runner derives."""
+    layers: list[Layer] = []
+    for i in range(sparse):
+        head = sparse_head if not (mixed_pages and i == sparse - 1) else sparse_head + 64
+        layers.append(
+            mla(
+                f"model.layers.{i}.attn",
+                head,
+                a={"dtype": "u8"},
+                topk=topk,
+                leader=i % leader_every == 0,
+                block=block,
+            )
+        )
+    for i in range(indexers):
+        layers.append(
+            mla(f"model.layers.{i}.indexer", 132, a={"dtype": "u8"}, indexer=True, block=block)
+        )
+    layers += others
+    for i in range(sparse):
+        page = block * sparse_head
+        hot = Layer(name=f"model.layers.{i}.attn.hisparse_hot")
+        hot.hisparse_hot.page_size_bytes = page
+        hot.hisparse_hot.blocks_per_request = 1
+        resident = Layer(name=f"model.layers.{i}.attn.hisparse_resident")
+        resident.hisparse_resident.page_size_bytes = page
+        layers += [resident, hot]
+    rng.shuffle(layers[len(layers) - 2 * sparse :])  # the runner's order is a dict merge
+    return layers
+
+
+def _hisparse(c: Cases) -> None:
+    """HiSparse (every release): its grouping path, hot-unit packing, host pool
+    sizing and its limits on max_model_len, layouts, spec decode and the regular
+    groups planned beside it."""
+    rng = c.rng
+    for index in range(60):
+        others: list[Layer] = []
+        kind = rng.choice(("none", "none", "sw", "mamba", "full"))
+        if kind == "sw":
+            others = [sw(f"swa.{i}", 1024, 4, 64, block=64) for i in range(rng.choice((2, 4)))]
+        elif kind == "mamba":
+            others = [mamba(f"mamba.{i}", SMALL_STATES) for i in range(2)]
+        elif kind == "full":
+            others = [full(f"full.{i}", 4, 64) for i in range(2)]
+        block = rng.choice((64, 64, 32))
+        layers = _hisparse_engine(
+            rng,
+            sparse=rng.choice((2, 4, 8)),
+            indexers=rng.choice((1, 2, 4)),
+            leader_every=rng.choice((1, 2, 4)),
+            block=block,
+            sparse_head=rng.choice((656, 576)),
+            others=others,
+            topk=rng.choice((None, 2048, 512)),
+            mixed_pages=rng.random() < 0.1,
+        )
+        auto_fit = rng.random() < 0.3
+        req = request(
+            W(layers, kv_bytes=rng.choice((256 << 20, 4 * GIB, 40 * GIB))),
+            max_model_len=-1 if auto_fit else rng.choice((8192, 131_072)),
+            derived=rng.choice((163_840, 1_048_576)) if auto_fit else None,
+            layout=rng.choice(("BLHNC", "BLHNC", "BLHNC", "BLNHC", "LBNHC")),
+            tp=rng.choice((0, 0, 2)),
+            mamba_align=kind == "mamba",
+            block_size=64,
+            async_scheduling=rng.random() < 0.5,
+            method=rng.choice(("none", "mtp", "eagle")),
+            spec_tokens=rng.choice((1, 3)),
+            override=rng.choice((None, None, 2000)),
+        )
+        config = req.options.hisparse
+        config.host_pool_gib = rng.choice((0.001, 0.25, 4.0, 64.0, 64.0, 256.0))
+        config.shared_host_pool = rng.random() < 0.3
+        config.index_topk = 2048
+        if rng.random() < 0.4:
+            config.device_buffer_size = rng.choice((1024, 8192, 8192, 16384, 40000))
+        if rng.random() < 0.05:
+            layers[0].mla_attention.mla.model_version = "deepseek_v4"
+            req.workers[0].layers[0].CopyFrom(layers[0])
+        c.add("hisparse", f"h{index:02d}-{kind}", "HiSparse grouping and host pool", req)
+
+
 SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _reference,
     _uniform,
@@ -2731,6 +2827,7 @@ SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _kinds,
     _fuzz,
     _releases,
+    _hisparse,
     _scenario_files,
 )
 

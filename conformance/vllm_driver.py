@@ -53,6 +53,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     CrossAttentionSpec,
     FullAttentionSpec,
     HiddenStateCacheSpec,
+    HiSparseHotSpec,
+    HiSparseResidentSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -112,6 +114,8 @@ MEMORY_ERROR_PREFIXES = (
     "To serve at least one request",
     "Cannot auto-fit max_model_len",
     "Free memory on device",
+    "HiSparse host pool has",  # the host pool cannot hold one max_model_len request
+    "HiSparse has no allocatable host blocks",
 )
 
 _STORAGE: dict[int, torch.dtype] = {
@@ -387,6 +391,16 @@ def build_layer_spec(layer: spec_pb2.LayerSpec, ctx: _LayerContext) -> KVCacheSp
             kwargs["state_alignment"] = body.state_alignment_bytes
         return MambaSpec(**kwargs)
     common = _common_kwargs(layer, ctx.block_size)
+    if kind == "hisparse_hot":
+        return HiSparseHotSpec(
+            block_size=common["block_size"],
+            page_size=layer.hisparse_hot.page_size_bytes,
+            blocks_per_request=layer.hisparse_hot.blocks_per_request,
+        )
+    if kind == "hisparse_resident":
+        return HiSparseResidentSpec(
+            block_size=common["block_size"], page_size=layer.hisparse_resident.page_size_bytes
+        )
     if kind == "full_attention":
         b = layer.full_attention
         extra: Json = {"non_causal": b.non_causal}
@@ -478,6 +492,10 @@ class VllmInputs:
     encoder_only: list[list[str]] = field(default_factory=list)
     # Extensible cache after warm-up: (measured KV bytes, granule) per worker.
     measured: list[tuple[int, int]] | None = None
+    # HiSparse: whether the host pool is one shared mmap (a platform / executor
+    # decision vLLM makes at start-up) and the host page size it aligns to.
+    hisparse_shared_host_pool: bool = False
+    host_page_bytes: int = 4096
 
 
 def _measured_blocks(config: KVCacheConfig, layout: Any, measured: int, granule: int) -> int:
@@ -607,14 +625,34 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         # vLLM 0.32's trailing-layer draft rule reads the target's model type here.
         hf_config=SimpleNamespace(model_type=req.spec_decode.target_model_type),
     )
+    hisparse = o.HasField("hisparse")
     config = PlannerConfig(
         model_config=model_config,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
         parallel_config=parallel_config,
         speculative_config=_speculative_config(req.spec_decode),
-        use_v2_model_runner=o.use_v2_model_runner,
+        # vLLM's use_v2_model_runner property returns True under HiSparse.
+        use_v2_model_runner=o.use_v2_model_runner or hisparse,
     )
+    if hisparse:
+        from vllm.config.attention import HiSparseConfig
+
+        h = o.hisparse
+        config.attention_config = AttentionConfig(
+            hisparse_config=HiSparseConfig(
+                device_buffer_size=h.device_buffer_size
+                if h.HasField("device_buffer_size")
+                else None
+            )
+        )
+        # What hisparse_host_pool_gib reads of the connector configuration.
+        config.kv_transfer_config = SimpleNamespace(
+            kv_connector="HiSparseConnector",
+            kv_connector_extra_config={"host_pool_gib": h.host_pool_gib},
+        )
+        if h.HasField("index_topk"):
+            model_config.hf_config.index_topk = h.index_topk
     ctx = _LayerContext(
         options=o,
         block_size=block_size,
@@ -660,7 +698,11 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
             )
             for w in workers
         ]
-    return VllmInputs(config, specs, memory, [w.rank for w in workers], encoder_only, measured)
+    inputs = VllmInputs(config, specs, memory, [w.rank for w in workers], encoder_only, measured)
+    if hisparse:
+        inputs.hisparse_shared_host_pool = o.hisparse.shared_host_pool
+        inputs.host_page_bytes = o.hisparse.host_page_size_bytes or 4096
+    return inputs
 
 
 # --- normalised output ---------------------------------------------------------------
@@ -701,8 +743,30 @@ def _block_bytes_and_needed(config: Any, groups: list[KVCacheGroupSpec]) -> tupl
 def _plan_groups_and_configs(
     inputs: VllmInputs, result: Json
 ) -> tuple[list[KVCacheGroupSpec], list[KVCacheConfig]]:
-    """The release's own calls, in the engine core's order; `result["stage"]` says
-    how far they got (for errors)."""
+    """The release's own calls, in the engine core's order, with HiSparse's
+    platform decision (shared host pool, host page size) taken from the request."""
+    from vllm.v1.hisparse import layout as hisparse_layout
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    saved = (
+        hisparse_layout.use_shared_hisparse_host_pool,
+        SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT,
+    )
+    shared = inputs.hisparse_shared_host_pool
+    hisparse_layout.use_shared_hisparse_host_pool = lambda _config: shared
+    SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT = inputs.host_page_bytes
+    try:
+        return _release_calls(inputs, result)
+    finally:
+        hisparse_layout.use_shared_hisparse_host_pool, SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT = (
+            saved
+        )
+
+
+def _release_calls(
+    inputs: VllmInputs, result: Json
+) -> tuple[list[KVCacheGroupSpec], list[KVCacheConfig]]:
+    """`result["stage"]` says how far the calls got (for errors)."""
     cfg = inputs.config
     if _planning is not None:
         result["stage"] = "grouping"
@@ -718,11 +782,19 @@ def _plan_groups_and_configs(
     seen: list[list[KVCacheGroupSpec]] = []
     original = kv_cache_utils.get_kv_cache_groups
 
+    depth = [0]
+
     def observed(config: Any, specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
-        groups: list[KVCacheGroupSpec] = original(config, specs)
-        seen.append(groups)
-        result["groups"] = [_group_dict(g) for g in groups]
-        result["stage"] = "configs"
+        # HiSparse groups the other layers with a nested call: keep the outer one.
+        depth[0] += 1
+        try:
+            groups: list[KVCacheGroupSpec] = original(config, specs)
+        finally:
+            depth[0] -= 1
+        if depth[0] == 0:
+            seen.append(groups)
+            result["groups"] = [_group_dict(g) for g in groups]
+            result["stage"] = "configs"
         return groups
 
     result["stage"] = "grouping"
@@ -746,6 +818,7 @@ def _worker_dict(
     return {
         "rank": rank,
         "num_blocks": int(config.num_blocks),
+        "hisparse_host_num_blocks": int(getattr(config, "hisparse_host_num_blocks", None) or 0),
         "bytes_per_block": bpb,
         "needed_per_request_bytes": needed,
         "kv_tp_replicas": int(config.kv_tp_replicas),
@@ -757,6 +830,7 @@ def _worker_dict(
                 "offset": int(t.offset),
                 "layer_stride": int(t.layer_stride),
                 "block_stride": int(t.block_stride),
+                "host_resident": bool(getattr(t, "host_resident", False)),
             }
             for t in config.kv_cache_tensors
         ],

@@ -16,6 +16,7 @@ from kvplan.core.diagnostics import WarningCode
 from kvplan.core.dtypes import StorageDtype, storage_dtype_for_cache_dtype
 from kvplan.core.errors import FieldViolation, InvalidRequest, PlanningError
 from kvplan.core.extensible import DEFAULT_ALLOCATION_GRANULE_BYTES
+from kvplan.core.hisparse import DEFAULT_HOST_PAGE_BYTES, HiSparseConfig
 from kvplan.core.groups import DraftRule, GroupingPath
 from kvplan.core.layout import KVCacheLayout
 from kvplan.core.memory import BudgetMode
@@ -49,6 +50,8 @@ from kvplan.core.specs import (
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     HiddenStateCacheSpec,
+    HiSparseHotSpec,
+    HiSparseResidentSpec,
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
@@ -114,6 +117,7 @@ class _Context:
             cache_dtype_name(options.cache_dtype), model_dtype
         )
         self.align_mode = options.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN
+        self.hisparse = options.HasField("hisparse")
         self.specs_by_bytes: dict[bytes, KVCacheSpec] = {}
         # Tensor-parallel ranks repeat one layer list: convert each distinct list once.
         self.layer_lists: dict[
@@ -209,6 +213,51 @@ def _window_kwargs(message: Any, path: str) -> dict[str, Any]:
     return kwargs
 
 
+def _hisparse_layer_from_proto(kind: str, body: Any, path: str, ctx: _Context) -> KVCacheSpec:
+    """A HiSparse hot / resident entry the model runner derived for a sparse-MLA layer.
+    Planning lays these out again from the MLA layers; only names must match."""
+    body_path = f"{path}.{kind}"
+    if not ctx.hisparse:
+        raise InvalidRequest(
+            f"{kind} layers exist only with HiSparse on (options.hisparse)", field=body_path
+        )
+    page = _require(body.page_size_bytes, f"{body_path}.page_size_bytes", "page_size_bytes")
+    if kind == "hisparse_hot":
+        blocks = _require(
+            body.blocks_per_request, f"{body_path}.blocks_per_request", "blocks_per_request"
+        )
+        return HiSparseHotSpec(block_size=ctx.block_size, page_size=page, blocks_per_request=blocks)
+    return HiSparseResidentSpec(block_size=ctx.block_size, page_size=page)
+
+
+def _hisparse_from_proto(options: plan_pb2.EngineOptions) -> HiSparseConfig | None:
+    if not options.HasField("hisparse"):
+        return None
+    config = options.hisparse
+    if not config.host_pool_gib > 0:
+        raise InvalidRequest(
+            "HiSparse needs a host pool: host_pool_gib must be > 0",
+            field="options.hisparse.host_pool_gib",
+        )
+    device_buffer_size: int | None = None
+    if config.HasField("device_buffer_size"):
+        device_buffer_size = _require(
+            config.device_buffer_size,
+            "options.hisparse.device_buffer_size",
+            "device_buffer_size",
+        )
+    index_topk: int | None = None
+    if config.HasField("index_topk"):
+        index_topk = _require(config.index_topk, "options.hisparse.index_topk", "index_topk")
+    return HiSparseConfig(
+        host_pool_gib=config.host_pool_gib,
+        device_buffer_size=device_buffer_size,
+        shared_host_pool=config.shared_host_pool,
+        index_topk=index_topk,
+        host_page_bytes=config.host_page_size_bytes or DEFAULT_HOST_PAGE_BYTES,
+    )
+
+
 def _release_fields_set(layer: spec_pb2.LayerSpec, kind: str, body: Any) -> list[tuple[str, str]]:
     """(rule-set field name, path suffix) of the release-specific fields `layer` sets."""
     found: list[tuple[str, str]] = []
@@ -216,7 +265,9 @@ def _release_fields_set(layer: spec_pb2.LayerSpec, kind: str, body: Any) -> list
         found.append((FIELD_IS_DRAFT, "is_draft"))
     if kind in ("mla_attention", "hidden_state_cache") and body.mla.HasField("topk_buffer_width"):
         found.append((FIELD_TOPK_BUFFER_WIDTH, f"{kind}.mla.topk_buffer_width"))
-    if kind != "mamba" and body.attention.kv_head_major_slots:
+    if kind not in ("mamba", "hisparse_hot", "hisparse_resident") and (
+        body.attention.kv_head_major_slots
+    ):
         found.append((FIELD_KV_HEAD_MAJOR_SLOTS, f"{kind}.attention.kv_head_major_slots"))
     if kind == "sliding_window_mla" and body.non_causal_multi_token_decode:
         found.append((FIELD_SW_MLA_SPEC_MARKER, f"{kind}.non_causal_multi_token_decode"))
@@ -232,6 +283,8 @@ def layer_from_proto(layer: spec_pb2.LayerSpec, path: str, ctx: _Context) -> KVC
         raise InvalidRequest("a layer needs a spec kind (full_attention, mamba, ...)", field=path)
     body = getattr(layer, kind)
     body_path = f"{path}.{kind}"
+    if kind in ("hisparse_hot", "hisparse_resident"):
+        return _hisparse_layer_from_proto(kind, body, path, ctx)
     for name, suffix in _release_fields_set(layer, kind, body):
         if not ctx.rules.has_field(name):
             raise ctx.rules.unsupported_field(name, f"{path}.{suffix}")
@@ -426,6 +479,7 @@ def _options_from_proto(options: plan_pb2.EngineOptions, rules: RuleSet) -> Engi
             if options.HasField("extensible_kv_cache")
             else rules.extensible_kv_cache
         ),
+        hisparse=_hisparse_from_proto(options),
     )
 
 
@@ -670,6 +724,13 @@ def spec_to_proto(spec: KVCacheSpec, name: str = "") -> spec_pb2.LayerSpec:
         out.block_stride_alignment.multiple_of_kernel_block_tokens = alignment.base
     elif alignment is not None:
         out.block_stride_alignment.bytes = alignment
+    if isinstance(spec, HiSparseHotSpec):
+        out.hisparse_hot.page_size_bytes = spec.page_size
+        out.hisparse_hot.blocks_per_request = spec.blocks_per_request
+        return out
+    if isinstance(spec, HiSparseResidentSpec):
+        out.hisparse_resident.page_size_bytes = spec.page_size
+        return out
     if isinstance(spec, MambaSpec):
         body = out.mamba
         for state in spec.states:
@@ -758,6 +819,7 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
         max_model_len=plan.max_model_len,
         num_blocks=plan.num_blocks,
         rule_set=plan.rule_set,
+        hisparse_host_num_blocks=plan.hisparse_host_num_blocks,
         plan_stage=plan_pb2.PlanStage.Value(f"PLAN_STAGE_{plan.stage.name}"),
         reserved_num_blocks=plan.reserved_num_blocks,
     )
@@ -772,6 +834,7 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
             draft_rule=_RULES[group.draft_rule],
             padding_layers=group.padding_layers,
             prefix_cacheable=group.spec.prefix_cacheable,
+            host_resident=group.host_resident,
         )
         if isinstance(group.spec, UniformTypeSpecs):
             out.spec.CopyFrom(spec_to_proto(group.spec.first_spec))
@@ -817,6 +880,7 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
                 layer_stride_bytes=tensor.layer_stride_bytes,
                 block_stride_bytes=tensor.block_stride_bytes,
                 group_id=tensor.group_id,
+                host_resident=tensor.host_resident,
             )
         for projected in worker.groups:
             out_worker.groups.add(

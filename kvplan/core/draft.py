@@ -44,7 +44,7 @@ def _is_draft_groups(result: GroupingResult) -> set[int]:
 def _spec_marker_groups(result: GroupingResult) -> set[int]:
     return {
         group.group_id
-        for group in result.groups[: result.annotated_group_count]
+        for group in result.annotated_groups
         if any(
             getattr(spec, "non_causal_multi_token_decode", False)
             for spec in layer_specs_of(group.spec)
@@ -53,7 +53,7 @@ def _spec_marker_groups(result: GroupingResult) -> set[int]:
 
 
 def _trailing_layer_groups(result: GroupingResult, spec_decode: SpecDecode) -> set[int]:
-    candidates = result.groups[: result.annotated_group_count]
+    candidates = result.annotated_groups
     names = list(result.annotation_specs)
     # The exact-partition guard: dropped, duplicated or foreign layers make
     # "the last registered layer" meaningless.
@@ -105,7 +105,8 @@ def annotate_draft_groups(
         return groups, []  # the annotator (and its warning) runs on packed / hybrid only
     method = spec_decode.method
     # The packed path warns over its packed groups only (not the hidden-state ones).
-    warned_over = groups[: result.annotated_group_count]
+    start = result.annotated_group_start
+    warned_over = groups[start : start + result.annotated_group_count]
     mamba_groups = [
         group.group_id
         for group in warned_over

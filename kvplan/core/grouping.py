@@ -21,7 +21,8 @@ from kvplan.core.diagnostics import PaddingInfo, PlanWarning, WarningCode
 from kvplan.core.errors import InvalidRequest, UnplannableSpecs
 from kvplan.core.groups import GroupingPath, KVCacheGroup
 from kvplan.core.layout import KVCacheLayout
-from kvplan.core.rules import KVPLAN, RuleSet
+from kvplan.core.hisparse import HiSparseConfig, hisparse_groups
+from kvplan.core.rules import FIELD_TOPK_BUFFER_WIDTH, KVPLAN, RuleSet
 from kvplan.core.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -65,8 +66,8 @@ class GroupingResult:
     # The spec dict the positional draft rule reads (the packed path leaves
     # hidden-state layers out of it).
     annotation_specs: SpecDict
-    # The positional rule sees only the first groups (packed path: not the
-    # hidden-state groups appended after it).
+    # The positional rules see only `annotated_groups` (packed path: not the
+    # hidden-state groups appended after it; HiSparse: only the regular groups).
     annotated_group_count: int
     # Whether the seed's positional / spec-marker draft rules run on this path.
     positional_rules_apply: bool
@@ -75,6 +76,12 @@ class GroupingResult:
     group_size: int = 0
     page_sizes_unified: bool = False
     local_attention_promoted: bool = False
+    annotated_group_start: int = 0
+
+    @property
+    def annotated_groups(self) -> list[KVCacheGroup]:
+        start = self.annotated_group_start
+        return self.groups[start : start + self.annotated_group_count]
 
 
 def is_uniform_spec(specs: Mapping[str, KVCacheSpec], rules: RuleSet = KVPLAN) -> bool:
@@ -497,20 +504,28 @@ def _append_hidden_state_groups(
     return result
 
 
-def _numbered(groupings: list[Grouping]) -> list[KVCacheGroup]:
+def _numbered(groupings: list[Grouping], host_resident: int = 0) -> list[KVCacheGroup]:
+    """Groups with ids; the first `host_resident` live in the HiSparse host pool."""
     return [
         KVCacheGroup(
             group_id=index,
             layer_names=grouping.layer_names,
             spec=grouping.spec,
             padding_layers=grouping.padding_layers,
+            host_resident=index < host_resident,
         )
         for index, grouping in enumerate(groupings)
     ]
 
 
 def group_layers(
-    specs: SpecDict, *, layout: KVCacheLayout, disable_hybrid: bool, rules: RuleSet = KVPLAN
+    specs: SpecDict,
+    *,
+    layout: KVCacheLayout,
+    disable_hybrid: bool,
+    rules: RuleSet = KVPLAN,
+    hisparse: HiSparseConfig | None = None,
+    max_decode_query_len: int = 1,
 ) -> GroupingResult:
     """Split the engine's layers (registration order) into KV cache groups."""
     warnings: list[PlanWarning] = []
@@ -549,6 +564,13 @@ def group_layers(
 
     if not specs:
         return done(GroupingPath.ATTENTION_FREE, [])
+    if hisparse is not None:
+        result = _hisparse_path(
+            specs, warnings, layout, disable_hybrid, rules, hisparse, max_decode_query_len
+        )
+        if result is not None:
+            result.local_attention_promoted = promoted
+            return result
     if is_uniform_spec(specs, rules):
         merged = _merge_group(specs, list(specs), rules)
         return done(GroupingPath.UNIFORM_SPEC, [Grouping(tuple(specs), merged)])
@@ -597,6 +619,64 @@ def group_layers(
         padding=padding,
         group_size=group_size,
         page_sizes_unified=page_sizes_unified,
+    )
+
+
+def _hisparse_path(
+    specs: SpecDict,
+    warnings: list[PlanWarning],
+    layout: KVCacheLayout,
+    disable_hybrid: bool,
+    rules: RuleSet,
+    config: HiSparseConfig,
+    max_decode_query_len: int,
+) -> GroupingResult | None:
+    """HiSparse groups; the engine's other layers are grouped by the usual paths
+    (a nested grouping, whose draft rules and warnings apply to its groups only)."""
+    nested: list[GroupingResult] = []
+
+    def regular(others: SpecDict) -> list[tuple[tuple[str, ...], KVCacheSpec]]:
+        result = group_layers(
+            others,
+            layout=layout,
+            disable_hybrid=disable_hybrid,
+            rules=rules,
+            hisparse=config,
+            max_decode_query_len=max_decode_query_len,
+        )
+        nested.append(result)
+        return [(group.layer_names, group.spec) for group in result.groups]
+
+    laid_out = hisparse_groups(
+        specs,
+        config,
+        max_decode_query_len=max_decode_query_len,
+        use_topk_buffer_width=rules.has_field(FIELD_TOPK_BUFFER_WIDTH),
+        regular=regular,
+    )
+    if laid_out is None:
+        return None
+    sub = nested[0] if nested else None
+    own = len(laid_out.groups) - laid_out.regular_count
+    groupings = [Grouping(names, spec) for names, spec, _ in laid_out.groups[:own]]
+    if sub is not None:
+        groupings += [
+            Grouping(group.layer_names, group.spec, group.padding_layers) for group in sub.groups
+        ]
+    groups = _numbered(groupings, host_resident=1)
+    _check_exact_partition(groups, specs)
+    return GroupingResult(
+        path=GroupingPath.HISPARSE,
+        groups=groups,
+        specs=specs,
+        annotation_specs=sub.annotation_specs if sub is not None else {},
+        annotated_group_count=sub.annotated_group_count if sub is not None else 0,
+        annotated_group_start=own,
+        positional_rules_apply=sub.positional_rules_apply if sub is not None else False,
+        warnings=[*warnings, *(sub.warnings if sub is not None else [])],
+        padding=sub.padding if sub is not None else [],
+        group_size=sub.group_size if sub is not None else 0,
+        page_sizes_unified=sub.page_sizes_unified if sub is not None else False,
     )
 
 

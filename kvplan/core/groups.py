@@ -25,6 +25,7 @@ class GroupingPath(Enum):
     PACKED = "packed"
     HYBRID = "hybrid"
     FULL_ALLOCATION_FALLBACK = "full_allocation_fallback"
+    HISPARSE = "hisparse"
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class KVCacheGroup:
     is_draft: bool = False
     draft_rule: DraftRule = DraftRule.NONE
     padding_layers: int = 0  # hybrid path: nominal group size minus len(layer_names)
+    host_resident: bool = False  # HiSparse source group: lives in the host pool
 
     def spec_of(self, layer_name: str) -> KVCacheSpec:
         if isinstance(self.spec, UniformTypeSpecs):

@@ -48,6 +48,7 @@ class TensorPlacement:
     block_stride_bytes: int
     offset_bytes: int
     group_id: int
+    host_resident: bool = False  # HiSparse host pool
 
 
 def layer_block_stride(spec: KVCacheSpec) -> int:
@@ -146,6 +147,24 @@ def place_tensors(
         if not own_layers_only and not group.layer_names:
             runs = group.wrapper_layer_runs
         for spec, names in runs:
+            if not spec.has_layer_views:
+                # HiSparse hot / resident pages: addressed by page, strided by block.
+                if not layout.is_block_outermost:
+                    raise UnplannableSpecs(
+                        f"HiSparse needs a block-outermost KV cache layout, got {layout.name}"
+                    )
+                placements.append(
+                    TensorPlacement(
+                        size_bytes=size,
+                        layer_names=tuple(names),
+                        layer_stride_bytes=spec.page_size_bytes,
+                        block_stride_bytes=block_bytes,
+                        offset_bytes=offset,
+                        group_id=group.group_id,
+                    )
+                )
+                offset += len(names) * spec.page_size_bytes
+                continue
             block_stride = interleaved_stride
             padded_stride = layer_block_stride(spec)
             if block_stride is None and padded_stride != spec.page_size_bytes:

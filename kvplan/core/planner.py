@@ -14,11 +14,18 @@ from functools import reduce
 
 from kvplan.core.diagnostics import PaddingInfo, PlanWarning, WarningCode
 from kvplan.core.draft import annotate_draft_groups
-from kvplan.core.errors import InsufficientMemory, InvalidRequest
+from kvplan.core.errors import InsufficientMemory, InvalidRequest, PlanningError, UnplannableSpecs
 from kvplan.core.extensible import blocks_within, segment_strides
 from kvplan.core.grouping import SpecDict, group_layers
 from kvplan.core.groups import GroupingPath, KVCacheGroup
-from kvplan.core.layout import TensorPlacement, bytes_per_block, place_tensors, validate_layout
+from kvplan.core.hisparse import HiSparseConfig, check_host_pool, is_hisparse_spec
+from kvplan.core.layout import (
+    KVCacheLayout,
+    TensorPlacement,
+    bytes_per_block,
+    place_tensors,
+    validate_layout,
+)
 from kvplan.core.memory import (
     Budget,
     BudgetMode,
@@ -95,6 +102,7 @@ class EnginePlan:
     rule_set: str = "kvplan"  # RuleSet.name of the rules that made this plan
     stage: PlanStage = PlanStage.CLASSIC
     reserved_num_blocks: int = 0  # extensible final plans: the reservation (the cap)
+    hisparse_host_num_blocks: int = 0  # HiSparse: blocks of the host pool
 
 
 def _validate(request: EngineRequest) -> list[WorkerInput]:
@@ -237,22 +245,83 @@ def _block_sizes(groups: list[KVCacheGroup], options: EngineOptions) -> tuple[in
     return scheduler, math.gcd(*cacheable) if cacheable else scheduler
 
 
+def _source_group(worker_groups: list[KVCacheGroup]) -> KVCacheGroup:
+    (source,) = [group for group in worker_groups if group.host_resident]
+    return source
+
+
+def _hisparse_host_blocks(
+    config: HiSparseConfig, worker_groups: list[KVCacheGroup], max_model_len: int
+) -> int:
+    source = _source_group(worker_groups)
+    return check_host_pool(
+        config, source.spec.page_size_bytes, source.spec.block_size, max_model_len
+    )
+
+
+def _check_hisparse_layout(layout: KVCacheLayout, device_groups: list[KVCacheGroup]) -> None:
+    if not layout.is_block_outermost and any(
+        is_hisparse_spec(group.spec) for group in device_groups
+    ):
+        raise UnplannableSpecs(
+            f"HiSparse needs a block-outermost KV cache layout (e.g. BLHNC), got {layout.name}"
+        )
+
+
+def _hisparse_config_builds(
+    config: HiSparseConfig, worker_groups: list[KVCacheGroup], layout: KVCacheLayout, length: int
+) -> bool:
+    """Whether the worker's HiSparse configuration can be built at `length` (vLLM's
+    length search treats a failing build as "does not fit")."""
+    try:
+        _hisparse_host_blocks(config, worker_groups, length)
+        device_groups = [g for g in worker_groups if not g.host_resident]
+        validate_layout(layout, device_groups)
+        _check_hisparse_layout(layout, device_groups)
+    except PlanningError:
+        return False
+    return True
+
+
+def _host_tensors(worker_groups: list[KVCacheGroup], host_blocks: int) -> list[TensorPlacement]:
+    """The HiSparse host pool: the source group, layer-outer (LBNHC)."""
+    host_groups = [group for group in worker_groups if group.host_resident]
+    if not host_groups:
+        return []
+    host_layout = KVCacheLayout.LBNHC
+    validate_layout(host_layout, host_groups)
+    host_bpb = bytes_per_block(host_groups, host_layout)
+    return [
+        replace(tensor, host_resident=True)
+        for tensor in place_tensors(host_groups, host_blocks, host_layout, host_bpb)
+    ]
+
+
 def plan_engine(request: EngineRequest) -> EnginePlan:
     options = request.options
     rules = request.rules
     workers = _validate(request)
     specs = _tag_retained_tokens(_merge_worker_specs(workers, request), request)
 
+    hisparse = options.hisparse
     grouping = group_layers(
         specs,
         layout=options.layout,
         disable_hybrid=options.disable_hybrid_kv_cache_manager,
         rules=rules,
+        hisparse=hisparse,
+        max_decode_query_len=request.spec_decode.max_decode_query_len,
     )
     groups, draft_warnings = annotate_draft_groups(grouping, request.spec_decode, rules)
     warnings = [*grouping.warnings, *draft_warnings]
 
     projected = [_project(groups, worker, rules) for worker in workers]
+    # HiSparse source groups live in the host pool: the device pool, its checks
+    # and its block size are the other groups'.
+    device = [[g for g in worker_groups if not g.host_resident] for worker_groups in projected]
+    # Under HiSparse the layout is checked only while building each worker's
+    # configuration, after the memory checks (as in every release).
+    layout_after_memory = rules.layout_checked_after_memory or hisparse is not None
     index_of = {worker.rank: index for index, worker in enumerate(request.workers)}
     budgets = [
         worker_budget(worker, index_of[worker.rank], extensible=options.extensible_kv_cache)
@@ -261,7 +330,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     available = [budget.available_bytes for budget in budgets]
 
     block_bytes: list[int] = []
-    for worker, worker_groups in zip(workers, projected, strict=True):
+    for worker, worker_groups, device_groups in zip(workers, projected, device, strict=True):
         if not worker_groups:
             block_bytes.append(0)
             continue
@@ -271,9 +340,9 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
                 "every worker needs at least one layer",
                 field=f"workers[{index_of[worker.rank]}].layers",
             )
-        if not rules.layout_checked_after_memory:
+        if not layout_after_memory:
             validate_layout(options.layout, worker_groups)
-        block_bytes.append(bytes_per_block(worker_groups, options.layout))
+        block_bytes.append(bytes_per_block(device_groups, options.layout))
 
     override = options.num_gpu_blocks_override
     if override is not None:
@@ -294,12 +363,16 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     max_model_len = options.starting_max_model_len
 
     def fits_for(worker_groups: list[KVCacheGroup], bpb: int, memory: int) -> int:
-        return estimate_max_model_len(
-            lambda length: (
-                needed_bytes(worker_groups, bpb, _context(options, rules, length)) <= memory
-            ),
-            max_model_len,
-        )
+        device_groups = [g for g in worker_groups if not g.host_resident]
+
+        def fits(length: int) -> bool:
+            if hisparse is not None and not _hisparse_config_builds(
+                hisparse, worker_groups, options.layout, length
+            ):
+                return False
+            return needed_bytes(device_groups, bpb, _context(options, rules, length)) <= memory
+
+        return estimate_max_model_len(fits, max_model_len)
 
     def auto_fit(memory_per_worker: list[int], when: str) -> None:
         nonlocal max_model_len
@@ -332,8 +405,8 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     def one_request_fits(memory_per_worker: list[int]) -> list[int]:
         ctx = _context(options, rules, max_model_len)
         needed: list[int] = []
-        for worker, worker_groups, bpb, memory in zip(
-            workers, projected, block_bytes, memory_per_worker, strict=True
+        for worker, worker_groups, device_groups, bpb, memory in zip(
+            workers, projected, device, block_bytes, memory_per_worker, strict=True
         ):
             if not worker_groups:
                 needed.append(0)
@@ -341,7 +414,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
             need = check_one_request_fits(
                 rank=worker.rank,
                 check_bytes=memory,
-                needed=lambda g=worker_groups, b=bpb: needed_bytes(g, b, ctx),  # type: ignore[misc]
+                needed=lambda g=device_groups, b=bpb: needed_bytes(g, b, ctx),  # type: ignore[misc]
                 max_model_len=max_model_len,
                 estimate=lambda memory, g=worker_groups, b=bpb: fits_for(g, b, memory),  # type: ignore[misc]
             )
@@ -352,11 +425,22 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
         auto_fit(check, "")
     needed = one_request_fits(check)
 
-    if rules.layout_checked_after_memory:
-        # vLLM 0.32 validates the layout while building each worker's config.
-        for worker_groups in projected:
-            if worker_groups:
-                validate_layout(options.layout, worker_groups)
+    host_blocks_per_worker = [0] * len(workers)
+    if layout_after_memory:
+        # vLLM 0.32 (and HiSparse everywhere) validates the layout while building
+        # each worker's config; HiSparse sizes its host pool first.
+        for index, (worker_groups, device_groups) in enumerate(
+            zip(projected, device, strict=True)
+        ):
+            if not worker_groups:
+                continue
+            if hisparse is not None:
+                host_blocks_per_worker[index] = _hisparse_host_blocks(
+                    hisparse, worker_groups, max_model_len
+                )
+            validate_layout(options.layout, device_groups)
+            if hisparse is not None:
+                _check_hisparse_layout(options.layout, device_groups)
 
     per_worker_blocks = [
         (override if override is not None else avail // bpb) if worker_groups else 1
@@ -364,17 +448,24 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     ]
     num_blocks = min(per_worker_blocks)
 
+    # vLLM's HiSparse placement keeps every release's 0.33-style tensors.
+    own_layers_only = rules.tensors_for_own_layers_only and hisparse is None
     tensors_per_worker = [
-        place_tensors(
-            worker_groups,
-            num_blocks,
-            options.layout,
-            bpb,
-            own_layers_only=rules.tensors_for_own_layers_only,
-        )
+        [
+            *_host_tensors(worker_groups, host_blocks),
+            *place_tensors(
+                device_groups,
+                num_blocks,
+                options.layout,
+                bpb,
+                own_layers_only=own_layers_only,
+            ),
+        ]
         if worker_groups
         else []
-        for worker_groups, bpb in zip(projected, block_bytes, strict=True)
+        for worker_groups, device_groups, bpb, host_blocks in zip(
+            projected, device, block_bytes, host_blocks_per_worker, strict=True
+        )
     ]
 
     stage = PlanStage.CLASSIC
@@ -388,7 +479,9 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
             stage = PlanStage.EXTENSIBLE_FINAL
             counts = [
                 blocks_within(
-                    segment_strides(tensors, options.layout, reserved_blocks),
+                    segment_strides(
+                        [t for t in tensors if not t.host_resident], options.layout, reserved_blocks
+                    ),
                     worker.memory.measured_kv_cache_bytes or 0,
                     worker.memory.allocation_granule_bytes,
                     reserved_blocks,
@@ -410,7 +503,11 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
             # Strides and offsets keep describing the reservation; sizes shrink.
             tensors_per_worker = [
                 [
-                    replace(tensor, size_bytes=num_blocks * tensor.size_bytes // reserved_blocks)
+                    tensor
+                    if tensor.host_resident
+                    else replace(
+                        tensor, size_bytes=num_blocks * tensor.size_bytes // reserved_blocks
+                    )
                     for tensor in tensors
                 ]
                 for tensors in tensors_per_worker
@@ -447,13 +544,20 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
 
     # Capacity as the scheduler sees it: the lowest rank's groups, with a
     # wrapper group standing for its first layer.
-    blocks_per_request = 0
+    blocks_per_request = host_blocks_per_request = 0
     if projected and projected[0]:
-        blocks_per_request = sum(
-            group_blocks_per_request(replace(group, spec=group.representative_spec), ctx)
-            for group in projected[0]
-        )
+        for group in projected[0]:
+            blocks = group_blocks_per_request(replace(group, spec=group.representative_spec), ctx)
+            if group.host_resident:
+                host_blocks_per_request += blocks
+            else:
+                blocks_per_request += blocks
     max_concurrency = num_blocks / blocks_per_request if blocks_per_request else 0.0
+    if host_blocks_per_request:
+        # The host pool bounds concurrency too (HiSparse).
+        max_concurrency = min(
+            max_concurrency, host_blocks_per_worker[0] / host_blocks_per_request
+        )
     scheduler_block, hash_block = _block_sizes(projected[0] if projected else [], options)
 
     return EnginePlan(
@@ -474,6 +578,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
         scheduler_block_size=scheduler_block,
         hash_block_size=hash_block,
         rule_set=rules.name,
+        hisparse_host_num_blocks=host_blocks_per_worker[0] if hisparse is not None else 0,
         stage=stage,
         reserved_num_blocks=reserved_blocks if stage is PlanStage.EXTENSIBLE_FINAL else 0,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvplan.core.extensible import DEFAULT_ALLOCATION_GRANULE_BYTES
+from kvplan.core.hisparse import HiSparseConfig
 from kvplan.core.layout import KVCacheLayout
 from kvplan.core.rules import KVPLAN, RuleSet
 from kvplan.core.specs import KVCacheSpec
@@ -55,6 +56,11 @@ class SpecDecode:
         )
 
     @property
+    def max_decode_query_len(self) -> int:
+        """Widest decode query (model runner V2): the token plus the drafts."""
+        return 1 if self.method == "none" else 1 + self.num_speculative_tokens
+
+    @property
     def prefill_lookahead_tokens(self) -> int:
         """Prefill tokens past the computed range that the drafter reads."""
         if not self.uses_eagle:
@@ -83,6 +89,8 @@ class EngineOptions:
     # vLLM 0.34's extensible KV cache: plan a reservation, or the final plan from
     # the workers' measured KV bytes.
     extensible_kv_cache: bool = False
+    # HiSparse sparse-MLA offloading (None: off); implies model runner V2.
+    hisparse: HiSparseConfig | None = None
 
     @property
     def auto_fit(self) -> bool:
@@ -97,7 +105,8 @@ class EngineOptions:
         batches = rules.max_concurrent_batches(
             pipeline_parallel_size=self.pipeline_parallel_size,
             async_scheduling=self.async_scheduling,
-            use_v2_model_runner=self.use_v2_model_runner,
+            # HiSparse runs only on model runner V2.
+            use_v2_model_runner=self.use_v2_model_runner or self.hisparse is not None,
         )
         return batches * self.max_num_batched_tokens
 

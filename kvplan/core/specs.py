@@ -107,6 +107,11 @@ class KVCacheSpec:
     def prefix_cacheable(self) -> bool:
         return True
 
+    @property
+    def has_layer_views(self) -> bool:
+        """Each layer's pages form a tensor view (not so for HiSparse hot / resident)."""
+        return True
+
     def max_memory_usage_bytes(self, ctx: PlanningContext) -> int:
         """Bytes one request of `ctx.max_model_len` tokens can hold at most."""
         raise NotImplementedError
@@ -709,6 +714,67 @@ class MambaSpec(KVCacheSpec):
             and spec.tp_replicated == self.tp_replicated
             for spec in specs
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiSparseHotSpec(KVCacheSpec):
+    """HiSparse hot cache of sparse-MLA layers: a fixed number of GPU blocks per
+    request, addressed without per-layer views."""
+
+    kind: ClassVar[str] = "hisparse_hot"
+
+    page_size: int  # bytes
+    blocks_per_request: int
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    def max_memory_usage_bytes(self, ctx: PlanningContext) -> int:
+        return self.blocks_per_request * self.page_size
+
+    def block_table_width(self, ctx: PlanningContext, max_len: int) -> int:
+        return self.blocks_per_request
+
+    @property
+    def has_layer_views(self) -> bool:
+        return False
+
+    def stride_alignment_bytes(self) -> int:
+        # The block stride holds whole hot pages.
+        return math.lcm(self.page_size, super().stride_alignment_bytes())
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiSparseResidentSpec(KVCacheSpec):
+    """HiSparse reclaimable GPU-resident pages: the tokens in flight."""
+
+    kind: ClassVar[str] = "hisparse_resident"
+
+    page_size: int  # bytes
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    def max_memory_usage_bytes(self, ctx: PlanningContext) -> int:
+        tokens = min(ctx.max_in_flight_tokens, ctx.max_model_len)
+        return cdiv(tokens, self.block_size) * self.page_size
+
+    @property
+    def has_layer_views(self) -> bool:
+        return False
+
+
+HISPARSE_SPECS = (HiSparseHotSpec, HiSparseResidentSpec)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -122,6 +122,8 @@ class _GroupingPathEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Grouping
     """equal-size groups over one page size"""
     GROUPING_PATH_FULL_ALLOCATION_FALLBACK: _GroupingPath.ValueType  # 6
     """MLA + SW, SW allocated as full"""
+    GROUPING_PATH_HISPARSE: _GroupingPath.ValueType  # 40
+    """HiSparse: host source, GPU indexer / resident / hot"""
 
 class GroupingPath(_GroupingPath, metaclass=_GroupingPathEnumTypeWrapper):
     """Which grouping path produced the groups."""
@@ -138,6 +140,8 @@ GROUPING_PATH_HYBRID: GroupingPath.ValueType  # 5
 """equal-size groups over one page size"""
 GROUPING_PATH_FULL_ALLOCATION_FALLBACK: GroupingPath.ValueType  # 6
 """MLA + SW, SW allocated as full"""
+GROUPING_PATH_HISPARSE: GroupingPath.ValueType  # 40
+"""HiSparse: host source, GPU indexer / resident / hot"""
 Global___GroupingPath: _TypeAlias = GroupingPath  # noqa: Y015
 
 class _DraftRule:
@@ -297,6 +301,58 @@ class SpecDecodeConfig(_message.Message):
 Global___SpecDecodeConfig: _TypeAlias = SpecDecodeConfig  # noqa: Y015
 
 @_typing.final
+class HiSparseConfig(_message.Message):
+    """HiSparse sparse-MLA KV offloading (vLLM 0.32+: attention_config.hisparse_config
+    with a HiSparseConnector). Set = enabled: sparse-MLA layers live in a host pool,
+    the GPU holds indexer, resident and hot groups, and model runner V2 is used.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICE_BUFFER_SIZE_FIELD_NUMBER: _builtins.int
+    HOST_POOL_GIB_FIELD_NUMBER: _builtins.int
+    SHARED_HOST_POOL_FIELD_NUMBER: _builtins.int
+    INDEX_TOPK_FIELD_NUMBER: _builtins.int
+    HOST_PAGE_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    device_buffer_size: _builtins.int
+    """Per-request GPU hot-buffer rows; unset = (max decode query + 1) * top-k."""
+    host_pool_gib: _builtins.float
+    """the connector's host_pool_gib, > 0"""
+    shared_host_pool: _builtins.bool
+    """The host pool is one shared mmap (CUDA, TP > 1, one PP stage, mp executor,
+    one node): host blocks are then aligned to the shared region's block size.
+    """
+    index_topk: _builtins.int
+    """The model's index_topk (hf_config), used where a layer has no
+    mla.topk_buffer_width (vLLM 0.32 always uses it).
+    """
+    host_page_size_bytes: _builtins.int
+    """The shared host region's block alignment (the host's page size); unset = 4096."""
+    def __init__(
+        self,
+        *,
+        device_buffer_size: _builtins.int | None = ...,
+        host_pool_gib: _builtins.float = ...,
+        shared_host_pool: _builtins.bool = ...,
+        index_topk: _builtins.int | None = ...,
+        host_page_size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_device_buffer_size", b"_device_buffer_size", "_index_topk", b"_index_topk", "device_buffer_size", b"device_buffer_size", "index_topk", b"index_topk"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_device_buffer_size", b"_device_buffer_size", "_index_topk", b"_index_topk", "device_buffer_size", b"device_buffer_size", "host_page_size_bytes", b"host_page_size_bytes", "host_pool_gib", b"host_pool_gib", "index_topk", b"index_topk", "shared_host_pool", b"shared_host_pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__device_buffer_size: _TypeAlias = _typing.Literal["device_buffer_size"]  # noqa: Y015
+    _WhichOneofArgType__device_buffer_size: _TypeAlias = _typing.Literal["_device_buffer_size", b"_device_buffer_size"]  # noqa: Y015
+    _WhichOneofReturnType__index_topk: _TypeAlias = _typing.Literal["index_topk"]  # noqa: Y015
+    _WhichOneofArgType__index_topk: _TypeAlias = _typing.Literal["_index_topk", b"_index_topk"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__device_buffer_size) -> _WhichOneofReturnType__device_buffer_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__index_topk) -> _WhichOneofReturnType__index_topk | None: ...
+
+Global___HiSparseConfig: _TypeAlias = HiSparseConfig  # noqa: Y015
+
+@_typing.final
 class ParallelConfig(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -346,6 +402,7 @@ class EngineOptions(_message.Message):
     PREFIX_MATCH_UNIT_FIELD_NUMBER: _builtins.int
     ENGINE_VERSION_FIELD_NUMBER: _builtins.int
     EXTENSIBLE_KV_CACHE_FIELD_NUMBER: _builtins.int
+    HISPARSE_FIELD_NUMBER: _builtins.int
     max_model_len: _builtins.int
     """Longest request in tokens. -1 asks kvplan to fit the largest length the
     memory allows, up to `derived_max_model_len`.
@@ -387,6 +444,10 @@ class EngineOptions(_message.Message):
     """
     @_builtins.property
     def parallel(self) -> Global___ParallelConfig: ...
+    @_builtins.property
+    def hisparse(self) -> Global___HiSparseConfig:
+        """unset = HiSparse off"""
+
     def __init__(
         self,
         *,
@@ -408,10 +469,11 @@ class EngineOptions(_message.Message):
         prefix_match_unit: _builtins.int | None = ...,
         engine_version: _builtins.str = ...,
         extensible_kv_cache: _builtins.bool | None = ...,
+        hisparse: Global___HiSparseConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "derived_max_model_len", b"derived_max_model_len", "enable_prefix_caching", b"enable_prefix_caching", "extensible_kv_cache", b"extensible_kv_cache", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "derived_max_model_len", b"derived_max_model_len", "enable_prefix_caching", b"enable_prefix_caching", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "async_scheduling", b"async_scheduling", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "derived_max_model_len", b"derived_max_model_len", "disable_hybrid_kv_cache_manager", b"disable_hybrid_kv_cache_manager", "enable_prefix_caching", b"enable_prefix_caching", "engine_version", b"engine_version", "extensible_kv_cache", b"extensible_kv_cache", "layout", b"layout", "mamba_cache_mode", b"mamba_cache_mode", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "model_dtype", b"model_dtype", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "async_scheduling", b"async_scheduling", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "derived_max_model_len", b"derived_max_model_len", "disable_hybrid_kv_cache_manager", b"disable_hybrid_kv_cache_manager", "enable_prefix_caching", b"enable_prefix_caching", "engine_version", b"engine_version", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "layout", b"layout", "mamba_cache_mode", b"mamba_cache_mode", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "model_dtype", b"model_dtype", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__derived_max_model_len: _TypeAlias = _typing.Literal["derived_max_model_len"]  # noqa: Y015
     _WhichOneofArgType__derived_max_model_len: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len"]  # noqa: Y015
@@ -659,6 +721,7 @@ class KVCacheGroup(_message.Message):
     DRAFT_RULE_FIELD_NUMBER: _builtins.int
     PADDING_LAYERS_FIELD_NUMBER: _builtins.int
     PREFIX_CACHEABLE_FIELD_NUMBER: _builtins.int
+    HOST_RESIDENT_FIELD_NUMBER: _builtins.int
     group_id: _builtins.int
     uniform_type: _builtins.bool
     block_size: _builtins.int
@@ -671,6 +734,8 @@ class KVCacheGroup(_message.Message):
     padding_layers: _builtins.int
     """hybrid path: nominal group size minus layers"""
     prefix_cacheable: _builtins.bool
+    host_resident: _builtins.bool
+    """HiSparse source group: lives in the host pool"""
     @_builtins.property
     def layer_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """in order"""
@@ -698,10 +763,11 @@ class KVCacheGroup(_message.Message):
         draft_rule: Global___DraftRule.ValueType = ...,
         padding_layers: _builtins.int = ...,
         prefix_cacheable: _builtins.bool = ...,
+        host_resident: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "draft_rule", b"draft_rule", "group_id", b"group_id", "is_draft", b"is_draft", "layer_names", b"layer_names", "layer_specs", b"layer_specs", "padding_layers", b"padding_layers", "page_size_bytes", b"page_size_bytes", "prefix_cacheable", b"prefix_cacheable", "spec", b"spec", "uniform_type", b"uniform_type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "draft_rule", b"draft_rule", "group_id", b"group_id", "host_resident", b"host_resident", "is_draft", b"is_draft", "layer_names", b"layer_names", "layer_specs", b"layer_specs", "padding_layers", b"padding_layers", "page_size_bytes", b"page_size_bytes", "prefix_cacheable", b"prefix_cacheable", "spec", b"spec", "uniform_type", b"uniform_type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -722,12 +788,15 @@ class KVCacheTensor(_message.Message):
     LAYER_STRIDE_BYTES_FIELD_NUMBER: _builtins.int
     BLOCK_STRIDE_BYTES_FIELD_NUMBER: _builtins.int
     GROUP_ID_FIELD_NUMBER: _builtins.int
+    HOST_RESIDENT_FIELD_NUMBER: _builtins.int
     size_bytes: _builtins.int
     """size of the backing allocation"""
     offset_bytes: _builtins.int
     layer_stride_bytes: _builtins.int
     block_stride_bytes: _builtins.int
     group_id: _builtins.int
+    host_resident: _builtins.bool
+    """HiSparse host pool (sized by its own blocks)"""
     @_builtins.property
     def layer_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -739,10 +808,11 @@ class KVCacheTensor(_message.Message):
         layer_stride_bytes: _builtins.int = ...,
         block_stride_bytes: _builtins.int = ...,
         group_id: _builtins.int = ...,
+        host_resident: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_stride_bytes", b"block_stride_bytes", "group_id", b"group_id", "layer_names", b"layer_names", "layer_stride_bytes", b"layer_stride_bytes", "offset_bytes", b"offset_bytes", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_stride_bytes", b"block_stride_bytes", "group_id", b"group_id", "host_resident", b"host_resident", "layer_names", b"layer_names", "layer_stride_bytes", b"layer_stride_bytes", "offset_bytes", b"offset_bytes", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1110,6 +1180,7 @@ class PlanResponse(_message.Message):
     RULE_SET_FIELD_NUMBER: _builtins.int
     PLAN_STAGE_FIELD_NUMBER: _builtins.int
     RESERVED_NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    HISPARSE_HOST_NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     plan_id: _builtins.str
     """content hash of the normalised request"""
     engine_id: _builtins.str
@@ -1127,6 +1198,8 @@ class PlanResponse(_message.Message):
     """
     reserved_num_blocks: _builtins.int
     """Extensible final plans: the reservation's block count (the cap)."""
+    hisparse_host_num_blocks: _builtins.int
+    """HiSparse: blocks of the host pool"""
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheGroup]: ...
     @_builtins.property
@@ -1156,10 +1229,11 @@ class PlanResponse(_message.Message):
         rule_set: _builtins.str = ...,
         plan_stage: Global___PlanStage.ValueType = ...,
         reserved_num_blocks: _builtins.int = ...,
+        hisparse_host_num_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["diagnostics", b"diagnostics"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["diagnostics", b"diagnostics", "engine_id", b"engine_id", "groups", b"groups", "leases", b"leases", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "plan_id", b"plan_id", "plan_stage", b"plan_stage", "reserved_num_blocks", b"reserved_num_blocks", "rule_set", b"rule_set", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["diagnostics", b"diagnostics", "engine_id", b"engine_id", "groups", b"groups", "hisparse_host_num_blocks", b"hisparse_host_num_blocks", "leases", b"leases", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "plan_id", b"plan_id", "plan_stage", b"plan_stage", "reserved_num_blocks", b"reserved_num_blocks", "rule_set", b"rule_set", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -811,6 +811,56 @@ class MambaSpec(_message.Message):
 Global___MambaSpec: _TypeAlias = MambaSpec  # noqa: Y015
 
 @_typing.final
+class HiSparseHotSpec(_message.Message):
+    """HiSparse (vLLM 0.32+, with options.hisparse): the hot-cache entry the model
+    runner derives for a sparse-MLA layer (`<layer>.hisparse_hot`): a fixed number
+    of GPU blocks per request.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    BLOCKS_PER_REQUEST_FIELD_NUMBER: _builtins.int
+    page_size_bytes: _builtins.int
+    blocks_per_request: _builtins.int
+    def __init__(
+        self,
+        *,
+        page_size_bytes: _builtins.int = ...,
+        blocks_per_request: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_per_request", b"blocks_per_request", "page_size_bytes", b"page_size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HiSparseHotSpec: _TypeAlias = HiSparseHotSpec  # noqa: Y015
+
+@_typing.final
+class HiSparseResidentSpec(_message.Message):
+    """HiSparse: the reclaimable GPU-resident pages of a sparse-MLA layer
+    (`<layer>.hisparse_resident`), sized by the tokens in flight.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    page_size_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        page_size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size_bytes", b"page_size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HiSparseResidentSpec: _TypeAlias = HiSparseResidentSpec  # noqa: Y015
+
+@_typing.final
 class LayerSpec(_message.Message):
     """One layer's cache description."""
 
@@ -832,6 +882,8 @@ class LayerSpec(_message.Message):
     ENCODER_ONLY_ATTENTION_FIELD_NUMBER: _builtins.int
     CIRCULAR_BUFFER_FIELD_NUMBER: _builtins.int
     MAMBA_FIELD_NUMBER: _builtins.int
+    HISPARSE_HOT_FIELD_NUMBER: _builtins.int
+    HISPARSE_RESIDENT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """unique layer name, e.g. "model.layers.3.self_attn.attn" """
     is_draft: _builtins.bool
@@ -866,6 +918,10 @@ class LayerSpec(_message.Message):
     def circular_buffer(self) -> Global___CircularBufferSpec: ...
     @_builtins.property
     def mamba(self) -> Global___MambaSpec: ...
+    @_builtins.property
+    def hisparse_hot(self) -> Global___HiSparseHotSpec: ...
+    @_builtins.property
+    def hisparse_resident(self) -> Global___HiSparseResidentSpec: ...
     def __init__(
         self,
         *,
@@ -885,14 +941,16 @@ class LayerSpec(_message.Message):
         encoder_only_attention: Global___EncoderOnlyAttentionSpec | None = ...,
         circular_buffer: Global___CircularBufferSpec | None = ...,
         mamba: Global___MambaSpec | None = ...,
+        hisparse_hot: Global___HiSparseHotSpec | None = ...,
+        hisparse_resident: Global___HiSparseResidentSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "block_size", b"block_size", "block_stride_alignment", b"block_stride_alignment", "chunked_local_attention", b"chunked_local_attention", "circular_buffer", b"circular_buffer", "cross_attention", b"cross_attention", "encoder_only_attention", b"encoder_only_attention", "full_attention", b"full_attention", "hidden_state_cache", b"hidden_state_cache", "kind", b"kind", "mamba", b"mamba", "mla_attention", b"mla_attention", "rswa", b"rswa", "sink_full_attention", b"sink_full_attention", "sliding_window", b"sliding_window", "sliding_window_mla", b"sliding_window_mla"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "block_size", b"block_size", "block_stride_alignment", b"block_stride_alignment", "chunked_local_attention", b"chunked_local_attention", "circular_buffer", b"circular_buffer", "cross_attention", b"cross_attention", "encoder_only_attention", b"encoder_only_attention", "full_attention", b"full_attention", "hidden_state_cache", b"hidden_state_cache", "hisparse_hot", b"hisparse_hot", "hisparse_resident", b"hisparse_resident", "kind", b"kind", "mamba", b"mamba", "mla_attention", b"mla_attention", "rswa", b"rswa", "sink_full_attention", b"sink_full_attention", "sliding_window", b"sliding_window", "sliding_window_mla", b"sliding_window_mla"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "block_size", b"block_size", "block_stride_alignment", b"block_stride_alignment", "chunked_local_attention", b"chunked_local_attention", "circular_buffer", b"circular_buffer", "cross_attention", b"cross_attention", "encoder_only_attention", b"encoder_only_attention", "full_attention", b"full_attention", "hidden_state_cache", b"hidden_state_cache", "is_draft", b"is_draft", "kind", b"kind", "mamba", b"mamba", "mla_attention", b"mla_attention", "name", b"name", "rswa", b"rswa", "sink_full_attention", b"sink_full_attention", "sliding_window", b"sliding_window", "sliding_window_mla", b"sliding_window_mla"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "block_size", b"block_size", "block_stride_alignment", b"block_stride_alignment", "chunked_local_attention", b"chunked_local_attention", "circular_buffer", b"circular_buffer", "cross_attention", b"cross_attention", "encoder_only_attention", b"encoder_only_attention", "full_attention", b"full_attention", "hidden_state_cache", b"hidden_state_cache", "hisparse_hot", b"hisparse_hot", "hisparse_resident", b"hisparse_resident", "is_draft", b"is_draft", "kind", b"kind", "mamba", b"mamba", "mla_attention", b"mla_attention", "name", b"name", "rswa", b"rswa", "sink_full_attention", b"sink_full_attention", "sliding_window", b"sliding_window", "sliding_window_mla", b"sliding_window_mla"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__block_size: _TypeAlias = _typing.Literal["block_size"]  # noqa: Y015
     _WhichOneofArgType__block_size: _TypeAlias = _typing.Literal["_block_size", b"_block_size"]  # noqa: Y015
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["full_attention", "mla_attention", "sliding_window", "sliding_window_mla", "chunked_local_attention", "sink_full_attention", "rswa", "hidden_state_cache", "cross_attention", "encoder_only_attention", "circular_buffer", "mamba"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["full_attention", "mla_attention", "sliding_window", "sliding_window_mla", "chunked_local_attention", "sink_full_attention", "rswa", "hidden_state_cache", "cross_attention", "encoder_only_attention", "circular_buffer", "mamba", "hisparse_hot", "hisparse_resident"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__block_size) -> _WhichOneofReturnType__block_size | None: ...
