@@ -16,8 +16,8 @@ from kvplan.core.diagnostics import WarningCode
 from kvplan.core.dtypes import StorageDtype, storage_dtype_for_cache_dtype
 from kvplan.core.errors import FieldViolation, InvalidRequest, PlanningError
 from kvplan.core.extensible import DEFAULT_ALLOCATION_GRANULE_BYTES
-from kvplan.core.hisparse import DEFAULT_HOST_PAGE_BYTES, HiSparseConfig
 from kvplan.core.groups import DraftRule, GroupingPath
+from kvplan.core.hisparse import DEFAULT_HOST_PAGE_BYTES, HiSparseConfig
 from kvplan.core.layout import KVCacheLayout
 from kvplan.core.memory import BudgetMode
 from kvplan.core.planner import EnginePlan, plan_engine

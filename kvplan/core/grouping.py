@@ -20,8 +20,8 @@ from typing import Any
 from kvplan.core.diagnostics import PaddingInfo, PlanWarning, WarningCode
 from kvplan.core.errors import InvalidRequest, UnplannableSpecs
 from kvplan.core.groups import GroupingPath, KVCacheGroup
-from kvplan.core.layout import KVCacheLayout
 from kvplan.core.hisparse import HiSparseConfig, hisparse_groups
+from kvplan.core.layout import KVCacheLayout
 from kvplan.core.rules import FIELD_TOPK_BUFFER_WIDTH, KVPLAN, RuleSet
 from kvplan.core.specs import (
     AttentionSpec,

@@ -429,9 +429,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     if layout_after_memory:
         # vLLM 0.32 (and HiSparse everywhere) validates the layout while building
         # each worker's config; HiSparse sizes its host pool first.
-        for index, (worker_groups, device_groups) in enumerate(
-            zip(projected, device, strict=True)
-        ):
+        for index, (worker_groups, device_groups) in enumerate(zip(projected, device, strict=True)):
             if not worker_groups:
                 continue
             if hisparse is not None:
@@ -555,9 +553,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     max_concurrency = num_blocks / blocks_per_request if blocks_per_request else 0.0
     if host_blocks_per_request:
         # The host pool bounds concurrency too (HiSparse).
-        max_concurrency = min(
-            max_concurrency, host_blocks_per_worker[0] / host_blocks_per_request
-        )
+        max_concurrency = min(max_concurrency, host_blocks_per_worker[0] / host_blocks_per_request)
     scheduler_block, hash_block = _block_sizes(projected[0] if projected else [], options)
 
     return EnginePlan(
