@@ -1404,6 +1404,90 @@ for version, batches in (("vllm-0.33", 2), ("vllm-0.34", 3)):
     )
 
 
+# --- HiSparse (every release): host source, indexer, resident and hot groups -------
+def hisparse_layers() -> list[Json]:
+    """Four sparse-MLA layers (index-group leaders 0 and 2), two indexer layers,
+    and the hot / resident entries the model runner derives."""
+    out: list[Json] = []
+    for i in range(4):
+        spec = mla(656)
+        spec["mla_attention"]["attention"]["dtype"] = "DTYPE_UINT8"
+        spec["mla_attention"]["is_index_group_leader"] = i % 2 == 0
+        out.append(layer(f"layers.{i}.attn", spec))
+    for i in range(2):
+        spec = mla(132)
+        spec["mla_attention"]["attention"]["dtype"] = "DTYPE_UINT8"
+        spec["mla_attention"]["cache_role"] = "SPARSE_CACHE_ROLE_INDEXER"
+        out.append(layer(f"layers.{i}.indexer", spec))
+    for i in range(4):
+        page = {"page_size_bytes": 64 * 656}
+        out.append(layer(f"layers.{i}.attn.hisparse_resident", {"hisparse_resident": page}))
+        out.append(
+            layer(
+                f"layers.{i}.attn.hisparse_hot",
+                {"hisparse_hot": {**page, "blocks_per_request": 1}},
+            )
+        )
+    return out
+
+
+def hisparse_request(host_pool_gib: float, **options: Any) -> Json:
+    options.setdefault("layout", "KV_CACHE_LAYOUT_BLHNC")
+    return request(
+        [worker(0, hisparse_layers(), 4 * GIB)],
+        block_size=64,
+        hisparse={"host_pool_gib": host_pool_gib, "index_topk": 2048},
+        **options,
+    )
+
+
+SPARSE_PAGE = 64 * 656  # 41,984
+HOT_BPB = 2 * SPARSE_PAGE  # a hot / resident group holds one index unit (2 layers)
+HOST_PAGE = 4 * SPARSE_PAGE
+# Indexer 128 + two resident groups x 128 + two hot groups x 4096 rows / 64.
+DEVICE_BLOCKS = 128 + 2 * 128 + 2 * (2 * 2048 // 64)
+scenario(
+    "hisparse-groups-and-host-pool",
+    "HiSparse: source (host), indexer, resident and hot groups; host-bounded capacity",
+    hisparse_request(4.0),
+    {
+        "grouping_path": "GROUPING_PATH_HISPARSE",
+        "groups": [
+            {"layers": 4, "host_resident": True, "uniform_type": True},
+            {"layers": 2, "host_resident": False},
+            {"layers": 2, "page_size_bytes": SPARSE_PAGE},
+            {"layers": 2, "page_size_bytes": SPARSE_PAGE},
+            {"layers": 2, "block_size": 64},
+            {"layers": 2, "block_size": 64},
+        ],
+        "group_layer_names": {
+            "2": ["layers.0.attn.hisparse_resident", "layers.1.attn.hisparse_resident"],
+            "5": ["layers.2.attn.hisparse_hot", "layers.3.attn.hisparse_hot"],
+        },
+        "num_blocks": 4 * GIB // HOT_BPB,
+        "hisparse_host_num_blocks": 4 * GIB // HOST_PAGE,
+        "workers": [{"bytes_per_block": HOT_BPB}],
+        "blocks_per_request": DEVICE_BLOCKS,
+        "max_concurrency": min(
+            (4 * GIB // HOT_BPB) / DEVICE_BLOCKS, (4 * GIB // HOST_PAGE) / cdiv(8192, 64)
+        ),
+    },
+)
+scenario(
+    "hisparse-host-pool-too-small",
+    "HiSparse: the host pool must hold one max_model_len request (+ 2 blocks)",
+    hisparse_request(0.01, max_model_len=131_072),
+    {"error": {"code": "RESOURCE_EXHAUSTED", "field": "options.hisparse.host_pool_gib"}},
+)
+scenario(
+    "hisparse-auto-fit-bounded-by-host-pool",
+    "HiSparse: auto-fit stops where the host pool ends",
+    hisparse_request(0.25, max_model_len=-1, derived_max_model_len=1_048_576),
+    # 0.25 GiB / 167,936 bytes = 1,598 host blocks: (1,598 - 2) x 64 tokens.
+    {"max_model_len": (GIB // 4 // HOST_PAGE - 2) * 64},
+)
+
+
 def main() -> None:
     SCENARIO_DIR.mkdir(exist_ok=True)
     for old in SCENARIO_DIR.glob("*.json"):

@@ -81,7 +81,7 @@ def _check_plan(response: plan_pb2.PlanResponse, expect: Json) -> None:
             assert _enum_name(diagnostics, "grouping_path") == value
         elif key in ("page_sizes_unified", "local_attention_promoted"):
             assert getattr(diagnostics, key) == value
-        elif key in ("num_blocks", "max_model_len"):
+        elif key in ("num_blocks", "max_model_len", "hisparse_host_num_blocks"):
             assert getattr(response, key) == value, key
         elif key in ("kv_cache_size_tokens", "blocks_per_request"):
             assert getattr(first_worker, key) == value, key

@@ -1,0 +1,68 @@
+"""HiSparse requests: what the wire must say. Plans are checked figure by figure
+by the `hisparse-*` conformance scenarios and against every vLLM release in
+`make conformance` (generator section `hisparse`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from google.protobuf import json_format
+
+from kvplan.convert import plan_from_proto
+from kvplan.core.errors import ErrorCode, PlanningError
+from kvplan.v1 import plan_pb2
+from tests.conformance import build
+
+
+def _request(**options: object) -> plan_pb2.PlanRequest:
+    data = json.loads(json.dumps(build.hisparse_request(4.0, **options)))
+    return json_format.ParseDict(data, plan_pb2.PlanRequest())
+
+
+def _error(request: plan_pb2.PlanRequest) -> PlanningError:
+    with pytest.raises(PlanningError) as caught:
+        plan_from_proto(request)
+    return caught.value
+
+
+def test_hot_and_resident_layers_need_hisparse_on() -> None:
+    request = _request()
+    request.options.ClearField("hisparse")
+    error = _error(request)
+    assert error.code is ErrorCode.INVALID_ARGUMENT
+    assert error.field == "workers[0].layers[6].hisparse_resident"
+
+
+def test_the_host_pool_must_be_given() -> None:
+    request = _request()
+    request.options.hisparse.host_pool_gib = 0
+    assert _error(request).field == "options.hisparse.host_pool_gib"
+
+
+def test_hot_pages_need_a_block_outermost_layout() -> None:
+    error = _error(_request(layout="KV_CACHE_LAYOUT_LBNHC"))
+    assert error.code is ErrorCode.FAILED_PRECONDITION
+    assert "LBNHC" in error.message
+
+
+def test_the_device_buffer_covers_every_decode_query() -> None:
+    request = _request()
+    request.spec_decode.method = plan_pb2.SPEC_DECODE_METHOD_MTP
+    request.spec_decode.num_speculative_tokens = 3
+    request.options.hisparse.device_buffer_size = 4096  # < (1 + 3) x 2048
+    error = _error(request)
+    assert error.code is ErrorCode.INVALID_ARGUMENT
+    assert error.field == "options.hisparse.device_buffer_size"
+
+
+def test_a_shared_host_pool_aligns_host_blocks_to_the_host_page() -> None:
+    request = _request()
+    private = plan_from_proto(request).hisparse_host_num_blocks
+    request.options.hisparse.shared_host_pool = True
+    request.options.hisparse.host_page_size_bytes = 1 << 20
+    shared = plan_from_proto(request).hisparse_host_num_blocks
+    assert private == 4 * 2**30 // (4 * 64 * 656)
+    assert shared == 4 * 2**30 // (1 << 20)
+    host_tensor = plan_from_proto(request).workers[0].tensors[0]
+    assert host_tensor.host_resident
