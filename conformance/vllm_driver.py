@@ -247,7 +247,7 @@ class PlannerConfig:
         self.speculative_config = speculative_config
         self.attention_config = AttentionConfig()
         self.device_config = SimpleNamespace(device_type="cuda")
-        self.kv_transfer_config = None
+        self.kv_transfer_config: Any = None
         self.diffusion_config = None
         self.use_v2_model_runner = use_v2_model_runner
 
