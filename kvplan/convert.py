@@ -149,6 +149,14 @@ def _attention_kwargs(
         "dcp_sharded": params.dcp_sharded if params.HasField("dcp_sharded") else True,
         "kv_head_major_slots": params.kv_head_major_slots,
     }
+    if params.kv_quant_mode > ctx.rules.max_kv_quant_mode:
+        violations.append(
+            FieldViolation(
+                f"{path}.kv_quant_mode",
+                f"{spec_pb2.KVQuantMode.Name(params.kv_quant_mode)} does not exist in "
+                f"{ctx.rules.description}",
+            )
+        )
     if params.HasField("head_size_v"):
         if mla_family and params.head_size_v != 0:
             violations.append(

@@ -105,6 +105,8 @@ class RuleSet:
 
     # Optional request fields this release has (see FIELD_*).
     fields: frozenset[str]
+    # The highest KVQuantMode value the release knows (0.32 has no Octave modes).
+    max_kv_quant_mode: int = 14
 
     def max_concurrent_batches(
         self, *, pipeline_parallel_size: int, async_scheduling: bool, use_v2_model_runner: bool
@@ -190,6 +192,7 @@ VLLM_0_32 = RuleSet(
     in_flight_batches=InFlightBatches.BY_MODEL_RUNNER,
     extensible_kv_cache=False,
     fields=frozenset(),
+    max_kv_quant_mode=11,
 )
 
 VLLM_0_34 = RuleSet(

@@ -232,3 +232,14 @@ def test_segments_of_block_outermost_and_layer_outer_layouts() -> None:
     assert segment_strides(tensors, KVCacheLayout.LBNHC, 10) == [100, 100, 100]
     outer = [TensorPlacement(400 * 10, ("a", "b"), 100, 400, 0, 0)]
     assert segment_strides(outer, KVCacheLayout.BLHNC, 10) == [400]
+
+
+def test_octave_quant_modes_are_new_in_0_33() -> None:
+    request = _request("vllm-0.32")
+    attention = request.workers[0].layers[2].full_attention.attention
+    attention.kv_quant_mode = spec_pb2.KV_QUANT_MODE_OCTAVE_K3V3
+    error = _error(request)
+    assert error.code is ErrorCode.INVALID_ARGUMENT
+    assert error.field == "workers[0].layers[2].full_attention.attention.kv_quant_mode"
+    request.options.engine_version = "vllm-0.33"
+    assert plan_from_proto(request).rule_set == "vllm-0.33"
