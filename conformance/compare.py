@@ -111,6 +111,7 @@ def normalize_kvplan(resp: plan_pb2.PlanResponse) -> Json:
                 "bytes_per_block": int(w.bytes_per_block),
                 "needed_per_request_bytes": int(w.budget.needed_per_request_bytes),
                 "kv_tp_replicas": int(w.kv_tp_replicas),
+                "needs_kv_cache_zeroing": bool(w.needs_kv_cache_zeroing),
                 "encoder_only_layers": list(w.encoder_only_layers),
                 "tensors": [
                     {
@@ -287,7 +288,12 @@ def compare_results(v: Json, k: Json) -> list[Diff]:
         for g, (vp, kp) in enumerate(zip(vw["groups"], kw["groups"], strict=False)):
             _cmp(diffs, f"workers[{w}].groups[{g}].layers", vp["layers"], kp["layers"])
             _cmp(diffs, f"workers[{w}].groups[{g}].is_draft", vp["is_draft"], kp["is_draft"])
-        for key in ("needed_per_request_bytes", "kv_tp_replicas", "encoder_only_layers"):
+        for key in (
+            "needed_per_request_bytes",
+            "kv_tp_replicas",
+            "encoder_only_layers",
+            "needs_kv_cache_zeroing",
+        ):
             _cmp(diffs, f"workers[{w}].{key}", vw[key], kw[key])
     vc, kc = v["capacity"], k["capacity"]
     if (vc is None) != (kc is None):

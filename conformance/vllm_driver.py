@@ -822,6 +822,7 @@ def _worker_dict(
         "bytes_per_block": bpb,
         "needed_per_request_bytes": needed,
         "kv_tp_replicas": int(config.kv_tp_replicas),
+        "needs_kv_cache_zeroing": bool(config.needs_kv_cache_zeroing),
         "encoder_only_layers": encoder_only,
         "tensors": [
             {

@@ -863,6 +863,7 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
             blocks_per_request=plan.blocks_per_request,
             encoder_only_layers=worker.encoder_only_layers,
             kv_tp_replicas=worker.kv_tp_replicas,
+            needs_kv_cache_zeroing=worker.needs_kv_cache_zeroing,
         )
         out_worker.budget.CopyFrom(
             plan_pb2.MemoryBudget(

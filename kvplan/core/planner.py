@@ -79,6 +79,7 @@ class WorkerPlan:
     encoder_only_layers: tuple[str, ...]
     kv_tp_replicas: int
     footprint_bytes: int  # what a lease reserves on the device: Budget.footprint_bytes
+    needs_kv_cache_zeroing: bool = False  # zero new blocks (Mamba, mixed precision)
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,22 @@ def _block_sizes(groups: list[KVCacheGroup], options: EngineOptions) -> tuple[in
         return scheduler, options.prefix_match_unit
     cacheable = [g.representative_spec.block_size for g in groups if g.spec.prefix_cacheable]
     return scheduler, math.gcd(*cacheable) if cacheable else scheduler
+
+
+def _needs_kv_cache_zeroing(worker_groups: list[KVCacheGroup]) -> bool:
+    """Mamba state is read before it is fully written; a block reused across
+    groups of different precision would decode stale bytes."""
+    specs = [spec for group in worker_groups for spec in layer_specs_of(group.spec)]
+    if any(isinstance(spec, MambaSpec) for spec in specs):
+        return True
+    precisions = {
+        (spec.dtype, spec.kv_quant_mode)
+        for group in worker_groups
+        if not group.host_resident
+        for spec in layer_specs_of(group.spec)
+        if isinstance(spec, AttentionSpec)
+    }
+    return len(precisions) > 1
 
 
 def _source_group(worker_groups: list[KVCacheGroup]) -> KVCacheGroup:
@@ -512,9 +529,21 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
             ]
     ctx = _context(options, rules, max_model_len)
 
+    zeroing = [_needs_kv_cache_zeroing(worker_groups) for worker_groups in projected]
+    if rules.kv_zeroing_across_workers:
+        zeroing = [any(zeroing)] * len(zeroing)
+
     worker_plans = []
-    for worker, worker_groups, bpb, budget, memory, need, tensors in zip(
-        workers, projected, block_bytes, budgets, check, needed, tensors_per_worker, strict=True
+    for worker, worker_groups, bpb, budget, memory, need, tensors, zero in zip(
+        workers,
+        projected,
+        block_bytes,
+        budgets,
+        check,
+        needed,
+        tensors_per_worker,
+        zeroing,
+        strict=True,
     ):
         worker_plans.append(
             WorkerPlan(
@@ -531,6 +560,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
                 needed_per_request_bytes=need,
                 encoder_only_layers=worker.encoder_only_layers,
                 kv_tp_replicas=_tp_replicas(worker_groups, options),
+                needs_kv_cache_zeroing=zero,
                 footprint_bytes=(
                     # A final extensible cache holds what it committed, not its cap.
                     budget.non_kv_bytes + num_blocks * bpb

@@ -107,6 +107,8 @@ class RuleSet:
     fields: frozenset[str]
     # The highest KVQuantMode value the release knows (0.32 has no Octave modes).
     max_kv_quant_mode: int = 14
+    # Whether KV-cache zeroing is decided once for all workers (OR) or per worker.
+    kv_zeroing_across_workers: bool = False
 
     def max_concurrent_batches(
         self, *, pipeline_parallel_size: int, async_scheduling: bool, use_v2_model_runner: bool
@@ -212,6 +214,7 @@ VLLM_0_34 = RuleSet(
     tensors_for_own_layers_only=True,
     in_flight_batches=InFlightBatches.V2_ONLY,
     extensible_kv_cache=True,
+    kv_zeroing_across_workers=True,
     fields=_ALL_FIELDS,
 )
 

@@ -927,6 +927,7 @@ class WorkerPlan(_message.Message):
     BLOCKS_PER_REQUEST_FIELD_NUMBER: _builtins.int
     ENCODER_ONLY_LAYERS_FIELD_NUMBER: _builtins.int
     KV_TP_REPLICAS_FIELD_NUMBER: _builtins.int
+    NEEDS_KV_CACHE_ZEROING_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     device_uuid: _builtins.str
     num_blocks: _builtins.int
@@ -941,6 +942,12 @@ class WorkerPlan(_message.Message):
     blocks_per_request: _builtins.int
     """blocks one max_model_len request needs"""
     kv_tp_replicas: _builtins.int
+    needs_kv_cache_zeroing: _builtins.bool
+    """Newly allocated blocks must be zeroed before use: Mamba state is read before
+    it is fully written, and a block reused across groups of different precision
+    (dtype, KV quant mode) would decode stale bytes. vLLM 0.34 ORs it across
+    workers; earlier releases decide per worker.
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheTensor]: ...
     @_builtins.property
@@ -967,10 +974,11 @@ class WorkerPlan(_message.Message):
         blocks_per_request: _builtins.int = ...,
         encoder_only_layers: _abc.Iterable[_builtins.str] | None = ...,
         kv_tp_replicas: _builtins.int = ...,
+        needs_kv_cache_zeroing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_per_request", b"blocks_per_request", "budget", b"budget", "bytes_per_block", b"bytes_per_block", "device_uuid", b"device_uuid", "encoder_only_layers", b"encoder_only_layers", "groups", b"groups", "kv_cache_size_tokens", b"kv_cache_size_tokens", "kv_tp_replicas", b"kv_tp_replicas", "max_concurrency", b"max_concurrency", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "rank", b"rank", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_per_request", b"blocks_per_request", "budget", b"budget", "bytes_per_block", b"bytes_per_block", "device_uuid", b"device_uuid", "encoder_only_layers", b"encoder_only_layers", "groups", b"groups", "kv_cache_size_tokens", b"kv_cache_size_tokens", "kv_tp_replicas", b"kv_tp_replicas", "max_concurrency", b"max_concurrency", "max_model_len", b"max_model_len", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "num_blocks", b"num_blocks", "rank", b"rank", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1403,6 +1403,40 @@ for version, batches in (("vllm-0.33", 2), ("vllm-0.34", 3)):
         },
     )
 
+# One uniform-type group over two stages: stage 0 mixes bfloat16 and fp8 pages,
+# stage 1 holds bfloat16 only. 0.33 zeroes new blocks where the precisions mix
+# (stage 0), 0.34 on every stage.
+_ZEROING = request(
+    [
+        worker(
+            0,
+            [
+                layer("attn.0", full()),
+                layer(
+                    "attn.1",
+                    full(dtype="DTYPE_UINT8", kv_quant_mode="KV_QUANT_MODE_FP8_PER_TENSOR"),
+                ),
+            ],
+            GIB,
+        ),
+        worker(1, [layer(f"attn.{i}", full()) for i in (2, 3)], GIB),
+    ],
+    parallel={"pipeline_parallel_size": 2},
+)
+for version, stage_1 in (("vllm-0.33", False), ("vllm-0.34", True)):
+    scenario(
+        f"release-{version.removeprefix('vllm-')}-kv-cache-zeroing",
+        f"{version}: KV-cache zeroing per worker (0.33) or OR-ed across workers (0.34)",
+        for_release(_ZEROING, version),
+        {
+            "grouping_path": "GROUPING_PATH_UNIFORM_TYPE",
+            "workers": [
+                {"needs_kv_cache_zeroing": True},
+                {"needs_kv_cache_zeroing": stage_1},
+            ],
+        },
+    )
+
 
 # --- HiSparse (every release): host source, indexer, resident and hot groups -------
 def hisparse_layers() -> list[Json]:
