@@ -148,16 +148,48 @@ def _tag_retained_tokens(specs: SpecDict, request: EngineRequest) -> SpecDict:
     return {name: tag(spec) for name, spec in specs.items()}
 
 
-def _project(groups: list[KVCacheGroup], worker: WorkerInput) -> list[KVCacheGroup]:
-    """Global groups seen from one worker: its layers only. Draft flags survive
-    even where the worker holds none of the group's layers (vLLM 0.33)."""
-    present = {name for name, _ in worker.layers}
+def _project_all(
+    groups: list[KVCacheGroup], workers: list[WorkerInput]
+) -> list[list[KVCacheGroup]]:
+    """Every worker's view of the global groups, in time linear in the layers.
+
+    A worker sees its own layers only, in group order. Draft flags survive even
+    where the worker holds none of the group's layers (vLLM 0.33). Each worker's
+    layers are looked up in one index of the global groups (one pass per worker
+    over its own layers, not over every group's layers), and workers with the
+    same layer list (tensor-parallel ranks) share one projection.
+    """
+    position = {
+        name: (group_index, layer_index)
+        for group_index, group in enumerate(groups)
+        for layer_index, name in enumerate(group.layer_names)
+    }
+    by_layers: dict[tuple[tuple[str, KVCacheSpec], ...], list[KVCacheGroup]] = {}
+    projected: list[list[KVCacheGroup]] = []
+    for worker in workers:
+        view = by_layers.get(worker.layers)
+        if view is None:
+            view = by_layers[worker.layers] = _project(groups, worker, position)
+        projected.append(view)
+    return projected
+
+
+def _project(
+    groups: list[KVCacheGroup],
+    worker: WorkerInput,
+    position: dict[str, tuple[int, int]],
+) -> list[KVCacheGroup]:
+    held: list[list[int]] = [[] for _ in groups]
+    for name, _ in worker.layers:
+        where = position.get(name)
+        if where is not None:
+            held[where[0]].append(where[1])
     projected: list[KVCacheGroup] = []
-    for group in groups:
-        names = tuple(name for name in group.layer_names if name in present)
-        if len(names) == len(group.layer_names):
+    for group, indices in zip(groups, held, strict=True):
+        if len(indices) == len(group.layer_names):
             projected.append(group)
             continue
+        names = tuple(group.layer_names[i] for i in sorted(indices))
         spec = group.spec
         if names and isinstance(spec, UniformTypeSpecs):
             members = spec.specs_by_layer
@@ -234,7 +266,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     groups, draft_warnings = annotate_draft_groups(grouping, request.spec_decode)
     warnings = [*grouping.warnings, *draft_warnings]
 
-    projected = [_project(groups, worker) for worker in workers]
+    projected = _project_all(groups, workers)
     index_of = {worker.rank: index for index, worker in enumerate(request.workers)}
     budgets = [worker_budget(worker, index_of[worker.rank]) for worker in workers]
     available = [budget.available_bytes for budget in budgets]
