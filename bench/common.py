@@ -38,19 +38,17 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.options import add_output_arguments
 from kvplan.client import channel_options
 from kvplan.v1 import plan_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_RESULTS = Path(__file__).parent / "results"
 SERVICE = "kvplan.v1.KVCachePlanner"
 PLAN_METHOD = f"/{SERVICE}/PlanKVCache"
 ECHO_METHOD = f"/{SERVICE}/Echo"
 LIST_DEVICES_METHOD = f"/{SERVICE}/ListDevices"
 RELEASE_METHOD = f"/{SERVICE}/ReleasePlan"
 CALL_TIMEOUT_S = 60.0
-QUICK_ENV = "KVPLAN_BENCH_QUICK"
-RESULTS_ENV = "KVPLAN_BENCH_RESULTS"
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
@@ -58,18 +56,7 @@ CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        default=os.environ.get(QUICK_ENV, "") not in ("", "0"),
-        help=f"smoke-test scale: small counts, short slices (env {QUICK_ENV}=1)",
-    )
-    parser.add_argument(
-        "--results",
-        type=Path,
-        default=Path(os.environ.get(RESULTS_ENV) or DEFAULT_RESULTS),
-        help=f"folder for the .json and .md results (env {RESULTS_ENV}; default bench/results)",
-    )
+    add_output_arguments(parser)
     parser.add_argument("--repeats", type=int, default=None, help="repeats (default 3)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
 

@@ -59,6 +59,7 @@ from bench.common import (
     write_results,
 )
 from bench.engines import gemma_style, leased_engine
+from bench.options import parse_arguments
 from kvplan.v1 import plan_pb2, service_pb2
 
 SERVER_FLAGS = ("--devices", "1xH200-141GB", "--lease-ttl-s", "86400")
@@ -78,7 +79,7 @@ class Scale:
     @classmethod
     def of(cls, args: argparse.Namespace) -> Scale:
         if args.quick:
-            return cls((10, 100, 300), 10, 0.5, 4)
+            return cls((10, 50, 200), 6, 0.3, 4)
         return cls(tuple(args.levels), args.samples, 1.0, 8)
 
 
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     add_common_arguments(parser)
     parser.add_argument("--levels", type=int, nargs="+", default=[10, 100, 1000, 10_000])
     parser.add_argument("--samples", type=int, default=100, help="samples per batch")
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     scale = Scale.of(args)
     repeats = repeats_of(args)
     report = new_report("leases", args, asdict(scale))

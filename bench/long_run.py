@@ -49,6 +49,7 @@ from bench.common import (
     with_engine_id,
     write_results,
 )
+from bench.options import parse_arguments
 from bench.rpc_bench import ENGINES
 
 TARGET_LAST_OVER_FIRST = 1.2
@@ -66,7 +67,7 @@ class Scale:
     @classmethod
     def of(cls, args: argparse.Namespace) -> Scale:
         if args.quick:
-            return cls(engines=600, window=200, sub_windows=4, echo_calls=40, concurrency=4)
+            return cls(engines=300, window=100, sub_windows=2, echo_calls=40, concurrency=4)
         return cls(args.engines, args.window, 10, 500, args.concurrency)
 
 
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=1000, help="plans per window")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--engine", choices=sorted(ENGINES), default="qwen3-next-tp8")
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     scale = Scale.of(args)
     report = new_report("long_run", args, asdict(scale))
     report["title"] = f"Long run: {scale.engines:,} distinct engines on one server"

@@ -62,6 +62,7 @@ from bench.common import (
     write_results,
 )
 from bench.engines import gemma_style, qwen3_next_tp8
+from bench.options import parse_arguments
 from kvplan.client import AsyncPlannerClient, PlannerError
 from kvplan.v1 import plan_pb2
 
@@ -98,7 +99,7 @@ class Scale:
     @classmethod
     def of(cls, args: argparse.Namespace) -> Scale:
         if args.quick:
-            return cls((1, 16), 1, 0.25, 0.1, 16, 1)
+            return cls((1, 16), 1, 0.2, 0.05, 16, 1)
         return cls(tuple(args.concurrency), args.rounds, args.slice, 0.3, args.engines, 5)
 
 
@@ -455,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slice", type=float, default=0.5, help="measured seconds per slice")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--engines", type=int, default=256, help="rendezvous engines")
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     scale = Scale.of(args)
     repeats = repeats_of(args)
     profile_dir = os.environ.get(PROFILE_ENV)

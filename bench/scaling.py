@@ -48,6 +48,7 @@ from bench.common import (
     write_results,
 )
 from bench.engines import gemma_style, gemma_style_pipeline
+from bench.options import parse_arguments
 from kvplan.v1 import plan_pb2
 
 TARGET_SLOPE = 1.1
@@ -65,7 +66,7 @@ class Scale:
     @classmethod
     def of(cls, args: argparse.Namespace) -> Scale:
         if args.quick:
-            return cls((8, 16, 32), 0.2)
+            return cls((8, 16, 32), 0.1)
         return cls(tuple(args.workers), args.slice)
 
 
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     add_common_arguments(parser)
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     parser.add_argument("--slice", type=float, default=1.5, help="seconds per size and call")
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     scale = Scale.of(args)
     repeats = repeats_of(args)
     report = new_report("scaling", args, asdict(scale))

@@ -52,6 +52,7 @@ from bench.common import (
     with_engine_id,
     write_results,
 )
+from bench.options import parse_arguments
 from bench.rpc_bench import ENGINES
 from bench.vllm_worker import READY_LINE, REPLY_PREFIX
 
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-vllm", dest="vllm_venv", action="store_const", const=None, help="kvplan side only"
     )
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     scale = Scale.of(args)
     repeats = repeats_of(args)
     python, missing = vllm_python(args)
