@@ -46,13 +46,14 @@ test: $(STAMP) proto-check lint
 conformance: $(STAMP)
 	bash conformance/run
 
-## Benchmarks (each program says what it measures in its docstring). Results: bench/results/*.json, *.md.
-## Run them on a quiet machine: every figure is a ratio to a baseline measured in the same
-## run, but a busy host still widens the spread. BENCH_FLAGS=--quick: smoke-test scale.
+## Benchmarks: each program says what it measures in its docstring; results in bench/results.
+## Run them on a quiet machine: ratios are to a baseline measured in the same run, but a
+## busy host still widens the spread. BENCH_FLAGS=--quick: smoke-test scale, written to
+## bench/results/quick (git ignores it), about a minute for everything.
 VLLM_VENV ?= $(HOME)/.cache/kvplan/vllm-0.33/venv
 BENCH_FLAGS ?=
 
-## Every benchmark and bench/results/summary.md with each target of issue 11 (about an hour).
+## Every benchmark and bench/results/summary.md with each target of issue 11 (about 30 min).
 bench: $(STAMP)
 	$(PY) -m bench --vllm-venv $(VLLM_VENV) $(BENCH_FLAGS)
 

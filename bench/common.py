@@ -103,8 +103,10 @@ class ServerProcess:
 
     def sqlite_bytes(self) -> int:
         """The store's size on disk: the database and its write-ahead log."""
-        paths = [self.sqlite_path, self.sqlite_path.with_name(self.sqlite_path.name + "-wal")]
-        return sum(path.stat().st_size for path in paths if path.exists())
+        if not self.sqlite_path.exists():
+            raise RuntimeError(f"no SQLite store at {self.sqlite_path}: has its path changed?")
+        wal = self.sqlite_path.with_name(self.sqlite_path.name + "-wal")
+        return self.sqlite_path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
 
     def ready_in_s(self) -> float | None:
         """The server's own 'ready in' figure: start_server alone, imports excluded."""

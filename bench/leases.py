@@ -192,6 +192,7 @@ async def stalled_store(target: LeaseServer, scale: Scale) -> dict[str, Any]:
     ids = EngineIds("stall")
     before = await timed_calls(target.channel, ECHO_METHOD, lambda: echo_payload, 0.3, 20)
 
+    target.server.sqlite_bytes()  # the store is where we look for it
     blocker = sqlite3.connect(
         str(target.server.sqlite_path), timeout=10, isolation_level=None, check_same_thread=False
     )

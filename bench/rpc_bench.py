@@ -49,6 +49,7 @@ from bench.common import (
     Target,
     Variant,
     add_common_arguments,
+    bench_channel,
     exit_code,
     new_report,
     print_targets,
@@ -85,6 +86,7 @@ TARGET_P99_OVER_ECHO = 3.0
 TARGET_RENDEZVOUS_S = 2.0
 TARGET_COLD_START_S = 1.5
 TARGET_IDLE_RSS_MB = 120.0
+SPORADIC_GAP_S = 0.02  # an engine starting now and then, not back to back
 
 
 @dataclass(frozen=True)
@@ -95,26 +97,35 @@ class Scale:
     settle_s: float
     rendezvous_engines: int
     cold_starts: int
+    sporadic_plans: int  # per engine and repeat, with SPORADIC_GAP_S between calls
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Scale:
         if args.quick:
-            return cls((1, 16), 1, 0.2, 0.05, 16, 1)
-        return cls(tuple(args.concurrency), args.rounds, args.slice, 0.3, args.engines, 5)
+            return cls((1, 16), 1, 0.2, 0.05, 16, 1, 8)
+        return cls(tuple(args.concurrency), args.rounds, args.slice, 0.3, args.engines, 5, 300)
 
 
 # --- plan vs echo -----------------------------------------------------------------------
 
 
 async def check_replies(server: ServerProcess, payload: bytes, workers: int) -> int:
-    """One plan and one echo, parsed: the load is of calls that do what they say.
-    Returns the plan's size on the wire."""
+    """A plan, a plan of the same engine renamed as the load renames it, and an echo,
+    parsed: the load is of calls that do what they say. Returns the plan's size."""
+    renamed_id = "check-renamed-engine"
     async with grpc.aio.insecure_channel(server.target) as channel:
-        plan_bytes = await channel.unary_unary(PLAN_METHOD)(payload, timeout=CALL_TIMEOUT_S)
+        plan_call = channel.unary_unary(PLAN_METHOD)
+        plan_bytes = await plan_call(payload, timeout=CALL_TIMEOUT_S)
+        renamed_bytes = await plan_call(with_engine_id(payload, renamed_id), timeout=CALL_TIMEOUT_S)
         echo_bytes = await channel.unary_unary(ECHO_METHOD)(payload, timeout=CALL_TIMEOUT_S)
     plan = plan_pb2.PlanResponse.FromString(plan_bytes)
+    renamed = plan_pb2.PlanResponse.FromString(renamed_bytes)
     if plan.num_blocks <= 0 or len(plan.workers) != workers:
         raise RuntimeError(f"unexpected plan: {plan.num_blocks} blocks, {len(plan.workers)}")
+    if renamed.engine_id != renamed_id or renamed.plan_id == plan.plan_id:
+        raise RuntimeError(f"a renamed engine was not planned as new: {renamed.engine_id}")
+    if renamed.num_blocks != plan.num_blocks:
+        raise RuntimeError("a renamed engine got another plan")
     if plan_pb2.PlanRequest.FromString(echo_bytes) != plan_pb2.PlanRequest.FromString(payload):
         raise RuntimeError("Echo did not return its payload")
     return len(plan_bytes)
@@ -162,6 +173,31 @@ def summarize_load(repeats: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 {"engine": engine, "concurrency": concurrency, "variant": variant, **figures}
             )
     return rows
+
+
+async def sporadic_vs_back_to_back(
+    server: ServerProcess, engine: str, base: plan_pb2.PlanRequest, count: int
+) -> dict[str, float]:
+    """Server CPU per uncached plan arriving every SPORADIC_GAP_S against back to back
+    (both at concurrency 1, one after the other). The server's CPU between sporadic
+    calls is charged to them: a server that works while idle costs that per plan."""
+    base_bytes = base.SerializeToString()
+    ids = EngineIds(f"{engine}-sporadic")
+    figures: dict[str, float] = {}
+    async with bench_channel(server.target) as channel:
+        await channel.channel_ready()
+        call = channel.unary_unary(PLAN_METHOD)
+        for name, gap_s in (("back_to_back", 0.0), ("sporadic", SPORADIC_GAP_S)):
+            cpu = server.cpu_s()
+            for _ in range(count):
+                await call(with_engine_id(base_bytes, ids.next()), timeout=CALL_TIMEOUT_S)
+                if gap_s:
+                    await asyncio.sleep(gap_s)
+            figures[f"{name}_cpu_us"] = (server.cpu_s() - cpu) / count * 1e6
+    figures["sporadic_over_back_to_back"] = (
+        figures["sporadic_cpu_us"] / figures["back_to_back_cpu_us"]
+    )
+    return figures
 
 
 # --- rendezvous -------------------------------------------------------------------------
@@ -386,6 +422,20 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
             f"{versus[0]} | {Spread.from_dict(row['server_cpu_us_per_call']).text(',.0f')} | "
             f"{versus[1]} | {row['errors']['high']:.0f} |"
         )
+    lines += [
+        "",
+        f"### Sporadic arrivals: uncached plans {SPORADIC_GAP_S * 1e3:.0f} ms apart vs back "
+        "to back (concurrency 1; server CPU per plan, the idle time between calls included)",
+        "",
+        "| engine | back to back µs/plan | sporadic µs/plan | sporadic / back to back |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, figures in report["sporadic"].items():
+        lines.append(
+            f"| {key} | {Spread.from_dict(figures['back_to_back_cpu_us']).text(',.0f')} | "
+            f"{Spread.from_dict(figures['sporadic_cpu_us']).text(',.0f')} | "
+            f"{Spread.from_dict(figures['sporadic_over_back_to_back']).text(unit='x')} |"
+        )
     rendezvous = report["rendezvous"]
     cold = report["cold_start"]
     lines += [
@@ -440,6 +490,22 @@ async def run_server_benchmarks(
                 )
                 runs.append({"engine": key, "concurrency": concurrency, "figures": figures})
     report["load"] = summarize_load(runs)
+    print(f"sporadic arrivals ({SPORADIC_GAP_S * 1e3:.0f} ms apart) vs back to back:", flush=True)
+    sporadic: dict[str, list[dict[str, float]]] = {key: [] for key in bases}
+    for _ in range(repeats):
+        for key, base in bases.items():
+            figures = await sporadic_vs_back_to_back(server, key, base, scale.sporadic_plans)
+            print(
+                f"  {key:<15} {figures['back_to_back_cpu_us']:6.0f} -> "
+                f"{figures['sporadic_cpu_us']:6.0f} µs CPU/plan "
+                f"({figures['sporadic_over_back_to_back']:.2f}x)",
+                flush=True,
+            )
+            sporadic[key].append(figures)
+    report["sporadic"] = {
+        key: {name: Spread.of([run[name] for run in runs]).as_dict() for name in runs[0]}
+        for key, runs in sporadic.items()
+    }
     rendezvous_base = bases["qwen3-next-tp8"]
     print(f"rendezvous: {scale.rendezvous_engines} engines x 8 ranks ...", flush=True)
     rendezvous = await measure_rendezvous(server, rendezvous_base, scale.rendezvous_engines, 16)
