@@ -94,7 +94,7 @@ class LeaseServer:
         self.plan = channel.unary_unary(PLAN_METHOD)
         self.release = channel.unary_unary(RELEASE_METHOD)
         self.list_devices = channel.unary_unary(LIST_DEVICES_METHOD)
-        self.leases = 0
+        self.leases = 0  # granted by fill_to (the samples release theirs)
 
     async def start(self) -> None:
         await self.channel.channel_ready()
@@ -158,14 +158,10 @@ async def lease_scaling(
         if live != level:
             raise RuntimeError(f"{live} live leases on the scaled server, expected {level}")
         runs: list[dict[str, dict[str, float]]] = []
+        sides = {"baseline": baseline, "scaled": scaled}
         for repeat in range(repeats):
-            order = [baseline, scaled] if repeat % 2 == 0 else [scaled, baseline]
-            figures = {}
-            for side in order:
-                figures[side.ids.prefix] = await side.sample(scale.samples)
-            runs.append(
-                {"baseline": figures[baseline.ids.prefix], "scaled": figures[scaled.ids.prefix]}
-            )
+            order = ["baseline", "scaled"] if repeat % 2 == 0 else ["scaled", "baseline"]
+            runs.append({name: await sides[name].sample(scale.samples) for name in order})
         row: dict[str, Any] = {"live_leases": level, "fill_s": fill_s}
         for key in ("grant_p50_ms", "list_devices_p50_ms"):
             row[key] = Spread.of([run["scaled"][key] for run in runs]).as_dict()
@@ -175,7 +171,7 @@ async def lease_scaling(
             ).as_dict()
         print(
             f"  {level:>6,} leases: grant p50 {row['grant_p50_ms']['median']:.2f} ms "
-            f"({row['grant_p50_ms_over_baseline']['median']:.2f}x the 10-lease server), "
+            f"({row['grant_p50_ms_over_baseline']['median']:.2f}x with {BASELINE_LEASES}), "
             f"ListDevices p50 {row['list_devices_p50_ms']['median']:.2f} ms "
             f"({row['list_devices_p50_ms_over_baseline']['median']:.2f}x); filled in "
             f"{fill_s:.1f} s",
