@@ -55,8 +55,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         f"{summary['date']} · {machine_line(summary['machine'])} · {summary['total_s']:,.0f} s"
         + (" · **quick mode: smoke-test scale, not figures**" if summary["quick"] else ""),
         "",
-        "Every figure is measured against its baseline in the same run (interleaved), "
-        "repeated; median (min-max). Details: "
+        "Ratios are to a baseline measured in the same run (alternating slices), repeated; "
+        "median (min-max). How each figure is taken: "
         + ", ".join(f"[{name}.md]({name}.md)" for name in summary["programs"])
         + ".",
         "",
