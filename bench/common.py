@@ -398,7 +398,7 @@ async def run_interleaved(
     channels = [bench_channel(server.target) for _ in range(concurrency)]
     current = variants[0]
     running = True
-    finished: list[tuple[str, float, float]] = []  # (variant, end, latency)
+    finished: list[tuple[str, float, float]] = []  # successful calls: (variant, end, latency)
     tallies = {variant.name: SliceTally() for variant in variants}
 
     async def caller(channel: grpc.aio.Channel) -> None:
@@ -409,8 +409,9 @@ async def run_interleaved(
             start = time.perf_counter()
             try:
                 await calls[variant.method](payload, timeout=CALL_TIMEOUT_S)
-            except grpc.RpcError as error:
+            except grpc.RpcError as error:  # counted apart: a failed call is no throughput
                 tallies[variant.name].errors.append(f"{error.code().name}: {error.details()}")
+                continue
             end = time.perf_counter()
             finished.append((variant.name, end, end - start))
 
