@@ -2,6 +2,7 @@
 
     python -m bench.rpc_bench            # or: make bench-rpc
     python -m bench.rpc_bench --quick    # smoke-test scale
+    python -m bench.rpc_bench --store memory   # another store, for comparison
     RPC_BENCH_PROFILE=/tmp/prof python -m bench.rpc_bench   # the server under cProfile
 
 Against one `kvplan serve` on its default store (SQLite), in its own process:
@@ -353,7 +354,7 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
     return [
         Target(
             f"uncached plan throughput ≥ {TARGET_UNCACHED_OVER_ECHO}x Echo of the same "
-            "payload (each engine, each concurrency; SQLite store)",
+            f"payload (each engine, each concurrency; {report['store']} store)",
             listing(throughput),
             not errors and all(s.median >= TARGET_UNCACHED_OVER_ECHO for s in throughput.values()),
             {f"{e} c={c}": s.as_dict() for (e, c), s in throughput.items()},
@@ -392,7 +393,7 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
 def render_markdown(report: dict[str, Any]) -> list[str]:
     settings = report["settings"]
     lines = [
-        "One `kvplan serve` on its default store (SQLite); the load generator in another "
+        f"One `kvplan serve` on the {report['store']} store; the load generator in another "
         "process, raw grpc.aio calls (bytes in, bytes out), one channel per concurrent "
         f"caller. Echo, uncached plan (a new engine id each call) and cached plan alternate "
         f"in {settings['rounds']} round(s) of {settings['slice_s']:.2f} s slices "
@@ -532,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slice", type=float, default=0.5, help="measured seconds per slice")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--engines", type=int, default=256, help="rendezvous engines")
+    parser.add_argument(
+        "--store", default="", help="the server's --store (default: the embedded SQLite store)"
+    )
     args = parse_arguments(parser, argv)
     scale = Scale.of(args)
     repeats = repeats_of(args)
@@ -542,13 +546,15 @@ def main(argv: list[str] | None = None) -> int:
     report["title"] = "kvplan over gRPC: uncached plans vs Echo, rendezvous, cold start"
     report["machine"]["reference_parse_us_start"] = reference_parse_us(reference)
     report["engines"] = {}
+    report["store"] = args.store or "default (SQLite)"
     with tempfile.TemporaryDirectory(prefix="kvplan-bench-rpc-") as folder:
         log_dir = Path(folder)
         print(f"cold start ({scale.cold_starts} fresh processes):", flush=True)
         report["cold_start"] = measure_cold_start(log_dir, scale.cold_starts)
         if profile_path is not None:
             profile_path.parent.mkdir(parents=True, exist_ok=True)
-        server = spawn_server(log_dir, "main", profile_to=profile_path)
+        store_flags = ["--store", args.store] if args.store else []
+        server = spawn_server(log_dir, "main", store_flags, profile_to=profile_path)
         try:
             time.sleep(0.5)
             rss_start = server.rss_mb()
