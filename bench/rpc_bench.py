@@ -13,6 +13,8 @@ Against one `kvplan serve` on its default store (SQLite), in its own process:
   cached plan (the same request again), in alternating slices of one run. Per
   repeat: plan/echo throughput and p99, server CPU per call from /proc; the figures
   are the median and range over the repeats.
+- Sporadic arrivals: server CPU per uncached plan with 20 ms between calls against
+  back to back (both engines, concurrency 1).
 - Rank-mode rendezvous: 256 engines x 8 ranks arriving concurrently in random order.
 - Cold start (spawn to health SERVING) and the server's RSS.
 
@@ -514,8 +516,8 @@ async def run_server_benchmarks(
             )
             sporadic[key].append(figures)
     report["sporadic"] = {
-        key: {name: Spread.of([run[name] for run in runs]).as_dict() for name in runs[0]}
-        for key, runs in sporadic.items()
+        key: {name: Spread.of([one[name] for one in of_engine]).as_dict() for name in of_engine[0]}
+        for key, of_engine in sporadic.items()
     }
     rendezvous_base = bases["qwen3-next-tp8"]
     print(f"rendezvous: {scale.rendezvous_engines} engines x 8 ranks ...", flush=True)
