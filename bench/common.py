@@ -288,7 +288,7 @@ class Spread:
         return cls(figure["median"], figure["low"], figure["high"], values)
 
     def text(self, fmt: str = ".2f", unit: str = "") -> str:
-        return f"{self.median:{fmt}}{unit} ({self.low:{fmt}}-{self.high:{fmt}})"
+        return f"{self.median:{fmt}}{unit} ({self.low:{fmt}} – {self.high:{fmt}})"
 
     def as_dict(self) -> dict[str, Any]:
         return {"median": self.median, "low": self.low, "high": self.high, "values": self.values}

@@ -17,8 +17,9 @@ the figure is the median and range of those ratios.
 
 The event-loop check: another SQLite connection takes the baseline server's store
 (BEGIN IMMEDIATE) for 1 s while grants and uncached plans wait on it; meanwhile Echo
-calls run back to back. Added latency = the worst Echo during the stall minus the Echo
-p50 just before. The grants must have waited (else the stall did not reach the store).
+calls run back to back, as they did for 1 s just before (the control). Added latency =
+the worst Echo during the stall minus the worst of the control. The grants must have
+waited (else the stall did not reach the store).
 Results: bench/results/leases.json and leases.md.
 """
 
@@ -182,11 +183,13 @@ async def lease_scaling(
 
 
 async def stalled_store(target: LeaseServer, scale: Scale) -> dict[str, Any]:
-    """One stall of the store (see the module's doc): Echo latency before and during it."""
+    """One stall of the store (see the module's doc). Echo runs back to back for the same
+    time just before it (the control) and during it: the stall's delay is the worst Echo
+    during it minus the worst of the control, so a hiccup of a busy host, which the
+    control sees too, is not read as the service blocking."""
     echo_payload = gemma_style(64).SerializeToString()
-    plan_payload = echo_payload
     ids = EngineIds("stall")
-    before = await timed_calls(target.channel, ECHO_METHOD, lambda: echo_payload, 0.3, 20)
+    control = await timed_calls(target.channel, ECHO_METHOD, lambda: echo_payload, scale.stall_s)
 
     target.server.sqlite_bytes()  # the store is where we look for it
     blocker = sqlite3.connect(
@@ -201,26 +204,26 @@ async def stalled_store(target: LeaseServer, scale: Scale) -> dict[str, Any]:
             if index % 2 == 0:
                 await target.grant()
             else:
-                await target.plan(with_engine_id(plan_payload, ids.next()), timeout=CALL_TIMEOUT_S)
+                await target.plan(with_engine_id(echo_payload, ids.next()), timeout=CALL_TIMEOUT_S)
             return time.perf_counter() - start
 
         waiting = [asyncio.create_task(store_bound(index)) for index in range(scale.stalled_calls)]
-        during = await timed_calls(
-            target.channel, ECHO_METHOD, lambda: echo_payload, scale.stall_s, 1
-        )
+        during = await timed_calls(target.channel, ECHO_METHOD, lambda: echo_payload, scale.stall_s)
         held_s = time.perf_counter() - stall_start
     finally:
         if blocker.in_transaction:
             await asyncio.to_thread(blocker.execute, "ROLLBACK")
         blocker.close()
     waited = await asyncio.gather(*waiting)
-    baseline_ms = percentile(before, 0.5) * 1e3
     return {
         "held_s": held_s,
-        "echo_p50_before_ms": baseline_ms,
+        "echo_calls_control": len(control),
+        "echo_p50_control_ms": percentile(control, 0.5) * 1e3,
+        "echo_max_control_ms": max(control) * 1e3,
         "echo_calls_during": len(during),
+        "echo_p50_during_ms": percentile(during, 0.5) * 1e3,
         "echo_max_during_ms": max(during) * 1e3,
-        "added_ms": max(during) * 1e3 - baseline_ms,
+        "added_ms": (max(during) - max(control)) * 1e3,
         "store_bound_calls": len(waited),
         "store_bound_min_wait_s": min(waited),  # ≈ held_s: the stall reached the store
     }
@@ -242,9 +245,9 @@ async def run(
         for _ in range(repeats):
             stall = await stalled_store(baseline, scale)
             print(
-                f"  echo p50 before {stall['echo_p50_before_ms']:.2f} ms, worst during "
-                f"{stall['echo_max_during_ms']:.2f} ms ({stall['echo_calls_during']} calls); "
-                f"store-bound calls waited ≥ {stall['store_bound_min_wait_s']:.2f} s",
+                f"  worst Echo {stall['echo_max_control_ms']:.2f} ms before, "
+                f"{stall['echo_max_during_ms']:.2f} ms during ({stall['echo_calls_during']} "
+                f"calls); store-bound calls waited ≥ {stall['store_bound_min_wait_s']:.2f} s",
                 flush=True,
             )
             stalls.append(stall)
@@ -276,7 +279,8 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
         Target(
             f"a store stalled {report['settings']['stall_s']:.1f} s delays no unrelated RPC "
             f"(Echo) by more than {TARGET_STALL_ADDED_MS:.0f} ms",
-            f"{added.text(unit=' ms')} added"
+            f"{added.text(unit=' ms')} added; worst Echo during a stall "
+            f"{max(stall['echo_max_during_ms'] for stall in stalls):.1f} ms"
             + ("" if reached else "; INVALID: the store-bound calls did not wait on the stall"),
             added.median <= TARGET_STALL_ADDED_MS if reached else False,
             {"added_ms": added.as_dict(), "stall_reached_store": reached},
@@ -313,15 +317,16 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
         f"Event-loop check: another SQLite connection holds BEGIN IMMEDIATE on the "
         f"baseline server's store for {settings['stall_s']:.1f} s while "
         f"{settings['stalled_calls']} grants and uncached plans wait on it; Echo calls "
-        "back to back meanwhile.",
+        "back to back meanwhile, and for as long just before (the control).",
         "",
-        "| stall | held s | Echo p50 before ms | worst Echo during ms | Echo calls during "
-        "| added ms | store-bound calls waited ≥ s |",
+        "| stall | held s | Echo p50 / worst, control ms | Echo p50 / worst, during ms "
+        "| Echo calls during | added ms (worst - worst) | store-bound calls waited ≥ s |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for index, stall in enumerate(report["stalls"], 1):
         lines.append(
-            f"| {index} | {stall['held_s']:.2f} | {stall['echo_p50_before_ms']:.2f} | "
+            f"| {index} | {stall['held_s']:.2f} | {stall['echo_p50_control_ms']:.2f} / "
+            f"{stall['echo_max_control_ms']:.2f} | {stall['echo_p50_during_ms']:.2f} / "
             f"{stall['echo_max_during_ms']:.2f} | {stall['echo_calls_during']} | "
             f"{stall['added_ms']:.2f} | {stall['store_bound_min_wait_s']:.2f} |"
         )
