@@ -6,7 +6,8 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvplan/v1/*.proto)
 
-.PHONY: install run test lint proto proto-check unit conformance bench bench-rpc clean
+.PHONY: install run test lint proto proto-check unit conformance clean
+.PHONY: bench bench-rpc bench-vllm bench-leases bench-scaling bench-long bench-core
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,19 +46,44 @@ test: $(STAMP) proto-check lint
 conformance: $(STAMP)
 	bash conformance/run
 
-## In-process planning time; with vLLM 0.33 timed alongside when its venv exists
-## (`make conformance` creates it).
+## Benchmarks: each program says what it measures in its docstring; results in bench/results.
+## Run them on a quiet machine: ratios are to a baseline measured in the same run, but a
+## busy host still widens the spread. BENCH_FLAGS=--quick: smoke-test scale, written to
+## bench/results/quick (git ignores it), about a minute for everything.
 VLLM_VENV ?= $(HOME)/.cache/kvplan/vllm-0.33/venv
-bench: $(STAMP)
-	if [ -f $(VLLM_VENV)/.kvplan-vllm-ready ]; then \
-		PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m bench.plan_core; \
-	else \
-		$(PY) -m bench.plan_core; \
-	fi
+BENCH_FLAGS ?=
 
-## The gRPC service under load: throughput vs Echo, rendezvous, cold start, RSS.
+## Every benchmark and bench/results/summary.md with each target of issue 11 (about 30 min).
+bench: $(STAMP)
+	$(PY) -m bench --vllm-venv $(VLLM_VENV) $(BENCH_FLAGS)
+
+## The headline: uncached plan vs Echo (2 engines, c 1 and 16), rendezvous, cold start.
 bench-rpc: $(STAMP)
-	$(PY) -m bench.rpc_bench
+	$(PY) -m bench.rpc_bench $(BENCH_FLAGS)
+
+## A loopback round trip of a new engine vs vLLM 0.33 planning it in its own process.
+bench-vllm: $(STAMP)
+	$(PY) -m bench.vs_vllm --vllm-venv $(VLLM_VENV) $(BENCH_FLAGS)
+
+## Grant and ListDevices at 10 -> 10,000 live leases; Echo while the store is stalled.
+bench-leases: $(STAMP)
+	$(PY) -m bench.leases $(BENCH_FLAGS)
+
+## Server CPU per plan, 8 -> 256 workers, PP and TP: the log-log slope.
+bench-scaling: $(STAMP)
+	$(PY) -m bench.scaling $(BENCH_FLAGS)
+
+## 100,000 distinct engines: CPU per plan, RSS, /metrics, SQLite file over time.
+bench-long: $(STAMP)
+	$(PY) -m bench.long_run $(BENCH_FLAGS)
+
+## Core only (in process, no server): kvplan's planner, and vLLM's when its venv exists.
+bench-core: $(STAMP)
+	if [ -f $(VLLM_VENV)/.kvplan-vllm-ready ]; then \
+		PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m bench.plan_core $(BENCH_FLAGS); \
+	else \
+		$(PY) -m bench.plan_core $(BENCH_FLAGS); \
+	fi
 
 ## The service image (Dockerfile; see docs/deployment.md). Needs a Docker engine.
 .PHONY: docker

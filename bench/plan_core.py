@@ -1,57 +1,38 @@
-"""Planning time vs layer count and worker count, in-process.
+"""Core only: planning time in-process vs layer count and worker count.
 
     python -m bench.plan_core            # kvplan only
-    make bench                           # also vLLM 0.33 when its venv exists
+    make bench-core                      # also vLLM 0.33 when its venv exists
 
-Prints microseconds per plan, the growth factor per doubling and, when vLLM
-0.33.0 can be imported (run inside its venv with the repo on PYTHONPATH),
-vLLM's `get_global_kv_cache_groups` + `get_kv_cache_configs` on the same
-engines in the same run, and the ratio. Results go to bench/results/.
+NOT what users meet (that is bench.rpc_bench and bench.vs_vllm: a new engine over
+gRPC): this times kvplan's pure core on values already converted, and the proto ->
+proto path in process, with no server, store or network. Prints microseconds per plan,
+the growth factor per doubling and, when vLLM 0.33.0 can be imported (run inside its
+venv with the repo on PYTHONPATH), vLLM's `get_global_kv_cache_groups` +
+`get_kv_cache_configs` on the same engines in the same process, and the ratio.
+Results: bench/results/plan_core.json and plan_core.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from bench.engines import gemma_style
+from bench.options import add_output_arguments, parse_arguments
 from kvplan.convert import plan_from_proto, request_from_proto
 from kvplan.core.planner import plan_engine
-from kvplan.v1 import plan_pb2, spec_pb2
-
-RESULTS = Path(__file__).parent / "results"
-GIB = 1 << 30
+from kvplan.v1 import plan_pb2
 
 
-def hybrid_engine(num_layers: int, num_workers: int = 1) -> plan_pb2.PlanRequest:
-    """A Gemma-3-style hybrid (5 sliding-window : 1 full) on `num_workers` TP ranks."""
-    request = plan_pb2.PlanRequest(engine_id=f"bench-{num_layers}x{num_workers}")
-    request.options.max_model_len = 32_768
-    layers = []
-    for index in range(num_layers):
-        layer = spec_pb2.LayerSpec(name=f"model.layers.{index}.self_attn.attn")
-        if index % 6 == 5:
-            layer.full_attention.attention.num_kv_heads = 8
-            layer.full_attention.attention.head_size = 128
-        else:
-            layer.sliding_window.attention.num_kv_heads = 8
-            layer.sliding_window.attention.head_size = 128
-            layer.sliding_window.sliding_window = 1024
-        layers.append(layer)
-    for rank in range(num_workers):
-        worker = request.workers.add(rank=rank)
-        worker.memory.kv_cache_memory_bytes = 1024 * GIB  # ample for 4096 layers
-        worker.layers.extend(layers)
-    return request
-
-
-def time_call(call: Callable[[], object], min_seconds: float = 0.3, max_calls: int = 2000) -> float:
+def time_call(call: Callable[[], object], min_seconds: float, max_calls: int = 2000) -> float:
     """Median seconds per call over batches filling `min_seconds`."""
     call()  # warm up
     samples: list[float] = []
@@ -73,7 +54,7 @@ def time_each(calls: list[Callable[[], object]]) -> float:
     return statistics.median(samples)
 
 
-def _vllm_timer() -> Callable[[plan_pb2.PlanRequest], float] | None:
+def _vllm_timer(min_seconds: float) -> Callable[[plan_pb2.PlanRequest], float] | None:
     try:
         from vllm.v1.core.kv_cache_planning import (
             get_global_kv_cache_groups,
@@ -87,7 +68,7 @@ def _vllm_timer() -> Callable[[plan_pb2.PlanRequest], float] | None:
 
     def time_vllm(request: plan_pb2.PlanRequest) -> float:
         samples: list[float] = []
-        deadline = time.perf_counter() + 0.5
+        deadline = time.perf_counter() + min_seconds
         while time.perf_counter() < deadline or len(samples) < 3:
             inputs = vllm_driver.build_inputs(request)  # fresh: vLLM mutates its config
             register_all_kvcache_specs(inputs.config)
@@ -105,15 +86,17 @@ def _vllm_timer() -> Callable[[plan_pb2.PlanRequest], float] | None:
 def measure(
     cases: list[tuple[str, plan_pb2.PlanRequest]],
     vllm: Callable[[plan_pb2.PlanRequest], float] | None,
+    min_seconds: float,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for label, request in cases:
         # A fresh domain value per call: the specs' cached page sizes start cold,
         # as they do for every request the service converts.
         size = sum(len(worker.layers) for worker in request.workers)
-        fresh = [request_from_proto(request) for _ in range(max(3, min(150, 40_000 // size)))]
+        count = max(3, min(150 if min_seconds >= 0.3 else 10, 40_000 // size))
+        fresh = [request_from_proto(request) for _ in range(count)]
         core_s = time_each([lambda domain=domain: plan_engine(domain) for domain in fresh])  # type: ignore[misc]
-        wire_s = time_call(lambda request=request: plan_from_proto(request))  # type: ignore[misc]
+        wire_s = time_call(lambda request=request: plan_from_proto(request), min_seconds)  # type: ignore[misc]
         row: dict[str, Any] = {"case": label, "core_us": core_s * 1e6, "wire_us": wire_s * 1e6}
         if vllm is not None:
             vllm_s = vllm(request)
@@ -151,38 +134,60 @@ def render(title: str, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_output_arguments(parser)
     parser.add_argument("--max-layers", type=int, default=4096)
     parser.add_argument("--max-workers", type=int, default=256)
-    args = parser.parse_args()
-    vllm = _vllm_timer()
-    layer_counts = [n for n in (32, 64, 128, 256, 512, 1024, 2048, 4096) if n <= args.max_layers]
-    worker_counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= args.max_workers]
-    by_layers = measure([(f"{n} layers", hybrid_engine(n)) for n in layer_counts], vllm)
+    args = parse_arguments(parser, argv)
+    max_layers, max_workers = (128, 8) if args.quick else (args.max_layers, args.max_workers)
+    min_seconds = 0.05 if args.quick else 0.3
+    vllm = _vllm_timer(min_seconds)
+    layer_counts = [n for n in (32, 64, 128, 256, 512, 1024, 2048, 4096) if n <= max_layers]
+    worker_counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max_workers]
+    by_layers = measure([(f"{n} layers", gemma_style(n)) for n in layer_counts], vllm, min_seconds)
     by_workers = measure(
-        [(f"64 layers x {n} workers", hybrid_engine(64, n)) for n in worker_counts], vllm
+        [(f"64 layers x {n} workers", gemma_style(64, n)) for n in worker_counts],
+        vllm,
+        min_seconds,
     )
     machine = (
         f"{platform.python_implementation()} {platform.python_version()}, {platform.machine()}"
     )
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     report = "\n\n".join(
         [
-            "## Planning time (in-process)",
-            f"Engine: 5 sliding-window : 1 full attention, 1 TiB per worker. {machine}. "
-            "core = `plan_engine` on typed values; wire = proto request -> PlanResponse. "
+            "## Core only: planning in process (not the headline)",
+            f"{date} · {machine}"
+            + (" · **quick mode: smoke-test scale, not figures**" if args.quick else ""),
+            "What users meet is a new engine over gRPC: see rpc.md (uncached plan vs Echo) "
+            "and vs_vllm.md (round trip vs vLLM). This table times kvplan without server, "
+            "store or network. Engine: 5 sliding-window : 1 full attention, 1 TiB per "
+            "worker, TP ranks holding every layer. core = `plan_engine` on typed values "
+            "already converted; wire = proto request -> PlanResponse in process. "
             + ("vLLM 0.33.0 timed in the same process." if vllm else "vLLM not importable here."),
             render("By layer count (1 worker)", by_layers),
             render("By worker count (64 layers each)", by_workers),
         ]
     )
     print(report)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "plan_core.md").write_text(report + "\n")
-    (RESULTS / "plan_core.json").write_text(
-        json.dumps({"by_layers": by_layers, "by_workers": by_workers}, indent=1) + "\n"
-    )
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "plan_core.md").write_text(report + "\n")
+    result = {
+        "benchmark": "plan_core",
+        "core_only": True,
+        "date": date,
+        "quick": bool(args.quick),
+        "vllm": vllm is not None,
+        "by_layers": by_layers,
+        "by_workers": by_workers,
+        "targets": [],  # core-only: the issue's targets are measured over gRPC
+    }
+    (args.results / "plan_core.json").write_text(json.dumps(result, indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -28,6 +28,7 @@ class Settings:
     rendezvous_ttl_s: float = 600.0  # a rendezvous or finished engine is forgotten after this
     plan_cache_size: int = 4096  # plans kept for GetPlan and cache hits
     plan_cache_bytes: int = 32 * 1024 * 1024  # and at most this many serialized bytes
+    store_plan_bytes: int = 64 * 1024 * 1024  # serialized plans kept in the store
     grace_s: float = 10.0  # shutdown grace for in-flight calls
     offload_layers: int = 2048  # plan in a worker thread above this many layers
     claim_timeout_s: float = 10.0  # a rendezvous claimed by a vanished server is re-claimed
@@ -52,6 +53,7 @@ _HELP = {
     "rendezvous_ttl_s": "seconds an unfinished rendezvous or a finished engine is kept",
     "plan_cache_size": "plans kept in memory",
     "plan_cache_bytes": "bytes of serialized plans kept in memory",
+    "store_plan_bytes": "bytes of serialized plans kept in the store (also bounds its size)",
     "grace_s": "seconds in-flight calls get on shutdown",
     "offload_layers": "plan off the event loop above this many layers",
     "claim_timeout_s": "seconds before another server may plan a claimed rendezvous",

@@ -180,7 +180,12 @@ async def _sweep_leases(servicer: PlannerServicer, interval_s: float) -> None:
 async def start_server(settings: Settings) -> RunningServer:
     metrics = Metrics()
     probe = open_probe(settings.probe, settings.devices)
-    store = open_store(settings.store, settings.state_dir, max_plans=settings.plan_cache_size)
+    store = open_store(
+        settings.store,
+        settings.state_dir,
+        max_plans=settings.plan_cache_size,
+        max_plan_bytes=settings.store_plan_bytes,
+    )
     await store.start()
     servicer = PlannerServicer(settings, metrics, probe, store)
     server = grpc.aio.server(

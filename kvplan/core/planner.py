@@ -171,17 +171,50 @@ def _tag_retained_tokens(specs: SpecDict, request: EngineRequest) -> SpecDict:
     return {name: tag(spec) for name, spec in specs.items()}
 
 
-def _project(groups: list[KVCacheGroup], worker: WorkerInput, rules: RuleSet) -> list[KVCacheGroup]:
-    """Global groups seen from one worker: its layers only. Where the worker
-    holds none of a group's layers, the draft flag survives or not by the rule
-    set (vLLM 0.33 keeps it, 0.32 drops it)."""
-    present = {name for name, _ in worker.layers}
+def _project_all(
+    groups: list[KVCacheGroup], workers: list[WorkerInput], rules: RuleSet
+) -> list[list[KVCacheGroup]]:
+    """Every worker's view of the global groups, in time linear in the layers.
+
+    A worker sees its own layers only, in group order. Where it holds none of a
+    group's layers, the draft flag survives or not by the rule set (vLLM 0.33
+    keeps it, 0.32 drops it). Each worker's layers are looked up in one index of
+    the global groups (one pass over its own layers, not over every group's
+    layers), and workers with the same layer list (tensor-parallel ranks) share
+    one projection.
+    """
+    position = {
+        name: (group_index, layer_index)
+        for group_index, group in enumerate(groups)
+        for layer_index, name in enumerate(group.layer_names)
+    }
+    by_layers: dict[tuple[tuple[str, KVCacheSpec], ...], list[KVCacheGroup]] = {}
+    projected: list[list[KVCacheGroup]] = []
+    for worker in workers:
+        view = by_layers.get(worker.layers)
+        if view is None:
+            view = by_layers[worker.layers] = _project(groups, worker, position, rules)
+        projected.append(view)
+    return projected
+
+
+def _project(
+    groups: list[KVCacheGroup],
+    worker: WorkerInput,
+    position: dict[str, tuple[int, int]],
+    rules: RuleSet,
+) -> list[KVCacheGroup]:
+    held: list[list[int]] = [[] for _ in groups]
+    for name, _ in worker.layers:
+        where = position.get(name)
+        if where is not None:
+            held[where[0]].append(where[1])
     projected: list[KVCacheGroup] = []
-    for group in groups:
-        names = tuple(name for name in group.layer_names if name in present)
-        if len(names) == len(group.layer_names):
+    for group, indices in zip(groups, held, strict=True):
+        if len(indices) == len(group.layer_names):
             projected.append(group)
             continue
+        names = tuple(group.layer_names[i] for i in sorted(indices))
         spec = group.spec
         if names and isinstance(spec, UniformTypeSpecs):
             members = spec.specs_by_layer
@@ -332,7 +365,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     groups, draft_warnings = annotate_draft_groups(grouping, request.spec_decode, rules)
     warnings = [*grouping.warnings, *draft_warnings]
 
-    projected = [_project(groups, worker, rules) for worker in workers]
+    projected = _project_all(groups, workers, rules)
     # HiSparse source groups live in the host pool: the device pool, its checks
     # and its block size are the other groups'.
     device = [[g for g in worker_groups if not g.host_resident] for worker_groups in projected]

@@ -4,24 +4,37 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvplan.server.store.base import Arrival, RendezvousResult, Store, StoreUnavailable
+from kvplan.server.store.base import (
+    DEFAULT_MAX_PLAN_BYTES,
+    DEFAULT_MAX_PLANS,
+    Arrival,
+    RendezvousResult,
+    Store,
+    StoreUnavailable,
+)
 
 __all__ = ["Arrival", "RendezvousResult", "Store", "StoreUnavailable", "open_store"]
 
 
-def open_store(url: str, state_dir: str, *, max_plans: int = 4096) -> Store:
+def open_store(
+    url: str,
+    state_dir: str,
+    *,
+    max_plans: int = DEFAULT_MAX_PLANS,
+    max_plan_bytes: int = DEFAULT_MAX_PLAN_BYTES,
+) -> Store:
     """`memory`, `sqlite:///PATH` (or empty: STATE_DIR/kvplan.sqlite3), `redis://...`."""
     if url == "memory":
         from kvplan.server.store.memory import MemoryStore
 
-        return MemoryStore(max_plans=max_plans)
+        return MemoryStore(max_plans=max_plans, max_plan_bytes=max_plan_bytes)
     if url.startswith(("redis://", "rediss://", "unix://")):
         from kvplan.server.store.redis import RedisStore
 
-        return RedisStore(url, max_plans=max_plans)
+        return RedisStore(url, max_plans=max_plans, max_plan_bytes=max_plan_bytes)
     if not url or url.startswith("sqlite://"):
         path = url.removeprefix("sqlite://") if url else str(Path(state_dir) / "kvplan.sqlite3")
         from kvplan.server.store.sqlite import SQLiteStore
 
-        return SQLiteStore(path, max_plans=max_plans)
+        return SQLiteStore(path, max_plans=max_plans, max_plan_bytes=max_plan_bytes)
     raise ValueError(f"unknown store {url!r}; use memory, sqlite:///PATH or redis://HOST:PORT/DB")

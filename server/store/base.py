@@ -22,6 +22,11 @@ from typing import Literal, Protocol
 
 from kvplan.core.ledger import DeviceState, Lease, LeaseRequest
 
+DEFAULT_MAX_PLANS = 4096
+# Serialized plans kept by a store. A 64-layer, 8-worker hybrid plan is ~35 KB,
+# so the default holds ~1,900 of them.
+DEFAULT_MAX_PLAN_BYTES = 64 * 1024 * 1024
+
 
 class StoreUnavailable(Exception):
     """The backend cannot be reached or failed mid-call; nothing was changed."""
@@ -74,7 +79,8 @@ class Store(Protocol):
 
     async def put_plan(self, plan_id: str, engine_id: str, plan: bytes, now: float) -> None:
         """Keep a serialized PlanResponse; `engine_id` (may be "") then names it.
-        Bounded: the oldest plans beyond the store's `max_plans` are dropped."""
+        Bounded: the oldest plans beyond the store's `max_plans` or
+        `max_plan_bytes` are dropped (the newest always stays)."""
 
     async def get_plan(self, plan_id: str) -> bytes | None: ...
 

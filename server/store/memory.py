@@ -10,7 +10,13 @@ from dataclasses import dataclass, field, replace
 
 from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, grant_leases
 from kvplan.server.errors import ServiceError
-from kvplan.server.store.base import Arrival, FinishedCallback, RendezvousResult
+from kvplan.server.store.base import (
+    DEFAULT_MAX_PLAN_BYTES,
+    DEFAULT_MAX_PLANS,
+    Arrival,
+    FinishedCallback,
+    RendezvousResult,
+)
 
 
 def digest(data: bytes) -> bytes:
@@ -135,9 +141,13 @@ def renew_leases(
 class MemoryStore:
     kind = "memory"
 
-    def __init__(self, max_plans: int = 4096) -> None:
+    def __init__(
+        self, max_plans: int = DEFAULT_MAX_PLANS, max_plan_bytes: int = DEFAULT_MAX_PLAN_BYTES
+    ) -> None:
         self._max_plans = max_plans
+        self._max_plan_bytes = max_plan_bytes
         self._plans: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
+        self._plan_bytes = 0  # sum of the stored plans' sizes
         self._engine_plans: dict[str, str] = {}
         self._open: dict[str, _Open] = {}
         self._finished: dict[str, _Finished] = {}
@@ -156,12 +166,19 @@ class MemoryStore:
     # --- plans ------------------------------------------------------------------
 
     async def put_plan(self, plan_id: str, engine_id: str, plan: bytes, now: float) -> None:
+        replaced = self._plans.pop(plan_id, None)
+        if replaced is not None:
+            self._plan_bytes -= len(replaced[1])
         self._plans[plan_id] = (engine_id, plan)
-        self._plans.move_to_end(plan_id)
+        self._plan_bytes += len(plan)
         if engine_id:
             self._engine_plans[engine_id] = plan_id
-        while len(self._plans) > self._max_plans:
-            evicted_id, (evicted_engine, _) = self._plans.popitem(last=False)
+        # Oldest first; the newest plan always stays.
+        while len(self._plans) > 1 and (
+            len(self._plans) > self._max_plans or self._plan_bytes > self._max_plan_bytes
+        ):
+            evicted_id, (evicted_engine, evicted) = self._plans.popitem(last=False)
+            self._plan_bytes -= len(evicted)
             if self._engine_plans.get(evicted_engine) == evicted_id:
                 del self._engine_plans[evicted_engine]
 

@@ -51,7 +51,14 @@ from redis.exceptions import RedisError, WatchError
 
 from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, grant_leases
 from kvplan.server.errors import ServiceError
-from kvplan.server.store.base import Arrival, FinishedCallback, RendezvousResult, StoreUnavailable
+from kvplan.server.store.base import (
+    DEFAULT_MAX_PLAN_BYTES,
+    DEFAULT_MAX_PLANS,
+    Arrival,
+    FinishedCallback,
+    RendezvousResult,
+    StoreUnavailable,
+)
 from kvplan.server.store.memory import (
     check_compatible,
     check_finished,
@@ -81,24 +88,32 @@ return out
 """
 
 # Lua: keep a plan, point its engine at it, drop the oldest beyond the bound.
+# KEYS: plans (zset by seq), plans-seq, plans-bytes (sum of stored plan sizes).
+# ARGV: plan_id, engine_id, plan, plan key prefix, engine-plan key prefix,
+# max plans, max plan bytes. Oldest first; the newest plan always stays.
 _PUT_PLAN = """
+local plan_key = ARGV[4] .. ARGV[1]
+local replaced = redis.call('HSTRLEN', plan_key, 'plan')
 local seq = redis.call('INCR', KEYS[2])
 redis.call('ZADD', KEYS[1], seq, ARGV[1])
-redis.call('HSET', ARGV[4] .. ARGV[1], 'engine_id', ARGV[2], 'plan', ARGV[3])
+redis.call('HSET', plan_key, 'engine_id', ARGV[2], 'plan', ARGV[3])
+local size = redis.call('INCRBY', KEYS[3], string.len(ARGV[3]) - replaced)
 if ARGV[2] ~= '' then
     redis.call('SET', ARGV[5] .. ARGV[2], ARGV[1])
 end
-local excess = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[6])
-if excess > 0 then
-    local evicted = redis.call('ZPOPMIN', KEYS[1], excess)
-    for i = 1, #evicted, 2 do
-        local plan_key = ARGV[4] .. evicted[i]
-        local engine = redis.call('HGET', plan_key, 'engine_id')
-        if engine and engine ~= '' and redis.call('GET', ARGV[5] .. engine) == evicted[i] then
-            redis.call('DEL', ARGV[5] .. engine)
-        end
-        redis.call('DEL', plan_key)
+local max_plans = tonumber(ARGV[6])
+local max_bytes = tonumber(ARGV[7])
+local count = redis.call('ZCARD', KEYS[1])
+while count > 1 and (count > max_plans or size > max_bytes) do
+    local evicted = redis.call('ZPOPMIN', KEYS[1])[1]
+    local evicted_key = ARGV[4] .. evicted
+    local engine = redis.call('HGET', evicted_key, 'engine_id')
+    if engine and engine ~= '' and redis.call('GET', ARGV[5] .. engine) == evicted then
+        redis.call('DEL', ARGV[5] .. engine)
     end
+    size = redis.call('INCRBY', KEYS[3], -redis.call('HSTRLEN', evicted_key, 'plan'))
+    redis.call('DEL', evicted_key)
+    count = count - 1
 end
 return seq
 """
@@ -174,13 +189,15 @@ class RedisStore:
     def __init__(
         self,
         url: str,
-        max_plans: int = 4096,
+        max_plans: int = DEFAULT_MAX_PLANS,
         key_prefix: str = "kvplan:",
         *,
+        max_plan_bytes: int = DEFAULT_MAX_PLAN_BYTES,
         expiry_grace_s: float = 60.0,
     ) -> None:
         self._url = url
         self._max_plans = max_plans
+        self._max_plan_bytes = max_plan_bytes
         self._prefix = key_prefix
         self._expiry_grace_s = expiry_grace_s
         self._channel = key_prefix + "rendezvous-finished"
@@ -298,7 +315,7 @@ class RedisStore:
         self._redis()
         await self._call(
             self._scripts["put_plan"](
-                keys=[self._key("plans"), self._key("plans-seq")],
+                keys=[self._key("plans"), self._key("plans-seq"), self._key("plans-bytes")],
                 args=[
                     plan_id,
                     engine_id,
@@ -306,6 +323,7 @@ class RedisStore:
                     self._key("plan:"),
                     self._key("engine-plan:"),
                     self._max_plans,
+                    self._max_plan_bytes,
                 ],
             )
         )

@@ -5,25 +5,42 @@ OS page cache) before the call returns, so it survives the server being killed
 (kill -9, OOM) without an fsync per commit. It does not cover an OS crash or a
 power loss: the last commits before one may be lost (the file stays consistent).
 
-Every method runs its statements synchronously: each takes well under a
-millisecond, less than a hop to a worker thread would. Write transactions start
-with BEGIN IMMEDIATE, so several connections (threads, processes, a CLI) on one
-file serialize on SQLite's write lock instead of failing on a lock upgrade.
+Every call runs in the store's own thread, never on the event loop: a write
+that waits for another connection's lock (up to the busy timeout), a slow disk
+or a large plan delays only the store's callers, not unrelated RPCs. One thread
+because one connection serializes its transactions anyway. Write transactions
+start with BEGIN IMMEDIATE, so several connections (threads, processes, a CLI)
+on one file serialize on SQLite's write lock instead of failing on a lock
+upgrade.
+
+Plans are bounded by count and by bytes; the server keeps both totals (one
+server per file), so an insert evicts the oldest plans by an index range
+instead of counting the table.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, grant_leases
 from kvplan.server.errors import ServiceError
-from kvplan.server.store.base import Arrival, FinishedCallback, RendezvousResult, StoreUnavailable
+from kvplan.server.store.base import (
+    DEFAULT_MAX_PLAN_BYTES,
+    DEFAULT_MAX_PLANS,
+    Arrival,
+    FinishedCallback,
+    RendezvousResult,
+    StoreUnavailable,
+)
 from kvplan.server.store.memory import (
     check_compatible,
     check_finished,
@@ -120,12 +137,38 @@ def _is_outage(error: BaseException) -> bool:
     )
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _in_store_thread(
+    method: Callable[Concatenate[SQLiteStore, _P], _R],
+) -> Callable[Concatenate[SQLiteStore, _P], Coroutine[Any, Any, _R]]:
+    """Run a store method in the store's thread, off the event loop."""
+
+    async def off_loop(store: SQLiteStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        call = functools.partial(method, store, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(store._executor, call)
+
+    return off_loop
+
+
 class SQLiteStore:
     kind = "sqlite"
 
-    def __init__(self, path: str, max_plans: int = 4096) -> None:
+    def __init__(
+        self,
+        path: str,
+        max_plans: int = DEFAULT_MAX_PLANS,
+        max_plan_bytes: int = DEFAULT_MAX_PLAN_BYTES,
+    ) -> None:
         self._path = path
         self._max_plans = max_plans
+        self._max_plan_bytes = max_plan_bytes
+        # Totals of the plans table, read at start and kept by put_plan.
+        self._plan_count = 0
+        self._plan_bytes = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplan-sqlite")
         self._connection: sqlite3.Connection | None = None
         # One connection per store; the lock keeps its transactions from
         # interleaving when the store is used from several threads.
@@ -219,39 +262,59 @@ class SQLiteStore:
             # One server per file: a claim left in it is from a server that was
             # killed while planning, so the next rank to arrive plans again.
             db.execute("UPDATE rendezvous_open SET claimed_at = NULL WHERE claimed_at IS NOT NULL")
+            count, size = db.execute("SELECT count(*), total(length(plan)) FROM plans").fetchone()
+            self._plan_count, self._plan_bytes = int(count), int(size)
 
     async def close(self) -> None:
+        # After the store thread's queued calls, so none finds the connection gone.
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._close_connection)
+
+    def _close_connection(self) -> None:
         with self._lock:
             connection, self._connection = self._connection, None
         if connection is not None:
             connection.close()
 
-    async def ping(self) -> None:
+    @_in_store_thread
+    def ping(self) -> None:
         with self._transaction(write=False) as db:
             db.execute("SELECT 1").fetchone()
 
     # --- plans --------------------------------------------------------------------
 
-    async def put_plan(self, plan_id: str, engine_id: str, plan: bytes, now: float) -> None:
+    @_in_store_thread
+    def put_plan(self, plan_id: str, engine_id: str, plan: bytes, now: float) -> None:
+        count, size = self._plan_count, self._plan_bytes
         with self._transaction(write=True) as db:
             # Delete and insert: a plan put again becomes the newest.
-            db.execute("DELETE FROM plans WHERE plan_id = ?", (plan_id,))
+            for (length,) in db.execute(
+                "DELETE FROM plans WHERE plan_id = ? RETURNING length(plan)", (plan_id,)
+            ).fetchall():
+                count, size = count - 1, size - length
             db.execute(
                 "INSERT INTO plans (plan_id, engine_id, plan, stored_at) VALUES (?, ?, ?, ?)",
                 (plan_id, engine_id, plan, now),
             )
-            db.execute(
-                "DELETE FROM plans WHERE seq <= "
-                "(SELECT seq FROM plans ORDER BY seq DESC LIMIT 1 OFFSET ?)",
-                (self._max_plans,),
-            )
+            count, size = count + 1, size + len(plan)
+            # Oldest first, a few rows per index lookup; the newest plan always stays.
+            while count > 1 and (count > self._max_plans or size > self._max_plan_bytes):
+                for seq, length in db.execute(
+                    "SELECT seq, length(plan) FROM plans ORDER BY seq LIMIT 16"
+                ).fetchall():
+                    if count <= 1 or (count <= self._max_plans and size <= self._max_plan_bytes):
+                        break
+                    db.execute("DELETE FROM plans WHERE seq = ?", (seq,))
+                    count, size = count - 1, size - length
+        self._plan_count, self._plan_bytes = count, size
 
-    async def get_plan(self, plan_id: str) -> bytes | None:
+    @_in_store_thread
+    def get_plan(self, plan_id: str) -> bytes | None:
         with self._transaction(write=False) as db:
             row = db.execute("SELECT plan FROM plans WHERE plan_id = ?", (plan_id,)).fetchone()
         return bytes(row[0]) if row else None
 
-    async def plan_for_engine(self, engine_id: str) -> bytes | None:
+    @_in_store_thread
+    def plan_for_engine(self, engine_id: str) -> bytes | None:
         if not engine_id:
             return None
         with self._transaction(write=False) as db:
@@ -263,7 +326,8 @@ class SQLiteStore:
 
     # --- rendezvous ---------------------------------------------------------------
 
-    async def rendezvous_join(
+    @_in_store_thread
+    def rendezvous_join(
         self,
         *,
         engine_id: str,
@@ -363,7 +427,8 @@ class SQLiteStore:
             )
             return Arrival("plan", workers=tuple(bytes(row[0]) for row in workers))
 
-    async def rendezvous_leave(self, engine_id: str, rank: int) -> None:
+    @_in_store_thread
+    def rendezvous_leave(self, engine_id: str, rank: int) -> None:
         with self._transaction(write=True) as db:
             entry = db.execute(
                 "SELECT claimed_at FROM rendezvous_open WHERE engine_id = ?", (engine_id,)
@@ -381,6 +446,17 @@ class SQLiteStore:
                 db.execute("DELETE FROM rendezvous_open WHERE engine_id = ?", (engine_id,))
 
     async def rendezvous_finish(self, engine_id: str, result: RendezvousResult, now: float) -> None:
+        await self._record_finish(engine_id, result, now)
+        # One server per file: its own subscribers are all there are. They run on
+        # the event loop, where the waiting ranks' futures live.
+        for callback in list(self._subscribers):
+            try:
+                callback(engine_id, result)
+            except Exception:  # one broken waiter must not hide the outcome from the rest
+                log.exception("rendezvous subscriber failed for engine %s", engine_id)
+
+    @_in_store_thread
+    def _record_finish(self, engine_id: str, result: RendezvousResult, now: float) -> None:
         with self._transaction(write=True) as db:
             entry = db.execute(
                 "SELECT template FROM rendezvous_open WHERE engine_id = ?", (engine_id,)
@@ -402,23 +478,19 @@ class SQLiteStore:
                     [(engine_id, rank, digest(bytes(spec))) for rank, spec in workers],
                 )
             db.execute("DELETE FROM rendezvous_open WHERE engine_id = ?", (engine_id,))
-        # One server per file: its own subscribers are all there are.
-        for callback in list(self._subscribers):
-            try:
-                callback(engine_id, result)
-            except Exception:  # one broken waiter must not hide the outcome from the rest
-                log.exception("rendezvous subscriber failed for engine %s", engine_id)
 
     def subscribe(self, callback: FinishedCallback) -> None:
         self._subscribers.append(callback)
 
-    async def pending_engines(self) -> int:
+    @_in_store_thread
+    def pending_engines(self) -> int:
         with self._transaction(write=False) as db:
             return int(db.execute("SELECT count(*) FROM rendezvous_open").fetchone()[0])
 
     # --- ledger -------------------------------------------------------------------
 
-    async def grant(
+    @_in_store_thread
+    def grant(
         self,
         engine_id: str,
         requests: Sequence[LeaseRequest],
@@ -453,7 +525,8 @@ class SQLiteStore:
             )
         return granted
 
-    async def renew(
+    @_in_store_thread
+    def renew(
         self, engine_id: str, allocations: Mapping[int, int], now: float, ttl_s: float
     ) -> tuple[Lease, ...]:
         with self._transaction(write=True) as db:
@@ -475,7 +548,8 @@ class SQLiteStore:
             )
         return renewed
 
-    async def release(self, engine_id: str, rank: int | None, now: float) -> tuple[Lease, ...]:
+    @_in_store_thread
+    def release(self, engine_id: str, rank: int | None, now: float) -> tuple[Lease, ...]:
         where = "engine_id = ?" if rank is None else "engine_id = ? AND rank = ?"
         params: tuple[object, ...] = (engine_id,) if rank is None else (engine_id, rank)
         with self._transaction(write=True) as db:
@@ -488,7 +562,8 @@ class SQLiteStore:
             db.execute(f"DELETE FROM leases WHERE {where}", params)
         return tuple(lease for lease in released if lease.live(now))
 
-    async def leases(self, now: float) -> tuple[Lease, ...]:
+    @_in_store_thread
+    def leases(self, now: float) -> tuple[Lease, ...]:
         with self._transaction(write=False) as db:
             return tuple(
                 _lease(row)
@@ -499,7 +574,8 @@ class SQLiteStore:
                 )
             )
 
-    async def sweep_expired(self, now: float) -> tuple[Lease, ...]:
+    @_in_store_thread
+    def sweep_expired(self, now: float) -> tuple[Lease, ...]:
         with self._transaction(write=True) as db:
             expired = tuple(
                 _lease(row)

@@ -35,7 +35,7 @@ GIB = 1 << 30
 
 
 class OpenStore(Protocol):
-    async def __call__(self, max_plans: int = ...) -> Store: ...
+    async def __call__(self, max_plans: int = ..., max_plan_bytes: int = ...) -> Store: ...
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +44,26 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
 
 
-def new_store(backend: str, directory: Path, redis_url: str | None, max_plans: int = 4096) -> Store:
+def new_store(
+    backend: str,
+    directory: Path,
+    redis_url: str | None,
+    max_plans: int = 4096,
+    max_plan_bytes: int = 1 << 30,
+) -> Store:
     if backend == "memory":
-        return MemoryStore(max_plans=max_plans)
+        return MemoryStore(max_plans=max_plans, max_plan_bytes=max_plan_bytes)
     if backend == "sqlite":
-        return SQLiteStore(str(directory / "kvplan.sqlite3"), max_plans=max_plans)
+        path = str(directory / "kvplan.sqlite3")
+        return SQLiteStore(path, max_plans=max_plans, max_plan_bytes=max_plan_bytes)
     assert redis_url is not None
     # A fresh prefix: every test sees an empty Redis.
-    return RedisStore(redis_url, max_plans=max_plans, key_prefix=f"test-{uuid.uuid4().hex}:")
+    return RedisStore(
+        redis_url,
+        max_plans=max_plans,
+        max_plan_bytes=max_plan_bytes,
+        key_prefix=f"test-{uuid.uuid4().hex}:",
+    )
 
 
 @pytest_asyncio.fixture(params=BACKENDS)
@@ -60,8 +72,8 @@ async def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIte
     redis_url = request.getfixturevalue("redis_server").url if backend == "redis" else None
     opened: list[Store] = []
 
-    async def open_one(max_plans: int = 4096) -> Store:
-        store = new_store(backend, tmp_path, redis_url, max_plans)
+    async def open_one(max_plans: int = 4096, max_plan_bytes: int = 1 << 30) -> Store:
+        store = new_store(backend, tmp_path, redis_url, max_plans, max_plan_bytes)
         await store.start()
         opened.append(store)
         return store
@@ -162,6 +174,47 @@ async def test_plans_are_bounded_oldest_first(open_store: OpenStore) -> None:
     await store.put_plan("p5", "engine-5", b"plan-5", 6.0)
     assert await store.get_plan("p3") is None
     assert await store.get_plan("p2") == b"plan-2"
+
+
+async def test_plans_are_bounded_by_bytes_oldest_first(open_store: OpenStore) -> None:
+    store = await open_store(max_plan_bytes=250)
+    for index in range(4):
+        await store.put_plan(f"p{index}", f"engine-{index}", bytes([index]) * 100, index)
+    # 100-byte plans under a 250-byte bound: the two newest stay.
+    assert [await store.get_plan(f"p{index}") is not None for index in range(4)] == [
+        False,
+        False,
+        True,
+        True,
+    ]
+    # Replacing a plan counts its new size, not both.
+    await store.put_plan("p3", "engine-3", b"x" * 50, 5.0)
+    await store.put_plan("p4", "engine-4", b"y" * 150, 6.0)
+    assert await store.get_plan("p2") is None
+    assert await store.get_plan("p3") == b"x" * 50
+    assert await store.get_plan("p4") == b"y" * 150
+    # A plan larger than the bound is kept alone: the newest always stays.
+    await store.put_plan("big", "engine-big", b"z" * 1000, 7.0)
+    assert await store.get_plan("big") == b"z" * 1000
+    assert await store.get_plan("p4") is None
+
+
+async def test_sqlite_plan_bounds_survive_a_restart(tmp_path: Path) -> None:
+    """The SQLite store keeps its totals in memory: a restart reads them back."""
+    path = str(tmp_path / "kvplan.sqlite3")
+    first = SQLiteStore(path, max_plans=3, max_plan_bytes=1 << 20)
+    await first.start()
+    for index in range(3):
+        await first.put_plan(f"p{index}", "", b"plan", index)
+    await first.close()
+    second = SQLiteStore(path, max_plans=3, max_plan_bytes=1 << 20)
+    await second.start()
+    try:
+        await second.put_plan("p3", "", b"plan", 3.0)
+        assert await second.get_plan("p0") is None
+        assert [await second.get_plan(f"p{index}") for index in (1, 2, 3)] == [b"plan"] * 3
+    finally:
+        await second.close()
 
 
 async def test_dropping_an_older_plan_keeps_the_engines_newest(open_store: OpenStore) -> None:
@@ -780,6 +833,7 @@ async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> No
         assert {key.removeprefix(prefix) for key in keys} == {
             "plans",
             "plans-seq",
+            "plans-bytes",
             "plan:p",
             "engine-plan:e",
             "rdv:open",
