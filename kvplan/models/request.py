@@ -1,0 +1,225 @@
+"""A PlanRequest built from a model config, and the capacity answer read off the plan.
+
+`build_plan_request` is what both the CLI (in-process planning) and the thin client
+(planning on a server) use, so the two plan exactly the same request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvplan.convert import spec_to_proto
+from kvplan.core.dtypes import StorageDtype
+from kvplan.core.specs import MambaSpec
+from kvplan.models.config import HFConfig, ModelConfigError
+from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
+from kvplan.models.weights import (
+    OverheadEstimate,
+    WeightEstimate,
+    estimate_overhead,
+    estimate_weights,
+)
+from kvplan.v1 import plan_pb2, spec_pb2
+
+DEFAULT_UTILIZATION = 0.92  # vLLM 0.33's default gpu_memory_utilization
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+_MODEL_DTYPES = {
+    StorageDtype.BFLOAT16: spec_pb2.DTYPE_BFLOAT16,
+    StorageDtype.FLOAT16: spec_pb2.DTYPE_FLOAT16,
+    StorageDtype.FLOAT32: spec_pb2.DTYPE_FLOAT32,
+}
+
+
+@dataclass(frozen=True)
+class ModelPlanOptions:
+    """One deployment of a model: the CLI flags and the client helper's arguments."""
+
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None  # None: the model's own maximum; -1: auto-fit
+    gpu: str | None = None  # catalog name (resolved by the planner's name table)
+    gpu_memory_bytes: int | None = None
+    gpu_memory_utilization: float = DEFAULT_UTILIZATION
+    kv_cache_dtype: str = "auto"
+    speculative: Speculative | None = None
+    block_size: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    non_kv_bytes: int | None = None  # measured non-KV memory per worker; None: estimate
+    engine_id: str = ""
+
+
+@dataclass(frozen=True)
+class ModelPlanInputs:
+    """What the request was built from, with every estimate it contains."""
+
+    layers: ModelLayers
+    weights: WeightEstimate | None
+    overhead: OverheadEstimate | None
+    non_kv_bytes: int
+    non_kv_given: bool
+    notes: tuple[str, ...] = field(default=())
+
+
+def parse_speculative(text: str) -> Speculative:
+    """`mtp:1` -> Speculative("mtp", 1)."""
+    method, _, tokens = text.partition(":")
+    if not method or not tokens.isdigit() or int(tokens) < 1:
+        raise ModelConfigError(f"speculative setting {text!r}: expected METHOD:TOKENS, e.g. mtp:1")
+    return Speculative(method.strip().lower(), int(tokens))
+
+
+def build_plan_request(
+    config: HFConfig, options: ModelPlanOptions
+) -> tuple[plan_pb2.PlanRequest, ModelPlanInputs]:
+    tp = options.tensor_parallel_size
+    max_len_for_mamba = options.max_model_len if (options.max_model_len or 0) > 0 else None
+    layers = import_layers(
+        config,
+        Deployment(
+            tensor_parallel_size=tp,
+            kv_cache_dtype=options.kv_cache_dtype,
+            block_size=options.block_size,
+            enable_prefix_caching=options.enable_prefix_caching,
+            speculative=options.speculative,
+            max_model_len=max_len_for_mamba,
+        ),
+    )
+    weights: WeightEstimate | None = None
+    overhead: OverheadEstimate | None = None
+    if options.non_kv_bytes is not None:
+        non_kv = plan_pb2.NonKVMemory(weights_bytes=options.non_kv_bytes)
+        total_non_kv = options.non_kv_bytes
+    else:
+        weights = estimate_weights(config, layers, tp)
+        overhead = estimate_overhead(config, layers, tp, options.max_num_batched_tokens)
+        non_kv = plan_pb2.NonKVMemory(
+            weights_bytes=weights.bytes_per_worker,
+            activation_peak_bytes=overhead.activation_peak_bytes,
+            non_torch_bytes=overhead.non_torch_bytes,
+        )
+        total_non_kv = weights.bytes_per_worker + overhead.total_bytes
+    max_model_len = options.max_model_len or layers.derived_max_model_len
+    request = plan_pb2.PlanRequest(engine_id=options.engine_id or layers.model_type or "model")
+    opts = request.options
+    opts.max_model_len = max_model_len
+    opts.derived_max_model_len = layers.derived_max_model_len
+    opts.block_size = layers.block_size
+    opts.model_dtype = _MODEL_DTYPES[layers.model_dtype]
+    opts.cache_dtype = spec_pb2.KVCacheDtype.Value(
+        f"KV_CACHE_DTYPE_{options.kv_cache_dtype.upper()}"
+    )
+    opts.max_num_batched_tokens = options.max_num_batched_tokens
+    opts.parallel.tensor_parallel_size = tp
+    opts.enable_prefix_caching = options.enable_prefix_caching
+    if layers.mamba_cache_mode == "align":
+        opts.mamba_cache_mode = plan_pb2.MAMBA_CACHE_MODE_ALIGN
+    if options.speculative is not None:
+        spec = request.spec_decode
+        spec.method = plan_pb2.SPEC_DECODE_METHOD_MTP
+        spec.num_speculative_tokens = options.speculative.num_speculative_tokens
+        spec.target_model_type = layers.model_type
+        spec.num_nextn_predict_layers = max(layers.num_nextn_predict_layers, 1)
+    layer_protos = [spec_to_proto(spec, name) for name, spec in layers.layers]
+    for rank in range(tp):
+        worker = request.workers.add(rank=rank)
+        worker.layers.extend(layer_protos)
+        if options.gpu_memory_bytes is not None:
+            worker.device.total_memory_bytes = options.gpu_memory_bytes
+        elif options.gpu is not None:
+            worker.device.name = options.gpu
+        worker.memory.gpu_memory_utilization = options.gpu_memory_utilization
+        worker.memory.non_kv.CopyFrom(non_kv)
+    inputs = ModelPlanInputs(
+        layers=layers,
+        weights=weights,
+        overhead=overhead,
+        non_kv_bytes=total_non_kv,
+        non_kv_given=options.non_kv_bytes is not None,
+        notes=layers.notes,
+    )
+    return request, inputs
+
+
+def auto_fit_request(request: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:
+    """The same request asking for the longest max_model_len the memory allows."""
+    fitted = plan_pb2.PlanRequest()
+    fitted.CopyFrom(request)
+    fitted.options.max_model_len = -1
+    return fitted
+
+
+@dataclass(frozen=True)
+class GroupCapacity:
+    group_id: int
+    kind: str
+    layers: int
+    block_size: int
+    page_size_bytes: int
+    per_token_bytes: int | None  # None for state (Mamba-style) groups: per request
+    is_draft: bool
+
+
+@dataclass(frozen=True)
+class CapacitySummary:
+    groups: tuple[GroupCapacity, ...]
+    kv_bytes_per_token: int  # all token-proportional groups of one worker
+    state_bytes_per_request: int  # all per-request state groups of one worker
+    num_blocks: int
+    kv_cache_tokens: int
+    max_concurrency: float
+    max_model_len: int
+    available_kv_bytes: int
+    auto_fit_max_model_len: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {key: value for key, value in self.__dict__.items() if key != "groups"}
+        out["groups"] = [group.__dict__ for group in self.groups]
+        return out
+
+
+def summarize(
+    response: plan_pb2.PlanResponse, auto_fit: plan_pb2.PlanResponse | None = None
+) -> CapacitySummary:
+    groups: list[GroupCapacity] = []
+    per_token = per_request = 0
+    for group in response.groups:
+        kind = group.spec.WhichOneof("kind") or "-"
+        if kind == "mamba":
+            token_bytes = None
+            per_request += group.page_size_bytes
+        else:
+            token_bytes = group.page_size_bytes // group.block_size
+            per_token += token_bytes
+        groups.append(
+            GroupCapacity(
+                group.group_id,
+                kind,
+                len(group.layer_names),
+                group.block_size,
+                group.page_size_bytes,
+                token_bytes,
+                group.is_draft,
+            )
+        )
+    worker = response.workers[0]
+    return CapacitySummary(
+        groups=tuple(groups),
+        kv_bytes_per_token=per_token,
+        state_bytes_per_request=per_request,
+        num_blocks=response.num_blocks,
+        kv_cache_tokens=worker.kv_cache_size_tokens,
+        max_concurrency=worker.max_concurrency,
+        max_model_len=response.max_model_len,
+        available_kv_bytes=worker.budget.available_bytes,
+        auto_fit_max_model_len=auto_fit.max_model_len if auto_fit is not None else None,
+    )
+
+
+def with_tp(options: ModelPlanOptions, tp: int) -> ModelPlanOptions:
+    return replace(options, tensor_parallel_size=tp)
+
+
+def mamba_layer_count(layers: ModelLayers) -> int:
+    return sum(1 for _, spec in layers.layers if isinstance(spec, MambaSpec))
