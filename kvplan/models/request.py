@@ -165,7 +165,7 @@ class GroupCapacity:
 class CapacitySummary:
     groups: tuple[GroupCapacity, ...]
     kv_bytes_per_token: int  # all token-proportional groups of one worker
-    state_bytes_per_request: int  # all per-request state groups of one worker
+    state_bytes_per_request: int  # all Mamba-style layers of one worker, pages it holds
     num_blocks: int
     kv_cache_tokens: int
     max_concurrency: float
@@ -179,18 +179,32 @@ class CapacitySummary:
         return out
 
 
+def state_pages_per_request(layers: ModelLayers) -> int:
+    """Pages one request holds in each Mamba-style layer (vLLM's per-mode rule)."""
+    specs = [spec for _, spec in layers.layers if isinstance(spec, MambaSpec)]
+    if not specs:
+        return 0
+    fixed = 2 if layers.mamba_cache_mode == "align" else 1
+    return fixed + specs[0].num_speculative_blocks + specs[0].num_prefill_checkpoint_blocks
+
+
 def summarize(
-    response: plan_pb2.PlanResponse, auto_fit: plan_pb2.PlanResponse | None = None
+    response: plan_pb2.PlanResponse,
+    auto_fit: plan_pb2.PlanResponse | None = None,
+    state_pages_per_request: int = 1,
 ) -> CapacitySummary:
     groups: list[GroupCapacity] = []
     per_token = per_request = 0
     for group in response.groups:
         kind = group.spec.WhichOneof("kind") or "-"
+        # A uniform-type group's page already covers all its layers; otherwise the page
+        # is one layer's and every layer of the group holds its own.
+        group_page = group.page_size_bytes * (1 if group.uniform_type else len(group.layer_names))
         if kind == "mamba":
             token_bytes = None
-            per_request += group.page_size_bytes
+            per_request += group_page * state_pages_per_request
         else:
-            token_bytes = group.page_size_bytes // group.block_size
+            token_bytes = group_page // group.block_size
             per_token += token_bytes
         groups.append(
             GroupCapacity(
