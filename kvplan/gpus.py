@@ -43,7 +43,7 @@ CATALOG: tuple[GpuModel, ...] = (
         81_559 * MIB,
         True,
         "nvidia-smi on 'NVIDIA H100 80GB HBM3' (SXM) and H800: 81559MiB",
-        aliases=("H100-SXM", "H100-SXM-80GB", "H100-PCIE-80GB", "H800-80GB"),
+        aliases=("H100", "H100-SXM", "H100-SXM-80GB", "H100-PCIE-80GB", "H800-80GB"),
     ),
     GpuModel(
         "H100-NVL-94GB",

@@ -1,0 +1,108 @@
+"""`kvplan plan --model` on every shipped config, and `kvplan capacity`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvplan.cli import main
+from kvplan.gpus import CATALOG, lookup_gpu
+from kvplan.models.cli import parse_fraction, parse_size, parse_tokens
+
+MODELS = Path(__file__).parents[2] / "examples" / "models"
+SHIPPED = sorted(path.name for path in MODELS.iterdir() if path.is_dir())
+
+
+@pytest.mark.parametrize("model", SHIPPED)
+def test_plan_every_shipped_config(model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", str(MODELS / model), "--gpu", "B200-180GB", "--tp", "2"]
+    args += ["--max-model-len", "4k", "--gpu-memory-utilization", "90%", "--non-kv-bytes", "20GiB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "capacity of" in out and "non-KV memory (given): 20.00 GiB" in out
+    assert main([*args, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    budget = plan["workers"][0]["budget"]
+    assert int(budget["non_kv_bytes"]) == 20 * 2**30
+    assert int(budget["requested_bytes"]) == -(-lookup_gpu("B200").total_memory_bytes * 9 // 10)
+    assert plan["capacity"]["max_model_len"] == 4096
+
+
+def test_plan_llama_capacity_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
+    # H100 80GB: 81,559 MiB; utilization 0.9; 20 GiB non-KV; 32 layers x 8 heads x 128 x
+    # (K+V) x 2 B = 131,072 B per token = 2 MiB per 16-token block.
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100-80GB"]
+    args += ["--max-model-len", "8k", "--gpu-memory-utilization", "0.9", "--non-kv-bytes", "20GiB"]
+    assert main([*args, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    available = -(-81_559 * 2**20 * 9 // 10) - 20 * 2**30
+    blocks = available // (32 * 65_536)
+    capacity = plan["capacity"]
+    assert capacity["kv_bytes_per_token"] == 131_072
+    assert capacity["num_blocks"] == blocks
+    assert capacity["kv_cache_tokens"] == blocks * 16
+    assert capacity["max_concurrency"] == pytest.approx(blocks / 512)
+
+
+def test_estimated_non_kv_is_stated(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", str(MODELS / "deepseek-v3"), "--gpu", "H200", "--tp", "8"]
+    assert main([*args, "--speculative", "mtp:1", "--max-model-len", "32k"]) == 0
+    out = capsys.readouterr().out
+    assert "weights:" in out and "fp8" in out and "activation_peak =" in out
+    assert "mla_attention draft" in out
+
+
+def test_capacity_sweep_table_json_csv_chart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100-80GB,H200"]
+    base += ["--tp", "1,2", "--max-model-len", "32k"]
+    chart = tmp_path / "chart.svg"
+    assert main([*base, "--chart", str(chart)]) == 0
+    table = capsys.readouterr().out
+    assert "H200-141GB" in table and "concurrency" in table
+    assert chart.read_text().startswith("<svg") and "polyline" in chart.read_text()
+    assert main([*base, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(row["gpu"], row["tp"]) for row in rows] == [
+        ("H100-80GB", 1), ("H100-80GB", 2), ("H200-141GB", 1), ("H200-141GB", 2)
+    ]  # fmt: skip
+    # more memory per worker, more tokens; TP 2 halves the weights and the per-token page
+    assert rows[2]["kv_cache_tokens"] > rows[0]["kv_cache_tokens"]
+    assert rows[1]["kv_bytes_per_token"] * 2 == rows[0]["kv_bytes_per_token"] == 131_072
+    assert main([*base, "--csv"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("gpu,tp,") and len(lines) == 5
+
+
+def test_capacity_reports_models_that_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["capacity", "--model", str(MODELS / "deepseek-v3"), "--gpu", "L4", "--tp", "1"]
+    assert main(args) == 4
+    assert "L4-24GB tp=1:" in capsys.readouterr().out
+
+
+def test_bad_inputs_are_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", str(MODELS / "phi-4"), "--gpu", "H100", "--tp", "8"]) == 2
+    assert "10 KV heads" in capsys.readouterr().err
+    assert main(["plan", "--model", str(MODELS / "phi-4"), "--gpu", "X1"]) == 2
+    assert "unknown GPU" in capsys.readouterr().err
+
+
+def test_human_sizes() -> None:
+    assert parse_size("80GiB") == 80 * 2**30
+    assert parse_size("81559MiB") == 81_559 * 2**20
+    assert parse_size("24GB") == 24 * 10**9
+    assert parse_tokens("32k") == 32_768 and parse_tokens("auto") == -1
+    assert parse_fraction("0.9") == parse_fraction("90%") == 0.9
+
+
+def test_catalog_covers_the_data_centre_parts_with_sources() -> None:
+    names = {gpu.name for gpu in CATALOG}
+    for part in ("A100-80GB", "H100-80GB", "H100-NVL-94GB", "H200-141GB", "H20-96GB",
+                 "GH200-96GB", "B200-180GB", "B300-288GB", "L40S-48GB", "L4-24GB",
+                 "MI300X-192GB", "MI325X-256GB", "MI355X-288GB"):  # fmt: skip
+        assert part in names
+    assert all(gpu.source for gpu in CATALOG)
+    assert lookup_gpu("h200").total_memory_bytes == 143_771 * 2**20
