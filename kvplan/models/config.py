@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvplan.core.dtypes import StorageDtype
+from kvplan.models.layers import Dtype
 
 
 class ModelConfigError(ValueError):
@@ -27,11 +27,11 @@ class ModelConfigError(ValueError):
 
 _MISSING = object()
 _DTYPES = {
-    "bfloat16": StorageDtype.BFLOAT16,
-    "float16": StorageDtype.FLOAT16,
-    "half": StorageDtype.FLOAT16,
-    "float32": StorageDtype.FLOAT32,
-    "float": StorageDtype.FLOAT32,
+    "bfloat16": Dtype.BFLOAT16,
+    "float16": Dtype.FLOAT16,
+    "half": Dtype.FLOAT16,
+    "float32": Dtype.FLOAT32,
+    "float": Dtype.FLOAT32,
 }
 
 
@@ -96,7 +96,7 @@ class HFConfig:
             raise ModelConfigError(f"expected a mapping, got {value!r}", self._where(key))
         return HFConfig(value, self._where(key), self.source)
 
-    def dtype(self) -> StorageDtype:
+    def dtype(self) -> Dtype:
         """The weights' dtype (`torch_dtype`, or `dtype` in newer configs); bf16 if unset."""
         for key in ("torch_dtype", "dtype"):
             if self.has(key):
@@ -108,7 +108,7 @@ class HFConfig:
                         f"unsupported model dtype {name!r}; expected one of {sorted(_DTYPES)}",
                         self._where(key),
                     ) from None
-        return StorageDtype.BFLOAT16
+        return Dtype.BFLOAT16
 
 
 def hf_cache_dir(environ: Mapping[str, str] | None = None) -> Path:

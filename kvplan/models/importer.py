@@ -18,19 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvplan.core.dtypes import StorageDtype, storage_dtype_for_cache_dtype
-from kvplan.core.specs import (
-    AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-    StateShape,
-    cdiv,
-)
 from kvplan.models.config import HFConfig, ModelConfigError
+from kvplan.models.layers import Dtype, ImportedLayer, StateTensor, kv_storage_dtype
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
 
 # The attention kernel block vLLM's default CUDA backends accept (FlashAttention and
 # Triton: multiples of 16) and FlashMLA's fixed 64-token block for MLA models on Hopper.
@@ -80,9 +74,9 @@ class ModelLayers:
 
     architecture: str
     model_type: str
-    layers: tuple[tuple[str, KVCacheSpec], ...]
+    layers: tuple[ImportedLayer, ...]
     block_size: int
-    model_dtype: StorageDtype
+    model_dtype: Dtype
     mamba_cache_mode: str  # "none" | "align"
     derived_max_model_len: int
     num_nextn_predict_layers: int = 0
@@ -91,8 +85,8 @@ class ModelLayers:
     @property
     def kinds(self) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for _, spec in self.layers:
-            counts[spec.kind] = counts.get(spec.kind, 0) + 1
+        for layer in self.layers:
+            counts[layer.kind] = counts.get(layer.kind, 0) + 1
         return counts
 
 
@@ -102,10 +96,10 @@ class _Builder:
     top: HFConfig  # the whole config (quantization, architectures)
     deployment: Deployment
     architecture: str
-    model_dtype: StorageDtype = StorageDtype.BFLOAT16
-    kv_dtype: StorageDtype = StorageDtype.BFLOAT16
+    model_dtype: Dtype = Dtype.BFLOAT16
+    kv_dtype: Dtype = Dtype.BFLOAT16
     block_size: int = DEFAULT_BLOCK_SIZE
-    layers: list[tuple[str, KVCacheSpec]] = field(default_factory=list)
+    layers: list[ImportedLayer] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     num_nextn: int = 0
 
@@ -150,14 +144,19 @@ class _Builder:
             )
         return hidden // heads
 
-    def attention_kwargs(self, kv_heads: int | None = None) -> dict[str, object]:
-        total = kv_heads if kv_heads is not None else self._total_kv_heads()
-        return {
-            "block_size": self.block_size,
-            "num_kv_heads": self.kv_heads_per_rank(total),
-            "head_size": self.head_dim(),
-            "dtype": self.kv_dtype,
-        }
+    def attention(self, name: str, kind: str, *, is_draft: bool = False, **extra: int) -> None:
+        self.layers.append(
+            ImportedLayer(
+                name=name,
+                kind=kind,
+                block_size=self.block_size,
+                is_draft=is_draft,
+                num_kv_heads=self.kv_heads_per_rank(self._total_kv_heads()),
+                head_size=self.head_dim(),
+                dtype=self.kv_dtype,
+                **extra,  # type: ignore[arg-type]
+            )
+        )
 
     def _total_kv_heads(self) -> int:
         if self.config.has("num_key_value_heads"):
@@ -165,17 +164,13 @@ class _Builder:
         return self.config.integer("num_attention_heads")
 
     def full(self, name: str, *, is_draft: bool = False) -> None:
-        self.layers.append((name, FullAttentionSpec(**self.attention_kwargs(), is_draft=is_draft)))  # type: ignore[arg-type]
+        self.attention(name, "full_attention", is_draft=is_draft)
 
     def sliding(self, name: str, window: int) -> None:
-        self.layers.append(
-            (name, SlidingWindowSpec(**self.attention_kwargs(), sliding_window=window))  # type: ignore[arg-type]
-        )
+        self.attention(name, "sliding_window", sliding_window=window)
 
     def chunked(self, name: str, chunk: int) -> None:
-        self.layers.append(
-            (name, ChunkedLocalAttentionSpec(**self.attention_kwargs(), attention_chunk_size=chunk))  # type: ignore[arg-type]
-        )
+        self.attention(name, "chunked_local_attention", attention_chunk_size=chunk)
 
     def sliding_window(self) -> int:
         window = self.config.integer("sliding_window")
@@ -183,17 +178,13 @@ class _Builder:
 
     # --- state dtypes ----------------------------------------------------------------
 
-    def ssm_dtype(self, default: str = "auto") -> StorageDtype:
+    def ssm_dtype(self, default: str = "auto") -> Dtype:
         setting = self.deployment.mamba_ssm_cache_dtype
         if setting == "auto":
             setting = default
         if setting == "auto":
             return self.model_dtype
-        table = {
-            "float32": StorageDtype.FLOAT32,
-            "bfloat16": StorageDtype.BFLOAT16,
-            "float16": StorageDtype.FLOAT16,
-        }
+        table = {"float32": Dtype.FLOAT32, "bfloat16": Dtype.BFLOAT16, "float16": Dtype.FLOAT16}
         if setting not in table:
             raise ModelConfigError(
                 f"unsupported mamba_ssm_cache_dtype {setting!r}; expected auto, float32, "
@@ -201,16 +192,18 @@ class _Builder:
             )
         return table[setting]
 
-    def conv_dtype(self) -> StorageDtype:
+    def conv_dtype(self) -> Dtype:
         # vLLM's mamba_cache_dtype "auto" follows the KV cache dtype setting, which for
         # fp8 KV caches is a raw byte type: the importer supports "auto" only.
         return self.model_dtype
 
 
 def _mamba(
-    states: tuple[StateShape, ...], mamba_type: str, num_spec: int, block_size: int
-) -> MambaSpec:
-    return MambaSpec(
+    name: str, states: tuple[StateTensor, ...], mamba_type: str, num_spec: int, block_size: int
+) -> ImportedLayer:
+    return ImportedLayer(
+        name=name,
+        kind="mamba",
         block_size=block_size,
         states=states,
         mamba_type=mamba_type,
@@ -323,16 +316,18 @@ def _llama4(b: _Builder) -> None:
             b.full(name)
 
 
-def _mla_spec(b: _Builder, *, is_draft: bool = False) -> MLAAttentionSpec:
+def _mla_layer(b: _Builder, name: str, *, is_draft: bool = False) -> ImportedLayer:
     latent = b.config.integer("kv_lora_rank") + b.config.integer("qk_rope_head_dim")
-    return MLAAttentionSpec(
+    return ImportedLayer(
+        name=name,
+        kind="mla_attention",
         block_size=b.block_size,
+        is_draft=is_draft,
         num_kv_heads=1,
         max_tp_shards=1,
         head_size=latent,
         dtype=b.kv_dtype,
-        cache_dtype_str=b.deployment.kv_cache_dtype,
-        is_draft=is_draft,
+        cache_dtype=b.deployment.kv_cache_dtype,
     )
 
 
@@ -346,12 +341,12 @@ def _deepseek(b: _Builder) -> None:
         )
     count = b.config.integer("num_hidden_layers")
     for index in range(count):
-        b.layers.append((f"model.layers.{index}.self_attn.attn", _mla_spec(b)))
+        b.layers.append(_mla_layer(b, f"model.layers.{index}.self_attn.attn"))
     if _wants_mtp(b):
         b.num_nextn = b.config.integer("num_nextn_predict_layers")
         for offset in range(b.num_nextn):
             name = f"model.layers.{count + offset}.self_attn.attn"
-            b.layers.append((name, _mla_spec(b, is_draft=True)))
+            b.layers.append(_mla_layer(b, name, is_draft=True))
 
 
 def _wants_mtp(b: _Builder) -> bool:
@@ -367,7 +362,7 @@ def _wants_mtp(b: _Builder) -> bool:
     return True
 
 
-def _gdn_states(b: _Builder) -> tuple[StateShape, ...]:
+def _gdn_states(b: _Builder) -> tuple[StateTensor, ...]:
     c = b.config
     k_heads = c.integer("linear_num_key_heads")
     v_heads = c.integer("linear_num_value_heads")
@@ -377,8 +372,8 @@ def _gdn_states(b: _Builder) -> tuple[StateShape, ...]:
     conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
     _divisible(b, conv_dim, "linear_num_value_heads", "GDN conv channels")
     _divisible(b, v_heads, "linear_num_value_heads", "GDN value heads")
-    conv = StateShape((kernel - 1 + b.num_spec, conv_dim // b.tp), b.conv_dtype())
-    temporal = StateShape((v_heads // b.tp, v_dim, k_dim), b.ssm_dtype())
+    conv = StateTensor((kernel - 1 + b.num_spec, conv_dim // b.tp), b.conv_dtype())
+    temporal = StateTensor((v_heads // b.tp, v_dim, k_dim), b.ssm_dtype())
     return (conv, temporal)
 
 
@@ -406,8 +401,8 @@ def _qwen3_next(b: _Builder) -> None:
         if kind == "full_attention":
             b.full(f"model.layers.{index}.self_attn.attn")
         elif kind == "linear_attention":
-            spec = _mamba(states, "GDN_ATTENTION", b.num_spec, b.block_size)
-            b.layers.append((f"model.layers.{index}.linear_attn", spec))
+            name = f"model.layers.{index}.linear_attn"
+            b.layers.append(_mamba(name, states, "GDN_ATTENTION", b.num_spec, b.block_size))
         else:
             raise ModelConfigError(
                 f"layer {index}: unknown layer type {kind!r}", b.config._where("layer_types")
@@ -428,14 +423,14 @@ def _jamba(b: _Builder) -> None:
     hidden = b.config.integer("hidden_size")
     inner = b.config.integer("mamba_expand") * hidden
     _divisible(b, inner, "mamba_expand", "Mamba inner channels")
-    conv = StateShape((b.config.integer("mamba_d_conv") - 1, inner // b.tp), b.conv_dtype())
-    ssm = StateShape((inner // b.tp, b.config.integer("mamba_d_state")), b.ssm_dtype())
+    conv = StateTensor((b.config.integer("mamba_d_conv") - 1, inner // b.tp), b.conv_dtype())
+    ssm = StateTensor((inner // b.tp, b.config.integer("mamba_d_state")), b.ssm_dtype())
     for index in range(count):
         if index % period == offset:
             b.full(f"model.layers.{index}.self_attn.attn")
         else:
-            spec = _mamba((conv, ssm), "MAMBA1", 0, b.block_size)
-            b.layers.append((f"model.layers.{index}.mamba", spec))
+            name = f"model.layers.{index}.mamba"
+            b.layers.append(_mamba(name, (conv, ssm), "MAMBA1", 0, b.block_size))
 
 
 _BLOCK_CHARS = {
@@ -485,15 +480,15 @@ def _nemotron_h(b: _Builder) -> None:
     if groups % b.tp:  # vLLM replicates groups so each rank holds whole ones
         groups += b.tp - groups
     inner = heads * head_dim
-    conv = StateShape(
+    conv = StateTensor(
         (kernel - 1 + b.num_spec, (inner + 2 * groups * state) // b.tp), b.conv_dtype()
     )
     ssm_default = b.config.text("mamba_ssm_cache_dtype", "float32")
-    ssm = StateShape((heads // b.tp, head_dim, state), b.ssm_dtype(ssm_default))
+    ssm = StateTensor((heads // b.tp, head_dim, state), b.ssm_dtype(ssm_default))
     for index, char in enumerate(pattern):
         if char == "M":
-            spec = _mamba((conv, ssm), "MAMBA2", b.num_spec, b.block_size)
-            b.layers.append((f"model.layers.{index}.mixer", spec))
+            name = f"model.layers.{index}.mixer"
+            b.layers.append(_mamba(name, (conv, ssm), "MAMBA2", b.num_spec, b.block_size))
         elif char == "*":
             b.full(f"model.layers.{index}.mixer.attn")
         elif char not in "-E":
@@ -607,12 +602,12 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
         deployment=deployment,
         architecture=architecture,
         model_dtype=model_dtype,
-        kv_dtype=storage_dtype_for_cache_dtype(deployment.kv_cache_dtype, model_dtype),
+        kv_dtype=kv_storage_dtype(deployment.kv_cache_dtype, model_dtype),
     )
     default_block = DEFAULT_MLA_BLOCK_SIZE if architecture in _MLA else DEFAULT_BLOCK_SIZE
     builder.block_size = deployment.block_size or default_block
     build(builder)
-    has_mamba = any(isinstance(spec, MambaSpec) for _, spec in builder.layers)
+    has_mamba = any(layer.is_state for layer in builder.layers)
     mode = "none"
     if has_mamba:
         mode = "align" if deployment.enable_prefix_caching else "none"
@@ -632,38 +627,29 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
 
 def _align_hybrid(b: _Builder, mode: str, derived_len: int) -> None:
     """Hybrid block-size alignment (vLLM's platform step, before specs are built)."""
-    attention = [spec for _, spec in b.layers if isinstance(spec, AttentionSpec)]
-    mamba_pages = {spec.page_size_bytes for _, spec in b.layers if isinstance(spec, MambaSpec)}
-    if len(mamba_pages) != 1:
+    attention = [layer for layer in b.layers if not layer.is_state]
+    state_pages = {layer.real_page_bytes for layer in b.layers if layer.is_state}
+    if len(state_pages) != 1:
         raise UnsupportedModel("Mamba layers with different state sizes are not supported")
-    mamba_page = mamba_pages.pop()
+    state_page = state_pages.pop()
     block = b.block_size
+    padded = state_page
     if attention:
-        per_token = attention[0].with_block_size(1).page_size_bytes
+        per_token = attention[0].per_token_bytes
         alignment = max(KERNEL_BLOCK_ALIGNMENT, block)
-        attn_block = alignment * cdiv(mamba_page, alignment * per_token)
+        attn_block = alignment * cdiv(state_page, alignment * per_token)
         attn_block = KERNEL_BLOCK_ALIGNMENT * cdiv(attn_block, KERNEL_BLOCK_ALIGNMENT)
         block = max(block, attn_block)
         padded = block * per_token
         b.notes.append(
             f"hybrid alignment: attention block raised to {block} tokens so one attention page "
-            f"({padded:,} B) holds a Mamba page ({mamba_page:,} B)"
+            f"({padded:,} B) holds a Mamba page ({state_page:,} B)"
         )
-    else:
-        padded = mamba_page
-    mamba_block = block if mode == "align" else (b.deployment.max_model_len or derived_len)
-    aligned: list[tuple[str, KVCacheSpec]] = []
-    for name, spec in b.layers:
-        if isinstance(spec, MambaSpec):
-            spec = MambaSpec(
-                block_size=mamba_block,
-                states=spec.states,
-                mamba_type=spec.mamba_type,
-                num_speculative_blocks=spec.num_speculative_blocks,
-                page_size_padded=padded if padded != mamba_page else None,
-            )
-        else:
-            spec = spec.with_block_size(block)
-        aligned.append((name, spec))
-    b.layers = aligned
+    state_block = block if mode == "align" else (b.deployment.max_model_len or derived_len)
+    b.layers = [
+        layer.aligned(state_block, padded if padded != state_page else None)
+        if layer.is_state
+        else layer.aligned(block)
+        for layer in b.layers
+    ]
     b.block_size = block

@@ -9,9 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvplan.convert import spec_to_proto
-from kvplan.core.dtypes import StorageDtype
-from kvplan.core.specs import MambaSpec
 from kvplan.models.config import HFConfig, ModelConfigError
 from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
 from kvplan.models.weights import (
@@ -24,12 +21,6 @@ from kvplan.v1 import plan_pb2, spec_pb2
 
 DEFAULT_UTILIZATION = 0.92  # vLLM 0.33's default gpu_memory_utilization
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
-_MODEL_DTYPES = {
-    StorageDtype.BFLOAT16: spec_pb2.DTYPE_BFLOAT16,
-    StorageDtype.FLOAT16: spec_pb2.DTYPE_FLOAT16,
-    StorageDtype.FLOAT32: spec_pb2.DTYPE_FLOAT32,
-}
 
 
 @dataclass(frozen=True)
@@ -106,7 +97,7 @@ def build_plan_request(
     opts.max_model_len = max_model_len
     opts.derived_max_model_len = layers.derived_max_model_len
     opts.block_size = layers.block_size
-    opts.model_dtype = _MODEL_DTYPES[layers.model_dtype]
+    opts.model_dtype = layers.model_dtype.proto  # type: ignore[assignment]
     opts.cache_dtype = spec_pb2.KVCacheDtype.Value(
         f"KV_CACHE_DTYPE_{options.kv_cache_dtype.upper()}"
     )
@@ -121,7 +112,7 @@ def build_plan_request(
         spec.num_speculative_tokens = options.speculative.num_speculative_tokens
         spec.target_model_type = layers.model_type
         spec.num_nextn_predict_layers = max(layers.num_nextn_predict_layers, 1)
-    layer_protos = [spec_to_proto(spec, name) for name, spec in layers.layers]
+    layer_protos = [layer.to_proto() for layer in layers.layers]
     for rank in range(tp):
         worker = request.workers.add(rank=rank)
         worker.layers.extend(layer_protos)
@@ -181,11 +172,11 @@ class CapacitySummary:
 
 def state_pages_per_request(layers: ModelLayers) -> int:
     """Pages one request holds in each Mamba-style layer (vLLM's per-mode rule)."""
-    specs = [spec for _, spec in layers.layers if isinstance(spec, MambaSpec)]
-    if not specs:
+    states = [layer for layer in layers.layers if layer.is_state]
+    if not states:
         return 0
     fixed = 2 if layers.mamba_cache_mode == "align" else 1
-    return fixed + specs[0].num_speculative_blocks + specs[0].num_prefill_checkpoint_blocks
+    return fixed + states[0].num_speculative_blocks
 
 
 def summarize(
@@ -236,4 +227,4 @@ def with_tp(options: ModelPlanOptions, tp: int) -> ModelPlanOptions:
 
 
 def mamba_layer_count(layers: ModelLayers) -> int:
-    return sum(1 for _, spec in layers.layers if isinstance(spec, MambaSpec))
+    return sum(1 for layer in layers.layers if layer.is_state)

@@ -143,10 +143,10 @@ def count_params(config: HFConfig, layers: ModelLayers) -> ParamCount:
     embedding = vocab * hidden * (1 if tied else 2)
     attention = mlp = state = draft = 0
     count = c.integer("num_hidden_layers")
-    mamba_kinds = [spec.mamba_type for name, spec in layers.layers if hasattr(spec, "mamba_type")]
+    mamba_kinds = [layer.mamba_type for layer in layers.layers if layer.is_state]
     mamba_kind = mamba_kinds[0] if mamba_kinds else ""
     attention_layers = sum(
-        1 for name, spec in layers.layers if not spec.is_draft and not hasattr(spec, "mamba_type")
+        1 for layer in layers.layers if not layer.is_draft and not layer.is_state
     )
     attention = attention_layers * _attention_params(c)
     state = len(mamba_kinds) * _state_params(c, mamba_kind) if mamba_kinds else 0

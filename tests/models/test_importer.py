@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from kvplan.convert import request_from_proto
 from kvplan.core.dtypes import StorageDtype
 from kvplan.core.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
@@ -25,17 +27,32 @@ from kvplan.models import (
     import_layers,
     load_config,
 )
+from kvplan.models.importer import ModelLayers
 from kvplan.models.weights import count_params, estimate_weights
+from kvplan.v1 import plan_pb2
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
 
 
-def layers_of(name: str, **deployment: object) -> list[tuple[str, object]]:
+def domain(layers: ModelLayers) -> list[tuple[str, KVCacheSpec]]:
+    """The imported layers as the planner sees them (through the proto converter)."""
+    request = plan_pb2.PlanRequest(engine_id="import-test")
+    request.options.max_model_len = 4096
+    request.options.block_size = layers.block_size
+    if layers.mamba_cache_mode == "align":
+        request.options.mamba_cache_mode = plan_pb2.MAMBA_CACHE_MODE_ALIGN
+    worker = request.workers.add(rank=0)
+    worker.memory.kv_cache_memory_bytes = 1 << 30
+    worker.layers.extend(layer.to_proto() for layer in layers.layers)
+    return list(request_from_proto(request).workers[0].layers)
+
+
+def layers_of(name: str, **deployment: object) -> list[tuple[str, KVCacheSpec]]:
     config = load_config(str(MODELS / name / "config.json"))
-    return list(import_layers(config, Deployment(**deployment)).layers)  # type: ignore[arg-type]
+    return domain(import_layers(config, Deployment(**deployment)))  # type: ignore[arg-type]
 
 
-def only(specs: list[tuple[str, object]], kind: type) -> list[object]:
+def only(specs: list[tuple[str, KVCacheSpec]], kind: type) -> list[KVCacheSpec]:
     return [spec for _, spec in specs if type(spec) is kind]
 
 
@@ -127,7 +144,7 @@ def test_gemma3_every_sixth_layer_is_global() -> None:
     assert len(only(specs, SlidingWindowSpec)) == 22
     assert specs[0][0] == "language_model.model.layers.0.self_attn.attn"
     assert specs[0][1].sliding_window == 4096  # type: ignore[attr-defined]
-    assert specs[0][1].page_size_bytes == attention_page(4, 256, 2)  # type: ignore[attr-defined]
+    assert specs[0][1].page_size_bytes == attention_page(4, 256, 2)
 
 
 def test_gemma2_alternates() -> None:
@@ -143,7 +160,7 @@ def test_llama4_rope_layers_are_chunked_nope_layers_global() -> None:
     assert full_at == list(range(3, 48, 4))
     assert len(chunked) == 36
     assert chunked[0].attention_chunk_size == 8192  # type: ignore[attr-defined]
-    assert chunked[0].page_size_bytes == attention_page(1, 128, 2)  # type: ignore[attr-defined]
+    assert chunked[0].page_size_bytes == attention_page(1, 128, 2)
 
 
 # --- MLA + MTP ----------------------------------------------------------------------
@@ -165,8 +182,8 @@ def test_deepseek_v3_mtp_adds_its_drafter_layer() -> None:
     assert len(specs) == 62
     name, spec = specs[-1]
     assert name == "model.layers.61.self_attn.attn"
-    assert spec.is_draft and not any(s.is_draft for _, s in specs[:-1])  # type: ignore[attr-defined]
-    assert spec.page_size_bytes == 64 * 576 == 36_864  # type: ignore[attr-defined]
+    assert spec.is_draft and not any(s.is_draft for _, s in specs[:-1])
+    assert spec.page_size_bytes == 64 * 576 == 36_864
 
 
 def test_mtp_on_a_model_without_mtp_layers_is_an_error() -> None:
@@ -197,7 +214,7 @@ def test_qwen3_next_gdn_states_and_hybrid_block_tp4_mtp() -> None:
     assert attention.block_size == state.block_size == 272
     assert attention.page_size_bytes == state.page_size_bytes == 278_528
     assert state.page_size_padded is None
-    assert specs[-1][0] == "mtp.layers.0.self_attn.attn" and specs[-1][1].is_draft  # type: ignore[attr-defined]
+    assert specs[-1][0] == "mtp.layers.0.self_attn.attn" and specs[-1][1].is_draft
 
 
 def test_qwen3_next_tp1_pads_the_state_page() -> None:
@@ -213,7 +230,7 @@ def test_qwen3_next_tp1_pads_the_state_page() -> None:
 
 def test_prefix_caching_off_gives_mamba_max_len_blocks() -> None:
     specs = layers_of("qwen3-next-80b-a3b", enable_prefix_caching=False, max_model_len=32768)
-    assert only(specs, MambaSpec)[0].block_size == 32768  # type: ignore[attr-defined]
+    assert only(specs, MambaSpec)[0].block_size == 32768
 
 
 def test_jamba_mamba1_states_and_attention_every_eighth_layer() -> None:
@@ -262,10 +279,12 @@ NEMOTRON_H_TEST_CONFIG = {  # a test input (Nemotron-H-style shapes), not a ship
     ],
 )
 def test_nemotron_h_mamba2_states(tp: int, conv: tuple[int, ...], ssm: tuple[int, ...]) -> None:
-    layers = import_layers(HFConfig(NEMOTRON_H_TEST_CONFIG), Deployment(tensor_parallel_size=tp))
-    kinds = [type(spec).__name__ for _, spec in layers.layers]
+    layers = domain(
+        import_layers(HFConfig(NEMOTRON_H_TEST_CONFIG), Deployment(tensor_parallel_size=tp))
+    )
+    kinds = [type(spec).__name__ for _, spec in layers]
     assert kinds == ["MambaSpec"] * 3 + ["FullAttentionSpec", "MambaSpec"]  # - is an MLP
-    state = layers.layers[0][1]
+    state = layers[0][1]
     assert isinstance(state, MambaSpec)
     assert [s.shape for s in state.states] == [conv, ssm]
     # NemotronH keeps the SSM state in float32 unless the config says otherwise
