@@ -139,30 +139,32 @@ def format_capacity(summary: CapacitySummary, inputs: ModelPlanInputs, gpu: GpuM
         lines.append(f"  note: {note}")
     lines.append("  exact (from the config and the planning rules):")
     for group in summary.groups:
-        draft = " draft" if group.is_draft else ""
+        draft = " (drafter)" if group.is_draft else ""
+        head = f"    group {group.group_id} {group.kind}{draft}: {group.layers} layers, "
         if group.per_token_bytes is None:
-            lines.append(
-                f"    group {group.group_id} {group.kind}{draft}: {group.layers} layers, "
-                f"page {group.page_size_bytes:,} B per layer (state, per request)"
-            )
-        else:
-            lines.append(
-                f"    group {group.group_id} {group.kind}{draft}: {group.layers} layers, "
-                f"{group.per_token_bytes:,} B per token (page {group.page_size_bytes:,} B "
-                f"per layer / {group.block_size} tokens)"
-            )
-    lines.append(
-        f"    whole cache per worker: {summary.kv_bytes_per_token:,} B per token"
-        + (
-            f" + {summary.state_bytes_per_request:,} B state per request"
-            if summary.state_bytes_per_request
-            else ""
+            lines.append(head + f"state page {group.page_size_bytes:,} B per layer per request")
+            continue
+        held = f", at most {group.window:,} tokens held" if group.window else ""
+        lines.append(
+            head + f"{group.per_token_bytes:,} B per token{held} "
+            f"(page {group.page_size_bytes:,} B per layer / {group.block_size} tokens)"
         )
+    state = (
+        f" + {summary.state_bytes_per_request:,} B of state"
+        if summary.state_bytes_per_request
+        else ""
     )
+    lines.append(f"    KV bytes per token, all groups: {summary.kv_bytes_per_token:,} B{state}")
+    if summary.needed_per_request_bytes:
+        average = summary.needed_per_request_bytes / max(summary.max_model_len, 1)
+        lines.append(
+            f"    one {summary.max_model_len:,}-token request holds "
+            f"{summary.needed_per_request_bytes:,} B of blocks ({average:,.0f} B per token)"
+        )
     lines.append(
-        f"    for {_gib(summary.available_kv_bytes)} of KV budget: {summary.num_blocks:,} blocks, "
-        f"{summary.kv_cache_tokens:,} tokens, max concurrency {summary.max_concurrency:.2f}x "
-        f"at {summary.max_model_len:,} tokens"
+        f"    {_gib(summary.available_kv_bytes)} KV budget per worker: {summary.num_blocks:,} "
+        f"blocks, {summary.kv_cache_tokens:,} tokens, max concurrency "
+        f"{summary.max_concurrency:.2f}x at {summary.max_model_len:,} tokens"
     )
     if summary.auto_fit_max_model_len is not None:
         lines.append(f"    auto-fit max_model_len: {summary.auto_fit_max_model_len:,} tokens")

@@ -150,6 +150,7 @@ class GroupCapacity:
     page_size_bytes: int
     per_token_bytes: int | None  # None for state (Mamba-style) groups: per request
     is_draft: bool
+    window: int | None = None  # sliding window / attention chunk: tokens held at most
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ class CapacitySummary:
     groups: tuple[GroupCapacity, ...]
     kv_bytes_per_token: int  # all token-proportional groups of one worker
     state_bytes_per_request: int  # all Mamba-style layers of one worker, pages it holds
+    needed_per_request_bytes: int  # blocks one max_model_len request holds, all groups
     num_blocks: int
     kv_cache_tokens: int
     max_concurrency: float
@@ -197,6 +199,11 @@ def summarize(
         else:
             token_bytes = group_page // group.block_size
             per_token += token_bytes
+        window: int | None = None
+        if kind == "sliding_window":
+            window = group.spec.sliding_window.sliding_window
+        elif kind == "chunked_local_attention":
+            window = group.spec.chunked_local_attention.attention_chunk_size
         groups.append(
             GroupCapacity(
                 group.group_id,
@@ -206,6 +213,7 @@ def summarize(
                 group.page_size_bytes,
                 token_bytes,
                 group.is_draft,
+                window,
             )
         )
     worker = response.workers[0]
@@ -213,6 +221,7 @@ def summarize(
         groups=tuple(groups),
         kv_bytes_per_token=per_token,
         state_bytes_per_request=per_request,
+        needed_per_request_bytes=worker.budget.needed_per_request_bytes,
         num_blocks=response.num_blocks,
         kv_cache_tokens=worker.kv_cache_size_tokens,
         max_concurrency=worker.max_concurrency,

@@ -89,6 +89,12 @@ def _mlp_params(c: HFConfig, layer: int) -> int:
         ),
         0,
     )
+    if c.has("interleave_moe_layer_step"):  # Llama 4: MoE layers + a shared expert
+        step = c.integer("interleave_moe_layer_step", minimum=0)
+        if step == 0 or (layer + 1) % step:
+            return 3 * hidden * c.integer("intermediate_size_mlp")
+        expert_size = c.integer("intermediate_size")
+        return (experts + 1) * 3 * hidden * expert_size + hidden * experts
     dense_first = c.integer("first_k_dense_replace", 0, minimum=0)
     if c.has("expert_layer_period"):  # Jamba: experts every period-th layer from offset
         period = c.integer("expert_layer_period")
