@@ -51,7 +51,7 @@ def test_estimated_non_kv_is_stated(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*args, "--speculative", "mtp:1", "--max-model-len", "32k"]) == 0
     out = capsys.readouterr().out
     assert "weights:" in out and "fp8" in out and "activation_peak =" in out
-    assert "mla_attention draft" in out
+    assert "mla_attention (drafter): 62 layers, 71,424 B per token" in out
 
 
 def test_capacity_sweep_table_json_csv_chart(
