@@ -42,6 +42,7 @@ class HFConfig:
         self.data = dict(data)
         self.path = path
         self.source = source
+        self.defaulted: tuple[str, ...] = ()  # fields filled from family defaults
 
     def _where(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key

@@ -544,30 +544,72 @@ def architecture_of(config: HFConfig) -> str:
     return name
 
 
+# Fields a published config may omit because its transformers config class fills them;
+# the importer fills exactly these (and says so), never anything else.
+_GEMMA3_TEXT_DEFAULTS: dict[str, object] = {
+    "max_position_embeddings": 131072,
+    "vocab_size": 262208,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+}
+FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
+    "Gemma3ForConditionalGeneration": _GEMMA3_TEXT_DEFAULTS,
+    "Gemma3ForCausalLM": _GEMMA3_TEXT_DEFAULTS,
+    "Gemma2ForCausalLM": {"tie_word_embeddings": True},
+}
+
+
 def text_config(config: HFConfig, architecture: str) -> HFConfig:
+    """The language model's config (`text_config` for multimodal wrappers), with the
+    family's documented defaults for fields the published file omits."""
     nested = ARCHITECTURES[architecture][1]
+    text = config
     if nested:
         sub = config.sub("text_config")
         if sub is None:
             raise ModelConfigError("required for this architecture", "text_config")
-        return sub
-    return config
+        text = sub
+    defaults = FAMILY_DEFAULTS.get(architecture, {})
+    missing = {key: value for key, value in defaults.items() if not text.has(key)}
+    if missing:
+        text = HFConfig({**text.data, **missing}, text.path, text.source)
+        text.defaulted = tuple(sorted(missing))
+    return text
+
+
+_MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_target_positions",
+    "model_max_length",
+)
+# Rope types whose max_position_embeddings is already the scaled length (vLLM 0.33).
+_PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
 
 
 def derived_max_model_len(config: HFConfig) -> int:
-    """The model's context length: max_position_embeddings, or for YaRN rope scaling the
-    original length times the factor (vLLM's derivation)."""
-    length = config.integer("max_position_embeddings")
-    scaling = config.sub("rope_scaling")
-    if scaling is not None:
-        kind = scaling.raw("rope_type", scaling.raw("type", ""))
-        if kind == "yarn" and scaling.has("original_max_position_embeddings"):
-            factor = scaling.raw("factor")
+    """The model's own maximum length as vLLM 0.33 derives it: the smallest length key,
+    times the RoPE scaling factor unless the rope type is pre-scaled (or Gemma 3)."""
+    lengths = [config.integer(key) for key in _MAX_LEN_KEYS if config.has(key)]
+    if not lengths:
+        raise ModelConfigError(
+            "none of " + ", ".join(_MAX_LEN_KEYS) + " is set",
+            config._where("max_position_embeddings"),
+        )
+    length = min(lengths)
+    scaling = config.sub("rope_scaling") or config.sub("rope_parameters")
+    if scaling is not None and "gemma3" not in config.text("model_type", ""):
+        kind = scaling.raw("rope_type", scaling.raw("type", "default"))
+        factor = scaling.raw("factor", 1.0)
+        if kind not in (*_PRESCALED_ROPE, "default"):
             if not isinstance(factor, int | float) or factor <= 0:
                 raise ModelConfigError(
                     f"expected a positive number, got {factor!r}", scaling._where("factor")
                 )
-            length = int(scaling.integer("original_max_position_embeddings") * factor)
+            length = int(length * factor)
     return length
 
 
@@ -606,6 +648,11 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
     )
     default_block = DEFAULT_MLA_BLOCK_SIZE if architecture in _MLA else DEFAULT_BLOCK_SIZE
     builder.block_size = deployment.block_size or default_block
+    if text.defaulted:
+        builder.notes.append(
+            "omitted in the config, filled with the family's transformers defaults: "
+            + ", ".join(f"{key}={text.data[key]}" for key in text.defaulted)
+        )
     build(builder)
     has_mamba = any(layer.is_state for layer in builder.layers)
     mode = "none"

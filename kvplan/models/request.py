@@ -92,6 +92,11 @@ def build_plan_request(
         )
         total_non_kv = weights.bytes_per_worker + overhead.total_bytes
     max_model_len = options.max_model_len or layers.derived_max_model_len
+    if max_model_len > layers.derived_max_model_len:
+        raise ModelConfigError(
+            f"max_model_len {max_model_len:,} exceeds the model's maximum "
+            f"{layers.derived_max_model_len:,} (vLLM refuses it too)"
+        )
     request = plan_pb2.PlanRequest(engine_id=options.engine_id or layers.model_type or "model")
     opts = request.options
     opts.max_model_len = max_model_len

@@ -50,7 +50,7 @@ def test_importer_matches_vllm_calculators() -> None:
     def states(spec: MambaSpec) -> list[list[int]]:
         return [list(state.shape) for state in spec.states]
 
-    next_config = load_config(str(MODELS / "qwen3-next-80b-a3b" / "config.json"))
+    next_config = load_config(str(MODELS / "qwen3-next-defaults" / "config.json"))
     for tp in (1, 2, 4, 8):
         for spec_tokens in (0, 1, 2):
             speculative = Speculative("mtp", spec_tokens) if spec_tokens else None
@@ -60,7 +60,7 @@ def test_importer_matches_vllm_calculators() -> None:
             mamba = next(s for _, s in domain(layers) if isinstance(s, MambaSpec))
             cases.append({"kind": "gdn", "args": [tp, 16, 32, 128, 128, 4, spec_tokens]})
             ours.append(states(mamba))
-    jamba = load_config(str(MODELS / "jamba" / "config.json"))
+    jamba = load_config(str(MODELS / "jamba-defaults" / "config.json"))
     for tp in (1, 2, 4):
         layers = import_layers(jamba, Deployment(tensor_parallel_size=tp))
         mamba = next(s for _, s in domain(layers) if isinstance(s, MambaSpec))
@@ -77,8 +77,8 @@ def test_importer_matches_vllm_calculators() -> None:
         ("llama-3.1-8b", 1, 8, 128),
         ("llama-3.1-8b", 16, 1, 128),
         ("phi-4", 2, 5, 128),
-        ("gpt-oss", 4, 2, 64),
-        ("gemma-3", 1, 4, 256),
+        ("gpt-oss-120b", 4, 2, 64),
+        ("gemma-3-27b", 1, 16, 128),
     ):
         for kv_dtype, storage in (("auto", "bfloat16"), ("fp8", "uint8")):
             layers = import_layers(

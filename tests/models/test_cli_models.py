@@ -90,6 +90,12 @@ def test_bad_inputs_are_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown GPU" in capsys.readouterr().err
 
 
+def test_max_model_len_beyond_the_model_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", str(MODELS / "phi-4"), "--gpu", "H100", "--max-model-len", "32k"]
+    assert main(args) == 2
+    assert "exceeds the model's maximum 16,384" in capsys.readouterr().err
+
+
 def test_human_sizes() -> None:
     assert parse_size("80GiB") == 80 * 2**30
     assert parse_size("81559MiB") == 81_559 * 2**20
@@ -106,3 +112,33 @@ def test_catalog_covers_the_data_centre_parts_with_sources() -> None:
         assert part in names
     assert all(gpu.source for gpu in CATALOG)
     assert lookup_gpu("h200").total_memory_bytes == 143_771 * 2**20
+
+
+def capacity_of(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    assert main(["plan", "--model", *args, "--json"]) == 0
+    capacity: dict[str, object] = json.loads(capsys.readouterr().out)["capacity"]
+    return capacity
+
+
+def test_docs_worked_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    # gpt-oss-120b TP 2: 18 sliding layers hold cdiv(128 - 1 + 8192, 16) + 1 = 521 blocks,
+    # 18 full layers 2,048 blocks, each block 18 x 16,384 B.
+    gpt = capacity_of(capsys, str(MODELS / "gpt-oss-120b"), "--gpu", "H200", "--tp", "2",
+                      "--max-model-len", "32k")  # fmt: skip
+    assert gpt["needed_per_request_bytes"] == (521 + 2048) * 18 * 16_384 == 757_628_928
+    assert gpt["kv_bytes_per_token"] == 2 * 18 * 1_024
+    # Qwen3-Next TP 4 mtp:1: 36 GDN layers x 278,528 B x (2 + 1) pages; 13 x 1,024 B/token
+    qwen = capacity_of(capsys, str(MODELS / "qwen3-next-defaults"), "--gpu", "H100", "--tp", "4",
+                       "--max-model-len", "32k", "--speculative", "mtp:1")  # fmt: skip
+    assert qwen["state_bytes_per_request"] == 36 * 278_528 * 3 == 30_081_024
+    assert qwen["kv_bytes_per_token"] == 13 * 1_024
+    # Jamba TP 2: 28 Mamba layers x 163,840 B (padded) x 2 pages; 4 x 2,048 B/token
+    jamba = capacity_of(capsys, str(MODELS / "jamba-defaults"), "--gpu", "H100", "--tp", "2",
+                        "--max-model-len", "32k")  # fmt: skip
+    assert jamba["state_bytes_per_request"] == 28 * 163_840 * 2 == 9_175_040
+    assert jamba["kv_bytes_per_token"] == 4 * 2_048
+    # DeepSeek V3 TP 8 mtp:1: 62 MLA layers x 1,152 B per token
+    deepseek = capacity_of(capsys, str(MODELS / "deepseek-v3"), "--gpu", "H200", "--tp", "8",
+                           "--max-model-len", "32k", "--speculative", "mtp:1")  # fmt: skip
+    assert deepseek["kv_bytes_per_token"] == 62 * 1_152 == 71_424
+    assert deepseek["kv_cache_tokens"] == deepseek["num_blocks"] * 64  # type: ignore[operator]

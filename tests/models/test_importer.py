@@ -76,8 +76,8 @@ def test_every_shipped_config_has_a_source_note() -> None:
         ("llama-3.1-8b", 32, 8, 4096 // 32),
         ("qwen3-8b", 36, 8, 4096 // 32),
         ("mistral-7b-v0.3", 32, 8, 4096 // 32),
-        ("mixtral-8x7b", 32, 8, 4096 // 32),
-        ("qwen3-30b-a3b", 24, 4, 2048 // 32),
+        ("mixtral-defaults", 32, 8, 4096 // 32),
+        ("qwen3-moe-defaults", 24, 4, 2048 // 32),
         ("phi-4", 40, 10, 5120 // 40),
     ],
 )
@@ -127,7 +127,7 @@ def test_backend_packed_kv_dtypes_are_refused() -> None:
 
 
 def test_gpt_oss_alternates_sliding_and_full() -> None:
-    specs = layers_of("gpt-oss")
+    specs = layers_of("gpt-oss-120b")
     sliding = only(specs, SlidingWindowSpec)
     full = only(specs, FullAttentionSpec)
     assert (len(sliding), len(full)) == (18, 18)  # 36 layers, even ones sliding
@@ -138,23 +138,40 @@ def test_gpt_oss_alternates_sliding_and_full() -> None:
 
 
 def test_gemma3_every_sixth_layer_is_global() -> None:
-    specs = layers_of("gemma-3")
+    # gemma-3-27b-it: 62 layers, 16 KV heads x 128, window 1024; the published
+    # text_config omits the pattern (Gemma3TextConfig's default: every 6th global).
+    specs = layers_of("gemma-3-27b")
     full_at = [i for i, (_, spec) in enumerate(specs) if type(spec) is FullAttentionSpec]
-    assert full_at == [5, 11, 17, 23]
-    assert len(only(specs, SlidingWindowSpec)) == 22
+    assert full_at == list(range(5, 62, 6))
+    assert len(only(specs, SlidingWindowSpec)) == 62 - 10
     assert specs[0][0] == "language_model.model.layers.0.self_attn.attn"
-    assert specs[0][1].sliding_window == 4096  # type: ignore[attr-defined]
-    assert specs[0][1].page_size_bytes == attention_page(4, 256, 2)
+    sliding = specs[0][1]
+    assert isinstance(sliding, SlidingWindowSpec)
+    assert sliding.sliding_window == 1024
+    assert sliding.page_size_bytes == attention_page(16, 128, 2) == 131_072
+    layers = import_layers(load_config(str(MODELS / "gemma-3-27b")))
+    assert any("sliding_window_pattern=6" in note for note in layers.notes)
+    # Gemma 3's length is already scaled: its linear rope factor 8 is not applied again
+    assert layers.derived_max_model_len == 131_072
+
+
+def test_derived_max_model_len_follows_the_rope_type() -> None:
+    raw = json.loads((MODELS / "llama-3.1-8b" / "config.json").read_text())
+    assert import_layers(HFConfig(raw)).derived_max_model_len == 131_072  # llama3: prescaled
+    raw["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    assert import_layers(HFConfig(raw)).derived_max_model_len == 262_144
+    deepseek = import_layers(load_config(str(MODELS / "deepseek-v3")))
+    assert deepseek.derived_max_model_len == 163_840  # yarn: max_position_embeddings as is
 
 
 def test_gemma2_alternates() -> None:
-    specs = layers_of("gemma-2")
+    specs = layers_of("gemma-2-defaults")
     assert [type(spec) for _, spec in specs[:2]] == [SlidingWindowSpec, FullAttentionSpec]
     assert len(only(specs, SlidingWindowSpec)) == len(only(specs, FullAttentionSpec)) == 13
 
 
 def test_llama4_rope_layers_are_chunked_nope_layers_global() -> None:
-    specs = layers_of("llama-4-scout", tensor_parallel_size=8)
+    specs = layers_of("llama-4-defaults", tensor_parallel_size=8)
     chunked = only(specs, ChunkedLocalAttentionSpec)
     full_at = [i for i, (_, spec) in enumerate(specs) if type(spec) is FullAttentionSpec]
     assert full_at == list(range(3, 48, 4))
@@ -196,7 +213,7 @@ def test_mtp_on_a_model_without_mtp_layers_is_an_error() -> None:
 
 def test_qwen3_next_gdn_states_and_hybrid_block_tp4_mtp() -> None:
     specs = layers_of(
-        "qwen3-next-80b-a3b", tensor_parallel_size=4, speculative=Speculative("mtp", 1)
+        "qwen3-next-defaults", tensor_parallel_size=4, speculative=Speculative("mtp", 1)
     )
     gdn = only(specs, MambaSpec)
     full = only(specs, FullAttentionSpec)
@@ -218,7 +235,7 @@ def test_qwen3_next_gdn_states_and_hybrid_block_tp4_mtp() -> None:
 
 
 def test_qwen3_next_tp1_pads_the_state_page() -> None:
-    specs = layers_of("qwen3-next-80b-a3b")
+    specs = layers_of("qwen3-next-defaults")
     state = only(specs, MambaSpec)[0]
     assert isinstance(state, MambaSpec)
     # conv (3, 2*16*128 + 32*128 = 8192) bf16 = 49,152; temporal (32,128,128) bf16 = 1,048,576
@@ -229,12 +246,12 @@ def test_qwen3_next_tp1_pads_the_state_page() -> None:
 
 
 def test_prefix_caching_off_gives_mamba_max_len_blocks() -> None:
-    specs = layers_of("qwen3-next-80b-a3b", enable_prefix_caching=False, max_model_len=32768)
+    specs = layers_of("qwen3-next-defaults", enable_prefix_caching=False, max_model_len=32768)
     assert only(specs, MambaSpec)[0].block_size == 32768
 
 
 def test_jamba_mamba1_states_and_attention_every_eighth_layer() -> None:
-    specs = layers_of("jamba", tensor_parallel_size=2)
+    specs = layers_of("jamba-defaults", tensor_parallel_size=2)
     attention_at = [i for i, (_, spec) in enumerate(specs) if isinstance(spec, FullAttentionSpec)]
     assert attention_at == [4, 12, 20, 28]
     state = only(specs, MambaSpec)[0]
@@ -308,8 +325,8 @@ def test_uninterpretable_field_is_an_error_with_its_path(tmp_path: Path) -> None
     path.write_text(json.dumps(config))
     with pytest.raises(ModelConfigError, match="num_key_value_heads: expected an integer"):
         import_layers(load_config(str(tmp_path)))
-    gemma = json.loads((MODELS / "gemma-3" / "config.json").read_text())
-    gemma["text_config"]["layer_types"][0] = "weird_attention"
+    gemma = json.loads((MODELS / "gemma-3-27b" / "config.json").read_text())
+    gemma["text_config"]["layer_types"] = ["weird_attention"] * 62
     with pytest.raises(ModelConfigError, match=r"text_config\.layer_types"):
         import_layers(HFConfig(gemma))
 
@@ -363,7 +380,7 @@ def test_deepseek_fp8_and_awq_int4_weights(tmp_path: Path) -> None:
 
 
 def test_mxfp4_quantizes_only_the_experts() -> None:
-    raw = json.loads((MODELS / "gpt-oss" / "config.json").read_text())
+    raw = json.loads((MODELS / "gpt-oss-120b" / "config.json").read_text())
     raw["quantization_config"] = {"quant_method": "mxfp4"}
     config = HFConfig(raw)
     layers = import_layers(config)
