@@ -98,6 +98,12 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         "--gpu-memory-utilization", type=parse_fraction, default=0.92, help="0.9 or 90%%"
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, bfloat16, ...")
+    parser.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        help="Mamba/GDN recurrent state dtype: auto (the model's; NemotronH float32), "
+        "float32, bfloat16, float16",
+    )
     parser.add_argument("--speculative", help="MTP drafter, e.g. mtp:1")
     parser.add_argument("--block-size", type=int, help="attention block size (tokens)")
     parser.add_argument(
@@ -118,6 +124,7 @@ def options_from_args(args: argparse.Namespace) -> ModelPlanOptions:
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_dtype=args.kv_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         speculative=parse_speculative(args.speculative) if args.speculative else None,
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,

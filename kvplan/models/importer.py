@@ -226,7 +226,7 @@ def _layer_types(b: _Builder, count: int) -> list[str] | None:
 
 
 def _dense_decoder(b: _Builder, prefix: str = "model.layers") -> None:
-    """Llama / Mistral / Mixtral / Qwen2-3 (+MoE) / Phi-3 / gpt-oss: one attention layer
+    """Llama / Mistral / Mixtral / Qwen2-3 (+MoE) / Phi-3: one attention layer
     per decoder layer; `layer_types` marks sliding layers, else a set `sliding_window`
     applies to every layer (Qwen only with `use_sliding_window`)."""
     count = b.config.integer("num_hidden_layers")
@@ -258,6 +258,19 @@ def _dense_decoder(b: _Builder, prefix: str = "model.layers") -> None:
                 "sliding_attention)",
                 b.config._where("layer_types"),
             )
+
+
+def _gpt_oss(b: _Builder) -> None:
+    """gpt-oss: even layers slide over `sliding_window` tokens, odd layers attend
+    globally (vLLM sets this by index; the configs' `layer_types` say the same)."""
+    count = b.config.integer("num_hidden_layers")
+    window = b.sliding_window()
+    for index in range(count):
+        name = f"model.layers.{index}.attn.attn"
+        if index % 2 == 0:
+            b.sliding(name, window)
+        else:
+            b.full(name)
 
 
 def _gemma(b: _Builder, pattern_default: int, prefix: str) -> None:
@@ -427,9 +440,9 @@ def _jamba(b: _Builder) -> None:
     ssm = StateTensor((inner // b.tp, b.config.integer("mamba_d_state")), b.ssm_dtype())
     for index in range(count):
         if index % period == offset:
-            b.full(f"model.layers.{index}.self_attn.attn")
+            b.full(f"model.layers.{index}.attn")
         else:
-            name = f"model.layers.{index}.mamba"
+            name = f"model.layers.{index}.mixer"
             b.layers.append(_mamba(name, (conv, ssm), "MAMBA1", 0, b.block_size))
 
 
@@ -508,7 +521,7 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     "Qwen3ForCausalLM": (_dense_decoder, False),
     "Qwen3MoeForCausalLM": (_dense_decoder, False),
     "Phi3ForCausalLM": (_dense_decoder, False),
-    "GptOssForCausalLM": (_dense_decoder, False),
+    "GptOssForCausalLM": (_gpt_oss, False),
     "Gemma2ForCausalLM": (_gemma2, False),
     "Gemma3ForCausalLM": (_gemma3, False),
     "Gemma3ForConditionalGeneration": (_gemma3, True),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvplan.gpus import UnknownGpu, lookup_gpu
 from kvplan.models.config import HFConfig, ModelConfigError
 from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
 from kvplan.models.weights import (
@@ -33,6 +34,7 @@ class ModelPlanOptions:
     gpu_memory_bytes: int | None = None
     gpu_memory_utilization: float = DEFAULT_UTILIZATION
     kv_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"  # vLLM's --mamba-ssm-cache-dtype
     speculative: Speculative | None = None
     block_size: int | None = None
     enable_prefix_caching: bool = True
@@ -74,6 +76,7 @@ def build_plan_request(
             block_size=options.block_size,
             enable_prefix_caching=options.enable_prefix_caching,
             speculative=options.speculative,
+            mamba_ssm_cache_dtype=options.mamba_ssm_cache_dtype,
             max_model_len=max_len_for_mamba,
         ),
     )
@@ -118,13 +121,22 @@ def build_plan_request(
         spec.target_model_type = layers.model_type
         spec.num_nextn_predict_layers = max(layers.num_nextn_predict_layers, 1)
     layer_protos = [layer.to_proto() for layer in layers.layers]
+    device_name, device_bytes = options.gpu or "", options.gpu_memory_bytes
+    if options.gpu and device_bytes is None:
+        # The catalog's driver figure travels with the name, so a server plans with the
+        # same total as the CLI (DeviceRef.total_memory_bytes wins over its name table).
+        try:
+            gpu = lookup_gpu(options.gpu)
+        except UnknownGpu as error:
+            raise ModelConfigError(str(error.args[0])) from None
+        device_name, device_bytes = gpu.name, gpu.total_memory_bytes
     for rank in range(tp):
         worker = request.workers.add(rank=rank)
         worker.layers.extend(layer_protos)
-        if options.gpu_memory_bytes is not None:
-            worker.device.total_memory_bytes = options.gpu_memory_bytes
-        elif options.gpu is not None:
-            worker.device.name = options.gpu
+        if device_name:
+            worker.device.name = device_name
+        if device_bytes is not None:
+            worker.device.total_memory_bytes = device_bytes
         worker.memory.gpu_memory_utilization = options.gpu_memory_utilization
         worker.memory.non_kv.CopyFrom(non_kv)
     inputs = ModelPlanInputs(

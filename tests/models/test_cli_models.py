@@ -142,3 +142,15 @@ def test_docs_worked_examples(capsys: pytest.CaptureFixture[str]) -> None:
                            "--max-model-len", "32k", "--speculative", "mtp:1")  # fmt: skip
     assert deepseek["kv_bytes_per_token"] == 62 * 1_152 == 71_424
     assert deepseek["kv_cache_tokens"] == deepseek["num_blocks"] * 64  # type: ignore[operator]
+
+
+def test_mamba_ssm_cache_dtype_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    # float32 recurrent state for Qwen3-Next TP 4: conv (3, 2,048) bf16 = 12,288 B +
+    # (8, 128, 128) fp32 = 524,288 B = 536,576 B; 1,024 B/token attention:
+    # block 16 x cdiv(536,576, 16,384) = 528, state page padded to 540,672 B.
+    args = ["--model", str(MODELS / "qwen3-next-defaults"), "--gpu", "H100", "--tp", "4"]
+    capacity = capacity_of(capsys, *args[1:], "--mamba-ssm-cache-dtype", "float32")
+    assert capacity["state_bytes_per_request"] == 36 * 540_672 * 2
+    assert main(["capacity", *args[:4], "--tp", "4,8", "--progress"]) == 0
+    err = capsys.readouterr().err
+    assert "[1/2] H100-80GB tp=4" in err and "[2/2] H100-80GB tp=8" in err

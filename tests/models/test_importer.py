@@ -135,6 +135,10 @@ def test_gpt_oss_alternates_sliding_and_full() -> None:
     assert specs[0][1].sliding_window == 128
     assert isinstance(specs[1][1], FullAttentionSpec)
     assert specs[1][1].page_size_bytes == attention_page(8, 64, 2) == 32_768
+    assert [name for name, _ in specs[:2]] == [
+        "model.layers.0.attn.attn",
+        "model.layers.1.attn.attn",
+    ]
 
 
 def test_gemma3_every_sixth_layer_is_global() -> None:
@@ -254,6 +258,7 @@ def test_jamba_mamba1_states_and_attention_every_eighth_layer() -> None:
     specs = layers_of("jamba-defaults", tensor_parallel_size=2)
     attention_at = [i for i, (_, spec) in enumerate(specs) if isinstance(spec, FullAttentionSpec)]
     assert attention_at == [4, 12, 20, 28]
+    assert (specs[3][0], specs[4][0]) == ("model.layers.3.mixer", "model.layers.4.attn")
     state = only(specs, MambaSpec)[0]
     assert isinstance(state, MambaSpec)
     inner = 2 * 4096 // 2  # mamba_expand x hidden / tp
@@ -300,6 +305,10 @@ def test_nemotron_h_mamba2_states(tp: int, conv: tuple[int, ...], ssm: tuple[int
         import_layers(HFConfig(NEMOTRON_H_TEST_CONFIG), Deployment(tensor_parallel_size=tp))
     )
     kinds = [type(spec).__name__ for _, spec in layers]
+    assert [name for name, _ in layers][2:4] == [
+        "model.layers.4.mixer",
+        "model.layers.5.mixer.attn",
+    ]
     assert kinds == ["MambaSpec"] * 3 + ["FullAttentionSpec", "MambaSpec"]  # - is an MLP
     state = layers[0][1]
     assert isinstance(state, MambaSpec)

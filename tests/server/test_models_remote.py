@@ -16,7 +16,7 @@ async def test_client_plans_a_model_config_on_the_server(client: AsyncPlannerCli
     options = ModelPlanOptions(
         tensor_parallel_size=4,
         max_model_len=32768,
-        gpu_memory_bytes=143_771 * 2**20,
+        gpu="h200",  # the catalog's driver figure travels with the name
         gpu_memory_utilization=0.9,
         speculative=Speculative("mtp", 1),
         engine_id="qwen3-next-remote",
@@ -31,3 +31,4 @@ async def test_client_plans_a_model_config_on_the_server(client: AsyncPlannerCli
     draft = [g for g in remote.groups if g.is_draft]
     assert len(draft) == 1 and "mtp.layers.0.self_attn.attn" in draft[0].layer_names
     assert remote.workers[0].budget.non_kv_bytes == inputs.non_kv_bytes
+    assert remote.workers[0].budget.total_bytes == 143_771 * 2**20
