@@ -1,5 +1,6 @@
-"""The importer's state shapes and pages against vLLM 0.33's own calculators, run on the
-CPU in the vLLM venv (one subprocess for all cases). Skips only when that venv is absent."""
+"""The importer against vLLM 0.33 on the CPU, in the vLLM venv: its state-shape
+calculators and spec pages, and its planner on every imported request. One subprocess
+answers both tests; they skip only when that venv is absent."""
 
 from __future__ import annotations
 
@@ -10,20 +11,37 @@ from pathlib import Path
 import pytest
 
 from kvplan.core.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec
-from kvplan.models import Deployment, HFConfig, Speculative, import_layers, load_config
+from kvplan.models import (
+    Deployment,
+    HFConfig,
+    ModelConfigError,
+    Speculative,
+    import_layers,
+    load_config,
+)
 from tests.models.test_importer import NEMOTRON_H_TEST_CONFIG, domain
 
 VENV = Path.home() / ".cache" / "kvplan" / "vllm-0.33" / "venv"
 MODELS = Path(__file__).parents[2] / "examples" / "models"
 
-# Runs inside the vLLM venv: reads cases from stdin, answers with vLLM's own figures.
+# Runs inside the vLLM venv with the repository on sys.path: answers the calculator
+# cases with vLLM's own figures, and plans each request with vLLM 0.33's planner
+# (conformance/vllm_driver.py) and with kvplan, listing every differing field
+# (conformance/compare.py).
 VLLM_SIDE = """
 import json, sys, torch
+sys.path.insert(0, sys.argv[1])
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as C
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from conformance.compare import compare_results, plan_with_kvplan
+from conformance.vllm_driver import plan_with_vllm
+from kvplan.convert import GPU_MEMORY_BYTES, plan_from_proto
+from kvplan.core.errors import PlanningError
+from kvplan.v1 import plan_pb2
 dtypes = {"bfloat16": torch.bfloat16, "uint8": torch.uint8}
+payload = json.load(sys.stdin)
 out = []
-for case in json.load(sys.stdin):
+for case in payload["calculators"]:
     kind, a = case["kind"], case["args"]
     if kind == "gdn":
         out.append([list(s) for s in C.gated_delta_net_state_shape(*a)])
@@ -37,13 +55,19 @@ for case in json.load(sys.stdin):
     elif kind == "mla":
         out.append(MLAAttentionSpec(block_size=a[0], num_kv_heads=1, head_size=a[1],
                                     dtype=dtypes[a[2]], cache_dtype_str=a[3]).page_size_bytes)
-print(json.dumps(out))
+plans = []
+for blob in payload["requests"]:
+    request = plan_pb2.PlanRequest.FromString(bytes.fromhex(blob))
+    vllm = plan_with_vllm(request, GPU_MEMORY_BYTES)
+    ours = plan_with_kvplan(plan_from_proto, PlanningError, request)
+    diffs = [repr(diff) for diff in compare_results(vllm, ours)]
+    plans.append({"ok": bool(vllm.get("ok")), "diffs": diffs})
+print(json.dumps({"calculators": out, "plans": plans}))
 """
 
 
-def test_importer_matches_vllm_calculators() -> None:
-    if not (VENV / ".kvplan-vllm-ready").exists():
-        pytest.skip(f"vLLM 0.33 CPU venv not built at {VENV}")
+def calculator_cases() -> tuple[list[dict[str, object]], list[object]]:
+    """(cases for vLLM's calculators, the importer's answers)."""
     cases: list[dict[str, object]] = []
     ours: list[object] = []
 
@@ -97,14 +121,71 @@ def test_importer_matches_vllm_calculators() -> None:
         assert isinstance(mla, MLAAttentionSpec)
         cases.append({"kind": "mla", "args": [64, 576, storage, kv_dtype]})
         ours.append(mla.page_size_bytes)
+    return cases, ours
+
+
+def request_cases() -> tuple[list[tuple[str, str]], list[str]]:
+    """Every shipped config at TP 1, 2 (fp8 KV), 8, and 4 with MTP, as PlanRequests."""
+    from kvplan.models.request import ModelPlanOptions, build_plan_request
+
+    names: list[tuple[str, str]] = []
+    blobs: list[str] = []
+    for directory in sorted(MODELS.iterdir()):
+        config = load_config(str(directory))
+        mtp = Speculative("mtp", 1)
+        for tp, spec, kv in (
+            (1, None, "auto"),
+            (2, None, "fp8"),
+            (8, None, "auto"),
+            (4, mtp, "auto"),
+        ):
+            options = ModelPlanOptions(
+                tensor_parallel_size=tp,
+                kv_cache_dtype=kv,
+                max_model_len=8192,
+                gpu_memory_bytes=1 << 40,  # room for every model: the plan, not the fit
+                non_kv_bytes=1 << 30,
+                speculative=spec,
+            )
+            try:
+                request, _ = build_plan_request(config, options)
+            except ModelConfigError:
+                continue  # e.g. TP 8 over Phi-4's 10 KV heads; MTP without MTP layers
+            names.append((directory.name, f"tp{tp}-{kv}{'-mtp' if spec else ''}"))
+            blobs.append(request.SerializeToString().hex())
+    return names, blobs
+
+
+@pytest.fixture(scope="module")
+def vllm_answers() -> dict[str, list[object]]:
+    if not (VENV / ".kvplan-vllm-ready").exists():
+        pytest.skip(f"vLLM 0.33 CPU venv not built at {VENV}")
+    calculators, _ = calculator_cases()
+    _, requests = request_cases()
     result = subprocess.run(
-        [str(VENV / "bin" / "python"), "-c", VLLM_SIDE],
-        input=json.dumps(cases),
+        [str(VENV / "bin" / "python"), "-c", VLLM_SIDE, str(MODELS.parents[1])],
+        input=json.dumps({"calculators": calculators, "requests": requests}),
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=280,
         check=True,
     )
-    theirs = json.loads(result.stdout.strip().splitlines()[-1])
-    for case, mine, vllm in zip(cases, ours, theirs, strict=True):
+    answers: dict[str, list[object]] = json.loads(result.stdout.strip().splitlines()[-1])
+    return answers
+
+
+def test_importer_matches_vllm_calculators(vllm_answers: dict[str, list[object]]) -> None:
+    cases, ours = calculator_cases()
+    for case, mine, vllm in zip(cases, ours, vllm_answers["calculators"], strict=True):
         assert mine == vllm, case
+
+
+def test_imported_requests_plan_the_same_in_vllm(vllm_answers: dict[str, list[object]]) -> None:
+    """Every shipped config, imported and planned by vLLM 0.33 and by kvplan: same
+    groups, blocks, tensors and capacity, no error on either side."""
+    names, _ = request_cases()
+    assert len(names) >= 3 * len(list(MODELS.iterdir()))
+    for name, outcome in zip(names, vllm_answers["plans"], strict=True):
+        assert isinstance(outcome, dict)
+        assert outcome["ok"], name
+        assert outcome["diffs"] == [], name
