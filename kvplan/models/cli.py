@@ -104,7 +104,10 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         help="Mamba/GDN recurrent state dtype: auto (the model's; NemotronH float32), "
         "float32, bfloat16, float16",
     )
-    parser.add_argument("--speculative", help="MTP drafter, e.g. mtp:1")
+    parser.add_argument(
+        "--speculative", help="mtp:TOKENS (the model's MTP layers) or eagle3:TOKENS / eagle:TOKENS"
+    )
+    parser.add_argument("--draft-model", help="the EAGLE drafter's config.json or directory")
     parser.add_argument("--block-size", type=int, help="attention block size (tokens)")
     parser.add_argument(
         "--no-prefix-caching", action="store_true", help="Mamba state kept per request only"
@@ -120,12 +123,20 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> ModelPlanOptions:
+    if args.draft_model and not args.speculative:
+        raise ModelConfigError("--draft-model needs --speculative eagle3:TOKENS (or eagle:)")
     return ModelPlanOptions(
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_dtype=args.kv_cache_dtype,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-        speculative=parse_speculative(args.speculative) if args.speculative else None,
+        speculative=(
+            parse_speculative(
+                args.speculative, load_config(args.draft_model) if args.draft_model else None
+            )
+            if args.speculative
+            else None
+        ),
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,

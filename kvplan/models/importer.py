@@ -51,8 +51,9 @@ class UnsupportedModel(ModelConfigError):
 
 @dataclass(frozen=True)
 class Speculative:
-    method: str  # "mtp" (the model's own multi-token-prediction layers)
+    method: str  # "mtp" (the model's own MTP layers), "eagle" or "eagle3" (a drafter)
     num_speculative_tokens: int
+    draft_config: HFConfig | None = field(default=None, compare=False)  # EAGLE drafter
 
 
 @dataclass(frozen=True)
@@ -511,6 +512,47 @@ def _nemotron_h(b: _Builder) -> None:
             )
 
 
+SPECULATIVE_METHODS = ("mtp", "eagle", "eagle3")
+# EAGLE drafters vLLM runs as Llama/Qwen3-style decoder layers over the target's
+# hidden states (its llama_eagle / llama_eagle3 / qwen3_eagle3 model code).
+EAGLE_DRAFTERS = (
+    "Eagle3LlamaForCausalLM",
+    "Eagle3Qwen3ForCausalLM",
+    "EagleLlamaForCausalLM",
+    "LlamaForCausalLM",
+    "LlamaForCausalLMEagle",
+    "LlamaForCausalLMEagle3",
+    "Qwen3ForCausalLM",
+)
+
+
+def _eagle_drafter(b: _Builder, draft: HFConfig) -> None:
+    """An EAGLE drafter's layers, registered after the target's as
+    `model.layers.{target_layers + i}` (vLLM numbers them from the target's count), with
+    the drafter's own KV heads and head size, all full attention and all `is_draft`."""
+    names = draft.items("architectures") or []
+    arch = str(names[0]) if names else ""
+    if arch not in EAGLE_DRAFTERS:
+        raise UnsupportedModel(
+            f"drafter architecture {arch!r} is not supported; supported: "
+            + ", ".join(EAGLE_DRAFTERS),
+            "architectures",
+        )
+    target_layers = b.config.integer("num_hidden_layers")
+    drafter = _Builder(
+        config=draft,
+        top=draft,
+        deployment=b.deployment,
+        architecture=arch,
+        model_dtype=b.model_dtype,
+        kv_dtype=b.kv_dtype,
+        block_size=b.block_size,
+    )
+    for index in range(draft.integer("num_hidden_layers")):
+        drafter.full(f"model.layers.{target_layers + index}.self_attn.attn", is_draft=True)
+    b.layers.extend(drafter.layers)
+
+
 # Architecture name (config "architectures"[0]) -> builder, and whether its text config
 # is nested under "text_config".
 ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
@@ -639,13 +681,21 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
     architecture = architecture_of(config)
     text = text_config(config, architecture)
     build, _ = ARCHITECTURES[architecture]
-    if deployment.speculative is not None:
-        if deployment.speculative.method != "mtp":
+    speculative = deployment.speculative
+    if speculative is not None:
+        if speculative.method not in SPECULATIVE_METHODS:
             raise UnsupportedModel(
-                f"speculative method {deployment.speculative.method!r}: only mtp (the "
-                "model's own MTP layers) can be imported from one config"
+                f"speculative method {speculative.method!r} is not supported by the importer; "
+                "supported: " + ", ".join(SPECULATIVE_METHODS)
             )
-        if architecture not in _MTP_CAPABLE:
+        if speculative.method != "mtp":
+            if speculative.draft_config is None:
+                raise ModelConfigError(
+                    f"{speculative.method} needs the drafter's config (--draft-model PATH)"
+                )
+        elif speculative.draft_config is not None:
+            raise ModelConfigError("mtp uses the model's own MTP layers: drop --draft-model")
+        elif architecture not in _MTP_CAPABLE:
             raise UnsupportedModel(
                 f"{architecture} has no MTP layers; MTP import is supported for "
                 + ", ".join(sorted(_MTP_CAPABLE))
@@ -667,6 +717,8 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
             + ", ".join(f"{key}={text.data[key]}" for key in text.defaulted)
         )
     build(builder)
+    if speculative is not None and speculative.draft_config is not None:
+        _eagle_drafter(builder, speculative.draft_config)
     has_mamba = any(layer.is_state for layer in builder.layers)
     mode = "none"
     if has_mamba:

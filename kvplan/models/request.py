@@ -55,12 +55,14 @@ class ModelPlanInputs:
     notes: tuple[str, ...] = field(default=())
 
 
-def parse_speculative(text: str) -> Speculative:
-    """`mtp:1` -> Speculative("mtp", 1)."""
+def parse_speculative(text: str, draft_config: HFConfig | None = None) -> Speculative:
+    """`mtp:1` -> Speculative("mtp", 1); `eagle3:3` with the drafter's config."""
     method, _, tokens = text.partition(":")
     if not method or not tokens.isdigit() or int(tokens) < 1:
-        raise ModelConfigError(f"speculative setting {text!r}: expected METHOD:TOKENS, e.g. mtp:1")
-    return Speculative(method.strip().lower(), int(tokens))
+        raise ModelConfigError(
+            f"speculative setting {text!r}: expected METHOD:TOKENS, e.g. mtp:1 or eagle3:3"
+        )
+    return Speculative(method.strip().lower(), int(tokens), draft_config)
 
 
 def build_plan_request(
@@ -116,10 +118,13 @@ def build_plan_request(
         opts.mamba_cache_mode = plan_pb2.MAMBA_CACHE_MODE_ALIGN
     if options.speculative is not None:
         spec = request.spec_decode
-        spec.method = plan_pb2.SPEC_DECODE_METHOD_MTP
+        spec.method = plan_pb2.SpecDecodeMethod.Value(
+            f"SPEC_DECODE_METHOD_{options.speculative.method.upper()}"
+        )
         spec.num_speculative_tokens = options.speculative.num_speculative_tokens
         spec.target_model_type = layers.model_type
-        spec.num_nextn_predict_layers = max(layers.num_nextn_predict_layers, 1)
+        if options.speculative.method == "mtp":
+            spec.num_nextn_predict_layers = max(layers.num_nextn_predict_layers, 1)
     layer_protos = [layer.to_proto() for layer in layers.layers]
     device_name, device_bytes = options.gpu or "", options.gpu_memory_bytes
     if options.gpu and device_bytes is None:

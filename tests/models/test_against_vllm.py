@@ -19,7 +19,7 @@ from kvplan.models import (
     import_layers,
     load_config,
 )
-from tests.models.test_importer import NEMOTRON_H_TEST_CONFIG, domain
+from tests.models.test_importer import EAGLE3_TEST_DRAFTER, NEMOTRON_H_TEST_CONFIG, domain
 
 VENV = Path.home() / ".cache" / "kvplan" / "vllm-0.33" / "venv"
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -152,6 +152,20 @@ def request_cases() -> tuple[list[tuple[str, str]], list[str]]:
             except ModelConfigError:
                 continue  # e.g. TP 8 over Phi-4's 10 KV heads; MTP without MTP layers
             names.append((directory.name, f"tp{tp}-{kv}{'-mtp' if spec else ''}"))
+            blobs.append(request.SerializeToString().hex())
+    drafter = HFConfig(EAGLE3_TEST_DRAFTER)
+    for model in ("llama-3.1-8b", "qwen3-next-defaults"):
+        for tp in (1, 2):
+            eagle = Speculative("eagle3", 3, drafter)
+            options = ModelPlanOptions(
+                tensor_parallel_size=tp,
+                max_model_len=8192,
+                gpu_memory_bytes=1 << 40,
+                non_kv_bytes=1 << 30,
+                speculative=eagle,
+            )
+            request, _ = build_plan_request(load_config(str(MODELS / model)), options)
+            names.append((model, f"tp{tp}-eagle3"))
             blobs.append(request.SerializeToString().hex())
     return names, blobs
 

@@ -154,3 +154,20 @@ def test_mamba_ssm_cache_dtype_and_progress(capsys: pytest.CaptureFixture[str]) 
     assert main(["capacity", *args[:4], "--tp", "4,8", "--progress"]) == 0
     err = capsys.readouterr().err
     assert "[1/2] H100-80GB tp=4" in err and "[2/2] H100-80GB tp=8" in err
+
+
+def test_eagle3_drafter_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.models.test_importer import EAGLE3_TEST_DRAFTER
+
+    drafter = tmp_path / "eagle3" / "config.json"
+    drafter.parent.mkdir()
+    drafter.write_text(json.dumps(EAGLE3_TEST_DRAFTER))
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100", "--max-model-len"]
+    args += ["8k", "--speculative", "eagle3:3", "--draft-model", str(drafter.parent), "--json"]
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["groups"][0]["is_draft"] is True  # the drafter's layer shares the group
+    assert plan["capacity"]["kv_bytes_per_token"] == 33 * 8 * 128 * 2 * 2
+    assert main(["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100",
+                 "--draft-model", str(drafter.parent)]) == 2  # fmt: skip
+    assert "--draft-model needs --speculative" in capsys.readouterr().err

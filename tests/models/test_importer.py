@@ -396,3 +396,57 @@ def test_mxfp4_quantizes_only_the_experts() -> None:
     params = count_params(config, layers)
     weights = estimate_weights(config, layers, 1)
     assert weights.bytes_total == int((params.total - params.mlp) * 2 + params.mlp * (0.5 + 1 / 32))
+
+
+EAGLE3_TEST_DRAFTER = {  # a test input shaped like a one-layer Llama 3.1 8B EAGLE3 head
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 1,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "torch_dtype": "float16",
+}
+
+
+def test_eagle3_drafter_layers_follow_the_targets() -> None:
+    config = load_config(str(MODELS / "llama-3.1-8b"))
+    drafter = HFConfig(EAGLE3_TEST_DRAFTER)
+    for tp, heads in ((1, 8), (2, 4), (16, 1)):
+        specs = domain(
+            import_layers(
+                config,
+                Deployment(tensor_parallel_size=tp, speculative=Speculative("eagle3", 3, drafter)),
+            )
+        )
+        assert len(specs) == 33
+        name, spec = specs[-1]
+        assert name == "model.layers.32.self_attn.attn" and spec.is_draft
+        assert isinstance(spec, FullAttentionSpec) and spec.num_kv_heads == heads
+        assert not any(s.is_draft for _, s in specs[:-1])
+
+
+def test_eagle_on_a_hybrid_adds_speculative_state() -> None:
+    config = load_config(str(MODELS / "qwen3-next-defaults"))
+    layers = import_layers(
+        config,
+        Deployment(
+            tensor_parallel_size=4,
+            speculative=Speculative("eagle3", 2, HFConfig(EAGLE3_TEST_DRAFTER)),
+        ),
+    )
+    state = next(spec for _, spec in domain(layers) if isinstance(spec, MambaSpec))
+    assert state.states[0].shape == (4 - 1 + 2, 2048) and state.num_speculative_blocks == 2
+    assert layers.layers[-1].name == "model.layers.48.self_attn.attn" and layers.layers[-1].is_draft
+
+
+def test_speculative_errors() -> None:
+    config = load_config(str(MODELS / "llama-3.1-8b"))
+    with pytest.raises(ModelConfigError, match="needs the drafter's config"):
+        import_layers(config, Deployment(speculative=Speculative("eagle3", 3)))
+    odd = HFConfig({**EAGLE3_TEST_DRAFTER, "architectures": ["MedusaModel"]})
+    with pytest.raises(UnsupportedModel, match="drafter architecture 'MedusaModel'"):
+        import_layers(config, Deployment(speculative=Speculative("eagle3", 3, odd)))
+    with pytest.raises(UnsupportedModel, match="'ngram' is not supported"):
+        import_layers(config, Deployment(speculative=Speculative("ngram", 3)))
