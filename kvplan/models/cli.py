@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvplan.gpus import GpuModel, UnknownGpu, lookup_gpu
+from kvplan.gpus import CATALOG, GpuModel, UnknownGpu, lookup_gpu
 from kvplan.models.config import HFConfig, ModelConfigError, load_config
 from kvplan.models.request import (
     CapacitySummary,
@@ -85,7 +85,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         help="config.json, a model directory, or a model id in the local HF cache (offline)",
     )
     if sweep:
-        parser.add_argument("--gpu", required=True, help="comma-separated catalog names")
+        parser.add_argument(
+            "--gpu", required=True, help="comma-separated catalog names or sizes (96GiB)"
+        )
         parser.add_argument("--tp", default="1,2,4,8", help="comma-separated TP sizes")
     else:
         parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -225,6 +227,21 @@ def plan_model(
             fitted = None
     pages = state_pages_per_request(inputs.layers)
     return response, summarize(response, fitted, pages), inputs
+
+
+def gpu_or_size(text: str) -> GpuModel:
+    """A catalog GPU, or a device of the given size (`96GiB`) for anything else."""
+    try:
+        return lookup_gpu(text)
+    except UnknownGpu:
+        try:
+            size = parse_size(text)
+        except argparse.ArgumentTypeError:
+            known = ", ".join(gpu.name for gpu in CATALOG)
+            raise UnknownGpu(
+                f"unknown GPU {text!r}; known: {known} (or a size such as 96GiB)"
+            ) from None
+        return GpuModel(text.strip(), size, True, "given on the command line")
 
 
 def resolve_gpu(name: str | None) -> GpuModel | None:
@@ -387,7 +404,7 @@ def _local_planner(request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
 def capacity_command(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.model)
-        gpus = [lookup_gpu(name) for name in args.gpu.split(",") if name.strip()]
+        gpus = [gpu_or_size(name) for name in args.gpu.split(",") if name.strip()]
         tps = [int(value) for value in args.tp.split(",") if value.strip()]
         if not tps or min(tps) < 1:
             raise ModelConfigError(f"--tp {args.tp!r}: expected positive integers, e.g. 1,2,4,8")

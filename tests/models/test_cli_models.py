@@ -77,6 +77,16 @@ def test_capacity_sweep_table_json_csv_chart(
     assert lines[0].startswith("gpu,tp,") and len(lines) == 5
 
 
+def test_capacity_accepts_sizes_for_unlisted_devices(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100,96GiB"]
+    assert main([*args, "--tp", "1", "--max-model-len", "8k", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["gpu"] for row in rows] == ["H100-80GB", "96GiB"]
+    assert rows[1]["kv_budget_bytes"] > rows[0]["kv_budget_bytes"]
+    assert main([*args[:-1], "Z9", "--tp", "1"]) == 2
+    assert "unknown GPU 'Z9'" in capsys.readouterr().err
+
+
 def test_capacity_reports_models_that_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["capacity", "--model", str(MODELS / "deepseek-v3"), "--gpu", "L4", "--tp", "1"]
     assert main(args) == 4
