@@ -1,7 +1,7 @@
 """Hugging Face config -> the layer specs one worker registers, as vLLM 0.33 builds them.
 
 Each supported architecture has a builder that lists its cache layers in registration
-order (target model first, then the drafter's layers for MTP). What each builder encodes,
+order (target model first, then the drafter's layers for MTP or EAGLE). What each builder encodes,
 and where it comes from, is in docs/capacity.md. Rules shared by all:
 
 * attention KV heads per tensor-parallel rank: `max(1, kv_heads // tp)`; when tp exceeds
@@ -94,7 +94,6 @@ class ModelLayers:
 @dataclass
 class _Builder:
     config: HFConfig  # the text config
-    top: HFConfig  # the whole config (quantization, architectures)
     deployment: Deployment
     architecture: str
     model_dtype: Dtype = Dtype.BFLOAT16
@@ -541,7 +540,6 @@ def _eagle_drafter(b: _Builder, draft: HFConfig) -> None:
     target_layers = b.config.integer("num_hidden_layers")
     drafter = _Builder(
         config=draft,
-        top=draft,
         deployment=b.deployment,
         architecture=arch,
         model_dtype=b.model_dtype,
@@ -703,7 +701,6 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
     model_dtype = text.dtype() if (text.has("torch_dtype") or text.has("dtype")) else config.dtype()
     builder = _Builder(
         config=text,
-        top=config,
         deployment=deployment,
         architecture=architecture,
         model_dtype=model_dtype,
