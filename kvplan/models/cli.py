@@ -409,6 +409,8 @@ def capacity_command(args: argparse.Namespace) -> int:
         if not tps or min(tps) < 1:
             raise ModelConfigError(f"--tp {args.tp!r}: expected positive integers, e.g. 1,2,4,8")
         options = options_from_args(args)
+        if args.chart and not args.chart.lower().endswith(".svg"):
+            raise ModelConfigError(f"--chart {args.chart}: kvplan writes SVG charts (name.svg)")
     except (ModelConfigError, UnknownGpu, ValueError) as error:
         print(
             f"error: {error.args[0] if isinstance(error, UnknownGpu) else error}", file=sys.stderr
