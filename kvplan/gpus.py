@@ -160,9 +160,10 @@ _LEGACY_BYTES: dict[str, int] = {
 }
 
 # Name -> total bytes for DeviceRef.name: the legacy names as before, every other
-# catalog name and alias with its catalog figure.
+# catalog name with its catalog figure (aliases are for the command line only, so one
+# device name never means two sizes).
 GPU_MEMORY_BYTES: dict[str, int] = {
-    **{key: gpu.total_memory_bytes for gpu in CATALOG for key in (gpu.name, *gpu.aliases)},
+    **{gpu.name: gpu.total_memory_bytes for gpu in CATALOG},
     **_LEGACY_BYTES,
 }
 
