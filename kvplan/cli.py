@@ -180,6 +180,7 @@ def _plan_model_command(args: argparse.Namespace) -> int:
         options = replace(
             options_from_args(args),
             tensor_parallel_size=args.tp,
+            pipeline_parallel_size=args.pp,
             gpu_memory_bytes=args.gpu_memory or (gpu.total_memory_bytes if gpu else None),
         )
         if options.gpu_memory_bytes is None:

@@ -91,6 +91,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         parser.add_argument("--tp", default="1,2,4,8", help="comma-separated TP sizes")
     else:
         parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+        parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument(
         "--max-model-len",
         type=parse_tokens,

@@ -80,6 +80,7 @@ class ModelLayers:
     model_dtype: Dtype
     mamba_cache_mode: str  # "none" | "align"
     derived_max_model_len: int
+    num_hidden_layers: int = 0
     num_nextn_predict_layers: int = 0
     notes: tuple[str, ...] = ()
 
@@ -89,6 +90,29 @@ class ModelLayers:
         for layer in self.layers:
             counts[layer.kind] = counts.get(layer.kind, 0) + 1
         return counts
+
+    def stage_layers(self, pp_rank: int, pp_size: int) -> tuple[ImportedLayer, ...]:
+        """The layers pipeline stage `pp_rank` of `pp_size` registers."""
+        if pp_size == 1:
+            return self.layers
+        if any(layer.is_draft for layer in self.layers):
+            raise UnsupportedModel("pipeline parallelism with a drafter is not imported")
+        start, end = pipeline_stage_bounds(self.num_hidden_layers, pp_rank, pp_size)
+        return tuple(layer for layer in self.layers if start <= layer.decoder_index < end)
+
+
+def pipeline_stage_bounds(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) decoder layers of a stage: even shares, the remainder going to the
+    stages before the last, from the second-to-last backwards (vLLM's partition)."""
+    if num_layers < pp_size:
+        raise ModelConfigError(
+            f"{num_layers} layers cannot fill {pp_size} pipeline stages", "num_hidden_layers"
+        )
+    partitions = [num_layers // pp_size] * pp_size
+    for offset in range(2, num_layers % pp_size + 2):
+        partitions[-offset] += 1
+    start = sum(partitions[:pp_rank])
+    return start, start + partitions[pp_rank]
 
 
 @dataclass
@@ -729,6 +753,7 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
         model_dtype=model_dtype,
         mamba_cache_mode=mode,
         derived_max_model_len=derived_max_model_len(text),
+        num_hidden_layers=text.integer("num_hidden_layers"),
         num_nextn_predict_layers=builder.num_nextn,
         notes=tuple(builder.notes),
     )

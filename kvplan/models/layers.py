@@ -8,6 +8,7 @@ can produce: attention `H x block x (K + V) x dtype`, MLA `block x latent x dtyp
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from enum import Enum
 
@@ -72,6 +73,14 @@ class ImportedLayer:
     @property
     def is_state(self) -> bool:
         return self.kind == "mamba"
+
+    @property
+    def decoder_index(self) -> int:
+        """The decoder layer this cache belongs to (`...layers.{i}...` in its name)."""
+        match = re.search(r"layers\.(\d+)\.", self.name)
+        if match is None:
+            raise ValueError(f"layer {self.name!r} names no decoder layer index")
+        return int(match.group(1))
 
     @property
     def per_token_bytes(self) -> int:

@@ -29,6 +29,7 @@ class ModelPlanOptions:
     """One deployment of a model: the CLI flags and the client helper's arguments."""
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     max_model_len: int | None = None  # None: the model's own maximum; -1: auto-fit
     gpu: str | None = None  # catalog name (resolved by the planner's name table)
     gpu_memory_bytes: int | None = None
@@ -69,6 +70,9 @@ def build_plan_request(
     config: HFConfig, options: ModelPlanOptions
 ) -> tuple[plan_pb2.PlanRequest, ModelPlanInputs]:
     tp = options.tensor_parallel_size
+    pp = options.pipeline_parallel_size
+    if pp < 1:
+        raise ModelConfigError("pipeline_parallel_size must be >= 1")
     max_len_for_mamba = options.max_model_len if (options.max_model_len or 0) > 0 else None
     layers = import_layers(
         config,
@@ -88,7 +92,7 @@ def build_plan_request(
         non_kv = plan_pb2.NonKVMemory(weights_bytes=options.non_kv_bytes)
         total_non_kv = options.non_kv_bytes
     else:
-        weights = estimate_weights(config, layers, tp)
+        weights = estimate_weights(config, layers, tp * pp)
         overhead = estimate_overhead(config, layers, tp, options.max_num_batched_tokens)
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
@@ -113,6 +117,8 @@ def build_plan_request(
     )
     opts.max_num_batched_tokens = options.max_num_batched_tokens
     opts.parallel.tensor_parallel_size = tp
+    if pp > 1:
+        opts.parallel.pipeline_parallel_size = pp
     opts.enable_prefix_caching = options.enable_prefix_caching
     if layers.mamba_cache_mode == "align":
         opts.mamba_cache_mode = plan_pb2.MAMBA_CACHE_MODE_ALIGN
@@ -125,7 +131,7 @@ def build_plan_request(
         spec.target_model_type = layers.model_type
         if options.speculative.method == "mtp":
             spec.num_nextn_predict_layers = max(layers.num_nextn_predict_layers, 1)
-    layer_protos = [layer.to_proto() for layer in layers.layers]
+    stages = [[layer.to_proto() for layer in layers.stage_layers(stage, pp)] for stage in range(pp)]
     device_name, device_bytes = options.gpu or "", options.gpu_memory_bytes
     if options.gpu and device_bytes is None:
         # The catalog's driver figure travels with the name, so a server plans with the
@@ -135,9 +141,9 @@ def build_plan_request(
         except UnknownGpu as error:
             raise ModelConfigError(str(error.args[0])) from None
         device_name, device_bytes = gpu.name, gpu.total_memory_bytes
-    for rank in range(tp):
+    for rank in range(tp * pp):
         worker = request.workers.add(rank=rank)
-        worker.layers.extend(layer_protos)
+        worker.layers.extend(stages[rank // tp])  # ranks: TP innermost, then PP stage
         if device_name:
             worker.device.name = device_name
         if device_bytes is not None:

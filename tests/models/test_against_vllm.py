@@ -153,6 +153,17 @@ def request_cases() -> tuple[list[tuple[str, str]], list[str]]:
                 continue  # e.g. TP 8 over Phi-4's 10 KV heads; MTP without MTP layers
             names.append((directory.name, f"tp{tp}-{kv}{'-mtp' if spec else ''}"))
             blobs.append(request.SerializeToString().hex())
+    for model in ("llama-3.1-8b", "qwen3-next-defaults", "jamba-defaults", "gemma-3-27b"):
+        options = ModelPlanOptions(
+            tensor_parallel_size=2,
+            pipeline_parallel_size=2,
+            max_model_len=8192,
+            gpu_memory_bytes=1 << 40,
+            non_kv_bytes=1 << 30,
+        )
+        request, _ = build_plan_request(load_config(str(MODELS / model)), options)
+        names.append((model, "tp2-pp2"))
+        blobs.append(request.SerializeToString().hex())
     drafter = HFConfig(EAGLE3_TEST_DRAFTER)
     for model in ("llama-3.1-8b", "qwen3-next-defaults"):
         for tp in (1, 2):

@@ -183,3 +183,13 @@ def test_eagle3_drafter_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100",
                  "--draft-model", str(drafter.parent)]) == 2  # fmt: skip
     assert "--draft-model needs --speculative" in capsys.readouterr().err
+
+
+def test_pipeline_parallel_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100", "--tp", "2"]
+    assert main([*args, "--pp", "2", "--max-model-len", "8k", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [int(worker.get("rank", 0)) for worker in plan["workers"]] == [0, 1, 2, 3]
+    # TP innermost: ranks 0-1 hold layers 0-15, ranks 2-3 layers 16-31
+    layer_names = [name for group in plan["workers"][2]["groups"] for name in group["layer_names"]]
+    assert layer_names[0] == "model.layers.16.self_attn.attn" and len(layer_names) == 16

@@ -450,3 +450,24 @@ def test_speculative_errors() -> None:
         import_layers(config, Deployment(speculative=Speculative("eagle3", 3, odd)))
     with pytest.raises(UnsupportedModel, match="'ngram' is not supported"):
         import_layers(config, Deployment(speculative=Speculative("ngram", 3)))
+
+
+def test_pipeline_stages_split_layers_like_vllm() -> None:
+    from kvplan.models.importer import pipeline_stage_bounds
+
+    # 32 over 2: 16 + 16; 30 over 4: 7 each, the 2 left over go to stages 2 and 1;
+    # 40 over 3: 13 each, 1 left over to the second-to-last stage.
+    assert [pipeline_stage_bounds(32, r, 2) for r in range(2)] == [(0, 16), (16, 32)]
+    assert [pipeline_stage_bounds(30, r, 4) for r in range(4)] == [
+        (0, 7), (7, 15), (15, 23), (23, 30)
+    ]  # fmt: skip
+    assert [pipeline_stage_bounds(40, r, 3) for r in range(3)] == [(0, 13), (13, 27), (27, 40)]
+    layers = import_layers(load_config(str(MODELS / "jamba-defaults")))
+    stage = layers.stage_layers(1, 2)
+    assert [layer.name for layer in stage][:1] == ["model.layers.16.mixer"]
+    assert sum(not layer.is_state for layer in stage) == 2  # attention at 20 and 28
+    mtp = import_layers(
+        load_config(str(MODELS / "deepseek-v3")), Deployment(speculative=Speculative("mtp", 1))
+    )
+    with pytest.raises(UnsupportedModel, match="pipeline parallelism with a drafter"):
+        mtp.stage_layers(0, 2)
