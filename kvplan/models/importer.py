@@ -83,6 +83,7 @@ class ModelLayers:
     num_hidden_layers: int = 0
     num_nextn_predict_layers: int = 0
     notes: tuple[str, ...] = ()
+    encoder_decoder: bool = False  # no prefix caching; cross-attention sized by the encoder
 
     @property
     def kinds(self) -> dict[str, int]:
@@ -168,15 +169,25 @@ class _Builder:
             )
         return hidden // heads
 
-    def attention(self, name: str, kind: str, *, is_draft: bool = False, **extra: int) -> None:
+    def attention(
+        self,
+        name: str,
+        kind: str,
+        *,
+        is_draft: bool = False,
+        kv_heads: tuple[int, str] | None = None,  # (total, config key) when not the usual
+        head_size: int | None = None,
+        **extra: int,
+    ) -> None:
+        total, key = kv_heads or (self._total_kv_heads(), "num_key_value_heads")
         self.layers.append(
             ImportedLayer(
                 name=name,
                 kind=kind,
                 block_size=self.block_size,
                 is_draft=is_draft,
-                num_kv_heads=self.kv_heads_per_rank(self._total_kv_heads()),
-                head_size=self.head_dim(),
+                num_kv_heads=self.kv_heads_per_rank(total, key),
+                head_size=head_size if head_size is not None else self.head_dim(),
                 dtype=self.kv_dtype,
                 **extra,  # type: ignore[arg-type]
             )
@@ -470,6 +481,24 @@ def _jamba(b: _Builder) -> None:
             b.layers.append(_mamba(name, (conv, ssm), "MAMBA1", 0, b.block_size))
 
 
+def _whisper(b: _Builder) -> None:
+    """Whisper (encoder-decoder): each decoder layer caches its self-attention (full) and
+    its cross-attention over the encoder's states; the encoder keeps no KV cache. KV heads
+    are the decoder's attention heads (multi-head attention)."""
+    heads = b.config.integer("decoder_attention_heads")
+    model_dim = b.config.integer("d_model")
+    if model_dim % heads:
+        raise ModelConfigError(
+            f"d_model {model_dim} is not a multiple of decoder_attention_heads {heads}",
+            b.config._where("d_model"),
+        )
+    shape = {"kv_heads": (heads, "decoder_attention_heads"), "head_size": model_dim // heads}
+    for index in range(b.config.integer("decoder_layers")):
+        prefix = f"model.decoder.layers.{index}"
+        b.attention(f"{prefix}.self_attn.attn", "full_attention", **shape)  # type: ignore[arg-type]
+        b.attention(f"{prefix}.encoder_attn.attn", "cross_attention", **shape)  # type: ignore[arg-type]
+
+
 _BLOCK_CHARS = {
     "mamba": "M",
     "linear_attention": "M",
@@ -596,7 +625,9 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     "Qwen3NextForCausalLM": (_qwen3_next, False),
     "JambaForCausalLM": (_jamba, False),
     "NemotronHForCausalLM": (_nemotron_h, False),
+    "WhisperForConditionalGeneration": (_whisper, False),
 }
+ENCODER_DECODER = {"WhisperForConditionalGeneration"}
 _MLA = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
 _MTP_CAPABLE = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Qwen3NextForCausalLM"}
 
@@ -753,7 +784,10 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
         model_dtype=model_dtype,
         mamba_cache_mode=mode,
         derived_max_model_len=derived_max_model_len(text),
-        num_hidden_layers=text.integer("num_hidden_layers"),
+        num_hidden_layers=text.integer(
+            "decoder_layers" if architecture in ENCODER_DECODER else "num_hidden_layers"
+        ),
+        encoder_decoder=architecture in ENCODER_DECODER,
         num_nextn_predict_layers=builder.num_nextn,
         notes=tuple(builder.notes),
     )

@@ -49,7 +49,7 @@ class StateTensor:
         return math.prod(self.shape) * self.dtype.size_bytes
 
 
-ATTENTION_KINDS = ("full_attention", "sliding_window", "chunked_local_attention")
+ATTENTION_KINDS = ("full_attention", "sliding_window", "chunked_local_attention", "cross_attention")
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,8 @@ class ImportedLayer:
         elif self.kind == "sliding_window":
             params = layer.sliding_window.attention
             layer.sliding_window.sliding_window = self.sliding_window or 0
+        elif self.kind == "cross_attention":
+            params = layer.cross_attention.attention
         elif self.kind == "chunked_local_attention":
             params = layer.chunked_local_attention.attention
             layer.chunked_local_attention.attention_chunk_size = self.attention_chunk_size or 0

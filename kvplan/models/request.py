@@ -119,7 +119,11 @@ def build_plan_request(
     opts.parallel.tensor_parallel_size = tp
     if pp > 1:
         opts.parallel.pipeline_parallel_size = pp
-    opts.enable_prefix_caching = options.enable_prefix_caching
+    # vLLM turns prefix caching off for encoder-decoder models and sizes the
+    # cross-attention cache by max_num_encoder_input_tokens = max_num_batched_tokens.
+    opts.enable_prefix_caching = options.enable_prefix_caching and not layers.encoder_decoder
+    if layers.encoder_decoder:
+        opts.max_num_encoder_input_tokens = options.max_num_batched_tokens
     if layers.mamba_cache_mode == "align":
         opts.mamba_cache_mode = plan_pb2.MAMBA_CACHE_MODE_ALIGN
     if options.speculative is not None:

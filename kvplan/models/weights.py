@@ -141,8 +141,21 @@ def _state_params(c: HFConfig, kind: str) -> int:
     return in_proj + inner * hidden
 
 
+def _whisper_params(c: HFConfig) -> ParamCount:
+    d = c.integer("d_model")
+    encoder = c.integer("encoder_layers") * (4 * d * d + 2 * d * c.integer("encoder_ffn_dim"))
+    encoder += 3 * d * (c.integer("num_mel_bins") + d)  # the two conv stem layers
+    decoder = c.integer("decoder_layers") * (8 * d * d + 2 * d * c.integer("decoder_ffn_dim"))
+    positions = (c.integer("max_source_positions") + c.integer("max_target_positions")) * d
+    embedding = c.integer("vocab_size") * d + positions  # the output projection is tied
+    # Encoder and decoder blocks (attention and MLP together) are counted as attention.
+    return ParamCount(embedding, encoder + decoder, mlp=0, state_space=0, draft=0)
+
+
 def count_params(config: HFConfig, layers: ModelLayers) -> ParamCount:
     c = text_config(config, layers.architecture)
+    if layers.encoder_decoder:
+        return _whisper_params(c)
     hidden = c.integer("hidden_size")
     vocab = c.integer("vocab_size")
     tied = c.flag("tie_word_embeddings", False)
@@ -221,12 +234,10 @@ def estimate_overhead(
     config: HFConfig, layers: ModelLayers, tensor_parallel_size: int, max_num_batched_tokens: int
 ) -> OverheadEstimate:
     c = text_config(config, layers.architecture)
-    hidden = c.integer("hidden_size")
-    ffn = (
-        max(c.integer(k) for k in ("intermediate_size", "moe_intermediate_size") if c.has(k))
-        if any(c.has(k) for k in ("intermediate_size", "moe_intermediate_size"))
-        else 4 * hidden
-    )
+    hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
+    ffn_keys = ("intermediate_size", "moe_intermediate_size", "decoder_ffn_dim")
+    present = [c.integer(key) for key in ffn_keys if c.has(key)]
+    ffn = max(present) if present else 4 * hidden
     act_bytes = layers.model_dtype.size_bytes
     activation = max_num_batched_tokens * (4 * hidden + 2 * ffn // tensor_parallel_size) * act_bytes
     activation += SAMPLER_SEQS * c.integer("vocab_size") * 4

@@ -17,8 +17,10 @@ SHIPPED = sorted(path.name for path in MODELS.iterdir() if path.is_dir())
 
 @pytest.mark.parametrize("model", SHIPPED)
 def test_plan_every_shipped_config(model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    length = 448 if model.startswith("whisper") else 4096  # Whisper's decoder: 448 positions
     args = ["plan", "--model", str(MODELS / model), "--gpu", "B200-180GB", "--tp", "2"]
-    args += ["--max-model-len", "4k", "--gpu-memory-utilization", "90%", "--non-kv-bytes", "20GiB"]
+    args += ["--max-model-len", str(length), "--gpu-memory-utilization", "90%"]
+    args += ["--non-kv-bytes", "20GiB"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "capacity of" in out and "non-KV memory (given): 20.00 GiB" in out
@@ -27,7 +29,7 @@ def test_plan_every_shipped_config(model: str, capsys: pytest.CaptureFixture[str
     budget = plan["workers"][0]["budget"]
     assert int(budget["non_kv_bytes"]) == 20 * 2**30
     assert int(budget["requested_bytes"]) == -(-lookup_gpu("B200").total_memory_bytes * 9 // 10)
-    assert plan["capacity"]["max_model_len"] == 4096
+    assert plan["capacity"]["max_model_len"] == length
 
 
 def test_plan_llama_capacity_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -193,3 +195,13 @@ def test_pipeline_parallel_plan(capsys: pytest.CaptureFixture[str]) -> None:
     # TP innermost: ranks 0-1 hold layers 0-15, ranks 2-3 layers 16-31
     layer_names = [name for group in plan["workers"][2]["groups"] for name in group["layer_names"]]
     assert layer_names[0] == "model.layers.16.self_attn.attn" and len(layer_names) == 16
+
+
+def test_whisper_cross_attention_sized_by_encoder_tokens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # a 448-token request: 28 self-attention blocks + cdiv(8192, 16) = 512 cross blocks,
+    # each block 4 + 4 layers x 6,144 B (TP 1: 6 heads x 64 x (K+V) x 2 B x 16 tokens)
+    capacity = capacity_of(capsys, str(MODELS / "whisper-tiny-defaults"), "--gpu", "L4")
+    # a block costs the larger group (4 layers x 24,576 B); each group holds its own blocks
+    assert capacity["needed_per_request_bytes"] == (28 + 512) * 4 * 24_576

@@ -471,3 +471,27 @@ def test_pipeline_stages_split_layers_like_vllm() -> None:
     )
     with pytest.raises(UnsupportedModel, match="pipeline parallelism with a drafter"):
         mtp.stage_layers(0, 2)
+
+
+def test_whisper_decoder_self_and_cross_attention() -> None:
+    # whisper-tiny shape: 4 decoder layers, 6 heads of 384 / 6 = 64, no KV-head grouping
+    from kvplan.core.specs import CrossAttentionSpec
+
+    specs = layers_of("whisper-tiny-defaults", tensor_parallel_size=2)
+    assert [name for name, _ in specs[:2]] == [
+        "model.decoder.layers.0.self_attn.attn",
+        "model.decoder.layers.0.encoder_attn.attn",
+    ]
+    cross = only(specs, CrossAttentionSpec)
+    assert len(cross) == len(only(specs, FullAttentionSpec)) == 4
+    assert cross[0].page_size_bytes == attention_page(3, 64, 2) == 12_288
+    with pytest.raises(ModelConfigError, match="decoder_attention_heads"):
+        layers_of("whisper-tiny-defaults", tensor_parallel_size=4)
+    config = load_config(str(MODELS / "whisper-tiny-defaults"))
+    layers = import_layers(config)
+    assert layers.encoder_decoder and layers.derived_max_model_len == 448
+    d = 384
+    encoder = 4 * (4 * d * d + 2 * d * 1536) + 3 * d * (80 + d)
+    decoder = 4 * (8 * d * d + 2 * d * 1536)
+    embedding = 51_865 * d + (1500 + 448) * d
+    assert count_params(config, layers).total == encoder + decoder + embedding == 37_713_792
