@@ -116,7 +116,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         "--no-prefix-caching", action="store_true", help="Mamba state kept per request only"
     )
     parser.add_argument(
-        "--max-num-batched-tokens", type=parse_tokens, default=8192, help="tokens per step"
+        "--max-num-batched-tokens",
+        type=parse_tokens,
+        help="tokens per step; default: vllm serve's for the device (2k/8k/16k by memory)",
     )
     parser.add_argument(
         "--non-kv-bytes",

@@ -21,7 +21,20 @@ from kvplan.models.weights import (
 from kvplan.v1 import plan_pb2, spec_pb2
 
 DEFAULT_UTILIZATION = 0.92  # vLLM 0.33's default gpu_memory_utilization
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+GIB = 1 << 30
+
+
+def serve_defaults(total_memory_bytes: int | None, gpu_name: str = "") -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) `vllm serve` 0.33 picks on a CUDA / ROCm
+    device of this size when none is given: 16384 / 1024 from 160 GiB, 8192 / 1024 from
+    70 GiB except A100s, else 2048 / 256."""
+    if total_memory_bytes is None:
+        return 8192, 1024
+    if total_memory_bytes >= 160 * GIB:
+        return 16384, 1024
+    if total_memory_bytes >= 70 * GIB and "a100" not in gpu_name.lower():
+        return 8192, 1024
+    return 2048, 256
 
 
 @dataclass(frozen=True)
@@ -39,7 +52,7 @@ class ModelPlanOptions:
     speculative: Speculative | None = None
     block_size: int | None = None
     enable_prefix_caching: bool = True
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_batched_tokens: int | None = None  # None: vllm serve's default for the device
     non_kv_bytes: int | None = None  # measured non-KV memory per worker; None: estimate
     engine_id: str = ""
 
@@ -74,6 +87,17 @@ def build_plan_request(
     if pp < 1:
         raise ModelConfigError("pipeline_parallel_size must be >= 1")
     max_len_for_mamba = options.max_model_len if (options.max_model_len or 0) > 0 else None
+    device_name, device_bytes = options.gpu or "", options.gpu_memory_bytes
+    if options.gpu and device_bytes is None:
+        # The catalog's driver figure travels with the name, so a server plans with the
+        # same total as the CLI (DeviceRef.total_memory_bytes wins over its name table).
+        try:
+            gpu = lookup_gpu(options.gpu)
+        except UnknownGpu as error:
+            raise ModelConfigError(str(error.args[0])) from None
+        device_name, device_bytes = gpu.name, gpu.total_memory_bytes
+    batched_default, max_num_seqs = serve_defaults(device_bytes, device_name)
+    batched = options.max_num_batched_tokens or batched_default
     layers = import_layers(
         config,
         Deployment(
@@ -93,7 +117,7 @@ def build_plan_request(
         total_non_kv = options.non_kv_bytes
     else:
         weights = estimate_weights(config, layers, tp * pp)
-        overhead = estimate_overhead(config, layers, tp, options.max_num_batched_tokens)
+        overhead = estimate_overhead(config, layers, tp, batched, max_num_seqs)
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
             activation_peak_bytes=overhead.activation_peak_bytes,
@@ -115,7 +139,7 @@ def build_plan_request(
     opts.cache_dtype = spec_pb2.KVCacheDtype.Value(
         f"KV_CACHE_DTYPE_{options.kv_cache_dtype.upper()}"
     )
-    opts.max_num_batched_tokens = options.max_num_batched_tokens
+    opts.max_num_batched_tokens = batched
     opts.parallel.tensor_parallel_size = tp
     if pp > 1:
         opts.parallel.pipeline_parallel_size = pp
@@ -123,7 +147,7 @@ def build_plan_request(
     # cross-attention cache by max_num_encoder_input_tokens = max_num_batched_tokens.
     opts.enable_prefix_caching = options.enable_prefix_caching and not layers.encoder_decoder
     if layers.encoder_decoder:
-        opts.max_num_encoder_input_tokens = options.max_num_batched_tokens
+        opts.max_num_encoder_input_tokens = batched
     if layers.mamba_cache_mode == "align":
         opts.mamba_cache_mode = plan_pb2.MAMBA_CACHE_MODE_ALIGN
     if options.speculative is not None:
@@ -136,15 +160,6 @@ def build_plan_request(
         if options.speculative.method == "mtp":
             spec.num_nextn_predict_layers = max(layers.num_nextn_predict_layers, 1)
     stages = [[layer.to_proto() for layer in layers.stage_layers(stage, pp)] for stage in range(pp)]
-    device_name, device_bytes = options.gpu or "", options.gpu_memory_bytes
-    if options.gpu and device_bytes is None:
-        # The catalog's driver figure travels with the name, so a server plans with the
-        # same total as the CLI (DeviceRef.total_memory_bytes wins over its name table).
-        try:
-            gpu = lookup_gpu(options.gpu)
-        except UnknownGpu as error:
-            raise ModelConfigError(str(error.args[0])) from None
-        device_name, device_bytes = gpu.name, gpu.total_memory_bytes
     for rank in range(tp * pp):
         worker = request.workers.add(rank=rank)
         worker.layers.extend(stages[rank // tp])  # ranks: TP innermost, then PP stage

@@ -18,10 +18,9 @@ from kvplan.models.importer import ModelLayers, text_config
 
 GIB = 1 << 30
 NON_TORCH_BYTES = GIB  # CUDA context, cuBLAS/NCCL workspaces: vLLM logs ~0.5-1.5 GiB
-SAMPLER_SEQS = 256  # vLLM's default max_num_seqs: the sampler's logits in fp32
 OVERHEAD_FORMULA = (
     "activation_peak = max_num_batched_tokens x (4 x hidden + 2 x ffn_per_rank) x act_bytes"
-    " + 256 x vocab x 4;  non_torch = 1 GiB"
+    " + max_num_seqs x vocab x 4 (sampler logits);  non_torch = 1 GiB"
 )
 
 
@@ -231,7 +230,11 @@ def estimate_weights(
 
 
 def estimate_overhead(
-    config: HFConfig, layers: ModelLayers, tensor_parallel_size: int, max_num_batched_tokens: int
+    config: HFConfig,
+    layers: ModelLayers,
+    tensor_parallel_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int = 256,
 ) -> OverheadEstimate:
     c = text_config(config, layers.architecture)
     hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
@@ -240,5 +243,5 @@ def estimate_overhead(
     ffn = max(present) if present else 4 * hidden
     act_bytes = layers.model_dtype.size_bytes
     activation = max_num_batched_tokens * (4 * hidden + 2 * ffn // tensor_parallel_size) * act_bytes
-    activation += SAMPLER_SEQS * c.integer("vocab_size") * 4
+    activation += max_num_seqs * c.integer("vocab_size") * 4
     return OverheadEstimate(activation, NON_TORCH_BYTES)

@@ -200,8 +200,25 @@ def test_pipeline_parallel_plan(capsys: pytest.CaptureFixture[str]) -> None:
 def test_whisper_cross_attention_sized_by_encoder_tokens(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # a 448-token request: 28 self-attention blocks + cdiv(8192, 16) = 512 cross blocks,
-    # each block 4 + 4 layers x 6,144 B (TP 1: 6 heads x 64 x (K+V) x 2 B x 16 tokens)
+    # On an L4 vllm serve batches 2,048 tokens, so the encoder side of a 448-token request
+    # holds cdiv(2048, 16) = 128 cross blocks next to 28 self-attention blocks; a block
+    # costs the larger group: 4 layers x 24,576 B (6 heads x 64 x (K+V) x 2 B x 16 tokens).
     capacity = capacity_of(capsys, str(MODELS / "whisper-tiny-defaults"), "--gpu", "L4")
-    # a block costs the larger group (4 layers x 24,576 B); each group holds its own blocks
+    assert capacity["needed_per_request_bytes"] == (28 + 128) * 4 * 24_576
+    capacity = capacity_of(
+        capsys, str(MODELS / "whisper-tiny-defaults"), "--gpu", "L4",
+        "--max-num-batched-tokens", "8k",
+    )  # fmt: skip
     assert capacity["needed_per_request_bytes"] == (28 + 512) * 4 * 24_576
+
+
+def test_serve_defaults_follow_the_device() -> None:
+    from kvplan.models.request import serve_defaults
+
+    def defaults(name: str) -> tuple[int, int]:
+        gpu = lookup_gpu(name)
+        return serve_defaults(gpu.total_memory_bytes, gpu.name)
+
+    assert defaults("B200") == defaults("MI300X") == (16384, 1024)  # >= 160 GiB
+    assert defaults("H100") == defaults("H200") == defaults("GH200") == (8192, 1024)
+    assert defaults("A100-80GB") == defaults("L40S") == defaults("L4") == (2048, 256)
