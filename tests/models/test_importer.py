@@ -169,9 +169,11 @@ def test_derived_max_model_len_follows_the_rope_type() -> None:
 
 
 def test_gemma2_alternates() -> None:
-    specs = layers_of("gemma-2-defaults")
+    # gemma-2-9b: 42 layers, even ones local (window 4096), 8 KV heads x 256
+    specs = layers_of("gemma-2-9b")
     assert [type(spec) for _, spec in specs[:2]] == [SlidingWindowSpec, FullAttentionSpec]
-    assert len(only(specs, SlidingWindowSpec)) == len(only(specs, FullAttentionSpec)) == 13
+    assert len(only(specs, SlidingWindowSpec)) == len(only(specs, FullAttentionSpec)) == 21
+    assert specs[0][1].page_size_bytes == attention_page(8, 256, 2) == 131_072
 
 
 def test_llama4_rope_layers_are_chunked_nope_layers_global() -> None:
