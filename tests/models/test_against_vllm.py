@@ -74,7 +74,7 @@ def calculator_cases() -> tuple[list[dict[str, object]], list[object]]:
     def states(spec: MambaSpec) -> list[list[int]]:
         return [list(state.shape) for state in spec.states]
 
-    next_config = load_config(str(MODELS / "qwen3-next-defaults" / "config.json"))
+    next_config = load_config(str(MODELS / "qwen3-next-80b-a3b" / "config.json"))
     for tp in (1, 2, 4, 8):
         for spec_tokens in (0, 1, 2):
             speculative = Speculative("mtp", spec_tokens) if spec_tokens else None
@@ -153,7 +153,7 @@ def request_cases() -> tuple[list[tuple[str, str]], list[str]]:
                 continue  # e.g. TP 8 over Phi-4's 10 KV heads; MTP without MTP layers
             names.append((directory.name, f"tp{tp}-{kv}{'-mtp' if spec else ''}"))
             blobs.append(request.SerializeToString().hex())
-    for model in ("llama-3.1-8b", "qwen3-next-defaults", "jamba-defaults", "gemma-3-27b"):
+    for model in ("llama-3.1-8b", "qwen3-next-80b-a3b", "jamba-defaults", "gemma-3-27b"):
         options = ModelPlanOptions(
             tensor_parallel_size=2,
             pipeline_parallel_size=2,
@@ -165,7 +165,7 @@ def request_cases() -> tuple[list[tuple[str, str]], list[str]]:
         names.append((model, "tp2-pp2"))
         blobs.append(request.SerializeToString().hex())
     drafter = HFConfig(EAGLE3_TEST_DRAFTER)
-    for model in ("llama-3.1-8b", "qwen3-next-defaults"):
+    for model in ("llama-3.1-8b", "qwen3-next-80b-a3b"):
         for tp in (1, 2):
             eagle = Speculative("eagle3", 3, drafter)
             options = ModelPlanOptions(

@@ -142,7 +142,7 @@ def test_docs_worked_examples(capsys: pytest.CaptureFixture[str]) -> None:
     assert gpt["needed_per_request_bytes"] == (521 + 2048) * 18 * 16_384 == 757_628_928
     assert gpt["kv_bytes_per_token"] == 2 * 18 * 1_024
     # Qwen3-Next TP 4 mtp:1: 36 GDN layers x 278,528 B x (2 + 1) pages; 13 x 1,024 B/token
-    qwen = capacity_of(capsys, str(MODELS / "qwen3-next-defaults"), "--gpu", "H100", "--tp", "4",
+    qwen = capacity_of(capsys, str(MODELS / "qwen3-next-80b-a3b"), "--gpu", "H100", "--tp", "4",
                        "--max-model-len", "32k", "--speculative", "mtp:1")  # fmt: skip
     assert qwen["state_bytes_per_request"] == 36 * 278_528 * 3 == 30_081_024
     assert qwen["kv_bytes_per_token"] == 13 * 1_024
@@ -162,7 +162,7 @@ def test_mamba_ssm_cache_dtype_and_progress(capsys: pytest.CaptureFixture[str]) 
     # float32 recurrent state for Qwen3-Next TP 4: conv (3, 2,048) bf16 = 12,288 B +
     # (8, 128, 128) fp32 = 524,288 B = 536,576 B; 1,024 B/token attention:
     # block 16 x cdiv(536,576, 16,384) = 528, state page padded to 540,672 B.
-    args = ["--model", str(MODELS / "qwen3-next-defaults"), "--gpu", "H100", "--tp", "4"]
+    args = ["--model", str(MODELS / "qwen3-next-80b-a3b"), "--gpu", "H100", "--tp", "4"]
     capacity = capacity_of(capsys, *args[1:], "--mamba-ssm-cache-dtype", "float32")
     assert capacity["state_bytes_per_request"] == 36 * 540_672 * 2
     assert main(["capacity", *args[:4], "--tp", "4,8", "--progress"]) == 0

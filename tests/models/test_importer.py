@@ -76,8 +76,8 @@ def test_every_shipped_config_has_a_source_note() -> None:
         ("llama-3.1-8b", 32, 8, 4096 // 32),
         ("qwen3-8b", 36, 8, 4096 // 32),
         ("mistral-7b-v0.3", 32, 8, 4096 // 32),
-        ("mixtral-defaults", 32, 8, 4096 // 32),
-        ("qwen3-moe-defaults", 24, 4, 2048 // 32),
+        ("mixtral-8x7b-instruct", 32, 8, 4096 // 32),
+        ("qwen3-30b-a3b-base", 48, 4, 128),
         ("phi-4", 40, 10, 5120 // 40),
     ],
 )
@@ -219,7 +219,7 @@ def test_mtp_on_a_model_without_mtp_layers_is_an_error() -> None:
 
 def test_qwen3_next_gdn_states_and_hybrid_block_tp4_mtp() -> None:
     specs = layers_of(
-        "qwen3-next-defaults", tensor_parallel_size=4, speculative=Speculative("mtp", 1)
+        "qwen3-next-80b-a3b", tensor_parallel_size=4, speculative=Speculative("mtp", 1)
     )
     gdn = only(specs, MambaSpec)
     full = only(specs, FullAttentionSpec)
@@ -241,7 +241,7 @@ def test_qwen3_next_gdn_states_and_hybrid_block_tp4_mtp() -> None:
 
 
 def test_qwen3_next_tp1_pads_the_state_page() -> None:
-    specs = layers_of("qwen3-next-defaults")
+    specs = layers_of("qwen3-next-80b-a3b")
     state = only(specs, MambaSpec)[0]
     assert isinstance(state, MambaSpec)
     # conv (3, 2*16*128 + 32*128 = 8192) bf16 = 49,152; temporal (32,128,128) bf16 = 1,048,576
@@ -252,7 +252,7 @@ def test_qwen3_next_tp1_pads_the_state_page() -> None:
 
 
 def test_prefix_caching_off_gives_mamba_max_len_blocks() -> None:
-    specs = layers_of("qwen3-next-defaults", enable_prefix_caching=False, max_model_len=32768)
+    specs = layers_of("qwen3-next-80b-a3b", enable_prefix_caching=False, max_model_len=32768)
     assert only(specs, MambaSpec)[0].block_size == 32768
 
 
@@ -430,7 +430,7 @@ def test_eagle3_drafter_layers_follow_the_targets() -> None:
 
 
 def test_eagle_on_a_hybrid_adds_speculative_state() -> None:
-    config = load_config(str(MODELS / "qwen3-next-defaults"))
+    config = load_config(str(MODELS / "qwen3-next-80b-a3b"))
     layers = import_layers(
         config,
         Deployment(

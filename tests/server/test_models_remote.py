@@ -18,7 +18,7 @@ MODELS = Path(__file__).parents[2] / "examples" / "models"
 
 
 async def test_client_plans_a_model_config_on_the_server(client: AsyncPlannerClient) -> None:
-    config = load_config(str(MODELS / "qwen3-next-defaults" / "config.json"))
+    config = load_config(str(MODELS / "qwen3-next-80b-a3b" / "config.json"))
     options = ModelPlanOptions(
         tensor_parallel_size=4,
         max_model_len=32768,
