@@ -205,11 +205,41 @@ def _quantization(config: HFConfig) -> tuple[str, float, bool]:
         return (f"{method}-int4", _INT4_BYTES, False)
     if method == "mxfp4":
         return ("mxfp4", 0.5 + 1 / 32, True)  # e2m1 pairs + one e8m0 scale per 32
+    if method == "compressed-tensors":
+        return _compressed_tensors(quant)
     raise ModelConfigError(
         f"quantization {method!r} is not supported by the weight estimate (fp8, awq, gptq, "
-        "mxfp4); pass --non-kv-bytes",
+        "mxfp4, compressed-tensors); pass --non-kv-bytes",
         quant._where("quant_method"),
     )
+
+
+def _compressed_tensors(quant: HFConfig) -> tuple[str, float, bool]:
+    """compressed-tensors: every config group's weights must share one bit width; a
+    grouped scheme adds a 2-byte scale per `group_size` weights."""
+    groups = quant.sub("config_groups")
+    if groups is None or not groups.data:
+        raise ModelConfigError("required for compressed-tensors", quant._where("config_groups"))
+    schemes: set[tuple[int, int | None]] = set()
+    for name in groups.data:
+        group = groups.sub(name)
+        weights = group.sub("weights") if group is not None else None
+        if weights is None:
+            raise ModelConfigError("required field is missing", groups._where(f"{name}.weights"))
+        bits = weights.integer("num_bits")
+        if bits not in (4, 8):
+            raise ModelConfigError(f"only 4- and 8-bit weights are estimated, got {bits}",
+                                   weights._where("num_bits"))  # fmt: skip
+        schemes.add((bits, weights.opt_integer("group_size")))
+    if len(schemes) != 1:
+        raise ModelConfigError(
+            f"groups quantize weights differently ({sorted(schemes, key=str)}); pass "
+            "--non-kv-bytes",
+            quant._where("config_groups"),
+        )
+    bits, group_size = schemes.pop()
+    scale = 2 / group_size if group_size else 0.0
+    return (f"compressed-tensors-w{bits}", bits / 8 + scale, False)
 
 
 def estimate_weights(

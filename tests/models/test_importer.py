@@ -385,6 +385,15 @@ def test_deepseek_fp8_and_awq_int4_weights(tmp_path: Path) -> None:
     assert awq.bytes_total == int(
         params.embedding * 2 + (params.total - params.embedding) * (0.5 + 4 / 128)
     )
+    raw["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 128}}},
+    }
+    w4 = estimate_weights(HFConfig(raw), layers, 8)
+    assert w4.quantization == "compressed-tensors-w4"
+    assert w4.bytes_total == int(
+        params.embedding * 2 + (params.total - params.embedding) * (0.5 + 2 / 128)
+    )
     raw["quantization_config"] = {"quant_method": "bitsandbytes"}
     with pytest.raises(ModelConfigError, match="quant_method"):
         estimate_weights(HFConfig(raw), layers, 8)
