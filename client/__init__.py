@@ -8,7 +8,8 @@
 A plan whose workers named their devices (device.uuid) carries leases: keep
 them with `LeaseKeeper(planner, plan)` (or `AsyncLeaseKeeper`), which renews
 them in the background and releases them on exit. `AsyncPlannerClient` is the
-asyncio twin. Errors raise `PlannerError` with the
+asyncio twin. `build_plan_request(load_config(path), ModelPlanOptions(...))` builds the
+request from a model's config.json (kvplan.models). Errors raise `PlannerError` with the
 gRPC code and the server's field violations.
 """
 
@@ -21,16 +22,19 @@ from kvplan.client.planner import (
     PlannerClient,
     channel_options,
 )
+from kvplan.models.request import ModelPlanOptions, build_plan_request
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "AsyncLeaseKeeper",
     "AsyncPlannerClient",
     "LeaseKeeper",
+    "ModelPlanOptions",
     "PlanResult",
     "PlannerClient",
     "PlannerError",
     "WorkerView",
+    "build_plan_request",
     "channel_options",
     "error_from_rpc",
 ]

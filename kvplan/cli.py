@@ -176,6 +176,57 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_model_command(args: argparse.Namespace) -> int:
+    """`kvplan plan --model CONFIG`: the plan of the imported model plus its capacity."""
+    from dataclasses import replace
+
+    from kvplan.core.errors import PlanningError
+    from kvplan.gpus import UnknownGpu
+    from kvplan.models import ModelConfigError, load_config
+    from kvplan.models.cli import format_capacity, options_from_args, plan_model, resolve_gpu
+
+    try:
+        config = load_config(args.model)
+        gpu = resolve_gpu(args.gpu) if args.gpu_memory is None else None
+        options = replace(
+            options_from_args(args),
+            tensor_parallel_size=args.tp,
+            pipeline_parallel_size=args.pp,
+            gpu_memory_bytes=args.gpu_memory or (gpu.total_memory_bytes if gpu else None),
+        )
+        if options.gpu_memory_bytes is None:
+            raise ModelConfigError("give --gpu NAME or --gpu-memory BYTES")
+
+        def planner(request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
+            if args.target:
+                return _plan_remote(args.target, request)
+            from kvplan.convert import plan_from_proto
+
+            return plan_from_proto(request)
+
+        response, summary, inputs = plan_model(config, options, planner)
+    except (ModelConfigError, UnknownGpu) as error:
+        print(
+            f"error: {error.args[0] if isinstance(error, UnknownGpu) else error}", file=sys.stderr
+        )
+        return 2
+    except PlanningError as error:
+        where = f"{error.field}: " if error.field else ""
+        print(f"error: {where}{error.message}", file=sys.stderr)
+        return EXIT_CODES.get(str(error.code), 1)
+    except RemoteError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+    if args.json:
+        out = json_format.MessageToDict(response, preserving_proto_field_name=True)
+        out["capacity"] = summary.as_dict()
+        print(json.dumps(out, indent=1))
+    else:
+        print(format_report(response))
+        print(format_capacity(summary, inputs, gpu))
+    return 0
+
+
 class RemoteError(Exception):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
@@ -257,6 +308,8 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvplan.models.cli import add_capacity_parser, add_model_options, parse_size
+
     parser = argparse.ArgumentParser(
         prog="kvplan",
         description="Plan the KV cache of an LLM inference engine (vLLM 0.33 semantics).",
@@ -265,16 +318,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="plan a request file (YAML or JSON)")
-    plan.add_argument("file", help="PlanRequest in the proto JSON mapping (.yaml/.yml/.json)")
+    plan.add_argument(
+        "file", nargs="?", help="PlanRequest in the proto JSON mapping (.yaml/.yml/.json)"
+    )
     plan.add_argument("--json", action="store_true", help="print the PlanResponse as JSON")
     plan.add_argument("--gpu", help="device name for workers without a device size, e.g. H100-80GB")
-    plan.add_argument("--gpu-memory", type=int, help="device total memory in bytes")
+    plan.add_argument(
+        "--gpu-memory", type=parse_size, help="device total memory: bytes, 80GiB, 81559MiB"
+    )
     plan.add_argument("--target", help="plan on a server at HOST:PORT instead of in-process")
     plan.add_argument(
         "--engine-version",
         help="rule set of the engine release that will run the plan: vllm-0.32, vllm-0.33, "
         "vllm-0.34, or '' for kvplan's own rules (overrides options.engine_version)",
     )
+    add_model_options(plan, sweep=False)
+    add_capacity_parser(commands)
     commands.add_parser("serve", help="run the gRPC service", add_help=False)
     health = commands.add_parser(
         "health",
@@ -306,7 +365,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve_command(args_list[1:])
     args = build_parser().parse_args(args_list)
     if args.command == "plan":
+        if args.model:
+            if args.engine_version:
+                # The importer registers layers as vLLM 0.33 does (block sizes included);
+                # other releases' registration is not modelled yet.
+                print(
+                    "error: --engine-version applies to request files; --model plans with "
+                    "vLLM 0.33's layer registration (docs/capacity.md)",
+                    file=sys.stderr,
+                )
+                return 2
+            return _plan_model_command(args)
+        if not args.file:
+            print("error: give a request FILE or --model CONFIG", file=sys.stderr)
+            return 2
         return _plan_command(args)
+    if args.command == "capacity":
+        from kvplan.models.cli import capacity_command
+
+        return capacity_command(args)
     if args.command == "health":
         return _health_command(args)
     return 2

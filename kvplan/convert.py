@@ -64,26 +64,12 @@ from kvplan.core.specs import (
     StateShape,
     UniformTypeSpecs,
 )
+from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.v1 import plan_pb2, spec_pb2
 
 GIB = 1 << 30
 
-# Total device memory in bytes of common GPUs, for planning hardware one does
-# not have. Values are the marketed capacity in GiB * 2^30 (NVML reports a few
-# hundred MiB less on some boards; pass total_memory_bytes for exact numbers).
-GPU_MEMORY_BYTES: dict[str, int] = {
-    "A10G-24GB": 24 * GIB,
-    "L4-24GB": 24 * GIB,
-    "RTX-4090-24GB": 24 * GIB,
-    "A100-40GB": 40 * GIB,
-    "L40S-48GB": 48 * GIB,
-    "A100-80GB": 80 * GIB,
-    "H100-80GB": 80 * GIB,
-    "H100-94GB": 94 * GIB,
-    "H200-141GB": 141 * GIB,
-    "B200-180GB": 180 * GIB,
-    "MI300X-192GB": 192 * GIB,
-}
+# Total device memory of known GPUs by name: the catalog in kvplan/gpus.py.
 
 _STORAGE = {
     spec_pb2.DTYPE_FLOAT32: StorageDtype.FLOAT32,

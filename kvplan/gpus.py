@@ -1,0 +1,181 @@
+"""GPU catalog: the total memory each device's driver reports, with where it comes from.
+
+Planning divides `total * gpu_memory_utilization`, and the engine reads the total from
+the driver (NVML / `cudaMemGetInfo`, ROCm SMI), which is less than the marketed size. A
+figure marked `measured` was read off real `nvidia-smi` / `rocm-smi` output; the others are
+the vendor's capacity in decimal gigabytes and overstate the driver's figure by a few
+GiB; pass the exact size (`--gpu-memory`) for those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIB = 1 << 20
+GIB = 1 << 30
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    name: str  # the catalog key, e.g. "H100-80GB"
+    total_memory_bytes: int
+    measured: bool  # True: the driver's own figure; False: vendor capacity
+    source: str
+    aliases: tuple[str, ...] = ()
+
+
+CATALOG: tuple[GpuModel, ...] = (
+    GpuModel(
+        "A100-40GB",
+        40_960 * MIB,
+        True,
+        "nvidia-smi on A100-SXM4-40GB: 40960MiB",
+    ),
+    GpuModel(
+        "A100-80GB",
+        81_920 * MIB,
+        True,
+        "nvidia-smi on A100-SXM4-80GB / A800 80GB: 81920MiB",
+    ),
+    GpuModel(
+        "H100-80GB",
+        81_559 * MIB,
+        True,
+        "nvidia-smi on 'NVIDIA H100 80GB HBM3' (SXM) and H800: 81559MiB",
+        aliases=("H100", "H100-SXM", "H100-SXM-80GB", "H100-PCIE-80GB", "H800-80GB"),
+    ),
+    GpuModel(
+        "H100-NVL-94GB",
+        95_830 * MIB,
+        True,
+        "nvidia-smi on 'NVIDIA H100 NVL': 95830MiB",
+        aliases=("H100-NVL", "H100-94GB"),
+    ),
+    GpuModel(
+        "H200-141GB",
+        143_771 * MIB,
+        True,
+        "nvidia-smi on 'NVIDIA H200' (SXM): 143771MiB",
+        aliases=("H200",),
+    ),
+    GpuModel(
+        "H20-96GB",
+        97_871 * MIB,
+        False,
+        "vendor capacity 96 GB HBM3; figure taken as the 96 GB Hopper boards' 97871MiB "
+        "(seen on GH200), not read off an H20",
+        aliases=("H20",),
+    ),
+    GpuModel(
+        "GH200-96GB",
+        97_871 * MIB,
+        True,
+        "nvidia-smi on GH200 (900 W board, 96 GB HBM3): 97871MiB",
+        aliases=("GH200",),
+    ),
+    GpuModel(
+        "B200-180GB",
+        183_359 * MIB,
+        True,
+        "nvidia-smi on 'NVIDIA B200': 183359MiB",
+        aliases=("B200",),
+    ),
+    GpuModel(
+        "B300-288GB",
+        288 * GB,
+        False,
+        "vendor capacity 288 GB HBM3e (NVIDIA B300 SXM6); driver figure not verified",
+        aliases=("B300",),
+    ),
+    GpuModel(
+        "L40S-48GB",
+        46_068 * MIB,
+        True,
+        "nvidia-smi on 'NVIDIA L40S': 46068MiB",
+        aliases=("L40S",),
+    ),
+    GpuModel(
+        "L4-24GB",
+        23_034 * MIB,
+        True,
+        "nvidia-smi on 'NVIDIA L4': 23034MiB",
+        aliases=("L4",),
+    ),
+    GpuModel(
+        "A10G-24GB",
+        24 * GIB,
+        False,
+        "kvplan's earlier table (marketed 24 GB as GiB); driver figure not verified",
+    ),
+    GpuModel(
+        "RTX-4090-24GB",
+        24 * GIB,
+        False,
+        "kvplan's earlier table (marketed 24 GB as GiB); driver figure not verified",
+    ),
+    GpuModel(
+        "MI300X-192GB",
+        205_822_885_888,
+        True,
+        "rocm-smi --showmeminfo vram on 'AMD Instinct MI300X': 205822885888 B",
+        aliases=("MI300X",),
+    ),
+    GpuModel(
+        "MI325X-256GB",
+        256 * GB,
+        False,
+        "vendor capacity 256 GB HBM3E (AMD Instinct MI325X); driver figure not verified",
+        aliases=("MI325X",),
+    ),
+    GpuModel(
+        "MI355X-288GB",
+        288 * GB,
+        False,
+        "vendor capacity 288 GB HBM3E (AMD Instinct MI355X); driver figure not verified",
+        aliases=("MI355X",),
+    ),
+)
+
+_BY_NAME: dict[str, GpuModel] = {}
+for _gpu in CATALOG:
+    for _key in (_gpu.name, *_gpu.aliases):
+        _BY_NAME[_key.lower()] = _gpu
+
+# The historical name table of DeviceRef.name: marketed GiB figures, kept unchanged so
+# existing requests and leases plan exactly as before. The model commands resolve names
+# through the catalog and send the driver's figure as total_memory_bytes instead.
+_LEGACY_BYTES: dict[str, int] = {
+    "A10G-24GB": 24 * GIB,
+    "L4-24GB": 24 * GIB,
+    "RTX-4090-24GB": 24 * GIB,
+    "A100-40GB": 40 * GIB,
+    "L40S-48GB": 48 * GIB,
+    "A100-80GB": 80 * GIB,
+    "H100-80GB": 80 * GIB,
+    "H100-94GB": 94 * GIB,
+    "H200-141GB": 141 * GIB,
+    "B200-180GB": 180 * GIB,
+    "MI300X-192GB": 192 * GIB,
+}
+
+# Name -> total bytes for DeviceRef.name: the legacy names as before, every other
+# catalog name with its catalog figure (aliases are for the command line only, so one
+# device name never means two sizes).
+GPU_MEMORY_BYTES: dict[str, int] = {
+    **{gpu.name: gpu.total_memory_bytes for gpu in CATALOG},
+    **_LEGACY_BYTES,
+}
+
+
+class UnknownGpu(KeyError):
+    pass
+
+
+def lookup_gpu(name: str) -> GpuModel:
+    """The catalog entry for `name` (case-insensitive; aliases accepted)."""
+    try:
+        return _BY_NAME[name.strip().lower()]
+    except KeyError:
+        known = ", ".join(gpu.name for gpu in CATALOG)
+        raise UnknownGpu(f"unknown GPU {name!r}; known: {known} (or give --gpu-memory)") from None

@@ -1,0 +1,457 @@
+"""`kvplan plan --model ...` and `kvplan capacity ...`: capacity answers from a config."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from kvplan.gpus import CATALOG, GpuModel, UnknownGpu, lookup_gpu
+from kvplan.models.config import HFConfig, ModelConfigError, load_config
+from kvplan.models.request import (
+    CapacitySummary,
+    ModelPlanInputs,
+    ModelPlanOptions,
+    auto_fit_request,
+    build_plan_request,
+    parse_speculative,
+    state_pages_per_request,
+    summarize,
+)
+from kvplan.v1 import plan_pb2
+
+GIB = 1 << 30
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "kib": 1 << 10,
+    "m": 10**6, "mb": 10**6, "mib": 1 << 20,
+    "g": 10**9, "gb": 10**9, "gib": 1 << 30,
+    "t": 10**12, "tb": 10**12, "tib": 1 << 40,
+}  # fmt: skip
+_TOKEN_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `80GiB`, `80GB`, `81559MiB`, `1.5e9` or a plain integer."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 80GiB, 81559MiB, 24GB)")
+    try:
+        value = float(match.group(1)) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return int(value)
+
+
+def parse_tokens(text: str) -> int:
+    """Tokens from `32768`, `32k` (= 32768), `1m`; `-1` or `auto` asks for auto-fit."""
+    cleaned = text.strip().lower()
+    if cleaned in ("auto", "-1"):
+        return -1
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([km]?)", cleaned)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 32768, 32k, auto)")
+    value = int(float(match.group(1)) * _TOKEN_UNITS[match.group(2)])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def parse_fraction(text: str) -> float:
+    """`0.9` or `90%`."""
+    cleaned = text.strip()
+    try:
+        value = float(cleaned[:-1]) / 100 if cleaned.endswith("%") else float(cleaned)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a fraction: {text!r} (e.g. 0.9 or 90%)") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1]: {text!r}")
+    return value
+
+
+def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
+    parser.add_argument(
+        "--model",
+        required=sweep,
+        help="config.json, a model directory, or a model id in the local HF cache (offline)",
+    )
+    if sweep:
+        parser.add_argument(
+            "--gpu", required=True, help="comma-separated catalog names or sizes (96GiB)"
+        )
+        parser.add_argument("--tp", default="1,2,4,8", help="comma-separated TP sizes")
+    else:
+        parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+        parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument(
+        "--max-model-len",
+        type=parse_tokens,
+        help="tokens per request (32768, 32k, auto); default: the model's own maximum",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=parse_fraction, default=0.92, help="0.9 or 90%%"
+    )
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, bfloat16, ...")
+    parser.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        help="Mamba/GDN recurrent state dtype: auto (the model's; NemotronH float32), "
+        "float32, bfloat16, float16",
+    )
+    parser.add_argument(
+        "--speculative", help="mtp:TOKENS (the model's MTP layers) or eagle3:TOKENS / eagle:TOKENS"
+    )
+    parser.add_argument("--draft-model", help="the EAGLE drafter's config.json or directory")
+    parser.add_argument("--block-size", type=int, help="attention block size (tokens)")
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true", help="Mamba state kept per request only"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=parse_tokens,
+        help="tokens per step; default: vllm serve's for the device (2k/8k/16k by memory)",
+    )
+    parser.add_argument(
+        "--non-kv-bytes",
+        type=parse_size,
+        help="measured non-KV memory per worker (weights + activations + runtime), e.g. 20GiB",
+    )
+
+
+def options_from_args(args: argparse.Namespace) -> ModelPlanOptions:
+    if args.draft_model and not args.speculative:
+        raise ModelConfigError("--draft-model needs --speculative eagle3:TOKENS (or eagle:)")
+    return ModelPlanOptions(
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        speculative=(
+            parse_speculative(
+                args.speculative, load_config(args.draft_model) if args.draft_model else None
+            )
+            if args.speculative
+            else None
+        ),
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        non_kv_bytes=args.non_kv_bytes,
+    )
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:,.2f} GiB"
+
+
+def format_capacity(summary: CapacitySummary, inputs: ModelPlanInputs, gpu: GpuModel | None) -> str:
+    layers = inputs.layers
+    lines = ["", f"capacity of {layers.architecture} (model_type {layers.model_type})"]
+    kinds = ", ".join(f"{count} {kind}" for kind, count in layers.kinds.items())
+    lines.append(f"  layers per worker: {kinds}; block {layers.block_size} tokens")
+    for note in inputs.notes:
+        lines.append(f"  note: {note}")
+    lines.append("  exact (from the config and the planning rules):")
+    for group in summary.groups:
+        draft = " (drafter)" if group.is_draft else ""
+        head = f"    group {group.group_id} {group.kind}{draft}: {group.layers} layers, "
+        if group.per_token_bytes is None:
+            lines.append(head + f"state page {group.page_size_bytes:,} B per layer per request")
+            continue
+        held = f", at most {group.window:,} tokens held" if group.window else ""
+        lines.append(
+            head + f"{group.per_token_bytes:,} B per token{held} "
+            f"(page {group.page_size_bytes:,} B per layer / {group.block_size} tokens)"
+        )
+    state = (
+        f" + {summary.state_bytes_per_request:,} B of state"
+        if summary.state_bytes_per_request
+        else ""
+    )
+    lines.append(f"    KV bytes per token, all groups: {summary.kv_bytes_per_token:,} B{state}")
+    if summary.needed_per_request_bytes:
+        average = summary.needed_per_request_bytes / max(summary.max_model_len, 1)
+        lines.append(
+            f"    one {summary.max_model_len:,}-token request holds "
+            f"{summary.needed_per_request_bytes:,} B of blocks ({average:,.0f} B per token)"
+        )
+    lines.append(
+        f"    {_gib(summary.available_kv_bytes)} KV budget per worker: {summary.num_blocks:,} "
+        f"blocks, {summary.kv_cache_tokens:,} tokens, max concurrency "
+        f"{summary.max_concurrency:.2f}x at {summary.max_model_len:,} tokens"
+    )
+    if summary.auto_fit_max_model_len is not None:
+        lines.append(f"    auto-fit max_model_len: {summary.auto_fit_max_model_len:,} tokens")
+    lines.append("  estimated (per worker):")
+    if inputs.non_kv_given:
+        lines.append(f"    non-KV memory (given): {_gib(inputs.non_kv_bytes)}")
+    else:
+        assert inputs.weights is not None and inputs.overhead is not None
+        weights = inputs.weights
+        lines.append(
+            f"    weights: {_gib(weights.bytes_per_worker)} ({weights.params.total / 1e9:,.2f}B "
+            f"params, {weights.quantization if weights.quantization != 'none' else 'unquantized'})"
+        )
+        overhead = inputs.overhead
+        lines.append(
+            f"    activations + runtime: {_gib(overhead.total_bytes)} ({overhead.formula}); "
+            "override with --non-kv-bytes"
+        )
+    if gpu is not None:
+        kind = "driver figure" if gpu.measured else "vendor capacity, not the driver's figure"
+        lines.append(
+            f"  device: {gpu.name} {gpu.total_memory_bytes:,} B ({kind}; source: {gpu.source})"
+        )
+    return "\n".join(lines)
+
+
+Planner = Callable[[plan_pb2.PlanRequest], plan_pb2.PlanResponse]
+
+
+def plan_model(
+    config: HFConfig, options: ModelPlanOptions, planner: Planner
+) -> tuple[plan_pb2.PlanResponse, CapacitySummary, ModelPlanInputs]:
+    request, inputs = build_plan_request(config, options)
+    response = planner(request)
+    fitted: plan_pb2.PlanResponse | None = None
+    if request.options.max_model_len != -1:
+        try:
+            fitted = planner(auto_fit_request(request))
+        except Exception:
+            fitted = None
+    pages = state_pages_per_request(inputs.layers)
+    return response, summarize(response, fitted, pages), inputs
+
+
+def gpu_or_size(text: str) -> GpuModel:
+    """A catalog GPU, or a device of the given size (`96GiB`) for anything else."""
+    try:
+        return lookup_gpu(text)
+    except UnknownGpu:
+        try:
+            size = parse_size(text)
+        except argparse.ArgumentTypeError:
+            known = ", ".join(gpu.name for gpu in CATALOG)
+            raise UnknownGpu(
+                f"unknown GPU {text!r}; known: {known} (or a size such as 96GiB)"
+            ) from None
+        return GpuModel(text.strip(), size, True, "given on the command line")
+
+
+def resolve_gpu(name: str | None) -> GpuModel | None:
+    return lookup_gpu(name) if name else None
+
+
+def capacity_rows(
+    config: HFConfig,
+    options: ModelPlanOptions,
+    gpus: Sequence[GpuModel],
+    tps: Sequence[int],
+    planner: Planner,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[dict[str, Any]]:
+    from kvplan.core.errors import PlanningError
+
+    rows: list[dict[str, Any]] = []
+    total = len(gpus) * len(tps)
+    for gpu in gpus:
+        for tp in tps:
+            step = replace(
+                options, tensor_parallel_size=tp, gpu_memory_bytes=gpu.total_memory_bytes
+            )
+            row: dict[str, Any] = {"gpu": gpu.name, "tp": tp}
+            try:
+                _, summary, inputs = plan_model(config, step, planner)
+                row.update(
+                    status="ok",
+                    non_kv_bytes_per_worker=inputs.non_kv_bytes,
+                    kv_budget_bytes=summary.available_kv_bytes,
+                    kv_bytes_per_token=summary.kv_bytes_per_token,
+                    state_bytes_per_request=summary.state_bytes_per_request,
+                    num_blocks=summary.num_blocks,
+                    kv_cache_tokens=summary.kv_cache_tokens,
+                    max_concurrency=round(summary.max_concurrency, 2),
+                    max_model_len=summary.max_model_len,
+                    auto_fit_max_model_len=summary.auto_fit_max_model_len,
+                )
+            except (PlanningError, ModelConfigError) as error:
+                message = getattr(error, "message", str(error))
+                row.update(status="error", error=message)
+            rows.append(row)
+            if progress is not None:
+                progress(len(rows), total, f"{gpu.name} tp={tp}")
+    return rows
+
+
+_COLUMNS = (
+    ("gpu", "GPU"),
+    ("tp", "TP"),
+    ("non_kv_bytes_per_worker", "non-KV/worker"),
+    ("kv_budget_bytes", "KV budget"),
+    ("kv_cache_tokens", "tokens"),
+    ("max_concurrency", "concurrency"),
+    ("auto_fit_max_model_len", "auto-fit len"),
+)
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    def cell(row: dict[str, Any], key: str) -> str:
+        if row.get("status") == "error" and key not in ("gpu", "tp"):
+            return "-"
+        value = row.get(key)
+        if key.endswith("bytes") or key.endswith("_per_worker"):
+            return _gib(int(value or 0))
+        if isinstance(value, float):
+            return f"{value:.2f}x"
+        if isinstance(value, int):
+            return f"{value:,}"
+        return str(value)
+
+    table = [[title for _, title in _COLUMNS]]
+    table += [[cell(row, key) for key, _ in _COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
+    out = [
+        "  ".join(text.rjust(width) for text, width in zip(line, widths, strict=True))
+        for line in table
+    ]
+    for row in rows:
+        if row.get("status") == "error":
+            out.append(f"{row['gpu']} tp={row['tp']}: {row['error']}")
+    return "\n".join(out)
+
+
+def format_csv(rows: Sequence[dict[str, Any]]) -> str:
+    keys = list(dict.fromkeys(key for row in rows for key in row))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=keys, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def render_svg(rows: Sequence[dict[str, Any]], title: str) -> str:
+    """Two panels (tokens, concurrency) against TP, one line per GPU; plain SVG."""
+    palette = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
+    gpus = list(dict.fromkeys(row["gpu"] for row in rows))
+    tps = sorted({row["tp"] for row in rows})
+    width, height, pad = 420, 300, 50
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * width}" height="{height + 60}" '
+        'font-family="sans-serif" font-size="11">',
+        f'<text x="{width}" y="16" text-anchor="middle" font-size="13">{_escape(title)}</text>',
+    ]
+    for panel, (key, label) in enumerate(
+        (("kv_cache_tokens", "KV cache tokens"), ("max_concurrency", "max concurrency (x)"))
+    ):
+        x0 = panel * width + pad
+        y0, y1 = 30, height - pad + 30
+        values = [float(row[key]) for row in rows if row.get("status") == "ok"]
+        top = max(values, default=1.0) or 1.0
+        parts.append(
+            f'<text x="{x0 + (width - 2 * pad) / 2}" y="{y1 + 35}" text-anchor="middle">'
+            f"tensor-parallel size</text>"
+        )
+        parts.append(f'<text x="{x0}" y="{y0 - 4}">{label} (max {top:,.0f})</text>')
+        parts.append(
+            f'<line x1="{x0}" y1="{y1}" x2="{x0 + width - 2 * pad}" y2="{y1}" stroke="#000"/>'
+        )
+        parts.append(f'<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{y1}" stroke="#000"/>')
+        span = max(len(tps) - 1, 1)
+        for index, tp in enumerate(tps):
+            x = x0 + index * (width - 2 * pad) / span
+            parts.append(f'<text x="{x}" y="{y1 + 14}" text-anchor="middle">{tp}</text>')
+        for color, gpu in zip(palette * 4, gpus, strict=False):
+            points = []
+            for row in rows:
+                if row["gpu"] != gpu or row.get("status") != "ok":
+                    continue
+                x = x0 + tps.index(row["tp"]) * (width - 2 * pad) / span
+                y = y1 - (float(row[key]) / top) * (y1 - y0)
+                points.append(f"{x:.1f},{y:.1f}")
+            if points:
+                parts.append(
+                    f'<polyline fill="none" stroke="{color}" stroke-width="2" '
+                    f'points="{" ".join(points)}"/>'
+                )
+                for point in points:
+                    cx, cy = point.split(",")
+                    parts.append(f'<circle cx="{cx}" cy="{cy}" r="3" fill="{color}"/>')
+    for index, (color, gpu) in enumerate(zip(palette * 4, gpus, strict=False)):
+        y = height + 45
+        x = 60 + index * 130
+        parts.append(f'<rect x="{x}" y="{y - 9}" width="10" height="10" fill="{color}"/>')
+        parts.append(f'<text x="{x + 14}" y="{y}">{_escape(gpu)}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _local_planner(request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
+    from kvplan.convert import plan_from_proto
+
+    return plan_from_proto(request)
+
+
+def capacity_command(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.model)
+        gpus = [gpu_or_size(name) for name in args.gpu.split(",") if name.strip()]
+        tps = [int(value) for value in args.tp.split(",") if value.strip()]
+        if not tps or min(tps) < 1:
+            raise ModelConfigError(f"--tp {args.tp!r}: expected positive integers, e.g. 1,2,4,8")
+        options = options_from_args(args)
+        if args.chart and not args.chart.lower().endswith(".svg"):
+            raise ModelConfigError(f"--chart {args.chart}: kvplan writes SVG charts (name.svg)")
+    except (ModelConfigError, UnknownGpu, ValueError) as error:
+        print(
+            f"error: {error.args[0] if isinstance(error, UnknownGpu) else error}", file=sys.stderr
+        )
+        return 2
+    total = len(gpus) * len(tps)
+    show_progress = (
+        total > 4 and not (args.json or args.csv) and sys.stderr.isatty()
+    ) or args.progress
+
+    def progress(done: int, count: int, what: str) -> None:
+        print(f"\r[{done}/{count}] {what}   ", end="" if done < count else "\n", file=sys.stderr)
+
+    rows = capacity_rows(
+        config, options, gpus, tps, _local_planner, progress if show_progress else None
+    )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    elif args.csv:
+        print(format_csv(rows), end="")
+    else:
+        print(format_table(rows))
+    if args.chart:
+        title = f"{args.model}: max_model_len {rows[0].get('max_model_len', '-')}"
+        with open(args.chart, "w") as chart:
+            chart.write(render_svg(rows, title))
+        print(f"chart written to {args.chart}", file=sys.stderr)
+    return 0 if all(row["status"] == "ok" for row in rows) else 4
+
+
+def add_capacity_parser(commands: Any) -> None:
+    capacity = commands.add_parser(
+        "capacity",
+        help="sweep GPUs x TP sizes for a model config: tokens and concurrency",
+    )
+    add_model_options(capacity, sweep=True)
+    output = capacity.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="rows as JSON")
+    output.add_argument("--csv", action="store_true", help="rows as CSV")
+    capacity.add_argument("--chart", help="write an SVG chart (tokens, concurrency vs TP)")
+    capacity.add_argument("--progress", action="store_true", help="always show progress")

@@ -1,0 +1,286 @@
+"""A PlanRequest built from a model config, and the capacity answer read off the plan.
+
+`build_plan_request` is what both the CLI (in-process planning) and the thin client
+(planning on a server) use, so the two plan exactly the same request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvplan.gpus import UnknownGpu, lookup_gpu
+from kvplan.models.config import HFConfig, ModelConfigError
+from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
+from kvplan.models.weights import (
+    OverheadEstimate,
+    WeightEstimate,
+    estimate_overhead,
+    estimate_weights,
+)
+from kvplan.v1 import plan_pb2, spec_pb2
+
+DEFAULT_UTILIZATION = 0.92  # vLLM 0.33's default gpu_memory_utilization
+GIB = 1 << 30
+
+
+def serve_defaults(total_memory_bytes: int | None, gpu_name: str = "") -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) `vllm serve` 0.33 picks on a CUDA / ROCm
+    device of this size when none is given: 16384 / 1024 from 160 GiB, 8192 / 1024 from
+    70 GiB except A100s, else 2048 / 256."""
+    if total_memory_bytes is None:
+        return 8192, 1024
+    if total_memory_bytes >= 160 * GIB:
+        return 16384, 1024
+    if total_memory_bytes >= 70 * GIB and "a100" not in gpu_name.lower():
+        return 8192, 1024
+    return 2048, 256
+
+
+@dataclass(frozen=True)
+class ModelPlanOptions:
+    """One deployment of a model: the CLI flags and the client helper's arguments."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    max_model_len: int | None = None  # None: the model's own maximum; -1: auto-fit
+    gpu: str | None = None  # catalog name (resolved by the planner's name table)
+    gpu_memory_bytes: int | None = None
+    gpu_memory_utilization: float = DEFAULT_UTILIZATION
+    kv_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"  # vLLM's --mamba-ssm-cache-dtype
+    speculative: Speculative | None = None
+    block_size: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None  # None: vllm serve's default for the device
+    non_kv_bytes: int | None = None  # measured non-KV memory per worker; None: estimate
+    engine_id: str = ""
+
+
+@dataclass(frozen=True)
+class ModelPlanInputs:
+    """What the request was built from, with every estimate it contains."""
+
+    layers: ModelLayers
+    weights: WeightEstimate | None
+    overhead: OverheadEstimate | None
+    non_kv_bytes: int
+    non_kv_given: bool
+    notes: tuple[str, ...] = field(default=())
+
+
+def parse_speculative(text: str, draft_config: HFConfig | None = None) -> Speculative:
+    """`mtp:1` -> Speculative("mtp", 1); `eagle3:3` with the drafter's config."""
+    method, _, tokens = text.partition(":")
+    if not method or not tokens.isdigit() or int(tokens) < 1:
+        raise ModelConfigError(
+            f"speculative setting {text!r}: expected METHOD:TOKENS, e.g. mtp:1 or eagle3:3"
+        )
+    return Speculative(method.strip().lower(), int(tokens), draft_config)
+
+
+def build_plan_request(
+    config: HFConfig, options: ModelPlanOptions
+) -> tuple[plan_pb2.PlanRequest, ModelPlanInputs]:
+    tp = options.tensor_parallel_size
+    pp = options.pipeline_parallel_size
+    if pp < 1:
+        raise ModelConfigError("pipeline_parallel_size must be >= 1")
+    max_len_for_mamba = options.max_model_len if (options.max_model_len or 0) > 0 else None
+    device_name, device_bytes = options.gpu or "", options.gpu_memory_bytes
+    if options.gpu and device_bytes is None:
+        # The catalog's driver figure travels with the name, so a server plans with the
+        # same total as the CLI (DeviceRef.total_memory_bytes wins over its name table).
+        try:
+            gpu = lookup_gpu(options.gpu)
+        except UnknownGpu as error:
+            raise ModelConfigError(str(error.args[0])) from None
+        device_name, device_bytes = gpu.name, gpu.total_memory_bytes
+    batched_default, max_num_seqs = serve_defaults(device_bytes, device_name)
+    batched = options.max_num_batched_tokens or batched_default
+    layers = import_layers(
+        config,
+        Deployment(
+            tensor_parallel_size=tp,
+            kv_cache_dtype=options.kv_cache_dtype,
+            block_size=options.block_size,
+            enable_prefix_caching=options.enable_prefix_caching,
+            speculative=options.speculative,
+            mamba_ssm_cache_dtype=options.mamba_ssm_cache_dtype,
+            max_model_len=max_len_for_mamba,
+        ),
+    )
+    weights: WeightEstimate | None = None
+    overhead: OverheadEstimate | None = None
+    if options.non_kv_bytes is not None:
+        non_kv = plan_pb2.NonKVMemory(weights_bytes=options.non_kv_bytes)
+        total_non_kv = options.non_kv_bytes
+    else:
+        weights = estimate_weights(config, layers, tp * pp)
+        overhead = estimate_overhead(config, layers, tp, batched, max_num_seqs)
+        non_kv = plan_pb2.NonKVMemory(
+            weights_bytes=weights.bytes_per_worker,
+            activation_peak_bytes=overhead.activation_peak_bytes,
+            non_torch_bytes=overhead.non_torch_bytes,
+        )
+        total_non_kv = weights.bytes_per_worker + overhead.total_bytes
+    max_model_len = options.max_model_len or layers.derived_max_model_len
+    if max_model_len > layers.derived_max_model_len:
+        raise ModelConfigError(
+            f"max_model_len {max_model_len:,} exceeds the model's maximum "
+            f"{layers.derived_max_model_len:,} (vLLM refuses it too)"
+        )
+    request = plan_pb2.PlanRequest(engine_id=options.engine_id or layers.model_type or "model")
+    opts = request.options
+    opts.max_model_len = max_model_len
+    opts.derived_max_model_len = layers.derived_max_model_len
+    opts.block_size = layers.block_size
+    opts.model_dtype = layers.model_dtype.proto  # type: ignore[assignment]
+    opts.cache_dtype = spec_pb2.KVCacheDtype.Value(
+        f"KV_CACHE_DTYPE_{options.kv_cache_dtype.upper()}"
+    )
+    opts.max_num_batched_tokens = batched
+    opts.parallel.tensor_parallel_size = tp
+    if pp > 1:
+        opts.parallel.pipeline_parallel_size = pp
+    # vLLM turns prefix caching off for encoder-decoder models and sizes the
+    # cross-attention cache by max_num_encoder_input_tokens = max_num_batched_tokens.
+    opts.enable_prefix_caching = options.enable_prefix_caching and not layers.encoder_decoder
+    if layers.encoder_decoder:
+        opts.max_num_encoder_input_tokens = batched
+    if layers.mamba_cache_mode == "align":
+        opts.mamba_cache_mode = plan_pb2.MAMBA_CACHE_MODE_ALIGN
+    if options.speculative is not None:
+        spec = request.spec_decode
+        spec.method = plan_pb2.SpecDecodeMethod.Value(
+            f"SPEC_DECODE_METHOD_{options.speculative.method.upper()}"
+        )
+        spec.num_speculative_tokens = options.speculative.num_speculative_tokens
+        spec.target_model_type = layers.model_type
+        if options.speculative.method == "mtp":
+            spec.num_nextn_predict_layers = max(layers.num_nextn_predict_layers, 1)
+    stages = [[layer.to_proto() for layer in layers.stage_layers(stage, pp)] for stage in range(pp)]
+    for rank in range(tp * pp):
+        worker = request.workers.add(rank=rank)
+        worker.layers.extend(stages[rank // tp])  # ranks: TP innermost, then PP stage
+        if device_name:
+            worker.device.name = device_name
+        if device_bytes is not None:
+            worker.device.total_memory_bytes = device_bytes
+        worker.memory.gpu_memory_utilization = options.gpu_memory_utilization
+        worker.memory.non_kv.CopyFrom(non_kv)
+    inputs = ModelPlanInputs(
+        layers=layers,
+        weights=weights,
+        overhead=overhead,
+        non_kv_bytes=total_non_kv,
+        non_kv_given=options.non_kv_bytes is not None,
+        notes=layers.notes,
+    )
+    return request, inputs
+
+
+def auto_fit_request(request: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:
+    """The same request asking for the longest max_model_len the memory allows."""
+    fitted = plan_pb2.PlanRequest()
+    fitted.CopyFrom(request)
+    fitted.options.max_model_len = -1
+    return fitted
+
+
+@dataclass(frozen=True)
+class GroupCapacity:
+    group_id: int
+    kind: str
+    layers: int
+    block_size: int
+    page_size_bytes: int
+    per_token_bytes: int | None  # None for state (Mamba-style) groups: per request
+    is_draft: bool
+    window: int | None = None  # sliding window / attention chunk: tokens held at most
+
+
+@dataclass(frozen=True)
+class CapacitySummary:
+    groups: tuple[GroupCapacity, ...]
+    kv_bytes_per_token: int  # all token-proportional groups of one worker
+    state_bytes_per_request: int  # all Mamba-style layers of one worker, pages it holds
+    needed_per_request_bytes: int  # blocks one max_model_len request holds, all groups
+    num_blocks: int
+    kv_cache_tokens: int
+    max_concurrency: float
+    max_model_len: int
+    available_kv_bytes: int
+    auto_fit_max_model_len: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {key: value for key, value in self.__dict__.items() if key != "groups"}
+        out["groups"] = [group.__dict__ for group in self.groups]
+        return out
+
+
+def state_pages_per_request(layers: ModelLayers) -> int:
+    """Pages one request holds in each Mamba-style layer (vLLM's per-mode rule)."""
+    states = [layer for layer in layers.layers if layer.is_state]
+    if not states:
+        return 0
+    fixed = 2 if layers.mamba_cache_mode == "align" else 1
+    return fixed + states[0].num_speculative_blocks
+
+
+def summarize(
+    response: plan_pb2.PlanResponse,
+    auto_fit: plan_pb2.PlanResponse | None = None,
+    state_pages_per_request: int = 1,
+) -> CapacitySummary:
+    groups: list[GroupCapacity] = []
+    per_token = per_request = 0
+    for group in response.groups:
+        kind = group.spec.WhichOneof("kind") or "-"
+        # A uniform-type group's page already covers all its layers; otherwise the page
+        # is one layer's and every layer of the group holds its own.
+        group_page = group.page_size_bytes * (1 if group.uniform_type else len(group.layer_names))
+        if kind == "mamba":
+            token_bytes = None
+            per_request += group_page * state_pages_per_request
+        else:
+            token_bytes = group_page // group.block_size
+            per_token += token_bytes
+        window: int | None = None
+        if kind == "sliding_window":
+            window = group.spec.sliding_window.sliding_window
+        elif kind == "chunked_local_attention":
+            window = group.spec.chunked_local_attention.attention_chunk_size
+        groups.append(
+            GroupCapacity(
+                group.group_id,
+                kind,
+                len(group.layer_names),
+                group.block_size,
+                group.page_size_bytes,
+                token_bytes,
+                group.is_draft,
+                window,
+            )
+        )
+    worker = response.workers[0]
+    return CapacitySummary(
+        groups=tuple(groups),
+        kv_bytes_per_token=per_token,
+        state_bytes_per_request=per_request,
+        needed_per_request_bytes=worker.budget.needed_per_request_bytes,
+        num_blocks=response.num_blocks,
+        kv_cache_tokens=worker.kv_cache_size_tokens,
+        max_concurrency=worker.max_concurrency,
+        max_model_len=response.max_model_len,
+        available_kv_bytes=worker.budget.available_bytes,
+        auto_fit_max_model_len=auto_fit.max_model_len if auto_fit is not None else None,
+    )
+
+
+def with_tp(options: ModelPlanOptions, tp: int) -> ModelPlanOptions:
+    return replace(options, tensor_parallel_size=tp)
+
+
+def mamba_layer_count(layers: ModelLayers) -> int:
+    return sum(1 for layer in layers.layers if layer.is_state)

@@ -1,0 +1,277 @@
+"""Memory outside the KV cache, estimated from the config (stated as estimates).
+
+Weights: a parameter count by architecture (embeddings, attention / MLA / Mamba / GDN
+projections, dense or MoE MLPs, MTP modules) times bytes per parameter for the
+checkpoint's quantization, divided over tensor-parallel ranks (vocab-parallel embeddings
+and sharded projections; norms and routers are negligible and counted once).
+
+Runtime overhead: the profiling run's activation peak plus non-torch memory, with the
+formula in `OVERHEAD_FORMULA`; pass `--non-kv-bytes` for a measured figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvplan.models.config import HFConfig, ModelConfigError
+from kvplan.models.importer import ModelLayers, text_config
+
+GIB = 1 << 30
+NON_TORCH_BYTES = GIB  # CUDA context, cuBLAS/NCCL workspaces: vLLM logs ~0.5-1.5 GiB
+OVERHEAD_FORMULA = (
+    "activation_peak = max_num_batched_tokens x (4 x hidden + 2 x ffn_per_rank) x act_bytes"
+    " + max_num_seqs x vocab x 4 (sampler logits);  non_torch = 1 GiB"
+)
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    embedding: int  # embeddings + lm head
+    attention: int
+    mlp: int  # dense MLPs and routed / shared experts
+    state_space: int  # Mamba / GDN mixers
+    draft: int  # MTP modules
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.attention + self.mlp + self.state_space + self.draft
+
+
+@dataclass(frozen=True)
+class WeightEstimate:
+    params: ParamCount
+    quantization: str  # "none", "fp8", "awq-int4", "gptq-int4", "mxfp4"
+    bytes_total: int
+    bytes_per_worker: int
+
+
+@dataclass(frozen=True)
+class OverheadEstimate:
+    activation_peak_bytes: int
+    non_torch_bytes: int
+    formula: str = OVERHEAD_FORMULA
+
+    @property
+    def total_bytes(self) -> int:
+        return self.activation_peak_bytes + self.non_torch_bytes
+
+
+def _attention_params(c: HFConfig) -> int:
+    hidden = c.integer("hidden_size")
+    heads = c.integer("num_attention_heads")
+    if c.has("kv_lora_rank"):  # MLA
+        nope = c.integer("qk_nope_head_dim")
+        rope = c.integer("qk_rope_head_dim")
+        v_dim = c.integer("v_head_dim")
+        latent = c.integer("kv_lora_rank")
+        q_rank = c.opt_integer("q_lora_rank")
+        q = (
+            hidden * heads * (nope + rope)
+            if q_rank is None
+            else hidden * q_rank + q_rank * heads * (nope + rope)
+        )
+        return (
+            q + hidden * (latent + rope) + latent * heads * (nope + v_dim) + heads * v_dim * hidden
+        )
+    head_dim = c.integer("head_dim") if c.has("head_dim") else hidden // heads
+    kv_heads = c.integer("num_key_value_heads") if c.has("num_key_value_heads") else heads
+    return hidden * head_dim * (2 * heads + 2 * kv_heads)
+
+
+def _mlp_params(c: HFConfig, layer: int) -> int:
+    hidden = c.integer("hidden_size")
+    experts = next(
+        (
+            c.integer(k)
+            for k in ("n_routed_experts", "num_local_experts", "num_experts")
+            if c.has(k)
+        ),
+        0,
+    )
+    if c.has("interleave_moe_layer_step"):  # Llama 4: MoE layers + a shared expert
+        step = c.integer("interleave_moe_layer_step", minimum=0)
+        if step == 0 or (layer + 1) % step:
+            return 3 * hidden * c.integer("intermediate_size_mlp")
+        expert_size = c.integer("intermediate_size")
+        return (experts + 1) * 3 * hidden * expert_size + hidden * experts
+    dense_first = c.integer("first_k_dense_replace", 0, minimum=0)
+    if c.has("expert_layer_period"):  # Jamba: experts every period-th layer from offset
+        period = c.integer("expert_layer_period")
+        if layer % period != c.integer("expert_layer_offset", 0, minimum=0):
+            experts = 0
+    if experts and layer >= dense_first:
+        expert_size = (
+            c.integer("moe_intermediate_size")
+            if c.has("moe_intermediate_size")
+            else c.integer("intermediate_size")
+        )
+        shared = 0
+        if c.has("n_shared_experts"):
+            shared = c.integer("n_shared_experts", minimum=0) * 3 * hidden * expert_size
+        elif c.has("shared_expert_intermediate_size"):
+            shared = 3 * hidden * c.integer("shared_expert_intermediate_size")
+        return experts * 3 * hidden * expert_size + shared + hidden * experts
+    return 3 * hidden * c.integer("intermediate_size")
+
+
+def _state_params(c: HFConfig, kind: str) -> int:
+    hidden = c.integer("hidden_size")
+    if kind == "GDN_ATTENTION":
+        k = c.integer("linear_num_key_heads") * c.integer("linear_key_head_dim")
+        v = c.integer("linear_num_value_heads") * c.integer("linear_value_head_dim")
+        return (
+            hidden * (2 * k + 2 * v) + hidden * 2 * c.integer("linear_num_value_heads") + v * hidden
+        )
+    if kind == "MAMBA1":
+        inner = c.integer("mamba_expand") * hidden
+        rank = c.integer("mamba_dt_rank") if c.has("mamba_dt_rank") else -(-hidden // 16)
+        state = c.integer("mamba_d_state")
+        return (
+            hidden * 2 * inner
+            + inner * (rank + 2 * state)
+            + rank * inner
+            + inner * state
+            + inner * hidden
+        )
+    inner = c.integer("mamba_num_heads") * c.integer("mamba_head_dim")
+    groups = c.integer("n_groups")
+    state = c.integer("ssm_state_size")
+    in_proj = hidden * (2 * inner + 2 * groups * state + c.integer("mamba_num_heads"))
+    return in_proj + inner * hidden
+
+
+def _whisper_params(c: HFConfig) -> ParamCount:
+    d = c.integer("d_model")
+    encoder = c.integer("encoder_layers") * (4 * d * d + 2 * d * c.integer("encoder_ffn_dim"))
+    encoder += 3 * d * (c.integer("num_mel_bins") + d)  # the two conv stem layers
+    decoder = c.integer("decoder_layers") * (8 * d * d + 2 * d * c.integer("decoder_ffn_dim"))
+    positions = (c.integer("max_source_positions") + c.integer("max_target_positions")) * d
+    embedding = c.integer("vocab_size") * d + positions  # the output projection is tied
+    # Encoder and decoder blocks (attention and MLP together) are counted as attention.
+    return ParamCount(embedding, encoder + decoder, mlp=0, state_space=0, draft=0)
+
+
+def count_params(config: HFConfig, layers: ModelLayers) -> ParamCount:
+    c = text_config(config, layers.architecture)
+    if layers.encoder_decoder:
+        return _whisper_params(c)
+    hidden = c.integer("hidden_size")
+    vocab = c.integer("vocab_size")
+    tied = c.flag("tie_word_embeddings", False)
+    embedding = vocab * hidden * (1 if tied else 2)
+    attention = mlp = state = draft = 0
+    count = c.integer("num_hidden_layers")
+    mamba_kinds = [layer.mamba_type for layer in layers.layers if layer.is_state]
+    mamba_kind = mamba_kinds[0] if mamba_kinds else ""
+    attention_layers = sum(
+        1 for layer in layers.layers if not layer.is_draft and not layer.is_state
+    )
+    attention = attention_layers * _attention_params(c)
+    state = len(mamba_kinds) * _state_params(c, mamba_kind) if mamba_kinds else 0
+    pattern = c.text("hybrid_override_pattern", "") if c.has("hybrid_override_pattern") else ""
+    for index in range(count):
+        if pattern:
+            if pattern[index] in "-E":
+                mlp += (
+                    _mlp_params(c, index)
+                    if pattern[index] == "E"
+                    else 3 * hidden * c.integer("intermediate_size") * 2 // 3
+                )
+            continue
+        mlp += _mlp_params(c, index)
+    nextn = layers.num_nextn_predict_layers
+    if nextn:
+        draft = nextn * (_attention_params(c) + _mlp_params(c, count) + 2 * hidden * hidden)
+    return ParamCount(embedding, attention, mlp, state, draft)
+
+
+_INT4_BYTES = 0.5 + 4 / 128  # 4-bit weights + an fp16 scale and zero per 128-group
+
+
+def _quantization(config: HFConfig) -> tuple[str, float, bool]:
+    """(name, bytes per quantized parameter, experts only)."""
+    quant = config.sub("quantization_config")
+    if quant is None:
+        return ("none", 0.0, False)
+    method = quant.text("quant_method")
+    if method == "fp8":
+        return ("fp8", 1 + 4 / (128 * 128), False)
+    if method in ("awq", "gptq"):
+        bits = quant.integer("bits", 4)
+        if bits != 4:
+            raise ModelConfigError(
+                f"only 4-bit {method} is supported, got {bits}", quant._where("bits")
+            )
+        return (f"{method}-int4", _INT4_BYTES, False)
+    if method == "mxfp4":
+        return ("mxfp4", 0.5 + 1 / 32, True)  # e2m1 pairs + one e8m0 scale per 32
+    if method == "compressed-tensors":
+        return _compressed_tensors(quant)
+    raise ModelConfigError(
+        f"quantization {method!r} is not supported by the weight estimate (fp8, awq, gptq, "
+        "mxfp4, compressed-tensors); pass --non-kv-bytes",
+        quant._where("quant_method"),
+    )
+
+
+def _compressed_tensors(quant: HFConfig) -> tuple[str, float, bool]:
+    """compressed-tensors: every config group's weights must share one bit width; a
+    grouped scheme adds a 2-byte scale per `group_size` weights."""
+    groups = quant.sub("config_groups")
+    if groups is None or not groups.data:
+        raise ModelConfigError("required for compressed-tensors", quant._where("config_groups"))
+    schemes: set[tuple[int, int | None]] = set()
+    for name in groups.data:
+        group = groups.sub(name)
+        weights = group.sub("weights") if group is not None else None
+        if weights is None:
+            raise ModelConfigError("required field is missing", groups._where(f"{name}.weights"))
+        bits = weights.integer("num_bits")
+        if bits not in (4, 8):
+            raise ModelConfigError(f"only 4- and 8-bit weights are estimated, got {bits}",
+                                   weights._where("num_bits"))  # fmt: skip
+        schemes.add((bits, weights.opt_integer("group_size")))
+    if len(schemes) != 1:
+        raise ModelConfigError(
+            f"groups quantize weights differently ({sorted(schemes, key=str)}); pass "
+            "--non-kv-bytes",
+            quant._where("config_groups"),
+        )
+    bits, group_size = schemes.pop()
+    scale = 2 / group_size if group_size else 0.0
+    return (f"compressed-tensors-w{bits}", bits / 8 + scale, False)
+
+
+def estimate_weights(
+    config: HFConfig, layers: ModelLayers, tensor_parallel_size: int
+) -> WeightEstimate:
+    params = count_params(config, layers)
+    dtype_bytes = layers.model_dtype.size_bytes
+    name, quant_bytes, experts_only = _quantization(config)
+    if name == "none":
+        total = params.total * dtype_bytes
+    elif experts_only:
+        total = int((params.total - params.mlp) * dtype_bytes + params.mlp * quant_bytes)
+    else:
+        # Embeddings and the lm head stay in the model dtype.
+        quantized = params.total - params.embedding
+        total = int(params.embedding * dtype_bytes + quantized * quant_bytes)
+    return WeightEstimate(params, name, total, -(-total // tensor_parallel_size))
+
+
+def estimate_overhead(
+    config: HFConfig,
+    layers: ModelLayers,
+    tensor_parallel_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int = 256,
+) -> OverheadEstimate:
+    c = text_config(config, layers.architecture)
+    hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
+    ffn_keys = ("intermediate_size", "moe_intermediate_size", "decoder_ffn_dim")
+    present = [c.integer(key) for key in ffn_keys if c.has(key)]
+    ffn = max(present) if present else 4 * hidden
+    act_bytes = layers.model_dtype.size_bytes
+    activation = max_num_batched_tokens * (4 * hidden + 2 * ffn // tensor_parallel_size) * act_bytes
+    activation += max_num_seqs * c.integer("vocab_size") * 4
+    return OverheadEstimate(activation, NON_TORCH_BYTES)

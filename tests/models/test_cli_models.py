@@ -1,0 +1,232 @@
+"""`kvplan plan --model` on every shipped config, and `kvplan capacity`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvplan.cli import main
+from kvplan.gpus import CATALOG, lookup_gpu
+from kvplan.models.cli import parse_fraction, parse_size, parse_tokens
+
+MODELS = Path(__file__).parents[2] / "examples" / "models"
+SHIPPED = sorted(path.name for path in MODELS.iterdir() if path.is_dir())
+
+
+@pytest.mark.parametrize("model", SHIPPED)
+def test_plan_every_shipped_config(model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    length = 448 if model.startswith("whisper") else 4096  # Whisper's decoder: 448 positions
+    args = ["plan", "--model", str(MODELS / model), "--gpu", "B200-180GB", "--tp", "2"]
+    args += ["--max-model-len", str(length), "--gpu-memory-utilization", "90%"]
+    args += ["--non-kv-bytes", "20GiB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "capacity of" in out and "non-KV memory (given): 20.00 GiB" in out
+    assert main([*args, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    budget = plan["workers"][0]["budget"]
+    assert int(budget["non_kv_bytes"]) == 20 * 2**30
+    assert int(budget["requested_bytes"]) == -(-lookup_gpu("B200").total_memory_bytes * 9 // 10)
+    assert plan["capacity"]["max_model_len"] == length
+
+
+def test_plan_llama_capacity_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
+    # H100 80GB: 81,559 MiB; utilization 0.9; 20 GiB non-KV; 32 layers x 8 heads x 128 x
+    # (K+V) x 2 B = 131,072 B per token = 2 MiB per 16-token block.
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100-80GB"]
+    args += ["--max-model-len", "8k", "--gpu-memory-utilization", "0.9", "--non-kv-bytes", "20GiB"]
+    assert main([*args, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    available = -(-81_559 * 2**20 * 9 // 10) - 20 * 2**30
+    blocks = available // (32 * 65_536)
+    capacity = plan["capacity"]
+    assert capacity["kv_bytes_per_token"] == 131_072
+    assert capacity["num_blocks"] == blocks
+    assert capacity["kv_cache_tokens"] == blocks * 16
+    assert capacity["max_concurrency"] == pytest.approx(blocks / 512)
+
+
+def test_estimated_non_kv_is_stated(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", str(MODELS / "deepseek-v3"), "--gpu", "H200", "--tp", "8"]
+    assert main([*args, "--speculative", "mtp:1", "--max-model-len", "32k"]) == 0
+    out = capsys.readouterr().out
+    assert "weights:" in out and "fp8" in out and "activation_peak =" in out
+    assert "mla_attention (drafter): 62 layers, 71,424 B per token" in out
+
+
+def test_capacity_sweep_table_json_csv_chart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100-80GB,H200"]
+    base += ["--tp", "1,2", "--max-model-len", "32k"]
+    chart = tmp_path / "chart.svg"
+    assert main([*base, "--chart", str(chart)]) == 0
+    table = capsys.readouterr().out
+    assert "H200-141GB" in table and "concurrency" in table
+    assert chart.read_text().startswith("<svg") and "polyline" in chart.read_text()
+    assert main([*base, "--chart", str(tmp_path / "chart.png")]) == 2
+    assert "writes SVG charts" in capsys.readouterr().err
+    assert main([*base, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(row["gpu"], row["tp"]) for row in rows] == [
+        ("H100-80GB", 1), ("H100-80GB", 2), ("H200-141GB", 1), ("H200-141GB", 2)
+    ]  # fmt: skip
+    # more memory per worker, more tokens; TP 2 halves the weights and the per-token page
+    assert rows[2]["kv_cache_tokens"] > rows[0]["kv_cache_tokens"]
+    assert rows[1]["kv_bytes_per_token"] * 2 == rows[0]["kv_bytes_per_token"] == 131_072
+    assert main([*base, "--csv"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("gpu,tp,") and len(lines) == 5
+
+
+def test_capacity_accepts_sizes_for_unlisted_devices(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100,96GiB"]
+    assert main([*args, "--tp", "1", "--max-model-len", "8k", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["gpu"] for row in rows] == ["H100-80GB", "96GiB"]
+    assert rows[1]["kv_budget_bytes"] > rows[0]["kv_budget_bytes"]
+    assert main([*args[:-1], "Z9", "--tp", "1"]) == 2
+    assert "unknown GPU 'Z9'" in capsys.readouterr().err
+
+
+def test_capacity_reports_models_that_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["capacity", "--model", str(MODELS / "deepseek-v3"), "--gpu", "L4", "--tp", "1"]
+    assert main(args) == 4
+    assert "L4-24GB tp=1:" in capsys.readouterr().out
+
+
+def test_bad_inputs_are_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", str(MODELS / "phi-4"), "--gpu", "H100", "--tp", "8"]) == 2
+    assert "10 KV heads" in capsys.readouterr().err
+    assert main(["plan", "--model", str(MODELS / "phi-4"), "--gpu", "X1"]) == 2
+    assert "unknown GPU" in capsys.readouterr().err
+
+
+def test_max_model_len_beyond_the_model_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", str(MODELS / "phi-4"), "--gpu", "H100", "--max-model-len", "32k"]
+    assert main(args) == 2
+    assert "exceeds the model's maximum 16,384" in capsys.readouterr().err
+
+
+def test_human_sizes() -> None:
+    assert parse_size("80GiB") == 80 * 2**30
+    assert parse_size("81559MiB") == 81_559 * 2**20
+    assert parse_size("24GB") == 24 * 10**9
+    assert parse_tokens("32k") == 32_768 and parse_tokens("auto") == -1
+    assert parse_fraction("0.9") == parse_fraction("90%") == 0.9
+
+
+def test_catalog_covers_the_data_centre_parts_with_sources() -> None:
+    names = {gpu.name for gpu in CATALOG}
+    for part in ("A100-80GB", "H100-80GB", "H100-NVL-94GB", "H200-141GB", "H20-96GB",
+                 "GH200-96GB", "B200-180GB", "B300-288GB", "L40S-48GB", "L4-24GB",
+                 "MI300X-192GB", "MI325X-256GB", "MI355X-288GB"):  # fmt: skip
+        assert part in names
+    assert all(gpu.source for gpu in CATALOG)
+    assert lookup_gpu("h200").total_memory_bytes == 143_771 * 2**20
+
+
+def capacity_of(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    assert main(["plan", "--model", *args, "--json"]) == 0
+    capacity: dict[str, object] = json.loads(capsys.readouterr().out)["capacity"]
+    return capacity
+
+
+def test_docs_worked_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    # gpt-oss-120b TP 2: 18 sliding layers hold cdiv(128 - 1 + 8192, 16) + 1 = 521 blocks,
+    # 18 full layers 2,048 blocks, each block 18 x 16,384 B.
+    gpt = capacity_of(capsys, str(MODELS / "gpt-oss-120b"), "--gpu", "H200", "--tp", "2",
+                      "--max-model-len", "32k")  # fmt: skip
+    assert gpt["needed_per_request_bytes"] == (521 + 2048) * 18 * 16_384 == 757_628_928
+    assert gpt["kv_bytes_per_token"] == 2 * 18 * 1_024
+    # Qwen3-Next TP 4 mtp:1: 36 GDN layers x 278,528 B x (2 + 1) pages; 13 x 1,024 B/token
+    qwen = capacity_of(capsys, str(MODELS / "qwen3-next-80b-a3b"), "--gpu", "H100", "--tp", "4",
+                       "--max-model-len", "32k", "--speculative", "mtp:1")  # fmt: skip
+    assert qwen["state_bytes_per_request"] == 36 * 278_528 * 3 == 30_081_024
+    assert qwen["kv_bytes_per_token"] == 13 * 1_024
+    # Jamba TP 2: 28 Mamba layers x 163,840 B (padded) x 2 pages; 4 x 2,048 B/token
+    jamba = capacity_of(capsys, str(MODELS / "jamba-defaults"), "--gpu", "H100", "--tp", "2",
+                        "--max-model-len", "32k")  # fmt: skip
+    assert jamba["state_bytes_per_request"] == 28 * 163_840 * 2 == 9_175_040
+    assert jamba["kv_bytes_per_token"] == 4 * 2_048
+    # DeepSeek V3 TP 8 mtp:1: 62 MLA layers x 1,152 B per token
+    deepseek = capacity_of(capsys, str(MODELS / "deepseek-v3"), "--gpu", "H200", "--tp", "8",
+                           "--max-model-len", "32k", "--speculative", "mtp:1")  # fmt: skip
+    assert deepseek["kv_bytes_per_token"] == 62 * 1_152 == 71_424
+    assert deepseek["kv_cache_tokens"] == deepseek["num_blocks"] * 64  # type: ignore[operator]
+
+
+def test_mamba_ssm_cache_dtype_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    # float32 recurrent state for Qwen3-Next TP 4: conv (3, 2,048) bf16 = 12,288 B +
+    # (8, 128, 128) fp32 = 524,288 B = 536,576 B; 1,024 B/token attention:
+    # block 16 x cdiv(536,576, 16,384) = 528, state page padded to 540,672 B.
+    args = ["--model", str(MODELS / "qwen3-next-80b-a3b"), "--gpu", "H100", "--tp", "4"]
+    capacity = capacity_of(capsys, *args[1:], "--mamba-ssm-cache-dtype", "float32")
+    assert capacity["state_bytes_per_request"] == 36 * 540_672 * 2
+    assert main(["capacity", *args[:4], "--tp", "4,8", "--progress"]) == 0
+    err = capsys.readouterr().err
+    assert "[1/2] H100-80GB tp=4" in err and "[2/2] H100-80GB tp=8" in err
+
+
+def test_eagle3_drafter_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.models.test_importer import EAGLE3_TEST_DRAFTER
+
+    drafter = tmp_path / "eagle3" / "config.json"
+    drafter.parent.mkdir()
+    drafter.write_text(json.dumps(EAGLE3_TEST_DRAFTER))
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100", "--max-model-len"]
+    args += ["8k", "--speculative", "eagle3:3", "--draft-model", str(drafter.parent), "--json"]
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["groups"][0]["is_draft"] is True  # the drafter's layer shares the group
+    assert plan["capacity"]["kv_bytes_per_token"] == 33 * 8 * 128 * 2 * 2
+    assert main(["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100",
+                 "--draft-model", str(drafter.parent)]) == 2  # fmt: skip
+    assert "--draft-model needs --speculative" in capsys.readouterr().err
+
+
+def test_pipeline_parallel_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100", "--tp", "2"]
+    assert main([*args, "--pp", "2", "--max-model-len", "8k", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [int(worker.get("rank", 0)) for worker in plan["workers"]] == [0, 1, 2, 3]
+    # TP innermost: ranks 0-1 hold layers 0-15, ranks 2-3 layers 16-31
+    layer_names = [name for group in plan["workers"][2]["groups"] for name in group["layer_names"]]
+    assert layer_names[0] == "model.layers.16.self_attn.attn" and len(layer_names) == 16
+
+
+def test_whisper_cross_attention_sized_by_encoder_tokens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # On an L4 vllm serve batches 2,048 tokens, so the encoder side of a 448-token request
+    # holds cdiv(2048, 16) = 128 cross blocks next to 28 self-attention blocks; a block
+    # costs the larger group: 4 layers x 24,576 B (6 heads x 64 x (K+V) x 2 B x 16 tokens).
+    capacity = capacity_of(capsys, str(MODELS / "whisper-tiny-defaults"), "--gpu", "L4")
+    assert capacity["needed_per_request_bytes"] == (28 + 128) * 4 * 24_576
+    capacity = capacity_of(
+        capsys, str(MODELS / "whisper-tiny-defaults"), "--gpu", "L4",
+        "--max-num-batched-tokens", "8k",
+    )  # fmt: skip
+    assert capacity["needed_per_request_bytes"] == (28 + 512) * 4 * 24_576
+
+
+def test_serve_defaults_follow_the_device() -> None:
+    from kvplan.models.request import serve_defaults
+
+    def defaults(name: str) -> tuple[int, int]:
+        gpu = lookup_gpu(name)
+        return serve_defaults(gpu.total_memory_bytes, gpu.name)
+
+    assert defaults("B200") == defaults("MI300X") == (16384, 1024)  # >= 160 GiB
+    assert defaults("H100") == defaults("H200") == defaults("GH200") == (8192, 1024)
+    assert defaults("A100-80GB") == defaults("L40S") == defaults("L4") == (2048, 256)
+
+
+def test_model_plans_refuse_a_release_rule_set(capsys: pytest.CaptureFixture[str]) -> None:
+    """The importer registers layers as vLLM 0.33 does: asking for another release's
+    rules with --model is refused rather than silently ignored."""
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100-80GB"]
+    assert main([*args, "--engine-version", "vllm-0.34"]) == 2
+    assert "--engine-version applies to request files" in capsys.readouterr().err

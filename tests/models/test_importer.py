@@ -1,0 +1,508 @@
+"""The config importer against figures derived by hand from each architecture's
+published definition (head counts, head sizes, state shapes), not from the importer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvplan.convert import request_from_proto
+from kvplan.core.dtypes import StorageDtype
+from kvplan.core.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from kvplan.models import (
+    Deployment,
+    HFConfig,
+    ModelConfigError,
+    Speculative,
+    UnsupportedModel,
+    import_layers,
+    load_config,
+)
+from kvplan.models.importer import ModelLayers
+from kvplan.models.weights import count_params, estimate_weights
+from kvplan.v1 import plan_pb2
+
+MODELS = Path(__file__).parents[2] / "examples" / "models"
+
+
+def domain(layers: ModelLayers) -> list[tuple[str, KVCacheSpec]]:
+    """The imported layers as the planner sees them (through the proto converter)."""
+    request = plan_pb2.PlanRequest(engine_id="import-test")
+    request.options.max_model_len = 4096
+    request.options.block_size = layers.block_size
+    if layers.mamba_cache_mode == "align":
+        request.options.mamba_cache_mode = plan_pb2.MAMBA_CACHE_MODE_ALIGN
+    worker = request.workers.add(rank=0)
+    worker.memory.kv_cache_memory_bytes = 1 << 30
+    worker.layers.extend(layer.to_proto() for layer in layers.layers)
+    return list(request_from_proto(request).workers[0].layers)
+
+
+def layers_of(name: str, **deployment: object) -> list[tuple[str, KVCacheSpec]]:
+    config = load_config(str(MODELS / name / "config.json"))
+    return domain(import_layers(config, Deployment(**deployment)))  # type: ignore[arg-type]
+
+
+def only(specs: list[tuple[str, KVCacheSpec]], kind: type) -> list[KVCacheSpec]:
+    return [spec for _, spec in specs if type(spec) is kind]
+
+
+def attention_page(heads: int, head: int, dtype_bytes: int, block: int = 16) -> int:
+    return heads * block * (head + head) * dtype_bytes  # K and V
+
+
+def test_every_shipped_config_has_a_source_note() -> None:
+    for directory in MODELS.iterdir():
+        if directory.is_dir():
+            assert (directory / "config.json").is_file()
+            assert (directory / "SOURCE.md").read_text().strip()
+
+
+# --- dense families ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "layers", "kv_heads", "head"),
+    [
+        ("llama-3.1-8b", 32, 8, 4096 // 32),
+        ("qwen3-8b", 36, 8, 4096 // 32),
+        ("mistral-7b-v0.3", 32, 8, 4096 // 32),
+        ("mixtral-8x7b-instruct", 32, 8, 4096 // 32),
+        ("qwen3-30b-a3b-base", 48, 4, 128),
+        ("phi-4", 40, 10, 5120 // 40),
+    ],
+)
+def test_dense_models_register_one_full_attention_layer_per_decoder_layer(
+    model: str, layers: int, kv_heads: int, head: int
+) -> None:
+    specs = layers_of(model)
+    assert len(specs) == len(only(specs, FullAttentionSpec)) == layers
+    spec = specs[0][1]
+    assert isinstance(spec, FullAttentionSpec)
+    assert (spec.num_kv_heads, spec.head_size, spec.block_size) == (kv_heads, head, 16)
+    assert spec.page_size_bytes == attention_page(kv_heads, head, 2)
+    assert specs[0][0] == "model.layers.0.self_attn.attn"
+
+
+def test_llama_tp_shards_then_replicates_kv_heads() -> None:
+    # 8 KV heads: TP 2 -> 4 per rank, TP 8 -> 1, TP 16 -> 1 (each head on 2 ranks).
+    for tp, heads in ((2, 4), (8, 1), (16, 1)):
+        spec = layers_of("llama-3.1-8b", tensor_parallel_size=tp)[0][1]
+        assert isinstance(spec, FullAttentionSpec)
+        assert spec.num_kv_heads == heads
+        assert spec.page_size_bytes == attention_page(heads, 128, 2)
+    with pytest.raises(ModelConfigError, match=r"num_key_value_heads.*tensor_parallel_size 3"):
+        layers_of("llama-3.1-8b", tensor_parallel_size=3)
+
+
+def test_phi4_ten_kv_heads_do_not_split_over_eight_ranks() -> None:
+    assert layers_of("phi-4", tensor_parallel_size=2)[0][1].num_kv_heads == 5  # type: ignore[attr-defined]
+    assert layers_of("phi-4", tensor_parallel_size=20)[0][1].num_kv_heads == 1  # type: ignore[attr-defined]
+    with pytest.raises(ModelConfigError, match="10 KV heads"):
+        layers_of("phi-4", tensor_parallel_size=8)
+
+
+def test_fp8_kv_cache_halves_the_page() -> None:
+    spec = layers_of("llama-3.1-8b", kv_cache_dtype="fp8")[0][1]
+    assert isinstance(spec, FullAttentionSpec)
+    assert spec.dtype is StorageDtype.UINT8
+    assert spec.page_size_bytes == attention_page(8, 128, 1) == 32_768
+
+
+def test_backend_packed_kv_dtypes_are_refused() -> None:
+    with pytest.raises(UnsupportedModel, match="nvfp4"):
+        layers_of("llama-3.1-8b", kv_cache_dtype="nvfp4")
+
+
+# --- local attention -----------------------------------------------------------------
+
+
+def test_gpt_oss_alternates_sliding_and_full() -> None:
+    specs = layers_of("gpt-oss-120b")
+    sliding = only(specs, SlidingWindowSpec)
+    full = only(specs, FullAttentionSpec)
+    assert (len(sliding), len(full)) == (18, 18)  # 36 layers, even ones sliding
+    assert isinstance(specs[0][1], SlidingWindowSpec)
+    assert specs[0][1].sliding_window == 128
+    assert isinstance(specs[1][1], FullAttentionSpec)
+    assert specs[1][1].page_size_bytes == attention_page(8, 64, 2) == 32_768
+    assert [name for name, _ in specs[:2]] == [
+        "model.layers.0.attn.attn",
+        "model.layers.1.attn.attn",
+    ]
+
+
+def test_gemma3_every_sixth_layer_is_global() -> None:
+    # gemma-3-27b-it: 62 layers, 16 KV heads x 128, window 1024; the published
+    # text_config omits the pattern (Gemma3TextConfig's default: every 6th global).
+    specs = layers_of("gemma-3-27b")
+    full_at = [i for i, (_, spec) in enumerate(specs) if type(spec) is FullAttentionSpec]
+    assert full_at == list(range(5, 62, 6))
+    assert len(only(specs, SlidingWindowSpec)) == 62 - 10
+    assert specs[0][0] == "language_model.model.layers.0.self_attn.attn"
+    sliding = specs[0][1]
+    assert isinstance(sliding, SlidingWindowSpec)
+    assert sliding.sliding_window == 1024
+    assert sliding.page_size_bytes == attention_page(16, 128, 2) == 131_072
+    layers = import_layers(load_config(str(MODELS / "gemma-3-27b")))
+    assert any("sliding_window_pattern=6" in note for note in layers.notes)
+    # Gemma 3's length is already scaled: its linear rope factor 8 is not applied again
+    assert layers.derived_max_model_len == 131_072
+
+
+def test_derived_max_model_len_follows_the_rope_type() -> None:
+    raw = json.loads((MODELS / "llama-3.1-8b" / "config.json").read_text())
+    assert import_layers(HFConfig(raw)).derived_max_model_len == 131_072  # llama3: prescaled
+    raw["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    assert import_layers(HFConfig(raw)).derived_max_model_len == 262_144
+    deepseek = import_layers(load_config(str(MODELS / "deepseek-v3")))
+    assert deepseek.derived_max_model_len == 163_840  # yarn: max_position_embeddings as is
+
+
+def test_gemma2_alternates() -> None:
+    # gemma-2-9b: 42 layers, even ones local (window 4096), 8 KV heads x 256
+    specs = layers_of("gemma-2-9b")
+    assert [type(spec) for _, spec in specs[:2]] == [SlidingWindowSpec, FullAttentionSpec]
+    assert len(only(specs, SlidingWindowSpec)) == len(only(specs, FullAttentionSpec)) == 21
+    assert specs[0][1].page_size_bytes == attention_page(8, 256, 2) == 131_072
+
+
+def test_llama4_rope_layers_are_chunked_nope_layers_global() -> None:
+    specs = layers_of("llama-4-defaults", tensor_parallel_size=8)
+    chunked = only(specs, ChunkedLocalAttentionSpec)
+    full_at = [i for i, (_, spec) in enumerate(specs) if type(spec) is FullAttentionSpec]
+    assert full_at == list(range(3, 48, 4))
+    assert len(chunked) == 36
+    assert chunked[0].attention_chunk_size == 8192  # type: ignore[attr-defined]
+    assert chunked[0].page_size_bytes == attention_page(1, 128, 2)
+
+
+# --- MLA + MTP ----------------------------------------------------------------------
+
+
+def test_deepseek_v3_mla_latent_replicated_on_every_rank() -> None:
+    for tp in (1, 8, 16):
+        specs = layers_of("deepseek-v3", tensor_parallel_size=tp)
+        assert len(specs) == len(only(specs, MLAAttentionSpec)) == 61
+        spec = specs[0][1]
+        assert isinstance(spec, MLAAttentionSpec)
+        # one latent head: kv_lora_rank 512 + qk_rope_head_dim 64, block 64, bf16
+        assert (spec.num_kv_heads, spec.head_size, spec.max_tp_shards) == (1, 576, 1)
+        assert spec.page_size_bytes == 64 * 576 * 2 == 73_728
+
+
+def test_deepseek_v3_mtp_adds_its_drafter_layer() -> None:
+    specs = layers_of("deepseek-v3", speculative=Speculative("mtp", 1), kv_cache_dtype="fp8")
+    assert len(specs) == 62
+    name, spec = specs[-1]
+    assert name == "model.layers.61.self_attn.attn"
+    assert spec.is_draft and not any(s.is_draft for _, s in specs[:-1])
+    assert spec.page_size_bytes == 64 * 576 == 36_864
+
+
+def test_mtp_on_a_model_without_mtp_layers_is_an_error() -> None:
+    with pytest.raises(UnsupportedModel, match="no MTP layers"):
+        layers_of("llama-3.1-8b", speculative=Speculative("mtp", 1))
+
+
+# --- hybrids -------------------------------------------------------------------------
+
+
+def test_qwen3_next_gdn_states_and_hybrid_block_tp4_mtp() -> None:
+    specs = layers_of(
+        "qwen3-next-80b-a3b", tensor_parallel_size=4, speculative=Speculative("mtp", 1)
+    )
+    gdn = only(specs, MambaSpec)
+    full = only(specs, FullAttentionSpec)
+    assert (len(gdn), len(full)) == (36, 13)  # 3:1 interleave of 48 layers, + 1 MTP layer
+    state = gdn[0]
+    assert isinstance(state, MambaSpec)
+    # conv: kernel 4 - 1 + 1 speculative token, (2*16*128 + 32*128) / 4 channels, bf16
+    assert [s.shape for s in state.states] == [(4, 2048), (8, 128, 128)]
+    assert state.states[0].size_bytes == 16_384 and state.states[1].size_bytes == 262_144
+    assert state.num_speculative_blocks == 1 and state.mamba_type == "GDN_ATTENTION"
+    # attention: max(1, 2 // 4) = 1 head x 256 x (K+V) x 2 B = 1,024 B/token;
+    # block = 16 * cdiv(278,528, 16 * 1,024) = 272; page 272 * 1,024 = the state page.
+    attention = full[0]
+    assert isinstance(attention, FullAttentionSpec)
+    assert attention.block_size == state.block_size == 272
+    assert attention.page_size_bytes == state.page_size_bytes == 278_528
+    assert state.page_size_padded is None
+    assert specs[-1][0] == "mtp.layers.0.self_attn.attn" and specs[-1][1].is_draft
+
+
+def test_qwen3_next_tp1_pads_the_state_page() -> None:
+    specs = layers_of("qwen3-next-80b-a3b")
+    state = only(specs, MambaSpec)[0]
+    assert isinstance(state, MambaSpec)
+    # conv (3, 2*16*128 + 32*128 = 8192) bf16 = 49,152; temporal (32,128,128) bf16 = 1,048,576
+    assert sum(s.size_bytes for s in state.states) == 1_097_728
+    # 2 heads x 256 x 2 x 2 B = 2,048 B/token; block 16 * cdiv(1,097,728, 32,768) = 544
+    assert state.block_size == 544
+    assert state.page_size_padded == 544 * 2_048 == 1_114_112
+
+
+def test_prefix_caching_off_gives_mamba_max_len_blocks() -> None:
+    specs = layers_of("qwen3-next-80b-a3b", enable_prefix_caching=False, max_model_len=32768)
+    assert only(specs, MambaSpec)[0].block_size == 32768
+
+
+def test_jamba_mamba1_states_and_attention_every_eighth_layer() -> None:
+    specs = layers_of("jamba-defaults", tensor_parallel_size=2)
+    attention_at = [i for i, (_, spec) in enumerate(specs) if isinstance(spec, FullAttentionSpec)]
+    assert attention_at == [4, 12, 20, 28]
+    assert (specs[3][0], specs[4][0]) == ("model.layers.3.mixer", "model.layers.4.attn")
+    state = only(specs, MambaSpec)[0]
+    assert isinstance(state, MambaSpec)
+    inner = 2 * 4096 // 2  # mamba_expand x hidden / tp
+    assert [s.shape for s in state.states] == [(3, inner), (inner, 16)]
+    real = (3 * inner + inner * 16) * 2  # 155,648
+    per_token = attention_page(4, 128, 2, block=1)  # 4 heads per rank: 2,048 B
+    block = 16 * -(-real // (16 * per_token))
+    assert state.block_size == block == 80
+    assert state.page_size_padded == block * per_token == 163_840
+
+
+NEMOTRON_H_TEST_CONFIG = {  # a test input (Nemotron-H-style shapes), not a shipped model
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "num_hidden_layers": 8,
+    "hybrid_override_pattern": "M-M-M*-M",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "mamba_num_heads": 128,
+    "mamba_head_dim": 64,
+    "n_groups": 8,
+    "ssm_state_size": 128,
+    "conv_kernel": 4,
+    "intermediate_size": 21504,
+    "vocab_size": 131072,
+    "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize(
+    ("tp", "conv", "ssm"),
+    [
+        (1, (3, 8192 + 2 * 8 * 128), (128, 64, 128)),
+        (4, (3, (8192 + 2 * 8 * 128) // 4), (32, 64, 128)),
+        # 8 groups over 16 ranks: groups grow to 16 so each rank holds a whole one
+        (16, (3, (8192 + 2 * 16 * 128) // 16), (8, 64, 128)),
+    ],
+)
+def test_nemotron_h_mamba2_states(tp: int, conv: tuple[int, ...], ssm: tuple[int, ...]) -> None:
+    layers = domain(
+        import_layers(HFConfig(NEMOTRON_H_TEST_CONFIG), Deployment(tensor_parallel_size=tp))
+    )
+    kinds = [type(spec).__name__ for _, spec in layers]
+    assert [name for name, _ in layers][2:4] == [
+        "model.layers.4.mixer",
+        "model.layers.5.mixer.attn",
+    ]
+    assert kinds == ["MambaSpec"] * 3 + ["FullAttentionSpec", "MambaSpec"]  # - is an MLP
+    state = layers[0][1]
+    assert isinstance(state, MambaSpec)
+    assert [s.shape for s in state.states] == [conv, ssm]
+    # NemotronH keeps the SSM state in float32 unless the config says otherwise
+    assert [s.dtype for s in state.states] == [StorageDtype.BFLOAT16, StorageDtype.FLOAT32]
+
+
+# --- errors --------------------------------------------------------------------------
+
+
+def test_unknown_architecture_names_the_supported_ones() -> None:
+    with pytest.raises(
+        UnsupportedModel, match=r"'FooForCausalLM' is not supported; supported: .*LlamaForCausalLM"
+    ):
+        import_layers(HFConfig({"architectures": ["FooForCausalLM"]}))
+
+
+def test_uninterpretable_field_is_an_error_with_its_path(tmp_path: Path) -> None:
+    config = json.loads((MODELS / "llama-3.1-8b" / "config.json").read_text())
+    config["num_key_value_heads"] = "eight"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError, match="num_key_value_heads: expected an integer"):
+        import_layers(load_config(str(tmp_path)))
+    gemma = json.loads((MODELS / "gemma-3-27b" / "config.json").read_text())
+    gemma["text_config"]["layer_types"] = ["weird_attention"] * 62
+    with pytest.raises(ModelConfigError, match=r"text_config\.layer_types"):
+        import_layers(HFConfig(gemma))
+
+
+def test_model_id_from_the_local_hf_cache(tmp_path: Path) -> None:
+    snapshot = tmp_path / "models--meta-llama--Llama-3.1-8B-Instruct" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((MODELS / "llama-3.1-8b" / "config.json").read_text())
+    (tmp_path / "models--meta-llama--Llama-3.1-8B-Instruct" / "refs").mkdir()
+    (tmp_path / "models--meta-llama--Llama-3.1-8B-Instruct" / "refs" / "main").write_text("abc")
+    config = load_config("meta-llama/Llama-3.1-8B-Instruct", {"HF_HUB_CACHE": str(tmp_path)})
+    assert config.integer("num_hidden_layers") == 32
+    with pytest.raises(ModelConfigError, match="never downloads"):
+        load_config("meta-llama/Other", {"HF_HUB_CACHE": str(tmp_path)})
+
+
+# --- weights -------------------------------------------------------------------------
+
+
+def test_llama_parameter_count_by_hand() -> None:
+    config = load_config(str(MODELS / "llama-3.1-8b" / "config.json"))
+    layers = import_layers(config)
+    embed = 128_256 * 4096 * 2  # untied embeddings + lm head
+    attention = 4096 * 128 * (2 * 32 + 2 * 8)
+    mlp = 3 * 4096 * 14_336
+    assert count_params(config, layers).total == embed + 32 * (attention + mlp) == 8_029_995_008
+    weights = estimate_weights(config, layers, tensor_parallel_size=2)
+    assert weights.quantization == "none"
+    assert weights.bytes_per_worker == 8_029_995_008 * 2 // 2
+
+
+def test_deepseek_fp8_and_awq_int4_weights(tmp_path: Path) -> None:
+    config = load_config(str(MODELS / "deepseek-v3" / "config.json"))
+    layers = import_layers(config, Deployment(speculative=Speculative("mtp", 1)))
+    params = count_params(config, layers)
+    assert 670e9 < params.total - params.draft < 673e9  # published: 671B + 11.5B MTP
+    fp8 = estimate_weights(config, layers, 8)
+    assert fp8.quantization == "fp8"
+    expected = params.embedding * 2 + (params.total - params.embedding) * (1 + 4 / 128**2)
+    assert fp8.bytes_total == int(expected)
+    raw = json.loads((MODELS / "deepseek-v3" / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    awq = estimate_weights(HFConfig(raw), layers, 8)
+    assert awq.quantization == "awq-int4"
+    assert awq.bytes_total == int(
+        params.embedding * 2 + (params.total - params.embedding) * (0.5 + 4 / 128)
+    )
+    raw["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 128}}},
+    }
+    w4 = estimate_weights(HFConfig(raw), layers, 8)
+    assert w4.quantization == "compressed-tensors-w4"
+    assert w4.bytes_total == int(
+        params.embedding * 2 + (params.total - params.embedding) * (0.5 + 2 / 128)
+    )
+    raw["quantization_config"] = {"quant_method": "bitsandbytes"}
+    with pytest.raises(ModelConfigError, match="quant_method"):
+        estimate_weights(HFConfig(raw), layers, 8)
+
+
+def test_mxfp4_quantizes_only_the_experts() -> None:
+    raw = json.loads((MODELS / "gpt-oss-120b" / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4"}
+    config = HFConfig(raw)
+    layers = import_layers(config)
+    params = count_params(config, layers)
+    weights = estimate_weights(config, layers, 1)
+    assert weights.bytes_total == int((params.total - params.mlp) * 2 + params.mlp * (0.5 + 1 / 32))
+
+
+EAGLE3_TEST_DRAFTER = {  # a test input shaped like a one-layer Llama 3.1 8B EAGLE3 head
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 1,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "torch_dtype": "float16",
+}
+
+
+def test_eagle3_drafter_layers_follow_the_targets() -> None:
+    config = load_config(str(MODELS / "llama-3.1-8b"))
+    drafter = HFConfig(EAGLE3_TEST_DRAFTER)
+    for tp, heads in ((1, 8), (2, 4), (16, 1)):
+        specs = domain(
+            import_layers(
+                config,
+                Deployment(tensor_parallel_size=tp, speculative=Speculative("eagle3", 3, drafter)),
+            )
+        )
+        assert len(specs) == 33
+        name, spec = specs[-1]
+        assert name == "model.layers.32.self_attn.attn" and spec.is_draft
+        assert isinstance(spec, FullAttentionSpec) and spec.num_kv_heads == heads
+        assert not any(s.is_draft for _, s in specs[:-1])
+
+
+def test_eagle_on_a_hybrid_adds_speculative_state() -> None:
+    config = load_config(str(MODELS / "qwen3-next-80b-a3b"))
+    layers = import_layers(
+        config,
+        Deployment(
+            tensor_parallel_size=4,
+            speculative=Speculative("eagle3", 2, HFConfig(EAGLE3_TEST_DRAFTER)),
+        ),
+    )
+    state = next(spec for _, spec in domain(layers) if isinstance(spec, MambaSpec))
+    assert state.states[0].shape == (4 - 1 + 2, 2048) and state.num_speculative_blocks == 2
+    assert layers.layers[-1].name == "model.layers.48.self_attn.attn" and layers.layers[-1].is_draft
+
+
+def test_speculative_errors() -> None:
+    config = load_config(str(MODELS / "llama-3.1-8b"))
+    with pytest.raises(ModelConfigError, match="needs the drafter's config"):
+        import_layers(config, Deployment(speculative=Speculative("eagle3", 3)))
+    odd = HFConfig({**EAGLE3_TEST_DRAFTER, "architectures": ["MedusaModel"]})
+    with pytest.raises(UnsupportedModel, match="drafter architecture 'MedusaModel'"):
+        import_layers(config, Deployment(speculative=Speculative("eagle3", 3, odd)))
+    with pytest.raises(UnsupportedModel, match="'ngram' is not supported"):
+        import_layers(config, Deployment(speculative=Speculative("ngram", 3)))
+
+
+def test_pipeline_stages_split_layers_like_vllm() -> None:
+    from kvplan.models.importer import pipeline_stage_bounds
+
+    # 32 over 2: 16 + 16; 30 over 4: 7 each, the 2 left over go to stages 2 and 1;
+    # 40 over 3: 13 each, 1 left over to the second-to-last stage.
+    assert [pipeline_stage_bounds(32, r, 2) for r in range(2)] == [(0, 16), (16, 32)]
+    assert [pipeline_stage_bounds(30, r, 4) for r in range(4)] == [
+        (0, 7), (7, 15), (15, 23), (23, 30)
+    ]  # fmt: skip
+    assert [pipeline_stage_bounds(40, r, 3) for r in range(3)] == [(0, 13), (13, 27), (27, 40)]
+    layers = import_layers(load_config(str(MODELS / "jamba-defaults")))
+    stage = layers.stage_layers(1, 2)
+    assert [layer.name for layer in stage][:1] == ["model.layers.16.mixer"]
+    assert sum(not layer.is_state for layer in stage) == 2  # attention at 20 and 28
+    mtp = import_layers(
+        load_config(str(MODELS / "deepseek-v3")), Deployment(speculative=Speculative("mtp", 1))
+    )
+    with pytest.raises(UnsupportedModel, match="pipeline parallelism with a drafter"):
+        mtp.stage_layers(0, 2)
+
+
+def test_whisper_decoder_self_and_cross_attention() -> None:
+    # whisper-tiny shape: 4 decoder layers, 6 heads of 384 / 6 = 64, no KV-head grouping
+    from kvplan.core.specs import CrossAttentionSpec
+
+    specs = layers_of("whisper-tiny-defaults", tensor_parallel_size=2)
+    assert [name for name, _ in specs[:2]] == [
+        "model.decoder.layers.0.self_attn.attn",
+        "model.decoder.layers.0.encoder_attn.attn",
+    ]
+    cross = only(specs, CrossAttentionSpec)
+    assert len(cross) == len(only(specs, FullAttentionSpec)) == 4
+    assert cross[0].page_size_bytes == attention_page(3, 64, 2) == 12_288
+    with pytest.raises(ModelConfigError, match="decoder_attention_heads"):
+        layers_of("whisper-tiny-defaults", tensor_parallel_size=4)
+    config = load_config(str(MODELS / "whisper-tiny-defaults"))
+    layers = import_layers(config)
+    assert layers.encoder_decoder and layers.derived_max_model_len == 448
+    d = 384
+    encoder = 4 * (4 * d * d + 2 * d * 1536) + 3 * d * (80 + d)
+    decoder = 4 * (8 * d * d + 2 * d * 1536)
+    embedding = 51_865 * d + (1500 + 448) * d
+    assert count_params(config, layers).total == encoder + decoder + embedding == 37_713_792

@@ -1,0 +1,53 @@
+"""A model config planned over the wire: the thin client's helper builds the request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from kvplan.cli import main
+from kvplan.client import AsyncPlannerClient, ModelPlanOptions, build_plan_request
+from kvplan.convert import plan_from_proto
+from kvplan.models import Speculative, load_config
+from kvplan.server.main import RunningServer
+
+MODELS = Path(__file__).parents[2] / "examples" / "models"
+
+
+async def test_client_plans_a_model_config_on_the_server(client: AsyncPlannerClient) -> None:
+    config = load_config(str(MODELS / "qwen3-next-80b-a3b" / "config.json"))
+    options = ModelPlanOptions(
+        tensor_parallel_size=4,
+        max_model_len=32768,
+        gpu="h200",  # the catalog's driver figure travels with the name
+        gpu_memory_utilization=0.9,
+        speculative=Speculative("mtp", 1),
+        engine_id="qwen3-next-remote",
+    )
+    request, inputs = build_plan_request(config, options)
+    remote = (await client.plan(request)).response
+    local = plan_from_proto(request)
+    assert remote.num_blocks == local.num_blocks > 0
+    assert [list(g.layer_names) for g in remote.groups] == [
+        list(g.layer_names) for g in local.groups
+    ]
+    draft = [g for g in remote.groups if g.is_draft]
+    assert len(draft) == 1 and "mtp.layers.0.self_attn.attn" in draft[0].layer_names
+    assert remote.workers[0].budget.non_kv_bytes == inputs.non_kv_bytes
+    assert remote.workers[0].budget.total_bytes == 143_771 * 2**20
+
+
+async def test_cli_plans_a_model_on_a_server(
+    server: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100", "--tp", "2"]
+    args += ["--max-model-len", "8k", "--target", f"127.0.0.1:{server.port}", "--json"]
+    assert await asyncio.to_thread(main, args) == 0
+    remote = json.loads(capsys.readouterr().out)
+    assert await asyncio.to_thread(main, [*args[:-3], "--json"]) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert remote["capacity"] == local["capacity"]
+    assert remote["capacity"]["kv_bytes_per_token"] == 32 * 4 * 128 * 2 * 2
