@@ -379,7 +379,7 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
         ),
         Target(
             f"cold start to SERVING < {TARGET_COLD_START_S} s (median of {len(cold['runs_s'])})",
-            f"{cold['median_s']:.3f} s ({min(cold['runs_s']):.3f}-{max(cold['runs_s']):.3f})",
+            Spread.of(cold["runs_s"]).text(".3f", " s"),
             cold["median_s"] < TARGET_COLD_START_S,
             {"median_s": cold["median_s"]},
         ),
