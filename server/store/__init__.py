@@ -9,7 +9,9 @@ from kvplan.server.store.base import Arrival, RendezvousResult, Store, StoreUnav
 __all__ = ["Arrival", "RendezvousResult", "Store", "StoreUnavailable", "open_store"]
 
 
-def open_store(url: str, state_dir: str, *, max_plans: int = 4096) -> Store:
+def open_store(
+    url: str, state_dir: str, *, max_plans: int = 4096, redis_allow_no_persistence: bool = False
+) -> Store:
     """`memory`, `sqlite:///PATH` (or empty: STATE_DIR/kvplan.sqlite3), `redis://...`."""
     if url == "memory":
         from kvplan.server.store.memory import MemoryStore
@@ -18,7 +20,9 @@ def open_store(url: str, state_dir: str, *, max_plans: int = 4096) -> Store:
     if url.startswith(("redis://", "rediss://", "unix://")):
         from kvplan.server.store.redis import RedisStore
 
-        return RedisStore(url, max_plans=max_plans)
+        return RedisStore(
+            url, max_plans=max_plans, require_persistence=not redis_allow_no_persistence
+        )
     if not url or url.startswith("sqlite://"):
         path = url.removeprefix("sqlite://") if url else str(Path(state_dir) / "kvplan.sqlite3")
         from kvplan.server.store.sqlite import SQLiteStore

@@ -140,6 +140,20 @@ class Store(Protocol):
 
     async def pending_engines(self) -> int: ...
 
+    # --- engine ownership ---------------------------------------------------------
+
+    async def claim_engine(self, engine_id: str, identity: str, now: float, ttl_s: float) -> str:
+        """Atomically: the engine's owner. An engine without a live owner (none,
+        or not used for `ttl_s`) becomes `identity`'s; the owner's own claim
+        pushes its expiry to now + ttl_s. Another identity's claim changes nothing
+        and returns the owner."""
+
+    async def engine_owner(self, engine_id: str, now: float) -> str | None:
+        """The engine's live owner, or None."""
+
+    async def rendezvous_ranks(self, engine_id: str) -> tuple[int, ...]:
+        """Ranks present in the engine's open rendezvous (empty if none)."""
+
     # --- lease ledger -----------------------------------------------------------
 
     async def grant(

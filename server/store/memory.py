@@ -143,6 +143,7 @@ class MemoryStore:
         self._finished: dict[str, _Finished] = {}
         self._leases: dict[tuple[str, int], Lease] = {}
         self._subscribers: list[FinishedCallback] = []
+        self._owners: dict[str, tuple[str, float]] = {}  # engine -> owner, expires
 
     async def start(self) -> None:
         return None
@@ -255,6 +256,25 @@ class MemoryStore:
 
     async def pending_engines(self) -> int:
         return len(self._open)
+
+    # --- ownership --------------------------------------------------------------
+
+    async def claim_engine(self, engine_id: str, identity: str, now: float, ttl_s: float) -> str:
+        for engine in [e for e, (_, expires) in self._owners.items() if expires <= now]:
+            del self._owners[engine]
+        owner = self._owners.get(engine_id)
+        if owner is not None and owner[0] != identity:
+            return owner[0]
+        self._owners[engine_id] = (identity, now + ttl_s)
+        return identity
+
+    async def engine_owner(self, engine_id: str, now: float) -> str | None:
+        owner = self._owners.get(engine_id)
+        return owner[0] if owner is not None and owner[1] > now else None
+
+    async def rendezvous_ranks(self, engine_id: str) -> tuple[int, ...]:
+        entry = self._open.get(engine_id)
+        return tuple(sorted(entry.workers)) if entry is not None else ()
 
     # --- ledger -----------------------------------------------------------------
 

@@ -34,12 +34,18 @@ from kvplan.server.store.memory import (
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: engine_owner
 BUSY_TIMEOUT_S = 5.0  # how long a writer waits for another connection's transaction
 # Slack on the index range of the expiry scan: covers float rounding of now - ttl.
 _EXPIRY_MARGIN_S = 1.0
 
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS engine_owner (
+    engine_id TEXT PRIMARY KEY,
+    identity TEXT NOT NULL,
+    expires_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS engine_owner_by_expiry ON engine_owner (expires_at);
 CREATE TABLE IF NOT EXISTS plans (
     seq INTEGER PRIMARY KEY,          -- insertion order: the oldest are dropped first
     plan_id TEXT NOT NULL UNIQUE,
@@ -411,6 +417,37 @@ class SQLiteStore:
 
     def subscribe(self, callback: FinishedCallback) -> None:
         self._subscribers.append(callback)
+
+    async def claim_engine(self, engine_id: str, identity: str, now: float, ttl_s: float) -> str:
+        with self._transaction(write=True) as db:
+            db.execute("DELETE FROM engine_owner WHERE expires_at <= ?", (now,))
+            row = db.execute(
+                "SELECT identity FROM engine_owner WHERE engine_id = ?", (engine_id,)
+            ).fetchone()
+            if row is not None and row[0] != identity:
+                return str(row[0])
+            db.execute(
+                "INSERT OR REPLACE INTO engine_owner (engine_id, identity, expires_at) "
+                "VALUES (?, ?, ?)",
+                (engine_id, identity, now + ttl_s),
+            )
+        return identity
+
+    async def engine_owner(self, engine_id: str, now: float) -> str | None:
+        with self._transaction(write=False) as db:
+            row = db.execute(
+                "SELECT identity FROM engine_owner WHERE engine_id = ? AND expires_at > ?",
+                (engine_id, now),
+            ).fetchone()
+        return str(row[0]) if row else None
+
+    async def rendezvous_ranks(self, engine_id: str) -> tuple[int, ...]:
+        with self._transaction(write=False) as db:
+            rows = db.execute(
+                "SELECT rank FROM rendezvous_open_worker WHERE engine_id = ? ORDER BY rank",
+                (engine_id,),
+            ).fetchall()
+        return tuple(int(row[0]) for row in rows)
 
     async def pending_engines(self) -> int:
         with self._transaction(write=False) as db:
