@@ -9,7 +9,9 @@ A plan whose workers named their devices (device.uuid) carries leases: keep
 them with `LeaseKeeper(planner, plan)` (or `AsyncLeaseKeeper`), which renews
 them in the background and releases them on exit. `AsyncPlannerClient` is the
 asyncio twin. Errors raise `PlannerError` with the
-gRPC code and the server's field violations.
+gRPC code and the server's field violations. `security=ChannelSecurity(...)`
+(or `ChannelSecurity.from_env()`, KVPLAN_TLS_CA / KVPLAN_CLIENT_CERT /
+KVPLAN_CLIENT_KEY / KVPLAN_TOKEN) adds TLS, a client certificate, a token.
 """
 
 from kvplan.client.errors import PlannerError, error_from_rpc
@@ -21,11 +23,13 @@ from kvplan.client.planner import (
     PlannerClient,
     channel_options,
 )
+from kvplan.client.security import ChannelSecurity
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "AsyncLeaseKeeper",
     "AsyncPlannerClient",
+    "ChannelSecurity",
     "LeaseKeeper",
     "PlanResult",
     "PlannerClient",
