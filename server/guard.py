@@ -100,7 +100,7 @@ class Drain:
         if not self.in_flight:
             self._idle.set()
 
-    async def wait(self, grace_s: float, quiet_s: float = 0.1) -> int:
+    async def wait(self, grace_s: float, quiet_s: float = 0.5) -> int:
         """Serve until no call is in flight (for `quiet_s`) or `grace_s` passed;
         then answer the calls still running with UNAVAILABLE. Returns how many."""
         self.draining = True

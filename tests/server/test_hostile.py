@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import urllib.request
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,7 +58,7 @@ async def test_unparseable_bodies_are_invalid_argument_and_counted(server: Runni
     ) in body
 
 
-ENUM_FIELDS = {
+ENUM_FIELDS: dict[str, Callable[[plan_pb2.PlanRequest], None]] = {
     "options.cache_dtype": lambda r: setattr(r.options, "cache_dtype", 999),
     "options.layout": lambda r: setattr(r.options, "layout", 999),
     "options.model_dtype": lambda r: setattr(r.options, "model_dtype", 999),
@@ -90,7 +91,7 @@ def mla_request(**mla: int) -> plan_pb2.PlanRequest:
 def mamba_request(mamba_type: int = 0, state_dtype: int = 2) -> plan_pb2.PlanRequest:
     request = engine_request()
     layer = spec_pb2.LayerSpec(name="mamba")
-    layer.mamba.states.add(shape=[16, 64], dtype=state_dtype)  # type: ignore[arg-type]
+    layer.mamba.states.add(shape=[16, 64], dtype=state_dtype)
     layer.mamba.mamba_type = mamba_type  # type: ignore[assignment]
     request.workers[0].layers.append(layer)
     return request
@@ -192,7 +193,7 @@ async def test_an_unexpected_exception_is_logged_and_answered_internal_with_its_
     async def broken(*args: object) -> object:
         raise ZeroDivisionError("a bug")
 
-    server.servicer.refresh_device_metrics = broken  # type: ignore[method-assign]
+    server.servicer.refresh_device_metrics = broken  # type: ignore[method-assign,assignment]
     with (
         caplog.at_level(logging.ERROR, logger="kvplan.server"),
         pytest.raises(PlannerError) as caught,
@@ -227,12 +228,13 @@ async def test_identifier_limits(client: AsyncPlannerClient, server: RunningServ
 
 def test_log_lines_cannot_be_forged() -> None:
     record = logging.LogRecord("kvplan.server", logging.INFO, __file__, 1, "plan", None, None)
-    record.engine_id = 'evil\n2026 INFO kvplan.server "forged"'
+    forged = 'evil\n2026 INFO kvplan.server "forged"'
+    record.__dict__["engine_id"] = forged
     text = TextFormatter().format(record)
     assert "\n" not in text and 'engine_id="evil\\n2026' in text
     line = json_formatter().format(record)
     assert "\n" not in line
-    assert json.loads(line)["engine_id"] == record.engine_id
+    assert json.loads(line)["engine_id"] == forged
     assert json.loads(line)["message"] == "plan"
 
 
