@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -60,7 +61,7 @@ def rss_bytes() -> int:
     return 0
 
 
-def _fits(field: FieldDescriptor, value: int) -> bool:
+def _fits(field: Any, value: int) -> bool:
     if field.cpp_type == FieldDescriptor.CPPTYPE_UINT32:
         return 0 <= value < 2**32
     if field.cpp_type == FieldDescriptor.CPPTYPE_UINT64:
@@ -70,7 +71,7 @@ def _fits(field: FieldDescriptor, value: int) -> bool:
     return -(2**63) <= value < 2**63
 
 
-def _random_scalar(field: FieldDescriptor, rng: random.Random, uuids: list[str]) -> Any:
+def _random_scalar(field: Any, rng: random.Random, uuids: list[str]) -> Any:
     if field.enum_type is not None:
         known = list(field.enum_type.values_by_number)
         return rng.choice([*known, 999, -1, 2**31 - 1])
@@ -91,7 +92,7 @@ def random_message(cls: type[Message], rng: random.Random, uuids: list[str], dep
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             if depth > 5 or field.message_type is None:
                 continue
-            child = field.message_type._concrete_class
+            child = message_factory.GetMessageClass(field.message_type)  # type: ignore[arg-type]
             if field.message_type.full_name.startswith("google.protobuf"):
                 continue
             if field.is_repeated:
