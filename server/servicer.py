@@ -211,7 +211,11 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self._probe = probe
         self._store = store
         self._cache = PlanCache(settings.plan_cache_size, settings.plan_cache_bytes)
-        self._owners: dict[str, str] = {}  # engine -> owner, as claimed or read
+        # engine -> (owner, when this server last confirmed it in the store, monotonic).
+        # A caller's own engine confirmed within a tenth of the ownership TTL needs no
+        # store round trip: its record cannot have expired or changed hands since.
+        self._owners: dict[str, tuple[str, float]] = {}
+        self._owner_fresh_s = settings.ownership_ttl_s / 10
         self.rendezvous = Rendezvous(
             store,
             lambda merged: self._plan_engine(merged, repeats=False),
@@ -330,23 +334,31 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
     # --- ownership ----------------------------------------------------------------
 
     async def _owner_of(self, engine_id: str, now: float) -> str | None:
-        owner = self._owners.get(engine_id)
-        if owner is None:
-            owner = await self._store.engine_owner(engine_id, now)
-            if owner is not None:
-                self._remember_owner(engine_id, owner)
+        known = self._owners.get(engine_id)
+        if known is not None:
+            return known[0]
+        owner = await self._store.engine_owner(engine_id, now)
+        if owner is not None:
+            self._remember_owner(engine_id, owner)
         return owner
 
     def _remember_owner(self, engine_id: str, owner: str) -> None:
         if len(self._owners) >= _OWNER_CACHE_SIZE:
             self._owners.clear()
-        self._owners[engine_id] = owner
+        self._owners[engine_id] = (owner, time.monotonic())
 
     async def authorize(self, engine_id: str, action: str, *, claim: bool = False) -> None:
         """Only the identity that owns an engine (created its plan or leases) may
         act on it; an operator may act on any, and that is logged. `claim`: an
         engine without a live owner becomes the caller's (its expiry pushed)."""
         identity = current_identity()
+        known = self._owners.get(engine_id)
+        if (
+            known is not None
+            and known[0] == identity.name
+            and time.monotonic() - known[1] < self._owner_fresh_s
+        ):
+            return
         now = time.time()
         if claim:
             owner: str | None = await self._store.claim_engine(
