@@ -19,6 +19,7 @@ _CODES = {
     "ALREADY_EXISTS": (grpc.StatusCode.ALREADY_EXISTS, code_pb2.ALREADY_EXISTS),
     "PERMISSION_DENIED": (grpc.StatusCode.PERMISSION_DENIED, code_pb2.PERMISSION_DENIED),
     "UNAUTHENTICATED": (grpc.StatusCode.UNAUTHENTICATED, code_pb2.UNAUTHENTICATED),
+    "INTERNAL": (grpc.StatusCode.INTERNAL, code_pb2.INTERNAL),
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -20,9 +21,12 @@ from google.rpc import status_pb2
 
 from kvplan.core.errors import PlanningError
 from kvplan.server.errors import RemoteStatus, ServiceError, limit_exceeded, to_rpc_status
+from kvplan.server.guard import current_request_id
 from kvplan.server.metrics import Metrics
 from kvplan.server.store import RendezvousResult, Store, StoreUnavailable
 from kvplan.v1 import plan_pb2
+
+log = logging.getLogger("kvplan.server")
 
 PlanFn = Callable[[plan_pb2.PlanRequest], Awaitable[bytes]]
 _WORKERS_FIELD = plan_pb2.PlanRequest.WORKERS_FIELD_NUMBER
@@ -227,6 +231,18 @@ class Rendezvous:
                 self._remember_failure(engine_id, template, workers, result.payload)
         except StoreUnavailable as error:  # the grant could not reach the ledger
             result = RendezvousResult(False, _unavailable(f"the state store ({error})"))
+        except RemoteStatus as error:
+            result = RendezvousResult(False, error.status.SerializeToString())
+        except Exception:  # a fault: every waiting rank hears it, with the request id
+            request_id = current_request_id()
+            log.exception(
+                "unexpected error planning a rendezvous",
+                extra={"engine_id": engine_id, "request_id": request_id},
+            )
+            internal = ServiceError(
+                "INTERNAL", f"internal error (request id {request_id}); the server logged it"
+            )
+            result = RendezvousResult(False, to_rpc_status(internal).SerializeToString())
         try:
             await self._store.rendezvous_finish(engine_id, result, time.time())
         except StoreUnavailable as error:

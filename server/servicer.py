@@ -413,7 +413,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         try:
             return self._probe.snapshot()
         except Exception as error:
-            log.error("device probe %s failed: %s", self._probe.name, error)
+            log.error("device probe failed", extra={"probe": self._probe.name, "error": str(error)})
             raise ServiceError(
                 "UNAVAILABLE",
                 f"the {self._probe.name} device probe failed ({error}); retry shortly",

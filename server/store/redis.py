@@ -568,7 +568,7 @@ class RedisStore:
             try:
                 callback(engine_id, result)
             except Exception:  # one broken waiter must not hide the outcome from the rest
-                log.exception("rendezvous subscriber failed for engine %s", engine_id)
+                log.exception("rendezvous subscriber failed", extra={"engine_id": engine_id})
 
     def _on_message(self, data: bytes) -> None:
         try:

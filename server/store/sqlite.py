@@ -413,7 +413,7 @@ class SQLiteStore:
             try:
                 callback(engine_id, result)
             except Exception:  # one broken waiter must not hide the outcome from the rest
-                log.exception("rendezvous subscriber failed for engine %s", engine_id)
+                log.exception("rendezvous subscriber failed", extra={"engine_id": engine_id})
 
     def subscribe(self, callback: FinishedCallback) -> None:
         self._subscribers.append(callback)

@@ -322,3 +322,24 @@ async def test_redis_without_persistence_is_refused_unless_allowed(tmp_path: Pat
         allowed = open_store(redis_server.url, str(tmp_path), redis_allow_no_persistence=True)
         await allowed.start()
         await allowed.close()
+
+
+async def test_a_fault_while_planning_a_rendezvous_reaches_every_rank(
+    server: RunningServer, client: AsyncPlannerClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def broken(*args: object, **kwargs: object) -> bytes:
+        raise KeyError("a bug")
+
+    server.servicer._plan_engine = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="kvplan.server"):
+        results = await asyncio.gather(
+            *(client.plan(rank_request("faulty", rank, 2), timeout_s=5) for rank in range(2)),
+            return_exceptions=True,
+        )
+    assert all(
+        isinstance(r, PlannerError) and r.code is grpc.StatusCode.INTERNAL for r in results
+    ), results
+    (record,) = [
+        r for r in caplog.records if r.getMessage() == "unexpected error planning a rendezvous"
+    ]
+    assert getattr(record, "request_id", "") in str(results[0])
