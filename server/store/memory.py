@@ -90,8 +90,9 @@ def check_finished(
 def too_many_pending(pending: int, limit: int) -> ServiceError:
     return ServiceError(
         "RESOURCE_EXHAUSTED",
-        f"{pending} engines are already waiting for ranks (limit {limit}); retry later",
-        details={"pending": pending, "limit": limit},
+        f"{pending} engines are already waiting for ranks (limit {limit}, "
+        "--max-pending-rendezvous); retry later",
+        details={"pending": pending, "limit": "max_pending_rendezvous", "limit_value": limit},
     )
 
 

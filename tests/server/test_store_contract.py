@@ -268,7 +268,11 @@ async def test_too_many_pending_engines(store: Store) -> None:
     with pytest.raises(ServiceError) as refused:
         await join(store, "c", 0, max_pending=2)
     assert refused.value.code == "RESOURCE_EXHAUSTED"
-    assert refused.value.details == {"pending": 2, "limit": 2}
+    assert refused.value.details == {
+        "pending": 2,
+        "limit": "max_pending_rendezvous",
+        "limit_value": 2,
+    }
     assert await store.pending_engines() == 2
     # An engine already open is not new: it may complete at the limit.
     assert (await join(store, "a", 1, max_pending=2)).state == "plan"
