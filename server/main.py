@@ -195,7 +195,9 @@ async def _watch_store(
 
 
 async def start_server(settings: Settings) -> RunningServer:
-    metrics = Metrics(engine_labels=settings.metrics_engine_labels)
+    metrics = Metrics(
+        engine_labels=settings.metrics_engine_labels, max_engine_series=settings.plan_cache_size
+    )
     authenticator = Authenticator(settings)
     probe = open_probe(settings.probe, settings.devices)
     store = open_store(

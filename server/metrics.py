@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,8 +18,11 @@ from kvplan import __version__
 class Metrics:
     """All metrics of one server, in its own registry."""
 
-    def __init__(self, *, engine_labels: bool = False) -> None:
+    def __init__(self, *, engine_labels: bool = False, max_engine_series: int = 4096) -> None:
         self.registry = CollectorRegistry()
+        # Engines with series, oldest first: at most max_engine_series of them.
+        self._engines: OrderedDict[str, None] = OrderedDict()
+        self._max_engine_series = max_engine_series
         labels = ["grpc_type", "grpc_service", "grpc_method"]
         self.started = Counter(
             "grpc_server_started_total",
@@ -169,11 +173,17 @@ class Metrics:
         build.info({"version": __version__})
 
     def record_engine(self, engine_id: str, kv_bytes: int, blocks: int) -> None:
-        if self.kv_bytes is not None and self.blocks is not None:
-            self.kv_bytes.labels(engine_id).set(kv_bytes)
-            self.blocks.labels(engine_id).set(blocks)
+        if self.kv_bytes is None or self.blocks is None:
+            return
+        self.kv_bytes.labels(engine_id).set(kv_bytes)
+        self.blocks.labels(engine_id).set(blocks)
+        self._engines[engine_id] = None
+        self._engines.move_to_end(engine_id)
+        while len(self._engines) > self._max_engine_series:
+            self.forget_engine(next(iter(self._engines)))
 
     def forget_engine(self, engine_id: str) -> None:
+        self._engines.pop(engine_id, None)
         for gauge in (self.kv_bytes, self.blocks):
             if gauge is not None:
                 with contextlib.suppress(KeyError):

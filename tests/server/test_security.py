@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvplan.client import AsyncPlannerClient, ChannelSecurity, PlannerError
 from kvplan.server.config import Settings, parse_settings
 from kvplan.server.main import RunningServer, start_server
+from kvplan.server.metrics import Metrics
 from kvplan.server.security import Authenticator, bind_host, warn_if_exposed
 from tests.server.certs import Authority
 from tests.server.conftest import TEST_SETTINGS, engine_request
@@ -308,3 +309,12 @@ async def test_per_engine_series_when_asked_are_removed_on_release() -> None:
             assert not next(iter(gauge.collect())).samples
     finally:
         await running.stop(0)
+
+
+def test_per_engine_series_are_bounded() -> None:
+    metrics = Metrics(engine_labels=True, max_engine_series=3)
+    for index in range(10):
+        metrics.record_engine(f"engine-{index}", 1, 1)
+    assert metrics.blocks is not None
+    engines = {s.labels["engine_id"] for s in next(iter(metrics.blocks.collect())).samples}
+    assert engines == {"engine-7", "engine-8", "engine-9"}
