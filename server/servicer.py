@@ -234,6 +234,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         *,
         repeats: bool = True,
         request_digest: bytes | None = None,
+        limits_checked: bool = False,
     ) -> bytes:
         """One engine (all its workers): the serialized PlanResponse.
 
@@ -241,7 +242,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         server's probe and ledger and a lease; the others are planned from the
         numbers they sent, and reserve nothing.
         """
-        self._check_limits(request)
+        if not limits_checked:  # a merged rendezvous: its worker count is new here
+            self._check_limits(request)
         named = [index for index, worker in enumerate(request.workers) if worker.device.uuid]
         if not named:
             plan = await self._plan(request, repeats=repeats, request_digest=request_digest)
@@ -339,13 +341,15 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             return known[0]
         owner = await self._store.engine_owner(engine_id, now)
         if owner is not None:
-            self._remember_owner(engine_id, owner)
+            self._remember_owner(engine_id, owner, claimed=False)
         return owner
 
-    def _remember_owner(self, engine_id: str, owner: str) -> None:
+    def _remember_owner(self, engine_id: str, owner: str, *, claimed: bool) -> None:
+        """`claimed`: the store just pushed the owner's expiry a full TTL ahead
+        (a read says nothing about how long the record has left)."""
         if len(self._owners) >= _OWNER_CACHE_SIZE:
             self._owners.clear()
-        self._owners[engine_id] = (owner, time.monotonic())
+        self._owners[engine_id] = (owner, time.monotonic() if claimed else -math.inf)
 
     async def authorize(self, engine_id: str, action: str, *, claim: bool = False) -> None:
         """Only the identity that owns an engine (created its plan or leases) may
@@ -365,7 +369,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 engine_id, identity.name, now, self._settings.ownership_ttl_s
             )
             assert owner is not None
-            self._remember_owner(engine_id, owner)
+            self._remember_owner(engine_id, owner, claimed=owner == identity.name)
         else:
             owner = await self._store.engine_owner(engine_id, now)
         if owner is None or owner == identity.name:
@@ -713,7 +717,9 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 await self.authorize(request.engine_id, "plan", claim=True)
             if request.world_size:
                 return await self.rendezvous.join(request, context.time_remaining())
-            return await self._plan_engine(request, request_digest=request_digest)
+            return await self._plan_engine(
+                request, request_digest=request_digest, limits_checked=True
+            )
         except (PlanningError, ServiceError, RemoteStatus, StoreUnavailable) as error:
             await self._fail(context, error)
             raise AssertionError("unreachable") from error
