@@ -318,3 +318,42 @@ def test_per_engine_series_are_bounded() -> None:
     assert metrics.blocks is not None
     engines = {s.labels["engine_id"] for s in next(iter(metrics.blocks.collect())).samples}
     assert engines == {"engine-7", "engine-8", "engine-9"}
+
+
+def test_channel_security_from_the_environment(pki: Pki) -> None:
+    assert ChannelSecurity.from_env({}) == ChannelSecurity()
+    pair = pki.authority.issue("engine-a", server=False)
+    cert, key = pair.write(pki.directory, "client")
+    token_file = pki.directory / "client-token"
+    token_file.write_text(TOKEN_A + "\n")
+    security = ChannelSecurity.from_env(
+        {
+            "KVPLAN_TLS_CA": str(pki.client_ca),
+            "KVPLAN_CLIENT_CERT": str(cert),
+            "KVPLAN_CLIENT_KEY": str(key),
+            "KVPLAN_TLS_SERVER_NAME": "localhost",
+            "KVPLAN_CLIENT_TOKEN_FILE": str(token_file),
+        }
+    )
+    assert security.tls and security.certificate_chain == pair.cert_pem
+    assert security.metadata() == (("authorization", f"Bearer {TOKEN_A}"),)
+    assert security.channel_options() == [("grpc.ssl_target_name_override", "localhost")]
+    assert ChannelSecurity.from_env({"KVPLAN_TOKEN": "t" * 20}).token == "t" * 20
+    with pytest.raises(ValueError):
+        ChannelSecurity(private_key=b"key only")
+
+
+async def test_health_and_plan_commands_speak_mutual_tls(
+    mtls_server: RunningServer, pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvplan.cli import main
+
+    cert, key = pki.authority.issue("ops", server=False).write(pki.directory, "cli")
+    monkeypatch.setenv("KVPLAN_TLS_CA", str(pki.client_ca))
+    monkeypatch.setenv("KVPLAN_CLIENT_CERT", str(cert))
+    monkeypatch.setenv("KVPLAN_CLIENT_KEY", str(key))
+    target = f"127.0.0.1:{mtls_server.port}"
+    assert await asyncio.to_thread(main, ["health", "--target", target]) == 0
+    monkeypatch.delenv("KVPLAN_CLIENT_CERT")
+    monkeypatch.delenv("KVPLAN_CLIENT_KEY")
+    assert await asyncio.to_thread(main, ["health", "--target", target, "--timeout", "2"]) == 1
