@@ -10,12 +10,9 @@ ranks. This module only keeps the local waiters.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 from google.rpc import status_pb2
 
@@ -83,20 +80,6 @@ def _ranges(ranks: Sequence[int]) -> str:
     return ",".join(parts) or "none"
 
 
-@dataclass(frozen=True)
-class _Failed:
-    """A rendezvous whose plan failed: its ranks' specs and the error."""
-
-    expires: float
-    template: bytes  # digest
-    workers: frozenset[bytes]  # digests
-    status: bytes  # serialized google.rpc.Status
-
-
-def _digest(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
-
-
 def _raise_for(result: RendezvousResult) -> bytes:
     if result.ok:
         return result.payload
@@ -129,9 +112,6 @@ class Rendezvous:
         self._waiting = 0
         self._max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0  # rank specs inside join() in this process
-        # Failed plans, answered to a rank that comes back with the same spec until
-        # the rendezvous TTL (bounded like the open rendezvous).
-        self._failed: OrderedDict[str, _Failed] = OrderedDict()
         store.subscribe(self._on_finished)
 
     def _on_finished(self, engine_id: str, result: RendezvousResult) -> None:
@@ -167,7 +147,6 @@ class Rendezvous:
         engine_id = request.engine_id
         template = _template_bytes(request)
         worker_bytes = worker.SerializeToString(deterministic=True)
-        self._answer_remembered_failure(engine_id, template, worker_bytes)
         size = len(template) + len(worker_bytes)
         if self._pending_bytes + size > self._max_pending_bytes:
             self._metrics.limits_hit.labels("max_pending_rendezvous_bytes").inc()
@@ -223,14 +202,18 @@ class Rendezvous:
         self, engine_id: str, template: bytes, workers: tuple[bytes, ...]
     ) -> None:
         """This replica completed the engine: plan it and tell every replica."""
+        # A failed plan is kept for the engine's ranks until the rendezvous TTL (a
+        # rank that comes back unchanged gets the same error at once); a transient
+        # failure (UNAVAILABLE) is not: the ranks retry from scratch.
+        remember = True
         try:
             result = RendezvousResult(True, await self._plan(_merged(template, workers)))
         except (PlanningError, ServiceError) as error:
             result = RendezvousResult(False, to_rpc_status(error).SerializeToString())
-            if error.code != "UNAVAILABLE":  # a transient failure is retried afresh
-                self._remember_failure(engine_id, template, workers, result.payload)
+            remember = error.code != "UNAVAILABLE"
         except StoreUnavailable as error:  # the grant could not reach the ledger
             result = RendezvousResult(False, _unavailable(f"the state store ({error})"))
+            remember = False
         except RemoteStatus as error:
             result = RendezvousResult(False, error.status.SerializeToString())
         except Exception:  # a fault: every waiting rank hears it, with the request id
@@ -243,40 +226,17 @@ class Rendezvous:
                 "INTERNAL", f"internal error (request id {request_id}); the server logged it"
             )
             result = RendezvousResult(False, to_rpc_status(internal).SerializeToString())
+            remember = False
         try:
-            await self._store.rendezvous_finish(engine_id, result, time.time())
+            await self._store.rendezvous_finish(
+                engine_id, result, time.time(), remember_failure=remember and not result.ok
+            )
         except StoreUnavailable as error:
             # The claim stays in the store, so a retry after claim_timeout_s plans
             # again; the ranks waiting here learn now instead of at their deadline.
             self._on_finished(
                 engine_id, RendezvousResult(False, _unavailable(f"the state store ({error})"))
             )
-
-    def _remember_failure(
-        self, engine_id: str, template: bytes, workers: tuple[bytes, ...], status: bytes
-    ) -> None:
-        self._failed.pop(engine_id, None)
-        self._failed[engine_id] = _Failed(
-            expires=time.monotonic() + self._ttl_s,
-            template=_digest(template),
-            workers=frozenset(_digest(worker) for worker in workers),
-            status=status,
-        )
-        while len(self._failed) > self._max_pending:
-            self._failed.popitem(last=False)
-
-    def _answer_remembered_failure(self, engine_id: str, template: bytes, worker: bytes) -> None:
-        """A rank of an engine whose plan failed, back with the same spec, gets
-        the same error; a changed spec starts a new rendezvous."""
-        failed = self._failed.get(engine_id)
-        if failed is None:
-            return
-        if failed.expires <= time.monotonic():
-            del self._failed[engine_id]
-            return
-        if failed.template == _digest(template) and _digest(worker) in failed.workers:
-            raise RemoteStatus(status_pb2.Status.FromString(failed.status))
-        del self._failed[engine_id]
 
     async def _wait(
         self,

@@ -30,8 +30,9 @@ class _Open:
 class _Finished:
     template_digest: bytes
     worker_digests: dict[int, bytes]
-    plan: bytes
+    plan: bytes  # the plan, or the serialized error of a failed engine
     finished: float
+    ok: bool = True
 
 
 def check_compatible(
@@ -94,6 +95,13 @@ def too_many_pending(pending: int, limit: int) -> ServiceError:
         "--max-pending-rendezvous); retry later",
         details={"pending": pending, "limit": "max_pending_rendezvous", "limit_value": limit},
     )
+
+
+def same_ranks(
+    template_digest: bytes, worker_digest: bytes | None, *, template: bytes, worker: bytes
+) -> bool:
+    """Rule 2b: the rank comes back to a failed engine unchanged."""
+    return worker_digest == digest(worker) and template_digest == digest(template)
 
 
 def no_leases(engine_id: str) -> ServiceError:
@@ -198,6 +206,16 @@ class MemoryStore:
     ) -> Arrival:
         self._expire(now, ttl_s)
         finished = self._finished.get(engine_id)
+        if finished is not None and not finished.ok:
+            if same_ranks(
+                finished.template_digest,
+                finished.worker_digests.get(rank),
+                template=template,
+                worker=worker,
+            ):
+                return Arrival("finished", result=RendezvousResult(False, finished.plan))
+            del self._finished[engine_id]
+            finished = None
         if finished is not None:
             check_finished(
                 engine_id,
@@ -239,15 +257,23 @@ class MemoryStore:
         if not entry.workers:
             del self._open[engine_id]
 
-    async def rendezvous_finish(self, engine_id: str, result: RendezvousResult, now: float) -> None:
+    async def rendezvous_finish(
+        self,
+        engine_id: str,
+        result: RendezvousResult,
+        now: float,
+        *,
+        remember_failure: bool = False,
+    ) -> None:
         entry = self._open.pop(engine_id, None)
-        if result.ok and entry is not None:
+        if (result.ok or remember_failure) and entry is not None:
             self._finished.pop(engine_id, None)  # re-inserted last: in time order
             self._finished[engine_id] = _Finished(
                 template_digest=digest(entry.template),
                 worker_digests={rank: digest(w) for rank, w in entry.workers.items()},
                 plan=result.payload,
                 finished=now,
+                ok=result.ok,
             )
         for callback in self._subscribers:
             callback(engine_id, result)

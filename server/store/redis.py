@@ -57,6 +57,7 @@ from kvplan.server.store.memory import (
     check_finished,
     digest,
     renew_leases,
+    same_ranks,
     too_many_pending,
 )
 
@@ -413,6 +414,21 @@ class RedisStore:
                     await pipe.execute()
                 return error
 
+            drop_failed = bool(done) and done.get(b"ok") == b"0"
+            if drop_failed:
+                if same_ranks(
+                    done[b"template_digest"],
+                    done.get(f"rank:{rank}".encode()),
+                    template=template,
+                    worker=worker,
+                ):
+                    arrival = Arrival("finished", result=RendezvousResult(False, done[b"plan"]))
+                    if stale_open or stale_done:
+                        _begin(pipe)
+                        forget_stale()
+                        await pipe.execute()
+                    return arrival
+                done = {}  # a changed rank: the failure is forgotten below
             if done:
                 try:
                     check_finished(
@@ -469,6 +485,9 @@ class RedisStore:
 
             _begin(pipe)
             forget_stale()
+            if drop_failed and engine_id not in stale_done:
+                pipe.delete(done_key)
+                pipe.zrem(done_index, engine_id)
             if created:
                 fields.update(
                     world_size=world_size,
@@ -507,7 +526,14 @@ class RedisStore:
 
         await self._transact(attempt)
 
-    async def rendezvous_finish(self, engine_id: str, result: RendezvousResult, now: float) -> None:
+    async def rendezvous_finish(
+        self,
+        engine_id: str,
+        result: RendezvousResult,
+        now: float,
+        *,
+        remember_failure: bool = False,
+    ) -> None:
         open_key, done_key = self._open_key(engine_id), self._done_key(engine_id)
         engine = engine_id.encode()
         message = _HEADER.pack(self._origin, result.ok, len(engine)) + engine + result.payload
@@ -518,11 +544,12 @@ class RedisStore:
             _begin(pipe)
             pipe.delete(open_key)
             pipe.zrem(self._key("rdv:open"), engine_id)
-            if result.ok and entry:
+            if (result.ok or remember_failure) and entry:
                 fields: dict[str, bytes | str] = {
                     "template_digest": digest(entry[b"template"]),
                     "plan": result.payload,
                     "finished": repr(now),
+                    "ok": "1" if result.ok else "0",
                 }
                 for rank, spec in _rank_fields(entry).items():
                     fields[f"rank:{rank}"] = digest(spec)

@@ -29,12 +29,13 @@ from kvplan.server.store.memory import (
     check_finished,
     digest,
     renew_leases,
+    same_ranks,
     too_many_pending,
 )
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: engine_owner
+SCHEMA_VERSION = 2  # 2: engine_owner, rendezvous_finished.ok
 BUSY_TIMEOUT_S = 5.0  # how long a writer waits for another connection's transaction
 # Slack on the index range of the expiry scan: covers float rounding of now - ttl.
 _EXPIRY_MARGIN_S = 1.0
@@ -72,8 +73,9 @@ CREATE TABLE IF NOT EXISTS rendezvous_open_worker (
 CREATE TABLE IF NOT EXISTS rendezvous_finished (
     engine_id TEXT PRIMARY KEY,
     template_digest BLOB NOT NULL,
-    plan BLOB NOT NULL,
-    finished REAL NOT NULL
+    plan BLOB NOT NULL,               -- the plan, or the serialized error when ok = 0
+    finished REAL NOT NULL,
+    ok INTEGER NOT NULL DEFAULT 1
 );
 -- Expiry runs on every join: an index range finds the (usually no) old rows.
 CREATE INDEX IF NOT EXISTS rendezvous_open_by_created ON rendezvous_open (created);
@@ -217,6 +219,10 @@ class SQLiteStore:
                     f"SQLite store {self._path} has schema version {version}; this server "
                     f"knows {SCHEMA_VERSION}: upgrade the server or point it at another file"
                 )
+            if version == 1:  # the v1 table gains the failed-engine flag
+                db.execute(
+                    "ALTER TABLE rendezvous_finished ADD COLUMN ok INTEGER NOT NULL DEFAULT 1"
+                )
             if version < SCHEMA_VERSION:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
@@ -296,9 +302,24 @@ class SQLiteStore:
                 (horizon, now, ttl_s),
             )
             finished = db.execute(
-                "SELECT template_digest, plan FROM rendezvous_finished WHERE engine_id = ?",
+                "SELECT template_digest, plan, ok FROM rendezvous_finished WHERE engine_id = ?",
                 (engine_id,),
             ).fetchone()
+            if finished is not None and not finished[2]:
+                worker_digest = db.execute(
+                    "SELECT worker_digest FROM rendezvous_finished_worker "
+                    "WHERE engine_id = ? AND rank = ?",
+                    (engine_id, rank),
+                ).fetchone()
+                if same_ranks(
+                    bytes(finished[0]),
+                    bytes(worker_digest[0]) if worker_digest else None,
+                    template=template,
+                    worker=worker,
+                ):
+                    return Arrival("finished", result=RendezvousResult(False, bytes(finished[1])))
+                db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
+                finished = None
             if finished is not None:
                 worker_digest = db.execute(
                     "SELECT worker_digest FROM rendezvous_finished_worker "
@@ -386,21 +407,28 @@ class SQLiteStore:
             if not left:
                 db.execute("DELETE FROM rendezvous_open WHERE engine_id = ?", (engine_id,))
 
-    async def rendezvous_finish(self, engine_id: str, result: RendezvousResult, now: float) -> None:
+    async def rendezvous_finish(
+        self,
+        engine_id: str,
+        result: RendezvousResult,
+        now: float,
+        *,
+        remember_failure: bool = False,
+    ) -> None:
         with self._transaction(write=True) as db:
             entry = db.execute(
                 "SELECT template FROM rendezvous_open WHERE engine_id = ?", (engine_id,)
             ).fetchone()
-            if result.ok and entry is not None:
+            if (result.ok or remember_failure) and entry is not None:
                 workers = db.execute(
                     "SELECT rank, worker FROM rendezvous_open_worker WHERE engine_id = ?",
                     (engine_id,),
                 ).fetchall()
                 db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
                 db.execute(
-                    "INSERT INTO rendezvous_finished (engine_id, template_digest, plan, finished) "
-                    "VALUES (?, ?, ?, ?)",
-                    (engine_id, digest(bytes(entry[0])), result.payload, now),
+                    "INSERT INTO rendezvous_finished "
+                    "(engine_id, template_digest, plan, finished, ok) VALUES (?, ?, ?, ?, ?)",
+                    (engine_id, digest(bytes(entry[0])), result.payload, now, int(result.ok)),
                 )
                 db.executemany(
                     "INSERT INTO rendezvous_finished_worker (engine_id, rank, worker_digest) "

@@ -104,7 +104,12 @@ async def test_expired_rendezvous_entries_are_forgotten() -> None:
 async def test_a_store_outage_at_finish_reaches_the_waiting_ranks_at_once() -> None:
     class FinishFails(MemoryStore):
         async def rendezvous_finish(
-            self, engine_id: str, result: RendezvousResult, now: float
+            self,
+            engine_id: str,
+            result: RendezvousResult,
+            now: float,
+            *,
+            remember_failure: bool = False,
         ) -> None:
             raise StoreUnavailable("connection refused")
 
