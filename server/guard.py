@@ -70,6 +70,12 @@ def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]
     return parse
 
 
+def _call_over(context: grpc.aio.ServicerContext) -> bool:
+    """The call ended on the caller's side (deadline passed, cancelled)."""
+    remaining = context.time_remaining()
+    return bool(context.cancelled() or context.done()) or (remaining is not None and remaining <= 0)
+
+
 def _request_id(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == "x-request-id" and isinstance(value, str) and _REQUEST_ID_FORM.fullmatch(value):
@@ -214,7 +220,15 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
                         )
                     )
                 raise
-            except Exception:
+            except Exception as error:
+                if _call_over(context):
+                    # The caller's deadline passed or it went away while the answer
+                    # was being sent: nobody is left to answer, and it is no fault.
+                    log.info(
+                        "call ended before its answer was sent",
+                        extra={"request_id": request_id, "method": method, "error": str(error)},
+                    )
+                    raise
                 self._metrics.unexpected_errors.inc()
                 log.exception(
                     "unexpected error in a handler",
