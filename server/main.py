@@ -170,7 +170,8 @@ async def _sweep_leases(servicer: PlannerServicer, interval_s: float) -> None:
 async def _watch_store(
     store: Store, health_servicer: health.aio.HealthServicer, interval_s: float
 ) -> None:
-    """The planner service is NOT_SERVING while its store does not answer."""
+    """The planner service (kvplan.v1.KVCachePlanner) is NOT_SERVING while its
+    store does not answer; the server's overall status ("") is not changed."""
     serving = True
     while True:
         await asyncio.sleep(interval_s)
@@ -188,8 +189,9 @@ async def _watch_store(
                 if healthy
                 else health_pb2.HealthCheckResponse.NOT_SERVING
             )
-            for name in ("", SERVICE_NAME):
-                await health_servicer.set(name, status)
+            # The planner service only: "" stays the process's liveness, which a
+            # restart would not improve while the store is away.
+            await health_servicer.set(SERVICE_NAME, status)
             if healthy:
                 log.info("store reachable again: SERVING")
 
