@@ -108,11 +108,14 @@ def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -
         env_value = env.get(f"KVPLAN_{field.name.upper()}")
         kind: Callable[[str], object] = _flag if isinstance(default, bool) else type(default)
         value = kind(env_value) if env_value is not None else default
+        # A switch may stand alone (--metrics-engine-labels) or take a value.
+        switch: dict[str, object] = {"nargs": "?", "const": True} if kind is _flag else {}
         parser.add_argument(
             f"--{field.name.replace('_', '-')}",
             type=kind,
             default=value,
             help=f"{_HELP[field.name]} (env KVPLAN_{field.name.upper()}, default {default!r})",
+            **switch,  # type: ignore[arg-type]
         )
     namespace = parser.parse_args(list(argv))
     settings = Settings(**vars(namespace))

@@ -72,6 +72,19 @@ def parse_token_file(text: str, operators: frozenset[str]) -> dict[bytes, Identi
     return table
 
 
+def warn_if_readable_by_others(path: str, what: str) -> None:
+    """A secret that other local users can read is no secret."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if mode & 0o077:
+        log.warning(
+            "secret file is readable by other users; chmod 600 it",
+            extra={"path": path, "what": what, "mode": oct(mode & 0o777)},
+        )
+
+
 class TokenTable:
     """The token file, re-read when it changes (a bad edit keeps the last good table)."""
 
@@ -176,6 +189,10 @@ class Authenticator:
             else None
         )
         self.mutual_tls = bool(settings.tls_client_ca)
+        if settings.token_file:
+            warn_if_readable_by_others(settings.token_file, "token file")
+        if settings.tls_key:
+            warn_if_readable_by_others(settings.tls_key, "TLS private key")
 
     @property
     def insecure(self) -> bool:

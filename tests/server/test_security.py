@@ -276,6 +276,12 @@ def test_default_binds(tmp_path: Path) -> None:
     )
     with pytest.raises(SystemExit):
         parse_settings(["--tls-cert", "x"], environ={})  # a certificate needs its key
+    # Switches stand alone or take a value; the environment spells them out.
+    assert parse_settings(["--redis-allow-no-persistence"], environ={}).redis_allow_no_persistence
+    assert not parse_settings(
+        ["--metrics-engine-labels", "false"], environ={}
+    ).metrics_engine_labels
+    assert parse_settings([], environ={"KVPLAN_METRICS_ENGINE_LABELS": "1"}).metrics_engine_labels
 
 
 async def test_metrics_carry_no_engine_ids_by_default(server: RunningServer) -> None:
@@ -357,3 +363,19 @@ async def test_health_and_plan_commands_speak_mutual_tls(
     monkeypatch.delenv("KVPLAN_CLIENT_CERT")
     monkeypatch.delenv("KVPLAN_CLIENT_KEY")
     assert await asyncio.to_thread(main, ["health", "--target", target, "--timeout", "2"]) == 1
+
+
+def test_secret_files_readable_by_others_are_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tokens = tmp_path / "tokens"
+    write_tokens(tokens, f"{TOKEN_A} team-a")
+    tokens.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="kvplan.server.security"):
+        Authenticator(Settings(token_file=str(tokens)))
+    assert any("readable by other users" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    tokens.chmod(0o600)
+    with caplog.at_level(logging.WARNING, logger="kvplan.server.security"):
+        Authenticator(Settings(token_file=str(tokens)))
+    assert not caplog.records
