@@ -131,10 +131,28 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
     return bytes(buffer)
 
 
-async def test_fuzz_every_rpc_gets_an_explained_answer() -> None:
+# Callers: two identities (their engine ids overlap, so ownership is exercised),
+# callers without credentials and with an unknown token.
+TOKENS = ("fuzz-token-team-a-0123", "fuzz-token-team-b-0123")
+CALLERS: tuple[tuple[tuple[str, str], ...], ...] = (
+    *((("authorization", f"Bearer {token}"),) for token in TOKENS * 4),
+    (),
+    (("authorization", "Bearer not-a-known-token-at-all"),),
+)
+
+
+async def test_fuzz_every_rpc_gets_an_explained_answer(tmp_path: Path) -> None:
     rng = random.Random(SEED)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKENS[0]} team-a\n{TOKENS[1]} team-b\n")
     running = await start_server(
-        replace(TEST_SETTINGS, devices="2xH100-80GB", lease_ttl_s=5.0, rendezvous_ttl_s=5.0)
+        replace(
+            TEST_SETTINGS,
+            devices="2xH100-80GB",
+            lease_ttl_s=5.0,
+            rendezvous_ttl_s=5.0,
+            token_file=str(tokens),
+        )
     )
     codes: Counter[tuple[str, str]] = Counter()
     bad: list[tuple[str, str, str]] = []
@@ -154,7 +172,7 @@ async def test_fuzz_every_rpc_gets_an_explained_answer() -> None:
             async def call(method: str, body: bytes, timeout_s: float = 60.0) -> None:
                 stub = health if method == "Health" else raw[method]
                 try:
-                    await stub(body, timeout=timeout_s)
+                    await stub(body, timeout=timeout_s, metadata=rng.choice(CALLERS))
                     code = grpc.StatusCode.OK
                 except grpc.aio.AioRpcError as error:
                     code = error.code()
@@ -238,5 +256,7 @@ async def test_fuzz_every_rpc_gets_an_explained_answer() -> None:
     assert running.metrics.unexpected_errors._value.get() == 0
     assert growth < 64 * 1024 * 1024, growth
     # The fuzz reached past validation: plans and leases were made.
-    assert codes[("PlanKVCache", "OK")] > 100
-    assert codes[("RenewLeases", "OK")] > 10
+    assert codes[("PlanKVCache", "OK")] > 50
+    assert codes[("RenewLeases", "OK")] > 2
+    assert codes[("ReleasePlan", "PERMISSION_DENIED")] > 10
+    assert codes[("PlanKVCache", "UNAUTHENTICATED")] > 10
