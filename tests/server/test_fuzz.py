@@ -1,8 +1,9 @@
 """Seeded fuzz through a real server on loopback: >= 10,000 malformed calls across
 every RPC (random bodies, mutated valid requests, random messages with boundary
-numbers and unknown enum values, lease and rendezvous sequences). Only the
-explained codes may come back; never UNKNOWN or INTERNAL; the server stays
-SERVING and its memory bounded."""
+numbers and unknown enum values, lease and rendezvous sequences), by two token
+identities whose engine ids overlap and by callers without valid credentials.
+Only the explained codes may come back; never UNKNOWN or INTERNAL; the server
+stays SERVING and its memory bounded."""
 
 from __future__ import annotations
 
