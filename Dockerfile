@@ -36,11 +36,15 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     && install -d -o 10001 -g 10001 -m 0750 /var/lib/kvplan
 
 # Settings are KVPLAN_* variables (server/config.py); flags after the image name win.
+# KVPLAN_HOST=auto: gRPC on every interface only once callers must authenticate
+# (KVPLAN_TOKEN_FILE, or KVPLAN_TLS_CERT/KEY[/CLIENT_CA]); otherwise loopback only.
+# Metrics stay reachable for scraping; they carry no engine ids (docs/security.md).
 ENV PATH=/opt/kvplan/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    KVPLAN_HOST=0.0.0.0 \
+    KVPLAN_HOST=auto \
     KVPLAN_PORT=50051 \
+    KVPLAN_METRICS_HOST=0.0.0.0 \
     KVPLAN_METRICS_PORT=9464 \
     KVPLAN_LOG_FORMAT=json \
     KVPLAN_LOG_LEVEL=INFO \

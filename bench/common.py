@@ -110,7 +110,8 @@ class ServerProcess:
 
     def ready_in_s(self) -> float | None:
         """The server's own 'ready in' figure: start_server alone, imports excluded."""
-        found = re.search(r"ready in ([0-9.]+) s", self.log_path.read_text(errors="replace"))
+        # The text log's structured line: "... kvplan.server ready seconds=0.023".
+        found = re.search(r" ready seconds=([0-9.]+)", self.log_path.read_text(errors="replace"))
         return float(found.group(1)) if found else None
 
     def cpu_s(self) -> float:

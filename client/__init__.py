@@ -10,7 +10,9 @@ them with `LeaseKeeper(planner, plan)` (or `AsyncLeaseKeeper`), which renews
 them in the background and releases them on exit. `AsyncPlannerClient` is the
 asyncio twin. `build_plan_request(load_config(path), ModelPlanOptions(...))` builds the
 request from a model's config.json (kvplan.models). Errors raise `PlannerError` with the
-gRPC code and the server's field violations.
+gRPC code and the server's field violations. `security=ChannelSecurity(...)`
+(or `ChannelSecurity.from_env()`, KVPLAN_TLS_CA / KVPLAN_CLIENT_CERT /
+KVPLAN_CLIENT_KEY / KVPLAN_TOKEN) adds TLS, a client certificate, a token.
 """
 
 from kvplan.client.errors import PlannerError, error_from_rpc
@@ -22,12 +24,14 @@ from kvplan.client.planner import (
     PlannerClient,
     channel_options,
 )
+from kvplan.client.security import ChannelSecurity
 from kvplan.models.request import ModelPlanOptions, build_plan_request
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "AsyncLeaseKeeper",
     "AsyncPlannerClient",
+    "ChannelSecurity",
     "LeaseKeeper",
     "ModelPlanOptions",
     "PlanResult",

@@ -12,6 +12,7 @@ import grpc.aio
 
 from kvplan.client.errors import error_from_rpc
 from kvplan.client.model import PlanResult
+from kvplan.client.security import ChannelSecurity, resolve_security
 from kvplan.v1 import plan_pb2, service_pb2, service_pb2_grpc
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -62,12 +63,6 @@ def channel_options() -> list[tuple[str, int | str]]:
     ]
 
 
-def _credentials(
-    root_certificates: bytes | None, private_key: bytes | None, certificate_chain: bytes | None
-) -> grpc.ChannelCredentials:
-    return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
-
-
 def _renew_request(
     engine_id: str, allocations: Mapping[int, int] | None
 ) -> service_pb2.RenewLeasesRequest:
@@ -108,19 +103,31 @@ class PlannerClient:
         root_certificates: bytes | None = None,
         private_key: bytes | None = None,
         certificate_chain: bytes | None = None,
+        security: ChannelSecurity | None = None,
     ) -> None:
+        """`security`: TLS, client certificate and bearer token (see
+        kvplan.client.security; `ChannelSecurity.from_env()` reads KVPLAN_*).
+        Default: plaintext, no token. The `tls`/`root_certificates`/... keywords
+        remain for older callers."""
         self.timeout_s = timeout_s
-        if tls:
-            creds = _credentials(root_certificates, private_key, certificate_chain)
-            self._channel = grpc.secure_channel(target, creds, options=channel_options())
+        self.security = resolve_security(
+            security, tls, root_certificates, private_key, certificate_chain
+        )
+        self._metadata = self.security.metadata()
+        options = channel_options() + self.security.channel_options()
+        creds = self.security.credentials()
+        if creds is not None:
+            self._channel = grpc.secure_channel(target, creds, options=options)
         else:
-            self._channel = grpc.insecure_channel(target, options=channel_options())
+            self._channel = grpc.insecure_channel(target, options=options)
         self._stub = service_pb2_grpc.KVCachePlannerStub(self._channel)
 
     def plan(self, request: plan_pb2.PlanRequest, *, timeout_s: float | None = None) -> PlanResult:
         """Engine mode (all workers) or rank mode (one worker and world_size)."""
         try:
-            response = self._stub.PlanKVCache(request, timeout=timeout_s or self.timeout_s)
+            response = self._stub.PlanKVCache(
+                request, timeout=timeout_s or self.timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
         return PlanResult(response)
@@ -135,7 +142,9 @@ class PlannerClient:
     ) -> PlanResult:
         try:
             response = self._stub.GetPlan(
-                _plan_get_request(plan_id, engine_id, rank), timeout=timeout_s or self.timeout_s
+                _plan_get_request(plan_id, engine_id, rank),
+                timeout=timeout_s or self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
@@ -144,7 +153,9 @@ class PlannerClient:
     def list_devices(self, *, timeout_s: float | None = None) -> service_pb2.ListDevicesResponse:
         try:
             return self._stub.ListDevices(
-                service_pb2.ListDevicesRequest(), timeout=timeout_s or self.timeout_s
+                service_pb2.ListDevicesRequest(),
+                timeout=timeout_s or self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
@@ -161,7 +172,9 @@ class PlannerClient:
         promised."""
         try:
             response = self._stub.RenewLeases(
-                _renew_request(engine_id, allocations), timeout=timeout_s or self.timeout_s
+                _renew_request(engine_id, allocations),
+                timeout=timeout_s or self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
@@ -173,7 +186,9 @@ class PlannerClient:
         """Give the engine's leases (or one rank's) back."""
         try:
             return self._stub.ReleasePlan(
-                _release_request(engine_id, rank), timeout=timeout_s or self.timeout_s
+                _release_request(engine_id, rank),
+                timeout=timeout_s or self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
@@ -205,20 +220,29 @@ class AsyncPlannerClient:
         root_certificates: bytes | None = None,
         private_key: bytes | None = None,
         certificate_chain: bytes | None = None,
+        security: ChannelSecurity | None = None,
     ) -> None:
+        """See PlannerClient."""
         self.timeout_s = timeout_s
-        if tls:
-            creds = _credentials(root_certificates, private_key, certificate_chain)
-            self._channel = grpc.aio.secure_channel(target, creds, options=channel_options())
+        self.security = resolve_security(
+            security, tls, root_certificates, private_key, certificate_chain
+        )
+        self._metadata = self.security.metadata()
+        options = channel_options() + self.security.channel_options()
+        creds = self.security.credentials()
+        if creds is not None:
+            self._channel = grpc.aio.secure_channel(target, creds, options=options)
         else:
-            self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+            self._channel = grpc.aio.insecure_channel(target, options=options)
         self._stub = service_pb2_grpc.KVCachePlannerStub(self._channel)
 
     async def plan(
         self, request: plan_pb2.PlanRequest, *, timeout_s: float | None = None
     ) -> PlanResult:
         try:
-            response = await self._stub.PlanKVCache(request, timeout=timeout_s or self.timeout_s)
+            response = await self._stub.PlanKVCache(
+                request, timeout=timeout_s or self.timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
         return PlanResult(response)
@@ -233,7 +257,9 @@ class AsyncPlannerClient:
     ) -> PlanResult:
         try:
             response = await self._stub.GetPlan(
-                _plan_get_request(plan_id, engine_id, rank), timeout=timeout_s or self.timeout_s
+                _plan_get_request(plan_id, engine_id, rank),
+                timeout=timeout_s or self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
@@ -244,7 +270,9 @@ class AsyncPlannerClient:
     ) -> service_pb2.ListDevicesResponse:
         try:
             return await self._stub.ListDevices(
-                service_pb2.ListDevicesRequest(), timeout=timeout_s or self.timeout_s
+                service_pb2.ListDevicesRequest(),
+                timeout=timeout_s or self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
@@ -259,7 +287,9 @@ class AsyncPlannerClient:
         """See PlannerClient.renew_leases."""
         try:
             response = await self._stub.RenewLeases(
-                _renew_request(engine_id, allocations), timeout=timeout_s or self.timeout_s
+                _renew_request(engine_id, allocations),
+                timeout=timeout_s or self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
@@ -270,13 +300,15 @@ class AsyncPlannerClient:
     ) -> service_pb2.ReleasePlanResponse:
         try:
             return await self._stub.ReleasePlan(
-                _release_request(engine_id, rank), timeout=timeout_s or self.timeout_s
+                _release_request(engine_id, rank),
+                timeout=timeout_s or self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
 
     async def echo(self, request: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:
-        return await self._stub.Echo(request, timeout=self.timeout_s)
+        return await self._stub.Echo(request, timeout=self.timeout_s, metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()

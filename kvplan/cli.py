@@ -234,10 +234,10 @@ class RemoteError(Exception):
 
 
 def _plan_remote(target: str, request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
-    from kvplan.client import PlannerClient, PlannerError
+    from kvplan.client import ChannelSecurity, PlannerClient, PlannerError
 
     try:
-        with PlannerClient(target) as client:
+        with PlannerClient(target, security=ChannelSecurity.from_env()) as client:
             return client.plan(request).response
     except PlannerError as error:
         field = f"{error.violations[0].field}: " if error.violations else ""
@@ -262,11 +262,26 @@ def default_health_target(environ: Mapping[str, str] | None = None) -> str:
     a container's HEALTHCHECK then follows KVPLAN_PORT / KVPLAN_HOST overrides."""
     env = os.environ if environ is None else environ
     host = env.get("KVPLAN_HOST", "") or "0.0.0.0"
-    if host in ("0.0.0.0", "::", "[::]"):  # a wildcard bind answers on loopback
+    if host in ("0.0.0.0", "::", "[::]", "auto"):  # a wildcard bind answers on loopback
         host = "127.0.0.1"
     elif ":" in host and not host.startswith("["):
         host = f"[{host}]"  # an IPv6 literal
     return f"{host}:{env.get('KVPLAN_PORT', '') or '50051'}"
+
+
+def _health_channel(target: str) -> Any:
+    """Plaintext, or TLS when KVPLAN_TLS_CA / KVPLAN_CLIENT_CERT / KVPLAN_TLS say so
+    (kvplan.client.security). A health probe never goes through an HTTP proxy."""
+    import grpc
+
+    from kvplan.client import ChannelSecurity
+
+    security = ChannelSecurity.from_env()
+    options = [("grpc.enable_http_proxy", 0), *security.channel_options()]
+    credentials = security.credentials()
+    if credentials is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, credentials, options=options)
 
 
 def _health_command(args: argparse.Namespace) -> int:
@@ -284,7 +299,7 @@ def _health_command(args: argparse.Namespace) -> int:
     service = args.service or "(server)"
     try:
         # A health probe goes straight to the target, never through an HTTP proxy.
-        with grpc.insecure_channel(args.target, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        with _health_channel(args.target) as channel:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )

@@ -64,6 +64,7 @@ from kvplan.core.specs import (
     StateShape,
     UniformTypeSpecs,
 )
+from kvplan.fieldcheck import check_fields
 from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.v1 import plan_pb2, spec_pb2
 
@@ -272,6 +273,7 @@ def _release_fields_set(layer: spec_pb2.LayerSpec, kind: str, body: Any) -> list
 
 def layer_from_proto(layer: spec_pb2.LayerSpec, path: str, ctx: _Context) -> KVCacheSpec:
     """One LayerSpec as a domain spec (raises InvalidRequest with field paths)."""
+    check_fields(layer, path)
     kind = layer.WhichOneof("kind")
     if kind is None:
         raise InvalidRequest("a layer needs a spec kind (full_attention, mamba, ...)", field=path)
@@ -654,6 +656,11 @@ def _check_release_request_fields(message: plan_pb2.PlanRequest, rules: RuleSet)
 def request_from_proto(
     message: plan_pb2.PlanRequest, *, gpu_memory_table: Mapping[str, int] | None = None
 ) -> EngineRequest:
+    # Enums and integer ranges first; layers are checked once per distinct spec.
+    check_fields(message.options, "options")
+    check_fields(message.spec_decode, "spec_decode")
+    for index, worker in enumerate(message.workers):
+        check_fields(worker, f"workers[{index}]", skip=frozenset({"layers"}))
     rules = rule_set_for(message.options.engine_version)
     _check_release_request_fields(message, rules)
     options = _options_from_proto(message.options, rules)
@@ -932,7 +939,20 @@ def plan_from_proto(
     """request -> validate -> plan -> budget -> respond. `plan_id`: the request's
     `plan_id_for`, when the caller already has it."""
     request = request_from_proto(message, gpu_memory_table=gpu_memory_table)
-    return plan_to_proto(plan_engine(request), plan_id=plan_id or plan_id_for(message))
+    plan = plan_engine(request)
+    try:
+        return plan_to_proto(plan, plan_id=plan_id or plan_id_for(message))
+    except ValueError as error:  # protobuf: a number outside its field's type
+        raise InvalidRequest(
+            "the plan's numbers do not fit the reply's 64-bit fields (a size or count "
+            f"exceeds 2^64-1: {error}); the request's sizes, block counts or shapes are "
+            "out of range",
+            field=(
+                "options.num_gpu_blocks_override"
+                if message.options.HasField("num_gpu_blocks_override")
+                else "workers"
+            ),
+        ) from error
 
 
 __all__ = [

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
 class Settings:
-    host: str = "0.0.0.0"
+    # Loopback unless told otherwise. "auto" (the container image): all interfaces when
+    # TLS or a token file is configured, else loopback (server/security.py).
+    host: str = "127.0.0.1"
     port: int = 50051  # gRPC
     metrics_port: int = 9464  # Prometheus /metrics; 0 disables, -1 picks a free port
+    metrics_host: str = ""  # "": the gRPC bind address
     log_format: str = "text"  # "text" or "json"
     log_level: str = "INFO"
     probe: str = "auto"  # auto (NVML where a driver is, else static), nvml, torch, static
@@ -32,12 +35,28 @@ class Settings:
     grace_s: float = 10.0  # shutdown grace for in-flight calls
     offload_layers: int = 2048  # plan in a worker thread above this many layers
     claim_timeout_s: float = 10.0  # a rendezvous claimed by a vanished server is re-claimed
+    # Identity (docs/security.md). No TLS and no token file: insecure mode.
+    tls_cert: str = ""  # PEM certificate chain of the server; with tls_key: TLS
+    tls_key: str = ""  # PEM private key
+    tls_client_ca: str = ""  # PEM CA bundle: clients must present a certificate it signed
+    token_file: str = ""  # bearer tokens: one "TOKEN IDENTITY [operator]" per line
+    operators: str = ""  # comma-separated identities with the operator role
+    ownership_ttl_s: float = 86400.0  # an engine's owner is forgotten this long after its last use
+    # Bounds on what one caller can make the server hold.
+    max_engine_id_chars: int = 256
+    max_layer_name_chars: int = 1024
+    max_pending_rendezvous_bytes: int = 256 * 1024 * 1024  # specs of waiting ranks, this process
+    max_leases_per_identity: int = 4096
+    metrics_engine_labels: bool = False  # per-engine metric series (engine_id label)
+    health_interval_s: float = 2.0  # how often health checks that the store answers
+    redis_allow_no_persistence: bool = False  # accept a Redis that loses data on restart
 
 
 _HELP = {
-    "host": "address to bind",
+    "host": "address to bind (auto: all interfaces when TLS or tokens are set, else loopback)",
     "port": "gRPC port",
     "metrics_port": "Prometheus metrics port (0: off)",
+    "metrics_host": "address of the metrics endpoint (empty: the gRPC address)",
     "log_format": "text or json",
     "log_level": "DEBUG, INFO, WARNING, ...",
     "probe": "device probe: auto, nvml, torch or static",
@@ -57,7 +76,29 @@ _HELP = {
     "grace_s": "seconds in-flight calls get on shutdown",
     "offload_layers": "plan off the event loop above this many layers",
     "claim_timeout_s": "seconds before another server may plan a claimed rendezvous",
+    "tls_cert": "PEM certificate chain of the server (TLS; reloaded when the file changes)",
+    "tls_key": "PEM private key of the server",
+    "tls_client_ca": "PEM CA bundle; set: clients must present a certificate (mutual TLS)",
+    "token_file": "bearer tokens, one 'TOKEN IDENTITY [operator]' per line (reloaded on change)",
+    "operators": "comma-separated identities that may act on every engine",
+    "ownership_ttl_s": "seconds an engine's owner is kept after its last plan or renewal",
+    "max_engine_id_chars": "longest engine_id",
+    "max_layer_name_chars": "longest layer name",
+    "max_pending_rendezvous_bytes": "bytes of rank specs waiting in rendezvous (this process)",
+    "max_leases_per_identity": "live leases one identity may hold",
+    "metrics_engine_labels": "per-engine metric series (engine_id label); off by default",
+    "health_interval_s": "seconds between store checks behind the health status",
+    "redis_allow_no_persistence": "accept a Redis without AOF or RDB snapshots",
 }
+
+
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -> Settings:
@@ -67,13 +108,16 @@ def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -
     for field in fields(Settings):
         default = getattr(defaults, field.name)
         env_value = env.get(f"KVPLAN_{field.name.upper()}")
-        kind = type(default)
+        kind: Callable[[str], object] = _flag if isinstance(default, bool) else type(default)
         value = kind(env_value) if env_value is not None else default
+        # A switch may stand alone (--metrics-engine-labels) or take a value.
+        switch: dict[str, object] = {"nargs": "?", "const": True} if kind is _flag else {}
         parser.add_argument(
             f"--{field.name.replace('_', '-')}",
             type=kind,
             default=value,
             help=f"{_HELP[field.name]} (env KVPLAN_{field.name.upper()}, default {default!r})",
+            **switch,  # type: ignore[arg-type]
         )
     namespace = parser.parse_args(list(argv))
     settings = Settings(**vars(namespace))
@@ -85,4 +129,11 @@ def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -
         parser.error("--max-commit-fraction must be in (0, 1]")
     if settings.lease_ttl_s <= 0:
         parser.error("--lease-ttl-s must be positive")
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if settings.tls_client_ca and not settings.tls_cert:
+        parser.error("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    for name in ("max_engine_id_chars", "max_layer_name_chars", "max_pending_rendezvous_bytes"):
+        if getattr(settings, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
     return settings

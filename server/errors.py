@@ -17,6 +17,9 @@ _CODES = {
     "UNAVAILABLE": (grpc.StatusCode.UNAVAILABLE, code_pb2.UNAVAILABLE),
     "DEADLINE_EXCEEDED": (grpc.StatusCode.DEADLINE_EXCEEDED, code_pb2.DEADLINE_EXCEEDED),
     "ALREADY_EXISTS": (grpc.StatusCode.ALREADY_EXISTS, code_pb2.ALREADY_EXISTS),
+    "PERMISSION_DENIED": (grpc.StatusCode.PERMISSION_DENIED, code_pb2.PERMISSION_DENIED),
+    "UNAUTHENTICATED": (grpc.StatusCode.UNAUTHENTICATED, code_pb2.UNAUTHENTICATED),
+    "INTERNAL": (grpc.StatusCode.INTERNAL, code_pb2.INTERNAL),
 }
 
 
@@ -39,6 +42,18 @@ class ServiceError(Exception):
         self.message = message
         self.field = field
         self.details = dict(details or {})
+
+
+def limit_exceeded(
+    flag: str, value: int, limit: int, what: str, *, field: str = ""
+) -> ServiceError:
+    """RESOURCE_EXHAUSTED naming the server limit (its flag) and the numbers."""
+    return ServiceError(
+        "RESOURCE_EXHAUSTED",
+        f"{what}: {value} exceeds the server's limit of {limit} (--{flag.replace('_', '-')})",
+        field=field,
+        details={"limit": flag, "limit_value": limit, "value": value},
+    )
 
 
 class RemoteStatus(Exception):

@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -23,10 +21,13 @@ from prometheus_client import start_http_server
 
 from kvplan import __version__
 from kvplan.server.config import Settings, parse_settings
+from kvplan.server.guard import Drain, GuardInterceptor
+from kvplan.server.logs import configure_logging as _configure_logging
 from kvplan.server.metrics import Metrics, MetricsInterceptor
 from kvplan.server.probes import DeviceProbe, ProbeUnavailable, open_probe
+from kvplan.server.security import Authenticator, bind_host, is_loopback, warn_if_exposed
 from kvplan.server.servicer import PlannerServicer
-from kvplan.server.store import Store, open_store
+from kvplan.server.store import Store, StoreUnavailable, open_store
 from kvplan.v1 import plan_pb2, service_pb2
 
 log = logging.getLogger("kvplan.server")
@@ -39,29 +40,8 @@ MAX_PENDING_CALLS = 16_384
 MAX_PENDING_CALLS_HARD_LIMIT = 32_768
 
 
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "ts": round(record.created, 3),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
 def configure_logging(settings: Settings) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if settings.log_format == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
-    root = logging.getLogger("kvplan")
-    root.handlers[:] = [handler]
-    root.setLevel(settings.log_level.upper())
-    root.propagate = False
+    _configure_logging(settings.log_format, settings.log_level)
 
 
 def server_options(settings: Settings) -> list[tuple[str, int]]:
@@ -147,18 +127,28 @@ class RunningServer:
     settings: Settings
     probe: DeviceProbe
     store: Store
+    drain: Drain
+    host: str = ""
     _http: object | None = None
     _sweeper: asyncio.Task[None] | None = None
+    _health_watch: asyncio.Task[None] | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Drain: NOT_SERVING, waiting ranks get UNAVAILABLE, in-flight calls finish."""
+        """Drain: NOT_SERVING, waiting ranks get UNAVAILABLE; every call received
+        is served until none is in flight or the grace period ends; calls still
+        running then are answered UNAVAILABLE with a retry hint."""
+        grace = self.settings.grace_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
         self.servicer.rendezvous.drain()
-        await self.server.stop(self.settings.grace_s if grace_s is None else grace_s)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        cut = await self.drain.wait(grace)
+        if cut:
+            log.warning("drain: grace period over", extra={"answered_unavailable": cut})
+        await self.server.stop(0)
+        for task in (self._sweeper, self._health_watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.store.close()
         self.probe.close()
         if self._http is not None:
@@ -174,22 +164,58 @@ async def _sweep_leases(servicer: PlannerServicer, interval_s: float) -> None:
         try:
             await servicer.sweep_expired_leases()
         except Exception as error:  # a store outage must not end the sweeper
-            log.warning("lease sweep failed: %s", error)
+            log.warning("lease sweep failed", extra={"error": str(error)})
+
+
+async def _watch_store(
+    store: Store, health_servicer: health.aio.HealthServicer, interval_s: float
+) -> None:
+    """The planner service (kvplan.v1.KVCachePlanner) is NOT_SERVING while its
+    store does not answer; the server's overall status ("") is not changed."""
+    serving = True
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await asyncio.wait_for(store.ping(), timeout=max(interval_s, 1.0))
+            healthy = True
+        except Exception as error:
+            healthy = False
+            if serving:
+                log.error("store unreachable: NOT_SERVING", extra={"error": str(error)})
+        if healthy != serving:
+            serving = healthy
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if healthy
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            # The planner service only: "" stays the process's liveness, which a
+            # restart would not improve while the store is away.
+            await health_servicer.set(SERVICE_NAME, status)
+            if healthy:
+                log.info("store reachable again: SERVING")
 
 
 async def start_server(settings: Settings) -> RunningServer:
-    metrics = Metrics()
+    metrics = Metrics(
+        engine_labels=settings.metrics_engine_labels, max_engine_series=settings.plan_cache_size
+    )
+    authenticator = Authenticator(settings)
     probe = open_probe(settings.probe, settings.devices)
     store = open_store(
         settings.store,
         settings.state_dir,
         max_plans=settings.plan_cache_size,
         max_plan_bytes=settings.store_plan_bytes,
+        redis_allow_no_persistence=settings.redis_allow_no_persistence,
     )
     await store.start()
     servicer = PlannerServicer(settings, metrics, probe, store)
+    drain = Drain()
     server = grpc.aio.server(
-        interceptors=[MetricsInterceptor(metrics)], options=server_options(settings)
+        # Metrics outermost: they count what the guard answers too.
+        interceptors=[MetricsInterceptor(metrics), GuardInterceptor(authenticator, drain, metrics)],
+        options=server_options(settings),
     )
     add_planner_service(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -202,16 +228,28 @@ async def start_server(settings: Settings) -> RunningServer:
         ),
         server,
     )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    host = bind_host(settings)
+    address = f"[{host}]:{settings.port}" if ":" in host else f"{host}:{settings.port}"
+    if authenticator.certificates is not None:
+        port = server.add_secure_port(address, authenticator.certificates.server_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
-        raise OSError(f"cannot bind gRPC to {settings.host}:{settings.port}")
+        raise OSError(f"cannot bind gRPC to {address}")
+    warn_if_exposed(host, authenticator, tls=authenticator.certificates is not None)
     http = None
     metrics_port = 0
     if settings.metrics_port != 0:  # -1: any free port (tests)
+        metrics_host = settings.metrics_host or host
         http, _ = start_http_server(
-            max(settings.metrics_port, 0), addr=settings.host, registry=metrics.registry
+            max(settings.metrics_port, 0), addr=metrics_host, registry=metrics.registry
         )
         metrics_port = http.server_port
+        if settings.metrics_engine_labels and not is_loopback(metrics_host):
+            log.warning(
+                "metrics carry engine ids and are served beyond loopback",
+                extra={"metrics_host": metrics_host},
+            )
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -219,15 +257,22 @@ async def start_server(settings: Settings) -> RunningServer:
     sweeper = asyncio.create_task(
         _sweep_leases(servicer, min(5.0, settings.lease_ttl_s / 4)), name="kvplan-lease-sweeper"
     )
+    health_watch = asyncio.create_task(
+        _watch_store(store, health_servicer, settings.health_interval_s),
+        name="kvplan-store-health",
+    )
     log.info(
-        "kvplan %s serving gRPC on %s:%d, metrics on :%d, probe=%s devices=%d store=%s",
-        __version__,
-        settings.host,
-        port,
-        metrics_port,
-        probe.name,
-        len(devices),
-        store.kind,
+        "serving",
+        extra={
+            "version": __version__,
+            "host": host,
+            "port": port,
+            "metrics_port": metrics_port,
+            "security": authenticator.mode,
+            "probe": probe.name,
+            "devices": len(devices),
+            "store": store.kind,
+        },
     )
     return RunningServer(
         server,
@@ -239,21 +284,24 @@ async def start_server(settings: Settings) -> RunningServer:
         settings,
         probe,
         store,
+        drain,
+        host,
         http,
         sweeper,
+        health_watch,
     )
 
 
 async def _serve(settings: Settings) -> None:
     started = time.perf_counter()
     running = await start_server(settings)
-    log.info("ready in %.3f s", time.perf_counter() - started)
+    log.info("ready", extra={"seconds": round(time.perf_counter() - started, 3)})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("shutting down: draining for up to %.1f s", settings.grace_s)
+    log.info("shutting down: draining", extra={"grace_s": settings.grace_s})
     await running.stop()
     log.info("stopped")
 
@@ -263,8 +311,8 @@ def serve_main(argv: Sequence[str]) -> int:
     configure_logging(settings)
     try:
         asyncio.run(_serve(settings))
-    except (OSError, ProbeUnavailable, ValueError) as error:
-        log.error("cannot start: %s", error)
+    except (OSError, ProbeUnavailable, ValueError, StoreUnavailable) as error:
+        log.error("cannot start", extra={"error": str(error)})
         return 1
     return 0
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,8 +18,11 @@ from kvplan import __version__
 class Metrics:
     """All metrics of one server, in its own registry."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, engine_labels: bool = False, max_engine_series: int = 4096) -> None:
         self.registry = CollectorRegistry()
+        # Engines with series, oldest first: at most max_engine_series of them.
+        self._engines: OrderedDict[str, None] = OrderedDict()
+        self._max_engine_series = max_engine_series
         labels = ["grpc_type", "grpc_service", "grpc_method"]
         self.started = Counter(
             "grpc_server_started_total",
@@ -83,18 +88,24 @@ class Metrics:
             "Time a rank waited for its engine's plan.",
             registry=self.registry,
         )
-        self.kv_bytes = Gauge(
-            "kvplan_planned_kv_bytes",
-            "KV cache bytes planned per worker, by engine.",
-            ["engine_id"],
-            registry=self.registry,
-        )
-        self.blocks = Gauge(
-            "kvplan_planned_blocks",
-            "KV cache blocks planned per rank, by engine.",
-            ["engine_id"],
-            registry=self.registry,
-        )
+        # Per-engine series only when asked (--metrics-engine-labels): engine ids are
+        # the callers' names, and one series per engine grows without bound. Their
+        # series are removed when the engine's leases end (forget_engine).
+        self.kv_bytes: Gauge | None = None
+        self.blocks: Gauge | None = None
+        if engine_labels:
+            self.kv_bytes = Gauge(
+                "kvplan_planned_kv_bytes",
+                "KV cache bytes planned per worker, by engine.",
+                ["engine_id"],
+                registry=self.registry,
+            )
+            self.blocks = Gauge(
+                "kvplan_planned_blocks",
+                "KV cache blocks planned per rank, by engine.",
+                ["engine_id"],
+                registry=self.registry,
+            )
         self.validation_errors = Counter(
             "kvplan_validation_errors_total",
             "Rejected requests, by reason.",
@@ -147,8 +158,36 @@ class Metrics:
             "Calls that failed because the store could not be reached.",
             registry=self.registry,
         )
+        self.limits_hit = Counter(
+            "kvplan_limits_hit_total",
+            "Calls refused by a server limit, by the limit's flag name.",
+            ["limit"],
+            registry=self.registry,
+        )
+        self.unexpected_errors = Counter(
+            "kvplan_unexpected_errors_total",
+            "Handler exceptions answered INTERNAL (each logged with its request id).",
+            registry=self.registry,
+        )
         build = Info("kvplan_build", "kvplan build information.", registry=self.registry)
         build.info({"version": __version__})
+
+    def record_engine(self, engine_id: str, kv_bytes: int, blocks: int) -> None:
+        if self.kv_bytes is None or self.blocks is None:
+            return
+        self.kv_bytes.labels(engine_id).set(kv_bytes)
+        self.blocks.labels(engine_id).set(blocks)
+        self._engines[engine_id] = None
+        self._engines.move_to_end(engine_id)
+        while len(self._engines) > self._max_engine_series:
+            self.forget_engine(next(iter(self._engines)))
+
+    def forget_engine(self, engine_id: str) -> None:
+        self._engines.pop(engine_id, None)
+        for gauge in (self.kv_bytes, self.blocks):
+            if gauge is not None:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(engine_id)
 
 
 def _split(method: str) -> tuple[str, str]:

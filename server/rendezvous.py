@@ -10,16 +10,20 @@ ranks. This module only keeps the local waiters.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from google.rpc import status_pb2
 
 from kvplan.core.errors import PlanningError
-from kvplan.server.errors import RemoteStatus, ServiceError, to_rpc_status
+from kvplan.server.errors import RemoteStatus, ServiceError, limit_exceeded, to_rpc_status
+from kvplan.server.guard import current_request_id
 from kvplan.server.metrics import Metrics
 from kvplan.server.store import RendezvousResult, Store, StoreUnavailable
 from kvplan.v1 import plan_pb2
+
+log = logging.getLogger("kvplan.server")
 
 PlanFn = Callable[[plan_pb2.PlanRequest], Awaitable[bytes]]
 _WORKERS_FIELD = plan_pb2.PlanRequest.WORKERS_FIELD_NUMBER
@@ -55,6 +59,27 @@ def _unavailable(what: str, *, prefix: str = "cannot reach ") -> bytes:
     return to_rpc_status(error).SerializeToString()
 
 
+# The server answers a waiting rank this long before the caller's deadline, so
+# the caller hears which ranks are missing instead of a bare DEADLINE_EXCEEDED.
+ANSWER_BEFORE_DEADLINE_S = 0.5
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """0,1,2,5,7,8 -> "0-2,5,7-8"."""
+    parts: list[str] = []
+    start = previous = None
+    for rank in ranks:
+        if previous is not None and rank == previous + 1:
+            previous = rank
+            continue
+        if start is not None:
+            parts.append(f"{start}-{previous}" if previous != start else f"{start}")
+        start = previous = rank
+    if start is not None:
+        parts.append(f"{start}-{previous}" if previous != start else f"{start}")
+    return ",".join(parts) or "none"
+
+
 def _raise_for(result: RendezvousResult) -> bytes:
     if result.ok:
         return result.payload
@@ -71,6 +96,7 @@ class Rendezvous:
         max_pending: int,
         ttl_s: float,
         claim_timeout_s: float,
+        max_pending_bytes: int = 256 * 1024 * 1024,
     ) -> None:
         self._store = store
         self._plan = plan
@@ -84,6 +110,8 @@ class Rendezvous:
         self._planning: set[asyncio.Task[None]] = set()
         self._draining = False
         self._waiting = 0
+        self._max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0  # rank specs inside join() in this process
         store.subscribe(self._on_finished)
 
     def _on_finished(self, engine_id: str, result: RendezvousResult) -> None:
@@ -118,6 +146,17 @@ class Rendezvous:
         worker = self._validate(request)
         engine_id = request.engine_id
         template = _template_bytes(request)
+        worker_bytes = worker.SerializeToString(deterministic=True)
+        size = len(template) + len(worker_bytes)
+        if self._pending_bytes + size > self._max_pending_bytes:
+            self._metrics.limits_hit.labels("max_pending_rendezvous_bytes").inc()
+            raise limit_exceeded(
+                "max_pending_rendezvous_bytes",
+                self._pending_bytes + size,
+                self._max_pending_bytes,
+                "bytes of rank specs waiting for their engines on this server, with this rank's",
+            )
+        self._pending_bytes += size
         # Registered before joining, so news of the engine cannot slip past; kept
         # while any local rank of the engine is inside join().
         future = self._waiters.get(engine_id)
@@ -130,7 +169,7 @@ class Rendezvous:
                 world_size=request.world_size,
                 template=template,
                 rank=worker.rank,
-                worker=worker.SerializeToString(deterministic=True),
+                worker=worker_bytes,
                 now=time.time(),
                 ttl_s=self._ttl_s,
                 max_pending=self._max_pending,
@@ -143,8 +182,14 @@ class Rendezvous:
                 task = asyncio.create_task(self._plan_engine(engine_id, template, arrival.workers))
                 self._planning.add(task)
                 task.add_done_callback(self._planning.discard)
-            return await self._wait(engine_id, future, worker.rank, timeout_s)
+            # Bounded by the rendezvous TTL even without a deadline, and ended by the
+            # server shortly before the caller's deadline so it hears what is missing.
+            wait_s = self._ttl_s
+            if timeout_s is not None:
+                wait_s = min(wait_s, max(timeout_s - ANSWER_BEFORE_DEADLINE_S, timeout_s * 0.9))
+            return await self._wait(engine_id, future, worker.rank, request.world_size, wait_s)
         finally:
+            self._pending_bytes -= size
             left = self._joining[engine_id] - 1
             if left:
                 self._joining[engine_id] = left
@@ -157,14 +202,35 @@ class Rendezvous:
         self, engine_id: str, template: bytes, workers: tuple[bytes, ...]
     ) -> None:
         """This replica completed the engine: plan it and tell every replica."""
+        # A failed plan is kept for the engine's ranks until the rendezvous TTL (a
+        # rank that comes back unchanged gets the same error at once); a transient
+        # failure (UNAVAILABLE) is not: the ranks retry from scratch.
+        remember = True
         try:
             result = RendezvousResult(True, await self._plan(_merged(template, workers)))
         except (PlanningError, ServiceError) as error:
             result = RendezvousResult(False, to_rpc_status(error).SerializeToString())
+            remember = error.code != "UNAVAILABLE"
         except StoreUnavailable as error:  # the grant could not reach the ledger
             result = RendezvousResult(False, _unavailable(f"the state store ({error})"))
+            remember = False
+        except RemoteStatus as error:
+            result = RendezvousResult(False, error.status.SerializeToString())
+        except Exception:  # a fault: every waiting rank hears it, with the request id
+            request_id = current_request_id()
+            log.exception(
+                "unexpected error planning a rendezvous",
+                extra={"engine_id": engine_id, "request_id": request_id},
+            )
+            internal = ServiceError(
+                "INTERNAL", f"internal error (request id {request_id}); the server logged it"
+            )
+            result = RendezvousResult(False, to_rpc_status(internal).SerializeToString())
+            remember = False
         try:
-            await self._store.rendezvous_finish(engine_id, result, time.time())
+            await self._store.rendezvous_finish(
+                engine_id, result, time.time(), remember_failure=remember and not result.ok
+            )
         except StoreUnavailable as error:
             # The claim stays in the store, so a retry after claim_timeout_s plans
             # again; the ranks waiting here learn now instead of at their deadline.
@@ -177,7 +243,8 @@ class Rendezvous:
         engine_id: str,
         future: asyncio.Future[RendezvousResult],
         rank: int,
-        timeout_s: float | None,
+        world_size: int,
+        timeout_s: float,
     ) -> bytes:
         start = time.perf_counter()
         self._waiting += 1
@@ -185,11 +252,22 @@ class Rendezvous:
         try:
             result = await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except TimeoutError:
+            try:
+                arrived = await self._store.rendezvous_ranks(engine_id)
+            except StoreUnavailable:
+                arrived = (rank,)
             await self._leave(engine_id, rank)
+            missing = sorted(set(range(world_size)) - set(arrived))
             raise ServiceError(
                 "DEADLINE_EXCEEDED",
-                f"engine {engine_id!r}: the deadline passed before all ranks arrived "
-                f"(rank {rank} waited {time.perf_counter() - start:.1f} s)",
+                f"engine {engine_id!r}: not all ranks arrived within {timeout_s:.1f} s "
+                f"(rank {rank} waited {time.perf_counter() - start:.1f} s); arrived: "
+                f"{_ranges(arrived)}; missing: {_ranges(missing)} of world_size {world_size}",
+                details={
+                    "arrived_ranks": _ranges(arrived),
+                    "missing_ranks": _ranges(missing),
+                    "world_size": world_size,
+                },
             ) from None
         except asyncio.CancelledError:
             await self._leave(engine_id, rank)

@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -24,8 +25,10 @@ from kvplan.core.ledger import (
     LeaseRequest,
     account,
 )
+from kvplan.fieldcheck import MAX_64
 from kvplan.server.config import Settings
-from kvplan.server.errors import RemoteStatus, ServiceError, to_status
+from kvplan.server.errors import RemoteStatus, ServiceError, limit_exceeded, to_status
+from kvplan.server.guard import current_identity
 from kvplan.server.metrics import Metrics
 from kvplan.server.probes import DeviceMemory, DeviceProbe
 from kvplan.server.rendezvous import Rendezvous
@@ -33,6 +36,13 @@ from kvplan.server.store import Store, StoreUnavailable
 from kvplan.v1 import plan_pb2, service_pb2, service_pb2_grpc
 
 log = logging.getLogger("kvplan.server")
+
+# C0 and C1 control characters: no engine id needs one, and they forge log lines.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Serialized bytes of one Lease in a reply besides its engine id and device uuid
+# (numbers, timestamps, the device account, framing): a generous upper bound.
+LEASE_REPLY_BYTES = 256
+_OWNER_CACHE_SIZE = 65_536
 
 
 class PlanCache:
@@ -78,6 +88,10 @@ class PlanCache:
         if len(self._plan_ids) > self._capacity:
             self._plan_ids.popitem(last=False)
         return plan_id
+
+    def engine_of(self, plan_id: str) -> str | None:
+        entry = self._plans.get(plan_id)
+        return entry[0] if entry is not None else None
 
     def get(self, plan_id: str) -> bytes | None:
         """The serialized PlanResponse."""
@@ -197,11 +211,17 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self._probe = probe
         self._store = store
         self._cache = PlanCache(settings.plan_cache_size, settings.plan_cache_bytes)
+        # engine -> (owner, when this server last confirmed it in the store, monotonic).
+        # A caller's own engine confirmed within a tenth of the ownership TTL needs no
+        # store round trip: its record cannot have expired or changed hands since.
+        self._owners: dict[str, tuple[str, float]] = {}
+        self._owner_fresh_s = settings.ownership_ttl_s / 10
         self.rendezvous = Rendezvous(
             store,
             lambda merged: self._plan_engine(merged, repeats=False),
             metrics,
             max_pending=settings.max_pending_rendezvous,
+            max_pending_bytes=settings.max_pending_rendezvous_bytes,
             ttl_s=settings.rendezvous_ttl_s,
             claim_timeout_s=settings.claim_timeout_s,
         )
@@ -214,6 +234,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         *,
         repeats: bool = True,
         request_digest: bytes | None = None,
+        limits_checked: bool = False,
     ) -> bytes:
         """One engine (all its workers): the serialized PlanResponse.
 
@@ -221,15 +242,28 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         server's probe and ledger and a lease; the others are planned from the
         numbers they sent, and reserve nothing.
         """
-        self._check_limits(request)
+        if not limits_checked:  # a merged rendezvous: its worker count is new here
+            self._check_limits(request)
         named = [index for index, worker in enumerate(request.workers) if worker.device.uuid]
         if not named:
-            return await self._plan(request, repeats=repeats, request_digest=request_digest)
+            plan = await self._plan(request, repeats=repeats, request_digest=request_digest)
+            self._check_reply_size(len(plan))
+            return plan
         now = time.time()
         resolved, devices, accounts, others = await self._resolve_devices(request, named, now)
         # The plan becomes the engine's (GetPlan, persisted) only once it is granted.
         plan_id = plan_id_for(resolved)
         plan = await self._plan(resolved, plan_id=plan_id, publish=False)
+        # Refused before anything is granted: a reply the caller cannot receive
+        # must not leave leases behind.
+        self._check_reply_size(
+            len(plan)
+            + sum(
+                LEASE_REPLY_BYTES + len(request.engine_id) + len(request.workers[i].device.uuid)
+                for i in named
+            )
+        )
+        await self._check_lease_quota(request.engine_id, len(named), others)
         leases = await self._grant(resolved, named, plan, devices, now)
         # The gauges from what this call read and wrote, not from a second reading.
         after = [*others, *leases]
@@ -243,23 +277,139 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             plan, [_lease_to_proto(lease, ttl_s, accounts[lease.device_uuid]) for lease in leases]
         )
 
-    def _check_limits(self, request: plan_pb2.PlanRequest) -> None:
-        settings = self._settings
-        if len(request.workers) > settings.max_workers_per_engine:
+    def _check_engine_id(self, engine_id: str, field: str = "engine_id") -> None:
+        limit = self._settings.max_engine_id_chars
+        if len(engine_id) > limit:
+            self._metrics.limits_hit.labels("max_engine_id_chars").inc()
+            raise limit_exceeded(
+                "max_engine_id_chars", len(engine_id), limit, "engine_id length", field=field
+            )
+        if _CONTROL.search(engine_id):
             raise ServiceError(
                 "INVALID_ARGUMENT",
-                f"{len(request.workers)} workers exceed the limit of "
-                f"{settings.max_workers_per_engine} per engine",
-                field="workers",
+                "engine_id contains a control character (newline, tab, ...); use printable "
+                "characters",
+                field=field,
             )
+
+    def _limit(self, flag: str, value: int, what: str, field: str = "") -> None:
+        limit = getattr(self._settings, flag)
+        if value > limit:
+            self._metrics.limits_hit.labels(flag).inc()
+            raise limit_exceeded(flag, value, limit, what, field=field)
+
+    def _check_limits(self, request: plan_pb2.PlanRequest) -> None:
+        """The server's bounds on one request (RESOURCE_EXHAUSTED naming the flag)."""
+        settings = self._settings
+        self._check_engine_id(request.engine_id)
+        self._limit("max_workers_per_engine", len(request.workers), "workers", "workers")
+        self._limit("max_workers_per_engine", request.world_size, "world_size", "world_size")
+        name_limit = settings.max_layer_name_chars
         for index, worker in enumerate(request.workers):
-            if len(worker.layers) > settings.max_layers_per_worker:
-                raise ServiceError(
-                    "INVALID_ARGUMENT",
-                    f"worker rank {worker.rank} sends {len(worker.layers)} layers, more than the "
-                    f"limit of {settings.max_layers_per_worker}",
-                    field=f"workers[{index}].layers",
-                )
+            self._limit(
+                "max_layers_per_worker",
+                len(worker.layers),
+                f"layers of worker rank {worker.rank}",
+                f"workers[{index}].layers",
+            )
+            for layer_index, layer in enumerate(worker.layers):
+                if len(layer.name) > name_limit:
+                    self._limit(
+                        "max_layer_name_chars",
+                        len(layer.name),
+                        "layer name length",
+                        f"workers[{index}].layers[{layer_index}].name",
+                    )
+
+    def _check_reply_size(self, reply_bytes: int) -> None:
+        limit = self._settings.max_message_bytes
+        if reply_bytes > limit:
+            self._metrics.limits_hit.labels("max_message_bytes").inc()
+            raise limit_exceeded(
+                "max_message_bytes",
+                reply_bytes,
+                limit,
+                "the plan's reply would be this many bytes; plan fewer workers or layers "
+                "per call, or raise the limit on server and client",
+            )
+
+    # --- ownership ----------------------------------------------------------------
+
+    async def _owner_of(self, engine_id: str, now: float) -> str | None:
+        known = self._owners.get(engine_id)
+        if known is not None:
+            return known[0]
+        owner = await self._store.engine_owner(engine_id, now)
+        if owner is not None:
+            self._remember_owner(engine_id, owner, claimed=False)
+        return owner
+
+    def _remember_owner(self, engine_id: str, owner: str, *, claimed: bool) -> None:
+        """`claimed`: the store just pushed the owner's expiry a full TTL ahead
+        (a read says nothing about how long the record has left)."""
+        if len(self._owners) >= _OWNER_CACHE_SIZE:
+            self._owners.clear()
+        self._owners[engine_id] = (owner, time.monotonic() if claimed else -math.inf)
+
+    async def authorize(self, engine_id: str, action: str, *, claim: bool = False) -> None:
+        """Only the identity that owns an engine (created its plan or leases) may
+        act on it; an operator may act on any, and that is logged. `claim`: an
+        engine without a live owner becomes the caller's (its expiry pushed)."""
+        identity = current_identity()
+        known = self._owners.get(engine_id)
+        if (
+            known is not None
+            and known[0] == identity.name
+            and time.monotonic() - known[1] < self._owner_fresh_s
+        ):
+            return
+        now = time.time()
+        if claim:
+            owner: str | None = await self._store.claim_engine(
+                engine_id, identity.name, now, self._settings.ownership_ttl_s
+            )
+            assert owner is not None
+            self._remember_owner(engine_id, owner, claimed=owner == identity.name)
+        else:
+            owner = await self._store.engine_owner(engine_id, now)
+        if owner is None or owner == identity.name:
+            return
+        if identity.operator:
+            log.warning(
+                "operator acts on another identity's engine",
+                extra={
+                    "identity": identity.name,
+                    "owner": owner,
+                    "engine_id": engine_id,
+                    "action": action,
+                },
+            )
+            return
+        log.warning(
+            "permission denied",
+            extra={"identity": identity.name, "engine_id": engine_id, "action": action},
+        )
+        raise ServiceError(
+            "PERMISSION_DENIED",
+            f"engine {engine_id!r} belongs to another identity; {identity.name!r} may not "
+            f"{action} it",
+            field="engine_id",
+        )
+
+    async def _check_lease_quota(self, engine_id: str, wanted: int, others: list[Lease]) -> None:
+        """Live leases of the caller's other engines plus this grant stay within
+        --max-leases-per-identity."""
+        identity = current_identity().name
+        now = time.time()
+        held = 0
+        for lease in others:
+            if await self._owner_of(lease.engine_id, now) == identity:
+                held += 1
+        self._limit(
+            "max_leases_per_identity",
+            held + wanted,
+            f"live leases of identity {identity!r} after this grant",
+        )
 
     def _read_devices(self) -> tuple[DeviceMemory, ...]:
         """A fresh probe reading; a failing device or driver is the server's state,
@@ -267,7 +417,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         try:
             return self._probe.snapshot()
         except Exception as error:
-            log.error("device probe %s failed: %s", self._probe.name, error)
+            log.error("device probe failed", extra={"probe": self._probe.name, "error": str(error)})
             raise ServiceError(
                 "UNAVAILABLE",
                 f"the {self._probe.name} device probe failed ({error}); retry shortly",
@@ -370,11 +520,14 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             raise
         self._metrics.leases_granted.inc(len(leases))
         log.info(
-            "lease engine=%s ranks=%s bytes=%s ttl_s=%.0f",
-            request.engine_id,
-            ",".join(str(lease.rank) for lease in leases),
-            ",".join(str(lease.bytes) for lease in leases),
-            self._settings.lease_ttl_s,
+            "leases granted",
+            extra={
+                "engine_id": request.engine_id,
+                "identity": current_identity().name,
+                "ranks": ",".join(str(lease.rank) for lease in leases),
+                "bytes": ",".join(str(lease.bytes) for lease in leases),
+                "ttl_s": self._settings.lease_ttl_s,
+            },
         )
         return leases
 
@@ -424,7 +577,10 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             # The plan stands and is cached here; only GetPlan after a restart (or
             # on another replica) misses it.
             self._metrics.store_errors.inc()
-            log.warning("plan %s not persisted: store unavailable (%s)", plan_id, error)
+            log.warning(
+                "plan not persisted: store unavailable",
+                extra={"plan_id": plan_id, "engine_id": engine_id, "error": str(error)},
+            )
 
     def _record(
         self, request: plan_pb2.PlanRequest, response: plan_pb2.PlanResponse, seconds: float
@@ -439,25 +595,25 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         spec_decode_on = request.spec_decode.method in _SPEC_DECODE_ON
         if spec_decode_on:
             metrics.draft_annotations.labels(rule).inc()
-        engine = response.engine_id or "-"
-        if response.workers:
-            metrics.kv_bytes.labels(engine).set(
-                max(t.size_bytes for t in response.workers[0].tensors)
-                if response.workers[0].tensors
-                else 0
+        if response.engine_id:
+            tensors = response.workers[0].tensors if response.workers else ()
+            metrics.record_engine(
+                response.engine_id,
+                max((t.size_bytes for t in tensors), default=0),
+                response.num_blocks,
             )
-        metrics.blocks.labels(engine).set(response.num_blocks)
         log.info(
-            "plan engine=%s plan_id=%s path=%s groups=%d draft_rule=%s num_blocks=%d "
-            "workers=%d duration_ms=%.3f",
-            engine,
-            response.plan_id,
-            path,
-            len(response.groups),
-            rule if spec_decode_on else "off",
-            response.num_blocks,
-            len(response.workers),
-            seconds * 1000,
+            "plan computed",
+            extra={
+                "engine_id": response.engine_id,
+                "plan_id": response.plan_id,
+                "path": path,
+                "groups": len(response.groups),
+                "draft_rule": rule if spec_decode_on else "off",
+                "num_blocks": response.num_blocks,
+                "workers": len(response.workers),
+                "duration_ms": round(seconds * 1000, 3),
+            },
         )
 
     # --- ledger upkeep ---------------------------------------------------------------
@@ -502,7 +658,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         try:
             await self.refresh_device_metrics()
         except (ServiceError, StoreUnavailable) as error:
-            log.warning("device metrics not refreshed: %s", error)
+            log.warning("device metrics not refreshed", extra={"error": str(error)})
 
     async def sweep_expired_leases(self) -> int:
         """Drop expired leases (they already count for nothing) and count them."""
@@ -511,12 +667,17 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             self._metrics.leases_ended.labels("expired").inc(len(expired))
             for lease in expired:
                 log.info(
-                    "lease expired engine=%s rank=%d device=%s bytes=%d",
-                    lease.engine_id,
-                    lease.rank,
-                    lease.device_uuid,
-                    lease.bytes,
+                    "lease expired",
+                    extra={
+                        "engine_id": lease.engine_id,
+                        "rank": lease.rank,
+                        "device_uuid": lease.device_uuid,
+                        "bytes": lease.bytes,
+                    },
                 )
+            live = {lease.engine_id for lease in await self._store.leases(time.time())}
+            for engine_id in {lease.engine_id for lease in expired} - live:
+                self._metrics.forget_engine(engine_id)
             await self.refresh_device_metrics()
         return len(expired)
 
@@ -551,21 +712,34 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         deserializer, so that a repeated request is known without re-serializing it.
         """
         try:
+            self._check_limits(request)
+            if request.engine_id:
+                await self.authorize(request.engine_id, "plan", claim=True)
             if request.world_size:
-                self._check_limits(request)
                 return await self.rendezvous.join(request, context.time_remaining())
-            return await self._plan_engine(request, request_digest=request_digest)
+            return await self._plan_engine(
+                request, request_digest=request_digest, limits_checked=True
+            )
         except (PlanningError, ServiceError, RemoteStatus, StoreUnavailable) as error:
             await self._fail(context, error)
             raise AssertionError("unreachable") from error
 
     async def _find_plan(self, request: service_pb2.GetPlanRequest) -> bytes:
+        self._check_engine_id(request.engine_id)
+        if len(request.plan_id) > 128:
+            raise ServiceError("INVALID_ARGUMENT", "not a plan id (too long)", field="plan_id")
         if request.plan_id:
+            engine_id = self._cache.engine_of(request.plan_id)
             plan = self._cache.get(request.plan_id) or await self._store.get_plan(request.plan_id)
             if plan is None:
                 raise ServiceError("NOT_FOUND", f"no plan {request.plan_id!r}", field="plan_id")
+            if engine_id is None:
+                engine_id = plan_pb2.PlanResponse.FromString(plan).engine_id
+            if engine_id:  # a plan of no engine (offline planning) is nobody's
+                await self.authorize(engine_id, "read the plan of")
             return plan
         if request.engine_id:
+            await self.authorize(request.engine_id, "read the plan of")
             plan = self._cache.for_engine(request.engine_id) or await self._store.plan_for_engine(
                 request.engine_id
             )
@@ -599,19 +773,35 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             await self._fail(context, error)
             raise AssertionError("unreachable") from error
 
+    def _allocations(self, request: service_pb2.RenewLeasesRequest) -> dict[int, int]:
+        self._limit(
+            "max_workers_per_engine", len(request.allocations), "allocations", "allocations"
+        )
+        allocations = {}
+        for index, item in enumerate(request.allocations):
+            if item.allocated_bytes > MAX_64:
+                raise ServiceError(
+                    "INVALID_ARGUMENT",
+                    f"{item.allocated_bytes} is out of range: allocated_bytes must be in "
+                    f"[0, {MAX_64}]",
+                    field=f"allocations[{index}].allocated_bytes",
+                )
+            allocations[item.rank] = item.allocated_bytes
+        return allocations
+
     async def RenewLeases(
         self, request: service_pb2.RenewLeasesRequest, context: grpc.aio.ServicerContext
     ) -> service_pb2.RenewLeasesResponse:
         try:
             if not request.engine_id:
                 raise ServiceError("INVALID_ARGUMENT", "give an engine_id", field="engine_id")
+            self._check_engine_id(request.engine_id)
+            allocations = self._allocations(request)
+            await self.authorize(request.engine_id, "renew the leases of")
             ttl_s = self._settings.lease_ttl_s
-            leases = await self._store.renew(
-                request.engine_id,
-                {item.rank: item.allocated_bytes for item in request.allocations},
-                time.time(),
-                ttl_s,
-            )
+            leases = await self._store.renew(request.engine_id, allocations, time.time(), ttl_s)
+            # The owner's heartbeat keeps its ownership too.
+            await self.authorize(request.engine_id, "renew the leases of", claim=True)
             return service_pb2.RenewLeasesResponse(
                 leases=[_lease_to_proto(lease, ttl_s) for lease in leases]
             )
@@ -625,15 +815,22 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         try:
             if not request.engine_id:
                 raise ServiceError("INVALID_ARGUMENT", "give an engine_id", field="engine_id")
+            self._check_engine_id(request.engine_id)
+            await self.authorize(request.engine_id, "release the leases of")
             rank = request.rank if request.HasField("rank") else None
             released = await self._store.release(request.engine_id, rank, time.time())
             if released:
                 self._metrics.leases_ended.labels("released").inc(len(released))
                 log.info(
-                    "lease released engine=%s ranks=%s",
-                    request.engine_id,
-                    ",".join(str(lease.rank) for lease in released),
+                    "leases released",
+                    extra={
+                        "engine_id": request.engine_id,
+                        "identity": current_identity().name,
+                        "ranks": ",".join(str(lease.rank) for lease in released),
+                    },
                 )
+                if rank is None:
+                    self._metrics.forget_engine(request.engine_id)
                 await self._refresh_quietly()
             ttl_s = self._settings.lease_ttl_s
             return service_pb2.ReleasePlanResponse(

@@ -22,6 +22,7 @@ def open_store(
     *,
     max_plans: int = DEFAULT_MAX_PLANS,
     max_plan_bytes: int = DEFAULT_MAX_PLAN_BYTES,
+    redis_allow_no_persistence: bool = False,
 ) -> Store:
     """`memory`, `sqlite:///PATH` (or empty: STATE_DIR/kvplan.sqlite3), `redis://...`."""
     if url == "memory":
@@ -31,7 +32,12 @@ def open_store(
     if url.startswith(("redis://", "rediss://", "unix://")):
         from kvplan.server.store.redis import RedisStore
 
-        return RedisStore(url, max_plans=max_plans, max_plan_bytes=max_plan_bytes)
+        return RedisStore(
+            url,
+            max_plans=max_plans,
+            max_plan_bytes=max_plan_bytes,
+            require_persistence=not redis_allow_no_persistence,
+        )
     if not url or url.startswith("sqlite://"):
         path = url.removeprefix("sqlite://") if url else str(Path(state_dir) / "kvplan.sqlite3")
         from kvplan.server.store.sqlite import SQLiteStore

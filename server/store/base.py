@@ -112,6 +112,10 @@ class Store(Protocol):
         2. A finished engine: a rank whose template and worker bytes equal the
            planned ones gets state "finished" (a late joiner or restarted
            rank); otherwise FAILED_PRECONDITION (field "workers[0]").
+        2b. A failed engine (`remember_failure`): a rank whose template and
+           worker bytes equal the failed ones gets state "finished" with the
+           error as `result`; any other rank forgets the failure and goes on
+           as for a new engine (a changed spec may succeed).
         3. An open one: world_size must match (INVALID_ARGUMENT, "world_size"),
            the template too (INVALID_ARGUMENT, "options"); a rank already there
            with other bytes is INVALID_ARGUMENT ("workers[0].rank"); with the
@@ -132,12 +136,15 @@ class Store(Protocol):
         engine_id: str,
         result: RendezvousResult,
         now: float,
+        *,
+        remember_failure: bool = False,
     ) -> None:
         """The claimer's outcome. A plan: the engine becomes finished (its
         ranks' worker digests kept for rule 2, the plan kept to answer late
         joiners; `plan_for_engine` sees it through the servicer's `put_plan`,
         not through this). An error: the rendezvous is deleted, so the ranks
-        can retry from scratch. Either way every subscriber on every replica
+        can retry from scratch; with `remember_failure` it is kept as a failed
+        engine instead (rule 2b). Either way every subscriber on every replica
         is called with `(engine_id, result)`."""
 
     def subscribe(self, callback: FinishedCallback) -> None:
@@ -145,6 +152,20 @@ class Store(Protocol):
         this replica's and the others'."""
 
     async def pending_engines(self) -> int: ...
+
+    # --- engine ownership ---------------------------------------------------------
+
+    async def claim_engine(self, engine_id: str, identity: str, now: float, ttl_s: float) -> str:
+        """Atomically: the engine's owner. An engine without a live owner (none,
+        or not used for `ttl_s`) becomes `identity`'s; the owner's own claim
+        pushes its expiry to now + ttl_s. Another identity's claim changes nothing
+        and returns the owner."""
+
+    async def engine_owner(self, engine_id: str, now: float) -> str | None:
+        """The engine's live owner, or None."""
+
+    async def rendezvous_ranks(self, engine_id: str) -> tuple[int, ...]:
+        """Ranks present in the engine's open rendezvous (empty if none)."""
 
     # --- lease ledger -----------------------------------------------------------
 

@@ -36,8 +36,9 @@ class _Open:
 class _Finished:
     template_digest: bytes
     worker_digests: dict[int, bytes]
-    plan: bytes
+    plan: bytes  # the plan, or the serialized error of a failed engine
     finished: float
+    ok: bool = True
 
 
 def check_compatible(
@@ -96,9 +97,17 @@ def check_finished(
 def too_many_pending(pending: int, limit: int) -> ServiceError:
     return ServiceError(
         "RESOURCE_EXHAUSTED",
-        f"{pending} engines are already waiting for ranks (limit {limit}); retry later",
-        details={"pending": pending, "limit": limit},
+        f"{pending} engines are already waiting for ranks (limit {limit}, "
+        "--max-pending-rendezvous); retry later",
+        details={"pending": pending, "limit": "max_pending_rendezvous", "limit_value": limit},
     )
+
+
+def same_ranks(
+    template_digest: bytes, worker_digest: bytes | None, *, template: bytes, worker: bytes
+) -> bool:
+    """Rule 2b: the rank comes back to a failed engine unchanged."""
+    return worker_digest == digest(worker) and template_digest == digest(template)
 
 
 def no_leases(engine_id: str) -> ServiceError:
@@ -153,6 +162,7 @@ class MemoryStore:
         self._finished: dict[str, _Finished] = {}
         self._leases: dict[tuple[str, int], Lease] = {}
         self._subscribers: list[FinishedCallback] = []
+        self._owners: dict[str, tuple[str, float]] = {}  # engine -> owner, expires
 
     async def start(self) -> None:
         return None
@@ -213,6 +223,16 @@ class MemoryStore:
     ) -> Arrival:
         self._expire(now, ttl_s)
         finished = self._finished.get(engine_id)
+        if finished is not None and not finished.ok:
+            if same_ranks(
+                finished.template_digest,
+                finished.worker_digests.get(rank),
+                template=template,
+                worker=worker,
+            ):
+                return Arrival("finished", result=RendezvousResult(False, finished.plan))
+            del self._finished[engine_id]
+            finished = None
         if finished is not None:
             check_finished(
                 engine_id,
@@ -254,15 +274,23 @@ class MemoryStore:
         if not entry.workers:
             del self._open[engine_id]
 
-    async def rendezvous_finish(self, engine_id: str, result: RendezvousResult, now: float) -> None:
+    async def rendezvous_finish(
+        self,
+        engine_id: str,
+        result: RendezvousResult,
+        now: float,
+        *,
+        remember_failure: bool = False,
+    ) -> None:
         entry = self._open.pop(engine_id, None)
-        if result.ok and entry is not None:
+        if (result.ok or remember_failure) and entry is not None:
             self._finished.pop(engine_id, None)  # re-inserted last: in time order
             self._finished[engine_id] = _Finished(
                 template_digest=digest(entry.template),
                 worker_digests={rank: digest(w) for rank, w in entry.workers.items()},
                 plan=result.payload,
                 finished=now,
+                ok=result.ok,
             )
         for callback in self._subscribers:
             callback(engine_id, result)
@@ -272,6 +300,25 @@ class MemoryStore:
 
     async def pending_engines(self) -> int:
         return len(self._open)
+
+    # --- ownership --------------------------------------------------------------
+
+    async def claim_engine(self, engine_id: str, identity: str, now: float, ttl_s: float) -> str:
+        for engine in [e for e, (_, expires) in self._owners.items() if expires <= now]:
+            del self._owners[engine]
+        owner = self._owners.get(engine_id)
+        if owner is not None and owner[0] != identity:
+            return owner[0]
+        self._owners[engine_id] = (identity, now + ttl_s)
+        return identity
+
+    async def engine_owner(self, engine_id: str, now: float) -> str | None:
+        owner = self._owners.get(engine_id)
+        return owner[0] if owner is not None and owner[1] > now else None
+
+    async def rendezvous_ranks(self, engine_id: str) -> tuple[int, ...]:
+        entry = self._open.get(engine_id)
+        return tuple(sorted(entry.workers)) if entry is not None else ()
 
     # --- ledger -----------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import RedisError, WatchError
+from redis.exceptions import RedisError, ResponseError, WatchError
 
 from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, grant_leases
 from kvplan.server.errors import ServiceError
@@ -64,6 +64,7 @@ from kvplan.server.store.memory import (
     check_finished,
     digest,
     renew_leases,
+    same_ranks,
     too_many_pending,
 )
 
@@ -124,6 +125,16 @@ if not plan_id then
     return false
 end
 return redis.call('HGET', ARGV[1] .. plan_id, 'plan')
+"""
+
+# Lua: the engine's owner; set (or its expiry pushed) when free or already the caller's.
+_CLAIM_ENGINE = """
+local owner = redis.call('GET', KEYS[1])
+if owner and owner ~= ARGV[1] then
+    return owner
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return ARGV[1]
 """
 
 
@@ -194,8 +205,10 @@ class RedisStore:
         *,
         max_plan_bytes: int = DEFAULT_MAX_PLAN_BYTES,
         expiry_grace_s: float = 60.0,
+        require_persistence: bool = False,
     ) -> None:
         self._url = url
+        self._require_persistence = require_persistence
         self._max_plans = max_plans
         self._max_plan_bytes = max_plan_bytes
         self._prefix = key_prefix
@@ -273,10 +286,13 @@ class RedisStore:
             "snapshot": self._client.register_script(_SNAPSHOT_LEASES),
             "put_plan": self._client.register_script(_PUT_PLAN),
             "plan_for_engine": self._client.register_script(_PLAN_FOR_ENGINE),
+            "claim_engine": self._client.register_script(_CLAIM_ENGINE),
         }
         try:
             await self.ping()
-        except StoreUnavailable:
+            if self._require_persistence:
+                await self._check_persistence()
+        except (StoreUnavailable, ValueError):
             await self.close()
             raise
         self._closing = False
@@ -289,6 +305,27 @@ class RedisStore:
         except TimeoutError:
             await self.close()
             raise StoreUnavailable(f"cannot subscribe to {self._channel} on {self._url}") from None
+
+    async def _check_persistence(self) -> None:
+        """Leases kept only in memory are lost when Redis restarts, and the ledger
+        then grants the same device memory again: refuse such a Redis."""
+        client = self._redis()
+        info = await self._call(client.info("persistence"))
+        if int(info.get("aof_enabled", 0)) == 1:
+            return
+        try:
+            save = (await client.config_get("save")).get("save", "")
+        except ResponseError:  # CONFIG disabled (managed Redis): cannot tell
+            save = ""
+        except (RedisError, OSError) as error:
+            raise self._unavailable(error) from error
+        if str(save).strip():
+            return
+        raise ValueError(
+            f"Redis store {self._url} keeps no data across a restart (appendonly no, no save "
+            "points): a restart would lose every lease and grant the same memory twice. "
+            "Enable AOF (appendonly yes), or start with --redis-allow-no-persistence"
+        )
 
     async def close(self) -> None:
         listener, self._listener = self._listener, None
@@ -395,6 +432,21 @@ class RedisStore:
                     await pipe.execute()
                 return error
 
+            drop_failed = bool(done) and done.get(b"ok") == b"0"
+            if drop_failed:
+                if same_ranks(
+                    done[b"template_digest"],
+                    done.get(f"rank:{rank}".encode()),
+                    template=template,
+                    worker=worker,
+                ):
+                    arrival = Arrival("finished", result=RendezvousResult(False, done[b"plan"]))
+                    if stale_open or stale_done:
+                        _begin(pipe)
+                        forget_stale()
+                        await pipe.execute()
+                    return arrival
+                done = {}  # a changed rank: the failure is forgotten below
             if done:
                 try:
                     check_finished(
@@ -451,6 +503,9 @@ class RedisStore:
 
             _begin(pipe)
             forget_stale()
+            if drop_failed and engine_id not in stale_done:
+                pipe.delete(done_key)
+                pipe.zrem(done_index, engine_id)
             if created:
                 fields.update(
                     world_size=world_size,
@@ -489,7 +544,14 @@ class RedisStore:
 
         await self._transact(attempt)
 
-    async def rendezvous_finish(self, engine_id: str, result: RendezvousResult, now: float) -> None:
+    async def rendezvous_finish(
+        self,
+        engine_id: str,
+        result: RendezvousResult,
+        now: float,
+        *,
+        remember_failure: bool = False,
+    ) -> None:
         open_key, done_key = self._open_key(engine_id), self._done_key(engine_id)
         engine = engine_id.encode()
         message = _HEADER.pack(self._origin, result.ok, len(engine)) + engine + result.payload
@@ -500,11 +562,12 @@ class RedisStore:
             _begin(pipe)
             pipe.delete(open_key)
             pipe.zrem(self._key("rdv:open"), engine_id)
-            if result.ok and entry:
+            if (result.ok or remember_failure) and entry:
                 fields: dict[str, bytes | str] = {
                     "template_digest": digest(entry[b"template"]),
                     "plan": result.payload,
                     "finished": repr(now),
+                    "ok": "1" if result.ok else "0",
                 }
                 for rank, spec in _rank_fields(entry).items():
                     fields[f"rank:{rank}"] = digest(spec)
@@ -524,6 +587,24 @@ class RedisStore:
     def subscribe(self, callback: FinishedCallback) -> None:
         self._subscribers.append(callback)
 
+    async def claim_engine(self, engine_id: str, identity: str, now: float, ttl_s: float) -> str:
+        self._redis()
+        owner = await self._call(
+            self._scripts["claim_engine"](
+                keys=[self._key("owner:" + engine_id)],
+                args=[identity, max(int(ttl_s * 1000), 1)],
+            )
+        )
+        return owner.decode() if isinstance(owner, bytes) else str(owner)
+
+    async def engine_owner(self, engine_id: str, now: float) -> str | None:
+        owner = await self._call(self._redis().get(self._key("owner:" + engine_id)))
+        return owner.decode() if isinstance(owner, bytes) else None
+
+    async def rendezvous_ranks(self, engine_id: str) -> tuple[int, ...]:
+        keys = await self._call(self._redis().hkeys(self._open_key(engine_id)))
+        return tuple(sorted(_rank_fields({key: b"" for key in keys if isinstance(key, bytes)})))
+
     async def pending_engines(self) -> int:
         return int(await self._call(self._redis().zcard(self._key("rdv:open"))))
 
@@ -532,7 +613,7 @@ class RedisStore:
             try:
                 callback(engine_id, result)
             except Exception:  # one broken waiter must not hide the outcome from the rest
-                log.exception("rendezvous subscriber failed for engine %s", engine_id)
+                log.exception("rendezvous subscriber failed", extra={"engine_id": engine_id})
 
     def _on_message(self, data: bytes) -> None:
         try:

@@ -46,17 +46,24 @@ from kvplan.server.store.memory import (
     check_finished,
     digest,
     renew_leases,
+    same_ranks,
     too_many_pending,
 )
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: engine_owner, rendezvous_finished.ok
 BUSY_TIMEOUT_S = 5.0  # how long a writer waits for another connection's transaction
 # Slack on the index range of the expiry scan: covers float rounding of now - ttl.
 _EXPIRY_MARGIN_S = 1.0
 
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS engine_owner (
+    engine_id TEXT PRIMARY KEY,
+    identity TEXT NOT NULL,
+    expires_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS engine_owner_by_expiry ON engine_owner (expires_at);
 CREATE TABLE IF NOT EXISTS plans (
     seq INTEGER PRIMARY KEY,          -- insertion order: the oldest are dropped first
     plan_id TEXT NOT NULL UNIQUE,
@@ -83,8 +90,9 @@ CREATE TABLE IF NOT EXISTS rendezvous_open_worker (
 CREATE TABLE IF NOT EXISTS rendezvous_finished (
     engine_id TEXT PRIMARY KEY,
     template_digest BLOB NOT NULL,
-    plan BLOB NOT NULL,
-    finished REAL NOT NULL
+    plan BLOB NOT NULL,               -- the plan, or the serialized error when ok = 0
+    finished REAL NOT NULL,
+    ok INTEGER NOT NULL DEFAULT 1
 );
 -- Expiry runs on every join: an index range finds the (usually no) old rows.
 CREATE INDEX IF NOT EXISTS rendezvous_open_by_created ON rendezvous_open (created);
@@ -254,6 +262,10 @@ class SQLiteStore:
                     f"SQLite store {self._path} has schema version {version}; this server "
                     f"knows {SCHEMA_VERSION}: upgrade the server or point it at another file"
                 )
+            if version == 1:  # the v1 table gains the failed-engine flag
+                db.execute(
+                    "ALTER TABLE rendezvous_finished ADD COLUMN ok INTEGER NOT NULL DEFAULT 1"
+                )
             if version < SCHEMA_VERSION:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
@@ -354,9 +366,24 @@ class SQLiteStore:
                 (horizon, now, ttl_s),
             )
             finished = db.execute(
-                "SELECT template_digest, plan FROM rendezvous_finished WHERE engine_id = ?",
+                "SELECT template_digest, plan, ok FROM rendezvous_finished WHERE engine_id = ?",
                 (engine_id,),
             ).fetchone()
+            if finished is not None and not finished[2]:
+                worker_digest = db.execute(
+                    "SELECT worker_digest FROM rendezvous_finished_worker "
+                    "WHERE engine_id = ? AND rank = ?",
+                    (engine_id, rank),
+                ).fetchone()
+                if same_ranks(
+                    bytes(finished[0]),
+                    bytes(worker_digest[0]) if worker_digest else None,
+                    template=template,
+                    worker=worker,
+                ):
+                    return Arrival("finished", result=RendezvousResult(False, bytes(finished[1])))
+                db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
+                finished = None
             if finished is not None:
                 worker_digest = db.execute(
                     "SELECT worker_digest FROM rendezvous_finished_worker "
@@ -445,32 +472,41 @@ class SQLiteStore:
             if not left:
                 db.execute("DELETE FROM rendezvous_open WHERE engine_id = ?", (engine_id,))
 
-    async def rendezvous_finish(self, engine_id: str, result: RendezvousResult, now: float) -> None:
-        await self._record_finish(engine_id, result, now)
+    async def rendezvous_finish(
+        self,
+        engine_id: str,
+        result: RendezvousResult,
+        now: float,
+        *,
+        remember_failure: bool = False,
+    ) -> None:
+        await self._record_finish(engine_id, result, now, remember_failure)
         # One server per file: its own subscribers are all there are. They run on
         # the event loop, where the waiting ranks' futures live.
         for callback in list(self._subscribers):
             try:
                 callback(engine_id, result)
             except Exception:  # one broken waiter must not hide the outcome from the rest
-                log.exception("rendezvous subscriber failed for engine %s", engine_id)
+                log.exception("rendezvous subscriber failed", extra={"engine_id": engine_id})
 
     @_in_store_thread
-    def _record_finish(self, engine_id: str, result: RendezvousResult, now: float) -> None:
+    def _record_finish(
+        self, engine_id: str, result: RendezvousResult, now: float, remember_failure: bool
+    ) -> None:
         with self._transaction(write=True) as db:
             entry = db.execute(
                 "SELECT template FROM rendezvous_open WHERE engine_id = ?", (engine_id,)
             ).fetchone()
-            if result.ok and entry is not None:
+            if (result.ok or remember_failure) and entry is not None:
                 workers = db.execute(
                     "SELECT rank, worker FROM rendezvous_open_worker WHERE engine_id = ?",
                     (engine_id,),
                 ).fetchall()
                 db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
                 db.execute(
-                    "INSERT INTO rendezvous_finished (engine_id, template_digest, plan, finished) "
-                    "VALUES (?, ?, ?, ?)",
-                    (engine_id, digest(bytes(entry[0])), result.payload, now),
+                    "INSERT INTO rendezvous_finished "
+                    "(engine_id, template_digest, plan, finished, ok) VALUES (?, ?, ?, ?, ?)",
+                    (engine_id, digest(bytes(entry[0])), result.payload, now, int(result.ok)),
                 )
                 db.executemany(
                     "INSERT INTO rendezvous_finished_worker (engine_id, rank, worker_digest) "
@@ -481,6 +517,40 @@ class SQLiteStore:
 
     def subscribe(self, callback: FinishedCallback) -> None:
         self._subscribers.append(callback)
+
+    @_in_store_thread
+    def claim_engine(self, engine_id: str, identity: str, now: float, ttl_s: float) -> str:
+        with self._transaction(write=True) as db:
+            db.execute("DELETE FROM engine_owner WHERE expires_at <= ?", (now,))
+            row = db.execute(
+                "SELECT identity FROM engine_owner WHERE engine_id = ?", (engine_id,)
+            ).fetchone()
+            if row is not None and row[0] != identity:
+                return str(row[0])
+            db.execute(
+                "INSERT OR REPLACE INTO engine_owner (engine_id, identity, expires_at) "
+                "VALUES (?, ?, ?)",
+                (engine_id, identity, now + ttl_s),
+            )
+        return identity
+
+    @_in_store_thread
+    def engine_owner(self, engine_id: str, now: float) -> str | None:
+        with self._transaction(write=False) as db:
+            row = db.execute(
+                "SELECT identity FROM engine_owner WHERE engine_id = ? AND expires_at > ?",
+                (engine_id, now),
+            ).fetchone()
+        return str(row[0]) if row else None
+
+    @_in_store_thread
+    def rendezvous_ranks(self, engine_id: str) -> tuple[int, ...]:
+        with self._transaction(write=False) as db:
+            rows = db.execute(
+                "SELECT rank FROM rendezvous_open_worker WHERE engine_id = ? ORDER BY rank",
+                (engine_id,),
+            ).fetchall()
+        return tuple(int(row[0]) for row in rows)
 
     @_in_store_thread
     def pending_engines(self) -> int:

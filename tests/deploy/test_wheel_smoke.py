@@ -89,7 +89,10 @@ def container_env(venv: Path, grpc_port: int, metrics_port: int) -> dict[str, st
         .replace("$PATH", os.environ.get("PATH", ""))
     )
     env.update(
-        KVPLAN_HOST="127.0.0.1", KVPLAN_PORT=str(grpc_port), KVPLAN_METRICS_PORT=str(metrics_port)
+        KVPLAN_HOST="127.0.0.1",
+        KVPLAN_METRICS_HOST="127.0.0.1",
+        KVPLAN_PORT=str(grpc_port),
+        KVPLAN_METRICS_PORT=str(metrics_port),
     )
     # The image's state volume, moved beside the venv.
     env["KVPLAN_STATE_DIR"] = str(venv.parent / "state")
@@ -200,5 +203,8 @@ def test_wheel_runs_like_the_image(tmp_path: Path, timer: Timer) -> None:
     # KVPLAN_LOG_FORMAT=json from the image: every log line is one JSON object.
     records = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     messages = [str(record["message"]) for record in records]
-    assert any("serving gRPC on 127.0.0.1" in message for message in messages), messages
+    # Structured: the event in "message", its facts as fields.
+    assert any(
+        record["message"] == "serving" and record["host"] == "127.0.0.1" for record in records
+    ), messages
     assert messages[-1] == "stopped"

@@ -92,7 +92,7 @@ def test_serve_command_drains_on_sigterm() -> None:
         if process.poll() is None:
             process.kill()
     log = process.stderr.read() if process.stderr else ""
-    assert '"message": "stopped"' in log and "serving gRPC" in log
+    assert '"message": "stopped"' in log and '"message": "serving"' in log
 
 
 def test_client_needs_only_grpcio_and_protobuf(tmp_path: Path) -> None:

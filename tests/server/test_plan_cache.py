@@ -7,9 +7,11 @@ import asyncio
 import hashlib
 import time
 
+import pytest
+
 from kvplan.client import AsyncPlannerClient
 from kvplan.convert import plan_from_proto, plan_id_for
-from kvplan.server.errors import RemoteStatus
+from kvplan.server.errors import RemoteStatus, ServiceError
 from kvplan.server.main import RunningServer
 from kvplan.server.metrics import Metrics
 from kvplan.server.rendezvous import Rendezvous
@@ -84,21 +86,30 @@ async def test_expired_rendezvous_entries_are_forgotten() -> None:
     assert await store.plan_for_engine("done") is None  # the servicer persists plans
     again = await rendezvous.join(rank_request("done", 0, 1), timeout_s=1)
     assert again == plan_bytes  # a finished engine answers a repeated rank
-    waiting = asyncio.ensure_future(rendezvous.join(rank_request("stuck", 0, 2), timeout_s=5))
-    await asyncio.sleep(0.1)
-    assert await rendezvous.pending_engines() == 1
-    await rendezvous.join(rank_request("later", 0, 1), timeout_s=1)  # expires the two above
-    assert await rendezvous.pending_engines() == 0
+    # A rank's wait is bounded by the rendezvous TTL (not only by its deadline), and
+    # its answer says which ranks are missing.
+    with pytest.raises(ServiceError) as caught:
+        await rendezvous.join(rank_request("stuck", 0, 2), timeout_s=5)
+    assert caught.value.code == "DEADLINE_EXCEEDED"
+    assert caught.value.details["arrived_ranks"] == "0"
+    assert caught.value.details["missing_ranks"] == "1"
+    assert await rendezvous.pending_engines() == 0  # the rank left
+    await asyncio.sleep(0.06)
+    await rendezvous.join(rank_request("later", 0, 1), timeout_s=1)  # expires "done"
     # "done" is forgotten: a changed spec is a new engine, not a conflict.
     changed = await rendezvous.join(rank_request("done", 0, 1, kv_bytes=2 * GIB), timeout_s=1)
     assert changed != plan_bytes
-    waiting.cancel()
 
 
 async def test_a_store_outage_at_finish_reaches_the_waiting_ranks_at_once() -> None:
     class FinishFails(MemoryStore):
         async def rendezvous_finish(
-            self, engine_id: str, result: RendezvousResult, now: float
+            self,
+            engine_id: str,
+            result: RendezvousResult,
+            now: float,
+            *,
+            remember_failure: bool = False,
         ) -> None:
             raise StoreUnavailable("connection refused")
 

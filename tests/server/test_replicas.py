@@ -35,7 +35,12 @@ async def replicas(
 ) -> AsyncIterator[list[tuple[RunningServer, AsyncPlannerClient]]]:
     redis.Redis.from_url(redis_server.url).flushdb()
     # The same inventory string gives both replicas the same device UUIDs.
-    settings = replace(TEST_SETTINGS, devices="1xH100-80GB", store=redis_server.url)
+    settings = replace(
+        TEST_SETTINGS,
+        devices="1xH100-80GB",
+        store=redis_server.url,
+        redis_allow_no_persistence=True,
+    )
     servers = [await start_server(settings) for _ in range(2)]
     clients = [AsyncPlannerClient(f"127.0.0.1:{s.port}", timeout_s=10) for s in servers]
     yield list(zip(servers, clients, strict=True))

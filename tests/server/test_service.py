@@ -74,8 +74,11 @@ async def test_limits(server: RunningServer, client: AsyncPlannerClient) -> None
     request = engine_request(layers=server.settings.max_layers_per_worker + 1)
     with pytest.raises(PlannerError) as caught:
         await client.plan(request)
-    assert caught.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    # A server limit: RESOURCE_EXHAUSTED naming its flag, the numbers and the field.
+    assert caught.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert caught.value.violations[0].field == "workers[0].layers"
+    assert caught.value.metadata["limit"] == "max_layers_per_worker"
+    assert "--max-layers-per-worker" in caught.value.details
 
 
 async def test_rank_mode_same_plan_for_all(client: AsyncPlannerClient) -> None:
@@ -217,7 +220,6 @@ async def test_metrics_scrape(server: RunningServer, client: AsyncPlannerClient)
         'kvplan_draft_annotations_total{rule="is_draft"} 1.0',
         "kvplan_plan_cache_hits_total 1.0",
         "kvplan_plan_cache_misses_total 3.0",
-        'kvplan_planned_blocks{engine_id="engine-a"} 2048.0',
         'kvplan_validation_errors_total{reason="InsufficientMemory"} 1.0',
         'kvplan_build_info{version="0.1.0"} 1.0',
         "kvplan_rendezvous_waiting_ranks 0.0",

@@ -321,7 +321,11 @@ async def test_too_many_pending_engines(store: Store) -> None:
     with pytest.raises(ServiceError) as refused:
         await join(store, "c", 0, max_pending=2)
     assert refused.value.code == "RESOURCE_EXHAUSTED"
-    assert refused.value.details == {"pending": 2, "limit": 2}
+    assert refused.value.details == {
+        "pending": 2,
+        "limit": "max_pending_rendezvous",
+        "limit_value": 2,
+    }
     assert await store.pending_engines() == 2
     # An engine already open is not new: it may complete at the limit.
     assert (await join(store, "a", 1, max_pending=2)).state == "plan"
@@ -382,6 +386,26 @@ async def test_an_error_result_deletes_the_rendezvous(store: Store) -> None:
     assert await store.pending_engines() == 0
     # The ranks retry from scratch; a changed spec is welcome now.
     assert await join(store, "e", 0, worker=b"fixed spec", now=2.0) == Arrival("waiting")
+
+
+async def test_a_remembered_failure_answers_unchanged_ranks(store: Store) -> None:
+    heard: list[tuple[str, RendezvousResult]] = []
+    store.subscribe(lambda engine_id, result: heard.append((engine_id, result)))
+    await join(store, "e", 0)
+    await join(store, "e", 1)
+    failed = RendezvousResult(False, b"serialized google.rpc.Status")
+    await store.rendezvous_finish("e", failed, 1.0, remember_failure=True)
+    await settle(store)
+    assert heard == [("e", failed)]
+    assert await store.pending_engines() == 0
+    # Rule 2b: a rank back unchanged gets the same error, at once.
+    assert await join(store, "e", 1, now=2.0) == Arrival("finished", result=failed)
+    assert await join(store, "e", 0, now=2.0) == Arrival("finished", result=failed)
+    # A changed spec forgets the failure: a new rendezvous.
+    assert await join(store, "e", 0, worker=b"fixed spec", now=3.0) == Arrival("waiting")
+    assert await join(store, "e", 1, now=3.0) == Arrival(
+        "plan", workers=(b"fixed spec", b"worker-1")
+    )
 
 
 async def test_every_subscriber_hears_each_finish_once(store: Store) -> None:
@@ -636,7 +660,7 @@ rendezvous_ops = st.lists(
         rendezvous_joins,
         rendezvous_joins,  # joins twice as often as the rest
         st.tuples(st.just("leave"), st.sampled_from(["x", "y"]), st.integers(0, 1)),
-        st.tuples(st.just("finish"), st.sampled_from(["x", "y"]), st.booleans()),
+        st.tuples(st.just("finish"), st.sampled_from(["x", "y"]), st.booleans(), st.booleans()),
         st.tuples(st.just("advance"), st.sampled_from([0.0, 4.0, 6.0, 700.0])),
     ),
     min_size=4,
@@ -667,9 +691,11 @@ async def run_rendezvous(store: Store, ops: list[tuple[Any, ...]]) -> list[objec
                     )
                 case ("leave", engine_id, rank):
                     await store.rendezvous_leave(engine_id, rank)
-                case ("finish", engine_id, ok):
+                case ("finish", engine_id, ok, remember):
                     outcome = RendezvousResult(ok, f"result-{step}".encode())
-                    await store.rendezvous_finish(engine_id, outcome, now)
+                    await store.rendezvous_finish(
+                        engine_id, outcome, now, remember_failure=remember
+                    )
                 case ("advance", seconds):
                     now += seconds
         except ServiceError as error:

@@ -1,0 +1,90 @@
+"""Enum values and integer ranges of request messages, checked before planning.
+
+proto3 enums are open: a value the schema does not name (999) parses and would
+otherwise reach the planner. Integers are bounded so that every number the
+plan derives from them fits the reply's 64-bit fields:
+
+- every 64-bit integer field: at most MAX_64 = 2^50 (1 PiB as bytes), unless
+  RANGES says otherwise;
+- 32-bit fields: their type's range (the reply's own overflow check in
+  `kvplan.convert.plan_from_proto` catches products of them).
+
+Violations are `InvalidRequest` naming the field path.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from kvplan.core.errors import InvalidRequest
+
+MAX_64 = 1 << 50
+# Tighter ranges by full field name (docs/security.md lists them).
+RANGES: dict[str, tuple[int, int]] = {
+    "kvplan.v1.EngineOptions.max_model_len": (-1, 1 << 32),
+    "kvplan.v1.EngineOptions.derived_max_model_len": (0, 1 << 32),
+    "kvplan.v1.EngineOptions.num_gpu_blocks_override": (0, 1 << 31),
+    "kvplan.v1.StateTensor.shape": (0, 1 << 32),
+}
+_SIXTY_FOUR = (
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+)
+
+
+def _range(field: FieldDescriptor) -> tuple[int, int] | None:
+    bounds = RANGES.get(field.full_name)
+    if bounds is not None:
+        return bounds
+    if field.type in _SIXTY_FOUR:
+        return (-MAX_64 if field.type != FieldDescriptor.TYPE_UINT64 else 0, MAX_64)
+    return None
+
+
+def _check_value(field: FieldDescriptor, value: int, path: str) -> None:
+    if field.enum_type is not None:
+        if value not in field.enum_type.values_by_number:
+            known = ", ".join(v.name for v in field.enum_type.values)
+            raise InvalidRequest(
+                f"{value} is not a {field.enum_type.name} value (known: {known})", field=path
+            )
+        return
+    bounds = _range(field)
+    if bounds is not None and not bounds[0] <= value <= bounds[1]:
+        raise InvalidRequest(
+            f"{value} is out of range: {field.name} must be in [{bounds[0]}, {bounds[1]}]",
+            field=path,
+        )
+
+
+def check_fields(message: Message, path: str, *, skip: frozenset[str] = frozenset()) -> None:
+    """Every set enum and integer field of `message` and its sub-messages;
+    `skip`: names of repeated message fields at this level to leave out (the
+    caller checks those itself, e.g. layers one distinct spec at a time)."""
+    for field, value in message.ListFields():
+        if field.name in skip:
+            continue
+        name = f"{path}.{field.name}" if path else field.name
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            if field.message_type is None or field.message_type.GetOptions().map_entry:
+                continue
+            if field.is_repeated:
+                for index, item in enumerate(value):
+                    check_fields(item, f"{name}[{index}]")
+            else:
+                check_fields(value, name)
+        elif field.enum_type is not None or field.cpp_type in (
+            FieldDescriptor.CPPTYPE_INT32,
+            FieldDescriptor.CPPTYPE_INT64,
+            FieldDescriptor.CPPTYPE_UINT32,
+            FieldDescriptor.CPPTYPE_UINT64,
+        ):
+            if field.is_repeated:
+                for index, item in enumerate(value):
+                    _check_value(field, item, f"{name}[{index}]")
+            else:
+                _check_value(field, value, name)

@@ -1,0 +1,381 @@
+"""Identity and authorization through a real server on loopback: mutual TLS with
+certificates made here, bearer tokens, per-engine ownership, reloads."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvplan.client import AsyncPlannerClient, ChannelSecurity, PlannerError
+from kvplan.server.config import Settings, parse_settings
+from kvplan.server.main import RunningServer, start_server
+from kvplan.server.metrics import Metrics
+from kvplan.server.security import Authenticator, bind_host, warn_if_exposed
+from tests.server.certs import Authority
+from tests.server.conftest import TEST_SETTINGS, engine_request
+from tests.server.test_leases import device_uuids, leased_request
+
+TOKEN_A = "token-of-engine-a-0123456789"
+TOKEN_B = "token-of-engine-b-0123456789"
+TOKEN_OPS = "token-of-operator-0123456789"
+
+
+@dataclass
+class Pki:
+    authority: Authority
+    directory: Path
+    server_cert: Path
+    server_key: Path
+    client_ca: Path
+
+    def client(self, name: str) -> ChannelSecurity:
+        pair = self.authority.issue(name, server=False)
+        return ChannelSecurity(
+            tls=True,
+            root_certificates=self.authority.cert_pem,
+            private_key=pair.key_pem,
+            certificate_chain=pair.cert_pem,
+        )
+
+
+def make_pki(directory: Path) -> Pki:
+    authority = Authority()
+    cert, key = authority.issue("kvplan-server", server=True).write(directory, "server")
+    client_ca = directory / "clients-ca.crt"
+    client_ca.write_bytes(authority.cert_pem)
+    return Pki(authority, directory, cert, key, client_ca)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return make_pki(tmp_path)
+
+
+@pytest_asyncio.fixture
+async def mtls_server(pki: Pki) -> AsyncIterator[RunningServer]:
+    running = await start_server(
+        replace(
+            TEST_SETTINGS,
+            devices="1xH100-80GB",
+            tls_cert=str(pki.server_cert),
+            tls_key=str(pki.server_key),
+            tls_client_ca=str(pki.client_ca),
+            operators="ops",
+        )
+    )
+    yield running
+    await running.stop(0)
+
+
+def write_tokens(path: Path, *lines: str) -> None:
+    path.write_text("# token identity [operator]\n" + "\n".join(lines) + "\n")
+
+
+@pytest_asyncio.fixture
+async def token_server(tmp_path: Path) -> AsyncIterator[RunningServer]:
+    tokens = tmp_path / "tokens"
+    write_tokens(tokens, f"{TOKEN_A} team-a", f"{TOKEN_B} team-b", f"{TOKEN_OPS} ops operator")
+    running = await start_server(
+        replace(TEST_SETTINGS, devices="1xH100-80GB", token_file=str(tokens))
+    )
+    yield running
+    await running.stop(0)
+
+
+def client_for(server: RunningServer, security: ChannelSecurity) -> AsyncPlannerClient:
+    return AsyncPlannerClient(f"127.0.0.1:{server.port}", timeout_s=5, security=security)
+
+
+async def test_mutual_tls_identities_own_their_engines(
+    mtls_server: RunningServer, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        client_for(mtls_server, pki.client("engine-a")) as victim,
+        client_for(mtls_server, pki.client("engine-b")) as attacker,
+        client_for(mtls_server, pki.client("ops")) as operator,
+    ):
+        uuid = (await device_uuids(victim))[0]
+        plan = await victim.plan(leased_request("victim", uuid, utilization=0.45))
+        assert plan.leases
+        # Every way to touch another identity's engine is refused.
+        attempts = {
+            "release": attacker.release_plan("victim"),
+            "renew": attacker.renew_leases("victim", {0: 1}),
+            "read by engine": attacker.get_plan(engine_id="victim"),
+            "read by plan id": attacker.get_plan(plan_id=plan.plan_id),
+            "re-plan": attacker.plan(leased_request("victim", uuid, utilization=0.05)),
+        }
+        for what, call in attempts.items():
+            with pytest.raises(PlannerError) as caught:
+                await call
+            assert caught.value.code is grpc.StatusCode.PERMISSION_DENIED, what
+            assert "engine-b" in caught.value.details
+        # The victim's lease is untouched, and the owner still may do everything.
+        (device,) = (await victim.list_devices()).devices
+        assert device.committed_bytes == plan.leases[0].bytes
+        assert (await victim.renew_leases("victim", {0: 1}))[0].engine_id == "victim"
+        assert (await victim.get_plan(engine_id="victim")).plan_id == plan.plan_id
+        # The operator may act on any engine, and the log says so.
+        with caplog.at_level(logging.WARNING, logger="kvplan.server"):
+            released = await operator.release_plan("victim")
+        assert released.released_bytes == plan.leases[0].bytes
+        assert any(
+            record.getMessage() == "operator acts on another identity's engine"
+            and getattr(record, "owner", "") == "engine-a"
+            for record in caplog.records
+        )
+
+
+async def test_mutual_tls_refuses_clients_without_a_certificate(
+    mtls_server: RunningServer, pki: Pki
+) -> None:
+    no_certificate = ChannelSecurity(tls=True, root_certificates=pki.authority.cert_pem)
+    stranger = Authority("another CA")
+    foreign_pair = stranger.issue("engine-a", server=False)
+    foreign = ChannelSecurity(
+        tls=True,
+        root_certificates=pki.authority.cert_pem,
+        private_key=foreign_pair.key_pem,
+        certificate_chain=foreign_pair.cert_pem,
+    )
+    for security in (ChannelSecurity(), no_certificate, foreign):
+        async with AsyncPlannerClient(
+            f"127.0.0.1:{mtls_server.port}", timeout_s=2, security=security
+        ) as client:
+            with pytest.raises(PlannerError) as caught:
+                await client.list_devices()
+            assert caught.value.code is grpc.StatusCode.UNAVAILABLE  # the handshake failed
+    async with client_for(mtls_server, pki.client("engine-a")) as trusted:
+        assert (await trusted.list_devices()).devices
+
+
+async def test_certificates_are_reloaded_without_a_restart(
+    mtls_server: RunningServer, pki: Pki
+) -> None:
+    async with client_for(mtls_server, pki.client("engine-a")) as before:
+        assert (await before.list_devices()).devices
+    # Rotate to a new CA: the server's certificate and the CA it trusts for clients.
+    rotated = Authority("rotated CA")
+    time.sleep(0.01)  # a distinct mtime
+    rotated.issue("kvplan-server", server=True).write(pki.directory, "server")
+    pki.client_ca.write_bytes(rotated.cert_pem)
+    os.utime(pki.server_cert)
+    new_pki = replace(pki, authority=rotated)
+    async with client_for(mtls_server, new_pki.client("engine-a")) as after:
+        assert (await after.list_devices()).devices
+    async with AsyncPlannerClient(
+        f"127.0.0.1:{mtls_server.port}", timeout_s=2, security=pki.client("engine-a")
+    ) as old:
+        with pytest.raises(PlannerError) as caught:
+            await old.list_devices()
+        assert caught.value.code is grpc.StatusCode.UNAVAILABLE
+
+
+async def test_bearer_tokens_authenticate_and_own_engines(token_server: RunningServer) -> None:
+    target = f"127.0.0.1:{token_server.port}"
+    for security in (ChannelSecurity(), ChannelSecurity(token="not-a-known-token-at-all")):
+        async with AsyncPlannerClient(target, timeout_s=5, security=security) as stranger:
+            with pytest.raises(PlannerError) as caught:
+                await stranger.list_devices()
+            assert caught.value.code is grpc.StatusCode.UNAUTHENTICATED
+    async with (
+        AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=TOKEN_A)) as a,
+        AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=TOKEN_B)) as b,
+    ):
+        uuid = (await device_uuids(a))[0]
+        await a.plan(leased_request("engine-a", uuid))
+        with pytest.raises(PlannerError) as caught:
+            await b.release_plan("engine-a")
+        assert caught.value.code is grpc.StatusCode.PERMISSION_DENIED
+        assert (await a.release_plan("engine-a")).released_bytes > 0
+
+
+async def test_reflection_needs_credentials_and_health_stays_open(
+    token_server: RunningServer,
+) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{token_server.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        answer = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+        async def list_services(metadata: tuple[tuple[str, str], ...]) -> list[str]:
+            call = reflection.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                metadata=metadata,
+                timeout=5,
+            )
+            return [
+                service.name
+                async for response in call
+                for service in response.list_services_response.service
+            ]
+
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await list_services(())
+        assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        names = await list_services((("authorization", f"Bearer {TOKEN_A}"),))
+        assert "kvplan.v1.KVCachePlanner" in names
+
+
+async def test_token_file_is_reloaded_and_a_bad_edit_keeps_the_old_tokens(
+    tmp_path: Path,
+) -> None:
+    tokens = tmp_path / "tokens"
+    write_tokens(tokens, f"{TOKEN_A} team-a")
+    running = await start_server(replace(TEST_SETTINGS, token_file=str(tokens)))
+    target = f"127.0.0.1:{running.port}"
+    try:
+        async with (
+            AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=TOKEN_A)) as a,
+            AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=TOKEN_B)) as b,
+        ):
+            with pytest.raises(PlannerError):
+                await b.list_devices()
+            write_tokens(tokens, f"{TOKEN_A} team-a", f"{TOKEN_B} team-b")
+            await asyncio.sleep(1.1)
+            await b.list_devices()
+            tokens.write_text("this line is not a token entry at all, it has too many words\n")
+            await asyncio.sleep(1.1)
+            await a.list_devices()  # the last good table stays
+    finally:
+        await running.stop(0)
+
+
+def test_insecure_beyond_loopback_is_said_loudly(caplog: pytest.LogCaptureFixture) -> None:
+    insecure = Authenticator(Settings())
+    with caplog.at_level(logging.WARNING, logger="kvplan.server.security"):
+        warn_if_exposed("127.0.0.1", insecure, tls=False)
+        assert not caplog.records
+        warn_if_exposed("0.0.0.0", insecure, tls=False)
+    assert "INSECURE" in caplog.records[0].getMessage()
+
+
+def test_default_binds(tmp_path: Path) -> None:
+    assert parse_settings([], environ={}).host == "127.0.0.1"  # make run
+    tokens = tmp_path / "tokens"
+    write_tokens(tokens, f"{TOKEN_A} team-a")
+    # The image's "auto": all interfaces only where callers must authenticate.
+    assert bind_host(parse_settings(["--host", "auto"], environ={})) == "127.0.0.1"
+    assert (
+        bind_host(parse_settings(["--host", "auto", "--token-file", str(tokens)], environ={}))
+        == "0.0.0.0"
+    )
+    with pytest.raises(SystemExit):
+        parse_settings(["--tls-cert", "x"], environ={})  # a certificate needs its key
+    # Switches stand alone or take a value; the environment spells them out.
+    assert parse_settings(["--redis-allow-no-persistence"], environ={}).redis_allow_no_persistence
+    assert not parse_settings(
+        ["--metrics-engine-labels", "false"], environ={}
+    ).metrics_engine_labels
+    assert parse_settings([], environ={"KVPLAN_METRICS_ENGINE_LABELS": "1"}).metrics_engine_labels
+
+
+async def test_metrics_carry_no_engine_ids_by_default(server: RunningServer) -> None:
+    async with AsyncPlannerClient(f"127.0.0.1:{server.port}", timeout_s=5) as client:
+        await client.plan(engine_request("secret-engine-name"))
+    body = await asyncio.to_thread(
+        lambda: (
+            urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics")
+            .read()
+            .decode()
+        )
+    )
+    assert "secret-engine-name" not in body
+    assert "engine_id" not in body
+
+
+async def test_per_engine_series_when_asked_are_removed_on_release() -> None:
+    running = await start_server(
+        replace(TEST_SETTINGS, devices="1xH100-80GB", metrics_engine_labels=True)
+    )
+    try:
+        async with AsyncPlannerClient(f"127.0.0.1:{running.port}", timeout_s=5) as client:
+            uuid = (await device_uuids(client))[0]
+            await client.plan(leased_request("labelled", uuid))
+            gauge = running.metrics.blocks
+            assert gauge is not None
+            assert any(
+                s.labels == {"engine_id": "labelled"} for s in next(iter(gauge.collect())).samples
+            )
+            await client.release_plan("labelled")
+            assert not next(iter(gauge.collect())).samples
+    finally:
+        await running.stop(0)
+
+
+def test_per_engine_series_are_bounded() -> None:
+    metrics = Metrics(engine_labels=True, max_engine_series=3)
+    for index in range(10):
+        metrics.record_engine(f"engine-{index}", 1, 1)
+    assert metrics.blocks is not None
+    engines = {s.labels["engine_id"] for s in next(iter(metrics.blocks.collect())).samples}
+    assert engines == {"engine-7", "engine-8", "engine-9"}
+
+
+def test_channel_security_from_the_environment(pki: Pki) -> None:
+    assert ChannelSecurity.from_env({}) == ChannelSecurity()
+    pair = pki.authority.issue("engine-a", server=False)
+    cert, key = pair.write(pki.directory, "client")
+    token_file = pki.directory / "client-token"
+    token_file.write_text(TOKEN_A + "\n")
+    security = ChannelSecurity.from_env(
+        {
+            "KVPLAN_TLS_CA": str(pki.client_ca),
+            "KVPLAN_CLIENT_CERT": str(cert),
+            "KVPLAN_CLIENT_KEY": str(key),
+            "KVPLAN_TLS_SERVER_NAME": "localhost",
+            "KVPLAN_CLIENT_TOKEN_FILE": str(token_file),
+        }
+    )
+    assert security.tls and security.certificate_chain == pair.cert_pem
+    assert security.metadata() == (("authorization", f"Bearer {TOKEN_A}"),)
+    assert security.channel_options() == [("grpc.ssl_target_name_override", "localhost")]
+    assert ChannelSecurity.from_env({"KVPLAN_TOKEN": "t" * 20}).token == "t" * 20
+    with pytest.raises(ValueError):
+        ChannelSecurity(private_key=b"key only")
+
+
+async def test_health_and_plan_commands_speak_mutual_tls(
+    mtls_server: RunningServer, pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvplan.cli import main
+
+    cert, key = pki.authority.issue("ops", server=False).write(pki.directory, "cli")
+    monkeypatch.setenv("KVPLAN_TLS_CA", str(pki.client_ca))
+    monkeypatch.setenv("KVPLAN_CLIENT_CERT", str(cert))
+    monkeypatch.setenv("KVPLAN_CLIENT_KEY", str(key))
+    target = f"127.0.0.1:{mtls_server.port}"
+    assert await asyncio.to_thread(main, ["health", "--target", target]) == 0
+    monkeypatch.delenv("KVPLAN_CLIENT_CERT")
+    monkeypatch.delenv("KVPLAN_CLIENT_KEY")
+    assert await asyncio.to_thread(main, ["health", "--target", target, "--timeout", "2"]) == 1
+
+
+def test_secret_files_readable_by_others_are_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tokens = tmp_path / "tokens"
+    write_tokens(tokens, f"{TOKEN_A} team-a")
+    tokens.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="kvplan.server.security"):
+        Authenticator(Settings(token_file=str(tokens)))
+    assert any("readable by other users" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    tokens.chmod(0o600)
+    with caplog.at_level(logging.WARNING, logger="kvplan.server.security"):
+        Authenticator(Settings(token_file=str(tokens)))
+    assert not caplog.records
