@@ -1,0 +1,444 @@
+"""Starts vLLM engines through vLLM's own `EngineCore._initialize_kv_caches`, with the
+kvplan plugin loaded through its `vllm.general_plugins` entry point.
+
+Runs with a vLLM venv's python and the installed plugin on PYTHONPATH (never the
+repository: the plugin must come from its wheel). Only the hardware is stood in
+for: `StandInExecutor` returns real vLLM spec objects, the memory a GPU worker
+would measure, and records what `initialize_from_config` receives; the CUDA
+driver that names a worker's GPU is `FakeLibcuda`.
+
+Protocol: one JSON command per stdin line, one JSON answer per stdout line.
+  {"op": "start", "name": "A", "engine": "llama", "env": {...}, "memory": [bytes],
+   "utilization": 0.45, "uuid": "GPU-..."}  -> {"ok": true, "log": [...], "init": {...}}
+                                             or {"ok": false, "error": "..."}
+  {"op": "shutdown", "name": "A"}           -> {"ok": true, "log": [...]}
+  {"op": "counters"}                        -> the plugin's counters
+  {"op": "exit"}
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import math
+import os
+import sys
+import traceback
+from types import SimpleNamespace
+from typing import Any
+
+# vLLM logs to stdout by default; the protocol owns stdout.
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+import torch  # noqa: E402
+import vllm  # noqa: E402
+import vllm.config  # noqa: E402
+import vllm.plugins  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.config.attention import AttentionConfig  # noqa: E402
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+SERIES = ".".join(vllm.__version__.split(".")[:2])
+GIB = 1 << 30
+
+# --- the hardware boundary -------------------------------------------------------------
+
+
+class FakeLibcuda:
+    """The CUDA driver calls kvplan.client.devices makes, for one visible GPU."""
+
+    def __init__(self) -> None:
+        self.uuid = ""
+
+    def cuInit(self, flags: int) -> int:
+        return 0
+
+    def cuDeviceGetCount(self, count: Any) -> int:
+        count.contents.value = 1
+        return 0
+
+    def cuDeviceGet(self, device: Any, ordinal: int) -> int:
+        if ordinal != 0:
+            return 101  # CUDA_ERROR_INVALID_DEVICE
+        device.contents.value = 0
+        return 0
+
+    def cuDeviceGetUuid_v2(self, out: Any, device: int) -> int:
+        hex_digits = self.uuid.removeprefix("GPU-").replace("-", "")
+        out.contents.bytes[:] = bytes.fromhex(hex_digits)
+        return 0
+
+    def cuDeviceGetName(self, name: Any, length: int, device: int) -> int:
+        ctypes.memmove(name, b"NVIDIA H100 80GB HBM3\0", 22)
+        return 0
+
+
+LIBCUDA = FakeLibcuda()
+
+
+def install_fake_driver() -> None:
+    import kvplan.client.devices as devices
+
+    devices._load_libcuda = lambda: LIBCUDA  # type: ignore[attr-defined]
+
+
+class StandInWorker:
+    """What the plugin's worker-side report reads from a GPU worker."""
+
+    def __init__(self, total: int, requested: int, weights: int) -> None:
+        self.device = SimpleNamespace(index=0)
+        self.local_rank = 0
+        self.init_snapshot = SimpleNamespace(total_memory=total)
+        self.requested_memory = requested
+        self.model_runner = SimpleNamespace(model_memory_usage=weights)
+
+
+class StandInExecutor:
+    def __init__(
+        self, specs: list[dict[str, Any]], memory: list[int], workers: list[StandInWorker]
+    ) -> None:
+        self.specs = specs
+        self.memory = memory
+        self.workers = workers
+        self.received: list[Any] = []
+        self.extended: int | None = None
+        self.warmup_blocks: int | None = None
+
+    def get_kv_cache_specs(self) -> list[dict[str, Any]]:
+        return self.specs
+
+    def determine_available_memory(self) -> list[int]:
+        return list(self.memory)
+
+    def get_supported_kv_cache_layouts(self) -> list[list[str]]:
+        return [["LBNHC"] for _ in self.specs]
+
+    def set_kv_cache_layout(self, *args: Any) -> None:
+        pass
+
+    def initialize_from_config(self, configs: list[Any]) -> None:
+        self.received = configs
+
+    def compile_or_warm_up_model(self) -> list[Any]:
+        # 0.34's extensible KV cache: what each rank measures after warm-up.
+        if SERIES == "0.34":
+            from vllm.v1.worker.gpu_worker import CompilationTimes  # type: ignore[attr-defined]
+
+            return [
+                CompilationTimes(language_model=0.0, encoder=0.0, num_kv_blocks=self.warmup_blocks)
+                for _ in self.specs
+            ]
+        return []
+
+    def extensible_kv_cache_unsupported_reason(self, specs: Any) -> str | None:
+        return None
+
+    def disable_extensible_kv_cache(self, reason: str) -> None:
+        raise AssertionError(reason)
+
+    def extend_kv_cache(self, num_blocks: int) -> None:
+        self.extended = num_blocks
+
+    def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        if callable(method):
+            return [method(worker) for worker in self.workers]
+        return [None for _ in self.workers]  # e.g. update_max_model_len
+
+
+# --- engines: real vLLM spec objects -----------------------------------------------------
+
+BF16 = torch.bfloat16
+
+
+def full(heads: int, head: int, dtype: torch.dtype = BF16, **kw: Any) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=head, dtype=dtype, **kw)
+
+
+def llama() -> dict[str, Any]:
+    return {f"model.layers.{i}.self_attn.attn": full(8, 128) for i in range(32)}
+
+
+def gemma3() -> dict[str, Any]:
+    return {
+        f"model.layers.{i}.self_attn.attn": (
+            full(4, 256)
+            if i % 6 == 5
+            else SlidingWindowSpec(
+                block_size=16, num_kv_heads=4, head_size=256, dtype=BF16, sliding_window=1024
+            )
+        )
+        for i in range(34)
+    }
+
+
+def gpt_oss_eagle3() -> dict[str, Any]:
+    specs: dict[str, Any] = {}
+    for i in range(24):
+        specs[f"model.layers.{i}.attn"] = (
+            full(8, 64)
+            if i % 2
+            else SlidingWindowSpec(
+                block_size=16, num_kv_heads=8, head_size=64, dtype=BF16, sliding_window=128
+            )
+        )
+    specs["draft_model.model.layers.24.self_attn.attn"] = full(8, 64, is_draft=True)
+    return specs
+
+
+def mla(**kw: Any) -> MLAAttentionSpec:
+    return MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=576, dtype=BF16, cache_dtype_str="auto", **kw
+    )
+
+
+def deepseek_mtp() -> dict[str, Any]:
+    specs: dict[str, Any] = {f"model.layers.{i}.self_attn.attn": mla() for i in range(8)}
+    specs["model.layers.8.self_attn.attn"] = mla(is_draft=True)
+    return specs
+
+
+def _gdn() -> MambaSpec:
+    return MambaSpec(
+        block_size=16,
+        shapes=((2, 512), (3, 32, 32)),
+        dtypes=(torch.float32, torch.float32),
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode="align",
+        num_speculative_blocks=1,
+    )
+
+
+def qwen3_next(*, marked: bool) -> dict[str, Any]:
+    """Qwen3-Next-like: GDN layers 3:1 with full attention, and an MTP layer that the
+    model marks as a drafter (`marked`) or, like vLLM leaves it, does not."""
+    specs: dict[str, Any] = {}
+    for i in range(8):
+        if i in (3, 7):
+            specs[f"model.layers.{i}.self_attn.attn"] = full(2, 64, torch.float32)
+        else:
+            specs[f"model.layers.{i}.linear_attn"] = _gdn()
+    specs["mtp.layers.0.self_attn.attn"] = full(2, 64, torch.float32, is_draft=marked)
+    return specs
+
+
+ENGINES: dict[str, tuple[Any, dict[str, Any]]] = {
+    # name: (specs, config: speculative method/target, mamba mode, block size, max len)
+    "llama": (llama, {"max_model_len": 32768}),
+    "gemma3": (gemma3, {"max_model_len": 32768}),
+    "gpt-oss-eagle3": (
+        gpt_oss_eagle3,
+        {"max_model_len": 32768, "method": "eagle3", "target": "gpt_oss", "k": 3},
+    ),
+    "deepseek-mtp": (
+        deepseek_mtp,
+        {"max_model_len": 16384, "block_size": 64, "method": "mtp", "target": "deepseek_v3"},
+    ),
+    "qwen3-next-mtp": (
+        lambda: qwen3_next(marked=True),
+        {"max_model_len": 8192, "method": "mtp", "target": "qwen3_next", "mamba": "align"},
+    ),
+    "qwen3-next-mtp-unmarked": (
+        lambda: qwen3_next(marked=False),
+        {"max_model_len": 8192, "method": "mtp", "target": "qwen3_next", "mamba": "align"},
+    ),
+}
+
+
+# --- the config EngineCore reads -----------------------------------------------------------
+
+
+class EngineConfig:
+    """`VllmConfig` needs a model and a GPU; this carries real vLLM sub-configs and
+    VllmConfig's own properties and methods for what the engine core reads."""
+
+    max_concurrent_batches = VllmConfig.max_concurrent_batches
+    max_in_flight_tokens = VllmConfig.max_in_flight_tokens
+    num_speculative_tokens = VllmConfig.num_speculative_tokens
+    num_prefill_lookahead_tokens = VllmConfig.num_prefill_lookahead_tokens
+    adjust_dcp_kv_cache_interleave_size = VllmConfig.adjust_dcp_kv_cache_interleave_size
+    validate_block_size = VllmConfig.validate_block_size
+
+    def __init__(self, options: dict[str, Any], utilization: float) -> None:
+        max_len = options["max_model_len"]
+        self.model_config = SimpleNamespace(
+            max_model_len=max_len,
+            original_max_model_len=max_len,
+            supports_kv_cache_grouping=False,
+            dtype=BF16,
+            is_diffusion=False,
+        )
+        cache_kwargs: dict[str, Any] = {
+            "block_size": options.get("block_size", 16),
+            "gpu_memory_utilization": utilization,
+            "mamba_cache_mode": options.get("mamba", "none"),
+        }
+        if SERIES == "0.34":
+            cache_kwargs["enable_extensible_kv_cache"] = True
+        self.cache_config = CacheConfig(**cache_kwargs)
+        self.scheduler_config = SchedulerConfig(
+            max_model_len=max_len,
+            is_encoder_decoder=False,
+            max_num_batched_tokens=8192,
+            max_num_seqs=128,
+            enable_chunked_prefill=True,
+        )
+        self.parallel_config = ParallelConfig()
+        self.speculative_config = _speculative(options)
+        self.attention_config = AttentionConfig()
+        self.device_config = SimpleNamespace(device_type="cuda")
+        self.kv_transfer_config = None
+        self.diffusion_config = None
+        self.use_v2_model_runner = False
+        self.compilation_config = SimpleNamespace(compilation_time=0.0, encoder_compilation_time=0.0)
+
+
+def _speculative(options: dict[str, Any]) -> SpeculativeConfig | None:
+    """A SpeculativeConfig without its __init__ (which loads the draft model): only
+    what its predicates read is set, so vLLM's predicates run unchanged."""
+    method = options.get("method")
+    if method is None:
+        return None
+    config = object.__new__(SpeculativeConfig)
+    values = {
+        "method": method,
+        "num_speculative_tokens": options.get("k", 1),
+        "disable_eagle_block_drop": False,
+        "disable_lookahead_block_hashes": False,
+        "num_speculative_tokens_per_batch_size": None,
+        "draft_model_config": SimpleNamespace(
+            hf_config=SimpleNamespace(num_nextn_predict_layers=1, model_type=method),
+            architectures=[],
+            model=method,
+        ),
+        "target_model_config": SimpleNamespace(
+            hf_config=SimpleNamespace(model_type=options.get("target", ""))
+        ),
+    }
+    for key, value in values.items():
+        object.__setattr__(config, key, value)
+    return config
+
+
+# --- the host ---------------------------------------------------------------------------------
+
+
+class Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+    def take(self) -> list[str]:
+        out, self.lines = self.lines, []
+        return out
+
+
+CAPTURE = Capture()
+CORES: dict[str, Any] = {}
+
+
+def start(command: dict[str, Any]) -> dict[str, Any]:
+    from vllm.v1.engine.core import EngineCore
+
+    make_specs, options = ENGINES[command["engine"]]
+    for key in [k for k in os.environ if k.startswith("KVPLAN_") and k != "KVPLAN_ADDR"]:
+        del os.environ[key]
+    os.environ.update(command.get("env", {}))
+    utilization = command.get("utilization", 0.9)
+    config = EngineConfig(options, utilization)
+    specs = make_specs()
+    memory = command["memory"]
+    total = 80 * GIB
+    requested = math.ceil(total * utilization)
+    workers = [
+        StandInWorker(total, requested, weights=min(16 * GIB, requested - m)) for m in memory
+    ]
+    executor = StandInExecutor([specs for _ in memory], memory, workers)
+    executor.warmup_blocks = command.get("warmup_blocks")
+    LIBCUDA.uuid = command.get("uuid", "GPU-00000000-0000-0000-0000-000000000000")
+    core = object.__new__(EngineCore)
+    core.model_executor = executor
+    core.available_gpu_memory_for_kv_cache = -1
+    try:
+        EngineCore._initialize_kv_caches(core, config)
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}", "log": CAPTURE.take()}
+    CORES[command["name"]] = core
+    received = executor.received
+    return {
+        "ok": True,
+        "log": CAPTURE.take(),
+        "init": {
+            "num_blocks": [int(c.num_blocks) for c in received],
+            "tensor_bytes": [sum(int(t.size) for t in c.kv_cache_tensors) for c in received],
+            "groups": [
+                {"layers": list(g.layer_names), "is_draft": bool(g.is_eagle_group)}
+                for g in received[0].kv_cache_groups
+            ],
+            "extended": executor.extended,
+            "measured": memory,
+        },
+    }
+
+
+def shutdown(command: dict[str, Any]) -> dict[str, Any]:
+    from vllm.v1.engine.core import EngineCore
+
+    core = CORES.pop(command["name"])
+    # EngineCore.shutdown stops parts this stand-in never started; give it
+    # what it touches as no-ops, and run it (the plugin wraps it).
+    core.model_executor.shutdown = lambda: None
+    core.scheduler = SimpleNamespace(shutdown=lambda: None)
+    core.structured_output_manager = None
+    try:
+        EngineCore.shutdown(core)
+    except Exception as error:  # parts of vLLM's shutdown this stand-in lacks
+        return {"ok": True, "log": CAPTURE.take(), "shutdown_error": repr(error)}
+    return {"ok": True, "log": CAPTURE.take()}
+
+
+def main() -> None:
+    logger = logging.getLogger("vllm")
+    logger.addHandler(CAPTURE)
+    logger.setLevel(logging.INFO)
+    install_fake_driver()
+    # What vLLM does in every process it starts: load the general plugins.
+    vllm.plugins.load_general_plugins()
+    print(json.dumps({"ready": True, "vllm": vllm.__version__, "log": CAPTURE.take()}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        try:
+            if command["op"] == "start":
+                answer = start(command)
+            elif command["op"] == "shutdown":
+                answer = shutdown(command)
+            elif command["op"] == "counters":
+                from kvplan.client.vllm_plugin.hooks import COUNTERS
+
+                answer = dict(vars(COUNTERS))
+            elif command["op"] == "exit":
+                break
+            else:
+                answer = {"ok": False, "error": f"unknown op {command['op']}"}
+        except Exception:
+            answer = {"ok": False, "error": traceback.format_exc(), "log": CAPTURE.take()}
+        print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()
