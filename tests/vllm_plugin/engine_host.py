@@ -31,20 +31,20 @@ from typing import Any
 # vLLM logs to stdout by default; the protocol owns stdout.
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
-import torch  # noqa: E402
-import vllm  # noqa: E402
-import vllm.config  # noqa: E402
-import vllm.plugins  # noqa: E402
-from vllm.config import (  # noqa: E402
+import torch
+import vllm
+import vllm.config
+import vllm.plugins
+from vllm.config import (
     CacheConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
 )
-from vllm.config.attention import AttentionConfig  # noqa: E402
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.config.attention import AttentionConfig
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     MambaSpec,
     MLAAttentionSpec,
@@ -92,7 +92,7 @@ LIBCUDA = FakeLibcuda()
 def install_fake_driver() -> None:
     import kvplan.client.devices as devices
 
-    devices._load_libcuda = lambda: LIBCUDA  # type: ignore[attr-defined]
+    devices._load_libcuda = lambda: LIBCUDA
 
 
 class StandInWorker:
@@ -135,7 +135,7 @@ class StandInExecutor:
     def compile_or_warm_up_model(self) -> list[Any]:
         # 0.34's extensible KV cache: what each rank measures after warm-up.
         if SERIES == "0.34":
-            from vllm.v1.worker.gpu_worker import CompilationTimes  # type: ignore[attr-defined]
+            from vllm.v1.worker.gpu_worker import CompilationTimes
 
             return [
                 CompilationTimes(language_model=0.0, encoder=0.0, num_kv_blocks=self.warmup_blocks)
@@ -302,7 +302,9 @@ class EngineConfig:
         self.kv_transfer_config = None
         self.diffusion_config = None
         self.use_v2_model_runner = False
-        self.compilation_config = SimpleNamespace(compilation_time=0.0, encoder_compilation_time=0.0)
+        self.compilation_config = SimpleNamespace(
+            compilation_time=0.0, encoder_compilation_time=0.0
+        )
 
 
 def _speculative(options: dict[str, Any]) -> SpeculativeConfig | None:
@@ -350,23 +352,27 @@ class Capture(logging.Handler):
 
 CAPTURE = Capture()
 CORES: dict[str, Any] = {}
+BASE_ENV = {k: v for k, v in os.environ.items() if k.startswith("KVPLAN_")}
 
 
 def start(command: dict[str, Any]) -> dict[str, Any]:
     from vllm.v1.engine.core import EngineCore
 
     make_specs, options = ENGINES[command["engine"]]
-    for key in [k for k in os.environ if k.startswith("KVPLAN_") and k != "KVPLAN_ADDR"]:
+    for key in [k for k in os.environ if k.startswith("KVPLAN_")]:
         del os.environ[key]
+    os.environ.update(BASE_ENV)
     os.environ.update(command.get("env", {}))
     utilization = command.get("utilization", 0.9)
     config = EngineConfig(options, utilization)
     specs = make_specs()
     memory = command["memory"]
-    total = 80 * GIB
+    # The device as the worker measures it (kvplan's inventory may say otherwise).
+    total = command.get("total", 80 * GIB)
     requested = math.ceil(total * utilization)
     workers = [
-        StandInWorker(total, requested, weights=min(16 * GIB, requested - m)) for m in memory
+        StandInWorker(total, requested, weights=max(0, min(16 * GIB, requested - m)))
+        for m in memory
     ]
     executor = StandInExecutor([specs for _ in memory], memory, workers)
     executor.warmup_blocks = command.get("warmup_blocks")
@@ -431,6 +437,15 @@ def main() -> None:
                 from kvplan.client.vllm_plugin.hooks import COUNTERS
 
                 answer = dict(vars(COUNTERS))
+            elif command["op"] == "wrapped":
+                from vllm.v1.engine import core as engine_core
+
+                answer = {
+                    "wrapped": hasattr(
+                        engine_core.EngineCore._initialize_kv_caches, "__kvplan_original__"
+                    ),
+                    "modules": sorted(m for m in sys.modules if m.startswith("kvplan")),
+                }
             elif command["op"] == "exit":
                 break
             else:
