@@ -6,7 +6,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvplan/v1/*.proto)
 
-.PHONY: install run test lint proto proto-check unit conformance bench bench-rpc clean
+.PHONY: install run test lint proto proto-check unit conformance bench bench-rpc clean vllm-venvs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,8 +38,14 @@ unit: $(STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider
 
 ## The whole suite: stubs up to date, lint, type checks, tests.
-test: $(STAMP) proto-check lint
+test: $(STAMP) proto-check lint vllm-venvs
 	bash scripts/run-tests $(BIN)
+
+## The CPU venvs of the vLLM releases the plugin supports (cached in
+## ~/.cache/kvplan; the plugin tests run vLLM's engine core in them).
+VLLM_RELEASES ?= 0.33 0.34
+vllm-venvs:
+	for v in $(VLLM_RELEASES); do bash scripts/vllm-venv $$v || exit 1; done
 
 ## Differential check against vLLM 0.33.0's own planner (separate venv).
 conformance: $(STAMP)

@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import traceback
+from fractions import Fraction
 from types import SimpleNamespace
 from typing import Any
 
@@ -334,6 +335,118 @@ def _speculative(options: dict[str, Any]) -> SpeculativeConfig | None:
     return config
 
 
+# --- the spec mapping, both directions, over every spec class --------------------------------
+
+
+def spec_samples() -> list[Any]:
+    """One spec per kvplan kind, with fields away from their defaults."""
+    import vllm.v1.kv_cache_interface as kv
+    from vllm.v1.attention.backend import MultipleOf
+
+    att = {"block_size": 32, "num_kv_heads": 4, "head_size": 128, "dtype": BF16}
+    quant = {"kv_quant_mode": kv.KVQuantMode.FP8_PER_TENSOR, "dtype": torch.uint8}
+    mla_kw = {"block_size": 64, "num_kv_heads": 1, "head_size": 576, "dtype": BF16}
+    return [
+        kv.FullAttentionSpec(**att, head_size_v=64, is_draft=True, max_tp_shards=2),
+        kv.FullAttentionSpec(**{**att, **quant}, sliding_window=256, non_causal=True),
+        kv.FullAttentionSpec(**att, block_stride_alignment=MultipleOf(64), dcp_sharded=False),
+        kv.FullAttentionSpec(**att, page_size_padded=1 << 20, block_stride_alignment=4096),
+        kv.MLAAttentionSpec(
+            **mla_kw,
+            cache_dtype_str="fp8_ds_mla",
+            topk_buffer_width=2048,
+            alignment=576,
+            model_version="deepseek_v4",
+            cache_role=kv.SparseCacheRole.INDEXER,
+            is_index_group_leader=True,
+            non_causal_multi_token_decode=True,
+        ),
+        kv.MLAAttentionSpec(**mla_kw, cache_dtype_str="auto", tokens_per_state=4),
+        kv.HiddenStateCacheSpec(**mla_kw, cache_dtype_str="auto"),
+        kv.SlidingWindowSpec(**att, sliding_window=1024),
+        kv.SlidingWindowMLASpec(
+            **mla_kw, cache_dtype_str="auto", sliding_window=128, bounded_replay=True
+        ),
+        kv.ChunkedLocalAttentionSpec(**att, attention_chunk_size=8192),
+        kv.SinkFullAttentionSpec(**att, sink_len=4, sliding_window=512),
+        kv.RSWASpec(**att, rswa_window=64),
+        kv.CrossAttentionSpec(**att),
+        kv.EncoderOnlyAttentionSpec(**att),
+        kv.CircularBufferSpec(**att, num_head_slots=2, state_content_bytes=96),
+        kv.FullAttentionSpec(**att, tokens_per_state=Fraction(1, 2)),
+        kv.MambaSpec(
+            block_size=16,
+            shapes=((2, 512), (3, 32, 32)),
+            dtypes=(BF16, torch.float32),
+            mamba_type=MambaAttentionBackendEnum.SHORT_CONV,
+            mamba_cache_mode="align",
+            num_speculative_blocks=2,
+            num_prefill_checkpoint_blocks=1,
+            prefill_checkpoint_alignment=64,
+            num_heads=4,
+            tp_replicated=True,
+            page_size_padded=65536,
+            is_draft=True,
+        ),
+    ]
+
+
+def roundtrip() -> dict[str, Any]:
+    """vLLM spec -> LayerSpec -> vLLM spec must give the spec back, for every kind;
+    every spec class vLLM defines is either mapped or refused by name."""
+    import dataclasses
+
+    import vllm.v1.kv_cache_interface as kv
+    from vllm.v1.attention.backend import MultipleOf
+
+    from kvplan.client.vllm_plugin import specs as mapping
+
+    namespace = SimpleNamespace(
+        **{name: getattr(kv, name) for name in mapping.SPEC_KINDS},
+        KVQuantMode=kv.KVQuantMode,
+        SparseCacheRole=kv.SparseCacheRole,
+        MambaAttentionBackendEnum=MambaAttentionBackendEnum,
+        MultipleOf=MultipleOf,
+    )
+    failures: list[str] = []
+    kinds: set[str] = set()
+    for spec in spec_samples():
+        layer = mapping.to_layer_spec("layer", spec)
+        kinds.add(str(layer.WhichOneof("kind")))
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        back = mapping.from_layer_spec(layer, namespace, torch=torch, mamba_cache_mode=mode)
+        if back != spec or back.is_draft != spec.is_draft or type(back) is not type(spec):
+            failures.append(f"{spec!r} came back as {back!r}")
+    classes = sorted(
+        name
+        for name, value in vars(kv).items()
+        if isinstance(value, type)
+        and issubclass(value, kv.KVCacheSpec)
+        and dataclasses.is_dataclass(value)
+        and name not in ("KVCacheSpec", "AttentionSpec")
+    )
+    unmapped = [
+        c for c in classes if c not in mapping.SPEC_KINDS and c not in mapping.UNSUPPORTED_CLASSES
+    ]
+    refused: list[str] = []
+    for bad in (
+        kv.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.int32),
+        kv.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={}),
+        kv.MambaSpec(block_size=16, shapes=((1,),), dtypes=(BF16,), tokens_per_state=8),
+    ):
+        try:
+            mapping.to_layer_spec("bad", bad)
+        except mapping.UnsupportedSpec as error:
+            refused.append(str(error))
+    return {
+        "failures": failures,
+        "kinds": sorted(kinds),
+        "classes": classes,
+        "unmapped": unmapped,
+        "refused": refused,
+    }
+
+
 # --- the host ---------------------------------------------------------------------------------
 
 
@@ -437,6 +550,8 @@ def main() -> None:
                 from kvplan.client.vllm_plugin.hooks import COUNTERS
 
                 answer = dict(vars(COUNTERS))
+            elif command["op"] == "roundtrip":
+                answer = roundtrip()
             elif command["op"] == "wrapped":
                 from vllm.v1.engine import core as engine_core
 

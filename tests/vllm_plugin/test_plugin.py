@@ -11,6 +11,7 @@ a real `kvplan serve` on loopback.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -54,8 +55,10 @@ def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's wheel installed into a directory of its own (never into a venv)."""
     base = tmp_path_factory.mktemp("plugin")
     wheels = base / "wheels"
+    # Offline and fast with the venv's own setuptools; isolated (PyPI) without it.
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation,
          "-w", str(wheels), str(ROOT)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
@@ -176,6 +179,18 @@ def host(version: str, plugin_site: Path, server: Server) -> Iterator[EngineHost
     engine_host = EngineHost(version, plugin_site, {"KVPLAN_ADDR": server.addr})
     yield engine_host
     engine_host.close()
+
+
+def test_spec_mapping_round_trips_every_spec_class(host: EngineHost, version: str) -> None:
+    result = host.send(op="roundtrip")
+    assert result["failures"] == []
+    # Every kvplan kind is exercised, and every vLLM spec class is mapped or refused.
+    assert len(result["kinds"]) == 12, result["kinds"]
+    assert result["unmapped"] == [], result["unmapped"]
+    assert "MambaSpec" in result["classes"] and "HiSparseHotSpec" in result["classes"]
+    assert len(result["refused"]) == 3, result["refused"]
+    assert "storage dtype torch.int32" in result["refused"][0]
+    assert "UniformTypeKVCacheSpecs has no kvplan LayerSpec kind" in result["refused"][1]
 
 
 # --- observe ------------------------------------------------------------------------------
