@@ -6,7 +6,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvplan/v1/*.proto)
 
-.PHONY: install run test lint proto proto-check unit conformance bench bench-rpc clean vllm-venvs
+.PHONY: install run test lint proto proto-check unit conformance bench bench-rpc clean vllm-venvs wheel
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ unit: $(STAMP)
 ## The whole suite: stubs up to date, lint, type checks, tests.
 test: $(STAMP) proto-check lint vllm-venvs
 	bash scripts/run-tests $(BIN)
+
+## The wheel (thin client + vLLM plugin + server) into dist/, for engine hosts:
+## `pip install --no-deps dist/kvplan-*.whl` next to vLLM (see docs/vllm.md).
+wheel: $(STAMP)
+	$(PY) -m pip wheel -q --no-deps -w dist .
 
 ## The CPU venvs of the vLLM releases the plugin supports (cached in
 ## ~/.cache/kvplan; the plugin tests run vLLM's engine core in them).
