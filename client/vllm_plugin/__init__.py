@@ -46,7 +46,9 @@ def register() -> None:
     except Exception as error:  # a vLLM build without the v1 engine core
         log.warning("kvplan plugin disabled: cannot import vllm.v1.engine.core (%s)", error)
         return
-    problems = signature_problems(core_module, release)
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    problems = signature_problems(core_module, release, KVCacheGroupSpec)
     if problems:
         log.warning(
             "kvplan plugin disabled: vLLM %s differs from what the plugin wraps: %s",

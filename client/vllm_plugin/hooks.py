@@ -94,8 +94,9 @@ def _lookup(module: ModuleType, dotted: str) -> Any:
     return target
 
 
-def signature_problems(module: ModuleType, release: Release) -> list[str]:
-    """What differs from the signatures the plugin was written against ([] = none)."""
+def signature_problems(module: ModuleType, release: Release, group_spec: type) -> list[str]:
+    """What differs from the signatures the plugin was written against ([] = none):
+    `module` is vllm.v1.engine.core, `group_spec` vLLM's KVCacheGroupSpec."""
     wanted = dict(SIGNATURES)
     if release.extensible_kv_cache:
         wanted.update(EXTENSIBLE_SIGNATURES)
@@ -110,9 +111,7 @@ def signature_problems(module: ModuleType, release: Release) -> list[str]:
         actual = tuple(inspect.signature(target).parameters)
         if actual != params:
             problems.append(f"{dotted}{actual} != {params}")
-    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
-
-    fields = getattr(KVCacheGroupSpec, "__dataclass_fields__", {})
+    fields = getattr(group_spec, "__dataclass_fields__", {})
     for name in ("layer_names", "is_eagle_group"):
         if name not in fields:
             problems.append(f"KVCacheGroupSpec.{name} is missing")
@@ -206,6 +205,7 @@ class EngineStart:
     release: Release
     lease: LeaseHold | None = None
     engine_id: str = ""
+    planned_blocks: int = 0  # what vLLM's planner gave (before 0.34's warm-up sizing)
 
     def __post_init__(self) -> None:
         self.engine_id = self.settings.engine_id or (
@@ -468,9 +468,11 @@ def _wrap_configs(original: Callable[..., list[Any]]) -> Callable[..., list[Any]
         start: EngineStart | None = getattr(_current, "start", None)
         if start is None:  # not called by an engine start: nothing to do
             return original(vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups)
-        return start.plan(
+        configs = start.plan(
             original, vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups
         )
+        start.planned_blocks = int(configs[0].num_blocks) if configs else 0
+        return configs
 
     get_kv_cache_configs.__kvplan_original__ = original  # type: ignore[attr-defined]
     return get_kv_cache_configs
@@ -488,6 +490,14 @@ def _wrap_finalize(original: Callable[..., int]) -> Callable[..., int]:
             vllm_config, kv_cache_configs, scheduler_kv_cache_config, compilation_times
         )
         start: EngineStart | None = getattr(_current, "start", None)
+        if start is not None and start.lease is None:
+            log.info(
+                "kvplan %s: extensible KV cache settled at %d blocks after warm-up "
+                "(planned capacity %d)",
+                start.settings.mode.value,
+                num_blocks,
+                start.planned_blocks,
+            )
         if start is not None and start.lease is not None:
             # vLLM settles on min(measured after warm-up, the reserved capacity);
             # the reservation was planned from the leased bytes, so it is the cap.

@@ -4,13 +4,13 @@ decision, and the version table."""
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
 from kvplan.client.vllm_plugin import register
 from kvplan.client.vllm_plugin.engine import compare, draft_flag_fix
-from kvplan.client.vllm_plugin.hooks import release_for
+from kvplan.client.vllm_plugin.hooks import release_for, signature_problems
 from kvplan.client.vllm_plugin.settings import Mode, Settings, SettingsError, Unavailable
 from kvplan.v1 import plan_pb2
 
@@ -119,3 +119,47 @@ def test_draft_flag_fix_only_where_vllm_flagged_none_or_all() -> None:
     # Different groups: nothing to map the flags onto.
     other = [SimpleNamespace(layer_names=["x"], is_eagle_group=False)] * 2
     assert draft_flag_fix(other, _response([False, True])) == []
+
+
+def test_the_gate_names_every_signature_it_does_not_recognise() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class GroupSpec:
+        layer_names: list[str]
+        is_eagle_group: bool = False
+
+    class EngineCore:
+        def _initialize_kv_caches(self, vllm_config: object) -> None: ...
+
+        def shutdown(self) -> None: ...
+
+    def get_kv_cache_configs(
+        vllm_config: object,
+        kv_cache_specs: object,
+        available_memory: object,
+        global_kv_cache_groups: object,
+    ) -> None: ...
+
+    def finalize_extensible_kv_cache(vllm_config: object, kv_cache_configs: object) -> None: ...
+
+    module = ModuleType("core")
+    module.EngineCore = EngineCore  # type: ignore[attr-defined]
+    module.get_kv_cache_configs = get_kv_cache_configs  # type: ignore[attr-defined]
+    release_33 = release_for("0.33.0")
+    release_34 = release_for("0.34.0")
+    assert release_33 is not None and release_34 is not None
+    assert signature_problems(module, release_33, GroupSpec) == []
+    problems = signature_problems(module, release_34, GroupSpec)
+    assert problems == ["finalize_extensible_kv_cache is missing"]
+    module.finalize_extensible_kv_cache = finalize_extensible_kv_cache  # type: ignore[attr-defined]
+    (problem,) = signature_problems(module, release_34, GroupSpec)
+    assert problem.startswith("finalize_extensible_kv_cache('vllm_config', 'kv_cache_configs')")
+
+    @dataclasses.dataclass
+    class OldGroupSpec:
+        layer_names: list[str]
+
+    assert signature_problems(module, release_33, OldGroupSpec) == [
+        "KVCacheGroupSpec.is_eagle_group is missing"
+    ]
