@@ -172,6 +172,11 @@ def llama() -> dict[str, Any]:
     return {f"model.layers.{i}.self_attn.attn": full(8, 128) for i in range(32)}
 
 
+def llama_tp2() -> dict[str, Any]:
+    """One tensor-parallel rank of Llama at TP=2: half the KV heads."""
+    return {f"model.layers.{i}.self_attn.attn": full(4, 128) for i in range(32)}
+
+
 def gemma3() -> dict[str, Any]:
     return {
         f"model.layers.{i}.self_attn.attn": (
@@ -238,6 +243,7 @@ def qwen3_next(*, marked: bool) -> dict[str, Any]:
 ENGINES: dict[str, tuple[Any, dict[str, Any]]] = {
     # name: (specs, config: speculative method/target, mamba mode, block size, max len)
     "llama": (llama, {"max_model_len": 32768}),
+    "llama-tp2": (llama_tp2, {"max_model_len": 32768, "tp": 2}),
     "gemma3": (gemma3, {"max_model_len": 32768}),
     "gpt-oss-eagle3": (
         gpt_oss_eagle3,
@@ -296,7 +302,7 @@ class EngineConfig:
             max_num_seqs=128,
             enable_chunked_prefill=True,
         )
-        self.parallel_config = ParallelConfig()
+        self.parallel_config = ParallelConfig(tensor_parallel_size=options.get("tp", 1))
         self.speculative_config = _speculative(options)
         self.attention_config = AttentionConfig()
         self.device_config = SimpleNamespace(device_type="cuda")

@@ -237,6 +237,15 @@ def test_observe_agrees(host: EngineHost, server: Server, version: str, engine: 
         assert "(is_draft)" in line
 
 
+def test_observe_agrees_on_a_tensor_parallel_engine(host: EngineHost) -> None:
+    # Two ranks that measured different memory: every rank gets the smaller count.
+    answer = host.start("tp2", "llama-tp2", memory=[20 * GIB, 18 * GIB])
+    assert answer["ok"], answer
+    assert "kvplan agreement" in verdict(answer)
+    bytes_per_block = 2 * 4 * 128 * 2 * 16 * 32
+    assert answer["init"]["num_blocks"] == [18 * GIB // bytes_per_block] * 2
+
+
 def test_observe_reports_a_planted_difference_and_changes_nothing(host: EngineHost) -> None:
     # vLLM flags no drafter group on a hybrid MTP engine whose MTP layer is not
     # marked; kvplan's own rules (KVPLAN_RULES=kvplan) flag it by the trailing layer.
