@@ -526,6 +526,7 @@ def start(command: dict[str, Any]) -> dict[str, Any]:
 
 
 def shutdown(command: dict[str, Any]) -> dict[str, Any]:
+    from vllm.v1.engine import core as engine_core
     from vllm.v1.engine.core import EngineCore
 
     core = CORES.pop(command["name"])
@@ -534,6 +535,8 @@ def shutdown(command: dict[str, Any]) -> dict[str, Any]:
     core.model_executor.shutdown = lambda: None
     core.scheduler = SimpleNamespace(shutdown=lambda: None)
     core.structured_output_manager = SimpleNamespace(clear_backend=lambda: None)
+    # The last step frees accelerator memory: the hardware boundary, absent here.
+    engine_core.cleanup_dist_env_and_memory = lambda *args, **kwargs: None
     EngineCore.shutdown(core)
     return {"ok": True, "log": CAPTURE.take()}
 

@@ -352,6 +352,7 @@ def test_lease_two_engines_share_a_gpu_a_third_is_refused(
 
     # Shutting an engine down gives its lease back at once.
     shut = host.send(op="shutdown", name="A")
+    assert shut["ok"], shut
     assert any("released the leases" in x for x in plugin_lines(shut)), shut
     assert server.committed() == math.ceil(H100_TOTAL * 0.45)
 
@@ -376,7 +377,7 @@ def test_lease_two_engines_share_a_gpu_a_third_is_refused(
     c = host.start("C", "llama", env={**lease, "KVPLAN_ENGINE_ID": f"c-{version}"}, **common)
     assert c["ok"], c
     for name in ("B", "C"):
-        host.send(op="shutdown", name=name)
+        assert host.send(op="shutdown", name=name)["ok"]
     assert server.committed() == 0
 
 
