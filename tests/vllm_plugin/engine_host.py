@@ -244,6 +244,8 @@ ENGINES: dict[str, tuple[Any, dict[str, Any]]] = {
     # name: (specs, config: speculative method/target, mamba mode, block size, max len)
     "llama": (llama, {"max_model_len": 32768}),
     "llama-tp2": (llama_tp2, {"max_model_len": 32768, "tp": 2}),
+    "llama-auto-fit": (llama, {"max_model_len": 131072, "auto_fit": True}),
+    "llama-override": (llama, {"max_model_len": 8192, "override": 1000}),
     "gemma3": (gemma3, {"max_model_len": 32768}),
     "gpt-oss-eagle3": (
         gpt_oss_eagle3,
@@ -282,7 +284,8 @@ class EngineConfig:
         max_len = options["max_model_len"]
         self.model_config = SimpleNamespace(
             max_model_len=max_len,
-            original_max_model_len=max_len,
+            # -1: the user asked vLLM to fit max_model_len to the memory.
+            original_max_model_len=-1 if options.get("auto_fit") else max_len,
             supports_kv_cache_grouping=False,
             dtype=BF16,
             is_diffusion=False,
@@ -295,6 +298,8 @@ class EngineConfig:
         if SERIES == "0.34":
             cache_kwargs["enable_extensible_kv_cache"] = True
         self.cache_config = CacheConfig(**cache_kwargs)
+        if "override" in options:
+            self.cache_config.num_gpu_blocks_override = options["override"]
         self.scheduler_config = SchedulerConfig(
             max_model_len=max_len,
             is_encoder_decoder=False,
@@ -520,6 +525,7 @@ def start(command: dict[str, Any]) -> dict[str, Any]:
                 for g in received[0].kv_cache_groups
             ],
             "extended": executor.extended,
+            "max_model_len": int(config.model_config.max_model_len),
             "measured": memory,
         },
     }
@@ -560,6 +566,13 @@ def main() -> None:
                 from kvplan.client.vllm_plugin.hooks import COUNTERS
 
                 answer = dict(vars(COUNTERS))
+            elif command["op"] == "lease_state":
+                hold = CORES[command["name"]]._kvplan_lease
+                answer = {
+                    "renewals": hold.keeper.renewals,
+                    "allocations": {str(k): v for k, v in hold.allocations().items()},
+                    "interval_s": hold.keeper.interval_s,
+                }
             elif command["op"] == "roundtrip":
                 answer = roundtrip()
             elif command["op"] == "wrapped":

@@ -237,6 +237,22 @@ def test_observe_agrees(host: EngineHost, server: Server, version: str, engine: 
         assert "(is_draft)" in line
 
 
+def test_observe_agrees_on_auto_fit_and_a_block_override(host: EngineHost, server: Server) -> None:
+    # 2 GiB for a 131,072-token Llama: vLLM fits max_model_len to the memory.
+    fitted = host.start("fit", "llama-auto-fit", memory=[2 * GIB])
+    assert fitted["ok"], fitted
+    line = verdict(fitted)
+    assert "kvplan agreement" in line, line
+    plan_id = re.search(r"plan (plan-[0-9a-f]+)", line)
+    assert plan_id is not None
+    plan = server.client.get_plan(plan_id=plan_id.group(1))
+    assert fitted["init"]["max_model_len"] < 131072
+    assert plan.max_model_len == fitted["init"]["max_model_len"]
+    overridden = host.start("override", "llama-override")
+    assert "kvplan agreement" in verdict(overridden)
+    assert overridden["init"]["num_blocks"] == [1000]
+
+
 def test_observe_agrees_on_a_tensor_parallel_engine(host: EngineHost) -> None:
     # Two ranks that measured different memory: every rank gets the smaller count.
     answer = host.start("tp2", "llama-tp2", memory=[20 * GIB, 18 * GIB])
@@ -344,6 +360,15 @@ def test_lease_two_engines_share_a_gpu_a_third_is_refused(
             assert answer["init"]["extended"] == kv // bytes_per_block
             assert any("extensible KV cache settled at" in x for x in plugin_lines(answer))
     assert server.committed() == 2 * math.ceil(H100_TOTAL * 0.45)
+    # Heartbeats (every TTL/3) report each started engine's footprint as allocated.
+    footprint = math.ceil(H100_TOTAL * 0.45)
+    deadline = time.monotonic() + 5
+    while not all(host.send(op="lease_state", name=n)["renewals"] >= 2 for n in ("A", "B")):
+        assert time.monotonic() < deadline, "no heartbeats"
+        time.sleep(0.2)
+    state = host.send(op="lease_state", name="A")
+    assert state["allocations"] == {"0": footprint} and state["interval_s"] == pytest.approx(2 / 3)
+    assert server.client.list_devices().devices[0].outstanding_bytes == 0
 
     c = host.start("C", "llama", env={**lease, "KVPLAN_ENGINE_ID": f"c-{version}"}, **common)
     assert not c["ok"]
