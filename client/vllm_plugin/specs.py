@@ -303,6 +303,7 @@ def from_layer_spec(
         for proto_field, attr in MAMBA_FIELDS.items():
             if not _optional(body, proto_field) or body.HasField(proto_field):
                 kwargs[attr] = getattr(body, proto_field)
+        kwargs["num_heads"] = kwargs["num_heads"] or 1  # the proto's "unset = 1"
         return klass(**kwargs)
     params = body.attention
     for proto_field, attr in ATTENTION_FIELDS.items():
@@ -336,6 +337,24 @@ def from_layer_spec(
     return klass(**kwargs)
 
 
+def with_engine_defaults(
+    layer: spec_pb2.LayerSpec, *, block_size: int, mamba_block_size: int, storage_dtype: int
+) -> spec_pb2.LayerSpec:
+    """A copy of `layer` with what the engine decides filled in (kvplan's defaults:
+    docs/semantics.md): the block size and the storage dtype of an attention layer
+    that leaves them unset. `from_layer_spec` then builds the vLLM spec."""
+    out = spec_pb2.LayerSpec()
+    out.CopyFrom(layer)
+    kind = out.WhichOneof("kind")
+    if not out.HasField("block_size"):
+        out.block_size = mamba_block_size if kind == "mamba" else block_size
+    if kind not in (None, "mamba"):
+        params = getattr(out, kind).attention
+        if params.dtype == spec_pb2.DTYPE_UNSPECIFIED:
+            params.dtype = storage_dtype
+    return out
+
+
 def _optional(message: Any, field: str) -> bool:
     descriptor = message.DESCRIPTOR.fields_by_name[field]
     return bool(descriptor.has_presence)
@@ -349,4 +368,5 @@ __all__ = [
     "UnsupportedSpec",
     "from_layer_spec",
     "to_layer_spec",
+    "with_engine_defaults",
 ]

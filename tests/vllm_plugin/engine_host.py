@@ -462,6 +462,71 @@ def roundtrip() -> dict[str, Any]:
     }
 
 
+def conformance_direction(repo: str) -> dict[str, Any]:
+    """Every layer of the conformance scenarios, built into a vLLM spec by
+    conformance/vllm_driver.py and by the plugin's mapping in its other direction
+    (`with_engine_defaults` + `from_layer_spec`): the two must agree, so switching
+    conformance to the plugin's mapping changes nothing."""
+    from pathlib import Path
+
+    import vllm.v1.kv_cache_interface as kv
+    from google.protobuf import json_format
+    from vllm.v1.attention.backend import MultipleOf
+
+    from kvplan.client.vllm_plugin import specs as mapping
+    from kvplan.v1 import plan_pb2
+
+    sys.path.append(repo)  # after the installed wheel: kvplan stays the wheel's
+    from conformance import vllm_driver
+
+    namespace = SimpleNamespace(
+        **{name: getattr(kv, name) for name in mapping.SPEC_KINDS},
+        KVQuantMode=kv.KVQuantMode,
+        SparseCacheRole=kv.SparseCacheRole,
+        MambaAttentionBackendEnum=MambaAttentionBackendEnum,
+        MultipleOf=MultipleOf,
+    )
+    compared = 0
+    mismatches: list[str] = []
+    for path in sorted(Path(repo, "tests", "conformance", "scenarios").glob("*.json")):
+        scenario = json.loads(path.read_text())
+        request = json_format.ParseDict(scenario["request"], plan_pb2.PlanRequest())
+        o = request.options
+        block_size = o.block_size or 16
+        align = o.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN
+        max_len = int(o.derived_max_model_len) if o.max_model_len == -1 else int(o.max_model_len)
+        ctx = vllm_driver._LayerContext(
+            options=o,
+            block_size=block_size,
+            mamba_block_size=block_size if align else max_len,
+            cache_dtype=vllm_driver.engine_cache_dtype(o),
+            mamba_mode="align" if align else "none",
+        )
+        storage = mapping.STORAGE_DTYPES[mapping.dtype_name(ctx.cache_dtype)]
+        for worker in request.workers:
+            for layer in worker.layers:
+                try:
+                    expected = vllm_driver.build_layer_spec(layer, ctx)
+                except Exception:  # scenarios of invalid layers: vLLM refuses them too
+                    continue
+                if expected is None:
+                    continue
+                resolved = mapping.with_engine_defaults(
+                    layer,
+                    block_size=block_size,
+                    mamba_block_size=ctx.mamba_block_size,
+                    storage_dtype=storage,
+                )
+                built = mapping.from_layer_spec(
+                    resolved, namespace, torch=torch, mamba_cache_mode=ctx.mamba_mode
+                )
+                compared += 1
+                same_draft = getattr(built, "is_draft", None) == expected.is_draft
+                if built != expected or not same_draft:
+                    mismatches.append(f"{path.name} {layer.name}: {built!r} != {expected!r}")
+    return {"compared": compared, "mismatches": mismatches[:5]}
+
+
 # --- the host ---------------------------------------------------------------------------------
 
 
@@ -573,6 +638,8 @@ def main() -> None:
                     "allocations": {str(k): v for k, v in hold.allocations().items()},
                     "interval_s": hold.keeper.interval_s,
                 }
+            elif command["op"] == "conformance_direction":
+                answer = conformance_direction(command["repo"])
             elif command["op"] == "roundtrip":
                 answer = roundtrip()
             elif command["op"] == "wrapped":

@@ -201,6 +201,13 @@ def test_spec_mapping_round_trips_every_spec_class(host: EngineHost, version: st
     assert "UniformTypeKVCacheSpecs has no kvplan LayerSpec kind" in result["refused"][1]
 
 
+def test_the_mapping_builds_what_conformance_builds(host: EngineHost) -> None:
+    # The LayerSpec -> vLLM direction (for conformance/) over every scenario layer.
+    result = host.send(op="conformance_direction", repo=str(ROOT))
+    assert result["mismatches"] == []
+    assert result["compared"] > 900, result
+
+
 # --- observe ------------------------------------------------------------------------------
 
 
