@@ -153,10 +153,19 @@ class StandInExecutor:
     def extend_kv_cache(self, num_blocks: int) -> None:
         self.extended = num_blocks
 
-    def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> list[Any]:
-        if callable(method):
-            return [method(worker) for worker in self.workers]
-        return [None for _ in self.workers]  # e.g. update_max_model_len
+    def collective_rpc(
+        self, method: Any, timeout: float | None = None, args: tuple[Any, ...] = (), **kw: Any
+    ) -> list[Any]:
+        if isinstance(method, str):
+            return [None for _ in self.workers]  # e.g. update_max_model_len: no model here
+        # As vLLM's multiprocess executor sends a callable to its worker processes.
+        import pickle
+
+        import cloudpickle  # type: ignore[import-not-found]  # vLLM venv only
+        from vllm.v1.serial_utils import run_method
+
+        sent = cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
+        return [run_method(worker, sent, args, kw.get("kwargs") or {}) for worker in self.workers]
 
 
 # --- engines: real vLLM spec objects -----------------------------------------------------
