@@ -154,7 +154,12 @@ class StandInExecutor:
         self.extended = num_blocks
 
     def collective_rpc(
-        self, method: Any, timeout: float | None = None, args: tuple[Any, ...] = (), **kw: Any
+        self,
+        method: Any,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
     ) -> list[Any]:
         if isinstance(method, str):
             return [None for _ in self.workers]  # e.g. update_max_model_len: no model here
@@ -165,7 +170,7 @@ class StandInExecutor:
         from vllm.v1.serial_utils import run_method
 
         sent = cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
-        return [run_method(worker, sent, args, kw.get("kwargs") or {}) for worker in self.workers]
+        return [run_method(worker, sent, args, kwargs or {}) for worker in self.workers]
 
 
 # --- engines: real vLLM spec objects -----------------------------------------------------
