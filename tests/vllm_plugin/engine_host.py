@@ -631,6 +631,8 @@ def main() -> None:
     logger.addHandler(CAPTURE)
     logger.setLevel(logging.INFO)
     install_fake_driver()
+    if "KVPLAN_TEST_VLLM_VERSION" in os.environ:  # the version gate's view of vLLM
+        vllm.__version__ = os.environ["KVPLAN_TEST_VLLM_VERSION"]
     # What vLLM does in every process it starts: load the general plugins.
     vllm.plugins.load_general_plugins()
     print(json.dumps({"ready": True, "vllm": vllm.__version__, "log": CAPTURE.take()}), flush=True)

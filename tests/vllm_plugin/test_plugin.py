@@ -429,3 +429,21 @@ def test_inert_without_kvplan_addr(version: str, plugin_site: Path) -> None:
         assert "kvplan.client.vllm_plugin.hooks" not in state["modules"]
     finally:
         bare.close()
+
+
+def test_an_unsupported_release_disables_the_plugin(plugin_site: Path, server: Server) -> None:
+    # vLLM 0.33's code under another version number: the gate reads the version.
+    host = EngineHost(
+        "0.33", plugin_site, {"KVPLAN_ADDR": server.addr, "KVPLAN_TEST_VLLM_VERSION": "0.35.0"}
+    )
+    try:
+        (line,) = plugin_lines(host.ready)
+        assert line == (
+            "WARNING vllm.plugins.kvplan: kvplan plugin disabled: vLLM 0.35.0 is not a "
+            "supported release (0.33.x, 0.34.x)"
+        )
+        assert host.send(op="wrapped")["wrapped"] is False
+        answer = host.start("plain", "llama")
+        assert answer["ok"] and plugin_lines(answer) == []
+    finally:
+        host.close()
