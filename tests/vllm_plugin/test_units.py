@@ -163,3 +163,36 @@ def test_the_gate_names_every_signature_it_does_not_recognise() -> None:
     assert signature_problems(module, release_33, OldGroupSpec) == [
         "KVCacheGroupSpec.is_eagle_group is missing"
     ]
+
+
+def test_the_plugin_imports_only_the_thin_clients_dependencies() -> None:
+    """Module level: the standard library, grpcio, protobuf and kvplan's client and
+    stubs. vllm is imported only inside `register`, when vLLM calls it."""
+    import ast
+    from pathlib import Path
+
+    import kvplan.client.vllm_plugin as plugin
+
+    allowed = ("grpc", "google.protobuf", "kvplan.client", "kvplan.v1")
+    for path in Path(plugin.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                assert top in sys.stdlib_module_names or name.startswith(allowed), (path, name)
+        inner = {
+            alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in (node.names if isinstance(node, ast.Import) else [])
+        } | {
+            (node.module or "").split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+        }
+        assert "torch" not in inner, path
