@@ -127,6 +127,16 @@ def spec_decode(vllm_config: Any) -> plan_pb2.SpecDecodeConfig:
     return out
 
 
+def engine_utilization(cache_config: Any) -> float:
+    """The utilization vLLM applies: 0.34 leaves `gpu_memory_utilization` unset and
+    resolves it by sizing mode (1.0 with the extensible KV cache)."""
+    resolved = getattr(cache_config, "resolved_gpu_memory_utilization", None)
+    value = resolved if resolved is not None else cache_config.gpu_memory_utilization
+    if value is None:
+        raise UnsupportedSpec("gpu_memory_utilization is unset and vLLM resolves none")
+    return float(value)
+
+
 def plan_request(
     vllm_config: Any,
     kv_cache_specs: Sequence[dict[str, Any]],
@@ -163,7 +173,7 @@ def plan_request(
             worker.memory.kv_cache_memory_bytes = int(explicit)
             worker.memory.non_kv.weights_bytes = device.weights_bytes
         else:
-            worker.memory.gpu_memory_utilization = float(cache.gpu_memory_utilization)
+            worker.memory.gpu_memory_utilization = engine_utilization(cache)
             # vLLM measured available = requested - non-KV; kvplan recomputes
             # requested from the device's total, so hand it the non-KV part.
             non_kv = max(0, device.requested_memory_bytes - int(available))

@@ -341,6 +341,8 @@ class EngineStart:
             )
         except (UnsupportedSpec, DeviceResolutionError) as error:
             return self._unavailable("cannot describe this engine to kvplan", error, original, args)
+        except Exception as error:  # the plugin's own failure: the operator's choice too
+            return self._unavailable("the plugin failed", error, original, args)
         client = PlannerClient(self.settings.addr, timeout_s=self.settings.timeout_s)
         try:
             result = client.plan(request)

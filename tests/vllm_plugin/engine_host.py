@@ -294,7 +294,7 @@ class EngineConfig:
     adjust_dcp_kv_cache_interleave_size = VllmConfig.adjust_dcp_kv_cache_interleave_size
     validate_block_size = VllmConfig.validate_block_size
 
-    def __init__(self, options: dict[str, Any], utilization: float) -> None:
+    def __init__(self, options: dict[str, Any], utilization: float | None) -> None:
         max_len = options["max_model_len"]
         self.model_config = SimpleNamespace(
             max_model_len=max_len,
@@ -306,9 +306,10 @@ class EngineConfig:
         )
         cache_kwargs: dict[str, Any] = {
             "block_size": options.get("block_size", 16),
-            "gpu_memory_utilization": utilization,
             "mamba_cache_mode": options.get("mamba", "none"),
         }
+        if utilization is not None:  # None: the release's default
+            cache_kwargs["gpu_memory_utilization"] = utilization
         if SERIES == "0.34":
             cache_kwargs["enable_extensible_kv_cache"] = True
         self.cache_config = CacheConfig(**cache_kwargs)
@@ -570,8 +571,11 @@ def start(command: dict[str, Any]) -> dict[str, Any]:
         del os.environ[key]
     os.environ.update(BASE_ENV)
     os.environ.update(command.get("env", {}))
-    utilization = command.get("utilization", 0.9)
-    config = EngineConfig(options, utilization)
+    config = EngineConfig(options, command.get("utilization", 0.9))
+    cache = config.cache_config
+    utilization = getattr(cache, "resolved_gpu_memory_utilization", None)
+    if utilization is None:
+        utilization = cache.gpu_memory_utilization
     specs = make_specs()
     memory = command["memory"]
     # The device as the worker measures it (kvplan's inventory may say otherwise).

@@ -413,6 +413,24 @@ def test_lease_two_engines_share_a_gpu_a_third_is_refused(
     assert server.committed() == 0
 
 
+def test_lease_follows_the_releases_default_utilization(
+    host: EngineHost, server: Server, version: str
+) -> None:
+    # No --gpu-memory-utilization: 0.33 applies 0.92; 0.34's extensible KV cache 1.0,
+    # so its engine leases the whole GPU (docs/vllm.md: set it when co-locating).
+    expected = {"0.33": 0.92, "0.34": 1.0}[version]
+    engine_id = f"default-{version}"
+    answer = host.start(
+        "D", "llama", utilization=None, uuid=server.uuid,
+        env={"KVPLAN_MODE": "lease", "KVPLAN_ENGINE_ID": engine_id},
+    )  # fmt: skip
+    assert answer["ok"], answer
+    (lease,) = server.client.get_plan(engine_id=engine_id).response.leases
+    assert lease.bytes == math.ceil(H100_TOTAL * expected)
+    assert host.send(op="shutdown", name="D")["ok"]
+    assert server.committed() == 0
+
+
 # --- inert without KVPLAN_ADDR ------------------------------------------------------------------
 
 
