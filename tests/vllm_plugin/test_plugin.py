@@ -326,6 +326,21 @@ def test_kvplan_down_observe_falls_back_lease_refuses(host: EngineHost, server: 
     assert "LeaseRefused" in refused["error"] and "unreachable" in refused["error"]
     assert "KVPLAN_ON_UNAVAILABLE=refuse" in refused["error"]
 
+    # A kvplan that accepts connections and never answers: the deadline ends the wait.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        started = time.monotonic()
+        slow = host.start(
+            "slow", "llama",
+            env={"KVPLAN_ADDR": f"127.0.0.1:{silent.getsockname()[1]}", "KVPLAN_TIMEOUT_S": "1"},
+        )  # fmt: skip
+        waited = time.monotonic() - started
+    assert slow["ok"], slow
+    assert "DEADLINE_EXCEEDED" in plugin_lines(slow)[0], plugin_lines(slow)
+    assert 1.0 <= waited < 10, waited
+    assert host.send(op="counters")["fallbacks"] == before + 2
+
     served = host.start(
         "down-serve", "llama", utilization=0.45, uuid=server.uuid,
         env={"KVPLAN_ADDR": dead, "KVPLAN_MODE": "lease", "KVPLAN_TIMEOUT_S": "1",
