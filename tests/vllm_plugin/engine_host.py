@@ -273,6 +273,10 @@ ENGINES: dict[str, tuple[Any, dict[str, Any]]] = {
         lambda: qwen3_next(marked=True),
         {"max_model_len": 8192, "method": "mtp", "target": "qwen3_next", "mamba": "align"},
     ),
+    "qwen3-next-eagle-unmarked": (
+        lambda: qwen3_next(marked=False),
+        {"max_model_len": 8192, "method": "eagle", "target": "qwen3_next", "mamba": "align"},
+    ),
     "qwen3-next-mtp-unmarked": (
         lambda: qwen3_next(marked=False),
         {"max_model_len": 8192, "method": "mtp", "target": "qwen3_next", "mamba": "align"},

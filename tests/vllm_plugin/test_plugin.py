@@ -269,6 +269,16 @@ def test_observe_agrees_on_a_tensor_parallel_engine(host: EngineHost) -> None:
     assert answer["init"]["num_blocks"] == [18 * GIB // bytes_per_block] * 2
 
 
+def test_observe_carries_the_flag_all_warning(host: EngineHost) -> None:
+    # EAGLE on a hybrid Mamba model with no drafter layer marked: neither vLLM nor
+    # kvplan can name the draft group, and consumers would flag every group.
+    answer = host.start("eagle", "qwen3-next-eagle-unmarked")
+    assert answer["ok"], answer
+    line = verdict(answer)
+    assert "kvplan agreement" in line and "draft groups {}" in line, line
+    assert ", warning: " in line and "Mamba" in line, line
+
+
 def test_observe_reports_a_planted_difference_and_changes_nothing(host: EngineHost) -> None:
     # vLLM flags no drafter group on a hybrid MTP engine whose MTP layer is not
     # marked; kvplan's own rules (KVPLAN_RULES=kvplan) flag it by the trailing layer.
