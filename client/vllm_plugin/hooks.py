@@ -19,7 +19,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -261,16 +261,23 @@ class EngineStart:
             self.fallback("the plugin failed", error)
             return original(vllm_config, kv_cache_specs, available_memory, global_groups)
         if self.settings.mode is Mode.DRAFT_FLAGS:
-            self._fix_draft_flags(global_groups, response)
+            try:
+                self._fix_draft_flags(global_groups, response)
+            except Exception as error:  # vLLM's flags stand
+                self.fallback("changing the draft flags failed", error)
         configs = original(vllm_config, kv_cache_specs, available_memory, global_groups)
-        self._report(global_groups, configs, response)
+        self._report(global_groups, int(configs[0].num_blocks) if configs else None, response)
         return configs
 
     def _report(
-        self, global_groups: list[Any], configs: Sequence[Any], response: plan_pb2.PlanResponse
+        self, global_groups: list[Any], vllm_blocks: int | None, response: plan_pb2.PlanResponse
     ) -> None:
-        vllm_blocks = int(configs[0].num_blocks) if configs else None
-        comparison = compare(global_groups, vllm_blocks, response)
+        """The one observe line; never fails the engine's start."""
+        try:
+            comparison = compare(global_groups, vllm_blocks, response)
+        except Exception as error:
+            log.warning("kvplan: cannot compare with plan %s (%s)", response.plan_id, error)
+            return
         if comparison.agrees:
             COUNTERS.add("agreements")
             log.info("%s", comparison.summary())
@@ -283,13 +290,13 @@ class EngineStart:
         if not wanted:
             return
         before = vllm_groups(global_groups)
-        for group, flag in zip(global_groups, wanted, strict=True):
-            group.is_eagle_group = flag
         rules = {
             i: plan_pb2.DraftRule.Name(g.draft_rule).removeprefix("DRAFT_RULE_").lower()
             for i, g in enumerate(response.groups)
             if g.is_draft
         }
+        for group, flag in zip(global_groups, wanted, strict=True):
+            group.is_eagle_group = flag
         COUNTERS.add("draft_flag_changes")
         log.warning(
             "kvplan draft-flags: CHANGED vLLM's draft flags from %s to %s "
@@ -384,9 +391,7 @@ class EngineStart:
             )
         configs = original(vllm_config, kv_cache_specs, capped, global_groups)
         hold.cap_blocks = int(configs[0].num_blocks) if configs else 0
-        vllm_blocks = hold.cap_blocks if capped == leased_kv else None
-        comparison = compare(global_groups, vllm_blocks, response)
-        (log.info if comparison.agrees else log.warning)("%s", comparison.summary())
+        self._report(global_groups, hold.cap_blocks if capped == leased_kv else None, response)
         return configs
 
     def _lost(self, engine_id: str) -> Callable[[PlannerError], None]:
