@@ -184,8 +184,11 @@ class LeaseHold:
             return
         self.released = True
         try:
-            self.keeper.stop()
-            log.info("kvplan lease: released the leases of engine %s", self.engine_id)
+            self.keeper.stop()  # releases, unless the leases are already gone
+            if self.keeper.lost:
+                log.info("kvplan lease: engine %s had no leases left to release", self.engine_id)
+            else:
+                log.info("kvplan lease: released the leases of engine %s", self.engine_id)
         except PlannerError as error:
             log.warning(
                 "kvplan lease: releasing engine %s failed (%s); its leases expire after their TTL",

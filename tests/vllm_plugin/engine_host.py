@@ -655,6 +655,8 @@ def main() -> None:
                 from kvplan.client.vllm_plugin.hooks import COUNTERS
 
                 answer = dict(vars(COUNTERS))
+            elif command["op"] == "log":  # what was logged since the last answer
+                answer = {"ok": True, "log": CAPTURE.take()}
             elif command["op"] == "lease_state":
                 hold = CORES[command["name"]]._kvplan_lease
                 answer = {

@@ -82,8 +82,8 @@ def free_port() -> int:
 class Server:
     """`kvplan serve` from the project's venv on loopback, one H100-80GB, memory store."""
 
-    def __init__(self, lease_ttl_s: float = 60.0) -> None:
-        self.port = free_port()
+    def __init__(self, lease_ttl_s: float = 60.0, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.addr = f"127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLAN_")}
         self.process = subprocess.Popen(
@@ -454,6 +454,37 @@ def test_lease_follows_the_releases_default_utilization(
     assert lease.bytes == math.ceil(H100_TOTAL * expected)
     assert host.send(op="shutdown", name="D")["ok"]
     assert server.committed() == 0
+
+
+def test_a_lost_lease_is_reported(host: EngineHost, version: str) -> None:
+    # kvplan restarts with an in-memory store: the engine's lease is gone, and the
+    # next heartbeat says so (the engine keeps serving; the operator restarts it).
+    first = Server(lease_ttl_s=2.0)
+    try:
+        answer = host.start(
+            "L", "llama", utilization=0.45, uuid=first.uuid,
+            env={"KVPLAN_ADDR": first.addr, "KVPLAN_MODE": "lease",
+                 "KVPLAN_ENGINE_ID": f"lost-{version}"},
+        )  # fmt: skip
+        assert answer["ok"], answer
+    finally:
+        first.close()
+    second = Server(lease_ttl_s=2.0, port=first.port)
+    try:
+        deadline = time.monotonic() + 10
+        lines: list[str] = []
+        while not any("are gone" in x for x in lines):
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.3)
+            lines += plugin_lines(host.send(op="log"))
+        (lost,) = [x for x in lines if "are gone" in x]
+        assert lost.startswith("ERROR") and f"engine lost-{version}" in lost
+        assert "restart this engine to lease again" in lost
+        shut = host.send(op="shutdown", name="L")  # nothing left to release
+        assert shut["ok"], shut
+        assert any("had no leases left to release" in x for x in plugin_lines(shut)), shut
+    finally:
+        second.close()
 
 
 # --- inert without KVPLAN_ADDR ------------------------------------------------------------------
