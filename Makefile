@@ -6,7 +6,7 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvplan/v1/*.proto)
 
-.PHONY: install run test lint proto proto-check unit conformance clean
+.PHONY: install run test lint proto proto-check unit conformance clean vllm-venvs wheel
 .PHONY: bench bench-rpc bench-vllm bench-leases bench-scaling bench-long bench-core
 
 $(STAMP): pyproject.toml
@@ -39,8 +39,19 @@ unit: $(STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider
 
 ## The whole suite: stubs up to date, lint, type checks, tests.
-test: $(STAMP) proto-check lint
+test: $(STAMP) proto-check lint vllm-venvs
 	bash scripts/run-tests $(BIN)
+
+## The wheel (thin client + vLLM plugin + server) into dist/, for engine hosts:
+## `pip install --no-deps dist/kvplan-*.whl` next to vLLM (see docs/vllm.md).
+wheel: $(STAMP)
+	$(PY) -m pip wheel -q --no-deps -w dist .
+
+## The CPU venvs of the vLLM releases the plugin supports (cached in
+## ~/.cache/kvplan; the plugin tests run vLLM's engine core in them).
+VLLM_RELEASES ?= 0.33 0.34
+vllm-venvs:
+	for v in $(VLLM_RELEASES); do bash scripts/vllm-venv $$v || exit 1; done
 
 ## Differential check against vLLM 0.32.0, 0.33.0 and 0.34.0 (separate venvs, cached).
 conformance: $(STAMP)

@@ -1,0 +1,549 @@
+"""Where the plugin meets vLLM's engine core: the version gate, the wrappers, the modes.
+
+`vllm.v1.engine.core` imports `get_kv_cache_configs` (and, in 0.34,
+`finalize_extensible_kv_cache`) by name; the plugin rebinds those names in that
+module, and wraps `EngineCore._initialize_kv_caches` (to know which engine is
+planning) and `EngineCore.shutdown` (to give its leases back). vLLM's grouping,
+tensor layout and attention backends stay vLLM's: the plugin changes at most the
+draft flags of vLLM's own groups (draft-flags mode) and the memory figure each
+worker plans with (lease mode).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import grpc
+
+from kvplan.client.devices import DeviceResolutionError
+from kvplan.client.errors import PlannerError
+from kvplan.client.leases import LeaseKeeper
+from kvplan.client.planner import PlannerClient
+from kvplan.client.vllm_plugin.engine import (
+    UnsupportedSpec,
+    WorkerDevice,
+    compare,
+    draft_flag_fix,
+    gib,
+    plan_request,
+    vllm_groups,
+)
+from kvplan.client.vllm_plugin.settings import Mode, Rules, Settings, Unavailable
+from kvplan.client.vllm_plugin.worker import report_device
+from kvplan.v1 import plan_pb2
+
+log = logging.getLogger("vllm.plugins.kvplan")
+
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@dataclass(frozen=True)
+class Release:
+    """A vLLM release series the plugin supports, and what it wraps there."""
+
+    series: str  # "0.33"
+    engine_version: str  # the rule set kvplan is asked for (options.engine_version)
+    extensible_kv_cache: bool  # 0.34: num_blocks is settled again after warm-up
+
+
+RELEASES: dict[str, Release] = {
+    "0.33": Release("0.33", "vllm-0.33", extensible_kv_cache=False),
+    "0.34": Release("0.34", "vllm-0.34", extensible_kv_cache=True),
+}
+# What the plugin wraps in vllm.v1.engine.core, with the parameters it relies on.
+SIGNATURES: dict[str, tuple[str, ...]] = {
+    "EngineCore._initialize_kv_caches": ("self", "vllm_config"),
+    "EngineCore.shutdown": ("self",),
+    "get_kv_cache_configs": (
+        "vllm_config",
+        "kv_cache_specs",
+        "available_memory",
+        "global_kv_cache_groups",
+    ),
+}
+EXTENSIBLE_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "finalize_extensible_kv_cache": (
+        "vllm_config",
+        "kv_cache_configs",
+        "scheduler_kv_cache_config",
+        "compilation_times",
+    ),
+}
+
+
+def release_for(version: str) -> Release | None:
+    parts = version.split(".")
+    return RELEASES.get(".".join(parts[:2])) if len(parts) >= 2 else None
+
+
+def _lookup(module: ModuleType, dotted: str) -> Any:
+    target: Any = module
+    for part in dotted.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def signature_problems(module: ModuleType, release: Release, group_spec: type) -> list[str]:
+    """What differs from the signatures the plugin was written against ([] = none):
+    `module` is vllm.v1.engine.core, `group_spec` vLLM's KVCacheGroupSpec."""
+    wanted = dict(SIGNATURES)
+    if release.extensible_kv_cache:
+        wanted.update(EXTENSIBLE_SIGNATURES)
+    problems: list[str] = []
+    for dotted, params in wanted.items():
+        try:
+            target = _lookup(module, dotted)
+        except AttributeError:
+            problems.append(f"{dotted} is missing")
+            continue
+        target = getattr(target, "__kvplan_original__", target)
+        actual = tuple(inspect.signature(target).parameters)
+        if actual != params:
+            problems.append(f"{dotted}{actual} != {params}")
+    fields = getattr(group_spec, "__dataclass_fields__", {})
+    for name in ("layer_names", "is_eagle_group"):
+        if name not in fields:
+            problems.append(f"KVCacheGroupSpec.{name} is missing")
+    return problems
+
+
+# --- counters ------------------------------------------------------------------------
+
+
+@dataclass
+class Counters:
+    """What the plugin did in this process (also exported to Prometheus when vLLM's
+    prometheus_client is importable)."""
+
+    agreements: int = 0
+    differences: int = 0
+    fallbacks: int = 0  # kvplan unreachable, slow or failing: vLLM's own plan stood
+    draft_flag_changes: int = 0
+    leases_granted: int = 0
+    leases_refused: int = 0
+
+    def add(self, name: str) -> None:
+        setattr(self, name, getattr(self, name) + 1)
+        metric = _metrics().get(name)
+        if metric is not None:
+            metric.inc()
+
+
+COUNTERS = Counters()
+
+
+@functools.cache
+def _metrics() -> dict[str, Any]:
+    try:
+        from prometheus_client import Counter
+    except ImportError:
+        return {}
+    try:
+        return {
+            name: Counter(f"kvplan_plugin_{name}", f"kvplan vLLM plugin: {name.replace('_', ' ')}")
+            for name in Counters.__dataclass_fields__
+        }
+    except ValueError:  # already registered under these names in this process
+        return {}
+
+
+# --- one engine start ------------------------------------------------------------------
+
+
+class LeaseRefused(RuntimeError):
+    """kvplan refused the engine's lease (or could not be asked, with
+    KVPLAN_ON_UNAVAILABLE=refuse): the engine does not start."""
+
+
+@dataclass(eq=False)  # held in a set by identity
+class LeaseHold:
+    engine_id: str
+    client: PlannerClient
+    keeper: LeaseKeeper
+    footprints: dict[int, int]  # rank -> leased bytes
+    cap_blocks: int = 0  # the block count the lease allows (settled by vLLM's planner)
+    allocated: bool = False  # the KV cache exists: report the footprint as held
+    released: bool = False
+
+    def allocations(self) -> dict[int, int]:
+        return dict(self.footprints) if self.allocated else {}
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        try:
+            self.keeper.stop()  # releases, unless the leases are already gone
+            if self.keeper.lost:
+                log.info("kvplan lease: engine %s had no leases left to release", self.engine_id)
+            else:
+                log.info("kvplan lease: released the leases of engine %s", self.engine_id)
+        except PlannerError as error:
+            log.warning(
+                "kvplan lease: releasing engine %s failed (%s); its leases expire after their TTL",
+                self.engine_id,
+                error,
+            )
+        finally:
+            self.client.close()
+
+
+@dataclass
+class EngineStart:
+    """The plugin's part in one `EngineCore._initialize_kv_caches` call."""
+
+    core: Any
+    settings: Settings
+    release: Release
+    lease: LeaseHold | None = None
+    engine_id: str = ""
+    planned_blocks: int = 0  # what vLLM's planner gave (before 0.34's warm-up sizing)
+
+    def __post_init__(self) -> None:
+        self.engine_id = self.settings.engine_id or (
+            f"vllm-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
+
+    def rule_set_asked(self) -> str:
+        """The rule set kvplan plans with: the running release's, except where
+        kvplan's own rules are the point (draft-flags mode, KVPLAN_RULES=kvplan)."""
+        if self.settings.mode is Mode.DRAFT_FLAGS or self.settings.rules is Rules.KVPLAN:
+            return ""
+        return self.release.engine_version
+
+    def fallback(self, why: str, error: BaseException) -> None:
+        COUNTERS.add("fallbacks")
+        log.warning(
+            "kvplan %s: %s (%s); vLLM's own plan stands (fallback #%d)",
+            self.settings.mode.value,
+            why,
+            error,
+            COUNTERS.fallbacks,
+        )
+
+    def plan(
+        self,
+        original: Callable[..., list[Any]],
+        vllm_config: Any,
+        kv_cache_specs: list[dict[str, Any]],
+        available_memory: list[int],
+        global_groups: list[Any],
+    ) -> list[Any]:
+        if self.settings.mode is Mode.LEASE:
+            return self._lease(
+                original, vllm_config, kv_cache_specs, available_memory, global_groups
+            )
+        try:
+            request = plan_request(
+                vllm_config,
+                kv_cache_specs,
+                available_memory,
+                engine_version=self.rule_set_asked(),
+                engine_id=self.engine_id,
+            )
+            with PlannerClient(
+                self.settings.addr,
+                timeout_s=self.settings.timeout_s,
+                security=self.settings.security,
+            ) as client:
+                response = client.plan(request).response
+        except UnsupportedSpec as error:
+            self.fallback("this engine has a spec kvplan cannot represent", error)
+            return original(vllm_config, kv_cache_specs, available_memory, global_groups)
+        except PlannerError as error:
+            self.fallback(f"kvplan at {self.settings.addr} did not answer with a plan", error)
+            return original(vllm_config, kv_cache_specs, available_memory, global_groups)
+        except Exception as error:  # never let the plugin stop an engine in these modes
+            self.fallback("the plugin failed", error)
+            return original(vllm_config, kv_cache_specs, available_memory, global_groups)
+        if self.settings.mode is Mode.DRAFT_FLAGS:
+            try:
+                self._fix_draft_flags(global_groups, response)
+            except Exception as error:  # vLLM's flags stand
+                self.fallback("changing the draft flags failed", error)
+        configs = original(vllm_config, kv_cache_specs, available_memory, global_groups)
+        self._report(global_groups, int(configs[0].num_blocks) if configs else None, response)
+        return configs
+
+    def _report(
+        self, global_groups: list[Any], vllm_blocks: int | None, response: plan_pb2.PlanResponse
+    ) -> None:
+        """The one observe line; never fails the engine's start."""
+        try:
+            comparison = compare(global_groups, vllm_blocks, response)
+        except Exception as error:
+            log.warning("kvplan: cannot compare with plan %s (%s)", response.plan_id, error)
+            return
+        if comparison.agrees:
+            COUNTERS.add("agreements")
+            log.info("%s", comparison.summary())
+        else:
+            COUNTERS.add("differences")
+            log.warning("%s", comparison.summary())
+
+    def _fix_draft_flags(self, global_groups: list[Any], response: plan_pb2.PlanResponse) -> None:
+        wanted = draft_flag_fix(global_groups, response)
+        if not wanted:
+            return
+        before = vllm_groups(global_groups)
+        rules = {
+            i: plan_pb2.DraftRule.Name(g.draft_rule).removeprefix("DRAFT_RULE_").lower()
+            for i, g in enumerate(response.groups)
+            if g.is_draft
+        }
+        for group, flag in zip(global_groups, wanted, strict=True):
+            group.is_eagle_group = flag
+        COUNTERS.add("draft_flag_changes")
+        log.warning(
+            "kvplan draft-flags: CHANGED vLLM's draft flags from %s to %s "
+            "(kvplan's rules: %s), plan %s",
+            "{" + ", ".join(str(i) for i, g in enumerate(before) if g.is_draft) + "}",
+            "{" + ", ".join(str(i) for i, f in enumerate(wanted) if f) + "}",
+            ", ".join(f"group {i}: {rule}" for i, rule in rules.items()),
+            response.plan_id,
+        )
+
+    # --- lease mode ---------------------------------------------------------------------
+
+    def _unavailable(
+        self,
+        why: str,
+        error: BaseException,
+        original: Callable[..., list[Any]],
+        args: tuple[Any, ...],
+    ) -> list[Any]:
+        if self.settings.on_unavailable is Unavailable.SERVE:
+            self.fallback(f"{why}; starting unleased (KVPLAN_ON_UNAVAILABLE=serve)", error)
+            return original(*args)
+        COUNTERS.add("leases_refused")
+        raise LeaseRefused(
+            f"kvplan lease: {why} ({error}); the engine does not start without a lease "
+            "(KVPLAN_ON_UNAVAILABLE=refuse; set it to 'serve' to start unleased)"
+        ) from None
+
+    def _lease(
+        self,
+        original: Callable[..., list[Any]],
+        vllm_config: Any,
+        kv_cache_specs: list[dict[str, Any]],
+        available_memory: list[int],
+        global_groups: list[Any],
+    ) -> list[Any]:
+        args = (vllm_config, kv_cache_specs, available_memory, global_groups)
+        engine_id = self.engine_id
+        try:
+            reports = self.core.model_executor.collective_rpc(report_device)
+            devices = [WorkerDevice(**report) for report in reports]
+            request = plan_request(
+                vllm_config,
+                kv_cache_specs,
+                available_memory,
+                engine_version=self.release.engine_version,
+                engine_id=engine_id,
+                devices=devices,
+            )
+        except (UnsupportedSpec, DeviceResolutionError) as error:
+            return self._unavailable("cannot describe this engine to kvplan", error, original, args)
+        except Exception as error:  # the plugin's own failure: the operator's choice too
+            return self._unavailable("the plugin failed", error, original, args)
+        client = PlannerClient(
+            self.settings.addr,
+            timeout_s=self.settings.timeout_s,
+            security=self.settings.security,
+        )
+        try:
+            result = client.plan(request)
+        except PlannerError as error:
+            client.close()
+            if error.code in _UNREACHABLE:
+                return self._unavailable(
+                    f"kvplan at {self.settings.addr} is unreachable", error, original, args
+                )
+            COUNTERS.add("leases_refused")
+            raise LeaseRefused(
+                f"kvplan refused the KV-cache lease of engine {engine_id}: {error.details}"
+            ) from None
+        response = result.response
+        leased_kv = [int(w.budget.available_bytes) for w in response.workers]
+        capped = [min(int(m), k) for m, k in zip(available_memory, leased_kv, strict=True)]
+        footprints = {lease.rank: int(lease.bytes) for lease in response.leases}
+        hold = LeaseHold(engine_id, client, keeper=None, footprints=footprints)  # type: ignore[arg-type]
+        hold.keeper = LeaseKeeper(
+            client, result, allocations=hold.allocations, on_lost=self._lost(engine_id)
+        )
+        hold.keeper.start()
+        self.lease = hold
+        _LIVE_LEASES.add(hold)
+        COUNTERS.add("leases_granted")
+        for rank, (measured, kv) in enumerate(zip(available_memory, leased_kv, strict=True)):
+            log.info(
+                "kvplan lease: engine %s rank %d on %s: leased %s (KV %s); vLLM measured %s; "
+                "KV cache gets %s; heartbeat every %.1f s, plan %s",
+                engine_id,
+                rank,
+                devices[rank].uuid,
+                gib(footprints.get(rank, 0)),
+                gib(kv),
+                gib(int(measured)),
+                gib(capped[rank]),
+                hold.keeper.interval_s,
+                response.plan_id,
+            )
+        configs = original(vllm_config, kv_cache_specs, capped, global_groups)
+        hold.cap_blocks = int(configs[0].num_blocks) if configs else 0
+        self._report(global_groups, hold.cap_blocks if capped == leased_kv else None, response)
+        return configs
+
+    def _lost(self, engine_id: str) -> Callable[[PlannerError], None]:
+        def on_lost(error: PlannerError) -> None:
+            log.error(
+                "kvplan lease: the leases of engine %s are gone (%s); its memory may be "
+                "granted to another engine: restart this engine to lease again",
+                engine_id,
+                error,
+            )
+
+        return on_lost
+
+
+_LIVE_LEASES: set[LeaseHold] = set()
+_current = threading.local()
+
+
+def _release_all() -> None:
+    for hold in list(_LIVE_LEASES):
+        hold.release()
+        _LIVE_LEASES.discard(hold)
+
+
+atexit.register(_release_all)
+
+
+# --- the wrappers ----------------------------------------------------------------------
+
+
+def _wrap_initialize(original: Callable[..., Any], release: Release) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
+        settings = Settings.from_env()
+        if not settings.enabled:
+            return original(self, vllm_config)
+        start = EngineStart(core=self, settings=settings, release=release)
+        previous = getattr(_current, "start", None)
+        _current.start = start
+        try:
+            result = original(self, vllm_config)
+        except BaseException:
+            if start.lease is not None:  # the engine failed after the grant
+                start.lease.release()
+                _LIVE_LEASES.discard(start.lease)
+            raise
+        finally:
+            _current.start = previous
+        if start.lease is not None:
+            start.lease.allocated = True
+            self._kvplan_lease = start.lease
+        return result
+
+    _initialize_kv_caches.__kvplan_original__ = original  # type: ignore[attr-defined]
+    return _initialize_kv_caches
+
+
+def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            hold = getattr(self, "_kvplan_lease", None)
+            if hold is not None:
+                hold.release()
+                _LIVE_LEASES.discard(hold)
+
+    shutdown.__kvplan_original__ = original  # type: ignore[attr-defined]
+    return shutdown
+
+
+def _wrap_configs(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    @functools.wraps(original)
+    def get_kv_cache_configs(
+        vllm_config: Any,
+        kv_cache_specs: list[dict[str, Any]],
+        available_memory: list[int],
+        global_kv_cache_groups: list[Any],
+    ) -> list[Any]:
+        start: EngineStart | None = getattr(_current, "start", None)
+        if start is None:  # not called by an engine start: nothing to do
+            return original(vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups)
+        configs = start.plan(
+            original, vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups
+        )
+        start.planned_blocks = int(configs[0].num_blocks) if configs else 0
+        return configs
+
+    get_kv_cache_configs.__kvplan_original__ = original  # type: ignore[attr-defined]
+    return get_kv_cache_configs
+
+
+def _wrap_finalize(original: Callable[..., int]) -> Callable[..., int]:
+    @functools.wraps(original)
+    def finalize_extensible_kv_cache(
+        vllm_config: Any,
+        kv_cache_configs: list[Any],
+        scheduler_kv_cache_config: Any,
+        compilation_times: list[Any],
+    ) -> int:
+        num_blocks = original(
+            vllm_config, kv_cache_configs, scheduler_kv_cache_config, compilation_times
+        )
+        start: EngineStart | None = getattr(_current, "start", None)
+        if start is not None and start.lease is None:
+            log.info(
+                "kvplan %s: extensible KV cache settled at %d blocks after warm-up "
+                "(planned capacity %d)",
+                start.settings.mode.value,
+                num_blocks,
+                start.planned_blocks,
+            )
+        if start is not None and start.lease is not None:
+            # vLLM settles on min(measured after warm-up, the reserved capacity);
+            # the reservation was planned from the leased bytes, so it is the cap.
+            log.info(
+                "kvplan lease: extensible KV cache settled at %d blocks (lease cap %d blocks)",
+                num_blocks,
+                start.lease.cap_blocks,
+            )
+            if num_blocks > start.lease.cap_blocks:
+                raise LeaseRefused(
+                    f"kvplan lease: vLLM settled on {num_blocks} blocks, more than the "
+                    f"{start.lease.cap_blocks} the lease allows"
+                )
+        return num_blocks
+
+    finalize_extensible_kv_cache.__kvplan_original__ = original  # type: ignore[attr-defined]
+    return finalize_extensible_kv_cache
+
+
+def install(core_module: ModuleType, release: Release) -> None:
+    """Wrap what the plugin needs in vllm.v1.engine.core (idempotent)."""
+    engine_core = core_module.EngineCore
+    if getattr(engine_core._initialize_kv_caches, "__kvplan_original__", None) is not None:
+        return
+    engine_core._initialize_kv_caches = _wrap_initialize(engine_core._initialize_kv_caches, release)
+    engine_core.shutdown = _wrap_shutdown(engine_core.shutdown)
+    core_module.get_kv_cache_configs = _wrap_configs(core_module.get_kv_cache_configs)  # type: ignore[attr-defined]
+    if release.extensible_kv_cache:
+        core_module.finalize_extensible_kv_cache = _wrap_finalize(  # type: ignore[attr-defined]
+            core_module.finalize_extensible_kv_cache
+        )

@@ -1,0 +1,555 @@
+"""The kvplan vLLM plugin through vLLM's own engine core, for vLLM 0.33 and 0.34.
+
+Each vLLM release runs in its own venv (scripts/vllm-venv builds them; `make test`
+does so when they are missing). The plugin is installed from the project's wheel
+into a test-only directory and found by vLLM through its entry point. Engines are
+started by `EngineCore._initialize_kv_caches` in `engine_host.py`, one long-lived
+process per release shared by the cases (vLLM's import is the slow part), against
+a real `kvplan serve` on loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvplan.client import ChannelSecurity, PlannerClient
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST = Path(__file__).resolve().parent / "engine_host.py"
+VLLM_CACHE = Path(os.environ.get("KVPLAN_VLLM_CACHE", Path.home() / ".cache" / "kvplan"))
+VERSIONS = ("0.33", "0.34")
+GIB = 1 << 30
+H100_TOTAL = 80 * GIB
+OBSERVED_ENGINES = ("llama", "gemma3", "gpt-oss-eagle3", "deepseek-mtp", "qwen3-next-mtp")
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def vllm_python(version: str) -> Path:
+    venv = VLLM_CACHE / f"vllm-{version}" / "venv"
+    if not (venv / ".kvplan-vllm-ready").exists():
+        pytest.fail(
+            f"the vLLM {version} venv is missing ({venv}); build it with "
+            f"`scripts/vllm-venv {version}` (make test does)"
+        )
+    return venv / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel installed into a directory of its own (never into a venv)."""
+    base = tmp_path_factory.mktemp("plugin")
+    wheels = base / "wheels"
+    # Offline and fast with the venv's own setuptools; isolated (PyPI) without it.
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation,
+         "-w", str(wheels), str(ROOT)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = wheels.glob("kvplan-*.whl")
+    site = base / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+         str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return site
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Server:
+    """`kvplan serve` from the project's venv on loopback, one H100-80GB, memory store."""
+
+    def __init__(
+        self, lease_ttl_s: float = 60.0, port: int | None = None, token_file: Path | None = None
+    ) -> None:
+        self.port = port or free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLAN_")}
+        flags = ["--token-file", str(token_file)] if token_file else []
+        self.process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "kvplan"), "serve", "--host", "127.0.0.1",
+             "--port", str(self.port), "--metrics-port", "0", "--devices", "1xH100-80GB",
+             "--store", "memory", "--lease-ttl-s", str(lease_ttl_s), *flags],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        # An operator's token (the first line of the token file) reads the devices.
+        token = token_file.read_text().split()[0] if token_file else None
+        self.client = PlannerClient(self.addr, timeout_s=10, security=ChannelSecurity(token=token))
+        deadline = time.monotonic() + 30
+        while True:
+            assert self.process.poll() is None, self.process.stderr.read()  # type: ignore[union-attr]
+            try:
+                self.uuid = self.client.list_devices(timeout_s=0.5).devices[0].uuid
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def committed(self) -> int:
+        return int(self.client.list_devices().devices[0].commit_limit_bytes) - int(
+            self.client.list_devices().devices[0].available_to_grant_bytes
+        )
+
+    def close(self) -> None:
+        self.client.close()
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+class EngineHost:
+    """One vLLM process that starts engines on command (see engine_host.py)."""
+
+    def __init__(self, version: str, site: Path, env: dict[str, str]) -> None:
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("KVPLAN_", "VLLM_"))}
+        base.update(env)
+        base["PYTHONPATH"] = str(site)  # the installed wheel only, not the repository
+        self.process = subprocess.Popen(
+            [str(vllm_python(version)), str(HOST)],
+            env=base,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.ready = self._read()
+        assert self.ready.get("ready"), self.ready
+
+    def _read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line, f"engine host exited ({self.process.poll()})"
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def send(self, **command: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def start(self, name: str, engine: str, **kw: Any) -> dict[str, Any]:
+        kw.setdefault("memory", [20 * GIB])
+        return self.send(op="start", name=name, engine=engine, **kw)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(AssertionError, BrokenPipeError):
+                self.send(op="exit")
+            self.process.wait(timeout=30)
+
+
+def plugin_lines(answer: dict[str, Any]) -> list[str]:
+    return [line for line in answer.get("log", []) if "vllm.plugins.kvplan" in line]
+
+
+def verdict(answer: dict[str, Any]) -> str:
+    """The one line observe writes per engine start (agreement or the difference)."""
+    (line,) = [
+        x for x in plugin_lines(answer) if "kvplan agreement" in x or "kvplan DIFFERENCE" in x
+    ]
+    return line
+
+
+@pytest.fixture(scope="module", params=VERSIONS)
+def version(request: pytest.FixtureRequest) -> str:
+    value: str = request.param
+    return value
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    running = Server(lease_ttl_s=2.0)
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def host(version: str, plugin_site: Path, server: Server) -> Iterator[EngineHost]:
+    engine_host = EngineHost(version, plugin_site, {"KVPLAN_ADDR": server.addr})
+    yield engine_host
+    engine_host.close()
+
+
+def test_spec_mapping_round_trips_every_spec_class(host: EngineHost, version: str) -> None:
+    result = host.send(op="roundtrip")
+    assert result["failures"] == []
+    # Every kvplan kind is exercised, and every vLLM spec class is mapped or refused.
+    assert len(result["kinds"]) == 12, result["kinds"]
+    assert result["unmapped"] == [], result["unmapped"]
+    assert "MambaSpec" in result["classes"] and "HiSparseHotSpec" in result["classes"]
+    assert len(result["refused"]) == 3, result["refused"]
+    assert "storage dtype torch.int32" in result["refused"][0]
+    assert "UniformTypeKVCacheSpecs has no kvplan LayerSpec kind" in result["refused"][1]
+
+
+def test_the_mapping_builds_what_conformance_builds(host: EngineHost) -> None:
+    # The LayerSpec -> vLLM direction (for conformance/) over every scenario layer.
+    result = host.send(op="conformance_direction", repo=str(ROOT))
+    assert result["mismatches"] == []
+    assert result["compared"] > 900, result
+
+
+# --- observe ------------------------------------------------------------------------------
+
+
+def test_plugin_loads_through_its_entry_point(host: EngineHost, version: str) -> None:
+    (line,) = plugin_lines(host.ready)
+    assert f"kvplan plugin active for vLLM {version}.0" in line
+    assert host.send(op="wrapped")["wrapped"] is True
+
+
+@pytest.mark.parametrize("engine", OBSERVED_ENGINES)
+def test_observe_agrees(host: EngineHost, server: Server, version: str, engine: str) -> None:
+    answer = host.start(engine, engine)
+    assert answer["ok"], answer
+    line = verdict(answer)
+    assert "kvplan agreement" in line, line
+    if version == "0.34":  # vLLM sizes the extensible cache again after warm-up
+        assert any("extensible KV cache settled at" in x for x in plugin_lines(answer))
+        assert answer["init"]["extended"] == answer["init"]["num_blocks"][0]
+    else:
+        assert len(plugin_lines(answer)) == 1
+    plan_id = re.search(r"plan (plan-[0-9a-f]+)", line)
+    assert plan_id is not None, line
+    # The operator can fetch the plan the line names; it is the engine's.
+    plan = server.client.get_plan(plan_id=plan_id.group(1))
+    init = answer["init"]
+    assert plan.num_blocks == init["num_blocks"][0]
+    assert [list(g.layer_names) for g in plan.response.groups] == [
+        g["layers"] for g in init["groups"]
+    ]
+    assert [g.is_draft for g in plan.response.groups] == [g["is_draft"] for g in init["groups"]]
+    expected_draft = engine in ("gpt-oss-eagle3", "deepseek-mtp", "qwen3-next-mtp")
+    assert any(g["is_draft"] for g in init["groups"]) == expected_draft
+    if expected_draft:
+        assert "(is_draft)" in line
+
+
+def test_observe_agrees_on_auto_fit_and_a_block_override(host: EngineHost, server: Server) -> None:
+    # 2 GiB for a 131,072-token Llama: vLLM fits max_model_len to the memory.
+    fitted = host.start("fit", "llama-auto-fit", memory=[2 * GIB])
+    assert fitted["ok"], fitted
+    line = verdict(fitted)
+    assert "kvplan agreement" in line, line
+    plan_id = re.search(r"plan (plan-[0-9a-f]+)", line)
+    assert plan_id is not None
+    plan = server.client.get_plan(plan_id=plan_id.group(1))
+    assert fitted["init"]["max_model_len"] < 131072
+    assert plan.max_model_len == fitted["init"]["max_model_len"]
+    overridden = host.start("override", "llama-override")
+    assert "kvplan agreement" in verdict(overridden)
+    assert overridden["init"]["num_blocks"] == [1000]
+
+
+def test_observe_agrees_on_a_tensor_parallel_engine(host: EngineHost) -> None:
+    # Two ranks that measured different memory: every rank gets the smaller count.
+    answer = host.start("tp2", "llama-tp2", memory=[20 * GIB, 18 * GIB])
+    assert answer["ok"], answer
+    assert "kvplan agreement" in verdict(answer)
+    bytes_per_block = 2 * 4 * 128 * 2 * 16 * 32
+    assert answer["init"]["num_blocks"] == [18 * GIB // bytes_per_block] * 2
+
+
+def test_observe_carries_the_flag_all_warning(host: EngineHost) -> None:
+    # EAGLE on a hybrid Mamba model with no drafter layer marked: neither vLLM nor
+    # kvplan can name the draft group, and consumers would flag every group.
+    answer = host.start("eagle", "qwen3-next-eagle-unmarked")
+    assert answer["ok"], answer
+    line = verdict(answer)
+    assert "kvplan agreement" in line and "draft groups {}" in line, line
+    assert ", warning: " in line and "Mamba" in line, line
+
+
+def test_observe_reports_a_planted_difference_and_changes_nothing(host: EngineHost) -> None:
+    # vLLM flags no drafter group on a hybrid MTP engine whose MTP layer is not
+    # marked; kvplan's own rules (KVPLAN_RULES=kvplan) flag it by the trailing layer.
+    answer = host.start("planted", "qwen3-next-mtp-unmarked", env={"KVPLAN_RULES": "kvplan"})
+    assert answer["ok"], answer
+    line = verdict(answer)
+    assert line.startswith("WARNING"), line
+    assert "DIFFERENCE (draft flags: vLLM {} kvplan {2 (trailing_layer)})" in line, line
+    assert "num_blocks" in line and "plan plan-" in line
+    assert [g["is_draft"] for g in answer["init"]["groups"]] == [False, False, False]
+
+
+def test_draft_flags_fixes_an_unflagged_hybrid_mtp_engine(host: EngineHost) -> None:
+    observed = host.start("unfixed", "qwen3-next-mtp-unmarked")
+    assert [g["is_draft"] for g in observed["init"]["groups"]] == [False, False, False]
+    answer = host.start("fixed", "qwen3-next-mtp-unmarked", env={"KVPLAN_MODE": "draft-flags"})
+    assert answer["ok"], answer
+    change, summary = plugin_lines(answer)[:2]
+    assert change.startswith("WARNING"), change
+    assert "CHANGED vLLM's draft flags from {} to {2}" in change
+    assert "group 2: trailing_layer" in change
+    assert "kvplan agreement" in summary
+    groups = answer["init"]["groups"]
+    assert [g["is_draft"] for g in groups] == [False, False, True]
+    assert "mtp.layers.0.self_attn.attn" in groups[2]["layers"]
+    # Same block count: the flag changes which group takes the EAGLE block drop.
+    assert answer["init"]["num_blocks"] == observed["init"]["num_blocks"]
+
+
+def test_draft_flags_leaves_a_marked_engine_alone(host: EngineHost) -> None:
+    answer = host.start("marked", "qwen3-next-mtp", env={"KVPLAN_MODE": "draft-flags"})
+    assert answer["ok"], answer
+    assert "kvplan agreement" in verdict(answer)
+    assert not any("CHANGED" in x for x in plugin_lines(answer))
+
+
+# --- kvplan down ---------------------------------------------------------------------------
+
+
+def test_kvplan_down_observe_falls_back_lease_refuses(host: EngineHost, server: Server) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    before = host.send(op="counters")["fallbacks"]
+    observed = host.start("down", "llama", env={"KVPLAN_ADDR": dead, "KVPLAN_TIMEOUT_S": "1"})
+    assert observed["ok"], observed
+    warning = plugin_lines(observed)[0]
+    assert warning.startswith("WARNING") and "vLLM's own plan stands" in warning, warning
+    assert host.send(op="counters")["fallbacks"] == before + 1
+    assert observed["init"]["num_blocks"] == [20 * GIB // (2 * 8 * 128 * 2 * 16 * 32)]
+
+    refused = host.start(
+        "down-lease", "llama", utilization=0.45, uuid=server.uuid,
+        env={"KVPLAN_ADDR": dead, "KVPLAN_MODE": "lease", "KVPLAN_TIMEOUT_S": "1"},
+    )  # fmt: skip
+    assert not refused["ok"]
+    assert "LeaseRefused" in refused["error"] and "unreachable" in refused["error"]
+    assert "KVPLAN_ON_UNAVAILABLE=refuse" in refused["error"]
+
+    # A kvplan that accepts connections and never answers: the deadline ends the wait.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        started = time.monotonic()
+        slow = host.start(
+            "slow", "llama",
+            env={"KVPLAN_ADDR": f"127.0.0.1:{silent.getsockname()[1]}", "KVPLAN_TIMEOUT_S": "1"},
+        )  # fmt: skip
+        waited = time.monotonic() - started
+    assert slow["ok"], slow
+    assert "DEADLINE_EXCEEDED" in plugin_lines(slow)[0], plugin_lines(slow)
+    assert 1.0 <= waited < 10, waited
+    assert host.send(op="counters")["fallbacks"] == before + 2
+
+    served = host.start(
+        "down-serve", "llama", utilization=0.45, uuid=server.uuid,
+        env={"KVPLAN_ADDR": dead, "KVPLAN_MODE": "lease", "KVPLAN_TIMEOUT_S": "1",
+             "KVPLAN_ON_UNAVAILABLE": "serve"},
+    )  # fmt: skip
+    assert served["ok"], served
+    assert any("starting unleased" in line for line in plugin_lines(served))
+
+
+def test_lease_through_a_token_protected_server(host: EngineHost, tmp_path: Path) -> None:
+    """The plugin sends the client's KVPLAN_TOKEN; without it the server refuses and
+    lease mode stops the start with the server's reason."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(
+        "operator-token-0123456789 ops operator\nengine-token-0123456789 engine-owner\n"
+    )
+    tokens.chmod(0o600)
+    protected = Server(token_file=tokens)
+    try:
+        leased = host.start(
+            "with-token", "llama", utilization=0.45, uuid=protected.uuid,
+            env={"KVPLAN_ADDR": protected.addr, "KVPLAN_MODE": "lease",
+                 "KVPLAN_TOKEN": "engine-token-0123456789"},
+        )  # fmt: skip
+        assert leased["ok"], leased
+        assert protected.committed() > 0
+        refused = host.start(
+            "without-token", "llama", utilization=0.45, uuid=protected.uuid,
+            env={"KVPLAN_ADDR": protected.addr, "KVPLAN_MODE": "lease"},
+        )  # fmt: skip
+        assert not refused["ok"]
+        assert "LeaseRefused" in refused["error"] and "no credentials" in refused["error"]
+    finally:
+        protected.close()
+
+
+# --- lease ------------------------------------------------------------------------------------
+
+
+def _lease_kv(server: Server, engine_id: str) -> tuple[int, int, int]:
+    plan = server.client.get_plan(engine_id=engine_id).response
+    worker = plan.workers[0]
+    (lease,) = plan.leases
+    return int(worker.budget.available_bytes), int(worker.bytes_per_block), int(lease.bytes)
+
+
+def test_lease_two_engines_share_a_gpu_a_third_is_refused(
+    host: EngineHost, server: Server, version: str, plugin_site: Path
+) -> None:
+    lease = {"KVPLAN_MODE": "lease"}
+    # The worker's GPU reads 81 GiB; kvplan's inventory says 80: the lease binds.
+    common: dict[str, Any] = {
+        "utilization": 0.45, "uuid": server.uuid, "total": 81 * GIB, "memory": [21 * GIB],
+        "warmup_blocks": 10**7,
+    }  # fmt: skip
+    a = host.start("A", "llama", env={**lease, "KVPLAN_ENGINE_ID": f"a-{version}"}, **common)
+    b = host.start("B", "gemma3", env={**lease, "KVPLAN_ENGINE_ID": f"b-{version}"}, **common)
+    for answer, engine_id in ((a, f"a-{version}"), (b, f"b-{version}")):
+        assert answer["ok"], answer
+        kv, bytes_per_block, footprint = _lease_kv(server, engine_id)
+        assert footprint == math.ceil(H100_TOTAL * 0.45)
+        assert kv < 21 * GIB  # min(measured, lease) took the lease
+        assert answer["init"]["num_blocks"][0] == kv // bytes_per_block
+        assert any(f"leased {footprint / GIB:.2f} GiB" in x for x in plugin_lines(answer))
+        if version == "0.34":  # the extensible cache settles on the lease's cap
+            assert answer["init"]["extended"] == kv // bytes_per_block
+            assert any("extensible KV cache settled at" in x for x in plugin_lines(answer))
+    assert server.committed() == 2 * math.ceil(H100_TOTAL * 0.45)
+    # Heartbeats (every TTL/3) report each started engine's footprint as allocated.
+    footprint = math.ceil(H100_TOTAL * 0.45)
+    deadline = time.monotonic() + 5
+    while not all(host.send(op="lease_state", name=n)["renewals"] >= 2 for n in ("A", "B")):
+        assert time.monotonic() < deadline, "no heartbeats"
+        time.sleep(0.2)
+    state = host.send(op="lease_state", name="A")
+    assert state["allocations"] == {"0": footprint} and state["interval_s"] == pytest.approx(2 / 3)
+    assert server.client.list_devices().devices[0].outstanding_bytes == 0
+
+    c = host.start("C", "llama", env={**lease, "KVPLAN_ENGINE_ID": f"c-{version}"}, **common)
+    assert not c["ok"]
+    assert "LeaseRefused: kvplan refused the KV-cache lease" in c["error"]
+    assert "asks for 36.00 GiB" in c["error"] and "8.00 GiB left" in c["error"], c["error"]
+
+    # Shutting an engine down gives its lease back at once.
+    shut = host.send(op="shutdown", name="A")
+    assert shut["ok"], shut
+    assert any("released the leases" in x for x in plugin_lines(shut)), shut
+    assert server.committed() == math.ceil(H100_TOTAL * 0.45)
+
+    # A killed engine's lease returns after its TTL (2 s here), not before.
+    doomed = EngineHost(version, plugin_site, {"KVPLAN_ADDR": server.addr})
+    try:
+        k = doomed.start("K", "llama", env={**lease, "KVPLAN_ENGINE_ID": f"k-{version}"}, **common)
+        assert k["ok"], k
+        assert server.committed() == 2 * math.ceil(H100_TOTAL * 0.45)
+        time.sleep(2.5)  # heartbeats keep it alive past one TTL
+        assert server.committed() == 2 * math.ceil(H100_TOTAL * 0.45)
+        doomed.process.send_signal(signal.SIGKILL)
+        doomed.process.wait(timeout=10)
+    finally:
+        doomed.close()
+    refused = host.start("C", "llama", env={**lease, "KVPLAN_ENGINE_ID": f"c-{version}"}, **common)
+    assert not refused["ok"]
+    deadline = time.monotonic() + 10
+    while server.committed() > math.ceil(H100_TOTAL * 0.45):
+        assert time.monotonic() < deadline, "the killed engine's lease never expired"
+        time.sleep(0.25)
+    c = host.start("C", "llama", env={**lease, "KVPLAN_ENGINE_ID": f"c-{version}"}, **common)
+    assert c["ok"], c
+    for name in ("B", "C"):
+        assert host.send(op="shutdown", name=name)["ok"]
+    assert server.committed() == 0
+
+
+def test_lease_follows_the_releases_default_utilization(
+    host: EngineHost, server: Server, version: str
+) -> None:
+    # No --gpu-memory-utilization: 0.33 applies 0.92; 0.34's extensible KV cache 1.0,
+    # so its engine leases the whole GPU (docs/vllm.md: set it when co-locating).
+    expected = {"0.33": 0.92, "0.34": 1.0}[version]
+    engine_id = f"default-{version}"
+    answer = host.start(
+        "D", "llama", utilization=None, uuid=server.uuid,
+        env={"KVPLAN_MODE": "lease", "KVPLAN_ENGINE_ID": engine_id},
+    )  # fmt: skip
+    assert answer["ok"], answer
+    (lease,) = server.client.get_plan(engine_id=engine_id).response.leases
+    assert lease.bytes == math.ceil(H100_TOTAL * expected)
+    assert host.send(op="shutdown", name="D")["ok"]
+    assert server.committed() == 0
+
+
+def test_a_lost_lease_is_reported(host: EngineHost, version: str) -> None:
+    # kvplan restarts with an in-memory store: the engine's lease is gone, and the
+    # next heartbeat says so (the engine keeps serving; the operator restarts it).
+    first = Server(lease_ttl_s=2.0)
+    try:
+        answer = host.start(
+            "L", "llama", utilization=0.45, uuid=first.uuid,
+            env={"KVPLAN_ADDR": first.addr, "KVPLAN_MODE": "lease",
+                 "KVPLAN_ENGINE_ID": f"lost-{version}"},
+        )  # fmt: skip
+        assert answer["ok"], answer
+    finally:
+        first.close()
+    second = Server(lease_ttl_s=2.0, port=first.port)
+    try:
+        deadline = time.monotonic() + 10
+        lines: list[str] = []
+        while not any("are gone" in x for x in lines):
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.3)
+            lines += plugin_lines(host.send(op="log"))
+        (lost,) = [x for x in lines if "are gone" in x]
+        assert lost.startswith("ERROR") and f"engine lost-{version}" in lost
+        assert "restart this engine to lease again" in lost
+        shut = host.send(op="shutdown", name="L")  # nothing left to release
+        assert shut["ok"], shut
+        assert any("had no leases left to release" in x for x in plugin_lines(shut)), shut
+    finally:
+        second.close()
+
+
+# --- inert without KVPLAN_ADDR ------------------------------------------------------------------
+
+
+def test_inert_without_kvplan_addr(version: str, plugin_site: Path) -> None:
+    bare = EngineHost(version, plugin_site, {})
+    try:
+        assert plugin_lines(bare.ready) == []
+        answer = bare.start("plain", "qwen3-next-mtp-unmarked", env={"KVPLAN_MODE": "lease"})
+        assert answer["ok"], answer
+        assert plugin_lines(answer) == []
+        assert [g["is_draft"] for g in answer["init"]["groups"]] == [False, False, False]
+        state = bare.send(op="wrapped")
+        assert state["wrapped"] is False
+        assert "kvplan.client.vllm_plugin.hooks" not in state["modules"]
+    finally:
+        bare.close()
+
+
+def test_an_unsupported_release_disables_the_plugin(plugin_site: Path, server: Server) -> None:
+    # vLLM 0.33's code under another version number: the gate reads the version.
+    host = EngineHost(
+        "0.33", plugin_site, {"KVPLAN_ADDR": server.addr, "KVPLAN_TEST_VLLM_VERSION": "0.35.0"}
+    )
+    try:
+        (line,) = plugin_lines(host.ready)
+        assert line == (
+            "WARNING vllm.plugins.kvplan: kvplan plugin disabled: vLLM 0.35.0 is not a "
+            "supported release (0.33.x, 0.34.x)"
+        )
+        assert host.send(op="wrapped")["wrapped"] is False
+        answer = host.start("plain", "llama")
+        assert answer["ok"] and plugin_lines(answer) == []
+    finally:
+        host.close()

@@ -1,0 +1,212 @@
+"""The plugin's pure parts, without vLLM: settings, the comparison line, the draft-flag
+decision, and the version table."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+from kvplan.client.vllm_plugin import register
+from kvplan.client.vllm_plugin.engine import compare, draft_flag_fix
+from kvplan.client.vllm_plugin.hooks import release_for, signature_problems
+from kvplan.client.vllm_plugin.settings import Mode, Settings, SettingsError, Unavailable
+from kvplan.v1 import plan_pb2
+
+
+def test_settings_defaults_and_values() -> None:
+    assert not Settings.from_env({}).enabled
+    settings = Settings.from_env(
+        {
+            "KVPLAN_ADDR": " kvplan:50051 ",
+            "KVPLAN_MODE": "LEASE",
+            "KVPLAN_TIMEOUT_S": "0.5",
+            "KVPLAN_ON_UNAVAILABLE": "serve",
+            "KVPLAN_ENGINE_ID": "chat",
+        }
+    )
+    assert settings.addr == "kvplan:50051" and settings.enabled
+    assert settings.mode is Mode.LEASE and settings.timeout_s == 0.5
+    assert settings.on_unavailable is Unavailable.SERVE and settings.engine_id == "chat"
+    assert Settings.from_env({"KVPLAN_ADDR": "x:1"}).mode is Mode.OBSERVE
+    assert settings.security.token is None and not settings.security.tls
+
+
+def test_settings_carry_the_clients_tls_and_token(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(b"-----BEGIN CERTIFICATE-----\n")
+    settings = Settings.from_env(
+        {"KVPLAN_ADDR": "x:1", "KVPLAN_TOKEN": "engine-token", "KVPLAN_TLS_CA": str(ca)}
+    )
+    assert settings.security.token == "engine-token"
+    assert settings.security.tls and settings.security.root_certificates == ca.read_bytes()
+    with pytest.raises(SettingsError, match="TLS/token"):
+        Settings.from_env({"KVPLAN_ADDR": "x:1", "KVPLAN_TLS_CA": str(tmp_path / "missing")})
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "needle"),
+    [
+        ("KVPLAN_MODE", "leese", "KVPLAN_MODE='leese'"),
+        ("KVPLAN_TIMEOUT_S", "0", "KVPLAN_TIMEOUT_S='0'"),
+        ("KVPLAN_TIMEOUT_S", "soon", "seconds > 0"),
+        ("KVPLAN_ON_UNAVAILABLE", "maybe", "refuse or serve"),
+        ("KVPLAN_RULES", "mine", "engine or kvplan"),
+    ],
+)
+def test_settings_refuse_what_they_cannot_read(name: str, value: str, needle: str) -> None:
+    with pytest.raises(SettingsError, match=needle.replace("(", r"\(")):
+        Settings.from_env({"KVPLAN_ADDR": "x:1", name: value})
+
+
+def test_register_is_inert_without_the_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPLAN_ADDR", raising=False)
+    before = set(sys.modules)
+    register()
+    assert not {m for m in set(sys.modules) - before if m.startswith(("vllm", "kvplan"))}
+
+
+def test_supported_releases() -> None:
+    assert release_for("0.33.0") is not None and release_for("0.33.2rc1") is not None
+    release = release_for("0.34.1")
+    assert release is not None and release.extensible_kv_cache
+    assert release.engine_version == "vllm-0.34"
+    for other in ("0.32.0", "0.35.0", "1.0.0", "dev"):
+        assert release_for(other) is None
+
+
+def _response(flags: list[bool], num_blocks: int = 100) -> plan_pb2.PlanResponse:
+    response = plan_pb2.PlanResponse(plan_id="plan-1", num_blocks=num_blocks)
+    for i, flag in enumerate(flags):
+        response.groups.add(
+            group_id=i,
+            layer_names=[f"l{i}"],
+            is_draft=flag,
+            draft_rule=plan_pb2.DRAFT_RULE_TRAILING_LAYER if flag else plan_pb2.DRAFT_RULE_NONE,
+        )
+    return response
+
+
+def _vllm_groups(flags: list[bool]) -> list[SimpleNamespace]:
+    return [
+        SimpleNamespace(layer_names=[f"l{i}"], is_eagle_group=flag) for i, flag in enumerate(flags)
+    ]
+
+
+def test_comparison_names_each_difference() -> None:
+    same = compare(_vllm_groups([False, True]), 100, _response([False, True]))
+    assert same.agrees
+    assert same.summary().startswith("kvplan agreement, rule set kvplan, 2 groups")
+    assert "draft groups {1 (trailing_layer)}" in same.summary()
+    flags = compare(_vllm_groups([False, False]), 90, _response([False, True]))
+    assert flags.differences() == [
+        "draft flags: vLLM {} kvplan {1 (trailing_layer)}",
+        "num_blocks: vLLM 90 kvplan 100",
+    ]
+    regrouped = compare(
+        [SimpleNamespace(layer_names=["l0", "l1"], is_eagle_group=False)],
+        100,
+        _response([False, False]),
+    )
+    assert regrouped.differences() == ["groups: vLLM [[l0, l1]] kvplan [[l0]; [l1]]"]
+    assert "DIFFERENCE (groups:" in regrouped.summary()
+
+
+def test_flag_all_warning_is_in_the_line() -> None:
+    response = _response([False, False])
+    response.diagnostics.warnings.add(
+        code=plan_pb2.WARNING_CODE_NO_DRAFT_GROUP_MAMBA, message="consumers flag every group"
+    )
+    line = compare(_vllm_groups([False, False]), 100, response).summary()
+    assert "warning: consumers flag every group" in line
+
+
+def test_draft_flag_fix_only_where_vllm_flagged_none_or_all() -> None:
+    assert draft_flag_fix(_vllm_groups([False, False]), _response([False, True])) == [False, True]
+    assert draft_flag_fix(_vllm_groups([True, True]), _response([False, True])) == [False, True]
+    # vLLM's own partial flags stand; kvplan flagging nothing or all changes nothing.
+    assert draft_flag_fix(_vllm_groups([True, False]), _response([False, True])) == []
+    assert draft_flag_fix(_vllm_groups([False, False]), _response([False, False])) == []
+    assert draft_flag_fix(_vllm_groups([False, False]), _response([True, True])) == []
+    # Different groups: nothing to map the flags onto.
+    other = [SimpleNamespace(layer_names=["x"], is_eagle_group=False)] * 2
+    assert draft_flag_fix(other, _response([False, True])) == []
+
+
+def test_the_gate_names_every_signature_it_does_not_recognise() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class GroupSpec:
+        layer_names: list[str]
+        is_eagle_group: bool = False
+
+    class EngineCore:
+        def _initialize_kv_caches(self, vllm_config: object) -> None: ...
+
+        def shutdown(self) -> None: ...
+
+    def get_kv_cache_configs(
+        vllm_config: object,
+        kv_cache_specs: object,
+        available_memory: object,
+        global_kv_cache_groups: object,
+    ) -> None: ...
+
+    def finalize_extensible_kv_cache(vllm_config: object, kv_cache_configs: object) -> None: ...
+
+    module = ModuleType("core")
+    module.EngineCore = EngineCore  # type: ignore[attr-defined]
+    module.get_kv_cache_configs = get_kv_cache_configs  # type: ignore[attr-defined]
+    release_33 = release_for("0.33.0")
+    release_34 = release_for("0.34.0")
+    assert release_33 is not None and release_34 is not None
+    assert signature_problems(module, release_33, GroupSpec) == []
+    problems = signature_problems(module, release_34, GroupSpec)
+    assert problems == ["finalize_extensible_kv_cache is missing"]
+    module.finalize_extensible_kv_cache = finalize_extensible_kv_cache  # type: ignore[attr-defined]
+    (problem,) = signature_problems(module, release_34, GroupSpec)
+    assert problem.startswith("finalize_extensible_kv_cache('vllm_config', 'kv_cache_configs')")
+
+    @dataclasses.dataclass
+    class OldGroupSpec:
+        layer_names: list[str]
+
+    assert signature_problems(module, release_33, OldGroupSpec) == [
+        "KVCacheGroupSpec.is_eagle_group is missing"
+    ]
+
+
+def test_the_plugin_imports_only_the_thin_clients_dependencies() -> None:
+    """Module level: the standard library, grpcio, protobuf and kvplan's client and
+    stubs. vllm is imported only inside `register`, when vLLM calls it."""
+    import ast
+    from pathlib import Path
+
+    import kvplan.client.vllm_plugin as plugin
+
+    allowed = ("grpc", "google.protobuf", "kvplan.client", "kvplan.v1")
+    for path in Path(plugin.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                assert top in sys.stdlib_module_names or name.startswith(allowed), (path, name)
+        inner = {
+            alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in (node.names if isinstance(node, ast.Import) else [])
+        } | {
+            (node.module or "").split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+        }
+        assert "torch" not in inner, path
