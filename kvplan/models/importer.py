@@ -721,6 +721,13 @@ def derived_max_model_len(config: HFConfig) -> int:
     return length
 
 
+def serving_dtype(checkpoint: Dtype) -> Dtype:
+    """The dtype vLLM runs a checkpoint in with `--dtype auto` (its default): float32
+    checkpoints (e.g. Whisper's) are downcast to the platform's preferred dtype, bfloat16
+    on the Ampere-or-newer GPUs of the catalog; other dtypes run as stored."""
+    return Dtype.BFLOAT16 if checkpoint is Dtype.FLOAT32 else checkpoint
+
+
 def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> ModelLayers:
     """The cache layers one tensor-parallel worker registers for `config`."""
     if deployment.tensor_parallel_size < 1:
@@ -753,7 +760,10 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
                 f"{architecture} has no MTP layers; MTP import is supported for "
                 + ", ".join(sorted(_MTP_CAPABLE))
             )
-    model_dtype = text.dtype() if (text.has("torch_dtype") or text.has("dtype")) else config.dtype()
+    checkpoint_dtype = (
+        text.dtype() if (text.has("torch_dtype") or text.has("dtype")) else config.dtype()
+    )
+    model_dtype = serving_dtype(checkpoint_dtype)
     builder = _Builder(
         config=text,
         deployment=deployment,
@@ -763,6 +773,11 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
     )
     default_block = DEFAULT_MLA_BLOCK_SIZE if architecture in _MLA else DEFAULT_BLOCK_SIZE
     builder.block_size = deployment.block_size or default_block
+    if model_dtype is not checkpoint_dtype:
+        builder.notes.append(
+            f"checkpoint dtype {checkpoint_dtype.value} runs as {model_dtype.value} "
+            "(vLLM's dtype 'auto' on Ampere or newer GPUs)"
+        )
     if text.defaulted:
         builder.notes.append(
             "omitted in the config, filled with the family's transformers defaults: "

@@ -97,7 +97,15 @@ def calculator_cases() -> tuple[list[dict[str, object]], list[object]]:
         mamba = next(s for _, s in domain(layers) if isinstance(s, MambaSpec))
         cases.append({"kind": "mamba2", "args": [tp, 8192, 8, 128, 64, 128, 4, 0]})
         ours.append(states(mamba))
+    nano = load_config(str(MODELS / "nemotron-3-nano-30b-a3b"))
+    for tp in (1, 2, 4, 8):
+        layers = import_layers(nano, Deployment(tensor_parallel_size=tp))
+        mamba = next(s for _, s in domain(layers) if isinstance(s, MambaSpec))
+        cases.append({"kind": "mamba2", "args": [tp, 64 * 64, 8, 64, 64, 128, 4, 0]})
+        ours.append(states(mamba))
     for model, tp, kv_heads, head in (
+        ("whisper-small", 2, 6, 64),
+        ("nemotron-3-nano-30b-a3b", 4, 1, 128),
         ("llama-3.1-8b", 1, 8, 128),
         ("llama-3.1-8b", 16, 1, 128),
         ("phi-4", 2, 5, 128),
@@ -110,7 +118,7 @@ def calculator_cases() -> tuple[list[dict[str, object]], list[object]]:
                 Deployment(tensor_parallel_size=tp, kv_cache_dtype=kv_dtype),
             )
             full = next(s for _, s in domain(layers) if type(s) is FullAttentionSpec)
-            cases.append({"kind": "full", "args": [16, kv_heads, head, storage]})
+            cases.append({"kind": "full", "args": [full.block_size, kv_heads, head, storage]})
             ours.append(full.page_size_bytes)
     for kv_dtype, storage in (("auto", "bfloat16"), ("fp8", "uint8")):
         layers = import_layers(

@@ -202,14 +202,15 @@ def test_whisper_cross_attention_sized_by_encoder_tokens(
 ) -> None:
     # On an L4 vllm serve batches 2,048 tokens, so the encoder side of a 448-token request
     # holds cdiv(2048, 16) = 128 cross blocks next to 28 self-attention blocks; a block
-    # costs the larger group: 4 layers x 24,576 B (6 heads x 64 x (K+V) x 2 B x 16 tokens).
-    capacity = capacity_of(capsys, str(MODELS / "whisper-tiny-defaults"), "--gpu", "L4")
-    assert capacity["needed_per_request_bytes"] == (28 + 128) * 4 * 24_576
+    # costs the larger group: whisper-small's 12 layers x 49,152 B (12 heads x 64 x (K+V)
+    # x 2 B x 16 tokens; its float32 checkpoint runs in bfloat16).
+    capacity = capacity_of(capsys, str(MODELS / "whisper-small"), "--gpu", "L4")
+    assert capacity["needed_per_request_bytes"] == (28 + 128) * 12 * 49_152
     capacity = capacity_of(
-        capsys, str(MODELS / "whisper-tiny-defaults"), "--gpu", "L4",
+        capsys, str(MODELS / "whisper-small"), "--gpu", "L4",
         "--max-num-batched-tokens", "8k",
     )  # fmt: skip
-    assert capacity["needed_per_request_bytes"] == (28 + 512) * 4 * 24_576
+    assert capacity["needed_per_request_bytes"] == (28 + 512) * 12 * 49_152
 
 
 def test_serve_defaults_follow_the_device() -> None:
