@@ -539,7 +539,7 @@ def test_whisper_decoder_self_and_cross_attention() -> None:
     cross = only(specs, CrossAttentionSpec)
     assert len(cross) == len(only(specs, FullAttentionSpec)) == 12
     assert cross[0].page_size_bytes == attention_page(6, 64, 2) == 24_576
-    assert cross[0].dtype is StorageDtype.BFLOAT16
+    assert isinstance(cross[0], CrossAttentionSpec) and cross[0].dtype is StorageDtype.BFLOAT16
     with pytest.raises(ModelConfigError, match="decoder_attention_heads"):
         layers_of("whisper-small", tensor_parallel_size=8)
     config = load_config(str(MODELS / "whisper-small"))
