@@ -225,9 +225,31 @@ def test_serve_defaults_follow_the_device() -> None:
     assert defaults("A100-80GB") == defaults("L40S") == defaults("L4") == (2048, 256)
 
 
-def test_model_plans_refuse_a_release_rule_set(capsys: pytest.CaptureFixture[str]) -> None:
-    """The importer registers layers as vLLM 0.33 does: asking for another release's
-    rules with --model is refused rather than silently ignored."""
-    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100-80GB"]
-    assert main([*args, "--engine-version", "vllm-0.34"]) == 2
-    assert "--engine-version applies to request files" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("engine_version", "block", "blocks"),
+    [
+        # H100 80GB = 85,520,809,984 B, 20 GiB non-KV, 131,072 B per token.
+        # 0.32 / 0.33: 0.92 x total - 20 GiB over 2 MiB blocks (16 tokens);
+        ("vllm-0.32", 16, (-(-85_520_809_984 * 92 // 100) - 20 * 2**30) // (16 * 131_072)),
+        ("vllm-0.33", 16, (-(-85_520_809_984 * 92 // 100) - 20 * 2**30) // (16 * 131_072)),
+        # 0.34: the extensible cache reserves at utilization 1.0, 64-token blocks of 8 MiB.
+        ("vllm-0.34", 64, (85_520_809_984 - 20 * 2**30) // (64 * 131_072)),
+    ],
+)
+def test_model_plans_with_a_release(
+    engine_version: str, block: int, blocks: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--model with --engine-version: the release's layer registration (its default
+    block) and its planning rules; the plan says which rule set made it."""
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100-80GB", "--json"]
+    args += ["--max-model-len", "8k", "--non-kv-bytes", "20GiB", "--engine-version"]
+    assert main([*args, engine_version]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["rule_set"] == engine_version
+    assert plan["groups"][0]["block_size"] == block
+    assert int(plan["num_blocks"]) == blocks
+    capacity = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100", "--tp"]
+    assert main([*capacity, "1", "--json", "--engine-version", engine_version]) == 0
+    assert json.loads(capsys.readouterr().out)
+    assert main([*args, "vllm-0.99"]) == 2
+    assert "unknown engine_version 'vllm-0.99'" in capsys.readouterr().err

@@ -553,3 +553,68 @@ def test_whisper_decoder_self_and_cross_attention() -> None:
     decoder = 12 * (8 * d * d + 2 * d * ffn)
     embedding = 51_865 * d + (1500 + 448) * d
     assert count_params(config, layers).total == encoder + decoder + embedding == 241_463_040
+
+
+# --- engine releases ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("engine_version", "block", "is_draft"),
+    [("", 16, True), ("vllm-0.32", 16, False), ("vllm-0.33", 16, True), ("vllm-0.34", 64, True)],
+)
+def test_registration_follows_the_release(engine_version: str, block: int, is_draft: bool) -> None:
+    """vLLM 0.34's CacheConfig.DEFAULT_BLOCK_SIZE is 64 (0.32 / 0.33: 16), which
+    FlashAttention keeps as its preferred block; FlashMLA stays at 64 in every release.
+    Layer specs carry is_draft from 0.33 on; 0.32 finds draft groups by position."""
+    from kvplan.models.request import ModelPlanOptions, build_plan_request
+
+    llama = load_config(str(MODELS / "llama-3.1-8b"))
+    layers = import_layers(llama, Deployment(engine_version=engine_version))
+    assert layers.block_size == block
+    assert {layer.block_size for layer in layers.layers} == {block}
+    deepseek = load_config(str(MODELS / "deepseek-v3"))
+    assert import_layers(deepseek, Deployment(engine_version=engine_version)).block_size == 64
+    eagle = Speculative("eagle3", 3, HFConfig(EAGLE3_TEST_DRAFTER))
+    options = ModelPlanOptions(
+        gpu="H100-80GB", max_model_len=8192, speculative=eagle, engine_version=engine_version
+    )
+    request, _ = build_plan_request(llama, options)
+    assert request.options.engine_version == engine_version
+    assert request.options.block_size == block
+    flags = [layer.is_draft for layer in request.workers[0].layers]
+    assert flags == [False] * 32 + [is_draft]  # the drafter's layer, registered last
+    # No utilization given: the release's default applies (0.34 reserves at 1.0).
+    assert not request.workers[0].memory.HasField("gpu_memory_utilization")
+
+
+def test_hybrid_block_aligns_to_the_releases_default_block() -> None:
+    # Qwen3-Next TP 4: one attention token = 1 KV head (2 replicated over 4) x 256 x
+    # (K+V) x 2 B = 1,024 B; GDN state: conv (3, 2,048) + (8, 128, 128), bf16 = 274,432 B.
+    # 0.33 aligns to 16-token blocks: 16 x cdiv(274,432, 16 x 1,024) = 272, the state
+    # page padded to 278,528 B; 0.34 to its 64-token default block:
+    # 64 x cdiv(274,432, 64 x 1,024) = 320, padded to 327,680 B.
+    config = load_config(str(MODELS / "qwen3-next-80b-a3b"))
+    for engine_version, block, page in (("vllm-0.33", 272, 278_528), ("vllm-0.34", 320, 327_680)):
+        layers = import_layers(
+            config, Deployment(tensor_parallel_size=4, engine_version=engine_version)
+        )
+        assert layers.block_size == block
+        state = next(layer for layer in layers.layers if layer.is_state)
+        assert state.real_page_bytes == (3 * 2_048 + 8 * 128 * 128) * 2 == 274_432
+        assert state.page_size_bytes == page == block * 1_024
+
+
+def test_unknown_engine_version_names_the_supported_ones() -> None:
+    with pytest.raises(ModelConfigError, match=r"vllm-0\.32.*vllm-0\.33.*vllm-0\.34"):
+        import_layers(load_config(str(MODELS / "llama-3.1-8b")), Deployment(engine_version="x"))
+
+
+def test_registration_table_matches_the_core_rule_sets() -> None:
+    from kvplan.core.rules import FIELD_IS_DRAFT, RULE_SETS
+    from kvplan.models.importer import REGISTRATIONS
+
+    assert set(REGISTRATIONS) == set(RULE_SETS)
+    for version, rules in RULE_SETS.items():
+        registration = REGISTRATIONS[version]
+        assert registration.default_block_size == rules.default_block_size, version
+        assert registration.marks_draft_layers == rules.has_field(FIELD_IS_DRAFT), version
