@@ -237,12 +237,31 @@ import dataclasses, json, sys
 sys.path.insert(0, sys.argv[1])
 from vllm.config import CacheConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+import torch
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as C
+from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from conformance.compare import compare_results, plan_with_kvplan
 from conformance.vllm_driver import plan_with_vllm
 from kvplan.convert import GPU_MEMORY_BYTES, plan_from_proto
 from kvplan.core.errors import PlanningError
 from kvplan.v1 import plan_pb2
 payload = json.load(sys.stdin)
+dtypes = {"bfloat16": torch.bfloat16, "uint8": torch.uint8}
+out = []
+for case in payload["calculators"]:
+    kind, a = case["kind"], case["args"]
+    if kind == "gdn":
+        out.append([list(s) for s in C.gated_delta_net_state_shape(*a)])
+    elif kind == "mamba1":
+        out.append([list(s) for s in C.mamba1_state_shape(*a)])
+    elif kind == "mamba2":
+        out.append([list(s) for s in C.mamba2_state_shape(*a)])
+    elif kind == "full":
+        out.append(FullAttentionSpec(block_size=a[0], num_kv_heads=a[1], head_size=a[2],
+                                     dtype=dtypes[a[3]]).page_size_bytes)
+    elif kind == "mla":
+        out.append(MLAAttentionSpec(block_size=a[0], num_kv_heads=1, head_size=a[1],
+                                    dtype=dtypes[a[2]], cache_dtype_str=a[3]).page_size_bytes)
 facts = {
     "default_block_size": CacheConfig.DEFAULT_BLOCK_SIZE,
     "has_is_draft": "is_draft" in {f.name for f in dataclasses.fields(FullAttentionSpec)},
@@ -254,7 +273,7 @@ for blob in payload["requests"]:
     ours = plan_with_kvplan(plan_from_proto, PlanningError, request)
     diffs = [repr(diff) for diff in compare_results(vllm, ours)]
     plans.append({"ok": bool(vllm.get("ok")), "diffs": diffs})
-print(json.dumps({"facts": facts, "plans": plans}))
+print(json.dumps({"facts": facts, "calculators": out, "plans": plans}))
 """
 
 
@@ -319,7 +338,7 @@ def release_answers(request: pytest.FixtureRequest) -> tuple[str, dict[str, obje
     _, blobs = release_request_cases(engine_version)
     result = subprocess.run(
         [str(venv / "bin" / "python"), "-c", RELEASE_SIDE, str(MODELS.parents[1])],
-        input=json.dumps({"requests": blobs}),
+        input=json.dumps({"calculators": calculator_cases()[0], "requests": blobs}),
         capture_output=True,
         text=True,
         timeout=280,
@@ -342,6 +361,13 @@ def test_registration_matches_each_release(
     registration = registration_for(engine_version)
     assert registration.default_block_size == facts["default_block_size"]
     assert registration.marks_draft_layers == facts["has_is_draft"]
+    # State shapes and page formulas do not change between releases: the same
+    # calculator cases as vLLM 0.33's, answered by this release.
+    cases, ours = calculator_cases()
+    calculators = answers["calculators"]
+    assert isinstance(calculators, list)
+    for case, mine, theirs in zip(cases, ours, calculators, strict=True):
+        assert mine == theirs, (engine_version, case)
 
 
 def test_imported_requests_plan_the_same_in_each_release(
