@@ -20,7 +20,6 @@ from kvplan.models.weights import (
 )
 from kvplan.v1 import plan_pb2, spec_pb2
 
-DEFAULT_UTILIZATION = 0.92  # vLLM 0.32 / 0.33 (and 0.34's classic cache) default
 GIB = 1 << 30
 
 
