@@ -151,6 +151,12 @@ def test_docs_worked_examples(capsys: pytest.CaptureFixture[str]) -> None:
                         "--max-model-len", "32k")  # fmt: skip
     assert jamba["state_bytes_per_request"] == 28 * 163_840 * 2 == 9_175_040
     assert jamba["kv_bytes_per_token"] == 4 * 2_048
+    # Nemotron 3 Nano TP 4: 23 Mamba-2 layers x 540,672 B (padded) x 2 pages; 6 attention
+    # layers x 1 KV head (2 replicated over 4) x 128 x (K+V) x 2 B = 512 B/token each
+    nano = capacity_of(capsys, str(MODELS / "nemotron-3-nano-30b-a3b"), "--gpu", "H100",
+                       "--tp", "4", "--max-model-len", "32k")  # fmt: skip
+    assert nano["state_bytes_per_request"] == 23 * 540_672 * 2 == 24_870_912
+    assert nano["kv_bytes_per_token"] == 6 * 512
     # DeepSeek V3 TP 8 mtp:1: 62 MLA layers x 1,152 B per token
     deepseek = capacity_of(capsys, str(MODELS / "deepseek-v3"), "--gpu", "H200", "--tp", "8",
                            "--max-model-len", "32k", "--speculative", "mtp:1")  # fmt: skip
