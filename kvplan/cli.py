@@ -345,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--engine-version",
         help="rule set of the engine release that will run the plan: vllm-0.32, vllm-0.33, "
-        "vllm-0.34, or '' for kvplan's own rules (overrides options.engine_version)",
+        "vllm-0.34, or '' for kvplan's own rules (overrides options.engine_version); with "
+        "--model it also picks the release's layer registration",
     )
     add_model_options(plan, sweep=False)
     add_capacity_parser(commands)
@@ -381,15 +382,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(args_list)
     if args.command == "plan":
         if args.model:
-            if args.engine_version:
-                # The importer registers layers as vLLM 0.33 does (block sizes included);
-                # other releases' registration is not modelled yet.
-                print(
-                    "error: --engine-version applies to request files; --model plans with "
-                    "vLLM 0.33's layer registration (docs/capacity.md)",
-                    file=sys.stderr,
-                )
-                return 2
             return _plan_model_command(args)
         if not args.file:
             print("error: give a request FILE or --model CONFIG", file=sys.stderr)

@@ -88,6 +88,11 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         parser.add_argument(
             "--gpu", required=True, help="comma-separated catalog names or sizes (96GiB)"
         )
+        parser.add_argument(
+            "--engine-version",
+            help="the engine release that will run the model: vllm-0.32, vllm-0.33, "
+            "vllm-0.34, or '' for kvplan's own rules (vLLM 0.33's registration)",
+        )
         parser.add_argument("--tp", default="1,2,4,8", help="comma-separated TP sizes")
     else:
         parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -98,7 +103,10 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         help="tokens per request (32768, 32k, auto); default: the model's own maximum",
     )
     parser.add_argument(
-        "--gpu-memory-utilization", type=parse_fraction, default=0.92, help="0.9 or 90%%"
+        "--gpu-memory-utilization",
+        type=parse_fraction,
+        help="0.9 or 90%%; default: the release's (0.92; vllm-0.34's extensible cache "
+        "reserves at 1.0)",
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, bfloat16, ...")
     parser.add_argument(
@@ -146,6 +154,7 @@ def options_from_args(args: argparse.Namespace) -> ModelPlanOptions:
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,
         non_kv_bytes=args.non_kv_bytes,
+        engine_version=args.engine_version or "",
     )
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face config -> the layer specs one worker registers, as vLLM 0.33 builds them.
+"""Hugging Face config -> the layer specs one worker registers, as the named vLLM release
+(0.32, 0.33, 0.34; vLLM 0.33 when none is named) builds them.
 
 Each supported architecture has a builder that lists its cache layers in registration
 order (target model first, then the drafter's layers for MTP or EAGLE). What each builder encodes,
@@ -20,17 +21,62 @@ from dataclasses import dataclass, field
 
 from kvplan.models.config import HFConfig, ModelConfigError
 from kvplan.models.layers import Dtype, ImportedLayer, StateTensor, kv_storage_dtype
+from kvplan.v1 import spec_pb2
 
 
 def cdiv(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
 
 
-# The attention kernel block vLLM's default CUDA backends accept (FlashAttention and
-# Triton: multiples of 16) and FlashMLA's fixed 64-token block for MLA models on Hopper.
-DEFAULT_BLOCK_SIZE = 16
+# FlashMLA's fixed 64-token block for MLA models on Hopper (every release), and the
+# kernel block vLLM's default CUDA attention backends align to (FlashAttention and
+# Triton: multiples of 16). The default block of other models is the release's
+# (`Registration.default_block_size`).
 DEFAULT_MLA_BLOCK_SIZE = 64
 KERNEL_BLOCK_ALIGNMENT = 16
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What differs between engine releases in how a model's layers are registered.
+
+    * the default attention block: vLLM 0.32 / 0.33 16 tokens, 0.34 64
+      (`CacheConfig.DEFAULT_BLOCK_SIZE`, which FlashAttention keeps as its preference);
+    * whether a layer spec carries `is_draft` (vLLM 0.33 and later; 0.32 finds draft
+      groups from the spec marker and the trailing layer instead).
+
+    What does not differ for the imported families (read in each release's model code):
+    KV-head sharding, state shapes, the Mamba dtype rules, the hybrid block alignment
+    formula (0.34 applies it to its larger default block) and the MTP layer count
+    (`num_nextn_predict_layers` in 0.32, 0.33 and 0.34 alike).
+    """
+
+    engine_version: str
+    default_block_size: int
+    marks_draft_layers: bool
+
+
+# One entry per rule set of kvplan/core/rules.py (the client imports this module
+# without the core; tests/models/test_importer.py checks the two tables agree).
+REGISTRATIONS: dict[str, Registration] = {
+    "": Registration("", default_block_size=16, marks_draft_layers=True),  # as vLLM 0.33
+    "vllm-0.32": Registration("vllm-0.32", default_block_size=16, marks_draft_layers=False),
+    "vllm-0.33": Registration("vllm-0.33", default_block_size=16, marks_draft_layers=True),
+    "vllm-0.34": Registration("vllm-0.34", default_block_size=64, marks_draft_layers=True),
+}
+
+
+def registration_for(engine_version: str) -> Registration:
+    """The registration rules of `engine_version` ("" = kvplan's own, i.e. vLLM 0.33)."""
+    registration = REGISTRATIONS.get(engine_version)
+    if registration is None:
+        known = ", ".join(repr(key) for key in REGISTRATIONS)
+        raise ModelConfigError(
+            f"unknown engine_version {engine_version!r}; supported: {known} "
+            "('' registers as vLLM 0.33 and plans with kvplan's own rules)"
+        )
+    return registration
+
 
 # Cache dtypes whose page is (K + V) x 1 byte per element; backend-packed formats
 # (nvfp4, per-token-head, turboquant, ...) need the backend's content size instead.
@@ -67,6 +113,7 @@ class Deployment:
     speculative: Speculative | None = None
     mamba_ssm_cache_dtype: str = "auto"
     max_model_len: int | None = None  # Mamba block size when prefix caching is off
+    engine_version: str = ""  # the release that registers the layers ("" = vLLM 0.33)
 
 
 @dataclass(frozen=True)
@@ -84,6 +131,16 @@ class ModelLayers:
     num_nextn_predict_layers: int = 0
     notes: tuple[str, ...] = ()
     encoder_decoder: bool = False  # no prefix caching; cross-attention sized by the encoder
+    marks_draft_layers: bool = True  # the release's layer specs carry is_draft
+
+    def layer_protos(
+        self, layers: tuple[ImportedLayer, ...] | None = None
+    ) -> list[spec_pb2.LayerSpec]:
+        """The layers as the release's request carries them (no `is_draft` before 0.33)."""
+        return [
+            layer.to_proto(with_draft_flag=self.marks_draft_layers)
+            for layer in (self.layers if layers is None else layers)
+        ]
 
     @property
     def kinds(self) -> dict[str, int]:
@@ -123,7 +180,7 @@ class _Builder:
     architecture: str
     model_dtype: Dtype = Dtype.BFLOAT16
     kv_dtype: Dtype = Dtype.BFLOAT16
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int = 16
     layers: list[ImportedLayer] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     num_nextn: int = 0
@@ -721,6 +778,13 @@ def derived_max_model_len(config: HFConfig) -> int:
     return length
 
 
+def serving_dtype(checkpoint: Dtype) -> Dtype:
+    """The dtype vLLM runs a checkpoint in with `--dtype auto` (its default): float32
+    checkpoints (e.g. Whisper's) are downcast to the platform's preferred dtype, bfloat16
+    on the Ampere-or-newer GPUs of the catalog; other dtypes run as stored."""
+    return Dtype.BFLOAT16 if checkpoint is Dtype.FLOAT32 else checkpoint
+
+
 def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> ModelLayers:
     """The cache layers one tensor-parallel worker registers for `config`."""
     if deployment.tensor_parallel_size < 1:
@@ -753,7 +817,10 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
                 f"{architecture} has no MTP layers; MTP import is supported for "
                 + ", ".join(sorted(_MTP_CAPABLE))
             )
-    model_dtype = text.dtype() if (text.has("torch_dtype") or text.has("dtype")) else config.dtype()
+    checkpoint_dtype = (
+        text.dtype() if (text.has("torch_dtype") or text.has("dtype")) else config.dtype()
+    )
+    model_dtype = serving_dtype(checkpoint_dtype)
     builder = _Builder(
         config=text,
         deployment=deployment,
@@ -761,8 +828,16 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
         model_dtype=model_dtype,
         kv_dtype=kv_storage_dtype(deployment.kv_cache_dtype, model_dtype),
     )
-    default_block = DEFAULT_MLA_BLOCK_SIZE if architecture in _MLA else DEFAULT_BLOCK_SIZE
+    registration = registration_for(deployment.engine_version)
+    default_block = (
+        DEFAULT_MLA_BLOCK_SIZE if architecture in _MLA else registration.default_block_size
+    )
     builder.block_size = deployment.block_size or default_block
+    if model_dtype is not checkpoint_dtype:
+        builder.notes.append(
+            f"checkpoint dtype {checkpoint_dtype.value} runs as {model_dtype.value} "
+            "(vLLM's dtype 'auto' on Ampere or newer GPUs)"
+        )
     if text.defaulted:
         builder.notes.append(
             "omitted in the config, filled with the family's transformers defaults: "
@@ -790,6 +865,7 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
         encoder_decoder=architecture in ENCODER_DECODER,
         num_nextn_predict_layers=builder.num_nextn,
         notes=tuple(builder.notes),
+        marks_draft_layers=registration.marks_draft_layers,
     )
 
 

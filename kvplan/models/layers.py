@@ -101,9 +101,11 @@ class ImportedLayer:
     def page_size_bytes(self) -> int:
         return self.page_size_padded if self.page_size_padded is not None else self.real_page_bytes
 
-    def to_proto(self) -> spec_pb2.LayerSpec:
+    def to_proto(self, *, with_draft_flag: bool = True) -> spec_pb2.LayerSpec:
+        """The layer spec; `with_draft_flag=False` for releases without `is_draft`
+        (vLLM 0.32), which find draft groups by position instead."""
         layer = spec_pb2.LayerSpec(
-            name=self.name, is_draft=self.is_draft, block_size=self.block_size
+            name=self.name, is_draft=self.is_draft and with_draft_flag, block_size=self.block_size
         )
         if self.is_state:
             body = layer.mamba

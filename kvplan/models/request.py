@@ -20,7 +20,6 @@ from kvplan.models.weights import (
 )
 from kvplan.v1 import plan_pb2, spec_pb2
 
-DEFAULT_UTILIZATION = 0.92  # vLLM 0.33's default gpu_memory_utilization
 GIB = 1 << 30
 
 
@@ -46,7 +45,8 @@ class ModelPlanOptions:
     max_model_len: int | None = None  # None: the model's own maximum; -1: auto-fit
     gpu: str | None = None  # catalog name (resolved by the planner's name table)
     gpu_memory_bytes: int | None = None
-    gpu_memory_utilization: float = DEFAULT_UTILIZATION
+    # None: the release's default (0.92; vLLM 0.34's extensible cache reserves at 1.0)
+    gpu_memory_utilization: float | None = None
     kv_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "auto"  # vLLM's --mamba-ssm-cache-dtype
     speculative: Speculative | None = None
@@ -55,6 +55,9 @@ class ModelPlanOptions:
     max_num_batched_tokens: int | None = None  # None: vllm serve's default for the device
     non_kv_bytes: int | None = None  # measured non-KV memory per worker; None: estimate
     engine_id: str = ""
+    # The engine release that runs the plan: its layer registration and its planning
+    # rules (vllm-0.32, vllm-0.33, vllm-0.34; "" = kvplan's own, vLLM 0.33 registration).
+    engine_version: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ def build_plan_request(
             speculative=options.speculative,
             mamba_ssm_cache_dtype=options.mamba_ssm_cache_dtype,
             max_model_len=max_len_for_mamba,
+            engine_version=options.engine_version,
         ),
     )
     weights: WeightEstimate | None = None
@@ -132,6 +136,7 @@ def build_plan_request(
         )
     request = plan_pb2.PlanRequest(engine_id=options.engine_id or layers.model_type or "model")
     opts = request.options
+    opts.engine_version = options.engine_version
     opts.max_model_len = max_model_len
     opts.derived_max_model_len = layers.derived_max_model_len
     opts.block_size = layers.block_size
@@ -159,7 +164,7 @@ def build_plan_request(
         spec.target_model_type = layers.model_type
         if options.speculative.method == "mtp":
             spec.num_nextn_predict_layers = max(layers.num_nextn_predict_layers, 1)
-    stages = [[layer.to_proto() for layer in layers.stage_layers(stage, pp)] for stage in range(pp)]
+    stages = [layers.layer_protos(layers.stage_layers(stage, pp)) for stage in range(pp)]
     for rank in range(tp * pp):
         worker = request.workers.add(rank=rank)
         worker.layers.extend(stages[rank // tp])  # ranks: TP innermost, then PP stage
@@ -167,7 +172,8 @@ def build_plan_request(
             worker.device.name = device_name
         if device_bytes is not None:
             worker.device.total_memory_bytes = device_bytes
-        worker.memory.gpu_memory_utilization = options.gpu_memory_utilization
+        if options.gpu_memory_utilization is not None:
+            worker.memory.gpu_memory_utilization = options.gpu_memory_utilization
         worker.memory.non_kv.CopyFrom(non_kv)
     inputs = ModelPlanInputs(
         layers=layers,

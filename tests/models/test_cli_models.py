@@ -151,6 +151,12 @@ def test_docs_worked_examples(capsys: pytest.CaptureFixture[str]) -> None:
                         "--max-model-len", "32k")  # fmt: skip
     assert jamba["state_bytes_per_request"] == 28 * 163_840 * 2 == 9_175_040
     assert jamba["kv_bytes_per_token"] == 4 * 2_048
+    # Nemotron 3 Nano TP 4: 23 Mamba-2 layers x 540,672 B (padded) x 2 pages; 6 attention
+    # layers x 1 KV head (2 replicated over 4) x 128 x (K+V) x 2 B = 512 B/token each
+    nano = capacity_of(capsys, str(MODELS / "nemotron-3-nano-30b-a3b"), "--gpu", "H100",
+                       "--tp", "4", "--max-model-len", "32k")  # fmt: skip
+    assert nano["state_bytes_per_request"] == 23 * 540_672 * 2 == 24_870_912
+    assert nano["kv_bytes_per_token"] == 6 * 512
     # DeepSeek V3 TP 8 mtp:1: 62 MLA layers x 1,152 B per token
     deepseek = capacity_of(capsys, str(MODELS / "deepseek-v3"), "--gpu", "H200", "--tp", "8",
                            "--max-model-len", "32k", "--speculative", "mtp:1")  # fmt: skip
@@ -202,14 +208,15 @@ def test_whisper_cross_attention_sized_by_encoder_tokens(
 ) -> None:
     # On an L4 vllm serve batches 2,048 tokens, so the encoder side of a 448-token request
     # holds cdiv(2048, 16) = 128 cross blocks next to 28 self-attention blocks; a block
-    # costs the larger group: 4 layers x 24,576 B (6 heads x 64 x (K+V) x 2 B x 16 tokens).
-    capacity = capacity_of(capsys, str(MODELS / "whisper-tiny-defaults"), "--gpu", "L4")
-    assert capacity["needed_per_request_bytes"] == (28 + 128) * 4 * 24_576
+    # costs the larger group: whisper-small's 12 layers x 49,152 B (12 heads x 64 x (K+V)
+    # x 2 B x 16 tokens; its float32 checkpoint runs in bfloat16).
+    capacity = capacity_of(capsys, str(MODELS / "whisper-small"), "--gpu", "L4")
+    assert capacity["needed_per_request_bytes"] == (28 + 128) * 12 * 49_152
     capacity = capacity_of(
-        capsys, str(MODELS / "whisper-tiny-defaults"), "--gpu", "L4",
+        capsys, str(MODELS / "whisper-small"), "--gpu", "L4",
         "--max-num-batched-tokens", "8k",
     )  # fmt: skip
-    assert capacity["needed_per_request_bytes"] == (28 + 512) * 4 * 24_576
+    assert capacity["needed_per_request_bytes"] == (28 + 512) * 12 * 49_152
 
 
 def test_serve_defaults_follow_the_device() -> None:
@@ -224,9 +231,31 @@ def test_serve_defaults_follow_the_device() -> None:
     assert defaults("A100-80GB") == defaults("L40S") == defaults("L4") == (2048, 256)
 
 
-def test_model_plans_refuse_a_release_rule_set(capsys: pytest.CaptureFixture[str]) -> None:
-    """The importer registers layers as vLLM 0.33 does: asking for another release's
-    rules with --model is refused rather than silently ignored."""
-    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100-80GB"]
-    assert main([*args, "--engine-version", "vllm-0.34"]) == 2
-    assert "--engine-version applies to request files" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("engine_version", "block", "blocks"),
+    [
+        # H100 80GB = 85,520,809,984 B, 20 GiB non-KV, 131,072 B per token.
+        # 0.32 / 0.33: 0.92 x total - 20 GiB over 2 MiB blocks (16 tokens);
+        ("vllm-0.32", 16, (-(-85_520_809_984 * 92 // 100) - 20 * 2**30) // (16 * 131_072)),
+        ("vllm-0.33", 16, (-(-85_520_809_984 * 92 // 100) - 20 * 2**30) // (16 * 131_072)),
+        # 0.34: the extensible cache reserves at utilization 1.0, 64-token blocks of 8 MiB.
+        ("vllm-0.34", 64, (85_520_809_984 - 20 * 2**30) // (64 * 131_072)),
+    ],
+)
+def test_model_plans_with_a_release(
+    engine_version: str, block: int, blocks: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--model with --engine-version: the release's layer registration (its default
+    block) and its planning rules; the plan says which rule set made it."""
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100-80GB", "--json"]
+    args += ["--max-model-len", "8k", "--non-kv-bytes", "20GiB", "--engine-version"]
+    assert main([*args, engine_version]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["rule_set"] == engine_version
+    assert plan["groups"][0]["block_size"] == block
+    assert int(plan["num_blocks"]) == blocks
+    capacity = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100", "--tp"]
+    assert main([*capacity, "1", "--json", "--engine-version", engine_version]) == 0
+    assert json.loads(capsys.readouterr().out)
+    assert main([*args, "vllm-0.99"]) == 2
+    assert "unknown engine_version 'vllm-0.99'" in capsys.readouterr().err

@@ -319,6 +319,48 @@ def test_nemotron_h_mamba2_states(tp: int, conv: tuple[int, ...], ssm: tuple[int
     assert [s.dtype for s in state.states] == [StorageDtype.BFLOAT16, StorageDtype.FLOAT32]
 
 
+NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+
+
+@pytest.mark.parametrize(
+    ("tp", "kv_heads", "conv", "ssm", "block"),
+    [
+        # conv dim = 64 heads x 64 + 2 x 8 groups x 128 = 6,144 channels over tp;
+        # 2 KV heads: 2, 1, then replicated (1 per rank) at tp 4 and 8
+        (1, 2, (3, 6144), (64, 64, 128), 2096),
+        (2, 1, (3, 3072), (32, 64, 128), 2096),
+        (4, 1, (3, 1536), (16, 64, 128), 1056),
+        (8, 1, (3, 768), (8, 64, 128), 528),
+    ],
+)
+def test_nemotron_3_nano_published_config(
+    tp: int, kv_heads: int, conv: tuple[int, ...], ssm: tuple[int, ...], block: int
+) -> None:
+    """nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B: 23 Mamba-2 (M), 23 MoE (E, no cache) and
+    6 attention (*) layers; its config asks for a float32 SSM state."""
+    specs = layers_of("nemotron-3-nano-30b-a3b", tensor_parallel_size=tp)
+    mamba_at = [i for i, c in enumerate(NEMOTRON_3_NANO_PATTERN) if c == "M"]
+    attention_at = [i for i, c in enumerate(NEMOTRON_3_NANO_PATTERN) if c == "*"]
+    assert (len(mamba_at), len(attention_at)) == (23, 6)
+    assert [name for name, _ in specs] == sorted(
+        [f"model.layers.{i}.mixer" for i in mamba_at]
+        + [f"model.layers.{i}.mixer.attn" for i in attention_at],
+        key=lambda name: int(name.split(".")[2]),
+    )
+    state = only(specs, MambaSpec)[0]
+    assert isinstance(state, MambaSpec)
+    assert [s.shape for s in state.states] == [conv, ssm]
+    assert [s.dtype for s in state.states] == [StorageDtype.BFLOAT16, StorageDtype.FLOAT32]
+    real = conv[0] * conv[1] * 2 + ssm[0] * ssm[1] * ssm[2] * 4
+    per_token = attention_page(kv_heads, 128, 2, block=1)  # head_dim 128, bf16
+    assert block == 16 * -(-real // (16 * per_token))
+    attention = only(specs, FullAttentionSpec)[0]
+    assert isinstance(attention, FullAttentionSpec)
+    assert (attention.num_kv_heads, attention.head_size) == (kv_heads, 128)
+    assert attention.block_size == state.block_size == block
+    assert attention.page_size_bytes == state.page_size_padded == block * per_token
+
+
 # --- errors --------------------------------------------------------------------------
 
 
@@ -485,24 +527,94 @@ def test_pipeline_stages_split_layers_like_vllm() -> None:
 
 
 def test_whisper_decoder_self_and_cross_attention() -> None:
-    # whisper-tiny shape: 4 decoder layers, 6 heads of 384 / 6 = 64, no KV-head grouping
+    # whisper-small (published config): 12 decoder layers, 12 heads of 768 / 12 = 64,
+    # no KV-head grouping; its float32 checkpoint runs (and caches) in bfloat16.
     from kvplan.core.specs import CrossAttentionSpec
 
-    specs = layers_of("whisper-tiny-defaults", tensor_parallel_size=2)
+    specs = layers_of("whisper-small", tensor_parallel_size=2)
     assert [name for name, _ in specs[:2]] == [
         "model.decoder.layers.0.self_attn.attn",
         "model.decoder.layers.0.encoder_attn.attn",
     ]
     cross = only(specs, CrossAttentionSpec)
-    assert len(cross) == len(only(specs, FullAttentionSpec)) == 4
-    assert cross[0].page_size_bytes == attention_page(3, 64, 2) == 12_288
+    assert len(cross) == len(only(specs, FullAttentionSpec)) == 12
+    assert cross[0].page_size_bytes == attention_page(6, 64, 2) == 24_576
+    assert isinstance(cross[0], CrossAttentionSpec) and cross[0].dtype is StorageDtype.BFLOAT16
     with pytest.raises(ModelConfigError, match="decoder_attention_heads"):
-        layers_of("whisper-tiny-defaults", tensor_parallel_size=4)
-    config = load_config(str(MODELS / "whisper-tiny-defaults"))
+        layers_of("whisper-small", tensor_parallel_size=8)
+    config = load_config(str(MODELS / "whisper-small"))
+    assert config.dtype().value == "float32"
     layers = import_layers(config)
     assert layers.encoder_decoder and layers.derived_max_model_len == 448
-    d = 384
-    encoder = 4 * (4 * d * d + 2 * d * 1536) + 3 * d * (80 + d)
-    decoder = 4 * (8 * d * d + 2 * d * 1536)
+    assert layers.model_dtype.value == "bfloat16"
+    assert any("float32 runs as bfloat16" in note for note in layers.notes)
+    d, ffn = 768, 3072
+    encoder = 12 * (4 * d * d + 2 * d * ffn) + 3 * d * (80 + d)
+    decoder = 12 * (8 * d * d + 2 * d * ffn)
     embedding = 51_865 * d + (1500 + 448) * d
-    assert count_params(config, layers).total == encoder + decoder + embedding == 37_713_792
+    assert count_params(config, layers).total == encoder + decoder + embedding == 241_463_040
+
+
+# --- engine releases ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("engine_version", "block", "is_draft"),
+    [("", 16, True), ("vllm-0.32", 16, False), ("vllm-0.33", 16, True), ("vllm-0.34", 64, True)],
+)
+def test_registration_follows_the_release(engine_version: str, block: int, is_draft: bool) -> None:
+    """vLLM 0.34's CacheConfig.DEFAULT_BLOCK_SIZE is 64 (0.32 / 0.33: 16), which
+    FlashAttention keeps as its preferred block; FlashMLA stays at 64 in every release.
+    Layer specs carry is_draft from 0.33 on; 0.32 finds draft groups by position."""
+    from kvplan.models.request import ModelPlanOptions, build_plan_request
+
+    llama = load_config(str(MODELS / "llama-3.1-8b"))
+    layers = import_layers(llama, Deployment(engine_version=engine_version))
+    assert layers.block_size == block
+    assert {layer.block_size for layer in layers.layers} == {block}
+    deepseek = load_config(str(MODELS / "deepseek-v3"))
+    assert import_layers(deepseek, Deployment(engine_version=engine_version)).block_size == 64
+    eagle = Speculative("eagle3", 3, HFConfig(EAGLE3_TEST_DRAFTER))
+    options = ModelPlanOptions(
+        gpu="H100-80GB", max_model_len=8192, speculative=eagle, engine_version=engine_version
+    )
+    request, _ = build_plan_request(llama, options)
+    assert request.options.engine_version == engine_version
+    assert request.options.block_size == block
+    flags = [layer.is_draft for layer in request.workers[0].layers]
+    assert flags == [False] * 32 + [is_draft]  # the drafter's layer, registered last
+    # No utilization given: the release's default applies (0.34 reserves at 1.0).
+    assert not request.workers[0].memory.HasField("gpu_memory_utilization")
+
+
+def test_hybrid_block_aligns_to_the_releases_default_block() -> None:
+    # Qwen3-Next TP 4: one attention token = 1 KV head (2 replicated over 4) x 256 x
+    # (K+V) x 2 B = 1,024 B; GDN state: conv (3, 2,048) + (8, 128, 128), bf16 = 274,432 B.
+    # 0.33 aligns to 16-token blocks: 16 x cdiv(274,432, 16 x 1,024) = 272, the state
+    # page padded to 278,528 B; 0.34 to its 64-token default block:
+    # 64 x cdiv(274,432, 64 x 1,024) = 320, padded to 327,680 B.
+    config = load_config(str(MODELS / "qwen3-next-80b-a3b"))
+    for engine_version, block, page in (("vllm-0.33", 272, 278_528), ("vllm-0.34", 320, 327_680)):
+        layers = import_layers(
+            config, Deployment(tensor_parallel_size=4, engine_version=engine_version)
+        )
+        assert layers.block_size == block
+        state = next(layer for layer in layers.layers if layer.is_state)
+        assert state.real_page_bytes == (3 * 2_048 + 8 * 128 * 128) * 2 == 274_432
+        assert state.page_size_bytes == page == block * 1_024
+
+
+def test_unknown_engine_version_names_the_supported_ones() -> None:
+    with pytest.raises(ModelConfigError, match=r"vllm-0\.32.*vllm-0\.33.*vllm-0\.34"):
+        import_layers(load_config(str(MODELS / "llama-3.1-8b")), Deployment(engine_version="x"))
+
+
+def test_registration_table_matches_the_core_rule_sets() -> None:
+    from kvplan.core.rules import FIELD_IS_DRAFT, RULE_SETS
+    from kvplan.models.importer import REGISTRATIONS
+
+    assert set(REGISTRATIONS) == set(RULE_SETS)
+    for version, rules in RULE_SETS.items():
+        registration = REGISTRATIONS[version]
+        assert registration.default_block_size == rules.default_block_size, version
+        assert registration.marks_draft_layers == rules.has_field(FIELD_IS_DRAFT), version
