@@ -47,9 +47,10 @@ test: $(STAMP) proto-check lint vllm-venvs
 wheel: $(STAMP)
 	$(PY) -m pip wheel -q --no-deps -w dist .
 
-## The CPU venvs of the vLLM releases the plugin supports (cached in
-## ~/.cache/kvplan; the plugin tests run vLLM's engine core in them).
-VLLM_RELEASES ?= 0.33 0.34
+## The CPU venvs of the vLLM releases (cached in ~/.cache/kvplan): the plugin tests
+## run 0.33's and 0.34's engine core in them, the model importer's tests every
+## release's planner.
+VLLM_RELEASES ?= 0.32 0.33 0.34
 vllm-venvs:
 	for v in $(VLLM_RELEASES); do bash scripts/vllm-venv $$v || exit 1; done
 

@@ -1,10 +1,12 @@
 """The importer against vLLM 0.33 on the CPU, in the vLLM venv: its state-shape
 calculators and spec pages, and its planner on every imported request. One subprocess
-answers both tests; they skip only when that venv is absent."""
+answers both tests. A missing venv fails them with how to build it (make test
+builds every release's venv first)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +24,8 @@ from kvplan.models import (
 )
 from tests.models.test_importer import EAGLE3_TEST_DRAFTER, NEMOTRON_H_TEST_CONFIG, domain
 
-VENV = Path.home() / ".cache" / "kvplan" / "vllm-0.33" / "venv"
+VLLM_CACHE = Path(os.environ.get("KVPLAN_VLLM_CACHE", Path.home() / ".cache" / "kvplan"))
+VENV = VLLM_CACHE / "vllm-0.33" / "venv"
 MODELS = Path(__file__).parents[2] / "examples" / "models"
 
 # Runs inside the vLLM venv with the repository on sys.path: answers the calculator
@@ -193,7 +196,7 @@ def request_cases() -> tuple[list[tuple[str, str]], list[str]]:
 @pytest.fixture(scope="module")
 def vllm_answers() -> dict[str, list[object]]:
     if not (VENV / ".kvplan-vllm-ready").exists():
-        pytest.skip(f"vLLM 0.33 CPU venv not built at {VENV}")
+        pytest.fail(f"vLLM 0.33 CPU venv not built at {VENV}: run `scripts/vllm-venv 0.33`")
     calculators, _ = calculator_cases()
     _, requests = request_cases()
     result = subprocess.run(
@@ -332,9 +335,12 @@ def release_request_cases(engine_version: str) -> tuple[list[str], list[str]]:
 @pytest.fixture(scope="module", params=RELEASES)
 def release_answers(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
     engine_version: str = request.param
-    venv = Path.home() / ".cache" / "kvplan" / engine_version / "venv"
+    venv = VLLM_CACHE / engine_version / "venv"
     if not (venv / ".kvplan-vllm-ready").exists():
-        pytest.skip(f"{engine_version} CPU venv not built at {venv}")
+        release = engine_version.removeprefix("vllm-")
+        pytest.fail(
+            f"{engine_version} CPU venv not built at {venv}: run `scripts/vllm-venv {release}`"
+        )
     _, blobs = release_request_cases(engine_version)
     result = subprocess.run(
         [str(venv / "bin" / "python"), "-c", RELEASE_SIDE, str(MODELS.parents[1])],
