@@ -579,11 +579,13 @@ def _layer_list_key(worker: plan_pb2.WorkerSpec) -> bytes:
     (never seen), the whole worker is the key, which is still exact, merely unshared.
     One serialization per worker instead of one per layer: 10 µs against 40 µs for
     65 layers."""
+    head = plan_pb2.WorkerSpec(rank=worker.rank)
+    for name in ("device", "memory"):
+        if worker.HasField(name):  # an unset message must stay unset to match
+            getattr(head, name).CopyFrom(getattr(worker, name))
     encoded = worker.SerializeToString(deterministic=True)
-    head = plan_pb2.WorkerSpec(
-        rank=worker.rank, device=worker.device, memory=worker.memory
-    ).SerializeToString(deterministic=True)
-    return encoded[len(head) :] if encoded.startswith(head) else encoded
+    head_bytes = head.SerializeToString(deterministic=True)
+    return encoded[len(head_bytes) :] if encoded.startswith(head_bytes) else encoded
 
 
 def _layers_from_proto(
