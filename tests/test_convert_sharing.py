@@ -115,7 +115,17 @@ def _plan_bytes(domain: EngineRequest) -> bytes | type[Exception]:
         plan = plan_engine(domain)
     except InvalidRequest as error:
         return type(error)
-    return plan_to_proto(plan, plan_id="p").SerializeToString(deterministic=True)
+    rendered = plan_to_proto(plan, plan_id="p").SerializeToString(deterministic=True)
+    # Every worker's tensors and groups in tuples of its own: rendered worker by worker.
+    unshared = replace(
+        plan,
+        workers=tuple(
+            replace(worker, tensors=tuple(list(worker.tensors)), groups=tuple(list(worker.groups)))
+            for worker in plan.workers
+        ),
+    )
+    assert plan_to_proto(unshared, plan_id="p").SerializeToString(deterministic=True) == rendered
+    return rendered
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -557,7 +557,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     tensors_per_worker = _per_projection(
         projected,
         lambda worker_groups: (
-            [
+            (
                 *_host_tensors(worker_groups, host_blocks_of[id(worker_groups)]),
                 *place_tensors(
                     [g for g in worker_groups if not g.host_resident],
@@ -566,9 +566,9 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
                     bytes_of[id(worker_groups)],
                     own_layers_only=own_layers_only,
                 ),
-            ]
+            )
             if worker_groups
-            else []
+            else ()
         ),
     )
 
@@ -606,57 +606,52 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
             needed = one_request_fits(check)
             # Strides and offsets keep describing the reservation; sizes shrink.
             tensors_per_worker = [
-                [
+                tuple(
                     tensor
                     if tensor.host_resident
                     else replace(
                         tensor, size_bytes=num_blocks * tensor.size_bytes // reserved_blocks
                     )
                     for tensor in tensors
-                ]
+                )
                 for tensors in tensors_per_worker
             ]
     ctx = _context(options, rules, max_model_len)
 
     zeroing = _per_projection(projected, _needs_kv_cache_zeroing)
+    # Workers with one projection share one tuple of tensors and of groups, which
+    # lets the wire conversion render each once.
+    projected_groups = _per_projection(
+        projected,
+        lambda groups: tuple(ProjectedGroup(g.group_id, g.layer_names, g.is_draft) for g in groups),
+    )
     tp_replicas = _per_projection(projected, lambda groups: _tp_replicas(groups, options))
     if rules.kv_zeroing_across_workers:
         zeroing = [any(zeroing)] * len(zeroing)
 
     worker_plans = []
-    for worker, worker_groups, bpb, budget, memory, need, tensors, zero, replicas in zip(
-        workers,
-        projected,
-        block_bytes,
-        budgets,
-        check,
-        needed,
-        tensors_per_worker,
-        zeroing,
-        tp_replicas,
-        strict=True,
-    ):
+    for index, worker in enumerate(workers):
+        has_groups = bool(projected[index])
+        bpb, budget = block_bytes[index], budgets[index]
         worker_plans.append(
             WorkerPlan(
                 rank=worker.rank,
                 device_uuid=worker.device.uuid,
                 num_blocks=num_blocks,
                 bytes_per_block=bpb,
-                tensors=tuple(tensors),
-                groups=tuple(
-                    ProjectedGroup(g.group_id, g.layer_names, g.is_draft) for g in worker_groups
-                ),
+                tensors=tensors_per_worker[index],
+                groups=projected_groups[index],
                 budget=budget,
-                check_bytes=memory,
-                needed_per_request_bytes=need,
+                check_bytes=check[index],
+                needed_per_request_bytes=needed[index],
                 encoder_only_layers=worker.encoder_only_layers,
-                kv_tp_replicas=replicas,
-                needs_kv_cache_zeroing=zero,
+                kv_tp_replicas=tp_replicas[index],
+                needs_kv_cache_zeroing=zeroing[index],
                 footprint_bytes=(
                     # A final extensible cache holds what it committed, not its cap.
                     budget.non_kv_bytes + num_blocks * bpb
-                    if stage is PlanStage.EXTENSIBLE_FINAL and worker_groups
-                    else budget.footprint_bytes(num_blocks * bpb if worker_groups else 0)
+                    if stage is PlanStage.EXTENSIBLE_FINAL and has_groups
+                    else budget.footprint_bytes(num_blocks * bpb if has_groups else 0)
                 ),
             )
         )
