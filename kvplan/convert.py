@@ -8,6 +8,7 @@ and applies kvplan's documented defaults (docs/semantics.md);
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
@@ -823,9 +824,8 @@ _WARNINGS = {code: plan_pb2.WarningCode.Value(f"WARNING_CODE_{code.name}") for c
 _BUDGET_MODES = {mode: plan_pb2.BudgetMode.Value(f"BUDGET_MODE_{mode.name}") for mode in BudgetMode}
 
 
-def _worker_layout_to_proto(worker: WorkerPlan) -> plan_pb2.WorkerPlan:
-    """A WorkerPlan holding only the worker's tensors and projected groups."""
-    out = plan_pb2.WorkerPlan()
+def _worker_layout_to_proto(worker: WorkerPlan, out: plan_pb2.WorkerPlan) -> None:
+    """The worker's tensors and projected groups."""
     for tensor in worker.tensors:
         out.tensors.add(
             size_bytes=tensor.size_bytes,
@@ -842,7 +842,6 @@ def _worker_layout_to_proto(worker: WorkerPlan) -> plan_pb2.WorkerPlan:
             layer_names=projected.layer_names,
             is_draft=projected.is_draft,
         )
-    return out
 
 
 def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
@@ -875,7 +874,11 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
                 out.layer_specs.append(spec_to_proto(layer_spec, name))
         else:
             out.spec.CopyFrom(spec_to_proto(group.spec))
-    rendered: dict[tuple[int, int], plan_pb2.WorkerPlan] = {}
+    # Workers with one projection (tensor-parallel ranks) share their tuples of
+    # tensors and groups: a layout several workers share is rendered once and merged
+    # into each (for 8 workers x 65 layers, 0.045 ms of 0.15 ms).
+    sharers = Counter((id(worker.tensors), id(worker.groups)) for worker in plan.workers)
+    shared: dict[tuple[int, int], plan_pb2.WorkerPlan] = {}
     for worker in plan.workers:
         budget = worker.budget
         out_worker = response.workers.add(
@@ -907,14 +910,14 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
                 footprint_bytes=max(worker.footprint_bytes, 0),
             )
         )
-        # Workers with one projection (tensor-parallel ranks) share the tuples of
-        # tensors and groups: render them once and merge the copy (for 8 workers
-        # x 65 layers, 0.045 ms of 0.15 ms).
         key = (id(worker.tensors), id(worker.groups))
-        layout = rendered.get(key)
-        if layout is None:
-            layout = rendered[key] = _worker_layout_to_proto(worker)
-        out_worker.MergeFrom(layout)
+        if sharers[key] == 1:
+            _worker_layout_to_proto(worker, out_worker)
+        else:
+            if key not in shared:
+                shared[key] = plan_pb2.WorkerPlan()
+                _worker_layout_to_proto(worker, shared[key])
+            out_worker.MergeFrom(shared[key])
     diagnostics = response.diagnostics
     diagnostics.grouping_path = _PATHS[plan.path]
     diagnostics.page_sizes_unified = plan.page_sizes_unified
