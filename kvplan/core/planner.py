@@ -515,13 +515,6 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
 
     def one_request_fits(memory_per_worker: list[int]) -> list[int]:
         ctx = _context(options, rules, max_model_len)
-        needed_of: dict[int, int] = {}  # by device projection (`_per_projection`)
-
-        def request_bytes(device_groups: list[KVCacheGroup], bpb: int) -> int:
-            if id(device_groups) not in needed_of:
-                needed_of[id(device_groups)] = needed_bytes(device_groups, bpb, ctx)
-            return needed_of[id(device_groups)]
-
         needed: list[int] = []
         for worker, worker_groups, device_groups, bpb, memory in zip(
             workers, projected, device, block_bytes, memory_per_worker, strict=True
@@ -532,7 +525,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
             need = check_one_request_fits(
                 rank=worker.rank,
                 check_bytes=memory,
-                needed=lambda g=device_groups, b=bpb: request_bytes(g, b),  # type: ignore[misc]
+                needed=lambda g=device_groups, b=bpb: needed_bytes(g, b, ctx),  # type: ignore[misc]
                 max_model_len=max_model_len,
                 estimate=lambda memory, g=worker_groups, b=bpb: fits_for(g, b, memory),  # type: ignore[misc]
             )
