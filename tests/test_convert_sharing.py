@@ -4,7 +4,11 @@ planning every worker on its own gives."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +22,8 @@ from kvplan.convert import (
     request_from_proto,
     spec_to_proto,
 )
-from kvplan.core.errors import InvalidRequest
+from kvplan.core import planner
+from kvplan.core.errors import InvalidRequest, PlanningError
 from kvplan.core.planner import plan_engine
 from kvplan.core.request import EngineRequest
 from kvplan.core.rules import rule_set_for
@@ -57,6 +62,9 @@ def engines(draw: st.DrawFn) -> plan_pb2.PlanRequest:
     )
     request = plan_pb2.PlanRequest(engine_id="sharing")
     request.options.max_model_len = 4096
+    if draw(st.booleans()):  # auto-fit: a length search per worker
+        request.options.max_model_len = -1
+        request.options.derived_max_model_len = draw(st.sampled_from([4096, 1 << 20]))
     request.options.parallel.tensor_parallel_size = count
     ranks = draw(st.permutations(range(count)))
     for rank in ranks:
@@ -64,7 +72,7 @@ def engines(draw: st.DrawFn) -> plan_pb2.PlanRequest:
         worker = request.workers.add(rank=rank)
         if draw(st.booleans()):  # unset or set
             worker.device.uuid = f"GPU-{rank}"
-        worker.memory.kv_cache_memory_bytes = draw(st.sampled_from([4 * GIB, 8 * GIB]))
+        worker.memory.kv_cache_memory_bytes = draw(st.sampled_from([GIB // 64, 4 * GIB, 8 * GIB]))
         worker.layers.extend(
             _layer(f"model.layers.{index}.attn", *param) for index, param in enumerate(params)
         )
@@ -99,7 +107,7 @@ def _wire(layers: tuple[tuple[str, KVCacheSpec], ...]) -> list[bytes]:
     ]
 
 
-def _reference_plan(request: plan_pb2.PlanRequest) -> bytes | type[Exception]:
+def _reference_plan(request: plan_pb2.PlanRequest) -> bytes | str:
     shared = request_from_proto(request)
     workers = tuple(
         replace(worker, layers=layers, encoder_only_layers=encoder_only)
@@ -107,14 +115,38 @@ def _reference_plan(request: plan_pb2.PlanRequest) -> bytes | type[Exception]:
             shared.workers, _reference_layers(request), strict=True
         )
     )
-    return _plan_bytes(replace(shared, workers=workers))
+    return _plan_bytes(replace(shared, workers=workers), shared=False)
 
 
-def _plan_bytes(domain: EngineRequest) -> bytes | type[Exception]:
+@contextmanager
+def _nothing_shared() -> Iterator[None]:
+    """plan_engine with every worker's projection a list of its own and every
+    per-projection or per-layer-tuple step run for each worker."""
+    project_all = planner._project_all
+
+    def own_lists(*args: Any) -> list[list[Any]]:
+        return [list(view) for view in project_all(*args)]
+
+    def each(projected: list[Any], compute: Callable[[Any], Any]) -> list[Any]:
+        return [compute(view) for view in projected]
+
+    with (
+        mock.patch.object(planner, "_project_all", own_lists),
+        mock.patch.object(planner, "_per_projection", each),
+        mock.patch.object(planner, "_distinct_layers", lambda worker, seen: True),
+    ):
+        yield
+
+
+def _plan_bytes(domain: EngineRequest, *, shared: bool = True) -> bytes | str:
     try:
-        plan = plan_engine(domain)
-    except InvalidRequest as error:
-        return type(error)
+        if shared:
+            plan = plan_engine(domain)
+        else:
+            with _nothing_shared():
+                plan = plan_engine(domain)
+    except PlanningError as error:
+        return f"{type(error).__name__}: {error.field}: {error}"
     rendered = plan_to_proto(plan, plan_id="p").SerializeToString(deterministic=True)
     # Every worker's tensors and groups in tuples of its own: rendered worker by worker.
     unshared = replace(
