@@ -8,6 +8,7 @@ and applies kvplan's documented defaults (docs/semantics.md);
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
@@ -20,7 +21,7 @@ from kvplan.core.groups import DraftRule, GroupingPath
 from kvplan.core.hisparse import DEFAULT_HOST_PAGE_BYTES, HiSparseConfig
 from kvplan.core.layout import KVCacheLayout
 from kvplan.core.memory import BudgetMode
-from kvplan.core.planner import EnginePlan, plan_engine
+from kvplan.core.planner import EnginePlan, WorkerPlan, plan_engine
 from kvplan.core.request import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DeviceInfo,
@@ -106,9 +107,10 @@ class _Context:
         self.align_mode = options.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN
         self.hisparse = options.HasField("hisparse")
         self.specs_by_bytes: dict[bytes, KVCacheSpec] = {}
-        # Tensor-parallel ranks repeat one layer list: convert each distinct list once.
+        # Tensor-parallel ranks repeat one layer list: convert each distinct list once
+        # (keyed by `_layer_list_key`).
         self.layer_lists: dict[
-            tuple[bytes, ...], tuple[tuple[tuple[str, KVCacheSpec], ...], tuple[str, ...]]
+            bytes, tuple[tuple[tuple[str, KVCacheSpec], ...], tuple[str, ...]]
         ] = {}
         self.starting_max_model_len = (
             options.derived_max_model_len
@@ -573,17 +575,33 @@ def encode_varint(value: int) -> bytes:
     return bytes(out)
 
 
+def _layer_list_key(worker: plan_pb2.WorkerSpec) -> bytes:
+    """Bytes equal only for workers with equal layer lists: the worker's serialization
+    less its leading non-layer fields. `layers` has the highest field number, so it is
+    serialized last; where the serialization does not start with the other fields
+    (never seen), the whole worker is the key, which is still exact, merely unshared.
+    One serialization per worker instead of one per layer: 10 µs against 40 µs for
+    65 layers."""
+    head = plan_pb2.WorkerSpec(rank=worker.rank)
+    for name in ("device", "memory"):
+        if worker.HasField(name):  # an unset message must stay unset to match
+            getattr(head, name).CopyFrom(getattr(worker, name))
+    encoded = worker.SerializeToString(deterministic=True)
+    head_bytes = head.SerializeToString(deterministic=True)
+    return encoded[len(head_bytes) :] if encoded.startswith(head_bytes) else encoded
+
+
 def _layers_from_proto(
     worker: plan_pb2.WorkerSpec, path: str, ctx: _Context
 ) -> tuple[tuple[tuple[str, KVCacheSpec], ...], tuple[str, ...]]:
     """(name, spec) of the layers that need KV cache, and the encoder-only names.
     A list identical to an earlier worker's was validated there (errors name the
     first worker that has it) and is reused."""
-    encoded = [layer.SerializeToString(deterministic=True) for layer in worker.layers]
-    key = tuple(encoded)
+    key = _layer_list_key(worker)
     cached = ctx.layer_lists.get(key)
     if cached is not None:
         return cached
+    encoded = [layer.SerializeToString(deterministic=True) for layer in worker.layers]
     layers: list[tuple[str, KVCacheSpec]] = []
     encoder_only: list[str] = []
     specs_by_bytes = ctx.specs_by_bytes
@@ -813,6 +831,26 @@ _WARNINGS = {code: plan_pb2.WarningCode.Value(f"WARNING_CODE_{code.name}") for c
 _BUDGET_MODES = {mode: plan_pb2.BudgetMode.Value(f"BUDGET_MODE_{mode.name}") for mode in BudgetMode}
 
 
+def _worker_layout_to_proto(worker: WorkerPlan, out: plan_pb2.WorkerPlan) -> None:
+    """The worker's tensors and projected groups."""
+    for tensor in worker.tensors:
+        out.tensors.add(
+            size_bytes=tensor.size_bytes,
+            layer_names=tensor.layer_names,
+            offset_bytes=tensor.offset_bytes,
+            layer_stride_bytes=tensor.layer_stride_bytes,
+            block_stride_bytes=tensor.block_stride_bytes,
+            group_id=tensor.group_id,
+            host_resident=tensor.host_resident,
+        )
+    for projected in worker.groups:
+        out.groups.add(
+            group_id=projected.group_id,
+            layer_names=projected.layer_names,
+            is_draft=projected.is_draft,
+        )
+
+
 def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
     response = plan_pb2.PlanResponse(
         plan_id=plan_id,
@@ -843,6 +881,11 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
                 out.layer_specs.append(spec_to_proto(layer_spec, name))
         else:
             out.spec.CopyFrom(spec_to_proto(group.spec))
+    # Workers with one projection (tensor-parallel ranks) share their tuples of
+    # tensors and groups: a layout several workers share is rendered once and merged
+    # into each (for 8 workers x 65 layers, 0.045 ms of 0.15 ms).
+    sharers = Counter((id(worker.tensors), id(worker.groups)) for worker in plan.workers)
+    shared: dict[tuple[int, int], plan_pb2.WorkerPlan] = {}
     for worker in plan.workers:
         budget = worker.budget
         out_worker = response.workers.add(
@@ -874,22 +917,14 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
                 footprint_bytes=max(worker.footprint_bytes, 0),
             )
         )
-        for tensor in worker.tensors:
-            out_worker.tensors.add(
-                size_bytes=tensor.size_bytes,
-                layer_names=tensor.layer_names,
-                offset_bytes=tensor.offset_bytes,
-                layer_stride_bytes=tensor.layer_stride_bytes,
-                block_stride_bytes=tensor.block_stride_bytes,
-                group_id=tensor.group_id,
-                host_resident=tensor.host_resident,
-            )
-        for projected in worker.groups:
-            out_worker.groups.add(
-                group_id=projected.group_id,
-                layer_names=projected.layer_names,
-                is_draft=projected.is_draft,
-            )
+        key = (id(worker.tensors), id(worker.groups))
+        if sharers[key] == 1:
+            _worker_layout_to_proto(worker, out_worker)
+        else:
+            if key not in shared:
+                shared[key] = plan_pb2.WorkerPlan()
+                _worker_layout_to_proto(worker, shared[key])
+            out_worker.MergeFrom(shared[key])
     diagnostics = response.diagnostics
     diagnostics.grouping_path = _PATHS[plan.path]
     diagnostics.page_sizes_unified = plan.page_sizes_unified
