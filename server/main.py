@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import signal
@@ -28,6 +27,7 @@ from kvplan.server.probes import DeviceProbe, ProbeUnavailable, open_probe
 from kvplan.server.security import Authenticator, bind_host, is_loopback, warn_if_exposed
 from kvplan.server.servicer import PlannerServicer
 from kvplan.server.store import Store, StoreUnavailable, open_store
+from kvplan.server.tasks import cancel_and_wait
 from kvplan.v1 import plan_pb2, service_pb2
 
 log = logging.getLogger("kvplan.server")
@@ -146,9 +146,7 @@ class RunningServer:
         await self.server.stop(0)
         for task in (self._sweeper, self._health_watch):
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)
         await self.store.close()
         self.probe.close()
         if self._http is not None:

@@ -67,6 +67,7 @@ from kvplan.server.store.memory import (
     same_ranks,
     too_many_pending,
 )
+from kvplan.server.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -330,14 +331,9 @@ class RedisStore:
     async def close(self) -> None:
         listener, self._listener = self._listener, None
         if listener is not None:
+            # The flag ends the loop where a cancellation is lost inside redis-py.
             self._closing = True
-            # redis-py can turn a cancellation inside a read into its own
-            # TimeoutError; the flag ends the loop then, the re-cancel the wait.
-            while not listener.done():
-                listener.cancel()
-                await asyncio.wait({listener}, timeout=0.1)
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
+            await cancel_and_wait(listener)
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(RedisError, OSError):

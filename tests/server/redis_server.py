@@ -8,7 +8,6 @@ pass silently (scripts/run-tests installs it and sets KVPLAN_REQUIRE_REDIS).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import shutil
 import signal
@@ -41,13 +40,21 @@ def redis_server_binary() -> str:
     pytest.skip(message)
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when the test process dies, so a
-    killed pytest leaves no redis-server behind (Linux; elsewhere a no-op).
-    Linux ties this to the starting thread: start servers from the main one."""
-    if sys.platform == "linux":
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+def _dying_with_parent(command: list[str]) -> list[str]:
+    """`command` run so that it is SIGKILLed when the test process dies, so a
+    killed pytest leaves no redis-server behind (Linux, where util-linux's
+    setpriv is; elsewhere `command` as it is). Linux ties this to the starting
+    thread: start servers from the main one.
+
+    Not a `preexec_fn` calling prctl: that makes subprocess fork() a process
+    whose gRPC threads are running, gRPC's fork handlers then start threads in
+    the child, and those abort it (SIGABRT, "epoll_wait error: Bad file
+    descriptor") when the child closes its inherited descriptors before exec.
+    Without a preexec_fn, subprocess uses vfork(), which runs no fork handlers."""
+    setpriv = shutil.which("setpriv")
+    if sys.platform != "linux" or setpriv is None:
+        return command
+    return [setpriv, "--pdeathsig", "KILL", "--", *command]
 
 
 def free_port() -> int:
@@ -75,6 +82,7 @@ class RedisServer:
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = directory / "redis.log"
+        self.stderr_path = directory / "redis.stderr"
 
     @property
     def url(self) -> str:
@@ -98,21 +106,34 @@ class RedisServer:
 
     def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(
-            self._command(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
-        )
+        # Its stderr in a file, not an unread pipe: what a dying start printed is
+        # in the error below (and a full pipe can never block redis-server).
+        with self.stderr_path.open("ab") as stderr:
+            self.process = subprocess.Popen(
+                _dying_with_parent(self._command()), stdout=subprocess.DEVNULL, stderr=stderr
+            )
         deadline = time.monotonic() + START_TIMEOUT_S
         while not _answers_ping(self.port):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                log = self.log_path.read_text() if self.log_path.exists() else ""
+            exit_code = self.process.poll()
+            if exit_code is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(
-                    f"redis-server on port {self.port} did not answer PING:\n{log[-2000:]}"
-                )
+                raise RuntimeError(self._start_failure(exit_code))
             time.sleep(0.01)
+
+    def _start_failure(self, exit_code: int | None) -> str:
+        if exit_code is None:
+            how = f"did not answer PING within {START_TIMEOUT_S:g} s"
+        elif exit_code < 0:
+            how = f"was killed by {signal.Signals(-exit_code).name} before answering PING"
+        else:
+            how = f"exited with status {exit_code} before answering PING"
+        log = self.log_path.read_text() if self.log_path.exists() else "(none)"
+        stderr = self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
+        return (
+            f"redis-server on port {self.port} {how}\n"
+            f"--- stderr ({self.stderr_path}):\n{stderr[-2000:]}\n"
+            f"--- log ({self.log_path}):\n{log[-2000:]}"
+        )
 
     def stop(self, sig: signal.Signals = signal.SIGKILL) -> None:
         process, self.process = self.process, None
@@ -125,8 +146,6 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
 
     def restart(self, sig: signal.Signals = signal.SIGKILL) -> None:
         self.stop(sig)
