@@ -529,14 +529,12 @@ def roundtrip() -> dict[str, Any]:
 
 def conformance_direction(repo: str) -> dict[str, Any]:
     """Every layer of the conformance scenarios, built into a vLLM spec by
-    conformance/vllm_driver.py and by the plugin's mapping in its other direction
-    (`with_engine_defaults` + `from_layer_spec`): the two must agree, so switching
-    conformance to the plugin's mapping changes nothing."""
+    conformance/vllm_driver.py (which goes through the plugin's mapping:
+    `with_engine_defaults` + `from_layer_spec`), read back by `to_layer_spec` and
+    built again: the two directions must give the same spec over all of them."""
     from pathlib import Path
 
-    import vllm.v1.kv_cache_interface as kv
     from google.protobuf import json_format
-    from vllm.v1.attention.backend import MultipleOf
 
     from kvplan.client.vllm_plugin import specs as mapping
     from kvplan.v1 import plan_pb2
@@ -544,13 +542,6 @@ def conformance_direction(repo: str) -> dict[str, Any]:
     sys.path.append(repo)  # after the installed wheel: kvplan stays the wheel's
     from conformance import vllm_driver
 
-    namespace = SimpleNamespace(
-        **{name: getattr(kv, name) for name in mapping.SPEC_KINDS},
-        KVQuantMode=kv.KVQuantMode,
-        SparseCacheRole=kv.SparseCacheRole,
-        MambaAttentionBackendEnum=MambaAttentionBackendEnum,
-        MultipleOf=MultipleOf,
-    )
     compared = 0
     mismatches: list[str] = []
     for path in sorted(Path(repo, "tests", "conformance", "scenarios").glob("*.json")):
@@ -567,29 +558,29 @@ def conformance_direction(repo: str) -> dict[str, Any]:
             cache_dtype=vllm_driver.engine_cache_dtype(o),
             mamba_mode="align" if align else "none",
         )
-        storage = mapping.STORAGE_DTYPES[mapping.dtype_name(ctx.cache_dtype)]
         for worker in request.workers:
             for layer in worker.layers:
                 try:
-                    expected = vllm_driver.build_layer_spec(layer, ctx)
+                    built = vllm_driver.build_layer_spec(layer, ctx)
                 except Exception:  # scenarios of invalid layers: vLLM refuses them too
                     continue
-                if expected is None:
+                if built is None:
                     continue
-                resolved = mapping.with_engine_defaults(
-                    layer,
-                    block_size=block_size,
-                    mamba_block_size=ctx.mamba_block_size,
-                    storage_dtype=storage,
-                )
-                built = mapping.from_layer_spec(
-                    resolved, namespace, torch=torch, mamba_cache_mode=ctx.mamba_mode
+                again = mapping.from_layer_spec(
+                    mapping.to_layer_spec(layer.name, built),
+                    vllm_driver._VLLM_SPECS,
+                    torch=torch,
+                    mamba_cache_mode=ctx.mamba_mode,
                 )
                 compared += 1
-                same_draft = getattr(built, "is_draft", None) == expected.is_draft
-                if built != expected or not same_draft:
-                    mismatches.append(f"{path.name} {layer.name}: {built!r} != {expected!r}")
-    return {"compared": compared, "mismatches": mismatches[:5]}
+                same_draft = getattr(again, "is_draft", None) == getattr(built, "is_draft", None)
+                if again != built or type(again) is not type(built) or not same_draft:
+                    mismatches.append(f"{path.name} {layer.name}: {again!r} != {built!r}")
+    return {
+        "compared": compared,
+        "mismatches": mismatches[:5],
+        "driver_uses_the_mapping": vllm_driver.spec_mapping is mapping,
+    }
 
 
 # --- the host ---------------------------------------------------------------------------------
