@@ -471,6 +471,11 @@ def test_lease_two_engines_share_a_gpu_a_third_is_refused(
     assert not c["ok"]
     assert "LeaseRefused: kvplan refused the KV-cache lease" in c["error"]
     assert "asks for 36.00 GiB" in c["error"] and "8.00 GiB left" in c["error"], c["error"]
+    # Who holds the rest (a server without authentication names every holder).
+    assert (
+        f"Held by: engine 'a-{version}' (rank 0) 36.00 GiB, "
+        f"engine 'b-{version}' (rank 0) 36.00 GiB."
+    ) in c["error"], c["error"]
 
     # Shutting an engine down gives its lease back at once.
     shut = host.send(op="shutdown", name="A")
