@@ -774,4 +774,5 @@ __all__ = [
     "build_inputs",
     "build_layer_spec",
     "plan_with_vllm",
+    "spec_mapping",
 ]

@@ -108,6 +108,14 @@ MAMBA_FIELDS: dict[str, str] = {
     "tp_replicated": "tp_replicated",
     "state_alignment_bytes": "state_alignment",  # 0.34
 }
+# Fields a later release added whose default is the proto's unset value: sent only
+# away from that default, so an engine that does not use them stays plannable under
+# a rule set without them (kvplan's own, or an earlier release's).
+ADDED_FIELD_DEFAULTS: dict[str, object] = {
+    "kv_head_major_slots": False,
+    "state_alignment": 1,
+    "non_causal_multi_token_decode": False,
+}
 # HiSparse kinds (no attention parameters): proto field -> vLLM attribute.
 HISPARSE_FIELDS: dict[str, dict[str, str]] = {
     "hisparse_hot": {"page_size_bytes": "page_size", "blocks_per_request": "blocks_per_request"},
@@ -271,7 +279,10 @@ def _mamba_fields(spec: Any, body: spec_pb2.MambaSpec, where: str) -> None:
         raise UnsupportedSpec(f"{where}: mamba_type {kind} has no kvplan MambaType")
     body.mamba_type = MAMBA_TYPES[kind]  # type: ignore[assignment]
     for proto_field, attr in MAMBA_FIELDS.items():
-        _set(body, proto_field, getattr(spec, attr, None))
+        value = getattr(spec, attr, None)
+        if attr in ADDED_FIELD_DEFAULTS and value == ADDED_FIELD_DEFAULTS[attr]:
+            continue
+        _set(body, proto_field, value)
 
 
 # --- the other direction: LayerSpec -> vLLM spec (for conformance and round trips) ---------
