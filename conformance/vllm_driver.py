@@ -16,10 +16,9 @@ import re
 import sys
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
-from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
@@ -38,6 +37,7 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
 )
 from vllm.config.attention import AttentionConfig  # noqa: E402
+from vllm.v1 import kv_cache_interface  # noqa: E402
 from vllm.v1.attention.backend import MultipleOf  # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 from vllm.v1.core import kv_cache_utils  # noqa: E402
@@ -48,27 +48,19 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 )
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
-    ChunkedLocalAttentionSpec,
-    CircularBufferSpec,
-    CrossAttentionSpec,
     FullAttentionSpec,
-    HiddenStateCacheSpec,
-    HiSparseHotSpec,
-    HiSparseResidentSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     KVQuantMode,
     MambaSpec,
     MLAAttentionSpec,
-    RSWASpec,
-    SinkFullAttentionSpec,
     SlidingWindowMLASpec,
-    SlidingWindowSpec,
     SparseCacheRole,
     UniformTypeKVCacheSpecs,
 )
 
+from kvplan.client.vllm_plugin import specs as spec_mapping  # noqa: E402
 from kvplan.v1 import plan_pb2, spec_pb2  # noqa: E402
 
 try:  # vLLM 0.33+: grouping and per-worker configs are two calls
@@ -126,15 +118,6 @@ _STORAGE: dict[int, torch.dtype] = {
     spec_pb2.DTYPE_INT8: torch.int8,
     spec_pb2.DTYPE_FLOAT8_E4M3FN: torch.float8_e4m3fn,
     spec_pb2.DTYPE_FLOAT8_E5M2: torch.float8_e5m2,
-}
-
-_MAMBA_TYPES: dict[int, MambaAttentionBackendEnum] = {
-    spec_pb2.MAMBA_TYPE_MAMBA2: MambaAttentionBackendEnum.MAMBA2,
-    spec_pb2.MAMBA_TYPE_MAMBA1: MambaAttentionBackendEnum.MAMBA1,
-    spec_pb2.MAMBA_TYPE_SHORT_CONV: MambaAttentionBackendEnum.SHORT_CONV,
-    spec_pb2.MAMBA_TYPE_LINEAR: MambaAttentionBackendEnum.LINEAR,
-    spec_pb2.MAMBA_TYPE_GDN_ATTENTION: MambaAttentionBackendEnum.GDN_ATTN,
-    spec_pb2.MAMBA_TYPE_CUSTOM: MambaAttentionBackendEnum.CUSTOM,
 }
 
 # Warning codes (kvplan's WarningCode names) for the vLLM log lines that mean the same.
@@ -299,185 +282,32 @@ class _LayerContext:
     mamba_mode: str
 
 
-def _tokens_per_state(params: spec_pb2.AttentionParams) -> int | Fraction:
-    which = params.tokens_per_state.WhichOneof("value")
-    if which == "tokens":
-        return params.tokens_per_state.tokens
-    if which == "states_per_token":
-        k = params.tokens_per_state.states_per_token
-        return 1 if k == 1 else Fraction(1, k)
-    return 1
-
-
-def _attention_kwargs(params: spec_pb2.AttentionParams, ctx: _LayerContext, mla: bool) -> Json:
-    kwargs: Json = {
-        "num_kv_heads": params.num_kv_heads,
-        "head_size": params.head_size,
-        "dtype": ctx.cache_dtype
-        if params.dtype == spec_pb2.DTYPE_UNSPECIFIED
-        else _STORAGE[params.dtype],
-        "kv_quant_mode": KVQuantMode(params.kv_quant_mode),
-        "tokens_per_state": _tokens_per_state(params),
-        "dcp_sharded": params.dcp_sharded if params.HasField("dcp_sharded") else True,
-    }
-    if not mla:
-        kwargs["head_size_v"] = (
-            params.head_size_v if params.HasField("head_size_v") else params.head_size
-        )
-    if params.HasField("page_size_padded_bytes"):
-        kwargs["page_size_padded"] = params.page_size_padded_bytes
-    if params.HasField("num_head_slots"):
-        kwargs["num_head_slots"] = params.num_head_slots
-    if params.HasField("state_content_bytes"):
-        kwargs["state_content_bytes"] = params.state_content_bytes
-    if params.HasField("max_tp_shards"):
-        kwargs["max_tp_shards"] = params.max_tp_shards
-    if HAS_KV_HEAD_MAJOR_SLOTS:
-        kwargs["kv_head_major_slots"] = params.kv_head_major_slots
-    return kwargs
-
-
-def _mla_kwargs(mla: spec_pb2.MLAParams, *, with_topk: bool = True) -> Json:
-    kwargs: Json = {
-        "cache_dtype_str": enum_suffix(spec_pb2.KVCacheDtype, mla.cache_dtype, "KV_CACHE_DTYPE_"),
-        "model_version": mla.model_version or None,
-    }
-    if with_topk and HAS_TOPK_BUFFER_WIDTH and mla.HasField("topk_buffer_width"):
-        kwargs["topk_buffer_width"] = mla.topk_buffer_width
-    if mla.HasField("alignment_bytes"):
-        kwargs["alignment"] = mla.alignment_bytes
-    return kwargs
-
-
-def _common_kwargs(layer: spec_pb2.LayerSpec, block_size: int) -> Json:
-    kwargs: Json = {
-        "block_size": layer.block_size if layer.HasField("block_size") else block_size,
-    }
-    if HAS_IS_DRAFT:
-        kwargs["is_draft"] = layer.is_draft
-    which = layer.block_stride_alignment.WhichOneof("alignment")
-    if which == "bytes":
-        kwargs["block_stride_alignment"] = layer.block_stride_alignment.bytes
-    elif which == "multiple_of_kernel_block_tokens":
-        kwargs["block_stride_alignment"] = MultipleOf(
-            layer.block_stride_alignment.multiple_of_kernel_block_tokens
-        )
-    return kwargs
+# vLLM's spec classes and enums, for the plugin's mapping in its LayerSpec -> vLLM
+# direction: the plugin and this check read specs through the same tables.
+_VLLM_SPECS = SimpleNamespace(
+    **{name: getattr(kv_cache_interface, name) for name in spec_mapping.SPEC_KINDS},
+    KVQuantMode=KVQuantMode,
+    SparseCacheRole=SparseCacheRole,
+    MambaAttentionBackendEnum=MambaAttentionBackendEnum,
+    MultipleOf=MultipleOf,
+)
 
 
 def build_layer_spec(layer: spec_pb2.LayerSpec, ctx: _LayerContext) -> KVCacheSpec | None:
-    """The vLLM spec kvplan's reading of `layer` corresponds to (None: encoder-only)."""
-    kind = layer.WhichOneof("kind")
-    if kind == "encoder_only_attention":
+    """The vLLM spec kvplan's reading of `layer` corresponds to (None: encoder-only,
+    which the engine core keeps out of KV-cache planning)."""
+    if layer.WhichOneof("kind") == "encoder_only_attention":
         return None
-    if kind == "mamba":
-        body = layer.mamba
-        kwargs = _common_kwargs(layer, ctx.mamba_block_size)
-        kwargs.update(
-            shapes=tuple(tuple(int(d) for d in state.shape) for state in body.states),
-            dtypes=tuple(_STORAGE[state.dtype] for state in body.states),
-            mamba_type=_MAMBA_TYPES[body.mamba_type],
-            mamba_cache_mode=ctx.mamba_mode,
-            num_speculative_blocks=body.num_speculative_blocks,
-            num_prefill_checkpoint_blocks=body.num_prefill_checkpoint_blocks,
-            num_heads=body.num_heads or 1,
-            tp_replicated=body.tp_replicated,
-        )
-        if body.HasField("page_size_padded_bytes"):
-            kwargs["page_size_padded"] = body.page_size_padded_bytes
-        if body.HasField("prefill_checkpoint_alignment"):
-            kwargs["prefill_checkpoint_alignment"] = body.prefill_checkpoint_alignment
-        if HAS_STATE_ALIGNMENT and body.HasField("state_alignment_bytes"):
-            kwargs["state_alignment"] = body.state_alignment_bytes
-        return MambaSpec(**kwargs)
-    common = _common_kwargs(layer, ctx.block_size)
-    if kind == "hisparse_hot":
-        return HiSparseHotSpec(
-            block_size=common["block_size"],
-            page_size=layer.hisparse_hot.page_size_bytes,
-            blocks_per_request=layer.hisparse_hot.blocks_per_request,
-        )
-    if kind == "hisparse_resident":
-        return HiSparseResidentSpec(
-            block_size=common["block_size"], page_size=layer.hisparse_resident.page_size_bytes
-        )
-    if kind == "full_attention":
-        b = layer.full_attention
-        extra: Json = {"non_causal": b.non_causal}
-        if b.HasField("sliding_window"):
-            extra["sliding_window"] = b.sliding_window
-        if b.HasField("attention_chunk_size"):
-            extra["attention_chunk_size"] = b.attention_chunk_size
-        return FullAttentionSpec(**common, **_attention_kwargs(b.attention, ctx, False), **extra)
-    if kind == "mla_attention":
-        m = layer.mla_attention
-        return MLAAttentionSpec(
-            **common,
-            **_attention_kwargs(m.attention, ctx, True),
-            **_mla_kwargs(m.mla),
-            cache_role=(
-                SparseCacheRole.INDEXER
-                if m.cache_role == spec_pb2.SPARSE_CACHE_ROLE_INDEXER
-                else SparseCacheRole.SPARSE
-            ),
-            is_index_group_leader=m.is_index_group_leader,
-            non_causal_multi_token_decode=m.non_causal_multi_token_decode,
-        )
-    if kind == "sliding_window":
-        s = layer.sliding_window
-        return SlidingWindowSpec(
-            **common, **_attention_kwargs(s.attention, ctx, False), sliding_window=s.sliding_window
-        )
-    if kind == "sliding_window_mla":
-        sm = layer.sliding_window_mla
-        return SlidingWindowMLASpec(
-            **common,
-            **_attention_kwargs(sm.attention, ctx, True),
-            **_mla_kwargs(sm.mla, with_topk=False),
-            sliding_window=sm.sliding_window,
-            bounded_replay=sm.bounded_replay,
-            **(
-                {"non_causal_multi_token_decode": sm.non_causal_multi_token_decode}
-                if HAS_SW_MLA_SPEC_MARKER
-                else {}
-            ),
-        )
-    if kind == "chunked_local_attention":
-        c = layer.chunked_local_attention
-        return ChunkedLocalAttentionSpec(
-            **common,
-            **_attention_kwargs(c.attention, ctx, False),
-            attention_chunk_size=c.attention_chunk_size,
-        )
-    if kind == "sink_full_attention":
-        k = layer.sink_full_attention
-        extra = {"non_causal": k.non_causal, "sink_len": k.sink_len}
-        if k.HasField("sliding_window"):
-            extra["sliding_window"] = k.sliding_window
-        if k.HasField("attention_chunk_size"):
-            extra["attention_chunk_size"] = k.attention_chunk_size
-        return SinkFullAttentionSpec(
-            **common, **_attention_kwargs(k.attention, ctx, False), **extra
-        )
-    if kind == "rswa":
-        r = layer.rswa
-        return RSWASpec(
-            **common, **_attention_kwargs(r.attention, ctx, False), rswa_window=r.rswa_window
-        )
-    if kind == "hidden_state_cache":
-        h = layer.hidden_state_cache
-        return HiddenStateCacheSpec(
-            **common, **_attention_kwargs(h.attention, ctx, True), **_mla_kwargs(h.mla)
-        )
-    if kind == "cross_attention":
-        return CrossAttentionSpec(
-            **common, **_attention_kwargs(layer.cross_attention.attention, ctx, False)
-        )
-    if kind == "circular_buffer":
-        return CircularBufferSpec(
-            **common, **_attention_kwargs(layer.circular_buffer.attention, ctx, False)
-        )
-    raise ValueError(f"layer {layer.name!r} has no spec kind")
+    resolved = spec_mapping.with_engine_defaults(
+        layer,
+        block_size=ctx.block_size,
+        mamba_block_size=ctx.mamba_block_size,
+        storage_dtype=spec_mapping.STORAGE_DTYPES[spec_mapping.dtype_name(ctx.cache_dtype)],
+    )
+    spec = spec_mapping.from_layer_spec(
+        resolved, _VLLM_SPECS, torch=torch, mamba_cache_mode=ctx.mamba_mode
+    )
+    return cast(KVCacheSpec, spec)
 
 
 # --- inputs ----------------------------------------------------------------------
@@ -944,4 +774,5 @@ __all__ = [
     "build_inputs",
     "build_layer_spec",
     "plan_with_vllm",
+    "spec_mapping",
 ]

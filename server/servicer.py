@@ -18,6 +18,7 @@ import grpc.aio
 from kvplan.convert import encode_varint, plan_from_proto, plan_id_for
 from kvplan.core.errors import PlanningError
 from kvplan.core.ledger import (
+    MAX_LISTED_HOLDERS,
     DeviceAccount,
     DeviceState,
     GrantRefused,
@@ -517,7 +518,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             )
         except GrantRefused as refused:
             self._metrics.grants_refused.labels(refused.grant_reason).inc()
-            raise
+            raise await self._name_holders(refused, now) from None
         self._metrics.leases_granted.inc(len(leases))
         log.info(
             "leases granted",
@@ -530,6 +531,21 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             },
         )
         return leases
+
+    async def _name_holders(self, refused: GrantRefused, now: float) -> GrantRefused:
+        """The refusal naming the holders the caller may see (docs/security.md):
+        all without authentication or for an operator, else the caller's own."""
+        identity = current_identity()
+        if identity.method == "insecure" or identity.operator:
+            return refused.naming(lambda engine_id: True)
+        own: set[str] = set()
+        for holding in refused.holdings[:MAX_LISTED_HOLDERS]:
+            try:
+                if await self._owner_of(holding.engine_id, now) == identity.name:
+                    own.add(holding.engine_id)
+            except StoreUnavailable:
+                pass  # unknown owner: the id stays withheld
+        return refused.naming(own.__contains__)
 
     async def _plan(
         self,

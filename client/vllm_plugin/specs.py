@@ -5,9 +5,12 @@ Every spec class of vLLM 0.33 and 0.34 is listed in `SPEC_KINDS` with the
 `MAMBA_FIELDS` name the field pairs. `to_layer_spec` reads a vLLM spec through
 those tables; `from_layer_spec` builds a vLLM spec from a `LayerSpec` through the
 same tables (the direction `conformance/` needs), so the two directions cannot
-drift. A vLLM field kvplan cannot represent (a value other than its default) or a
-class kvplan has no kind for raises `UnsupportedSpec`: the plugin then leaves the
-engine to vLLM rather than plan something else.
+drift. A field a release lacks is simply absent (0.32 has no `is_draft`, 0.34 adds
+`kv_head_major_slots`, Mamba `state_alignment` and SlidingWindowMLA's
+`non_causal_multi_token_decode`): both directions read the spec class's own fields.
+A vLLM field kvplan cannot represent (a value other than its default) or a class
+kvplan has no kind for raises `UnsupportedSpec`: the plugin then leaves the engine
+to vLLM rather than plan something else.
 
 Nothing here imports vllm or torch: classes and enums are reached through the
 spec objects themselves (`from_layer_spec` takes vLLM's module as an argument).
@@ -41,9 +44,12 @@ SPEC_KINDS: dict[str, str] = {
     "EncoderOnlyAttentionSpec": "encoder_only_attention",
     "CircularBufferSpec": "circular_buffer",
     "MambaSpec": "mamba",
+    "HiSparseHotSpec": "hisparse_hot",
+    "HiSparseResidentSpec": "hisparse_resident",
 }
-# Spec classes of the supported releases that kvplan has no kind for.
-UNSUPPORTED_CLASSES = ("HiSparseHotSpec", "HiSparseResidentSpec", "UniformTypeKVCacheSpecs")
+# Spec classes of the supported releases that are not a layer's input: vLLM's
+# planner builds UniformTypeKVCacheSpecs from the layers' own specs.
+UNSUPPORTED_CLASSES = ("UniformTypeKVCacheSpecs",)
 
 # AttentionParams field -> vLLM attribute (optional proto fields: None in vLLM = unset).
 ATTENTION_FIELDS: dict[str, str] = {
@@ -55,6 +61,7 @@ ATTENTION_FIELDS: dict[str, str] = {
     "state_content_bytes": "state_content_bytes",
     "max_tp_shards": "max_tp_shards",
     "dcp_sharded": "dcp_sharded",
+    "kv_head_major_slots": "kv_head_major_slots",  # 0.34
 }
 # Per kind: proto field of the kind's message -> vLLM attribute.
 KIND_FIELDS: dict[str, dict[str, str]] = {
@@ -69,7 +76,11 @@ KIND_FIELDS: dict[str, dict[str, str]] = {
     },
     "hidden_state_cache": {},
     "sliding_window": {"sliding_window": "sliding_window"},
-    "sliding_window_mla": {"sliding_window": "sliding_window", "bounded_replay": "bounded_replay"},
+    "sliding_window_mla": {
+        "sliding_window": "sliding_window",
+        "bounded_replay": "bounded_replay",
+        "non_causal_multi_token_decode": "non_causal_multi_token_decode",  # 0.34
+    },
     "chunked_local_attention": {"attention_chunk_size": "attention_chunk_size"},
     "sink_full_attention": {
         "sink_len": "sink_len",
@@ -95,15 +106,24 @@ MAMBA_FIELDS: dict[str, str] = {
     "prefill_checkpoint_alignment": "prefill_checkpoint_alignment",
     "num_heads": "num_heads",
     "tp_replicated": "tp_replicated",
+    "state_alignment_bytes": "state_alignment",  # 0.34
+}
+# Fields a later release added whose default is the proto's unset value: sent only
+# away from that default, so an engine that does not use them stays plannable under
+# a rule set without them (kvplan's own, or an earlier release's).
+ADDED_FIELD_DEFAULTS: dict[str, object] = {
+    "kv_head_major_slots": False,
+    "state_alignment": 1,
+    "non_causal_multi_token_decode": False,
+}
+# HiSparse kinds (no attention parameters): proto field -> vLLM attribute.
+HISPARSE_FIELDS: dict[str, dict[str, str]] = {
+    "hisparse_hot": {"page_size_bytes": "page_size", "blocks_per_request": "blocks_per_request"},
+    "hisparse_resident": {"page_size_bytes": "page_size"},
 }
 # vLLM attributes that are derived by vLLM's own planning (not an input) or are
 # options of the engine rather than of the layer: never sent per layer.
 DERIVED_FIELDS = frozenset({"extra_retained_tokens", "mamba_cache_mode", "is_draft"})
-# vLLM attributes kvplan has no field for; accepted only at these values.
-UNREPRESENTED_DEFAULTS: dict[str, object] = {
-    "kv_head_major_slots": False,  # 0.34 attention specs
-    "state_alignment": 1,  # 0.34 MambaSpec
-}
 
 STORAGE_DTYPES: dict[str, int] = {
     "float32": spec_pb2.DTYPE_FLOAT32,
@@ -201,12 +221,13 @@ def to_layer_spec(name: str, spec: object) -> spec_pb2.LayerSpec:
             raise UnsupportedSpec(f"{where}: block_stride_alignment {alignment!r}")
     values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}  # type: ignore[arg-type]
     defaults = _field_defaults(spec)
-    for field, expected in UNREPRESENTED_DEFAULTS.items():
-        if field in values and values[field] != expected:
-            raise UnsupportedSpec(f"{where}: {field}={values[field]!r} has no kvplan field")
-    used = {"block_size", "block_stride_alignment", *DERIVED_FIELDS, *UNREPRESENTED_DEFAULTS}
+    used = {"block_size", "block_stride_alignment", *DERIVED_FIELDS}
     body = getattr(layer, kind)
-    if kind == "mamba":
+    if kind in HISPARSE_FIELDS:
+        for proto_field, attr in HISPARSE_FIELDS[kind].items():
+            _set(body, proto_field, values[attr])
+            used.add(attr)
+    elif kind == "mamba":
         _mamba_fields(spec, body, where)
         used |= {"shapes", "dtypes", "mamba_type", *MAMBA_FIELDS.values()}
         if values.get("tokens_per_state", -1) != -1:
@@ -258,7 +279,10 @@ def _mamba_fields(spec: Any, body: spec_pb2.MambaSpec, where: str) -> None:
         raise UnsupportedSpec(f"{where}: mamba_type {kind} has no kvplan MambaType")
     body.mamba_type = MAMBA_TYPES[kind]  # type: ignore[assignment]
     for proto_field, attr in MAMBA_FIELDS.items():
-        _set(body, proto_field, getattr(spec, attr))
+        value = getattr(spec, attr, None)
+        if attr in ADDED_FIELD_DEFAULTS and value == ADDED_FIELD_DEFAULTS[attr]:
+            continue
+        _set(body, proto_field, value)
 
 
 # --- the other direction: LayerSpec -> vLLM spec (for conformance and round trips) ---------
@@ -277,13 +301,31 @@ def from_layer_spec(
     `SparseCacheRole`, `MambaAttentionBackendEnum` and `MultipleOf` (e.g. built
     from vllm.v1.kv_cache_interface and friends); `torch` gives the dtypes. The
     layer's dtype, block size and MLA cache dtype must be set (no engine defaults
-    are applied here).
+    are applied here). A field the running release's class lacks is left out when
+    it holds the proto's unset value (False, 0, unset), and refused otherwise: the
+    release could not express it.
     """
     kind = layer.WhichOneof("kind")
     if kind is None:
         raise UnsupportedSpec(f"layer {layer.name!r} has no kind")
     class_name = next(name for name, k in SPEC_KINDS.items() if k == kind)
     klass = getattr(vllm, class_name)
+    kwargs = _spec_kwargs(layer, kind, vllm, torch=torch, mamba_cache_mode=mamba_cache_mode)
+    accepted = {f.name for f in dataclasses.fields(klass)}
+    for attr in [a for a in kwargs if a not in accepted]:
+        value = kwargs.pop(attr)
+        if value not in (None, False, 0):
+            raise UnsupportedSpec(
+                f"layer {layer.name!r}: {attr}={value!r} does not exist in this vLLM "
+                f"release's {class_name}"
+            )
+    return klass(**kwargs)
+
+
+def _spec_kwargs(
+    layer: spec_pb2.LayerSpec, kind: str, vllm: Any, *, torch: Any, mamba_cache_mode: str
+) -> dict[str, Any]:
+    """The constructor arguments of `layer`'s vLLM spec (every release's fields)."""
     kwargs: dict[str, Any] = {"block_size": layer.block_size, "is_draft": layer.is_draft}
     which = layer.block_stride_alignment.WhichOneof("alignment")
     if which == "bytes":
@@ -294,6 +336,10 @@ def from_layer_spec(
         )
     dtypes = {number: getattr(torch, name) for name, number in STORAGE_DTYPES.items()}
     body = getattr(layer, kind)
+    if kind in HISPARSE_FIELDS:
+        for proto_field, attr in HISPARSE_FIELDS[kind].items():
+            kwargs[attr] = getattr(body, proto_field)
+        return kwargs
     if kind == "mamba":
         kwargs["shapes"] = tuple(tuple(int(d) for d in s.shape) for s in body.states)
         kwargs["dtypes"] = tuple(dtypes[s.dtype] for s in body.states)
@@ -304,7 +350,7 @@ def from_layer_spec(
             if not _optional(body, proto_field) or body.HasField(proto_field):
                 kwargs[attr] = getattr(body, proto_field)
         kwargs["num_heads"] = kwargs["num_heads"] or 1  # the proto's "unset = 1"
-        return klass(**kwargs)
+        return kwargs
     params = body.attention
     for proto_field, attr in ATTENTION_FIELDS.items():
         if not _optional(params, proto_field) or params.HasField(proto_field):
@@ -314,7 +360,7 @@ def from_layer_spec(
     tps = params.tokens_per_state.WhichOneof("value")
     if tps == "tokens":
         kwargs["tokens_per_state"] = params.tokens_per_state.tokens
-    elif tps == "states_per_token":
+    elif tps == "states_per_token" and params.tokens_per_state.states_per_token != 1:
         kwargs["tokens_per_state"] = Fraction(1, params.tokens_per_state.states_per_token)
     for proto_field, attr in KIND_FIELDS[kind].items():
         if not _optional(body, proto_field) or body.HasField(proto_field):
@@ -334,7 +380,7 @@ def from_layer_spec(
             if body.cache_role == spec_pb2.SPARSE_CACHE_ROLE_INDEXER
             else vllm.SparseCacheRole.SPARSE
         )
-    return klass(**kwargs)
+    return kwargs
 
 
 def with_engine_defaults(
@@ -348,7 +394,7 @@ def with_engine_defaults(
     kind = out.WhichOneof("kind")
     if not out.HasField("block_size"):
         out.block_size = mamba_block_size if kind == "mamba" else block_size
-    if kind not in (None, "mamba"):
+    if kind is not None and kind != "mamba" and kind not in HISPARSE_FIELDS:
         params = getattr(out, kind).attention
         if params.dtype == spec_pb2.DTYPE_UNSPECIFIED:
             params.dtype = storage_dtype
@@ -362,6 +408,7 @@ def _optional(message: Any, field: str) -> bool:
 
 __all__ = [
     "ATTENTION_FIELDS",
+    "HISPARSE_FIELDS",
     "KIND_FIELDS",
     "MAMBA_FIELDS",
     "SPEC_KINDS",

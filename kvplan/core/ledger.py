@@ -28,7 +28,7 @@ not taken from free a second time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvplan.core.errors import InsufficientMemory
@@ -120,12 +120,100 @@ def account(
     )
 
 
-class GrantRefused(InsufficientMemory):
-    """A lease set does not fit a device; `reason` says which bound."""
+@dataclass(frozen=True)
+class Holding:
+    """What one other engine holds on a device: its live leases there."""
 
-    def __init__(self, message: str, *, reason: str, details: dict[str, int | float | str]) -> None:
-        super().__init__(message, details=details)
+    engine_id: str
+    ranks: tuple[int, ...]
+    bytes: int
+
+
+# Holders a refusal lists one by one; the rest are summed (the message stays bounded
+# however many engines share a device).
+MAX_LISTED_HOLDERS = 8
+WITHHELD = "another identity's engine"
+
+
+def holdings(
+    device_uuid: str, leases: Iterable[Lease], now: float, *, exclude_engine: str
+) -> tuple[Holding, ...]:
+    """The live leases on `device_uuid` per engine (other than `exclude_engine`),
+    largest first, then by engine id."""
+    ranks: dict[str, list[int]] = {}
+    held: dict[str, int] = {}
+    for lease in leases:
+        if lease.device_uuid != device_uuid or not lease.live(now):
+            continue
+        if lease.engine_id == exclude_engine:
+            continue
+        ranks.setdefault(lease.engine_id, []).append(lease.rank)
+        held[lease.engine_id] = held.get(lease.engine_id, 0) + lease.bytes
+    return tuple(
+        sorted(
+            (Holding(engine, tuple(sorted(ranks[engine])), held[engine]) for engine in held),
+            key=lambda h: (-h.bytes, h.engine_id),
+        )
+    )
+
+
+class GrantRefused(InsufficientMemory):
+    """A lease set does not fit a device; `reason` says which bound.
+
+    The message and details list the other engines' holdings on that device with
+    every engine id withheld; `naming` gives the same refusal with the ids a caller
+    may see (docs/security.md: its own engines', or all for an operator or a server
+    without authentication)."""
+
+    def __init__(
+        self,
+        summary: str,
+        advice: str,
+        *,
+        reason: str,
+        details: dict[str, int | float | str],
+        holdings: tuple[Holding, ...] = (),
+        named: frozenset[str] = frozenset(),
+    ) -> None:
+        listed, text = _describe(holdings, named)
+        message = f"{summary} Held by: {text}. {advice}" if holdings else f"{summary} {advice}"
+        super().__init__(message, details={**details, "holdings": listed} if holdings else details)
         self.grant_reason = reason
+        self.summary = summary
+        self.advice = advice
+        self.holdings = holdings
+        self.base_details = details
+
+    def naming(self, visible: Callable[[str], bool]) -> GrantRefused:
+        """This refusal with the engine ids for which `visible(engine_id)` holds."""
+        return GrantRefused(
+            self.summary,
+            self.advice,
+            reason=self.grant_reason,
+            details=self.base_details,
+            holdings=self.holdings,
+            named=frozenset(h.engine_id for h in self.holdings if visible(h.engine_id)),
+        )
+
+
+def _describe(holdings: tuple[Holding, ...], named: frozenset[str]) -> tuple[str, str]:
+    """(details' `holdings`: `engine|ranks|bytes` per holder joined by `;`, the
+    message's list), ids not in `named` withheld."""
+    listed: list[str] = []
+    text: list[str] = []
+    for holding in holdings[:MAX_LISTED_HOLDERS]:
+        ranks = " ".join(str(rank) for rank in holding.ranks)
+        engine = holding.engine_id if holding.engine_id in named else ""
+        listed.append(f"{engine}|{ranks}|{holding.bytes}")
+        who = f"engine {engine!r}" if engine else WITHHELD
+        plural = "s" if len(holding.ranks) > 1 else ""
+        text.append(f"{who} (rank{plural} {_ranks(list(holding.ranks))}) {_gib(holding.bytes)} GiB")
+    rest = holdings[MAX_LISTED_HOLDERS:]
+    if rest:
+        rest_bytes = sum(h.bytes for h in rest)
+        listed.append(f"+{len(rest)}||{rest_bytes}")
+        text.append(f"{len(rest)} more engine(s) {_gib(rest_bytes)} GiB")
+    return ";".join(listed), ", ".join(text)
 
 
 def check_grant(
@@ -167,21 +255,23 @@ def check_grant(
                 f"{_gib(current.committed_bytes)} GiB of its commit limit "
                 f"{_gib(device.commit_limit_bytes)} GiB (total {_gib(device.total_bytes)} GiB) "
                 f"are leased to {current.live_leases} other worker(s): "
-                f"{_gib(device.commit_limit_bytes - current.committed_bytes)} GiB left. "
+                f"{_gib(device.commit_limit_bytes - current.committed_bytes)} GiB left.",
                 "Lower gpu_memory_utilization, or release or wait for another engine's leases.",
                 reason="commit_limit",
                 details=details,
+                holdings=holdings(uuid, leases, now, exclude_engine=engine_id),
             )
         if new_outstanding + current.outstanding_bytes > device.free_bytes:
             raise GrantRefused(
                 f"{who} needs {_gib(new_outstanding)} GiB more on device {uuid}, but only "
                 f"{_gib(device.free_bytes)} GiB are free and {_gib(current.outstanding_bytes)} "
                 "GiB of that are promised to other leases not yet allocated: "
-                f"{_gib(current.available_to_grant_bytes)} GiB can be granted. Memory used by "
-                "processes without a lease counts as taken. Lower gpu_memory_utilization or "
-                "free memory on the device.",
+                f"{_gib(current.available_to_grant_bytes)} GiB can be granted.",
+                "Memory used by processes without a lease counts as taken. Lower "
+                "gpu_memory_utilization or free memory on the device.",
                 reason="free_memory",
                 details=details,
+                holdings=holdings(uuid, leases, now, exclude_engine=engine_id),
             )
     return accounts
 

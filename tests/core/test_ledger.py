@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplan.core.ledger import (
+    MAX_LISTED_HOLDERS,
     DeviceState,
     GrantRefused,
     Lease,
@@ -62,6 +63,61 @@ def test_two_engines_at_045_fit_a_third_is_refused_with_numbers() -> None:
     assert refused.value.details["requested_bytes"] == share
     assert refused.value.code == "RESOURCE_EXHAUSTED"
     assert "72.00 GiB" in refused.value.message  # 2 x 36 GiB already leased
+
+
+def test_a_refusal_lists_the_other_engines_holdings_ids_withheld_unless_named() -> None:
+    share = int(0.45 * TOTAL)
+    leases = [
+        lease("a", share // 2, rank=0),
+        lease("a", share // 2, rank=1),
+        lease("b", share - GIB),
+        lease("c", share, rank=2),  # c asks again: its own leases are not "others'"
+        lease("gone", share, expires=NOW),  # expired: holds nothing
+        Lease("x", 0, "GPU-other", share, 0, granted_at=NOW, expires_at=NOW + 60),
+    ]
+    with pytest.raises(GrantRefused) as refused:
+        check_grant("c", [LeaseRequest(0, "GPU-a", share)], {"GPU-a": DEVICE}, leases, NOW)
+    error = refused.value
+    # By default (what a store raises) no engine id appears: only the amounts.
+    assert [(h.engine_id, h.ranks, h.bytes) for h in error.holdings] == [
+        ("a", (0, 1), share),  # two ranks summed, largest holder first
+        ("b", (0,), share - GIB),
+    ]
+    assert "'a'" not in error.message and "'b'" not in error.message
+    assert (
+        "Held by: another identity's engine (ranks 0, 1) 36.00 GiB, "
+        "another identity's engine (rank 0) 35.00 GiB. Lower gpu_memory_utilization"
+    ) in error.message, error.message
+    assert error.details["holdings"] == f"|0 1|{share};|0|{share - GIB}"
+    # Named for a caller that may see engine a only (its owner).
+    mine = error.naming(lambda engine_id: engine_id == "a")
+    assert "engine 'a' (ranks 0, 1) 36.00 GiB, another identity's engine (rank 0)" in mine.message
+    assert "'b'" not in mine.message
+    assert mine.details["holdings"] == f"a|0 1|{share};|0|{share - GIB}"
+    assert mine.details["committed_bytes"] == error.details["committed_bytes"]
+    assert (mine.grant_reason, mine.code) == ("commit_limit", "RESOURCE_EXHAUSTED")
+    everyone = error.naming(lambda engine_id: True)
+    assert "engine 'a' (ranks 0, 1) 36.00 GiB, engine 'b' (rank 0) 35.00 GiB" in everyone.message
+
+
+def test_a_refusal_lists_a_bounded_number_of_holders() -> None:
+    leases = [lease(f"e{i:02d}", GIB) for i in range(MAX_LISTED_HOLDERS + 5)]
+    with pytest.raises(GrantRefused) as refused:
+        check_grant("z", [LeaseRequest(0, "GPU-a", 70 * GIB)], {"GPU-a": DEVICE}, leases, NOW)
+    named = refused.value.naming(lambda engine_id: True)
+    assert named.message.count("engine 'e") == MAX_LISTED_HOLDERS
+    assert "5 more engine(s) 5.00 GiB" in named.message
+    entries = str(named.details["holdings"]).split(";")
+    assert len(entries) == MAX_LISTED_HOLDERS + 1 and entries[-1] == f"+5||{5 * GIB}"
+
+
+def test_a_refusal_on_free_memory_lists_the_holdings_too() -> None:
+    leases = [lease("a", 40 * GIB, allocated=0)]
+    loose = replace(DEVICE, commit_limit_bytes=2 * TOTAL)
+    with pytest.raises(GrantRefused) as refused:
+        check_grant("b", [LeaseRequest(0, "GPU-a", 41 * GIB)], {"GPU-a": loose}, leases, NOW)
+    assert refused.value.grant_reason == "free_memory"
+    assert "Held by: another identity's engine (rank 0) 40.00 GiB." in refused.value.message
 
 
 def test_memory_used_without_a_lease_is_not_granted_again() -> None:

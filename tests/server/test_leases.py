@@ -96,6 +96,12 @@ async def test_two_engines_share_a_device_a_third_waits_for_a_release(
     assert refused.value.metadata["requested_bytes"] == str(SHARE)
     assert refused.value.metadata["commit_limit_bytes"] == str(TOTAL)
     assert "engine 'engine-c'" in refused.value.details
+    # Without authentication every caller is one identity: the holders are named.
+    assert (
+        f"Held by: engine 'engine-a' (rank 0) {SHARE / GIB:.2f} GiB, "
+        f"engine 'engine-b' (rank 0) {SHARE / GIB:.2f} GiB."
+    ) in refused.value.details, refused.value.details
+    assert refused.value.metadata["holdings"] == f"engine-a|0|{SHARE};engine-b|0|{SHARE}"
     with pytest.raises(PlannerError) as missing:  # a refused engine has no plan to fetch
         await planner.get_plan(engine_id="engine-c")
     assert missing.value.code is grpc.StatusCode.NOT_FOUND

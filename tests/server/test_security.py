@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 import urllib.request
@@ -25,7 +26,7 @@ from kvplan.server.main import RunningServer, start_server
 from kvplan.server.metrics import Metrics
 from kvplan.server.security import Authenticator, bind_host, warn_if_exposed
 from tests.server.certs import Authority
-from tests.server.conftest import TEST_SETTINGS, engine_request
+from tests.server.conftest import GIB, TEST_SETTINGS, engine_request
 from tests.server.test_leases import device_uuids, leased_request
 
 TOKEN_A = "token-of-engine-a-0123456789"
@@ -201,6 +202,41 @@ async def test_bearer_tokens_authenticate_and_own_engines(token_server: RunningS
             await b.release_plan("engine-a")
         assert caught.value.code is grpc.StatusCode.PERMISSION_DENIED
         assert (await a.release_plan("engine-a")).released_bytes > 0
+
+
+async def test_a_refused_lease_names_only_the_holders_the_caller_may_see(
+    token_server: RunningServer,
+) -> None:
+    target = f"127.0.0.1:{token_server.port}"
+    share = math.ceil(80 * GIB * 0.45)
+
+    def client(token: str) -> AsyncPlannerClient:
+        return AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=token))
+
+    async with client(TOKEN_A) as a, client(TOKEN_B) as b, client(TOKEN_OPS) as ops:
+        uuid = (await device_uuids(a))[0]
+        await a.plan(leased_request("engine-a", uuid))
+        await b.plan(leased_request("engine-b", uuid))
+        seen: dict[str, PlannerError] = {}
+        for name, caller in (("a", a), ("b", b), ("ops", ops)):
+            with pytest.raises(PlannerError) as caught:
+                await caller.plan(leased_request(f"engine-{name}-2", uuid))
+            assert caught.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+            seen[name] = caught.value
+        # team-a sees its own engine by name and team-b's amount without its id.
+        assert "engine 'engine-a' (rank 0)" in seen["a"].details
+        assert "engine-b" not in seen["a"].details + str(seen["a"].metadata)
+        assert "another identity's engine (rank 0)" in seen["a"].details
+        assert seen["a"].metadata["holdings"] == f"engine-a|0|{share};|0|{share}"
+        assert "engine 'engine-b' (rank 0)" in seen["b"].details
+        assert "engine-a" not in seen["b"].details + str(seen["b"].metadata)
+        assert seen["b"].metadata["holdings"] == f"|0|{share};engine-b|0|{share}"
+        # The operator sees every holder.
+        assert "engine 'engine-a' (rank 0)" in seen["ops"].details
+        assert "engine 'engine-b' (rank 0)" in seen["ops"].details
+        assert "another identity" not in seen["ops"].details
+        for engine_id in ("engine-a", "engine-b"):
+            await ops.release_plan(engine_id)
 
 
 async def test_reflection_needs_credentials_and_health_stays_open(

@@ -176,6 +176,7 @@ class StandInExecutor:
 # --- engines: real vLLM spec objects -----------------------------------------------------
 
 BF16 = torch.bfloat16
+ALIGNMENT = 1 << 16
 
 
 def full(heads: int, head: int, dtype: torch.dtype = BF16, **kw: Any) -> FullAttentionSpec:
@@ -230,7 +231,7 @@ def deepseek_mtp() -> dict[str, Any]:
     return specs
 
 
-def _gdn() -> MambaSpec:
+def _gdn(**kw: Any) -> MambaSpec:
     return MambaSpec(
         block_size=16,
         shapes=((2, 512), (3, 32, 32)),
@@ -238,10 +239,11 @@ def _gdn() -> MambaSpec:
         mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
         mamba_cache_mode="align",
         num_speculative_blocks=1,
+        **kw,
     )
 
 
-def qwen3_next(*, marked: bool) -> dict[str, Any]:
+def qwen3_next(*, marked: bool, **mamba: Any) -> dict[str, Any]:
     """Qwen3-Next-like: GDN layers 3:1 with full attention, and an MTP layer that the
     model marks as a drafter (`marked`) or, like vLLM leaves it, does not."""
     specs: dict[str, Any] = {}
@@ -249,7 +251,7 @@ def qwen3_next(*, marked: bool) -> dict[str, Any]:
         if i in (3, 7):
             specs[f"model.layers.{i}.self_attn.attn"] = full(2, 64, torch.float32)
         else:
-            specs[f"model.layers.{i}.linear_attn"] = _gdn()
+            specs[f"model.layers.{i}.linear_attn"] = _gdn(**mamba)
     specs["mtp.layers.0.self_attn.attn"] = full(2, 64, torch.float32, is_draft=marked)
     return specs
 
@@ -271,6 +273,16 @@ ENGINES: dict[str, tuple[Any, dict[str, Any]]] = {
     ),
     "qwen3-next-mtp": (
         lambda: qwen3_next(marked=True),
+        {"max_model_len": 8192, "method": "mtp", "target": "qwen3_next", "mamba": "align"},
+    ),
+    # Each Mamba state starts on a 64 KiB boundary (0.34's state_alignment, what a
+    # platform's mamba_state_alignment asks for; 0.33 has only the block stride).
+    "qwen3-next-mtp-aligned": (
+        lambda: qwen3_next(
+            marked=True,
+            block_stride_alignment=ALIGNMENT,
+            **({"state_alignment": ALIGNMENT} if SERIES == "0.34" else {}),
+        ),
         {"max_model_len": 8192, "method": "mtp", "target": "qwen3_next", "mamba": "align"},
     ),
     "qwen3-next-eagle-unmarked": (
@@ -369,7 +381,8 @@ def _speculative(options: dict[str, Any]) -> SpeculativeConfig | None:
 
 
 def spec_samples() -> list[Any]:
-    """One spec per kvplan kind, with fields away from their defaults."""
+    """One spec per kvplan kind, with fields away from their defaults (and, on 0.34,
+    the fields 0.34 added)."""
     import vllm.v1.kv_cache_interface as kv
     from vllm.v1.attention.backend import MultipleOf
 
@@ -418,6 +431,28 @@ def spec_samples() -> list[Any]:
             page_size_padded=65536,
             is_draft=True,
         ),
+        kv.HiSparseHotSpec(block_size=64, page_size=656 * 64, blocks_per_request=2048),
+        kv.HiSparseResidentSpec(block_size=64, page_size=656 * 64, block_stride_alignment=4096),
+    ] + (since_034(kv, att, mla_kw) if SERIES == "0.34" else [])
+
+
+def since_034(kv: Any, att: dict[str, Any], mla_kw: dict[str, Any]) -> list[Any]:
+    return [
+        kv.FullAttentionSpec(**att, num_head_slots=8, kv_head_major_slots=True),
+        kv.SlidingWindowMLASpec(
+            **mla_kw,
+            cache_dtype_str="auto",
+            sliding_window=128,
+            non_causal_multi_token_decode=True,
+        ),
+        kv.MambaSpec(
+            block_size=16,
+            shapes=((2, 512), (3, 32, 32)),
+            dtypes=(BF16, torch.float32),
+            mamba_cache_mode="align",
+            state_alignment=4096,
+            block_stride_alignment=4096,
+        ),
     ]
 
 
@@ -463,6 +498,16 @@ def roundtrip() -> dict[str, Any]:
         c for c in classes if c not in mapping.SPEC_KINDS and c not in mapping.UNSUPPORTED_CLASSES
     ]
     refused: list[str] = []
+    # A field another release lacks, away from its default, cannot be built here.
+    other = mapping.to_layer_spec(
+        "other", kv.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=BF16)
+    )
+    other.full_attention.attention.kv_head_major_slots = SERIES != "0.34"
+    try:
+        mapping.from_layer_spec(other, namespace, torch=torch)
+        built_across_releases = "built"
+    except mapping.UnsupportedSpec as error:
+        built_across_releases = str(error)
     for bad in (
         kv.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.int32),
         kv.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={}),
@@ -478,19 +523,18 @@ def roundtrip() -> dict[str, Any]:
         "classes": classes,
         "unmapped": unmapped,
         "refused": refused,
+        "built_across_releases": built_across_releases,
     }
 
 
 def conformance_direction(repo: str) -> dict[str, Any]:
     """Every layer of the conformance scenarios, built into a vLLM spec by
-    conformance/vllm_driver.py and by the plugin's mapping in its other direction
-    (`with_engine_defaults` + `from_layer_spec`): the two must agree, so switching
-    conformance to the plugin's mapping changes nothing."""
+    conformance/vllm_driver.py (which goes through the plugin's mapping:
+    `with_engine_defaults` + `from_layer_spec`), read back by `to_layer_spec` and
+    built again: the two directions must give the same spec over all of them."""
     from pathlib import Path
 
-    import vllm.v1.kv_cache_interface as kv
     from google.protobuf import json_format
-    from vllm.v1.attention.backend import MultipleOf
 
     from kvplan.client.vllm_plugin import specs as mapping
     from kvplan.v1 import plan_pb2
@@ -498,13 +542,6 @@ def conformance_direction(repo: str) -> dict[str, Any]:
     sys.path.append(repo)  # after the installed wheel: kvplan stays the wheel's
     from conformance import vllm_driver
 
-    namespace = SimpleNamespace(
-        **{name: getattr(kv, name) for name in mapping.SPEC_KINDS},
-        KVQuantMode=kv.KVQuantMode,
-        SparseCacheRole=kv.SparseCacheRole,
-        MambaAttentionBackendEnum=MambaAttentionBackendEnum,
-        MultipleOf=MultipleOf,
-    )
     compared = 0
     mismatches: list[str] = []
     for path in sorted(Path(repo, "tests", "conformance", "scenarios").glob("*.json")):
@@ -521,29 +558,29 @@ def conformance_direction(repo: str) -> dict[str, Any]:
             cache_dtype=vllm_driver.engine_cache_dtype(o),
             mamba_mode="align" if align else "none",
         )
-        storage = mapping.STORAGE_DTYPES[mapping.dtype_name(ctx.cache_dtype)]
         for worker in request.workers:
             for layer in worker.layers:
                 try:
-                    expected = vllm_driver.build_layer_spec(layer, ctx)
+                    built = vllm_driver.build_layer_spec(layer, ctx)
                 except Exception:  # scenarios of invalid layers: vLLM refuses them too
                     continue
-                if expected is None:
+                if built is None:
                     continue
-                resolved = mapping.with_engine_defaults(
-                    layer,
-                    block_size=block_size,
-                    mamba_block_size=ctx.mamba_block_size,
-                    storage_dtype=storage,
-                )
-                built = mapping.from_layer_spec(
-                    resolved, namespace, torch=torch, mamba_cache_mode=ctx.mamba_mode
+                again = mapping.from_layer_spec(
+                    mapping.to_layer_spec(layer.name, built),
+                    vllm_driver._VLLM_SPECS,
+                    torch=torch,
+                    mamba_cache_mode=ctx.mamba_mode,
                 )
                 compared += 1
-                same_draft = getattr(built, "is_draft", None) == expected.is_draft
-                if built != expected or not same_draft:
-                    mismatches.append(f"{path.name} {layer.name}: {built!r} != {expected!r}")
-    return {"compared": compared, "mismatches": mismatches[:5]}
+                same_draft = getattr(again, "is_draft", None) == getattr(built, "is_draft", None)
+                if again != built or type(again) is not type(built) or not same_draft:
+                    mismatches.append(f"{path.name} {layer.name}: {again!r} != {built!r}")
+    return {
+        "compared": compared,
+        "mismatches": mismatches[:5],
+        "driver_uses_the_mapping": vllm_driver.spec_mapping is mapping,
+    }
 
 
 # --- the host ---------------------------------------------------------------------------------

@@ -198,18 +198,29 @@ def test_spec_mapping_round_trips_every_spec_class(host: EngineHost, version: st
     result = host.send(op="roundtrip")
     assert result["failures"] == []
     # Every kvplan kind is exercised, and every vLLM spec class is mapped or refused.
-    assert len(result["kinds"]) == 12, result["kinds"]
+    assert len(result["kinds"]) == 14, result["kinds"]
+    assert {"hisparse_hot", "hisparse_resident"} <= set(result["kinds"])
     assert result["unmapped"] == [], result["unmapped"]
     assert "MambaSpec" in result["classes"] and "HiSparseHotSpec" in result["classes"]
     assert len(result["refused"]) == 3, result["refused"]
+    if version == "0.34":  # head-major slots exist: the layer builds (and round-trips above)
+        assert result["built_across_releases"] == "built"
+    else:  # 0.33 has no such field: refused by name, never dropped
+        assert (
+            "kv_head_major_slots=True does not exist in this vLLM release's"
+            in (result["built_across_releases"])
+        ), result
     assert "storage dtype torch.int32" in result["refused"][0]
     assert "UniformTypeKVCacheSpecs has no kvplan LayerSpec kind" in result["refused"][1]
 
 
-def test_the_mapping_builds_what_conformance_builds(host: EngineHost) -> None:
-    # The LayerSpec -> vLLM direction (for conformance/) over every scenario layer.
+def test_conformance_builds_specs_through_the_mapping(host: EngineHost) -> None:
+    # conformance/vllm_driver.py builds every scenario layer with the plugin's
+    # mapping (LayerSpec -> vLLM); reading each back (vLLM -> LayerSpec) and building
+    # it again gives the same spec: the two directions agree on all of them.
     result = host.send(op="conformance_direction", repo=str(ROOT))
-    assert result.get("mismatches") == [], result
+    assert result.get("driver_uses_the_mapping") is True, result
+    assert result["mismatches"] == [], result
     assert result["compared"] > 900, result
 
 
@@ -247,6 +258,28 @@ def test_observe_agrees(host: EngineHost, server: Server, version: str, engine: 
     assert any(g["is_draft"] for g in init["groups"]) == expected_draft
     if expected_draft:
         assert "(is_draft)" in line
+
+
+def test_observe_agrees_on_mamba_state_alignment(
+    host: EngineHost, server: Server, version: str
+) -> None:
+    # Mamba states padded to 64 KiB each (vLLM 0.34's MambaSpec.state_alignment,
+    # sent as state_alignment_bytes) and a 64 KiB block stride (both releases).
+    plain = host.start("unaligned", "qwen3-next-mtp")
+    answer = host.start("aligned", "qwen3-next-mtp-aligned")
+    assert answer["ok"], answer
+    line = verdict(answer)
+    assert "kvplan agreement" in line and "(is_draft)" in line, line
+    plan_id = re.search(r"plan (plan-[0-9a-f]+)", line)
+    assert plan_id is not None, line
+    plan = server.client.get_plan(plan_id=plan_id.group(1))
+    assert plan.num_blocks == answer["init"]["num_blocks"][0]
+    blocks, unaligned = answer["init"]["num_blocks"][0], plain["init"]["num_blocks"][0]
+    # The unaligned page is 16 KiB (states of 4 and 12 KiB).
+    if version == "0.34":  # each state padded to 64 KiB: a 128 KiB page, 8x
+        assert blocks == unaligned // 8, (blocks, unaligned)
+    else:  # 0.33: the 64 KiB block stride alone pads the page to 64 KiB, 4x
+        assert blocks == unaligned // 4, (blocks, unaligned)
 
 
 def test_observe_agrees_on_auto_fit_and_a_block_override(host: EngineHost, server: Server) -> None:
@@ -438,6 +471,11 @@ def test_lease_two_engines_share_a_gpu_a_third_is_refused(
     assert not c["ok"]
     assert "LeaseRefused: kvplan refused the KV-cache lease" in c["error"]
     assert "asks for 36.00 GiB" in c["error"] and "8.00 GiB left" in c["error"], c["error"]
+    # Who holds the rest (a server without authentication names every holder).
+    assert (
+        f"Held by: engine 'a-{version}' (rank 0) 36.00 GiB, "
+        f"engine 'b-{version}' (rank 0) 36.00 GiB."
+    ) in c["error"], c["error"]
 
     # Shutting an engine down gives its lease back at once.
     shut = host.send(op="shutdown", name="A")
