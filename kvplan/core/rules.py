@@ -13,7 +13,7 @@ The values were read off each release's own planner (vLLM 0.32.0, 0.33.0 and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from kvplan.core.errors import InvalidRequest
@@ -136,26 +136,8 @@ class RuleSet:
 _EAGLE_FAMILY = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
 _BLOCK_DROP_033 = frozenset({"eagle", "eagle3", "mtp"})  # DFlash / DSpark need no drop
 
-KVPLAN = RuleSet(
-    name="kvplan",
-    description="kvplan's own rules (vLLM 0.33 plus the draft rules of PR #55390)",
-    default_block_size=16,
-    draft_rule=DraftFlagRule.IS_DRAFT_THEN_POSITIONAL,
-    block_drop_methods=_EAGLE_FAMILY,
-    warning_methods=_EAGLE_FAMILY,
-    warning_needs_block_drop=True,
-    warns_unflagged_without_mamba=True,
-    flag_survives_empty_projection=True,
-    layout_checked_after_memory=False,
-    fallback_admits_sliding_window_mla=False,
-    promotion_drops_bounded_replay=False,
-    sw_mla_merge_keeps_quant_and_alignment=False,
-    tensors_for_own_layers_only=True,
-    in_flight_batches=InFlightBatches.BY_MODEL_RUNNER,
-    extensible_kv_cache=False,
-    fields=frozenset({FIELD_IS_DRAFT, FIELD_TOPK_BUFFER_WIDTH}),
-)
-
+# vLLM 0.33.0 in full; every other rule set is written as its differences from it,
+# so what a release changes stands in one place (adding 0.35 is one more `replace`).
 VLLM_0_33 = RuleSet(
     name="vllm-0.33",
     description="vLLM 0.33.0",
@@ -176,38 +158,36 @@ VLLM_0_33 = RuleSet(
     fields=frozenset({FIELD_IS_DRAFT, FIELD_TOPK_BUFFER_WIDTH}),
 )
 
-VLLM_0_32 = RuleSet(
+KVPLAN = replace(
+    VLLM_0_33,
+    name="kvplan",
+    description="kvplan's own rules (vLLM 0.33 plus the draft rules of PR #55390)",
+    draft_rule=DraftFlagRule.IS_DRAFT_THEN_POSITIONAL,
+    block_drop_methods=_EAGLE_FAMILY,
+    warning_methods=_EAGLE_FAMILY,
+    warns_unflagged_without_mamba=True,
+    tensors_for_own_layers_only=True,
+)
+
+VLLM_0_32 = replace(
+    VLLM_0_33,
     name="vllm-0.32",
     description="vLLM 0.32.0",
-    default_block_size=16,
     draft_rule=DraftFlagRule.SPEC_MARKER_AND_TRAILING,
     block_drop_methods=_EAGLE_FAMILY,
     warning_methods=_EAGLE_FAMILY,
     warning_needs_block_drop=False,
-    warns_unflagged_without_mamba=False,
     flag_survives_empty_projection=False,
     layout_checked_after_memory=True,
-    fallback_admits_sliding_window_mla=False,
-    promotion_drops_bounded_replay=False,
-    sw_mla_merge_keeps_quant_and_alignment=False,
-    tensors_for_own_layers_only=False,
-    in_flight_batches=InFlightBatches.BY_MODEL_RUNNER,
-    extensible_kv_cache=False,
     fields=frozenset(),
     max_kv_quant_mode=11,
 )
 
-VLLM_0_34 = RuleSet(
+VLLM_0_34 = replace(
+    VLLM_0_33,
     name="vllm-0.34",
     description="vLLM 0.34.0",
     default_block_size=64,
-    draft_rule=DraftFlagRule.IS_DRAFT_ONLY,
-    block_drop_methods=_BLOCK_DROP_033,
-    warning_methods=_BLOCK_DROP_033,
-    warning_needs_block_drop=True,
-    warns_unflagged_without_mamba=False,
-    flag_survives_empty_projection=True,
-    layout_checked_after_memory=False,
     fallback_admits_sliding_window_mla=True,
     promotion_drops_bounded_replay=True,
     sw_mla_merge_keeps_quant_and_alignment=True,
