@@ -63,7 +63,16 @@ from bench.engines import gemma_style, leased_engine
 from bench.options import parse_arguments
 from kvplan.v1 import plan_pb2, service_pb2
 
-SERVER_FLAGS = ("--devices", "1xH200-141GB", "--lease-ttl-s", "86400")
+# One identity (the bench, unauthenticated) holds every lease: lift the per-identity
+# bound (4,096 by default) above the largest level.
+SERVER_FLAGS = (
+    "--devices",
+    "1xH200-141GB",
+    "--lease-ttl-s",
+    "86400",
+    "--max-leases-per-identity",
+    "20000",
+)
 BASELINE_LEASES = 10
 TARGET_RATIO = 2.0  # grant and ListDevices p50 at the top level over the baseline's
 TARGET_STALL_ADDED_MS = 50.0
