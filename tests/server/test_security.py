@@ -7,6 +7,7 @@ import asyncio
 import logging
 import math
 import os
+import sqlite3
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -415,3 +416,32 @@ def test_secret_files_readable_by_others_are_warned_about(
     with caplog.at_level(logging.WARNING, logger="kvplan.server.security"):
         Authenticator(Settings(token_file=str(tokens)))
     assert not caplog.records
+
+
+async def test_without_authentication_no_ownership_is_recorded(tmp_path: Path) -> None:
+    """Every caller is one identity when the server runs insecure: ownership decides
+    nothing there, so distinct engine ids leave no records behind (they would grow
+    the store with every engine), and the lease bound counts every live lease."""
+    path = tmp_path / "kvplan.sqlite3"
+    settings = replace(
+        TEST_SETTINGS,
+        store=f"sqlite://{path}",
+        devices="1xH100-80GB",
+        max_leases_per_identity=2,
+    )
+    running = await start_server(settings)
+    try:
+        async with AsyncPlannerClient(f"127.0.0.1:{running.port}", timeout_s=10) as client:
+            for index in range(5):
+                await client.plan(engine_request(f"engine-{index}"))
+            (uuid,) = await device_uuids(client)
+            await client.plan(leased_request("leased-a", uuid, utilization=0.3))
+            await client.plan(leased_request("leased-b", uuid, utilization=0.3))
+            with pytest.raises(PlannerError) as refused:
+                await client.plan(leased_request("leased-c", uuid, utilization=0.3))
+            assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max-leases-per-identity" in refused.value.details
+    finally:
+        await running.stop(0)
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT count(*) FROM engine_owner").fetchone() == (0,)
