@@ -26,7 +26,7 @@ import grpc
 import grpc.aio
 
 from kvplan.server.errors import ServiceError, to_status
-from kvplan.server.metrics import Metrics
+from kvplan.server.metrics import HandlerCache, Metrics, wrapped_once
 from kvplan.server.security import ANONYMOUS, Authenticator, Identity, Unauthenticated
 
 log = logging.getLogger("kvplan.server")
@@ -140,7 +140,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         self._authenticator = authenticator
         self._drain = drain
         self._metrics = metrics
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._wrapped: HandlerCache = {}
 
     async def intercept_service(
         self,
@@ -150,13 +150,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        method = handler_call_details.method
-        known = self._wrapped.get(method)
-        if known is not None and known[0] is handler:
-            return known[1]
-        wrapped = self._wrap(handler, method)
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
+        return wrapped_once(self._wrapped, handler_call_details.method, handler, self._wrap)
 
     def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         service = method.split("/")[1] if method.count("/") >= 2 else ""

@@ -195,6 +195,25 @@ def _split(method: str) -> tuple[str, str]:
     return service, name
 
 
+HandlerCache = dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]]
+
+
+def wrapped_once(
+    cache: HandlerCache,
+    method: str,
+    handler: grpc.RpcMethodHandler,
+    wrap: Callable[[grpc.RpcMethodHandler, str], grpc.RpcMethodHandler],
+) -> grpc.RpcMethodHandler:
+    """`wrap(handler, method)`, built once per method and served from `cache` while
+    the server hands out the same handler (interceptors see every call)."""
+    known = cache.get(method)
+    if known is not None and known[0] is handler:
+        return known[1]
+    wrapped = wrap(handler, method)
+    cache[method] = (handler, wrapped)
+    return wrapped
+
+
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
     """Counts and times every unary RPC with the usual grpc_server_* names.
 
@@ -205,7 +224,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
         # method -> (the handler as served, the observed handler wrapping it)
-        self._observed: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._observed: HandlerCache = {}
 
     async def intercept_service(
         self,
@@ -215,13 +234,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler
-        method = handler_call_details.method
-        known = self._observed.get(method)
-        if known is not None and known[0] is handler:
-            return known[1]
-        observed = self._observe(handler, method)
-        self._observed[method] = (handler, observed)
-        return observed
+        return wrapped_once(self._observed, handler_call_details.method, handler, self._observe)
 
     def _observe(self, handler: grpc.RpcMethodHandler, full_method: str) -> grpc.RpcMethodHandler:
         service, method = _split(full_method)

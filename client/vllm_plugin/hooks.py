@@ -222,6 +222,11 @@ class EngineStart:
             return ""
         return self.release.engine_version
 
+    def client(self) -> PlannerClient:
+        return PlannerClient(
+            self.settings.addr, timeout_s=self.settings.timeout_s, security=self.settings.security
+        )
+
     def fallback(self, why: str, error: BaseException) -> None:
         COUNTERS.add("fallbacks")
         log.warning(
@@ -252,11 +257,7 @@ class EngineStart:
                 engine_version=self.rule_set_asked(),
                 engine_id=self.engine_id,
             )
-            with PlannerClient(
-                self.settings.addr,
-                timeout_s=self.settings.timeout_s,
-                security=self.settings.security,
-            ) as client:
+            with self.client() as client:
                 response = client.plan(request).response
         except UnsupportedSpec as error:
             self.fallback("this engine has a spec kvplan cannot represent", error)
@@ -357,11 +358,7 @@ class EngineStart:
             return self._unavailable("cannot describe this engine to kvplan", error, original, args)
         except Exception as error:  # the plugin's own failure: the operator's choice too
             return self._unavailable("the plugin failed", error, original, args)
-        client = PlannerClient(
-            self.settings.addr,
-            timeout_s=self.settings.timeout_s,
-            security=self.settings.security,
-        )
+        client = self.client()
         try:
             result = client.plan(request)
         except PlannerError as error:
