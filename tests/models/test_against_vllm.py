@@ -28,23 +28,8 @@ VLLM_CACHE = Path(os.environ.get("KVPLAN_VLLM_CACHE", Path.home() / ".cache" / "
 VENV = VLLM_CACHE / "vllm-0.33" / "venv"
 MODELS = Path(__file__).parents[2] / "examples" / "models"
 
-# Runs inside the vLLM venv with the repository on sys.path: answers the calculator
-# cases with vLLM's own figures, and plans each request with vLLM 0.33's planner
-# (conformance/vllm_driver.py) and with kvplan, listing every differing field
-# (conformance/compare.py).
-VLLM_SIDE = """
-import json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as C
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-from conformance.compare import compare_results, plan_with_kvplan
-from conformance.vllm_driver import plan_with_vllm
-from kvplan.convert import GPU_MEMORY_BYTES, plan_from_proto
-from kvplan.core.errors import PlanningError
-from kvplan.v1 import plan_pb2
-dtypes = {"bfloat16": torch.bfloat16, "uint8": torch.uint8}
-payload = json.load(sys.stdin)
-out = []
+# Both vLLM-side scripts: each calculator case answered with vLLM's own figure.
+CALCULATOR_CASES = """
 for case in payload["calculators"]:
     kind, a = case["kind"], case["args"]
     if kind == "gdn":
@@ -59,7 +44,29 @@ for case in payload["calculators"]:
     elif kind == "mla":
         out.append(MLAAttentionSpec(block_size=a[0], num_kv_heads=1, head_size=a[1],
                                     dtype=dtypes[a[2]], cache_dtype_str=a[3]).page_size_bytes)
-plans = []
+"""
+
+# Runs inside the vLLM venv with the repository on sys.path: answers the calculator
+# cases with vLLM's own figures, and plans each request with vLLM 0.33's planner
+# (conformance/vllm_driver.py) and with kvplan, listing every differing field
+# (conformance/compare.py).
+VLLM_SIDE = (
+    """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator as C
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from conformance.compare import compare_results, plan_with_kvplan
+from conformance.vllm_driver import plan_with_vllm
+from kvplan.convert import GPU_MEMORY_BYTES, plan_from_proto
+from kvplan.core.errors import PlanningError
+from kvplan.v1 import plan_pb2
+dtypes = {"bfloat16": torch.bfloat16, "uint8": torch.uint8}
+payload = json.load(sys.stdin)
+out = []
+"""
+    + CALCULATOR_CASES
+    + """plans = []
 for blob in payload["requests"]:
     request = plan_pb2.PlanRequest.FromString(bytes.fromhex(blob))
     vllm = plan_with_vllm(request, GPU_MEMORY_BYTES)
@@ -68,6 +75,7 @@ for blob in payload["requests"]:
     plans.append({"ok": bool(vllm.get("ok")), "diffs": diffs})
 print(json.dumps({"calculators": out, "plans": plans}))
 """
+)
 
 
 def calculator_cases() -> tuple[list[dict[str, object]], list[object]]:
@@ -235,7 +243,8 @@ RELEASES = ("vllm-0.32", "vllm-0.33", "vllm-0.34")
 # Runs in one release's venv: that release's registration facts (its default block size,
 # whether its layer specs have `is_draft`), and each imported request planned by the
 # release's own planner and by kvplan under that release's rule set.
-RELEASE_SIDE = """
+RELEASE_SIDE = (
+    """
 import dataclasses, json, sys
 sys.path.insert(0, sys.argv[1])
 from vllm.config import CacheConfig
@@ -251,21 +260,9 @@ from kvplan.v1 import plan_pb2
 payload = json.load(sys.stdin)
 dtypes = {"bfloat16": torch.bfloat16, "uint8": torch.uint8}
 out = []
-for case in payload["calculators"]:
-    kind, a = case["kind"], case["args"]
-    if kind == "gdn":
-        out.append([list(s) for s in C.gated_delta_net_state_shape(*a)])
-    elif kind == "mamba1":
-        out.append([list(s) for s in C.mamba1_state_shape(*a)])
-    elif kind == "mamba2":
-        out.append([list(s) for s in C.mamba2_state_shape(*a)])
-    elif kind == "full":
-        out.append(FullAttentionSpec(block_size=a[0], num_kv_heads=a[1], head_size=a[2],
-                                     dtype=dtypes[a[3]]).page_size_bytes)
-    elif kind == "mla":
-        out.append(MLAAttentionSpec(block_size=a[0], num_kv_heads=1, head_size=a[1],
-                                    dtype=dtypes[a[2]], cache_dtype_str=a[3]).page_size_bytes)
-facts = {
+"""
+    + CALCULATOR_CASES
+    + """facts = {
     "default_block_size": CacheConfig.DEFAULT_BLOCK_SIZE,
     "has_is_draft": "is_draft" in {f.name for f in dataclasses.fields(FullAttentionSpec)},
 }
@@ -278,6 +275,7 @@ for blob in payload["requests"]:
     plans.append({"ok": bool(vllm.get("ok")), "diffs": diffs})
 print(json.dumps({"facts": facts, "calculators": out, "plans": plans}))
 """
+)
 
 
 def release_request_cases(engine_version: str) -> tuple[list[str], list[str]]:
