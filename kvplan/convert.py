@@ -1009,9 +1009,10 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
             out.spec.CopyFrom(spec_to_proto(group.spec))
     # Workers with one projection (tensor-parallel ranks) share their tuples of
     # tensors and groups: a layout several workers share is rendered once and merged
-    # into each (for 8 workers x 65 layers, 0.045 ms of 0.15 ms).
+    # into each (for 8 workers x 65 layers, 0.045 ms of 0.15 ms), as bytes: protobuf's
+    # MergeFrom serializes its argument every time (rendering 106 -> 97 µs).
     sharers = Counter((id(worker.tensors), id(worker.groups)) for worker in plan.workers)
-    shared: dict[tuple[int, int], plan_pb2.WorkerPlan] = {}
+    shared: dict[tuple[int, int], bytes] = {}
     for worker in plan.workers:
         budget = worker.budget
         out_worker = response.workers.add(
@@ -1048,9 +1049,10 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
             _worker_layout_to_proto(worker, out_worker)
         else:
             if key not in shared:
-                shared[key] = plan_pb2.WorkerPlan()
-                _worker_layout_to_proto(worker, shared[key])
-            out_worker.MergeFrom(shared[key])
+                layout = plan_pb2.WorkerPlan()
+                _worker_layout_to_proto(worker, layout)
+                shared[key] = layout.SerializeToString()
+            out_worker.MergeFromString(shared[key])
     diagnostics = response.diagnostics
     diagnostics.grouping_path = _PATHS[plan.path]
     diagnostics.page_sizes_unified = plan.page_sizes_unified
