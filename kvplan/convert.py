@@ -1009,8 +1009,8 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
             out.spec.CopyFrom(spec_to_proto(group.spec))
     # Workers with one projection (tensor-parallel ranks) share their tuples of
     # tensors and groups: a layout several workers share is rendered once and merged
-    # into each (for 8 workers x 65 layers, 0.045 ms of 0.15 ms), as bytes: protobuf's
-    # MergeFrom serializes its argument every time (rendering 106 -> 97 µs).
+    # into each (for 8 workers x 65 layers, 0.045 ms of 0.15 ms), as bytes: merging
+    # a 65-layer layout's bytes takes 3.4 µs, MergeFrom of the message 6.1 µs.
     sharers = Counter((id(worker.tensors), id(worker.groups)) for worker in plan.workers)
     shared: dict[tuple[int, int], bytes] = {}
     for worker in plan.workers:
