@@ -11,6 +11,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from fractions import Fraction
+from functools import cached_property
 from typing import Any
 
 from kvplan.core.diagnostics import WarningCode
@@ -665,16 +666,29 @@ class WorkerBytes:
 
     def __init__(self, worker: plan_pb2.WorkerSpec) -> None:
         self.data = worker.SerializeToString(deterministic=True)
-        self.layers_start = 0
+
+    @cached_property
+    def _settings(self) -> tuple[bytes, int]:
+        """(device and memory fields as sent, where the fields after them start)."""
         settings: list[bytes] = []
+        after = 0
         for number, start, _, end in _wire_fields(self.data, 0, len(self.data)):
             if number not in (_RANK, _DEVICE, _MEMORY):
                 break
             if number != _RANK:
                 settings.append(self.data[start:end])
-            self.layers_start = end
-        # Device and memory as sent: tensor-parallel ranks often differ in rank alone.
-        self.settings_key = b"".join(settings)
+            after = end
+        return b"".join(settings), after
+
+    @property
+    def settings_key(self) -> bytes:
+        """Equal for workers with equal device and memory settings (tensor-parallel
+        ranks often differ in rank alone)."""
+        return self._settings[0]
+
+    @property
+    def layers_start(self) -> int:
+        return self._settings[1]
 
     @property
     def layers_key(self) -> bytes:

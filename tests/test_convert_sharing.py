@@ -15,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvplan.convert import (
+    WorkerBytes,
     _Context,
+    encode_varint,
     layer_from_proto,
     plan_id_for,
     plan_to_proto,
@@ -218,3 +220,80 @@ def test_plan_id_is_a_content_hash_of_the_normalised_request() -> None:
     assert plan_id_for(first) == plan_id_for(again)
     assert plan_id_for(first) == plan_id_for(tp_engine("a", [2, 0, 1]))
     assert plan_id_for(first) != plan_id_for(tp_engine("b", [0, 1, 2]))
+
+
+def _tag(number: int, wire_type: int) -> bytes:
+    return encode_varint(number << 3 | wire_type)
+
+
+# Unknown fields as a newer client may send them (numbers no message here uses, with
+# 2-byte tags): a varint, a fixed64, a fixed32, a length-delimited field, a group.
+_UNKNOWN_FIELDS = b"".join(
+    [
+        _tag(2001, 0) + encode_varint(150),
+        _tag(2002, 1) + bytes(range(8)),
+        _tag(2003, 5) + bytes(range(4)),
+        _tag(2004, 2) + bytes([3, 1, 2, 3]),
+        _tag(2005, 3) + _tag(1, 0) + bytes([7]) + _tag(2005, 4),
+    ]
+)
+names = st.text(min_size=0, max_size=150)  # empty, long (2-byte lengths), non-ASCII
+
+
+@st.composite
+def workers(draw: st.DrawFn) -> plan_pb2.WorkerSpec:
+    worker = plan_pb2.WorkerSpec(rank=draw(st.integers(0, 300)))
+    if draw(st.booleans()):
+        worker.device.name = draw(st.sampled_from(["", "H100-80GB"]))
+    if draw(st.booleans()):
+        worker.memory.kv_cache_memory_bytes = draw(st.sampled_from([0, GIB]))
+    for params in draw(st.lists(layer_params, max_size=4)):
+        layer = _layer(draw(names), *params)
+        if draw(st.booleans()):
+            layer.MergeFromString(_UNKNOWN_FIELDS)
+        worker.layers.append(layer)
+    if draw(st.booleans()):
+        worker.MergeFromString(_UNKNOWN_FIELDS)
+    return worker
+
+
+def _serialized_without(worker: plan_pb2.WorkerSpec, *names: str, unknown: bool) -> bytes:
+    copy = plan_pb2.WorkerSpec()
+    copy.CopyFrom(worker)
+    for name in names:
+        copy.ClearField(name)  # type: ignore[arg-type]
+    if not unknown:
+        copy.DiscardUnknownFields()
+    return copy.SerializeToString(deterministic=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(workers())
+def test_worker_bytes_cut_out_each_layer_and_key_exactly(worker: plan_pb2.WorkerSpec) -> None:
+    encoded = WorkerBytes(worker)
+    assert encoded.data == worker.SerializeToString(deterministic=True)
+    assert [encoded.data[start:end] for start, end in encoded.layers()] == [
+        layer.SerializeToString(deterministic=True) for layer in worker.layers
+    ]
+    # The layers (and unknown fields), and the device and memory, exactly as sent.
+    assert encoded.layers_key == _serialized_without(
+        worker, "rank", "device", "memory", unknown=True
+    )
+    assert encoded.settings_key == _serialized_without(worker, "rank", "layers", unknown=False)
+
+
+def test_unknown_fields_change_the_plan_id_not_the_plan() -> None:
+    request = plan_pb2.PlanRequest(engine_id="unknown-fields")
+    request.options.max_model_len = 4096
+    for rank in range(2):
+        worker = request.workers.add(rank=rank)
+        worker.memory.kv_cache_memory_bytes = GIB
+        worker.layers.extend(_layer(f"l{index}", index % 2, 8, False) for index in range(4))
+    marked = plan_pb2.PlanRequest()
+    marked.CopyFrom(request)
+    marked.workers[1].MergeFromString(_UNKNOWN_FIELDS)
+    marked.workers[1].layers[2].MergeFromString(_UNKNOWN_FIELDS)
+    assert plan_id_for(marked) != plan_id_for(request)
+    plain = plan_to_proto(plan_engine(request_from_proto(request)), plan_id="p")
+    with_unknown = plan_to_proto(plan_engine(request_from_proto(marked)), plan_id="p")
+    assert with_unknown == plain

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -84,9 +84,16 @@ class GroupingResult:
         return self.groups[start : start + self.annotated_group_count]
 
 
+def _distinct(specs: Iterable[KVCacheSpec]) -> list[KVCacheSpec]:
+    """Each spec object once, in first-seen order. Layers share spec objects, and a
+    merge depends only on the set of specs and on the first (merging 64 layers' specs
+    as their 2 objects: planning 278 -> xx µs)."""
+    return list({id(spec): spec for spec in specs}.values())
+
+
 def is_uniform_spec(specs: Mapping[str, KVCacheSpec], rules: RuleSet = KVPLAN) -> bool:
     """All specs merge into one. Conflicting windows propagate as an error."""
-    values = list(specs.values())
+    values = _distinct(specs.values())
     if not values:
         return True
     try:
@@ -101,7 +108,7 @@ def is_uniform_type(specs: Mapping[str, KVCacheSpec]) -> bool:
 
 
 def _merge_group(specs: SpecDict, names: Sequence[str], rules: RuleSet) -> KVCacheSpec:
-    layer_specs = [specs[name] for name in names]
+    layer_specs = _distinct(specs[name] for name in names)
     return type(layer_specs[0]).merge(layer_specs, rules)
 
 
