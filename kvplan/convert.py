@@ -655,8 +655,8 @@ _NAME_TAG = spec_pb2.LayerSpec.NAME_FIELD_NUMBER << 3 | 2  # length-delimited
 class WorkerBytes:
     """One worker's deterministic serialization, made once per request: the plan id
     hashes it and the converter reads the worker's identity from it, so that no
-    worker or layer is serialized again (for 8 workers x 65 layers, identity cost
-    330 µs with per-worker and per-layer serializations, against 75 µs).
+    worker or layer is serialized again (8 workers x 65 layers: plan id and
+    conversion 510 µs with serializations per worker and per layer, 355 µs so).
 
     Protobuf writes known fields in field-number order: rank, device and memory
     (the worker's settings) come first, then the layers. `layers_key` is what
