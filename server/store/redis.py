@@ -70,6 +70,7 @@ from kvplan.core.ledger import (
     Totals,
     excluding,
     grant_leases,
+    tally,
 )
 from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import (
@@ -516,6 +517,7 @@ class RedisStore:
             await self.ping()
             if self._require_persistence:
                 await self._check_persistence()
+            await self._convert_old_ledger()
         except (StoreUnavailable, ValueError):
             await self.close()
             raise
@@ -529,6 +531,59 @@ class RedisStore:
         except TimeoutError:
             await self.close()
             raise StoreUnavailable(f"cannot subscribe to {self._channel} on {self._url}") from None
+
+    async def _convert_old_ledger(self) -> None:
+        """Leases a server before the ledger's totals wrote (the `lease-engines` set,
+        records [device_uuid, bytes, allocated_bytes, granted_at, expires_at]) are
+        converted once, in one transaction, and counted; each is held by its
+        engine's owner. Stop the replicas of the old version before starting these."""
+        engines_key, version_key = self._key("lease-engines"), self._key("lease-version")
+        keys = self._ledger_keys("")
+
+        async def attempt(pipe: Pipeline) -> None:
+            await pipe.watch(engines_key, version_key)
+            engines = cast(set[bytes], await pipe.smembers(engines_key))
+            if not engines:
+                return
+            leases: list[Lease] = []
+            for engine in sorted(engines):
+                engine_id = engine.decode()
+                owner = await pipe.get(self._key("owner:" + engine_id))
+                identity = owner.decode() if isinstance(owner, bytes) else ""
+                for rank, value in (await _read_hash(pipe, self._lease_key(engine_id))).items():
+                    device_uuid, size, allocated, granted_at, expires_at = json.loads(value)
+                    leases.append(
+                        Lease(
+                            engine_id,
+                            int(rank),
+                            device_uuid,
+                            size,
+                            allocated,
+                            float(granted_at),
+                            float(expires_at),
+                            identity,
+                        )
+                    )
+            _begin(pipe)
+            # Every record is counted (nothing is expired through yet): the next
+            # ledger call expires the ones that are due.
+            for lease in leases:
+                pipe.hset(self._lease_key(lease.engine_id), str(lease.rank), _record(lease))
+                pipe.zadd(keys[0], {_record(lease): lease.expires_at})
+            for uuid_, totals in tally(leases).items():
+                pipe.hincrby(keys[1], uuid_, totals.committed_bytes)
+                pipe.hincrby(keys[2], uuid_, totals.outstanding_bytes)
+                pipe.hincrby(keys[3], uuid_, totals.live_leases)
+            for lease in leases:
+                pipe.hincrby(keys[4], lease.identity, 1)
+            pipe.delete(engines_key)
+            pipe.incr(version_key)
+            await pipe.execute()
+            log.info(
+                "Redis store %s: %d leases converted to the ledger's totals", self._url, len(leases)
+            )
+
+        await self._transact(attempt)
 
     async def _check_persistence(self) -> None:
         """Leases kept only in memory are lost when Redis restarts, and the ledger

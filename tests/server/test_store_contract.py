@@ -19,7 +19,15 @@ import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvplan.core.ledger import NOTHING, DeviceState, GrantRefused, Lease, LeaseRequest, tally
+from kvplan.core.ledger import (
+    NOTHING,
+    DeviceState,
+    GrantRefused,
+    Lease,
+    LeaseRequest,
+    Totals,
+    tally,
+)
 from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import Arrival, RendezvousResult, Store
 from kvplan.server.store.memory import MemoryStore
@@ -875,6 +883,52 @@ async def test_redis_drops_a_dead_engines_leases_by_itself(redis_server: RedisSe
         assert await store.sweep_expired(2.0) == ()  # its hash is gone: nothing to report
         assert await client.zcard(store._key("lease-expiry")) == 1
         assert await store.leases(2.0) == (kept,)
+    finally:
+        await store.close()
+
+
+async def test_leases_of_the_layout_before_the_totals_are_kept_and_counted(
+    redis_server: RedisServer,
+) -> None:
+    """What a server before the ledger's totals left in Redis: one hash per engine
+    with [device_uuid, bytes, allocated_bytes, granted_at, expires_at] per rank, and
+    the set of engines. A new server converts it at start and counts it."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    old = RedisStore(redis_server.url, key_prefix=prefix)
+    await old.start()
+    client = old._redis()
+    await client.hset(
+        prefix + "lease:a",
+        mapping={"0": f'["gpu-0",{30 * GIB},{10 * GIB},0.0,100.0]', "1": '["gpu-1",5,5,0.0,50.0]'},
+    )
+    await client.hset(prefix + "lease:b", mapping={"0": f'["gpu-0",{20 * GIB},0,0.0,300.0]'})
+    await client.sadd(prefix + "lease-engines", "a", "b")
+    await client.set(prefix + "owner:a", "team-a")
+    await old.close()
+    store = RedisStore(redis_server.url, key_prefix=prefix)
+    await store.start()
+    try:
+        client = store._redis()
+        assert not await client.exists(prefix + "lease-engines")
+        assert [
+            (lease.engine_id, lease.rank, lease.identity) for lease in await store.leases(60.0)
+        ] == [
+            ("a", 0, "team-a"),
+            ("b", 0, ""),
+        ]
+        view = await store.ledger_view(60.0, ["gpu-0", "gpu-1"], identity="team-a")
+        assert view.devices["gpu-0"] == Totals(50 * GIB, 40 * GIB, 2)
+        assert view.devices["gpu-1"] == NOTHING  # expired at 50
+        assert (view.live_leases, view.identity_leases) == (2, 1)
+        renewed = await store.renew("a", {0: 30 * GIB}, 60.0, LEASE_TTL_S)
+        assert [lease.rank for lease in renewed] == [0]
+        view = await store.ledger_view(60.0, ["gpu-0"])
+        assert view.devices["gpu-0"] == Totals(50 * GIB, 20 * GIB, 2)
+        # A second start finds nothing left to convert.
+        again = RedisStore(redis_server.url, key_prefix=prefix)
+        await again.start()
+        assert await again.ledger_view(60.0, ["gpu-0"]) == view
+        await again.close()
     finally:
         await store.close()
 
