@@ -19,13 +19,14 @@ from kvplan.convert import encode_varint, plan_from_proto, plan_id_for
 from kvplan.core.errors import PlanningError
 from kvplan.core.ledger import (
     MAX_LISTED_HOLDERS,
+    NOTHING,
     DeviceAccount,
     DeviceState,
     GrantRefused,
     Lease,
     LeaseRequest,
-    Totals,
     account,
+    tally,
 )
 from kvplan.fieldcheck import MAX_64
 from kvplan.server.config import Settings
@@ -271,11 +272,9 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         leases = await self._grant(resolved, named, plan, devices, now, holder)
         # The gauges from what this call read and wrote, not from a second reading.
         self._metrics.leases_active.set(view.live_leases + len(leases))
+        granted = tally(leases)
         for state in devices.values():
-            after = view.devices[state.uuid]
-            for lease in leases:
-                if lease.device_uuid == state.uuid:
-                    after += Totals.of(lease)
+            after = view.devices[state.uuid] + granted.get(state.uuid, NOTHING)
             self._set_device_gauges(state, account(state, after))
         self._cache.name_engine(request.engine_id, plan_id)
         await self._persist(plan_id, request.engine_id, plan)

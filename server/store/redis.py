@@ -138,17 +138,22 @@ local function count(record, sign)
 end
 
 -- Take the leases due at `now` out of the totals (an index range); they stay in
--- the index until the sweep deletes them.
+-- the index until the sweep deletes them. The mark moves only past due leases
+-- (it keeps the index's janitor expiry).
 local function expire_due(now_text)
     local now = tonumber(now_text)
     local t = through()
     if now <= t then return end
     local low = '-inf'
     if t ~= -math.huge then low = '(' .. through_text() end
-    for _, record in ipairs(redis.call('ZRANGEBYSCORE', expiry, low, now_text)) do
+    local due = redis.call('ZRANGEBYSCORE', expiry, low, now_text)
+    if #due == 0 then return end
+    for _, record in ipairs(due) do
         count(record, -1)
     end
     redis.call('SET', through_key, now_text)
+    local ttl = redis.call('PTTL', expiry)
+    if ttl > 0 then redis.call('PEXPIRE', through_key, ttl) end
 end
 
 local function remove(record)

@@ -848,13 +848,14 @@ async def test_replicas_share_one_ledger(replicas: tuple[RedisStore, RedisStore]
     assert (await first.leases(LEASE_TTL_S + 5))[0].allocated_bytes == 60 * GIB
 
 
+# The ledger's keys once a lease is granted; "ledger:expired-through" joins them when
+# a lease first falls due.
 LEDGER_KEYS = (
     "lease-expiry",
     "ledger:committed",
     "ledger:outstanding",
     "ledger:live",
     "ledger:identity",
-    "ledger:expired-through",
 )
 
 
@@ -864,10 +865,10 @@ async def test_redis_drops_a_dead_engines_leases_by_itself(redis_server: RedisSe
     try:
         client = store._redis()
         gpus = devices(device("gpu-0"))
-        ledger = [store._key(name) for name in LEDGER_KEYS]
+        ledger = [store._key(name) for name in (*LEDGER_KEYS, "ledger:expired-through")]
         # Alone: the engine's hash and the ledger's index and totals all go.
         await store.grant("e", [ask(0, "gpu-0", 10)], gpus, 0.0, 0.3)
-        for key in (store._lease_key("e"), *ledger):
+        for key in (store._lease_key("e"), *ledger[:-1]):
             assert 0 < await client.pttl(key) <= 300, key
         await asyncio.sleep(0.5)
         assert not await client.exists(store._lease_key("e"), *ledger)  # gone from Redis itself
@@ -880,6 +881,7 @@ async def test_redis_drops_a_dead_engines_leases_by_itself(redis_server: RedisSe
         assert not await client.exists(store._lease_key("f"))
         view = await store.ledger_view(2.0, ["gpu-0"])
         assert (view.devices["gpu-0"].committed_bytes, view.live_leases) == (20 * GIB, 1)
+        assert await client.pttl(store._key("ledger:expired-through")) > 0  # as the index's
         assert await store.sweep_expired(2.0) == ()  # its hash is gone: nothing to report
         assert await client.zcard(store._key("lease-expiry")) == 1
         assert await store.leases(2.0) == (kept,)
