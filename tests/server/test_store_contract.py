@@ -568,6 +568,32 @@ async def test_sweep_expired_deletes_and_returns_the_dead(store: Store) -> None:
     assert await store.sweep_expired(60.0) == late
 
 
+async def test_totals_stay_exact_through_many_renewals_and_expiries(store: Store) -> None:
+    """Heartbeats replace each lease many times over (and leave stale expiry entries
+    behind in the memory store); the totals still equal the recount at every step."""
+    gpus = devices(device("gpu-0"), device("gpu-1"))
+    now = 0.0
+    for index in range(6):
+        uuid_ = f"gpu-{index % 2}"
+        await store.grant(f"e{index}", [ask(0, uuid_, 1), ask(1, uuid_, 2)], gpus, now, 10.0)
+    for beat in range(60):
+        now += 1.0
+        # e0..e2 keep beating (allocations vary); e3..e5 stop after 20 beats and expire.
+        for index in range(6 if beat < 20 else 3):
+            await store.renew(f"e{index}", {beat % 2: (beat % 3) * GIB}, now, 10.0)
+        view = await store.ledger_view(now, ["gpu-0", "gpu-1"], identity="")
+        live = await store.leases(now)
+        recount = tally(live)
+        assert view.devices == {u: recount.get(u, NOTHING) for u in ("gpu-0", "gpu-1")}
+        assert view.live_leases == view.identity_leases == len(live)
+        if beat % 7 == 0:
+            await store.sweep_expired(now)
+    assert {lease.engine_id for lease in await store.leases(now)} == {"e0", "e1", "e2"}
+    assert len(await store.sweep_expired(now)) == 0  # the dead were swept on the way
+    assert await store.leases(now + 100) == ()
+    assert (await store.ledger_view(now + 100, ["gpu-0", "gpu-1"])).live_leases == 0
+
+
 # --- Hypothesis: same answers as the reference ---------------------------------------
 
 LEDGER_DEVICES = {
