@@ -19,12 +19,14 @@ from kvplan.convert import encode_varint, plan_from_proto, plan_id_for
 from kvplan.core.errors import PlanningError
 from kvplan.core.ledger import (
     MAX_LISTED_HOLDERS,
+    NOTHING,
     DeviceAccount,
     DeviceState,
     GrantRefused,
     Lease,
     LeaseRequest,
     account,
+    tally,
 )
 from kvplan.fieldcheck import MAX_64
 from kvplan.server.config import Settings
@@ -34,6 +36,7 @@ from kvplan.server.metrics import Metrics
 from kvplan.server.probes import DeviceMemory, DeviceProbe
 from kvplan.server.rendezvous import Rendezvous
 from kvplan.server.store import Store, StoreUnavailable
+from kvplan.server.store.base import LedgerView
 from kvplan.v1 import plan_pb2, service_pb2, service_pb2_grpc
 
 log = logging.getLogger("kvplan.server")
@@ -251,7 +254,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             self._check_reply_size(len(plan))
             return plan
         now = time.time()
-        resolved, devices, accounts, others = await self._resolve_devices(request, named, now)
+        holder = self._holder(request.engine_id)
+        resolved, devices, accounts, view = await self._resolve_devices(request, named, now, holder)
         # The plan becomes the engine's (GetPlan, persisted) only once it is granted.
         plan_id = plan_id_for(resolved)
         plan = await self._plan(resolved, plan_id=plan_id, publish=False)
@@ -264,13 +268,14 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 for i in named
             )
         )
-        await self._check_lease_quota(request.engine_id, len(named), others)
-        leases = await self._grant(resolved, named, plan, devices, now)
+        self._check_lease_quota(holder, len(named), view)
+        leases = await self._grant(resolved, named, plan, devices, now, holder)
         # The gauges from what this call read and wrote, not from a second reading.
-        after = [*others, *leases]
-        self._metrics.leases_active.set(len(after))
+        self._metrics.leases_active.set(view.live_leases + len(leases))
+        granted = tally(leases)
         for state in devices.values():
-            self._set_device_gauges(state, account(state, after, now))
+            after = view.devices[state.uuid] + granted.get(state.uuid, NOTHING)
+            self._set_device_gauges(state, account(state, after))
         self._cache.name_engine(request.engine_id, plan_id)
         await self._persist(plan_id, request.engine_id, plan)
         ttl_s = self._settings.lease_ttl_s
@@ -401,22 +406,24 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             field="engine_id",
         )
 
-    async def _check_lease_quota(self, engine_id: str, wanted: int, others: list[Lease]) -> None:
-        """Live leases of the caller's other engines plus this grant stay within
-        --max-leases-per-identity."""
+    def _holder(self, engine_id: str) -> str:
+        """Whose quota an engine's leases count against: its owner as this server
+        knows it (the caller, unless an operator acts on another's engine); "" on
+        a server without authentication, where one identity holds every lease."""
         identity = current_identity()
         if identity.method == "insecure":
-            held = len(others)  # one identity holds every lease
-        else:
-            now = time.time()
-            held = 0
-            for lease in others:
-                if await self._owner_of(lease.engine_id, now) == identity.name:
-                    held += 1
+            return ""
+        known = self._owners.get(engine_id)
+        return known[0] if known is not None else identity.name
+
+    def _check_lease_quota(self, holder: str, wanted: int, view: LedgerView) -> None:
+        """Live leases of the holder's other engines plus this grant stay within
+        --max-leases-per-identity (the store keeps the count per identity)."""
+        held = view.identity_leases if holder else view.live_leases
         self._limit(
             "max_leases_per_identity",
             held + wanted,
-            f"live leases of identity {identity.name!r} after this grant",
+            f"live leases of identity {holder or current_identity().name!r} after this grant",
         )
 
     def _read_devices(self) -> tuple[DeviceMemory, ...]:
@@ -441,8 +448,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         )
 
     async def _resolve_devices(
-        self, request: plan_pb2.PlanRequest, named: list[int], now: float
-    ) -> tuple[plan_pb2.PlanRequest, dict[str, DeviceState], dict[str, DeviceAccount], list[Lease]]:
+        self, request: plan_pb2.PlanRequest, named: list[int], now: float, holder: str
+    ) -> tuple[plan_pb2.PlanRequest, dict[str, DeviceState], dict[str, DeviceAccount], LedgerView]:
         """The request with the named devices' numbers from the probe and ledger:
         the device's total memory, and for the free-fraction mode the bytes the
         ledger can still grant. Free memory a worker sent is dropped for named
@@ -474,11 +481,11 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 )
             devices[found.uuid] = self._device_state(found)
             device_ref.total_memory_bytes = found.total_bytes
-        # The other engines' live leases (this engine's are replaced by its grant).
-        others = [
-            lease for lease in await self._store.leases(now) if lease.engine_id != request.engine_id
-        ]
-        accounts = {uuid: account(state, others, now) for uuid, state in devices.items()}
+        # The other engines' totals (this engine's leases are replaced by its grant).
+        view = await self._store.ledger_view(
+            now, list(devices), engine_id=request.engine_id, identity=holder
+        )
+        accounts = {uuid: account(state, view.devices[uuid]) for uuid, state in devices.items()}
         for index in named:
             worker = resolved.workers[index]
             if worker.memory.WhichOneof("budget") == "free_memory_fraction":
@@ -496,7 +503,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 )
             else:
                 worker.device.ClearField("free_memory_bytes")
-        return resolved, devices, accounts, others
+        return resolved, devices, accounts, view
 
     async def _grant(
         self,
@@ -505,6 +512,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         plan: bytes,
         devices: dict[str, DeviceState],
         now: float,
+        holder: str,
     ) -> tuple[Lease, ...]:
         footprint = {
             worker.rank: worker.budget.footprint_bytes
@@ -521,7 +529,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         ]
         try:
             leases = await self._store.grant(
-                request.engine_id, wanted, devices, now, self._settings.lease_ttl_s
+                request.engine_id, wanted, devices, now, self._settings.lease_ttl_s, holder
             )
         except GrantRefused as refused:
             self._metrics.grants_refused.labels(refused.grant_reason).inc()
@@ -651,12 +659,13 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
     async def refresh_device_metrics(self) -> list[service_pb2.Device]:
         """Every device with its ledger numbers; the device gauges follow."""
         now = time.time()
-        leases = await self._store.leases(now)
-        self._metrics.leases_active.set(len(leases))
+        found = self._read_devices()
+        view = await self._store.ledger_view(now, [device.uuid for device in found])
+        self._metrics.leases_active.set(view.live_leases)
         out = []
-        for device in self._read_devices():
+        for device in found:
             state = self._device_state(device)
-            ledger = account(state, leases, now)
+            ledger = account(state, view.devices[device.uuid])
             self._set_device_gauges(state, ledger)
             out.append(
                 service_pb2.Device(
@@ -698,9 +707,10 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                         "bytes": lease.bytes,
                     },
                 )
-            live = {lease.engine_id for lease in await self._store.leases(time.time())}
-            for engine_id in {lease.engine_id for lease in expired} - live:
-                self._metrics.forget_engine(engine_id)
+            now = time.time()
+            for engine_id in {lease.engine_id for lease in expired}:
+                if not await self._store.engine_leases(engine_id, now):
+                    self._metrics.forget_engine(engine_id)
             await self.refresh_device_metrics()
         return len(expired)
 
@@ -776,8 +786,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             ttl_s = self._settings.lease_ttl_s
             live = [
                 _lease_to_proto(lease, ttl_s)
-                for lease in await self._store.leases(now)
-                if lease.engine_id == request.engine_id
+                for lease in await self._store.engine_leases(request.engine_id, now)
             ]
             return _with_leases(plan, live)
         raise ServiceError("INVALID_ARGUMENT", "give a plan_id or an engine_id", field="plan_id")

@@ -24,10 +24,19 @@ A new set of leases for one engine fits a device when
 `in_use_bytes` is what the asking worker already holds on the device (weights it
 loaded before planning): that memory is in the device's used memory, so it is
 not taken from free a second time.
+
+The stores do not add the leases up at each grant: they keep each device's
+`Totals` (and each identity's live-lease count) and change them by `changes`
+with every grant, renewal, release and expiry, so a grant costs the same with
+ten live leases or ten thousand. Expiry stays exact: before reading totals a
+store expires what is due, found by an index on `expires_at`, and records the
+`now` it expired through. A lease is counted while `counted(lease,
+expired_through)`; `tally` is the recount the totals must always equal.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +62,9 @@ class Lease:
     allocated_bytes: int  # of those, held on the device (last heartbeat)
     granted_at: float  # seconds since the epoch
     expires_at: float
+    # Whose quota the lease counts against: the engine's owner when granted ("" on a
+    # server without authentication, where one identity holds every lease).
+    identity: str = ""
 
     def live(self, now: float) -> bool:
         return self.expires_at > now
@@ -93,30 +105,84 @@ class DeviceAccount:
         )
 
 
-def account(
-    device: DeviceState,
-    leases: Iterable[Lease],
-    now: float,
-    *,
-    exclude_engine: str | None = None,
-) -> DeviceAccount:
-    committed = outstanding = count = 0
+@dataclass(frozen=True)
+class Totals:
+    """What a set of live leases adds up to on one device."""
+
+    committed_bytes: int = 0
+    outstanding_bytes: int = 0
+    live_leases: int = 0
+
+    @classmethod
+    def of(cls, lease: Lease) -> Totals:
+        """One lease's share of its device's totals."""
+        return cls(lease.bytes, lease.outstanding_bytes, 1)
+
+    def __add__(self, other: Totals) -> Totals:
+        return Totals(
+            self.committed_bytes + other.committed_bytes,
+            self.outstanding_bytes + other.outstanding_bytes,
+            self.live_leases + other.live_leases,
+        )
+
+    def __sub__(self, other: Totals) -> Totals:
+        return Totals(
+            self.committed_bytes - other.committed_bytes,
+            self.outstanding_bytes - other.outstanding_bytes,
+            self.live_leases - other.live_leases,
+        )
+
+
+NOTHING = Totals()
+
+
+def counted(lease: Lease, expired_through: float) -> bool:
+    """Whether a store's totals count `lease`: from its grant until the store
+    expired leases through a time at or past its expiry."""
+    return lease.expires_at > expired_through
+
+
+def tally(leases: Iterable[Lease]) -> dict[str, Totals]:
+    """`leases` added up per device: the recount a store's totals equal."""
+    out: dict[str, Totals] = {}
     for lease in leases:
-        if lease.device_uuid != device.uuid or not lease.live(now):
-            continue
-        if exclude_engine is not None and lease.engine_id == exclude_engine:
-            continue
-        committed += lease.bytes
-        outstanding += lease.outstanding_bytes
-        count += 1
+        out[lease.device_uuid] = out.get(lease.device_uuid, NOTHING) + Totals.of(lease)
+    return out
+
+
+def changes(removed: Iterable[Lease], added: Iterable[Lease]) -> dict[str, Totals]:
+    """Per device, what replacing counted leases `removed` by `added` does to the
+    totals (negative where they shrink)."""
+    out = tally(added)
+    for uuid, gone in tally(removed).items():
+        out[uuid] = out.get(uuid, NOTHING) - gone
+    return out
+
+
+def identity_changes(removed: Iterable[Lease], added: Iterable[Lease]) -> dict[str, int]:
+    """Per identity, the change of its live-lease count (the quota's figure)."""
+    out = Counter(lease.identity for lease in added)
+    out.subtract(lease.identity for lease in removed)
+    return dict(out)
+
+
+def excluding(totals: Mapping[str, Totals], leases: Iterable[Lease]) -> dict[str, Totals]:
+    """`totals` less `leases`, which they count (an engine's own, left out of its grant)."""
+    out = dict(totals)
+    for uuid, own in tally(leases).items():
+        out[uuid] = out.get(uuid, NOTHING) - own
+    return out
+
+
+def account(device: DeviceState, totals: Totals) -> DeviceAccount:
     return DeviceAccount(
         uuid=device.uuid,
         total_bytes=device.total_bytes,
         free_bytes=device.free_bytes,
         commit_limit_bytes=device.commit_limit_bytes,
-        committed_bytes=committed,
-        outstanding_bytes=outstanding,
-        live_leases=count,
+        committed_bytes=totals.committed_bytes,
+        outstanding_bytes=totals.outstanding_bytes,
+        live_leases=totals.live_leases,
     )
 
 
@@ -184,6 +250,21 @@ class GrantRefused(InsufficientMemory):
         self.holdings = holdings
         self.base_details = details
 
+    @property
+    def device_uuid(self) -> str:
+        return str(self.base_details["device_uuid"])
+
+    def held_by(self, holdings: tuple[Holding, ...]) -> GrantRefused:
+        """This refusal listing `holdings` (the store reads the device's leases
+        only when it refuses)."""
+        return GrantRefused(
+            self.summary,
+            self.advice,
+            reason=self.grant_reason,
+            details=self.base_details,
+            holdings=holdings,
+        )
+
     def naming(self, visible: Callable[[str], bool]) -> GrantRefused:
         """This refusal with the engine ids for which `visible(engine_id)` holds."""
         return GrantRefused(
@@ -220,18 +301,20 @@ def check_grant(
     engine_id: str,
     requests: Sequence[LeaseRequest],
     devices: Mapping[str, DeviceState],
-    leases: Sequence[Lease],
-    now: float,
+    others: Mapping[str, Totals],
 ) -> dict[str, DeviceAccount]:
     """Raise GrantRefused unless every device can take the engine's new leases;
-    returns each touched device's account without the engine's own leases."""
+    `others` are the totals of every other engine's live leases per device (a
+    device missing from it holds none). Returns each touched device's account
+    without the engine's own leases. The refusal lists no holdings: a store adds
+    them with `held_by(holdings(...))`."""
     by_device: dict[str, list[LeaseRequest]] = {}
     for request in requests:
         by_device.setdefault(request.device_uuid, []).append(request)
     accounts: dict[str, DeviceAccount] = {}
     for uuid, wanted in by_device.items():
         device = devices[uuid]
-        current = account(device, leases, now, exclude_engine=engine_id)
+        current = account(device, others.get(uuid, NOTHING))
         accounts[uuid] = current
         ranks = sorted(request.rank for request in wanted)
         asked = sum(request.bytes for request in wanted)
@@ -259,7 +342,6 @@ def check_grant(
                 "Lower gpu_memory_utilization, or release or wait for another engine's leases.",
                 reason="commit_limit",
                 details=details,
-                holdings=holdings(uuid, leases, now, exclude_engine=engine_id),
             )
         if new_outstanding + current.outstanding_bytes > device.free_bytes:
             raise GrantRefused(
@@ -271,7 +353,6 @@ def check_grant(
                 "gpu_memory_utilization or free memory on the device.",
                 reason="free_memory",
                 details=details,
-                holdings=holdings(uuid, leases, now, exclude_engine=engine_id),
             )
     return accounts
 
@@ -280,13 +361,15 @@ def grant_leases(
     engine_id: str,
     requests: Sequence[LeaseRequest],
     devices: Mapping[str, DeviceState],
-    leases: Sequence[Lease],
+    others: Mapping[str, Totals],
     now: float,
     ttl_s: float,
+    identity: str = "",
 ) -> tuple[Lease, ...]:
-    """`check_grant`, then the engine's new leases (in request order): what a store
-    writes in place of the engine's old ones, in the same transaction."""
-    check_grant(engine_id, requests, devices, leases, now)
+    """`check_grant`, then the engine's new leases (in request order), held by
+    `identity`: what a store writes in place of the engine's old ones, in the
+    same transaction."""
+    check_grant(engine_id, requests, devices, others)
     return tuple(
         Lease(
             engine_id=engine_id,
@@ -296,6 +379,7 @@ def grant_leases(
             allocated_bytes=min(request.in_use_bytes, request.bytes),
             granted_at=now,
             expires_at=now + ttl_s,
+            identity=identity,
         )
         for request in requests
     )

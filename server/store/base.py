@@ -10,8 +10,18 @@ behaviour; tests/server/test_store_contract.py runs one suite against all.
 - Conflicts a caller can act on raise `ServiceError` with its gRPC code; a
   backend that cannot be reached raises `StoreUnavailable` (-> UNAVAILABLE),
   never a half-applied change.
-- The ledger's arithmetic is `kvplan.core.ledger.grant_leases`; a backend only
-  reads the live leases, calls it, and writes the result in one transaction.
+- The ledger's arithmetic is `kvplan.core.ledger`: a backend keeps each
+  device's `Totals` and each identity's live-lease count, changed by
+  `changes` / `identity_changes` with every write, and calls `grant_leases` on
+  them, in one transaction. No ledger call reads every lease: a grant, renewal,
+  release or `ledger_view` costs the same with 10 or 10,000 live leases, plus
+  the leases that fell due since the last call (an index on expires_at finds
+  them). Only a refusal reads the refused device's leases, to name the holders,
+  and `leases` (tests, diagnostics) reads them all.
+- Expiry is exact: a call first expires what is due at its `now` (takes it out
+  of the totals) and records the `now` it expired through; `counted` says which
+  leases the totals hold. The rows stay until `sweep_expired` deletes and
+  reports them.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from kvplan.core.ledger import DeviceState, Lease, LeaseRequest
+from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, Totals
 
 DEFAULT_MAX_PLANS = 4096
 # Serialized plans kept by a store. A 64-layer, 8-worker hybrid plan is ~35 KB,
@@ -59,6 +69,16 @@ class Arrival:
 
 
 FinishedCallback = Callable[[str, RendezvousResult], None]
+
+
+@dataclass(frozen=True)
+class LedgerView:
+    """The ledger at a moment, one engine's own leases left out (it is about to
+    replace them; none when no engine is named)."""
+
+    devices: Mapping[str, Totals]  # each asked device (NOTHING: no live lease on it)
+    live_leases: int  # every live lease
+    identity_leases: int  # live leases held by the asked identity
 
 
 class Store(Protocol):
@@ -176,11 +196,14 @@ class Store(Protocol):
         devices: Mapping[str, DeviceState],
         now: float,
         ttl_s: float,
+        identity: str = "",
     ) -> tuple[Lease, ...]:
-        """Atomically: check `requests` with `grant_leases` against the live
-        leases (GrantRefused propagates, nothing changes), then replace every
+        """Atomically: expire what is due, check `requests` with `grant_leases`
+        against the other engines' totals (GrantRefused, naming the refused
+        device's holdings, propagates; nothing changes), then replace every
         lease of `engine_id` by the new ones (allocated_bytes = in_use_bytes,
-        expires_at = now + ttl_s). Returns the new leases in request order."""
+        expires_at = now + ttl_s, held by `identity`). Returns the new leases in
+        request order."""
 
     async def renew(
         self,
@@ -198,9 +221,24 @@ class Store(Protocol):
     async def release(self, engine_id: str, rank: int | None, now: float) -> tuple[Lease, ...]:
         """Delete the engine's leases (or one rank's); returns the live ones deleted."""
 
+    async def ledger_view(
+        self,
+        now: float,
+        device_uuids: Sequence[str],
+        *,
+        engine_id: str = "",
+        identity: str = "",
+    ) -> LedgerView:
+        """Expire what is due, then the totals of `device_uuids`, the live-lease
+        count and `identity`'s, all without `engine_id`'s leases."""
+
+    async def engine_leases(self, engine_id: str, now: float) -> tuple[Lease, ...]:
+        """The engine's live leases, by rank."""
+
     async def leases(self, now: float) -> tuple[Lease, ...]:
-        """Every live lease."""
+        """Every live lease, by engine then rank (reads them all: tests, diagnostics)."""
 
     async def sweep_expired(self, now: float) -> tuple[Lease, ...]:
-        """Delete and return leases whose expiry passed (they already count for
-        nothing; this is bookkeeping for metrics and disk)."""
+        """Expire what is due, then delete and return the leases whose expiry
+        passed, by engine then rank (they already count for nothing; this is
+        bookkeeping for metrics and disk)."""

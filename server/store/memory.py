@@ -4,17 +4,33 @@ survives a restart. `--store memory`, and the tests' baseline."""
 from __future__ import annotations
 
 import hashlib
+import heapq
+import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, grant_leases
+from kvplan.core.ledger import (
+    NOTHING,
+    DeviceState,
+    GrantRefused,
+    Lease,
+    LeaseRequest,
+    Totals,
+    changes,
+    counted,
+    excluding,
+    grant_leases,
+    holdings,
+    identity_changes,
+)
 from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import (
     DEFAULT_MAX_PLAN_BYTES,
     DEFAULT_MAX_PLANS,
     Arrival,
     FinishedCallback,
+    LedgerView,
     RendezvousResult,
 )
 
@@ -147,6 +163,18 @@ def renew_leases(
     )
 
 
+def naming_holders(
+    refused: GrantRefused, leases: Iterable[Lease], engine_id: str, now: float
+) -> GrantRefused:
+    """A store's refusal with the other engines' live leases on the refused device."""
+    return refused.held_by(holdings(refused.device_uuid, leases, now, exclude_engine=engine_id))
+
+
+def last_per_rank(leases: Iterable[Lease]) -> tuple[Lease, ...]:
+    """What a store keeps of a grant: a rank asked twice keeps its last request."""
+    return tuple({lease.rank: lease for lease in leases}.values())
+
+
 class MemoryStore:
     kind = "memory"
 
@@ -160,7 +188,18 @@ class MemoryStore:
         self._engine_plans: dict[str, str] = {}
         self._open: dict[str, _Open] = {}
         self._finished: dict[str, _Finished] = {}
-        self._leases: dict[tuple[str, int], Lease] = {}
+        # The ledger: leases by engine then rank; the totals of the counted ones
+        # (see kvplan.core.ledger) per device and per identity; every lease's expiry
+        # in a heap (an entry is stale once its lease is gone or renewed); the
+        # expired leases the next sweep deletes.
+        self._engines: dict[str, dict[int, Lease]] = {}
+        self._totals: dict[str, Totals] = {}
+        self._identities: dict[str, int] = {}
+        self._live = 0
+        self._expired_through = -math.inf
+        self._expiry: list[tuple[float, str, int]] = []
+        self._lease_count = 0
+        self._to_sweep: dict[tuple[str, int], Lease] = {}
         self._subscribers: list[FinishedCallback] = []
         self._owners: dict[str, tuple[str, float]] = {}  # engine -> owner, expires
 
@@ -322,6 +361,61 @@ class MemoryStore:
 
     # --- ledger -----------------------------------------------------------------
 
+    def _lease(self, engine_id: str, rank: int) -> Lease | None:
+        return self._engines.get(engine_id, {}).get(rank)
+
+    def _count(self, removed: Iterable[Lease], added: Iterable[Lease]) -> None:
+        """Take `removed` out of the totals and put `added` in (the counted ones)."""
+        gone = [lease for lease in removed if counted(lease, self._expired_through)]
+        new = [lease for lease in added if counted(lease, self._expired_through)]
+        for uuid, change in changes(gone, new).items():
+            after = self._totals.get(uuid, NOTHING) + change
+            if after.live_leases:
+                self._totals[uuid] = after
+            else:
+                self._totals.pop(uuid, None)
+        for identity, step in identity_changes(gone, new).items():
+            held = self._identities.get(identity, 0) + step
+            if held:
+                self._identities[identity] = held
+            else:
+                self._identities.pop(identity, None)
+        self._live += len(new) - len(gone)
+
+    def _put(self, lease: Lease) -> None:
+        held = self._engines.setdefault(lease.engine_id, {})
+        self._lease_count += lease.rank not in held
+        held[lease.rank] = lease
+        heapq.heappush(self._expiry, (lease.expires_at, lease.engine_id, lease.rank))
+        if len(self._expiry) > 2 * self._lease_count + 64:  # renewals left stale entries
+            self._expiry = [
+                (lease.expires_at, lease.engine_id, lease.rank)
+                for leases in self._engines.values()
+                for lease in leases.values()
+            ]
+            heapq.heapify(self._expiry)
+
+    def _delete(self, engine_id: str, ranks: Iterable[int]) -> None:
+        held = self._engines[engine_id]
+        for rank in ranks:
+            del held[rank]
+            self._lease_count -= 1
+        if not held:
+            del self._engines[engine_id]
+
+    def _expire_due(self, now: float) -> None:
+        """Take the leases due at `now` out of the totals (the heap's head only)."""
+        due: dict[tuple[str, int], Lease] = {}
+        while self._expiry and self._expiry[0][0] <= now:
+            expires_at, engine_id, rank = heapq.heappop(self._expiry)
+            lease = self._lease(engine_id, rank)
+            # Stale entries (released or renewed since) and duplicates are skipped.
+            if lease is not None and lease.expires_at == expires_at:
+                due[(engine_id, rank)] = lease
+        self._count(removed=due.values(), added=())
+        self._to_sweep.update(due)
+        self._expired_through = max(self._expired_through, now)
+
     async def grant(
         self,
         engine_id: str,
@@ -329,35 +423,86 @@ class MemoryStore:
         devices: Mapping[str, DeviceState],
         now: float,
         ttl_s: float,
+        identity: str = "",
     ) -> tuple[Lease, ...]:
-        granted = grant_leases(
-            engine_id, requests, devices, tuple(self._leases.values()), now, ttl_s
-        )
-        for key in [key for key in self._leases if key[0] == engine_id]:
-            del self._leases[key]
-        for lease in granted:
-            self._leases[(engine_id, lease.rank)] = lease
+        self._expire_due(now)
+        own = tuple(self._engines.get(engine_id, {}).values())
+        mine = [lease for lease in own if counted(lease, self._expired_through)]
+        others = excluding({uuid: self._totals.get(uuid, NOTHING) for uuid in devices}, mine)
+        try:
+            granted = grant_leases(engine_id, requests, devices, others, now, ttl_s, identity)
+        except GrantRefused as refused:
+            everyone = (lease for leases in self._engines.values() for lease in leases.values())
+            raise naming_holders(refused, everyone, engine_id, now) from None
+        kept = last_per_rank(granted)
+        if own:
+            self._delete(engine_id, [lease.rank for lease in own])
+        for lease in kept:
+            self._put(lease)
+        self._count(removed=own, added=kept)
         return granted
 
     async def renew(
         self, engine_id: str, allocations: Mapping[int, int], now: float, ttl_s: float
     ) -> tuple[Lease, ...]:
-        mine = [lease for key, lease in self._leases.items() if key[0] == engine_id]
-        leases = renew_leases(engine_id, mine, allocations, now, ttl_s)
-        for lease in leases:
-            self._leases[(engine_id, lease.rank)] = lease
-        return leases
+        mine = sorted(self._engines.get(engine_id, {}).values(), key=lambda lease: lease.rank)
+        renewed = renew_leases(engine_id, mine, allocations, now, ttl_s)
+        old = {lease.rank: lease for lease in mine}
+        for lease in renewed:
+            self._put(lease)
+        self._count(removed=[old[lease.rank] for lease in renewed], added=renewed)
+        return renewed
 
     async def release(self, engine_id: str, rank: int | None, now: float) -> tuple[Lease, ...]:
-        keys = [
-            key for key in self._leases if key[0] == engine_id and (rank is None or key[1] == rank)
-        ]
-        released = tuple(self._leases.pop(key) for key in sorted(keys))
+        held = self._engines.get(engine_id, {})
+        released = tuple(held[key] for key in sorted(held) if rank is None or key == rank)
+        if released:
+            self._delete(engine_id, [lease.rank for lease in released])
+            self._count(removed=released, added=())
         return tuple(lease for lease in released if lease.live(now))
 
+    async def ledger_view(
+        self,
+        now: float,
+        device_uuids: Sequence[str],
+        *,
+        engine_id: str = "",
+        identity: str = "",
+    ) -> LedgerView:
+        self._expire_due(now)
+        own = [
+            lease
+            for lease in self._engines.get(engine_id, {}).values()
+            if counted(lease, self._expired_through)
+        ]
+        others = excluding({uuid: self._totals.get(uuid, NOTHING) for uuid in device_uuids}, own)
+        return LedgerView(
+            devices={uuid: others[uuid] for uuid in device_uuids},
+            live_leases=self._live - len(own),
+            identity_leases=self._identities.get(identity, 0)
+            - sum(lease.identity == identity for lease in own),
+        )
+
+    async def engine_leases(self, engine_id: str, now: float) -> tuple[Lease, ...]:
+        held = self._engines.get(engine_id, {})
+        return tuple(held[rank] for rank in sorted(held) if held[rank].live(now))
+
     async def leases(self, now: float) -> tuple[Lease, ...]:
-        return tuple(lease for _, lease in sorted(self._leases.items()) if lease.live(now))
+        return tuple(
+            held[rank]
+            for engine_id, held in sorted(self._engines.items())
+            for rank in sorted(held)
+            if held[rank].live(now)
+        )
 
     async def sweep_expired(self, now: float) -> tuple[Lease, ...]:
-        expired = [key for key, lease in self._leases.items() if not lease.live(now)]
-        return tuple(self._leases.pop(key) for key in sorted(expired))
+        self._expire_due(now)
+        swept: list[Lease] = []
+        for key, lease in list(self._to_sweep.items()):
+            if self._lease(*key) != lease:
+                del self._to_sweep[key]  # released, re-granted or renewed since
+            elif not lease.live(now):
+                del self._to_sweep[key]
+                self._delete(key[0], [key[1]])
+                swept.append(lease)
+        return tuple(sorted(swept, key=lambda lease: (lease.engine_id, lease.rank)))

@@ -18,16 +18,29 @@ Key layout under `key_prefix` (default "kvplan:"):
                                 claimed_at (absent: unclaimed), rank:{r} -> WorkerSpec
     rdv:done              ZSET  engine_id -> finished
     rdv:done:{engine}     HASH  template_digest, plan, finished, rank:{r} -> worker digest
-    lease-engines         SET   engines with a lease hash
-    lease:{engine}        HASH  rank -> JSON [device_uuid, bytes, allocated_bytes,
-                                granted_at, expires_at]
-    lease-version         STRING bumped by every ledger write: the key a grant watches
+    lease:{engine}        HASH  rank -> the lease's record: JSON [engine_id, rank,
+                                device_uuid, bytes, allocated_bytes, granted_at,
+                                expires_at, identity, outstanding_bytes]
+    lease-expiry          ZSET  every lease's record -> expires_at
+    ledger:committed      HASH  device_uuid -> committed bytes      } the totals of the
+    ledger:outstanding    HASH  device_uuid -> outstanding bytes    } counted leases
+    ledger:live           HASH  device_uuid -> live leases          } (kvplan.core.ledger)
+    ledger:identity       HASH  identity -> live leases             }
+    ledger:expired-through STRING the latest `now` due leases were expired at
+    lease-version         STRING bumped by every lease write: a grant commits only
+                                if it is unchanged since the grant read the ledger
     rendezvous-finished   pub/sub channel of finished rendezvous
+
+The ledger's writes are Lua scripts (atomic): a lease counts in the totals while
+its record is in lease-expiry with a score above expired-through, so every
+script changes the totals exactly when it moves a record across that line. The
+contributions come from the record, which the core computed (Totals.of).
 
 Liveness is `expires_at` against the caller's `now` (the contract); Redis
 expiry is only the janitor: a lease hash lives `expiry_grace_s` past its
-engine's latest expiry (rendezvous hashes past their TTL), measured from the
-write, so an engine or a whole deployment that vanished leaves nothing behind.
+engine's latest expiry (rendezvous hashes past their TTL), the ledger's index
+and totals past the latest expiry of all, measured from the write, so an engine
+or a whole deployment that vanished leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -39,7 +52,7 @@ import logging
 import math
 import struct
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import redis.asyncio
@@ -49,13 +62,23 @@ from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError, WatchError
 
-from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, grant_leases
+from kvplan.core.ledger import (
+    DeviceState,
+    GrantRefused,
+    Lease,
+    LeaseRequest,
+    Totals,
+    excluding,
+    grant_leases,
+    tally,
+)
 from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import (
     DEFAULT_MAX_PLAN_BYTES,
     DEFAULT_MAX_PLANS,
     Arrival,
     FinishedCallback,
+    LedgerView,
     RendezvousResult,
     StoreUnavailable,
 )
@@ -63,6 +86,8 @@ from kvplan.server.store.memory import (
     check_compatible,
     check_finished,
     digest,
+    last_per_rank,
+    naming_holders,
     renew_leases,
     same_ranks,
     too_many_pending,
@@ -79,15 +104,206 @@ LISTENER_BACKOFF_S = (0.05, 1.0)  # pub/sub reconnect delay: first, longest
 # A message: origin replica, ok flag, engine id length, engine id, payload.
 _HEADER = struct.Struct(">16sBI")
 
-# Lua: every lease hash at once, atomically (grant reads it under WATCH).
-_SNAPSHOT_LEASES = """
+# Lua, the ledger's scripts. KEYS[1..6] are the ledger's keys (lease-expiry, the
+# four totals hashes, expired-through), KEYS[7] lease-version, KEYS[8] the engine's
+# lease hash. Scores and times travel as Python's exact text of a float.
+_LEDGER = """
+local expiry, committed, outstanding, live, identities, through_key =
+    KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+
+local function through_text()
+    return redis.call('GET', through_key) or '-inf'
+end
+
+local function through()
+    local text = redis.call('GET', through_key)
+    if text then return tonumber(text) end
+    return -math.huge
+end
+
+-- Add (sign 1) or take out (sign -1) one record's share of the totals.
+local function count(record, sign)
+    local lease = cjson.decode(record)
+    local device, identity = lease[3], lease[8]
+    redis.call('HINCRBY', committed, device, string.format('%d', sign * lease[4]))
+    redis.call('HINCRBY', outstanding, device, string.format('%d', sign * lease[9]))
+    if redis.call('HINCRBY', live, device, sign) == 0 then
+        redis.call('HDEL', committed, device)
+        redis.call('HDEL', outstanding, device)
+        redis.call('HDEL', live, device)
+    end
+    if redis.call('HINCRBY', identities, identity, sign) == 0 then
+        redis.call('HDEL', identities, identity)
+    end
+end
+
+-- Take the leases due at `now` out of the totals (an index range); they stay in
+-- the index until the sweep deletes them. The mark moves only past due leases
+-- (it keeps the index's janitor expiry).
+local function expire_due(now_text)
+    local now = tonumber(now_text)
+    local t = through()
+    if now <= t then return end
+    local low = '-inf'
+    if t ~= -math.huge then low = '(' .. through_text() end
+    local due = redis.call('ZRANGEBYSCORE', expiry, low, now_text)
+    if #due == 0 then return end
+    for _, record in ipairs(due) do
+        count(record, -1)
+    end
+    redis.call('SET', through_key, now_text)
+    local ttl = redis.call('PTTL', expiry)
+    if ttl > 0 then redis.call('PEXPIRE', through_key, ttl) end
+end
+
+local function remove(record)
+    local score = redis.call('ZSCORE', expiry, record)
+    if score then
+        redis.call('ZREM', expiry, record)
+        if tonumber(score) > through() then count(record, -1) end
+    end
+end
+
+local function add(record, expires_text)
+    redis.call('ZADD', expiry, expires_text, record)
+    if tonumber(expires_text) > through() then count(record, 1) end
+end
+
+-- The janitor: the index and totals live grace_ms past the latest expiry.
+local function touch(now_text, grace_ms)
+    if tonumber(grace_ms) < 0 then return end
+    local last = redis.call('ZRANGE', expiry, -1, -1, 'WITHSCORES')
+    if not last[2] then return end
+    local ms = math.ceil((tonumber(last[2]) - tonumber(now_text)) * 1000 + tonumber(grace_ms))
+    if ms ~= ms or ms == math.huge then return end
+    if ms < 1 then ms = 1 end
+    for i = 1, 6 do
+        if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('PEXPIRE', KEYS[i], ms) end
+    end
+end
+"""
+
+# Read for a grant or a view: expire what is due, then {version, expired-through,
+# live leases, the identity's, per device {committed, outstanding, live}, the
+# engine's counted records}. ARGV: now, identity, device uuids...
+_LEDGER_READ = (
+    _LEDGER
+    + """
+expire_due(ARGV[1])
+local t = through()
+local low = '-inf'
+if t ~= -math.huge then low = '(' .. through_text() end
+local devices = {}
+for i = 3, #ARGV do
+    devices[#devices + 1] = {
+        redis.call('HGET', committed, ARGV[i]) or '0',
+        redis.call('HGET', outstanding, ARGV[i]) or '0',
+        redis.call('HGET', live, ARGV[i]) or '0',
+    }
+end
+local own = {}
+for _, record in ipairs(redis.call('HVALS', KEYS[8])) do
+    local score = redis.call('ZSCORE', expiry, record)
+    if score and tonumber(score) > t then own[#own + 1] = record end
+end
+return {
+    redis.call('GET', KEYS[7]) or '0',
+    redis.call('ZCOUNT', expiry, low, '+inf'),
+    redis.call('HGET', identities, ARGV[2]) or '0',
+    devices,
+    own,
+}
+"""
+)
+
+# A grant's write, if no lease changed since its read: the engine's records
+# replaced. ARGV: version read, now, grace ms, engine hash ms (-1: none),
+# then rank, record, expires_at per new lease. Returns 0 on a conflict.
+_LEDGER_GRANT = (
+    _LEDGER
+    + """
+if (redis.call('GET', KEYS[7]) or '0') ~= ARGV[1] then return 0 end
+for _, record in ipairs(redis.call('HVALS', KEYS[8])) do remove(record) end
+redis.call('DEL', KEYS[8])
+local expires = {}
+for i = 5, #ARGV, 3 do
+    redis.call('HSET', KEYS[8], ARGV[i], ARGV[i + 1])
+    expires[ARGV[i + 1]] = ARGV[i + 2]
+end
+for _, record in ipairs(redis.call('HVALS', KEYS[8])) do add(record, expires[record]) end
+if tonumber(ARGV[4]) >= 0 and redis.call('EXISTS', KEYS[8]) == 1 then
+    redis.call('PEXPIRE', KEYS[8], ARGV[4])
+end
+redis.call('INCR', KEYS[7])
+touch(ARGV[2], ARGV[3])
+return 1
+"""
+)
+
+# A renewal's write, if the engine's renewed records are unchanged since its read.
+# ARGV: now, grace ms, engine hash ms, then rank, old record, new record, expires_at.
+_LEDGER_RENEW = (
+    _LEDGER
+    + """
+for i = 4, #ARGV, 4 do
+    if redis.call('HGET', KEYS[8], ARGV[i]) ~= ARGV[i + 1] then return 0 end
+end
+for i = 4, #ARGV, 4 do
+    remove(ARGV[i + 1])
+    redis.call('HSET', KEYS[8], ARGV[i], ARGV[i + 2])
+    add(ARGV[i + 2], ARGV[i + 3])
+end
+if tonumber(ARGV[3]) >= 0 then redis.call('PEXPIRE', KEYS[8], ARGV[3]) end
+redis.call('INCR', KEYS[7])
+touch(ARGV[1], ARGV[2])
+return 1
+"""
+)
+
+# Release: the engine's records (ARGV[3]: one rank, or '' for all) deleted; returns them.
+_LEDGER_RELEASE = (
+    _LEDGER
+    + """
+local ranks = {ARGV[3]}
+if ARGV[3] == '' then ranks = redis.call('HKEYS', KEYS[8]) end
 local out = {}
-for _, engine in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-    out[#out + 1] = engine
-    out[#out + 1] = redis.call('HGETALL', ARGV[1] .. engine)
+for _, rank in ipairs(ranks) do
+    local record = redis.call('HGET', KEYS[8], rank)
+    if record then
+        remove(record)
+        redis.call('HDEL', KEYS[8], rank)
+        out[#out + 1] = record
+    end
+end
+if #out > 0 then
+    redis.call('INCR', KEYS[7])
+    touch(ARGV[1], ARGV[2])
 end
 return out
 """
+)
+
+# Sweep: expire what is due, then delete the records whose expiry passed; returns
+# those still in their engine's hash. ARGV: now, grace ms, lease hash prefix.
+_LEDGER_SWEEP = (
+    _LEDGER
+    + """
+expire_due(ARGV[1])
+local out = {}
+for _, record in ipairs(redis.call('ZRANGEBYSCORE', expiry, '-inf', ARGV[1])) do
+    redis.call('ZREM', expiry, record)
+    local lease = cjson.decode(record)
+    local key = ARGV[3] .. lease[1]
+    local rank = tostring(lease[2])
+    if redis.call('HGET', key, rank) == record then
+        redis.call('HDEL', key, rank)
+        out[#out + 1] = record
+    end
+end
+touch(ARGV[1], ARGV[2])
+return out
+"""
+)
 
 # Lua: keep a plan, point its engine at it, drop the oldest beyond the bound.
 # KEYS: plans (zset by seq), plans-seq, plans-bytes (sum of stored plan sizes).
@@ -146,19 +362,26 @@ def _expiry_ms(seconds: float) -> int | None:
     return max(1, math.ceil(seconds * 1000))
 
 
-def _encode_lease(lease: Lease) -> bytes:
+def _record(lease: Lease) -> str:
+    """A lease as the ledger's scripts store it (its share of the totals last)."""
     fields = [
+        lease.engine_id,
+        lease.rank,
         lease.device_uuid,
         lease.bytes,
         lease.allocated_bytes,
         lease.granted_at,
         lease.expires_at,
+        lease.identity,
+        lease.outstanding_bytes,
     ]
-    return json.dumps(fields, separators=(",", ":")).encode()
+    return json.dumps(fields, separators=(",", ":"))
 
 
-def _decode_lease(engine_id: str, rank: bytes, value: bytes) -> Lease:
-    device_uuid, size, allocated, granted_at, expires_at = json.loads(value)
+def _lease(record: bytes | str) -> Lease:
+    engine_id, rank, device_uuid, size, allocated, granted_at, expires_at, identity, _ = json.loads(
+        record
+    )
     return Lease(
         engine_id=engine_id,
         rank=int(rank),
@@ -167,14 +390,16 @@ def _decode_lease(engine_id: str, rank: bytes, value: bytes) -> Lease:
         allocated_bytes=allocated,
         granted_at=float(granted_at),
         expires_at=float(expires_at),
+        identity=identity,
     )
 
 
-def _decode_hash(engine_id: str, raw: Mapping[bytes, bytes]) -> list[Lease]:
-    return sorted(
-        (_decode_lease(engine_id, rank, value) for rank, value in raw.items()),
-        key=lambda lease: lease.rank,
-    )
+def _by_rank(records: Iterable[bytes | str]) -> list[Lease]:
+    return sorted(map(_lease, records), key=lambda lease: lease.rank)
+
+
+def _by_engine(leases: Sequence[Lease]) -> tuple[Lease, ...]:
+    return tuple(sorted(leases, key=lambda lease: (lease.engine_id, lease.rank)))
 
 
 def _rank_fields(raw: Mapping[bytes, bytes]) -> dict[int, bytes]:
@@ -284,7 +509,11 @@ class RedisStore:
             health_check_interval=10,
         )
         self._scripts = {
-            "snapshot": self._client.register_script(_SNAPSHOT_LEASES),
+            "ledger_read": self._client.register_script(_LEDGER_READ),
+            "ledger_grant": self._client.register_script(_LEDGER_GRANT),
+            "ledger_renew": self._client.register_script(_LEDGER_RENEW),
+            "ledger_release": self._client.register_script(_LEDGER_RELEASE),
+            "ledger_sweep": self._client.register_script(_LEDGER_SWEEP),
             "put_plan": self._client.register_script(_PUT_PLAN),
             "plan_for_engine": self._client.register_script(_PLAN_FOR_ENGINE),
             "claim_engine": self._client.register_script(_CLAIM_ENGINE),
@@ -293,6 +522,7 @@ class RedisStore:
             await self.ping()
             if self._require_persistence:
                 await self._check_persistence()
+            await self._convert_old_ledger()
         except (StoreUnavailable, ValueError):
             await self.close()
             raise
@@ -306,6 +536,59 @@ class RedisStore:
         except TimeoutError:
             await self.close()
             raise StoreUnavailable(f"cannot subscribe to {self._channel} on {self._url}") from None
+
+    async def _convert_old_ledger(self) -> None:
+        """Leases a server before the ledger's totals wrote (the `lease-engines` set,
+        records [device_uuid, bytes, allocated_bytes, granted_at, expires_at]) are
+        converted once, in one transaction, and counted; each is held by its
+        engine's owner. Stop the replicas of the old version before starting these."""
+        engines_key, version_key = self._key("lease-engines"), self._key("lease-version")
+        keys = self._ledger_keys("")
+
+        async def attempt(pipe: Pipeline) -> None:
+            await pipe.watch(engines_key, version_key)
+            engines = cast(set[bytes], await pipe.smembers(engines_key))
+            if not engines:
+                return
+            leases: list[Lease] = []
+            for engine in sorted(engines):
+                engine_id = engine.decode()
+                owner = await pipe.get(self._key("owner:" + engine_id))
+                identity = owner.decode() if isinstance(owner, bytes) else ""
+                for rank, value in (await _read_hash(pipe, self._lease_key(engine_id))).items():
+                    device_uuid, size, allocated, granted_at, expires_at = json.loads(value)
+                    leases.append(
+                        Lease(
+                            engine_id,
+                            int(rank),
+                            device_uuid,
+                            size,
+                            allocated,
+                            float(granted_at),
+                            float(expires_at),
+                            identity,
+                        )
+                    )
+            _begin(pipe)
+            # Every record is counted (nothing is expired through yet): the next
+            # ledger call expires the ones that are due.
+            for lease in leases:
+                pipe.hset(self._lease_key(lease.engine_id), str(lease.rank), _record(lease))
+                pipe.zadd(keys[0], {_record(lease): lease.expires_at})
+            for uuid_, totals in tally(leases).items():
+                pipe.hincrby(keys[1], uuid_, totals.committed_bytes)
+                pipe.hincrby(keys[2], uuid_, totals.outstanding_bytes)
+                pipe.hincrby(keys[3], uuid_, totals.live_leases)
+            for lease in leases:
+                pipe.hincrby(keys[4], lease.identity, 1)
+            pipe.delete(engines_key)
+            pipe.incr(version_key)
+            await pipe.execute()
+            log.info(
+                "Redis store %s: %d leases converted to the ledger's totals", self._url, len(leases)
+            )
+
+        await self._transact(attempt)
 
     async def _check_persistence(self) -> None:
         """Leases kept only in memory are lost when Redis restarts, and the ledger
@@ -660,26 +943,71 @@ class RedisStore:
 
     # --- ledger -------------------------------------------------------------------
 
-    async def _lease_hashes(self) -> dict[str, list[Lease]]:
-        """Every engine's leases, live or not, read atomically (empty list: an
-        engine whose hash Redis expired)."""
-        raw: list[Any] = await self._scripts["snapshot"](
-            keys=[self._key("lease-engines")], args=[self._key("lease:")]
-        )
-        hashes: dict[str, list[Lease]] = {}
-        for index in range(0, len(raw), 2):
-            engine_id = raw[index].decode()
-            flat = raw[index + 1]
-            fields = dict(zip(flat[::2], flat[1::2], strict=True))
-            hashes[engine_id] = _decode_hash(engine_id, fields)
-        return hashes
+    def _ledger_keys(self, engine_id: str) -> list[str]:
+        return [
+            self._key("lease-expiry"),
+            self._key("ledger:committed"),
+            self._key("ledger:outstanding"),
+            self._key("ledger:live"),
+            self._key("ledger:identity"),
+            self._key("ledger:expired-through"),
+            self._key("lease-version"),
+            self._lease_key(engine_id),
+        ]
 
-    def _expire_lease_hash(
-        self, pipe: Pipeline, engine_id: str, leases: Sequence[Lease], now: float
-    ) -> None:
+    def _grace_ms(self) -> int:
+        """How long the ledger's keys outlive the latest expiry; -1: forever."""
+        if not math.isfinite(self._expiry_grace_s):
+            return -1
+        return max(0, math.ceil(self._expiry_grace_s * 1000))
+
+    def _hash_ms(self, leases: Sequence[Lease], now: float) -> int:
+        """The janitor's expiry of an engine's lease hash; -1: none."""
+        if not leases:
+            return -1
         expiry = _expiry_ms(max(lease.expires_at for lease in leases) - now + self._expiry_grace_s)
-        if expiry is not None:
-            pipe.pexpire(self._lease_key(engine_id), expiry)
+        return -1 if expiry is None else expiry
+
+    async def _read(
+        self, now: float, device_uuids: Sequence[str], engine_id: str, identity: str
+    ) -> tuple[bytes, LedgerView, list[Lease]]:
+        """(version, the view without the engine's leases, its counted leases)."""
+        raw: list[Any] = await self._call(
+            self._scripts["ledger_read"](
+                keys=self._ledger_keys(engine_id), args=[repr(now), identity, *device_uuids]
+            )
+        )
+        version, live, held, devices, own_records = raw
+        own = [_lease(record) for record in own_records]
+        totals = {
+            uuid: Totals(int(committed), int(outstanding), int(count))
+            for uuid, (committed, outstanding, count) in zip(device_uuids, devices, strict=True)
+        }
+        others = excluding(totals, own)
+        view = LedgerView(
+            devices={uuid: others[uuid] for uuid in device_uuids},
+            live_leases=int(live) - len(own),
+            identity_leases=int(held) - sum(lease.identity == identity for lease in own),
+        )
+        return bytes(version), view, own
+
+    async def _scan(self, low: str) -> list[Lease]:
+        """The leases whose expiry is above `low` (reads the whole index range)."""
+        records: list[Any] = await self._call(
+            self._redis().zrangebyscore(self._key("lease-expiry"), low, "+inf")
+        )
+        return [_lease(record) for record in records]
+
+    async def _retry(self, attempt: Callable[[], Awaitable[T | None]]) -> T:
+        """Run `attempt` until it is not beaten by a concurrent write (None)."""
+        for _ in range(MAX_ATTEMPTS):
+            outcome = await attempt()
+            if outcome is not None:
+                return outcome
+            self.transaction_retries += 1
+        raise StoreUnavailable(
+            f"Redis store {self._url}: {MAX_ATTEMPTS} conflicting attempts in a row; retry"
+        )
 
     async def grant(
         self,
@@ -688,113 +1016,101 @@ class RedisStore:
         devices: Mapping[str, DeviceState],
         now: float,
         ttl_s: float,
+        identity: str = "",
     ) -> tuple[Lease, ...]:
-        engines_key, version_key = self._key("lease-engines"), self._key("lease-version")
-        lease_key = self._lease_key(engine_id)
+        self._redis()
 
-        async def attempt(pipe: Pipeline) -> tuple[Lease, ...]:
-            # Every ledger write bumps the version: watching it and reading after
-            # the WATCH makes read-check-write one atomic step.
-            await pipe.watch(version_key)
-            hashes = await self._lease_hashes()
-            everyone = tuple(lease for leases in hashes.values() for lease in leases)
-            granted = grant_leases(engine_id, requests, devices, everyone, now, ttl_s)
-            vanished = [e for e, leases in hashes.items() if not leases and e != engine_id]
-            _begin(pipe)
-            pipe.delete(lease_key)
-            if granted:
-                pipe.hset(
-                    lease_key,
-                    mapping={str(lease.rank): _encode_lease(lease) for lease in granted},
+        async def attempt() -> tuple[Lease, ...] | None:
+            version, view, _ = await self._read(now, list(devices), engine_id, identity)
+            try:
+                granted = grant_leases(
+                    engine_id, requests, devices, view.devices, now, ttl_s, identity
                 )
-                self._expire_lease_hash(pipe, engine_id, granted, now)
-                pipe.sadd(engines_key, engine_id)
-            else:
-                vanished.append(engine_id)
-            if vanished:
-                pipe.srem(engines_key, *vanished)
-            pipe.incr(version_key)
-            await pipe.execute()
-            return granted
+            except GrantRefused as refused:
+                holders = await self._scan(f"({now!r}")
+                raise naming_holders(refused, holders, engine_id, now) from None
+            kept = last_per_rank(granted)
+            args: list[str | int | bytes] = [
+                version,
+                repr(now),
+                self._grace_ms(),
+                self._hash_ms(kept, now),
+            ]
+            for lease in granted:
+                args += [str(lease.rank), _record(lease), repr(lease.expires_at)]
+            done = await self._call(
+                self._scripts["ledger_grant"](keys=self._ledger_keys(engine_id), args=args)
+            )
+            return granted if done else None
 
-        return await self._transact(attempt)
+        return await self._retry(attempt)
 
     async def renew(
         self, engine_id: str, allocations: Mapping[int, int], now: float, ttl_s: float
     ) -> tuple[Lease, ...]:
         lease_key = self._lease_key(engine_id)
 
-        async def attempt(pipe: Pipeline) -> tuple[Lease, ...]:
-            # Only this engine's hash is read; the version bump below still
-            # makes a concurrent grant start over.
-            await pipe.watch(lease_key)
-            mine = _decode_hash(engine_id, await _read_hash(pipe, lease_key))
+        async def attempt() -> tuple[Lease, ...] | None:
+            records = await self._call(self._redis().hvals(lease_key))
+            mine = _by_rank(records)
             renewed = renew_leases(engine_id, mine, allocations, now, ttl_s)
-            _begin(pipe)
-            pipe.hset(
-                lease_key, mapping={str(lease.rank): _encode_lease(lease) for lease in renewed}
+            old = {lease.rank: lease for lease in mine}
+            after = {**old, **{lease.rank: lease for lease in renewed}}
+            args: list[str | int] = [
+                repr(now),
+                self._grace_ms(),
+                self._hash_ms(list(after.values()), now),
+            ]
+            for lease in renewed:
+                args += [
+                    str(lease.rank),
+                    _record(old[lease.rank]),
+                    _record(lease),
+                    repr(lease.expires_at),
+                ]
+            done = await self._call(
+                self._scripts["ledger_renew"](keys=self._ledger_keys(engine_id), args=args)
             )
-            self._expire_lease_hash(pipe, engine_id, renewed, now)
-            pipe.incr(self._key("lease-version"))
-            await pipe.execute()
-            return renewed
+            return renewed if done else None
 
-        return await self._transact(attempt)
+        return await self._retry(attempt)
 
     async def release(self, engine_id: str, rank: int | None, now: float) -> tuple[Lease, ...]:
-        lease_key = self._lease_key(engine_id)
+        self._redis()
+        records = await self._call(
+            self._scripts["ledger_release"](
+                keys=self._ledger_keys(engine_id),
+                args=[repr(now), self._grace_ms(), "" if rank is None else str(rank)],
+            )
+        )
+        return tuple(lease for lease in _by_rank(records) if lease.live(now))
 
-        async def attempt(pipe: Pipeline) -> tuple[Lease, ...]:
-            await pipe.watch(lease_key)
-            mine = _decode_hash(engine_id, await _read_hash(pipe, lease_key))
-            released = [lease for lease in mine if rank is None or lease.rank == rank]
-            if not released:
-                return ()
-            _begin(pipe)
-            if len(released) == len(mine):
-                pipe.delete(lease_key)
-                pipe.srem(self._key("lease-engines"), engine_id)
-            else:
-                pipe.hdel(lease_key, *(str(lease.rank) for lease in released))
-            pipe.incr(self._key("lease-version"))
-            await pipe.execute()
-            return tuple(lease for lease in released if lease.live(now))
+    async def ledger_view(
+        self,
+        now: float,
+        device_uuids: Sequence[str],
+        *,
+        engine_id: str = "",
+        identity: str = "",
+    ) -> LedgerView:
+        self._redis()
+        _, view, _ = await self._read(now, device_uuids, engine_id, identity)
+        return view
 
-        return await self._transact(attempt)
+    async def engine_leases(self, engine_id: str, now: float) -> tuple[Lease, ...]:
+        records = await self._call(self._redis().hvals(self._lease_key(engine_id)))
+        return tuple(lease for lease in _by_rank(records) if lease.live(now))
 
     async def leases(self, now: float) -> tuple[Lease, ...]:
         self._redis()
-        hashes = await self._call(self._lease_hashes())
-        return tuple(
-            lease for engine_id in sorted(hashes) for lease in hashes[engine_id] if lease.live(now)
-        )
+        return _by_engine(await self._scan(f"({now!r}"))
 
     async def sweep_expired(self, now: float) -> tuple[Lease, ...]:
-        engines_key, version_key = self._key("lease-engines"), self._key("lease-version")
-
-        async def attempt(pipe: Pipeline) -> tuple[Lease, ...]:
-            await pipe.watch(version_key)
-            hashes = await self._lease_hashes()
-            expired = {
-                engine_id: [lease for lease in leases if not lease.live(now)]
-                for engine_id, leases in hashes.items()
-            }
-            vanished = [engine_id for engine_id, leases in hashes.items() if not leases]
-            if not vanished and not any(expired.values()):
-                return ()
-            _begin(pipe)
-            for engine_id, dead in expired.items():
-                if not dead:
-                    continue
-                if len(dead) == len(hashes[engine_id]):
-                    pipe.delete(self._lease_key(engine_id))
-                    vanished.append(engine_id)
-                else:
-                    pipe.hdel(self._lease_key(engine_id), *(str(lease.rank) for lease in dead))
-            if vanished:
-                pipe.srem(engines_key, *vanished)
-            pipe.incr(version_key)
-            await pipe.execute()
-            return tuple(lease for engine_id in sorted(expired) for lease in expired[engine_id])
-
-        return await self._transact(attempt)
+        self._redis()
+        records = await self._call(
+            self._scripts["ledger_sweep"](
+                keys=self._ledger_keys(""),
+                args=[repr(now), self._grace_ms(), self._key("lease:")],
+            )
+        )
+        return _by_engine([_lease(record) for record in records])

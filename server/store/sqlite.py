@@ -23,21 +23,35 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import sqlite3
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, grant_leases
+from kvplan.core.ledger import (
+    NOTHING,
+    DeviceState,
+    GrantRefused,
+    Lease,
+    LeaseRequest,
+    Totals,
+    changes,
+    counted,
+    excluding,
+    grant_leases,
+    identity_changes,
+)
 from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import (
     DEFAULT_MAX_PLAN_BYTES,
     DEFAULT_MAX_PLANS,
     Arrival,
     FinishedCallback,
+    LedgerView,
     RendezvousResult,
     StoreUnavailable,
 )
@@ -45,6 +59,8 @@ from kvplan.server.store.memory import (
     check_compatible,
     check_finished,
     digest,
+    last_per_rank,
+    naming_holders,
     renew_leases,
     same_ranks,
     too_many_pending,
@@ -52,7 +68,8 @@ from kvplan.server.store.memory import (
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: engine_owner, rendezvous_finished.ok
+# 2: engine_owner, rendezvous_finished.ok; 3: the ledger's totals, leases.identity
+SCHEMA_VERSION = 3
 BUSY_TIMEOUT_S = 5.0  # how long a writer waits for another connection's transaction
 # Slack on the index range of the expiry scan: covers float rounding of now - ttl.
 _EXPIRY_MARGIN_S = 1.0
@@ -112,16 +129,38 @@ CREATE TABLE IF NOT EXISTS leases (
     allocated_bytes INTEGER NOT NULL,
     granted_at REAL NOT NULL,
     expires_at REAL NOT NULL,
+    identity TEXT NOT NULL DEFAULT '',  -- whose quota it counts against
     PRIMARY KEY (engine_id, rank)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS leases_by_expiry ON leases (expires_at);
+-- A refusal names the holders on its device.
+CREATE INDEX IF NOT EXISTS leases_by_device ON leases (device_uuid);
+
+-- The totals of the counted leases (kvplan.core.ledger), changed with every ledger
+-- write: leases with expires_at > ledger_clock.expired_through.
+CREATE TABLE IF NOT EXISTS ledger_device (
+    device_uuid TEXT PRIMARY KEY,
+    committed_bytes INTEGER NOT NULL,
+    outstanding_bytes INTEGER NOT NULL,
+    live_leases INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS ledger_identity (
+    identity TEXT PRIMARY KEY,
+    live_leases INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS ledger_clock (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    expired_through REAL NOT NULL     -- the latest `now` due leases were expired at
+);
 """
 
-_LEASE_COLUMNS = "engine_id, rank, device_uuid, bytes, allocated_bytes, granted_at, expires_at"
+_LEASE_COLUMNS = (
+    "engine_id, rank, device_uuid, bytes, allocated_bytes, granted_at, expires_at, identity"
+)
 
 
 def _lease(row: tuple[Any, ...]) -> Lease:
-    engine_id, rank, device_uuid, size, allocated, granted_at, expires_at = row
+    engine_id, rank, device_uuid, size, allocated, granted_at, expires_at, identity = row
     return Lease(
         engine_id=engine_id,
         rank=rank,
@@ -130,7 +169,94 @@ def _lease(row: tuple[Any, ...]) -> Lease:
         allocated_bytes=allocated,
         granted_at=float(granted_at),
         expires_at=float(expires_at),
+        identity=identity,
     )
+
+
+def _row(lease: Lease) -> tuple[Any, ...]:
+    return (
+        lease.engine_id,
+        lease.rank,
+        lease.device_uuid,
+        lease.bytes,
+        lease.allocated_bytes,
+        lease.granted_at,
+        lease.expires_at,
+        lease.identity,
+    )
+
+
+def _expired_through(db: sqlite3.Connection) -> float:
+    return float(db.execute("SELECT expired_through FROM ledger_clock").fetchone()[0])
+
+
+def _count(db: sqlite3.Connection, removed: Iterable[Lease], added: Iterable[Lease]) -> None:
+    """Take `removed` out of the totals and put `added` in (the counted ones)."""
+    through = _expired_through(db)
+    gone = [lease for lease in removed if counted(lease, through)]
+    new = [lease for lease in added if counted(lease, through)]
+    for uuid, change in changes(gone, new).items():
+        db.execute(
+            "INSERT INTO ledger_device VALUES (?, ?, ?, ?) ON CONFLICT (device_uuid) DO UPDATE "
+            "SET committed_bytes = committed_bytes + excluded.committed_bytes, "
+            "outstanding_bytes = outstanding_bytes + excluded.outstanding_bytes, "
+            "live_leases = live_leases + excluded.live_leases",
+            (uuid, change.committed_bytes, change.outstanding_bytes, change.live_leases),
+        )
+        db.execute("DELETE FROM ledger_device WHERE device_uuid = ? AND live_leases = 0", (uuid,))
+    for identity, step in identity_changes(gone, new).items():
+        db.execute(
+            "INSERT INTO ledger_identity VALUES (?, ?) ON CONFLICT (identity) DO UPDATE "
+            "SET live_leases = live_leases + excluded.live_leases",
+            (identity, step),
+        )
+        db.execute(
+            "DELETE FROM ledger_identity WHERE identity = ? AND live_leases = 0", (identity,)
+        )
+
+
+def _due(db: sqlite3.Connection, now: float, *, limit: int | None = None) -> list[Lease]:
+    """Counted leases whose expiry is at or before `now` (an index range)."""
+    return [
+        _lease(row)
+        for row in db.execute(
+            f"SELECT {_LEASE_COLUMNS} FROM leases WHERE expires_at > ? AND expires_at <= ?"
+            + (f" LIMIT {limit}" if limit is not None else ""),
+            (_expired_through(db), now),
+        )
+    ]
+
+
+def _expire_due(db: sqlite3.Connection, now: float) -> float:
+    """Take the leases due at `now` out of the totals; the time expired through."""
+    due = _due(db, now)
+    if due:
+        _count(db, removed=due, added=())
+    through = max(_expired_through(db), now)
+    db.execute("UPDATE ledger_clock SET expired_through = ?", (through,))
+    return through
+
+
+def _device_totals(db: sqlite3.Connection, uuids: Iterable[str]) -> dict[str, Totals]:
+    out = {}
+    for uuid in uuids:
+        row = db.execute(
+            "SELECT committed_bytes, outstanding_bytes, live_leases FROM ledger_device "
+            "WHERE device_uuid = ?",
+            (uuid,),
+        ).fetchone()
+        out[uuid] = Totals(*row) if row else NOTHING
+    return out
+
+
+def _rebuild_totals(db: sqlite3.Connection) -> None:
+    """The totals recounted from the leases (a file of schema 2 had none)."""
+    db.execute("INSERT OR IGNORE INTO ledger_clock VALUES (0, ?)", (-math.inf,))
+    db.execute("DELETE FROM ledger_device")
+    db.execute("DELETE FROM ledger_identity")
+    through = _expired_through(db)
+    leases = [_lease(row) for row in db.execute(f"SELECT {_LEASE_COLUMNS} FROM leases")]
+    _count(db, removed=(), added=[lease for lease in leases if counted(lease, through)])
 
 
 def _unavailable(error: BaseException, path: str) -> StoreUnavailable:
@@ -266,10 +392,18 @@ class SQLiteStore:
                 db.execute(
                     "ALTER TABLE rendezvous_finished ADD COLUMN ok INTEGER NOT NULL DEFAULT 1"
                 )
+            lease_columns = {row[1] for row in db.execute("PRAGMA table_info(leases)")}
+            if lease_columns and "identity" not in lease_columns:  # schema 1 or 2
+                db.execute("ALTER TABLE leases ADD COLUMN identity TEXT NOT NULL DEFAULT ''")
             if version < SCHEMA_VERSION:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         db.execute(statement)
+                db.execute(
+                    "UPDATE leases SET identity = coalesce((SELECT identity FROM engine_owner "
+                    "WHERE engine_owner.engine_id = leases.engine_id), '')"
+                )
+                _rebuild_totals(db)
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             # One server per file: a claim left in it is from a server that was
             # killed while planning, so the next rank to arrive plans again.
@@ -567,32 +701,36 @@ class SQLiteStore:
         devices: Mapping[str, DeviceState],
         now: float,
         ttl_s: float,
+        identity: str = "",
     ) -> tuple[Lease, ...]:
         with self._transaction(write=True) as db:
-            live = tuple(
+            through = _expire_due(db, now)
+            own = [
                 _lease(row)
                 for row in db.execute(
-                    f"SELECT {_LEASE_COLUMNS} FROM leases WHERE expires_at > ?", (now,)
+                    f"SELECT {_LEASE_COLUMNS} FROM leases WHERE engine_id = ?", (engine_id,)
                 )
-            )
-            granted = grant_leases(engine_id, requests, devices, live, now, ttl_s)
+            ]
+            mine = [lease for lease in own if counted(lease, through)]
+            others = excluding(_device_totals(db, devices), mine)
+            try:
+                granted = grant_leases(engine_id, requests, devices, others, now, ttl_s, identity)
+            except GrantRefused as refused:
+                holders = [
+                    _lease(row)
+                    for row in db.execute(
+                        f"SELECT {_LEASE_COLUMNS} FROM leases WHERE device_uuid = ?",
+                        (refused.device_uuid,),
+                    )
+                ]
+                raise naming_holders(refused, holders, engine_id, now) from None
             db.execute("DELETE FROM leases WHERE engine_id = ?", (engine_id,))
             # OR REPLACE: a rank asked twice keeps its last request, as in memory.
             db.executemany(
-                f"INSERT OR REPLACE INTO leases ({_LEASE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (
-                        lease.engine_id,
-                        lease.rank,
-                        lease.device_uuid,
-                        lease.bytes,
-                        lease.allocated_bytes,
-                        lease.granted_at,
-                        lease.expires_at,
-                    )
-                    for lease in granted
-                ],
+                f"INSERT OR REPLACE INTO leases ({_LEASE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [_row(lease) for lease in granted],
             )
+            _count(db, removed=own, added=last_per_rank(granted))
         return granted
 
     @_in_store_thread
@@ -616,6 +754,8 @@ class SQLiteStore:
                     for lease in renewed
                 ],
             )
+            old = {lease.rank: lease for lease in mine}
+            _count(db, removed=[old[lease.rank] for lease in renewed], added=renewed)
         return renewed
 
     @_in_store_thread
@@ -630,7 +770,64 @@ class SQLiteStore:
                 )
             ]
             db.execute(f"DELETE FROM leases WHERE {where}", params)
+            _count(db, removed=released, added=())
         return tuple(lease for lease in released if lease.live(now))
+
+    @_in_store_thread
+    def ledger_view(
+        self,
+        now: float,
+        device_uuids: Sequence[str],
+        *,
+        engine_id: str = "",
+        identity: str = "",
+    ) -> LedgerView:
+        # A read unless something fell due since the last ledger call.
+        with self._transaction(write=False) as db:
+            if not _due(db, now, limit=1):
+                return self._view(db, device_uuids, engine_id, identity)
+        with self._transaction(write=True) as db:
+            _expire_due(db, now)
+            return self._view(db, device_uuids, engine_id, identity)
+
+    @staticmethod
+    def _view(
+        db: sqlite3.Connection, device_uuids: Sequence[str], engine_id: str, identity: str
+    ) -> LedgerView:
+        through = _expired_through(db)
+        own = [
+            lease
+            for lease in map(
+                _lease,
+                db.execute(
+                    f"SELECT {_LEASE_COLUMNS} FROM leases WHERE engine_id = ?", (engine_id,)
+                ),
+            )
+            if counted(lease, through)
+        ]
+        others = excluding(_device_totals(db, device_uuids), own)
+        (live,) = db.execute("SELECT total(live_leases) FROM ledger_device").fetchone()
+        held = db.execute(
+            "SELECT live_leases FROM ledger_identity WHERE identity = ?", (identity,)
+        ).fetchone()
+        return LedgerView(
+            devices={uuid: others[uuid] for uuid in device_uuids},
+            live_leases=int(live) - len(own),
+            identity_leases=(int(held[0]) if held else 0)
+            - sum(lease.identity == identity for lease in own),
+        )
+
+    @_in_store_thread
+    def engine_leases(self, engine_id: str, now: float) -> tuple[Lease, ...]:
+        with self._transaction(write=False) as db:
+            return tuple(
+                _lease(row)
+                for row in db.execute(
+                    f"SELECT {_LEASE_COLUMNS} FROM leases WHERE engine_id = ? AND expires_at > ? "
+                    "ORDER BY rank",
+                    (engine_id, now),
+                )
+            )
 
     @_in_store_thread
     def leases(self, now: float) -> tuple[Lease, ...]:
@@ -647,6 +844,7 @@ class SQLiteStore:
     @_in_store_thread
     def sweep_expired(self, now: float) -> tuple[Lease, ...]:
         with self._transaction(write=True) as db:
+            _expire_due(db, now)
             expired = tuple(
                 _lease(row)
                 for row in db.execute(

@@ -240,6 +240,41 @@ async def test_a_refused_lease_names_only_the_holders_the_caller_may_see(
             await ops.release_plan(engine_id)
 
 
+async def test_the_lease_bound_counts_each_identitys_own_leases(tmp_path: Path) -> None:
+    """--max-leases-per-identity bounds the live leases of one identity's engines (the
+    store's per-identity count): another identity is not held back by them, and a
+    re-plan replaces the engine's own leases instead of adding to them."""
+    tokens = tmp_path / "tokens"
+    write_tokens(tokens, f"{TOKEN_A} team-a", f"{TOKEN_B} team-b")
+    settings = replace(
+        TEST_SETTINGS, devices="1xH100-80GB", token_file=str(tokens), max_leases_per_identity=2
+    )
+    running = await start_server(settings)
+    target = f"127.0.0.1:{running.port}"
+
+    def client(token: str) -> AsyncPlannerClient:
+        return AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=token))
+
+    try:
+        async with client(TOKEN_A) as a, client(TOKEN_B) as b:
+            uuid = (await device_uuids(a))[0]
+            for engine_id in ("a-1", "a-2"):
+                await a.plan(leased_request(engine_id, uuid, utilization=0.24))
+            with pytest.raises(PlannerError) as refused:
+                await a.plan(leased_request("a-3", uuid, utilization=0.24))
+            assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert refused.value.metadata["limit"] == "max_leases_per_identity"
+            assert "team-a" in refused.value.details
+            await b.plan(leased_request("b-1", uuid, utilization=0.24))  # team-b holds none
+            await a.plan(leased_request("a-1", uuid, utilization=0.3))  # replaces a-1's lease
+            await a.release_plan("a-2")
+            await a.plan(leased_request("a-3", uuid, utilization=0.24))
+            (device,) = (await a.list_devices()).devices
+            assert device.live_leases == 3
+    finally:
+        await running.stop(0)
+
+
 async def test_reflection_needs_credentials_and_health_stays_open(
     token_server: RunningServer,
 ) -> None:

@@ -1,11 +1,15 @@
-"""A schema-1 SQLite file (before engine ownership and failed rendezvous) opens
-under schema 2 with its finished engines intact."""
+"""Files of earlier schemas open under the current one with their state intact:
+schema 1 (before engine ownership and failed rendezvous) keeps its finished
+engines, schema 2 (before the ledger's totals) keeps its leases, now counted."""
 
 from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
 
+import pytest
+
+from kvplan.core.ledger import NOTHING, DeviceState, GrantRefused, LeaseRequest, Totals
 from kvplan.server.store import RendezvousResult
 from kvplan.server.store.memory import digest
 from kvplan.server.store.sqlite import SCHEMA_VERSION, SQLiteStore
@@ -58,4 +62,69 @@ async def test_a_schema_1_file_is_migrated(tmp_path: Path) -> None:
     finally:
         await store.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+
+
+# What schema 2 wrote of the ledger and of ownership (the rest does not matter here).
+V2_LEDGER = """
+CREATE TABLE engine_owner (
+    engine_id TEXT PRIMARY KEY,
+    identity TEXT NOT NULL,
+    expires_at REAL NOT NULL
+);
+CREATE TABLE leases (
+    engine_id TEXT NOT NULL,
+    rank INTEGER NOT NULL,
+    device_uuid TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    allocated_bytes INTEGER NOT NULL,
+    granted_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    PRIMARY KEY (engine_id, rank)
+) WITHOUT ROWID;
+CREATE INDEX leases_by_expiry ON leases (expires_at);
+"""
+GIB = 1 << 30
+
+
+async def test_a_schema_2_file_keeps_its_leases_and_counts_them(tmp_path: Path) -> None:
+    path = tmp_path / "kvplan.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.executescript(V2_LEDGER)
+        db.executemany(
+            "INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [
+                ("a", 0, "gpu-0", 30 * GIB, 10 * GIB, 0.0, 100.0),
+                ("a", 1, "gpu-1", 20 * GIB, 0, 0.0, 100.0),
+                ("b", 0, "gpu-0", 40 * GIB, 0, 0.0, 200.0),
+                ("old", 0, "gpu-0", 50 * GIB, 0, 0.0, 5.0),  # expired before the upgrade
+            ],
+        )
+        db.execute("INSERT INTO engine_owner VALUES ('a', 'team-a', 1000.0)")
+        db.execute("PRAGMA user_version = 2")
+    store = SQLiteStore(str(path))
+    await store.start()
+    try:
+        leases = await store.leases(10.0)
+        assert [(lease.engine_id, lease.rank, lease.identity) for lease in leases] == [
+            ("a", 0, "team-a"),  # the engine's owner holds its leases
+            ("a", 1, "team-a"),
+            ("b", 0, ""),
+        ]
+        view = await store.ledger_view(10.0, ["gpu-0", "gpu-1", "gpu-2"], identity="team-a")
+        assert view.devices == {
+            "gpu-0": Totals(70 * GIB, 60 * GIB, 2),
+            "gpu-1": Totals(20 * GIB, 20 * GIB, 1),
+            "gpu-2": NOTHING,
+        }
+        assert (view.live_leases, view.identity_leases) == (3, 2)
+        # The kept leases bind new grants: 70 of gpu-0's 80 GiB are committed.
+        gpu0 = {"gpu-0": DeviceState("gpu-0", 100 * GIB, 100 * GIB, 80 * GIB)}
+        with pytest.raises(GrantRefused) as refused:
+            await store.grant("c", [LeaseRequest(0, "gpu-0", 20 * GIB)], gpu0, 10.0, 60.0)
+        assert refused.value.details["committed_bytes"] == 70 * GIB
+        assert len(await store.sweep_expired(10.0)) == 1  # "old"
+        later = await store.ledger_view(150.0, ["gpu-0"])  # a's leases expired meanwhile
+        assert later.devices["gpu-0"] == Totals(40 * GIB, 40 * GIB, 1)
+    finally:
+        await store.close()

@@ -19,7 +19,15 @@ import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvplan.core.ledger import DeviceState, GrantRefused, Lease, LeaseRequest, account
+from kvplan.core.ledger import (
+    NOTHING,
+    DeviceState,
+    GrantRefused,
+    Lease,
+    LeaseRequest,
+    Totals,
+    tally,
+)
 from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import Arrival, RendezvousResult, Store
 from kvplan.server.store.memory import MemoryStore
@@ -560,6 +568,32 @@ async def test_sweep_expired_deletes_and_returns_the_dead(store: Store) -> None:
     assert await store.sweep_expired(60.0) == late
 
 
+async def test_totals_stay_exact_through_many_renewals_and_expiries(store: Store) -> None:
+    """Heartbeats replace each lease many times over (and leave stale expiry entries
+    behind in the memory store); the totals still equal the recount at every step."""
+    gpus = devices(device("gpu-0"), device("gpu-1"))
+    now = 0.0
+    for index in range(6):
+        uuid_ = f"gpu-{index % 2}"
+        await store.grant(f"e{index}", [ask(0, uuid_, 1), ask(1, uuid_, 2)], gpus, now, 10.0)
+    for beat in range(60):
+        now += 1.0
+        # e0..e2 keep beating (allocations vary); e3..e5 stop after 20 beats and expire.
+        for index in range(6 if beat < 20 else 3):
+            await store.renew(f"e{index}", {beat % 2: (beat % 3) * GIB}, now, 10.0)
+        view = await store.ledger_view(now, ["gpu-0", "gpu-1"], identity="")
+        live = await store.leases(now)
+        recount = tally(live)
+        assert view.devices == {u: recount.get(u, NOTHING) for u in ("gpu-0", "gpu-1")}
+        assert view.live_leases == view.identity_leases == len(live)
+        if beat % 7 == 0:
+            await store.sweep_expired(now)
+    assert {lease.engine_id for lease in await store.leases(now)} == {"e0", "e1", "e2"}
+    assert len(await store.sweep_expired(now)) == 0  # the dead were swept on the way
+    assert await store.leases(now + 100) == ()
+    assert (await store.ledger_view(now + 100, ["gpu-0", "gpu-1"])).live_leases == 0
+
+
 # --- Hypothesis: same answers as the reference ---------------------------------------
 
 LEDGER_DEVICES = {
@@ -567,6 +601,7 @@ LEDGER_DEVICES = {
     "gpu-1": DeviceState("gpu-1", total_bytes=100, free_bytes=100, commit_limit_bytes=100),
 }
 ENGINES = ("a", "b", "c")
+IDENTITY_OF = {"a": "alice", "b": "bob", "c": "alice"}  # whose quota each engine's leases use
 
 lease_requests = st.lists(
     st.builds(
@@ -626,7 +661,8 @@ async def run_ledger(store: Store, ops: list[tuple[Any, ...]]) -> list[object]:
                         uuid_: DeviceState(uuid_, state.total_bytes, free, state.commit_limit_bytes)
                         for uuid_, state in LEDGER_DEVICES.items()
                     }
-                    result = await store.grant(engine_id, requests, seen, now, 30.0)
+                    holder = IDENTITY_OF[engine_id]
+                    result = await store.grant(engine_id, requests, seen, now, 30.0, holder)
                 case ("renew", engine_id, allocations):
                     result = await store.renew(engine_id, allocations, now, 30.0)
                 case ("release", engine_id, rank):
@@ -642,7 +678,18 @@ async def run_ledger(store: Store, ops: list[tuple[Any, ...]]) -> list[object]:
         for uuid_, state in LEDGER_DEVICES.items():
             # The ledger's promise: never more committed than the commit limit.
             assert committed(live, uuid_) <= state.commit_limit_bytes
-            assert account(state, live, now).committed_bytes == committed(live, uuid_)
+        # The store's totals are the recount of its live leases, with or without an
+        # engine's own, per device and per identity.
+        for engine_id in ("", *ENGINES):
+            for identity in sorted(set(IDENTITY_OF.values())):
+                view = await store.ledger_view(
+                    now, sorted(LEDGER_DEVICES), engine_id=engine_id, identity=identity
+                )
+                others = [lease for lease in live if lease.engine_id != engine_id]
+                recount = tally(others)
+                assert view.devices == {u: recount.get(u, NOTHING) for u in LEDGER_DEVICES}
+                assert view.live_leases == len(others)
+                assert view.identity_leases == sum(lease.identity == identity for lease in others)
         trace.append((op[0], result, live))
     return trace
 
@@ -827,20 +874,89 @@ async def test_replicas_share_one_ledger(replicas: tuple[RedisStore, RedisStore]
     assert (await first.leases(LEASE_TTL_S + 5))[0].allocated_bytes == 60 * GIB
 
 
+# The ledger's keys once a lease is granted; "ledger:expired-through" joins them when
+# a lease first falls due.
+LEDGER_KEYS = (
+    "lease-expiry",
+    "ledger:committed",
+    "ledger:outstanding",
+    "ledger:live",
+    "ledger:identity",
+)
+
+
 async def test_redis_drops_a_dead_engines_leases_by_itself(redis_server: RedisServer) -> None:
     store = RedisStore(redis_server.url, key_prefix=f"test-{uuid.uuid4().hex}:", expiry_grace_s=0.0)
     await store.start()
     try:
         client = store._redis()
-        await store.grant("e", [ask(0, "gpu-0", 10)], devices(device("gpu-0")), 0.0, 0.3)
-        key = store._lease_key("e")
-        assert 0 < await client.pttl(key) <= 300
+        gpus = devices(device("gpu-0"))
+        ledger = [store._key(name) for name in (*LEDGER_KEYS, "ledger:expired-through")]
+        # Alone: the engine's hash and the ledger's index and totals all go.
+        await store.grant("e", [ask(0, "gpu-0", 10)], gpus, 0.0, 0.3)
+        for key in (store._lease_key("e"), *ledger[:-1]):
+            assert 0 < await client.pttl(key) <= 300, key
         await asyncio.sleep(0.5)
-        assert not await client.exists(key)  # gone from Redis itself
+        assert not await client.exists(store._lease_key("e"), *ledger)  # gone from Redis itself
         assert await store.sweep_expired(1.0) == ()
-        # The stale entry in the engine index is dropped by the next ledger write.
-        await store.grant("f", [ask(0, "gpu-0", 10)], devices(device("gpu-0")), 1.0, 60.0)
-        assert await client.smembers(store._key("lease-engines")) == {b"f"}
+        # Next to a longer lease: only the engine's hash goes; the index still holds
+        # the dead lease's share, so the totals stay exact and the sweep drops it.
+        (kept,) = await store.grant("long", [ask(0, "gpu-0", 20)], gpus, 1.0, 60.0)
+        await store.grant("f", [ask(0, "gpu-0", 10)], gpus, 1.0, 0.3)
+        await asyncio.sleep(0.5)
+        assert not await client.exists(store._lease_key("f"))
+        view = await store.ledger_view(2.0, ["gpu-0"])
+        assert (view.devices["gpu-0"].committed_bytes, view.live_leases) == (20 * GIB, 1)
+        assert await client.pttl(store._key("ledger:expired-through")) > 0  # as the index's
+        assert await store.sweep_expired(2.0) == ()  # its hash is gone: nothing to report
+        assert await client.zcard(store._key("lease-expiry")) == 1
+        assert await store.leases(2.0) == (kept,)
+    finally:
+        await store.close()
+
+
+async def test_leases_of_the_layout_before_the_totals_are_kept_and_counted(
+    redis_server: RedisServer,
+) -> None:
+    """What a server before the ledger's totals left in Redis: one hash per engine
+    with [device_uuid, bytes, allocated_bytes, granted_at, expires_at] per rank, and
+    the set of engines. A new server converts it at start and counts it."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    old = RedisStore(redis_server.url, key_prefix=prefix)
+    await old.start()
+    client = old._redis()
+    await client.hset(
+        prefix + "lease:a",
+        mapping={"0": f'["gpu-0",{30 * GIB},{10 * GIB},0.0,100.0]', "1": '["gpu-1",5,5,0.0,50.0]'},
+    )
+    await client.hset(prefix + "lease:b", mapping={"0": f'["gpu-0",{20 * GIB},0,0.0,300.0]'})
+    await client.sadd(prefix + "lease-engines", "a", "b")
+    await client.set(prefix + "owner:a", "team-a")
+    await old.close()
+    store = RedisStore(redis_server.url, key_prefix=prefix)
+    await store.start()
+    try:
+        client = store._redis()
+        assert not await client.exists(prefix + "lease-engines")
+        assert [
+            (lease.engine_id, lease.rank, lease.identity) for lease in await store.leases(60.0)
+        ] == [
+            ("a", 0, "team-a"),
+            ("b", 0, ""),
+        ]
+        view = await store.ledger_view(60.0, ["gpu-0", "gpu-1"], identity="team-a")
+        assert view.devices["gpu-0"] == Totals(50 * GIB, 40 * GIB, 2)
+        assert view.devices["gpu-1"] == NOTHING  # expired at 50
+        assert (view.live_leases, view.identity_leases) == (2, 1)
+        renewed = await store.renew("a", {0: 30 * GIB}, 60.0, LEASE_TTL_S)
+        assert [lease.rank for lease in renewed] == [0]
+        view = await store.ledger_view(60.0, ["gpu-0"])
+        assert view.devices["gpu-0"] == Totals(50 * GIB, 20 * GIB, 2)
+        # A second start finds nothing left to convert.
+        again = RedisStore(redis_server.url, key_prefix=prefix)
+        await again.start()
+        assert await again.ledger_view(60.0, ["gpu-0"]) == view
+        await again.close()
     finally:
         await store.close()
 
@@ -866,11 +982,11 @@ async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> No
             "rdv:open:f",
             "rdv:done",
             "rdv:done:e",
-            "lease-engines",
             "lease:e",
             "lease-version",
+            *LEDGER_KEYS,
         }
-        for janitored in ("rdv:open:f", "rdv:done:e", "lease:e"):
+        for janitored in ("rdv:open:f", "rdv:done:e", "lease:e", *LEDGER_KEYS):
             assert await store._redis().pttl(prefix + janitored) > 0  # Redis expires them too
     finally:
         await store.close()
