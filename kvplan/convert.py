@@ -90,6 +90,14 @@ def _enum_suffix(enum_type: Any, value: int, prefix: str) -> str:
     return str(enum_type.Name(value)).removeprefix(prefix).lower()
 
 
+def layout_from_proto(value: int) -> KVCacheLayout:
+    return KVCacheLayout[_enum_suffix(plan_pb2.KVCacheLayout, value, "KV_CACHE_LAYOUT_").upper()]
+
+
+def layout_to_proto(layout: KVCacheLayout) -> plan_pb2.KVCacheLayout.ValueType:
+    return plan_pb2.KVCacheLayout.Value(f"KV_CACHE_LAYOUT_{layout.name}")
+
+
 def cache_dtype_name(value: int) -> str:
     return _enum_suffix(spec_pb2.KVCacheDtype, value, "KV_CACHE_DTYPE_")
 
@@ -461,9 +469,7 @@ def _options_from_proto(options: plan_pb2.EngineOptions, rules: RuleSet) -> Engi
         tensor_parallel_size=parallel.tensor_parallel_size or 1,
         pipeline_parallel_size=parallel.pipeline_parallel_size or 1,
         decode_context_parallel_size=parallel.decode_context_parallel_size or 1,
-        layout=KVCacheLayout[
-            _enum_suffix(plan_pb2.KVCacheLayout, options.layout, "KV_CACHE_LAYOUT_").upper()
-        ],
+        layout=layout_from_proto(options.layout) if options.HasField("layout") else None,
         mamba_align_mode=options.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN,
         max_num_encoder_input_tokens=options.max_num_encoder_input_tokens or batched,
         enable_prefix_caching=(
@@ -559,6 +565,7 @@ def _worker_from_proto(
             ),
         ),
         encoder_only_layers=encoder_only,
+        supported_layouts=tuple(layout_from_proto(value) for value in worker.supported_layouts),
     )
 
 
@@ -932,6 +939,8 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
     diagnostics.scheduler_block_size = plan.scheduler_block_size
     diagnostics.hash_block_size = plan.hash_block_size
     diagnostics.group_size = plan.group_size
+    diagnostics.kv_cache_layout = layout_to_proto(plan.layout)
+    diagnostics.layout_candidates.extend(layout_to_proto(x) for x in plan.layout_candidates)
     for padding in plan.padding:
         diagnostics.padding.add(
             bucket_index=padding.bucket_index,
