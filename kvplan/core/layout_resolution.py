@@ -119,9 +119,7 @@ def _merged(workers: Sequence[WorkerLayouts], rules: RuleSet) -> list[KVCacheLay
                     f"the workers support different KV cache layouts ({first.describe()}; "
                     f"{worker.describe()}); {rules.description} needs every worker to "
                     "report the same list (vLLM 0.34 plans with the layouts they share)",
-                    violations=[
-                        FieldViolation(w.field, w.describe()) for w in (first, worker)
-                    ],
+                    violations=[FieldViolation(w.field, w.describe()) for w in (first, worker)],
                 )
         return list(first.layouts)
     # Workers whose backends declare nothing report the default order: no vote.
@@ -182,8 +180,7 @@ def resolve_layout(
         candidates = _narrow(
             candidates,
             "is_block_outermost",
-            "DCP-sharded and replicated layers with mixed page sizes need a "
-            "block-outermost layout",
+            "DCP-sharded and replicated layers with mixed page sizes need a block-outermost layout",
             workers,
         )
     if connector_needs_block_compact:
