@@ -2887,12 +2887,49 @@ def _layout_resolution(c: Cases) -> None:
     hisparse = [case for case in c.items if case.category == "hisparse"][:4]
     for case in hisparse:
         n_workers = len(case.request.workers)
-        for cid, names in (("outermost", ["BHLNC", "BLHNC"]), ("bhlnc-only", ["BHLNC"])):
+        for cid, names in (
+            ("outermost", ["BHLNC", "BLHNC"]),
+            ("bhlnc-only", ["BHLNC"]),
+            # HiSparse's connector asks for BLHNC: taken when a candidate, else dropped.
+            ("connector-wins", ["BLNHC", "BLHNC"]),
+            ("connector-dropped", ["BLNHC", "LBHNC"]),
+        ):
             c.add(
                 cat,
                 f"{case.id.replace('/', '.')}-{cid}",
                 f"{case.description}; every worker lists {names}",
                 with_layouts(case.request, [names] * n_workers, None),
+            )
+
+    # Sparse-MLA layers only (no indexer, nothing else): one page shape, so only
+    # 0.34's connector rule (extensible cache, on by default) narrows the list.
+    for extensible in (None, False):
+        solo = request(
+            W(
+                _hisparse_engine(
+                    rng,
+                    sparse=4,
+                    indexers=0,
+                    leader_every=1,
+                    block=64,
+                    sparse_head=656,
+                    others=[],
+                    topk=2048,
+                ),
+                kv_bytes=4 * GIB,
+            ),
+            block_size=64,
+        )
+        solo.options.hisparse.host_pool_gib = 4.0
+        solo.options.hisparse.index_topk = 2048
+        if extensible is not None:
+            solo.options.extensible_kv_cache = extensible
+        for cid, names in (("outermost", ["BHLNC", "BLHNC"]), ("bhlnc-only", ["BHLNC"])):
+            c.add(
+                cat,
+                f"hisparse-solo-{cid}-extensible-{extensible}",
+                f"HiSparse sparse-MLA layers only, extensible {extensible}, list {names}",
+                with_layouts(solo, [names], None),
             )
 
     # By hand: the rules one by one.

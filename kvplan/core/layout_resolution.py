@@ -14,7 +14,8 @@ identical in the three releases unless said):
   block-compact layout, the connector registers one run per layer.
 
 The layout asked for (`options.layout`, vLLM's `VLLM_KV_CACHE_LAYOUT`) must be a
-candidate; without one the first candidate wins. Without any list the layout is
+candidate; without one a KV connector's layout wins when it is a candidate (HiSparse's
+asks for BLHNC), else the first candidate. Without any list the layout is
 taken as given (LBNHC when unset), which is what a layout already resolved by the
 engine does in every release.
 """
@@ -152,10 +153,13 @@ def resolve_layout(
     requested: KVCacheLayout | None,
     rules: RuleSet,
     *,
+    connector_layout: KVCacheLayout | None = None,
     connector_needs_block_compact: bool = False,
 ) -> LayoutResolution:
     """The engine's layout. `specs` are every worker's own layer specs;
-    `connector_needs_block_compact`: an extensible cache behind a KV connector."""
+    `connector_layout`: the layout a KV connector asks for (dropped, as vLLM does
+    with a warning, when it is no candidate); `connector_needs_block_compact`: an
+    extensible cache behind a KV connector."""
     validate_worker_layouts(workers)
     if not workers or not workers[0].layouts:
         return LayoutResolution(requested if requested is not None else DEFAULT_LAYOUT)
@@ -197,7 +201,12 @@ def resolve_layout(
             f"valid: {', '.join(layout.name for layout in candidates)} (or leave it unset)",
             field="options.layout",
         )
-    layout = requested if requested is not None else candidates[0]
+    if requested is not None:
+        layout = requested
+    elif connector_layout in candidates:
+        layout = connector_layout
+    else:
+        layout = candidates[0]
     return LayoutResolution(layout, tuple(candidates))
 
 

@@ -20,7 +20,12 @@ from kvplan.core.errors import InsufficientMemory, InvalidRequest, PlanningError
 from kvplan.core.extensible import blocks_within, segment_strides
 from kvplan.core.grouping import SpecDict, group_layers
 from kvplan.core.groups import GroupingPath, KVCacheGroup
-from kvplan.core.hisparse import HiSparseConfig, check_host_pool, is_hisparse_spec
+from kvplan.core.hisparse import (
+    CONNECTOR_LAYOUT,
+    HiSparseConfig,
+    check_host_pool,
+    is_hisparse_spec,
+)
 from kvplan.core.layout import (
     KVCacheLayout,
     TensorPlacement,
@@ -187,6 +192,8 @@ def _resolve_layout(
         specs.values(),
         options.layout,
         request.rules,
+        # HiSparse is the one KV connector kvplan models.
+        connector_layout=CONNECTOR_LAYOUT if options.hisparse is not None else None,
         connector_needs_block_compact=options.extensible_kv_cache and options.hisparse is not None,
     )
 

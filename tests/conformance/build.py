@@ -1626,6 +1626,19 @@ for version in ("vllm-0.32", "vllm-0.33", "vllm-0.34"):
         },
     )
 
+for version in ("vllm-0.33", "vllm-0.34"):
+    for names, chosen in ((("BLNHC", "BLHNC"), "BLHNC"), (("BLNHC", "LBHNC"), "BLNHC")):
+        _connector = for_release(hisparse_request(4.0), version)
+        del _connector["options"]["layout"]
+        _connector["workers"][0]["supported_layouts"] = _layouts(*names)
+        scenario(
+            f"release-{version.removeprefix('vllm-')}-layout-hisparse-connector-{chosen.lower()}",
+            f"{version}: HiSparse's connector asks for BLHNC, taken when the workers "
+            f"support it ({', '.join(names)})",
+            _connector,
+            {"layout": chosen, "grouping_path": "GROUPING_PATH_HISPARSE"},
+        )
+
 
 def main() -> None:
     SCENARIO_DIR.mkdir(exist_ok=True)

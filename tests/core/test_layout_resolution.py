@@ -158,6 +158,17 @@ def test_an_extensible_cache_behind_a_connector_keeps_block_compact_layouts() ->
     assert narrowed.candidates == (L.BLHNC,)
 
 
+def test_a_connectors_layout_wins_when_it_is_a_candidate() -> None:
+    workers = _workers([(L.BLNHC, L.BLHNC)])
+    wins = resolve_layout(workers, SPECS, None, VLLM_0_33, connector_layout=L.BLHNC)
+    assert wins.layout is L.BLHNC
+    dropped = resolve_layout(workers, SPECS, None, VLLM_0_33, connector_layout=L.LBHNC)
+    assert dropped.layout is L.BLNHC
+    # The asked-for layout comes first.
+    asked = resolve_layout(workers, SPECS, L.BLNHC, VLLM_0_33, connector_layout=L.BLHNC)
+    assert asked.layout is L.BLNHC
+
+
 # --- through the wire format ----------------------------------------------------------
 
 
