@@ -685,6 +685,13 @@ def request_from_proto(
     check_fields(message.options, "options")
     check_fields(message.spec_decode, "spec_decode")
     for index, worker in enumerate(message.workers):
+        if len(worker.supported_layouts) > len(KVCacheLayout):
+            # Bounded before any walk: a list longer than the enum repeats a layout.
+            raise InvalidRequest(
+                f"supported_layouts lists {len(worker.supported_layouts)} layouts; there "
+                f"are {len(KVCacheLayout)}, each listed at most once",
+                field=f"workers[{index}].supported_layouts",
+            )
         check_fields(worker, f"workers[{index}]", skip=frozenset({"layers"}))
     rules = rule_set_for(message.options.engine_version)
     _check_release_request_fields(message, rules)

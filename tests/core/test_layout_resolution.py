@@ -231,8 +231,9 @@ def test_the_resolved_layout_shapes_the_tensors() -> None:
             "workers[0].supported_layouts[1]",
         ),
         ([[plan_pb2.KV_CACHE_LAYOUT_LBHNC, 999]], "workers[0].supported_layouts[1]"),
+        ([[plan_pb2.KV_CACHE_LAYOUT_LBHNC] * 100_000], "workers[0].supported_layouts"),
     ],
-    ids=["one-worker-without", "twice", "unknown-value"],
+    ids=["one-worker-without", "twice", "unknown-value", "longer-than-the-enum"],
 )
 @pytest.mark.parametrize("version", ["", "vllm-0.32", "vllm-0.33", "vllm-0.34"])
 def test_bad_lists_are_invalid_argument_with_the_field(
