@@ -2809,6 +2809,173 @@ def _hisparse(c: Cases) -> None:
         c.add("hisparse", f"h{index:02d}-{kind}", "HiSparse grouping and host pool", req)
 
 
+# --- layout resolution from the workers' supported-layout lists ---------------------
+
+# What a worker reports when none of its backends declares a list (vLLM's default
+# preference): such a worker does not vote in vLLM 0.34's merge.
+NO_PREFERENCE = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]
+
+
+def with_layouts(
+    req: plan_pb2.PlanRequest, lists: list[list[str]], asked: str | None
+) -> plan_pb2.PlanRequest:
+    """`req` with each worker's supported layouts and the layout asked for (None:
+    options.layout unset, the resolution picks)."""
+    out = plan_pb2.PlanRequest()
+    out.CopyFrom(req)
+    if asked is None:
+        out.options.ClearField("layout")
+    else:
+        out.options.layout = LAYOUTS[asked]  # type: ignore[assignment]
+    for worker, names in zip(out.workers, lists, strict=True):
+        del worker.supported_layouts[:]
+        worker.supported_layouts.extend(LAYOUTS[name] for name in names)  # type: ignore[misc]
+    return out
+
+
+def _random_list(rng: random.Random, size: int | None = None) -> list[str]:
+    names = list(LAYOUTS)
+    rng.shuffle(names)
+    return names[: size or rng.randint(1, len(names))]
+
+
+def _layout_patterns(rng: random.Random, n_workers: int) -> list[tuple[str, list[list[str]]]]:
+    """(name, per-worker lists) for an engine of `n_workers` workers."""
+    same = _random_list(rng)
+    patterns = [("same", [same] * n_workers)]
+    if n_workers > 1:
+        patterns.append(("differ", [_random_list(rng) for _ in range(n_workers)]))
+        shared = rng.choice(list(LAYOUTS))
+        overlap = []
+        for _ in range(n_workers):
+            extra = [x for x in _random_list(rng) if x != shared]
+            extra.insert(rng.randint(0, len(extra)), shared)
+            overlap.append(extra)
+        patterns.append(("overlap", overlap))
+        first, rest = same[:1], [x for x in LAYOUTS if x not in same[:1]]
+        patterns.append(("disjoint", [first] + [rest] * (n_workers - 1)))
+        lists = [list(NO_PREFERENCE) if i % 2 else _random_list(rng) for i in range(n_workers)]
+        patterns.append(("no-vote", lists))
+    return patterns
+
+
+def _layout_resolution(c: Cases) -> None:
+    """Engines whose workers report the layouts they support: the engine core's
+    resolution (0.32 / 0.33: lists must be equal; 0.34: layouts shared by all,
+    first choices voting), narrowed by mixed page shapes, DCP sharding and (0.34)
+    an extensible cache behind HiSparse's connector, and the asked-for layout."""
+    cat = "layout_resolution"
+    rng = c.rng
+    # Engines the other sections built (every path, HiSparse, DCP, pipeline).
+    base = [case for case in c.items if case.category != "scenarios"]
+    sample = rng.sample(base, min(160, len(base)))
+    for case in sample:
+        n_workers = len(case.request.workers)
+        name, lists = rng.choice(_layout_patterns(rng, n_workers))
+        asked = rng.choice([None, None, rng.choice(list(LAYOUTS))])
+        if asked is None and rng.random() < 0.3:
+            asked = rng.choice(lists[0])  # one the first worker supports
+        c.add(
+            cat,
+            f"{case.id.replace('/', '.')}-{name}-{asked or 'unset'}",
+            f"{case.description}; lists {name} {lists}, asked {asked}",
+            with_layouts(case.request, lists, asked),
+        )
+
+    # HiSparse engines: the host pool needs a block-outermost layout, and 0.34's
+    # extensible cache behind its connector a block-compact one (BHLNC is not).
+    hisparse = [case for case in c.items if case.category == "hisparse"][:4]
+    for case in hisparse:
+        n_workers = len(case.request.workers)
+        for cid, names in (
+            ("outermost", ["BHLNC", "BLHNC"]),
+            ("bhlnc-only", ["BHLNC"]),
+            # HiSparse's connector asks for BLHNC: taken when a candidate, else dropped.
+            ("connector-wins", ["BLNHC", "BLHNC"]),
+            ("connector-dropped", ["BLNHC", "LBHNC"]),
+        ):
+            c.add(
+                cat,
+                f"{case.id.replace('/', '.')}-{cid}",
+                f"{case.description}; every worker lists {names}",
+                with_layouts(case.request, [names] * n_workers, None),
+            )
+
+    # Sparse-MLA layers only (no indexer, nothing else): one page shape, so only
+    # 0.34's connector rule (extensible cache, on by default) narrows the list.
+    for extensible in (None, False):
+        solo = request(
+            W(
+                _hisparse_engine(
+                    rng,
+                    sparse=4,
+                    indexers=0,
+                    leader_every=1,
+                    block=64,
+                    sparse_head=656,
+                    others=[],
+                    topk=2048,
+                ),
+                kv_bytes=4 * GIB,
+            ),
+            block_size=64,
+        )
+        solo.options.hisparse.host_pool_gib = 4.0
+        solo.options.hisparse.index_topk = 2048
+        if extensible is not None:
+            solo.options.extensible_kv_cache = extensible
+        for cid, names in (("outermost", ["BHLNC", "BLHNC"]), ("bhlnc-only", ["BHLNC"])):
+            c.add(
+                cat,
+                f"hisparse-solo-{cid}-extensible-{extensible}",
+                f"HiSparse sparse-MLA layers only, extensible {extensible}, list {names}",
+                with_layouts(solo, [names], None),
+            )
+
+    # By hand: the rules one by one.
+    two_stages = request([W(llama(4, prefix="a"), 2 * GIB), W(llama(4, prefix="b"), 2 * GIB)], pp=2)
+    for cid, lists in (
+        ("equal", [["LBHNC", "LBNHC"], ["LBHNC", "LBNHC"]]),
+        ("reordered-tie", [["LBHNC", "LBNHC"], ["LBNHC", "LBHNC"]]),
+        ("majority-first", [["BLHNC", "LBHNC"], ["LBHNC", "BLHNC"], ["LBHNC"]]),
+        ("subset", [["LHBNC", "LBHNC", "LBNHC"], ["LBNHC"]]),
+        ("disjoint", [["LBHNC"], ["LBNHC"]]),
+        ("no-vote", [NO_PREFERENCE, ["LHBNC", "LBHNC"]]),
+        ("all-default", [NO_PREFERENCE, NO_PREFERENCE]),
+        ("unvoted-only", [["BLHNC", "LBHNC", "BHLNC"], ["LBNHC", "BHLNC", "LBHNC"]]),
+    ):
+        engine = two_stages
+        if len(lists) == 3:
+            engine = request([W(llama(4, prefix=p), 2 * GIB) for p in ("a", "b", "c")], pp=3)
+        for asked in (None, "LBHNC"):
+            c.add(
+                cat,
+                f"pp-{cid}-{asked or 'unset'}",
+                f"PP stages reporting {lists}, asked {asked}",
+                with_layouts(engine, lists, asked),
+            )
+    # Mixed (heads, states, page bytes): block-compact only.
+    mixed = request(W([full("f.0"), full("f.1", 4), sw("s.0", 512)], GIB))
+    for cid, names in (
+        ("hnc-keeps-compact", ["LHBNC", "BHLNC", "LBHNC", "BLNHC"]),
+        ("hnc-none-compact", ["LHBNC", "BHLNC"]),
+        ("hnc-asked-outside", ["LHBNC", "BLHNC"]),
+    ):
+        asked = "LHBNC" if cid == "hnc-asked-outside" else None
+        c.add(cat, cid, f"mixed HNC shapes, list {names}", with_layouts(mixed, [names], asked))
+    # DCP-sharded and replicated layers with mixed pages: block-outermost only.
+    dcp = request(
+        [W([full("f.0"), full("d.0", 4, a={"dcp_sharded": False})], 2 * GIB)] * 2,
+        dcp=2,
+        tp=2,
+    )
+    for cid, names in (
+        ("dcp-keeps-outermost", ["LBNHC", "BHLNC", "BLHNC"]),
+        ("dcp-none-outermost", ["LBNHC", "LBHNC"]),
+    ):
+        c.add(cat, cid, f"DCP mixed sharding, list {names}", with_layouts(dcp, [names] * 2, None))
+
+
 SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _reference,
     _uniform,
@@ -2828,6 +2995,7 @@ SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _fuzz,
     _releases,
     _hisparse,
+    _layout_resolution,  # after the sections whose engines it samples
     _scenario_files,
 )
 

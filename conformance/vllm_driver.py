@@ -326,6 +326,10 @@ class VllmInputs:
     # decision vLLM makes at start-up) and the host page size it aligns to.
     hisparse_shared_host_pool: bool = False
     host_page_bytes: int = 4096
+    # Each worker's supported layouts (names, most preferred first; empty lists:
+    # none given) and the layout asked for (VLLM_KV_CACHE_LAYOUT), if any.
+    supported_layouts: list[list[str]] = field(default_factory=list)
+    requested_layout: str | None = None
 
 
 def _measured_blocks(config: KVCacheConfig, layout: Any, measured: int, granule: int) -> int:
@@ -343,6 +347,31 @@ def _measured_blocks(config: KVCacheConfig, layout: Any, measured: int, granule:
     cache.bytes_per_block = sum(cache.segment_strides)
     cache.buffer = SimpleNamespace(granularity=granule)
     return int(cache.blocks_within(measured))
+
+
+def resolve_layout(inputs: VllmInputs) -> None:
+    """The engine core's layout resolution from the workers' lists, before grouping:
+    the release's own `resolve_kv_cache_layout`, the asked-for layout passed the
+    way an operator does (VLLM_KV_CACHE_LAYOUT)."""
+    if inputs.config.cache_config.kv_cache_layout is not None:
+        return  # taken as given
+    import os
+
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+    saved = os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
+    if inputs.requested_layout is not None:
+        os.environ["VLLM_KV_CACHE_LAYOUT"] = inputs.requested_layout
+    try:
+        resolve_kv_cache_layout(
+            inputs.config,
+            inputs.supported_layouts,
+            [spec for specs in inputs.specs for spec in specs.values()],
+        )
+    finally:
+        os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
+        if saved is not None:
+            os.environ["VLLM_KV_CACHE_LAYOUT"] = saved
 
 
 def _finalize_extensible(inputs: VllmInputs, configs: list[KVCacheConfig]) -> None:
@@ -424,10 +453,12 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         cache_config.num_gpu_blocks_override = int(o.num_gpu_blocks_override)
     if o.HasField("prefix_match_unit"):
         cache_config.prefix_match_unit = o.prefix_match_unit
-    # The engine core resolves the layout once; a layout already on the cache
-    # config wins outright, which is how kvplan takes it (as given).
+    # The engine core resolves the layout once (see `resolve_layout`). Without the
+    # workers' lists kvplan takes the layout as given: a layout already on the
+    # cache config wins outright.
     layout_name = plan_pb2.KVCacheLayout.Name(o.layout).removeprefix("KV_CACHE_LAYOUT_")
-    cache_config.kv_cache_layout = layout_name
+    if not any(w.supported_layouts for w in req.workers):
+        cache_config.kv_cache_layout = layout_name
 
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,
@@ -479,6 +510,7 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         # What hisparse_host_pool_gib reads of the connector configuration.
         config.kv_transfer_config = SimpleNamespace(
             kv_connector="HiSparseConnector",
+            kv_connector_module_path=None,
             kv_connector_extra_config={"host_pool_gib": h.host_pool_gib},
         )
         if h.HasField("index_topk"):
@@ -529,6 +561,14 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
             for w in workers
         ]
     inputs = VllmInputs(config, specs, memory, [w.rank for w in workers], encoder_only, measured)
+    inputs.supported_layouts = [
+        [
+            plan_pb2.KVCacheLayout.Name(x).removeprefix("KV_CACHE_LAYOUT_")
+            for x in w.supported_layouts
+        ]
+        for w in workers
+    ]
+    inputs.requested_layout = layout_name if o.HasField("layout") else None
     if hisparse:
         inputs.hisparse_shared_host_pool = o.hisparse.shared_host_pool
         inputs.host_page_bytes = o.hisparse.host_page_size_bytes or 4096
@@ -738,6 +778,7 @@ def plan_with_vllm(req: plan_pb2.PlanRequest, table: dict[str, int] | None = Non
         "block_sizes": None,
         "warnings": [],
         "padding": [],
+        "layout": None,
     }
     stage = "inputs"
     try:
@@ -745,6 +786,9 @@ def plan_with_vllm(req: plan_pb2.PlanRequest, table: dict[str, int] | None = Non
         cfg = inputs.config
         stage = "register"
         register_all_kvcache_specs(cfg)
+        stage = "layout"
+        resolve_layout(inputs)
+        result["layout"] = cfg.cache_config.kv_cache_layout
         progress: Json = {"stage": "grouping"}
         try:
             _, configs = _plan_groups_and_configs(inputs, progress)

@@ -91,6 +91,14 @@ def _enum_suffix(enum_type: Any, value: int, prefix: str) -> str:
     return str(enum_type.Name(value)).removeprefix(prefix).lower()
 
 
+def layout_from_proto(value: int) -> KVCacheLayout:
+    return KVCacheLayout[_enum_suffix(plan_pb2.KVCacheLayout, value, "KV_CACHE_LAYOUT_").upper()]
+
+
+def layout_to_proto(layout: KVCacheLayout) -> plan_pb2.KVCacheLayout.ValueType:
+    return plan_pb2.KVCacheLayout.Value(f"KV_CACHE_LAYOUT_{layout.name}")
+
+
 def cache_dtype_name(value: int) -> str:
     return _enum_suffix(spec_pb2.KVCacheDtype, value, "KV_CACHE_DTYPE_")
 
@@ -464,9 +472,7 @@ def _options_from_proto(options: plan_pb2.EngineOptions, rules: RuleSet) -> Engi
         tensor_parallel_size=parallel.tensor_parallel_size or 1,
         pipeline_parallel_size=parallel.pipeline_parallel_size or 1,
         decode_context_parallel_size=parallel.decode_context_parallel_size or 1,
-        layout=KVCacheLayout[
-            _enum_suffix(plan_pb2.KVCacheLayout, options.layout, "KV_CACHE_LAYOUT_").upper()
-        ],
+        layout=layout_from_proto(options.layout) if options.HasField("layout") else None,
         mamba_align_mode=options.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN,
         max_num_encoder_input_tokens=options.max_num_encoder_input_tokens or batched,
         enable_prefix_caching=(
@@ -584,6 +590,7 @@ def _worker_from_proto(
         memory=memory,
         device=device,
         encoder_only_layers=encoder_only,
+        supported_layouts=tuple(layout_from_proto(value) for value in worker.supported_layouts),
     )
 
 
@@ -811,6 +818,13 @@ def request_from_proto(
     check_fields(message.spec_decode, "spec_decode")
     checked_settings: set[bytes] = set()
     for index, (worker, worker_bytes) in enumerate(zip(message.workers, encoded, strict=True)):
+        if len(worker.supported_layouts) > len(KVCacheLayout):
+            # Bounded before any walk: a list longer than the enum repeats a layout.
+            raise InvalidRequest(
+                f"supported_layouts lists {len(worker.supported_layouts)} layouts; there "
+                f"are {len(KVCacheLayout)}, each listed at most once",
+                field=f"workers[{index}].supported_layouts",
+            )
         seen = worker_bytes.settings_key in checked_settings
         check_fields(
             worker, f"workers[{index}]", skip=_SETTINGS_SKIPPED if seen else _LAYERS_SKIPPED
@@ -1074,6 +1088,8 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
     diagnostics.scheduler_block_size = plan.scheduler_block_size
     diagnostics.hash_block_size = plan.hash_block_size
     diagnostics.group_size = plan.group_size
+    diagnostics.kv_cache_layout = layout_to_proto(plan.layout)
+    diagnostics.layout_candidates.extend(layout_to_proto(x) for x in plan.layout_candidates)
     for padding in plan.padding:
         diagnostics.padding.add(
             bucket_index=padding.bucket_index,

@@ -87,9 +87,8 @@ def engine_options(vllm_config: Any, engine_version: str) -> plan_pb2.EngineOpti
         getattr(parallel, "decode_context_parallel_size", 1) or 1
     )
     layout = getattr(cache, "kv_cache_layout", None)
-    if layout is not None:
-        name = str(getattr(layout, "name", layout)).rsplit(".", 1)[-1].upper()
-        options.layout = plan_pb2.KVCacheLayout.Value(f"KV_CACHE_LAYOUT_{name}")
+    if layout is not None:  # resolved by the engine core before planning
+        options.layout = layout_value(str(getattr(layout, "name", layout)).rsplit(".", 1)[-1])
     if getattr(cache, "mamba_cache_mode", "none") == "align":
         options.mamba_cache_mode = plan_pb2.MAMBA_CACHE_MODE_ALIGN
     elif getattr(cache, "mamba_cache_mode", "none") not in ("none", None):
@@ -102,6 +101,15 @@ def engine_options(vllm_config: Any, engine_version: str) -> plan_pb2.EngineOpti
     if unit is not None:
         options.prefix_match_unit = unit
     return options
+
+
+def layout_value(name: str) -> plan_pb2.KVCacheLayout.ValueType:
+    """A vLLM layout name (or its legacy alias) as kvplan's enum value."""
+    name = {"NHD": "LBNHC", "HND": "LBHNC"}.get(name, name)
+    try:
+        return plan_pb2.KVCacheLayout.Value(f"KV_CACHE_LAYOUT_{name}")
+    except ValueError as error:
+        raise UnsupportedSpec(f"KV cache layout {name!r} has no kvplan KVCacheLayout") from error
 
 
 def spec_decode(vllm_config: Any) -> plan_pb2.SpecDecodeConfig:
@@ -145,6 +153,7 @@ def plan_request(
     engine_version: str,
     engine_id: str = "",
     devices: Sequence[WorkerDevice] | None = None,
+    supported_layouts: Sequence[Sequence[str]] | None = None,
 ) -> plan_pb2.PlanRequest:
     """The whole engine (every worker, layers in registration order) as kvplan reads it.
 
@@ -152,7 +161,9 @@ def plan_request(
     bytes): kvplan plans the same memory, and agreement is the expected answer.
     With `devices` each worker names its GPU, asks for vLLM's utilization (or
     its explicit bytes) and reports its non-KV memory, so kvplan grants a lease
-    for the worker's whole footprint.
+    for the worker's whole footprint. `supported_layouts`: each worker's list
+    (`get_supported_kv_cache_layouts`), which the engine core resolved the layout
+    from; kvplan then checks the resolved layout against them.
     """
     request = plan_pb2.PlanRequest(
         engine_id=engine_id,
@@ -163,6 +174,8 @@ def plan_request(
     for rank, (specs, available) in enumerate(zip(kv_cache_specs, available_memory, strict=True)):
         worker = request.workers.add(rank=rank)
         worker.layers.extend(to_layer_spec(name, spec) for name, spec in specs.items())
+        if supported_layouts is not None:
+            worker.supported_layouts.extend(layout_value(n) for n in supported_layouts[rank])
         if devices is None:
             worker.memory.kv_cache_memory_bytes = int(available)
             continue

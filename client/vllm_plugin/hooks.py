@@ -227,6 +227,18 @@ class EngineStart:
             self.settings.addr, timeout_s=self.settings.timeout_s, security=self.settings.security
         )
 
+    def supported_layouts(self) -> list[list[str]] | None:
+        """Each worker's supported layouts, the lists the engine core resolved the
+        layout from (one collective call); None when the executor cannot say."""
+        getter = getattr(self.core.model_executor, "get_supported_kv_cache_layouts", None)
+        if getter is None:
+            return None
+        try:
+            return [[str(name) for name in names] for names in getter()]
+        except Exception as error:  # the plan is still useful without them
+            log.info("kvplan: workers' supported KV cache layouts unavailable (%s)", error)
+            return None
+
     def fallback(self, why: str, error: BaseException) -> None:
         COUNTERS.add("fallbacks")
         log.warning(
@@ -256,6 +268,7 @@ class EngineStart:
                 available_memory,
                 engine_version=self.rule_set_asked(),
                 engine_id=self.engine_id,
+                supported_layouts=self.supported_layouts(),
             )
             with self.client() as client:
                 response = client.plan(request).response
@@ -353,6 +366,7 @@ class EngineStart:
                 engine_version=self.release.engine_version,
                 engine_id=engine_id,
                 devices=devices,
+                supported_layouts=self.supported_layouts(),
             )
         except (UnsupportedSpec, DeviceResolutionError) as error:
             return self._unavailable("cannot describe this engine to kvplan", error, original, args)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvplan.core.errors import InsufficientMemory, InvalidRequest, UnplannableSpecs
+from kvplan.core.layout import KVCacheLayout
 from kvplan.core.specs import (
     HISPARSE_SPECS,
     HiSparseHotSpec,
@@ -30,6 +31,9 @@ HOT_SUFFIX = ".hisparse_hot"
 RESIDENT_SUFFIX = ".hisparse_resident"
 MAX_DEVICE_BUFFER_ROWS = 1 << 15  # hot-buffer slots are int16 indices
 DEFAULT_HOST_PAGE_BYTES = 4096
+# The layout HiSparse's KV connector asks the engine core for (every release); the
+# layout resolution takes it when the workers' lists leave it.
+CONNECTOR_LAYOUT = KVCacheLayout.BLHNC
 
 
 class InsufficientHostMemory(InsufficientMemory):

@@ -20,7 +20,12 @@ from kvplan.core.errors import InsufficientMemory, InvalidRequest, PlanningError
 from kvplan.core.extensible import blocks_within, segment_strides
 from kvplan.core.grouping import SpecDict, group_layers
 from kvplan.core.groups import GroupingPath, KVCacheGroup
-from kvplan.core.hisparse import HiSparseConfig, check_host_pool, is_hisparse_spec
+from kvplan.core.hisparse import (
+    CONNECTOR_LAYOUT,
+    HiSparseConfig,
+    check_host_pool,
+    is_hisparse_spec,
+)
 from kvplan.core.layout import (
     KVCacheLayout,
     TensorPlacement,
@@ -28,6 +33,7 @@ from kvplan.core.layout import (
     place_tensors,
     validate_layout,
 )
+from kvplan.core.layout_resolution import LayoutResolution, WorkerLayouts, resolve_layout
 from kvplan.core.memory import (
     Budget,
     BudgetMode,
@@ -106,6 +112,8 @@ class EnginePlan:
     stage: PlanStage = PlanStage.CLASSIC
     reserved_num_blocks: int = 0  # extensible final plans: the reservation (the cap)
     hisparse_host_num_blocks: int = 0  # HiSparse: blocks of the host pool
+    layout: KVCacheLayout = KVCacheLayout.LBNHC  # the layout the plan uses
+    layout_candidates: tuple[KVCacheLayout, ...] = ()  # what the resolution left
 
 
 def _distinct_layers(worker: WorkerInput, seen: set[int]) -> bool:
@@ -171,6 +179,23 @@ def _merge_worker_specs(workers: list[WorkerInput], request: EngineRequest) -> S
                     field=f"workers[{index_of[worker.rank]}].layers[{layer_index}]",
                 )
     return merged
+
+
+def _resolve_layout(
+    request: EngineRequest, workers: list[WorkerInput], specs: SpecDict
+) -> LayoutResolution:
+    """Resolved before grouping and memory, as the engine core does."""
+    index_of = {worker.rank: index for index, worker in enumerate(request.workers)}
+    options = request.options
+    return resolve_layout(
+        [WorkerLayouts(index_of[w.rank], w.rank, w.supported_layouts) for w in workers],
+        specs.values(),
+        options.layout,
+        request.rules,
+        # HiSparse is the one KV connector kvplan models.
+        connector_layout=CONNECTOR_LAYOUT if options.hisparse is not None else None,
+        connector_needs_block_compact=options.extensible_kv_cache and options.hisparse is not None,
+    )
 
 
 def _tag_retained_tokens(specs: SpecDict, request: EngineRequest) -> SpecDict:
@@ -396,12 +421,15 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     options = request.options
     rules = request.rules
     workers = _validate(request)
-    specs = _tag_retained_tokens(_merge_worker_specs(workers, request), request)
+    merged = _merge_worker_specs(workers, request)
+    resolution = _resolve_layout(request, workers, merged)
+    layout = resolution.layout
+    specs = _tag_retained_tokens(merged, request)
 
     hisparse = options.hisparse
     grouping = group_layers(
         specs,
-        layout=options.layout,
+        layout=layout,
         disable_hybrid=options.disable_hybrid_kv_cache_manager,
         rules=rules,
         hisparse=hisparse,
@@ -441,8 +469,8 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
                     field=f"workers[{index_of[worker.rank]}].layers",
                 )
             if not layout_after_memory:
-                validate_layout(options.layout, worker_groups)
-            bytes_of_projection[id(worker_groups)] = bytes_per_block(device_groups, options.layout)
+                validate_layout(layout, worker_groups)
+            bytes_of_projection[id(worker_groups)] = bytes_per_block(device_groups, layout)
         block_bytes.append(bytes_of_projection[id(worker_groups)])
 
     override = options.num_gpu_blocks_override
@@ -478,7 +506,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
 
         def fits(length: int) -> bool:
             if hisparse is not None and not _hisparse_config_builds(
-                hisparse, worker_groups, options.layout, length
+                hisparse, worker_groups, layout, length
             ):
                 return False
             return needed_bytes(device_groups, bpb, _context(options, rules, length)) <= memory
@@ -557,9 +585,9 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
                 host_blocks_per_worker[index] = _hisparse_host_blocks(
                     hisparse, worker_groups, max_model_len
                 )
-            validate_layout(options.layout, device_groups)
+            validate_layout(layout, device_groups)
             if hisparse is not None:
-                _check_hisparse_layout(options.layout, device_groups)
+                _check_hisparse_layout(layout, device_groups)
 
     per_worker_blocks = [
         (override if override is not None else avail // bpb) if worker_groups else 1
@@ -582,7 +610,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
                 *place_tensors(
                     [g for g in worker_groups if not g.host_resident],
                     num_blocks,
-                    options.layout,
+                    layout,
                     bytes_of[id(worker_groups)],
                     own_layers_only=own_layers_only,
                 ),
@@ -604,7 +632,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
             counts = [
                 blocks_within(
                     segment_strides(
-                        [t for t in tensors if not t.host_resident], options.layout, reserved_blocks
+                        [t for t in tensors if not t.host_resident], layout, reserved_blocks
                     ),
                     worker.memory.measured_kv_cache_bytes or 0,
                     worker.memory.allocation_granule_bytes,
@@ -713,6 +741,8 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
         hisparse_host_num_blocks=host_blocks_per_worker[0] if hisparse is not None else 0,
         stage=stage,
         reserved_num_blocks=reserved_blocks if stage is PlanStage.EXTENSIBLE_FINAL else 0,
+        layout=layout,
+        layout_candidates=resolution.candidates,
     )
 
 

@@ -81,7 +81,9 @@ class EngineOptions:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     decode_context_parallel_size: int = 1
-    layout: KVCacheLayout = KVCacheLayout.LBNHC
+    # The layout asked for; None: resolved from the workers' supported_layouts,
+    # LBNHC when they list none (kvplan/core/layout_resolution.py).
+    layout: KVCacheLayout | None = None
     mamba_align_mode: bool = False
     max_num_encoder_input_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
@@ -160,6 +162,8 @@ class WorkerInput:
     memory: MemoryRequest = field(default_factory=MemoryRequest)
     device: DeviceInfo = field(default_factory=DeviceInfo)
     encoder_only_layers: tuple[str, ...] = ()
+    # The layouts all this worker's attention backends support, most preferred first.
+    supported_layouts: tuple[KVCacheLayout, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,18 @@ class InFlightBatches(Enum):
     V2_ONLY = "v2_only"
 
 
+class LayoutMerge(Enum):
+    """How the workers' supported-layout lists (most preferred first) combine
+    into the engine's candidates, before the spec-driven narrowing."""
+
+    # vLLM 0.32 / 0.33: every worker must report the same list (they assert it).
+    REQUIRE_EQUAL = "require_equal"
+    # vLLM 0.34: identical lists keep their order; otherwise the layouts in every
+    # list, the one the most workers put first winning (ties in vLLM's enum
+    # order). A worker reporting exactly the no-preference default does not vote.
+    FIRST_CHOICE_VOTE = "first_choice_vote"
+
+
 # Optional request fields that only some releases have (their proto field paths,
 # relative to a layer's spec body or to the request, as `unsupported_field` reports).
 FIELD_IS_DRAFT = "is_draft"
@@ -109,6 +121,8 @@ class RuleSet:
     max_kv_quant_mode: int = 14
     # Whether KV-cache zeroing is decided once for all workers (OR) or per worker.
     kv_zeroing_across_workers: bool = False
+    # How the workers' supported_layouts combine (kvplan/core/layout_resolution.py).
+    layout_merge: LayoutMerge = LayoutMerge.REQUIRE_EQUAL
 
     def max_concurrent_batches(
         self, *, pipeline_parallel_size: int, async_scheduling: bool, use_v2_model_runner: bool
@@ -167,6 +181,8 @@ KVPLAN = replace(
     warning_methods=_EAGLE_FAMILY,
     warns_unflagged_without_mamba=True,
     tensors_for_own_layers_only=True,
+    # Pipeline stages may run different backends (docs/semantics.md, D9).
+    layout_merge=LayoutMerge.FIRST_CHOICE_VOTE,
 )
 
 VLLM_0_32 = replace(
@@ -195,6 +211,7 @@ VLLM_0_34 = replace(
     in_flight_batches=InFlightBatches.V2_ONLY,
     extensible_kv_cache=True,
     kv_zeroing_across_workers=True,
+    layout_merge=LayoutMerge.FIRST_CHOICE_VOTE,
     fields=_ALL_FIELDS,
 )
 
@@ -233,6 +250,7 @@ __all__ = [
     "VLLM_0_34",
     "DraftFlagRule",
     "InFlightBatches",
+    "LayoutMerge",
     "RuleSet",
     "rule_set_for",
 ]

@@ -425,6 +425,10 @@ class EngineOptions(_message.Message):
     use_v2_model_runner: _builtins.bool
     """Model runner V2 keeps pp+1 batches in flight under async scheduling."""
     layout: Global___KVCacheLayout.ValueType
+    """The KV cache layout. With workers[].supported_layouts it is the layout asked
+    for (as vLLM's VLLM_KV_CACHE_LAYOUT): it must be one the resolution leaves,
+    else INVALID_ARGUMENT. Without them it is used as given; unset = LBNHC.
+    """
     mamba_cache_mode: Global___MambaCacheMode.ValueType
     max_num_encoder_input_tokens: _builtins.int
     """cross-attention sizing, tokens"""
@@ -462,7 +466,7 @@ class EngineOptions(_message.Message):
         async_scheduling: _builtins.bool = ...,
         use_v2_model_runner: _builtins.bool = ...,
         parallel: Global___ParallelConfig | None = ...,
-        layout: Global___KVCacheLayout.ValueType = ...,
+        layout: Global___KVCacheLayout.ValueType | None = ...,
         mamba_cache_mode: Global___MambaCacheMode.ValueType = ...,
         max_num_encoder_input_tokens: _builtins.int = ...,
         enable_prefix_caching: _builtins.bool | None = ...,
@@ -471,9 +475,9 @@ class EngineOptions(_message.Message):
         extensible_kv_cache: _builtins.bool | None = ...,
         hisparse: Global___HiSparseConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "derived_max_model_len", b"derived_max_model_len", "enable_prefix_caching", b"enable_prefix_caching", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_layout", b"_layout", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "derived_max_model_len", b"derived_max_model_len", "enable_prefix_caching", b"enable_prefix_caching", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "layout", b"layout", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "async_scheduling", b"async_scheduling", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "derived_max_model_len", b"derived_max_model_len", "disable_hybrid_kv_cache_manager", b"disable_hybrid_kv_cache_manager", "enable_prefix_caching", b"enable_prefix_caching", "engine_version", b"engine_version", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "layout", b"layout", "mamba_cache_mode", b"mamba_cache_mode", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "model_dtype", b"model_dtype", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_layout", b"_layout", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "async_scheduling", b"async_scheduling", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "derived_max_model_len", b"derived_max_model_len", "disable_hybrid_kv_cache_manager", b"disable_hybrid_kv_cache_manager", "enable_prefix_caching", b"enable_prefix_caching", "engine_version", b"engine_version", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "layout", b"layout", "mamba_cache_mode", b"mamba_cache_mode", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "model_dtype", b"model_dtype", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__derived_max_model_len: _TypeAlias = _typing.Literal["derived_max_model_len"]  # noqa: Y015
     _WhichOneofArgType__derived_max_model_len: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len"]  # noqa: Y015
@@ -481,6 +485,8 @@ class EngineOptions(_message.Message):
     _WhichOneofArgType__enable_prefix_caching: _TypeAlias = _typing.Literal["_enable_prefix_caching", b"_enable_prefix_caching"]  # noqa: Y015
     _WhichOneofReturnType__extensible_kv_cache: _TypeAlias = _typing.Literal["extensible_kv_cache"]  # noqa: Y015
     _WhichOneofArgType__extensible_kv_cache: _TypeAlias = _typing.Literal["_extensible_kv_cache", b"_extensible_kv_cache"]  # noqa: Y015
+    _WhichOneofReturnType__layout: _TypeAlias = _typing.Literal["layout"]  # noqa: Y015
+    _WhichOneofArgType__layout: _TypeAlias = _typing.Literal["_layout", b"_layout"]  # noqa: Y015
     _WhichOneofReturnType__num_gpu_blocks_override: _TypeAlias = _typing.Literal["num_gpu_blocks_override"]  # noqa: Y015
     _WhichOneofArgType__num_gpu_blocks_override: _TypeAlias = _typing.Literal["_num_gpu_blocks_override", b"_num_gpu_blocks_override"]  # noqa: Y015
     _WhichOneofReturnType__prefix_match_unit: _TypeAlias = _typing.Literal["prefix_match_unit"]  # noqa: Y015
@@ -491,6 +497,8 @@ class EngineOptions(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__enable_prefix_caching) -> _WhichOneofReturnType__enable_prefix_caching | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__extensible_kv_cache) -> _WhichOneofReturnType__extensible_kv_cache | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__layout) -> _WhichOneofReturnType__layout | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_gpu_blocks_override) -> _WhichOneofReturnType__num_gpu_blocks_override | None: ...
     @_typing.overload
@@ -644,6 +652,7 @@ class WorkerSpec(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     MEMORY_FIELD_NUMBER: _builtins.int
     LAYERS_FIELD_NUMBER: _builtins.int
+    SUPPORTED_LAYOUTS_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     @_builtins.property
     def device(self) -> Global___DeviceRef: ...
@@ -653,6 +662,15 @@ class WorkerSpec(_message.Message):
     def layers(self) -> _containers.RepeatedCompositeFieldContainer[_spec_pb2.LayerSpec]:
         """in registration order"""
 
+    @_builtins.property
+    def supported_layouts(self) -> _containers.RepeatedScalarFieldContainer[Global___KVCacheLayout.ValueType]:
+        """The layouts this worker's attention backends all support, most preferred
+        first (vLLM's Worker.get_supported_kv_cache_layouts). Give it on every
+        worker or on none; kvplan then resolves the engine's layout the way the
+        rule set's release does (docs/releases.md) and reports it in
+        Diagnostics.kv_cache_layout.
+        """
+
     def __init__(
         self,
         *,
@@ -660,10 +678,11 @@ class WorkerSpec(_message.Message):
         device: Global___DeviceRef | None = ...,
         memory: Global___MemoryRequest | None = ...,
         layers: _abc.Iterable[_spec_pb2.LayerSpec] | None = ...,
+        supported_layouts: _abc.Iterable[Global___KVCacheLayout.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "layers", b"layers", "memory", b"memory", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "layers", b"layers", "memory", b"memory", "rank", b"rank", "supported_layouts", b"supported_layouts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1047,6 +1066,8 @@ class Diagnostics(_message.Message):
     SCHEDULER_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     HASH_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     GROUP_SIZE_FIELD_NUMBER: _builtins.int
+    KV_CACHE_LAYOUT_FIELD_NUMBER: _builtins.int
+    LAYOUT_CANDIDATES_FIELD_NUMBER: _builtins.int
     grouping_path: Global___GroupingPath.ValueType
     page_sizes_unified: _builtins.bool
     local_attention_promoted: _builtins.bool
@@ -1054,10 +1075,18 @@ class Diagnostics(_message.Message):
     hash_block_size: _builtins.int
     group_size: _builtins.int
     """hybrid path nominal group size"""
+    kv_cache_layout: Global___KVCacheLayout.ValueType
+    """The layout the plan uses: options.layout, or the one resolved from the
+    workers' supported_layouts (LBNHC when neither is given).
+    """
     @_builtins.property
     def padding(self) -> _containers.RepeatedCompositeFieldContainer[Global___PaddingInfo]: ...
     @_builtins.property
     def warnings(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlanWarning]: ...
+    @_builtins.property
+    def layout_candidates(self) -> _containers.RepeatedScalarFieldContainer[Global___KVCacheLayout.ValueType]:
+        """With supported_layouts: every layout the resolution left, best first."""
+
     def __init__(
         self,
         *,
@@ -1069,10 +1098,12 @@ class Diagnostics(_message.Message):
         scheduler_block_size: _builtins.int = ...,
         hash_block_size: _builtins.int = ...,
         group_size: _builtins.int = ...,
+        kv_cache_layout: Global___KVCacheLayout.ValueType = ...,
+        layout_candidates: _abc.Iterable[Global___KVCacheLayout.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_size", b"group_size", "grouping_path", b"grouping_path", "hash_block_size", b"hash_block_size", "local_attention_promoted", b"local_attention_promoted", "padding", b"padding", "page_sizes_unified", b"page_sizes_unified", "scheduler_block_size", b"scheduler_block_size", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_size", b"group_size", "grouping_path", b"grouping_path", "hash_block_size", b"hash_block_size", "kv_cache_layout", b"kv_cache_layout", "layout_candidates", b"layout_candidates", "local_attention_promoted", b"local_attention_promoted", "padding", b"padding", "page_sizes_unified", b"page_sizes_unified", "scheduler_block_size", b"scheduler_block_size", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

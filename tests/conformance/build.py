@@ -1522,6 +1522,124 @@ scenario(
 )
 
 
+# --- the engine's layout from the workers' supported layouts --------------------------
+
+
+def _layouts(*names: str) -> list[str]:
+    return [f"KV_CACHE_LAYOUT_{name}" for name in names]
+
+
+NO_PREFERENCE = _layouts("LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC")
+
+
+def staged_request(lists: list[list[str]], **options: Any) -> Json:
+    """Pipeline stages of 4 full-attention layers each, each stage reporting a list."""
+    workers = [
+        worker(rank, [layer(f"stage{rank}.{i}.attn", full()) for i in range(4)], 2 * GIB)
+        for rank in range(len(lists))
+    ]
+    for stage, names in zip(workers, lists, strict=True):
+        stage["supported_layouts"] = names
+    options.setdefault("parallel", {"pipeline_parallel_size": len(lists)})
+    return request(workers, **options)
+
+
+_TIE = [_layouts("LBHNC", "LBNHC"), _layouts("LBNHC", "LBHNC")]
+for version in ("vllm-0.32", "vllm-0.33"):
+    scenario(
+        f"release-{version.removeprefix('vllm-')}-layout-lists-must-match",
+        f"{version}: the engine core asserts every worker reports the same layouts",
+        for_release(staged_request(_TIE), version),
+        {"error": {"code": "FAILED_PRECONDITION", "contains": ["different KV cache layouts"]}},
+    )
+for version in ("vllm-0.34", ""):
+    scenario(
+        f"release-{version.removeprefix('vllm-') or 'kvplan'}-layout-tie-in-enum-order",
+        f"{version or 'kvplan'}: one first choice each; the tie goes to vLLM's enum order",
+        for_release(staged_request(_TIE), version),
+        {"layout": "LBHNC", "layout_candidates": ["LBHNC", "LBNHC"]},
+    )
+scenario(
+    "release-0.33-layout-equal-lists-keep-their-order",
+    "vLLM 0.33: equal lists, the first entry wins",
+    for_release(staged_request([_layouts("BLHNC", "LBNHC")] * 2), "vllm-0.33"),
+    {"layout": "BLHNC", "layout_candidates": ["BLHNC", "LBNHC"]},
+)
+scenario(
+    "release-0.34-layout-most-first-choices",
+    "vLLM 0.34: the layout most workers put first leads",
+    for_release(
+        staged_request(
+            [_layouts("BLHNC", "LBHNC"), _layouts("LBHNC", "BLHNC"), _layouts("LBHNC", "BLHNC")]
+        ),
+        "vllm-0.34",
+    ),
+    {
+        "layout": "LBHNC",
+        "layout_candidates": ["LBHNC", "BLHNC"],
+        "num_blocks": 2 * GIB // (4 * 4 * LLAMA_PAGE),
+    },
+)
+scenario(
+    "release-0.34-layout-no-shared-layout",
+    "vLLM 0.34: no layout in every worker's list",
+    for_release(staged_request([_layouts("LBHNC"), _layouts("LBNHC")]), "vllm-0.34"),
+    {"error": {"code": "FAILED_PRECONDITION", "contains": ["no KV cache layout"]}},
+)
+scenario(
+    "release-0.34-layout-default-list-does-not-vote",
+    "vLLM 0.34: a worker reporting the no-preference default does not vote",
+    for_release(staged_request([NO_PREFERENCE, _layouts("LHBNC", "LBHNC")]), "vllm-0.34"),
+    {"layout": "LHBNC", "layout_candidates": ["LHBNC", "LBHNC"]},
+)
+scenario(
+    "release-0.33-layout-asked-for-must-be-supported",
+    "vLLM 0.33: the asked-for layout (VLLM_KV_CACHE_LAYOUT) must be a candidate",
+    for_release(
+        staged_request([_layouts("LBHNC", "LBNHC")] * 2, layout="KV_CACHE_LAYOUT_BLHNC"),
+        "vllm-0.33",
+    ),
+    {"error": {"code": "INVALID_ARGUMENT", "field": "options.layout"}},
+)
+scenario(
+    "release-0.34-layout-asked-for-wins",
+    "vLLM 0.34: a supported asked-for layout wins over the first candidate",
+    for_release(
+        staged_request([_layouts("LBHNC", "LBNHC")] * 2, layout="KV_CACHE_LAYOUT_LBNHC"),
+        "vllm-0.34",
+    ),
+    {"layout": "LBNHC", "layout_candidates": ["LBHNC", "LBNHC"]},
+)
+_MIXED_HEADS = request(
+    [worker(0, [layer("a.0", full()), layer("b.0", full(4))], GIB)],
+)
+_MIXED_HEADS["workers"][0]["supported_layouts"] = _layouts("LHBNC", "BHLNC", "LBHNC")
+for version in ("vllm-0.32", "vllm-0.33", "vllm-0.34"):
+    scenario(
+        f"release-{version.removeprefix('vllm-')}-layout-mixed-shapes-block-compact",
+        f"{version}: layers of different head counts keep only block-compact layouts",
+        for_release(_MIXED_HEADS, version),
+        {
+            "layout": "LBHNC",
+            "layout_candidates": ["LBHNC"],
+            "grouping_path": "GROUPING_PATH_UNIFORM_TYPE",
+        },
+    )
+
+for version in ("vllm-0.33", "vllm-0.34"):
+    for names, chosen in ((("BLNHC", "BLHNC"), "BLHNC"), (("BLNHC", "LBHNC"), "BLNHC")):
+        _connector = for_release(hisparse_request(4.0), version)
+        del _connector["options"]["layout"]
+        _connector["workers"][0]["supported_layouts"] = _layouts(*names)
+        scenario(
+            f"release-{version.removeprefix('vllm-')}-layout-hisparse-connector-{chosen.lower()}",
+            f"{version}: HiSparse's connector asks for BLHNC, taken when the workers "
+            f"support it ({', '.join(names)})",
+            _connector,
+            {"layout": chosen, "grouping_path": "GROUPING_PATH_HISPARSE"},
+        )
+
+
 def main() -> None:
     SCENARIO_DIR.mkdir(exist_ok=True)
     for old in SCENARIO_DIR.glob("*.json"):

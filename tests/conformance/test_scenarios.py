@@ -15,7 +15,8 @@ from kvplan.core.errors import PlanningError
 from kvplan.v1 import plan_pb2
 from tests.conformance import build
 
-SCENARIOS = sorted(build.SCENARIO_DIR.glob("*.json"))
+# By number: past 99 scenarios the names no longer sort as text does.
+SCENARIOS = sorted(build.SCENARIO_DIR.glob("*.json"), key=lambda p: int(p.stem.split("-")[0]))
 Json = dict[str, Any]
 
 
@@ -79,6 +80,11 @@ def _check_plan(response: plan_pb2.PlanResponse, expect: Json) -> None:
             assert response.rule_set == value
         elif key == "grouping_path":
             assert _enum_name(diagnostics, "grouping_path") == value
+        elif key == "layout":
+            assert _enum_name(diagnostics, "kv_cache_layout") == f"KV_CACHE_LAYOUT_{value}"
+        elif key == "layout_candidates":
+            names = [plan_pb2.KVCacheLayout.Name(x) for x in diagnostics.layout_candidates]
+            assert names == [f"KV_CACHE_LAYOUT_{name}" for name in value]
         elif key in ("page_sizes_unified", "local_attention_promoted"):
             assert getattr(diagnostics, key) == value
         elif key in ("num_blocks", "max_model_len", "hisparse_host_num_blocks"):

@@ -64,6 +64,9 @@ ENUM_FIELDS: dict[str, Callable[[plan_pb2.PlanRequest], None]] = {
     "options.model_dtype": lambda r: setattr(r.options, "model_dtype", 999),
     "options.mamba_cache_mode": lambda r: setattr(r.options, "mamba_cache_mode", 999),
     "spec_decode.method": lambda r: setattr(r.spec_decode, "method", 999),
+    "workers[0].supported_layouts[1]": lambda r: r.workers[0].supported_layouts.extend(
+        [plan_pb2.KV_CACHE_LAYOUT_LBHNC, 999]  # type: ignore[list-item]
+    ),
     "workers[0].layers[0].full_attention.attention.dtype": lambda r: setattr(
         r.workers[0].layers[0].full_attention.attention, "dtype", 999
     ),

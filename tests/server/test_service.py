@@ -253,3 +253,39 @@ async def test_engine_version_selects_the_rule_set(client: AsyncPlannerClient) -
     assert caught.value.code is grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.violations[0].field == "options.engine_version"
     assert "vllm-0.34" in caught.value.details
+
+
+async def test_rank_mode_resolves_the_layout_from_every_ranks_list(
+    client: AsyncPlannerClient,
+) -> None:
+    """Each pipeline stage sends the layouts its backends support; the merged
+    engine is resolved by the named release (0.33: lists must match)."""
+    lists = [
+        [plan_pb2.KV_CACHE_LAYOUT_BLHNC, plan_pb2.KV_CACHE_LAYOUT_LBHNC],
+        [plan_pb2.KV_CACHE_LAYOUT_LBHNC, plan_pb2.KV_CACHE_LAYOUT_BLHNC],
+        [plan_pb2.KV_CACHE_LAYOUT_LBHNC],
+    ]
+
+    def ranks(engine_id: str, version: str) -> list[plan_pb2.PlanRequest]:
+        requests = [rank_request(engine_id, rank, 3) for rank in range(3)]
+        for request, layouts in zip(requests, lists, strict=True):
+            request.options.engine_version = version
+            request.workers[0].supported_layouts.extend(layouts)
+        return requests
+
+    plans = await asyncio.gather(*(client.plan(r) for r in ranks("engine-l34", "vllm-0.34")))
+    assert len({plan.plan_id for plan in plans}) == 1
+    diagnostics = plans[0].response.diagnostics
+    assert diagnostics.kv_cache_layout == plan_pb2.KV_CACHE_LAYOUT_LBHNC
+    assert list(diagnostics.layout_candidates) == [plan_pb2.KV_CACHE_LAYOUT_LBHNC]
+    results = await asyncio.gather(
+        *(client.plan(r) for r in ranks("engine-l33", "vllm-0.33")), return_exceptions=True
+    )
+    for result in results:
+        assert isinstance(result, PlannerError)
+        assert result.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert "different KV cache layouts" in result.details
+        assert {v.field for v in result.violations} == {
+            "workers[0].supported_layouts",
+            "workers[1].supported_layouts",
+        }

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from kvplan.client import ChannelSecurity, PlannerClient
+from kvplan.v1 import plan_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = Path(__file__).resolve().parent / "engine_host.py"
@@ -254,6 +255,8 @@ def test_observe_agrees(host: EngineHost, server: Server, version: str, engine: 
         g["layers"] for g in init["groups"]
     ]
     assert [g.is_draft for g in plan.response.groups] == [g["is_draft"] for g in init["groups"]]
+    # The workers' supported layouts travelled (the stand-in executor reports LBNHC).
+    assert list(plan.response.diagnostics.layout_candidates) == [plan_pb2.KV_CACHE_LAYOUT_LBNHC]
     expected_draft = engine in ("gpt-oss-eagle3", "deepseek-mtp", "qwen3-next-mtp")
     assert any(g["is_draft"] for g in init["groups"]) == expected_draft
     if expected_draft:
