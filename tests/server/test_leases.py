@@ -344,7 +344,10 @@ async def test_sync_lease_keeper_renews_releases_and_reports_a_lost_lease(
         with PlannerClient(target, timeout_s=5) as client:
             plan = client.plan(leased_request("engine-sync", uuid))
             with LeaseKeeper(client, plan, interval_s=0.1, allocations=lambda: {0: GIB}) as kept:
-                time.sleep(0.45)
+                # Waits on what happened, not on a fixed time: a busy machine is slower.
+                deadline = time.monotonic() + 10
+                while kept.renewals < 3 and time.monotonic() < deadline:
+                    time.sleep(0.02)
             committed_after_exit = client.list_devices().devices[0].committed_bytes
             lost_codes: list[grpc.StatusCode] = []
             plan = client.plan(leased_request("engine-sync", uuid))
@@ -352,7 +355,9 @@ async def test_sync_lease_keeper_renews_releases_and_reports_a_lost_lease(
                 client, plan, interval_s=0.1, on_lost=lambda error: lost_codes.append(error.code)
             ).start()
             client.release_plan("engine-sync")  # released behind the keeper's back
-            time.sleep(0.35)
+            deadline = time.monotonic() + 10
+            while not keeper.lost and time.monotonic() < deadline:
+                time.sleep(0.02)
             keeper.stop()
             return kept.renewals, committed_after_exit, keeper.lost, lost_codes
 
