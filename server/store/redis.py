@@ -5,7 +5,11 @@ concurrent change to a watched key makes EXEC fail and the method starts
 over), or one Lua script, so a replica that dies or loses Redis mid-call
 leaves nothing half-written. Decisions (the ledger's `grant_leases`, the
 rendezvous rules) run here in Python, between the reads and the EXEC, with the
-helpers the memory store uses: one formula, one set of messages.
+helpers the memory store uses: one formula, one set of messages. Two small
+exceptions keep the ranks of many engines from conflicting with each other: a
+join watches only its own engine's hashes, so rule 1 (forgetting old engines)
+runs in the script that reads for it, and rule 4 (the pending limit) in the
+script that opens a rendezvous, atomically with the count.
 
 Key layout under `key_prefix` (default "kvplan:"):
 

@@ -316,6 +316,37 @@ async def test_old_rendezvous_and_finished_engines_are_forgotten(store: Store) -
     assert await join(store, "open", 1, now=TTL_S + 0.5) == Arrival("waiting")  # rank 0 forgotten
 
 
+async def test_forgetting_is_exact_whatever_the_order_of_arrival(store: Store) -> None:
+    # Replicas' clocks differ: engines need not arrive in the order of their times.
+    for engine_id, made in (("a", 500.0), ("b", 100.0), ("c", 300.0), ("d", 100.5)):
+        await join(store, engine_id, 0, now=made)
+    await join(store, "done-late", 0, world_size=1, now=400.0)
+    await store.rendezvous_finish("done-late", RendezvousResult(True, b"plan"), 400.0)
+    await join(store, "done-early", 0, world_size=1, now=50.0)
+    await store.rendezvous_finish("done-early", RendezvousResult(True, b"plan"), 50.0)
+    await join(store, "x", 0, now=100.0 + TTL_S + 0.25)  # b and done-early are older
+    assert await store.pending_engines() == 4  # a, c, d and x
+    assert await store.rendezvous_ranks("b") == ()
+    assert await store.rendezvous_ranks("d") == (0,)
+    later = 100.0 + TTL_S + 0.25
+    changed = await join(store, "done-early", 0, world_size=1, worker=b"changed", now=later)
+    assert changed == Arrival("plan", workers=(b"changed",))  # forgotten: a new engine
+    with pytest.raises(ServiceError):  # still finished: a changed rank is refused
+        await join(store, "done-late", 0, world_size=1, worker=b"changed", now=later)
+
+
+async def test_memory_store_keeps_its_age_index_bounded() -> None:
+    store = MemoryStore()
+    for engine in range(2000):  # opened and finished at once: nothing old to forget
+        await join(store, f"e{engine}", 0, world_size=1, now=1.0)
+        await store.rendezvous_finish(f"e{engine}", RendezvousResult(True, b"plan"), 1.0)
+    # Each finished engine left a stale item in the index of open ones: dropped.
+    assert len(store._open_by_age._heap) <= 65
+    await join(store, "late", 0, now=2.0 + TTL_S)
+    assert len(store._finished) == 0  # every finished engine forgotten by one join
+    assert len(store._finished_by_age._heap) == 0
+
+
 async def test_too_many_pending_engines(store: Store) -> None:
     await join(store, "a", 0, max_pending=2)
     await join(store, "b", 0, max_pending=2)
