@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_ATTEMPTS = 200  # optimistic transactions retried on a conflict before giving up
-MAX_CONNECTIONS = 64  # per replica; more callers at once wait for one ...
+MAX_CONNECTIONS = 128  # per replica; more callers at once wait for one ...
 CONNECTION_WAIT_S = 5.0  # ... this long, then UNAVAILABLE
 LISTENER_BACKOFF_S = (0.05, 1.0)  # pub/sub reconnect delay: first, longest
 
