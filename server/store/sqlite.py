@@ -11,7 +11,8 @@ or a large plan delays only the store's callers, not unrelated RPCs. One thread
 because one connection serializes its transactions anyway. Write transactions
 start with BEGIN IMMEDIATE, so several connections (threads, processes, a CLI)
 on one file serialize on SQLite's write lock instead of failing on a lock
-upgrade.
+upgrade. Rendezvous writes queued while the thread is busy (the ranks of many
+engines arrive together) share one thread hop and one transaction.
 
 Plans are bounded by count and by bytes; the server keeps both totals (one
 server per file), so an insert evicts the oldest plans by an index range
