@@ -104,9 +104,8 @@ class Rendezvous:
         self._max_pending = max_pending
         self._ttl_s = ttl_s
         self._claim_timeout_s = claim_timeout_s
-        # One future per engine with local waiters, resolved by the store's news.
-        self._waiters: dict[str, asyncio.Future[RendezvousResult]] = {}
-        self._joining: dict[str, int] = {}  # engine -> local ranks inside join()
+        # Each local rank's future, by engine, resolved by the store's news.
+        self._waiters: dict[str, list[asyncio.Future[RendezvousResult]]] = {}
         self._planning: set[asyncio.Task[None]] = set()
         self._draining = False
         self._waiting = 0
@@ -115,9 +114,9 @@ class Rendezvous:
         store.subscribe(self._on_finished)
 
     def _on_finished(self, engine_id: str, result: RendezvousResult) -> None:
-        future = self._waiters.pop(engine_id, None)
-        if future is not None and not future.done():
-            future.set_result(result)
+        for future in self._waiters.pop(engine_id, ()):
+            if not future.done():
+                future.set_result(result)
 
     def _validate(self, request: plan_pb2.PlanRequest) -> plan_pb2.WorkerSpec:
         if not request.engine_id:
@@ -157,12 +156,9 @@ class Rendezvous:
                 "bytes of rank specs waiting for their engines on this server, with this rank's",
             )
         self._pending_bytes += size
-        # Registered before joining, so news of the engine cannot slip past; kept
-        # while any local rank of the engine is inside join().
-        future = self._waiters.get(engine_id)
-        if future is None or future.done():
-            future = self._waiters[engine_id] = asyncio.get_running_loop().create_future()
-        self._joining[engine_id] = self._joining.get(engine_id, 0) + 1
+        # Registered before joining, so news of the engine cannot slip past.
+        future: asyncio.Future[RendezvousResult] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(engine_id, []).append(future)
         try:
             arrival = await self._store.rendezvous_join(
                 engine_id=engine_id,
@@ -190,12 +186,10 @@ class Rendezvous:
             return await self._wait(engine_id, future, worker.rank, request.world_size, wait_s)
         finally:
             self._pending_bytes -= size
-            left = self._joining[engine_id] - 1
-            if left:
-                self._joining[engine_id] = left
-            else:
-                del self._joining[engine_id]
-                if self._waiters.get(engine_id) is future:
+            waiting = self._waiters.get(engine_id)
+            if waiting is not None and future in waiting:  # not yet resolved: unregister
+                waiting.remove(future)
+                if not waiting:
                     del self._waiters[engine_id]
 
     async def _plan_engine(
@@ -250,7 +244,8 @@ class Rendezvous:
         self._waiting += 1
         self._metrics.rendezvous_waiting.set(self._waiting)
         try:
-            result = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                result = await future  # this rank's own: cancelling it touches no other
         except TimeoutError:
             try:
                 arrived = await self._store.rendezvous_ranks(engine_id)
@@ -298,6 +293,7 @@ class Rendezvous:
             prefix="",
         )
         waiters, self._waiters = self._waiters, {}
-        for future in waiters.values():
-            if not future.done():
-                future.set_result(RendezvousResult(False, unavailable))
+        for futures in waiters.values():
+            for future in futures:
+                if not future.done():
+                    future.set_result(RendezvousResult(False, unavailable))

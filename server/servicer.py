@@ -222,6 +222,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self._owner_fresh_s = settings.ownership_ttl_s / 10
         self.rendezvous = Rendezvous(
             store,
+            # Each rank's limits were checked when it arrived (world_size bounds the
+            # worker count): the merged request is not walked again.
             lambda merged: self._plan_engine(merged, repeats=False),
             metrics,
             max_pending=settings.max_pending_rendezvous,
@@ -238,16 +240,13 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         *,
         repeats: bool = True,
         request_digest: bytes | None = None,
-        limits_checked: bool = False,
     ) -> bytes:
         """One engine (all its workers): the serialized PlanResponse.
 
         Workers that name a device (device.uuid) get their budget from the
         server's probe and ledger and a lease; the others are planned from the
-        numbers they sent, and reserve nothing.
-        """
-        if not limits_checked:  # a merged rendezvous: its worker count is new here
-            self._check_limits(request)
+        numbers they sent, and reserve nothing. Its limits were checked on
+        arrival (a rendezvous: each rank's)."""
         named = [index for index, worker in enumerate(request.workers) if worker.device.uuid]
         if not named:
             plan = await self._plan(request, repeats=repeats, request_digest=request_digest)
@@ -750,9 +749,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 await self.authorize(request.engine_id, "plan", claim=True)
             if request.world_size:
                 return await self.rendezvous.join(request, context.time_remaining())
-            return await self._plan_engine(
-                request, request_digest=request_digest, limits_checked=True
-            )
+            return await self._plan_engine(request, request_digest=request_digest)
         except (PlanningError, ServiceError, RemoteStatus, StoreUnavailable) as error:
             await self._fail(context, error)
             raise AssertionError("unreachable") from error

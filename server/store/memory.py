@@ -7,8 +7,9 @@ import hashlib
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from kvplan.core.ledger import (
     NOTHING,
@@ -34,6 +35,8 @@ from kvplan.server.store.base import (
     RendezvousResult,
 )
 
+_E = TypeVar("_E")
+
 
 def digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
@@ -55,6 +58,32 @@ class _Finished:
     plan: bytes  # the plan, or the serialized error of a failed engine
     finished: float
     ok: bool = True
+
+
+class _ByAge:
+    """A dict's keys by the time each entry was made, so that forgetting the old
+    entries looks at those alone, not at every entry. A heap: an entry removed
+    or remade meanwhile leaves a stale item behind, skipped when popped, and the
+    heap is rebuilt before such items outnumber the entries."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, str]] = []
+
+    def add(self, made: float, key: str) -> None:
+        heapq.heappush(self._heap, (made, key))
+
+    def forget_old(
+        self, entries: dict[str, _E], made_of: Callable[[_E], float], now: float, ttl_s: float
+    ) -> None:
+        """Delete the entries made more than `ttl_s` before `now` (the exact test)."""
+        while self._heap and now - self._heap[0][0] > ttl_s:
+            made, key = heapq.heappop(self._heap)
+            entry = entries.get(key)
+            if entry is not None and made_of(entry) == made:
+                del entries[key]
+        if len(self._heap) > 2 * len(entries) + 64:
+            self._heap = [(made_of(entry), key) for key, entry in entries.items()]
+            heapq.heapify(self._heap)
 
 
 def check_compatible(
@@ -200,6 +229,8 @@ class MemoryStore:
         self._expiry: list[tuple[float, str, int]] = []
         self._lease_count = 0
         self._to_sweep: dict[tuple[str, int], Lease] = {}
+        self._open_by_age = _ByAge()
+        self._finished_by_age = _ByAge()
         self._subscribers: list[FinishedCallback] = []
         self._owners: dict[str, tuple[str, float]] = {}  # engine -> owner, expires
 
@@ -242,10 +273,8 @@ class MemoryStore:
     # --- rendezvous -------------------------------------------------------------
 
     def _expire(self, now: float, ttl_s: float) -> None:
-        for engine_id in [e for e, entry in self._open.items() if now - entry.created > ttl_s]:
-            del self._open[engine_id]
-        for engine_id in [e for e, entry in self._finished.items() if now - entry.finished > ttl_s]:
-            del self._finished[engine_id]
+        self._open_by_age.forget_old(self._open, lambda entry: entry.created, now, ttl_s)
+        self._finished_by_age.forget_old(self._finished, lambda entry: entry.finished, now, ttl_s)
 
     async def rendezvous_join(
         self,
@@ -287,6 +316,7 @@ class MemoryStore:
             if len(self._open) >= max_pending:
                 raise too_many_pending(len(self._open), max_pending)
             entry = self._open[engine_id] = _Open(world_size, template, created=now)
+            self._open_by_age.add(now, engine_id)
         check_compatible(
             engine_id,
             entry.world_size,
@@ -323,7 +353,7 @@ class MemoryStore:
     ) -> None:
         entry = self._open.pop(engine_id, None)
         if (result.ok or remember_failure) and entry is not None:
-            self._finished.pop(engine_id, None)  # re-inserted last: in time order
+            self._finished_by_age.add(now, engine_id)
             self._finished[engine_id] = _Finished(
                 template_digest=digest(entry.template),
                 worker_digests={rank: digest(w) for rank, w in entry.workers.items()},

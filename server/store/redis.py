@@ -5,7 +5,11 @@ concurrent change to a watched key makes EXEC fail and the method starts
 over), or one Lua script, so a replica that dies or loses Redis mid-call
 leaves nothing half-written. Decisions (the ledger's `grant_leases`, the
 rendezvous rules) run here in Python, between the reads and the EXEC, with the
-helpers the memory store uses: one formula, one set of messages.
+helpers the memory store uses: one formula, one set of messages. Two small
+exceptions keep the ranks of many engines from conflicting with each other: a
+join watches only its own engine's hashes, so rule 1 (forgetting old engines)
+runs in the script that reads for it, and rule 4 (the pending limit) in the
+script that opens a rendezvous, atomically with the count.
 
 Key layout under `key_prefix` (default "kvplan:"):
 
@@ -60,7 +64,7 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import RedisError, ResponseError, WatchError
+from redis.exceptions import NoScriptError, RedisError, ResponseError, WatchError
 
 from kvplan.core.ledger import (
     DeviceState,
@@ -72,7 +76,6 @@ from kvplan.core.ledger import (
     grant_leases,
     tally,
 )
-from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import (
     DEFAULT_MAX_PLAN_BYTES,
     DEFAULT_MAX_PLANS,
@@ -99,6 +102,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_ATTEMPTS = 200  # optimistic transactions retried on a conflict before giving up
+MAX_CONNECTIONS = 128  # per replica; more callers at once wait for one ...
+CONNECTION_WAIT_S = 5.0  # ... this long, then UNAVAILABLE
 LISTENER_BACKOFF_S = (0.05, 1.0)  # pub/sub reconnect delay: first, longest
 
 # A message: origin replica, ok flag, engine id length, engine id, payload.
@@ -344,6 +349,61 @@ end
 return redis.call('HGET', ARGV[1] .. plan_id, 'plan')
 """
 
+# Lua: a rank's join, before its decision, in one round trip (the caller WATCHes
+# the engine's two hashes, not the indexes, so that joins of other engines never
+# conflict with it). First rule 1: open and finished engines older than the TTL
+# are forgotten (the memory store's exact test, in the same double arithmetic).
+# Then the reads: the finished hash's template_digest, plan, ok and rank field,
+# the open hash's world_size, template, claimed_at and rank field, and how many
+# ranks it holds; never the other ranks' specs (only the rank that completes
+# an engine reads those).
+# KEYS: rdv:open, rdv:done, rdv:open:{engine}, rdv:done:{engine}.
+# ARGV: now, ttl_s, open hash prefix, finished hash prefix, the rank's field.
+_JOIN = """
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local function forget(index, prefix)
+    local candidates = redis.call('ZRANGEBYSCORE', index, '-inf', now - ttl + 1, 'WITHSCORES')
+    for i = 1, #candidates, 2 do
+        if now - tonumber(candidates[i + 1]) > ttl then
+            redis.call('ZREM', index, candidates[i])
+            redis.call('DEL', prefix .. candidates[i])
+        end
+    end
+end
+forget(KEYS[1], ARGV[3])
+forget(KEYS[2], ARGV[4])
+local open_ranks = 0
+for _, field in ipairs(redis.call('HKEYS', KEYS[3])) do
+    if string.sub(field, 1, 5) == 'rank:' then
+        open_ranks = open_ranks + 1
+    end
+end
+return {
+    redis.call('HMGET', KEYS[4], 'template_digest', 'plan', 'ok', ARGV[5]),
+    redis.call('HMGET', KEYS[3], 'world_size', 'template', 'claimed_at', ARGV[5]),
+    open_ranks,
+}
+"""
+
+# Lua, inside a join's MULTI: open a rendezvous unless `max_pending` are open
+# (rule 4, atomic with the count: no join watches the index). Returns -1, or
+# the number open when refused (nothing written).
+# KEYS: rdv:open, rdv:open:{engine}.
+# ARGV: engine_id, now, max_pending, expiry in ms ('' for none), then the
+# hash's fields and values.
+_OPEN_RENDEZVOUS = """
+local pending = redis.call('ZCARD', KEYS[1])
+if pending >= tonumber(ARGV[3]) then
+    return pending
+end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('HSET', KEYS[2], unpack(ARGV, 5))
+if ARGV[4] ~= '' then
+    redis.call('PEXPIRE', KEYS[2], ARGV[4])
+end
+return -1
+"""
+
 # Lua: the engine's owner; set (or its expiry pushed) when free or already the caller's.
 _CLAIM_ENGINE = """
 local owner = redis.call('GET', KEYS[1])
@@ -496,18 +556,35 @@ class RedisStore:
             f"Redis store {self._url}: {MAX_ATTEMPTS} conflicting attempts in a row; retry"
         )
 
+    async def _eval_watching(
+        self, pipe: Pipeline, name: str, keys: Sequence[str], args: Sequence[str]
+    ) -> Any:
+        """A script run at once on a watching pipeline (AsyncScript would add a
+        SCRIPT EXISTS round trip to the pipeline's EXEC)."""
+        script = self._scripts[name]
+        try:
+            return await pipe.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:  # Redis restarted or flushed its scripts
+            script.sha = await pipe.script_load(script.script)
+            return await pipe.evalsha(script.sha, len(keys), *keys, *args)
+
     async def start(self) -> None:
         if self._client is not None:
             return
         # Few, short retries: a dead pooled connection after a Redis restart is
         # replaced transparently, an outage answers UNAVAILABLE quickly.
-        self._client = redis.asyncio.Redis.from_url(
+        # A blocking pool: callers beyond MAX_CONNECTIONS at once (a rendezvous of
+        # thousands of ranks) queue for a connection instead of failing.
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
             self._url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=CONNECTION_WAIT_S,
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
             socket_connect_timeout=2.0,
             socket_timeout=5.0,
             health_check_interval=10,
         )
+        self._client = redis.asyncio.Redis.from_pool(pool)
         self._scripts = {
             "ledger_read": self._client.register_script(_LEDGER_READ),
             "ledger_grant": self._client.register_script(_LEDGER_GRANT),
@@ -517,6 +594,8 @@ class RedisStore:
             "put_plan": self._client.register_script(_PUT_PLAN),
             "plan_for_engine": self._client.register_script(_PLAN_FOR_ENGINE),
             "claim_engine": self._client.register_script(_CLAIM_ENGINE),
+            "join": self._client.register_script(_JOIN),
+            "open_rendezvous": self._client.register_script(_OPEN_RENDEZVOUS),
         }
         try:
             await self.ping()
@@ -679,125 +758,93 @@ class RedisStore:
         open_index, done_index = self._key("rdv:open"), self._key("rdv:done")
         open_key, done_key = self._open_key(engine_id), self._done_key(engine_id)
 
-        async def stale(pipe: Pipeline, index: str) -> list[str]:
-            # Candidates by score, then the memory store's exact comparison.
-            candidates = cast(
-                list[tuple[bytes, float]],
-                await pipe.zrangebyscore(index, "-inf", now - ttl_s + 1, withscores=True),
-            )
-            return [member.decode() for member, since in candidates if now - since > ttl_s]
+        rank_field = f"rank:{rank}"
 
         async def attempt(pipe: Pipeline) -> Arrival:
-            await pipe.watch(open_index, done_index, open_key, done_key)
-            stale_open = await stale(pipe, open_index)
-            stale_done = await stale(pipe, done_index)
-            done = {} if engine_id in stale_done else await _read_hash(pipe, done_key)
-            entry = {} if engine_id in stale_open else await _read_hash(pipe, open_key)
-            pending = await pipe.zcard(open_index) - len(stale_open)
+            await pipe.watch(open_key, done_key)
+            # Executed at once while watching: rule 1 and every read, one round trip.
+            read = await self._eval_watching(
+                pipe,
+                "join",
+                keys=[open_index, done_index, open_key, done_key],
+                args=[repr(now), repr(ttl_s), self._open_key(""), self._done_key(""), rank_field],
+            )
+            done_digest, done_plan, done_ok, planned_worker = read[0]
+            open_world_size, open_template, claimed, seen = read[1]
+            open_ranks = int(read[2])
 
-            def forget_stale() -> None:
-                """Rule 1's writes, part of whatever this join writes."""
-                if stale_open:
-                    pipe.zrem(open_index, *stale_open)
-                    pipe.delete(*(self._open_key(e) for e in stale_open))
-                if stale_done:
-                    pipe.zrem(done_index, *stale_done)
-                    pipe.delete(*(self._done_key(e) for e in stale_done))
-
-            async def refuse(error: ServiceError) -> ServiceError:
-                if stale_open or stale_done:
-                    _begin(pipe)
-                    forget_stale()
-                    await pipe.execute()
-                return error
-
-            drop_failed = bool(done) and done.get(b"ok") == b"0"
+            # A finished hash written before the ok flag existed is a plan.
+            drop_failed = done_digest is not None and done_ok == b"0"
             if drop_failed:
-                if same_ranks(
-                    done[b"template_digest"],
-                    done.get(f"rank:{rank}".encode()),
-                    template=template,
-                    worker=worker,
-                ):
-                    arrival = Arrival("finished", result=RendezvousResult(False, done[b"plan"]))
-                    if stale_open or stale_done:
-                        _begin(pipe)
-                        forget_stale()
-                        await pipe.execute()
-                    return arrival
-                done = {}  # a changed rank: the failure is forgotten below
-            if done:
-                try:
-                    check_finished(
-                        engine_id,
-                        done[b"template_digest"],
-                        done.get(f"rank:{rank}".encode()),
-                        template=template,
-                        rank=rank,
-                        worker=worker,
-                    )
-                except ServiceError as error:
-                    raise await refuse(error) from None
-                arrival = Arrival("finished", result=RendezvousResult(True, done[b"plan"]))
-                if stale_open or stale_done:
-                    _begin(pipe)
-                    forget_stale()
-                    await pipe.execute()
-                return arrival
-
-            created = not entry
-            if created:
-                if pending >= max_pending:
-                    raise await refuse(too_many_pending(pending, max_pending))
-                open_world_size, open_template, claimed_at = world_size, template, None
-                workers: dict[int, bytes] = {}
-            else:
-                open_world_size = int(entry[b"world_size"])
-                open_template = entry[b"template"]
-                claimed = entry.get(b"claimed_at")
-                claimed_at = float(claimed) if claimed is not None else None
-                workers = _rank_fields(entry)
-            try:
-                check_compatible(
+                if same_ranks(done_digest, planned_worker, template=template, worker=worker):
+                    return Arrival("finished", result=RendezvousResult(False, done_plan))
+            elif done_digest is not None:
+                check_finished(
                     engine_id,
-                    open_world_size,
-                    open_template,
-                    workers.get(rank),
-                    world_size=world_size,
+                    done_digest,
+                    planned_worker,
                     template=template,
                     rank=rank,
                     worker=worker,
                 )
-            except ServiceError as error:
-                raise await refuse(error) from None
-            workers[rank] = worker
-            fields: dict[str, bytes | str | float | int] = {f"rank:{rank}": worker}
-            incomplete = len(workers) < open_world_size
+                return Arrival("finished", result=RendezvousResult(True, done_plan))
+
+            created = open_world_size is None
+            if created:
+                open_world_size, open_template, claimed_at = world_size, template, None
+            else:
+                open_world_size = int(open_world_size)
+                claimed_at = float(claimed) if claimed is not None else None
+            check_compatible(
+                engine_id,
+                open_world_size,
+                open_template,
+                seen,
+                world_size=world_size,
+                template=template,
+                rank=rank,
+                worker=worker,
+            )
+            fields: dict[str, bytes | str] = {rank_field: worker}
+            incomplete = open_ranks + (seen is None) < open_world_size
             claim_alive = claimed_at is not None and now - claimed_at <= claim_timeout_s
             if incomplete or claim_alive:
                 arrival = Arrival("waiting")
             else:
+                # This rank completes the engine: only now are the others' specs read.
+                workers = {} if created else _rank_fields(await _read_hash(pipe, open_key))
+                workers[rank] = worker
                 fields["claimed_at"] = repr(now)
                 arrival = Arrival("plan", workers=tuple(workers[r] for r in sorted(workers)))
 
             _begin(pipe)
-            forget_stale()
-            if drop_failed and engine_id not in stale_done:
+            if drop_failed:  # a changed rank forgets the failure, refused or not
                 pipe.delete(done_key)
                 pipe.zrem(done_index, engine_id)
             if created:
                 fields.update(
-                    world_size=world_size,
+                    world_size=str(world_size),
                     template=template,
                     created=repr(now),
                     ttl_s=repr(ttl_s),
                 )
-                pipe.zadd(open_index, {engine_id: now})
-            pipe.hset(open_key, mapping=fields)  # type: ignore[arg-type]
-            expiry = _expiry_ms(ttl_s + self._expiry_grace_s)
-            if created and expiry is not None:
-                pipe.pexpire(open_key, expiry)
-            await pipe.execute()
+                expiry = _expiry_ms(ttl_s + self._expiry_grace_s)
+                await self._scripts["open_rendezvous"](
+                    keys=[open_index, open_key],
+                    args=[
+                        engine_id,
+                        repr(now),
+                        max_pending,
+                        "" if expiry is None else expiry,
+                        *(item for pair in fields.items() for item in pair),
+                    ],
+                    client=pipe,
+                )
+            else:
+                pipe.hset(open_key, mapping=fields)  # type: ignore[arg-type]
+            done = await pipe.execute()
+            if created and (pending := int(done[-1])) >= 0:
+                raise too_many_pending(pending, max_pending)
             return arrival
 
         return await self._transact(attempt)

@@ -11,7 +11,8 @@ or a large plan delays only the store's callers, not unrelated RPCs. One thread
 because one connection serializes its transactions anyway. Write transactions
 start with BEGIN IMMEDIATE, so several connections (threads, processes, a CLI)
 on one file serialize on SQLite's write lock instead of failing on a lock
-upgrade.
+upgrade. Rendezvous writes queued while the thread is busy (the ranks of many
+engines arrive together) share one thread hop and one transaction.
 
 Plans are bounded by count and by bytes; the server keeps both totals (one
 server per file), so an insert evicts the oldest plans by an index range
@@ -29,6 +30,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -287,6 +289,30 @@ def _in_store_thread(
     return off_loop
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    """What one operation of a shared transaction returned or raised."""
+
+    value: Any = None
+    error: Exception | None = None
+
+
+_Operation = Callable[[sqlite3.Connection], Any]
+
+
+def _settle(
+    batch: Sequence[tuple[_Operation, asyncio.Future[Any]]], outcomes: list[_Outcome]
+) -> None:
+    """On the event loop: each caller hears its own operation's outcome."""
+    for (_, future), outcome in zip(batch, outcomes, strict=True):
+        if future.done():  # the caller was cancelled meanwhile
+            continue
+        if outcome.error is not None:
+            future.set_exception(outcome.error)
+        else:
+            future.set_result(outcome.value)
+
+
 class SQLiteStore:
     kind = "sqlite"
 
@@ -308,6 +334,9 @@ class SQLiteStore:
         # interleaving when the store is used from several threads.
         self._lock = threading.Lock()
         self._subscribers: list[FinishedCallback] = []
+        # Rendezvous writes waiting for the store thread (see _in_shared_transaction).
+        self._queued: list[tuple[_Operation, asyncio.Future[Any]]] = []
+        self._queued_lock = threading.Lock()
 
     # --- connection and transactions ----------------------------------------------
 
@@ -370,6 +399,61 @@ class SQLiteStore:
                 connection.execute("ROLLBACK")
             except sqlite3.Error as error:  # SQLite may have rolled back already
                 log.warning("SQLite store %s: rollback failed: %s", self._path, error)
+
+    # --- shared write transactions ------------------------------------------------
+
+    async def _in_shared_transaction(self, operation: Callable[[sqlite3.Connection], _R]) -> _R:
+        """Run `operation` in the store thread, in one write transaction with the
+        other operations queued while the thread was busy: a rendezvous's ranks
+        arrive together, and one thread hop and one commit for all of them cost a
+        fraction of one each. Each operation still sees those before it, and its
+        caller hears of it only once it is committed."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[_R] = loop.create_future()
+        with self._queued_lock:
+            self._queued.append((operation, future))
+            first = len(self._queued) == 1
+        if first:  # else the hop already scheduled takes it along
+            loop.run_in_executor(self._executor, self._run_queued, loop)
+        return await future
+
+    def _run_queued(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._queued_lock:
+            queued, self._queued = self._queued, []
+        # A caller cancelled before its turn is dropped, as run_in_executor does.
+        batch = [(operation, future) for operation, future in queued if not future.cancelled()]
+        outcomes = self._run_together([operation for operation, _ in batch])
+        loop.call_soon_threadsafe(_settle, batch, outcomes)
+
+    def _run_together(self, operations: Sequence[_Operation]) -> list[_Outcome]:
+        """One transaction for all. A refusal (ServiceError) is its operation's
+        outcome and keeps its bookkeeping, as alone; an outage (the file locked
+        past the busy timeout, an I/O error, a failed commit) fails them all,
+        nothing committed. Any other failure, a fault of one operation, rolls
+        the transaction back and runs each operation in a transaction of its
+        own, so that the fault is the failing operation's alone."""
+        if len(operations) > 1:
+            outcomes: list[_Outcome] = []
+            try:
+                with self._transaction(write=True) as db:
+                    for operation in operations:
+                        try:
+                            outcomes.append(_Outcome(value=operation(db)))
+                        except ServiceError as refusal:
+                            outcomes.append(_Outcome(error=refusal))
+                return outcomes
+            except StoreUnavailable as outage:
+                return [_Outcome(error=StoreUnavailable(str(outage))) for _ in operations]
+            except Exception:
+                log.warning("SQLite store %s: a shared transaction failed; one by one", self._path)
+        return [self._run_alone(operation) for operation in operations]
+
+    def _run_alone(self, operation: _Operation) -> _Outcome:
+        try:
+            with self._transaction(write=True, commit_on=(ServiceError,)) as db:
+                return _Outcome(value=operation(db))
+        except Exception as error:
+            return _Outcome(error=error)
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -471,9 +555,9 @@ class SQLiteStore:
         return bytes(row[0]) if row else None
 
     # --- rendezvous ---------------------------------------------------------------
+    # Writes share transactions (_in_shared_transaction); reads run alone.
 
-    @_in_store_thread
-    def rendezvous_join(
+    async def rendezvous_join(
         self,
         *,
         engine_id: str,
@@ -486,125 +570,148 @@ class SQLiteStore:
         max_pending: int,
         claim_timeout_s: float,
     ) -> Arrival:
-        # A refusal keeps rule 1's forgetting, as the memory store does.
-        with self._transaction(write=True, commit_on=(ServiceError,)) as db:
-            # `created < now - ttl + margin` narrows by the index; the exact test,
-            # the memory store's, decides.
-            horizon = now - ttl_s + _EXPIRY_MARGIN_S
-            db.execute(
-                "DELETE FROM rendezvous_open WHERE created < ? AND ? - created > ?",
-                (horizon, now, ttl_s),
+        return await self._in_shared_transaction(
+            lambda db: self._join(
+                db,
+                engine_id=engine_id,
+                world_size=world_size,
+                template=template,
+                rank=rank,
+                worker=worker,
+                now=now,
+                ttl_s=ttl_s,
+                max_pending=max_pending,
+                claim_timeout_s=claim_timeout_s,
             )
-            db.execute(
-                "DELETE FROM rendezvous_finished WHERE finished < ? AND ? - finished > ?",
-                (horizon, now, ttl_s),
-            )
-            finished = db.execute(
-                "SELECT template_digest, plan, ok FROM rendezvous_finished WHERE engine_id = ?",
-                (engine_id,),
+        )
+
+    @staticmethod
+    def _join(
+        db: sqlite3.Connection,
+        *,
+        engine_id: str,
+        world_size: int,
+        template: bytes,
+        rank: int,
+        worker: bytes,
+        now: float,
+        ttl_s: float,
+        max_pending: int,
+        claim_timeout_s: float,
+    ) -> Arrival:
+        """The join's reads and writes; a refusal keeps rule 1's forgetting, as
+        the memory store does (the shared transaction commits it)."""
+        # `created < now - ttl + margin` narrows by the index; the exact test,
+        # the memory store's, decides.
+        horizon = now - ttl_s + _EXPIRY_MARGIN_S
+        db.execute(
+            "DELETE FROM rendezvous_open WHERE created < ? AND ? - created > ?",
+            (horizon, now, ttl_s),
+        )
+        db.execute(
+            "DELETE FROM rendezvous_finished WHERE finished < ? AND ? - finished > ?",
+            (horizon, now, ttl_s),
+        )
+        finished = db.execute(
+            "SELECT template_digest, plan, ok FROM rendezvous_finished WHERE engine_id = ?",
+            (engine_id,),
+        ).fetchone()
+        if finished is not None:
+            worker_digest = db.execute(
+                "SELECT worker_digest FROM rendezvous_finished_worker "
+                "WHERE engine_id = ? AND rank = ?",
+                (engine_id, rank),
             ).fetchone()
-            if finished is not None and not finished[2]:
-                worker_digest = db.execute(
-                    "SELECT worker_digest FROM rendezvous_finished_worker "
-                    "WHERE engine_id = ? AND rank = ?",
-                    (engine_id, rank),
-                ).fetchone()
-                if same_ranks(
-                    bytes(finished[0]),
-                    bytes(worker_digest[0]) if worker_digest else None,
-                    template=template,
-                    worker=worker,
-                ):
-                    return Arrival("finished", result=RendezvousResult(False, bytes(finished[1])))
-                db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
-                finished = None
-            if finished is not None:
-                worker_digest = db.execute(
-                    "SELECT worker_digest FROM rendezvous_finished_worker "
-                    "WHERE engine_id = ? AND rank = ?",
-                    (engine_id, rank),
-                ).fetchone()
+            planned_digest = bytes(worker_digest[0]) if worker_digest else None
+            if finished[2]:
                 check_finished(
                     engine_id,
                     bytes(finished[0]),
-                    bytes(worker_digest[0]) if worker_digest else None,
+                    planned_digest,
                     template=template,
                     rank=rank,
                     worker=worker,
                 )
                 return Arrival("finished", result=RendezvousResult(True, bytes(finished[1])))
-            entry = db.execute(
-                "SELECT world_size, template, claimed_at FROM rendezvous_open WHERE engine_id = ?",
-                (engine_id,),
-            ).fetchone()
-            if entry is None:
-                pending = db.execute("SELECT count(*) FROM rendezvous_open").fetchone()[0]
-                if pending >= max_pending:
-                    raise too_many_pending(pending, max_pending)
-                db.execute(
-                    "INSERT INTO rendezvous_open (engine_id, world_size, template, created) "
-                    "VALUES (?, ?, ?, ?)",
-                    (engine_id, world_size, template, now),
-                )
-                open_world_size, open_template, claimed_at = world_size, template, None
-            else:
-                open_world_size, open_template, claimed_at = (
-                    int(entry[0]),
-                    bytes(entry[1]),
-                    entry[2],
-                )
-            seen = db.execute(
+            if same_ranks(bytes(finished[0]), planned_digest, template=template, worker=worker):
+                return Arrival("finished", result=RendezvousResult(False, bytes(finished[1])))
+            # A changed rank forgets the failure and joins as for a new engine.
+            db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
+        entry = db.execute(
+            "SELECT world_size, template, claimed_at FROM rendezvous_open WHERE engine_id = ?",
+            (engine_id,),
+        ).fetchone()
+        if entry is None:
+            pending = db.execute("SELECT count(*) FROM rendezvous_open").fetchone()[0]
+            if pending >= max_pending:
+                raise too_many_pending(pending, max_pending)
+            db.execute(
+                "INSERT INTO rendezvous_open (engine_id, world_size, template, created) "
+                "VALUES (?, ?, ?, ?)",
+                (engine_id, world_size, template, now),
+            )
+            open_world_size, open_template, claimed_at = world_size, template, None
+        else:
+            open_world_size, open_template, claimed_at = int(entry[0]), bytes(entry[1]), entry[2]
+        # The engine-wide checks first (nothing written before them), then the
+        # rank's: a rank already there is a retry if it sent the same bytes.
+        agree = functools.partial(
+            check_compatible,
+            engine_id,
+            open_world_size,
+            open_template,
+            world_size=world_size,
+            template=template,
+            rank=rank,
+            worker=worker,
+        )
+        agree(None)
+        inserted = db.execute(
+            "INSERT INTO rendezvous_open_worker (engine_id, rank, worker) VALUES (?, ?, ?) "
+            "ON CONFLICT DO NOTHING",
+            (engine_id, rank, worker),
+        ).rowcount
+        if not inserted:
+            (seen,) = db.execute(
                 "SELECT worker FROM rendezvous_open_worker WHERE engine_id = ? AND rank = ?",
                 (engine_id, rank),
             ).fetchone()
-            check_compatible(
-                engine_id,
-                open_world_size,
-                open_template,
-                bytes(seen[0]) if seen else None,
-                world_size=world_size,
-                template=template,
-                rank=rank,
-                worker=worker,
-            )
-            if seen is None:
-                db.execute(
-                    "INSERT INTO rendezvous_open_worker (engine_id, rank, worker) VALUES (?, ?, ?)",
-                    (engine_id, rank, worker),
-                )
-            (arrived,) = db.execute(
-                "SELECT count(*) FROM rendezvous_open_worker WHERE engine_id = ?", (engine_id,)
-            ).fetchone()
-            if arrived < open_world_size:
-                return Arrival("waiting")
-            if claimed_at is not None and now - float(claimed_at) <= claim_timeout_s:
-                return Arrival("waiting")
-            workers = db.execute(
-                "SELECT worker FROM rendezvous_open_worker WHERE engine_id = ? ORDER BY rank",
-                (engine_id,),
-            ).fetchall()
-            db.execute(
-                "UPDATE rendezvous_open SET claimed_at = ? WHERE engine_id = ?", (now, engine_id)
-            )
-            return Arrival("plan", workers=tuple(bytes(row[0]) for row in workers))
+            agree(bytes(seen))
+        (arrived,) = db.execute(
+            "SELECT count(*) FROM rendezvous_open_worker WHERE engine_id = ?", (engine_id,)
+        ).fetchone()
+        if arrived < open_world_size:
+            return Arrival("waiting")
+        if claimed_at is not None and now - float(claimed_at) <= claim_timeout_s:
+            return Arrival("waiting")
+        workers = db.execute(
+            "SELECT worker FROM rendezvous_open_worker WHERE engine_id = ? ORDER BY rank",
+            (engine_id,),
+        ).fetchall()
+        db.execute(
+            "UPDATE rendezvous_open SET claimed_at = ? WHERE engine_id = ?", (now, engine_id)
+        )
+        return Arrival("plan", workers=tuple(bytes(row[0]) for row in workers))
 
-    @_in_store_thread
-    def rendezvous_leave(self, engine_id: str, rank: int) -> None:
-        with self._transaction(write=True) as db:
-            entry = db.execute(
-                "SELECT claimed_at FROM rendezvous_open WHERE engine_id = ?", (engine_id,)
-            ).fetchone()
-            if entry is None or entry[0] is not None:
-                return
-            db.execute(
-                "DELETE FROM rendezvous_open_worker WHERE engine_id = ? AND rank = ?",
-                (engine_id, rank),
-            )
-            left = db.execute(
-                "SELECT count(*) FROM rendezvous_open_worker WHERE engine_id = ?", (engine_id,)
-            ).fetchone()[0]
-            if not left:
-                db.execute("DELETE FROM rendezvous_open WHERE engine_id = ?", (engine_id,))
+    async def rendezvous_leave(self, engine_id: str, rank: int) -> None:
+        await self._in_shared_transaction(lambda db: self._leave(db, engine_id, rank))
+
+    @staticmethod
+    def _leave(db: sqlite3.Connection, engine_id: str, rank: int) -> None:
+        entry = db.execute(
+            "SELECT claimed_at FROM rendezvous_open WHERE engine_id = ?", (engine_id,)
+        ).fetchone()
+        if entry is None or entry[0] is not None:
+            return
+        db.execute(
+            "DELETE FROM rendezvous_open_worker WHERE engine_id = ? AND rank = ?",
+            (engine_id, rank),
+        )
+        left = db.execute(
+            "SELECT count(*) FROM rendezvous_open_worker WHERE engine_id = ?", (engine_id,)
+        ).fetchone()[0]
+        if not left:
+            db.execute("DELETE FROM rendezvous_open WHERE engine_id = ?", (engine_id,))
 
     async def rendezvous_finish(
         self,
@@ -614,7 +721,9 @@ class SQLiteStore:
         *,
         remember_failure: bool = False,
     ) -> None:
-        await self._record_finish(engine_id, result, now, remember_failure)
+        await self._in_shared_transaction(
+            lambda db: self._finish(db, engine_id, result, now, remember_failure)
+        )
         # One server per file: its own subscribers are all there are. They run on
         # the event loop, where the waiting ranks' futures live.
         for callback in list(self._subscribers):
@@ -623,31 +732,34 @@ class SQLiteStore:
             except Exception:  # one broken waiter must not hide the outcome from the rest
                 log.exception("rendezvous subscriber failed", extra={"engine_id": engine_id})
 
-    @_in_store_thread
-    def _record_finish(
-        self, engine_id: str, result: RendezvousResult, now: float, remember_failure: bool
+    @staticmethod
+    def _finish(
+        db: sqlite3.Connection,
+        engine_id: str,
+        result: RendezvousResult,
+        now: float,
+        remember_failure: bool,
     ) -> None:
-        with self._transaction(write=True) as db:
-            entry = db.execute(
-                "SELECT template FROM rendezvous_open WHERE engine_id = ?", (engine_id,)
-            ).fetchone()
-            if (result.ok or remember_failure) and entry is not None:
-                workers = db.execute(
-                    "SELECT rank, worker FROM rendezvous_open_worker WHERE engine_id = ?",
-                    (engine_id,),
-                ).fetchall()
-                db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
-                db.execute(
-                    "INSERT INTO rendezvous_finished "
-                    "(engine_id, template_digest, plan, finished, ok) VALUES (?, ?, ?, ?, ?)",
-                    (engine_id, digest(bytes(entry[0])), result.payload, now, int(result.ok)),
-                )
-                db.executemany(
-                    "INSERT INTO rendezvous_finished_worker (engine_id, rank, worker_digest) "
-                    "VALUES (?, ?, ?)",
-                    [(engine_id, rank, digest(bytes(spec))) for rank, spec in workers],
-                )
-            db.execute("DELETE FROM rendezvous_open WHERE engine_id = ?", (engine_id,))
+        entry = db.execute(
+            "SELECT template FROM rendezvous_open WHERE engine_id = ?", (engine_id,)
+        ).fetchone()
+        if (result.ok or remember_failure) and entry is not None:
+            workers = db.execute(
+                "SELECT rank, worker FROM rendezvous_open_worker WHERE engine_id = ?",
+                (engine_id,),
+            ).fetchall()
+            db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
+            db.execute(
+                "INSERT INTO rendezvous_finished "
+                "(engine_id, template_digest, plan, finished, ok) VALUES (?, ?, ?, ?, ?)",
+                (engine_id, digest(bytes(entry[0])), result.payload, now, int(result.ok)),
+            )
+            db.executemany(
+                "INSERT INTO rendezvous_finished_worker (engine_id, rank, worker_digest) "
+                "VALUES (?, ?, ?)",
+                [(engine_id, rank, digest(bytes(spec))) for rank, spec in workers],
+            )
+        db.execute("DELETE FROM rendezvous_open WHERE engine_id = ?", (engine_id,))
 
     def subscribe(self, callback: FinishedCallback) -> None:
         self._subscribers.append(callback)

@@ -144,6 +144,33 @@ async def test_rank_mode_deadline_and_cancellation(
     assert await server.servicer.rendezvous.pending_engines() == 0
 
 
+async def test_a_rank_that_gives_up_leaves_the_others_of_its_engine_waiting(
+    client: AsyncPlannerClient, server: RunningServer
+) -> None:
+    store = server.servicer.rendezvous._store
+
+    async def ranks_become(expected: tuple[int, ...]) -> None:
+        for _ in range(200):
+            if await store.rendezvous_ranks("engine-g") == expected:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"ranks never became {expected}")
+
+    gives_up = asyncio.ensure_future(client.plan(rank_request("engine-g", 0, 3)))
+    stays = asyncio.ensure_future(client.plan(rank_request("engine-g", 1, 3)))
+    await ranks_become((0, 1))
+    gives_up.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gives_up
+    await ranks_become((1,))  # it left; rank 1 waits on
+    assert not stays.done()
+    back, last = await asyncio.gather(
+        client.plan(rank_request("engine-g", 0, 3)), client.plan(rank_request("engine-g", 2, 3))
+    )
+    assert (await stays).plan_id == back.plan_id == last.plan_id
+    assert [worker.rank for worker in back.response.workers] == [0, 1, 2]
+
+
 async def test_pending_rendezvous_limit(client: AsyncPlannerClient, server: RunningServer) -> None:
     limit = server.settings.max_pending_rendezvous
     server.servicer.rendezvous._max_pending = 2

@@ -8,6 +8,7 @@ SQLite and Redis next to memory and require the same answer to every call.
 from __future__ import annotations
 
 import asyncio
+import random
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -323,6 +324,37 @@ async def test_old_rendezvous_and_finished_engines_are_forgotten(store: Store) -
     assert await join(store, "open", 1, now=TTL_S + 0.5) == Arrival("waiting")  # rank 0 forgotten
 
 
+async def test_forgetting_is_exact_whatever_the_order_of_arrival(store: Store) -> None:
+    # Replicas' clocks differ: engines need not arrive in the order of their times.
+    for engine_id, made in (("a", 500.0), ("b", 100.0), ("c", 300.0), ("d", 100.5)):
+        await join(store, engine_id, 0, now=made)
+    await join(store, "done-late", 0, world_size=1, now=400.0)
+    await store.rendezvous_finish("done-late", RendezvousResult(True, b"plan"), 400.0)
+    await join(store, "done-early", 0, world_size=1, now=50.0)
+    await store.rendezvous_finish("done-early", RendezvousResult(True, b"plan"), 50.0)
+    await join(store, "x", 0, now=100.0 + TTL_S + 0.25)  # b and done-early are older
+    assert await store.pending_engines() == 4  # a, c, d and x
+    assert await store.rendezvous_ranks("b") == ()
+    assert await store.rendezvous_ranks("d") == (0,)
+    later = 100.0 + TTL_S + 0.25
+    changed = await join(store, "done-early", 0, world_size=1, worker=b"changed", now=later)
+    assert changed == Arrival("plan", workers=(b"changed",))  # forgotten: a new engine
+    with pytest.raises(ServiceError):  # still finished: a changed rank is refused
+        await join(store, "done-late", 0, world_size=1, worker=b"changed", now=later)
+
+
+async def test_memory_store_keeps_its_age_index_bounded() -> None:
+    store = MemoryStore()
+    for engine in range(2000):  # opened and finished at once: nothing old to forget
+        await join(store, f"e{engine}", 0, world_size=1, now=1.0)
+        await store.rendezvous_finish(f"e{engine}", RendezvousResult(True, b"plan"), 1.0)
+    # Each finished engine left a stale item in the index of open ones: dropped.
+    assert len(store._open_by_age._heap) <= 65
+    await join(store, "late", 0, now=2.0 + TTL_S)
+    assert len(store._finished) == 0  # every finished engine forgotten by one join
+    assert len(store._finished_by_age._heap) == 0
+
+
 async def test_too_many_pending_engines(store: Store) -> None:
     await join(store, "a", 0, max_pending=2)
     await join(store, "b", 0, max_pending=2)
@@ -439,6 +471,87 @@ async def test_pending_engines_counts_open_rendezvous(store: Store) -> None:
     assert await store.pending_engines() == 2
     await store.rendezvous_finish("b", RendezvousResult(True, b"plan"), 1.0)
     assert await store.pending_engines() == 1
+
+
+async def arrive_at_once(
+    stores: Sequence[Store], engines: int, world_size: int, *, max_pending: int = 4096
+) -> list[tuple[str, int, Arrival | ServiceError]]:
+    """Every rank of `engines` engines joins at once (spread over `stores`), in a
+    shuffled order; each engine's claimer finishes it. Every join's outcome."""
+    arrivals = [(f"e{engine}", rank) for engine in range(engines) for rank in range(world_size)]
+    random.Random(7).shuffle(arrivals)
+
+    async def one(index: int, engine_id: str, rank: int) -> Arrival | ServiceError:
+        store = stores[index % len(stores)]
+        try:
+            arrival = await join(
+                store, engine_id, rank, world_size=world_size, max_pending=max_pending
+            )
+        except ServiceError as refusal:
+            return refusal
+        if arrival.state == "plan":
+            await store.rendezvous_finish(engine_id, RendezvousResult(True, b"plan"), 1.0)
+        return arrival
+
+    outcomes = await asyncio.gather(
+        *(one(index, engine_id, rank) for index, (engine_id, rank) in enumerate(arrivals))
+    )
+    return [(e, r, outcome) for (e, r), outcome in zip(arrivals, outcomes, strict=True)]
+
+
+async def test_ranks_arriving_at_once_plan_each_engine_exactly_once(store: Store) -> None:
+    # More calls at once than a Redis replica has connections, one engine's ranks
+    # interleaved with the others' (the SQLite store shares transactions among them).
+    outcomes = await arrive_at_once([store], engines=40, world_size=4)
+    claims = [
+        (engine_id, arrival)
+        for engine_id, _, arrival in outcomes
+        if isinstance(arrival, Arrival) and arrival.state == "plan"
+    ]
+    assert sorted(engine_id for engine_id, _ in claims) == sorted(f"e{e}" for e in range(40))
+    for _, arrival in claims:  # the claimer gets every rank's spec, in rank order
+        assert arrival.workers == tuple(f"worker-{rank}".encode() for rank in range(4))
+    assert all(isinstance(arrival, Arrival) for _, _, arrival in outcomes)
+    assert await store.pending_engines() == 0
+    # Each engine is finished: a late unchanged rank hears the plan.
+    assert await join(store, "e3", 2, world_size=4) == Arrival(
+        "finished", result=RendezvousResult(True, b"plan")
+    )
+
+
+async def test_the_pending_limit_is_exact_for_engines_arriving_at_once(store: Store) -> None:
+    # 30 new engines at once, one rank each (none completes): exactly 5 open.
+    async def first_rank(engine: int) -> Arrival | ServiceError:
+        try:
+            return await join(store, f"e{engine}", 0, max_pending=5)
+        except ServiceError as refusal:
+            return refusal
+
+    outcomes = await asyncio.gather(*(first_rank(engine) for engine in range(30)))
+    assert [o for o in outcomes if isinstance(o, Arrival)] == [Arrival("waiting")] * 5
+    refusals = [o for o in outcomes if isinstance(o, ServiceError)]
+    assert len(refusals) == 25
+    assert {(r.code, r.details["pending"]) for r in refusals} == {("RESOURCE_EXHAUSTED", 5)}
+    assert await store.pending_engines() == 5
+
+
+async def test_a_refusal_among_ranks_arriving_at_once_is_its_own(store: Store) -> None:
+    await join(store, "e", 0, world_size=3)
+
+    async def conflicting() -> Arrival | ServiceError:
+        try:
+            return await join(store, "e", 0, world_size=3, worker=b"another spec")
+        except ServiceError as refusal:
+            return refusal
+
+    outcomes = await asyncio.gather(
+        join(store, "e", 1, world_size=3), conflicting(), join(store, "e", 2, world_size=3)
+    )
+    assert isinstance(outcomes[1], ServiceError)
+    assert outcomes[1].field == "workers[0].rank"
+    assert sorted(o.state for o in outcomes if isinstance(o, Arrival)) == ["plan", "waiting"]
+    claim = next(o for o in outcomes if isinstance(o, Arrival) and o.state == "plan")
+    assert claim.workers == (b"worker-0", b"worker-1", b"worker-2")
 
 
 # --- lease ledger ----------------------------------------------------------------------
@@ -861,6 +974,33 @@ async def test_a_finish_reaches_every_replica_once(
     await asyncio.sleep(0.1)  # room for a duplicate to show up
     assert heard == {"first": [("e", planned)], "second": [("e", planned)]}
     assert await join(first, "e", 0, now=2.0) == Arrival("finished", result=planned)
+
+
+async def test_ranks_arriving_at_once_on_two_replicas_meet(
+    replicas: tuple[RedisStore, RedisStore],
+) -> None:
+    # Each engine's ranks alternate between the replicas; more calls at once than
+    # either replica has connections.
+    outcomes = await arrive_at_once(replicas, engines=40, world_size=4)
+    claimed = sorted(
+        engine_id
+        for engine_id, _, arrival in outcomes
+        if isinstance(arrival, Arrival) and arrival.state == "plan"
+    )
+    assert claimed == sorted(f"e{engine}" for engine in range(40))
+    assert all(isinstance(arrival, Arrival) for _, _, arrival in outcomes)
+    assert await replicas[0].pending_engines() == 0
+
+    async def first_rank(engine: int) -> Arrival | ServiceError:
+        try:
+            return await join(replicas[engine % 2], f"new-{engine}", 0, max_pending=5)
+        except ServiceError as refusal:
+            return refusal
+
+    # The pending limit is one count for all replicas, exact at once.
+    opened = await asyncio.gather(*(first_rank(engine) for engine in range(30)))
+    assert sum(isinstance(outcome, Arrival) for outcome in opened) == 5
+    assert await replicas[1].pending_engines() == 5
 
 
 async def test_replicas_share_one_ledger(replicas: tuple[RedisStore, RedisStore]) -> None:

@@ -11,8 +11,9 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -244,6 +245,90 @@ async def test_a_locked_sqlite_file_is_unavailable_not_an_error(
         assert await store.leases(0.0) == ()  # readers are not blocked (WAL)
         other.execute("ROLLBACK")
         assert len(await store.grant("e", last_bytes(), gpus, 0.0, 30.0)) == 1
+    finally:
+        other.close()
+        await store.close()
+
+
+async def sqlite_join(
+    store: SQLiteStore, engine_id: str, rank: int, world_size: int = 3
+) -> Arrival | Exception:
+    try:
+        return await store.rendezvous_join(
+            engine_id=engine_id,
+            world_size=world_size,
+            template=b"template",
+            rank=rank,
+            worker=f"worker-{rank}".encode(),
+            now=0.0,
+            ttl_s=600.0,
+            max_pending=16,
+            claim_timeout_s=10.0,
+        )
+    except Exception as error:
+        return error
+
+
+async def together(store: SQLiteStore, *calls: Awaitable[Any]) -> list[Any]:
+    """Run `calls` while the store thread is held busy, so that they queue up and
+    its next hop takes them all into one transaction."""
+    release = threading.Event()
+    held = asyncio.get_running_loop().run_in_executor(store._executor, release.wait)
+    gathered = asyncio.gather(*calls, return_exceptions=True)
+    await asyncio.sleep(0.05)  # every call reaches the queue
+    assert len(store._queued) == len(calls)
+    release.set()
+    await held
+    return await gathered
+
+
+async def test_a_fault_in_a_shared_sqlite_transaction_is_its_own(tmp_path: Path) -> None:
+    """Ranks arriving together share a transaction; an operation that fails for
+    another reason than a refusal fails alone, the others are committed."""
+    store = SQLiteStore(str(tmp_path / "kvplan.sqlite3"))
+    await store.start()
+
+    def faulty(db: sqlite3.Connection) -> None:
+        db.execute("DELETE FROM rendezvous_open")  # undone: the fault is its own
+        raise RuntimeError("a fault")
+
+    try:
+        outcomes = await together(
+            store,
+            sqlite_join(store, "e", 0),
+            store._in_shared_transaction(faulty),
+            sqlite_join(store, "e", 1),
+            sqlite_join(store, "f", 0),
+        )
+        assert outcomes[0] == outcomes[2] == outcomes[3] == Arrival("waiting")
+        assert isinstance(outcomes[1], RuntimeError)
+        assert await store.rendezvous_ranks("e") == (0, 1)
+        assert await store.pending_engines() == 2
+    finally:
+        await store.close()
+
+
+async def test_an_outage_fails_every_sqlite_operation_of_a_shared_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sqlite_store, "BUSY_TIMEOUT_S", 0.05)
+    path = str(tmp_path / "kvplan.sqlite3")
+    store = SQLiteStore(path)
+    await store.start()
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+        outcomes = await together(store, *(sqlite_join(store, "e", rank) for rank in range(3)))
+        assert all(isinstance(outcome, StoreUnavailable) for outcome in outcomes), outcomes
+        other.execute("ROLLBACK")
+        assert await store.pending_engines() == 0  # nothing of them was written
+        # The ranks retry and meet, in one transaction.
+        outcomes = await together(store, *(sqlite_join(store, "e", rank) for rank in range(3)))
+        assert sorted(o.state for o in outcomes if isinstance(o, Arrival)) == [
+            "plan",
+            "waiting",
+            "waiting",
+        ]
     finally:
         other.close()
         await store.close()
