@@ -351,7 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
         "file", nargs="?", help="PlanRequest in the proto JSON mapping (.yaml/.yml/.json)"
     )
     plan.add_argument("--json", action="store_true", help="print the PlanResponse as JSON")
-    plan.add_argument("--gpu", help="device name for workers without a device size, e.g. H100-80GB")
+    plan.add_argument(
+        "--gpu",
+        help="device name for workers without a device size, e.g. H100-80GB; with --model "
+        "also a size (96GiB)",
+    )
     plan.add_argument(
         "--gpu-memory", type=parse_size, help="device total memory: bytes, 80GiB, 81559MiB"
     )

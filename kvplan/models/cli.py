@@ -272,7 +272,8 @@ def gpu_or_size(text: str) -> GpuModel:
 
 
 def resolve_gpu(name: str | None) -> GpuModel | None:
-    return lookup_gpu(name) if name else None
+    """`--gpu` of `plan --model`: a catalog name or a size, like `capacity --gpu`."""
+    return gpu_or_size(name) if name else None
 
 
 def capacity_rows(

@@ -276,3 +276,14 @@ def test_model_plans_with_a_release(
     assert json.loads(capsys.readouterr().out)
     assert main([*args, "vllm-0.99"]) == 2
     assert "unknown engine_version 'vllm-0.99'" in capsys.readouterr().err
+
+
+def test_plan_gpu_takes_a_size_like_capacity(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--max-model-len", "8k", "--json"]
+    assert main([*args, "--gpu", "96GiB", "--non-kv-bytes", "16GiB"]) == 0
+    sized = json.loads(capsys.readouterr().out)
+    assert main([*args, "--gpu-memory", str(96 << 30), "--non-kv-bytes", "16GiB"]) == 0
+    exact = json.loads(capsys.readouterr().out)
+    assert sized["capacity"]["num_blocks"] == exact["capacity"]["num_blocks"] > 0
+    assert main([*args, "--gpu", "H999"]) == 2
+    assert "unknown GPU 'H999'" in capsys.readouterr().err

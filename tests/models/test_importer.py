@@ -427,6 +427,12 @@ def test_deepseek_fp8_and_awq_int4_weights(tmp_path: Path) -> None:
     assert awq.bytes_total == int(
         params.embedding * 2 + (params.total - params.embedding) * (0.5 + 4 / 128)
     )
+    raw["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    gptq = estimate_weights(HFConfig(raw), layers, 8)
+    assert (gptq.quantization, gptq.bytes_total) == ("gptq-int4", awq.bytes_total)
+    raw["quantization_config"] = {"quant_method": "gptq", "bits": 8}
+    with pytest.raises(ModelConfigError, match="only 4-bit gptq"):
+        estimate_weights(HFConfig(raw), layers, 8)
     raw["quantization_config"] = {
         "quant_method": "compressed-tensors",
         "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 128}}},
