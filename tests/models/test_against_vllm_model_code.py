@@ -127,6 +127,19 @@ def vllm_specs(
         cases.append(
             {"path": str(directory), "tp": tp, "max_model_len": length, "kv_cache_dtype": kv_dtype}
         )
+    # vLLM's Llama layers with `is_causal: false` (encoder-only attention): no spec at all
+    bidirectional = json.loads((MODELS / "llama-3.1-8b" / "config.json").read_text())
+    bidirectional["is_causal"] = False
+    (root / "bidirectional").mkdir()
+    (root / "bidirectional" / "config.json").write_text(json.dumps(bidirectional))
+    cases.append(
+        {
+            "path": str(root / "bidirectional"),
+            "tp": 1,
+            "max_model_len": 4096,
+            "kv_cache_dtype": "auto",
+        }
+    )
     port = 29500 + os.getpid() % 1000 + (0 if engine_version == "vllm-0.33" else 1000)
     result = subprocess.run(
         [str(venv / "bin" / "python"), str(SIDE)],
@@ -146,8 +159,9 @@ def test_importer_layers_match_vllm_model_code(
     vllm_specs: tuple[str, list[list[list[object]]]], tmp_path: Path
 ) -> None:
     engine_version, specs = vllm_specs
-    assert len(specs) == len(CASES)
-    for (model, tp, kv_dtype), theirs in zip(CASES, specs, strict=True):
+    assert len(specs) == len(CASES) + 1
+    assert specs[-1] == [], "is_causal false: vLLM registers no cache layer"
+    for (model, tp, kv_dtype), theirs in zip(CASES, specs[:-1], strict=True):
         layers = import_layers(
             load_config(str(MODELS / model)),
             Deployment(tensor_parallel_size=tp, kv_cache_dtype=kv_dtype),

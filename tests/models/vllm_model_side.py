@@ -114,6 +114,7 @@ def install_stand_ins() -> None:
         "attention.attention",
         "attention.chunked_local_attention",
         "attention.cross_attention",
+        "attention.encoder_only_attention",
         "attention.static_sink_attention",
         "mamba.abstract",
     ):
