@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 from pathlib import Path
 
@@ -140,7 +141,9 @@ def vllm_specs(
             "kv_cache_dtype": "auto",
         }
     )
-    port = 29500 + os.getpid() % 1000 + (0 if engine_version == "vllm-0.33" else 1000)
+    with socket.socket() as probe:  # a free loopback port for the one-rank gloo group
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     result = subprocess.run(
         [str(venv / "bin" / "python"), str(SIDE)],
         input=json.dumps({"port": port, "cases": cases}),
