@@ -4,10 +4,9 @@ the release's CPU venv) and every cache layer's `get_kv_cache_spec` is compared 
 importer's layer for the same tensor-parallel size and KV cache dtype: kind, KV heads
 per rank, head size, dtype, window / chunk, Mamba state shapes and dtypes, in order.
 
-Not covered here, and why: DeepSeek V3 (vLLM's MLA layer imports a FlashAttention
-prefill helper the CPU build lacks) and Qwen3-Next (its model module imports
-`compressed_tensors`, which the CPU venvs do not install); their pages and state shapes
-are checked against vLLM's spec classes and state calculators in test_against_vllm.py.
+Not covered here, and why: Qwen3-Next (its model module imports `compressed_tensors`,
+which the CPU venvs do not install); its pages and GDN state shapes are checked against
+vLLM's spec classes and state calculators in test_against_vllm.py.
 """
 
 from __future__ import annotations
@@ -46,6 +45,8 @@ CASES: tuple[tuple[str, int, str], ...] = (
     ("gpt-oss-120b", 1, "auto"),
     ("gpt-oss-120b", 8, "fp8"),
     ("llama-4-defaults", 8, "auto"),
+    ("deepseek-v3", 8, "auto"),  # MLA: one latent head on every rank
+    ("deepseek-v3", 2, "fp8"),
     ("jamba-defaults", 2, "auto"),
     ("nemotron-3-nano-30b-a3b", 4, "auto"),  # 2 KV heads replicated over 4 ranks
     ("whisper-small", 2, "auto"),
@@ -64,6 +65,7 @@ _KINDS = {
     "sliding_window": "SlidingWindowSpec",
     "chunked_local_attention": "ChunkedLocalAttentionSpec",
     "cross_attention": "CrossAttentionSpec",
+    "mla_attention": "MLAAttentionSpec",
     "mamba": "MambaSpec",
 }
 
@@ -184,4 +186,4 @@ def test_every_shipped_config_is_compared_somewhere() -> None:
     """A config not built here must be named (with the reason) in the module docstring."""
     built = {model for model, _, _ in CASES}
     shipped = {path.name for path in MODELS.iterdir() if path.is_dir()}
-    assert shipped - built == {"deepseek-v3", "qwen3-next-80b-a3b"}
+    assert shipped - built == {"qwen3-next-80b-a3b"}

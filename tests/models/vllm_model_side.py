@@ -3,9 +3,10 @@ config directories and prints each cache layer's spec as vLLM's layers report it
 (`get_kv_cache_spec`, the call the GPU model runner makes).
 
 Stand-ins, at the hardware boundary only: the CPU build has no GPU platform, so
-attention-backend selection (a kernel choice) answers a backend with FlashAttention's
-block declaration (multiples of 16) and no kernels, and MoE expert layers (whose kernel
-oracle needs a GPU platform; experts keep no cache) are empty modules. Tensor
+attention-backend selection (a kernel choice, MLA's prefill kernel included) answers a
+backend with FlashAttention's block declaration (multiples of 16) and no kernels, and MoE
+expert layers (whose kernel oracle needs a GPU platform; experts keep no cache) are
+empty modules. Tensor
 parallelism is the model-parallel group's world size: the model code reads it to shard
 heads and states, and nothing communicates on the meta device.
 
@@ -46,6 +47,7 @@ from vllm.v1.attention.backend import AttentionMetadataBuilder, MultipleOf
 
 class NoKernels:
     supports_quant_query_input = False
+    dcp_world_size = 1  # no decode context parallelism
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         pass
@@ -112,6 +114,7 @@ def install_stand_ins() -> None:
     registry._run_in_subprocess = lambda inspect: inspect()
     for name in (
         "attention.attention",
+        "attention.mla_attention",
         "attention.chunked_local_attention",
         "attention.cross_attention",
         "attention.encoder_only_attention",
@@ -121,7 +124,9 @@ def install_stand_ins() -> None:
         module = importlib.import_module("vllm.model_executor.layers." + name)
         if hasattr(module, "get_attn_backend"):
             setattr(module, "get_attn_backend", _backend)  # noqa: B010
-    for name in ("gpt_oss", "jamba", "llama4", "nemotron_h", "qwen3_moe", "mixtral"):
+    mla = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
+    setattr(mla, "get_mla_prefill_backend", lambda *args, **kwargs: NoKernels)  # noqa: B010
+    for name in ("gpt_oss", "jamba", "llama4", "nemotron_h", "qwen3_moe", "mixtral", "deepseek_v2"):
         module = importlib.import_module("vllm.model_executor.models." + name)
         if hasattr(module, "FusedMoEFactory"):
             setattr(module, "FusedMoEFactory", _no_experts)  # noqa: B010
