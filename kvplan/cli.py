@@ -183,8 +183,16 @@ def _plan_model_command(args: argparse.Namespace) -> int:
     from kvplan.core.errors import PlanningError
     from kvplan.gpus import UnknownGpu
     from kvplan.models import ModelConfigError, load_config
-    from kvplan.models.cli import format_capacity, options_from_args, plan_model, resolve_gpu
+    from kvplan.models.cli import (
+        format_capacity,
+        non_kv_lines,
+        options_from_args,
+        plan_built,
+        resolve_gpu,
+    )
+    from kvplan.models.request import ModelPlanInputs, build_plan_request
 
+    inputs: ModelPlanInputs | None = None
     try:
         config = load_config(args.model)
         gpu = resolve_gpu(args.gpu) if args.gpu_memory is None else None
@@ -204,18 +212,24 @@ def _plan_model_command(args: argparse.Namespace) -> int:
 
             return plan_from_proto(request)
 
-        response, summary, inputs = plan_model(config, options, planner)
+        request, inputs = build_plan_request(config, options)
+        response, summary, inputs = plan_built(request, inputs, planner)
     except (ModelConfigError, UnknownGpu) as error:
         print(
             f"error: {error.args[0] if isinstance(error, UnknownGpu) else error}", file=sys.stderr
         )
         return 2
-    except PlanningError as error:
-        where = f"{error.field}: " if error.field else ""
-        print(f"error: {where}{error.message}", file=sys.stderr)
-        return EXIT_CODES.get(str(error.code), 1)
-    except RemoteError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (PlanningError, RemoteError) as error:
+        if isinstance(error, PlanningError):
+            where = f"{error.field}: " if error.field else ""
+            print(f"error: {where}{error.message}", file=sys.stderr)
+        else:
+            print(f"error: {error}", file=sys.stderr)
+        if inputs is not None:
+            print("non-KV memory per worker the plan assumed:", file=sys.stderr)
+            print("\n".join(non_kv_lines(inputs)), file=sys.stderr)
+        if isinstance(error, PlanningError):
+            return EXIT_CODES.get(str(error.code), 1)
         return error.exit_code
     if args.json:
         out = json_format.MessageToDict(response, preserving_proto_field_name=True)
@@ -337,7 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
         "file", nargs="?", help="PlanRequest in the proto JSON mapping (.yaml/.yml/.json)"
     )
     plan.add_argument("--json", action="store_true", help="print the PlanResponse as JSON")
-    plan.add_argument("--gpu", help="device name for workers without a device size, e.g. H100-80GB")
+    plan.add_argument(
+        "--gpu",
+        help="device name for workers without a device size, e.g. H100-80GB; with --model "
+        "also a size (96GiB)",
+    )
     plan.add_argument(
         "--gpu-memory", type=parse_size, help="device total memory: bytes, 80GiB, 81559MiB"
     )

@@ -171,7 +171,12 @@ def format_capacity(summary: CapacitySummary, inputs: ModelPlanInputs, gpu: GpuM
         lines.append(f"  note: {note}")
     lines.append("  exact (from the config and the planning rules):")
     for group in summary.groups:
-        draft = " (drafter)" if group.is_draft else ""
+        draft = ""
+        if group.draft_layers and group.draft_layers < group.layers:
+            count = group.draft_layers
+            draft = f" (draft group: {count} drafter layer{'s' if count > 1 else ''} among them)"
+        elif group.is_draft:
+            draft = " (draft group: the drafter's layers)"
         head = f"    group {group.group_id} {group.kind}{draft}: {group.layers} layers, "
         if group.per_token_bytes is None:
             lines.append(head + f"state page {group.page_size_bytes:,} B per layer per request")
@@ -182,7 +187,7 @@ def format_capacity(summary: CapacitySummary, inputs: ModelPlanInputs, gpu: GpuM
             f"(page {group.page_size_bytes:,} B per layer / {group.block_size} tokens)"
         )
     state = (
-        f" + {summary.state_bytes_per_request:,} B of state"
+        f" + {summary.state_bytes_per_request:,} B of state per request"
         if summary.state_bytes_per_request
         else ""
     )
@@ -201,26 +206,28 @@ def format_capacity(summary: CapacitySummary, inputs: ModelPlanInputs, gpu: GpuM
     if summary.auto_fit_max_model_len is not None:
         lines.append(f"    auto-fit max_model_len: {summary.auto_fit_max_model_len:,} tokens")
     lines.append("  estimated (per worker):")
-    if inputs.non_kv_given:
-        lines.append(f"    non-KV memory (given): {_gib(inputs.non_kv_bytes)}")
-    else:
-        assert inputs.weights is not None and inputs.overhead is not None
-        weights = inputs.weights
-        lines.append(
-            f"    weights: {_gib(weights.bytes_per_worker)} ({weights.params.total / 1e9:,.2f}B "
-            f"params, {weights.quantization if weights.quantization != 'none' else 'unquantized'})"
-        )
-        overhead = inputs.overhead
-        lines.append(
-            f"    activations + runtime: {_gib(overhead.total_bytes)} ({overhead.formula}); "
-            "override with --non-kv-bytes"
-        )
+    lines += non_kv_lines(inputs)
     if gpu is not None:
         kind = "driver figure" if gpu.measured else "vendor capacity, not the driver's figure"
         lines.append(
             f"  device: {gpu.name} {gpu.total_memory_bytes:,} B ({kind}; source: {gpu.source})"
         )
     return "\n".join(lines)
+
+
+def non_kv_lines(inputs: ModelPlanInputs) -> list[str]:
+    """The non-KV memory per worker: given, or the estimate with its formula."""
+    if inputs.non_kv_given:
+        return [f"    non-KV memory (given): {_gib(inputs.non_kv_bytes)}"]
+    assert inputs.weights is not None and inputs.overhead is not None
+    weights, overhead = inputs.weights, inputs.overhead
+    quantization = weights.quantization if weights.quantization != "none" else "unquantized"
+    return [
+        f"    weights: {_gib(weights.bytes_per_worker)} ({weights.params.total / 1e9:,.2f}B "
+        f"params, {quantization})",
+        f"    activations + runtime: {_gib(overhead.total_bytes)} ({overhead.formula}); "
+        "override with --non-kv-bytes",
+    ]
 
 
 Planner = Callable[[plan_pb2.PlanRequest], plan_pb2.PlanResponse]
@@ -230,6 +237,13 @@ def plan_model(
     config: HFConfig, options: ModelPlanOptions, planner: Planner
 ) -> tuple[plan_pb2.PlanResponse, CapacitySummary, ModelPlanInputs]:
     request, inputs = build_plan_request(config, options)
+    return plan_built(request, inputs, planner)
+
+
+def plan_built(
+    request: plan_pb2.PlanRequest, inputs: ModelPlanInputs, planner: Planner
+) -> tuple[plan_pb2.PlanResponse, CapacitySummary, ModelPlanInputs]:
+    """Plan a request `build_plan_request` built, with its auto-fit length."""
     response = planner(request)
     fitted: plan_pb2.PlanResponse | None = None
     if request.options.max_model_len != -1:
@@ -238,7 +252,8 @@ def plan_model(
         except Exception:
             fitted = None
     pages = state_pages_per_request(inputs.layers)
-    return response, summarize(response, fitted, pages), inputs
+    drafts = frozenset(layer.name for layer in inputs.layers.layers if layer.is_draft)
+    return response, summarize(response, fitted, pages, drafts), inputs
 
 
 def gpu_or_size(text: str) -> GpuModel:
@@ -257,7 +272,8 @@ def gpu_or_size(text: str) -> GpuModel:
 
 
 def resolve_gpu(name: str | None) -> GpuModel | None:
-    return lookup_gpu(name) if name else None
+    """`--gpu` of `plan --model`: a catalog name or a size, like `capacity --gpu`."""
+    return gpu_or_size(name) if name else None
 
 
 def capacity_rows(
@@ -277,12 +293,13 @@ def capacity_rows(
             step = replace(
                 options, tensor_parallel_size=tp, gpu_memory_bytes=gpu.total_memory_bytes
             )
-            row: dict[str, Any] = {"gpu": gpu.name, "tp": tp}
+            row: dict[str, Any] = {"gpu": gpu.name, "tp": tp, "status": "ok"}
             try:
-                _, summary, inputs = plan_model(config, step, planner)
+                request, inputs = build_plan_request(config, step)
+                # Known before planning: a point that does not fit still shows it.
+                row["non_kv_bytes_per_worker"] = inputs.non_kv_bytes
+                _, summary, inputs = plan_built(request, inputs, planner)
                 row.update(
-                    status="ok",
-                    non_kv_bytes_per_worker=inputs.non_kv_bytes,
                     kv_budget_bytes=summary.available_kv_bytes,
                     kv_bytes_per_token=summary.kv_bytes_per_token,
                     state_bytes_per_request=summary.state_bytes_per_request,
@@ -314,7 +331,7 @@ _COLUMNS = (
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     def cell(row: dict[str, Any], key: str) -> str:
-        if row.get("status") == "error" and key not in ("gpu", "tp"):
+        if row.get("status") == "error" and key not in row:
             return "-"
         value = row.get(key)
         if key.endswith("bytes") or key.endswith("_per_worker"):

@@ -686,6 +686,19 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
 }
 ENCODER_DECODER = {"WhisperForConditionalGeneration"}
 _MLA = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+# Families whose vLLM decoder layers read `is_causal` (false: bidirectional attention,
+# vLLM's EncoderOnlyAttention, which registers no cache layer).
+_READS_IS_CAUSAL = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+}
 _MTP_CAPABLE = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Qwen3NextForCausalLM"}
 
 
@@ -797,6 +810,13 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
         )
     architecture = architecture_of(config)
     text = text_config(config, architecture)
+    if architecture in _READS_IS_CAUSAL and not text.flag("is_causal", True):
+        raise UnsupportedModel(
+            "false makes every attention layer bidirectional (encoder-only), and vLLM keeps "
+            "no KV cache for encoder-only attention: there is no KV capacity to plan (the "
+            "memory is weights and activations only)",
+            text._where("is_causal"),
+        )
     build, _ = ARCHITECTURES[architecture]
     speculative = deployment.speculative
     if speculative is not None:

@@ -202,8 +202,9 @@ class GroupCapacity:
     block_size: int
     page_size_bytes: int
     per_token_bytes: int | None  # None for state (Mamba-style) groups: per request
-    is_draft: bool
+    is_draft: bool  # a draft group: it holds at least one drafter layer
     window: int | None = None  # sliding window / attention chunk: tokens held at most
+    draft_layers: int = 0  # how many of its layers are the drafter's
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,7 @@ def summarize(
     response: plan_pb2.PlanResponse,
     auto_fit: plan_pb2.PlanResponse | None = None,
     state_pages_per_request: int = 1,
+    draft_layer_names: frozenset[str] = frozenset(),
 ) -> CapacitySummary:
     groups: list[GroupCapacity] = []
     per_token = per_request = 0
@@ -267,6 +269,7 @@ def summarize(
                 token_bytes,
                 group.is_draft,
                 window,
+                sum(1 for name in group.layer_names if name in draft_layer_names),
             )
         )
     worker = response.workers[0]

@@ -53,7 +53,24 @@ def test_estimated_non_kv_is_stated(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*args, "--speculative", "mtp:1", "--max-model-len", "32k"]) == 0
     out = capsys.readouterr().out
     assert "weights:" in out and "fp8" in out and "activation_peak =" in out
-    assert "mla_attention (drafter): 62 layers, 71,424 B per token" in out
+    # 61 target MLA layers and the MTP layer share one (draft) group: 62 x 1,152 B
+    assert "mla_attention (draft group: 1 drafter layer among them): 62 layers, " in out
+    assert "62 layers, 71,424 B per token" in out
+
+
+def test_a_point_that_does_not_fit_states_the_non_kv_estimate(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # DeepSeek V3 at TP 2 on H100s: ~313 GiB of fp8 weights per rank cannot fit.
+    args = ["plan", "--model", str(MODELS / "deepseek-v3"), "--gpu", "H100", "--tp", "2"]
+    assert main([*args, "--max-model-len", "4k"]) == 4
+    err = capsys.readouterr().err
+    assert "No available memory for the cache blocks" in err
+    assert "non-KV memory per worker the plan assumed:" in err and "weights: 313." in err
+    sweep = ["capacity", "--model", str(MODELS / "deepseek-v3"), "--gpu", "H100"]
+    assert main([*sweep, "--tp", "2", "--json", "--max-model-len", "4k"]) == 4
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["status"] == "error" and row["non_kv_bytes_per_worker"] > 313 * 2**30
 
 
 def test_capacity_sweep_table_json_csv_chart(
@@ -259,3 +276,14 @@ def test_model_plans_with_a_release(
     assert json.loads(capsys.readouterr().out)
     assert main([*args, "vllm-0.99"]) == 2
     assert "unknown engine_version 'vllm-0.99'" in capsys.readouterr().err
+
+
+def test_plan_gpu_takes_a_size_like_capacity(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--max-model-len", "8k", "--json"]
+    assert main([*args, "--gpu", "96GiB", "--non-kv-bytes", "16GiB"]) == 0
+    sized = json.loads(capsys.readouterr().out)
+    assert main([*args, "--gpu-memory", str(96 << 30), "--non-kv-bytes", "16GiB"]) == 0
+    exact = json.loads(capsys.readouterr().out)
+    assert sized["capacity"]["num_blocks"] == exact["capacity"]["num_blocks"] > 0
+    assert main([*args, "--gpu", "H999"]) == 2
+    assert "unknown GPU 'H999'" in capsys.readouterr().err

@@ -384,6 +384,22 @@ def test_uninterpretable_field_is_an_error_with_its_path(tmp_path: Path) -> None
         import_layers(HFConfig(gemma))
 
 
+def test_bidirectional_is_causal_false_keeps_no_kv_cache() -> None:
+    """vLLM's Llama / Qwen2 / Qwen3 / Gemma 3 / DeepSeek layers turn `is_causal: false`
+    into encoder-only attention, which registers no cache layer (checked against vLLM's
+    model code in test_against_vllm_model_code.py); Qwen3-MoE's ignore the field."""
+    raw = json.loads((MODELS / "llama-3.1-8b" / "config.json").read_text())
+    raw["is_causal"] = False
+    with pytest.raises(UnsupportedModel, match=r"is_causal: false .* no KV cache"):
+        import_layers(HFConfig(raw))
+    raw["is_causal"] = "no"
+    with pytest.raises(ModelConfigError, match="is_causal: expected true or false"):
+        import_layers(HFConfig(raw))
+    moe = json.loads((MODELS / "qwen3-30b-a3b-base" / "config.json").read_text())
+    moe["is_causal"] = False
+    assert len(import_layers(HFConfig(moe)).layers) == 48
+
+
 def test_model_id_from_the_local_hf_cache(tmp_path: Path) -> None:
     snapshot = tmp_path / "models--meta-llama--Llama-3.1-8B-Instruct" / "snapshots" / "abc"
     snapshot.mkdir(parents=True)
@@ -427,6 +443,12 @@ def test_deepseek_fp8_and_awq_int4_weights(tmp_path: Path) -> None:
     assert awq.bytes_total == int(
         params.embedding * 2 + (params.total - params.embedding) * (0.5 + 4 / 128)
     )
+    raw["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    gptq = estimate_weights(HFConfig(raw), layers, 8)
+    assert (gptq.quantization, gptq.bytes_total) == ("gptq-int4", awq.bytes_total)
+    raw["quantization_config"] = {"quant_method": "gptq", "bits": 8}
+    with pytest.raises(ModelConfigError, match="only 4-bit gptq"):
+        estimate_weights(HFConfig(raw), layers, 8)
     raw["quantization_config"] = {
         "quant_method": "compressed-tensors",
         "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 128}}},

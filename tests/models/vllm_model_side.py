@@ -1,0 +1,200 @@
+"""Runs in a vLLM CPU venv: builds vLLM's own model classes on the meta device for
+config directories and prints each cache layer's spec as vLLM's layers report it
+(`get_kv_cache_spec`, the call the GPU model runner makes).
+
+Stand-ins, at the hardware boundary only: the CPU build has no GPU platform, so
+attention-backend selection (a kernel choice, MLA's prefill kernel included) answers a
+backend with FlashAttention's block declaration (multiples of 16) and no kernels, and MoE
+expert layers (whose kernel oracle needs a GPU platform; experts keep no cache) are
+empty modules. Tensor
+parallelism is the model-parallel group's world size: the model code reads it to shard
+heads and states, and nothing communicates on the meta device.
+
+stdin: {"cases": [{"path": DIR, "tp": N, "max_model_len": L, "kv_cache_dtype": D}]}
+stdout (last line): {"specs": [[[name, kind, fields...], ...] per case]}
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+import torch
+import vllm.config
+from torch import nn
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    VllmConfig,
+)
+from vllm.config.vllm import get_layers_from_vllm_config
+from vllm.distributed import (
+    init_distributed_environment,
+    initialize_model_parallel,
+    parallel_state,
+)
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.model_loader.utils import initialize_model
+from vllm.v1.attention.backend import AttentionMetadataBuilder, MultipleOf
+
+
+class NoKernels:
+    supports_quant_query_input = False
+    dcp_world_size = 1  # no decode context parallelism
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> None:
+        return None
+
+
+class NoBuilder(AttentionMetadataBuilder):  # type: ignore[misc]
+    pass
+
+
+class FlashAttentionShapedBackend:
+    """Backend metadata only: FlashAttention's name and block rule, no kernels."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASH_ATTN"
+
+    @staticmethod
+    def is_mla() -> bool:
+        return False
+
+    @staticmethod
+    def supports_alibi_sqrt() -> bool:
+        return False
+
+    @staticmethod
+    def get_impl_cls() -> type:
+        return NoKernels
+
+    @staticmethod
+    def get_builder_cls() -> type:
+        return NoBuilder
+
+    @staticmethod
+    def customize_spec(spec: object, *args: object, **kwargs: object) -> object:
+        return spec
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(*args: object, **kwargs: object) -> list[object]:
+        return [MultipleOf(16)]
+
+
+def _backend(*args: object, **kwargs: object) -> type:
+    return FlashAttentionShapedBackend
+
+
+class NoExperts(nn.Module):  # type: ignore[misc]
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__()
+
+
+def _no_experts(*args: object, **kwargs: object) -> nn.Module:
+    return NoExperts()
+
+
+def install_stand_ins() -> None:
+    # vLLM inspects a model class in a subprocess so that the parent never initializes
+    # CUDA; there is no CUDA here, and one vLLM import per architecture would dominate
+    # the run, so the inspection runs in this process.
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda inspect: inspect()
+    for name in (
+        "attention.attention",
+        "attention.mla_attention",
+        "attention.chunked_local_attention",
+        "attention.cross_attention",
+        "attention.encoder_only_attention",
+        "attention.static_sink_attention",
+        "mamba.abstract",
+    ):
+        module = importlib.import_module("vllm.model_executor.layers." + name)
+        if hasattr(module, "get_attn_backend"):
+            setattr(module, "get_attn_backend", _backend)  # noqa: B010
+    mla = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
+    setattr(mla, "get_mla_prefill_backend", lambda *args, **kwargs: NoKernels)  # noqa: B010
+    for name in ("gpt_oss", "jamba", "llama4", "nemotron_h", "qwen3_moe", "mixtral", "deepseek_v2"):
+        module = importlib.import_module("vllm.model_executor.models." + name)
+        if hasattr(module, "FusedMoEFactory"):
+            setattr(module, "FusedMoEFactory", _no_experts)  # noqa: B010
+
+
+def spec_row(name: str, spec: object) -> list[object]:
+    kind = type(spec).__name__
+    row: list[object] = [name, kind]
+    if kind == "MambaSpec":
+        row.append([list(shape) for shape in spec.shapes])  # type: ignore[attr-defined]
+        row.append([str(dtype).removeprefix("torch.") for dtype in spec.dtypes])  # type: ignore[attr-defined]
+        return row
+    row += [
+        spec.num_kv_heads,  # type: ignore[attr-defined]
+        spec.head_size,  # type: ignore[attr-defined]
+        str(spec.dtype).removeprefix("torch."),  # type: ignore[attr-defined]
+        getattr(spec, "sliding_window", None),
+        getattr(spec, "attention_chunk_size", None),
+    ]
+    return row
+
+
+def specs_of(case: dict[str, object]) -> list[list[object]]:
+    model_config = ModelConfig(
+        model=str(case["path"]),
+        tokenizer=str(case["path"]),
+        skip_tokenizer_init=True,
+        dtype="auto",
+        max_model_len=int(case["max_model_len"]),  # type: ignore[call-overload]
+    )
+    config = VllmConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=16, cache_dtype=str(case["kv_cache_dtype"])),
+        parallel_config=ParallelConfig(),
+        load_config=LoadConfig(load_format="dummy"),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    with vllm.config.set_current_vllm_config(config):
+        if parallel_state._TP is None:
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                distributed_init_method=f"tcp://127.0.0.1:{case['port']}",
+                backend="gloo",
+            )
+            initialize_model_parallel(1, 1)
+            if getattr(parallel_state, "_EP", None) is None:
+                # Created only when the first model has experts; one rank either way.
+                parallel_state._EP = parallel_state._TP
+        parallel_state._TP.world_size = int(case["tp"])  # type: ignore[call-overload]
+        with torch.device("meta"):
+            initialize_model(config)
+    layers = get_layers_from_vllm_config(config, AttentionLayerBase)
+    rows = []
+    for name, layer in layers.items():
+        spec = layer.get_kv_cache_spec(config)
+        if spec is not None:
+            rows.append(spec_row(name, spec))
+    return rows
+
+
+def main() -> None:
+    payload = json.load(sys.stdin)
+    install_stand_ins()
+    cases = [{**case, "port": payload["port"]} for case in payload["cases"]]
+    print(json.dumps({"specs": [specs_of(case) for case in cases]}))
+
+
+if __name__ == "__main__":
+    main()
