@@ -34,6 +34,7 @@ from kvplan.server.metrics import Metrics
 from kvplan.server.probes import DeviceMemory, DeviceProbe
 from kvplan.server.rendezvous import Rendezvous
 from kvplan.server.store import Store, StoreUnavailable
+from kvplan.server.store.bodies import PlanParts, SharedBodies
 from kvplan.v1 import plan_pb2, service_pb2, service_pb2_grpc
 
 log = logging.getLogger("kvplan.server")
@@ -50,8 +51,9 @@ class PlanCache:
     """Bounded, content-addressed plans: plan id -> serialized response, engine -> plan id.
 
     Plans are kept serialized: a cache hit goes out as these bytes with no
-    re-serialization, and the bytes take less than half the memory of the message
-    (about 33 KB against 80 KB for 8 workers x 65 layers).
+    re-serialization. Each distinct body is held once (store/bodies.py): a fleet of
+    engines of one model costs a 60-byte head per engine, not a 35 KB plan
+    (8 workers x 65 layers) each.
 
     It also remembers the plan id of recent requests by their bytes' digest:
     `plan_id_for` copies and re-sorts the request (about 180 µs for 8 workers x
@@ -61,11 +63,14 @@ class PlanCache:
 
     def __init__(self, capacity: int, max_bytes: int = 32 * 1024 * 1024) -> None:
         self._capacity = capacity
-        # Plans of large engines are big: bound the bytes too, so the server's memory
-        # stays flat whatever engines it sees (the newest plan is always kept).
+        # Plans of large engines are big: bound the bytes too (heads and distinct
+        # bodies), so the server's memory stays flat whatever engines it sees (the
+        # newest plan is always kept).
         self._max_bytes = max_bytes
-        self._bytes = 0
-        self._plans: OrderedDict[str, tuple[str, bytes]] = OrderedDict()  # id -> engine, plan
+        self._head_bytes = 0
+        # plan id -> engine id, head, body digest (least recently used first)
+        self._plans: OrderedDict[str, tuple[str, bytes, bytes]] = OrderedDict()
+        self._bodies = SharedBodies()
         self._by_engine: dict[str, str] = {}
         self._plan_ids: OrderedDict[bytes, str] = OrderedDict()  # request digest -> plan id
 
@@ -100,7 +105,7 @@ class PlanCache:
         if entry is None:
             return None
         self._plans.move_to_end(plan_id)
-        return entry[1]
+        return entry[1] + self._bodies.body(entry[2])
 
     def for_engine(self, engine_id: str) -> bytes | None:
         plan_id = self._by_engine.get(engine_id)
@@ -112,29 +117,45 @@ class PlanCache:
             self._by_engine[engine_id] = plan_id
 
     def put(self, plan: plan_pb2.PlanResponse, *, name_engine: bool = True) -> bytes:
-        """Keep `plan`; returns its serialization. `name_engine=False`: not yet the
-        engine's plan (its leases are not granted yet; see `name_engine`)."""
+        """Keep `plan`; returns its serialization (see `keep`)."""
         serialized = plan.SerializeToString()
-        previous = self._plans.get(plan.plan_id)
-        if previous is not None:
-            self._bytes -= len(previous[1])
-        self._plans[plan.plan_id] = (plan.engine_id, serialized)
-        self._bytes += len(serialized)
-        self._plans.move_to_end(plan.plan_id)
-        if plan.engine_id and name_engine:
-            self._by_engine[plan.engine_id] = plan.plan_id
-        while len(self._plans) > 1 and (
-            len(self._plans) > self._capacity or self._bytes > self._max_bytes
-        ):
-            evicted_id, (evicted_engine, evicted) = self._plans.popitem(last=False)
-            self._bytes -= len(evicted)
-            if self._by_engine.get(evicted_engine) == evicted_id:
-                del self._by_engine[evicted_engine]
+        parts = PlanParts.of(plan.plan_id, plan.engine_id, serialized)
+        self.keep(plan.plan_id, plan.engine_id, parts, name_engine=name_engine)
         return serialized
+
+    def keep(
+        self, plan_id: str, engine_id: str, parts: PlanParts, *, name_engine: bool = True
+    ) -> None:
+        """Keep a serialized plan. `name_engine=False`: not yet the engine's plan
+        (its leases are not granted yet; see `name_engine`)."""
+        self._bodies.hold(parts)  # before a replaced plan lets go of an equal body
+        self._drop(plan_id)
+        self._plans[plan_id] = (engine_id, parts.head, parts.digest)
+        self._head_bytes += len(parts.head)
+        if engine_id and name_engine:
+            self._by_engine[engine_id] = plan_id
+        while len(self._plans) > 1 and (
+            len(self._plans) > self._capacity or self.size_bytes > self._max_bytes
+        ):
+            self._drop(next(iter(self._plans)))
+
+    def _drop(self, plan_id: str) -> None:
+        entry = self._plans.pop(plan_id, None)
+        if entry is None:
+            return
+        engine_id, head, body_digest = entry
+        self._head_bytes -= len(head)
+        self._bodies.release(body_digest)
+        if self._by_engine.get(engine_id) == plan_id:
+            del self._by_engine[engine_id]
 
     @property
     def size_bytes(self) -> int:
-        return self._bytes
+        return self._head_bytes + self._bodies.size_bytes
+
+    @property
+    def distinct_bodies(self) -> int:
+        return len(self._bodies)
 
 
 def _only_rank(plan: plan_pb2.PlanResponse, rank: int) -> plan_pb2.PlanResponse:
@@ -587,13 +608,15 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             response = await asyncio.to_thread(plan_from_proto, request, plan_id=plan_id)
         else:
             response = plan_from_proto(request, plan_id=plan_id)
-        serialized = self._cache.put(response, name_engine=publish)
+        serialized = response.SerializeToString()
+        parts = PlanParts.of(plan_id, response.engine_id, serialized)
+        self._cache.keep(plan_id, response.engine_id, parts, name_engine=publish)
         self._record(request, response, time.perf_counter() - start)
         if publish:
-            await self._persist(plan_id, response.engine_id, serialized)
+            await self._persist(plan_id, response.engine_id, parts)
         return serialized
 
-    async def _persist(self, plan_id: str, engine_id: str, plan: bytes) -> None:
+    async def _persist(self, plan_id: str, engine_id: str, plan: bytes | PlanParts) -> None:
         try:
             await self._store.put_plan(plan_id, engine_id, plan, time.time())
         except StoreUnavailable as error:

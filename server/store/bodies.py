@@ -22,23 +22,27 @@ from kvplan.v1 import plan_pb2
 
 @dataclass(frozen=True)
 class PlanParts:
-    """A serialized plan: `head + body` are its bytes; `digest` names the body."""
+    """A serialized plan: its first `head_length` bytes are the head, the rest
+    the body, which `digest` names. The body is copied out only where it is
+    stored for the first time."""
 
-    head: bytes
-    body: bytes
+    plan: bytes
+    head_length: int
     digest: bytes
 
     @classmethod
     def of(cls, plan_id: str, engine_id: str, plan: bytes) -> PlanParts:
         head = plan_pb2.PlanResponse(plan_id=plan_id, engine_id=engine_id).SerializeToString()
-        if not plan.startswith(head):
-            head = b""
-        body = plan[len(head) :]
-        return cls(head, body, hashlib.sha256(body).digest())
+        head_length = len(head) if plan.startswith(head) else 0
+        return cls(plan, head_length, hashlib.sha256(memoryview(plan)[head_length:]).digest())
 
     @property
-    def plan(self) -> bytes:
-        return self.head + self.body
+    def head(self) -> bytes:
+        return self.plan[: self.head_length]
+
+    @property
+    def body(self) -> bytes:
+        return self.plan[self.head_length :]
 
 
 def plan_parts(plan_id: str, engine_id: str, plan: bytes | PlanParts) -> PlanParts:
@@ -57,10 +61,13 @@ class SharedBodies:
         return len(self._bodies)
 
     def hold(self, parts: PlanParts) -> None:
-        body, holders = self._bodies.get(parts.digest, (parts.body, 0))
-        if not holders:
+        held = self._bodies.get(parts.digest)
+        if held is None:
+            body = parts.body
             self.size_bytes += len(body)
-        self._bodies[parts.digest] = (body, holders + 1)
+            self._bodies[parts.digest] = (body, 1)
+        else:
+            self._bodies[parts.digest] = (held[0], held[1] + 1)
 
     def release(self, digest: bytes) -> None:
         body, holders = self._bodies[digest]
