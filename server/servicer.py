@@ -268,14 +268,14 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             self._check_limits(request)
         named = [index for index, worker in enumerate(request.workers) if worker.device.uuid]
         if not named:
-            plan = await self._plan(request, repeats=repeats, request_digest=request_digest)
+            plan, _ = await self._plan(request, repeats=repeats, request_digest=request_digest)
             self._check_reply_size(len(plan))
             return plan
         now = time.time()
         resolved, devices, accounts, others = await self._resolve_devices(request, named, now)
         # The plan becomes the engine's (GetPlan, persisted) only once it is granted.
         plan_id = plan_id_for(resolved)
-        plan = await self._plan(resolved, plan_id=plan_id, publish=False)
+        plan, response = await self._plan(resolved, plan_id=plan_id, publish=False)
         # Refused before anything is granted: a reply the caller cannot receive
         # must not leave leases behind.
         self._check_reply_size(
@@ -286,7 +286,9 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             )
         )
         await self._check_lease_quota(request.engine_id, len(named), others)
-        leases = await self._grant(resolved, named, plan, devices, now)
+        leases = await self._grant(
+            resolved, named, response or plan_pb2.PlanResponse.FromString(plan), devices, now
+        )
         # The gauges from what this call read and wrote, not from a second reading.
         after = [*others, *leases]
         self._metrics.leases_active.set(len(after))
@@ -523,14 +525,11 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self,
         request: plan_pb2.PlanRequest,
         named: list[int],
-        plan: bytes,
+        plan: plan_pb2.PlanResponse,
         devices: dict[str, DeviceState],
         now: float,
     ) -> tuple[Lease, ...]:
-        footprint = {
-            worker.rank: worker.budget.footprint_bytes
-            for worker in plan_pb2.PlanResponse.FromString(plan).workers
-        }
+        footprint = {worker.rank: worker.budget.footprint_bytes for worker in plan.workers}
         wanted = [
             LeaseRequest(
                 rank=worker.rank,
@@ -583,8 +582,9 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         request_digest: bytes | None = None,
         plan_id: str | None = None,
         publish: bool = True,
-    ) -> bytes:
-        """The serialized plan, from the cache or planned now.
+    ) -> tuple[bytes, plan_pb2.PlanResponse | None]:
+        """The serialized plan, from the cache or planned now, and the planned
+        message (None for a cache hit, which has only the bytes).
 
         `repeats`: the same request may come again, so remember its plan id (a
         merged rendezvous request does not come in as these bytes).
@@ -599,7 +599,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         cached = self._cache.get(plan_id)
         if cached is not None:
             self._metrics.cache_hits.inc()
-            return cached
+            return cached, None
         self._metrics.cache_misses.inc()
         start = time.perf_counter()
         layers = sum(len(worker.layers) for worker in request.workers)
@@ -614,7 +614,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self._record(request, response, time.perf_counter() - start)
         if publish:
             await self._persist(plan_id, response.engine_id, parts)
-        return serialized
+        return serialized, response
 
     async def _persist(self, plan_id: str, engine_id: str, plan: bytes | PlanParts) -> None:
         try:
