@@ -165,12 +165,9 @@ def _is_outage(error: BaseException) -> bool:
 _QueuedPlan = tuple[str, str, PlanParts, float, "asyncio.Future[None]"]
 
 
-def _settle_queued_plans(
-    batch: asyncio.Future[tuple[list[_QueuedPlan], BaseException | None]],
-) -> None:
+def _settle_queued_plans(batch: list[_QueuedPlan], error: BaseException | None) -> None:
     """On the event loop: tell each caller of a committed batch (or its error)."""
-    plans, error = batch.result()
-    for *_, committed in plans:
+    for *_, committed in batch:
         if committed.done():  # its caller was cancelled; the plan is committed anyway
             continue
         if error is None:
@@ -364,22 +361,24 @@ class SQLiteStore:
             self._queued_plans.append(queued)
             first = len(self._queued_plans) == 1
         if first:  # else a commit is already on its way to the store thread
-            batch = loop.run_in_executor(self._executor, self._commit_queued_plans)
-            batch.add_done_callback(_settle_queued_plans)
+            self._executor.submit(self._commit_queued_plans, loop)
         await committed
 
-    def _commit_queued_plans(self) -> tuple[list[_QueuedPlan], BaseException | None]:
+    def _commit_queued_plans(self, loop: asyncio.AbstractEventLoop) -> None:
+        """In the store thread: commit the queue, then tell its callers in one
+        call on the event loop."""
         with self._queue_lock:
             batch, self._queued_plans = self._queued_plans, []
+        error: BaseException | None = None
         try:
             count, size = self._plan_count, self._plan_bytes
             with self._transaction(write=True) as db:
                 for plan_id, engine_id, parts, now, _ in batch:
                     count, size = self._keep_plan(db, plan_id, engine_id, parts, now, count, size)
             self._plan_count, self._plan_bytes = count, size
-        except BaseException as error:  # each caller gets it (StoreUnavailable, mostly)
-            return batch, error
-        return batch, None
+        except BaseException as caught:  # each caller gets it (StoreUnavailable, mostly)
+            error = caught
+        loop.call_soon_threadsafe(_settle_queued_plans, batch, error)
 
     def _keep_plan(
         self,
