@@ -128,11 +128,12 @@ class PlanCache:
     ) -> None:
         """Keep a serialized plan. `name_engine=False`: not yet the engine's plan
         (its leases are not granted yet; see `name_engine`)."""
+        already_named = self._by_engine.get(engine_id) == plan_id  # a plan kept again
         self._bodies.hold(parts)  # before a replaced plan lets go of an equal body
         self._drop(plan_id)
         self._plans[plan_id] = (engine_id, parts.head, parts.digest)
         self._head_bytes += len(parts.head)
-        if engine_id and name_engine:
+        if engine_id and (name_engine or already_named):
             self._by_engine[engine_id] = plan_id
         while len(self._plans) > 1 and (
             len(self._plans) > self._capacity or self.size_bytes > self._max_bytes

@@ -88,6 +88,21 @@ def test_cache_holds_one_body_per_content() -> None:
     assert small.distinct_bodies == 2 and small.get(plans[1].plan_id) is None
 
 
+def test_a_plan_kept_again_stays_its_engines() -> None:
+    """Kept again before its leases are granted (name_engine=False), a plan that
+    already was the engine's stays so; a new one becomes it only when named."""
+    cache = PlanCache(capacity=4)
+    plan = plan_from_proto(engine_request("engine-a"))
+    cache.put(plan)
+    cache.put(plan, name_engine=False)
+    assert cache.for_engine("engine-a") == plan.SerializeToString()
+    other = plan_from_proto(engine_request("engine-a", kv_bytes=2 * GIB))
+    cache.put(other, name_engine=False)
+    assert cache.for_engine("engine-a") == plan.SerializeToString()
+    cache.name_engine("engine-a", other.plan_id)
+    assert cache.for_engine("engine-a") == other.SerializeToString()
+
+
 async def test_cache_hit_is_the_planned_response(
     client: AsyncPlannerClient, server: RunningServer
 ) -> None:
