@@ -95,12 +95,14 @@ class Drain:
 
     def __init__(self) -> None:
         self.in_flight: set[asyncio.Task[Any]] = set()
+        self.calls_started = 0  # ever (server/heap.py trims after calls)
         self.draining = False
         self.expired = False
         self._idle = asyncio.Event()
         self._idle.set()
 
     def enter(self) -> None:
+        self.calls_started += 1
         task = asyncio.current_task()
         if task is not None:
             self.in_flight.add(task)
