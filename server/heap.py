@@ -6,8 +6,9 @@ keeps what they free inside its heap, resident, wherever a live block sits
 above it: the process stayed at 145-186 MB RSS after such a burst, though it
 used about 15 MB of heap. `malloc_trim(0)` returns those free pages (it took
 it back to 80 MB), in about 10 ms after a burst and well under 1 ms otherwise.
-The server calls it from a background task when no call is in flight
-(`trim_if_idle`). Elsewhere than glibc (musl, macOS) this does nothing.
+The server calls it from a background task once it has gone quiet after calls
+(`QuietTrim`): never under steady load, within a second after a burst. Elsewhere
+than glibc (musl, macOS) this does nothing.
 """
 
 from __future__ import annotations
@@ -34,11 +35,23 @@ def trim() -> bool:
     return _MALLOC_TRIM is not None and bool(_MALLOC_TRIM(0))
 
 
-def trim_if_idle(drain: Drain, calls_seen: int, release: Callable[[], bool] = trim) -> int:
-    """Trim when calls were served since the last trim and none is in flight now
-    (nobody waits on the event loop meanwhile). Returns the calls counted so far:
-    the next `calls_seen`."""
-    if drain.in_flight or drain.calls_started == calls_seen:
-        return calls_seen
-    release()
-    return drain.calls_started
+class QuietTrim:
+    """`tick()` every interval: trim once the server went quiet after calls (none
+    started since the previous tick, none in flight), once per quiet spell."""
+
+    def __init__(self, drain: Drain, release: Callable[[], bool] = trim) -> None:
+        self._drain = drain
+        self._release = release
+        self._calls_at_tick = 0
+        self._calls_at_trim = 0
+
+    def tick(self) -> bool:
+        """True when it trimmed."""
+        calls = self._drain.calls_started
+        quiet = calls == self._calls_at_tick and not self._drain.in_flight
+        self._calls_at_tick = calls
+        if not quiet or calls == self._calls_at_trim:
+            return False
+        self._calls_at_trim = calls
+        self._release()
+        return True

@@ -39,7 +39,7 @@ SERVICE_NAME = SERVICE.full_name
 # engines x 8 ranks is 2,048 calls in a burst, and a dropped rank strands its engine.
 MAX_PENDING_CALLS = 16_384
 MAX_PENDING_CALLS_HARD_LIMIT = 32_768
-HEAP_TRIM_INTERVAL_S = 5.0  # how often an idle server hands freed heap back (heap.py)
+HEAP_TRIM_INTERVAL_S = 0.5  # ticks of the quiet-server heap trim (heap.py)
 
 
 def configure_logging(settings: Settings) -> None:
@@ -169,12 +169,12 @@ async def _sweep_leases(servicer: PlannerServicer, interval_s: float) -> None:
 
 
 async def _return_freed_memory(drain: Drain, interval_s: float) -> None:
-    """After a burst of calls, once none is in flight: the freed heap back to the
-    OS (server/heap.py), so the idle server's RSS does not keep the burst's peak."""
-    calls_seen = 0
+    """Once the server goes quiet after calls: the freed heap back to the OS
+    (server/heap.py), so the idle server's RSS does not keep a burst's peak."""
+    quiet_trim = heap.QuietTrim(drain)
     while True:
         await asyncio.sleep(interval_s)
-        calls_seen = heap.trim_if_idle(drain, calls_seen)
+        quiet_trim.tick()
 
 
 async def _watch_store(

@@ -18,7 +18,7 @@ def test_trim_returns_the_free_pages_a_burst_left() -> None:
     assert len(alive) == 80
 
 
-async def test_trim_only_after_calls_and_when_none_is_in_flight() -> None:
+async def test_trim_once_quiet_after_calls() -> None:
     drain = Drain()
     trims: list[int] = []
 
@@ -26,11 +26,17 @@ async def test_trim_only_after_calls_and_when_none_is_in_flight() -> None:
         trims.append(drain.calls_started)
         return True
 
-    assert heap.trim_if_idle(drain, 0, release) == 0 and trims == []  # no call yet
-    drain.enter()  # a call in flight: not now
-    assert heap.trim_if_idle(drain, 0, release) == 0 and trims == []
+    quiet_trim = heap.QuietTrim(drain, release)
+    assert not quiet_trim.tick()  # no call yet
+    drain.enter()
+    assert not quiet_trim.tick()  # a call started since the last tick
+    assert not quiet_trim.tick()  # quiet, but the call is still in flight
     drain.leave()
-    seen = heap.trim_if_idle(drain, 0, release)
-    assert seen == 1 and trims == [1]
-    assert heap.trim_if_idle(drain, seen, release) == 1 and trims == [1]  # nothing new
+    assert quiet_trim.tick() and trims == [1]  # gone quiet after it
+    assert not quiet_trim.tick() and trims == [1]  # once per quiet spell
+    for _ in range(3):  # steady load: a call between every two ticks
+        drain.enter()
+        drain.leave()
+        assert not quiet_trim.tick()
+    assert quiet_trim.tick() and trims == [1, 4]
     await asyncio.sleep(0)
