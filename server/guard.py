@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import logging
 import re
-import uuid
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -76,11 +77,17 @@ def _call_over(context: grpc.aio.ServicerContext) -> bool:
     return bool(context.cancelled() or context.done()) or (remaining is not None and remaining <= 0)
 
 
+# Ids of calls that bring none: this process's random prefix and a serial, unique
+# without a call into the kernel for randomness per call.
+_PROCESS_PREFIX = secrets.token_hex(4)
+_SERIALS = itertools.count(1)
+
+
 def _request_id(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == "x-request-id" and isinstance(value, str) and _REQUEST_ID_FORM.fullmatch(value):
             return value
-    return uuid.uuid4().hex[:16]
+    return f"{_PROCESS_PREFIX}{next(_SERIALS):08x}"
 
 
 class Drain:
@@ -88,12 +95,14 @@ class Drain:
 
     def __init__(self) -> None:
         self.in_flight: set[asyncio.Task[Any]] = set()
+        self.calls_started = 0  # ever (server/heap.py trims after calls)
         self.draining = False
         self.expired = False
         self._idle = asyncio.Event()
         self._idle.set()
 
     def enter(self) -> None:
+        self.calls_started += 1
         task = asyncio.current_task()
         if task is not None:
             self.in_flight.add(task)

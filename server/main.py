@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvplan import __version__
+from kvplan.server import heap
 from kvplan.server.config import Settings, parse_settings
 from kvplan.server.guard import Drain, GuardInterceptor
 from kvplan.server.logs import configure_logging as _configure_logging
@@ -38,6 +39,7 @@ SERVICE_NAME = SERVICE.full_name
 # engines x 8 ranks is 2,048 calls in a burst, and a dropped rank strands its engine.
 MAX_PENDING_CALLS = 16_384
 MAX_PENDING_CALLS_HARD_LIMIT = 32_768
+HEAP_TRIM_INTERVAL_S = 0.5  # ticks of the quiet-server heap trim (heap.py)
 
 
 def configure_logging(settings: Settings) -> None:
@@ -132,6 +134,7 @@ class RunningServer:
     _http: object | None = None
     _sweeper: asyncio.Task[None] | None = None
     _health_watch: asyncio.Task[None] | None = None
+    _heap_trimmer: asyncio.Task[None] | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING, waiting ranks get UNAVAILABLE; every call received
@@ -144,7 +147,7 @@ class RunningServer:
         if cut:
             log.warning("drain: grace period over", extra={"answered_unavailable": cut})
         await self.server.stop(0)
-        for task in (self._sweeper, self._health_watch):
+        for task in (self._sweeper, self._health_watch, self._heap_trimmer):
             if task is not None:
                 await cancel_and_wait(task)
         await self.store.close()
@@ -163,6 +166,15 @@ async def _sweep_leases(servicer: PlannerServicer, interval_s: float) -> None:
             await servicer.sweep_expired_leases()
         except Exception as error:  # a store outage must not end the sweeper
             log.warning("lease sweep failed", extra={"error": str(error)})
+
+
+async def _return_freed_memory(drain: Drain, interval_s: float) -> None:
+    """Once the server goes quiet after calls: the freed heap back to the OS
+    (server/heap.py), so the idle server's RSS does not keep a burst's peak."""
+    quiet_trim = heap.QuietTrim(drain)
+    while True:
+        await asyncio.sleep(interval_s)
+        quiet_trim.tick()
 
 
 async def _watch_store(
@@ -259,6 +271,9 @@ async def start_server(settings: Settings) -> RunningServer:
         _watch_store(store, health_servicer, settings.health_interval_s),
         name="kvplan-store-health",
     )
+    heap_trimmer = asyncio.create_task(
+        _return_freed_memory(drain, HEAP_TRIM_INTERVAL_S), name="kvplan-heap-trim"
+    )
     log.info(
         "serving",
         extra={
@@ -287,6 +302,7 @@ async def start_server(settings: Settings) -> RunningServer:
         http,
         sweeper,
         health_watch,
+        heap_trimmer,
     )
 
 

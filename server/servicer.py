@@ -37,6 +37,7 @@ from kvplan.server.probes import DeviceMemory, DeviceProbe
 from kvplan.server.rendezvous import Rendezvous
 from kvplan.server.store import Store, StoreUnavailable
 from kvplan.server.store.base import LedgerView
+from kvplan.server.store.bodies import PlanParts, SharedBodies
 from kvplan.v1 import plan_pb2, service_pb2, service_pb2_grpc
 
 log = logging.getLogger("kvplan.server")
@@ -53,8 +54,9 @@ class PlanCache:
     """Bounded, content-addressed plans: plan id -> serialized response, engine -> plan id.
 
     Plans are kept serialized: a cache hit goes out as these bytes with no
-    re-serialization, and the bytes take less than half the memory of the message
-    (about 33 KB against 80 KB for 8 workers x 65 layers).
+    re-serialization. Each distinct body is held once (store/bodies.py): a fleet of
+    engines of one model costs a 60-byte head per engine, not a 35 KB plan
+    (8 workers x 65 layers) each.
 
     It also remembers the plan id of recent requests by their bytes' digest:
     `plan_id_for` copies and re-sorts the request (about 180 µs for 8 workers x
@@ -64,11 +66,14 @@ class PlanCache:
 
     def __init__(self, capacity: int, max_bytes: int = 32 * 1024 * 1024) -> None:
         self._capacity = capacity
-        # Plans of large engines are big: bound the bytes too, so the server's memory
-        # stays flat whatever engines it sees (the newest plan is always kept).
+        # Plans of large engines are big: bound the bytes too (heads and distinct
+        # bodies), so the server's memory stays flat whatever engines it sees (the
+        # newest plan is always kept).
         self._max_bytes = max_bytes
-        self._bytes = 0
-        self._plans: OrderedDict[str, tuple[str, bytes]] = OrderedDict()  # id -> engine, plan
+        self._head_bytes = 0
+        # plan id -> engine id, head, body digest (least recently used first)
+        self._plans: OrderedDict[str, tuple[str, bytes, bytes]] = OrderedDict()
+        self._bodies = SharedBodies()
         self._by_engine: dict[str, str] = {}
         self._plan_ids: OrderedDict[bytes, str] = OrderedDict()  # request digest -> plan id
 
@@ -103,7 +108,7 @@ class PlanCache:
         if entry is None:
             return None
         self._plans.move_to_end(plan_id)
-        return entry[1]
+        return entry[1] + self._bodies.body(entry[2])
 
     def for_engine(self, engine_id: str) -> bytes | None:
         plan_id = self._by_engine.get(engine_id)
@@ -115,29 +120,46 @@ class PlanCache:
             self._by_engine[engine_id] = plan_id
 
     def put(self, plan: plan_pb2.PlanResponse, *, name_engine: bool = True) -> bytes:
-        """Keep `plan`; returns its serialization. `name_engine=False`: not yet the
-        engine's plan (its leases are not granted yet; see `name_engine`)."""
+        """Keep `plan`; returns its serialization (see `keep`)."""
         serialized = plan.SerializeToString()
-        previous = self._plans.get(plan.plan_id)
-        if previous is not None:
-            self._bytes -= len(previous[1])
-        self._plans[plan.plan_id] = (plan.engine_id, serialized)
-        self._bytes += len(serialized)
-        self._plans.move_to_end(plan.plan_id)
-        if plan.engine_id and name_engine:
-            self._by_engine[plan.engine_id] = plan.plan_id
-        while len(self._plans) > 1 and (
-            len(self._plans) > self._capacity or self._bytes > self._max_bytes
-        ):
-            evicted_id, (evicted_engine, evicted) = self._plans.popitem(last=False)
-            self._bytes -= len(evicted)
-            if self._by_engine.get(evicted_engine) == evicted_id:
-                del self._by_engine[evicted_engine]
+        parts = PlanParts.of(plan.plan_id, plan.engine_id, serialized)
+        self.keep(plan.plan_id, plan.engine_id, parts, name_engine=name_engine)
         return serialized
+
+    def keep(
+        self, plan_id: str, engine_id: str, parts: PlanParts, *, name_engine: bool = True
+    ) -> None:
+        """Keep a serialized plan. `name_engine=False`: not yet the engine's plan
+        (its leases are not granted yet; see `name_engine`)."""
+        already_named = self._by_engine.get(engine_id) == plan_id  # a plan kept again
+        self._bodies.hold(parts)  # before a replaced plan lets go of an equal body
+        self._drop(plan_id)
+        self._plans[plan_id] = (engine_id, parts.head, parts.digest)
+        self._head_bytes += len(parts.head)
+        if engine_id and (name_engine or already_named):
+            self._by_engine[engine_id] = plan_id
+        while len(self._plans) > 1 and (
+            len(self._plans) > self._capacity or self.size_bytes > self._max_bytes
+        ):
+            self._drop(next(iter(self._plans)))
+
+    def _drop(self, plan_id: str) -> None:
+        entry = self._plans.pop(plan_id, None)
+        if entry is None:
+            return
+        engine_id, head, body_digest = entry
+        self._head_bytes -= len(head)
+        self._bodies.release(body_digest)
+        if self._by_engine.get(engine_id) == plan_id:
+            del self._by_engine[engine_id]
 
     @property
     def size_bytes(self) -> int:
-        return self._bytes
+        return self._head_bytes + self._bodies.size_bytes
+
+    @property
+    def distinct_bodies(self) -> int:
+        return len(self._bodies)
 
 
 def _only_rank(plan: plan_pb2.PlanResponse, rank: int) -> plan_pb2.PlanResponse:
@@ -249,7 +271,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         arrival (a rendezvous: each rank's)."""
         named = [index for index, worker in enumerate(request.workers) if worker.device.uuid]
         if not named:
-            plan = await self._plan(request, repeats=repeats, request_digest=request_digest)
+            plan, _ = await self._plan(request, repeats=repeats, request_digest=request_digest)
             self._check_reply_size(len(plan))
             return plan
         now = time.time()
@@ -257,7 +279,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         resolved, devices, accounts, view = await self._resolve_devices(request, named, now, holder)
         # The plan becomes the engine's (GetPlan, persisted) only once it is granted.
         plan_id = plan_id_for(resolved)
-        plan = await self._plan(resolved, plan_id=plan_id, publish=False)
+        plan, response = await self._plan(resolved, plan_id=plan_id, publish=False)
         # Refused before anything is granted: a reply the caller cannot receive
         # must not leave leases behind.
         self._check_reply_size(
@@ -268,7 +290,14 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             )
         )
         self._check_lease_quota(holder, len(named), view)
-        leases = await self._grant(resolved, named, plan, devices, now, holder)
+        leases = await self._grant(
+            resolved,
+            named,
+            response or plan_pb2.PlanResponse.FromString(plan),
+            devices,
+            now,
+            holder,
+        )
         # The gauges from what this call read and wrote, not from a second reading.
         self._metrics.leases_active.set(view.live_leases + len(leases))
         granted = tally(leases)
@@ -508,15 +537,12 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self,
         request: plan_pb2.PlanRequest,
         named: list[int],
-        plan: bytes,
+        plan: plan_pb2.PlanResponse,
         devices: dict[str, DeviceState],
         now: float,
         holder: str,
     ) -> tuple[Lease, ...]:
-        footprint = {
-            worker.rank: worker.budget.footprint_bytes
-            for worker in plan_pb2.PlanResponse.FromString(plan).workers
-        }
+        footprint = {worker.rank: worker.budget.footprint_bytes for worker in plan.workers}
         wanted = [
             LeaseRequest(
                 rank=worker.rank,
@@ -569,8 +595,9 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         request_digest: bytes | None = None,
         plan_id: str | None = None,
         publish: bool = True,
-    ) -> bytes:
-        """The serialized plan, from the cache or planned now.
+    ) -> tuple[bytes, plan_pb2.PlanResponse | None]:
+        """The serialized plan, from the cache or planned now, and the planned
+        message (None for a cache hit, which has only the bytes).
 
         `repeats`: the same request may come again, so remember its plan id (a
         merged rendezvous request does not come in as these bytes).
@@ -585,7 +612,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         cached = self._cache.get(plan_id)
         if cached is not None:
             self._metrics.cache_hits.inc()
-            return cached
+            return cached, None
         self._metrics.cache_misses.inc()
         start = time.perf_counter()
         layers = sum(len(worker.layers) for worker in request.workers)
@@ -594,13 +621,15 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             response = await asyncio.to_thread(plan_from_proto, request, plan_id=plan_id)
         else:
             response = plan_from_proto(request, plan_id=plan_id)
-        serialized = self._cache.put(response, name_engine=publish)
+        serialized = response.SerializeToString()
+        parts = PlanParts.of(plan_id, response.engine_id, serialized)
+        self._cache.keep(plan_id, response.engine_id, parts, name_engine=publish)
         self._record(request, response, time.perf_counter() - start)
         if publish:
-            await self._persist(plan_id, response.engine_id, serialized)
-        return serialized
+            await self._persist(plan_id, response.engine_id, parts)
+        return serialized, response
 
-    async def _persist(self, plan_id: str, engine_id: str, plan: bytes) -> None:
+    async def _persist(self, plan_id: str, engine_id: str, plan: bytes | PlanParts) -> None:
         try:
             await self._store.put_plan(plan_id, engine_id, plan, time.time())
         except StoreUnavailable as error:

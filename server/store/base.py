@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, Totals
+from kvplan.server.store.bodies import PlanParts
 
 DEFAULT_MAX_PLANS = 4096
 # Serialized plans kept by a store. A 64-layer, 8-worker hybrid plan is ~35 KB,
@@ -97,12 +98,20 @@ class Store(Protocol):
 
     # --- plans ------------------------------------------------------------------
 
-    async def put_plan(self, plan_id: str, engine_id: str, plan: bytes, now: float) -> None:
-        """Keep a serialized PlanResponse; `engine_id` (may be "") then names it.
-        Bounded: the oldest plans beyond the store's `max_plans` or
-        `max_plan_bytes` are dropped (the newest always stays)."""
+    async def put_plan(
+        self, plan_id: str, engine_id: str, plan: bytes | PlanParts, now: float
+    ) -> None:
+        """Keep a serialized PlanResponse (or its parts, already split); `engine_id`
+        (may be "") then names it. Kept by content (store/bodies.py): plans with
+        equal bodies hold one copy. Durable once this returns (SQLite, Redis).
+        Bounded: the oldest plans beyond the store's `max_plans`, or beyond
+        `max_plan_bytes` of heads and distinct bodies, are dropped (the newest
+        always stays)."""
 
     async def get_plan(self, plan_id: str) -> bytes | None: ...
+
+    async def distinct_plan_bodies(self) -> int:
+        """Plan bodies stored: plans of equal content share one (tests, diagnostics)."""
 
     async def plan_for_engine(self, engine_id: str) -> bytes | None:
         """The engine's newest plan (engine mode or a finished rendezvous)."""

@@ -34,6 +34,7 @@ from kvplan.server.store.base import (
     LedgerView,
     RendezvousResult,
 )
+from kvplan.server.store.bodies import PlanParts, SharedBodies, plan_parts
 
 _E = TypeVar("_E")
 
@@ -212,8 +213,10 @@ class MemoryStore:
     ) -> None:
         self._max_plans = max_plans
         self._max_plan_bytes = max_plan_bytes
-        self._plans: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
-        self._plan_bytes = 0  # sum of the stored plans' sizes
+        # plan id -> engine id, head, body digest (oldest first); bodies shared.
+        self._plans: OrderedDict[str, tuple[str, bytes, bytes]] = OrderedDict()
+        self._bodies = SharedBodies()
+        self._head_bytes = 0
         self._engine_plans: dict[str, str] = {}
         self._open: dict[str, _Open] = {}
         self._finished: dict[str, _Finished] = {}
@@ -245,30 +248,47 @@ class MemoryStore:
 
     # --- plans ------------------------------------------------------------------
 
-    async def put_plan(self, plan_id: str, engine_id: str, plan: bytes, now: float) -> None:
-        replaced = self._plans.pop(plan_id, None)
-        if replaced is not None:
-            self._plan_bytes -= len(replaced[1])
-        self._plans[plan_id] = (engine_id, plan)
-        self._plan_bytes += len(plan)
+    async def put_plan(
+        self, plan_id: str, engine_id: str, plan: bytes | PlanParts, now: float
+    ) -> None:
+        parts = plan_parts(plan_id, engine_id, plan)
+        self._bodies.hold(parts)  # before the replaced plan lets go of an equal body
+        self._drop_plan(plan_id)
+        self._plans[plan_id] = (engine_id, parts.head, parts.digest)
+        self._head_bytes += len(parts.head)
         if engine_id:
             self._engine_plans[engine_id] = plan_id
         # Oldest first; the newest plan always stays.
         while len(self._plans) > 1 and (
             len(self._plans) > self._max_plans or self._plan_bytes > self._max_plan_bytes
         ):
-            evicted_id, (evicted_engine, evicted) = self._plans.popitem(last=False)
-            self._plan_bytes -= len(evicted)
-            if self._engine_plans.get(evicted_engine) == evicted_id:
-                del self._engine_plans[evicted_engine]
+            self._drop_plan(next(iter(self._plans)))
+
+    @property
+    def _plan_bytes(self) -> int:
+        """What the plans hold: their heads and each distinct body once."""
+        return self._head_bytes + self._bodies.size_bytes
+
+    def _drop_plan(self, plan_id: str) -> None:
+        entry = self._plans.pop(plan_id, None)
+        if entry is None:
+            return
+        engine_id, head, body_digest = entry
+        self._head_bytes -= len(head)
+        self._bodies.release(body_digest)
+        if self._engine_plans.get(engine_id) == plan_id:
+            del self._engine_plans[engine_id]
 
     async def get_plan(self, plan_id: str) -> bytes | None:
         entry = self._plans.get(plan_id)
-        return entry[1] if entry else None
+        return entry[1] + self._bodies.body(entry[2]) if entry else None
 
     async def plan_for_engine(self, engine_id: str) -> bytes | None:
         plan_id = self._engine_plans.get(engine_id)
         return await self.get_plan(plan_id) if plan_id else None
+
+    async def distinct_plan_bodies(self) -> int:
+        return len(self._bodies)
 
     # --- rendezvous -------------------------------------------------------------
 

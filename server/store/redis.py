@@ -15,7 +15,10 @@ Key layout under `key_prefix` (default "kvplan:"):
 
     plans                 ZSET  plan_id -> insertion number (oldest dropped first)
     plans-seq             STRING counter behind those numbers
-    plan:{plan_id}        HASH  engine_id, plan
+    plans-bytes           STRING bytes held by plans: heads and distinct bodies
+    plan:{plan_id}        HASH  engine_id, head, body (the body's digest); a plan
+                                written before bodies were shared: engine_id, plan
+    plan-body:{digest}    HASH  body, holders (plans holding it; see store/bodies.py)
     engine-plan:{engine}  STRING plan_id of the engine's newest plan
     rdv:open              ZSET  engine_id -> created (rule 1 forgets by it)
     rdv:open:{engine}     HASH  world_size, template, created, ttl_s,
@@ -85,6 +88,7 @@ from kvplan.server.store.base import (
     RendezvousResult,
     StoreUnavailable,
 )
+from kvplan.server.store.bodies import PlanParts, plan_parts
 from kvplan.server.store.memory import (
     check_compatible,
     check_finished,
@@ -310,44 +314,97 @@ return out
 """
 )
 
+# Lua, shared by the plan scripts: a plan's bytes and letting go of its body.
+# A plan hash holds head + body digest, or (written before bodies were shared)
+# the whole plan.
+_PLAN_HELPERS = """
+local function plan_bytes(plan_key, body_prefix)
+    local fields = redis.call('HMGET', plan_key, 'head', 'body', 'plan')
+    if fields[3] then
+        return fields[3]
+    end
+    if not fields[2] then
+        return false
+    end
+    return fields[1] .. redis.call('HGET', body_prefix .. fields[2], 'body')
+end
+
+-- Delete a plan's hash; the bytes that frees (its head, its body if unheld now).
+local function drop_plan(plan_key, body_prefix)
+    local fields = redis.call('HMGET', plan_key, 'head', 'body', 'plan')
+    redis.call('DEL', plan_key)
+    if fields[3] then
+        return string.len(fields[3])
+    end
+    if not fields[2] then
+        return 0
+    end
+    local freed = string.len(fields[1])
+    local body_key = body_prefix .. fields[2]
+    if redis.call('HINCRBY', body_key, 'holders', -1) <= 0 then
+        freed = freed + redis.call('HSTRLEN', body_key, 'body')
+        redis.call('DEL', body_key)
+    end
+    return freed
+end
+"""
+
 # Lua: keep a plan, point its engine at it, drop the oldest beyond the bound.
-# KEYS: plans (zset by seq), plans-seq, plans-bytes (sum of stored plan sizes).
-# ARGV: plan_id, engine_id, plan, plan key prefix, engine-plan key prefix,
-# max plans, max plan bytes. Oldest first; the newest plan always stays.
-_PUT_PLAN = """
-local plan_key = ARGV[4] .. ARGV[1]
-local replaced = redis.call('HSTRLEN', plan_key, 'plan')
+# KEYS: plans (zset by seq), plans-seq, plans-bytes (heads and distinct bodies).
+# ARGV: plan_id, engine_id, head, body digest, body, plan key prefix, engine-plan
+# key prefix, body key prefix, max plans, max plan bytes. Oldest first; the
+# newest plan always stays.
+_PUT_PLAN = (
+    _PLAN_HELPERS
+    + """
+local plan_key = ARGV[6] .. ARGV[1]
+local body_key = ARGV[8] .. ARGV[4]
+-- Held before the replaced plan lets go of an equal body.
+local added = string.len(ARGV[3])
+if redis.call('HINCRBY', body_key, 'holders', 1) == 1 then
+    redis.call('HSET', body_key, 'body', ARGV[5])
+    added = added + string.len(ARGV[5])
+end
+local freed = drop_plan(plan_key, ARGV[8])
 local seq = redis.call('INCR', KEYS[2])
 redis.call('ZADD', KEYS[1], seq, ARGV[1])
-redis.call('HSET', plan_key, 'engine_id', ARGV[2], 'plan', ARGV[3])
-local size = redis.call('INCRBY', KEYS[3], string.len(ARGV[3]) - replaced)
+redis.call('HSET', plan_key, 'engine_id', ARGV[2], 'head', ARGV[3], 'body', ARGV[4])
+local size = redis.call('INCRBY', KEYS[3], added - freed)
 if ARGV[2] ~= '' then
-    redis.call('SET', ARGV[5] .. ARGV[2], ARGV[1])
+    redis.call('SET', ARGV[7] .. ARGV[2], ARGV[1])
 end
-local max_plans = tonumber(ARGV[6])
-local max_bytes = tonumber(ARGV[7])
+local max_plans = tonumber(ARGV[9])
+local max_bytes = tonumber(ARGV[10])
 local count = redis.call('ZCARD', KEYS[1])
 while count > 1 and (count > max_plans or size > max_bytes) do
     local evicted = redis.call('ZPOPMIN', KEYS[1])[1]
-    local evicted_key = ARGV[4] .. evicted
+    local evicted_key = ARGV[6] .. evicted
     local engine = redis.call('HGET', evicted_key, 'engine_id')
-    if engine and engine ~= '' and redis.call('GET', ARGV[5] .. engine) == evicted then
-        redis.call('DEL', ARGV[5] .. engine)
+    if engine and engine ~= '' and redis.call('GET', ARGV[7] .. engine) == evicted then
+        redis.call('DEL', ARGV[7] .. engine)
     end
-    size = redis.call('INCRBY', KEYS[3], -redis.call('HSTRLEN', evicted_key, 'plan'))
-    redis.call('DEL', evicted_key)
+    size = redis.call('INCRBY', KEYS[3], -drop_plan(evicted_key, ARGV[8]))
     count = count - 1
 end
 return seq
 """
+)
 
-_PLAN_FOR_ENGINE = """
-local plan_id = redis.call('GET', KEYS[1])
-if not plan_id then
-    return false
+# Lua: a plan's bytes by plan id (ARGV[1] empty) or by engine (KEYS[1]: its
+# engine-plan key). ARGV: plan id, plan key prefix, body key prefix.
+_GET_PLAN = (
+    _PLAN_HELPERS
+    + """
+local plan_id = ARGV[1]
+if plan_id == '' then
+    plan_id = redis.call('GET', KEYS[1])
+    if not plan_id then
+        return false
+    end
 end
-return redis.call('HGET', ARGV[1] .. plan_id, 'plan')
+return plan_bytes(ARGV[2] .. plan_id, ARGV[3])
 """
+)
 
 # Lua: a rank's join, before its decision, in one round trip (the caller WATCHes
 # the engine's two hashes, not the indexes, so that joins of other engines never
@@ -592,7 +649,7 @@ class RedisStore:
             "ledger_release": self._client.register_script(_LEDGER_RELEASE),
             "ledger_sweep": self._client.register_script(_LEDGER_SWEEP),
             "put_plan": self._client.register_script(_PUT_PLAN),
-            "plan_for_engine": self._client.register_script(_PLAN_FOR_ENGINE),
+            "get_plan": self._client.register_script(_GET_PLAN),
             "claim_engine": self._client.register_script(_CLAIM_ENGINE),
             "join": self._client.register_script(_JOIN),
             "open_rendezvous": self._client.register_script(_OPEN_RENDEZVOUS),
@@ -706,7 +763,10 @@ class RedisStore:
 
     # --- plans --------------------------------------------------------------------
 
-    async def put_plan(self, plan_id: str, engine_id: str, plan: bytes, now: float) -> None:
+    async def put_plan(
+        self, plan_id: str, engine_id: str, plan: bytes | PlanParts, now: float
+    ) -> None:
+        parts = plan_parts(plan_id, engine_id, plan)
         self._redis()
         await self._call(
             self._scripts["put_plan"](
@@ -714,31 +774,40 @@ class RedisStore:
                 args=[
                     plan_id,
                     engine_id,
-                    plan,
+                    parts.head,
+                    parts.digest.hex(),
+                    parts.body,
                     self._key("plan:"),
                     self._key("engine-plan:"),
+                    self._key("plan-body:"),
                     self._max_plans,
                     self._max_plan_bytes,
                 ],
             )
         )
 
-    async def get_plan(self, plan_id: str) -> bytes | None:
-        plan: bytes | None = await self._call(
-            self._redis().hget(self._key("plan:" + plan_id), "plan")  # type: ignore[arg-type]
-        )
-        return plan
-
-    async def plan_for_engine(self, engine_id: str) -> bytes | None:
-        if not engine_id:
-            return None
+    async def _get_plan(self, plan_id: str, engine_id: str) -> bytes | None:
         self._redis()
         plan = await self._call(
-            self._scripts["plan_for_engine"](
-                keys=[self._key("engine-plan:" + engine_id)], args=[self._key("plan:")]
+            self._scripts["get_plan"](
+                keys=[self._key("engine-plan:" + engine_id)],
+                args=[plan_id, self._key("plan:"), self._key("plan-body:")],
             )
         )
         return bytes(plan) if plan else None
+
+    async def get_plan(self, plan_id: str) -> bytes | None:
+        return await self._get_plan(plan_id, "") if plan_id else None
+
+    async def plan_for_engine(self, engine_id: str) -> bytes | None:
+        return await self._get_plan("", engine_id) if engine_id else None
+
+    async def distinct_plan_bodies(self) -> int:
+        """Bodies stored (tests: plans of equal content share one)."""
+        count = 0
+        async for _ in self._redis().scan_iter(match=self._key("plan-body:*"), count=1000):
+            count += 1
+        return count
 
     # --- rendezvous ---------------------------------------------------------------
 

@@ -16,7 +16,13 @@ engines arrive together) share one thread hop and one transaction.
 
 Plans are bounded by count and by bytes; the server keeps both totals (one
 server per file), so an insert evicts the oldest plans by an index range
-instead of counting the table.
+instead of counting the table. Each distinct plan body is stored once
+(store/bodies.py): a new engine of a known model writes a row of about 100
+bytes, not its 7-35 KB plan.
+
+Plans queued while the store thread is busy are committed together: one
+transaction and one wake-up of the event loop for a burst of new engines.
+Each caller still returns only once its plan is committed.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from kvplan.server.store.base import (
     RendezvousResult,
     StoreUnavailable,
 )
+from kvplan.server.store.bodies import PlanParts, plan_parts
 from kvplan.server.store.memory import (
     check_compatible,
     check_finished,
@@ -70,8 +77,9 @@ from kvplan.server.store.memory import (
 
 log = logging.getLogger(__name__)
 
-# 2: engine_owner, rendezvous_finished.ok; 3: the ledger's totals, leases.identity
-SCHEMA_VERSION = 3
+# 2: engine_owner, rendezvous_finished.ok; 3: the ledger's totals, leases.identity;
+# 4: plan_bodies (each distinct plan body once)
+SCHEMA_VERSION = 4
 BUSY_TIMEOUT_S = 5.0  # how long a writer waits for another connection's transaction
 # Slack on the index range of the expiry scan: covers float rounding of now - ttl.
 _EXPIRY_MARGIN_S = 1.0
@@ -83,14 +91,23 @@ CREATE TABLE IF NOT EXISTS engine_owner (
     expires_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS engine_owner_by_expiry ON engine_owner (expires_at);
+-- A plan is its head (plan and engine id) and a body shared by every plan of
+-- the same content (store/bodies.py), deleted with the last plan holding it.
+CREATE TABLE IF NOT EXISTS plan_bodies (
+    id INTEGER PRIMARY KEY,
+    digest BLOB NOT NULL UNIQUE,      -- SHA-256 of body
+    body BLOB NOT NULL
+);
 CREATE TABLE IF NOT EXISTS plans (
     seq INTEGER PRIMARY KEY,          -- insertion order: the oldest are dropped first
     plan_id TEXT NOT NULL UNIQUE,
     engine_id TEXT NOT NULL,
-    plan BLOB NOT NULL,
+    head BLOB NOT NULL,
+    body_id INTEGER NOT NULL REFERENCES plan_bodies (id),
     stored_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS plans_by_engine ON plans (engine_id, seq);
+CREATE INDEX IF NOT EXISTS plans_by_body ON plans (body_id);
 
 CREATE TABLE IF NOT EXISTS rendezvous_open (
     engine_id TEXT PRIMARY KEY,
@@ -273,6 +290,36 @@ def _is_outage(error: BaseException) -> bool:
     )
 
 
+# plan id, engine id, parts, now, the caller's future (set once committed)
+_QueuedPlan = tuple[str, str, PlanParts, float, "asyncio.Future[None]"]
+
+
+def _settle_queued_plans(batch: list[_QueuedPlan], error: BaseException | None) -> None:
+    """On the event loop: tell each caller of a committed batch (or its error)."""
+    for *_, committed in batch:
+        if committed.done():  # its caller was cancelled; the plan is committed anyway
+            continue
+        if error is None:
+            committed.set_result(None)
+        else:
+            committed.set_exception(error)
+
+
+def _old_plans(db: sqlite3.Connection) -> list[tuple[str, str, bytes, float]]:
+    """Schema 1-3 kept each plan whole in `plans`: read them and drop that table
+    (with its index), so that schema 4's tables can take them split."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(plans)")}
+    if "plan" not in columns:
+        return []
+    rows = db.execute(
+        "SELECT plan_id, engine_id, plan, stored_at FROM plans ORDER BY seq"
+    ).fetchall()
+    db.execute("DROP TABLE plans")
+    return [
+        (plan_id, engine_id, bytes(plan), stored_at) for plan_id, engine_id, plan, stored_at in rows
+    ]
+
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -337,6 +384,9 @@ class SQLiteStore:
         # Rendezvous writes waiting for the store thread (see _in_shared_transaction).
         self._queued: list[tuple[_Operation, asyncio.Future[Any]]] = []
         self._queued_lock = threading.Lock()
+        # Plans waiting for the store thread (put_plan); the lock guards the handover.
+        self._queued_plans: list[_QueuedPlan] = []
+        self._queue_lock = threading.Lock()
 
     # --- connection and transactions ----------------------------------------------
 
@@ -477,23 +527,31 @@ class SQLiteStore:
                     "ALTER TABLE rendezvous_finished ADD COLUMN ok INTEGER NOT NULL DEFAULT 1"
                 )
             lease_columns = {row[1] for row in db.execute("PRAGMA table_info(leases)")}
-            if lease_columns and "identity" not in lease_columns:  # schema 1 or 2
+            identity_added = bool(lease_columns) and "identity" not in lease_columns
+            if identity_added:  # schema 1 or 2
                 db.execute("ALTER TABLE leases ADD COLUMN identity TEXT NOT NULL DEFAULT ''")
+            old_plans = _old_plans(db) if version < 4 else []
             if version < SCHEMA_VERSION:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         db.execute(statement)
-                db.execute(
-                    "UPDATE leases SET identity = coalesce((SELECT identity FROM engine_owner "
-                    "WHERE engine_owner.engine_id = leases.engine_id), '')"
-                )
+                if identity_added:
+                    db.execute(
+                        "UPDATE leases SET identity = coalesce((SELECT identity FROM "
+                        "engine_owner WHERE engine_owner.engine_id = leases.engine_id), '')"
+                    )
                 _rebuild_totals(db)
+                for plan_id, engine_id, plan, stored_at in old_plans:
+                    self._insert_plan(
+                        db, plan_id, engine_id, plan_parts(plan_id, engine_id, plan), stored_at
+                    )
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             # One server per file: a claim left in it is from a server that was
             # killed while planning, so the next rank to arrive plans again.
             db.execute("UPDATE rendezvous_open SET claimed_at = NULL WHERE claimed_at IS NOT NULL")
-            count, size = db.execute("SELECT count(*), total(length(plan)) FROM plans").fetchone()
-            self._plan_count, self._plan_bytes = int(count), int(size)
+            count, heads = db.execute("SELECT count(*), total(length(head)) FROM plans").fetchone()
+            (bodies,) = db.execute("SELECT total(length(body)) FROM plan_bodies").fetchone()
+            self._plan_count, self._plan_bytes = int(count), int(heads + bodies)
 
     async def close(self) -> None:
         # After the store thread's queued calls, so none finds the connection gone.
@@ -512,36 +570,107 @@ class SQLiteStore:
 
     # --- plans --------------------------------------------------------------------
 
-    @_in_store_thread
-    def put_plan(self, plan_id: str, engine_id: str, plan: bytes, now: float) -> None:
-        count, size = self._plan_count, self._plan_bytes
-        with self._transaction(write=True) as db:
-            # Delete and insert: a plan put again becomes the newest.
-            for (length,) in db.execute(
-                "DELETE FROM plans WHERE plan_id = ? RETURNING length(plan)", (plan_id,)
+    async def put_plan(
+        self, plan_id: str, engine_id: str, plan: bytes | PlanParts, now: float
+    ) -> None:
+        """Queued for the store thread, which commits every plan queued by the time
+        it gets to them in one transaction; returns once this one is committed."""
+        loop = asyncio.get_running_loop()
+        committed = loop.create_future()
+        queued = (plan_id, engine_id, plan_parts(plan_id, engine_id, plan), now, committed)
+        with self._queue_lock:
+            self._queued_plans.append(queued)
+            first = len(self._queued_plans) == 1
+        if first:  # else a commit is already on its way to the store thread
+            self._executor.submit(self._commit_queued_plans, loop)
+        await committed
+
+    def _commit_queued_plans(self, loop: asyncio.AbstractEventLoop) -> None:
+        """In the store thread: commit the queue, then tell its callers in one
+        call on the event loop."""
+        with self._queue_lock:
+            batch, self._queued_plans = self._queued_plans, []
+        error: BaseException | None = None
+        try:
+            count, size = self._plan_count, self._plan_bytes
+            with self._transaction(write=True) as db:
+                for plan_id, engine_id, parts, now, _ in batch:
+                    count, size = self._keep_plan(db, plan_id, engine_id, parts, now, count, size)
+            self._plan_count, self._plan_bytes = count, size
+        except BaseException as caught:  # each caller gets it (StoreUnavailable, mostly)
+            error = caught
+        loop.call_soon_threadsafe(_settle_queued_plans, batch, error)
+
+    def _keep_plan(
+        self,
+        db: sqlite3.Connection,
+        plan_id: str,
+        engine_id: str,
+        parts: PlanParts,
+        now: float,
+        count: int,
+        size: int,
+    ) -> tuple[int, int]:
+        """Insert one plan and drop the oldest beyond the bounds; the new totals."""
+        # Delete and insert: a plan put again becomes the newest.
+        replaced = db.execute(
+            "DELETE FROM plans WHERE plan_id = ? RETURNING length(head), body_id", (plan_id,)
+        ).fetchall()
+        added = self._insert_plan(db, plan_id, engine_id, parts, now)
+        count, size = count + 1, size + added
+        for head_length, body_id in replaced:
+            count, size = count - 1, size - head_length - self._drop_unheld_body(db, body_id)
+        # Oldest first, a few rows per index lookup; the newest plan always stays.
+        while count > 1 and (count > self._max_plans or size > self._max_plan_bytes):
+            for seq, head_length, body_id in db.execute(
+                "SELECT seq, length(head), body_id FROM plans ORDER BY seq LIMIT 16"
             ).fetchall():
-                count, size = count - 1, size - length
-            db.execute(
-                "INSERT INTO plans (plan_id, engine_id, plan, stored_at) VALUES (?, ?, ?, ?)",
-                (plan_id, engine_id, plan, now),
-            )
-            count, size = count + 1, size + len(plan)
-            # Oldest first, a few rows per index lookup; the newest plan always stays.
-            while count > 1 and (count > self._max_plans or size > self._max_plan_bytes):
-                for seq, length in db.execute(
-                    "SELECT seq, length(plan) FROM plans ORDER BY seq LIMIT 16"
-                ).fetchall():
-                    if count <= 1 or (count <= self._max_plans and size <= self._max_plan_bytes):
-                        break
-                    db.execute("DELETE FROM plans WHERE seq = ?", (seq,))
-                    count, size = count - 1, size - length
-        self._plan_count, self._plan_bytes = count, size
+                if count <= 1 or (count <= self._max_plans and size <= self._max_plan_bytes):
+                    break
+                db.execute("DELETE FROM plans WHERE seq = ?", (seq,))
+                count, size = count - 1, size - head_length - self._drop_unheld_body(db, body_id)
+        return count, size
+
+    @staticmethod
+    def _insert_plan(
+        db: sqlite3.Connection, plan_id: str, engine_id: str, parts: PlanParts, now: float
+    ) -> int:
+        """The plan's row, and its body unless stored already; the bytes added."""
+        added = len(parts.head)
+        row = db.execute("SELECT id FROM plan_bodies WHERE digest = ?", (parts.digest,)).fetchone()
+        if row is None:
+            body_id = db.execute(
+                "INSERT INTO plan_bodies (digest, body) VALUES (?, ?)", (parts.digest, parts.body)
+            ).lastrowid
+            added += len(parts.body)
+        else:
+            body_id = row[0]
+        db.execute(
+            "INSERT INTO plans (plan_id, engine_id, head, body_id, stored_at) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (plan_id, engine_id, parts.head, body_id, now),
+        )
+        return added
+
+    @staticmethod
+    def _drop_unheld_body(db: sqlite3.Connection, body_id: int) -> int:
+        """Delete the body if no plan holds it any more; the bytes freed."""
+        if db.execute("SELECT 1 FROM plans WHERE body_id = ? LIMIT 1", (body_id,)).fetchone():
+            return 0
+        row = db.execute(
+            "DELETE FROM plan_bodies WHERE id = ? RETURNING length(body)", (body_id,)
+        ).fetchone()
+        return int(row[0]) if row else 0
 
     @_in_store_thread
     def get_plan(self, plan_id: str) -> bytes | None:
         with self._transaction(write=False) as db:
-            row = db.execute("SELECT plan FROM plans WHERE plan_id = ?", (plan_id,)).fetchone()
-        return bytes(row[0]) if row else None
+            row = db.execute(
+                "SELECT head, body FROM plans JOIN plan_bodies ON plan_bodies.id = body_id "
+                "WHERE plan_id = ?",
+                (plan_id,),
+            ).fetchone()
+        return bytes(row[0]) + bytes(row[1]) if row else None
 
     @_in_store_thread
     def plan_for_engine(self, engine_id: str) -> bytes | None:
@@ -549,10 +678,16 @@ class SQLiteStore:
             return None
         with self._transaction(write=False) as db:
             row = db.execute(
-                "SELECT plan FROM plans WHERE engine_id = ? ORDER BY seq DESC LIMIT 1",
+                "SELECT head, body FROM plans JOIN plan_bodies ON plan_bodies.id = body_id "
+                "WHERE engine_id = ? ORDER BY seq DESC LIMIT 1",
                 (engine_id,),
             ).fetchone()
-        return bytes(row[0]) if row else None
+        return bytes(row[0]) + bytes(row[1]) if row else None
+
+    @_in_store_thread
+    def distinct_plan_bodies(self) -> int:
+        with self._transaction(write=False) as db:
+            return int(db.execute("SELECT count(*) FROM plan_bodies").fetchone()[0])
 
     # --- rendezvous ---------------------------------------------------------------
     # Writes share transactions (_in_shared_transaction); reads run alone.

@@ -52,7 +52,9 @@ def test_cache_keeps_serialized_plans() -> None:
 
 
 def test_cache_is_bounded_by_bytes() -> None:
-    plans = [plan_from_proto(engine_request(f"engine-{n}")) for n in range(4)]
+    plans = [
+        plan_from_proto(engine_request(f"engine-{n}", kv_bytes=(n + 1) * GIB)) for n in range(4)
+    ]
     size = max(len(plan.SerializeToString()) for plan in plans)
     cache = PlanCache(capacity=100, max_bytes=2 * size)
     for plan in plans:
@@ -63,6 +65,42 @@ def test_cache_is_bounded_by_bytes() -> None:
     tiny = PlanCache(capacity=100, max_bytes=1)  # the newest plan is always kept
     tiny.put(plans[0])
     assert tiny.get(plans[0].plan_id) is not None
+
+
+def test_cache_holds_one_body_per_content() -> None:
+    """Engines of one model: a body once, a head per engine; each plan exactly its own."""
+    plans = [plan_from_proto(engine_request(f"engine-{n}")) for n in range(50)]
+    size = len(plans[0].SerializeToString())
+    cache = PlanCache(capacity=100, max_bytes=10 * size)  # not 50 whole plans
+    for plan in plans:
+        cache.put(plan)
+    assert cache.distinct_bodies == 1
+    assert cache.size_bytes < 10 * size
+    for plan in plans:
+        assert cache.get(plan.plan_id) == plan.SerializeToString()
+        assert cache.for_engine(plan.engine_id) == plan.SerializeToString()
+    other = plan_from_proto(engine_request("engine-other", kv_bytes=2 * GIB))
+    cache.put(other)
+    assert cache.distinct_bodies == 2
+    small = PlanCache(capacity=2)  # the last plan holding a body lets it go
+    for plan in (*plans[:2], other, plans[2]):
+        small.put(plan)
+    assert small.distinct_bodies == 2 and small.get(plans[1].plan_id) is None
+
+
+def test_a_plan_kept_again_stays_its_engines() -> None:
+    """Kept again before its leases are granted (name_engine=False), a plan that
+    already was the engine's stays so; a new one becomes it only when named."""
+    cache = PlanCache(capacity=4)
+    plan = plan_from_proto(engine_request("engine-a"))
+    cache.put(plan)
+    cache.put(plan, name_engine=False)
+    assert cache.for_engine("engine-a") == plan.SerializeToString()
+    other = plan_from_proto(engine_request("engine-a", kv_bytes=2 * GIB))
+    cache.put(other, name_engine=False)
+    assert cache.for_engine("engine-a") == plan.SerializeToString()
+    cache.name_engine("engine-a", other.plan_id)
+    assert cache.for_engine("engine-a") == other.SerializeToString()
 
 
 async def test_cache_hit_is_the_planned_response(

@@ -1,6 +1,7 @@
 """Files of earlier schemas open under the current one with their state intact:
 schema 1 (before engine ownership and failed rendezvous) keeps its finished
-engines, schema 2 (before the ledger's totals) keeps its leases, now counted."""
+engines, schema 2 (before the ledger's totals) keeps its leases, now counted, and
+its plans (stored whole, before plans of equal content shared their body)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvplan.core.ledger import NOTHING, DeviceState, GrantRefused, LeaseRequest,
 from kvplan.server.store import RendezvousResult
 from kvplan.server.store.memory import digest
 from kvplan.server.store.sqlite import SCHEMA_VERSION, SQLiteStore
+from kvplan.v1 import plan_pb2
 
 V1_FINISHED = """
 CREATE TABLE rendezvous_finished (
@@ -62,7 +64,7 @@ async def test_a_schema_1_file_is_migrated(tmp_path: Path) -> None:
     finally:
         await store.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
 
 
 # What schema 2 wrote of the ledger and of ownership (the rest does not matter here).
@@ -128,3 +130,52 @@ async def test_a_schema_2_file_keeps_its_leases_and_counts_them(tmp_path: Path) 
         assert later.devices["gpu-0"] == Totals(40 * GIB, 40 * GIB, 1)
     finally:
         await store.close()
+
+
+V2_PLANS = """
+CREATE TABLE plans (
+    seq INTEGER PRIMARY KEY,
+    plan_id TEXT NOT NULL UNIQUE,
+    engine_id TEXT NOT NULL,
+    plan BLOB NOT NULL,
+    stored_at REAL NOT NULL
+);
+CREATE INDEX plans_by_engine ON plans (engine_id, seq);
+"""
+
+
+def _plan(plan_id: str, engine_id: str) -> bytes:
+    plan = plan_pb2.PlanResponse(plan_id=plan_id, engine_id=engine_id, num_blocks=4096)
+    plan.workers.add(rank=0, num_blocks=4096)
+    return plan.SerializeToString()
+
+
+async def test_a_schema_2_file_keeps_its_plans_and_shares_their_bodies(tmp_path: Path) -> None:
+    path = tmp_path / "kvplan.sqlite3"
+    stored = {
+        ("plan-a", "engine-a"): _plan("plan-a", "engine-a"),
+        ("plan-b", "engine-b"): _plan("plan-b", "engine-b"),  # same body as plan-a
+        ("plan-c", ""): b"bytes that are no plan",
+    }
+    with sqlite3.connect(path) as db:
+        db.executescript(V2_PLANS)
+        for seq, ((plan_id, engine_id), plan) in enumerate(stored.items()):
+            db.execute(
+                "INSERT INTO plans VALUES (?, ?, ?, ?, ?)", (seq, plan_id, engine_id, plan, 1.0)
+            )
+        db.execute("PRAGMA user_version = 2")
+    store = SQLiteStore(str(path))
+    await store.start()
+    try:
+        for (plan_id, engine_id), plan in stored.items():
+            assert await store.get_plan(plan_id) == plan
+            if engine_id:
+                assert await store.plan_for_engine(engine_id) == plan
+        assert await store.distinct_plan_bodies() == 2
+        # The totals read back at start bound the migrated plans too.
+        await store.put_plan("plan-d", "engine-d", _plan("plan-d", "engine-d"), 2.0)
+        assert await store.distinct_plan_bodies() == 2
+    finally:
+        await store.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION

@@ -8,6 +8,7 @@ SQLite and Redis next to memory and require the same answer to every call.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 import tempfile
 import uuid
@@ -34,6 +35,7 @@ from kvplan.server.store.base import Arrival, RendezvousResult, Store
 from kvplan.server.store.memory import MemoryStore
 from kvplan.server.store.redis import RedisStore
 from kvplan.server.store.sqlite import SQLiteStore
+from kvplan.v1 import plan_pb2
 from tests.server.redis_server import RedisServer, running_redis, wait_for_listeners
 
 BACKENDS = ["memory", "sqlite", "redis"]
@@ -233,6 +235,104 @@ async def test_dropping_an_older_plan_keeps_the_engines_newest(open_store: OpenS
     await store.put_plan("other", "engine-b", b"other", 3.0)
     assert await store.get_plan("old") is None
     assert await store.plan_for_engine("engine-a") == b"new"
+
+
+def real_plan(plan_id: str, engine_id: str, num_blocks: int = 4096) -> bytes:
+    """A serialized PlanResponse: its body is shared by plans of equal content."""
+    plan = plan_pb2.PlanResponse(plan_id=plan_id, engine_id=engine_id, num_blocks=num_blocks)
+    plan.workers.add(rank=0, num_blocks=num_blocks)
+    return plan.SerializeToString()
+
+
+async def test_plans_of_equal_content_share_one_body(open_store: OpenStore) -> None:
+    store = await open_store(max_plans=3)
+    plans = {f"p{index}": real_plan(f"p{index}", f"engine-{index}") for index in range(3)}
+    for now, (plan_id, plan) in enumerate(plans.items()):
+        await store.put_plan(plan_id, f"engine-{plan_id[1:]}", plan, now)
+    assert await store.distinct_plan_bodies() == 1
+    for plan_id, plan in plans.items():
+        assert await store.get_plan(plan_id) == plan  # each with its own ids
+    assert await store.plan_for_engine("engine-1") == plans["p1"]
+    # Another content: a second body; p0 is dropped, the shared body stays for p1, p2.
+    other = real_plan("p3", "engine-3", num_blocks=1)
+    await store.put_plan("p3", "engine-3", other, 3.0)
+    assert await store.get_plan("p0") is None
+    assert await store.distinct_plan_bodies() == 2
+    assert await store.get_plan("p2") == plans["p2"]
+    # Put again with the same body: the body stays.
+    await store.put_plan("p2", "engine-2", plans["p2"], 4.0)
+    assert await store.get_plan("p2") == plans["p2"]
+    # The last plans holding the first body go (p1, then p3 and p2): so does the body.
+    for index in (4, 5, 6):
+        await store.put_plan(f"p{index}", "", real_plan(f"p{index}", "", num_blocks=1), index)
+    assert [await store.get_plan(f"p{index}") is None for index in range(7)] == [
+        True,
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+    assert await store.distinct_plan_bodies() == 1
+
+
+async def test_the_byte_bound_counts_a_shared_body_once(open_store: OpenStore) -> None:
+    def head_bytes(index: int) -> int:
+        head = plan_pb2.PlanResponse(plan_id=f"p{index}", engine_id=f"engine-{index}")
+        return len(head.SerializeToString())
+
+    body_bytes = len(real_plan("p0", "engine-0")) - head_bytes(0)
+    # Room for one body and the heads of 8 plans, not for 8 bodies.
+    store = await open_store(max_plan_bytes=body_bytes + sum(map(head_bytes, range(8))))
+    for index in range(8):
+        await store.put_plan(
+            f"p{index}", f"engine-{index}", real_plan(f"p{index}", f"engine-{index}"), index
+        )
+    assert all([await store.get_plan(f"p{index}") is not None for index in range(8)])
+    # A plan of other content does not fit beside them: the oldest make room.
+    await store.put_plan("other", "", real_plan("other", "", num_blocks=7), 9.0)
+    assert await store.get_plan("p0") is None
+    assert await store.get_plan("other") is not None
+
+
+async def test_concurrent_plans_are_all_kept(open_store: OpenStore) -> None:
+    """Plans put at once (SQLite commits them together) are each stored."""
+    store = await open_store()
+    plans = {
+        f"p{index}": real_plan(f"p{index}", f"engine-{index}", index % 3) for index in range(40)
+    }
+    await asyncio.gather(
+        *(
+            store.put_plan(plan_id, f"engine-{plan_id[1:]}", plan, 1.0)
+            for plan_id, plan in plans.items()
+        )
+    )
+    assert {plan_id: await store.get_plan(plan_id) for plan_id in plans} == plans
+    assert await store.distinct_plan_bodies() == 3
+
+
+async def test_sqlite_plans_survive_a_restart(tmp_path: Path) -> None:
+    """A plan is committed once put_plan returns: a new store on the file has it."""
+    path = str(tmp_path / "kvplan.sqlite3")
+    first = SQLiteStore(path)
+    await first.start()
+    plans = {f"p{index}": real_plan(f"p{index}", f"engine-{index}") for index in range(20)}
+    await asyncio.gather(
+        *(
+            first.put_plan(plan_id, f"engine-{plan_id[1:]}", plan, 1.0)
+            for plan_id, plan in plans.items()
+        )
+    )
+    second = SQLiteStore(path)  # the first is not closed: as after kill -9
+    await second.start()
+    try:
+        assert {plan_id: await second.get_plan(plan_id) for plan_id in plans} == plans
+        assert await second.plan_for_engine("engine-7") == plans["p7"]
+        assert await second.distinct_plan_bodies() == 1
+    finally:
+        await second.close()
+        await first.close()
 
 
 # --- rendezvous ----------------------------------------------------------------------
@@ -1117,6 +1217,7 @@ async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> No
             "plans-seq",
             "plans-bytes",
             "plan:p",
+            "plan-body:" + hashlib.sha256(b"plan").hexdigest(),
             "engine-plan:e",
             "rdv:open",
             "rdv:open:f",

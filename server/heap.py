@@ -1,0 +1,57 @@
+"""Handing freed heap back to the OS once a burst is over.
+
+A burst of calls (a fleet's rendezvous: 256 engines x 8 ranks, 2,048 calls at
+once) makes gRPC and the planner allocate a few hundred MB for a moment. glibc
+keeps what they free inside its heap, resident, wherever a live block sits
+above it: the process stayed at 145-186 MB RSS after such a burst, though it
+used about 15 MB of heap. `malloc_trim(0)` returns those free pages (it took
+it back to 80 MB), in about 10 ms after a burst and well under 1 ms otherwise.
+The server calls it from a background task once it has gone quiet after calls
+(`QuietTrim`): never under steady load, within a second after a burst. Elsewhere
+than glibc (musl, macOS) this does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+from kvplan.server.guard import Drain
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return trim
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def trim() -> bool:
+    """Return the heap's free pages to the OS; True if any were."""
+    return _MALLOC_TRIM is not None and bool(_MALLOC_TRIM(0))
+
+
+class QuietTrim:
+    """`tick()` every interval: trim once the server went quiet after calls (none
+    started since the previous tick, none in flight), once per quiet spell."""
+
+    def __init__(self, drain: Drain, release: Callable[[], bool] = trim) -> None:
+        self._drain = drain
+        self._release = release
+        self._calls_at_tick = 0
+        self._calls_at_trim = 0
+
+    def tick(self) -> bool:
+        """True when it trimmed."""
+        calls = self._drain.calls_started
+        quiet = calls == self._calls_at_tick and not self._drain.in_flight
+        self._calls_at_tick = calls
+        if not quiet or calls == self._calls_at_trim:
+            return False
+        self._calls_at_trim = calls
+        self._release()
+        return True

@@ -1,0 +1,42 @@
+"""Freed heap handed back to the OS once a burst is over (server/heap.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvplan.server import heap
+from kvplan.server.guard import Drain
+
+
+def test_trim_returns_the_free_pages_a_burst_left() -> None:
+    # 30 KB blocks (below glibc's mmap threshold: they come from the heap), one in
+    # fifty still alive, as a burst's buffers leave the heap behind it.
+    blocks = [bytearray(30_000) for _ in range(4_000)]
+    alive = blocks[::50]
+    del blocks
+    assert heap.trim()  # the image and CI run on glibc
+    assert len(alive) == 80
+
+
+async def test_trim_once_quiet_after_calls() -> None:
+    drain = Drain()
+    trims: list[int] = []
+
+    def release() -> bool:
+        trims.append(drain.calls_started)
+        return True
+
+    quiet_trim = heap.QuietTrim(drain, release)
+    assert not quiet_trim.tick()  # no call yet
+    drain.enter()
+    assert not quiet_trim.tick()  # a call started since the last tick
+    assert not quiet_trim.tick()  # quiet, but the call is still in flight
+    drain.leave()
+    assert quiet_trim.tick() and trims == [1]  # gone quiet after it
+    assert not quiet_trim.tick() and trims == [1]  # once per quiet spell
+    for _ in range(3):  # steady load: a call between every two ticks
+        drain.enter()
+        drain.leave()
+        assert not quiet_trim.tick()
+    assert quiet_trim.tick() and trims == [1, 4]
+    await asyncio.sleep(0)
