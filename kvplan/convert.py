@@ -672,7 +672,13 @@ class WorkerBytes:
     """
 
     def __init__(self, worker: plan_pb2.WorkerSpec) -> None:
-        self.data = worker.SerializeToString(deterministic=True)
+        self._worker = worker
+
+    @cached_property
+    def data(self) -> bytes:
+        # On first use: a caller that finds the plan by the request's digest never
+        # needs the workers' bytes.
+        return self._worker.SerializeToString(deterministic=True)
 
     @cached_property
     def _settings(self) -> tuple[bytes, int]:

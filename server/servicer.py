@@ -15,7 +15,13 @@ from collections.abc import Sequence
 import grpc
 import grpc.aio
 
-from kvplan.convert import encode_varint, plan_from_proto, plan_id_for
+from kvplan.convert import (
+    WorkerBytes,
+    encode_varint,
+    encode_workers,
+    plan_from_proto,
+    plan_id_for,
+)
 from kvplan.core.errors import PlanningError
 from kvplan.core.ledger import (
     MAX_LISTED_HOLDERS,
@@ -77,13 +83,18 @@ class PlanCache:
         self._by_engine: dict[str, str] = {}
         self._plan_ids: OrderedDict[bytes, str] = OrderedDict()  # request digest -> plan id
 
-    def plan_id(self, request: plan_pb2.PlanRequest, request_digest: bytes | None = None) -> str:
+    def plan_id(
+        self,
+        request: plan_pb2.PlanRequest,
+        request_digest: bytes | None = None,
+        encoded_workers: Sequence[WorkerBytes] | None = None,
+    ) -> str:
         """`plan_id_for(request)`, computed once per distinct request.
 
         `request_digest`: the SHA-256 of bytes that parse to `request` (the bytes it
         came in as); without it, of its deterministic serialization. Equal bytes are
         an equal request, so the digest stands for the request; a remembered id stays
-        right after its plan is evicted.
+        right after its plan is evicted. `encoded_workers`: see `plan_id_for`.
         """
         digest = (
             request_digest or hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
@@ -92,7 +103,7 @@ class PlanCache:
         if plan_id is not None:
             self._plan_ids.move_to_end(digest)
             return plan_id
-        plan_id = plan_id_for(request)
+        plan_id = plan_id_for(request, encoded_workers)
         self._plan_ids[digest] = plan_id
         if len(self._plan_ids) > self._capacity:
             self._plan_ids.popitem(last=False)
@@ -605,9 +616,13 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         `publish`: a new plan becomes the engine's plan and is persisted now
         (otherwise the caller does that once its leases are granted).
         """
+        # Each worker serialized once, for the plan id and the conversion alike.
+        encoded = encode_workers(request)
         if plan_id is None:
             plan_id = (
-                self._cache.plan_id(request, request_digest) if repeats else plan_id_for(request)
+                self._cache.plan_id(request, request_digest, encoded)
+                if repeats
+                else plan_id_for(request, encoded)
             )
         cached = self._cache.get(plan_id)
         if cached is not None:
@@ -618,9 +633,11 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         layers = sum(len(worker.layers) for worker in request.workers)
         if layers > self._settings.offload_layers:
             # Large engines take milliseconds: keep the event loop serving.
-            response = await asyncio.to_thread(plan_from_proto, request, plan_id=plan_id)
+            response = await asyncio.to_thread(
+                plan_from_proto, request, plan_id=plan_id, encoded_workers=encoded
+            )
         else:
-            response = plan_from_proto(request, plan_id=plan_id)
+            response = plan_from_proto(request, plan_id=plan_id, encoded_workers=encoded)
         serialized = response.SerializeToString()
         parts = PlanParts.of(plan_id, response.engine_id, serialized)
         self._cache.keep(plan_id, response.engine_id, parts, name_engine=publish)
