@@ -11,7 +11,7 @@ from enum import Enum
 from kvplan.core.errors import InsufficientMemory, InvalidRequest
 from kvplan.core.groups import KVCacheGroup
 from kvplan.core.request import DEFAULT_GPU_MEMORY_UTILIZATION, WorkerInput
-from kvplan.core.specs import PlanningContext, UniformTypeSpecs, cdiv
+from kvplan.core.specs import KVCacheSpec, PlanningContext, UniformTypeSpecs, cdiv
 
 GIB = 1 << 30
 
@@ -121,7 +121,11 @@ def worker_budget(worker: WorkerInput, index: int, *, extensible: bool = False) 
 
 
 def group_blocks_per_request(group: KVCacheGroup, ctx: PlanningContext) -> int:
-    spec = group.spec
+    return spec_blocks_per_request(group.spec, ctx)
+
+
+def spec_blocks_per_request(spec: KVCacheSpec, ctx: PlanningContext) -> int:
+    """Blocks one max_model_len request holds in a group of `spec`."""
     if isinstance(spec, UniformTypeSpecs):
         return spec.max_memory_usage_pages(ctx)
     return cdiv(spec.max_memory_usage_bytes(ctx), spec.page_size_bytes)

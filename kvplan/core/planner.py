@@ -40,8 +40,8 @@ from kvplan.core.memory import (
     check_one_request_fits,
     estimate_max_model_len,
     format_gib,
-    group_blocks_per_request,
     needed_bytes,
+    spec_blocks_per_request,
     worker_budget,
 )
 from kvplan.core.request import EngineOptions, EngineRequest, WorkerInput
@@ -709,7 +709,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     blocks_per_request = host_blocks_per_request = 0
     if projected and projected[0]:
         for group in projected[0]:
-            blocks = group_blocks_per_request(replace(group, spec=group.representative_spec), ctx)
+            blocks = spec_blocks_per_request(group.representative_spec, ctx)
             if group.host_resident:
                 host_blocks_per_request += blocks
             else:
