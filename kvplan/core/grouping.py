@@ -600,7 +600,7 @@ def group_layers(
         return done(GroupingPath.UNIFORM_TYPE, [Grouping(tuple(specs), wrapper)])
 
     hidden = {n: s for n, s in specs.items() if isinstance(s, HiddenStateCacheSpec)}
-    filtered = {n: s for n, s in specs.items() if not isinstance(s, HiddenStateCacheSpec)}
+    filtered = {n: s for n, s in specs.items() if n not in hidden} if hidden else specs
 
     packed = packed_groups(filtered, layout)
     if packed is not None:
