@@ -344,8 +344,9 @@ def unify_page_sizes(specs: SpecDict) -> tuple[SpecDict, bool]:
     unified: SpecDict = {}
     done: dict[int, KVCacheSpec] = {}  # layers share spec objects: convert each once
     for name, spec in specs.items():
-        if id(spec) in done:
-            unified[name] = done[id(spec)]
+        converted = done.get(id(spec))
+        if converted is not None:
+            unified[name] = converted
             continue
         page = spec.page_size_bytes
         new_spec: KVCacheSpec
