@@ -656,7 +656,9 @@ _RANK = plan_pb2.WorkerSpec.RANK_FIELD_NUMBER
 _DEVICE = plan_pb2.WorkerSpec.DEVICE_FIELD_NUMBER
 _MEMORY = plan_pb2.WorkerSpec.MEMORY_FIELD_NUMBER
 _LAYERS = plan_pb2.WorkerSpec.LAYERS_FIELD_NUMBER
-_NAME_TAG = spec_pb2.LayerSpec.NAME_FIELD_NUMBER << 3 | 2  # length-delimited
+# Tags of length-delimited fields (one byte each).
+_LAYERS_TAG = _LAYERS << 3 | 2
+_NAME_TAG = spec_pb2.LayerSpec.NAME_FIELD_NUMBER << 3 | 2
 
 
 class WorkerBytes:
@@ -707,11 +709,24 @@ class WorkerBytes:
     def layers_key(self) -> bytes:
         return self.data[self.layers_start :]
 
-    def layers(self) -> Iterator[tuple[int, int]]:
-        """(start, end) of each layer's serialization, in order."""
-        for number, _, payload, end in _wire_fields(self.data, self.layers_start, len(self.data)):
+    def layers(self) -> list[tuple[int, int]]:
+        """(start, end) of each layer's serialization, in order. A layer's tag is one
+        byte and its length mostly one: read inline, with no call per layer (64
+        layers: 19 -> 6 µs); other fields are stepped over by `_wire_fields`."""
+        data, pos, end = self.data, self.layers_start, len(self.data)
+        spans: list[tuple[int, int]] = []
+        while pos < end:
+            if data[pos] == _LAYERS_TAG:
+                length, start = data[pos + 1], pos + 2
+                if length > 0x7F:
+                    length, start = _read_varint(data, pos + 1)
+                pos = start + length
+                spans.append((start, pos))
+                continue
+            number, _, payload, pos = next(_wire_fields(data, pos, end))
             if number == _LAYERS:
-                yield payload, end
+                spans.append((payload, pos))
+        return spans
 
 
 def encode_workers(message: plan_pb2.PlanRequest) -> list[WorkerBytes]:
@@ -737,7 +752,9 @@ def _layers_from_proto(
         # spec: layers that differ only by name share one converted value.
         spec_key: bytes | None = None
         if start < end and data[start] == _NAME_TAG:
-            size, name_start = _read_varint(data, start + 1)
+            size, name_start = data[start + 1], start + 2
+            if size > 0x7F:
+                size, name_start = _read_varint(data, start + 1)
             name = data[name_start : name_start + size].decode()
             spec_key = data[name_start + size : end]
         else:
@@ -1022,6 +1039,16 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
         plan_stage=plan_pb2.PlanStage.Value(f"PLAN_STAGE_{plan.stage.name}"),
         reserved_num_blocks=plan.reserved_num_blocks,
     )
+    # Groups share spec objects (a hybrid bucket's groups, a wrapper's layers): each
+    # is rendered once and merged in as bytes (Gemma-3-style 64 layers: 7 groups, 2
+    # renderings; plan_to_proto 57 -> 47 µs).
+    rendered: dict[int, bytes] = {}
+
+    def spec_bytes(spec: KVCacheSpec) -> bytes:
+        if id(spec) not in rendered:
+            rendered[id(spec)] = spec_to_proto(spec).SerializeToString()
+        return rendered[id(spec)]
+
     for group in plan.groups:
         out = response.groups.add(
             group_id=group.group_id,
@@ -1036,11 +1063,11 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
             host_resident=group.host_resident,
         )
         if isinstance(group.spec, UniformTypeSpecs):
-            out.spec.CopyFrom(spec_to_proto(group.spec.first_spec))
+            out.spec.MergeFromString(spec_bytes(group.spec.first_spec))
             for name, layer_spec in group.spec.layer_specs:
-                out.layer_specs.append(spec_to_proto(layer_spec, name))
+                out.layer_specs.add(name=name).MergeFromString(spec_bytes(layer_spec))
         else:
-            out.spec.CopyFrom(spec_to_proto(group.spec))
+            out.spec.MergeFromString(spec_bytes(group.spec))
     # Workers with one projection (tensor-parallel ranks) share their tuples of
     # tensors and groups: a layout several workers share is rendered once and merged
     # into each (for 8 workers x 65 layers, 0.045 ms of 0.15 ms), as bytes: merging

@@ -43,11 +43,17 @@ class KVCacheGroup:
             return self.spec.specs_by_layer[layer_name]
         return self.spec
 
-    @cached_property
+    @property
     def layer_runs(self) -> tuple[tuple[KVCacheSpec, tuple[str, ...]], ...]:
         """The group's layers as runs of one identical spec, in order of first use."""
         if not isinstance(self.spec, UniformTypeSpecs):
+            # One run: cheaper built than cached (functools' cached_property locks).
             return ((self.spec, self.layer_names),) if self.layer_names else ()
+        return self._uniform_layer_runs
+
+    @cached_property
+    def _uniform_layer_runs(self) -> tuple[tuple[KVCacheSpec, tuple[str, ...]], ...]:
+        assert isinstance(self.spec, UniformTypeSpecs)
         members = self.spec.specs_by_layer
         runs: dict[KVCacheSpec, list[str]] = {}
         for name in self.layer_names:

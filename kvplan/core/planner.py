@@ -40,15 +40,14 @@ from kvplan.core.memory import (
     check_one_request_fits,
     estimate_max_model_len,
     format_gib,
-    group_blocks_per_request,
     needed_bytes,
+    spec_blocks_per_request,
     worker_budget,
 )
 from kvplan.core.request import EngineOptions, EngineRequest, WorkerInput
 from kvplan.core.rules import RuleSet
 from kvplan.core.specs import (
     AttentionSpec,
-    KVCacheSpec,
     MambaSpec,
     PlanningContext,
     SlidingWindowSpec,
@@ -147,8 +146,11 @@ def _validate(request: EngineRequest) -> list[WorkerInput]:
         ranks[worker.rank] = index
         if not _distinct_layers(worker, checked):
             continue
+        names = [name for name, _ in worker.layers]
+        if len(set(names)) == len(names):
+            continue  # the usual case, in one pass; the loop below finds the repeat
         seen: set[str] = set()
-        for layer_index, (name, _) in enumerate(worker.layers):
+        for layer_index, name in enumerate(names):
             if name in seen:
                 raise InvalidRequest(
                     f"layer {name!r} appears twice on worker rank {worker.rank}",
@@ -163,18 +165,19 @@ def _merge_worker_specs(workers: list[WorkerInput], request: EngineRequest) -> S
     """All workers' layers in registration order; one layer, one spec."""
     index_of = {worker.rank: index for index, worker in enumerate(request.workers)}
     merged: SpecDict = {}
-    owner: dict[str, int] = {}
     done: set[int] = set()
     for worker in workers:
         if not _distinct_layers(worker, done):
             continue  # every layer is in `merged` already, with this very spec
+        if not merged:
+            merged.update(worker.layers)  # its names are distinct (`_validate`)
+            continue
         for layer_index, (name, spec) in enumerate(worker.layers):
-            if name not in merged:
-                merged[name] = spec
-                owner[name] = worker.rank
-            elif merged[name] is not spec and merged[name] != spec:
+            known = merged.setdefault(name, spec)
+            if known is not spec and known != spec:
+                owner = next(w.rank for w in workers if any(n == name for n, _ in w.layers))
                 raise InvalidRequest(
-                    f"layer {name!r} has different specs on worker ranks {owner[name]} and "
+                    f"layer {name!r} has different specs on worker ranks {owner} and "
                     f"{worker.rank}; ranks of one engine must agree on every shared layer",
                     field=f"workers[{index_of[worker.rank]}].layers[{layer_index}]",
                 )
@@ -203,17 +206,15 @@ def _tag_retained_tokens(specs: SpecDict, request: EngineRequest) -> SpecDict:
     extra = max(0, request.spec_decode.prefill_lookahead_tokens - 1)
     # Layers share spec objects: rebuild each object once. Keyed by identity, as
     # equal specs may still differ in is_draft, which equality ignores.
-    tagged: dict[int, KVCacheSpec] = {}
-
-    def tag(spec: KVCacheSpec) -> KVCacheSpec:
-        if not isinstance(spec, SlidingWindowSpec) or spec.extra_retained_tokens == extra:
-            return spec
-        result = tagged.get(id(spec))
-        if result is None:
-            result = tagged[id(spec)] = replace(spec, extra_retained_tokens=extra)
-        return result
-
-    return {name: tag(spec) for name, spec in specs.items()}
+    distinct = {id(spec): spec for spec in specs.values()}
+    tagged = {
+        key: replace(spec, extra_retained_tokens=extra)
+        for key, spec in distinct.items()
+        if isinstance(spec, SlidingWindowSpec) and spec.extra_retained_tokens != extra
+    }
+    if not tagged:
+        return specs  # nothing to tag (the usual case): no pass over the layers
+    return {name: tagged.get(id(spec), spec) for name, spec in specs.items()}
 
 
 def _project_all(
@@ -228,6 +229,12 @@ def _project_all(
     layers), and workers with the same layer list (tensor-parallel ranks) share
     one projection.
     """
+    # A worker with as many layers as the groups hold holds every one of them (its
+    # names are distinct and all grouped): it sees the groups unchanged, with no
+    # pass over its layers (one worker, 64 layers: 15 -> 2 µs).
+    grouped = sum(len(group.layer_names) for group in groups)
+    if all(len(worker.layers) == grouped for worker in workers):
+        return [groups] * len(workers)
     position = {
         name: (group_index, layer_index)
         for group_index, group in enumerate(groups)
@@ -448,10 +455,19 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     # configuration, after the memory checks (as in every release).
     layout_after_memory = rules.layout_checked_after_memory or hisparse is not None
     index_of = {worker.rank: index for index, worker in enumerate(request.workers)}
-    budgets = [
-        worker_budget(worker, index_of[worker.rank], extensible=options.extensible_kv_cache)
-        for worker in workers
-    ]
+    # A budget depends on the worker's memory and device settings alone (the rank and
+    # index only name it in errors, raised at the first worker with those settings):
+    # workers sharing settings objects (converted once per distinct setting) share
+    # one budget (8 TP ranks: 16.7 -> 3.7 µs).
+    budget_of: dict[tuple[int, int], Budget] = {}
+    budgets: list[Budget] = []
+    for worker in workers:
+        key = (id(worker.memory), id(worker.device))
+        if key not in budget_of:
+            budget_of[key] = worker_budget(
+                worker, index_of[worker.rank], extensible=options.extensible_kv_cache
+            )
+        budgets.append(budget_of[key])
     available = [budget.available_bytes for budget in budgets]
 
     block_bytes: list[int] = []
@@ -709,7 +725,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     blocks_per_request = host_blocks_per_request = 0
     if projected and projected[0]:
         for group in projected[0]:
-            blocks = group_blocks_per_request(replace(group, spec=group.representative_spec), ctx)
+            blocks = spec_blocks_per_request(group.representative_spec, ctx)
             if group.host_resident:
                 host_blocks_per_request += blocks
             else:

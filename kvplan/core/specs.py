@@ -831,7 +831,8 @@ class UniformTypeSpecs(KVCacheSpec):
 
     @staticmethod
     def is_uniform_type(specs: Mapping[str, KVCacheSpec]) -> bool:
-        values = list(specs.values())
+        # Each spec object once (layers share them), in first-seen order.
+        values = list({id(spec): spec for spec in specs.values()}.values())
         if len({spec.block_size for spec in values}) > 1:
             return False
         if len({spec.dcp_sharded for spec in values}) > 1:
