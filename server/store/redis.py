@@ -36,6 +36,9 @@ Key layout under `key_prefix` (default "kvplan:"):
     ledger:expired-through STRING the latest `now` due leases were expired at
     lease-version         STRING bumped by every lease write: a grant commits only
                                 if it is unchanged since the grant read the ledger
+    owner:{engine}        STRING the engine's owning identity (PX: --ownership-ttl-s)
+    owned:{identity}      ZSET  engine_id -> when its ownership expires (Redis ms):
+                                the identity's live engines, counted per claim
     rendezvous-finished   pub/sub channel of finished rendezvous
 
 The ledger's writes are Lua scripts (atomic): a lease counts in the totals while
@@ -87,6 +90,7 @@ from kvplan.server.store.base import (
     LedgerView,
     RendezvousResult,
     StoreUnavailable,
+    TooManyEngines,
 )
 from kvplan.server.store.bodies import PlanParts, plan_parts
 from kvplan.server.store.memory import (
@@ -461,13 +465,30 @@ end
 return -1
 """
 
-# Lua: the engine's owner; set (or its expiry pushed) when free or already the caller's.
+# Lua: the engine's owner; set (or its expiry pushed) when free or already the
+# caller's, unless the engine is new to the caller and the caller already owns
+# ARGV[3] live engines: then the count (a number, never an identity's name).
+# KEYS[1] owner:{engine}, KEYS[2] owned:{identity}; ARGV identity, TTL ms, the
+# limit, engine_id. Both expire on Redis's clock (the owner key by PX, the
+# index by score), so a record stops counting when its key goes.
 _CLAIM_ENGINE = """
 local owner = redis.call('GET', KEYS[1])
 if owner and owner ~= ARGV[1] then
     return owner
 end
+local time = redis.call('TIME')
+local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms)
+if not owner then
+    redis.call('ZREM', KEYS[2], ARGV[4])
+    local held = redis.call('ZCARD', KEYS[2])
+    if held >= tonumber(ARGV[3]) then
+        return held
+    end
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return ARGV[1]
 """
 
@@ -982,14 +1003,18 @@ class RedisStore:
     def subscribe(self, callback: FinishedCallback) -> None:
         self._subscribers.append(callback)
 
-    async def claim_engine(self, engine_id: str, identity: str, now: float, ttl_s: float) -> str:
+    async def claim_engine(
+        self, engine_id: str, identity: str, now: float, ttl_s: float, max_engines: int
+    ) -> str:
         self._redis()
         owner = await self._call(
             self._scripts["claim_engine"](
-                keys=[self._key("owner:" + engine_id)],
-                args=[identity, max(int(ttl_s * 1000), 1)],
+                keys=[self._key("owner:" + engine_id), self._key("owned:" + identity)],
+                args=[identity, max(int(ttl_s * 1000), 1), max_engines, engine_id],
             )
         )
+        if isinstance(owner, int):
+            raise TooManyEngines(owner, max_engines)
         return owner.decode() if isinstance(owner, bytes) else str(owner)
 
     async def engine_owner(self, engine_id: str, now: float) -> str | None:
