@@ -47,9 +47,9 @@ class Settings:
     max_layer_name_chars: int = 1024
     max_pending_rendezvous_bytes: int = 256 * 1024 * 1024  # specs of waiting ranks, this process
     max_leases_per_identity: int = 4096
-    # Live ownership records (engine ids) one identity holds: each is ~100-200 bytes
-    # in the store, so 65,536 is ~10 MiB per identity, while a real tenant plans
-    # a few hundred engines a day.
+    # Live ownership records (engine ids) one identity holds: ~110 bytes each in
+    # SQLite, so 65,536 is ~7 MB per identity, while a real tenant plans far
+    # fewer engines per --ownership-ttl-s (a day); matches the servicer's owner cache.
     max_engines_per_identity: int = 65536
     metrics_engine_labels: bool = False  # per-engine metric series (engine_id label)
     health_interval_s: float = 2.0  # how often health checks that the store answers
