@@ -397,6 +397,18 @@ def test_default_binds(tmp_path: Path) -> None:
         ["--metrics-engine-labels", "false"], environ={}
     ).metrics_engine_labels
     assert parse_settings([], environ={"KVPLAN_METRICS_ENGINE_LABELS": "1"}).metrics_engine_labels
+    # The engine bound: a flag or its environment variable, and positive.
+    assert parse_settings([], environ={}).max_engines_per_identity == 65536
+    engines = {"KVPLAN_MAX_ENGINES_PER_IDENTITY": "100"}
+    assert parse_settings([], environ=engines).max_engines_per_identity == 100
+    assert (
+        parse_settings(
+            ["--max-engines-per-identity", "7"], environ=engines
+        ).max_engines_per_identity
+        == 7
+    )
+    with pytest.raises(SystemExit):
+        parse_settings(["--max-engines-per-identity", "0"], environ={})
 
 
 async def test_metrics_carry_no_engine_ids_by_default(server: RunningServer) -> None:

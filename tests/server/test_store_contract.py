@@ -627,6 +627,21 @@ async def test_an_expired_engine_taken_by_another_leaves_its_old_owners_count(
         await store.claim_engine("z", "bob", later, TTL_S, 1)
 
 
+async def test_the_engine_bound_is_exact_for_claims_at_once(store: Store) -> None:
+    now = time.time()
+
+    async def claim(engine_id: str) -> bool:
+        try:
+            return await store.claim_engine(engine_id, "alice", now, TTL_S, 5) == "alice"
+        except TooManyEngines:
+            return False
+
+    claimed = await asyncio.gather(*(claim(f"e{n}") for n in range(20)))
+    assert sum(claimed) == 5
+    owned = [await store.engine_owner(f"e{n}", now) for n in range(20)]
+    assert owned.count("alice") == 5 and owned.count(None) == 15
+
+
 async def test_memory_store_keeps_its_ownership_expiry_index_bounded() -> None:
     store = MemoryStore()
     for renewal in range(2000):  # one engine renewed over and over
