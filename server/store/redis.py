@@ -39,6 +39,8 @@ Key layout under `key_prefix` (default "kvplan:"):
     owner:{engine}        STRING the engine's owning identity (PX: --ownership-ttl-s)
     owned:{identity}      ZSET  engine_id -> when its ownership expires (Redis ms):
                                 the identity's live engines, counted per claim
+    owners-indexed        STRING set once the owner keys of before the owned
+                                indexes were indexed (at start)
     rendezvous-finished   pub/sub channel of finished rendezvous
 
 The ledger's writes are Lua scripts (atomic): a lease counts in the totals while
@@ -493,6 +495,29 @@ return ARGV[1]
 """
 
 
+# Lua: an owner key written before the per-identity indexes, put in its owner's
+# index with the key's own expiry (once: a claim may have indexed it already).
+# KEYS[1] owner:{engine}; ARGV key prefix, engine_id.
+_INDEX_OWNER = """
+local owner = redis.call('GET', KEYS[1])
+local left_ms = redis.call('PTTL', KEYS[1])
+if not owner or left_ms < 0 then
+    return 0
+end
+local owned = ARGV[1] .. 'owned:' .. owner
+if redis.call('ZSCORE', owned, ARGV[2]) then
+    return 0
+end
+local time = redis.call('TIME')
+local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+redis.call('ZADD', owned, now_ms + left_ms, ARGV[2])
+if redis.call('PTTL', owned) < left_ms then
+    redis.call('PEXPIRE', owned, left_ms)
+end
+return 1
+"""
+
+
 def _expiry_ms(seconds: float) -> int | None:
     """A Redis relative expiry for `seconds` from now; None: keep forever."""
     if not math.isfinite(seconds):
@@ -672,6 +697,7 @@ class RedisStore:
             "put_plan": self._client.register_script(_PUT_PLAN),
             "get_plan": self._client.register_script(_GET_PLAN),
             "claim_engine": self._client.register_script(_CLAIM_ENGINE),
+            "index_owner": self._client.register_script(_INDEX_OWNER),
             "join": self._client.register_script(_JOIN),
             "open_rendezvous": self._client.register_script(_OPEN_RENDEZVOUS),
         }
@@ -680,6 +706,7 @@ class RedisStore:
             if self._require_persistence:
                 await self._check_persistence()
             await self._convert_old_ledger()
+            await self._index_old_owners()
         except (StoreUnavailable, ValueError):
             await self.close()
             raise
@@ -693,6 +720,25 @@ class RedisStore:
         except TimeoutError:
             await self.close()
             raise StoreUnavailable(f"cannot subscribe to {self._channel} on {self._url}") from None
+
+    async def _index_old_owners(self) -> None:
+        """Owner keys a server before --max-engines-per-identity wrote are in no
+        owned:{identity} index: each is indexed once (the marker says it was done),
+        so it counts against its owner's bound until it expires."""
+        marker = self._key("owners-indexed")
+        client = self._redis()
+        if await self._call(client.exists(marker)):
+            return
+        owner_prefix = self._key("owner:")
+        try:
+            async for key in client.scan_iter(match=owner_prefix + "*", count=1000):
+                name = key.decode() if isinstance(key, bytes) else str(key)
+                await self._scripts["index_owner"](
+                    keys=[name], args=[self._prefix, name.removeprefix(owner_prefix)]
+                )
+        except (RedisError, OSError) as error:
+            raise self._unavailable(error) from error
+        await self._call(client.set(marker, "1"))
 
     async def _convert_old_ledger(self) -> None:
         """Leases a server before the ledger's totals wrote (the `lease-engines` set,

@@ -1234,6 +1234,39 @@ async def test_redis_drops_a_dead_engines_leases_by_itself(redis_server: RedisSe
         await store.close()
 
 
+async def test_owners_of_the_layout_before_the_engine_bound_count(
+    redis_server: RedisServer,
+) -> None:
+    """Owner keys a server before --max-engines-per-identity left (no per-identity
+    index): a new server indexes them once at start, so they count for their owner."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    old = RedisStore(redis_server.url, key_prefix=prefix)
+    await old.start()
+    client = old._redis()
+    for engine_id in ("a1", "a2"):
+        await client.set(prefix + "owner:" + engine_id, "team-a", px=600_000)
+    await client.set(prefix + "owner:b1", "team-b", px=600_000)
+    await client.delete(prefix + "owners-indexed")
+    await old.close()
+    store = RedisStore(redis_server.url, key_prefix=prefix)
+    await store.start()
+    try:
+        now = time.time()
+        with pytest.raises(TooManyEngines) as refused:
+            await store.claim_engine("a3", "team-a", now, TTL_S, 2)
+        assert refused.value.held == 2
+        assert await store.claim_engine("a1", "team-a", now, TTL_S, 2) == "team-a"
+        assert await store.claim_engine("b2", "team-b", now, TTL_S, 2) == "team-b"
+        assert await store._redis().pttl(prefix + "owned:team-b") > 0  # goes with its records
+        # A second start indexes nothing again.
+        again = RedisStore(redis_server.url, key_prefix=prefix)
+        await again.start()
+        assert await again._redis().zcard(prefix + "owned:team-a") == 2
+        await again.close()
+    finally:
+        await store.close()
+
+
 async def test_leases_of_the_layout_before_the_totals_are_kept_and_counted(
     redis_server: RedisServer,
 ) -> None:
@@ -1290,6 +1323,7 @@ async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> No
         await store.rendezvous_finish("e", RendezvousResult(True, b"plan"), 0.0)
         await join(store, "f", 0)
         await store.grant("e", [ask(0, "gpu-0", 10)], devices(device("gpu-0")), 0.0, 60.0)
+        await store.claim_engine("e", "team-a", 0.0, 60.0, 16)
         keys = {key.decode() async for key in store._redis().scan_iter(match=prefix + "*")}
         assert {key.removeprefix(prefix) for key in keys} == {
             "plans",
@@ -1305,8 +1339,18 @@ async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> No
             "lease:e",
             "lease-version",
             *LEDGER_KEYS,
+            "owner:e",
+            "owned:team-a",
+            "owners-indexed",  # one marker, kept
         }
-        for janitored in ("rdv:open:f", "rdv:done:e", "lease:e", *LEDGER_KEYS):
+        for janitored in (
+            "rdv:open:f",
+            "rdv:done:e",
+            "lease:e",
+            *LEDGER_KEYS,
+            "owner:e",
+            "owned:team-a",
+        ):
             assert await store._redis().pttl(prefix + janitored) > 0  # Redis expires them too
     finally:
         await store.close()
