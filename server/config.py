@@ -47,6 +47,10 @@ class Settings:
     max_layer_name_chars: int = 1024
     max_pending_rendezvous_bytes: int = 256 * 1024 * 1024  # specs of waiting ranks, this process
     max_leases_per_identity: int = 4096
+    # Live ownership records (engine ids) one identity holds: ~110 bytes each in
+    # SQLite, so 65,536 is ~7 MB per identity, while a real tenant plans far
+    # fewer engines per --ownership-ttl-s (a day); matches the servicer's owner cache.
+    max_engines_per_identity: int = 65536
     metrics_engine_labels: bool = False  # per-engine metric series (engine_id label)
     health_interval_s: float = 2.0  # how often health checks that the store answers
     redis_allow_no_persistence: bool = False  # accept a Redis that loses data on restart
@@ -86,6 +90,7 @@ _HELP = {
     "max_layer_name_chars": "longest layer name",
     "max_pending_rendezvous_bytes": "bytes of rank specs waiting in rendezvous (this process)",
     "max_leases_per_identity": "live leases one identity may hold",
+    "max_engines_per_identity": "engines one identity may own at once (live ownership records)",
     "metrics_engine_labels": "per-engine metric series (engine_id label); off by default",
     "health_interval_s": "seconds between store checks behind the health status",
     "redis_allow_no_persistence": "accept a Redis without AOF or RDB snapshots",
@@ -133,7 +138,12 @@ def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -
         parser.error("--tls-cert and --tls-key go together")
     if settings.tls_client_ca and not settings.tls_cert:
         parser.error("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-    for name in ("max_engine_id_chars", "max_layer_name_chars", "max_pending_rendezvous_bytes"):
+    for name in (
+        "max_engine_id_chars",
+        "max_layer_name_chars",
+        "max_pending_rendezvous_bytes",
+        "max_engines_per_identity",
+    ):
         if getattr(settings, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     return settings

@@ -41,7 +41,7 @@ from kvplan.server.guard import current_identity
 from kvplan.server.metrics import Metrics
 from kvplan.server.probes import DeviceMemory, DeviceProbe
 from kvplan.server.rendezvous import Rendezvous
-from kvplan.server.store import Store, StoreUnavailable
+from kvplan.server.store import Store, StoreUnavailable, TooManyEngines
 from kvplan.server.store.base import LedgerView
 from kvplan.server.store.bodies import PlanParts, SharedBodies
 from kvplan.v1 import plan_pb2, service_pb2, service_pb2_grpc
@@ -414,9 +414,24 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             return
         now = time.time()
         if claim:
-            owner: str | None = await self._store.claim_engine(
-                engine_id, identity.name, now, self._settings.ownership_ttl_s
-            )
+            try:
+                owner: str | None = await self._store.claim_engine(
+                    engine_id,
+                    identity.name,
+                    now,
+                    self._settings.ownership_ttl_s,
+                    self._settings.max_engines_per_identity,
+                )
+            except TooManyEngines as refusal:
+                self._limit(
+                    "max_engines_per_identity",
+                    refusal.held + 1,
+                    f"engines identity {identity.name!r} would own with {engine_id!r} (reuse "
+                    "engine ids, or let unused ones lapse: ownership ends --ownership-ttl-s "
+                    "after an engine's last plan or renewal; or raise the limit)",
+                    field="engine_id",
+                )
+                raise  # unreachable: the store refuses only at held >= the limit
             assert owner is not None
             self._remember_owner(engine_id, owner, claimed=owner == identity.name)
         else:

@@ -11,9 +11,17 @@ from kvplan.server.store.base import (
     RendezvousResult,
     Store,
     StoreUnavailable,
+    TooManyEngines,
 )
 
-__all__ = ["Arrival", "RendezvousResult", "Store", "StoreUnavailable", "open_store"]
+__all__ = [
+    "Arrival",
+    "RendezvousResult",
+    "Store",
+    "StoreUnavailable",
+    "TooManyEngines",
+    "open_store",
+]
 
 
 def open_store(

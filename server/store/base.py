@@ -43,6 +43,16 @@ class StoreUnavailable(Exception):
     """The backend cannot be reached or failed mid-call; nothing was changed."""
 
 
+class TooManyEngines(Exception):
+    """A claim of a new engine refused: the identity already owns `held` live
+    engines, and `limit` is the most it may own."""
+
+    def __init__(self, held: int, limit: int) -> None:
+        super().__init__(f"identity owns {held} live engines; the limit is {limit}")
+        self.held = held
+        self.limit = limit
+
+
 @dataclass(frozen=True)
 class RendezvousResult:
     """How a rendezvous ended: a plan (serialized PlanResponse) or an error
@@ -184,11 +194,15 @@ class Store(Protocol):
 
     # --- engine ownership ---------------------------------------------------------
 
-    async def claim_engine(self, engine_id: str, identity: str, now: float, ttl_s: float) -> str:
+    async def claim_engine(
+        self, engine_id: str, identity: str, now: float, ttl_s: float, max_engines: int
+    ) -> str:
         """Atomically: the engine's owner. An engine without a live owner (none,
-        or not used for `ttl_s`) becomes `identity`'s; the owner's own claim
-        pushes its expiry to now + ttl_s. Another identity's claim changes nothing
-        and returns the owner."""
+        or not used for `ttl_s`) becomes `identity`'s, unless `identity` already
+        owns `max_engines` live engines (raises TooManyEngines; expired records
+        do not count); the owner's own claim pushes its expiry to now + ttl_s and
+        is never refused. Another identity's claim changes nothing and returns
+        the owner."""
 
     async def engine_owner(self, engine_id: str, now: float) -> str | None:
         """The engine's live owner, or None."""

@@ -33,6 +33,7 @@ from kvplan.server.store.base import (
     FinishedCallback,
     LedgerView,
     RendezvousResult,
+    TooManyEngines,
 )
 from kvplan.server.store.bodies import PlanParts, SharedBodies, plan_parts
 
@@ -236,6 +237,10 @@ class MemoryStore:
         self._finished_by_age = _ByAge()
         self._subscribers: list[FinishedCallback] = []
         self._owners: dict[str, tuple[str, float]] = {}  # engine -> owner, expires
+        self._engines_owned: dict[str, int] = {}  # identity -> its records in _owners
+        # (expires, engine) of every record, and stale ones of renewed records:
+        # expired records leave in expiry order, each claim paying for its own.
+        self._owner_expiry: list[tuple[float, str]] = []
 
     async def start(self) -> None:
         return None
@@ -392,14 +397,40 @@ class MemoryStore:
 
     # --- ownership --------------------------------------------------------------
 
-    async def claim_engine(self, engine_id: str, identity: str, now: float, ttl_s: float) -> str:
-        for engine in [e for e, (_, expires) in self._owners.items() if expires <= now]:
-            del self._owners[engine]
+    async def claim_engine(
+        self, engine_id: str, identity: str, now: float, ttl_s: float, max_engines: int
+    ) -> str:
+        self._expire_owners(now)
         owner = self._owners.get(engine_id)
         if owner is not None and owner[0] != identity:
             return owner[0]
-        self._owners[engine_id] = (identity, now + ttl_s)
+        if owner is None:
+            held = self._engines_owned.get(identity, 0)
+            if held >= max_engines:
+                raise TooManyEngines(held, max_engines)
+            self._engines_owned[identity] = held + 1
+        expires = now + ttl_s
+        self._owners[engine_id] = (identity, expires)
+        heapq.heappush(self._owner_expiry, (expires, engine_id))
+        if len(self._owner_expiry) > 2 * len(self._owners) + 64:
+            # Renewals left stale entries behind: keep the heap within twice the records.
+            self._owner_expiry = [(expires, e) for e, (_, expires) in self._owners.items()]
+            heapq.heapify(self._owner_expiry)
         return identity
+
+    def _expire_owners(self, now: float) -> None:
+        """Forget the records expired by `now` (they stop counting for their owner)."""
+        while self._owner_expiry and self._owner_expiry[0][0] <= now:
+            expires, engine_id = heapq.heappop(self._owner_expiry)
+            record = self._owners.get(engine_id)
+            if record is None or record[1] != expires:
+                continue  # renewed since (or forgotten): a stale entry
+            del self._owners[engine_id]
+            left = self._engines_owned[record[0]] - 1
+            if left:
+                self._engines_owned[record[0]] = left
+            else:
+                del self._engines_owned[record[0]]
 
     async def engine_owner(self, engine_id: str, now: float) -> str | None:
         owner = self._owners.get(engine_id)

@@ -36,6 +36,11 @@ Key layout under `key_prefix` (default "kvplan:"):
     ledger:expired-through STRING the latest `now` due leases were expired at
     lease-version         STRING bumped by every lease write: a grant commits only
                                 if it is unchanged since the grant read the ledger
+    owner:{engine}        STRING the engine's owning identity (PX: --ownership-ttl-s)
+    owned:{identity}      ZSET  engine_id -> when its ownership expires (Redis ms):
+                                the identity's live engines, counted per claim
+    owners-indexed        STRING set once the owner keys of before the owned
+                                indexes were indexed (at start)
     rendezvous-finished   pub/sub channel of finished rendezvous
 
 The ledger's writes are Lua scripts (atomic): a lease counts in the totals while
@@ -87,6 +92,7 @@ from kvplan.server.store.base import (
     LedgerView,
     RendezvousResult,
     StoreUnavailable,
+    TooManyEngines,
 )
 from kvplan.server.store.bodies import PlanParts, plan_parts
 from kvplan.server.store.memory import (
@@ -461,14 +467,54 @@ end
 return -1
 """
 
-# Lua: the engine's owner; set (or its expiry pushed) when free or already the caller's.
+# Lua: the engine's owner; set (or its expiry pushed) when free or already the
+# caller's, unless the engine is new to the caller and the caller already owns
+# ARGV[3] live engines: then the count (a number, never an identity's name).
+# KEYS[1] owner:{engine}, KEYS[2] owned:{identity}; ARGV identity, TTL ms, the
+# limit, engine_id. Both expire on Redis's clock (the owner key by PX, the
+# index by score), so a record stops counting when its key goes.
 _CLAIM_ENGINE = """
 local owner = redis.call('GET', KEYS[1])
 if owner and owner ~= ARGV[1] then
     return owner
 end
+local time = redis.call('TIME')
+local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms)
+if not owner then
+    redis.call('ZREM', KEYS[2], ARGV[4])
+    local held = redis.call('ZCARD', KEYS[2])
+    if held >= tonumber(ARGV[3]) then
+        return held
+    end
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return ARGV[1]
+"""
+
+
+# Lua: an owner key written before the per-identity indexes, put in its owner's
+# index with the key's own expiry (once: a claim may have indexed it already).
+# KEYS[1] owner:{engine}; ARGV key prefix, engine_id.
+_INDEX_OWNER = """
+local owner = redis.call('GET', KEYS[1])
+local left_ms = redis.call('PTTL', KEYS[1])
+if not owner or left_ms < 0 then
+    return 0
+end
+local owned = ARGV[1] .. 'owned:' .. owner
+if redis.call('ZSCORE', owned, ARGV[2]) then
+    return 0
+end
+local time = redis.call('TIME')
+local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+redis.call('ZADD', owned, now_ms + left_ms, ARGV[2])
+if redis.call('PTTL', owned) < left_ms then
+    redis.call('PEXPIRE', owned, left_ms)
+end
+return 1
 """
 
 
@@ -651,6 +697,7 @@ class RedisStore:
             "put_plan": self._client.register_script(_PUT_PLAN),
             "get_plan": self._client.register_script(_GET_PLAN),
             "claim_engine": self._client.register_script(_CLAIM_ENGINE),
+            "index_owner": self._client.register_script(_INDEX_OWNER),
             "join": self._client.register_script(_JOIN),
             "open_rendezvous": self._client.register_script(_OPEN_RENDEZVOUS),
         }
@@ -659,6 +706,7 @@ class RedisStore:
             if self._require_persistence:
                 await self._check_persistence()
             await self._convert_old_ledger()
+            await self._index_old_owners()
         except (StoreUnavailable, ValueError):
             await self.close()
             raise
@@ -672,6 +720,25 @@ class RedisStore:
         except TimeoutError:
             await self.close()
             raise StoreUnavailable(f"cannot subscribe to {self._channel} on {self._url}") from None
+
+    async def _index_old_owners(self) -> None:
+        """Owner keys a server before --max-engines-per-identity wrote are in no
+        owned:{identity} index: each is indexed once (the marker says it was done),
+        so it counts against its owner's bound until it expires."""
+        marker = self._key("owners-indexed")
+        client = self._redis()
+        if await self._call(client.exists(marker)):
+            return
+        owner_prefix = self._key("owner:")
+        try:
+            async for key in client.scan_iter(match=owner_prefix + "*", count=1000):
+                name = key.decode() if isinstance(key, bytes) else str(key)
+                await self._scripts["index_owner"](
+                    keys=[name], args=[self._prefix, name.removeprefix(owner_prefix)]
+                )
+        except (RedisError, OSError) as error:
+            raise self._unavailable(error) from error
+        await self._call(client.set(marker, "1"))
 
     async def _convert_old_ledger(self) -> None:
         """Leases a server before the ledger's totals wrote (the `lease-engines` set,
@@ -982,14 +1049,18 @@ class RedisStore:
     def subscribe(self, callback: FinishedCallback) -> None:
         self._subscribers.append(callback)
 
-    async def claim_engine(self, engine_id: str, identity: str, now: float, ttl_s: float) -> str:
+    async def claim_engine(
+        self, engine_id: str, identity: str, now: float, ttl_s: float, max_engines: int
+    ) -> str:
         self._redis()
         owner = await self._call(
             self._scripts["claim_engine"](
-                keys=[self._key("owner:" + engine_id)],
-                args=[identity, max(int(ttl_s * 1000), 1)],
+                keys=[self._key("owner:" + engine_id), self._key("owned:" + identity)],
+                args=[identity, max(int(ttl_s * 1000), 1), max_engines, engine_id],
             )
         )
+        if isinstance(owner, int):
+            raise TooManyEngines(owner, max_engines)
         return owner.decode() if isinstance(owner, bytes) else str(owner)
 
     async def engine_owner(self, engine_id: str, now: float) -> str | None:

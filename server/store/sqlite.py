@@ -62,6 +62,7 @@ from kvplan.server.store.base import (
     LedgerView,
     RendezvousResult,
     StoreUnavailable,
+    TooManyEngines,
 )
 from kvplan.server.store.bodies import PlanParts, plan_parts
 from kvplan.server.store.memory import (
@@ -78,8 +79,8 @@ from kvplan.server.store.memory import (
 log = logging.getLogger(__name__)
 
 # 2: engine_owner, rendezvous_finished.ok; 3: the ledger's totals, leases.identity;
-# 4: plan_bodies (each distinct plan body once)
-SCHEMA_VERSION = 4
+# 4: plan_bodies (each distinct plan body once); 5: engine_owner_count
+SCHEMA_VERSION = 5
 BUSY_TIMEOUT_S = 5.0  # how long a writer waits for another connection's transaction
 # Slack on the index range of the expiry scan: covers float rounding of now - ttl.
 _EXPIRY_MARGIN_S = 1.0
@@ -91,6 +92,12 @@ CREATE TABLE IF NOT EXISTS engine_owner (
     expires_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS engine_owner_by_expiry ON engine_owner (expires_at);
+-- Rows of engine_owner per identity (expired rows count until a claim deletes
+-- them, which it does before counting): --max-engines-per-identity.
+CREATE TABLE IF NOT EXISTS engine_owner_count (
+    identity TEXT PRIMARY KEY,
+    engines INTEGER NOT NULL
+) WITHOUT ROWID;
 -- A plan is its head (plan and engine id) and a body shared by every plan of
 -- the same content (store/bodies.py), deleted with the last plan holding it.
 CREATE TABLE IF NOT EXISTS plan_bodies (
@@ -266,6 +273,15 @@ def _device_totals(db: sqlite3.Connection, uuids: Iterable[str]) -> dict[str, To
         ).fetchone()
         out[uuid] = Totals(*row) if row else NOTHING
     return out
+
+
+def _recount_owners(db: sqlite3.Connection) -> None:
+    """The per-identity counts of ownership records recounted (schema 5 added them)."""
+    db.execute("DELETE FROM engine_owner_count")
+    db.execute(
+        "INSERT INTO engine_owner_count (identity, engines) "
+        "SELECT identity, count(*) FROM engine_owner GROUP BY identity"
+    )
 
 
 def _rebuild_totals(db: sqlite3.Connection) -> None:
@@ -541,6 +557,7 @@ class SQLiteStore:
                         "engine_owner WHERE engine_owner.engine_id = leases.engine_id), '')"
                     )
                 _rebuild_totals(db)
+                _recount_owners(db)
                 for plan_id, engine_id, plan, stored_at in old_plans:
                     self._insert_plan(
                         db, plan_id, engine_id, plan_parts(plan_id, engine_id, plan), stored_at
@@ -900,14 +917,41 @@ class SQLiteStore:
         self._subscribers.append(callback)
 
     @_in_store_thread
-    def claim_engine(self, engine_id: str, identity: str, now: float, ttl_s: float) -> str:
-        with self._transaction(write=True) as db:
-            db.execute("DELETE FROM engine_owner WHERE expires_at <= ?", (now,))
+    def claim_engine(
+        self, engine_id: str, identity: str, now: float, ttl_s: float, max_engines: int
+    ) -> str:
+        # A refusal keeps the expiry done before it.
+        with self._transaction(write=True, commit_on=(TooManyEngines,)) as db:
+            # Expired rows leave their owners' counts first (an index range: usually none).
+            expired = db.execute(
+                "SELECT identity, count(*) FROM engine_owner WHERE expires_at <= ? "
+                "GROUP BY identity",
+                (now,),
+            ).fetchall()
+            if expired:
+                db.executemany(
+                    "UPDATE engine_owner_count SET engines = engines - ? WHERE identity = ?",
+                    [(count, owner) for owner, count in expired],
+                )
+                db.execute("DELETE FROM engine_owner_count WHERE engines <= 0")
+                db.execute("DELETE FROM engine_owner WHERE expires_at <= ?", (now,))
             row = db.execute(
                 "SELECT identity FROM engine_owner WHERE engine_id = ?", (engine_id,)
             ).fetchone()
             if row is not None and row[0] != identity:
                 return str(row[0])
+            if row is None:
+                count = db.execute(
+                    "SELECT engines FROM engine_owner_count WHERE identity = ?", (identity,)
+                ).fetchone()
+                held = int(count[0]) if count else 0
+                if held >= max_engines:
+                    raise TooManyEngines(held, max_engines)
+                db.execute(
+                    "INSERT INTO engine_owner_count (identity, engines) VALUES (?, 1) "
+                    "ON CONFLICT (identity) DO UPDATE SET engines = engines + 1",
+                    (identity,),
+                )
             db.execute(
                 "INSERT OR REPLACE INTO engine_owner (engine_id, identity, expires_at) "
                 "VALUES (?, ?, ?)",

@@ -275,6 +275,49 @@ async def test_the_lease_bound_counts_each_identitys_own_leases(tmp_path: Path) 
         await running.stop(0)
 
 
+async def test_the_engine_bound_counts_each_identitys_own_engines(tmp_path: Path) -> None:
+    """--max-engines-per-identity bounds the engines one identity owns (its live
+    ownership records): the next new engine is refused, naming the flag and the
+    numbers, while re-plans of its own engines and another identity go on; an
+    operator's own engines are bounded the same way."""
+    tokens = tmp_path / "tokens"
+    write_tokens(tokens, f"{TOKEN_A} team-a", f"{TOKEN_B} team-b", f"{TOKEN_OPS} ops operator")
+    settings = replace(TEST_SETTINGS, token_file=str(tokens), max_engines_per_identity=2)
+    running = await start_server(settings)
+    target = f"127.0.0.1:{running.port}"
+
+    def client(token: str) -> AsyncPlannerClient:
+        return AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=token))
+
+    try:
+        async with client(TOKEN_A) as a, client(TOKEN_B) as b, client(TOKEN_OPS) as ops:
+            for engine_id in ("a-1", "a-2"):
+                await a.plan(engine_request(engine_id))
+            with pytest.raises(PlannerError) as refused:
+                await a.plan(engine_request("a-3"))
+            assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert refused.value.metadata["limit"] == "max_engines_per_identity"
+            assert "3 exceeds the server's limit of 2" in refused.value.details
+            assert "--max-engines-per-identity" in refused.value.details
+            assert "team-a" in refused.value.details
+            assert "--ownership-ttl-s" in refused.value.details
+            await a.plan(engine_request("a-1"))  # its own engine: never refused
+            for engine_id in ("b-1", "b-2"):  # team-b is not held back by team-a
+                await b.plan(engine_request(engine_id))
+            await ops.plan(engine_request("a-2"))  # another's engine: not the operator's
+            for engine_id in ("ops-1", "ops-2"):
+                await ops.plan(engine_request(engine_id))
+            with pytest.raises(PlannerError) as refused:
+                await ops.plan(engine_request("ops-3"))
+            assert refused.value.metadata["limit"] == "max_engines_per_identity"
+        hits = running.metrics.registry.get_sample_value(
+            "kvplan_limits_hit_total", {"limit": "max_engines_per_identity"}
+        )
+        assert hits == 2
+    finally:
+        await running.stop(0)
+
+
 async def test_reflection_needs_credentials_and_health_stays_open(
     token_server: RunningServer,
 ) -> None:
@@ -354,6 +397,18 @@ def test_default_binds(tmp_path: Path) -> None:
         ["--metrics-engine-labels", "false"], environ={}
     ).metrics_engine_labels
     assert parse_settings([], environ={"KVPLAN_METRICS_ENGINE_LABELS": "1"}).metrics_engine_labels
+    # The engine bound: a flag or its environment variable, and positive.
+    assert parse_settings([], environ={}).max_engines_per_identity == 65536
+    engines = {"KVPLAN_MAX_ENGINES_PER_IDENTITY": "100"}
+    assert parse_settings([], environ=engines).max_engines_per_identity == 100
+    assert (
+        parse_settings(
+            ["--max-engines-per-identity", "7"], environ=engines
+        ).max_engines_per_identity
+        == 7
+    )
+    with pytest.raises(SystemExit):
+        parse_settings(["--max-engines-per-identity", "0"], environ={})
 
 
 async def test_metrics_carry_no_engine_ids_by_default(server: RunningServer) -> None:

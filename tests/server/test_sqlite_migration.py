@@ -1,7 +1,9 @@
 """Files of earlier schemas open under the current one with their state intact:
 schema 1 (before engine ownership and failed rendezvous) keeps its finished
 engines, schema 2 (before the ledger's totals) keeps its leases, now counted, and
-its plans (stored whole, before plans of equal content shared their body)."""
+its plans (stored whole, before plans of equal content shared their body);
+schema 4 (before the per-identity counts of owned engines) keeps its owners,
+now counted against --max-engines-per-identity."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvplan.core.ledger import NOTHING, DeviceState, GrantRefused, LeaseRequest, Totals
-from kvplan.server.store import RendezvousResult
+from kvplan.server.store import RendezvousResult, TooManyEngines
 from kvplan.server.store.memory import digest
 from kvplan.server.store.sqlite import SCHEMA_VERSION, SQLiteStore
 from kvplan.v1 import plan_pb2
@@ -60,11 +62,11 @@ async def test_a_schema_1_file_is_migrated(tmp_path: Path) -> None:
             claim_timeout_s=10.0,
         )
         assert arrival.result == RendezvousResult(True, b"old plan")
-        assert await store.claim_engine("old", "team-a", 1.0, 60.0) == "team-a"
+        assert await store.claim_engine("old", "team-a", 1.0, 60.0, 16) == "team-a"
     finally:
         await store.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
 
 
 # What schema 2 wrote of the ledger and of ownership (the rest does not matter here).
@@ -179,3 +181,36 @@ async def test_a_schema_2_file_keeps_its_plans_and_shares_their_bodies(tmp_path:
         await store.close()
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+async def test_a_schema_4_file_keeps_its_owners_and_counts_them(tmp_path: Path) -> None:
+    path = tmp_path / "kvplan.sqlite3"
+    store = SQLiteStore(str(path))
+    await store.start()
+    for engine_id in ("a1", "a2", "a3"):
+        assert await store.claim_engine(engine_id, "team-a", 1.0, 100.0, 16) == "team-a"
+    assert await store.claim_engine("b1", "team-b", 1.0, 100.0, 16) == "team-b"
+    await store.close()
+    with sqlite3.connect(path) as db:  # back to what schema 4 wrote
+        db.execute("DROP TABLE engine_owner_count")
+        db.execute("UPDATE engine_owner SET expires_at = 50.0 WHERE engine_id = 'a3'")
+        db.execute("PRAGMA user_version = 4")
+    store = SQLiteStore(str(path))
+    await store.start()
+    try:
+        for engine_id, owner in (("a1", "team-a"), ("a2", "team-a"), ("b1", "team-b")):
+            assert await store.engine_owner(engine_id, 2.0) == owner
+        # team-a's 3 records count (a3 until it expires); the next new engine is refused.
+        with pytest.raises(TooManyEngines) as refused:
+            await store.claim_engine("a4", "team-a", 2.0, 100.0, 3)
+        assert (refused.value.held, refused.value.limit) == (3, 3)
+        assert await store.claim_engine("a1", "team-a", 2.0, 100.0, 3) == "team-a"
+        # Once a3 expired it stops counting: room for one more.
+        assert await store.claim_engine("a4", "team-a", 60.0, 100.0, 3) == "team-a"
+        assert await store.claim_engine("b2", "team-b", 60.0, 100.0, 2) == "team-b"
+    finally:
+        await store.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        counts = dict(db.execute("SELECT identity, engines FROM engine_owner_count").fetchall())
+        assert counts == {"team-a": 3, "team-b": 2}

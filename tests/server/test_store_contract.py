@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import random
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
@@ -31,7 +32,7 @@ from kvplan.core.ledger import (
     tally,
 )
 from kvplan.server.errors import ServiceError
-from kvplan.server.store.base import Arrival, RendezvousResult, Store
+from kvplan.server.store.base import Arrival, RendezvousResult, Store, TooManyEngines
 from kvplan.server.store.memory import MemoryStore
 from kvplan.server.store.redis import RedisStore
 from kvplan.server.store.sqlite import SQLiteStore
@@ -571,6 +572,84 @@ async def test_pending_engines_counts_open_rendezvous(store: Store) -> None:
     assert await store.pending_engines() == 2
     await store.rendezvous_finish("b", RendezvousResult(True, b"plan"), 1.0)
     assert await store.pending_engines() == 1
+
+
+# --- engine ownership: at most max_engines live engines per identity ------------
+# Times are the wall clock: Redis expires ownership on its own clock.
+
+
+async def test_an_identity_owns_at_most_max_engines(store: Store) -> None:
+    now = time.time()
+    assert await store.claim_engine("a1", "alice", now, TTL_S, 2) == "alice"
+    assert await store.claim_engine("a2", "alice", now, TTL_S, 2) == "alice"
+    with pytest.raises(TooManyEngines) as refused:
+        await store.claim_engine("a3", "alice", now, TTL_S, 2)
+    assert (refused.value.held, refused.value.limit) == (2, 2)
+    assert await store.engine_owner("a3", now) is None  # the refusal took nothing
+    # Re-claiming an engine the identity owns is never refused, even over the limit.
+    assert await store.claim_engine("a1", "alice", now, TTL_S, 2) == "alice"
+    assert await store.claim_engine("a2", "alice", now, TTL_S, 1) == "alice"
+    # Another identity has its own count; its claim of alice's engine changes nothing.
+    assert await store.claim_engine("b1", "bob", now, TTL_S, 2) == "bob"
+    assert await store.claim_engine("a1", "bob", now, TTL_S, 2) == "alice"
+    assert await store.claim_engine("b2", "bob", now, TTL_S, 2) == "bob"
+    with pytest.raises(TooManyEngines):
+        await store.claim_engine("a3", "alice", now, TTL_S, 2)
+
+
+async def test_an_expired_ownership_stops_counting_at_once(store: Store) -> None:
+    now = time.time()
+    assert await store.claim_engine("short", "alice", now, 0.3, 2) == "alice"
+    assert await store.claim_engine("renewed", "alice", now, 0.3, 2) == "alice"
+    assert await store.claim_engine("renewed", "alice", now, TTL_S, 2) == "alice"
+    with pytest.raises(TooManyEngines):
+        await store.claim_engine("new", "alice", now, TTL_S, 2)
+    await asyncio.sleep(0.5)
+    later = time.time()
+    assert await store.engine_owner("short", later) is None
+    # "short" expired (never deleted by anyone): one new engine fits, not two.
+    assert await store.claim_engine("new", "alice", later, TTL_S, 2) == "alice"
+    with pytest.raises(TooManyEngines) as refused:
+        await store.claim_engine("newer", "alice", later, TTL_S, 2)
+    assert refused.value.held == 2
+
+
+async def test_an_expired_engine_taken_by_another_leaves_its_old_owners_count(
+    store: Store,
+) -> None:
+    now = time.time()
+    assert await store.claim_engine("x", "alice", now, 0.3, 1) == "alice"
+    await asyncio.sleep(0.5)
+    later = time.time()
+    assert await store.claim_engine("x", "bob", later, TTL_S, 1) == "bob"
+    assert await store.claim_engine("y", "alice", later, TTL_S, 1) == "alice"
+    with pytest.raises(TooManyEngines):
+        await store.claim_engine("z", "bob", later, TTL_S, 1)
+
+
+async def test_the_engine_bound_is_exact_for_claims_at_once(store: Store) -> None:
+    now = time.time()
+
+    async def claim(engine_id: str) -> bool:
+        try:
+            return await store.claim_engine(engine_id, "alice", now, TTL_S, 5) == "alice"
+        except TooManyEngines:
+            return False
+
+    claimed = await asyncio.gather(*(claim(f"e{n}") for n in range(20)))
+    assert sum(claimed) == 5
+    owned = [await store.engine_owner(f"e{n}", now) for n in range(20)]
+    assert owned.count("alice") == 5 and owned.count(None) == 15
+
+
+async def test_memory_store_keeps_its_ownership_expiry_index_bounded() -> None:
+    store = MemoryStore()
+    for renewal in range(2000):  # one engine renewed over and over
+        await store.claim_engine("e", "alice", float(renewal), TTL_S, 1)
+    assert len(store._owner_expiry) <= 2 + 64
+    assert store._engines_owned == {"alice": 1}
+    await store.claim_engine("other", "bob", 4000.0 + TTL_S, TTL_S, 1)
+    assert store._engines_owned == {"bob": 1}  # alice's record expired and left
 
 
 async def arrive_at_once(
@@ -1155,6 +1234,39 @@ async def test_redis_drops_a_dead_engines_leases_by_itself(redis_server: RedisSe
         await store.close()
 
 
+async def test_owners_of_the_layout_before_the_engine_bound_count(
+    redis_server: RedisServer,
+) -> None:
+    """Owner keys a server before --max-engines-per-identity left (no per-identity
+    index): a new server indexes them once at start, so they count for their owner."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    old = RedisStore(redis_server.url, key_prefix=prefix)
+    await old.start()
+    client = old._redis()
+    for engine_id in ("a1", "a2"):
+        await client.set(prefix + "owner:" + engine_id, "team-a", px=600_000)
+    await client.set(prefix + "owner:b1", "team-b", px=600_000)
+    await client.delete(prefix + "owners-indexed")
+    await old.close()
+    store = RedisStore(redis_server.url, key_prefix=prefix)
+    await store.start()
+    try:
+        now = time.time()
+        with pytest.raises(TooManyEngines) as refused:
+            await store.claim_engine("a3", "team-a", now, TTL_S, 2)
+        assert refused.value.held == 2
+        assert await store.claim_engine("a1", "team-a", now, TTL_S, 2) == "team-a"
+        assert await store.claim_engine("b2", "team-b", now, TTL_S, 2) == "team-b"
+        assert await store._redis().pttl(prefix + "owned:team-b") > 0  # goes with its records
+        # A second start indexes nothing again.
+        again = RedisStore(redis_server.url, key_prefix=prefix)
+        await again.start()
+        assert await again._redis().zcard(prefix + "owned:team-a") == 2
+        await again.close()
+    finally:
+        await store.close()
+
+
 async def test_leases_of_the_layout_before_the_totals_are_kept_and_counted(
     redis_server: RedisServer,
 ) -> None:
@@ -1211,6 +1323,7 @@ async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> No
         await store.rendezvous_finish("e", RendezvousResult(True, b"plan"), 0.0)
         await join(store, "f", 0)
         await store.grant("e", [ask(0, "gpu-0", 10)], devices(device("gpu-0")), 0.0, 60.0)
+        await store.claim_engine("e", "team-a", 0.0, 60.0, 16)
         keys = {key.decode() async for key in store._redis().scan_iter(match=prefix + "*")}
         assert {key.removeprefix(prefix) for key in keys} == {
             "plans",
@@ -1226,8 +1339,18 @@ async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> No
             "lease:e",
             "lease-version",
             *LEDGER_KEYS,
+            "owner:e",
+            "owned:team-a",
+            "owners-indexed",  # one marker, kept
         }
-        for janitored in ("rdv:open:f", "rdv:done:e", "lease:e", *LEDGER_KEYS):
+        for janitored in (
+            "rdv:open:f",
+            "rdv:done:e",
+            "lease:e",
+            *LEDGER_KEYS,
+            "owner:e",
+            "owned:team-a",
+        ):
             assert await store._redis().pttl(prefix + janitored) > 0  # Redis expires them too
     finally:
         await store.close()
