@@ -43,7 +43,7 @@ from kvplan.server.probes import DeviceMemory, DeviceProbe
 from kvplan.server.rendezvous import Rendezvous
 from kvplan.server.store import Store, StoreUnavailable, TooManyEngines
 from kvplan.server.store.base import LedgerView
-from kvplan.server.store.bodies import PlanParts, SharedBodies
+from kvplan.server.store.bodies import KeptPlans, PlanParts
 from kvplan.v1 import plan_pb2, service_pb2, service_pb2_grpc
 
 log = logging.getLogger("kvplan.server")
@@ -73,14 +73,8 @@ class PlanCache:
     def __init__(self, capacity: int, max_bytes: int = 32 * 1024 * 1024) -> None:
         self._capacity = capacity
         # Plans of large engines are big: bound the bytes too (heads and distinct
-        # bodies), so the server's memory stays flat whatever engines it sees (the
-        # newest plan is always kept).
-        self._max_bytes = max_bytes
-        self._head_bytes = 0
-        # plan id -> engine id, head, body digest (least recently used first)
-        self._plans: OrderedDict[str, tuple[str, bytes, bytes]] = OrderedDict()
-        self._bodies = SharedBodies()
-        self._by_engine: dict[str, str] = {}
+        # bodies), so the server's memory stays flat whatever engines it sees.
+        self._plans = KeptPlans(capacity, max_bytes)
         self._plan_ids: OrderedDict[bytes, str] = OrderedDict()  # request digest -> plan id
 
     def plan_id(
@@ -110,25 +104,19 @@ class PlanCache:
         return plan_id
 
     def engine_of(self, plan_id: str) -> str | None:
-        entry = self._plans.get(plan_id)
-        return entry[0] if entry is not None else None
+        return self._plans.engine_of(plan_id)
 
     def get(self, plan_id: str) -> bytes | None:
         """The serialized PlanResponse."""
-        entry = self._plans.get(plan_id)
-        if entry is None:
-            return None
-        self._plans.move_to_end(plan_id)
-        return entry[1] + self._bodies.body(entry[2])
+        return self._plans.get(plan_id, touch=True)
 
     def for_engine(self, engine_id: str) -> bytes | None:
-        plan_id = self._by_engine.get(engine_id)
+        plan_id = self._plans.plan_of(engine_id)
         return self.get(plan_id) if plan_id else None
 
     def name_engine(self, engine_id: str, plan_id: str) -> None:
         """`for_engine(engine_id)` answers with this (kept) plan from now on."""
-        if engine_id and plan_id in self._plans:
-            self._by_engine[engine_id] = plan_id
+        self._plans.name_engine(engine_id, plan_id)
 
     def put(self, plan: plan_pb2.PlanResponse, *, name_engine: bool = True) -> bytes:
         """Keep `plan`; returns its serialization (see `keep`)."""
@@ -142,35 +130,15 @@ class PlanCache:
     ) -> None:
         """Keep a serialized plan. `name_engine=False`: not yet the engine's plan
         (its leases are not granted yet; see `name_engine`)."""
-        already_named = self._by_engine.get(engine_id) == plan_id  # a plan kept again
-        self._bodies.hold(parts)  # before a replaced plan lets go of an equal body
-        self._drop(plan_id)
-        self._plans[plan_id] = (engine_id, parts.head, parts.digest)
-        self._head_bytes += len(parts.head)
-        if engine_id and (name_engine or already_named):
-            self._by_engine[engine_id] = plan_id
-        while len(self._plans) > 1 and (
-            len(self._plans) > self._capacity or self.size_bytes > self._max_bytes
-        ):
-            self._drop(next(iter(self._plans)))
-
-    def _drop(self, plan_id: str) -> None:
-        entry = self._plans.pop(plan_id, None)
-        if entry is None:
-            return
-        engine_id, head, body_digest = entry
-        self._head_bytes -= len(head)
-        self._bodies.release(body_digest)
-        if self._by_engine.get(engine_id) == plan_id:
-            del self._by_engine[engine_id]
+        self._plans.keep(plan_id, engine_id, parts, name_engine=name_engine)
 
     @property
     def size_bytes(self) -> int:
-        return self._head_bytes + self._bodies.size_bytes
+        return self._plans.size_bytes
 
     @property
     def distinct_bodies(self) -> int:
-        return len(self._bodies)
+        return self._plans.distinct_bodies
 
 
 def _only_rank(plan: plan_pb2.PlanResponse, rank: int) -> plan_pb2.PlanResponse:

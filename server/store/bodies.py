@@ -15,6 +15,7 @@ empty head: still exact, merely unshared.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvplan.v1 import plan_pb2
@@ -79,3 +80,83 @@ class SharedBodies:
 
     def body(self, digest: bytes) -> bytes:
         return self._bodies[digest][0]
+
+
+class KeptPlans:
+    """Serialized plans by id, each distinct body held once (the servicer's plan
+    cache and the memory store), and which plan is each engine's.
+
+    Bounded by count and by bytes (heads plus distinct bodies): the least recently
+    kept (or, with `touch`, read) go first; the newest plan always stays.
+    """
+
+    def __init__(self, max_plans: int, max_bytes: int) -> None:
+        self._max_plans = max_plans
+        self._max_bytes = max_bytes
+        # plan id -> engine id, head, body digest (oldest first)
+        self._plans: OrderedDict[str, tuple[str, bytes, bytes]] = OrderedDict()
+        self._bodies = SharedBodies()
+        self._head_bytes = 0
+        self._by_engine: dict[str, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __contains__(self, plan_id: str) -> bool:
+        return plan_id in self._plans
+
+    @property
+    def size_bytes(self) -> int:
+        return self._head_bytes + self._bodies.size_bytes
+
+    @property
+    def distinct_bodies(self) -> int:
+        return len(self._bodies)
+
+    def keep(
+        self, plan_id: str, engine_id: str, parts: PlanParts, *, name_engine: bool = True
+    ) -> None:
+        """Keep a plan. `name_engine=False`: not yet the engine's plan (see
+        `name_engine`), unless it already was (a plan kept again)."""
+        already_named = self._by_engine.get(engine_id) == plan_id
+        self._bodies.hold(parts)  # before a replaced plan lets go of an equal body
+        self._drop(plan_id)
+        self._plans[plan_id] = (engine_id, parts.head, parts.digest)
+        self._head_bytes += len(parts.head)
+        if engine_id and (name_engine or already_named):
+            self._by_engine[engine_id] = plan_id
+        while len(self._plans) > 1 and (
+            len(self._plans) > self._max_plans or self.size_bytes > self._max_bytes
+        ):
+            self._drop(next(iter(self._plans)))
+
+    def get(self, plan_id: str, *, touch: bool = False) -> bytes | None:
+        """The serialized plan; `touch`: it counts as recently used."""
+        entry = self._plans.get(plan_id)
+        if entry is None:
+            return None
+        if touch:
+            self._plans.move_to_end(plan_id)
+        return entry[1] + self._bodies.body(entry[2])
+
+    def engine_of(self, plan_id: str) -> str | None:
+        entry = self._plans.get(plan_id)
+        return entry[0] if entry is not None else None
+
+    def plan_of(self, engine_id: str) -> str | None:
+        return self._by_engine.get(engine_id)
+
+    def name_engine(self, engine_id: str, plan_id: str) -> None:
+        """The engine's plan is this (kept) one from now on."""
+        if engine_id and plan_id in self._plans:
+            self._by_engine[engine_id] = plan_id
+
+    def _drop(self, plan_id: str) -> None:
+        entry = self._plans.pop(plan_id, None)
+        if entry is None:
+            return
+        engine_id, head, body_digest = entry
+        self._head_bytes -= len(head)
+        self._bodies.release(body_digest)
+        if self._by_engine.get(engine_id) == plan_id:
+            del self._by_engine[engine_id]

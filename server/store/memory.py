@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -35,7 +34,7 @@ from kvplan.server.store.base import (
     RendezvousResult,
     TooManyEngines,
 )
-from kvplan.server.store.bodies import PlanParts, SharedBodies, plan_parts
+from kvplan.server.store.bodies import KeptPlans, PlanParts, plan_parts
 
 _E = TypeVar("_E")
 
@@ -212,13 +211,7 @@ class MemoryStore:
     def __init__(
         self, max_plans: int = DEFAULT_MAX_PLANS, max_plan_bytes: int = DEFAULT_MAX_PLAN_BYTES
     ) -> None:
-        self._max_plans = max_plans
-        self._max_plan_bytes = max_plan_bytes
-        # plan id -> engine id, head, body digest (oldest first); bodies shared.
-        self._plans: OrderedDict[str, tuple[str, bytes, bytes]] = OrderedDict()
-        self._bodies = SharedBodies()
-        self._head_bytes = 0
-        self._engine_plans: dict[str, str] = {}
+        self._plans = KeptPlans(max_plans, max_plan_bytes)  # oldest first
         self._open: dict[str, _Open] = {}
         self._finished: dict[str, _Finished] = {}
         # The ledger: leases by engine then rank; the totals of the counted ones
@@ -256,44 +249,17 @@ class MemoryStore:
     async def put_plan(
         self, plan_id: str, engine_id: str, plan: bytes | PlanParts, now: float
     ) -> None:
-        parts = plan_parts(plan_id, engine_id, plan)
-        self._bodies.hold(parts)  # before the replaced plan lets go of an equal body
-        self._drop_plan(plan_id)
-        self._plans[plan_id] = (engine_id, parts.head, parts.digest)
-        self._head_bytes += len(parts.head)
-        if engine_id:
-            self._engine_plans[engine_id] = plan_id
-        # Oldest first; the newest plan always stays.
-        while len(self._plans) > 1 and (
-            len(self._plans) > self._max_plans or self._plan_bytes > self._max_plan_bytes
-        ):
-            self._drop_plan(next(iter(self._plans)))
-
-    @property
-    def _plan_bytes(self) -> int:
-        """What the plans hold: their heads and each distinct body once."""
-        return self._head_bytes + self._bodies.size_bytes
-
-    def _drop_plan(self, plan_id: str) -> None:
-        entry = self._plans.pop(plan_id, None)
-        if entry is None:
-            return
-        engine_id, head, body_digest = entry
-        self._head_bytes -= len(head)
-        self._bodies.release(body_digest)
-        if self._engine_plans.get(engine_id) == plan_id:
-            del self._engine_plans[engine_id]
+        self._plans.keep(plan_id, engine_id, plan_parts(plan_id, engine_id, plan))
 
     async def get_plan(self, plan_id: str) -> bytes | None:
-        entry = self._plans.get(plan_id)
-        return entry[1] + self._bodies.body(entry[2]) if entry else None
+        return self._plans.get(plan_id)
 
     async def plan_for_engine(self, engine_id: str) -> bytes | None:
-        plan_id = self._engine_plans.get(engine_id)
-        return await self.get_plan(plan_id) if plan_id else None
+        plan_id = self._plans.plan_of(engine_id)
+        return self._plans.get(plan_id) if plan_id else None
 
     async def distinct_plan_bodies(self) -> int:
-        return len(self._bodies)
+        return self._plans.distinct_bodies
 
     # --- rendezvous -------------------------------------------------------------
 
