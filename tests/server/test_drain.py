@@ -27,7 +27,7 @@ CALLS = 120
 
 def test_sigterm_serves_the_calls_it_received() -> None:
     port, metrics_port = _free_port(), _free_port()
-    env = {**os.environ, "KVPLAN_PORT": str(port), "KVPLAN_STORE": "memory", "KVPLAN_GRACE_S": "10"}
+    env = {**os.environ, "KVPLAN_PORT": str(port), "KVPLAN_STORE": "memory", "KVPLAN_GRACE_S": "30"}
     process = subprocess.Popen(
         [str(Path(sys.executable).parent / "kvplan"), "serve", "--metrics-port", str(metrics_port)],
         env=env,
@@ -41,7 +41,7 @@ def test_sigterm_serves_the_calls_it_received() -> None:
             # so most calls are still queued in the server when SIGTERM arrives.
             calls = [
                 stub.PlanKVCache.future(
-                    engine_request(f"drain-{index}", layers=2400, kv_bytes=160 << 30), timeout=30
+                    engine_request(f"drain-{index}", layers=2400, kv_bytes=160 << 30), timeout=60
                 )
                 for index in range(CALLS)
             ]
@@ -55,7 +55,7 @@ def test_sigterm_serves_the_calls_it_received() -> None:
                     codes["OK"] += 1
                 except grpc.RpcError as error:
                     codes[error.code().name] += 1
-        assert process.wait(timeout=20) == 0
+        assert process.wait(timeout=45) == 0
         took = time.monotonic() - started
     finally:
         if process.poll() is None:
@@ -65,7 +65,9 @@ def test_sigterm_serves_the_calls_it_received() -> None:
     assert codes["CANCELLED"] == 0, codes
     assert codes["OK"] + codes["UNAVAILABLE"] == CALLS, codes
     assert codes["OK"] >= CALLS - 10, (codes, took)
-    assert took < 12
+    # The drain ends when the last call is answered, not at the grace period
+    # (generous, so that a busy machine serves every call before it ends).
+    assert took < 32
 
 
 async def test_a_call_still_running_at_the_end_of_the_grace_gets_unavailable() -> None:
