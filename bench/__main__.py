@@ -13,7 +13,6 @@ that crashes is reported as such and the others still run.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -26,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import leases, long_run, plan_core, rpc_bench, scaling, vs_vllm
-from bench.common import ROOT, machine_info, machine_line, targets_table
-from bench.options import add_output_arguments, parse_arguments
+from bench.common import ROOT, bench_parser, machine_info, machine_line, targets_table
+from bench.options import parse_arguments
 
 PROGRAMS: dict[str, Callable[[list[str]], int]] = {
     "rpc": rpc_bench.main,
@@ -75,17 +74,12 @@ def summary_markdown(summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_output_arguments(parser)
+    parser = bench_parser(__doc__)
     parser.add_argument("--only", nargs="+", choices=list(PROGRAMS), help="run these only")
-    parser.add_argument("--repeats", type=int, default=None, help="repeats (default 3)")
     parser.add_argument(
         "--vllm-venv", type=Path, default=vs_vllm.DEFAULT_VLLM_VENV, help="vLLM 0.33's venv"
     )
     parser.add_argument("--no-vllm", dest="vllm_venv", action="store_const", const=None)
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
     args = parse_arguments(parser, argv)
     common = ["--results", str(args.results)] + (["--quick"] if args.quick else [])
     repeats = ["--repeats", str(args.repeats)] if args.repeats else []

@@ -55,6 +55,15 @@ CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 # --- command line ---------------------------------------------------------------------
 
 
+def bench_parser(description: str | None) -> argparse.ArgumentParser:
+    """A benchmark program's arguments: its docstring as help, and the common ones."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_common_arguments(parser)
+    return parser
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_arguments(parser)
     parser.add_argument("--repeats", type=int, default=None, help="repeats (default 3)")

@@ -47,8 +47,8 @@ from bench.common import (
     ServerProcess,
     Spread,
     Target,
-    add_common_arguments,
     bench_channel,
+    bench_parser,
     exit_code,
     new_report,
     percentile,
@@ -343,10 +343,7 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_common_arguments(parser)
+    parser = bench_parser(__doc__)
     parser.add_argument("--levels", type=int, nargs="+", default=[10, 100, 1000, 10_000])
     parser.add_argument("--samples", type=int, default=100, help="samples per batch")
     args = parse_arguments(parser, argv)

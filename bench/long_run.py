@@ -39,8 +39,8 @@ from bench.common import (
     ServerProcess,
     Spread,
     Target,
-    add_common_arguments,
     bench_channel,
+    bench_parser,
     exit_code,
     new_report,
     print_targets,
@@ -235,10 +235,7 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_common_arguments(parser)
+    parser = bench_parser(__doc__)
     parser.add_argument("--engines", type=int, default=100_000, help="distinct engines")
     parser.add_argument("--window", type=int, default=1000, help="plans per window")
     parser.add_argument("--concurrency", type=int, default=4)

@@ -51,8 +51,8 @@ from bench.common import (
     Spread,
     Target,
     Variant,
-    add_common_arguments,
     bench_channel,
+    bench_parser,
     exit_code,
     new_report,
     print_targets,
@@ -527,10 +527,7 @@ async def run_server_benchmarks(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_common_arguments(parser)
+    parser = bench_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=4, help="alternations per repeat")
     parser.add_argument("--slice", type=float, default=0.5, help="measured seconds per slice")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])

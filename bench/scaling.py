@@ -34,8 +34,8 @@ from bench.common import (
     ServerProcess,
     Spread,
     Target,
-    add_common_arguments,
     bench_channel,
+    bench_parser,
     exit_code,
     loglog_slope,
     new_report,
@@ -175,10 +175,7 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_common_arguments(parser)
+    parser = bench_parser(__doc__)
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     parser.add_argument("--slice", type=float, default=1.5, help="seconds per size and call")
     args = parse_arguments(parser, argv)

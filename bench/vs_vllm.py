@@ -40,8 +40,8 @@ from bench.common import (
     ServerProcess,
     Spread,
     Target,
-    add_common_arguments,
     bench_channel,
+    bench_parser,
     exit_code,
     new_report,
     percentile,
@@ -263,10 +263,7 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_common_arguments(parser)
+    parser = bench_parser(__doc__)
     parser.add_argument("--slice", type=float, default=2.0, help="seconds per slice")
     parser.add_argument(
         "--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV, help="vLLM 0.33's environment"

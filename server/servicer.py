@@ -257,8 +257,11 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         holder = self._holder(request.engine_id)
         resolved, devices, accounts, view = await self._resolve_devices(request, named, now, holder)
         # The plan becomes the engine's (GetPlan, persisted) only once it is granted.
-        plan_id = plan_id_for(resolved)
-        plan, response = await self._plan(resolved, plan_id=plan_id, publish=False)
+        encoded = encode_workers(resolved)
+        plan_id = plan_id_for(resolved, encoded)
+        plan, response = await self._plan(
+            resolved, plan_id=plan_id, encoded_workers=encoded, publish=False
+        )
         # Refused before anything is granted: a reply the caller cannot receive
         # must not leave leases behind.
         self._check_reply_size(
@@ -588,6 +591,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         repeats: bool = True,
         request_digest: bytes | None = None,
         plan_id: str | None = None,
+        encoded_workers: Sequence[WorkerBytes] | None = None,
         publish: bool = True,
     ) -> tuple[bytes, plan_pb2.PlanResponse | None]:
         """The serialized plan, from the cache or planned now, and the planned
@@ -595,12 +599,13 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
 
         `repeats`: the same request may come again, so remember its plan id (a
         merged rendezvous request does not come in as these bytes).
-        `request_digest`: see PlanCache.plan_id. `plan_id`: already known.
+        `request_digest`: see PlanCache.plan_id. `plan_id`, `encoded_workers`: already
+        known (`encode_workers(request)`).
         `publish`: a new plan becomes the engine's plan and is persisted now
         (otherwise the caller does that once its leases are granted).
         """
         # Each worker serialized once, for the plan id and the conversion alike.
-        encoded = encode_workers(request)
+        encoded = encode_workers(request) if encoded_workers is None else encoded_workers
         if plan_id is None:
             plan_id = (
                 self._cache.plan_id(request, request_digest, encoded)

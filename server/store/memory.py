@@ -6,9 +6,9 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from kvplan.core.ledger import (
     NOTHING,
@@ -37,6 +37,7 @@ from kvplan.server.store.base import (
 from kvplan.server.store.bodies import KeptPlans, PlanParts, plan_parts
 
 _E = TypeVar("_E")
+_K = TypeVar("_K")
 
 
 def digest(data: bytes) -> bytes:
@@ -61,30 +62,55 @@ class _Finished:
     ok: bool = True
 
 
-class _ByAge:
-    """A dict's keys by the time each entry was made, so that forgetting the old
-    entries looks at those alone, not at every entry. A heap: an entry removed
-    or remade meanwhile leaves a stale item behind, skipped when popped, and the
-    heap is rebuilt before such items outnumber the entries."""
+class _TimeIndex(Generic[_K]):
+    """Keys of a dict by a time of their entry (an expiry, a creation), so that
+    what is due is found without looking at the other entries. A heap: an entry
+    removed or re-timed meanwhile leaves a stale item behind, skipped when popped
+    (the entry's time differs), and the heap is rebuilt before stale items
+    outnumber the entries."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, str]] = []
+        self._heap: list[tuple[float, _K]] = []
 
-    def add(self, made: float, key: str) -> None:
-        heapq.heappush(self._heap, (made, key))
+    def __len__(self) -> int:
+        return len(self._heap)
 
-    def forget_old(
-        self, entries: dict[str, _E], made_of: Callable[[_E], float], now: float, ttl_s: float
-    ) -> None:
-        """Delete the entries made more than `ttl_s` before `now` (the exact test)."""
-        while self._heap and now - self._heap[0][0] > ttl_s:
-            made, key = heapq.heappop(self._heap)
-            entry = entries.get(key)
-            if entry is not None and made_of(entry) == made:
-                del entries[key]
-        if len(self._heap) > 2 * len(entries) + 64:
-            self._heap = [(made_of(entry), key) for key, entry in entries.items()]
+    def add(self, when: float, key: _K) -> None:
+        heapq.heappush(self._heap, (when, key))
+
+    def pop_due(
+        self, is_due: Callable[[float], bool], time_of: Callable[[_K], float | None]
+    ) -> Iterator[_K]:
+        """The keys whose time is due, soonest first; `time_of`: the entry's time
+        now (None: gone), so that stale items are skipped."""
+        while self._heap and is_due(self._heap[0][0]):
+            when, key = heapq.heappop(self._heap)
+            if time_of(key) == when:
+                yield key
+
+    def compact(self, live: Callable[[], Iterable[tuple[float, _K]]], count: int) -> None:
+        """Rebuild from the `count` live entries once stale items could outnumber them."""
+        if len(self._heap) > 2 * count + 64:
+            self._heap = list(live())
             heapq.heapify(self._heap)
+
+
+def _forget_old(
+    index: _TimeIndex[str],
+    entries: dict[str, _E],
+    made_of: Callable[[_E], float],
+    now: float,
+    ttl_s: float,
+) -> None:
+    """Delete the entries made more than `ttl_s` before `now` (the exact test)."""
+
+    def made(key: str) -> float | None:
+        entry = entries.get(key)
+        return made_of(entry) if entry is not None else None
+
+    for key in index.pop_due(lambda when: now - when > ttl_s, made):
+        del entries[key]
+    index.compact(lambda: ((made_of(entry), key) for key, entry in entries.items()), len(entries))
 
 
 def check_compatible(
@@ -223,17 +249,17 @@ class MemoryStore:
         self._identities: dict[str, int] = {}
         self._live = 0
         self._expired_through = -math.inf
-        self._expiry: list[tuple[float, str, int]] = []
+        self._expiry: _TimeIndex[tuple[str, int]] = _TimeIndex()
         self._lease_count = 0
         self._to_sweep: dict[tuple[str, int], Lease] = {}
-        self._open_by_age = _ByAge()
-        self._finished_by_age = _ByAge()
+        self._open_by_age: _TimeIndex[str] = _TimeIndex()
+        self._finished_by_age: _TimeIndex[str] = _TimeIndex()
         self._subscribers: list[FinishedCallback] = []
         self._owners: dict[str, tuple[str, float]] = {}  # engine -> owner, expires
         self._engines_owned: dict[str, int] = {}  # identity -> its records in _owners
-        # (expires, engine) of every record, and stale ones of renewed records:
-        # expired records leave in expiry order, each claim paying for its own.
-        self._owner_expiry: list[tuple[float, str]] = []
+        # Each record's expiry: expired records leave in expiry order, each claim
+        # paying for its own.
+        self._owner_expiry: _TimeIndex[str] = _TimeIndex()
 
     async def start(self) -> None:
         return None
@@ -264,8 +290,8 @@ class MemoryStore:
     # --- rendezvous -------------------------------------------------------------
 
     def _expire(self, now: float, ttl_s: float) -> None:
-        self._open_by_age.forget_old(self._open, lambda entry: entry.created, now, ttl_s)
-        self._finished_by_age.forget_old(self._finished, lambda entry: entry.finished, now, ttl_s)
+        _forget_old(self._open_by_age, self._open, lambda entry: entry.created, now, ttl_s)
+        _forget_old(self._finished_by_age, self._finished, lambda entry: entry.finished, now, ttl_s)
 
     async def rendezvous_join(
         self,
@@ -377,26 +403,27 @@ class MemoryStore:
             self._engines_owned[identity] = held + 1
         expires = now + ttl_s
         self._owners[engine_id] = (identity, expires)
-        heapq.heappush(self._owner_expiry, (expires, engine_id))
-        if len(self._owner_expiry) > 2 * len(self._owners) + 64:
-            # Renewals left stale entries behind: keep the heap within twice the records.
-            self._owner_expiry = [(expires, e) for e, (_, expires) in self._owners.items()]
-            heapq.heapify(self._owner_expiry)
+        self._owner_expiry.add(expires, engine_id)
+        self._owner_expiry.compact(
+            lambda: ((expires, engine) for engine, (_, expires) in self._owners.items()),
+            len(self._owners),
+        )
         return identity
 
     def _expire_owners(self, now: float) -> None:
         """Forget the records expired by `now` (they stop counting for their owner)."""
-        while self._owner_expiry and self._owner_expiry[0][0] <= now:
-            expires, engine_id = heapq.heappop(self._owner_expiry)
+
+        def expiry(engine_id: str) -> float | None:
             record = self._owners.get(engine_id)
-            if record is None or record[1] != expires:
-                continue  # renewed since (or forgotten): a stale entry
-            del self._owners[engine_id]
-            left = self._engines_owned[record[0]] - 1
+            return record[1] if record is not None else None
+
+        for engine_id in self._owner_expiry.pop_due(lambda expires: expires <= now, expiry):
+            identity, _ = self._owners.pop(engine_id)
+            left = self._engines_owned[identity] - 1
             if left:
-                self._engines_owned[record[0]] = left
+                self._engines_owned[identity] = left
             else:
-                del self._engines_owned[record[0]]
+                del self._engines_owned[identity]
 
     async def engine_owner(self, engine_id: str, now: float) -> str | None:
         owner = self._owners.get(engine_id)
@@ -433,14 +460,15 @@ class MemoryStore:
         held = self._engines.setdefault(lease.engine_id, {})
         self._lease_count += lease.rank not in held
         held[lease.rank] = lease
-        heapq.heappush(self._expiry, (lease.expires_at, lease.engine_id, lease.rank))
-        if len(self._expiry) > 2 * self._lease_count + 64:  # renewals left stale entries
-            self._expiry = [
-                (lease.expires_at, lease.engine_id, lease.rank)
+        self._expiry.add(lease.expires_at, (lease.engine_id, lease.rank))
+        self._expiry.compact(
+            lambda: (
+                (lease.expires_at, (lease.engine_id, lease.rank))
                 for leases in self._engines.values()
                 for lease in leases.values()
-            ]
-            heapq.heapify(self._expiry)
+            ),
+            self._lease_count,
+        )
 
     def _delete(self, engine_id: str, ranks: Iterable[int]) -> None:
         held = self._engines[engine_id]
@@ -452,13 +480,16 @@ class MemoryStore:
 
     def _expire_due(self, now: float) -> None:
         """Take the leases due at `now` out of the totals (the heap's head only)."""
+
+        def expiry(key: tuple[str, int]) -> float | None:
+            lease = self._lease(*key)
+            return lease.expires_at if lease is not None else None
+
         due: dict[tuple[str, int], Lease] = {}
-        while self._expiry and self._expiry[0][0] <= now:
-            expires_at, engine_id, rank = heapq.heappop(self._expiry)
-            lease = self._lease(engine_id, rank)
-            # Stale entries (released or renewed since) and duplicates are skipped.
-            if lease is not None and lease.expires_at == expires_at:
-                due[(engine_id, rank)] = lease
+        for key in self._expiry.pop_due(lambda expires_at: expires_at <= now, expiry):
+            lease = self._lease(*key)
+            assert lease is not None
+            due[key] = lease  # a key pushed twice with one time is due once
         self._count(removed=due.values(), added=())
         self._to_sweep.update(due)
         self._expired_through = max(self._expired_through, now)
