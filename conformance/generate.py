@@ -325,16 +325,9 @@ LAYOUTS = {
     "BHLNC": plan_pb2.KV_CACHE_LAYOUT_BHLNC,
 }
 
-METHODS = {
-    "none": plan_pb2.SPEC_DECODE_METHOD_NONE,
-    "eagle": plan_pb2.SPEC_DECODE_METHOD_EAGLE,
-    "eagle3": plan_pb2.SPEC_DECODE_METHOD_EAGLE3,
-    "mtp": plan_pb2.SPEC_DECODE_METHOD_MTP,
-    "dspark": plan_pb2.SPEC_DECODE_METHOD_DSPARK,
-    "dflash": plan_pb2.SPEC_DECODE_METHOD_DFLASH,
-    "ngram": plan_pb2.SPEC_DECODE_METHOD_NGRAM,
-    "suffix": plan_pb2.SPEC_DECODE_METHOD_SUFFIX,
-    "draft_model": plan_pb2.SPEC_DECODE_METHOD_DRAFT_MODEL,
+METHODS = {  # vLLM's method names are the enum's value names, lower-cased
+    name.removeprefix("SPEC_DECODE_METHOD_").lower(): number
+    for name, number in plan_pb2.SpecDecodeMethod.items()
 }
 
 

@@ -20,16 +20,11 @@ from kvplan.v1 import plan_pb2
 
 GIB = 1 << 30
 
+# vLLM's speculative method names are the enum's value names, lower-cased.
 SPEC_METHODS: dict[str, int] = {
-    "eagle": plan_pb2.SPEC_DECODE_METHOD_EAGLE,
-    "eagle3": plan_pb2.SPEC_DECODE_METHOD_EAGLE3,
-    "mtp": plan_pb2.SPEC_DECODE_METHOD_MTP,
-    "dspark": plan_pb2.SPEC_DECODE_METHOD_DSPARK,
-    "dflash": plan_pb2.SPEC_DECODE_METHOD_DFLASH,
-    "ngram": plan_pb2.SPEC_DECODE_METHOD_NGRAM,
-    "suffix": plan_pb2.SPEC_DECODE_METHOD_SUFFIX,
-    "draft_model": plan_pb2.SPEC_DECODE_METHOD_DRAFT_MODEL,
-    "medusa": plan_pb2.SPEC_DECODE_METHOD_MEDUSA,
+    name.removeprefix("SPEC_DECODE_METHOD_").lower(): number
+    for name, number in plan_pb2.SpecDecodeMethod.items()
+    if number != plan_pb2.SPEC_DECODE_METHOD_NONE
 }
 FLAG_ALL_WARNINGS = (
     plan_pb2.WARNING_CODE_NO_DRAFT_GROUP_MAMBA,
