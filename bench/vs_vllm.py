@@ -9,10 +9,14 @@ Two processes, idle while the other is measured:
   engine id each call (uncached), back to back at concurrency 1, the round trip timed
   by the caller (serialized request in, serialized plan out);
 - vLLM 0.33 (its own environment, `--vllm-python`; bench/vllm_worker.py): vLLM's
-  get_global_kv_cache_groups + get_kv_cache_configs of the same engine, in process.
+  get_global_kv_cache_groups + get_kv_cache_configs of the same engine, in process;
+- the floor: an Echo of the same payload over the same loopback, timed the same way,
+  i.e. what any unary call of this size costs before any planning. vLLM's p50 over
+  Echo's is the most any round trip could reach against vLLM on this machine.
 
 Per repeat and engine (the 64-layer single-worker engine and the 8-worker Qwen3-Next-
-like engine), a kvplan slice and a vLLM slice alternate (order swapped each repeat);
+like engine), a kvplan slice, an Echo slice and a vLLM slice alternate (order rotated
+each repeat);
 the figure is vLLM's p50 over kvplan's p50, median and range over the repeats. Without
 vLLM's environment the kvplan side is still measured and the targets read NOT RUN.
 Results: bench/results/vs_vllm.json and vs_vllm.md.
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
+    ECHO_METHOD,
     PLAN_METHOD,
     ROOT,
     EngineIds,
@@ -157,6 +162,14 @@ async def kvplan_round_trips(
         )
 
 
+async def echo_round_trips(server: ServerProcess, payload: bytes, scale: Scale) -> list[float]:
+    async with bench_channel(server.target) as channel:
+        await channel.channel_ready()
+        return await timed_calls(
+            channel, ECHO_METHOD, lambda: payload, scale.slice_s, scale.min_calls
+        )
+
+
 def compare(
     server: ServerProcess,
     vllm: VllmWorker | None,
@@ -174,19 +187,25 @@ def compare(
         asyncio.run(kvplan_round_trips(server, payload, ids, Scale(0.0, 3)))  # warm up
         if vllm is not None:
             vllm.time_planning(request_path, 0.0, 2)
+        asyncio.run(echo_round_trips(server, payload, Scale(0.0, 3)))
         kvplan_p50: list[float] = []
+        echo_p50: list[float] = []
         vllm_p50: list[float] = []
+        order = ["kvplan", "echo", "vllm"]
         for repeat in range(repeats):
-            sides = ["kvplan", "vllm"] if repeat % 2 == 0 else ["vllm", "kvplan"]
-            for side in sides:
+            for side in order[repeat % 3 :] + order[: repeat % 3]:
                 if side == "kvplan":
                     samples = asyncio.run(kvplan_round_trips(server, payload, ids, scale))
                     kvplan_p50.append(percentile(samples, 0.5) * 1e3)
+                elif side == "echo":
+                    samples = asyncio.run(echo_round_trips(server, payload, scale))
+                    echo_p50.append(percentile(samples, 0.5) * 1e3)
                 elif vllm is not None:
                     samples = vllm.time_planning(request_path, scale.slice_s, scale.min_calls)
                     vllm_p50.append(percentile(samples, 0.5) * 1e3)
             print(
                 f"  repeat {repeat + 1} {key:<15} kvplan round trip {kvplan_p50[-1]:8.2f} ms"
+                f" (Echo {echo_p50[-1]:.2f} ms)"
                 + (
                     f", vLLM in process {vllm_p50[-1]:8.2f} ms: "
                     f"{vllm_p50[-1] / kvplan_p50[-1]:.1f}x"
@@ -200,11 +219,15 @@ def compare(
             "description": description,
             "request_bytes": len(payload),
             "kvplan_round_trip_p50_ms": Spread.of(kvplan_p50).as_dict(),
+            "echo_round_trip_p50_ms": Spread.of(echo_p50).as_dict(),
         }
         if vllm_p50:
             row["vllm_p50_ms"] = Spread.of(vllm_p50).as_dict()
             row["vllm_over_kvplan"] = Spread.of(
                 [v / k for v, k in zip(vllm_p50, kvplan_p50, strict=True)]
+            ).as_dict()
+            row["vllm_over_echo"] = Spread.of(
+                [v / e for v, e in zip(vllm_p50, echo_p50, strict=True)]
             ).as_dict()
         rows.append(row)
     return rows
@@ -226,7 +249,9 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
             Target(
                 name,
                 f"{ratio.text('.1f', 'x')}: vLLM {row['vllm_p50_ms']['median']:.2f} ms, kvplan "
-                f"{row['kvplan_round_trip_p50_ms']['median']:.2f} ms",
+                f"{row['kvplan_round_trip_p50_ms']['median']:.2f} ms (an Echo of the same "
+                f"payload: {row['echo_round_trip_p50_ms']['median']:.2f} ms, "
+                f"{row['vllm_over_echo']['median']:.1f}x)",
                 ratio.median >= goal,
                 {"ratio": ratio.as_dict()},
             )
@@ -241,23 +266,27 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
         "loopback to one `kvplan serve` on its default store (SQLite), at concurrency 1. "
         "vLLM 0.33: `get_global_kv_cache_groups` + `get_kv_cache_configs` of the same "
         "engine in its own process (inputs built by conformance/vllm_driver.py, not "
-        f"timed). Slices of {settings['slice_s']:.1f} s alternate between the two, "
-        f"{settings['repeats']} repeats; p50 per slice, median (min-max) over repeats.",
+        "timed). Echo: the same payload echoed over the same loopback, the floor of any "
+        f"round trip of this size. Slices of {settings['slice_s']:.1f} s alternate between "
+        f"the three, {settings['repeats']} repeats; p50 per slice, median (min-max) over "
+        "repeats.",
         "",
-        "| engine | request B | kvplan round trip p50 ms | vLLM in-process p50 ms "
-        "| vLLM / kvplan |",
-        "|---|---:|---:|---:|---:|",
+        "| engine | request B | kvplan round trip p50 ms | Echo p50 ms | vLLM in-process "
+        "p50 ms | vLLM / kvplan | vLLM / Echo (the ceiling) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["engines"]:
         vllm = (
             f"{Spread.from_dict(row['vllm_p50_ms']).text()} | "
-            f"{Spread.from_dict(row['vllm_over_kvplan']).text('.1f', 'x')}"
+            f"{Spread.from_dict(row['vllm_over_kvplan']).text('.1f', 'x')} | "
+            f"{Spread.from_dict(row['vllm_over_echo']).text('.1f', 'x')}"
             if "vllm_over_kvplan" in row
-            else f"not run ({report['vllm_missing']}) | -"
+            else f"not run ({report['vllm_missing']}) | - | -"
         )
         lines.append(
             f"| {row['engine']}: {row['description']} | {row['request_bytes']:,} | "
-            f"{Spread.from_dict(row['kvplan_round_trip_p50_ms']).text()} | {vllm} |"
+            f"{Spread.from_dict(row['kvplan_round_trip_p50_ms']).text()} | "
+            f"{Spread.from_dict(row['echo_round_trip_p50_ms']).text()} | {vllm} |"
         )
     return lines
 

@@ -71,6 +71,7 @@ def test_targets_are_well_formed(results: Path) -> None:
     vs_vllm = load(results, "vs_vllm")
     assert [t["verdict"] for t in vs_vllm["targets"]] == ["NOT RUN", "NOT RUN"]
     assert all(finite(row["kvplan_round_trip_p50_ms"]["median"]) for row in vs_vllm["engines"])
+    assert all(finite(row["echo_round_trip_p50_ms"]["median"]) for row in vs_vllm["engines"])
     # What each program promises to measure is there.
     expected_targets = {"rpc": 5, "vs_vllm": 2, "leases": 3, "scaling": 2, "long_run": 4}
     for name, count in expected_targets.items():
