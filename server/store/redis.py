@@ -93,6 +93,7 @@ from kvplan.server.store.base import (
     RendezvousResult,
     StoreUnavailable,
     TooManyEngines,
+    check_lease_quota,
 )
 from kvplan.server.store.bodies import PlanParts, plan_parts
 from kvplan.server.store.memory import (
@@ -1204,11 +1205,22 @@ class RedisStore:
         now: float,
         ttl_s: float,
         identity: str = "",
+        *,
+        max_identity_leases: int | None = None,
     ) -> tuple[Lease, ...]:
         self._redis()
 
         async def attempt() -> tuple[Lease, ...] | None:
             version, view, _ = await self._read(now, list(devices), engine_id, identity)
+            # Decided on this read; the write below commits only if no lease changed
+            # since (lease-version), so grants at once on any replica cannot all pass.
+            check_lease_quota(
+                identity,
+                len(requests),
+                max_identity_leases,
+                identity_leases=view.identity_leases,
+                live_leases=view.live_leases,
+            )
             try:
                 granted = grant_leases(
                     engine_id, requests, devices, view.devices, now, ttl_s, identity
