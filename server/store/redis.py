@@ -3,8 +3,9 @@
 Every change is one MULTI/EXEC transaction guarded by WATCH (optimistic: a
 concurrent change to a watched key makes EXEC fail and the method starts
 over), or one Lua script, so a replica that dies or loses Redis mid-call
-leaves nothing half-written. Decisions (the ledger's `grant_leases`, the
-rendezvous rules) run here in Python, between the reads and the EXEC, with the
+leaves nothing half-written. Decisions (the ledger's `grant_leases`, the lease
+quota, the rendezvous rules) run here in Python, between the reads and the EXEC
+(or the script that writes only if `lease-version` is unchanged), with the
 helpers the memory store uses: one formula, one set of messages. Two small
 exceptions keep the ranks of many engines from conflicting with each other: a
 join watches only its own engine's hashes, so rule 1 (forgetting old engines)

@@ -901,6 +901,9 @@ async def test_the_lease_quota_refuses_past_the_bound(store: Store) -> None:
     await store.grant("a4", [ask(0, "gpu-0", 1)], gpus, 0.0, LEASE_TTL_S, "alice")
     view = await store.ledger_view(0.0, ["gpu-0"], identity="alice")
     assert (view.identity_leases, view.live_leases) == (4, 7)
+    # An empty grant asks for nothing new (it drops the engine's leases): never refused.
+    assert await store.grant("a1", [], gpus, 0.0, LEASE_TTL_S, "alice", max_identity_leases=0) == ()
+    assert len(await store.leases(0.0)) == 5
 
 
 async def test_a_grant_refused_by_the_quota_changes_nothing(store: Store) -> None:
