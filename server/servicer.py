@@ -41,7 +41,7 @@ from kvplan.server.guard import current_identity
 from kvplan.server.metrics import Metrics
 from kvplan.server.probes import DeviceMemory, DeviceProbe
 from kvplan.server.rendezvous import Rendezvous
-from kvplan.server.store import Store, StoreUnavailable, TooManyEngines
+from kvplan.server.store import Store, StoreUnavailable, TooManyEngines, TooManyLeases
 from kvplan.server.store.base import LedgerView
 from kvplan.server.store.bodies import KeptPlans, PlanParts
 from kvplan.v1 import plan_pb2, service_pb2, service_pb2_grpc
@@ -271,7 +271,6 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 for i in named
             )
         )
-        self._check_lease_quota(holder, len(named), view)
         leases = await self._grant(
             resolved,
             named,
@@ -441,13 +440,12 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         known = self._owners.get(engine_id)
         return known[0] if known is not None else identity.name
 
-    def _check_lease_quota(self, holder: str, wanted: int, view: LedgerView) -> None:
-        """Live leases of the holder's other engines plus this grant stay within
-        --max-leases-per-identity (the store keeps the count per identity)."""
-        held = view.identity_leases if holder else view.live_leases
+    def _check_lease_quota(self, holder: str, refusal: TooManyLeases) -> None:
+        """The store's refusal (it checks --max-leases-per-identity inside its grant
+        transaction, so grants at once cannot overshoot) as the limit's error."""
         self._limit(
             "max_leases_per_identity",
-            held + wanted,
+            refusal.held + refusal.wanted,
             f"live leases of identity {holder or current_identity().name!r} after this grant",
         )
 
@@ -551,11 +549,20 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         ]
         try:
             leases = await self._store.grant(
-                request.engine_id, wanted, devices, now, self._settings.lease_ttl_s, holder
+                request.engine_id,
+                wanted,
+                devices,
+                now,
+                self._settings.lease_ttl_s,
+                holder,
+                max_identity_leases=self._settings.max_leases_per_identity,
             )
         except GrantRefused as refused:
             self._metrics.grants_refused.labels(refused.grant_reason).inc()
             raise await self._name_holders(refused, now) from None
+        except TooManyLeases as refusal:
+            self._check_lease_quota(holder, refusal)
+            raise  # unreachable: the store refuses only past the limit
         self._metrics.leases_granted.inc(len(leases))
         log.info(
             "leases granted",

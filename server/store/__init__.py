@@ -12,6 +12,7 @@ from kvplan.server.store.base import (
     Store,
     StoreUnavailable,
     TooManyEngines,
+    TooManyLeases,
 )
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "Store",
     "StoreUnavailable",
     "TooManyEngines",
+    "TooManyLeases",
     "open_store",
 ]
 

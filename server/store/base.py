@@ -53,6 +53,37 @@ class TooManyEngines(Exception):
         self.limit = limit
 
 
+class TooManyLeases(Exception):
+    """A grant refused by the lease quota: the identity holds `held` live leases
+    of other engines, `wanted` more would take it past `limit`."""
+
+    def __init__(self, held: int, wanted: int, limit: int) -> None:
+        super().__init__(
+            f"identity holds {held} live leases of other engines and asks for {wanted} more; "
+            f"the limit is {limit}"
+        )
+        self.held = held
+        self.wanted = wanted
+        self.limit = limit
+
+
+def check_lease_quota(
+    identity: str, wanted: int, limit: int | None, *, identity_leases: int, live_leases: int
+) -> None:
+    """Raise TooManyLeases unless `identity` may hold `wanted` new leases.
+
+    `identity_leases` / `live_leases`: the identity's and everyone's live leases,
+    the granting engine's own left out (its grant replaces them). "" (a server
+    without authentication, where one identity makes every call) counts every
+    live lease. A store calls this inside its grant's atomic section, so grants
+    at once cannot all pass it; `limit` None: no quota."""
+    if limit is None or not wanted:
+        return
+    held = identity_leases if identity else live_leases
+    if held + wanted > limit:
+        raise TooManyLeases(held, wanted, limit)
+
+
 @dataclass(frozen=True)
 class RendezvousResult:
     """How a rendezvous ended: a plan (serialized PlanResponse) or an error
@@ -220,13 +251,17 @@ class Store(Protocol):
         now: float,
         ttl_s: float,
         identity: str = "",
+        *,
+        max_identity_leases: int | None = None,
     ) -> tuple[Lease, ...]:
-        """Atomically: expire what is due, check `requests` with `grant_leases`
-        against the other engines' totals (GrantRefused, naming the refused
-        device's holdings, propagates; nothing changes), then replace every
-        lease of `engine_id` by the new ones (allocated_bytes = in_use_bytes,
-        expires_at = now + ttl_s, held by `identity`). Returns the new leases in
-        request order."""
+        """Atomically: expire what is due, check the quota with
+        `check_lease_quota` (`identity`'s live leases of other engines plus
+        `requests` at most `max_identity_leases`, else TooManyLeases; None: no
+        quota), check `requests` with `grant_leases` against the other engines'
+        totals (GrantRefused, naming the refused device's holdings, propagates),
+        then replace every lease of `engine_id` by the new ones (allocated_bytes
+        = in_use_bytes, expires_at = now + ttl_s, held by `identity`). A refusal
+        changes nothing. Returns the new leases in request order."""
 
     async def renew(
         self,

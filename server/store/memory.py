@@ -33,6 +33,7 @@ from kvplan.server.store.base import (
     LedgerView,
     RendezvousResult,
     TooManyEngines,
+    check_lease_quota,
 )
 from kvplan.server.store.bodies import KeptPlans, PlanParts, plan_parts
 
@@ -502,10 +503,21 @@ class MemoryStore:
         now: float,
         ttl_s: float,
         identity: str = "",
+        *,
+        max_identity_leases: int | None = None,
     ) -> tuple[Lease, ...]:
         self._expire_due(now)
         own = tuple(self._engines.get(engine_id, {}).values())
         mine = [lease for lease in own if counted(lease, self._expired_through)]
+        # No await from here to the write: the check and the grant are one step.
+        check_lease_quota(
+            identity,
+            len(requests),
+            max_identity_leases,
+            identity_leases=self._identities.get(identity, 0)
+            - sum(lease.identity == identity for lease in mine),
+            live_leases=self._live - len(mine),
+        )
         others = excluding({uuid: self._totals.get(uuid, NOTHING) for uuid in devices}, mine)
         try:
             granted = grant_leases(engine_id, requests, devices, others, now, ttl_s, identity)

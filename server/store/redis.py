@@ -3,8 +3,9 @@
 Every change is one MULTI/EXEC transaction guarded by WATCH (optimistic: a
 concurrent change to a watched key makes EXEC fail and the method starts
 over), or one Lua script, so a replica that dies or loses Redis mid-call
-leaves nothing half-written. Decisions (the ledger's `grant_leases`, the
-rendezvous rules) run here in Python, between the reads and the EXEC, with the
+leaves nothing half-written. Decisions (the ledger's `grant_leases`, the lease
+quota, the rendezvous rules) run here in Python, between the reads and the EXEC
+(or the script that writes only if `lease-version` is unchanged), with the
 helpers the memory store uses: one formula, one set of messages. Two small
 exceptions keep the ranks of many engines from conflicting with each other: a
 join watches only its own engine's hashes, so rule 1 (forgetting old engines)
@@ -93,6 +94,7 @@ from kvplan.server.store.base import (
     RendezvousResult,
     StoreUnavailable,
     TooManyEngines,
+    check_lease_quota,
 )
 from kvplan.server.store.bodies import PlanParts, plan_parts
 from kvplan.server.store.memory import (
@@ -1204,11 +1206,22 @@ class RedisStore:
         now: float,
         ttl_s: float,
         identity: str = "",
+        *,
+        max_identity_leases: int | None = None,
     ) -> tuple[Lease, ...]:
         self._redis()
 
         async def attempt() -> tuple[Lease, ...] | None:
             version, view, _ = await self._read(now, list(devices), engine_id, identity)
+            # Decided on this read; the write below commits only if no lease changed
+            # since (lease-version), so grants at once on any replica cannot all pass.
+            check_lease_quota(
+                identity,
+                len(requests),
+                max_identity_leases,
+                identity_leases=view.identity_leases,
+                live_leases=view.live_leases,
+            )
             try:
                 granted = grant_leases(
                     engine_id, requests, devices, view.devices, now, ttl_s, identity

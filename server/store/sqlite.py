@@ -63,6 +63,7 @@ from kvplan.server.store.base import (
     RendezvousResult,
     StoreUnavailable,
     TooManyEngines,
+    check_lease_quota,
 )
 from kvplan.server.store.bodies import PlanParts, plan_parts
 from kvplan.server.store.memory import (
@@ -273,6 +274,15 @@ def _device_totals(db: sqlite3.Connection, uuids: Iterable[str]) -> dict[str, To
         ).fetchone()
         out[uuid] = Totals(*row) if row else NOTHING
     return out
+
+
+def _live_leases(db: sqlite3.Connection, identity: str) -> tuple[int, int]:
+    """(every counted lease, `identity`'s), from the totals."""
+    (live,) = db.execute("SELECT total(live_leases) FROM ledger_device").fetchone()
+    held = db.execute(
+        "SELECT live_leases FROM ledger_identity WHERE identity = ?", (identity,)
+    ).fetchone()
+    return int(live), int(held[0]) if held else 0
 
 
 def _recount_owners(db: sqlite3.Connection) -> None:
@@ -993,6 +1003,8 @@ class SQLiteStore:
         now: float,
         ttl_s: float,
         identity: str = "",
+        *,
+        max_identity_leases: int | None = None,
     ) -> tuple[Lease, ...]:
         with self._transaction(write=True) as db:
             through = _expire_due(db, now)
@@ -1003,6 +1015,16 @@ class SQLiteStore:
                 )
             ]
             mine = [lease for lease in own if counted(lease, through)]
+            if max_identity_leases is not None:
+                # In the grant's BEGIN IMMEDIATE transaction: no other grant between.
+                live, held = _live_leases(db, identity)
+                check_lease_quota(
+                    identity,
+                    len(requests),
+                    max_identity_leases,
+                    identity_leases=held - sum(lease.identity == identity for lease in mine),
+                    live_leases=live - len(mine),
+                )
             others = excluding(_device_totals(db, devices), mine)
             try:
                 granted = grant_leases(engine_id, requests, devices, others, now, ttl_s, identity)
@@ -1097,15 +1119,11 @@ class SQLiteStore:
             if counted(lease, through)
         ]
         others = excluding(_device_totals(db, device_uuids), own)
-        (live,) = db.execute("SELECT total(live_leases) FROM ledger_device").fetchone()
-        held = db.execute(
-            "SELECT live_leases FROM ledger_identity WHERE identity = ?", (identity,)
-        ).fetchone()
+        live, held = _live_leases(db, identity)
         return LedgerView(
             devices={uuid: others[uuid] for uuid in device_uuids},
-            live_leases=int(live) - len(own),
-            identity_leases=(int(held[0]) if held else 0)
-            - sum(lease.identity == identity for lease in own),
+            live_leases=live - len(own),
+            identity_leases=held - sum(lease.identity == identity for lease in own),
         )
 
     @_in_store_thread

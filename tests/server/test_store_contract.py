@@ -32,7 +32,13 @@ from kvplan.core.ledger import (
     tally,
 )
 from kvplan.server.errors import ServiceError
-from kvplan.server.store.base import Arrival, RendezvousResult, Store, TooManyEngines
+from kvplan.server.store.base import (
+    Arrival,
+    RendezvousResult,
+    Store,
+    TooManyEngines,
+    TooManyLeases,
+)
 from kvplan.server.store.memory import MemoryStore
 from kvplan.server.store.redis import RedisStore
 from kvplan.server.store.sqlite import SQLiteStore
@@ -860,6 +866,118 @@ async def test_sweep_expired_deletes_and_returns_the_dead(store: Store) -> None:
     assert await store.sweep_expired(60.0) == late
 
 
+# --- the lease quota: checked inside the grant, exact for grants at once ---------------
+
+
+async def ledger_state(store: Store, now: float, identity: str) -> tuple[object, ...]:
+    """What a refusal must leave unchanged: the live leases and the ledger's totals
+    (per device, everyone's and the identity's live leases)."""
+    view = await store.ledger_view(now, ["gpu-0", "gpu-1"], identity=identity)
+    return await store.leases(now), view
+
+
+async def test_the_lease_quota_refuses_past_the_bound(store: Store) -> None:
+    gpus = devices(device("gpu-0"), device("gpu-1"))
+
+    async def grant(engine_id: str, ranks: int, identity: str = "alice") -> tuple[Lease, ...]:
+        requests = [ask(rank, f"gpu-{rank % 2}", 1) for rank in range(ranks)]
+        return await store.grant(
+            engine_id, requests, gpus, 0.0, LEASE_TTL_S, identity, max_identity_leases=3
+        )
+
+    assert len(await grant("a1", 2)) == 2
+    assert len(await grant("a2", 1)) == 1  # 2 + 1: at the bound, granted
+    with pytest.raises(TooManyLeases) as refused:
+        await grant("a3", 1)  # other engines of the identity count
+    assert (refused.value.held, refused.value.wanted, refused.value.limit) == (3, 1, 3)
+    # Another identity has a quota of its own.
+    assert len(await grant("b1", 3, identity="bob")) == 3
+    # The engine's own leases are replaced by its grant: they do not count.
+    assert len(await grant("a1", 2)) == 2
+    with pytest.raises(TooManyLeases) as refused:
+        await grant("a1", 3)
+    assert (refused.value.held, refused.value.wanted) == (1, 3)  # a2's one lease
+    # Without a quota (None), nothing is counted.
+    await store.grant("a4", [ask(0, "gpu-0", 1)], gpus, 0.0, LEASE_TTL_S, "alice")
+    view = await store.ledger_view(0.0, ["gpu-0"], identity="alice")
+    assert (view.identity_leases, view.live_leases) == (4, 7)
+    # An empty grant asks for nothing new (it drops the engine's leases): never refused.
+    assert await store.grant("a1", [], gpus, 0.0, LEASE_TTL_S, "alice", max_identity_leases=0) == ()
+    assert len(await store.leases(0.0)) == 5
+
+
+async def test_a_grant_refused_by_the_quota_changes_nothing(store: Store) -> None:
+    gpus = devices(device("gpu-0"), device("gpu-1"))
+    await store.grant(
+        "a1", [ask(0, "gpu-0", 10), ask(1, "gpu-1", 10)], gpus, 0.0, LEASE_TTL_S, "alice"
+    )
+    await store.grant("a2", [ask(0, "gpu-0", 10)], gpus, 0.0, LEASE_TTL_S, "alice")
+    before = await ledger_state(store, 1.0, "alice")
+    for engine_id, requests in (
+        ("a3", [ask(0, "gpu-1", 10)]),  # a new engine
+        ("a1", [ask(0, "gpu-0", 5), ask(1, "gpu-1", 5), ask(2, "gpu-1", 5)]),  # a re-plan
+        ("a3", [ask(0, "gpu-0", 200)]),  # over the device too: the quota is checked first
+    ):
+        with pytest.raises(TooManyLeases):
+            await store.grant(
+                engine_id, requests, gpus, 1.0, LEASE_TTL_S, "alice", max_identity_leases=3
+            )
+        assert await ledger_state(store, 1.0, "alice") == before
+    # a1 keeps its old leases: it renews them, and they expire as granted.
+    assert len(await store.renew("a1", {}, 2.0, LEASE_TTL_S)) == 2
+    assert [lease.engine_id for lease in await store.sweep_expired(LEASE_TTL_S)] == ["a2"]
+
+
+async def test_expired_leases_do_not_count_against_the_quota(store: Store) -> None:
+    gpus = devices(device("gpu-0"))
+    short = [ask(0, "gpu-0", 1), ask(1, "gpu-0", 1)]
+    await store.grant("short", short, gpus, 0.0, 10.0, "alice", max_identity_leases=3)
+    await store.grant("long", [ask(0, "gpu-0", 1)], gpus, 0.0, 60.0, "alice", max_identity_leases=3)
+    with pytest.raises(TooManyLeases):
+        await store.grant("new", short, gpus, 9.5, 60.0, "alice", max_identity_leases=3)
+    # At 10.0 "short" has expired (expires_at == now), never released nor swept: the
+    # grant's own expiry takes it out of the count first.
+    granted = await store.grant("new", short, gpus, 10.0, 60.0, "alice", max_identity_leases=3)
+    assert len(granted) == 2
+    assert {lease.engine_id for lease in await store.leases(10.0)} == {"long", "new"}
+
+
+async def test_without_an_identity_every_live_lease_counts(store: Store) -> None:
+    """A server without authentication grants for "": one identity makes every
+    call there, so the quota bounds all live leases, whoever holds them."""
+    gpus = devices(device("gpu-0"))
+    two = [ask(0, "gpu-0", 1), ask(1, "gpu-0", 1)]
+    await store.grant("bob-1", two, gpus, 0.0, LEASE_TTL_S, "bob", max_identity_leases=3)
+    await store.grant("x", [ask(0, "gpu-0", 1)], gpus, 0.0, LEASE_TTL_S, max_identity_leases=3)
+    with pytest.raises(TooManyLeases) as refused:
+        await store.grant("y", [ask(0, "gpu-0", 1)], gpus, 0.0, LEASE_TTL_S, max_identity_leases=3)
+    assert refused.value.held == 3
+    # An authenticated identity counts only its own.
+    await store.grant("a", two, gpus, 0.0, LEASE_TTL_S, "alice", max_identity_leases=3)
+    # 5 live now; x's own lease does not count for "" either: 4 + 2 fit in 6.
+    assert len(await store.grant("x", two, gpus, 0.0, LEASE_TTL_S, max_identity_leases=6)) == 2
+
+
+async def test_the_lease_quota_is_exact_for_grants_at_once(store: Store) -> None:
+    gpus = devices(device("gpu-0"), device("gpu-1"))
+
+    async def grant(engine: int) -> bool:
+        requests = [ask(0, f"gpu-{engine % 2}", 1)]
+        try:
+            await store.grant(
+                f"e{engine}", requests, gpus, 0.0, LEASE_TTL_S, "alice", max_identity_leases=5
+            )
+        except TooManyLeases:
+            return False
+        return True
+
+    granted = await asyncio.gather(*(grant(engine) for engine in range(20)))
+    assert sum(granted) == 5
+    assert len(await store.leases(0.0)) == 5
+    view = await store.ledger_view(0.0, ["gpu-0", "gpu-1"], identity="alice")
+    assert view.identity_leases == view.live_leases == 5
+
+
 async def test_totals_stay_exact_through_many_renewals_and_expiries(store: Store) -> None:
     """Heartbeats replace each lease many times over (and leave stale expiry entries
     behind in the memory store); the totals still equal the recount at every step."""
@@ -914,6 +1032,7 @@ ledger_ops = st.lists(
             st.sampled_from(ENGINES),
             lease_requests,
             st.sampled_from([100, 100, 50, 20]),  # what the probe reads as free on every device
+            st.sampled_from([None, 4, 3, 2]),  # the lease quota (alice's two engines meet it)
         ),
         st.tuples(
             st.just("renew"),
@@ -935,6 +1054,8 @@ def outcome_of_error(error: Exception) -> tuple[object, ...]:
     """What a caller sees of a refusal: everything but the object's identity."""
     if isinstance(error, GrantRefused):
         return ("GrantRefused", error.grant_reason, error.message, error.details)
+    if isinstance(error, TooManyLeases):
+        return ("TooManyLeases", error.held, error.wanted, error.limit)
     if isinstance(error, ServiceError):
         return ("ServiceError", error.code, error.message, error.field, error.details)
     raise error
@@ -948,13 +1069,23 @@ async def run_ledger(store: Store, ops: list[tuple[Any, ...]]) -> list[object]:
         result: object
         try:
             match op:
-                case ("grant", engine_id, requests, free):
+                case ("grant", engine_id, requests, free, quota):
                     seen = {
                         uuid_: DeviceState(uuid_, state.total_bytes, free, state.commit_limit_bytes)
                         for uuid_, state in LEDGER_DEVICES.items()
                     }
                     holder = IDENTITY_OF[engine_id]
-                    result = await store.grant(engine_id, requests, seen, now, 30.0, holder)
+                    result = await store.grant(
+                        engine_id,
+                        requests,
+                        seen,
+                        now,
+                        30.0,
+                        holder,
+                        max_identity_leases=quota,
+                    )
+                    held = sum(lease.identity == holder for lease in await store.leases(now))
+                    assert quota is None or held <= quota
                 case ("renew", engine_id, allocations):
                     result = await store.renew(engine_id, allocations, now, 30.0)
                 case ("release", engine_id, rank):
@@ -964,7 +1095,7 @@ async def run_ledger(store: Store, ops: list[tuple[Any, ...]]) -> list[object]:
                     result = now
                 case ("sweep",):
                     result = await store.sweep_expired(now)
-        except (GrantRefused, ServiceError) as error:
+        except (GrantRefused, TooManyLeases, ServiceError) as error:
             result = outcome_of_error(error)
         live = await store.leases(now)
         for uuid_, state in LEDGER_DEVICES.items():
@@ -1191,6 +1322,26 @@ async def test_replicas_share_one_ledger(replicas: tuple[RedisStore, RedisStore]
         await second.grant("b", [ask(0, "gpu-0", 40)], gpus, 0.0, LEASE_TTL_S)
     await second.renew("a", {0: 60 * GIB}, 10.0, LEASE_TTL_S)
     assert (await first.leases(LEASE_TTL_S + 5))[0].allocated_bytes == 60 * GIB
+
+
+async def test_the_lease_quota_is_exact_for_grants_at_once_on_two_replicas(
+    replicas: tuple[RedisStore, RedisStore],
+) -> None:
+    gpus = devices(device("gpu-0"))
+
+    async def grant(engine: int) -> bool:
+        try:
+            await replicas[engine % 2].grant(
+                f"e{engine}", [ask(0, "gpu-0", 1)], gpus, 0.0, LEASE_TTL_S, "alice",
+                max_identity_leases=5,
+            )  # fmt: skip
+        except TooManyLeases:
+            return False
+        return True
+
+    granted = await asyncio.gather(*(grant(engine) for engine in range(20)))
+    assert sum(granted) == 5
+    assert len(await replicas[1].leases(0.0)) == 5
 
 
 # The ledger's keys once a lease is granted; "ledger:expired-through" joins them when
