@@ -255,7 +255,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             return plan
         now = time.time()
         holder = self._holder(request.engine_id)
-        resolved, devices, accounts, view = await self._resolve_devices(request, named, now, holder)
+        resolved, devices, accounts, view = await self._resolve_devices(request, named, now)
         # The plan becomes the engine's (GetPlan, persisted) only once it is granted.
         encoded = encode_workers(resolved)
         plan_id = plan_id_for(resolved, encoded)
@@ -440,7 +440,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         known = self._owners.get(engine_id)
         return known[0] if known is not None else identity.name
 
-    def _check_lease_quota(self, holder: str, refusal: TooManyLeases) -> None:
+    def _refuse_over_quota(self, holder: str, refusal: TooManyLeases) -> None:
         """The store's refusal (it checks --max-leases-per-identity inside its grant
         transaction, so grants at once cannot overshoot) as the limit's error."""
         self._limit(
@@ -471,7 +471,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         )
 
     async def _resolve_devices(
-        self, request: plan_pb2.PlanRequest, named: list[int], now: float, holder: str
+        self, request: plan_pb2.PlanRequest, named: list[int], now: float
     ) -> tuple[plan_pb2.PlanRequest, dict[str, DeviceState], dict[str, DeviceAccount], LedgerView]:
         """The request with the named devices' numbers from the probe and ledger:
         the device's total memory, and for the free-fraction mode the bytes the
@@ -505,9 +505,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             devices[found.uuid] = self._device_state(found)
             device_ref.total_memory_bytes = found.total_bytes
         # The other engines' totals (this engine's leases are replaced by its grant).
-        view = await self._store.ledger_view(
-            now, list(devices), engine_id=request.engine_id, identity=holder
-        )
+        view = await self._store.ledger_view(now, list(devices), engine_id=request.engine_id)
         accounts = {uuid: account(state, view.devices[uuid]) for uuid, state in devices.items()}
         for index in named:
             worker = resolved.workers[index]
@@ -561,7 +559,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             self._metrics.grants_refused.labels(refused.grant_reason).inc()
             raise await self._name_holders(refused, now) from None
         except TooManyLeases as refusal:
-            self._check_lease_quota(holder, refusal)
+            self._refuse_over_quota(holder, refusal)
             raise  # unreachable: the store refuses only past the limit
         self._metrics.leases_granted.inc(len(leases))
         log.info(
