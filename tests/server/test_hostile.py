@@ -227,6 +227,16 @@ async def test_identifier_limits(client: AsyncPlannerClient, server: RunningServ
         await client.plan(long_name)
     assert caught.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert caught.value.violations[0].field == "workers[0].layers[8].name"
+    # Each worker's list is read once however many ranks share it; a later worker
+    # with a list of its own is still read.
+    long_later = engine_request(stages=2)
+    long_later.workers.add().CopyFrom(long_later.workers[0])
+    long_later.workers[2].rank = 2
+    long_later.workers[1].layers[2].name = "n" * (server.settings.max_layer_name_chars + 1)
+    with pytest.raises(PlannerError) as caught:
+        await client.plan(long_later)
+    assert caught.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.violations[0].field == "workers[1].layers[2].name"
 
 
 def test_log_lines_cannot_be_forged() -> None:
