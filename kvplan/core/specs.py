@@ -13,9 +13,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from fractions import Fraction
-from functools import cached_property
 from typing import Any, ClassVar, Self
 
+from kvplan.core.cached import cached_value
 from kvplan.core.dtypes import StorageDtype
 from kvplan.core.errors import InvalidRequest, UnplannableSpecs
 from kvplan.core.rules import KVPLAN, RuleSet
@@ -250,18 +250,18 @@ class AttentionSpec(KVCacheSpec):
             return int(self.block_size // self.tokens_per_state)
         return 1
 
-    @cached_property
+    @cached_value
     def state_content_size_bytes(self) -> int:
         if self.state_content_bytes is not None:
             return self.state_content_bytes
         head_size_v = self.head_size_v if self.head_size_v is not None else self.head_size
         return (self.head_size + head_size_v) * self.dtype.size_bytes
 
-    @cached_property
+    @cached_value
     def unpadded_page_size_bytes(self) -> int:
         return self.num_heads * self.states_per_block * self.state_content_size_bytes
 
-    @cached_property
+    @cached_value
     def page_size_bytes(self) -> int:
         if self.page_size_padded is not None:
             if self.page_size_padded < self.unpadded_page_size_bytes:
@@ -670,11 +670,11 @@ class MambaSpec(KVCacheSpec):
     def num_heads(self) -> int:
         return self.num_state_heads
 
-    @cached_property
+    @cached_value
     def state_content_size_bytes(self) -> int:
         return sum(round_up(state.size_bytes, self.state_alignment) for state in self.states)
 
-    @cached_property
+    @cached_value
     def page_size_bytes(self) -> int:
         real_page = self.state_content_size_bytes
         if self.page_size_padded is not None:
@@ -790,7 +790,7 @@ class UniformTypeSpecs(KVCacheSpec):
         if self.layer_specs:
             object.__setattr__(self, "dcp_sharded", self.first_spec.dcp_sharded)
 
-    @cached_property
+    @cached_value
     def specs_by_layer(self) -> dict[str, KVCacheSpec]:
         return dict(self.layer_specs)
 
@@ -802,7 +802,7 @@ class UniformTypeSpecs(KVCacheSpec):
     def prefix_cacheable(self) -> bool:
         return all(spec.prefix_cacheable for _, spec in self.layer_specs)
 
-    @cached_property
+    @cached_value
     def page_size_bytes(self) -> int:
         return sum(spec.page_size_bytes for _, spec in self.layer_specs)
 
