@@ -320,6 +320,13 @@ class FullAttentionSpec(AttentionSpec):
 
     @classmethod
     def merge(cls, specs: Sequence[KVCacheSpec], rules: RuleSet = KVPLAN) -> KVCacheSpec:
+        only = specs[0]
+        if len(specs) == 1 and type(only) is cls and not only.is_draft:
+            # One spec merges into an equal one, its draft flag cleared: itself when
+            # unflagged (no rebuild, once per hybrid bucket).
+            assert isinstance(only, FullAttentionSpec)
+            cls._check_window_xor_chunk(only)
+            return only
         full_specs = cls._check_full_family(specs)
         merged = cls(
             **_take(full_specs[0], _FULL_MERGE_FIELDS),
@@ -830,9 +837,14 @@ class UniformTypeSpecs(KVCacheSpec):
         return max(counts.values())
 
     @staticmethod
-    def is_uniform_type(specs: Mapping[str, KVCacheSpec]) -> bool:
-        # Each spec object once (layers share them), in first-seen order.
-        values = list({id(spec): spec for spec in specs.values()}.values())
+    def is_uniform_type(
+        specs: Mapping[str, KVCacheSpec], distinct: Sequence[KVCacheSpec] | None = None
+    ) -> bool:
+        """`distinct`: each spec object of `specs` once, in first-seen order, when the
+        caller has them (layers share spec objects)."""
+        values = distinct
+        if values is None:
+            values = list({id(spec): spec for spec in specs.values()}.values())
         if len({spec.block_size for spec in values}) > 1:
             return False
         if len({spec.dcp_sharded for spec in values}) > 1:
@@ -840,8 +852,10 @@ class UniformTypeSpecs(KVCacheSpec):
         return values[0].is_uniform_with(values)
 
     @classmethod
-    def from_specs(cls, specs: Mapping[str, KVCacheSpec]) -> UniformTypeSpecs | None:
-        if not cls.is_uniform_type(specs):
+    def from_specs(
+        cls, specs: Mapping[str, KVCacheSpec], distinct: Sequence[KVCacheSpec] | None = None
+    ) -> UniformTypeSpecs | None:
+        if not cls.is_uniform_type(specs, distinct):
             return None
         first = next(iter(specs.values()))
         return cls(block_size=first.block_size, layer_specs=tuple(specs.items()))
