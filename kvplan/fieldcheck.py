@@ -92,7 +92,7 @@ def _rule(field: FieldDescriptor) -> tuple[int, bool, Any]:
 
 def _all_valid(message: Message, skip: frozenset[str] = frozenset()) -> bool:
     """Whether `check_fields` would find nothing: the same walk, without building
-    field paths (a Qwen3-Next-like engine's request fields: 25 -> 10 µs)."""
+    field paths (a Qwen3-Next-like engine's request fields: 25 -> 16 µs)."""
     for field, value in message.ListFields():
         kind, repeated, rule = _rule(field)
         if kind == _SKIP or (skip and field.name in skip):
