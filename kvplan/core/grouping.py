@@ -602,7 +602,7 @@ def group_layers(
     merged = _merged(distinct, rules)
     if merged is not None:
         return done(GroupingPath.UNIFORM_SPEC, [Grouping(tuple(specs), merged)])
-    wrapper = UniformTypeSpecs.from_specs(specs)
+    wrapper = UniformTypeSpecs.from_specs(specs, distinct)
     if wrapper is not None:
         return done(GroupingPath.UNIFORM_TYPE, [Grouping(tuple(specs), wrapper)])
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from functools import cached_property
 
+from kvplan.core.cached import cached_value
 from kvplan.core.specs import KVCacheSpec, UniformTypeSpecs
 
 
@@ -47,11 +47,11 @@ class KVCacheGroup:
     def layer_runs(self) -> tuple[tuple[KVCacheSpec, tuple[str, ...]], ...]:
         """The group's layers as runs of one identical spec, in order of first use."""
         if not isinstance(self.spec, UniformTypeSpecs):
-            # One run: cheaper built than cached (functools' cached_property locks).
+            # One run: cheaper built than cached.
             return ((self.spec, self.layer_names),) if self.layer_names else ()
         return self._uniform_layer_runs
 
-    @cached_property
+    @cached_value
     def _uniform_layer_runs(self) -> tuple[tuple[KVCacheSpec, tuple[str, ...]], ...]:
         assert isinstance(self.spec, UniformTypeSpecs)
         members = self.spec.specs_by_layer
@@ -60,7 +60,7 @@ class KVCacheGroup:
             runs.setdefault(members[name], []).append(name)
         return tuple((spec, tuple(names)) for spec, names in runs.items())
 
-    @cached_property
+    @cached_value
     def wrapper_layer_runs(self) -> tuple[tuple[KVCacheSpec, tuple[str, ...]], ...]:
         """Runs over every layer of a uniform-type wrapper, whatever `layer_names`
         holds (a group projected to a worker keeps the global wrapper)."""

@@ -304,10 +304,10 @@ def _per_projection(
     return out
 
 
-def _context(options: EngineOptions, rules: RuleSet, max_model_len: int) -> PlanningContext:
+def _context(options: EngineOptions, in_flight_tokens: int, max_model_len: int) -> PlanningContext:
     return PlanningContext(
         max_model_len=max_model_len,
-        max_in_flight_tokens=options.max_in_flight_tokens(rules),
+        max_in_flight_tokens=in_flight_tokens,
         dcp_size=options.decode_context_parallel_size,
         mamba_align_mode=options.mamba_align_mode,
         max_num_encoder_input_tokens=options.max_num_encoder_input_tokens,
@@ -506,6 +506,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     ]
 
     max_model_len = options.starting_max_model_len
+    in_flight = options.max_in_flight_tokens(rules)  # what every length probe's context needs
     # A length search depends on the projection, the memory and the upper bound:
     # ranks with one projection and equal budgets search once (auto-fit, 8 workers x
     # 65 layers: planning 1.02 ms -> 0.59 ms).
@@ -525,7 +526,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
                 hisparse, worker_groups, layout, length
             ):
                 return False
-            return needed_bytes(device_groups, bpb, _context(options, rules, length)) <= memory
+            return needed_bytes(device_groups, bpb, _context(options, in_flight, length)) <= memory
 
         return estimate_max_model_len(fits, max_model_len)
 
@@ -558,7 +559,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
             max_model_len = fitted
 
     def one_request_fits(memory_per_worker: list[int]) -> list[int]:
-        ctx = _context(options, rules, max_model_len)
+        ctx = _context(options, in_flight, max_model_len)
         # What one request needs depends on the projection alone: ranks sharing one
         # compute it once (256 TP ranks x 64 layers: planning 2.7 -> 1.8 ms).
         needed_by_projection: dict[tuple[int, int], int] = {}
@@ -680,7 +681,7 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
                 )
                 for tensors in tensors_per_worker
             ]
-    ctx = _context(options, rules, max_model_len)
+    ctx = _context(options, in_flight, max_model_len)
 
     zeroing = _per_projection(projected, _needs_kv_cache_zeroing)
     # Workers with one projection share one tuple of tensors and of groups, which
@@ -724,8 +725,12 @@ def plan_engine(request: EngineRequest) -> EnginePlan:
     # wrapper group standing for its first layer.
     blocks_per_request = host_blocks_per_request = 0
     if projected and projected[0]:
+        blocks_of: dict[int, int] = {}  # hybrid groups repeat one spec object
         for group in projected[0]:
-            blocks = spec_blocks_per_request(group.representative_spec, ctx)
+            spec = group.representative_spec
+            blocks = blocks_of.get(id(spec))
+            if blocks is None:
+                blocks = blocks_of[id(spec)] = spec_blocks_per_request(spec, ctx)
             if group.host_resident:
                 host_blocks_per_request += blocks
             else:

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from fractions import Fraction
-from functools import cached_property
 from typing import Any, ClassVar, Self
 
+from kvplan.core.cached import cached_value
 from kvplan.core.dtypes import StorageDtype
 from kvplan.core.errors import InvalidRequest, UnplannableSpecs
 from kvplan.core.rules import KVPLAN, RuleSet
@@ -250,18 +250,18 @@ class AttentionSpec(KVCacheSpec):
             return int(self.block_size // self.tokens_per_state)
         return 1
 
-    @cached_property
+    @cached_value
     def state_content_size_bytes(self) -> int:
         if self.state_content_bytes is not None:
             return self.state_content_bytes
         head_size_v = self.head_size_v if self.head_size_v is not None else self.head_size
         return (self.head_size + head_size_v) * self.dtype.size_bytes
 
-    @cached_property
+    @cached_value
     def unpadded_page_size_bytes(self) -> int:
         return self.num_heads * self.states_per_block * self.state_content_size_bytes
 
-    @cached_property
+    @cached_value
     def page_size_bytes(self) -> int:
         if self.page_size_padded is not None:
             if self.page_size_padded < self.unpadded_page_size_bytes:
@@ -320,6 +320,13 @@ class FullAttentionSpec(AttentionSpec):
 
     @classmethod
     def merge(cls, specs: Sequence[KVCacheSpec], rules: RuleSet = KVPLAN) -> KVCacheSpec:
+        only = specs[0]
+        if len(specs) == 1 and type(only) is cls and not only.is_draft:
+            # One spec merges into an equal one, its draft flag cleared: itself when
+            # unflagged (no rebuild, once per hybrid bucket).
+            assert isinstance(only, FullAttentionSpec)
+            cls._check_window_xor_chunk(only)
+            return only
         full_specs = cls._check_full_family(specs)
         merged = cls(
             **_take(full_specs[0], _FULL_MERGE_FIELDS),
@@ -670,11 +677,11 @@ class MambaSpec(KVCacheSpec):
     def num_heads(self) -> int:
         return self.num_state_heads
 
-    @cached_property
+    @cached_value
     def state_content_size_bytes(self) -> int:
         return sum(round_up(state.size_bytes, self.state_alignment) for state in self.states)
 
-    @cached_property
+    @cached_value
     def page_size_bytes(self) -> int:
         real_page = self.state_content_size_bytes
         if self.page_size_padded is not None:
@@ -790,7 +797,7 @@ class UniformTypeSpecs(KVCacheSpec):
         if self.layer_specs:
             object.__setattr__(self, "dcp_sharded", self.first_spec.dcp_sharded)
 
-    @cached_property
+    @cached_value
     def specs_by_layer(self) -> dict[str, KVCacheSpec]:
         return dict(self.layer_specs)
 
@@ -802,7 +809,7 @@ class UniformTypeSpecs(KVCacheSpec):
     def prefix_cacheable(self) -> bool:
         return all(spec.prefix_cacheable for _, spec in self.layer_specs)
 
-    @cached_property
+    @cached_value
     def page_size_bytes(self) -> int:
         return sum(spec.page_size_bytes for _, spec in self.layer_specs)
 
@@ -830,9 +837,14 @@ class UniformTypeSpecs(KVCacheSpec):
         return max(counts.values())
 
     @staticmethod
-    def is_uniform_type(specs: Mapping[str, KVCacheSpec]) -> bool:
-        # Each spec object once (layers share them), in first-seen order.
-        values = list({id(spec): spec for spec in specs.values()}.values())
+    def is_uniform_type(
+        specs: Mapping[str, KVCacheSpec], distinct: Sequence[KVCacheSpec] | None = None
+    ) -> bool:
+        """`distinct`: each spec object of `specs` once, in first-seen order, when the
+        caller has them (layers share spec objects)."""
+        values = distinct
+        if values is None:
+            values = list({id(spec): spec for spec in specs.values()}.values())
         if len({spec.block_size for spec in values}) > 1:
             return False
         if len({spec.dcp_sharded for spec in values}) > 1:
@@ -840,8 +852,10 @@ class UniformTypeSpecs(KVCacheSpec):
         return values[0].is_uniform_with(values)
 
     @classmethod
-    def from_specs(cls, specs: Mapping[str, KVCacheSpec]) -> UniformTypeSpecs | None:
-        if not cls.is_uniform_type(specs):
+    def from_specs(
+        cls, specs: Mapping[str, KVCacheSpec], distinct: Sequence[KVCacheSpec] | None = None
+    ) -> UniformTypeSpecs | None:
+        if not cls.is_uniform_type(specs, distinct):
             return None
         first = next(iter(specs.values()))
         return cls(block_size=first.block_size, layer_specs=tuple(specs.items()))
