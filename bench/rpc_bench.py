@@ -68,6 +68,7 @@ from bench.common import (
 from bench.engines import gemma_style, qwen3_next_tp8
 from bench.options import parse_arguments
 from kvplan.client import AsyncPlannerClient, PlannerError
+from kvplan.server.main import HEAP_TRIM_INTERVAL_S
 from kvplan.v1 import plan_pb2
 
 PROFILE_ENV = "RPC_BENCH_PROFILE"  # a folder: run the main server under cProfile
@@ -558,7 +559,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
             rss_start = server.rss_mb()
             asyncio.run(run_server_benchmarks(server, scale, repeats, report))
-            time.sleep(1.0)
+            # Idle: the server hands freed heap back once a trim tick finds it quiet
+            # after a tick that saw calls, so up to two ticks after the last call.
+            time.sleep(2 * HEAP_TRIM_INTERVAL_S + 1.0)
             report["rss_mb"] = {"after_start": rss_start, "after_load": server.rss_mb()}
             metrics = scrape(server)
             report["metrics_after_load"] = {

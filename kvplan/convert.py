@@ -709,11 +709,12 @@ class WorkerBytes:
     def layers_start(self) -> int:
         return self._settings[1]
 
-    @property
+    @cached_value
     def layers_key(self) -> bytes:
         return self.data[self.layers_start :]
 
-    def layers(self) -> list[tuple[int, int]]:
+    @cached_value
+    def layer_spans(self) -> list[tuple[int, int]]:
         """(start, end) of each layer's serialization, in order. A layer's tag is one
         byte and its length mostly one: read inline, with no call per layer (64
         layers: 19 -> 6 µs); other fields are stepped over by `_wire_fields`."""
@@ -751,7 +752,7 @@ def _layers_from_proto(
     layers: list[tuple[str, KVCacheSpec]] = []
     encoder_only: list[str] = []
     specs_by_bytes = ctx.specs_by_bytes
-    for layer_index, (start, end) in enumerate(encoded.layers()):
+    for layer_index, (start, end) in enumerate(encoded.layer_spans):
         # A layer's bytes without its name (field 1, written first) identify its
         # spec: layers that differ only by name share one converted value.
         spec_key: bytes | None = None

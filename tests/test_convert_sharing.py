@@ -272,7 +272,7 @@ def _serialized_without(worker: plan_pb2.WorkerSpec, *names: str, unknown: bool)
 def test_worker_bytes_cut_out_each_layer_and_key_exactly(worker: plan_pb2.WorkerSpec) -> None:
     encoded = WorkerBytes(worker)
     assert encoded.data == worker.SerializeToString(deterministic=True)
-    assert [encoded.data[start:end] for start, end in encoded.layers()] == [
+    assert [encoded.data[start:end] for start, end in encoded.layer_spans] == [
         layer.SerializeToString(deterministic=True) for layer in worker.layers
     ]
     # The layers (and unknown fields), and the device and memory, exactly as sent.
