@@ -172,6 +172,11 @@ class Metrics:
         build = Info("kvplan_build", "kvplan build information.", registry=self.registry)
         build.info({"version": __version__})
 
+    @property
+    def engine_labels(self) -> bool:
+        """Whether per-engine series are kept (--metrics-engine-labels)."""
+        return self.kv_bytes is not None
+
     def record_engine(self, engine_id: str, kv_bytes: int, blocks: int) -> None:
         if self.kv_bytes is None or self.blocks is None:
             return

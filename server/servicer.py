@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import grpc
 import grpc.aio
+from google.protobuf.descriptor import EnumDescriptor
 
 from kvplan.convert import (
     WorkerBytes,
@@ -153,9 +154,13 @@ def _only_rank(plan: plan_pb2.PlanResponse, rank: int) -> plan_pb2.PlanResponse:
     return view
 
 
-def _enum(message: object, field: str) -> str:
-    descriptor = message.DESCRIPTOR.fields_by_name[field].enum_type  # type: ignore[attr-defined]
-    return str(descriptor.values_by_number[getattr(message, field)].name)
+def _labels(enum: EnumDescriptor, prefix: str) -> dict[int, str]:
+    """Metric and log labels of an enum's values: GROUPING_PATH_HYBRID -> hybrid."""
+    return {value.number: value.name.removeprefix(prefix).lower() for value in enum.values}
+
+
+_PATH_LABELS = _labels(plan_pb2.DESCRIPTOR.enum_types_by_name["GroupingPath"], "GROUPING_PATH_")
+_DRAFT_RULE_LABELS = _labels(plan_pb2.DESCRIPTOR.enum_types_by_name["DraftRule"], "DRAFT_RULE_")
 
 
 def _lease_to_proto(
@@ -673,16 +678,15 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self, request: plan_pb2.PlanRequest, response: plan_pb2.PlanResponse, seconds: float
     ) -> None:
         metrics = self._metrics
-        path = _enum(response.diagnostics, "grouping_path").removeprefix("GROUPING_PATH_").lower()
+        path = _PATH_LABELS[response.diagnostics.grouping_path]
         metrics.plans.labels(path).inc()
-        flagged = [group for group in response.groups if group.is_draft]
-        rule = "none"
-        if flagged:
-            rule = _enum(flagged[0], "draft_rule").removeprefix("DRAFT_RULE_").lower()
         spec_decode_on = request.spec_decode.method in _SPEC_DECODE_ON
+        rule = "off"
         if spec_decode_on:
+            flagged = [group for group in response.groups if group.is_draft]
+            rule = _DRAFT_RULE_LABELS[flagged[0].draft_rule] if flagged else "none"
             metrics.draft_annotations.labels(rule).inc()
-        if response.engine_id:
+        if response.engine_id and metrics.engine_labels:
             tensors = response.workers[0].tensors if response.workers else ()
             metrics.record_engine(
                 response.engine_id,
@@ -696,7 +700,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 "plan_id": response.plan_id,
                 "path": path,
                 "groups": len(response.groups),
-                "draft_rule": rule if spec_decode_on else "off",
+                "draft_rule": rule,
                 "num_blocks": response.num_blocks,
                 "workers": len(response.workers),
                 "duration_ms": round(seconds * 1000, 3),

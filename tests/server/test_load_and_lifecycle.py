@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplan.client import AsyncPlannerClient
 from kvplan.server.main import RunningServer
-from tests.server.conftest import GIB, rank_request
+from tests.server.conftest import GIB, engine_request, rank_request
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,3 +160,32 @@ def test_client_needs_only_grpcio_and_protobuf(tmp_path: Path) -> None:
         "INVALID_ARGUMENT",
         "workers[0].layers[0].full_attention.attention.num_kv_heads",
     ]
+
+
+def test_a_log_reader_that_stops_reading_stalls_no_rpc() -> None:
+    """stderr is a pipe nobody reads: once it is full, writing a log line blocks.
+    The writing is the log thread's, so the server keeps answering (and drops log
+    records once its queue is full, counting them)."""
+    port, metrics_port = _free_port(), _free_port()
+    env = {**os.environ, "KVPLAN_PORT": str(port), "KVPLAN_STORE": "memory"}
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "kvplan"), "serve", "--metrics-port", str(metrics_port)],
+        env=env,
+        stderr=subprocess.PIPE,  # never read until the end
+    )
+    try:
+        _wait_serving(port)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            from kvplan.v1 import service_pb2_grpc
+
+            stub = service_pb2_grpc.KVCachePlannerStub(channel)
+            # Each new engine logs a line of about 250 bytes: 2,000 of them are far
+            # more than a pipe holds (64 KiB on Linux).
+            for index in range(2000):
+                stub.PlanKVCache(engine_request(f"quiet-reader-{index}"), timeout=5)
+            assert stub.PlanKVCache(engine_request("after"), timeout=5).num_blocks > 0
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+        if process.stderr:
+            process.stderr.close()
