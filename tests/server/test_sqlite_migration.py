@@ -214,3 +214,37 @@ async def test_a_schema_4_file_keeps_its_owners_and_counts_them(tmp_path: Path) 
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         counts = dict(db.execute("SELECT identity, engines FROM engine_owner_count").fetchall())
         assert counts == {"team-a": 3, "team-b": 2}
+
+
+def _page_bytes(path: Path) -> int:
+    with sqlite3.connect(path) as db:
+        (page_bytes,) = db.execute("PRAGMA page_size").fetchone()
+    return int(page_bytes)
+
+
+async def test_page_size_new_files_small_existing_files_as_they_are(tmp_path: Path) -> None:
+    """A new file gets 1 KiB pages (a plan's insert writes a quarter of the WAL
+    bytes); a file of SQLite's default pages keeps them. Either checkpoints its WAL
+    at 4 MiB."""
+    new = SQLiteStore(str(tmp_path / "new.sqlite3"))
+    await new.start()
+    await new.put_plan("p1", "engine-a", b"plan", 1.0)
+    connection = new._connection
+    assert connection is not None
+    assert connection.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 4096
+    await new.close()
+    assert _page_bytes(tmp_path / "new.sqlite3") == 1024
+
+    old_path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(old_path) as db:
+        db.execute("PRAGMA page_size = 4096")
+        db.execute("CREATE TABLE before (x)")
+    old = SQLiteStore(str(old_path))
+    await old.start()
+    await old.put_plan("p1", "engine-a", b"plan", 1.0)
+    assert await old.get_plan("p1") == b"plan"
+    connection = old._connection
+    assert connection is not None
+    assert connection.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1024
+    await old.close()
+    assert _page_bytes(old_path) == 4096
