@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvplan/v1/*.proto)
 
 .PHONY: install run test lint proto proto-check unit conformance clean vllm-venvs wheel
-.PHONY: bench bench-rpc bench-vllm bench-leases bench-scaling bench-long bench-core
+.PHONY: bench bench-rpc bench-breakdown bench-vllm bench-leases bench-scaling bench-long bench-core
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,10 @@ bench: $(STAMP)
 ## The headline: uncached plan vs Echo (2 engines, c 1 and 16), rendezvous, cold start.
 bench-rpc: $(STAMP)
 	$(PY) -m bench.rpc_bench $(BENCH_FLAGS)
+
+## Where an uncached plan's server CPU goes, step by step, against an Echo.
+bench-breakdown: $(STAMP)
+	$(PY) -m bench.cpu_breakdown $(BENCH_FLAGS)
 
 ## A loopback round trip of a new engine vs vLLM 0.33 planning it in its own process.
 bench-vllm: $(STAMP)

@@ -4,8 +4,9 @@
     python -m bench --quick          # smoke-test scale (about a minute)
     python -m bench --only rpc leases
 
-Runs, in this order: rpc (uncached plan vs Echo, rendezvous, cold start), vs_vllm,
-leases, scaling, long_run, then plan_core (core only, inside vLLM's environment when it
+Runs, in this order: rpc (uncached plan vs Echo, rendezvous, cold start),
+cpu_breakdown (where a plan's server CPU goes), vs_vllm, leases, scaling, long_run, then
+plan_core (core only, inside vLLM's environment when it
 exists). Each writes bench/results/NAME.json and NAME.md; this writes summary.md and
 summary.json: every target, PASS / FAIL / NOT RUN, with its figure and spread. A program
 that crashes is reported as such and the others still run.
@@ -24,12 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import leases, long_run, plan_core, rpc_bench, scaling, vs_vllm
+from bench import cpu_breakdown, leases, long_run, plan_core, rpc_bench, scaling, vs_vllm
 from bench.common import ROOT, bench_parser, machine_info, machine_line, targets_table
 from bench.options import parse_arguments
 
 PROGRAMS: dict[str, Callable[[list[str]], int]] = {
     "rpc": rpc_bench.main,
+    "cpu_breakdown": cpu_breakdown.main,
     "vs_vllm": vs_vllm.main,
     "leases": leases.main,
     "scaling": scaling.main,

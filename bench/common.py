@@ -145,6 +145,7 @@ def spawn_server(
     label: str,
     extra_flags: Sequence[str] = (),
     profile_to: Path | None = None,
+    instrument_to: Path | None = None,
 ) -> ServerProcess:
     """Start `kvplan serve` on free loopback ports and wait for health SERVING.
 
@@ -156,14 +157,18 @@ def spawn_server(
     flags = ["serve", "--host", "127.0.0.1", "--port", str(port)]
     flags += ["--metrics-port", str(metrics_port), "--state-dir", str(state_dir)]
     flags += list(extra_flags)
-    if profile_to is None:
-        command = [str(kvplan_executable()), *flags]
-    else:
+    if profile_to is not None:
         command = [sys.executable, "-m", "cProfile", "-o", str(profile_to), "-m", "kvplan.cli"]
         command += flags
+    elif instrument_to is not None:  # bench/instrumented_server.py
+        command = [sys.executable, "-m", "bench.instrumented_server", str(instrument_to), *flags]
+    else:
+        command = [str(kvplan_executable()), *flags]
     log_path = log_dir / f"{label}.log"
     # The embedded defaults, whatever this shell's KVPLAN_* variables say.
     env = {key: value for key, value in os.environ.items() if not key.startswith("KVPLAN_")}
+    if instrument_to is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     with log_path.open("wb") as log_file:
         started = time.perf_counter()
         process = subprocess.Popen(
@@ -600,7 +605,9 @@ def write_results(
         + (" · **quick mode: smoke-test scale, not figures**" if report["quick"] else ""),
         "",
     ]
-    lines = [*header, *markdown_body, "", "### Targets", "", *targets_table(report["targets"])]
+    lines = [*header, *markdown_body]
+    if report["targets"]:
+        lines += ["", "### Targets", "", *targets_table(report["targets"])]
     (folder / f"{name}.json").write_text(
         json.dumps(_json_safe(report), indent=1, allow_nan=False) + "\n"
     )

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROGRAMS = ("rpc", "vs_vllm", "leases", "scaling", "long_run", "plan_core")
+PROGRAMS = ("rpc", "cpu_breakdown", "vs_vllm", "leases", "scaling", "long_run", "plan_core")
 VERDICTS = {"PASS", "FAIL", "NOT RUN"}
 
 
@@ -73,9 +73,29 @@ def test_targets_are_well_formed(results: Path) -> None:
     assert all(finite(row["kvplan_round_trip_p50_ms"]["median"]) for row in vs_vllm["engines"])
     assert all(finite(row["echo_round_trip_p50_ms"]["median"]) for row in vs_vllm["engines"])
     # What each program promises to measure is there.
-    expected_targets = {"rpc": 5, "vs_vllm": 2, "leases": 3, "scaling": 2, "long_run": 4}
+    expected_targets = {
+        "rpc": 5,
+        "cpu_breakdown": 0,
+        "vs_vllm": 2,
+        "leases": 3,
+        "scaling": 2,
+        "long_run": 4,
+    }
     for name, count in expected_targets.items():
         assert len(load(results, name)["targets"]) == count, name
+
+
+def test_cpu_breakdown_adds_up(results: Path) -> None:
+    runs = load(results, "cpu_breakdown")["runs"]
+    assert set(runs) == {"plan, memory store", "plan, SQLite store", "Echo"}
+    for name, figures in runs.items():
+        median = {key: figure["median"] for key, figure in figures.items()}
+        assert all(finite(value) for value in median.values()), name
+        assert 0 < median["in the handler"] < median["event-loop thread"], name
+        assert median["event-loop thread"] <= median["server, all threads"], name
+    plan = {key: figure["median"] for key, figure in runs["plan, SQLite store"].items()}
+    assert 0 < plan["planning"] < plan["in the handler"]
+    assert plan["store hand-off"] > 0
 
 
 def test_headline_figures(results: Path) -> None:
