@@ -11,11 +11,7 @@ library's QueueHandler and QueueListener), never on the event loop: a log
 consumer that stops reading (a full pipe) cannot stall the RPCs, as a blocking
 write on the loop did. The queue is bounded; when it is full a record is
 dropped, counted, and the count reported in the next line that gets through.
-Records still queued are written at exit. The log thread polls the queue (every
-50 ms when it is empty) rather than wait on it: a thread waiting on the queue is
-woken by every record, and on the 2-vCPU VM of the benchmarks that wake-up cost
-the event loop about 50 µs of CPU per record (the "plan computed" line: 77 -> 28
-µs with the wait, measured with bench/instrumented_server.py).
+Records still queued are written at exit.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ import queue
 import re
 import sys
 import threading
-import time
 from typing import Any
 
 from pythonjsonlogger.core import RESERVED_ATTRS
@@ -140,27 +135,6 @@ class OffLoopHandler(logging.handlers.QueueHandler):
         return note, dropped
 
 
-LOG_POLL_S = 0.05  # the log thread's look at an empty queue
-
-
-class PollingListener(logging.handlers.QueueListener):
-    """A QueueListener that looks at its queue every LOG_POLL_S while it is empty,
-    so that putting a record wakes no thread (see the module's docstring)."""
-
-    def __init__(self, records: queue.Queue[logging.LogRecord], writer: logging.Handler) -> None:
-        super().__init__(records, writer)
-        self._records = records
-
-    def dequeue(self, block: bool) -> Any:
-        while True:
-            try:
-                return self._records.get_nowait()
-            except queue.Empty:
-                if not block:
-                    raise
-                time.sleep(LOG_POLL_S)
-
-
 _listener: logging.handlers.QueueListener | None = None
 
 
@@ -187,7 +161,7 @@ def configure_logging(log_format: str, level: str) -> None:
     # On the caller's side: the request id lives in the call's context.
     handler.addFilter(RequestIdFilter())
     _stop_listener()
-    _listener = PollingListener(records, writer)
+    _listener = logging.handlers.QueueListener(records, writer)
     _listener.start()
     atexit.register(_stop_listener)
     root = logging.getLogger("kvplan")
