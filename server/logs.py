@@ -23,7 +23,6 @@ import logging.handlers
 import queue
 import re
 import sys
-import threading
 from typing import Any
 
 from pythonjsonlogger.core import RESERVED_ATTRS
@@ -93,8 +92,7 @@ class OffLoopHandler(logging.handlers.QueueHandler):
     def __init__(self, records: queue.Queue[logging.LogRecord]) -> None:
         super().__init__(records)
         self._records = records
-        self._dropped = 0
-        self._dropped_lock = threading.Lock()
+        self._dropped = 0  # guarded by the handler's lock, which handle() holds
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         # Unlike QueueHandler.prepare, the fields stay fields: only what cannot
@@ -108,31 +106,23 @@ class OffLoopHandler(logging.handlers.QueueHandler):
 
     def enqueue(self, record: logging.LogRecord) -> None:
         if self._dropped:
-            note, dropped = self._dropped_note(record.name)
+            note = logging.LogRecord(
+                record.name, logging.WARNING, "", 0, "log records dropped", None, None
+            )
+            note.__dict__.update(dropped=self._dropped, queued_at_most=QUEUED_RECORDS)
             if not self._put(note):
-                # Still full: the count stands, and `record` (counted by _put) is dropped.
-                with self._dropped_lock:
-                    self._dropped += dropped
+                self._dropped += 1  # still full: `record` is dropped too
                 return
-        self._put(record)
+            self._dropped = 0
+        if not self._put(record):
+            self._dropped += 1
 
     def _put(self, record: logging.LogRecord) -> bool:
         try:
             self._records.put_nowait(record)
         except queue.Full:
-            with self._dropped_lock:
-                self._dropped += 1
             return False
         return True
-
-    def _dropped_note(self, name: str) -> tuple[logging.LogRecord, int]:
-        """A record of how many were dropped since the last that got through, and
-        that count (reset)."""
-        with self._dropped_lock:
-            dropped, self._dropped = self._dropped, 0
-        note = logging.LogRecord(name, logging.WARNING, "", 0, "log records dropped", None, None)
-        note.__dict__.update(dropped=dropped, queued_at_most=QUEUED_RECORDS)
-        return note, dropped
 
 
 _listener: logging.handlers.QueueListener | None = None
@@ -143,6 +133,9 @@ def _stop_listener() -> None:
     if _listener is not None:
         _listener.stop()  # writes what is still queued
         _listener = None
+
+
+atexit.register(_stop_listener)
 
 
 def configure_logging(log_format: str, level: str) -> None:
@@ -163,7 +156,6 @@ def configure_logging(log_format: str, level: str) -> None:
     _stop_listener()
     _listener = logging.handlers.QueueListener(records, writer)
     _listener.start()
-    atexit.register(_stop_listener)
     root = logging.getLogger("kvplan")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
