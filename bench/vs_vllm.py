@@ -148,26 +148,12 @@ def vllm_python(args: argparse.Namespace) -> tuple[Path | None, str]:
     return args.vllm_venv / "bin" / "python", ""
 
 
-async def kvplan_round_trips(
-    server: ServerProcess, payload: bytes, ids: EngineIds, scale: Scale
+async def round_trips(
+    server: ServerProcess, method: str, payloads: Callable[[], bytes], scale: Scale
 ) -> list[float]:
     async with bench_channel(server.target) as channel:
         await channel.channel_ready()
-        return await timed_calls(
-            channel,
-            PLAN_METHOD,
-            lambda: with_engine_id(payload, ids.next()),
-            scale.slice_s,
-            scale.min_calls,
-        )
-
-
-async def echo_round_trips(server: ServerProcess, payload: bytes, scale: Scale) -> list[float]:
-    async with bench_channel(server.target) as channel:
-        await channel.channel_ready()
-        return await timed_calls(
-            channel, ECHO_METHOD, lambda: payload, scale.slice_s, scale.min_calls
-        )
+        return await timed_calls(channel, method, payloads, scale.slice_s, scale.min_calls)
 
 
 def compare(
@@ -184,10 +170,18 @@ def compare(
         request_path = folder / f"{key}.pb"
         request_path.write_bytes(payload)
         ids = EngineIds(f"vs-vllm-{key}")
-        asyncio.run(kvplan_round_trips(server, payload, ids, Scale(0.0, 3)))  # warm up
+
+        def plan(payload: bytes = payload, ids: EngineIds = ids) -> bytes:
+            return with_engine_id(payload, ids.next())  # a new engine each call: uncached
+
+        def echo(payload: bytes = payload) -> bytes:
+            return payload
+
+        warm_up = Scale(0.0, 3)
+        asyncio.run(round_trips(server, PLAN_METHOD, plan, warm_up))
         if vllm is not None:
             vllm.time_planning(request_path, 0.0, 2)
-        asyncio.run(echo_round_trips(server, payload, Scale(0.0, 3)))
+        asyncio.run(round_trips(server, ECHO_METHOD, echo, warm_up))
         kvplan_p50: list[float] = []
         echo_p50: list[float] = []
         vllm_p50: list[float] = []
@@ -195,10 +189,10 @@ def compare(
         for repeat in range(repeats):
             for side in order[repeat % 3 :] + order[: repeat % 3]:
                 if side == "kvplan":
-                    samples = asyncio.run(kvplan_round_trips(server, payload, ids, scale))
+                    samples = asyncio.run(round_trips(server, PLAN_METHOD, plan, scale))
                     kvplan_p50.append(percentile(samples, 0.5) * 1e3)
                 elif side == "echo":
-                    samples = asyncio.run(echo_round_trips(server, payload, scale))
+                    samples = asyncio.run(round_trips(server, ECHO_METHOD, echo, scale))
                     echo_p50.append(percentile(samples, 0.5) * 1e3)
                 elif vllm is not None:
                     samples = vllm.time_planning(request_path, scale.slice_s, scale.min_calls)
