@@ -4,6 +4,7 @@ device, a server killed mid-life, Redis going away and coming back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sqlite3
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -229,25 +230,35 @@ async def test_sqlite_state_survives_a_killed_server(tmp_path: Path) -> None:
         await store.close()
 
 
-async def test_a_locked_sqlite_file_is_unavailable_not_an_error(
+@contextlib.asynccontextmanager
+async def write_locked_sqlite(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+) -> AsyncIterator[tuple[SQLiteStore, sqlite3.Connection]]:
+    """A started SQLite store whose file another connection holds the write lock of
+    (as another process would); that connection's ROLLBACK frees it."""
     monkeypatch.setattr(sqlite_store, "BUSY_TIMEOUT_S", 0.05)
     path = str(tmp_path / "kvplan.sqlite3")
     store = SQLiteStore(path)
     await store.start()
     other = sqlite3.connect(path, isolation_level=None)
     try:
-        other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+        other.execute("BEGIN IMMEDIATE")
+        yield store, other
+    finally:
+        other.close()
+        await store.close()
+
+
+async def test_a_locked_sqlite_file_is_unavailable_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with write_locked_sqlite(tmp_path, monkeypatch) as (store, other):
         gpus, _ = contested_device(0)
         with pytest.raises(StoreUnavailable, match="locked"):
             await store.grant("e", last_bytes(), gpus, 0.0, 30.0)
         assert await store.leases(0.0) == ()  # readers are not blocked (WAL)
         other.execute("ROLLBACK")
         assert len(await store.grant("e", last_bytes(), gpus, 0.0, 30.0)) == 1
-    finally:
-        other.close()
-        await store.close()
 
 
 async def sqlite_join(
@@ -311,13 +322,7 @@ async def test_a_fault_in_a_shared_sqlite_transaction_is_its_own(tmp_path: Path)
 async def test_an_outage_fails_every_sqlite_operation_of_a_shared_transaction(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sqlite_store, "BUSY_TIMEOUT_S", 0.05)
-    path = str(tmp_path / "kvplan.sqlite3")
-    store = SQLiteStore(path)
-    await store.start()
-    other = sqlite3.connect(path, isolation_level=None)
-    try:
-        other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    async with write_locked_sqlite(tmp_path, monkeypatch) as (store, other):
         outcomes = await together(store, *(sqlite_join(store, "e", rank) for rank in range(3)))
         assert all(isinstance(outcome, StoreUnavailable) for outcome in outcomes), outcomes
         other.execute("ROLLBACK")
@@ -329,9 +334,6 @@ async def test_an_outage_fails_every_sqlite_operation_of_a_shared_transaction(
             "waiting",
             "waiting",
         ]
-    finally:
-        other.close()
-        await store.close()
 
 
 async def test_sqlite_refuses_a_newer_schema(tmp_path: Path) -> None:
