@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
+from kvplan.convert import PlanningError, plan_from_proto
 from kvplan.core.dtypes import StorageDtype
 from kvplan.core.request import EngineOptions, EngineRequest, MemoryRequest, SpecDecode, WorkerInput
 from kvplan.core.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvplan.v1 import plan_pb2
 
 GIB = 1 << 30
 BF16 = StorageDtype.BFLOAT16
@@ -58,3 +62,10 @@ def engine(
         workers=workers,
         spec_decode=spec_decode or SpecDecode(),
     )
+
+
+def planning_error(request: plan_pb2.PlanRequest) -> PlanningError:
+    """The error `plan_from_proto` refuses `request` with (it must refuse it)."""
+    with pytest.raises(PlanningError) as caught:
+        plan_from_proto(request)
+    return caught.value

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from google.protobuf import json_format
 
 from kvplan.convert import plan_from_proto
-from kvplan.core.errors import ErrorCode, PlanningError
+from kvplan.core.errors import ErrorCode
 from kvplan.v1 import plan_pb2
 from tests.conformance import build
+from tests.core.builders import planning_error
 
 
 def _request(**options: object) -> plan_pb2.PlanRequest:
@@ -20,16 +20,10 @@ def _request(**options: object) -> plan_pb2.PlanRequest:
     return json_format.ParseDict(data, plan_pb2.PlanRequest())
 
 
-def _error(request: plan_pb2.PlanRequest) -> PlanningError:
-    with pytest.raises(PlanningError) as caught:
-        plan_from_proto(request)
-    return caught.value
-
-
 def test_hot_and_resident_layers_need_hisparse_on() -> None:
     request = _request()
     request.options.ClearField("hisparse")
-    error = _error(request)
+    error = planning_error(request)
     assert error.code is ErrorCode.INVALID_ARGUMENT
     assert error.field == "workers[0].layers[6].hisparse_resident"
 
@@ -37,11 +31,11 @@ def test_hot_and_resident_layers_need_hisparse_on() -> None:
 def test_the_host_pool_must_be_given() -> None:
     request = _request()
     request.options.hisparse.host_pool_gib = 0
-    assert _error(request).field == "options.hisparse.host_pool_gib"
+    assert planning_error(request).field == "options.hisparse.host_pool_gib"
 
 
 def test_hot_pages_need_a_block_outermost_layout() -> None:
-    error = _error(_request(layout="KV_CACHE_LAYOUT_LBNHC"))
+    error = planning_error(_request(layout="KV_CACHE_LAYOUT_LBNHC"))
     assert error.code is ErrorCode.FAILED_PRECONDITION
     assert "LBNHC" in error.message
 
@@ -51,7 +45,7 @@ def test_the_device_buffer_covers_every_decode_query() -> None:
     request.spec_decode.method = plan_pb2.SPEC_DECODE_METHOD_MTP
     request.spec_decode.num_speculative_tokens = 3
     request.options.hisparse.device_buffer_size = 4096  # < (1 + 3) x 2048
-    error = _error(request)
+    error = planning_error(request)
     assert error.code is ErrorCode.INVALID_ARGUMENT
     assert error.field == "options.hisparse.device_buffer_size"
 

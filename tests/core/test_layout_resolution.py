@@ -26,6 +26,7 @@ from kvplan.core.layout_resolution import (
 from kvplan.core.rules import KVPLAN, VLLM_0_32, VLLM_0_33, VLLM_0_34, RuleSet
 from kvplan.core.specs import FullAttentionSpec, KVCacheSpec
 from kvplan.v1 import plan_pb2
+from tests.core.builders import planning_error
 
 L = KVCacheLayout
 BF16 = StorageDtype.BFLOAT16
@@ -190,12 +191,6 @@ def _request(
     return request
 
 
-def _error(request: plan_pb2.PlanRequest) -> PlanningError:
-    with pytest.raises(PlanningError) as caught:
-        plan_from_proto(request)
-    return caught.value
-
-
 def test_the_response_reports_the_resolved_layout_and_candidates() -> None:
     both = [plan_pb2.KV_CACHE_LAYOUT_BLHNC, plan_pb2.KV_CACHE_LAYOUT_LBHNC]
     response = plan_from_proto(_request([both, both[::-1], both[::-1]]))
@@ -239,7 +234,7 @@ def test_the_resolved_layout_shapes_the_tensors() -> None:
 def test_bad_lists_are_invalid_argument_with_the_field(
     lists: Sequence[Sequence[int]], field: str, version: str
 ) -> None:
-    error = _error(_request(lists, version))
+    error = planning_error(_request(lists, version))
     assert error.code is ErrorCode.INVALID_ARGUMENT
     assert error.field == field
 
@@ -249,7 +244,7 @@ def test_differing_lists_fail_under_0_33_and_plan_under_0_34() -> None:
         [plan_pb2.KV_CACHE_LAYOUT_LBHNC],
         [plan_pb2.KV_CACHE_LAYOUT_LBHNC, plan_pb2.KV_CACHE_LAYOUT_LBNHC],
     ]
-    error = _error(_request(lists, "vllm-0.33"))
+    error = planning_error(_request(lists, "vllm-0.33"))
     assert error.code is ErrorCode.FAILED_PRECONDITION
     assert [v.field for v in error.violations] == [
         "workers[0].supported_layouts",

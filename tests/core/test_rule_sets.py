@@ -10,11 +10,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvplan.convert import plan_from_proto
-from kvplan.core.errors import ErrorCode, PlanningError
+from kvplan.core.errors import ErrorCode
 from kvplan.core.extensible import blocks_within, mapped_bytes, segment_strides
 from kvplan.core.layout import KVCacheLayout, TensorPlacement
 from kvplan.core.rules import RULE_SETS, DraftFlagRule, rule_set_for
 from kvplan.v1 import plan_pb2, spec_pb2
+from tests.core.builders import planning_error
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -34,12 +35,6 @@ def _request(
         layer.full_attention.attention.num_kv_heads = 8
         layer.full_attention.attention.head_size = 128
     return request
-
-
-def _error(request: plan_pb2.PlanRequest) -> PlanningError:
-    with pytest.raises(PlanningError) as caught:
-        plan_from_proto(request)
-    return caught.value
 
 
 def test_registry_names_match_their_keys() -> None:
@@ -63,7 +58,7 @@ def test_the_response_names_its_rule_set(version: str) -> None:
 
 
 def test_an_unknown_engine_version_lists_the_supported_ones() -> None:
-    error = _error(_request("vllm-0.31"))
+    error = planning_error(_request("vllm-0.31"))
     assert error.code is ErrorCode.INVALID_ARGUMENT
     assert error.field == "options.engine_version"
     for known in ("'vllm-0.32'", "'vllm-0.33'", "'vllm-0.34'", "''"):
@@ -107,7 +102,7 @@ def _sw_mla_layer(request: plan_pb2.PlanRequest) -> spec_pb2.LayerSpec:
 def test_a_field_the_release_lacks_is_invalid(version: str, setup: object, field: str) -> None:
     request = _request(version)
     setup(request)  # type: ignore[operator]
-    error = _error(request)
+    error = planning_error(request)
     assert error.code is ErrorCode.INVALID_ARGUMENT
     assert error.field == field
     assert "does not exist in" in error.message
@@ -119,7 +114,7 @@ def test_topk_buffer_width_is_new_in_0_33() -> None:
     layer.mla_attention.attention.num_kv_heads = 1
     layer.mla_attention.attention.head_size = 576
     layer.mla_attention.mla.topk_buffer_width = 2048
-    error = _error(request)
+    error = planning_error(request)
     assert error.field == "workers[0].layers[4].mla_attention.mla.topk_buffer_width"
     request.options.engine_version = "vllm-0.33"
     assert plan_from_proto(request).rule_set == "vllm-0.33"
@@ -129,7 +124,7 @@ def test_measured_bytes_need_the_extensible_cache_and_every_worker() -> None:
     request = _request("vllm-0.34")
     request.options.extensible_kv_cache = False
     request.workers[0].memory.measured_kv_cache_bytes = GIB
-    assert _error(request).field == "workers[0].memory.measured_kv_cache_bytes"
+    assert planning_error(request).field == "workers[0].memory.measured_kv_cache_bytes"
 
     request = _request("vllm-0.34")
     second = request.workers.add(rank=1)
@@ -137,7 +132,7 @@ def test_measured_bytes_need_the_extensible_cache_and_every_worker() -> None:
     second.rank = 1
     request.options.parallel.tensor_parallel_size = 2
     request.workers[1].memory.measured_kv_cache_bytes = GIB
-    assert _error(request).field == "workers[0].memory.measured_kv_cache_bytes"
+    assert planning_error(request).field == "workers[0].memory.measured_kv_cache_bytes"
 
 
 def test_state_alignment_rounds_each_state_and_must_divide_the_padded_page() -> None:
@@ -151,7 +146,7 @@ def test_state_alignment_rounds_each_state_and_must_divide_the_padded_page() -> 
     assert plan_from_proto(request).groups[0].page_size_bytes == 812
     layer.mamba.state_alignment_bytes = 512
     layer.mamba.page_size_padded_bytes = 2000
-    error = _error(request)
+    error = planning_error(request)
     assert error.code is ErrorCode.INVALID_ARGUMENT
     assert error.field == "workers[0].layers[0].mamba.page_size_padded_bytes"
 
@@ -176,7 +171,7 @@ def test_the_0_34_reservation_uses_utilization_1_by_default() -> None:
     response = plan_from_proto(request)
     assert response.workers[0].budget.requested_bytes == 80 * GIB
     request.options.extensible_kv_cache = False
-    assert _error(request).code is ErrorCode.RESOURCE_EXHAUSTED  # 0.92 of 80 GiB > free
+    assert planning_error(request).code is ErrorCode.RESOURCE_EXHAUSTED  # 0.92 of 80 GiB > free
 
 
 def test_the_final_plan_takes_the_fewest_measured_blocks_and_keeps_strides() -> None:
@@ -206,7 +201,7 @@ def test_the_final_plan_takes_the_fewest_measured_blocks_and_keeps_strides() -> 
 def test_a_final_plan_too_small_for_one_request_is_resource_exhausted() -> None:
     request = _request("vllm-0.34", kv_bytes=8 * GIB)
     request.workers[0].memory.measured_kv_cache_bytes = 16 * MIB
-    assert _error(request).code is ErrorCode.RESOURCE_EXHAUSTED
+    assert planning_error(request).code is ErrorCode.RESOURCE_EXHAUSTED
 
 
 @given(
@@ -238,7 +233,7 @@ def test_octave_quant_modes_are_new_in_0_33() -> None:
     request = _request("vllm-0.32")
     attention = request.workers[0].layers[2].full_attention.attention
     attention.kv_quant_mode = spec_pb2.KV_QUANT_MODE_OCTAVE_K3V3
-    error = _error(request)
+    error = planning_error(request)
     assert error.code is ErrorCode.INVALID_ARGUMENT
     assert error.field == "workers[0].layers[2].full_attention.attention.kv_quant_mode"
     request.options.engine_version = "vllm-0.33"
