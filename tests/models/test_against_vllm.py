@@ -6,7 +6,6 @@ builds every release's venv first)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -23,9 +22,8 @@ from kvplan.models import (
     load_config,
 )
 from tests.models.test_importer import EAGLE3_TEST_DRAFTER, NEMOTRON_H_TEST_CONFIG, domain
+from tests.vllm_envs import vllm_python
 
-VLLM_CACHE = Path(os.environ.get("KVPLAN_VLLM_CACHE", Path.home() / ".cache" / "kvplan"))
-VENV = VLLM_CACHE / "vllm-0.33" / "venv"
 MODELS = Path(__file__).parents[2] / "examples" / "models"
 
 # Both vLLM-side scripts: each calculator case answered with vLLM's own figure.
@@ -203,12 +201,11 @@ def request_cases() -> tuple[list[tuple[str, str]], list[str]]:
 
 @pytest.fixture(scope="module")
 def vllm_answers() -> dict[str, list[object]]:
-    if not (VENV / ".kvplan-vllm-ready").exists():
-        pytest.fail(f"vLLM 0.33 CPU venv not built at {VENV}: run `scripts/vllm-venv 0.33`")
+    python = vllm_python("0.33")
     calculators, _ = calculator_cases()
     _, requests = request_cases()
     result = subprocess.run(
-        [str(VENV / "bin" / "python"), "-c", VLLM_SIDE, str(MODELS.parents[1])],
+        [str(python), "-c", VLLM_SIDE, str(MODELS.parents[1])],
         input=json.dumps({"calculators": calculators, "requests": requests}),
         capture_output=True,
         text=True,
@@ -333,15 +330,10 @@ def release_request_cases(engine_version: str) -> tuple[list[str], list[str]]:
 @pytest.fixture(scope="module", params=RELEASES)
 def release_answers(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
     engine_version: str = request.param
-    venv = VLLM_CACHE / engine_version / "venv"
-    if not (venv / ".kvplan-vllm-ready").exists():
-        release = engine_version.removeprefix("vllm-")
-        pytest.fail(
-            f"{engine_version} CPU venv not built at {venv}: run `scripts/vllm-venv {release}`"
-        )
+    python = vllm_python(engine_version.removeprefix("vllm-"))
     _, blobs = release_request_cases(engine_version)
     result = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", RELEASE_SIDE, str(MODELS.parents[1])],
+        [str(python), "-c", RELEASE_SIDE, str(MODELS.parents[1])],
         input=json.dumps({"calculators": calculator_cases()[0], "requests": blobs}),
         capture_output=True,
         text=True,

@@ -22,8 +22,8 @@ import pytest
 
 from kvplan.models import Deployment, import_layers, load_config
 from kvplan.models.layers import ImportedLayer
+from tests.vllm_envs import vllm_python
 
-VLLM_CACHE = Path(os.environ.get("KVPLAN_VLLM_CACHE", Path.home() / ".cache" / "kvplan"))
 MODELS = Path(__file__).parents[2] / "examples" / "models"
 SIDE = Path(__file__).with_name("vllm_model_side.py")
 RELEASES = ("vllm-0.33", "vllm-0.34")
@@ -116,12 +116,7 @@ def vllm_specs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[str, list[list[list[object]]]]:
     engine_version: str = request.param
-    venv = VLLM_CACHE / engine_version / "venv"
-    if not (venv / ".kvplan-vllm-ready").exists():
-        release = engine_version.removeprefix("vllm-")
-        pytest.fail(
-            f"{engine_version} CPU venv not built at {venv}: run `scripts/vllm-venv {release}`"
-        )
+    python = vllm_python(engine_version.removeprefix("vllm-"))
     root = tmp_path_factory.mktemp(engine_version)
     cases = []
     for model, tp, kv_dtype in CASES:
@@ -147,7 +142,7 @@ def vllm_specs(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     result = subprocess.run(
-        [str(venv / "bin" / "python"), str(SIDE)],
+        [str(python), str(SIDE)],
         input=json.dumps({"port": port, "cases": cases}),
         capture_output=True,
         text=True,

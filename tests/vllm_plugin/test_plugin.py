@@ -29,26 +29,16 @@ import pytest
 
 from kvplan.client import ChannelSecurity, PlannerClient
 from kvplan.v1 import plan_pb2
+from tests.vllm_envs import vllm_python
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = Path(__file__).resolve().parent / "engine_host.py"
-VLLM_CACHE = Path(os.environ.get("KVPLAN_VLLM_CACHE", Path.home() / ".cache" / "kvplan"))
 VERSIONS = ("0.33", "0.34")
 GIB = 1 << 30
 H100_TOTAL = 80 * GIB
 OBSERVED_ENGINES = ("llama", "gemma3", "gpt-oss-eagle3", "deepseek-mtp", "qwen3-next-mtp")
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def vllm_python(version: str) -> Path:
-    venv = VLLM_CACHE / f"vllm-{version}" / "venv"
-    if not (venv / ".kvplan-vllm-ready").exists():
-        pytest.fail(
-            f"the vLLM {version} venv is missing ({venv}); build it with "
-            f"`scripts/vllm-venv {version}` (make test does)"
-        )
-    return venv / "bin" / "python"
 
 
 @pytest.fixture(scope="session")
