@@ -46,7 +46,7 @@ ENGINE = "gemma-64l-tp1"
 STEPS = (
     "limits",
     "encode workers",
-    "plan id",
+    "plan keys",
     "planning",
     "reply bytes",
     "plan cache",

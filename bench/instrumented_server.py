@@ -80,7 +80,7 @@ def install() -> None:
     _wrap(servicer, "plan_from_proto", "planning", _timed)
     _wrap(servicer, "encode_workers", "encode workers", _timed)
     _wrap(planner, "_check_limits", "limits", _timed)
-    _wrap(cache, "plan_id", "plan id", _timed)
+    _wrap(cache, "keys", "plan keys", _timed)
     _wrap(cache, "keep", "plan cache", _timed)
     _wrap(planner, "_record", "metrics and log line", _timed)
     _wrap(planner, "_persist", "store hand-off", _timed_await)

@@ -177,7 +177,7 @@ def _mla_params(
     version: str = "",
 ) -> spec_pb2.MLAParams:
     return spec_pb2.MLAParams(
-        cache_dtype=cache_dtype,
+        cache_dtype=spec_pb2.KVCacheDtype.ValueType(cache_dtype),
         **_clean(topk_buffer_width=topk, alignment_bytes=alignment),
         model_version=version,
     )
@@ -200,7 +200,9 @@ def mla(
     body = spec_pb2.MLAAttentionSpec(
         attention=attn(1, head, **(a or {})),
         mla=_mla_params(cache_dtype, topk, alignment, version),
-        cache_role=spec_pb2.SPARSE_CACHE_ROLE_INDEXER if indexer else 0,
+        cache_role=(
+            spec_pb2.SPARSE_CACHE_ROLE_INDEXER if indexer else spec_pb2.SPARSE_CACHE_ROLE_SPARSE
+        ),
         is_index_group_leader=leader,
         non_causal_multi_token_decode=marker,
     )
@@ -304,7 +306,7 @@ def mamba(
             spec_pb2.StateTensor(shape=shape, dtype=_DTYPES[dtype])
             for shape, dtype in (states or SMALL_STATES)
         ],
-        mamba_type=mamba_type,
+        mamba_type=spec_pb2.MambaType.ValueType(mamba_type),
         num_speculative_blocks=spec_blocks,
         num_prefill_checkpoint_blocks=checkpoint_blocks,
         num_heads=heads,
@@ -378,7 +380,7 @@ def request(
         o.derived_max_model_len = derived
     o.block_size = block_size
     o.cache_dtype = cache_dtype  # type: ignore[assignment]
-    o.model_dtype = _DTYPES[model_dtype]  # type: ignore[assignment]
+    o.model_dtype = _DTYPES[model_dtype]
     o.disable_hybrid_kv_cache_manager = disable_hybrid
     if override is not None:
         o.num_gpu_blocks_override = override
@@ -388,7 +390,7 @@ def request(
     o.parallel.tensor_parallel_size = tp
     o.parallel.pipeline_parallel_size = pp
     o.parallel.decode_context_parallel_size = dcp
-    o.layout = LAYOUTS[layout]  # type: ignore[assignment]
+    o.layout = LAYOUTS[layout]
     if mamba_align:
         o.mamba_cache_mode = plan_pb2.MAMBA_CACHE_MODE_ALIGN
     o.max_num_encoder_input_tokens = encoder_tokens
@@ -396,7 +398,7 @@ def request(
         o.enable_prefix_caching = prefix_caching
     if method != "none":
         s = req.spec_decode
-        s.method = METHODS[method]  # type: ignore[assignment]
+        s.method = METHODS[method]
         s.num_speculative_tokens = spec_tokens or 1
         s.target_model_type = target_model_type
         s.disable_eagle_block_drop = disable_block_drop
@@ -1967,6 +1969,11 @@ def _memory(c: Cases) -> None:
     )
 
 
+def _sliding_of_worker(worker: int) -> Callable[[str], Layer]:
+    """Sliding-window layers named after their pipeline stage."""
+    return lambda name: sw(f"w{worker}.{name}", 2048)
+
+
 def _parallel(c: Cases) -> None:
     cat = "parallel"
     for dcp in (2, 4, 8):
@@ -2047,8 +2054,7 @@ def _parallel(c: Cases) -> None:
         (False, False, 3),
     ):
         workers = [
-            W(pattern(6, lambda i: i % 3 == 0, lambda n, w=w: sw(f"w{w}.{n}", 2048)), 4 * GIB)
-            for w in range(pp)
+            W(pattern(6, lambda i: i % 3 == 0, _sliding_of_worker(w)), 4 * GIB) for w in range(pp)
         ]
         c.add(
             cat,
@@ -2819,10 +2825,10 @@ def with_layouts(
     if asked is None:
         out.options.ClearField("layout")
     else:
-        out.options.layout = LAYOUTS[asked]  # type: ignore[assignment]
+        out.options.layout = LAYOUTS[asked]
     for worker, names in zip(out.workers, lists, strict=True):
         del worker.supported_layouts[:]
-        worker.supported_layouts.extend(LAYOUTS[name] for name in names)  # type: ignore[misc]
+        worker.supported_layouts.extend(LAYOUTS[name] for name in names)
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -1163,16 +1164,31 @@ def plan_to_proto(plan: EnginePlan, *, plan_id: str) -> plan_pb2.PlanResponse:
     return response
 
 
-def plan_id_for(
+@dataclass(frozen=True)
+class PlanKeys:
+    """What names a request's plan.
+
+    `plan_id`: the content address of the whole request, engine id included.
+    `content`: the SHA-256 of everything a plan depends on, which is the request
+    without its engine id. Two engines with equal `content` get equal plans apart
+    from the ids: a fleet's new replica of a model it has already planned.
+    """
+
+    plan_id: str
+    content: bytes
+
+
+def plan_keys(
     message: plan_pb2.PlanRequest, encoded_workers: Sequence[WorkerBytes] | None = None
-) -> str:
-    """Content address of a request: every set field in deterministic bytes, workers
-    in rank order (so worker order does not change the id). Each part is framed with
-    its field number and length; nothing is copied. `encoded_workers`: the request's
-    `encode_workers`, when the caller has them."""
+) -> PlanKeys:
+    """Both keys of a request in one walk: every set field in deterministic bytes,
+    workers in rank order (so worker order does not change them). Each part is framed
+    with its field number and length; nothing is copied. `encoded_workers`: the
+    request's `encode_workers`, when the caller has them."""
     encoded = encode_workers(message) if encoded_workers is None else encoded_workers
-    hasher = hashlib.sha256()
+    whole, content = hashlib.sha256(), hashlib.sha256()
     workers_field = plan_pb2.PlanRequest.WORKERS_FIELD_NUMBER
+    engine_id_field = plan_pb2.PlanRequest.ENGINE_ID_FIELD_NUMBER
     for field, value in message.ListFields():
         if field.number == workers_field:
             continue
@@ -1181,13 +1197,26 @@ def plan_id_for(
             if field.message_type is not None
             else repr(value).encode()
         )
-        hasher.update(b"%d:%d:" % (field.number, len(part)) + part)
+        framed = b"%d:%d:" % (field.number, len(part)) + part
+        whole.update(framed)
+        if field.number != engine_id_field:
+            content.update(framed)
     ranks = [worker.rank for worker in message.workers]
     for index in sorted(range(len(ranks)), key=ranks.__getitem__):
         part = encoded[index].data
-        hasher.update(b"%d:%d:" % (workers_field, len(part)))
-        hasher.update(part)
-    return f"plan-{hasher.hexdigest()[:32]}"
+        frame = b"%d:%d:" % (workers_field, len(part))
+        whole.update(frame)
+        whole.update(part)
+        content.update(frame)
+        content.update(part)
+    return PlanKeys(f"plan-{whole.hexdigest()[:32]}", content.digest())
+
+
+def plan_id_for(
+    message: plan_pb2.PlanRequest, encoded_workers: Sequence[WorkerBytes] | None = None
+) -> str:
+    """The request's content address (`PlanKeys.plan_id`)."""
+    return plan_keys(message, encoded_workers).plan_id
 
 
 def plan_from_proto(
@@ -1222,6 +1251,7 @@ def plan_from_proto(
 
 __all__ = [
     "GPU_MEMORY_BYTES",
+    "PlanKeys",
     "PlanningError",
     "WorkerBytes",
     "encode_varint",
@@ -1229,6 +1259,7 @@ __all__ = [
     "layer_from_proto",
     "plan_from_proto",
     "plan_id_for",
+    "plan_keys",
     "plan_to_proto",
     "request_from_proto",
     "spec_to_proto",

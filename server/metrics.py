@@ -78,6 +78,12 @@ class Metrics:
         self.cache_misses = Counter(
             "kvplan_plan_cache_misses_total", "Plans computed afresh.", registry=self.registry
         )
+        self.plans_reused = Counter(
+            "kvplan_plans_reused_total",
+            "Plans of new engines reused from an earlier request equal to theirs but for "
+            "the engine id (another engine of one model), not planned again.",
+            registry=self.registry,
+        )
         self.rendezvous_waiting = Gauge(
             "kvplan_rendezvous_waiting_ranks",
             "Ranks waiting for their engine's other ranks.",

@@ -11,17 +11,19 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 import grpc.aio
 from google.protobuf.descriptor import EnumDescriptor
 
 from kvplan.convert import (
+    PlanKeys,
     WorkerBytes,
     encode_varint,
     encode_workers,
     plan_from_proto,
-    plan_id_for,
+    plan_keys,
 )
 from kvplan.core.errors import PlanningError
 from kvplan.core.ledger import (
@@ -57,6 +59,35 @@ LEASE_REPLY_BYTES = 256
 _OWNER_CACHE_SIZE = 65_536
 
 
+@dataclass(frozen=True)
+class PlanSummary:
+    """What a plan's metrics and log line say of it: kept with a remembered plan,
+    so that reusing it needs no parse of its bytes."""
+
+    path: str
+    draft_rule: str  # "off" (no spec decode), "none" (no draft group) or the rule
+    groups: int
+    workers: int
+    num_blocks: int
+    largest_tensor_bytes: int  # on the first worker (per-engine metrics)
+
+    @classmethod
+    def of(cls, request: plan_pb2.PlanRequest, response: plan_pb2.PlanResponse) -> PlanSummary:
+        rule = "off"
+        if request.spec_decode.method in _SPEC_DECODE_ON:
+            flagged = [group for group in response.groups if group.is_draft]
+            rule = _DRAFT_RULE_LABELS[flagged[0].draft_rule] if flagged else "none"
+        tensors = response.workers[0].tensors if response.workers else ()
+        return cls(
+            path=_PATH_LABELS[response.diagnostics.grouping_path],
+            draft_rule=rule,
+            groups=len(response.groups),
+            workers=len(response.workers),
+            num_blocks=response.num_blocks,
+            largest_tensor_bytes=max((t.size_bytes for t in tensors), default=0),
+        )
+
+
 class PlanCache:
     """Bounded, content-addressed plans: plan id -> serialized response, engine -> plan id.
 
@@ -65,10 +96,15 @@ class PlanCache:
     engines of one model costs a 60-byte head per engine, not a 35 KB plan
     (8 workers x 65 layers) each.
 
-    It also remembers the plan id of recent requests by their bytes' digest:
-    `plan_id_for` copies and re-sorts the request (about 180 µs for 8 workers x
-    65 layers, against 23 µs to hash the raw bytes), more than the rest of a cache
-    hit costs the server.
+    It also remembers
+    - the keys of recent requests by their bytes' digest: `plan_keys` walks and
+      hashes the request (about 25 µs for 8 workers x 65 layers, against 23 µs to
+      hash the raw bytes once);
+    - which body recent requests' content planned to (`PlanKeys.content`, the
+      request without its engine id). A new engine whose request equals an earlier
+      one but for the engine id gets that body under its own head instead of being
+      planned again: a fleet's new replica of a model costs a lookup, not a plan.
+      A body is reused only while the cache still holds it.
     """
 
     def __init__(self, capacity: int, max_bytes: int = 32 * 1024 * 1024) -> None:
@@ -76,33 +112,59 @@ class PlanCache:
         # Plans of large engines are big: bound the bytes too (heads and distinct
         # bodies), so the server's memory stays flat whatever engines it sees.
         self._plans = KeptPlans(capacity, max_bytes)
-        self._plan_ids: OrderedDict[bytes, str] = OrderedDict()  # request digest -> plan id
+        self._keys: OrderedDict[bytes, PlanKeys] = OrderedDict()  # request digest -> keys
+        # content key -> (body digest, summary); about 200 bytes an entry.
+        self._known: OrderedDict[bytes, tuple[bytes, PlanSummary]] = OrderedDict()
 
-    def plan_id(
+    def keys(
         self,
         request: plan_pb2.PlanRequest,
         request_digest: bytes | None = None,
         encoded_workers: Sequence[WorkerBytes] | None = None,
-    ) -> str:
-        """`plan_id_for(request)`, computed once per distinct request.
+    ) -> PlanKeys:
+        """`plan_keys(request)`, computed once per distinct request.
 
         `request_digest`: the SHA-256 of bytes that parse to `request` (the bytes it
         came in as); without it, of its deterministic serialization. Equal bytes are
-        an equal request, so the digest stands for the request; a remembered id stays
-        right after its plan is evicted. `encoded_workers`: see `plan_id_for`.
+        an equal request, so the digest stands for the request; remembered keys stay
+        right after their plan is evicted. `encoded_workers`: see `plan_keys`.
         """
         digest = (
             request_digest or hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
         )
-        plan_id = self._plan_ids.get(digest)
-        if plan_id is not None:
-            self._plan_ids.move_to_end(digest)
-            return plan_id
-        plan_id = plan_id_for(request, encoded_workers)
-        self._plan_ids[digest] = plan_id
-        if len(self._plan_ids) > self._capacity:
-            self._plan_ids.popitem(last=False)
-        return plan_id
+        keys = self._keys.get(digest)
+        if keys is not None:
+            self._keys.move_to_end(digest)
+            return keys
+        keys = plan_keys(request, encoded_workers)
+        self._keys[digest] = keys
+        if len(self._keys) > self._capacity:
+            self._keys.popitem(last=False)
+        return keys
+
+    def known_plan(self, keys: PlanKeys, engine_id: str) -> tuple[PlanParts, PlanSummary] | None:
+        """The plan of an earlier request with this content, under this engine's
+        ids, if its body is still held."""
+        entry = self._known.get(keys.content)
+        if entry is None:
+            return None
+        body_digest, summary = entry
+        body = self._plans.body(body_digest)
+        if body is None:
+            del self._known[keys.content]
+            return None
+        self._known.move_to_end(keys.content)
+        head = plan_pb2.PlanResponse(plan_id=keys.plan_id, engine_id=engine_id).SerializeToString()
+        return PlanParts(head + body, len(head), body_digest), summary
+
+    def remember_content(self, content: bytes, parts: PlanParts, summary: PlanSummary) -> None:
+        """`content` (a `PlanKeys.content`) plans to `parts`' body."""
+        if not parts.head_length:
+            return  # the body holds the ids (PlanParts.of): not another engine's plan
+        self._known[content] = (parts.digest, summary)
+        self._known.move_to_end(content)
+        if len(self._known) > self._capacity:
+            self._known.popitem(last=False)
 
     def engine_of(self, plan_id: str) -> str | None:
         return self._plans.engine_of(plan_id)
@@ -270,9 +332,9 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         resolved, devices, accounts, view = await self._resolve_devices(request, named, now)
         # The plan becomes the engine's (GetPlan, persisted) only once it is granted.
         encoded = encode_workers(resolved)
-        plan_id = plan_id_for(resolved, encoded)
+        keys = plan_keys(resolved, encoded)
         plan, response = await self._plan(
-            resolved, plan_id=plan_id, encoded_workers=encoded, publish=False
+            resolved, keys=keys, encoded_workers=encoded, publish=False
         )
         # Refused before anything is granted: a reply the caller cannot receive
         # must not leave leases behind.
@@ -297,8 +359,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         for state in devices.values():
             after = view.devices[state.uuid] + granted.get(state.uuid, NOTHING)
             self._set_device_gauges(state, account(state, after))
-        self._cache.name_engine(request.engine_id, plan_id)
-        await self._persist(plan_id, request.engine_id, plan)
+        self._cache.name_engine(request.engine_id, keys.plan_id)
+        await self._persist(keys.plan_id, request.engine_id, plan)
         ttl_s = self._settings.lease_ttl_s
         return _with_leases(
             plan, [_lease_to_proto(lease, ttl_s, accounts[lease.device_uuid]) for lease in leases]
@@ -618,49 +680,67 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         *,
         repeats: bool = True,
         request_digest: bytes | None = None,
-        plan_id: str | None = None,
+        keys: PlanKeys | None = None,
         encoded_workers: Sequence[WorkerBytes] | None = None,
         publish: bool = True,
     ) -> tuple[bytes, plan_pb2.PlanResponse | None]:
-        """The serialized plan, from the cache or planned now, and the planned
-        message (None for a cache hit, which has only the bytes).
+        """The serialized plan: from the cache, reused from an earlier request with
+        the same content (another engine of one model), or planned now; and the
+        planned message (None when not planned here, which leaves only the bytes).
 
-        `repeats`: the same request may come again, so remember its plan id (a
-        merged rendezvous request does not come in as these bytes).
-        `request_digest`: see PlanCache.plan_id. `plan_id`, `encoded_workers`: already
+        `repeats`: the same request may come again, so remember its keys (a merged
+        rendezvous request does not come in as these bytes).
+        `request_digest`: see PlanCache.keys. `keys`, `encoded_workers`: already
         known (`encode_workers(request)`).
         `publish`: a new plan becomes the engine's plan and is persisted now
         (otherwise the caller does that once its leases are granted).
         """
-        # Each worker serialized once, for the plan id and the conversion alike.
+        # Each worker serialized once, for the keys and the conversion alike.
         encoded = encode_workers(request) if encoded_workers is None else encoded_workers
-        if plan_id is None:
-            plan_id = (
-                self._cache.plan_id(request, request_digest, encoded)
+        if keys is None:
+            keys = (
+                self._cache.keys(request, request_digest, encoded)
                 if repeats
-                else plan_id_for(request, encoded)
+                else plan_keys(request, encoded)
             )
-        cached = self._cache.get(plan_id)
+        cached = self._cache.get(keys.plan_id)
         if cached is not None:
             self._metrics.cache_hits.inc()
             return cached, None
-        self._metrics.cache_misses.inc()
         start = time.perf_counter()
+        response: plan_pb2.PlanResponse | None = None
+        known = self._cache.known_plan(keys, request.engine_id)
+        if known is not None:
+            self._metrics.plans_reused.inc()
+            parts, summary = known
+        else:
+            self._metrics.cache_misses.inc()
+            response = await self._planned(request, keys.plan_id, encoded)
+            parts = PlanParts.of(keys.plan_id, request.engine_id, response.SerializeToString())
+            summary = PlanSummary.of(request, response)
+        self._cache.keep(keys.plan_id, request.engine_id, parts, name_engine=publish)
+        self._cache.remember_content(keys.content, parts, summary)
+        self._record(
+            request.engine_id,
+            keys.plan_id,
+            summary,
+            time.perf_counter() - start,
+            reused=known is not None,
+        )
+        if publish:
+            await self._persist(keys.plan_id, request.engine_id, parts)
+        return parts.plan, response
+
+    async def _planned(
+        self, request: plan_pb2.PlanRequest, plan_id: str, encoded: Sequence[WorkerBytes]
+    ) -> plan_pb2.PlanResponse:
         layers = sum(len(worker.layers) for worker in request.workers)
         if layers > self._settings.offload_layers:
             # Large engines take milliseconds: keep the event loop serving.
-            response = await asyncio.to_thread(
+            return await asyncio.to_thread(
                 plan_from_proto, request, plan_id=plan_id, encoded_workers=encoded
             )
-        else:
-            response = plan_from_proto(request, plan_id=plan_id, encoded_workers=encoded)
-        serialized = response.SerializeToString()
-        parts = PlanParts.of(plan_id, response.engine_id, serialized)
-        self._cache.keep(plan_id, response.engine_id, parts, name_engine=publish)
-        self._record(request, response, time.perf_counter() - start)
-        if publish:
-            await self._persist(plan_id, response.engine_id, parts)
-        return serialized, response
+        return plan_from_proto(request, plan_id=plan_id, encoded_workers=encoded)
 
     async def _persist(self, plan_id: str, engine_id: str, plan: bytes | PlanParts) -> None:
         try:
@@ -675,34 +755,24 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             )
 
     def _record(
-        self, request: plan_pb2.PlanRequest, response: plan_pb2.PlanResponse, seconds: float
+        self, engine_id: str, plan_id: str, summary: PlanSummary, seconds: float, *, reused: bool
     ) -> None:
         metrics = self._metrics
-        path = _PATH_LABELS[response.diagnostics.grouping_path]
-        metrics.plans.labels(path).inc()
-        spec_decode_on = request.spec_decode.method in _SPEC_DECODE_ON
-        rule = "off"
-        if spec_decode_on:
-            flagged = [group for group in response.groups if group.is_draft]
-            rule = _DRAFT_RULE_LABELS[flagged[0].draft_rule] if flagged else "none"
-            metrics.draft_annotations.labels(rule).inc()
-        if response.engine_id and metrics.engine_labels:
-            tensors = response.workers[0].tensors if response.workers else ()
-            metrics.record_engine(
-                response.engine_id,
-                max((t.size_bytes for t in tensors), default=0),
-                response.num_blocks,
-            )
+        metrics.plans.labels(summary.path).inc()
+        if summary.draft_rule != "off":
+            metrics.draft_annotations.labels(summary.draft_rule).inc()
+        if engine_id and metrics.engine_labels:
+            metrics.record_engine(engine_id, summary.largest_tensor_bytes, summary.num_blocks)
         log.info(
-            "plan computed",
+            "plan reused" if reused else "plan computed",
             extra={
-                "engine_id": response.engine_id,
-                "plan_id": response.plan_id,
-                "path": path,
-                "groups": len(response.groups),
-                "draft_rule": rule,
-                "num_blocks": response.num_blocks,
-                "workers": len(response.workers),
+                "engine_id": engine_id,
+                "plan_id": plan_id,
+                "path": summary.path,
+                "groups": summary.groups,
+                "draft_rule": summary.draft_rule,
+                "num_blocks": summary.num_blocks,
+                "workers": summary.workers,
                 "duration_ms": round(seconds * 1000, 3),
             },
         )

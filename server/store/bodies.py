@@ -81,6 +81,10 @@ class SharedBodies:
     def body(self, digest: bytes) -> bytes:
         return self._bodies[digest][0]
 
+    def get(self, digest: bytes) -> bytes | None:
+        held = self._bodies.get(digest)
+        return held[0] if held is not None else None
+
 
 class KeptPlans:
     """Serialized plans by id, each distinct body held once (the servicer's plan
@@ -138,6 +142,10 @@ class KeptPlans:
         if touch:
             self._plans.move_to_end(plan_id)
         return entry[1] + self._bodies.body(entry[2])
+
+    def body(self, digest: bytes) -> bytes | None:
+        """A body some kept plan holds, by its digest."""
+        return self._bodies.get(digest)
 
     def engine_of(self, plan_id: str) -> str | None:
         entry = self._plans.get(plan_id)

@@ -10,19 +10,20 @@ import time
 import pytest
 
 from kvplan.client import AsyncPlannerClient
-from kvplan.convert import plan_from_proto, plan_id_for
+from kvplan.convert import plan_from_proto, plan_id_for, plan_keys
 from kvplan.server.errors import RemoteStatus, ServiceError
 from kvplan.server.main import RunningServer
 from kvplan.server.metrics import Metrics
 from kvplan.server.rendezvous import Rendezvous
-from kvplan.server.servicer import PlanCache
+from kvplan.server.servicer import PlanCache, PlanSummary
 from kvplan.server.store import RendezvousResult, StoreUnavailable
+from kvplan.server.store.bodies import PlanParts
 from kvplan.server.store.memory import MemoryStore
 from kvplan.v1 import plan_pb2
 from tests.server.conftest import GIB, engine_request, rank_request
 
 
-def test_remembered_plan_id_is_plan_id_for() -> None:
+def test_remembered_keys_are_plan_keys() -> None:
     cache = PlanCache(capacity=2)
     request = engine_request(stages=2)
     reordered = plan_pb2.PlanRequest()
@@ -30,14 +31,74 @@ def test_remembered_plan_id_is_plan_id_for() -> None:
     reordered.workers.reverse()
     wire_digest = hashlib.sha256(request.SerializeToString()).digest()
     for _ in range(2):  # computed, then remembered
-        assert cache.plan_id(request) == plan_id_for(request)
-        assert cache.plan_id(reordered) == plan_id_for(request)
-        assert cache.plan_id(request, wire_digest) == plan_id_for(request)
+        assert cache.keys(request) == plan_keys(request)
+        assert cache.keys(reordered) == plan_keys(request)
+        assert cache.keys(request, wire_digest) == plan_keys(request)
     for engine in range(3):  # the memo is bounded like the plans
-        cache.plan_id(engine_request(f"other-{engine}"))
-    assert len(cache._plan_ids) == 2
-    assert cache.plan_id(reordered) == plan_id_for(request)
-    assert cache.plan_id(request) == plan_id_for(request)
+        cache.keys(engine_request(f"other-{engine}"))
+    assert len(cache._keys) == 2
+    assert cache.keys(reordered) == plan_keys(request)
+    assert cache.keys(request).plan_id == plan_id_for(request)
+
+
+def test_content_key_is_the_request_but_its_engine_id() -> None:
+    keys = plan_keys(engine_request("engine-a"))
+    assert plan_keys(engine_request("engine-b")).content == keys.content
+    assert plan_keys(engine_request("engine-b")).plan_id != keys.plan_id
+    assert plan_keys(engine_request("engine-a", kv_bytes=3 * GIB)).content != keys.content
+    unnamed = engine_request("")
+    assert plan_keys(unnamed).content == keys.content
+    # Each worker's bytes count, whichever field differs.
+    other_rank = engine_request("engine-a", stages=2)
+    other_rank.workers[1].memory.non_kv.non_torch_bytes = 1
+    assert plan_keys(other_rank).content != plan_keys(engine_request("engine-a", stages=2)).content
+
+
+def _planned(cache: PlanCache, request: plan_pb2.PlanRequest) -> bytes:
+    """What the servicer does on a miss: plan, keep, remember the content."""
+    keys = plan_keys(request)
+    response = plan_from_proto(request, plan_id=keys.plan_id)
+    parts = PlanParts.of(keys.plan_id, request.engine_id, response.SerializeToString())
+    cache.keep(keys.plan_id, request.engine_id, parts)
+    cache.remember_content(keys.content, parts, PlanSummary.of(request, response))
+    return parts.plan
+
+
+def test_a_known_content_is_the_plan_planning_gives() -> None:
+    """Another engine of one model gets, byte for byte, what planning it would give."""
+    cache = PlanCache(capacity=8)
+    first = engine_request("engine-a", stages=2)
+    _planned(cache, first)
+    for engine_id in ("engine-b", "", "a much longer engine id " * 4):
+        request = engine_request(engine_id, stages=2)
+        keys = plan_keys(request)
+        known = cache.known_plan(keys, engine_id)
+        assert known is not None
+        parts, summary = known
+        fresh = plan_from_proto(request, plan_id=keys.plan_id)
+        assert parts.plan == fresh.SerializeToString()
+        assert parts == PlanParts.of(keys.plan_id, engine_id, fresh.SerializeToString())
+        assert summary == PlanSummary.of(request, fresh)
+    assert cache.known_plan(plan_keys(engine_request("x", kv_bytes=3 * GIB)), "x") is None
+
+
+def test_known_contents_are_bounded_and_need_their_body() -> None:
+    requests = [engine_request(f"engine-{n}", kv_bytes=(n + 1) * GIB) for n in range(3)]
+    cache = PlanCache(capacity=2)
+    for request in requests:
+        _planned(cache, request)
+    assert len(cache._known) == 2
+    assert cache.known_plan(plan_keys(requests[0]), "new") is None  # forgotten
+    assert cache.known_plan(plan_keys(requests[2]), "new") is not None
+    # Bytes evict plans before contents are forgotten: a content whose body no
+    # plan holds any more is planned again, and forgotten.
+    tiny = PlanCache(capacity=10, max_bytes=1)  # keeps the newest plan only
+    for request in requests:
+        _planned(tiny, request)
+    assert len(tiny._known) == 3
+    assert tiny.known_plan(plan_keys(requests[0]), "new") is None
+    assert len(tiny._known) == 2
+    assert tiny.known_plan(plan_keys(requests[2]), "new") is not None
 
 
 def test_cache_keeps_serialized_plans() -> None:

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvplan.client import AsyncPlannerClient, PlannerClient, PlannerError
+from kvplan.convert import plan_from_proto
 from kvplan.server.main import RunningServer
 from kvplan.v1 import plan_pb2
 from tests.server.conftest import GIB, engine_request, full_layer, rank_request
@@ -30,6 +31,37 @@ async def test_engine_mode_and_cache(client: AsyncPlannerClient, server: Running
     assert by_id.response == first.response
     by_rank = await client.get_plan(engine_id="engine-a", rank=1)
     assert [w.rank for w in by_rank.response.workers] == [1]
+
+
+async def test_another_engine_of_one_model_reuses_its_plan(
+    client: AsyncPlannerClient, server: RunningServer
+) -> None:
+    """A new engine whose request is another's but for the engine id gets, byte for
+    byte, the plan planning would give it, without planning; in engine and rank mode."""
+    await client.plan(engine_request("engine-a", stages=2))
+    second = await client.plan(engine_request("engine-b", stages=2))
+    assert server.metrics.cache_misses._value.get() == 1
+    assert server.metrics.plans_reused._value.get() == 1
+    expected = plan_from_proto(engine_request("engine-b", stages=2))
+    assert second.response == expected
+    assert (await client.get_plan(engine_id="engine-b")).response == expected
+    assert (await client.get_plan(plan_id=expected.plan_id)).response == expected
+    assert (await client.get_plan(engine_id="engine-a")).response.engine_id == "engine-a"
+
+    other = await client.plan(engine_request("engine-c", stages=2, kv_bytes=2 * GIB))
+    assert other.num_blocks == 2 * second.num_blocks  # other content: planned
+    assert server.metrics.cache_misses._value.get() == 2
+
+    for engine_id in ("ranked-a", "ranked-b"):
+        ranks = await asyncio.gather(
+            *(client.plan(rank_request(engine_id, rank, world_size=2)) for rank in range(2))
+        )
+        assert {plan.engine_id for plan in ranks} == {engine_id}
+    # Two ranks merged are engine-a's request under another id: reused as well.
+    assert server.metrics.cache_misses._value.get() == 2
+    assert server.metrics.plans_reused._value.get() == 3
+    merged = engine_request("ranked-b", stages=2)
+    assert (await client.get_plan(engine_id="ranked-b")).response == plan_from_proto(merged)
 
 
 async def test_invalid_argument_has_field_violations(client: AsyncPlannerClient) -> None:
