@@ -468,7 +468,8 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
             "",
         ]
     lines += [
-        "### Uncached plan vs Echo (the headline)",
+        "### Plans vs Echo: uncached (new engine, new content: the headline and the targets), "
+        "known model (informational), cached",
         "",
         "| engine | c | RPC | req/s | p50 ms | p99 ms | vs echo req/s | vs echo p99 "
         "| server CPU µs/call | vs echo CPU | errors |",
