@@ -5,11 +5,12 @@
 
 Per repeat, three fresh servers under bench/instrumented_server.py, each loaded back
 to back at concurrency 1 for a slice: uncached plans of the 64-layer engine (a new
-engine id each call) on the memory store, the same on the default store (SQLite),
-and Echo of the same request. Reported per call: the whole server's CPU (all
-threads, /proc), the event-loop thread's, and the thread CPU of each step of the
-handler (see instrumented_server.py for what is wrapped). No targets: it explains
-the rpc benchmark's figures. Results: bench/results/cpu_breakdown.json and .md.
+engine with new content each call: a new engine id and another non-torch memory figure,
+bench.common.FreshContent, so the server plans each) on the memory store, the same on
+the default store (SQLite), and Echo of the same request. Reported per call: the
+whole server's CPU (all threads, /proc), the event-loop thread's, and the thread CPU
+of each step of the handler (see instrumented_server.py for what is wrapped). No
+targets: it explains the rpc benchmark's figures. Results: bench/results/cpu_breakdown.json and .md.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 from bench.common import (
     ECHO_METHOD,
     PLAN_METHOD,
-    EngineIds,
+    FreshContent,
     Spread,
     bench_channel,
     bench_parser,
@@ -35,7 +36,6 @@ from bench.common import (
     repeats_of,
     spawn_server,
     timed_calls,
-    with_engine_id,
     write_results,
 )
 from bench.engines import gemma_style
@@ -69,14 +69,12 @@ class Scale:
         return cls(0.5 if args.quick else args.slice)
 
 
-async def load(target: str, method: str, payload: bytes, seconds: float) -> int:
-    ids = EngineIds("breakdown")
-    renamed = (lambda: with_engine_id(payload, ids.next())) if method == PLAN_METHOD else None
+async def load(target: str, method: str, fresh: FreshContent, seconds: float) -> int:
+    """Plans of fresh content, or Echo of the template, back to back: the call count."""
+    next_payload = fresh.next if method == PLAN_METHOD else (lambda: fresh.template)
     async with bench_channel(target) as channel:
         await channel.channel_ready()
-        latencies = await timed_calls(
-            channel, method, renamed or (lambda: payload), seconds, min_calls=10
-        )
+        latencies = await timed_calls(channel, method, next_payload, seconds, min_calls=10)
     return len(latencies)
 
 
@@ -86,11 +84,11 @@ def measure(
     """One fresh server, one slice: µs per call of each figure."""
     out = folder / f"{name.replace(' ', '-').replace(',', '')}.json"
     server = spawn_server(folder, "breakdown", flags, instrument_to=out)
-    payload = gemma_style(64).SerializeToString()
+    fresh = FreshContent(gemma_style(64), "breakdown")
     try:
         time.sleep(0.2)
         cpu_before = server.cpu_s()
-        count = asyncio.run(load(server.target, method, payload, seconds))
+        count = asyncio.run(load(server.target, method, fresh, seconds))
         cpu_s = server.cpu_s() - cpu_before
     finally:
         server.stop()
@@ -118,7 +116,9 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
     names = list(runs)
     rows = list(runs["plan, memory store"])
     lines = [
-        f"The 64-layer single-worker engine ({ENGINE}), back to back at concurrency 1, "
+        f"The 64-layer single-worker engine ({ENGINE}), back to back at concurrency 1; "
+        "each plan a new engine with new content (a new engine id and another non-torch "
+        "memory figure: the server plans it), Echo of the same payload; "
         f"{report['settings']['slice_s']:.1f} s per server, {report['settings']['repeats']} "
         "repeats, each run on a fresh server under bench/instrumented_server.py; µs of "
         "CPU per call, median (min-max). Thread CPU time of the event-loop thread for the "
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = Scale.of(args)
     repeats = repeats_of(args)
     report = new_report("cpu_breakdown", args, asdict(scale))
-    report["title"] = "Where an uncached plan's server CPU goes"
+    report["title"] = "Where an uncached plan's (new engine, new content) server CPU goes"
     collected: dict[str, list[dict[str, float]]] = {name: [] for name in RUNS}
     with tempfile.TemporaryDirectory(prefix="kvplan-bench-breakdown-") as name:
         for repeat in range(repeats):

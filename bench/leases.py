@@ -9,6 +9,9 @@ inventory of one H200 (`--devices 1xH200-141GB`) and leases that outlive the run
 - the *baseline* server holds 10 live leases throughout;
 - the *scaled* server is filled to 10, 100, 1,000 and 10,000 live leases (a grant is a
   PlanKVCache of a new one-layer engine whose worker names the device: a 4 MiB lease).
+  Grants are new engine ids of one content (a known model): a lease reserves the
+  worker's non-KV memory too, so fresh non-torch figures (1 GiB and up) would not let
+  10,000 leases fit one device; the ledger's cost, not planning, is what this measures.
 
 At each level, batches of samples on the two servers alternate (3 repeats): a sample is
 one grant (timed), its ReleasePlan (not timed, so the level holds) and one ListDevices
@@ -16,7 +19,8 @@ one grant (timed), its ReleasePlan (not timed, so the level holds) and one ListD
 the figure is the median and range of those ratios.
 
 The event-loop check: another SQLite connection takes the baseline server's store
-(BEGIN IMMEDIATE) for 1 s while grants and uncached plans wait on it; meanwhile Echo
+(BEGIN IMMEDIATE) for 1 s while grants and uncached plans (new engines with new
+content, bench.common.FreshContent) wait on it; meanwhile Echo
 calls run back to back, as they did for 1 s just before (the control). Added latency =
 the worst Echo during the stall minus the worst of the control. The grants must have
 waited (else the stall did not reach the store).
@@ -44,6 +48,7 @@ from bench.common import (
     PLAN_METHOD,
     RELEASE_METHOD,
     EngineIds,
+    FreshContent,
     ServerProcess,
     Spread,
     Target,
@@ -196,8 +201,8 @@ async def stalled_store(target: LeaseServer, scale: Scale) -> dict[str, Any]:
     time just before it (the control) and during it: the stall's delay is the worst Echo
     during it minus the worst of the control, so a hiccup of a busy host, which the
     control sees too, is not read as the service blocking."""
-    echo_payload = gemma_style(64).SerializeToString()
-    ids = EngineIds("stall")
+    fresh = FreshContent(gemma_style(64), "stall")
+    echo_payload = fresh.template
     control = await timed_calls(target.channel, ECHO_METHOD, lambda: echo_payload, scale.stall_s)
 
     target.server.sqlite_bytes()  # the store is where we look for it
@@ -213,7 +218,7 @@ async def stalled_store(target: LeaseServer, scale: Scale) -> dict[str, Any]:
             if index % 2 == 0:
                 await target.grant()
             else:
-                await target.plan(with_engine_id(echo_payload, ids.next()), timeout=CALL_TIMEOUT_S)
+                await target.plan(fresh.next(), timeout=CALL_TIMEOUT_S)
             return time.perf_counter() - start
 
         waiting = [asyncio.create_task(store_bound(index)) for index in range(scale.stalled_calls)]

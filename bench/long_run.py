@@ -4,7 +4,10 @@
     python -m bench.long_run --quick     # smoke-test scale
 
 One `kvplan serve` on its default store (SQLite) plans `--engines` engines, each a new
-engine id (so each plan is uncached, stored, counted in the metrics), from
+engine with new content (a new engine id and another non-torch memory figure in every
+worker, bench.common.FreshContent: each plan is uncached, planned, stored, counted in
+the metrics; a new engine id alone would be a known model, which the server may answer
+from memory), from
 `--concurrency` callers. Per window of `--window` plans it records the server CPU per
 plan (from /proc, over sub-windows of the window for a spread), then, outside that CPU
 window, a short Echo slice of the same payload (server CPU per echo: the machine's speed
@@ -35,7 +38,7 @@ from bench.common import (
     CALL_TIMEOUT_S,
     ECHO_METHOD,
     PLAN_METHOD,
-    EngineIds,
+    FreshContent,
     ServerProcess,
     Spread,
     Target,
@@ -46,7 +49,6 @@ from bench.common import (
     print_targets,
     scrape,
     spawn_server,
-    with_engine_id,
     write_results,
 )
 from bench.options import parse_arguments
@@ -131,8 +133,7 @@ async def one_window(
 
 
 async def long_run(server: ServerProcess, engine: str, scale: Scale) -> list[dict[str, Any]]:
-    base_bytes = ENGINES[engine][1]().SerializeToString()
-    ids = EngineIds(f"long-{engine}")
+    fresh = FreshContent(ENGINES[engine][1](), f"long-{engine}")
     channels = [bench_channel(server.target) for _ in range(scale.concurrency)]
     windows: list[dict[str, Any]] = []
     try:
@@ -140,14 +141,7 @@ async def long_run(server: ServerProcess, engine: str, scale: Scale) -> list[dic
             await channel.channel_ready()
         plans = 0
         while plans < scale.engines:
-            window = await one_window(
-                server,
-                channels,
-                lambda: with_engine_id(base_bytes, ids.next()),
-                base_bytes,
-                scale,
-                plans,
-            )
+            window = await one_window(server, channels, fresh.next, fresh.template, scale, plans)
             plans = window["plans"]
             windows.append(window)
     finally:
@@ -169,7 +163,8 @@ def evaluate_targets(windows: list[dict[str, Any]]) -> list[Target]:
     normalized = last["plan_over_echo_cpu"] / first["plan_over_echo_cpu"]
     targets = [
         Target(
-            f"server CPU per uncached plan, last {first['plans']:,} plans (of "
+            f"server CPU per uncached plan (new engine, new content), last {first['plans']:,} "
+            "plans (of "
             f"{last['plans']:,} engines) ≤ {TARGET_LAST_OVER_FIRST}x the first {first['plans']:,}",
             f"{ratio.text(unit='x')}: {first_cost:,.0f} → "
             f"{last['cpu_us_per_plan']['median']:,.0f} µs/plan; against Echo CPU of the "
@@ -204,7 +199,9 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
     shown = sorted({*range(0, len(windows), step), len(windows) - 1})
     lines = [
         f"Engine **{report['engine']}**: {ENGINES[report['engine']][0]}. "
-        f"{scale['engines']:,} engines, each a new engine id (an uncached, stored plan), from "
+        f"{scale['engines']:,} engines, each a new engine with new content (a new engine id "
+        "and another non-torch memory figure in every worker: an uncached plan, planned and "
+        "stored), from "
         f"{scale['concurrency']} callers on the default store (SQLite). Per window of "
         f"{scale['window']:,} plans: server CPU per plan over {scale['sub_windows']} "
         "sub-windows (median, min-max), then, outside that window, "

@@ -1,4 +1,5 @@
-"""The headline: an uncached PlanKVCache (a new engine each call) against Echo.
+"""The headline: an uncached PlanKVCache (a new engine with new content each call) against
+Echo.
 
     python -m bench.rpc_bench            # or: make bench-rpc
     python -m bench.rpc_bench --quick    # smoke-test scale
@@ -8,14 +9,19 @@
 Against one `kvplan serve` on its default store (SQLite), in its own process:
 
 - For each engine (the 8-worker Qwen3-Next-like engine and a 64-layer single-worker
-  engine) and concurrency (1 and 16): Echo of the same payload, an uncached plan (a
-  new engine id each call, so the plan cache never answers) and, for reference, a
-  cached plan (the same request again), in alternating slices of one run. Per
-  repeat: plan/echo throughput and p99, server CPU per call from /proc; the figures
-  are the median and range over the repeats.
-- Sporadic arrivals: server CPU per uncached plan with 20 ms between calls against
-  back to back (both engines, concurrency 1).
-- Rank-mode rendezvous: 256 engines x 8 ranks arriving concurrently in random order.
+  engine) and concurrency (1 and 16), in alternating slices of one run: Echo of the
+  same payload; an uncached plan, the headline and what the targets are judged on:
+  a new engine id AND new content each call (every worker reports another non-torch
+  memory figure, as real GPUs differ by MiBs of CUDA context and NCCL memory;
+  bench.common.FreshContent), so the server has to plan; a known-model plan, a new
+  engine id with content the server has seen (a fleet's new replica of a known
+  model: the server may answer it from memory), informational only; and a cached
+  plan (the same request again). Per repeat: plan/echo throughput and p99, server
+  CPU per call from /proc; the figures are the median and range over the repeats.
+- Sporadic arrivals: server CPU per uncached plan (fresh content) with 20 ms between
+  calls against back to back (both engines, concurrency 1).
+- Rank-mode rendezvous: 256 engines x 8 ranks arriving concurrently in random order,
+  each engine's ranks carrying that engine's own non-torch figure (fresh content).
 - Cold start (spawn to health SERVING) and the server's RSS.
 
 The load generator sends pre-serialized bytes on raw grpc.aio multicallables and keeps
@@ -46,7 +52,7 @@ from bench.common import (
     CALL_TIMEOUT_S,
     ECHO_METHOD,
     PLAN_METHOD,
-    EngineIds,
+    FreshContent,
     ServerProcess,
     Spread,
     Target,
@@ -55,6 +61,8 @@ from bench.common import (
     bench_parser,
     exit_code,
     new_report,
+    next_fresh_serial,
+    non_torch_bytes_of,
     print_targets,
     reference_parse_us,
     repeats_of,
@@ -85,6 +93,7 @@ ENGINES: dict[str, tuple[str, Callable[[], plan_pb2.PlanRequest]]] = {
     ),
 }
 
+VARIANTS = ("echo", "plan uncached", "plan known model", "plan cached")
 TARGET_UNCACHED_OVER_ECHO = 0.5  # throughput, at every concurrency, for both engines
 TARGET_P99_OVER_ECHO = 3.0
 TARGET_RENDEZVOUS_S = 2.0
@@ -113,24 +122,39 @@ class Scale:
 # --- plan vs echo -----------------------------------------------------------------------
 
 
-async def check_replies(server: ServerProcess, payload: bytes, workers: int) -> int:
-    """A plan, a plan of the same engine renamed as the load renames it, and an echo,
-    parsed: the load is of calls that do what they say. Returns the plan's size."""
-    renamed_id = "check-renamed-engine"
+async def check_replies(server: ServerProcess, fresh: FreshContent) -> int:
+    """A plan, a plan of fresh content, a plan of the same content renamed (a known
+    model) and an echo, parsed: the load is of calls that do what they say. Returns the
+    plan's size."""
+    serial = next_fresh_serial()
+    fresh_id, known_id = f"check-fresh-{serial}", f"check-known-model-{serial}"
     async with grpc.aio.insecure_channel(server.target) as channel:
         plan_call = channel.unary_unary(PLAN_METHOD)
-        plan_bytes = await plan_call(payload, timeout=CALL_TIMEOUT_S)
-        renamed_bytes = await plan_call(with_engine_id(payload, renamed_id), timeout=CALL_TIMEOUT_S)
-        echo_bytes = await channel.unary_unary(ECHO_METHOD)(payload, timeout=CALL_TIMEOUT_S)
-    plan = plan_pb2.PlanResponse.FromString(plan_bytes)
-    renamed = plan_pb2.PlanResponse.FromString(renamed_bytes)
+        plan_bytes = await plan_call(fresh.template, timeout=CALL_TIMEOUT_S)
+        fresh_bytes = await plan_call(fresh.payload(serial, fresh_id), timeout=CALL_TIMEOUT_S)
+        known_payload = with_engine_id(fresh.template, known_id)
+        known_bytes = await plan_call(known_payload, timeout=CALL_TIMEOUT_S)
+        echo_bytes = await channel.unary_unary(ECHO_METHOD)(fresh.template, timeout=CALL_TIMEOUT_S)
+    plan, fresh_plan, known = (
+        plan_pb2.PlanResponse.FromString(reply) for reply in (plan_bytes, fresh_bytes, known_bytes)
+    )
+    workers = len(fresh.request.workers)
     if plan.num_blocks <= 0 or len(plan.workers) != workers:
         raise RuntimeError(f"unexpected plan: {plan.num_blocks} blocks, {len(plan.workers)}")
-    if renamed.engine_id != renamed_id or renamed.plan_id == plan.plan_id:
-        raise RuntimeError(f"a renamed engine was not planned as new: {renamed.engine_id}")
-    if renamed.num_blocks != plan.num_blocks:
-        raise RuntimeError("a renamed engine got another plan")
-    if plan_pb2.PlanRequest.FromString(echo_bytes) != plan_pb2.PlanRequest.FromString(payload):
+    for reply, engine_id in ((fresh_plan, fresh_id), (known, known_id)):
+        if reply.engine_id != engine_id or reply.plan_id == plan.plan_id:
+            raise RuntimeError(f"{engine_id} was not planned as a new engine: {reply.engine_id}")
+    # Fresh content reached the plan: every worker's non-KV bytes moved by the step.
+    added = non_torch_bytes_of(serial) - non_torch_bytes_of(0)
+    moved = [
+        fresh_worker.budget.non_kv_bytes - worker.budget.non_kv_bytes
+        for fresh_worker, worker in zip(fresh_plan.workers, plan.workers, strict=True)
+    ]
+    if moved != [added] * workers:
+        raise RuntimeError(f"fresh content was not planned: non-KV bytes moved by {moved}")
+    if known.num_blocks != plan.num_blocks or known.workers != plan.workers:
+        raise RuntimeError("a known model under a new engine id got another plan")
+    if plan_pb2.PlanRequest.FromString(echo_bytes) != fresh.request:
         raise RuntimeError("Echo did not return its payload")
     return len(plan_bytes)
 
@@ -138,20 +162,21 @@ async def check_replies(server: ServerProcess, payload: bytes, workers: int) -> 
 async def plan_vs_echo(
     server: ServerProcess, engine: str, base: plan_pb2.PlanRequest, concurrency: int, scale: Scale
 ) -> dict[str, Any]:
-    """One repeat for one engine and concurrency: echo, uncached and cached interleaved."""
-    base_bytes = base.SerializeToString()
-    ids = EngineIds(f"{engine}-c{concurrency}")
+    """One repeat for one engine and concurrency: echo, uncached (fresh content),
+    known-model and cached plans interleaved."""
+    fresh = FreshContent(base, f"{engine}-c{concurrency}")
     variants = [
-        Variant("echo", ECHO_METHOD, lambda: base_bytes),
-        Variant("plan uncached", PLAN_METHOD, lambda: with_engine_id(base_bytes, ids.next())),
-        Variant("plan cached", PLAN_METHOD, lambda: base_bytes),
+        Variant("echo", ECHO_METHOD, lambda: fresh.template),
+        Variant("plan uncached", PLAN_METHOD, fresh.next),
+        Variant("plan known model", PLAN_METHOD, fresh.known_model),
+        Variant("plan cached", PLAN_METHOD, lambda: fresh.template),
     ]
     tallies = await run_interleaved(
         server, variants, concurrency, scale.rounds, scale.slice_s, scale.settle_s
     )
     figures = {name: tally.summary() for name, tally in tallies.items()}
     echo = figures["echo"]
-    for name in ("plan uncached", "plan cached"):
+    for name in VARIANTS[1:]:
         plan = figures[name]
         plan["throughput_over_echo"] = plan["throughput_rps"] / echo["throughput_rps"]
         plan["p50_over_echo"] = plan["p50_ms"] / echo["p50_ms"]
@@ -166,7 +191,7 @@ def summarize_load(repeats: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for engine, concurrency in keys:
         runs = [r for r in repeats if (r["engine"], r["concurrency"]) == (engine, concurrency)]
-        for variant in ("echo", "plan uncached", "plan cached"):
+        for variant in VARIANTS:
             per_repeat = [run["figures"][variant] for run in runs]
             figures = {
                 name: Spread.of([figure[name] for figure in per_repeat]).as_dict()
@@ -189,11 +214,10 @@ def summarize_load(repeats: list[dict[str, Any]]) -> list[dict[str, Any]]:
 async def sporadic_vs_back_to_back(
     server: ServerProcess, engine: str, base: plan_pb2.PlanRequest, count: int
 ) -> dict[str, float]:
-    """Server CPU per uncached plan arriving every SPORADIC_GAP_S against back to back
-    (both at concurrency 1, one after the other). The server's CPU between sporadic
-    calls is charged to them: a server that works while idle costs that per plan."""
-    base_bytes = base.SerializeToString()
-    ids = EngineIds(f"{engine}-sporadic")
+    """Server CPU per uncached plan (fresh content) arriving every SPORADIC_GAP_S against
+    back to back (both at concurrency 1, one after the other). The server's CPU between
+    sporadic calls is charged to them: a server that works while idle costs that per plan."""
+    fresh = FreshContent(base, f"{engine}-sporadic")
     figures: dict[str, float] = {}
     async with bench_channel(server.target) as channel:
         await channel.channel_ready()
@@ -201,7 +225,7 @@ async def sporadic_vs_back_to_back(
         for name, gap_s in (("back_to_back", 0.0), ("sporadic", SPORADIC_GAP_S)):
             cpu = server.cpu_s()
             for _ in range(count):
-                await call(with_engine_id(base_bytes, ids.next()), timeout=CALL_TIMEOUT_S)
+                await call(fresh.next(), timeout=CALL_TIMEOUT_S)
                 if gap_s:
                     await asyncio.sleep(gap_s)
             figures[f"{name}_cpu_us"] = (server.cpu_s() - cpu) / count * 1e6
@@ -214,14 +238,19 @@ async def sporadic_vs_back_to_back(
 # --- rendezvous -------------------------------------------------------------------------
 
 
-def rank_request(base: plan_pb2.PlanRequest, engine_id: str, rank: int) -> plan_pb2.PlanRequest:
-    """Rank mode: one worker of `base`, world_size = the engine's worker count."""
+def rank_request(
+    base: plan_pb2.PlanRequest, engine_id: str, rank: int, non_torch_bytes: int
+) -> plan_pb2.PlanRequest:
+    """Rank mode: one worker of `base`, world_size = the engine's worker count. The
+    worker reports `non_torch_bytes`: the engine's own figure, the same on its ranks."""
     request = plan_pb2.PlanRequest()
     request.CopyFrom(base)
     request.engine_id = engine_id
     request.world_size = len(base.workers)
     del request.workers[:]
-    request.workers.append(base.workers[rank])
+    worker = request.workers.add()
+    worker.CopyFrom(base.workers[rank])
+    worker.memory.non_kv.non_torch_bytes = non_torch_bytes
     return request
 
 
@@ -243,12 +272,15 @@ class RendezvousResult:
 async def measure_rendezvous(
     server: ServerProcess, base: plan_pb2.PlanRequest, engines: int, clients: int
 ) -> RendezvousResult:
-    """`engines` x world_size rank-mode calls at once, in random arrival order."""
+    """`engines` x world_size rank-mode calls at once, in random arrival order; each
+    engine is a new one with new content (its own non-torch figure on all its ranks)."""
     ranks = len(base.workers)
     arrivals = [(engine, rank) for engine in range(engines) for rank in range(ranks)]
     random.Random(0).shuffle(arrivals)
+    non_torch = [non_torch_bytes_of(next_fresh_serial()) for _ in range(engines)]
     requests = [
-        (engine, rank_request(base, f"rendezvous-{engine}", rank)) for engine, rank in arrivals
+        (engine, rank_request(base, f"rendezvous-{engine}", rank, non_torch[engine]))
+        for engine, rank in arrivals
     ]
     planners = [AsyncPlannerClient(server.target, timeout_s=60) for _ in range(clients)]
     errors: list[str] = []
@@ -356,14 +388,15 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
 
     return [
         Target(
-            f"uncached plan throughput ≥ {TARGET_UNCACHED_OVER_ECHO}x Echo of the same "
+            f"uncached plan (new engine, new content) throughput ≥ {TARGET_UNCACHED_OVER_ECHO}x "
+            "Echo of the same "
             f"payload (each engine, each concurrency; {report['store']} store)",
             listing(throughput),
             not errors and all(s.median >= TARGET_UNCACHED_OVER_ECHO for s in throughput.values()),
             {f"{e} c={c}": s.as_dict() for (e, c), s in throughput.items()},
         ),
         Target(
-            f"uncached plan p99 ≤ {TARGET_P99_OVER_ECHO:.0f}x Echo p99",
+            f"uncached plan (new engine, new content) p99 ≤ {TARGET_P99_OVER_ECHO:.0f}x Echo p99",
             listing(p99),
             not errors and all(s.median <= TARGET_P99_OVER_ECHO for s in p99.values()),
             {f"{e} c={c}": s.as_dict() for (e, c), s in p99.items()},
@@ -393,13 +426,34 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
     ]
 
 
+def known_model_line(report: dict[str, Any]) -> str:
+    """The known-model ratios, said apart from the targets: a server that remembers a
+    model's plan answers them without planning, so they claim nothing."""
+    rows = [row for row in report["load"] if row["variant"] == "plan known model"]
+    ratios = "; ".join(
+        f"{row['engine']} c={row['concurrency']}: "
+        f"{Spread.from_dict(row['throughput_over_echo']).text(unit='x')} req/s, "
+        f"p99 {Spread.from_dict(row['p99_over_echo']).text(unit='x')}"
+        for row in rows
+    )
+    return (
+        "Informational, not a target: plan known model (a new engine id, content seen "
+        f"before) against Echo: {ratios}."
+    )
+
+
 def render_markdown(report: dict[str, Any]) -> list[str]:
     settings = report["settings"]
     lines = [
         f"One `kvplan serve` on the {report['store']} store; the load generator in another "
         "process, raw grpc.aio calls (bytes in, bytes out), one channel per concurrent "
-        f"caller. Echo, uncached plan (a new engine id each call) and cached plan alternate "
-        f"in {settings['rounds']} round(s) of {settings['slice_s']:.2f} s slices "
+        "caller. Four kinds of call alternate: Echo of the same payload; **plan uncached**, "
+        "a new engine id and new content each call (every worker reports another non-torch "
+        "memory figure, 1 GiB + 4 KiB x serial), so the server has to plan: the targets are "
+        "judged on it; **plan known model**, a new engine id with content the server has "
+        "seen (a new replica of a known model, which it may answer from memory): "
+        "informational, never a target; **plan cached**, the same request again. They "
+        f"alternate in {settings['rounds']} round(s) of {settings['slice_s']:.2f} s slices "
         f"({settings['settle_s']:.2f} s settle after each switch), repeated "
         f"{settings['repeats']} times; each cell is the median over the repeats "
         "(min-max). Server CPU per call from /proc (all threads). Machine speed: parsing "
@@ -414,7 +468,8 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
             "",
         ]
     lines += [
-        "### Uncached plan vs Echo (the headline)",
+        "### Plans vs Echo: uncached (new engine, new content: the headline and the targets), "
+        "known model (informational), cached",
         "",
         "| engine | c | RPC | req/s | p50 ms | p99 ms | vs echo req/s | vs echo p99 "
         "| server CPU µs/call | vs echo CPU | errors |",
@@ -438,8 +493,11 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
-        f"### Sporadic arrivals: uncached plans {SPORADIC_GAP_S * 1e3:.0f} ms apart vs back "
-        "to back (concurrency 1; server CPU per plan, the idle time between calls included)",
+        known_model_line(report),
+        "",
+        f"### Sporadic arrivals: uncached plans (new content) {SPORADIC_GAP_S * 1e3:.0f} ms "
+        "apart vs back to back (concurrency 1; server CPU per plan, the idle time between "
+        "calls included)",
         "",
         "| engine | back to back µs/plan | sporadic µs/plan | sporadic / back to back |",
         "|---|---:|---:|---:|",
@@ -460,7 +518,8 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
         "|---|---|",
         f"| rendezvous: {rendezvous['engines']} engines x {rendezvous['ranks_per_engine']} "
         f"ranks ({rendezvous['calls']} calls at once, random order, {rendezvous['clients']} "
-        f"AsyncPlannerClients) | {rendezvous['wall_s']:.2f} s wall, {rendezvous['errors']} "
+        "AsyncPlannerClients; each engine new, its ranks with its own non-torch figure) "
+        f"| {rendezvous['wall_s']:.2f} s wall, {rendezvous['errors']} "
         f"errors, {rendezvous['distinct_plan_ids']} plan ids, server CPU "
         f"{rendezvous['server_cpu_s']:.2f} s |",
         f"| cold start, spawn to health SERVING | median {cold['median_s']:.3f} s of "
@@ -480,26 +539,28 @@ async def run_server_benchmarks(
 ) -> None:
     bases = {key: build() for key, (_, build) in ENGINES.items()}
     for key, base in bases.items():
-        payload = base.SerializeToString()
+        fresh = FreshContent(base, f"{key}-check")
         report["engines"][key] = {
             "description": ENGINES[key][0],
-            "request_bytes": len(payload),
-            "response_bytes": await check_replies(server, payload, len(base.workers)),
+            "request_bytes": len(fresh.template),
+            "response_bytes": await check_replies(server, fresh),
         }
-    print("uncached plan vs echo:", flush=True)
+    print("uncached plan (new engine, new content) vs echo:", flush=True)
     runs: list[dict[str, Any]] = []
     for repeat in range(repeats):
         for key, base in bases.items():
             for concurrency in scale.concurrency:
                 figures = await plan_vs_echo(server, key, base, concurrency, scale)
                 uncached = figures["plan uncached"]
+                known = figures["plan known model"]
                 print(
                     f"  repeat {repeat + 1} {key:<15} c={concurrency:<3} uncached "
                     f"{uncached['throughput_rps']:7.0f} req/s = "
                     f"{uncached['throughput_over_echo']:.2f}x echo, p99 "
                     f"{uncached['p99_over_echo']:.2f}x, server "
                     f"{uncached['server_cpu_us_per_call']:6.0f} µs CPU/plan "
-                    f"({uncached['cpu_over_echo']:.1f}x echo)",
+                    f"({uncached['cpu_over_echo']:.1f}x echo); known model "
+                    f"{known['throughput_over_echo']:.2f}x echo (informational)",
                     flush=True,
                 )
                 runs.append({"engine": key, "concurrency": concurrency, "figures": figures})
@@ -543,7 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     profile_path = Path(profile_dir) / "server.prof" if profile_dir else None
     reference = qwen3_next_tp8().SerializeToString()
     report = new_report("rpc", args, asdict(scale))
-    report["title"] = "kvplan over gRPC: uncached plans vs Echo, rendezvous, cold start"
+    report["title"] = (
+        "kvplan over gRPC: uncached plans (new engine, new content) vs Echo, rendezvous, cold start"
+    )
     report["machine"]["reference_parse_us_start"] = reference_parse_us(reference)
     report["engines"] = {}
     report["store"] = args.store or "default (SQLite)"
@@ -575,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = evaluate_targets(report)
     report["targets"] = [target.as_dict() for target in targets]
     print_targets(targets)
+    print(known_model_line(report), flush=True)
     if profile_path is None:
         write_results(args.results, "rpc", report, render_markdown(report))
     else:

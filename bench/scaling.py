@@ -10,7 +10,9 @@ sliding-window : 1 full attention):
 - TP: `n` tensor-parallel ranks, each with all 64 layers (64n layer specs on the wire).
 
 Per repeat, for each kind and size (the order of sizes alternating between repeats):
-uncached plans (a new engine id each call) back to back at concurrency 1 for a slice,
+uncached plans (a new engine with new content each call: a new engine id and another
+non-torch memory figure in every worker, bench.common.FreshContent, so the server plans
+each) back to back at concurrency 1 for a slice,
 then Echo of the same payload for a slice; server CPU per call from /proc. The slope is
 the least-squares slope of log(server CPU per plan) on log(workers) over the sizes,
 per repeat; 1.0 is linear. Results: bench/results/scaling.json and scaling.md.
@@ -30,7 +32,7 @@ from typing import Any
 from bench.common import (
     ECHO_METHOD,
     PLAN_METHOD,
-    EngineIds,
+    FreshContent,
     ServerProcess,
     Spread,
     Target,
@@ -44,7 +46,6 @@ from bench.common import (
     repeats_of,
     spawn_server,
     timed_calls,
-    with_engine_id,
     write_results,
 )
 from bench.engines import gemma_style, gemma_style_pipeline
@@ -73,15 +74,15 @@ class Scale:
 async def cost_of(
     server: ServerProcess, request: plan_pb2.PlanRequest, slice_s: float
 ) -> dict[str, float]:
-    """Uncached plans, then Echo of the same payload, one slice each, at concurrency 1."""
-    payload = request.SerializeToString()
-    ids = EngineIds(request.engine_id)
-    figures: dict[str, float] = {"request_bytes": len(payload)}
+    """Uncached plans (fresh content), then Echo of the same payload, one slice each, at
+    concurrency 1."""
+    fresh = FreshContent(request, request.engine_id)
+    figures: dict[str, float] = {"request_bytes": len(fresh.template)}
     async with bench_channel(server.target) as channel:
         await channel.channel_ready()
         for name, method, next_payload in (
-            ("plan", PLAN_METHOD, lambda: with_engine_id(payload, ids.next())),
-            ("echo", ECHO_METHOD, lambda: payload),
+            ("plan", PLAN_METHOD, fresh.next),
+            ("echo", ECHO_METHOD, lambda: fresh.template),
         ):
             cpu = server.cpu_s()
             latencies = await timed_calls(channel, method, next_payload, slice_s, 3)
@@ -149,7 +150,9 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
     lines = [
         "One `kvplan serve` on the default store (SQLite); Gemma-3-style hybrid (5 "
         f"sliding-window : 1 full). Per repeat ({settings['repeats']}), per size: uncached "
-        f"plans back to back at concurrency 1 for {settings['slice_s']:.1f} s, then Echo of "
+        "plans (a new engine with new content each call: a new engine id and another "
+        "non-torch memory figure in every worker, so the server plans each) back to back "
+        f"at concurrency 1 for {settings['slice_s']:.1f} s, then Echo of "
         "the same payload; server CPU per call from /proc. Median (min-max) over repeats; "
         "slope = least-squares slope of log(CPU per plan) on log(workers).",
     ]

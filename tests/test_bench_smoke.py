@@ -70,8 +70,11 @@ def test_targets_are_well_formed(results: Path) -> None:
     # Measured without vLLM: its targets are not run, never passed or failed.
     vs_vllm = load(results, "vs_vllm")
     assert [t["verdict"] for t in vs_vllm["targets"]] == ["NOT RUN", "NOT RUN"]
-    assert all(finite(row["kvplan_round_trip_p50_ms"]["median"]) for row in vs_vllm["engines"])
-    assert all(finite(row["echo_round_trip_p50_ms"]["median"]) for row in vs_vllm["engines"])
+    for row in vs_vllm["engines"]:
+        for column in ("kvplan", "known_model", "echo"):  # kvplan: fresh content, the target
+            assert finite(row[f"{column}_round_trip_p50_ms"]["median"]), (row["engine"], column)
+    vs_vllm_markdown = (results / "vs_vllm.md").read_text()
+    assert "known model p50 ms (informational)" in vs_vllm_markdown
     # What each program promises to measure is there.
     expected_targets = {
         "rpc": 5,
@@ -101,11 +104,13 @@ def test_cpu_breakdown_adds_up(results: Path) -> None:
 def test_headline_figures(results: Path) -> None:
     rpc = load(results, "rpc")
     rows = rpc["load"]
-    assert {(row["engine"], row["concurrency"]) for row in rows} == {
-        (engine, concurrency)
+    variants = ("echo", "plan uncached", "plan known model", "plan cached")
+    assert sorted((row["engine"], row["concurrency"], row["variant"]) for row in rows) == sorted(
+        (engine, concurrency, variant)
         for engine in ("qwen3-next-tp8", "gemma-64l-tp1")
         for concurrency in (1, 16)
-    }
+        for variant in variants
+    )
     for row in rows:
         assert row["calls"]["median"] > 0, row
         assert row["errors"]["high"] == 0, row
@@ -115,6 +120,13 @@ def test_headline_figures(results: Path) -> None:
             ratio = row["throughput_over_echo"]
             assert ratio["low"] <= ratio["median"] <= ratio["high"]
     assert rpc["rendezvous"]["errors"] == 0 and rpc["rendezvous"]["consistent"]
+    # One plan per rendezvous engine: each engine's ranks carried its own content.
+    assert rpc["rendezvous"]["distinct_plan_ids"] == rpc["rendezvous"]["engines"]
+    # The targets are judged on fresh content; the known model is said apart from them.
+    assert all("new content" in target["target"] for target in rpc["targets"][:2])
+    rpc_markdown = (results / "rpc.md").read_text()
+    assert "Informational, not a target: plan known model" in rpc_markdown
+    assert all(f"| {variant} |" in rpc_markdown for variant in variants)
 
 
 def test_long_run_leases_and_scaling_figures(results: Path) -> None:
