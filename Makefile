@@ -69,7 +69,8 @@ BENCH_FLAGS ?=
 bench: $(STAMP)
 	$(PY) -m bench --vllm-venv $(VLLM_VENV) $(BENCH_FLAGS)
 
-## The headline: uncached plan vs Echo (2 engines, c 1 and 16), rendezvous, cold start.
+## The headline: uncached plan (new engine, new content) vs Echo, beside a new engine of a
+## known model and a cached plan (2 engines, c 1 and 16); rendezvous, cold start.
 bench-rpc: $(STAMP)
 	$(PY) -m bench.rpc_bench $(BENCH_FLAGS)
 
@@ -77,7 +78,8 @@ bench-rpc: $(STAMP)
 bench-breakdown: $(STAMP)
 	$(PY) -m bench.cpu_breakdown $(BENCH_FLAGS)
 
-## A loopback round trip of a new engine vs vLLM 0.33 planning it in its own process.
+## A loopback round trip of a new engine (new content; and of a known model) vs vLLM 0.33
+## planning it in its own process.
 bench-vllm: $(STAMP)
 	$(PY) -m bench.vs_vllm --vllm-venv $(VLLM_VENV) $(BENCH_FLAGS)
 
@@ -89,7 +91,7 @@ bench-leases: $(STAMP)
 bench-scaling: $(STAMP)
 	$(PY) -m bench.scaling $(BENCH_FLAGS)
 
-## 100,000 distinct engines: CPU per plan, RSS, /metrics, SQLite file over time.
+## 100,000 distinct engines (each new content): CPU per plan, RSS, /metrics, SQLite file.
 bench-long: $(STAMP)
 	$(PY) -m bench.long_run $(BENCH_FLAGS)
 
