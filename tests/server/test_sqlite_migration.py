@@ -14,8 +14,9 @@ import pytest
 
 from kvplan.core.ledger import NOTHING, DeviceState, GrantRefused, LeaseRequest, Totals
 from kvplan.server.store import RendezvousResult, TooManyEngines
+from kvplan.server.store.bodies import PlanParts
 from kvplan.server.store.memory import digest
-from kvplan.server.store.sqlite import SCHEMA_VERSION, SQLiteStore
+from kvplan.server.store.sqlite import BODY_AS_IS, BODY_ZLIB, SCHEMA_VERSION, SQLiteStore
 from kvplan.v1 import plan_pb2
 
 V1_FINISHED = """
@@ -66,7 +67,7 @@ async def test_a_schema_1_file_is_migrated(tmp_path: Path) -> None:
     finally:
         await store.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
 
 
 # What schema 2 wrote of the ledger and of ownership (the rest does not matter here).
@@ -214,6 +215,101 @@ async def test_a_schema_4_file_keeps_its_owners_and_counts_them(tmp_path: Path) 
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         counts = dict(db.execute("SELECT identity, engines FROM engine_owner_count").fetchall())
         assert counts == {"team-a": 3, "team-b": 2}
+
+
+async def test_a_schema_5_file_serves_its_bodies_as_stored_and_compresses_new_ones(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "kvplan.sqlite3"
+    store = SQLiteStore(str(path))
+    await store.start()
+    await store.close()
+    old_plan = _plan("plan-a", "engine-a")
+    old_parts = PlanParts.of("plan-a", "engine-a", old_plan)
+    with sqlite3.connect(path) as db:  # back to what schema 5 wrote: bodies as they are
+        db.execute("DROP TABLE plans")
+        db.execute("DROP TABLE plan_bodies")
+        db.executescript(V5_PLANS)
+        db.execute("INSERT INTO plan_bodies VALUES (1, ?, ?)", (old_parts.digest, old_parts.body))
+        db.execute(
+            "INSERT INTO plans VALUES (1, 'plan-a', 'engine-a', ?, 1, 1.0)", (old_parts.head,)
+        )
+        db.execute("PRAGMA user_version = 5")
+    store = SQLiteStore(str(path))
+    await store.start()
+    try:
+        assert await store.get_plan("plan-a") == old_plan
+        # Another engine of the same content shares the old body.
+        await store.put_plan("plan-b", "engine-b", _plan("plan-b", "engine-b"), 2.0)
+        assert await store.distinct_plan_bodies() == 1
+        assert await store.plan_for_engine("engine-b") == _plan("plan-b", "engine-b")
+        big = _big_plan("plan-c", "engine-c")
+        await store.put_plan("plan-c", "engine-c", big, 3.0)
+        assert await store.get_plan("plan-c") == big
+    finally:
+        await store.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        codecs = dict(db.execute("SELECT id, codec FROM plan_bodies").fetchall())
+        assert codecs == {1: BODY_AS_IS, 2: BODY_ZLIB}
+
+
+# What schema 4 and 5 wrote of plans: bodies without a codec.
+V5_PLANS = """
+CREATE TABLE plan_bodies (
+    id INTEGER PRIMARY KEY,
+    digest BLOB NOT NULL UNIQUE,
+    body BLOB NOT NULL
+);
+CREATE TABLE plans (
+    seq INTEGER PRIMARY KEY,
+    plan_id TEXT NOT NULL UNIQUE,
+    engine_id TEXT NOT NULL,
+    head BLOB NOT NULL,
+    body_id INTEGER NOT NULL REFERENCES plan_bodies (id),
+    stored_at REAL NOT NULL
+);
+CREATE INDEX plans_by_engine ON plans (engine_id, seq);
+CREATE INDEX plans_by_body ON plans (body_id);
+"""
+
+
+def _big_plan(plan_id: str, engine_id: str, layers: int = 64) -> bytes:
+    """A plan whose layer names repeat, as real plans' do."""
+    plan = plan_pb2.PlanResponse(plan_id=plan_id, engine_id=engine_id, num_blocks=4096)
+    group = plan.groups.add(group_id=0)
+    group.layer_names.extend(f"model.layers.{index}.self_attn.attn" for index in range(layers))
+    return plan.SerializeToString()
+
+
+async def test_bodies_are_stored_compressed_when_smaller_and_counted_as_stored(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "kvplan.sqlite3"
+    big = _big_plan("plan-a", "engine-a")
+    small = b"\x30\x01"  # num_blocks = 1: zlib would only grow it
+    store = SQLiteStore(str(path), max_plan_bytes=10 * 1024)
+    await store.start()
+    try:
+        await store.put_plan("plan-a", "engine-a", big, 1.0)
+        await store.put_plan("plan-s", "engine-s", small, 1.0)
+        assert await store.get_plan("plan-a") == big
+        assert await store.plan_for_engine("engine-a") == big
+        assert await store.get_plan("plan-s") == small
+        with sqlite3.connect(path) as db:
+            rows = db.execute("SELECT length(body), codec FROM plan_bodies ORDER BY id").fetchall()
+        big_body = len(PlanParts.of("plan-a", "engine-a", big).body)
+        assert rows[0][1] == BODY_ZLIB and rows[0][0] < big_body // 4, (rows, big_body)
+        assert rows[1] == (len(small), BODY_AS_IS)
+        # The byte bound counts what is stored: far more than 10 KiB of plans fit.
+        for index in range(20):
+            plan = _big_plan(f"plan-{index}", "", 64 + index)
+            await store.put_plan(f"plan-{index}", f"engine-{index}", plan, 2.0)
+        assert 20 * big_body > 10 * 1024
+        assert await store.get_plan("plan-19") == _big_plan("plan-19", "", 83)
+        assert await store.get_plan("plan-10") == _big_plan("plan-10", "", 74)
+    finally:
+        await store.close()
 
 
 def _page_bytes(path: Path) -> int:

@@ -194,10 +194,16 @@ async def test_plans_are_bounded_oldest_first(open_store: OpenStore) -> None:
     assert await store.get_plan("p2") == b"plan-2"
 
 
+def _incompressible(size: int, seed: int) -> bytes:
+    """Bytes no store can keep in fewer (SQLite compresses what shrinks)."""
+    return random.Random(seed).randbytes(size)
+
+
 async def test_plans_are_bounded_by_bytes_oldest_first(open_store: OpenStore) -> None:
     store = await open_store(max_plan_bytes=250)
-    for index in range(4):
-        await store.put_plan(f"p{index}", f"engine-{index}", bytes([index]) * 100, index)
+    plans = [_incompressible(100, index) for index in range(4)]
+    for index, plan in enumerate(plans):
+        await store.put_plan(f"p{index}", f"engine-{index}", plan, index)
     # 100-byte plans under a 250-byte bound: the two newest stay.
     assert [await store.get_plan(f"p{index}") is not None for index in range(4)] == [
         False,
@@ -206,14 +212,15 @@ async def test_plans_are_bounded_by_bytes_oldest_first(open_store: OpenStore) ->
         True,
     ]
     # Replacing a plan counts its new size, not both.
-    await store.put_plan("p3", "engine-3", b"x" * 50, 5.0)
-    await store.put_plan("p4", "engine-4", b"y" * 150, 6.0)
+    smaller, larger, big = _incompressible(50, 5), _incompressible(150, 6), _incompressible(1000, 7)
+    await store.put_plan("p3", "engine-3", smaller, 5.0)
+    await store.put_plan("p4", "engine-4", larger, 6.0)
     assert await store.get_plan("p2") is None
-    assert await store.get_plan("p3") == b"x" * 50
-    assert await store.get_plan("p4") == b"y" * 150
+    assert await store.get_plan("p3") == smaller
+    assert await store.get_plan("p4") == larger
     # A plan larger than the bound is kept alone: the newest always stays.
-    await store.put_plan("big", "engine-big", b"z" * 1000, 7.0)
-    assert await store.get_plan("big") == b"z" * 1000
+    await store.put_plan("big", "engine-big", big, 7.0)
+    assert await store.get_plan("big") == big
     assert await store.get_plan("p4") is None
 
 
