@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import statistics
 import sys
 import tempfile
@@ -69,7 +70,8 @@ class Scale:
     @classmethod
     def of(cls, args: argparse.Namespace) -> Scale:
         if args.quick:
-            return cls(engines=300, window=100, sub_windows=2, echo_calls=40, concurrency=4)
+            # 200 Echo calls: several of /proc's 10 ms CPU ticks (40 could read 0).
+            return cls(engines=300, window=100, sub_windows=2, echo_calls=200, concurrency=4)
         return cls(args.engines, args.window, 10, 500, args.concurrency)
 
 
@@ -114,7 +116,8 @@ async def one_window(
         "plans": plans,
         "cpu_us_per_plan": Spread.of(sub_costs_us).as_dict(),
         "echo_cpu_us": echo_us,
-        "plan_over_echo_cpu": statistics.median(sub_costs_us) / echo_us,
+        # nan when the Echo calls took less than one CPU tick to read.
+        "plan_over_echo_cpu": statistics.median(sub_costs_us) / echo_us if echo_us else math.nan,
         "plans_per_s": per_sub * scale.sub_windows / wall_s,
         "rss_mb": server.rss_mb(),
         "metrics_bytes": metrics.size_bytes,

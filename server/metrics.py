@@ -78,6 +78,12 @@ class Metrics:
         self.cache_misses = Counter(
             "kvplan_plan_cache_misses_total", "Plans computed afresh.", registry=self.registry
         )
+        self.plan_cache_bytes = Gauge(
+            "kvplan_plan_cache_bytes",
+            "Bytes of serialized plans the in-memory plan cache holds: heads and distinct "
+            "bodies, at most --plan-cache-bytes.",
+            registry=self.registry,
+        )
         self.plans_reused = Counter(
             "kvplan_plans_reused_total",
             "Plans of new engines reused from an earlier request equal to theirs but for "

@@ -283,6 +283,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self._probe = probe
         self._store = store
         self._cache = PlanCache(settings.plan_cache_size, settings.plan_cache_bytes)
+        metrics.plan_cache_bytes.set_function(lambda: self._cache.size_bytes)  # read at scrape
         # engine -> (owner, when this server last confirmed it in the store, monotonic).
         # A caller's own engine confirmed within a tenth of the ownership TTL needs no
         # store round trip: its record cannot have expired or changed hands since.

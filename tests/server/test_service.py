@@ -285,6 +285,9 @@ async def test_metrics_scrape(server: RunningServer, client: AsyncPlannerClient)
     ]
     for line in expected:
         assert line in body, line
+    cached_bytes = server.servicer._cache.size_bytes
+    assert cached_bytes > 0
+    assert f"kvplan_plan_cache_bytes {float(cached_bytes)}" in body
 
 
 async def test_sync_client_in_thread(server: RunningServer) -> None:
