@@ -82,7 +82,7 @@ log = logging.getLogger(__name__)
 
 # 2: engine_owner, rendezvous_finished.ok; 3: the ledger's totals, leases.identity;
 # 4: plan_bodies (each distinct plan body once); 5: engine_owner_count;
-# 6: plan_bodies.codec (bodies stored compressed)
+# 6: plan_bodies.codec, rendezvous_finished.codec (plans stored compressed)
 SCHEMA_VERSION = 6
 BUSY_TIMEOUT_S = 5.0  # how long a writer waits for another connection's transaction
 # Pages of a new file. A plan's insert (and the eviction of the oldest) changes a
@@ -155,7 +155,8 @@ CREATE TABLE IF NOT EXISTS rendezvous_finished (
     template_digest BLOB NOT NULL,
     plan BLOB NOT NULL,               -- the plan, or the serialized error when ok = 0
     finished REAL NOT NULL,
-    ok INTEGER NOT NULL DEFAULT 1
+    ok INTEGER NOT NULL DEFAULT 1,
+    codec INTEGER NOT NULL DEFAULT 0  -- of plan: BODY_AS_IS or BODY_ZLIB
 );
 -- Expiry runs on every join: an index range finds the (usually no) old rows.
 CREATE INDEX IF NOT EXISTS rendezvous_open_by_created ON rendezvous_open (created);
@@ -351,13 +352,14 @@ def _settle_queued_plans(batch: list[_QueuedPlan], error: BaseException | None) 
 
 
 def _stored_body(body: bytes) -> tuple[bytes, int]:
-    """A plan body as stored, and its codec: compressed unless that is no smaller."""
+    """A plan (or its body) as stored, and its codec: compressed unless that is no
+    smaller."""
     packed = zlib.compress(body, 1)
     return (packed, BODY_ZLIB) if len(packed) < len(body) else (body, BODY_AS_IS)
 
 
 def _served(head: bytes, body: bytes, codec: int) -> bytes:
-    """A stored plan as served: its head and its body as planned."""
+    """A stored plan as served: its head and its body as planned (decompressed)."""
     return bytes(head) + (zlib.decompress(body) if codec == BODY_ZLIB else bytes(body))
 
 
@@ -588,9 +590,10 @@ class SQLiteStore:
                 db.execute(
                     "ALTER TABLE rendezvous_finished ADD COLUMN ok INTEGER NOT NULL DEFAULT 1"
                 )
-            body_columns = {row[1] for row in db.execute("PRAGMA table_info(plan_bodies)")}
-            if body_columns and "codec" not in body_columns:  # schema 4 or 5: as is
-                db.execute("ALTER TABLE plan_bodies ADD COLUMN codec INTEGER NOT NULL DEFAULT 0")
+            for table in ("plan_bodies", "rendezvous_finished"):  # schema < 6: as is
+                columns = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+                if columns and "codec" not in columns:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN codec INTEGER NOT NULL DEFAULT 0")
             lease_columns = {row[1] for row in db.execute("PRAGMA table_info(leases)")}
             identity_added = bool(lease_columns) and "identity" not in lease_columns
             if identity_added:  # schema 1 or 2
@@ -816,7 +819,7 @@ class SQLiteStore:
             (horizon, now, ttl_s),
         )
         finished = db.execute(
-            "SELECT template_digest, plan, ok FROM rendezvous_finished WHERE engine_id = ?",
+            "SELECT template_digest, plan, ok, codec FROM rendezvous_finished WHERE engine_id = ?",
             (engine_id,),
         ).fetchone()
         if finished is not None:
@@ -835,9 +838,11 @@ class SQLiteStore:
                     rank=rank,
                     worker=worker,
                 )
-                return Arrival("finished", result=RendezvousResult(True, bytes(finished[1])))
+                plan = _served(b"", finished[1], finished[3])
+                return Arrival("finished", result=RendezvousResult(True, plan))
             if same_ranks(bytes(finished[0]), planned_digest, template=template, worker=worker):
-                return Arrival("finished", result=RendezvousResult(False, bytes(finished[1])))
+                error = _served(b"", finished[1], finished[3])
+                return Arrival("finished", result=RendezvousResult(False, error))
             # A changed rank forgets the failure and joins as for a new engine.
             db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
         entry = db.execute(
@@ -952,10 +957,11 @@ class SQLiteStore:
                 (engine_id,),
             ).fetchall()
             db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
+            payload, codec = _stored_body(result.payload)
             db.execute(
                 "INSERT INTO rendezvous_finished "
-                "(engine_id, template_digest, plan, finished, ok) VALUES (?, ?, ?, ?, ?)",
-                (engine_id, digest(bytes(entry[0])), result.payload, now, int(result.ok)),
+                "(engine_id, template_digest, plan, finished, ok, codec) VALUES (?, ?, ?, ?, ?, ?)",
+                (engine_id, digest(bytes(entry[0])), payload, now, int(result.ok), codec),
             )
             db.executemany(
                 "INSERT INTO rendezvous_finished_worker (engine_id, rank, worker_digest) "

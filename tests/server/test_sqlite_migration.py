@@ -308,8 +308,37 @@ async def test_bodies_are_stored_compressed_when_smaller_and_counted_as_stored(
         assert 20 * big_body > 10 * 1024
         assert await store.get_plan("plan-19") == _big_plan("plan-19", "", 83)
         assert await store.get_plan("plan-10") == _big_plan("plan-10", "", 74)
+        # A finished rendezvous keeps its plan compressed too, and answers it whole.
+        joined = await store.rendezvous_join(
+            engine_id="ranked",
+            world_size=1,
+            template=b"template",
+            rank=0,
+            worker=b"worker-0",
+            now=3.0,
+            ttl_s=600.0,
+            max_pending=16,
+            claim_timeout_s=10.0,
+        )
+        assert joined.state == "plan"
+        await store.rendezvous_finish("ranked", RendezvousResult(True, big), 3.0)
+        again = await store.rendezvous_join(
+            engine_id="ranked",
+            world_size=1,
+            template=b"template",
+            rank=0,
+            worker=b"worker-0",
+            now=4.0,
+            ttl_s=600.0,
+            max_pending=16,
+            claim_timeout_s=10.0,
+        )
+        assert again.result == RendezvousResult(True, big)
     finally:
         await store.close()
+    with sqlite3.connect(path) as db:
+        stored = db.execute("SELECT length(plan), codec FROM rendezvous_finished").fetchall()
+    assert stored[0][1] == BODY_ZLIB and stored[0][0] < len(big) // 4, stored
 
 
 def _page_bytes(path: Path) -> int:

@@ -395,7 +395,7 @@ async def test_a_rank_that_disagrees_with_the_open_rendezvous_is_refused(
 async def test_finished_engine_answers_an_unchanged_late_rank(store: Store) -> None:
     await join(store, "e", 0)
     await join(store, "e", 1)
-    planned = RendezvousResult(True, b"the plan")
+    planned = RendezvousResult(True, b"the plan, " * 100)  # SQLite stores it compressed
     await store.rendezvous_finish("e", planned, 5.0)
     assert await store.pending_engines() == 0
     assert await store.plan_for_engine("e") is None  # that is the servicer's put_plan
