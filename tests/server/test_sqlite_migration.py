@@ -18,6 +18,7 @@ from kvplan.server.store.bodies import PlanParts
 from kvplan.server.store.memory import digest
 from kvplan.server.store.sqlite import BODY_AS_IS, BODY_ZLIB, SCHEMA_VERSION, SQLiteStore
 from kvplan.v1 import plan_pb2
+from tests.server.test_store_contract import join
 
 V1_FINISHED = """
 CREATE TABLE rendezvous_finished (
@@ -51,17 +52,7 @@ async def test_a_schema_1_file_is_migrated(tmp_path: Path) -> None:
     store = SQLiteStore(str(path))
     await store.start()
     try:
-        arrival = await store.rendezvous_join(
-            engine_id="old",
-            world_size=1,
-            template=b"template",
-            rank=0,
-            worker=b"worker-0",
-            now=1.0,
-            ttl_s=600.0,
-            max_pending=16,
-            claim_timeout_s=10.0,
-        )
+        arrival = await join(store, "old", 0, world_size=1, now=1.0)
         assert arrival.result == RendezvousResult(True, b"old plan")
         assert await store.claim_engine("old", "team-a", 1.0, 60.0, 16) == "team-a"
     finally:
@@ -309,30 +300,9 @@ async def test_bodies_are_stored_compressed_when_smaller_and_counted_as_stored(
         assert await store.get_plan("plan-19") == _big_plan("plan-19", "", 83)
         assert await store.get_plan("plan-10") == _big_plan("plan-10", "", 74)
         # A finished rendezvous keeps its plan compressed too, and answers it whole.
-        joined = await store.rendezvous_join(
-            engine_id="ranked",
-            world_size=1,
-            template=b"template",
-            rank=0,
-            worker=b"worker-0",
-            now=3.0,
-            ttl_s=600.0,
-            max_pending=16,
-            claim_timeout_s=10.0,
-        )
-        assert joined.state == "plan"
+        assert (await join(store, "ranked", 0, world_size=1, now=3.0)).state == "plan"
         await store.rendezvous_finish("ranked", RendezvousResult(True, big), 3.0)
-        again = await store.rendezvous_join(
-            engine_id="ranked",
-            world_size=1,
-            template=b"template",
-            rank=0,
-            worker=b"worker-0",
-            now=4.0,
-            ttl_s=600.0,
-            max_pending=16,
-            claim_timeout_s=10.0,
-        )
+        again = await join(store, "ranked", 0, world_size=1, now=4.0)
         assert again.result == RendezvousResult(True, big)
     finally:
         await store.close()
