@@ -104,7 +104,9 @@ class PlanCache:
       request without its engine id). A new engine whose request equals an earlier
       one but for the engine id gets that body under its own head instead of being
       planned again: a fleet's new replica of a model costs a lookup, not a plan.
-      A body is reused only while the cache still holds it.
+      A body is reused only while the cache still holds it, and only within one
+      `scope` (the caller's identity): how fast a plan comes back must not tell one
+      tenant what another planned.
     """
 
     def __init__(self, capacity: int, max_bytes: int = 32 * 1024 * 1024) -> None:
@@ -113,8 +115,8 @@ class PlanCache:
         # bodies), so the server's memory stays flat whatever engines it sees.
         self._plans = KeptPlans(capacity, max_bytes)
         self._keys: OrderedDict[bytes, PlanKeys] = OrderedDict()  # request digest -> keys
-        # content key -> (body digest, summary): a few hundred bytes an entry.
-        self._known: OrderedDict[bytes, tuple[bytes, PlanSummary]] = OrderedDict()
+        # (scope, content key) -> (body digest, summary): a few hundred bytes an entry.
+        self._known: OrderedDict[tuple[str, bytes], tuple[bytes, PlanSummary]] = OrderedDict()
 
     def keys(
         self,
@@ -142,27 +144,33 @@ class PlanCache:
             self._keys.popitem(last=False)
         return keys
 
-    def known_plan(self, keys: PlanKeys, engine_id: str) -> tuple[PlanParts, PlanSummary] | None:
-        """The plan of an earlier request with this content, under this engine's
-        ids, if its body is still held."""
-        entry = self._known.get(keys.content)
+    def known_plan(
+        self, keys: PlanKeys, engine_id: str, scope: str
+    ) -> tuple[PlanParts, PlanSummary] | None:
+        """The plan of an earlier request with this content in this scope, under
+        this engine's ids, if its body is still held."""
+        known = (scope, keys.content)
+        entry = self._known.get(known)
         if entry is None:
             return None
         body_digest, summary = entry
         body = self._plans.body(body_digest)
         if body is None:
-            del self._known[keys.content]
+            del self._known[known]
             return None
-        self._known.move_to_end(keys.content)
+        self._known.move_to_end(known)
         head = plan_pb2.PlanResponse(plan_id=keys.plan_id, engine_id=engine_id).SerializeToString()
         return PlanParts(head + body, len(head), body_digest), summary
 
-    def remember_content(self, content: bytes, parts: PlanParts, summary: PlanSummary) -> None:
-        """`content` (a `PlanKeys.content`) plans to `parts`' body."""
+    def remember_content(
+        self, content: bytes, parts: PlanParts, summary: PlanSummary, scope: str
+    ) -> None:
+        """`content` (a `PlanKeys.content`) plans to `parts`' body, in `scope`."""
         if not parts.head_length:
             return  # the body holds the ids (PlanParts.of): not another engine's plan
-        self._known[content] = (parts.digest, summary)
-        self._known.move_to_end(content)
+        known = (scope, content)
+        self._known[known] = (parts.digest, summary)
+        self._known.move_to_end(known)
         if len(self._known) > self._capacity:
             self._known.popitem(last=False)
 
@@ -710,7 +718,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             return cached, None
         start = time.perf_counter()
         response: plan_pb2.PlanResponse | None = None
-        known = self._cache.known_plan(keys, request.engine_id)
+        scope = current_identity().name
+        known = self._cache.known_plan(keys, request.engine_id, scope)
         if known is not None:
             self._metrics.plans_reused.inc()
             parts, summary = known
@@ -720,7 +729,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             parts = PlanParts.of(keys.plan_id, request.engine_id, response.SerializeToString())
             summary = PlanSummary.of(request, response)
         self._cache.keep(keys.plan_id, request.engine_id, parts, name_engine=publish)
-        self._cache.remember_content(keys.content, parts, summary)
+        self._cache.remember_content(keys.content, parts, summary, scope)
         self._record(
             request.engine_id,
             keys.plan_id,

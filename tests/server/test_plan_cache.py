@@ -60,7 +60,7 @@ def _planned(cache: PlanCache, request: plan_pb2.PlanRequest) -> bytes:
     response = plan_from_proto(request, plan_id=keys.plan_id)
     parts = PlanParts.of(keys.plan_id, request.engine_id, response.SerializeToString())
     cache.keep(keys.plan_id, request.engine_id, parts)
-    cache.remember_content(keys.content, parts, PlanSummary.of(request, response))
+    cache.remember_content(keys.content, parts, PlanSummary.of(request, response), "team")
     return parts.plan
 
 
@@ -72,14 +72,16 @@ def test_a_known_content_is_the_plan_planning_gives() -> None:
     for engine_id in ("engine-b", "", "a much longer engine id " * 4):
         request = engine_request(engine_id, stages=2)
         keys = plan_keys(request)
-        known = cache.known_plan(keys, engine_id)
+        known = cache.known_plan(keys, engine_id, "team")
         assert known is not None
         parts, summary = known
         fresh = plan_from_proto(request, plan_id=keys.plan_id)
         assert parts.plan == fresh.SerializeToString()
         assert parts == PlanParts.of(keys.plan_id, engine_id, fresh.SerializeToString())
         assert summary == PlanSummary.of(request, fresh)
-    assert cache.known_plan(plan_keys(engine_request("x", kv_bytes=3 * GIB)), "x") is None
+    assert cache.known_plan(plan_keys(engine_request("x", kv_bytes=3 * GIB)), "x", "team") is None
+    # Another identity's plans are not reused: their timing would tell what it planned.
+    assert cache.known_plan(plan_keys(engine_request("engine-b", stages=2)), "b", "other") is None
 
 
 def test_known_contents_are_bounded_and_need_their_body() -> None:
@@ -88,17 +90,17 @@ def test_known_contents_are_bounded_and_need_their_body() -> None:
     for request in requests:
         _planned(cache, request)
     assert len(cache._known) == 2
-    assert cache.known_plan(plan_keys(requests[0]), "new") is None  # forgotten
-    assert cache.known_plan(plan_keys(requests[2]), "new") is not None
+    assert cache.known_plan(plan_keys(requests[0]), "new", "team") is None  # forgotten
+    assert cache.known_plan(plan_keys(requests[2]), "new", "team") is not None
     # Bytes evict plans before contents are forgotten: a content whose body no
     # plan holds any more is planned again, and forgotten.
     tiny = PlanCache(capacity=10, max_bytes=1)  # keeps the newest plan only
     for request in requests:
         _planned(tiny, request)
     assert len(tiny._known) == 3
-    assert tiny.known_plan(plan_keys(requests[0]), "new") is None
+    assert tiny.known_plan(plan_keys(requests[0]), "new", "team") is None
     assert len(tiny._known) == 2
-    assert tiny.known_plan(plan_keys(requests[2]), "new") is not None
+    assert tiny.known_plan(plan_keys(requests[2]), "new", "team") is not None
 
 
 def test_cache_keeps_serialized_plans() -> None:

@@ -34,15 +34,15 @@ def test_a_reused_plan_is_the_plan_of_the_new_engine(rule_set: str) -> None:
             planned = plan_from_proto(first, plan_id=keys.plan_id)
         except PlanningError:
             refused += 1  # nothing is remembered of a refused request
-            assert cache.known_plan(keys, first.engine_id) is None
+            assert cache.known_plan(keys, first.engine_id, "team") is None
             continue
         parts = PlanParts.of(keys.plan_id, first.engine_id, planned.SerializeToString())
         cache.keep(keys.plan_id, first.engine_id, parts)
-        cache.remember_content(keys.content, parts, PlanSummary.of(first, planned))
+        cache.remember_content(keys.content, parts, PlanSummary.of(first, planned), "team")
 
         second = _renamed(first, f"{case.id}/another engine")
         second_keys = plan_keys(second)
-        known = cache.known_plan(second_keys, second.engine_id)
+        known = cache.known_plan(second_keys, second.engine_id, "team")
         assert known is not None, case.id
         fresh = plan_from_proto(second, plan_id=second_keys.plan_id)
         assert known[0].plan == fresh.SerializeToString(), case.id

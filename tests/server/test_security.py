@@ -205,6 +205,27 @@ async def test_bearer_tokens_authenticate_and_own_engines(token_server: RunningS
         assert (await a.release_plan("engine-a")).released_bytes > 0
 
 
+async def test_a_plan_is_reused_within_an_identity_never_across(
+    token_server: RunningServer,
+) -> None:
+    """Another engine of one model reuses its plan, but only for the identity that
+    planned it: a fast answer would tell one tenant what another planned."""
+    target = f"127.0.0.1:{token_server.port}"
+    async with (
+        AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=TOKEN_A)) as a,
+        AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=TOKEN_B)) as b,
+    ):
+        first = await a.plan(engine_request("a-1"))
+        other_tenant = await b.plan(engine_request("b-1"))
+        assert token_server.metrics.plans_reused._value.get() == 0
+        assert token_server.metrics.cache_misses._value.get() == 2
+        same_tenant = await a.plan(engine_request("a-2"))
+        assert token_server.metrics.plans_reused._value.get() == 1
+        for plan in (other_tenant, same_tenant):  # the same plan either way
+            assert plan.num_blocks == first.num_blocks
+            assert plan.response.groups == first.response.groups
+
+
 async def test_a_refused_lease_names_only_the_holders_the_caller_may_see(
     token_server: RunningServer,
 ) -> None:
