@@ -82,7 +82,8 @@ log = logging.getLogger(__name__)
 
 # 2: engine_owner, rendezvous_finished.ok; 3: the ledger's totals, leases.identity;
 # 4: plan_bodies (each distinct plan body once); 5: engine_owner_count;
-# 6: plan_bodies.codec, rendezvous_finished.codec (plans stored compressed)
+# 6: plan_bodies.codec, rendezvous_finished.codec, rendezvous_open_worker.codec
+# (plans and rank specs stored compressed)
 SCHEMA_VERSION = 6
 BUSY_TIMEOUT_S = 5.0  # how long a writer waits for another connection's transaction
 # Pages of a new file. A plan's insert (and the eviction of the oldest) changes a
@@ -99,7 +100,10 @@ CHECKPOINT_WAL_BYTES = 4 * 1024 * 1024
 # (28 µs), a 64-layer one from 6.8 KB to 0.8 KB (14 µs), in the store thread. Each
 # plan then writes a few pages to the WAL instead of dozens of overflow pages,
 # checkpoints come that much less often, and the file holds more plans within
-# --store-plan-bytes (which counts stored bytes).
+# --store-plan-bytes (which counts stored bytes). A finished rendezvous' plan and
+# each waiting rank's spec (3.6 KB -> 0.4 KB for one of 65 layers) are kept the same
+# way: a rendezvous of 256 engines x 8 such ranks spends 0.16 s instead of 0.22 s in
+# the store (in process, compression included).
 BODY_AS_IS, BODY_ZLIB = 0, 1
 # Slack on the index range of the expiry scan: covers float rounding of now - ttl.
 _EXPIRY_MARGIN_S = 1.0
@@ -147,6 +151,7 @@ CREATE TABLE IF NOT EXISTS rendezvous_open_worker (
     engine_id TEXT NOT NULL REFERENCES rendezvous_open (engine_id) ON DELETE CASCADE,
     rank INTEGER NOT NULL,
     worker BLOB NOT NULL,             -- the rank's serialized WorkerSpec
+    codec INTEGER NOT NULL DEFAULT 0, -- of worker: BODY_AS_IS or BODY_ZLIB
     PRIMARY KEY (engine_id, rank)
 ) WITHOUT ROWID;
 
@@ -352,14 +357,15 @@ def _settle_queued_plans(batch: list[_QueuedPlan], error: BaseException | None) 
 
 
 def _stored_body(body: bytes) -> tuple[bytes, int]:
-    """A plan (or its body) as stored, and its codec: compressed unless that is no
-    smaller."""
+    """A plan, its body or a rank's spec as stored, and its codec: compressed unless
+    that is no smaller."""
     packed = zlib.compress(body, 1)
     return (packed, BODY_ZLIB) if len(packed) < len(body) else (body, BODY_AS_IS)
 
 
 def _served(head: bytes, body: bytes, codec: int) -> bytes:
-    """A stored plan as served: its head and its body as planned (decompressed)."""
+    """A stored plan as served, its head and its body as planned (decompressed); with
+    an empty head, any blob `_stored_body` stored."""
     return bytes(head) + (zlib.decompress(body) if codec == BODY_ZLIB else bytes(body))
 
 
@@ -590,7 +596,8 @@ class SQLiteStore:
                 db.execute(
                     "ALTER TABLE rendezvous_finished ADD COLUMN ok INTEGER NOT NULL DEFAULT 1"
                 )
-            for table in ("plan_bodies", "rendezvous_finished"):  # schema < 6: as is
+            # Schema < 6 stored these as they are.
+            for table in ("plan_bodies", "rendezvous_finished", "rendezvous_open_worker"):
                 columns = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
                 if columns and "codec" not in columns:
                     db.execute(f"ALTER TABLE {table} ADD COLUMN codec INTEGER NOT NULL DEFAULT 0")
@@ -875,16 +882,16 @@ class SQLiteStore:
         )
         agree(None)
         inserted = db.execute(
-            "INSERT INTO rendezvous_open_worker (engine_id, rank, worker) VALUES (?, ?, ?) "
-            "ON CONFLICT DO NOTHING",
-            (engine_id, rank, worker),
+            "INSERT INTO rendezvous_open_worker (engine_id, rank, worker, codec) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            (engine_id, rank, *_stored_body(worker)),
         ).rowcount
         if not inserted:
-            (seen,) = db.execute(
-                "SELECT worker FROM rendezvous_open_worker WHERE engine_id = ? AND rank = ?",
+            seen = db.execute(
+                "SELECT worker, codec FROM rendezvous_open_worker WHERE engine_id = ? AND rank = ?",
                 (engine_id, rank),
             ).fetchone()
-            agree(bytes(seen))
+            agree(_served(b"", *seen))
         (arrived,) = db.execute(
             "SELECT count(*) FROM rendezvous_open_worker WHERE engine_id = ?", (engine_id,)
         ).fetchone()
@@ -893,13 +900,13 @@ class SQLiteStore:
         if claimed_at is not None and now - float(claimed_at) <= claim_timeout_s:
             return Arrival("waiting")
         workers = db.execute(
-            "SELECT worker FROM rendezvous_open_worker WHERE engine_id = ? ORDER BY rank",
+            "SELECT worker, codec FROM rendezvous_open_worker WHERE engine_id = ? ORDER BY rank",
             (engine_id,),
         ).fetchall()
         db.execute(
             "UPDATE rendezvous_open SET claimed_at = ? WHERE engine_id = ?", (now, engine_id)
         )
-        return Arrival("plan", workers=tuple(bytes(row[0]) for row in workers))
+        return Arrival("plan", workers=tuple(_served(b"", *row) for row in workers))
 
     async def rendezvous_leave(self, engine_id: str, rank: int) -> None:
         await self._in_shared_transaction(lambda db: self._leave(db, engine_id, rank))
@@ -953,7 +960,7 @@ class SQLiteStore:
         ).fetchone()
         if (result.ok or remember_failure) and entry is not None:
             workers = db.execute(
-                "SELECT rank, worker FROM rendezvous_open_worker WHERE engine_id = ?",
+                "SELECT rank, worker, codec FROM rendezvous_open_worker WHERE engine_id = ?",
                 (engine_id,),
             ).fetchall()
             db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
@@ -966,7 +973,10 @@ class SQLiteStore:
             db.executemany(
                 "INSERT INTO rendezvous_finished_worker (engine_id, rank, worker_digest) "
                 "VALUES (?, ?, ?)",
-                [(engine_id, rank, digest(bytes(spec))) for rank, spec in workers],
+                [
+                    (engine_id, rank, digest(_served(b"", spec, codec)))
+                    for rank, spec, codec in workers
+                ],
             )
         db.execute("DELETE FROM rendezvous_open WHERE engine_id = ?", (engine_id,))
 

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvplan.core.ledger import NOTHING, DeviceState, GrantRefused, LeaseRequest, Totals
+from kvplan.server.errors import ServiceError
 from kvplan.server.store import RendezvousResult, TooManyEngines
+from kvplan.server.store.base import Arrival
 from kvplan.server.store.bodies import PlanParts
 from kvplan.server.store.memory import digest
 from kvplan.server.store.sqlite import BODY_AS_IS, BODY_ZLIB, SCHEMA_VERSION, SQLiteStore
@@ -309,6 +311,36 @@ async def test_bodies_are_stored_compressed_when_smaller_and_counted_as_stored(
     with sqlite3.connect(path) as db:
         stored = db.execute("SELECT length(plan), codec FROM rendezvous_finished").fetchall()
     assert stored[0][1] == BODY_ZLIB and stored[0][0] < len(big) // 4, stored
+
+
+async def test_waiting_rank_specs_are_stored_compressed_and_compared_whole(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "kvplan.sqlite3"
+    specs = [_big_plan(f"rank-{rank}", "") for rank in range(2)]  # repetitive bytes
+    store = SQLiteStore(str(path))
+    await store.start()
+    try:
+        assert (await join(store, "e", 0, worker=specs[0])).state == "waiting"
+        with sqlite3.connect(path) as db:
+            query = "SELECT worker, codec FROM rendezvous_open_worker"
+            (stored, codec) = db.execute(query).fetchone()
+        assert codec == BODY_ZLIB and len(stored) < len(specs[0]) // 4
+        # A retry with the same bytes is the same rank; other bytes are refused.
+        assert (await join(store, "e", 0, worker=specs[0])).state == "waiting"
+        with pytest.raises(ServiceError) as refused:
+            await join(store, "e", 0, worker=specs[1])
+        assert refused.value.code == "INVALID_ARGUMENT"
+        completed = await join(store, "e", 1, worker=specs[1])
+        assert completed == Arrival("plan", workers=tuple(specs))
+        planned = RendezvousResult(True, b"the plan")
+        await store.rendezvous_finish("e", planned, 1.0)
+        # The finished engine knows its ranks' specs: unchanged is answered, changed refused.
+        assert (await join(store, "e", 1, worker=specs[1], now=2.0)).result == planned
+        with pytest.raises(ServiceError):
+            await join(store, "e", 1, worker=specs[0], now=2.0)
+    finally:
+        await store.close()
 
 
 def _page_bytes(path: Path) -> int:
