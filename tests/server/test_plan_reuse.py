@@ -26,7 +26,7 @@ def _renamed(request: plan_pb2.PlanRequest, engine_id: str) -> plan_pb2.PlanRequ
 def test_a_reused_plan_is_the_plan_of_the_new_engine(rule_set: str) -> None:
     cache = PlanCache(capacity=4)
     reused = refused = 0
-    for case in generate_cases(scenarios=False):
+    for case in generate_cases():
         first = _renamed(case.request, "first-engine")
         first.options.engine_version = rule_set
         keys = plan_keys(first)
