@@ -216,13 +216,19 @@ async def test_a_schema_5_file_serves_its_bodies_as_stored_and_compresses_new_on
     path = tmp_path / "kvplan.sqlite3"
     store = SQLiteStore(str(path))
     await store.start()
+    old_spec = _big_plan("a rank's spec", "")
+    assert (await join(store, "ranked", 0, worker=old_spec)).state == "waiting"
     await store.close()
     old_plan = _plan("plan-a", "engine-a")
     old_parts = PlanParts.of("plan-a", "engine-a", old_plan)
-    with sqlite3.connect(path) as db:  # back to what schema 5 wrote: bodies as they are
+    with sqlite3.connect(path) as db:  # back to what schema 5 wrote: blobs as they are
         db.execute("DROP TABLE plans")
         db.execute("DROP TABLE plan_bodies")
         db.executescript(V5_PLANS)
+        db.execute("ALTER TABLE rendezvous_open_worker RENAME TO rendezvous_open_worker_6")
+        db.executescript(V5_OPEN_WORKER)
+        db.execute("INSERT INTO rendezvous_open_worker VALUES ('ranked', 0, ?)", (old_spec,))
+        db.execute("DROP TABLE rendezvous_open_worker_6")
         db.execute("INSERT INTO plan_bodies VALUES (1, ?, ?)", (old_parts.digest, old_parts.body))
         db.execute(
             "INSERT INTO plans VALUES (1, 'plan-a', 'engine-a', ?, 1, 1.0)", (old_parts.head,)
@@ -239,12 +245,27 @@ async def test_a_schema_5_file_serves_its_bodies_as_stored_and_compresses_new_on
         big = _big_plan("plan-c", "engine-c")
         await store.put_plan("plan-c", "engine-c", big, 3.0)
         assert await store.get_plan("plan-c") == big
+        # A rank that waited across the upgrade is compared and planned as it came.
+        assert (await join(store, "ranked", 0, worker=old_spec)).state == "waiting"
+        completed = await join(store, "ranked", 1, worker=b"worker-1")
+        assert completed == Arrival("plan", workers=(old_spec, b"worker-1"))
     finally:
         await store.close()
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         codecs = dict(db.execute("SELECT id, codec FROM plan_bodies").fetchall())
         assert codecs == {1: BODY_AS_IS, 2: BODY_ZLIB}
+
+
+# What schema 5 wrote of waiting ranks: specs without a codec.
+V5_OPEN_WORKER = """
+CREATE TABLE rendezvous_open_worker (
+    engine_id TEXT NOT NULL REFERENCES rendezvous_open (engine_id) ON DELETE CASCADE,
+    rank INTEGER NOT NULL,
+    worker BLOB NOT NULL,
+    PRIMARY KEY (engine_id, rank)
+) WITHOUT ROWID;
+"""
 
 
 # What schema 4 and 5 wrote of plans: bodies without a codec.
