@@ -8,6 +8,7 @@ from kvplan.convert import (
     GPU_MEMORY_BYTES,
     plan_from_proto,
     plan_id_for,
+    plan_keys,
     request_from_proto,
     spec_to_proto,
 )
@@ -93,6 +94,20 @@ def test_plan_id_ignores_worker_order_but_not_content() -> None:
     assert plan_from_proto(forward).SerializeToString(deterministic=True) == plan_from_proto(
         backward
     ).SerializeToString(deterministic=True)
+
+
+def test_plan_id_is_stable_across_releases() -> None:
+    """Plan ids are stored addresses (GetPlan, replicas of several releases on one
+    store): the same request must keep its id. The content key leaves out the engine id."""
+    request = engine([full_layer("a")], [full_layer("b")])
+    request.engine_id = "engine-a"
+    keys = plan_keys(request)
+    assert keys.plan_id == plan_id_for(request) == "plan-4735b76cb10d856a9d851c2aee255f33"
+    renamed = plan_pb2.PlanRequest()
+    renamed.CopyFrom(request)
+    renamed.engine_id = "engine-b"
+    assert plan_keys(renamed).content == keys.content
+    assert plan_keys(renamed).plan_id != keys.plan_id
 
 
 def test_device_name_resolves_total_memory() -> None:
