@@ -95,7 +95,7 @@ PAGE_BYTES = 1024
 # The WAL is checkpointed into the file once it holds this much (SQLite's default
 # of 1,000 pages of 4 KiB), whatever the file's page size.
 CHECKPOINT_WAL_BYTES = 4 * 1024 * 1024
-# How a plan body is stored. Plans repeat their layer names and specs, so zlib's
+# How plan bodies are stored (the codec). Plans repeat their layer names and specs, so zlib's
 # fastest level shrinks them: an 8-worker x 65-layer body from 34.7 KB to 1.4 KB
 # (28 µs), a 64-layer one from 6.8 KB to 0.8 KB (14 µs), in the store thread. Each
 # plan then writes a few pages to the WAL instead of dozens of overflow pages,
@@ -104,7 +104,7 @@ CHECKPOINT_WAL_BYTES = 4 * 1024 * 1024
 # each waiting rank's spec (3.6 KB -> 0.4 KB for one of 65 layers) are kept the same
 # way: a rendezvous of 256 engines x 8 such ranks spends 0.16 s instead of 0.22 s in
 # the store (in process, compression included).
-BODY_AS_IS, BODY_ZLIB = 0, 1
+CODEC_NONE, CODEC_ZLIB = 0, 1
 # Slack on the index range of the expiry scan: covers float rounding of now - ttl.
 _EXPIRY_MARGIN_S = 1.0
 
@@ -127,7 +127,7 @@ CREATE TABLE IF NOT EXISTS plan_bodies (
     id INTEGER PRIMARY KEY,
     digest BLOB NOT NULL UNIQUE,      -- SHA-256 of the body as served
     body BLOB NOT NULL,
-    codec INTEGER NOT NULL DEFAULT 0  -- BODY_AS_IS or BODY_ZLIB
+    codec INTEGER NOT NULL DEFAULT 0  -- CODEC_NONE or CODEC_ZLIB
 );
 CREATE TABLE IF NOT EXISTS plans (
     seq INTEGER PRIMARY KEY,          -- insertion order: the oldest are dropped first
@@ -151,7 +151,7 @@ CREATE TABLE IF NOT EXISTS rendezvous_open_worker (
     engine_id TEXT NOT NULL REFERENCES rendezvous_open (engine_id) ON DELETE CASCADE,
     rank INTEGER NOT NULL,
     worker BLOB NOT NULL,             -- the rank's serialized WorkerSpec
-    codec INTEGER NOT NULL DEFAULT 0, -- of worker: BODY_AS_IS or BODY_ZLIB
+    codec INTEGER NOT NULL DEFAULT 0, -- of worker: CODEC_NONE or CODEC_ZLIB
     PRIMARY KEY (engine_id, rank)
 ) WITHOUT ROWID;
 
@@ -161,7 +161,7 @@ CREATE TABLE IF NOT EXISTS rendezvous_finished (
     plan BLOB NOT NULL,               -- the plan, or the serialized error when ok = 0
     finished REAL NOT NULL,
     ok INTEGER NOT NULL DEFAULT 1,
-    codec INTEGER NOT NULL DEFAULT 0  -- of plan: BODY_AS_IS or BODY_ZLIB
+    codec INTEGER NOT NULL DEFAULT 0  -- of plan: CODEC_NONE or CODEC_ZLIB
 );
 -- Expiry runs on every join: an index range finds the (usually no) old rows.
 CREATE INDEX IF NOT EXISTS rendezvous_open_by_created ON rendezvous_open (created);
@@ -356,17 +356,21 @@ def _settle_queued_plans(batch: list[_QueuedPlan], error: BaseException | None) 
             committed.set_exception(error)
 
 
-def _stored_body(body: bytes) -> tuple[bytes, int]:
-    """A plan, its body or a rank's spec as stored, and its codec: compressed unless
-    that is no smaller."""
-    packed = zlib.compress(body, 1)
-    return (packed, BODY_ZLIB) if len(packed) < len(body) else (body, BODY_AS_IS)
+def _pack(blob: bytes) -> tuple[bytes, int]:
+    """A plan, plan body or rank spec as stored, and its codec: compressed unless that
+    is no smaller."""
+    packed = zlib.compress(blob, 1)
+    return (packed, CODEC_ZLIB) if len(packed) < len(blob) else (blob, CODEC_NONE)
+
+
+def _unpack(stored: bytes, codec: int) -> bytes:
+    """What `_pack` stored, as it was."""
+    return zlib.decompress(stored) if codec == CODEC_ZLIB else bytes(stored)
 
 
 def _served(head: bytes, body: bytes, codec: int) -> bytes:
-    """A stored plan as served, its head and its body as planned (decompressed); with
-    an empty head, any blob `_stored_body` stored."""
-    return bytes(head) + (zlib.decompress(body) if codec == BODY_ZLIB else bytes(body))
+    """A stored plan as served: its head and its body."""
+    return bytes(head) + _unpack(body, codec)
 
 
 def _old_plans(db: sqlite3.Connection) -> list[tuple[str, str, bytes, float]]:
@@ -715,7 +719,7 @@ class SQLiteStore:
         added = len(parts.head)
         row = db.execute("SELECT id FROM plan_bodies WHERE digest = ?", (parts.digest,)).fetchone()
         if row is None:
-            body, codec = _stored_body(parts.body)
+            body, codec = _pack(parts.body)
             body_id = db.execute(
                 "INSERT INTO plan_bodies (digest, body, codec) VALUES (?, ?, ?)",
                 (parts.digest, body, codec),
@@ -845,10 +849,10 @@ class SQLiteStore:
                     rank=rank,
                     worker=worker,
                 )
-                plan = _served(b"", finished[1], finished[3])
+                plan = _unpack(finished[1], finished[3])
                 return Arrival("finished", result=RendezvousResult(True, plan))
             if same_ranks(bytes(finished[0]), planned_digest, template=template, worker=worker):
-                error = _served(b"", finished[1], finished[3])
+                error = _unpack(finished[1], finished[3])
                 return Arrival("finished", result=RendezvousResult(False, error))
             # A changed rank forgets the failure and joins as for a new engine.
             db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
@@ -884,14 +888,14 @@ class SQLiteStore:
         inserted = db.execute(
             "INSERT INTO rendezvous_open_worker (engine_id, rank, worker, codec) "
             "VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
-            (engine_id, rank, *_stored_body(worker)),
+            (engine_id, rank, *_pack(worker)),
         ).rowcount
         if not inserted:
             seen = db.execute(
                 "SELECT worker, codec FROM rendezvous_open_worker WHERE engine_id = ? AND rank = ?",
                 (engine_id, rank),
             ).fetchone()
-            agree(_served(b"", *seen))
+            agree(_unpack(*seen))
         (arrived,) = db.execute(
             "SELECT count(*) FROM rendezvous_open_worker WHERE engine_id = ?", (engine_id,)
         ).fetchone()
@@ -906,7 +910,7 @@ class SQLiteStore:
         db.execute(
             "UPDATE rendezvous_open SET claimed_at = ? WHERE engine_id = ?", (now, engine_id)
         )
-        return Arrival("plan", workers=tuple(_served(b"", *row) for row in workers))
+        return Arrival("plan", workers=tuple(_unpack(*row) for row in workers))
 
     async def rendezvous_leave(self, engine_id: str, rank: int) -> None:
         await self._in_shared_transaction(lambda db: self._leave(db, engine_id, rank))
@@ -964,7 +968,7 @@ class SQLiteStore:
                 (engine_id,),
             ).fetchall()
             db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
-            payload, codec = _stored_body(result.payload)
+            payload, codec = _pack(result.payload)
             db.execute(
                 "INSERT INTO rendezvous_finished "
                 "(engine_id, template_digest, plan, finished, ok, codec) VALUES (?, ?, ?, ?, ?, ?)",
@@ -973,10 +977,7 @@ class SQLiteStore:
             db.executemany(
                 "INSERT INTO rendezvous_finished_worker (engine_id, rank, worker_digest) "
                 "VALUES (?, ?, ?)",
-                [
-                    (engine_id, rank, digest(_served(b"", spec, codec)))
-                    for rank, spec, codec in workers
-                ],
+                [(engine_id, rank, digest(_unpack(spec, codec))) for rank, spec, codec in workers],
             )
         db.execute("DELETE FROM rendezvous_open WHERE engine_id = ?", (engine_id,))
 

@@ -18,7 +18,7 @@ from kvplan.server.store import RendezvousResult, TooManyEngines
 from kvplan.server.store.base import Arrival
 from kvplan.server.store.bodies import PlanParts
 from kvplan.server.store.memory import digest
-from kvplan.server.store.sqlite import BODY_AS_IS, BODY_ZLIB, SCHEMA_VERSION, SQLiteStore
+from kvplan.server.store.sqlite import CODEC_NONE, CODEC_ZLIB, SCHEMA_VERSION, SQLiteStore
 from kvplan.v1 import plan_pb2
 from tests.server.test_store_contract import join
 
@@ -254,7 +254,7 @@ async def test_a_schema_5_file_serves_its_bodies_as_stored_and_compresses_new_on
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         codecs = dict(db.execute("SELECT id, codec FROM plan_bodies").fetchall())
-        assert codecs == {1: BODY_AS_IS, 2: BODY_ZLIB}
+        assert codecs == {1: CODEC_NONE, 2: CODEC_ZLIB}
 
 
 # What schema 5 wrote of waiting ranks: specs without a codec.
@@ -313,8 +313,8 @@ async def test_bodies_are_stored_compressed_when_smaller_and_counted_as_stored(
         with sqlite3.connect(path) as db:
             rows = db.execute("SELECT length(body), codec FROM plan_bodies ORDER BY id").fetchall()
         big_body = len(PlanParts.of("plan-a", "engine-a", big).body)
-        assert rows[0][1] == BODY_ZLIB and rows[0][0] < big_body // 4, (rows, big_body)
-        assert rows[1] == (len(small), BODY_AS_IS)
+        assert rows[0][1] == CODEC_ZLIB and rows[0][0] < big_body // 4, (rows, big_body)
+        assert rows[1] == (len(small), CODEC_NONE)
         # The byte bound counts what is stored: far more than 10 KiB of plans fit.
         for index in range(20):
             plan = _big_plan(f"plan-{index}", "", 64 + index)
@@ -331,7 +331,7 @@ async def test_bodies_are_stored_compressed_when_smaller_and_counted_as_stored(
         await store.close()
     with sqlite3.connect(path) as db:
         stored = db.execute("SELECT length(plan), codec FROM rendezvous_finished").fetchall()
-    assert stored[0][1] == BODY_ZLIB and stored[0][0] < len(big) // 4, stored
+    assert stored[0][1] == CODEC_ZLIB and stored[0][0] < len(big) // 4, stored
 
 
 async def test_waiting_rank_specs_are_stored_compressed_and_compared_whole(
@@ -346,7 +346,7 @@ async def test_waiting_rank_specs_are_stored_compressed_and_compared_whole(
         with sqlite3.connect(path) as db:
             query = "SELECT worker, codec FROM rendezvous_open_worker"
             (stored, codec) = db.execute(query).fetchone()
-        assert codec == BODY_ZLIB and len(stored) < len(specs[0]) // 4
+        assert codec == CODEC_ZLIB and len(stored) < len(specs[0]) // 4
         # A retry with the same bytes is the same rank; other bytes are refused.
         assert (await join(store, "e", 0, worker=specs[0])).state == "waiting"
         with pytest.raises(ServiceError) as refused:
