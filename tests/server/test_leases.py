@@ -88,6 +88,9 @@ async def test_two_engines_share_a_device_a_third_waits_for_a_release(
         assert budget.available_bytes == SHARE - 18 * GIB
         assert budget.footprint_bytes == SHARE
     assert second.leases[0].account.committed_bytes == SHARE  # engine-a's, when granted
+    # engine-b's request is engine-a's but for the id: its plan is reused, its lease its own.
+    assert ledger_server.metrics.plans_reused._value.get() == 1
+    assert second.leases[0].engine_id == "engine-b"
 
     with pytest.raises(PlannerError) as refused:
         await planner.plan(leased_request("engine-c", uuid))
