@@ -159,8 +159,7 @@ class PlanCache:
             del self._known[known]
             return None
         self._known.move_to_end(known)
-        head = plan_pb2.PlanResponse(plan_id=keys.plan_id, engine_id=engine_id).SerializeToString()
-        return PlanParts(head + body, len(head), body_digest), summary
+        return PlanParts.joined(keys.plan_id, engine_id, body, body_digest), summary
 
     def remember_content(
         self, content: bytes, parts: PlanParts, summary: PlanSummary, scope: str
@@ -728,8 +727,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             response = await self._planned(request, keys.plan_id, encoded)
             parts = PlanParts.of(keys.plan_id, request.engine_id, response.SerializeToString())
             summary = PlanSummary.of(request, response)
+            self._cache.remember_content(keys.content, parts, summary, scope)
         self._cache.keep(keys.plan_id, request.engine_id, parts, name_engine=publish)
-        self._cache.remember_content(keys.content, parts, summary, scope)
         self._record(
             request.engine_id,
             keys.plan_id,

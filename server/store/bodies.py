@@ -33,9 +33,15 @@ class PlanParts:
 
     @classmethod
     def of(cls, plan_id: str, engine_id: str, plan: bytes) -> PlanParts:
-        head = plan_pb2.PlanResponse(plan_id=plan_id, engine_id=engine_id).SerializeToString()
+        head = _head(plan_id, engine_id)
         head_length = len(head) if plan.startswith(head) else 0
         return cls(plan, head_length, hashlib.sha256(memoryview(plan)[head_length:]).digest())
+
+    @classmethod
+    def joined(cls, plan_id: str, engine_id: str, body: bytes, digest: bytes) -> PlanParts:
+        """A kept body (named by `digest`) under these ids: another engine's plan."""
+        head = _head(plan_id, engine_id)
+        return cls(head + body, len(head), digest)
 
     @property
     def head(self) -> bytes:
@@ -44,6 +50,10 @@ class PlanParts:
     @property
     def body(self) -> bytes:
         return self.plan[self.head_length :]
+
+
+def _head(plan_id: str, engine_id: str) -> bytes:
+    return plan_pb2.PlanResponse(plan_id=plan_id, engine_id=engine_id).SerializeToString()
 
 
 def plan_parts(plan_id: str, engine_id: str, plan: bytes | PlanParts) -> PlanParts:
