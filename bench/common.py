@@ -41,6 +41,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.options import add_output_arguments
 from kvplan.client import channel_options
+from kvplan.convert import encode_varint
 from kvplan.v1 import plan_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -377,8 +378,7 @@ def _varint5(value: int) -> bytes:
     """The protobuf varint of `value`, which must take exactly 5 bytes."""
     if value not in _FIVE_BYTE_VARINTS:
         raise ValueError(f"{value} is not a 5-byte varint")
-    low_groups = (((value >> shift) & 0x7F) | 0x80 for shift in (0, 7, 14, 21))
-    return bytes([*low_groups, value >> 28])
+    return encode_varint(value)
 
 
 class FreshContent:
@@ -451,9 +451,7 @@ class FreshContent:
 
     def payload(self, serial: int, engine_id: str) -> bytes:
         """The template with serial's non-torch figure in every worker, named `engine_id`."""
-        patched = self._patched(non_torch_bytes_of(serial))
-        patched += plan_pb2.PlanRequest(engine_id=engine_id).SerializeToString()
-        return bytes(patched)
+        return with_engine_id(bytes(self._patched(non_torch_bytes_of(serial))), engine_id)
 
     def next(self) -> bytes:
         """A new engine id and a serial this process has not sent yet."""
