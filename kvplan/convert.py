@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -23,7 +23,7 @@ from kvplan.core.groups import DraftRule, GroupingPath
 from kvplan.core.hisparse import DEFAULT_HOST_PAGE_BYTES, HiSparseConfig
 from kvplan.core.layout import KVCacheLayout
 from kvplan.core.memory import BudgetMode
-from kvplan.core.planner import EnginePlan, WorkerPlan, plan_engine
+from kvplan.core.planner import EnginePlan, WorkerPlan, plan_engine, plan_model
 from kvplan.core.request import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DeviceInfo,
@@ -69,6 +69,7 @@ from kvplan.core.specs import (
 )
 from kvplan.fieldcheck import check_fields
 from kvplan.gpus import GPU_MEMORY_BYTES
+from kvplan.model_cache import KnownModel, ModelCache, WorkerModel
 from kvplan.v1 import plan_pb2, spec_pb2
 
 GIB = 1 << 30
@@ -574,7 +575,10 @@ def _worker_from_proto(
     ctx: _Context,
     table: Mapping[str, int],
     by_name: Mapping[str, int],
+    known: WorkerModel | None = None,
 ) -> WorkerInput:
+    """`known`: this worker's model side, converted from an earlier request with the
+    same model key (its layers are not read again)."""
     path = f"workers[{index}]"
     # Workers with the same device and memory settings (as sent) share their values;
     # the first of them was checked.
@@ -584,6 +588,15 @@ def _worker_from_proto(
             worker, path, table, by_name
         )
     memory, device = settings
+    if known is not None:
+        return WorkerInput(
+            rank=worker.rank,
+            layers=known.layers,
+            memory=memory,
+            device=device,
+            encoder_only_layers=known.encoder_only_layers,
+            supported_layouts=known.supported_layouts,
+        )
     layers, encoder_only = _layers_from_proto(worker, encoded, path, ctx)
     return WorkerInput(
         rank=worker.rank,
@@ -838,13 +851,19 @@ def request_from_proto(
     *,
     gpu_memory_table: Mapping[str, int] | None = None,
     encoded_workers: Sequence[WorkerBytes] | None = None,
+    known_model: KnownModel | None = None,
 ) -> EngineRequest:
-    """`encoded_workers`: the request's `encode_workers`, when the caller has them."""
+    """`encoded_workers`: the request's `encode_workers`, when the caller has them.
+    `known_model`: the model side of an earlier request with this one's model key
+    (`PlanKeys.model`); options, spec decode and layers are then taken from it, as
+    converting the same bytes again would give them, and only the workers' device and
+    memory settings are converted and checked."""
     encoded = encode_workers(message) if encoded_workers is None else encoded_workers
     # Enums and integer ranges first; layers are checked once per distinct spec, and
     # device and memory settings once per distinct setting.
-    check_fields(message.options, "options")
-    check_fields(message.spec_decode, "spec_decode")
+    if known_model is None:
+        check_fields(message.options, "options")
+        check_fields(message.spec_decode, "spec_decode")
     checked_settings: set[bytes] = set()
     for index, (worker, worker_bytes) in enumerate(zip(message.workers, encoded, strict=True)):
         if len(worker.supported_layouts) > len(KVCacheLayout):
@@ -859,9 +878,18 @@ def request_from_proto(
             worker, f"workers[{index}]", skip=_SETTINGS_SKIPPED if seen else _LAYERS_SKIPPED
         )
         checked_settings.add(worker_bytes.settings_key)
-    rules = rule_set_for(message.options.engine_version)
+    rules = (
+        rule_set_for(message.options.engine_version) if known_model is None else known_model.rules
+    )
     _check_release_request_fields(message, rules)
-    options = _options_from_proto(message.options, rules)
+    known_workers: Sequence[WorkerModel | None]
+    if known_model is None:
+        options = _options_from_proto(message.options, rules)
+        spec_decode = _spec_decode_from_proto(message.spec_decode)
+        known_workers = [None] * len(message.workers)
+    else:
+        options, spec_decode = known_model.options, known_model.spec_decode
+        known_workers = known_model.workers
     ctx = _Context(message.options, rules)
     table = GPU_MEMORY_BYTES if gpu_memory_table is None else gpu_memory_table
     by_name = _GPU_BY_NAME if gpu_memory_table is None else _lowered(gpu_memory_table)
@@ -869,12 +897,12 @@ def request_from_proto(
         engine_id=message.engine_id,
         options=options,
         workers=tuple(
-            _worker_from_proto(worker, worker_bytes, index, ctx, table, by_name)
-            for index, (worker, worker_bytes) in enumerate(
-                zip(message.workers, encoded, strict=True)
+            _worker_from_proto(worker, worker_bytes, index, ctx, table, by_name, known)
+            for index, (worker, worker_bytes, known) in enumerate(
+                zip(message.workers, encoded, known_workers, strict=True)
             )
         ),
-        spec_decode=_spec_decode_from_proto(message.spec_decode),
+        spec_decode=spec_decode,
         rules=rules,
     )
 
@@ -1172,10 +1200,14 @@ class PlanKeys:
     `content`: the SHA-256 of everything a plan depends on, which is the request
     without its engine id. Two engines with equal `content` get equal plans apart
     from the ids: a fleet's new replica of a model it has already planned.
+    `model`: the SHA-256 of what its model plan (`plan_model`) depends on, which is
+    `content` without the workers' device and memory settings, workers in the order
+    sent. Engines with equal `model` and any memory share one model plan.
     """
 
     plan_id: str
     content: bytes
+    model: bytes = b""
 
 
 def plan_keys(
@@ -1186,7 +1218,7 @@ def plan_keys(
     with its field number and length; nothing is copied. `encoded_workers`: the
     request's `encode_workers`, when the caller has them."""
     encoded = encode_workers(message) if encoded_workers is None else encoded_workers
-    whole, content = hashlib.sha256(), hashlib.sha256()
+    whole, content, model = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
     workers_field = plan_pb2.PlanRequest.WORKERS_FIELD_NUMBER
     engine_id_field = plan_pb2.PlanRequest.ENGINE_ID_FIELD_NUMBER
     for field, value in message.ListFields():
@@ -1201,6 +1233,7 @@ def plan_keys(
         whole.update(framed)
         if field.number != engine_id_field:
             content.update(framed)
+            model.update(framed)
     ranks = [worker.rank for worker in message.workers]
     for index in sorted(range(len(ranks)), key=ranks.__getitem__):
         part = encoded[index].data
@@ -1209,7 +1242,15 @@ def plan_keys(
         whole.update(part)
         content.update(frame)
         content.update(part)
-    return PlanKeys(f"plan-{whole.hexdigest()[:32]}", content.digest())
+    # Each distinct layer list hashed once (tensor-parallel ranks share one).
+    layer_digests: dict[bytes, bytes] = {}
+    for rank, worker_bytes in zip(ranks, encoded, strict=True):
+        layers = worker_bytes.layers_key
+        digest = layer_digests.get(layers)
+        if digest is None:
+            digest = layer_digests[layers] = hashlib.sha256(layers).digest()
+        model.update(b"%d:%d:" % (workers_field, rank) + digest)
+    return PlanKeys(f"plan-{whole.hexdigest()[:32]}", content.digest(), model.digest())
 
 
 def plan_id_for(
@@ -1225,15 +1266,29 @@ def plan_from_proto(
     gpu_memory_table: Mapping[str, int] | None = None,
     plan_id: str | None = None,
     encoded_workers: Sequence[WorkerBytes] | None = None,
+    models: ModelCache | None = None,
+    model_key: Hashable = None,
 ) -> plan_pb2.PlanResponse:
     """request -> validate -> plan -> budget -> respond. `plan_id`: the request's
     `plan_id_for`, when the caller already has it; `encoded_workers`: its
-    `encode_workers` (serialized once for the plan id and the conversion)."""
+    `encode_workers` (serialized once for the plan id and the conversion).
+
+    `models`, `model_key`: where model plans are kept, and this request's key there
+    (`PlanKeys.model`, with whatever else scopes it; both or neither). A known model
+    is not converted or grouped again, only budgeted: the same plan, for less work.
+    """
     encoded = encode_workers(message) if encoded_workers is None else encoded_workers
+    known = models.get(model_key) if models is not None else None
     request = request_from_proto(
-        message, gpu_memory_table=gpu_memory_table, encoded_workers=encoded
+        message, gpu_memory_table=gpu_memory_table, encoded_workers=encoded, known_model=known
     )
-    plan = plan_engine(request)
+    if known is not None:
+        model = known.plan
+    else:
+        model = plan_model(request)
+        if models is not None:
+            models.put(model_key, KnownModel.of(request, model))
+    plan = plan_engine(request, model)
     try:
         return plan_to_proto(plan, plan_id=plan_id or plan_id_for(message, encoded))
     except ValueError as error:  # protobuf: a number outside its field's type

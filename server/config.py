@@ -31,6 +31,8 @@ class Settings:
     rendezvous_ttl_s: float = 600.0  # a rendezvous or finished engine is forgotten after this
     plan_cache_size: int = 4096  # plans kept for GetPlan and cache hits
     plan_cache_bytes: int = 32 * 1024 * 1024  # and at most this many serialized bytes
+    model_cache_size: int = 256  # model plans (grouping) kept for other engines of a model
+    model_cache_bytes: int = 32 * 1024 * 1024  # and at most this many bytes (estimated)
     store_plan_bytes: int = 64 * 1024 * 1024  # serialized plans kept in the store
     grace_s: float = 10.0  # shutdown grace for in-flight calls
     offload_layers: int = 2048  # plan in a worker thread above this many layers
@@ -76,6 +78,8 @@ _HELP = {
     "rendezvous_ttl_s": "seconds an unfinished rendezvous or a finished engine is kept",
     "plan_cache_size": "plans kept in memory",
     "plan_cache_bytes": "bytes of serialized plans kept in memory",
+    "model_cache_size": "model plans (grouping, projections) kept for other engines of a model",
+    "model_cache_bytes": "bytes the kept model plans may hold (an over-estimate counts)",
     "store_plan_bytes": "bytes of serialized plans kept in the store (also bounds its size)",
     "grace_s": "seconds in-flight calls get on shutdown",
     "offload_layers": "plan off the event loop above this many layers",
@@ -138,6 +142,9 @@ def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -
         parser.error("--tls-cert and --tls-key go together")
     if settings.tls_client_ca and not settings.tls_cert:
         parser.error("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    for name in ("model_cache_size", "model_cache_bytes"):
+        if getattr(settings, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative (0: keep none)")
     for name in (
         "max_engine_id_chars",
         "max_layer_name_chars",

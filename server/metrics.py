@@ -90,6 +90,11 @@ class Metrics:
             "the engine id (another engine of one model), not planned again.",
             registry=self.registry,
         )
+        self.model_plans_reused = Counter(
+            "kvplan_model_plans_reused_total",
+            "Plans of a model planned before (another engine, other memory): budgeted only.",
+            registry=self.registry,
+        )
         self.rendezvous_waiting = Gauge(
             "kvplan_rendezvous_waiting_ranks",
             "Ranks waiting for their engine's other ranks.",

@@ -4,6 +4,7 @@ respond. The flow of a plan is in `_plan_engine`."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import math
@@ -38,6 +39,7 @@ from kvplan.core.ledger import (
     tally,
 )
 from kvplan.fieldcheck import MAX_64
+from kvplan.model_cache import ModelCache
 from kvplan.server.config import Settings
 from kvplan.server.errors import RemoteStatus, ServiceError, limit_exceeded, to_status
 from kvplan.server.guard import current_identity
@@ -290,6 +292,11 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self._probe = probe
         self._store = store
         self._cache = PlanCache(settings.plan_cache_size, settings.plan_cache_bytes)
+        self._models = ModelCache(
+            settings.model_cache_size,
+            settings.model_cache_bytes,
+            on_reuse=metrics.model_plans_reused.inc,
+        )
         metrics.plan_cache_bytes.set_function(lambda: self._cache.size_bytes)  # read at scrape
         # engine -> (owner, when this server last confirmed it in the store, monotonic).
         # A caller's own engine confirmed within a tenth of the ownership TTL needs no
@@ -724,7 +731,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             parts, summary = known
         else:
             self._metrics.cache_misses.inc()
-            response = await self._planned(request, keys.plan_id, encoded)
+            response = await self._planned(request, keys, encoded, scope)
             parts = PlanParts.of(keys.plan_id, request.engine_id, response.SerializeToString())
             summary = PlanSummary.of(request, response)
             self._cache.remember_content(keys.content, parts, summary, scope)
@@ -741,15 +748,27 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         return parts.plan, response
 
     async def _planned(
-        self, request: plan_pb2.PlanRequest, plan_id: str, encoded: Sequence[WorkerBytes]
+        self,
+        request: plan_pb2.PlanRequest,
+        keys: PlanKeys,
+        encoded: Sequence[WorkerBytes],
+        scope: str,
     ) -> plan_pb2.PlanResponse:
+        """Planned now: of a model planned before (by the same identity, as with
+        reused plans) only the budgets are."""
+        plan = functools.partial(
+            plan_from_proto,
+            request,
+            plan_id=keys.plan_id,
+            encoded_workers=encoded,
+            models=self._models,
+            model_key=(scope, keys.model),
+        )
         layers = sum(len(worker.layers) for worker in request.workers)
         if layers > self._settings.offload_layers:
             # Large engines take milliseconds: keep the event loop serving.
-            return await asyncio.to_thread(
-                plan_from_proto, request, plan_id=plan_id, encoded_workers=encoded
-            )
-        return plan_from_proto(request, plan_id=plan_id, encoded_workers=encoded)
+            return await asyncio.to_thread(plan)
+        return plan()
 
     async def _persist(self, plan_id: str, engine_id: str, plan: bytes | PlanParts) -> None:
         try:
