@@ -218,12 +218,19 @@ async def test_a_plan_is_reused_within_an_identity_never_across(
         first = await a.plan(engine_request("a-1"))
         other_tenant = await b.plan(engine_request("b-1"))
         assert token_server.metrics.plans_reused._value.get() == 0
+        assert token_server.metrics.model_plans_reused._value.get() == 0  # nor its model
         assert token_server.metrics.cache_misses._value.get() == 2
         same_tenant = await a.plan(engine_request("a-2"))
         assert token_server.metrics.plans_reused._value.get() == 1
         for plan in (other_tenant, same_tenant):  # the same plan either way
             assert plan.num_blocks == first.num_blocks
             assert plan.response.groups == first.response.groups
+
+        # A known model with other memory: its model plan, too, is the identity's own.
+        await b.plan(engine_request("b-2", kv_bytes=3 * GIB))
+        assert token_server.metrics.model_plans_reused._value.get() == 1  # b's own
+        await a.plan(engine_request("a-3", kv_bytes=2 * GIB))
+        assert token_server.metrics.model_plans_reused._value.get() == 2
 
 
 async def test_a_refused_lease_names_only_the_holders_the_caller_may_see(

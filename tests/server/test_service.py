@@ -64,6 +64,31 @@ async def test_another_engine_of_one_model_reuses_its_plan(
     assert (await client.get_plan(engine_id="ranked-b")).response == plan_from_proto(merged)
 
 
+async def test_another_engine_of_a_known_model_is_only_budgeted(
+    client: AsyncPlannerClient, server: RunningServer
+) -> None:
+    """Engines of one model with other memory are planned from the kept model plan:
+    the plan planning from scratch gives, in engine and rank mode."""
+    await client.plan(engine_request("engine-a", stages=2))
+    assert server.metrics.model_plans_reused._value.get() == 0
+    bigger = await client.plan(engine_request("engine-b", stages=2, kv_bytes=3 * GIB))
+    assert server.metrics.model_plans_reused._value.get() == 1
+    assert server.metrics.plans_reused._value.get() == 0  # other content: planned
+    assert bigger.response == plan_from_proto(
+        engine_request("engine-b", stages=2, kv_bytes=3 * GIB)
+    )
+    with pytest.raises(PlannerError) as caught:  # a known model, too little memory
+        await client.plan(engine_request("engine-c", stages=2, kv_bytes=1 << 20))
+    assert caught.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert server.metrics.model_plans_reused._value.get() == 2
+
+    ranks = [rank_request("ranked", rank, world_size=2, kv_bytes=2 * GIB) for rank in range(2)]
+    await asyncio.gather(*(client.plan(rank) for rank in ranks))
+    assert server.metrics.model_plans_reused._value.get() == 3
+    merged = engine_request("ranked", stages=2, kv_bytes=2 * GIB)
+    assert (await client.get_plan(engine_id="ranked")).response == plan_from_proto(merged)
+
+
 async def test_invalid_argument_has_field_violations(client: AsyncPlannerClient) -> None:
     request = engine_request()
     request.workers[0].layers[0].full_attention.attention.num_kv_heads = 0
