@@ -6,12 +6,11 @@ an engine id with a newline cannot forge a line. The text format writes
 quote, `=` or a control character, for the same reason. Every record carries
 the request id of the call it was logged in.
 
-Records are formatted and written by a thread of their own (the standard
-library's QueueHandler and QueueListener), never on the event loop: a log
-consumer that stops reading (a full pipe) cannot stall the RPCs, as a blocking
-write on the loop did. The queue is bounded; when it is full a record is
-dropped, counted, and the count reported in the next line that gets through.
-Records still queued are written at exit.
+Records are formatted and written by a thread of their own (`LogWriter`), never
+on the event loop: a log consumer that stops reading (a full pipe) cannot stall
+the RPCs, as a blocking write on the loop did. The queue is bounded; when it is
+full a record is dropped, counted, and the count reported in the next line that
+gets through. Records still queued are written at exit.
 """
 
 from __future__ import annotations
@@ -19,11 +18,12 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import logging.handlers
 import queue
 import re
 import sys
-from typing import Any
+import threading
+from collections import deque
+from typing import Any, Protocol, TextIO
 
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
@@ -85,14 +85,86 @@ def json_formatter() -> logging.Formatter:
 QUEUED_RECORDS = 10_000  # records waiting for the log thread, at most
 
 
-class OffLoopHandler(logging.handlers.QueueHandler):
+class RecordQueue(Protocol):
+    def put_nowait(self, record: logging.LogRecord) -> None:
+        """Queue `record`, or raise queue.Full."""
+
+
+class LogWriter:
+    """The log thread: every `interval_s` it formats what was queued and writes it
+    to `stream` in one write.
+
+    Queuing takes no lock and wakes no thread. The standard QueueListener wakes its
+    thread for every record: per plan (one "plan computed" line) that cost the event
+    loop about 30 µs and the log thread about 50 µs of CPU. A line reaches the
+    stream at most `interval_s` after it was logged.
+    """
+
+    def __init__(
+        self,
+        stream: TextIO,
+        formatter: logging.Formatter,
+        capacity: int = QUEUED_RECORDS,
+        interval_s: float = 0.05,
+    ) -> None:
+        self._stream = stream
+        self._formatter = formatter
+        self._capacity = capacity
+        self._interval_s = interval_s
+        # deque's append and popleft are atomic: the loop appends, this thread pops.
+        self._records: deque[logging.LogRecord] = deque()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvplan-log", daemon=True)
+
+    def put_nowait(self, record: logging.LogRecord) -> None:
+        if len(self._records) >= self._capacity:
+            raise queue.Full
+        self._records.append(record)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Write what is queued and end the thread."""
+        self._stopping.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self._interval_s):
+            self._write_queued()
+        self._write_queued()
+
+    def _write_queued(self) -> None:
+        lines: list[str] = []
+        while self._records:
+            record = self._records.popleft()
+            try:
+                lines.append(self._formatter.format(record) + "\n")
+            except Exception:  # a record that cannot be formatted is skipped, as by logging
+                logging.Handler().handleError(record)
+        if not lines:
+            return
+        try:
+            self._stream.write("".join(lines))
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass  # a closed or broken stream: logs are lost, planning goes on
+
+
+class OffLoopHandler(logging.Handler):
     """Hands records to the log thread. A full queue drops the record and counts
     it, so that logging never blocks the caller."""
 
-    def __init__(self, records: queue.Queue[logging.LogRecord]) -> None:
-        super().__init__(records)
+    def __init__(self, records: RecordQueue) -> None:
+        super().__init__()
         self._records = records
         self._dropped = 0  # guarded by the handler's lock, which handle() holds
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.enqueue(self.prepare(record))
+        except Exception:
+            self.handleError(record)
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         # Unlike QueueHandler.prepare, the fields stay fields: only what cannot
@@ -125,17 +197,17 @@ class OffLoopHandler(logging.handlers.QueueHandler):
         return True
 
 
-_listener: logging.handlers.QueueListener | None = None
+_writer: LogWriter | None = None
 
 
-def _stop_listener() -> None:
-    global _listener
-    if _listener is not None:
-        _listener.stop()  # writes what is still queued
-        _listener = None
+def _stop_writer() -> None:
+    global _writer
+    if _writer is not None:
+        _writer.stop()  # writes what is still queued
+        _writer = None
 
 
-atexit.register(_stop_listener)
+atexit.register(_stop_writer)
 
 
 def configure_logging(log_format: str, level: str) -> None:
@@ -146,16 +218,13 @@ def configure_logging(log_format: str, level: str) -> None:
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
-    global _listener
-    writer = logging.StreamHandler(sys.stderr)
-    writer.setFormatter(json_formatter() if log_format == "json" else TextFormatter())
-    records: queue.Queue[logging.LogRecord] = queue.Queue(QUEUED_RECORDS)
-    handler = OffLoopHandler(records)
+    global _writer
+    _stop_writer()
+    _writer = LogWriter(sys.stderr, json_formatter() if log_format == "json" else TextFormatter())
+    _writer.start()
+    handler = OffLoopHandler(_writer)
     # On the caller's side: the request id lives in the call's context.
     handler.addFilter(RequestIdFilter())
-    _stop_listener()
-    _listener = logging.handlers.QueueListener(records, writer)
-    _listener.start()
     root = logging.getLogger("kvplan")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -3,14 +3,18 @@ a full queue drops and counts instead of blocking, and what is queued is written
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import queue
 import subprocess
 import sys
 import textwrap
+import time
 
-from kvplan.server.logs import OffLoopHandler, TextFormatter, json_formatter
+import pytest
+
+from kvplan.server.logs import LogWriter, OffLoopHandler, TextFormatter, json_formatter
 
 
 def _record(message: str, **fields: object) -> logging.LogRecord:
@@ -84,3 +88,43 @@ def test_queued_records_are_written_at_exit() -> None:
     )
     lines = [json.loads(line) for line in done.stderr.splitlines()]
     assert [line["index"] for line in lines] == list(range(2000))
+
+
+def test_the_log_thread_writes_in_batches_and_bounds_its_queue() -> None:
+    stream = io.StringIO()
+    writer = LogWriter(stream, TextFormatter(), capacity=3, interval_s=0.01)
+    for message in ("a", "b", "c"):
+        writer.put_nowait(_record(message))
+    with pytest.raises(queue.Full):  # bounded: the handler drops and counts
+        writer.put_nowait(_record("d"))
+    writer.start()
+    deadline = time.monotonic() + 10
+    while stream.getvalue().count("\n") < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [line.split(" ", 4)[-1] for line in stream.getvalue().splitlines()] == ["a", "b", "c"]
+    writer.put_nowait(_record("e"))  # room again once written
+    writer.stop()  # writes what is queued
+    assert stream.getvalue().splitlines()[-1].endswith(" e")
+
+
+def test_a_broken_stream_loses_lines_not_the_log_thread() -> None:
+    class BreaksOnce(io.StringIO):
+        broken = False
+
+        def write(self, text: str) -> int:
+            if not self.broken:
+                self.broken = True
+                raise BrokenPipeError("the log reader went away")
+            return super().write(text)
+
+    stream = BreaksOnce()
+    writer = LogWriter(stream, TextFormatter(), interval_s=0.01)
+    writer.put_nowait(_record("lost"))
+    writer.start()
+    deadline = time.monotonic() + 10
+    while not stream.broken and time.monotonic() < deadline:
+        time.sleep(0.01)
+    writer.put_nowait(_record("written"))
+    writer.stop()  # the thread survived the broken write and writes the next line
+    assert stream.getvalue().splitlines()[-1].endswith(" written")
+    assert "lost" not in stream.getvalue()
