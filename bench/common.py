@@ -360,6 +360,8 @@ NON_TORCH_STEP_BYTES = 4096
 _FIVE_BYTE_VARINTS = range(1 << 28, 1 << 35)
 NON_TORCH_VALUES = (_FIVE_BYTE_VARINTS.stop - NON_TORCH_BASE_BYTES) // NON_TORCH_STEP_BYTES
 _NON_TORCH_MARKER = _FIVE_BYTE_VARINTS.stop - 1  # every one of its 5 bytes differs from BASE's
+# The largest field number protobuf allows: no kvplan release will define it.
+UNKNOWN_OPTIONS_FIELD = (1 << 29) - 1
 _fresh_serials = itertools.count(1)  # shared: no two payloads of one process repeat content
 
 
@@ -383,8 +385,10 @@ def _varint5(value: int) -> bytes:
 
 class FreshContent:
     """Payloads of a new engine with new content: what a plan the server cannot have
-    seen costs (a new engine id alone is a known model, which the server may answer
-    from memory).
+    seen costs (a new engine id alone is known content, which the server may answer
+    from memory). The content is new in its memory figures, as another engine of a
+    fleet's model is: the server keeps the model's grouping (kvplan.model_cache) and
+    budgets it. `new_model()` is a model never seen as well: planned from scratch.
 
     Built from a base PlanRequest: `template` is the base with every worker's
     memory.non_kv.non_torch_bytes = NON_TORCH_BASE_BYTES, serialized once.
@@ -457,9 +461,19 @@ class FreshContent:
         """A new engine id and a serial this process has not sent yet."""
         return self.payload(next_fresh_serial(), self.ids.next())
 
-    def known_model(self) -> bytes:
-        """A new engine id, the template's content: a new replica of a known model."""
+    def known_content(self) -> bytes:
+        """A new engine id, the template's content: a new replica of a model on GPUs
+        that report the same memory, whose whole plan the server may reuse."""
         return with_engine_id(self.template, self.ids.next())
+
+    def new_model(self) -> bytes:
+        """`next()` of a model the server has not seen: its options carry a serial in
+        a field no kvplan release defines, which the planner never reads but which is
+        part of the model key (PlanKeys.model), so nothing kept applies. Appended as
+        an options message, which protobuf merges into the request's options."""
+        serial = encode_varint(UNKNOWN_OPTIONS_FIELD << 3) + encode_varint(next_fresh_serial())
+        options = encode_varint(plan_pb2.PlanRequest.OPTIONS_FIELD_NUMBER << 3 | 2)
+        return self.next() + options + encode_varint(len(serial)) + serial
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ Against one `kvplan serve` on its default store (SQLite), in its own process:
   same payload; an uncached plan, the headline and what the targets are judged on:
   a new engine id AND new content each call (every worker reports another non-torch
   memory figure, as real GPUs differ by MiBs of CUDA context and NCCL memory;
-  bench.common.FreshContent), so the server has to plan; a known-model plan, a new
+  bench.common.FreshContent), so the server has to plan; a known-content plan, a new
   engine id with content the server has seen (a fleet's new replica of a known
   model: the server may answer it from memory), informational only; and a cached
   plan (the same request again). Per repeat: plan/echo throughput and p99, server
@@ -94,7 +94,7 @@ ENGINES: dict[str, tuple[str, Callable[[], plan_pb2.PlanRequest]]] = {
     ),
 }
 
-VARIANTS = ("echo", "plan uncached", "plan known model", "plan cached")
+VARIANTS = ("echo", "plan uncached", "plan new model", "plan known content", "plan cached")
 TARGET_UNCACHED_OVER_ECHO = 0.5  # throughput, at every concurrency, for both engines
 TARGET_P99_OVER_ECHO = 3.0
 TARGET_RENDEZVOUS_S = 2.0
@@ -129,7 +129,7 @@ async def check_replies(server: ServerProcess, fresh: FreshContent) -> int:
     model) and an echo, parsed: the load is of calls that do what they say. Returns the
     plan's size."""
     serial = next_fresh_serial()
-    fresh_id, known_id = f"check-fresh-{serial}", f"check-known-model-{serial}"
+    fresh_id, known_id = f"check-fresh-{serial}", f"check-known-content-{serial}"
     async with grpc.aio.insecure_channel(server.target) as channel:
         plan_call = channel.unary_unary(PLAN_METHOD)
         plan_bytes = await plan_call(fresh.template, timeout=CALL_TIMEOUT_S)
@@ -155,7 +155,13 @@ async def check_replies(server: ServerProcess, fresh: FreshContent) -> int:
     if moved != [added] * workers:
         raise RuntimeError(f"fresh content was not planned: non-KV bytes moved by {moved}")
     if known.num_blocks != plan.num_blocks or known.workers != plan.workers:
-        raise RuntimeError("a known model under a new engine id got another plan")
+        raise RuntimeError("known content under a new engine id got another plan")
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        new_model = plan_pb2.PlanResponse.FromString(
+            await channel.unary_unary(PLAN_METHOD)(fresh.new_model(), timeout=CALL_TIMEOUT_S)
+        )
+    if new_model.num_blocks <= 0 or len(new_model.workers) != workers:
+        raise RuntimeError(f"a new model was not planned: {new_model.num_blocks} blocks")
     if plan_pb2.PlanRequest.FromString(echo_bytes) != fresh.request:
         raise RuntimeError("Echo did not return its payload")
     return len(plan_bytes)
@@ -165,12 +171,13 @@ async def plan_vs_echo(
     server: ServerProcess, engine: str, base: plan_pb2.PlanRequest, concurrency: int, scale: Scale
 ) -> dict[str, Any]:
     """One repeat for one engine and concurrency: echo, uncached (fresh content),
-    known-model and cached plans interleaved."""
+    known-content and cached plans interleaved."""
     fresh = FreshContent(base, f"{engine}-c{concurrency}")
     variants = [
         Variant("echo", ECHO_METHOD, lambda: fresh.template),
         Variant("plan uncached", PLAN_METHOD, fresh.next),
-        Variant("plan known model", PLAN_METHOD, fresh.known_model),
+        Variant("plan new model", PLAN_METHOD, fresh.new_model),
+        Variant("plan known content", PLAN_METHOD, fresh.known_content),
         Variant("plan cached", PLAN_METHOD, lambda: fresh.template),
     ]
     tallies = await run_interleaved(
@@ -432,20 +439,24 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
     ]
 
 
-def known_model_line(report: dict[str, Any]) -> str:
-    """The known-model ratios, said apart from the targets: a server that remembers a
-    model's plan answers them without planning, so they claim nothing."""
-    rows = [row for row in report["load"] if row["variant"] == "plan known model"]
-    ratios = "; ".join(
-        f"{row['engine']} c={row['concurrency']}: "
-        f"{Spread.from_dict(row['throughput_over_echo']).text(unit='x')} req/s, "
-        f"p99 {Spread.from_dict(row['p99_over_echo']).text(unit='x')}"
-        for row in rows
-    )
-    return (
-        "Informational, not a target: plan known model (a new engine id, content seen "
-        f"before) against Echo: {ratios}."
-    )
+def informational_lines(report: dict[str, Any]) -> list[str]:
+    """The ratios of the informational variants, said apart from the targets: a new
+    model (no kept grouping: the first engine of a model, the worst case) and known
+    content (a server that remembers a plan answers it without planning)."""
+    lines = []
+    for variant, what in (
+        ("plan new model", "a new engine, new content and a model never seen"),
+        ("plan known content", "a new engine id, content seen before"),
+    ):
+        rows = [row for row in report["load"] if row["variant"] == variant]
+        ratios = "; ".join(
+            f"{row['engine']} c={row['concurrency']}: "
+            f"{Spread.from_dict(row['throughput_over_echo']).text(unit='x')} req/s, "
+            f"p99 {Spread.from_dict(row['p99_over_echo']).text(unit='x')}"
+            for row in rows
+        )
+        lines.append(f"Informational, not a target: {variant} ({what}) against Echo: {ratios}.")
+    return lines
 
 
 def render_markdown(report: dict[str, Any]) -> list[str]:
@@ -453,12 +464,15 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
     lines = [
         f"One `kvplan serve` on the {report['store']} store; the load generator in another "
         "process, raw grpc.aio calls (bytes in, bytes out), one channel per concurrent "
-        "caller. Four kinds of call alternate: Echo of the same payload; **plan uncached**, "
+        "caller. Five kinds of call alternate: Echo of the same payload; **plan uncached**, "
         "a new engine id and new content each call (every worker reports another non-torch "
-        "memory figure, 1 GiB + 4 KiB x serial), so the server has to plan: the targets are "
-        "judged on it; **plan known model**, a new engine id with content the server has "
-        "seen (a new replica of a known model, which it may answer from memory): "
-        "informational, never a target; **plan cached**, the same request again. They "
+        "memory figure, 1 GiB + 4 KiB x serial), so the server has to plan it: it budgets "
+        "the model's grouping, which it keeps (what a fleet's engines of one model cost); "
+        "the targets are judged on it; **plan new model**, the same and a model the server "
+        "has never seen (a serial in an options field no release defines), planned from "
+        "scratch: informational; **plan known content**, a new engine id with content the "
+        "server has seen (a new replica on GPUs reporting the same memory, which it may "
+        "answer from memory): informational; **plan cached**, the same request again. They "
         f"alternate in {settings['rounds']} round(s) of {settings['slice_s']:.2f} s slices "
         f"({settings['settle_s']:.2f} s settle after each switch), repeated "
         f"{settings['repeats']} times; each cell is the median over the repeats "
@@ -475,7 +489,7 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
         ]
     lines += [
         "### Plans vs Echo: uncached (new engine, new content: the headline and the targets), "
-        "known model (informational), cached",
+        "new model and known content (informational), cached",
         "",
         "| engine | c | RPC | req/s | p50 ms | p99 ms | vs echo req/s | vs echo p99 "
         "| server CPU µs/call | vs echo CPU | errors |",
@@ -499,7 +513,7 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
-        known_model_line(report),
+        *informational_lines(report),
         "",
         f"### Sporadic arrivals: uncached plans (new content) {SPORADIC_GAP_S * 1e3:.0f} ms "
         "apart vs back to back (concurrency 1; server CPU per plan, the idle time between "
@@ -559,15 +573,15 @@ async def run_server_benchmarks(
             for concurrency in scale.concurrency:
                 figures = await plan_vs_echo(server, key, base, concurrency, scale)
                 uncached = figures["plan uncached"]
-                known = figures["plan known model"]
+                new_model = figures["plan new model"]
                 print(
                     f"  repeat {repeat + 1} {key:<15} c={concurrency:<3} uncached "
                     f"{uncached['throughput_rps']:7.0f} req/s = "
                     f"{uncached['throughput_over_echo']:.2f}x echo, p99 "
                     f"{uncached['p99_over_echo']:.2f}x, server "
                     f"{uncached['server_cpu_us_per_call']:6.0f} µs CPU/plan "
-                    f"({uncached['cpu_over_echo']:.1f}x echo); known model "
-                    f"{known['throughput_over_echo']:.2f}x echo (informational)",
+                    f"({uncached['cpu_over_echo']:.1f}x echo); new model "
+                    f"{new_model['throughput_over_echo']:.2f}x echo (informational)",
                     flush=True,
                 )
                 runs.append({"engine": key, "concurrency": concurrency, "figures": figures})
@@ -650,7 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     targets = evaluate_targets(report)
     report["targets"] = [target.as_dict() for target in targets]
     print_targets(targets)
-    print(known_model_line(report), flush=True)
+    for line in informational_lines(report):
+        print(line, flush=True)
     if profile_path is None:
         write_results(args.results, "rpc", report, render_markdown(report))
     else:

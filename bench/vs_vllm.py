@@ -10,9 +10,13 @@ Two processes, idle while the other is measured:
   memory figure in every worker, bench.common.FreshContent, so the server has to
   plan), back to back at concurrency 1, the round trip timed by the caller
   (serialized request in, serialized plan out). The targets are judged on it;
-- kvplan, known model (informational, never a target): the same, but each call only
-  a new engine id with content the server has seen (a new replica of a known model,
-  which the server may answer from memory);
+  The server budgets the model's grouping, which it keeps (kvplan.model_cache): what
+  a fleet's engines of one model cost;
+- kvplan, new model (informational): the same and a model the server has never seen
+  (FreshContent.new_model), planned from scratch: the first engine of a model;
+- kvplan, known content (informational, never a target): the same, but each call only
+  a new engine id with content the server has seen (a new replica on GPUs reporting
+  the same memory, which the server may answer from memory);
 - vLLM 0.33 (its own environment, `--vllm-python`; bench/vllm_worker.py): vLLM's
   get_global_kv_cache_groups + get_kv_cache_configs of the same engine, in process;
 - the floor: an Echo of the same payload over the same loopback, timed the same way,
@@ -20,8 +24,8 @@ Two processes, idle while the other is measured:
   Echo's is the most any round trip could reach against vLLM on this machine.
 
 Per repeat and engine (the 64-layer single-worker engine and the 8-worker Qwen3-Next-
-like engine), a kvplan slice, a known-model slice, an Echo slice and a vLLM slice
-alternate (order rotated each repeat);
+like engine), a kvplan slice, a new-model slice, a known-content slice, an Echo slice
+and a vLLM slice alternate (order rotated each repeat);
 the figure is vLLM's p50 over kvplan's p50, median and range over the repeats. Without
 vLLM's environment the kvplan side is still measured and the targets read NOT RUN.
 Results: bench/results/vs_vllm.json and vs_vllm.md.
@@ -170,8 +174,8 @@ def compare(
     rows: list[dict[str, Any]] = []
     for key, (description, build) in ENGINES.items():
         fresh = FreshContent(build(), f"vs-vllm-{key}")
-        # vLLM plans the template: the known model's content, 4 KiB x serial of
-        # non-torch memory from each fresh call's.
+        # vLLM plans the template: the known content, 4 KiB x serial of non-torch
+        # memory from each fresh call's.
         request_path = folder / f"{key}.pb"
         request_path.write_bytes(fresh.template)
 
@@ -180,24 +184,29 @@ def compare(
 
         warm_up = Scale(0.0, 3)
         asyncio.run(round_trips(server, PLAN_METHOD, fresh.next, warm_up))
-        asyncio.run(round_trips(server, PLAN_METHOD, fresh.known_model, warm_up))
+        asyncio.run(round_trips(server, PLAN_METHOD, fresh.known_content, warm_up))
+        asyncio.run(round_trips(server, PLAN_METHOD, fresh.new_model, warm_up))
         if vllm is not None:
             vllm.time_planning(request_path, 0.0, 2)
         asyncio.run(round_trips(server, ECHO_METHOD, echo, warm_up))
         kvplan_p50: list[float] = []
         known_p50: list[float] = []
+        new_model_p50: list[float] = []
         echo_p50: list[float] = []
         vllm_p50: list[float] = []
-        order = ["kvplan", "known model", "echo", "vllm"]
+        order = ["kvplan", "new model", "known content", "echo", "vllm"]
         for repeat in range(repeats):
             turn = repeat % len(order)
             for side in order[turn:] + order[:turn]:
                 if side == "kvplan":
                     samples = asyncio.run(round_trips(server, PLAN_METHOD, fresh.next, scale))
                     kvplan_p50.append(percentile(samples, 0.5) * 1e3)
-                elif side == "known model":
+                elif side == "new model":
+                    samples = asyncio.run(round_trips(server, PLAN_METHOD, fresh.new_model, scale))
+                    new_model_p50.append(percentile(samples, 0.5) * 1e3)
+                elif side == "known content":
                     samples = asyncio.run(
-                        round_trips(server, PLAN_METHOD, fresh.known_model, scale)
+                        round_trips(server, PLAN_METHOD, fresh.known_content, scale)
                     )
                     known_p50.append(percentile(samples, 0.5) * 1e3)
                 elif side == "echo":
@@ -208,7 +217,8 @@ def compare(
                     vllm_p50.append(percentile(samples, 0.5) * 1e3)
             print(
                 f"  repeat {repeat + 1} {key:<15} kvplan round trip {kvplan_p50[-1]:8.2f} ms"
-                f" (known model {known_p50[-1]:.2f} ms, Echo {echo_p50[-1]:.2f} ms)"
+                f" (new model {new_model_p50[-1]:.2f} ms, known content {known_p50[-1]:.2f} ms,"
+                f" Echo {echo_p50[-1]:.2f} ms)"
                 + (
                     f", vLLM in process {vllm_p50[-1]:8.2f} ms: "
                     f"{vllm_p50[-1] / kvplan_p50[-1]:.1f}x"
@@ -222,7 +232,8 @@ def compare(
             "description": description,
             "request_bytes": len(fresh.template),
             "kvplan_round_trip_p50_ms": Spread.of(kvplan_p50).as_dict(),
-            "known_model_round_trip_p50_ms": Spread.of(known_p50).as_dict(),
+            "new_model_round_trip_p50_ms": Spread.of(new_model_p50).as_dict(),
+            "known_content_round_trip_p50_ms": Spread.of(known_p50).as_dict(),
             "echo_round_trip_p50_ms": Spread.of(echo_p50).as_dict(),
         }
         if vllm_p50:
@@ -230,7 +241,10 @@ def compare(
             row["vllm_over_kvplan"] = Spread.of(
                 [v / k for v, k in zip(vllm_p50, kvplan_p50, strict=True)]
             ).as_dict()
-            row["vllm_over_known_model"] = Spread.of(
+            row["vllm_over_new_model"] = Spread.of(
+                [v / k for v, k in zip(vllm_p50, new_model_p50, strict=True)]
+            ).as_dict()
+            row["vllm_over_known_content"] = Spread.of(
                 [v / k for v, k in zip(vllm_p50, known_p50, strict=True)]
             ).as_dict()
             row["vllm_over_echo"] = Spread.of(
@@ -258,9 +272,11 @@ def evaluate_targets(report: dict[str, Any]) -> list[Target]:
                 f"{ratio.text('.1f', 'x')}: vLLM {row['vllm_p50_ms']['median']:.2f} ms, kvplan "
                 f"{row['kvplan_round_trip_p50_ms']['median']:.2f} ms (an Echo of the same "
                 f"payload: {row['echo_round_trip_p50_ms']['median']:.2f} ms, "
-                f"{row['vllm_over_echo']['median']:.1f}x; a known model, informational: "
-                f"{row['known_model_round_trip_p50_ms']['median']:.2f} ms, "
-                f"{row['vllm_over_known_model']['median']:.1f}x)",
+                f"{row['vllm_over_echo']['median']:.1f}x; informational: a new model "
+                f"{row['new_model_round_trip_p50_ms']['median']:.2f} ms, "
+                f"{row['vllm_over_new_model']['median']:.1f}x, known content "
+                f"{row['known_content_round_trip_p50_ms']['median']:.2f} ms, "
+                f"{row['vllm_over_known_content']['median']:.1f}x)",
                 ratio.median >= goal,
                 {"ratio": ratio.as_dict()},
             )
@@ -273,36 +289,42 @@ def render_markdown(report: dict[str, Any]) -> list[str]:
     lines = [
         "kvplan: the round trip of a PlanKVCache of a new engine with new content "
         "(uncached: a new engine id and another non-torch memory figure in every worker "
-        "each call, so the server has to plan; the targets are judged on it), over "
+        "each call, so the server has to plan it, budgeting the model's grouping, which it "
+        "keeps; the targets are judged on it), over "
         "loopback to one `kvplan serve` on its default store (SQLite), at concurrency 1. "
-        "Known model (informational, never a target): the same with only a new engine id, "
-        "content the server has seen (a new replica of a known model, which it may answer "
-        "from memory). "
+        "New model (informational): the same and a model the server has never seen, "
+        "planned from scratch. Known content (informational, never a target): only a new "
+        "engine id, content the server has seen (a new replica on GPUs reporting the same "
+        "memory, which it may answer from memory). "
         "vLLM 0.33: `get_global_kv_cache_groups` + `get_kv_cache_configs` of the same "
         "engine in its own process (inputs built by conformance/vllm_driver.py, not "
         "timed). Echo: the same payload echoed over the same loopback, the floor of any "
         f"round trip of this size. Slices of {settings['slice_s']:.1f} s alternate between "
-        f"the four, {settings['repeats']} repeats; p50 per slice, median (min-max) over "
+        f"the five, {settings['repeats']} repeats; p50 per slice, median (min-max) over "
         "repeats.",
         "",
-        "| engine | request B | kvplan round trip p50 ms (uncached) | known model p50 ms "
-        "(informational) | Echo p50 ms | vLLM in-process p50 ms | vLLM / kvplan (the "
-        "target) | vLLM / known model (informational) | vLLM / Echo (the ceiling) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| engine | request B | kvplan round trip p50 ms (uncached) | new model p50 ms "
+        "(informational) | known content p50 ms (informational) | Echo p50 ms | vLLM "
+        "in-process p50 ms | vLLM / kvplan (the target) | vLLM / new model "
+        "(informational) | vLLM / known content (informational) | vLLM / Echo (the "
+        "ceiling) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["engines"]:
         vllm = (
             f"{Spread.from_dict(row['vllm_p50_ms']).text()} | "
             f"{Spread.from_dict(row['vllm_over_kvplan']).text('.1f', 'x')} | "
-            f"{Spread.from_dict(row['vllm_over_known_model']).text('.1f', 'x')} | "
+            f"{Spread.from_dict(row['vllm_over_new_model']).text('.1f', 'x')} | "
+            f"{Spread.from_dict(row['vllm_over_known_content']).text('.1f', 'x')} | "
             f"{Spread.from_dict(row['vllm_over_echo']).text('.1f', 'x')}"
             if "vllm_over_kvplan" in row
-            else f"not run ({report['vllm_missing']}) | - | - | -"
+            else f"not run ({report['vllm_missing']}) | - | - | - | -"
         )
         lines.append(
             f"| {row['engine']}: {row['description']} | {row['request_bytes']:,} | "
             f"{Spread.from_dict(row['kvplan_round_trip_p50_ms']).text()} | "
-            f"{Spread.from_dict(row['known_model_round_trip_p50_ms']).text()} | "
+            f"{Spread.from_dict(row['new_model_round_trip_p50_ms']).text()} | "
+            f"{Spread.from_dict(row['known_content_round_trip_p50_ms']).text()} | "
             f"{Spread.from_dict(row['echo_round_trip_p50_ms']).text()} | {vllm} |"
         )
     return lines

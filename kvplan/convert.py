@@ -889,7 +889,7 @@ def request_from_proto(
         known_workers = [None] * len(message.workers)
     else:
         options, spec_decode = known_model.options, known_model.spec_decode
-        known_workers = known_model.workers
+        known_workers = [known_model.worker(worker.rank) for worker in message.workers]
     ctx = _Context(message.options, rules)
     table = GPU_MEMORY_BYTES if gpu_memory_table is None else gpu_memory_table
     by_name = _GPU_BY_NAME if gpu_memory_table is None else _lowered(gpu_memory_table)
@@ -1201,8 +1201,8 @@ class PlanKeys:
     without its engine id. Two engines with equal `content` get equal plans apart
     from the ids: a fleet's new replica of a model it has already planned.
     `model`: the SHA-256 of what its model plan (`plan_model`) depends on, which is
-    `content` without the workers' device and memory settings, workers in the order
-    sent. Engines with equal `model` and any memory share one model plan.
+    `content` without the workers' device and memory settings. Engines with equal
+    `model` and any memory share one model plan.
     """
 
     plan_id: str
@@ -1244,12 +1244,12 @@ def plan_keys(
         content.update(part)
     # Each distinct layer list hashed once (tensor-parallel ranks share one).
     layer_digests: dict[bytes, bytes] = {}
-    for rank, worker_bytes in zip(ranks, encoded, strict=True):
-        layers = worker_bytes.layers_key
+    for index in sorted(range(len(ranks)), key=ranks.__getitem__):
+        layers = encoded[index].layers_key
         digest = layer_digests.get(layers)
         if digest is None:
             digest = layer_digests[layers] = hashlib.sha256(layers).digest()
-        model.update(b"%d:%d:" % (workers_field, rank) + digest)
+        model.update(b"%d:%d:" % (workers_field, ranks[index]) + digest)
     return PlanKeys(f"plan-{whole.hexdigest()[:32]}", content.digest(), model.digest())
 
 

@@ -40,14 +40,13 @@ class WorkerModel:
 
 @dataclass(frozen=True)
 class KnownModel:
-    """A request's converted model side (its workers by their index in the request)
-    and its model plan: all a later request with the same model key needs besides
-    its own memory and device settings."""
+    """A request's converted model side and its model plan: all a later request with
+    the same model key needs besides its own memory and device settings."""
 
     options: EngineOptions
     spec_decode: SpecDecode
     rules: RuleSet
-    workers: tuple[WorkerModel, ...]
+    workers: dict[int, WorkerModel]  # by rank (distinct: plan_model checked them)
     plan: ModelPlan
 
     @classmethod
@@ -56,18 +55,23 @@ class KnownModel:
             options=request.options,
             spec_decode=request.spec_decode,
             rules=request.rules,
-            workers=tuple(
-                WorkerModel(w.layers, w.encoder_only_layers, w.supported_layouts)
+            workers={
+                w.rank: WorkerModel(w.layers, w.encoder_only_layers, w.supported_layouts)
                 for w in request.workers
-            ),
+            },
             plan=plan,
         )
+
+    def worker(self, rank: int) -> WorkerModel:
+        """The model side of the worker of this rank (a request with this model's key
+        has the same ranks)."""
+        return self.workers[rank]
 
     @property
     def weight(self) -> int:
         """Bytes it holds, over-estimated: each distinct layer list once (tensor-
         parallel ranks share one) at BYTES_PER_LAYER plus its name's characters."""
-        distinct = {id(worker.layers): worker.layers for worker in self.workers}
+        distinct = {id(worker.layers): worker.layers for worker in self.workers.values()}
         return max(
             BYTES_PER_LAYER,
             sum(BYTES_PER_LAYER + len(name) for layers in distinct.values() for name, _ in layers),

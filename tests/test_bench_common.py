@@ -16,6 +16,7 @@ from bench.common import (
     with_engine_id,
 )
 from bench.engines import gemma_style, qwen3_next_tp8
+from kvplan.convert import plan_from_proto, plan_keys
 from kvplan.v1 import plan_pb2
 
 # The 8-worker engine already reports 1 GiB of non-torch memory; the 64-layer one none.
@@ -69,20 +70,20 @@ def test_next_gives_distinct_content_and_engine_ids(base: plan_pb2.PlanRequest) 
     parsed = [plan_pb2.PlanRequest.FromString(f.next()) for f in (first, second) * 50]
     values = [non_torch(request)[0] for request in parsed]
     assert len(set(values)) == len(parsed)
-    assert NON_TORCH_BASE_BYTES not in values  # the base's content is the known model's
+    assert NON_TORCH_BASE_BYTES not in values  # the base's content is known content
     assert len({request.engine_id for request in parsed}) == len(parsed)
     for request in parsed:  # every worker of one payload: one figure
         assert len(set(non_torch(request))) == 1
 
 
-def test_known_model_is_the_template_under_a_new_engine_id(base: plan_pb2.PlanRequest) -> None:
+def test_known_content_is_the_template_under_a_new_engine_id(base: plan_pb2.PlanRequest) -> None:
     fresh = FreshContent(base, "known")
-    first, second = (plan_pb2.PlanRequest.FromString(fresh.known_model()) for _ in range(2))
+    first, second = (plan_pb2.PlanRequest.FromString(fresh.known_content()) for _ in range(2))
     assert first.engine_id != second.engine_id
     for request in (first, second):
         request.engine_id = fresh.request.engine_id
         assert request == fresh.request
-    assert fresh.known_model().startswith(fresh.template)
+    assert fresh.known_content().startswith(fresh.template)
 
 
 def test_payload_is_the_template_patched_in_place() -> None:
@@ -121,3 +122,22 @@ def test_wrapping_returns_to_the_base_value() -> None:
 def test_a_request_without_workers_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one worker"):
         FreshContent(plan_pb2.PlanRequest(engine_id="empty"), "empty")
+
+
+def test_a_new_model_is_fresh_content_of_a_model_never_seen(base: plan_pb2.PlanRequest) -> None:
+    """Another model key each call, by an options field the planner never reads: the
+    same plan as fresh content of the known model, planned from scratch."""
+    fresh = FreshContent(base, "test")
+    first, second = (plan_pb2.PlanRequest.FromString(fresh.new_model()) for _ in range(2))
+    assert plan_keys(first).model != plan_keys(second).model
+    assert plan_keys(first).model != plan_keys(plan_pb2.PlanRequest.FromString(fresh.next())).model
+    assert first.engine_id != second.engine_id
+    assert non_torch(first) != non_torch(second)
+    stripped = without_fresh_fields(first)
+    stripped.options.DiscardUnknownFields()
+    assert stripped == without_fresh_fields(base)
+    # The same plan as for the known model's fresh content of the same memory.
+    memory = plan_pb2.PlanRequest()
+    memory.CopyFrom(first)
+    memory.options.DiscardUnknownFields()
+    assert plan_from_proto(first, plan_id="p") == plan_from_proto(memory, plan_id="p")

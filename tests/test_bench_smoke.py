@@ -71,10 +71,11 @@ def test_targets_are_well_formed(results: Path) -> None:
     vs_vllm = load(results, "vs_vllm")
     assert [t["verdict"] for t in vs_vllm["targets"]] == ["NOT RUN", "NOT RUN"]
     for row in vs_vllm["engines"]:
-        for column in ("kvplan", "known_model", "echo"):  # kvplan: fresh content, the target
+        for column in ("kvplan", "new_model", "known_content", "echo"):  # kvplan: the target
             assert finite(row[f"{column}_round_trip_p50_ms"]["median"]), (row["engine"], column)
     vs_vllm_markdown = (results / "vs_vllm.md").read_text()
-    assert "known model p50 ms (informational)" in vs_vllm_markdown
+    assert "new model p50 ms (informational)" in vs_vllm_markdown
+    assert "known content p50 ms (informational)" in vs_vllm_markdown
     # What each program promises to measure is there.
     expected_targets = {
         "rpc": 5,
@@ -104,7 +105,7 @@ def test_cpu_breakdown_adds_up(results: Path) -> None:
 def test_headline_figures(results: Path) -> None:
     rpc = load(results, "rpc")
     rows = rpc["load"]
-    variants = ("echo", "plan uncached", "plan known model", "plan cached")
+    variants = ("echo", "plan uncached", "plan new model", "plan known content", "plan cached")
     assert sorted((row["engine"], row["concurrency"], row["variant"]) for row in rows) == sorted(
         (engine, concurrency, variant)
         for engine in ("qwen3-next-tp8", "gemma-64l-tp1")
@@ -122,10 +123,12 @@ def test_headline_figures(results: Path) -> None:
     assert rpc["rendezvous"]["errors"] == 0 and rpc["rendezvous"]["consistent"]
     # One plan per rendezvous engine: each engine's ranks carried its own content.
     assert rpc["rendezvous"]["distinct_plan_ids"] == rpc["rendezvous"]["engines"]
-    # The targets are judged on fresh content; the known model is said apart from them.
+    # The targets are judged on fresh content; new models and known content are said
+    # apart from them.
     assert all("new content" in target["target"] for target in rpc["targets"][:2])
     rpc_markdown = (results / "rpc.md").read_text()
-    assert "Informational, not a target: plan known model" in rpc_markdown
+    assert "Informational, not a target: plan known content" in rpc_markdown
+    assert "Informational, not a target: plan new model" in rpc_markdown
     assert all(f"| {variant} |" in rpc_markdown for variant in variants)
 
 

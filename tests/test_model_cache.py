@@ -125,6 +125,14 @@ def test_the_model_key_leaves_out_memory_and_device_only() -> None:
     assert changed(lambda r: setattr(r.spec_decode, "num_speculative_tokens", 3)) != key
     assert changed(lambda r: setattr(r, "engine_id", "another")) == key
 
+    # Workers in another order are the same model, planned alike from the kept plan.
+    reordered = _with_memory(base, _less_and_uneven)
+    reordered.workers.reverse()
+    assert plan_keys(reordered).model == key
+    cache = ModelCache()
+    plan_from_proto(base, models=cache, model_key=key)
+    assert _outcome(reordered, cache, key) == _outcome(reordered)
+
 
 @settings(max_examples=40, deadline=None)
 @given(
@@ -165,7 +173,7 @@ def _known(request: plan_pb2.PlanRequest) -> KnownModel:
 
 def test_bounded_by_count_and_bytes_least_recently_used_first() -> None:
     small = _known(gemma_style(8))
-    assert small.weight == sum(BYTES_PER_LAYER + len(n) for n, _ in small.workers[0].layers)
+    assert small.weight == sum(BYTES_PER_LAYER + len(n) for n, _ in small.worker(0).layers)
     cache = ModelCache(capacity=2, max_bytes=10 * small.weight)
     for key in ("a", "b"):
         cache.put(key, small)
