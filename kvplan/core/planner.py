@@ -432,9 +432,9 @@ class ModelPlan:
 
     Nothing in it depends on a worker's memory or device, so engines that differ
     only there (replicas of one model whose workers measured different free memory)
-    share one: `plan_model` once, then `plan_engine(request, model_plan)` per engine, which
-    budgets each (64 layers: 160 -> 70 µs of planning; 8 workers x 65 layers: 220 ->
-    90 µs).
+    share one: `plan_model` once, then `plan_engine(request, model_plan)` per engine,
+    which budgets each (in a warm loop, 64 layers: planning 150 -> 50 µs; 8 workers x
+    65 layers: 200 -> 70 µs).
     """
 
     options: EngineOptions
