@@ -1207,7 +1207,7 @@ class PlanKeys:
 
     plan_id: str
     content: bytes
-    model: bytes = b""
+    model: bytes
 
 
 def plan_keys(
@@ -1267,18 +1267,22 @@ def plan_from_proto(
     plan_id: str | None = None,
     encoded_workers: Sequence[WorkerBytes] | None = None,
     models: ModelCache | None = None,
-    model_key: Hashable = None,
+    model_key: Hashable | None = None,
 ) -> plan_pb2.PlanResponse:
     """request -> validate -> plan -> budget -> respond. `plan_id`: the request's
     `plan_id_for`, when the caller already has it; `encoded_workers`: its
     `encode_workers` (serialized once for the plan id and the conversion).
 
-    `models`, `model_key`: where model plans are kept, and this request's key there
-    (`PlanKeys.model`, with whatever else scopes it; both or neither). A known model
-    is not converted or grouped again, only budgeted: the same plan, for less work.
+    `models`: where model plans are kept; `model_key`: this request's key there (by
+    default its `PlanKeys.model`; a caller adds whatever scopes it). A known model is
+    not converted or grouped again, only budgeted: the same plan, for less work.
     """
     encoded = encode_workers(message) if encoded_workers is None else encoded_workers
-    known = models.get(model_key) if models is not None else None
+    known = None
+    if models is not None:
+        if model_key is None:
+            model_key = plan_keys(message, encoded).model
+        known = models.get(model_key)
     request = request_from_proto(
         message, gpu_memory_table=gpu_memory_table, encoded_workers=encoded, known_model=known
     )

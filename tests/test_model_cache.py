@@ -30,7 +30,7 @@ def _fields_of(error: PlanningError) -> object:
 
 
 def _outcome(
-    request: plan_pb2.PlanRequest, models: ModelCache | None = None, key: bytes = b""
+    request: plan_pb2.PlanRequest, models: ModelCache | None = None, key: bytes | None = None
 ) -> Outcome:
     """The serialized plan, or the refusal as a caller sees it: planned with `models`
     under `key`, or from scratch."""
