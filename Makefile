@@ -6,16 +6,21 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvplan/v1/*.proto)
 
-.PHONY: install run test lint proto proto-check unit conformance clean vllm-venvs wheel
+.PHONY: install lock run test lint proto proto-check unit conformance clean vllm-venvs wheel
 .PHONY: bench bench-rpc bench-breakdown bench-vllm bench-leases bench-scaling bench-long bench-core
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[server,dev]'
+	$(PY) -m pip install -q --constraint constraints.txt -e '.[server,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+## Pin what .venv holds now as the tested set (after upgrading a dependency on purpose).
+lock: $(STAMP)
+	{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --exclude-editable; } > constraints.tmp
+	mv constraints.tmp constraints.txt
 
 ## Start the service on its embedded defaults (gRPC :50051, metrics :9464).
 run: $(STAMP)

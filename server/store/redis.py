@@ -1124,7 +1124,7 @@ class RedisStore:
                 failing = True
             finally:
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()
             if self._closing:
                 return
             await asyncio.sleep(delay)
