@@ -252,3 +252,27 @@ def test_the_byte_bound_over_estimates_what_models_hold(
     hold, measured: the cache never holds more than --model-cache-bytes."""
     held, counted = _held_bytes(build, models=20)
     assert held <= counted, (held, counted)
+
+
+def test_planning_leaves_no_cyclic_garbage() -> None:
+    """Everything a plan allocates is freed by reference counting, kept models evicted
+    included: the server's raised collector thresholds (server/main.py) hold no
+    garbage back."""
+    cache = ModelCache(capacity=4)
+    requests = []
+    for case in generate_cases()[:200]:
+        try:
+            plan_from_proto(case.request)
+        except PlanningError:
+            continue
+        requests.append(case.request)
+    assert len(requests) > 100
+    gc.collect()
+    gc.disable()
+    try:
+        for request in requests:
+            plan_from_proto(request, models=cache)  # kept, and evicted past 4
+            _outcome(_with_memory(request, _less_and_uneven), cache)  # planned or refused
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
