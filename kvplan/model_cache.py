@@ -48,9 +48,13 @@ class KnownModel:
     rules: RuleSet
     workers: dict[int, WorkerModel]  # by rank (distinct: plan_model checked them)
     plan: ModelPlan
+    # Bytes it holds, over-estimated: each distinct layer list once (tensor-parallel
+    # ranks share one) at BYTES_PER_LAYER plus its names' characters.
+    weight: int
 
     @classmethod
     def of(cls, request: EngineRequest, plan: ModelPlan) -> KnownModel:
+        distinct = {id(worker.layers): worker.layers for worker in request.workers}
         return cls(
             options=request.options,
             spec_decode=request.spec_decode,
@@ -60,22 +64,20 @@ class KnownModel:
                 for w in request.workers
             },
             plan=plan,
+            weight=max(
+                BYTES_PER_LAYER,
+                sum(
+                    BYTES_PER_LAYER + len(name)
+                    for layers in distinct.values()
+                    for name, _ in layers
+                ),
+            ),
         )
 
     def worker(self, rank: int) -> WorkerModel:
         """The model side of the worker of this rank (a request with this model's key
         has the same ranks)."""
         return self.workers[rank]
-
-    @property
-    def weight(self) -> int:
-        """Bytes it holds, over-estimated: each distinct layer list once (tensor-
-        parallel ranks share one) at BYTES_PER_LAYER plus its name's characters."""
-        distinct = {id(worker.layers): worker.layers for worker in self.workers.values()}
-        return max(
-            BYTES_PER_LAYER,
-            sum(BYTES_PER_LAYER + len(name) for layers in distinct.values() for name, _ in layers),
-        )
 
 
 class ModelCache:
