@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import hashlib
 import logging
 import signal
@@ -321,21 +320,9 @@ async def _serve(settings: Settings) -> None:
     log.info("stopped")
 
 
-# The cyclic garbage collector's thresholds for the server process. A plan allocates
-# thousands of short-lived containers, and kept models and plans survive: at Python's
-# default (700, 10, 10) collections of the young generations ran several times per
-# plan and scanned the survivors. Measured at c=1 (4 s slices, 2 runs each): p99 of
-# plans of a model never seen 2.8-4.8 -> 2.7-2.8 ms (64 layers) and 3.7-5.5 ->
-# 3.3-3.6 ms (8 workers); p50 of uncached plans 1.53-1.58 -> 1.50 ms and 1.96-2.01 ->
-# 1.89-1.92 ms. Planning makes no cyclic garbage (tests/test_model_cache.py), so
-# objects are still freed as soon as they are unreferenced.
-GC_THRESHOLDS = (20_000, 20, 20)
-
-
 def serve_main(argv: Sequence[str]) -> int:
     settings = parse_settings(argv)
     configure_logging(settings)
-    gc.set_threshold(*GC_THRESHOLDS)
     try:
         asyncio.run(_serve(settings))
     except (OSError, ProbeUnavailable, ValueError, StoreUnavailable) as error:

@@ -255,9 +255,9 @@ def test_the_byte_bound_over_estimates_what_models_hold(
 
 
 def test_planning_leaves_no_cyclic_garbage() -> None:
-    """Everything a plan allocates is freed by reference counting, kept models evicted
-    included: the server's raised collector thresholds (server/main.py) hold no
-    garbage back."""
+    """Everything a plan allocates is freed by reference counting, evicted models and
+    refusals included: a dropped model's memory comes back at once, not at the cyclic
+    collector's next pass."""
     cache = ModelCache(capacity=4)
     requests = []
     for case in generate_cases()[:200]:
