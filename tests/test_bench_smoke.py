@@ -121,8 +121,11 @@ def test_headline_figures(results: Path) -> None:
             ratio = row["throughput_over_echo"]
             assert ratio["low"] <= ratio["median"] <= ratio["high"]
     assert rpc["rendezvous"]["errors"] == 0 and rpc["rendezvous"]["consistent"]
-    # One plan per rendezvous engine: each engine's ranks carried its own content.
-    assert rpc["rendezvous"]["distinct_plan_ids"] == rpc["rendezvous"]["engines"]
+    # One plan per rendezvous engine in every repeat: each engine's ranks carried its
+    # own content, and each repeat its own engines.
+    runs = rpc["rendezvous"]["runs"]
+    assert len(runs) == len(rpc["rendezvous"]["wall_s"]["values"]) == rpc["settings"]["repeats"]
+    assert all(run["distinct_plan_ids"] == run["engines"] == 16 for run in runs), runs
     # The targets are judged on fresh content; new models and known content are said
     # apart from them.
     assert all("new content" in target["target"] for target in rpc["targets"][:2])
