@@ -34,10 +34,11 @@ class DeviceMemory:
     uuid: str  # "GPU-..." or "MIG-...", as NVML and nvidia-smi -L print it
     name: str  # e.g. "NVIDIA H100 80GB HBM3"; static: the inventory name
     index: int  # NVML order (PCI bus order); static: inventory order; torch: CUDA index
-    total_bytes: int
+    total_bytes: int  # what CUDA reports as the device's total (cudaMemGetInfo)
     free_bytes: int
     used_bytes: int
-    reserved_bytes: int = 0  # NVML v2 memory query: driver/system reserved
+    # NVML v2 memory query: what the driver reserves, outside total_bytes (CUDA's total).
+    reserved_bytes: int = 0
     parent_uuid: str = ""  # a MIG instance: the physical GPU's UUID
 
 
@@ -154,12 +155,20 @@ class NvmlProbe:
         )
 
     def _memory(self, handle: Any) -> tuple[int, int, int, int]:
-        """(total, free, used, reserved) bytes, the v2 query where the driver has it."""
+        """(total, free, used, reserved) bytes, the v2 query where the driver has it.
+
+        The total is what a CUDA process sees (`cudaMemGetInfo`, which vLLM multiplies
+        by gpu_memory_utilization): NVML's total less the memory the driver reserves.
+        Read on an H200 (scripts/gpu-check, docs/gpu-check.md): NVML's total
+        150,754,820,096 B with 644,939,776 B reserved, torch's 150,109,880,320 B.
+        The v1 query counts the reservation as used and cannot tell it apart: its
+        total overstates CUDA's by that much."""
         nvml = self._nvml
         if self._memory_v2 is not None:
             try:
                 info = nvml.nvmlDeviceGetMemoryInfo(handle, version=self._memory_v2)
-                return int(info.total), int(info.free), int(info.used), int(info.reserved)
+                reserved = int(info.reserved)
+                return int(info.total) - reserved, int(info.free), int(info.used), reserved
             except self._v2_missing:
                 self._memory_v2 = None  # stop asking on every snapshot
             except nvml.NVMLError_NotSupported:

@@ -34,19 +34,28 @@ GIB = 1 << 30
 
 @dataclass
 class FakeGpu:
-    """One device behind the fake driver: a GPU, or a MIG instance (in `mig_slots`)."""
+    """One device behind the fake driver: a GPU, or a MIG instance (in `mig_slots`).
+
+    Its memory as NVML counts it, read off an H200 (docs/gpu-check.md): `total` is
+    the physical memory, the driver's `reserved` share included, and the v2 query
+    reports total = free + used + reserved (150,754,820,096 = 150,106,472,448 +
+    3,407,872 + 644,939,776 B); the v1 query counts the reservation as used.
+    CUDA (`cudaMemGetInfo`) reports total - reserved."""
 
     uuid: str
     name: str = "NVIDIA H100 80GB HBM3"
     total: int = 80 * GIB
-    free: int = 79 * GIB
-    used: int = 512 << 20
+    used: int = 512 << 20  # allocated by processes (v2: the reservation not included)
     reserved: int = 512 << 20
     pci_bus_id: str = "00000000:00:00.0"
     mig_supported: bool = False  # nvmlDeviceGetMigMode raises NotSupported when False
     mig_enabled: bool = False
     mig_slots: list[FakeGpu | None] = field(default_factory=list)  # None: an empty slot
     name_as_bytes: bool = False  # a binding that hands back raw bytes
+
+    @property
+    def free(self) -> int:
+        return self.total - self.reserved - self.used
 
 
 class _Handle:
@@ -129,7 +138,9 @@ class FakeNvml:
         gpu = handle.gpu
         if not version:
             self.calls.append("memory_v1")
-            return pynvml.c_nvmlMemory_t(total=gpu.total, free=gpu.free, used=gpu.used)
+            return pynvml.c_nvmlMemory_t(
+                total=gpu.total, free=gpu.free, used=gpu.used + gpu.reserved
+            )
         self.calls.append("memory_v2")
         if self.memory_v2 == "no_symbol":  # pynvml's answer when the driver lacks the _v2 entry
             _raise(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)

@@ -46,7 +46,8 @@ def test_fake_matches_pynvml() -> None:
 
 def two_gpus() -> list[FakeGpu]:
     return [
-        FakeGpu("GPU-aaaaaaaa-0000-0000-0000-000000000000", free=70 * GIB, used=9 * GIB),
+        # NVML: 80 GiB in all, 512 MiB of it reserved by the driver, 9.5 GiB used.
+        FakeGpu("GPU-aaaaaaaa-0000-0000-0000-000000000000", used=9 * GIB + (512 << 20)),
         FakeGpu("GPU-bbbbbbbb-0000-0000-0000-000000000000", name_as_bytes=True),
     ]
 
@@ -56,15 +57,17 @@ def test_nvml_plain_gpus_with_v2_memory() -> None:
     probe = NvmlProbe(driver.module())
     first, second = probe.snapshot()
     assert probe.name == "nvml"
+    # The total is CUDA's: NVML's less the driver's reservation.
     assert first == DeviceMemory(
         uuid="GPU-aaaaaaaa-0000-0000-0000-000000000000",
         name="NVIDIA H100 80GB HBM3",
         index=0,
-        total_bytes=80 * GIB,
+        total_bytes=80 * GIB - (512 << 20),
         free_bytes=70 * GIB,
-        used_bytes=9 * GIB,
+        used_bytes=9 * GIB + (512 << 20),
         reserved_bytes=512 << 20,
     )
+    assert first.total_bytes == first.free_bytes + first.used_bytes
     assert second.index == 1
     assert second.name == "NVIDIA H100 80GB HBM3"  # bytes from the binding, decoded
     assert second.reserved_bytes == 512 << 20
@@ -73,11 +76,28 @@ def test_nvml_plain_gpus_with_v2_memory() -> None:
     assert driver.calls.count("nvmlInit") == 1
 
 
+def test_nvml_total_is_what_cuda_reports_on_an_h200() -> None:
+    """NVML's v2 reading and torch.cuda.mem_get_info on one H200, side by side
+    (scripts/gpu-check, docs/gpu-check.md): the probe's total must be torch's, since
+    vLLM budgets gpu_memory_utilization x torch's total."""
+    reading = FakeGpu(
+        "GPU-775c3238-4bcb-be23-7fd3-7ab35a4c08e1",
+        name="NVIDIA H200",
+        total=150_754_820_096,
+        used=3_407_872,
+        reserved=644_939_776,
+    )
+    assert reading.free == 150_106_472_448  # NVML's own free figure in that reading
+    (device,) = NvmlProbe(FakeNvml([reading]).module()).snapshot()
+    assert device.total_bytes == 150_109_880_320  # torch.cuda.mem_get_info's total
+    assert device.free_bytes == 150_106_472_448
+
+
 def test_nvml_snapshot_is_fresh() -> None:
     driver = FakeNvml(two_gpus())
     probe = NvmlProbe(driver.module())
     assert probe.snapshot()[0].free_bytes == 70 * GIB
-    driver.gpus[0].free = 10 * GIB
+    driver.gpus[0].used += 60 * GIB
     assert probe.snapshot()[0].free_bytes == 10 * GIB
 
 
@@ -85,7 +105,8 @@ def test_nvml_driver_without_v2_falls_back_to_v1_once() -> None:
     driver = FakeNvml(two_gpus(), memory_v2="no_symbol")
     probe = NvmlProbe(driver.module())
     first, second = probe.snapshot()
-    assert (first.total_bytes, first.free_bytes, first.used_bytes) == (80 * GIB, 70 * GIB, 9 * GIB)
+    # v1 counts the reservation as used and in the total: it cannot be taken out.
+    assert (first.total_bytes, first.free_bytes, first.used_bytes) == (80 * GIB, 70 * GIB, 10 * GIB)
     assert first.reserved_bytes == 0 and second.reserved_bytes == 0
     probe.snapshot()
     # v2 was asked once; the driver's answer holds for every later reading.
@@ -116,7 +137,12 @@ def test_nvml_mig_instances_replace_their_gpu() -> None:
             mig_slots=[
                 FakeGpu("MIG-aaaaaaaa-1111-1111-1111-111111111111", "A100 MIG 3g.40gb", 40 * GIB),
                 None,  # an empty slot
-                FakeGpu("MIG-bbbbbbbb-2222-2222-2222-222222222222", "A100 MIG 1g.10gb", 10 * GIB),
+                FakeGpu(
+                    "MIG-bbbbbbbb-2222-2222-2222-222222222222",
+                    "A100 MIG 1g.10gb",
+                    10 * GIB,
+                    reserved=0,
+                ),
             ],
         ),
         FakeGpu("GPU-22222222-0000-0000-0000-000000000000", mig_supported=False),
@@ -131,7 +157,8 @@ def test_nvml_mig_instances_replace_their_gpu() -> None:
     ]
     assert [device.parent_uuid for device in devices] == [parent, parent, "", ""]
     assert [device.index for device in devices] == [0, 0, 1, 2]  # the parent's NVML index
-    assert [device.total_bytes for device in devices[:2]] == [40 * GIB, 10 * GIB]
+    # Each instance's own total, less what the driver reserves of it.
+    assert [device.total_bytes for device in devices[:2]] == [40 * GIB - (512 << 20), 10 * GIB]
     assert devices[1].name == "A100 MIG 1g.10gb"
 
 
