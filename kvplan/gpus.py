@@ -1,10 +1,13 @@
 """GPU catalog: the total memory each device's driver reports, with where it comes from.
 
 Planning divides `total * gpu_memory_utilization`, and the engine reads the total from
-the driver (NVML / `cudaMemGetInfo`, ROCm SMI), which is less than the marketed size. A
-figure marked `measured` was read off real `nvidia-smi` / `rocm-smi` output; the others are
-the vendor's capacity in decimal gigabytes and overstate the driver's figure by a few
-GiB; pass the exact size (`--gpu-memory`) for those.
+the CUDA driver (`cudaMemGetInfo`; ROCm's on AMD), which is less than the marketed size.
+A figure marked `measured` was read off a real device: H200's is CUDA's own total
+(torch.cuda.mem_get_info); the other NVIDIA figures are `nvidia-smi`'s memory.total,
+which includes the memory the driver reserves and CUDA never offers (616 MiB on the
+H200, where nvidia-smi says 143771MiB), so they overstate CUDA's total by that much,
+about 0.4%. The others are the vendor's capacity in decimal gigabytes and overstate the
+driver's figure by a few GiB. Pass the exact size (`--gpu-memory`) where it matters.
 """
 
 from __future__ import annotations
@@ -54,9 +57,10 @@ CATALOG: tuple[GpuModel, ...] = (
     ),
     GpuModel(
         "H200-141GB",
-        143_771 * MIB,
+        150_109_880_320,
         True,
-        "nvidia-smi on 'NVIDIA H200' (SXM): 143771MiB",
+        "torch.cuda.mem_get_info on 'NVIDIA H200', driver 580.159.04 (docs/gpu-check.md): "
+        "150,109,880,320 B; nvidia-smi: 143771MiB, 616 MiB of it reserved by the driver",
         aliases=("H200",),
     ),
     GpuModel(

@@ -37,7 +37,7 @@ async def test_client_plans_a_model_config_on_the_server(client: AsyncPlannerCli
     draft = [g for g in remote.groups if g.is_draft]
     assert len(draft) == 1 and "mtp.layers.0.self_attn.attn" in draft[0].layer_names
     assert remote.workers[0].budget.non_kv_bytes == inputs.non_kv_bytes
-    assert remote.workers[0].budget.total_bytes == 143_771 * 2**20
+    assert remote.workers[0].budget.total_bytes == 150_109_880_320  # the catalog's H200 figure
 
 
 async def test_cli_plans_a_model_on_a_server(
