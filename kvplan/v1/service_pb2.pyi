@@ -199,6 +199,7 @@ class Device(_message.Message):
     index: _builtins.int
     """NVML (PCI bus) order"""
     total_bytes: _builtins.int
+    """as CUDA reports it: NVML's total less the driver's reservation"""
     free_bytes: _builtins.int
     committed_bytes: _builtins.int
     """promised to live leases"""
