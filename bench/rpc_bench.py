@@ -284,12 +284,12 @@ async def measure_rendezvous(
     base: plan_pb2.PlanRequest,
     engines: int,
     clients: int,
-    engine_prefix: str = "rendezvous",
+    engine_prefix: str,
 ) -> RendezvousResult:
     """`engines` x world_size rank-mode calls at once, in random arrival order; each
     engine is a new one with new content (its own non-torch figure on all its ranks),
-    named `engine_prefix`-N (a repeat needs a prefix of its own: an engine planned
-    once refuses other content)."""
+    named `engine_prefix`-N. Each call needs a prefix of its own: an engine planned
+    once refuses other content."""
     ranks = len(base.workers)
     arrivals = [(engine, rank) for engine in range(engines) for rank in range(ranks)]
     random.Random(0).shuffle(arrivals)
