@@ -37,7 +37,7 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
 
 # Settings are KVPLAN_* variables (server/config.py); flags after the image name win.
 # KVPLAN_HOST=auto: gRPC on every interface only once callers must authenticate
-# (KVPLAN_TOKEN_FILE, or KVPLAN_TLS_CERT/KEY[/CLIENT_CA]); otherwise loopback only.
+# (KVPLAN_TOKEN_FILE, or mutual TLS: KVPLAN_TLS_CERT/KEY/CLIENT_CA); otherwise loopback.
 # Metrics stay reachable for scraping; they carry no engine ids (docs/security.md).
 ENV PATH=/opt/kvplan/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -47,6 +47,7 @@ class Settings:
     # Bounds on what one caller can make the server hold.
     max_engine_id_chars: int = 256
     max_layer_name_chars: int = 1024
+    max_identifier_chars: int = 256  # engine_version, target_model_type, device uuid / name
     max_pending_rendezvous_bytes: int = 256 * 1024 * 1024  # specs of waiting ranks, this process
     max_leases_per_identity: int = 4096
     # Live ownership records (engine ids) one identity holds: ~110 bytes each in
@@ -92,6 +93,8 @@ _HELP = {
     "ownership_ttl_s": "seconds an engine's owner is kept after its last plan or renewal",
     "max_engine_id_chars": "longest engine_id",
     "max_layer_name_chars": "longest layer name",
+    "max_identifier_chars": "longest options.engine_version, spec_decode.target_model_type, "
+    "device.uuid or device.name",
     "max_pending_rendezvous_bytes": "bytes of rank specs waiting in rendezvous (this process)",
     "max_leases_per_identity": "live leases one identity may hold",
     "max_engines_per_identity": "engines one identity may own at once (live ownership records)",
@@ -138,6 +141,13 @@ def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -
         parser.error("--max-commit-fraction must be in (0, 1]")
     if settings.lease_ttl_s <= 0:
         parser.error("--lease-ttl-s must be positive")
+    # Ownership is refreshed by each renewal: shorter than a lease, it would lapse
+    # under a live engine and leave its leases to whoever asks next.
+    if settings.ownership_ttl_s < settings.lease_ttl_s:
+        parser.error(
+            f"--ownership-ttl-s ({settings.ownership_ttl_s:g}) must be at least "
+            f"--lease-ttl-s ({settings.lease_ttl_s:g})"
+        )
     if bool(settings.tls_cert) != bool(settings.tls_key):
         parser.error("--tls-cert and --tls-key go together")
     if settings.tls_client_ca and not settings.tls_cert:
@@ -148,6 +158,7 @@ def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -
     for name in (
         "max_engine_id_chars",
         "max_layer_name_chars",
+        "max_identifier_chars",
         "max_pending_rendezvous_bytes",
         "max_engines_per_identity",
     ):

@@ -25,6 +25,24 @@ _CODES = {
 
 _NAME_BY_RPC_CODE = {rpc_code: name for name, (_, rpc_code) in _CODES.items()}
 
+# A status travels in the trailers, which gRPC caps (8 KiB, 16 KiB at the most): one
+# over the cap reaches the caller as "Stream removed" instead of the status. A message
+# may repeat what the caller sent, so each text is clipped (UTF-8 bytes) and at most
+# MAX_VIOLATIONS field violations are carried: at most about 6 KiB in all, and a
+# rendezvous failure kept for the engine's ranks stays small.
+MAX_MESSAGE_BYTES = 1024
+MAX_DESCRIPTION_BYTES = 512
+MAX_VIOLATIONS = 4
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` within `limit` UTF-8 bytes (on a character boundary), saying what it left out."""
+    encoded = text.encode()
+    if len(encoded) <= limit:
+        return text
+    kept = encoded[:limit].decode(errors="ignore")
+    return f"{kept}… ({len(encoded) - len(kept.encode())} more bytes)"
+
 
 class ServiceError(Exception):
     """An error of the service layer itself (rendezvous, limits, lookups)."""
@@ -76,7 +94,7 @@ def to_rpc_status(error: PlanningError | ServiceError) -> status_pb2.Status:
     """google.rpc.Status: code, message, BadRequest / ErrorInfo details."""
     code_name = str(error.code)
     _, rpc_code = _CODES[code_name]
-    status = status_pb2.Status(code=rpc_code, message=error.message)
+    status = status_pb2.Status(code=rpc_code, message=clip(error.message, MAX_MESSAGE_BYTES))
     violations = (
         [(v.field, v.description) for v in error.violations]
         if isinstance(error, PlanningError)
@@ -85,19 +103,23 @@ def to_rpc_status(error: PlanningError | ServiceError) -> status_pb2.Status:
     if violations:
         bad_request = error_details_pb2.BadRequest(
             field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=field, description=text)
-                for field, text in violations
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=clip(field, MAX_DESCRIPTION_BYTES),
+                    description=clip(text, MAX_DESCRIPTION_BYTES),
+                )
+                for field, text in violations[:MAX_VIOLATIONS]
             ]
         )
         packed = any_pb2.Any()
         packed.Pack(bad_request)
         status.details.append(packed)
     reason = error.reason if isinstance(error, PlanningError) else code_name
-    info = error_details_pb2.ErrorInfo(
-        reason=reason,
-        domain="kvplan",
-        metadata={key: str(value) for key, value in error.details.items()},
-    )
+    metadata = {
+        key: clip(str(value), MAX_DESCRIPTION_BYTES) for key, value in error.details.items()
+    }
+    if len(violations) > MAX_VIOLATIONS:
+        metadata["violations"] = str(len(violations))  # how many there were in all
+    info = error_details_pb2.ErrorInfo(reason=reason, domain="kvplan", metadata=metadata)
     packed_info = any_pb2.Any()
     packed_info.Pack(info)
     status.details.append(packed_info)

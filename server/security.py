@@ -165,11 +165,18 @@ class CertificateFiles:
 
 
 def _peer_certificate_name(context: grpc.aio.ServicerContext) -> str | None:
+    """The certificate's first DNS or URI subject alternative name, else its common
+    name. gRPC lists every SAN (email and IP too) in one property, in the
+    certificate's order, and the DNS and URI ones again on their own: an email SAN
+    must not become an identity (it could spell an operator's name)."""
     auth = context.auth_context()
-    for key in ("x509_subject_alternative_name", "x509_common_name"):
-        values = auth.get(key)
-        if values:
-            return bytes(values[0]).decode(errors="replace")
+    named = {bytes(value) for key in ("peer_dns", "peer_uri") for value in auth.get(key, ())}
+    for value in auth.get("x509_subject_alternative_name", ()):
+        if bytes(value) in named:
+            return bytes(value).decode(errors="replace")
+    common_names = auth.get("x509_common_name")
+    if common_names:
+        return bytes(common_names[0]).decode(errors="replace")
     return None
 
 
@@ -241,10 +248,11 @@ def is_loopback(host: str) -> bool:
 
 def bind_host(settings: Settings) -> str:
     """The address to bind: "auto" is every interface only when callers must
-    present credentials (TLS or tokens), else loopback."""
+    present credentials (tokens or client certificates), else loopback. TLS alone
+    encrypts but authenticates nobody: any client could still release any lease."""
     if settings.host != "auto":
         return settings.host
-    secured = bool(settings.tls_cert or settings.token_file)
+    secured = bool(settings.token_file or settings.tls_client_ca)
     return "0.0.0.0" if secured else "127.0.0.1"
 
 

@@ -409,6 +409,12 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self._check_engine_id(request.engine_id)
         self._limit("max_workers_per_engine", len(request.workers), "workers", "workers")
         self._limit("max_workers_per_engine", request.world_size, "world_size", "world_size")
+        # Strings that error messages and remembered rendezvous failures repeat.
+        for value, field in (
+            (request.options.engine_version, "options.engine_version"),
+            (request.spec_decode.target_model_type, "spec_decode.target_model_type"),
+        ):
+            self._limit("max_identifier_chars", len(value), f"{field} length", field)
         name_limit = settings.max_layer_name_chars
         # Names are read (about 0.15 µs each) only where one could be too long: never
         # twice for the one list tensor-parallel ranks share, and not for a list whose
@@ -422,6 +428,14 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 f"layers of worker rank {worker.rank}",
                 f"workers[{index}].layers",
             )
+            device = worker.device
+            for value, part in ((device.uuid, "uuid"), (device.name, "name")):
+                self._limit(
+                    "max_identifier_chars",
+                    len(value),
+                    f"device.{part} length of worker rank {worker.rank}",
+                    f"workers[{index}].device.{part}",
+                )
             if worker_bytes.layers_key in named_lists:
                 continue
             named_lists.add(worker_bytes.layers_key)

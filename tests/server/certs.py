@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,12 +61,22 @@ class Authority:
         )
         self.cert_pem = self.certificate.public_bytes(serialization.Encoding.PEM)
 
-    def issue(self, common_name: str, *, server: bool) -> KeyPair:
+    def issue(
+        self,
+        common_name: str,
+        *,
+        server: bool,
+        alternative_names: Sequence[x509.GeneralName] | None = None,
+    ) -> KeyPair:
+        """`alternative_names`: the SANs, in order (default: the common name as DNS;
+        a server: localhost and 127.0.0.1)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         names: list[x509.GeneralName] = [x509.DNSName(common_name)]
         if server:
             names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        if alternative_names is not None:
+            names = list(alternative_names)
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         certificate = (
             x509.CertificateBuilder()

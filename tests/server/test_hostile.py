@@ -239,6 +239,43 @@ async def test_identifier_limits(client: AsyncPlannerClient, server: RunningServ
     assert caught.value.violations[0].field == "workers[1].layers[2].name"
 
 
+async def test_strings_that_errors_repeat_are_bounded(
+    client: AsyncPlannerClient, server: RunningServer
+) -> None:
+    """Strings an error message (or a remembered rendezvous failure) repeats: each
+    over --max-identifier-chars is refused naming its field, rather than answered
+    with a status too big for gRPC's trailers ("Stream removed")."""
+    too_long = "v" * 100_000
+    cases: dict[str, plan_pb2.PlanRequest] = {}
+    version = engine_request("long-version")
+    version.options.engine_version = too_long
+    cases["options.engine_version"] = version
+    model_type = engine_request("long-model-type")
+    model_type.spec_decode.target_model_type = too_long
+    cases["spec_decode.target_model_type"] = model_type
+    for part in ("uuid", "name"):
+        device = engine_request(f"long-device-{part}", stages=2)
+        setattr(device.workers[1].device, part, too_long)
+        cases[f"workers[1].device.{part}"] = device
+    rank = rank_request("long-version-rank", 0, 2)
+    rank.options.engine_version = too_long
+    cases["options.engine_version (a rank)"] = rank
+    for field, request in cases.items():
+        with pytest.raises(PlannerError) as caught:
+            await client.plan(request)
+        assert caught.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED, field
+        assert caught.value.metadata["limit"] == "max_identifier_chars", field
+        assert caught.value.violations[0].field == field.removesuffix(" (a rank)")
+        assert "100000 exceeds the server's limit of 256" in caught.value.details
+    # At the limit, the field is planned (or refused for what it says, not its length).
+    at_limit = engine_request("version-at-limit")
+    at_limit.options.engine_version = "v" * server.settings.max_identifier_chars
+    with pytest.raises(PlannerError) as caught:
+        await client.plan(at_limit)
+    assert caught.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.violations[0].field == "options.engine_version"
+
+
 def test_log_lines_cannot_be_forged() -> None:
     record = logging.LogRecord("kvplan.server", logging.INFO, __file__, 1, "plan", None, None)
     forged = 'evil\n2026 INFO kvplan.server "forged"'

@@ -4,13 +4,14 @@ certificates made here, bearer tokens, per-engine ownership, reloads."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import math
 import os
 import sqlite3
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import grpc
 import grpc.aio
 import pytest
 import pytest_asyncio
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -43,8 +45,10 @@ class Pki:
     server_key: Path
     client_ca: Path
 
-    def client(self, name: str) -> ChannelSecurity:
-        pair = self.authority.issue(name, server=False)
+    def client(
+        self, name: str, alternative_names: Sequence[x509.GeneralName] | None = None
+    ) -> ChannelSecurity:
+        pair = self.authority.issue(name, server=False, alternative_names=alternative_names)
         return ChannelSecurity(
             tls=True,
             root_certificates=self.authority.cert_pem,
@@ -139,6 +143,37 @@ async def test_mutual_tls_identities_own_their_engines(
             and getattr(record, "owner", "") == "engine-a"
             for record in caplog.records
         )
+
+
+async def test_mutual_tls_identity_is_the_first_dns_or_uri_name(
+    mtls_server: RunningServer, pki: Pki
+) -> None:
+    """An email or IP SAN is not an identity, even listed first: an email SAN spelling
+    an operator's name ("ops") must not act as the operator."""
+    email_first = pki.client("cn-x", [x509.RFC822Name("ops"), x509.DNSName("engine-b")])
+    ip_first = pki.client(
+        "cn-y", [x509.IPAddress(ipaddress.ip_address("10.1.2.3")), x509.DNSName("engine-a")]
+    )
+    uri_first = pki.client(
+        "cn-z", [x509.UniformResourceIdentifier("spiffe://corp/team-c"), x509.DNSName("x")]
+    )
+    async with (
+        client_for(mtls_server, pki.client("engine-a")) as victim,
+        client_for(mtls_server, email_first) as attacker,
+        client_for(mtls_server, ip_first) as victim_again,
+        client_for(mtls_server, uri_first) as team_c,
+    ):
+        uuid = (await device_uuids(victim))[0]
+        plan = await victim.plan(leased_request("victim", uuid, utilization=0.45))
+        with pytest.raises(PlannerError) as caught:
+            await attacker.release_plan("victim")
+        assert caught.value.code is grpc.StatusCode.PERMISSION_DENIED
+        assert "engine-b" in caught.value.details
+        # The IP SAN is skipped: the DNS name after it is the owner.
+        assert (await victim_again.get_plan(engine_id="victim")).plan_id == plan.plan_id
+        with pytest.raises(PlannerError) as caught:
+            await team_c.get_plan(engine_id="victim")
+        assert "spiffe://corp/team-c" in caught.value.details
 
 
 async def test_mutual_tls_refuses_clients_without_a_certificate(
@@ -417,8 +452,17 @@ def test_default_binds(tmp_path: Path) -> None:
         bind_host(parse_settings(["--host", "auto", "--token-file", str(tokens)], environ={}))
         == "0.0.0.0"
     )
+    # TLS alone encrypts but authenticates no caller: still loopback.
+    tls_only = ["--host", "auto", "--tls-cert", "c", "--tls-key", "k"]
+    assert bind_host(parse_settings(tls_only, environ={})) == "127.0.0.1"
+    assert bind_host(parse_settings([*tls_only, "--tls-client-ca", "ca"], environ={})) == "0.0.0.0"
     with pytest.raises(SystemExit):
         parse_settings(["--tls-cert", "x"], environ={})  # a certificate needs its key
+    # Ownership outlives a lease, or a live engine's leases would be anyone's.
+    for ownership in ("0", "-1", "59"):
+        with pytest.raises(SystemExit):
+            parse_settings(["--ownership-ttl-s", ownership], environ={})
+    assert parse_settings(["--ownership-ttl-s", "60"], environ={}).ownership_ttl_s == 60.0
     # Switches stand alone or take a value; the environment spells them out.
     assert parse_settings(["--redis-allow-no-persistence"], environ={}).redis_allow_no_persistence
     assert not parse_settings(
