@@ -202,12 +202,15 @@ def renew_leases(
     allocations: Mapping[int, int],
     now: float,
     ttl_s: float,
+    expired_through: float = -math.inf,
 ) -> tuple[Lease, ...]:
     """`renew`'s outcome for the engine's leases `mine`, in rank order: every live
-    one pushed to now + ttl_s with its reported allocation (shared by the backends)."""
+    one pushed to now + ttl_s with its reported allocation (shared by the backends).
+    A lease the store already expired (at or below `expired_through`) stays expired,
+    whatever `now` says: its memory may have been granted since."""
     if not mine:
         raise no_leases(engine_id)
-    live = [lease for lease in mine if lease.live(now)]
+    live = [lease for lease in mine if lease.live(now) and counted(lease, expired_through)]
     if not live:
         raise leases_expired(engine_id)
     return tuple(
@@ -536,7 +539,7 @@ class MemoryStore:
         self, engine_id: str, allocations: Mapping[int, int], now: float, ttl_s: float
     ) -> tuple[Lease, ...]:
         mine = sorted(self._engines.get(engine_id, {}).values(), key=lambda lease: lease.rank)
-        renewed = renew_leases(engine_id, mine, allocations, now, ttl_s)
+        renewed = renew_leases(engine_id, mine, allocations, now, ttl_s, self._expired_through)
         old = {lease.rank: lease for lease in mine}
         for lease in renewed:
             self._put(lease)

@@ -265,6 +265,11 @@ _LEDGER_RENEW = (
 for i = 4, #ARGV, 4 do
     if redis.call('HGET', KEYS[8], ARGV[i]) ~= ARGV[i + 1] then return 0 end
 end
+-- A record the ledger already expired stays expired (its memory may be granted).
+for i = 4, #ARGV, 4 do
+    local score = redis.call('ZSCORE', expiry, ARGV[i + 1])
+    if not score or tonumber(score) <= through() then return {through_text()} end
+end
 for i = 4, #ARGV, 4 do
     remove(ARGV[i + 1])
     redis.call('HSET', KEYS[8], ARGV[i], ARGV[i + 2])
@@ -1249,11 +1254,13 @@ class RedisStore:
         self, engine_id: str, allocations: Mapping[int, int], now: float, ttl_s: float
     ) -> tuple[Lease, ...]:
         lease_key = self._lease_key(engine_id)
+        through = -math.inf
 
         async def attempt() -> tuple[Lease, ...] | None:
+            nonlocal through
             records = await self._call(self._redis().hvals(lease_key))
             mine = _by_rank(records)
-            renewed = renew_leases(engine_id, mine, allocations, now, ttl_s)
+            renewed = renew_leases(engine_id, mine, allocations, now, ttl_s, through)
             old = {lease.rank: lease for lease in mine}
             after = {**old, **{lease.rank: lease for lease in renewed}}
             args: list[str | int] = [
@@ -1271,6 +1278,9 @@ class RedisStore:
             done = await self._call(
                 self._scripts["ledger_renew"](keys=self._ledger_keys(engine_id), args=args)
             )
+            if isinstance(done, list):  # expired meanwhile: decide again with the mark
+                through = float(done[0])
+                return None
             return renewed if done else None
 
         return await self._retry(attempt)

@@ -1116,7 +1116,7 @@ class SQLiteStore:
                     (engine_id,),
                 )
             ]
-            renewed = renew_leases(engine_id, mine, allocations, now, ttl_s)
+            renewed = renew_leases(engine_id, mine, allocations, now, ttl_s, _expired_through(db))
             db.executemany(
                 "UPDATE leases SET expires_at = ?, allocated_bytes = ? "
                 "WHERE engine_id = ? AND rank = ?",

@@ -835,6 +835,23 @@ async def test_renew_after_every_lease_expired_is_a_failed_precondition(store: S
     assert gone.value.code == "NOT_FOUND"
 
 
+async def test_a_renewal_stamped_behind_an_expiry_does_not_bring_the_lease_back(
+    store: Store,
+) -> None:
+    """A heartbeat through a replica whose clock is a little behind (or after a step
+    back): the lease already expired elsewhere and its memory went to another engine,
+    so renewing it would over-commit the device."""
+    gpu = devices(device("gpu-0", limit=90))
+    await store.grant("a", [ask(0, "gpu-0", 60)], gpu, 0.0, LEASE_TTL_S)
+    await store.grant("b", [ask(0, "gpu-0", 60)], gpu, LEASE_TTL_S + 0.01, LEASE_TTL_S)
+    with pytest.raises(ServiceError) as refused:
+        await store.renew("a", {0: 60 * GIB}, LEASE_TTL_S - 0.01, LEASE_TTL_S)
+    assert refused.value.code == "FAILED_PRECONDITION"
+    view = await store.ledger_view(LEASE_TTL_S + 0.02, ["gpu-0"])
+    assert view.devices["gpu-0"].committed_bytes == 60 * GIB
+    assert [lease.engine_id for lease in await store.leases(LEASE_TTL_S + 0.02)] == ["b"]
+
+
 async def test_release_one_rank_or_all(store: Store) -> None:
     gpus = devices(device("gpu-0"), device("gpu-1"))
     first, second = await store.grant(
