@@ -2,7 +2,8 @@
 # kvplan: the KV-cache planning gRPC service.
 #
 #   docker build -t kvplan .
-#   docker run --rm -p 50051:50051 -p 9464:9464 -e KVPLAN_DEVICES=8xH100-80GB kvplan
+#   docker run --rm -p 50051:50051 -p 9464:9464 -e KVPLAN_DEVICES=8xH100-80GB \
+#     -e KVPLAN_HOST=0.0.0.0 kvplan   # a trial on a trusted machine: no credentials
 #
 # The image has the server extra only: no torch (the torch.cuda probe is the separate
 # `torch` extra). Devices come from KVPLAN_DEVICES, a static inventory, or from what the

@@ -45,7 +45,10 @@ class ChannelSecurity:
 
         def read(name: str) -> bytes | None:
             path = env.get(name, "")
-            return Path(path).read_bytes() if path else None
+            try:
+                return Path(path).read_bytes() if path else None
+            except OSError as error:  # say which variable named the file
+                raise OSError(f"{name}={path}: {error.strerror or error}") from None
 
         root = read("KVPLAN_TLS_CA")
         key = read("KVPLAN_CLIENT_KEY")
@@ -53,7 +56,12 @@ class ChannelSecurity:
         token = env.get("KVPLAN_TOKEN", "") or None
         token_file = env.get("KVPLAN_CLIENT_TOKEN_FILE", "")
         if token is None and token_file:
-            token = Path(token_file).read_text().strip() or None
+            try:
+                token = Path(token_file).read_text().strip() or None
+            except OSError as error:
+                raise OSError(
+                    f"KVPLAN_CLIENT_TOKEN_FILE={token_file}: {error.strerror or error}"
+                ) from None
         tls = env.get("KVPLAN_TLS", "").lower() in ("1", "true", "yes", "on") or bool(
             root or key or chain
         )

@@ -341,7 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="kvplan",
-        description="Plan the KV cache of an LLM inference engine (vLLM 0.33 semantics).",
+        description=(
+            "Plan the KV cache of an LLM inference engine "
+            "(the rules of vLLM 0.32, 0.33 or 0.34, or kvplan's own)."
+        ),
         epilog=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

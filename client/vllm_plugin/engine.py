@@ -112,6 +112,8 @@ def spec_decode(vllm_config: Any) -> plan_pb2.SpecDecodeConfig:
     if spec is None:
         return plan_pb2.SpecDecodeConfig()
     method = str(spec.method)
+    # vLLM's ngram proposer on the GPU: no drafter layers, no KV cache of its own.
+    method = {"ngram_gpu": "ngram"}.get(method, method)
     if method not in SPEC_METHODS:
         raise UnsupportedSpec(f"speculative method {method!r} has no kvplan SpecDecodeMethod")
     out = plan_pb2.SpecDecodeConfig(

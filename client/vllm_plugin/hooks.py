@@ -161,6 +161,21 @@ def _metrics() -> dict[str, Any]:
 # --- one engine start ------------------------------------------------------------------
 
 
+def _refusal(engine_id: str, addr: str, error: PlannerError) -> str:
+    """What the operator reads when kvplan answers a lease request with an error:
+    the status, the fields it names, and whether it is a refusal at all."""
+    fields = "".join(f"; {v.field}: {v.description}" for v in error.violations if v.field)
+    if error.code is grpc.StatusCode.UNIMPLEMENTED:
+        return (
+            f"{addr} does not serve kvplan's PlanKVCache (UNIMPLEMENTED: {error.details}): "
+            "not a kvplan server, or a version without it; check KVPLAN_ADDR"
+        )
+    return (
+        f"kvplan refused the KV-cache lease of engine {engine_id} "
+        f"({error.code_name}): {error.details}{fields}"
+    )
+
+
 class LeaseRefused(RuntimeError):
     """kvplan refused the engine's lease (or could not be asked, with
     KVPLAN_ON_UNAVAILABLE=refuse): the engine does not start."""
@@ -199,6 +214,23 @@ class LeaseHold:
             self.client.close()
 
 
+def engine_id_for(configured: str, data_parallel_rank: int | None) -> str:
+    """The id one engine core holds its leases under. Data-parallel cores start with
+    one environment, so KVPLAN_ENGINE_ID alone would name them all, and each core's
+    grant would replace another's leases: each gets its rank's suffix."""
+    if not configured:
+        return f"vllm-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return configured if data_parallel_rank is None else f"{configured}-dp{data_parallel_rank}"
+
+
+def data_parallel_rank(vllm_config: Any) -> int | None:
+    """This core's data-parallel rank, or None when the engine is one core."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if int(getattr(parallel, "data_parallel_size", 1) or 1) <= 1:
+        return None
+    return int(getattr(parallel, "data_parallel_rank", 0) or 0)
+
+
 @dataclass
 class EngineStart:
     """The plugin's part in one `EngineCore._initialize_kv_caches` call."""
@@ -209,11 +241,10 @@ class EngineStart:
     lease: LeaseHold | None = None
     engine_id: str = ""
     planned_blocks: int = 0  # what vLLM's planner gave (before 0.34's warm-up sizing)
+    data_parallel_rank: int | None = None  # this core's, when the engine has several
 
     def __post_init__(self) -> None:
-        self.engine_id = self.settings.engine_id or (
-            f"vllm-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        )
+        self.engine_id = engine_id_for(self.settings.engine_id, self.data_parallel_rank)
 
     def rule_set_asked(self) -> str:
         """The rule set kvplan plans with: the running release's, except where
@@ -382,9 +413,7 @@ class EngineStart:
                     f"kvplan at {self.settings.addr} is unreachable", error, original, args
                 )
             COUNTERS.add("leases_refused")
-            raise LeaseRefused(
-                f"kvplan refused the KV-cache lease of engine {engine_id}: {error.details}"
-            ) from None
+            raise LeaseRefused(_refusal(engine_id, self.settings.addr, error)) from None
         response = result.response
         leased_kv = [int(w.budget.available_bytes) for w in response.workers]
         capped = [min(int(m), k) for m, k in zip(available_memory, leased_kv, strict=True)]
@@ -450,7 +479,12 @@ def _wrap_initialize(original: Callable[..., Any], release: Release) -> Callable
         settings = Settings.from_env()
         if not settings.enabled:
             return original(self, vllm_config)
-        start = EngineStart(core=self, settings=settings, release=release)
+        start = EngineStart(
+            core=self,
+            settings=settings,
+            release=release,
+            data_parallel_rank=data_parallel_rank(vllm_config),
+        )
         previous = getattr(_current, "start", None)
         _current.start = start
         try:

@@ -7,12 +7,21 @@ import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
+import grpc
 import pytest
 
+from kvplan.client.errors import PlannerError, Violation
 from kvplan.client.vllm_plugin import register
-from kvplan.client.vllm_plugin.engine import compare, draft_flag_fix
-from kvplan.client.vllm_plugin.hooks import release_for, signature_problems
+from kvplan.client.vllm_plugin.engine import compare, draft_flag_fix, spec_decode
+from kvplan.client.vllm_plugin.hooks import (
+    _refusal,
+    data_parallel_rank,
+    engine_id_for,
+    release_for,
+    signature_problems,
+)
 from kvplan.client.vllm_plugin.settings import Mode, Settings, SettingsError, Unavailable
+from kvplan.client.vllm_plugin.specs import UnsupportedSpec
 from kvplan.v1 import plan_pb2
 
 
@@ -44,6 +53,46 @@ def test_settings_carry_the_clients_tls_and_token(tmp_path: Path) -> None:
     assert settings.security.tls and settings.security.root_certificates == ca.read_bytes()
     with pytest.raises(SettingsError, match="TLS/token"):
         Settings.from_env({"KVPLAN_ADDR": "x:1", "KVPLAN_TLS_CA": str(tmp_path / "missing")})
+    # An unreadable file is named by the variable that named it.
+    for name in (
+        "KVPLAN_TLS_CA",
+        "KVPLAN_CLIENT_KEY",
+        "KVPLAN_CLIENT_CERT",
+        "KVPLAN_CLIENT_TOKEN_FILE",
+    ):
+        missing = str(tmp_path / "missing")
+        with pytest.raises(SettingsError, match=f"{name}={missing}: No such file"):
+            Settings.from_env({"KVPLAN_ADDR": "x:1", name: missing})
+
+
+def test_spec_decode_maps_ngram_on_the_gpu_as_ngram() -> None:
+    for method in ("ngram", "ngram_gpu"):
+        config = SimpleNamespace(
+            speculative_config=SimpleNamespace(method=method, num_speculative_tokens=3)
+        )
+        spec = spec_decode(config)
+        assert spec.method == plan_pb2.SPEC_DECODE_METHOD_NGRAM
+        assert spec.num_speculative_tokens == 3
+    unknown = SimpleNamespace(speculative_config=SimpleNamespace(method="telepathy"))
+    with pytest.raises(UnsupportedSpec, match="'telepathy' has no kvplan SpecDecodeMethod"):
+        spec_decode(unknown)
+
+
+def test_a_lease_error_names_its_status_and_fields() -> None:
+    refused = PlannerError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "GPU-1: 72.0 GiB asked, 8.0 GiB left",
+        (Violation("workers[0].device.uuid", "72.0 GiB asked"),),
+    )
+    message = _refusal("chat", "kvplan:50051", refused)
+    assert message == (
+        "kvplan refused the KV-cache lease of engine chat (RESOURCE_EXHAUSTED): "
+        "GPU-1: 72.0 GiB asked, 8.0 GiB left; workers[0].device.uuid: 72.0 GiB asked"
+    )
+    not_kvplan = PlannerError(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+    message = _refusal("chat", "kvplan:50051", not_kvplan)
+    assert message.startswith("kvplan:50051 does not serve kvplan's PlanKVCache (UNIMPLEMENTED")
+    assert "check KVPLAN_ADDR" in message
 
 
 @pytest.mark.parametrize(
@@ -210,3 +259,23 @@ def test_the_plugin_imports_only_the_thin_clients_dependencies() -> None:
             if isinstance(node, ast.ImportFrom)
         }
         assert "torch" not in inner, path
+
+
+def test_data_parallel_cores_hold_leases_under_ids_of_their_own() -> None:
+    def config(size: int, rank: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(data_parallel_size=size, data_parallel_rank=rank)
+        )
+
+    assert data_parallel_rank(config(1, 0)) is None
+    assert data_parallel_rank(SimpleNamespace()) is None
+    ranks = [data_parallel_rank(config(4, rank)) for rank in range(4)]
+    assert [engine_id_for("chat", rank) for rank in ranks] == [
+        "chat-dp0",
+        "chat-dp1",
+        "chat-dp2",
+        "chat-dp3",
+    ]
+    assert engine_id_for("chat", None) == "chat"
+    generated = {engine_id_for("", None) for _ in range(3)}
+    assert len(generated) == 3 and all(name.startswith("vllm-") for name in generated)
