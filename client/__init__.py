@@ -15,17 +15,53 @@ gRPC code and the server's field violations. `security=ChannelSecurity(...)`
 KVPLAN_CLIENT_KEY / KVPLAN_TOKEN) adds TLS, a client certificate, a token.
 """
 
-from kvplan.client.errors import PlannerError, error_from_rpc
-from kvplan.client.leases import AsyncLeaseKeeper, LeaseKeeper
-from kvplan.client.model import PlanResult, WorkerView
-from kvplan.client.planner import (
-    DEFAULT_TIMEOUT_S,
-    AsyncPlannerClient,
-    PlannerClient,
-    channel_options,
-)
-from kvplan.client.security import ChannelSecurity
-from kvplan.models.request import ModelPlanOptions, build_plan_request
+# vLLM imports the plugin's entry point (kvplan.client.vllm_plugin) in every process,
+# with or without KVPLAN_ADDR: this package imports grpc and the stubs only when one
+# of its names is first used, so an engine that does not use kvplan pays nothing and
+# cannot be broken by it (an old protobuf, no grpcio).
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvplan.client.errors import PlannerError, error_from_rpc
+    from kvplan.client.leases import AsyncLeaseKeeper, LeaseKeeper
+    from kvplan.client.model import PlanResult, WorkerView
+    from kvplan.client.planner import (
+        DEFAULT_TIMEOUT_S,
+        AsyncPlannerClient,
+        PlannerClient,
+        channel_options,
+    )
+    from kvplan.client.security import ChannelSecurity
+    from kvplan.models.request import ModelPlanOptions, build_plan_request
+
+_MODULE_OF = {
+    "PlannerError": "kvplan.client.errors",
+    "error_from_rpc": "kvplan.client.errors",
+    "AsyncLeaseKeeper": "kvplan.client.leases",
+    "LeaseKeeper": "kvplan.client.leases",
+    "PlanResult": "kvplan.client.model",
+    "WorkerView": "kvplan.client.model",
+    "DEFAULT_TIMEOUT_S": "kvplan.client.planner",
+    "AsyncPlannerClient": "kvplan.client.planner",
+    "PlannerClient": "kvplan.client.planner",
+    "channel_options": "kvplan.client.planner",
+    "ChannelSecurity": "kvplan.client.security",
+    "ModelPlanOptions": "kvplan.models.request",
+    "build_plan_request": "kvplan.models.request",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvplan.client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups are plain
+    return value
+
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

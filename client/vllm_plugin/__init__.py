@@ -31,7 +31,11 @@ def register() -> None:
         import vllm
     except ImportError:  # not inside vLLM
         return
-    from kvplan.client.vllm_plugin.hooks import install, release_for, signature_problems
+    try:
+        from kvplan.client.vllm_plugin.hooks import install, release_for, signature_problems
+    except Exception as error:  # grpcio missing, a protobuf older than the stubs, ...
+        _cannot_load(error)
+        return
 
     version = str(getattr(vllm, "__version__", "unknown"))
     release = release_for(version)
@@ -63,6 +67,25 @@ def register() -> None:
         os.environ["KVPLAN_ADDR"],
         os.environ.get("KVPLAN_MODE", "observe"),
     )
+
+
+def _cannot_load(error: Exception) -> None:
+    """The plugin's own modules do not import in this environment. An engine that must
+    hold a lease (KVPLAN_MODE=lease, KVPLAN_ON_UNAVAILABLE=refuse, the default) must
+    not start without one: vLLM calls `register` outside its guard, so raising stops
+    the start. Otherwise vLLM plans alone, as when kvplan is unreachable."""
+    reason = (
+        f"the kvplan plugin cannot load ({type(error).__name__}: {error}); it needs "
+        "grpcio and protobuf as kvplan's package requires (pip install kvplan)"
+    )
+    mode = os.environ.get("KVPLAN_MODE", "").strip().lower()
+    on_unavailable = os.environ.get("KVPLAN_ON_UNAVAILABLE", "").strip().lower() or "refuse"
+    if mode == "lease" and on_unavailable == "refuse":
+        raise RuntimeError(
+            f"{reason}; the engine does not start without a lease (KVPLAN_ON_UNAVAILABLE=serve "
+            "starts it unleased)"
+        ) from error
+    log.warning("%s; vLLM plans alone", reason)
 
 
 __all__ = ["register"]

@@ -3,6 +3,9 @@ decision, and the version table."""
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -279,3 +282,48 @@ def test_data_parallel_cores_hold_leases_under_ids_of_their_own() -> None:
     assert engine_id_for("chat", None) == "chat"
     generated = {engine_id_for("", None) for _ in range(3)}
     assert len(generated) == 3 and all(name.startswith("vllm-") for name in generated)
+
+
+def test_loading_the_entry_point_imports_neither_grpc_nor_protobuf() -> None:
+    """vLLM loads the entry point in every process, KVPLAN_ADDR set or not."""
+    code = (
+        "import sys, kvplan.client.vllm_plugin as plugin; plugin.register(); "
+        "print(sorted(m for m in sys.modules if m.startswith(('grpc', 'google', 'kvplan'))))"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "KVPLAN_ADDR"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "['kvplan', 'kvplan.client', 'kvplan.client.vllm_plugin']"
+
+
+@pytest.mark.parametrize(
+    ("mode", "on_unavailable", "stops"),
+    [
+        ("lease", "", True),
+        ("lease", "refuse", True),
+        ("lease", "serve", False),
+        ("observe", "", False),
+    ],
+)
+def test_a_plugin_that_cannot_load_stops_only_an_engine_that_needs_its_lease(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+    on_unavailable: str,
+    stops: bool,
+) -> None:
+    monkeypatch.setenv("KVPLAN_ADDR", "kvplan:50051")
+    monkeypatch.setenv("KVPLAN_MODE", mode)
+    monkeypatch.setenv("KVPLAN_ON_UNAVAILABLE", on_unavailable)
+    monkeypatch.setitem(sys.modules, "vllm", ModuleType("vllm"))
+    # As an environment whose protobuf is older than the stubs: the hooks do not import.
+    monkeypatch.setitem(sys.modules, "kvplan.client.vllm_plugin.hooks", None)
+    if stops:
+        with pytest.raises(RuntimeError, match="does not start without a lease"):
+            register()
+        return
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.kvplan"):
+        register()
+    assert "the kvplan plugin cannot load" in caplog.text
+    assert "vLLM plans alone" in caplog.text
