@@ -480,10 +480,14 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             self._owners.clear()
         self._owners[engine_id] = (owner, time.monotonic() if claimed else -math.inf)
 
-    async def authorize(self, engine_id: str, action: str, *, claim: bool = False) -> None:
+    async def authorize(
+        self, engine_id: str, action: str, *, claim: bool = False, must_be_owned: bool = False
+    ) -> None:
         """Only the identity that owns an engine (created its plan or leases) may
         act on it; an operator may act on any, and that is logged. `claim`: an
-        engine without a live owner becomes the caller's (its expiry pushed)."""
+        engine without a live owner becomes the caller's (its expiry pushed).
+        `must_be_owned`: an engine whose ownership lapsed is an operator's alone
+        (its plan outlives the record and is still its author's)."""
         identity = current_identity()
         if identity.method == "insecure":
             # Without authentication every caller is one identity: ownership decides
@@ -520,14 +524,14 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             self._remember_owner(engine_id, owner, claimed=owner == identity.name)
         else:
             owner = await self._store.engine_owner(engine_id, now)
-        if owner is None or owner == identity.name:
+        if owner == identity.name or (owner is None and not must_be_owned):
             return
         if identity.operator:
             log.warning(
                 "operator acts on another identity's engine",
                 extra={
                     "identity": identity.name,
-                    "owner": owner,
+                    "owner": owner or "",
                     "engine_id": engine_id,
                     "action": action,
                 },
@@ -537,6 +541,14 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             "permission denied",
             extra={"identity": identity.name, "engine_id": engine_id, "action": action},
         )
+        if owner is None:
+            raise ServiceError(
+                "PERMISSION_DENIED",
+                f"engine {engine_id!r} has no owner now (ownership ends --ownership-ttl-s "
+                f"after its last plan or renewal); {identity.name!r} may not {action} it: "
+                "plan the engine again to own it, or ask an operator",
+                field="engine_id",
+            )
         raise ServiceError(
             "PERMISSION_DENIED",
             f"engine {engine_id!r} belongs to another identity; {identity.name!r} may not "
@@ -942,7 +954,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             if engine_id is None:
                 engine_id = plan_pb2.PlanResponse.FromString(plan).engine_id
             if engine_id:  # a plan of no engine (offline planning) is nobody's
-                await self.authorize(engine_id, "read the plan of")
+                await self.authorize(engine_id, "read the plan of", must_be_owned=True)
             return plan
         if request.engine_id:
             await self.authorize(request.engine_id, "read the plan of")
@@ -955,6 +967,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                     f"engine {request.engine_id!r} has no plan (yet)",
                     field="engine_id",
                 )
+            # A plan outlives its engine's ownership record: then only an operator reads it.
+            await self.authorize(request.engine_id, "read the plan of", must_be_owned=True)
             now = time.time()
             ttl_s = self._settings.lease_ttl_s
             live = [

@@ -303,6 +303,43 @@ async def test_a_refused_lease_names_only_the_holders_the_caller_may_see(
             await ops.release_plan(engine_id)
 
 
+async def test_a_plan_outliving_its_engines_ownership_is_an_operators_to_read(
+    tmp_path: Path,
+) -> None:
+    """Once an engine's ownership lapses (--ownership-ttl-s after its last use), its
+    plan, still kept, is not anyone's to read: only an operator's, until the engine
+    is planned again (which makes it its planner's)."""
+    tokens = tmp_path / "tokens"
+    write_tokens(tokens, f"{TOKEN_A} team-a", f"{TOKEN_B} team-b", f"{TOKEN_OPS} ops operator")
+    settings = replace(TEST_SETTINGS, token_file=str(tokens), ownership_ttl_s=0.5)
+    running = await start_server(settings)
+    target = f"127.0.0.1:{running.port}"
+
+    def client(token: str) -> AsyncPlannerClient:
+        return AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=token))
+
+    try:
+        async with client(TOKEN_A) as a, client(TOKEN_B) as b, client(TOKEN_OPS) as ops:
+            plan = await a.plan(engine_request("job-42"))
+            await asyncio.sleep(0.7)  # team-a's ownership lapses; the plan stays
+            for engine_id, plan_id in (("job-42", ""), ("", plan.plan_id)):
+                with pytest.raises(PlannerError) as refused:
+                    await b.get_plan(engine_id=engine_id, plan_id=plan_id)
+                assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED
+                assert "has no owner now" in refused.value.details
+                read = await ops.get_plan(engine_id=engine_id, plan_id=plan_id)
+                assert read.plan_id == plan.plan_id
+            # An engine id nobody planned is still simply not found.
+            with pytest.raises(PlannerError) as missing:
+                await b.get_plan(engine_id="never-planned")
+            assert missing.value.code is grpc.StatusCode.NOT_FOUND
+            # Planning it again makes it team-b's.
+            await b.plan(engine_request("job-42"))
+            assert (await b.get_plan(engine_id="job-42")).engine_id == "job-42"
+    finally:
+        await running.stop(0)
+
+
 async def test_the_lease_bound_counts_each_identitys_own_leases(tmp_path: Path) -> None:
     """--max-leases-per-identity bounds the live leases of one identity's engines (the
     store's per-identity count): another identity is not held back by them, and a
