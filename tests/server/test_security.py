@@ -4,6 +4,7 @@ certificates made here, bearer tokens, per-engine ownership, reloads."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import math
@@ -14,6 +15,7 @@ import urllib.request
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -303,16 +305,17 @@ async def test_a_refused_lease_names_only_the_holders_the_caller_may_see(
             await ops.release_plan(engine_id)
 
 
-async def test_a_plan_outliving_its_engines_ownership_is_an_operators_to_read(
-    tmp_path: Path,
-) -> None:
-    """Once an engine's ownership lapses (--ownership-ttl-s after its last use), its
-    plan, still kept, is not anyone's to read: only an operator's, until the engine
-    is planned again (which makes it its planner's)."""
+@contextlib.asynccontextmanager
+async def teams(
+    tmp_path: Path, **settings: Any
+) -> AsyncIterator[
+    tuple[RunningServer, AsyncPlannerClient, AsyncPlannerClient, AsyncPlannerClient]
+]:
+    """A server with tokens (and `settings`), and clients of team-a, team-b and an
+    operator."""
     tokens = tmp_path / "tokens"
     write_tokens(tokens, f"{TOKEN_A} team-a", f"{TOKEN_B} team-b", f"{TOKEN_OPS} ops operator")
-    settings = replace(TEST_SETTINGS, token_file=str(tokens), ownership_ttl_s=0.5)
-    running = await start_server(settings)
+    running = await start_server(replace(TEST_SETTINGS, token_file=str(tokens), **settings))
     target = f"127.0.0.1:{running.port}"
 
     def client(token: str) -> AsyncPlannerClient:
@@ -320,24 +323,34 @@ async def test_a_plan_outliving_its_engines_ownership_is_an_operators_to_read(
 
     try:
         async with client(TOKEN_A) as a, client(TOKEN_B) as b, client(TOKEN_OPS) as ops:
-            plan = await a.plan(engine_request("job-42"))
-            await asyncio.sleep(0.7)  # team-a's ownership lapses; the plan stays
-            for engine_id, plan_id in (("job-42", ""), ("", plan.plan_id)):
-                with pytest.raises(PlannerError) as refused:
-                    await b.get_plan(engine_id=engine_id, plan_id=plan_id)
-                assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED
-                assert "has no owner now" in refused.value.details
-                read = await ops.get_plan(engine_id=engine_id, plan_id=plan_id)
-                assert read.plan_id == plan.plan_id
-            # An engine id nobody planned is still simply not found.
-            with pytest.raises(PlannerError) as missing:
-                await b.get_plan(engine_id="never-planned")
-            assert missing.value.code is grpc.StatusCode.NOT_FOUND
-            # Planning it again makes it team-b's.
-            await b.plan(engine_request("job-42"))
-            assert (await b.get_plan(engine_id="job-42")).engine_id == "job-42"
+            yield running, a, b, ops
     finally:
         await running.stop(0)
+
+
+async def test_a_plan_outliving_its_engines_ownership_is_an_operators_to_read(
+    tmp_path: Path,
+) -> None:
+    """Once an engine's ownership lapses (--ownership-ttl-s after its last use), its
+    plan, still kept, is not anyone's to read: only an operator's, until the engine
+    is planned again (which makes it its planner's)."""
+    async with teams(tmp_path, ownership_ttl_s=0.5) as (_, a, b, ops):
+        plan = await a.plan(engine_request("job-42"))
+        await asyncio.sleep(0.7)  # team-a's ownership lapses; the plan stays
+        for engine_id, plan_id in (("job-42", ""), ("", plan.plan_id)):
+            with pytest.raises(PlannerError) as refused:
+                await b.get_plan(engine_id=engine_id, plan_id=plan_id)
+            assert refused.value.code is grpc.StatusCode.PERMISSION_DENIED
+            assert "has no owner now" in refused.value.details
+            read = await ops.get_plan(engine_id=engine_id, plan_id=plan_id)
+            assert read.plan_id == plan.plan_id
+        # An engine id nobody planned is still simply not found.
+        with pytest.raises(PlannerError) as missing:
+            await b.get_plan(engine_id="never-planned")
+        assert missing.value.code is grpc.StatusCode.NOT_FOUND
+        # Planning it again makes it team-b's.
+        await b.plan(engine_request("job-42"))
+        assert (await b.get_plan(engine_id="job-42")).engine_id == "job-42"
 
 
 async def test_the_lease_bound_counts_each_identitys_own_leases(tmp_path: Path) -> None:
@@ -380,42 +393,30 @@ async def test_the_engine_bound_counts_each_identitys_own_engines(tmp_path: Path
     ownership records): the next new engine is refused, naming the flag and the
     numbers, while re-plans of its own engines and another identity go on; an
     operator's own engines are bounded the same way."""
-    tokens = tmp_path / "tokens"
-    write_tokens(tokens, f"{TOKEN_A} team-a", f"{TOKEN_B} team-b", f"{TOKEN_OPS} ops operator")
-    settings = replace(TEST_SETTINGS, token_file=str(tokens), max_engines_per_identity=2)
-    running = await start_server(settings)
-    target = f"127.0.0.1:{running.port}"
-
-    def client(token: str) -> AsyncPlannerClient:
-        return AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=token))
-
-    try:
-        async with client(TOKEN_A) as a, client(TOKEN_B) as b, client(TOKEN_OPS) as ops:
-            for engine_id in ("a-1", "a-2"):
-                await a.plan(engine_request(engine_id))
-            with pytest.raises(PlannerError) as refused:
-                await a.plan(engine_request("a-3"))
-            assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert refused.value.metadata["limit"] == "max_engines_per_identity"
-            assert "3 exceeds the server's limit of 2" in refused.value.details
-            assert "--max-engines-per-identity" in refused.value.details
-            assert "team-a" in refused.value.details
-            assert "--ownership-ttl-s" in refused.value.details
-            await a.plan(engine_request("a-1"))  # its own engine: never refused
-            for engine_id in ("b-1", "b-2"):  # team-b is not held back by team-a
-                await b.plan(engine_request(engine_id))
-            await ops.plan(engine_request("a-2"))  # another's engine: not the operator's
-            for engine_id in ("ops-1", "ops-2"):
-                await ops.plan(engine_request(engine_id))
-            with pytest.raises(PlannerError) as refused:
-                await ops.plan(engine_request("ops-3"))
-            assert refused.value.metadata["limit"] == "max_engines_per_identity"
+    async with teams(tmp_path, max_engines_per_identity=2) as (running, a, b, ops):
+        for engine_id in ("a-1", "a-2"):
+            await a.plan(engine_request(engine_id))
+        with pytest.raises(PlannerError) as refused:
+            await a.plan(engine_request("a-3"))
+        assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.metadata["limit"] == "max_engines_per_identity"
+        assert "3 exceeds the server's limit of 2" in refused.value.details
+        assert "--max-engines-per-identity" in refused.value.details
+        assert "team-a" in refused.value.details
+        assert "--ownership-ttl-s" in refused.value.details
+        await a.plan(engine_request("a-1"))  # its own engine: never refused
+        for engine_id in ("b-1", "b-2"):  # team-b is not held back by team-a
+            await b.plan(engine_request(engine_id))
+        await ops.plan(engine_request("a-2"))  # another's engine: not the operator's
+        for engine_id in ("ops-1", "ops-2"):
+            await ops.plan(engine_request(engine_id))
+        with pytest.raises(PlannerError) as refused:
+            await ops.plan(engine_request("ops-3"))
+        assert refused.value.metadata["limit"] == "max_engines_per_identity"
         hits = running.metrics.registry.get_sample_value(
             "kvplan_limits_hit_total", {"limit": "max_engines_per_identity"}
         )
         assert hits == 2
-    finally:
-        await running.stop(0)
 
 
 async def test_reflection_needs_credentials_and_health_stays_open(
