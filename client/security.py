@@ -54,14 +54,8 @@ class ChannelSecurity:
         key = read("KVPLAN_CLIENT_KEY")
         chain = read("KVPLAN_CLIENT_CERT")
         token = env.get("KVPLAN_TOKEN", "") or None
-        token_file = env.get("KVPLAN_CLIENT_TOKEN_FILE", "")
-        if token is None and token_file:
-            try:
-                token = Path(token_file).read_text().strip() or None
-            except OSError as error:
-                raise OSError(
-                    f"KVPLAN_CLIENT_TOKEN_FILE={token_file}: {error.strerror or error}"
-                ) from None
+        if token is None:
+            token = (read("KVPLAN_CLIENT_TOKEN_FILE") or b"").decode().strip() or None
         tls = env.get("KVPLAN_TLS", "").lower() in ("1", "true", "yes", "on") or bool(
             root or key or chain
         )

@@ -962,9 +962,13 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 await self.authorize(engine_id, "read the plan of", must_be_owned=True)
             return plan
         if request.engine_id:
-            await self.authorize(request.engine_id, "read the plan of")
             plan = self._cache.for_engine(request.engine_id) or await self._store.plan_for_engine(
                 request.engine_id
+            )
+            # A plan outlives its engine's ownership record: then only an operator
+            # reads it (an engine id nobody owns and nobody planned is NOT_FOUND).
+            await self.authorize(
+                request.engine_id, "read the plan of", must_be_owned=plan is not None
             )
             if plan is None:
                 raise ServiceError(
@@ -972,8 +976,6 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                     f"engine {request.engine_id!r} has no plan (yet)",
                     field="engine_id",
                 )
-            # A plan outlives its engine's ownership record: then only an operator reads it.
-            await self.authorize(request.engine_id, "read the plan of", must_be_owned=True)
             now = time.time()
             ttl_s = self._settings.lease_ttl_s
             live = [

@@ -78,6 +78,8 @@ def _cannot_load(error: Exception) -> None:
         f"the kvplan plugin cannot load ({type(error).__name__}: {error}); it needs "
         "grpcio and protobuf as kvplan's package requires (pip install kvplan)"
     )
+    # Read here, not through Settings: it imports the client (grpc), which may be
+    # what failed to import.
     mode = os.environ.get("KVPLAN_MODE", "").strip().lower()
     on_unavailable = os.environ.get("KVPLAN_ON_UNAVAILABLE", "").strip().lower() or "refuse"
     if mode == "lease" and on_unavailable == "refuse":
