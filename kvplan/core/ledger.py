@@ -32,10 +32,16 @@ ten live leases or ten thousand. Expiry stays exact: before reading totals a
 store expires what is due, found by an index on `expires_at`, and records the
 `now` it expired through. A lease is counted while `counted(lease,
 expired_through)`; `tally` is the recount the totals must always equal.
+
+That mark only moves forward, so a store stamps grants and renewals at
+`ledger_time`, never behind it: a clock stepped back by more than a lease's TTL
+(or a replica that far behind another sharing the store) would otherwise write
+leases born expired, never counted, and grant their memory a second time.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -134,6 +140,15 @@ class Totals:
 
 
 NOTHING = Totals()
+
+
+def ledger_time(now: float, expired_through: float) -> float:
+    """The time a store stamps a grant or a renewal with: `now`, unless the store
+    already expired leases through a later time (the clock stepped back, or
+    another replica runs ahead). Leases then live longer than their TTL by the
+    step, which holds memory a while; stamped at `now`, they would hold none on
+    the ledger while the engine uses it."""
+    return max(now, expired_through)
 
 
 def counted(lease: Lease, expired_through: float) -> bool:
@@ -365,11 +380,14 @@ def grant_leases(
     now: float,
     ttl_s: float,
     identity: str = "",
+    *,
+    expired_through: float = -math.inf,
 ) -> tuple[Lease, ...]:
     """`check_grant`, then the engine's new leases (in request order), held by
-    `identity`: what a store writes in place of the engine's old ones, in the
-    same transaction."""
+    `identity` and stamped at `ledger_time`: what a store writes in place of the
+    engine's old ones, in the same transaction."""
     check_grant(engine_id, requests, devices, others)
+    now = ledger_time(now, expired_through)
     return tuple(
         Lease(
             engine_id=engine_id,

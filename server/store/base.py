@@ -21,7 +21,9 @@ behaviour; tests/server/test_store_contract.py runs one suite against all.
 - Expiry is exact: a call first expires what is due at its `now` (takes it out
   of the totals) and records the `now` it expired through; `counted` says which
   leases the totals hold. The rows stay until `sweep_expired` deletes and
-  reports them.
+  reports them. Grants and renewals are stamped at `ledger_time(now,
+  expired_through)`, never behind that mark, so a clock stepped back (or a
+  replica behind another) cannot write a lease the totals never count.
 """
 
 from __future__ import annotations
@@ -260,7 +262,7 @@ class Store(Protocol):
         quota), check `requests` with `grant_leases` against the other engines'
         totals (GrantRefused, naming the refused device's holdings, propagates),
         then replace every lease of `engine_id` by the new ones (allocated_bytes
-        = in_use_bytes, expires_at = now + ttl_s, held by `identity`). A refusal
+        = in_use_bytes, expires_at = ledger_time + ttl_s, held by `identity`). A refusal
         changes nothing. Returns the new leases in request order."""
 
     async def renew(
@@ -270,7 +272,7 @@ class Store(Protocol):
         now: float,
         ttl_s: float,
     ) -> tuple[Lease, ...]:
-        """Heartbeat: push expires_at of the engine's live leases to now + ttl_s;
+        """Heartbeat: push expires_at of the engine's live leases to ledger_time + ttl_s;
         `allocations` (rank -> bytes held on the device) updates allocated_bytes
         of those ranks (others keep theirs). NOT_FOUND (field "engine_id") when
         the engine has no lease at all; FAILED_PRECONDITION when all its leases

@@ -23,6 +23,7 @@ from kvplan.core.ledger import (
     grant_leases,
     holdings,
     identity_changes,
+    ledger_time,
 )
 from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import (
@@ -205,11 +206,12 @@ def renew_leases(
     expired_through: float = -math.inf,
 ) -> tuple[Lease, ...]:
     """`renew`'s outcome for the engine's leases `mine`, in rank order: every live
-    one pushed to now + ttl_s with its reported allocation (shared by the backends).
-    A lease the store already expired (at or below `expired_through`) stays expired,
-    whatever `now` says: its memory may have been granted since."""
+    one pushed to `ledger_time` + ttl_s with its reported allocation (shared by the
+    backends). A lease the store already expired (at or below `expired_through`)
+    stays expired, whatever `now` says: its memory may have been granted since."""
     if not mine:
         raise no_leases(engine_id)
+    now = ledger_time(now, expired_through)
     live = [lease for lease in mine if lease.live(now) and counted(lease, expired_through)]
     if not live:
         raise leases_expired(engine_id)
@@ -523,7 +525,16 @@ class MemoryStore:
         )
         others = excluding({uuid: self._totals.get(uuid, NOTHING) for uuid in devices}, mine)
         try:
-            granted = grant_leases(engine_id, requests, devices, others, now, ttl_s, identity)
+            granted = grant_leases(
+                engine_id,
+                requests,
+                devices,
+                others,
+                now,
+                ttl_s,
+                identity,
+                expired_through=self._expired_through,
+            )
         except GrantRefused as refused:
             everyone = (lease for leases in self._engines.values() for lease in leases.values())
             raise naming_holders(refused, everyone, engine_id, now) from None

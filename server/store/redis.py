@@ -200,9 +200,9 @@ local function touch(now_text, grace_ms)
 end
 """
 
-# Read for a grant or a view: expire what is due, then {version, expired-through,
-# live leases, the identity's, per device {committed, outstanding, live}, the
-# engine's counted records}. ARGV: now, identity, device uuids...
+# Read for a grant or a view: expire what is due, then {version, live leases, the
+# identity's, per device {committed, outstanding, live}, the engine's counted
+# records, expired-through}. ARGV: now, identity, device uuids...
 _LEDGER_READ = (
     _LEDGER
     + """
@@ -229,17 +229,22 @@ return {
     redis.call('HGET', identities, ARGV[2]) or '0',
     devices,
     own,
+    through_text(),
 }
 """
 )
 
-# A grant's write, if no lease changed since its read: the engine's records
+# A grant's write, if no lease changed since its read and the mark has not passed
+# a new lease's expiry since (it would never be counted): the engine's records
 # replaced. ARGV: version read, now, grace ms, engine hash ms (-1: none),
 # then rank, record, expires_at per new lease. Returns 0 on a conflict.
 _LEDGER_GRANT = (
     _LEDGER
     + """
 if (redis.call('GET', KEYS[7]) or '0') ~= ARGV[1] then return 0 end
+for i = 7, #ARGV, 3 do
+    if tonumber(ARGV[i]) <= through() then return 0 end
+end
 for _, record in ipairs(redis.call('HVALS', KEYS[8])) do remove(record) end
 redis.call('DEL', KEYS[8])
 local expires = {}
@@ -265,10 +270,13 @@ _LEDGER_RENEW = (
 for i = 4, #ARGV, 4 do
     if redis.call('HGET', KEYS[8], ARGV[i]) ~= ARGV[i + 1] then return 0 end
 end
--- A record the ledger already expired stays expired (its memory may be granted).
+-- A record the ledger already expired stays expired (its memory may be granted),
+-- and a renewal stamped at or below the mark would never be counted: both are
+-- decided again with the mark.
 for i = 4, #ARGV, 4 do
     local score = redis.call('ZSCORE', expiry, ARGV[i + 1])
     if not score or tonumber(score) <= through() then return {through_text()} end
+    if tonumber(ARGV[i + 3]) <= through() then return {through_text()} end
 end
 for i = 4, #ARGV, 4 do
     remove(ARGV[i + 1])
@@ -1164,14 +1172,15 @@ class RedisStore:
 
     async def _read(
         self, now: float, device_uuids: Sequence[str], engine_id: str, identity: str
-    ) -> tuple[bytes, LedgerView, list[Lease]]:
-        """(version, the view without the engine's leases, its counted leases)."""
+    ) -> tuple[bytes, LedgerView, list[Lease], float]:
+        """(version, the view without the engine's leases, its counted leases, the
+        time the ledger expired leases through)."""
         raw: list[Any] = await self._call(
             self._scripts["ledger_read"](
                 keys=self._ledger_keys(engine_id), args=[repr(now), identity, *device_uuids]
             )
         )
-        version, live, held, devices, own_records = raw
+        version, live, held, devices, own_records, through = raw
         own = [_lease(record) for record in own_records]
         totals = {
             uuid: Totals(int(committed), int(outstanding), int(count))
@@ -1183,7 +1192,7 @@ class RedisStore:
             live_leases=int(live) - len(own),
             identity_leases=int(held) - sum(lease.identity == identity for lease in own),
         )
-        return bytes(version), view, own
+        return bytes(version), view, own, float(through)
 
     async def _scan(self, low: str) -> list[Lease]:
         """The leases whose expiry is above `low` (reads the whole index range)."""
@@ -1217,7 +1226,7 @@ class RedisStore:
         self._redis()
 
         async def attempt() -> tuple[Lease, ...] | None:
-            version, view, _ = await self._read(now, list(devices), engine_id, identity)
+            version, view, _, through = await self._read(now, list(devices), engine_id, identity)
             # Decided on this read; the write below commits only if no lease changed
             # since (lease-version), so grants at once on any replica cannot all pass.
             check_lease_quota(
@@ -1229,7 +1238,14 @@ class RedisStore:
             )
             try:
                 granted = grant_leases(
-                    engine_id, requests, devices, view.devices, now, ttl_s, identity
+                    engine_id,
+                    requests,
+                    devices,
+                    view.devices,
+                    now,
+                    ttl_s,
+                    identity,
+                    expired_through=through,
                 )
             except GrantRefused as refused:
                 holders = await self._scan(f"({now!r}")
@@ -1304,7 +1320,7 @@ class RedisStore:
         identity: str = "",
     ) -> LedgerView:
         self._redis()
-        _, view, _ = await self._read(now, device_uuids, engine_id, identity)
+        _, view, _, _ = await self._read(now, device_uuids, engine_id, identity)
         return view
 
     async def engine_leases(self, engine_id: str, now: float) -> tuple[Lease, ...]:

@@ -1085,7 +1085,16 @@ class SQLiteStore:
                 )
             others = excluding(_device_totals(db, devices), mine)
             try:
-                granted = grant_leases(engine_id, requests, devices, others, now, ttl_s, identity)
+                granted = grant_leases(
+                    engine_id,
+                    requests,
+                    devices,
+                    others,
+                    now,
+                    ttl_s,
+                    identity,
+                    expired_through=through,
+                )
             except GrantRefused as refused:
                 holders = [
                     _lease(row)

@@ -852,6 +852,34 @@ async def test_a_renewal_stamped_behind_an_expiry_does_not_bring_the_lease_back(
     assert [lease.engine_id for lease in await store.leases(LEASE_TTL_S + 0.02)] == ["b"]
 
 
+async def test_a_clock_stepped_back_past_a_lease_ttl_still_counts_what_it_grants(
+    store: Store,
+) -> None:
+    """The server's clock steps back by more than a lease TTL (an NTP correction, or a
+    replica that far behind another sharing Redis). Stamped by that clock, a grant or
+    a renewal would expire below the time the store already expired leases through:
+    never counted, its memory would be granted again."""
+    gpus = devices(device("gpu-0", limit=80), device("gpu-1"))
+    ahead = 1000.0
+    await store.grant("early", [ask(0, "gpu-1", 1)], gpus, 0.0, LEASE_TTL_S)
+    await store.sweep_expired(ahead)  # expired through 1000 s
+    (lease,) = await store.grant("a", [ask(0, "gpu-0", 60)], gpus, 0.0, LEASE_TTL_S)
+    assert lease.expires_at > ahead  # stamped at the store's time, not the clock's
+    with pytest.raises(GrantRefused) as refused:
+        await store.grant("b", [ask(0, "gpu-0", 60)], gpus, 0.0, LEASE_TTL_S)
+    assert refused.value.details["committed_bytes"] == 60 * GIB
+    (renewed,) = await store.renew("a", {0: 60 * GIB}, 5.0, LEASE_TTL_S)
+    assert renewed.expires_at > ahead
+    with pytest.raises(GrantRefused):
+        await store.grant("b", [ask(0, "gpu-0", 60)], gpus, 10.0, LEASE_TTL_S)
+    view = await store.ledger_view(10.0, ["gpu-0"])
+    assert (view.devices["gpu-0"].committed_bytes, view.live_leases) == (60 * GIB, 1)
+    # Its memory comes back once the store's time passes the renewed expiry.
+    later = renewed.expires_at
+    granted = await store.grant("b", [ask(0, "gpu-0", 60)], gpus, later, LEASE_TTL_S)
+    assert await store.leases(later) == granted
+
+
 async def test_release_one_rank_or_all(store: Store) -> None:
     gpus = devices(device("gpu-0"), device("gpu-1"))
     first, second = await store.grant(
