@@ -49,6 +49,7 @@ class Settings:
     max_layer_name_chars: int = 1024
     max_identifier_chars: int = 256  # engine_version, target_model_type, device uuid / name
     max_pending_rendezvous_bytes: int = 256 * 1024 * 1024  # specs of waiting ranks, this process
+    rendezvous_result_bytes: int = 64 * 1024 * 1024  # finished rank-mode results kept in the store
     max_leases_per_identity: int = 4096
     # Live ownership records (engine ids) one identity holds: ~110 bytes each in
     # SQLite, so 65,536 is ~7 MB per identity, while a real tenant plans far
@@ -96,6 +97,8 @@ _HELP = {
     "max_identifier_chars": "longest options.engine_version, spec_decode.target_model_type, "
     "device.uuid or device.name",
     "max_pending_rendezvous_bytes": "bytes of rank specs waiting in rendezvous (this process)",
+    "rendezvous_result_bytes": "bytes of finished rank-mode results kept for late or retrying "
+    "ranks (the oldest are forgotten first)",
     "max_leases_per_identity": "live leases one identity may hold",
     "max_engines_per_identity": "engines one identity may own at once (live ownership records)",
     "metrics_engine_labels": "per-engine metric series (engine_id label); off by default",
@@ -160,6 +163,7 @@ def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -
         "max_layer_name_chars",
         "max_identifier_chars",
         "max_pending_rendezvous_bytes",
+        "rendezvous_result_bytes",
         "max_engines_per_identity",
     ):
         if getattr(settings, name) <= 0:

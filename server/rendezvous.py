@@ -21,6 +21,7 @@ from kvplan.server.errors import RemoteStatus, ServiceError, limit_exceeded, to_
 from kvplan.server.guard import current_request_id
 from kvplan.server.metrics import Metrics
 from kvplan.server.store import RendezvousResult, Store, StoreUnavailable
+from kvplan.server.store.base import DEFAULT_MAX_RESULT_BYTES
 from kvplan.v1 import plan_pb2
 
 log = logging.getLogger("kvplan.server")
@@ -97,6 +98,7 @@ class Rendezvous:
         ttl_s: float,
         claim_timeout_s: float,
         max_pending_bytes: int = 256 * 1024 * 1024,
+        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     ) -> None:
         self._store = store
         self._plan = plan
@@ -111,6 +113,7 @@ class Rendezvous:
         self._waiting = 0
         self._max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0  # rank specs inside join() in this process
+        self._max_result_bytes = max_result_bytes
         store.subscribe(self._on_finished)
 
     def _on_finished(self, engine_id: str, result: RendezvousResult) -> None:
@@ -223,7 +226,11 @@ class Rendezvous:
             remember = False
         try:
             await self._store.rendezvous_finish(
-                engine_id, result, time.time(), remember_failure=remember and not result.ok
+                engine_id,
+                result,
+                time.time(),
+                remember_failure=remember and not result.ok,
+                max_kept_bytes=self._max_result_bytes,
             )
         except StoreUnavailable as error:
             # The claim stays in the store, so a retry after claim_timeout_s plans

@@ -39,6 +39,17 @@ DEFAULT_MAX_PLANS = 4096
 # Serialized plans kept by a store. A 64-layer, 8-worker hybrid plan is ~35 KB,
 # so the default holds ~1,900 of them.
 DEFAULT_MAX_PLAN_BYTES = 64 * 1024 * 1024
+# Finished rank-mode results (plans, remembered failures) kept for ranks that
+# arrive late or retry, by the bytes they hold (kept_result_bytes).
+DEFAULT_MAX_RESULT_BYTES = 64 * 1024 * 1024
+DIGEST_BYTES = 32  # SHA-256: of a template, of each rank's spec
+
+
+def kept_result_bytes(engine_id: str, stored_payload_bytes: int, ranks: int) -> int:
+    """What a finished engine's result counts against the bound: its engine id,
+    its plan (or error) as the store keeps it, and the digests of its template
+    and of each rank's spec (so that a flood of tiny results is bounded too)."""
+    return len(engine_id.encode()) + stored_payload_bytes + DIGEST_BYTES * (ranks + 1)
 
 
 class StoreUnavailable(Exception):
@@ -210,6 +221,7 @@ class Store(Protocol):
         now: float,
         *,
         remember_failure: bool = False,
+        max_kept_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     ) -> None:
         """The claimer's outcome. A plan: the engine becomes finished (its
         ranks' worker digests kept for rule 2, the plan kept to answer late
@@ -217,7 +229,12 @@ class Store(Protocol):
         not through this). An error: the rendezvous is deleted, so the ranks
         can retry from scratch; with `remember_failure` it is kept as a failed
         engine instead (rule 2b). Either way every subscriber on every replica
-        is called with `(engine_id, result)`."""
+        is called with `(engine_id, result)`.
+
+        Kept results hold at most `max_kept_bytes` (`kept_result_bytes` each):
+        the oldest finished engines are forgotten first, as if their TTL had
+        passed. A result larger than the bound is not kept at all (and makes
+        no other forgotten)."""
 
     def subscribe(self, callback: FinishedCallback) -> None:
         """Call `callback` (on the event loop) for every finished rendezvous,

@@ -29,12 +29,14 @@ from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import (
     DEFAULT_MAX_PLAN_BYTES,
     DEFAULT_MAX_PLANS,
+    DEFAULT_MAX_RESULT_BYTES,
     Arrival,
     FinishedCallback,
     LedgerView,
     RendezvousResult,
     TooManyEngines,
     check_lease_quota,
+    kept_result_bytes,
 )
 from kvplan.server.store.bodies import KeptPlans, PlanParts, plan_parts
 
@@ -62,6 +64,7 @@ class _Finished:
     plan: bytes  # the plan, or the serialized error of a failed engine
     finished: float
     ok: bool = True
+    size: int = 0  # kept_result_bytes
 
 
 class _TimeIndex(Generic[_K]):
@@ -103,16 +106,17 @@ def _forget_old(
     made_of: Callable[[_E], float],
     now: float,
     ttl_s: float,
-) -> None:
-    """Delete the entries made more than `ttl_s` before `now` (the exact test)."""
+) -> list[_E]:
+    """Delete the entries made more than `ttl_s` before `now` (the exact test);
+    returns them."""
 
     def made(key: str) -> float | None:
         entry = entries.get(key)
         return made_of(entry) if entry is not None else None
 
-    for key in index.pop_due(lambda when: now - when > ttl_s, made):
-        del entries[key]
+    forgotten = [entries.pop(key) for key in index.pop_due(lambda when: now - when > ttl_s, made)]
     index.compact(lambda: ((made_of(entry), key) for key, entry in entries.items()), len(entries))
+    return forgotten
 
 
 def check_compatible(
@@ -245,7 +249,8 @@ class MemoryStore:
     ) -> None:
         self._plans = KeptPlans(max_plans, max_plan_bytes)  # oldest first
         self._open: dict[str, _Open] = {}
-        self._finished: dict[str, _Finished] = {}
+        self._finished: dict[str, _Finished] = {}  # oldest first
+        self._finished_bytes = 0  # their kept_result_bytes
         # The ledger: leases by engine then rank; the totals of the counted ones
         # (see kvplan.core.ledger) per device and per identity; every lease's expiry
         # in a heap (an entry is stale once its lease is gone or renewed); the
@@ -297,7 +302,13 @@ class MemoryStore:
 
     def _expire(self, now: float, ttl_s: float) -> None:
         _forget_old(self._open_by_age, self._open, lambda entry: entry.created, now, ttl_s)
-        _forget_old(self._finished_by_age, self._finished, lambda entry: entry.finished, now, ttl_s)
+        forgotten = _forget_old(
+            self._finished_by_age, self._finished, lambda entry: entry.finished, now, ttl_s
+        )
+        self._finished_bytes -= sum(entry.size for entry in forgotten)
+
+    def _drop_finished(self, engine_id: str) -> None:
+        self._finished_bytes -= self._finished.pop(engine_id).size
 
     async def rendezvous_join(
         self,
@@ -322,7 +333,7 @@ class MemoryStore:
                 worker=worker,
             ):
                 return Arrival("finished", result=RendezvousResult(False, finished.plan))
-            del self._finished[engine_id]
+            self._drop_finished(engine_id)
             finished = None
         if finished is not None:
             check_finished(
@@ -373,17 +384,26 @@ class MemoryStore:
         now: float,
         *,
         remember_failure: bool = False,
+        max_kept_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     ) -> None:
         entry = self._open.pop(engine_id, None)
         if (result.ok or remember_failure) and entry is not None:
-            self._finished_by_age.add(now, engine_id)
-            self._finished[engine_id] = _Finished(
-                template_digest=digest(entry.template),
-                worker_digests={rank: digest(w) for rank, w in entry.workers.items()},
-                plan=result.payload,
-                finished=now,
-                ok=result.ok,
-            )
+            if engine_id in self._finished:
+                self._drop_finished(engine_id)
+            size = kept_result_bytes(engine_id, len(result.payload), len(entry.workers))
+            if size <= max_kept_bytes:
+                self._finished_by_age.add(now, engine_id)
+                self._finished[engine_id] = _Finished(
+                    template_digest=digest(entry.template),
+                    worker_digests={rank: digest(w) for rank, w in entry.workers.items()},
+                    plan=result.payload,
+                    finished=now,
+                    ok=result.ok,
+                    size=size,
+                )
+                self._finished_bytes += size
+                while self._finished_bytes > max_kept_bytes:  # the oldest go first
+                    self._drop_finished(next(iter(self._finished)))
         for callback in self._subscribers:
             callback(engine_id, result)
 

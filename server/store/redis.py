@@ -26,6 +26,8 @@ Key layout under `key_prefix` (default "kvplan:"):
                                 claimed_at (absent: unclaimed), rank:{r} -> WorkerSpec
     rdv:done              ZSET  engine_id -> finished
     rdv:done:{engine}     HASH  template_digest, plan, finished, rank:{r} -> worker digest
+    rdv:done-size         HASH  engine_id -> its kept_result_bytes  } finished results
+    rdv:done-bytes        STRING their sum                          } bounded by bytes
     lease:{engine}        HASH  rank -> the lease's record: JSON [engine_id, rank,
                                 device_uuid, bytes, allocated_bytes, granted_at,
                                 expires_at, identity, outstanding_bytes]
@@ -88,6 +90,7 @@ from kvplan.core.ledger import (
 from kvplan.server.store.base import (
     DEFAULT_MAX_PLAN_BYTES,
     DEFAULT_MAX_PLANS,
+    DEFAULT_MAX_RESULT_BYTES,
     Arrival,
     FinishedCallback,
     LedgerView,
@@ -95,6 +98,7 @@ from kvplan.server.store.base import (
     StoreUnavailable,
     TooManyEngines,
     check_lease_quota,
+    kept_result_bytes,
 )
 from kvplan.server.store.bodies import PlanParts, plan_parts
 from kvplan.server.store.memory import (
@@ -427,6 +431,20 @@ return plan_bytes(ARGV[2] .. plan_id, ARGV[3])
 """
 )
 
+# Lua, shared by the rendezvous scripts: forget one finished engine's result and
+# take its size out of the sum (a result kept before sizes were has none).
+_RESULTS = """
+local function drop_result(index, sizes, total, prefix, engine)
+    local size = redis.call('HGET', sizes, engine)
+    if size then
+        redis.call('HDEL', sizes, engine)
+        redis.call('DECRBY', total, size)
+    end
+    redis.call('ZREM', index, engine)
+    redis.call('DEL', prefix .. engine)
+end
+"""
+
 # Lua: a rank's join, before its decision, in one round trip (the caller WATCHes
 # the engine's two hashes, not the indexes, so that joins of other engines never
 # conflict with it). First rule 1: open and finished engines older than the TTL
@@ -435,21 +453,26 @@ return plan_bytes(ARGV[2] .. plan_id, ARGV[3])
 # the open hash's world_size, template, claimed_at and rank field, and how many
 # ranks it holds; never the other ranks' specs (only the rank that completes
 # an engine reads those).
-# KEYS: rdv:open, rdv:done, rdv:open:{engine}, rdv:done:{engine}.
+# KEYS: rdv:open, rdv:done, rdv:open:{engine}, rdv:done:{engine}, rdv:done-size,
+# rdv:done-bytes.
 # ARGV: now, ttl_s, open hash prefix, finished hash prefix, the rank's field.
-_JOIN = """
+_JOIN = (
+    _RESULTS
+    + """
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-local function forget(index, prefix)
+local function forget(index, forget_one)
     local candidates = redis.call('ZRANGEBYSCORE', index, '-inf', now - ttl + 1, 'WITHSCORES')
     for i = 1, #candidates, 2 do
-        if now - tonumber(candidates[i + 1]) > ttl then
-            redis.call('ZREM', index, candidates[i])
-            redis.call('DEL', prefix .. candidates[i])
-        end
+        if now - tonumber(candidates[i + 1]) > ttl then forget_one(candidates[i]) end
     end
 end
-forget(KEYS[1], ARGV[3])
-forget(KEYS[2], ARGV[4])
+forget(KEYS[1], function(engine)
+    redis.call('ZREM', KEYS[1], engine)
+    redis.call('DEL', ARGV[3] .. engine)
+end)
+forget(KEYS[2], function(engine)
+    drop_result(KEYS[2], KEYS[5], KEYS[6], ARGV[4], engine)
+end)
 local open_ranks = 0
 for _, field in ipairs(redis.call('HKEYS', KEYS[3])) do
     if string.sub(field, 1, 5) == 'rank:' then
@@ -462,6 +485,40 @@ return {
     open_ranks,
 }
 """
+)
+
+# Lua, inside a join's MULTI: forget a failed engine's result (a changed rank).
+# KEYS: rdv:done, rdv:done-size, rdv:done-bytes. ARGV: finished hash prefix, engine_id.
+_DROP_RESULT = (
+    _RESULTS
+    + """
+drop_result(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2])
+"""
+)
+
+# Lua, inside a finish's MULTI: keep an engine's result in place of any earlier
+# one (unless it alone is over the bound), then forget the oldest results until
+# they hold at most the bound.
+# KEYS: rdv:done, rdv:done-size, rdv:done-bytes, rdv:done:{engine}.
+# ARGV: engine_id, finished, size, max bytes, expiry in ms ('' for none),
+# finished hash prefix, then the hash's fields and values.
+_KEEP_RESULT = (
+    _RESULTS
+    + """
+drop_result(KEYS[1], KEYS[2], KEYS[3], ARGV[6], ARGV[1])
+if tonumber(ARGV[3]) > tonumber(ARGV[4]) then return end
+redis.call('HSET', KEYS[4], unpack(ARGV, 7))
+if ARGV[5] ~= '' then redis.call('PEXPIRE', KEYS[4], ARGV[5]) end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+redis.call('INCRBY', KEYS[3], ARGV[3])
+while tonumber(redis.call('GET', KEYS[3])) > tonumber(ARGV[4]) do
+    local oldest = redis.call('ZRANGE', KEYS[1], 0, 0)
+    if #oldest == 0 then break end
+    drop_result(KEYS[1], KEYS[2], KEYS[3], ARGV[6], oldest[1])
+end
+"""
+)
 
 # Lua, inside a join's MULTI: open a rendezvous unless `max_pending` are open
 # (rule 4, atomic with the count: no join watches the index). Returns -1, or
@@ -641,6 +698,10 @@ class RedisStore:
     def _done_key(self, engine_id: str) -> str:
         return self._prefix + "rdv:done:" + engine_id
 
+    def _result_keys(self) -> list[str]:
+        """The finished results' sizes and their sum."""
+        return [self._key("rdv:done-size"), self._key("rdv:done-bytes")]
+
     # --- connection ---------------------------------------------------------------
 
     def _redis(self) -> redis.asyncio.Redis:
@@ -715,6 +776,8 @@ class RedisStore:
             "index_owner": self._client.register_script(_INDEX_OWNER),
             "join": self._client.register_script(_JOIN),
             "open_rendezvous": self._client.register_script(_OPEN_RENDEZVOUS),
+            "drop_result": self._client.register_script(_DROP_RESULT),
+            "keep_result": self._client.register_script(_KEEP_RESULT),
         }
         try:
             await self.ping()
@@ -917,7 +980,7 @@ class RedisStore:
             read = await self._eval_watching(
                 pipe,
                 "join",
-                keys=[open_index, done_index, open_key, done_key],
+                keys=[open_index, done_index, open_key, done_key, *self._result_keys()],
                 args=[repr(now), repr(ttl_s), self._open_key(""), self._done_key(""), rank_field],
             )
             done_digest, done_plan, done_ok, planned_worker = read[0]
@@ -970,8 +1033,11 @@ class RedisStore:
 
             _begin(pipe)
             if drop_failed:  # a changed rank forgets the failure, refused or not
-                pipe.delete(done_key)
-                pipe.zrem(done_index, engine_id)
+                await self._scripts["drop_result"](
+                    keys=[done_index, *self._result_keys()],
+                    args=[self._done_key(""), engine_id],
+                    client=pipe,
+                )
             if created:
                 fields.update(
                     world_size=str(world_size),
@@ -1028,6 +1094,7 @@ class RedisStore:
         now: float,
         *,
         remember_failure: bool = False,
+        max_kept_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     ) -> None:
         open_key, done_key = self._open_key(engine_id), self._done_key(engine_id)
         engine = engine_id.encode()
@@ -1046,14 +1113,23 @@ class RedisStore:
                     "finished": repr(now),
                     "ok": "1" if result.ok else "0",
                 }
-                for rank, spec in _rank_fields(entry).items():
+                ranks = _rank_fields(entry)
+                for rank, spec in ranks.items():
                     fields[f"rank:{rank}"] = digest(spec)
-                pipe.delete(done_key)
-                pipe.hset(done_key, mapping=fields)  # type: ignore[arg-type]
-                pipe.zadd(self._key("rdv:done"), {engine_id: now})
                 expiry = _expiry_ms(float(entry[b"ttl_s"]) + self._expiry_grace_s)
-                if expiry is not None:
-                    pipe.pexpire(done_key, expiry)
+                await self._scripts["keep_result"](
+                    keys=[self._key("rdv:done"), *self._result_keys(), done_key],
+                    args=[
+                        engine_id,
+                        repr(now),
+                        kept_result_bytes(engine_id, len(result.payload), len(ranks)),
+                        max_kept_bytes,
+                        "" if expiry is None else expiry,
+                        self._done_key(""),
+                        *(item for pair in fields.items() for item in pair),
+                    ],
+                    client=pipe,
+                )
             pipe.publish(self._channel, message)
             await pipe.execute()
 

@@ -58,6 +58,8 @@ from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import (
     DEFAULT_MAX_PLAN_BYTES,
     DEFAULT_MAX_PLANS,
+    DEFAULT_MAX_RESULT_BYTES,
+    DIGEST_BYTES,
     Arrival,
     FinishedCallback,
     LedgerView,
@@ -65,6 +67,7 @@ from kvplan.server.store.base import (
     StoreUnavailable,
     TooManyEngines,
     check_lease_quota,
+    kept_result_bytes,
 )
 from kvplan.server.store.bodies import PlanParts, plan_parts
 from kvplan.server.store.memory import (
@@ -83,8 +86,9 @@ log = logging.getLogger(__name__)
 # 2: engine_owner, rendezvous_finished.ok; 3: the ledger's totals, leases.identity;
 # 4: plan_bodies (each distinct plan body once); 5: engine_owner_count;
 # 6: plan_bodies.codec, rendezvous_finished.codec, rendezvous_open_worker.codec
-# (plans and rank specs stored compressed)
-SCHEMA_VERSION = 6
+# (plans and rank specs stored compressed); 7: rendezvous_finished.size and
+# rendezvous_finished_bytes (finished results bounded by bytes)
+SCHEMA_VERSION = 7
 BUSY_TIMEOUT_S = 5.0  # how long a writer waits for another connection's transaction
 # Pages of a new file. A plan's insert (and the eviction of the oldest) changes a
 # few rows in about seven pages, each written whole to the WAL: 26.7 KB per plan
@@ -161,7 +165,14 @@ CREATE TABLE IF NOT EXISTS rendezvous_finished (
     plan BLOB NOT NULL,               -- the plan, or the serialized error when ok = 0
     finished REAL NOT NULL,
     ok INTEGER NOT NULL DEFAULT 1,
-    codec INTEGER NOT NULL DEFAULT 0  -- of plan: CODEC_NONE or CODEC_ZLIB
+    codec INTEGER NOT NULL DEFAULT 0, -- of plan: CODEC_NONE or CODEC_ZLIB
+    size INTEGER NOT NULL DEFAULT 0   -- kept_result_bytes, as stored
+);
+-- The sizes of rendezvous_finished added up, changed with every insert and delete
+-- (_drop_finished): the bound is checked without summing the table.
+CREATE TABLE IF NOT EXISTS rendezvous_finished_bytes (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    bytes INTEGER NOT NULL
 );
 -- Expiry runs on every join: an index range finds the (usually no) old rows.
 CREATE INDEX IF NOT EXISTS rendezvous_open_by_created ON rendezvous_open (created);
@@ -317,6 +328,40 @@ def _recount_owners(db: sqlite3.Connection) -> None:
         "INSERT INTO engine_owner_count (identity, engines) "
         "SELECT identity, count(*) FROM engine_owner GROUP BY identity"
     )
+
+
+def _recount_finished(db: sqlite3.Connection) -> None:
+    """Each finished result's size and their sum recounted (schema 7 added them)."""
+    db.execute(
+        "UPDATE rendezvous_finished SET size = length(CAST(engine_id AS BLOB)) + length(plan) "
+        f"+ {DIGEST_BYTES} * (1 + (SELECT count(*) FROM rendezvous_finished_worker AS w "
+        "WHERE w.engine_id = rendezvous_finished.engine_id))"
+    )
+    db.execute(
+        "INSERT OR REPLACE INTO rendezvous_finished_bytes (id, bytes) "
+        "SELECT 0, coalesce(sum(size), 0) FROM rendezvous_finished"
+    )
+
+
+def _drop_finished(db: sqlite3.Connection, where: str, params: Sequence[object]) -> None:
+    """Delete the finished results `where` holds for, and their bytes from the sum."""
+    db.execute(
+        "UPDATE rendezvous_finished_bytes SET bytes = bytes - "
+        f"(SELECT coalesce(sum(size), 0) FROM rendezvous_finished WHERE {where})",
+        params,
+    )
+    db.execute(f"DELETE FROM rendezvous_finished WHERE {where}", params)
+
+
+def _keep_within(db: sqlite3.Connection, max_bytes: int) -> None:
+    """Forget the oldest finished results until they hold at most `max_bytes`."""
+    (kept,) = db.execute("SELECT bytes FROM rendezvous_finished_bytes").fetchone()
+    while kept > max_bytes:
+        oldest, size = db.execute(
+            "SELECT engine_id, size FROM rendezvous_finished ORDER BY finished LIMIT 1"
+        ).fetchone()
+        _drop_finished(db, "engine_id = ?", (oldest,))
+        kept -= size
 
 
 def _rebuild_totals(db: sqlite3.Connection) -> None:
@@ -605,6 +650,13 @@ class SQLiteStore:
                 columns = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
                 if columns and "codec" not in columns:
                     db.execute(f"ALTER TABLE {table} ADD COLUMN codec INTEGER NOT NULL DEFAULT 0")
+            finished_columns = {
+                row[1] for row in db.execute("PRAGMA table_info(rendezvous_finished)")
+            }
+            if finished_columns and "size" not in finished_columns:  # schema < 7
+                db.execute(
+                    "ALTER TABLE rendezvous_finished ADD COLUMN size INTEGER NOT NULL DEFAULT 0"
+                )
             lease_columns = {row[1] for row in db.execute("PRAGMA table_info(leases)")}
             identity_added = bool(lease_columns) and "identity" not in lease_columns
             if identity_added:  # schema 1 or 2
@@ -621,6 +673,7 @@ class SQLiteStore:
                     )
                 _rebuild_totals(db)
                 _recount_owners(db)
+                _recount_finished(db)
                 for plan_id, engine_id, plan, stored_at in old_plans:
                     self._insert_plan(
                         db, plan_id, engine_id, plan_parts(plan_id, engine_id, plan), stored_at
@@ -825,10 +878,7 @@ class SQLiteStore:
             "DELETE FROM rendezvous_open WHERE created < ? AND ? - created > ?",
             (horizon, now, ttl_s),
         )
-        db.execute(
-            "DELETE FROM rendezvous_finished WHERE finished < ? AND ? - finished > ?",
-            (horizon, now, ttl_s),
-        )
+        _drop_finished(db, "finished < ? AND ? - finished > ?", (horizon, now, ttl_s))
         finished = db.execute(
             "SELECT template_digest, plan, ok, codec FROM rendezvous_finished WHERE engine_id = ?",
             (engine_id,),
@@ -855,7 +905,7 @@ class SQLiteStore:
                 error = _unpack(finished[1], finished[3])
                 return Arrival("finished", result=RendezvousResult(False, error))
             # A changed rank forgets the failure and joins as for a new engine.
-            db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
+            _drop_finished(db, "engine_id = ?", (engine_id,))
         entry = db.execute(
             "SELECT world_size, template, claimed_at FROM rendezvous_open WHERE engine_id = ?",
             (engine_id,),
@@ -939,9 +989,10 @@ class SQLiteStore:
         now: float,
         *,
         remember_failure: bool = False,
+        max_kept_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     ) -> None:
         await self._in_shared_transaction(
-            lambda db: self._finish(db, engine_id, result, now, remember_failure)
+            lambda db: self._finish(db, engine_id, result, now, remember_failure, max_kept_bytes)
         )
         # One server per file: its own subscribers are all there are. They run on
         # the event loop, where the waiting ranks' futures live.
@@ -958,6 +1009,7 @@ class SQLiteStore:
         result: RendezvousResult,
         now: float,
         remember_failure: bool,
+        max_kept_bytes: int,
     ) -> None:
         entry = db.execute(
             "SELECT template FROM rendezvous_open WHERE engine_id = ?", (engine_id,)
@@ -967,18 +1019,26 @@ class SQLiteStore:
                 "SELECT rank, worker, codec FROM rendezvous_open_worker WHERE engine_id = ?",
                 (engine_id,),
             ).fetchall()
-            db.execute("DELETE FROM rendezvous_finished WHERE engine_id = ?", (engine_id,))
+            _drop_finished(db, "engine_id = ?", (engine_id,))
             payload, codec = _pack(result.payload)
-            db.execute(
-                "INSERT INTO rendezvous_finished "
-                "(engine_id, template_digest, plan, finished, ok, codec) VALUES (?, ?, ?, ?, ?, ?)",
-                (engine_id, digest(bytes(entry[0])), payload, now, int(result.ok), codec),
-            )
-            db.executemany(
-                "INSERT INTO rendezvous_finished_worker (engine_id, rank, worker_digest) "
-                "VALUES (?, ?, ?)",
-                [(engine_id, rank, digest(_unpack(spec, codec))) for rank, spec, codec in workers],
-            )
+            size = kept_result_bytes(engine_id, len(payload), len(workers))
+            if size <= max_kept_bytes:
+                db.execute(
+                    "INSERT INTO rendezvous_finished "
+                    "(engine_id, template_digest, plan, finished, ok, codec, size) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (engine_id, digest(bytes(entry[0])), payload, now, int(result.ok), codec, size),
+                )
+                db.executemany(
+                    "INSERT INTO rendezvous_finished_worker (engine_id, rank, worker_digest) "
+                    "VALUES (?, ?, ?)",
+                    [
+                        (engine_id, rank, digest(_unpack(spec, codec)))
+                        for rank, spec, codec in workers
+                    ],
+                )
+                db.execute("UPDATE rendezvous_finished_bytes SET bytes = bytes + ?", (size,))
+                _keep_within(db, max_kept_bytes)
         db.execute("DELETE FROM rendezvous_open WHERE engine_id = ?", (engine_id,))
 
     def subscribe(self, callback: FinishedCallback) -> None:

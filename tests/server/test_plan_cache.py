@@ -211,6 +211,7 @@ async def test_a_store_outage_at_finish_reaches_the_waiting_ranks_at_once() -> N
             now: float,
             *,
             remember_failure: bool = False,
+            max_kept_bytes: int = 0,
         ) -> None:
             raise StoreUnavailable("connection refused")
 

@@ -3,10 +3,13 @@ schema 1 (before engine ownership and failed rendezvous) keeps its finished
 engines, schema 2 (before the ledger's totals) keeps its leases, now counted, and
 its plans (stored whole, before plans of equal content shared their body);
 schema 4 (before the per-identity counts of owned engines) keeps its owners,
-now counted against --max-engines-per-identity."""
+now counted against --max-engines-per-identity; schema 6 (before finished
+results were bounded by bytes) keeps its finished engines, now counted against
+--rendezvous-result-bytes."""
 
 from __future__ import annotations
 
+import random
 import sqlite3
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import pytest
 from kvplan.core.ledger import NOTHING, DeviceState, GrantRefused, LeaseRequest, Totals
 from kvplan.server.errors import ServiceError
 from kvplan.server.store import RendezvousResult, TooManyEngines
-from kvplan.server.store.base import Arrival
+from kvplan.server.store.base import Arrival, kept_result_bytes
 from kvplan.server.store.bodies import PlanParts
 from kvplan.server.store.memory import digest
 from kvplan.server.store.sqlite import CODEC_NONE, CODEC_ZLIB, SCHEMA_VERSION, SQLiteStore
@@ -60,7 +63,7 @@ async def test_a_schema_1_file_is_migrated(tmp_path: Path) -> None:
     finally:
         await store.close()
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
 
 
 # What schema 2 wrote of the ledger and of ownership (the rest does not matter here).
@@ -396,3 +399,41 @@ async def test_page_size_new_files_small_existing_files_as_they_are(tmp_path: Pa
     assert connection.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1024
     await old.close()
     assert _page_bytes(old_path) == 4096
+
+
+async def test_a_schema_6_file_counts_its_finished_results_against_the_bound(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "kvplan.sqlite3"
+    plans = {engine: random.Random(engine).randbytes(1000) for engine in ("old-a", "old-b")}
+    store = SQLiteStore(str(path))
+    await store.start()
+    for now, (engine, plan) in enumerate(plans.items()):
+        await join(store, engine, 0, world_size=1, now=float(now))
+        await store.rendezvous_finish(engine, RendezvousResult(True, plan), float(now))
+    await store.close()
+    with sqlite3.connect(path) as db:  # back to what schema 6 wrote: no sizes, no sum
+        db.execute("ALTER TABLE rendezvous_finished DROP COLUMN size")
+        db.execute("DROP TABLE rendezvous_finished_bytes")
+        db.execute("PRAGMA user_version = 6")
+    store = SQLiteStore(str(path))
+    await store.start()
+    try:
+        size = kept_result_bytes("old-a", 1000, ranks=1)
+        await join(store, "new", 0, world_size=1, now=2.0)
+        new_plan = random.Random("new").randbytes(1000)
+        # Room for two: the older of the migrated results goes.
+        await store.rendezvous_finish(
+            "new", RendezvousResult(True, new_plan), 2.0, max_kept_bytes=2 * size + 10
+        )
+        forgotten = await join(store, "old-a", 0, world_size=1, now=3.0)
+        assert forgotten == Arrival("plan", workers=(b"worker-0",))
+        kept = await join(store, "old-b", 0, world_size=1, now=3.0)
+        assert kept.result == RendezvousResult(True, plans["old-b"])
+    finally:
+        await store.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        (kept_bytes,) = db.execute("SELECT bytes FROM rendezvous_finished_bytes").fetchone()
+        (summed,) = db.execute("SELECT sum(size) FROM rendezvous_finished").fetchone()
+        assert kept_bytes == summed == 2 * size - len("old-b") + len("new")

@@ -38,6 +38,7 @@ from kvplan.server.store.base import (
     Store,
     TooManyEngines,
     TooManyLeases,
+    kept_result_bytes,
 )
 from kvplan.server.store.memory import MemoryStore
 from kvplan.server.store.redis import RedisStore
@@ -455,6 +456,46 @@ async def test_forgetting_is_exact_whatever_the_order_of_arrival(store: Store) -
     assert changed == Arrival("plan", workers=(b"changed",))  # forgotten: a new engine
     with pytest.raises(ServiceError):  # still finished: a changed rank is refused
         await join(store, "done-late", 0, world_size=1, worker=b"changed", now=later)
+
+
+async def test_finished_results_are_kept_within_their_byte_bound(store: Store) -> None:
+    """A flood of rank-mode engines cannot make the store hold every plan for a whole
+    TTL: past the bound the oldest results are forgotten, and a late rank of one of
+    them is a new engine. Random plans, so that SQLite's compression keeps sizes."""
+    plans = {f"e{index}": random.Random(index).randbytes(1000) for index in range(5)}
+    size = kept_result_bytes("e0", 1000, ranks=1)
+    bound = 3 * size + size // 2
+    for index, (engine, plan) in enumerate(plans.items()):
+        await join(store, engine, 0, world_size=1, now=float(index))
+        await store.rendezvous_finish(
+            engine, RendezvousResult(True, plan), float(index), max_kept_bytes=bound
+        )
+    for engine in ("e2", "e3", "e4"):
+        kept = await join(store, engine, 0, world_size=1, now=10.0)
+        assert kept == Arrival("finished", result=RendezvousResult(True, plans[engine]))
+    for engine in ("e0", "e1"):
+        forgotten = await join(store, engine, 0, world_size=1, now=10.0)
+        assert forgotten == Arrival("plan", workers=(b"worker-0",))
+    # A result over the bound by itself is not kept, and forgets no other.
+    await join(store, "huge", 0, world_size=1, now=11.0)
+    await store.rendezvous_finish(
+        "huge", RendezvousResult(True, random.randbytes(bound)), 11.0, max_kept_bytes=bound
+    )
+    assert await join(store, "huge", 0, world_size=1, now=12.0) == Arrival(
+        "plan", workers=(b"worker-0",)
+    )
+    assert (await join(store, "e4", 0, world_size=1, now=12.0)).state == "finished"
+    # Results forgotten by their TTL leave the bound: three new ones fit again.
+    later = 20.0 + TTL_S
+    for index in range(3):
+        engine = f"new{index}"
+        await join(store, engine, 0, world_size=1, now=later)
+        await store.rendezvous_finish(
+            engine, RendezvousResult(True, plans[f"e{index}"]), later, max_kept_bytes=bound
+        )
+    for index in range(3):
+        again = await join(store, f"new{index}", 0, world_size=1, now=later)
+        assert again.state == "finished"
 
 
 async def test_memory_store_keeps_its_age_index_bounded() -> None:
@@ -1539,6 +1580,8 @@ async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> No
             "rdv:open:f",
             "rdv:done",
             "rdv:done:e",
+            "rdv:done-size",
+            "rdv:done-bytes",
             "lease:e",
             "lease-version",
             *LEDGER_KEYS,
