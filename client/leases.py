@@ -13,6 +13,10 @@ of the `with` block (when the block itself did not raise):
   `retry_s` until the lease would expire; then the leases count as lost.
 - NOT_FOUND / FAILED_PRECONDITION / PERMISSION_DENIED / ...: the leases are
   gone (expired, released elsewhere): lost at once.
+- A renewal whose answer lacks a rank the plan leased (that rank released
+  elsewhere, or the engine re-granted with fewer ranks): lost at once, as
+  FAILED_PRECONDITION naming the ranks. The ranks left are not released on
+  stop (the engine's leases may now be another grant's); unrenewed, they expire.
 - Lost leases go to `on_lost(PlannerError)`: the engine should stop using the
   memory, or plan again.
 - The `allocations` callback raising: the renewal goes on without the report
@@ -35,6 +39,7 @@ import grpc
 
 from kvplan.client.errors import PlannerError
 from kvplan.client.model import PlanResult
+from kvplan.v1 import plan_pb2
 
 if TYPE_CHECKING:
     from kvplan.client.planner import AsyncPlannerClient, PlannerClient
@@ -65,6 +70,8 @@ class _Keeper:
         retry_s: float | None = None,
     ) -> None:
         self.engine_id = plan.engine_id
+        # The ranks this engine leased: a renewal must keep every one of them.
+        self.ranks = frozenset(lease.rank for lease in plan.leases)
         self.interval_s = _interval(plan, interval_s)
         self.retry_s = retry_s if retry_s is not None else min(1.0, self.interval_s / 4)
         self._ttl_s = plan.lease_ttl_s or 3 * self.interval_s
@@ -100,8 +107,19 @@ class _Keeper:
             self._deliver(error, self._on_error)
             return None  # renew anyway: the lease must not die for a report
 
-    def _renewed(self, started: float, leases: tuple[object, ...]) -> None:
-        ttl = min((getattr(lease, "ttl_seconds", 0.0) for lease in leases), default=0.0)
+    def _renewed(self, started: float, leases: tuple[plan_pb2.Lease, ...]) -> None:
+        """Count a renewal, or raise when its answer dropped a rank: the server
+        renews whatever the engine still holds, so a success alone proves nothing."""
+        missing = sorted(self.ranks - {lease.rank for lease in leases})
+        if missing:
+            raise PlannerError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"engine {self.engine_id!r} no longer holds the leases of rank(s) "
+                f"{', '.join(map(str, missing))} (released elsewhere, expired, or replaced "
+                "by a grant with fewer ranks); their memory may be granted to another engine",
+                metadata={"missing_ranks": ",".join(map(str, missing))},
+            )
+        ttl = min((lease.ttl_seconds for lease in leases), default=0.0)
         self.expires_at = started + (ttl or self._ttl_s)
         self.renewals += 1
 

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+COMPOSE_TOKENS_FILE = ROOT / "docker-compose.tokens.yml"
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -12,6 +13,7 @@ import pytest
 from kvplan.client import AsyncLeaseKeeper, AsyncPlannerClient, LeaseKeeper, PlannerClient
 from kvplan.client.errors import PlannerError
 from kvplan.server.main import start_server
+from kvplan.v1 import plan_pb2
 from tests.server.conftest import TEST_SETTINGS
 from tests.server.test_leases import device_uuids, leased_request
 
@@ -118,5 +120,77 @@ async def test_leases_per_identity_are_bounded() -> None:
             assert caught.value.metadata["limit"] == "max_leases_per_identity"
             await client.release_plan("quota-a")
             await client.plan(leased_request("quota-b", uuids[1], utilization=0.3))
+    finally:
+        await running.stop(0)
+
+
+def two_rank_request(engine_id: str, uuids: list[str]) -> plan_pb2.PlanRequest:
+    """One engine, two workers, each leasing memory on its own device."""
+    request = leased_request(engine_id, uuids[0], layers=range(4))
+    request.workers.append(
+        leased_request(engine_id, uuids[1], rank=1, layers=range(4, 8)).workers[0]
+    )
+    return request
+
+
+def assert_names_the_lost_rank(error: PlannerError, engine_id: str) -> None:
+    assert error.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert repr(engine_id) in error.details
+    assert "rank(s) 1 " in error.details
+    assert "may be granted to another engine" in error.details
+    assert error.metadata["missing_ranks"] == "1"
+
+
+async def test_sync_keeper_reports_a_rank_released_behind_its_back() -> None:
+    running = await start_server(replace(TEST_SETTINGS, devices="2xH100-80GB", lease_ttl_s=30))
+    target = f"127.0.0.1:{running.port}"
+
+    def run_keeper() -> tuple[int, bool, bool, list[PlannerError]]:
+        with PlannerClient(target, timeout_s=5) as client:
+            uuids = [device.uuid for device in client.list_devices().devices]
+            plan = client.plan(two_rank_request("engine-pair", uuids))
+            assert sorted(lease.rank for lease in plan.leases) == [0, 1]
+            lost: list[PlannerError] = []
+            keeper = LeaseKeeper(client, plan, interval_s=0.05, on_lost=lost.append).start()
+            deadline = time.monotonic() + 10
+            while keeper.renewals < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            renewed_whole, lost_whole = keeper.renewals, keeper.lost
+            client.release_plan("engine-pair", 1)  # one rank released elsewhere
+            while not keeper.lost and time.monotonic() < deadline:
+                time.sleep(0.02)
+            keeper.stop()
+            keeper.check()  # on_lost took the error: nothing left to raise
+            return renewed_whole, lost_whole, keeper.lost, lost
+
+    try:
+        renewed_whole, lost_whole, lost, errors = await asyncio.to_thread(run_keeper)
+    finally:
+        await running.stop(0)
+    assert renewed_whole >= 2 and not lost_whole  # both ranks answered: renewals
+    assert lost and len(errors) == 1
+    assert_names_the_lost_rank(errors[0], "engine-pair")
+
+
+async def test_async_keeper_reports_a_regrant_with_fewer_ranks() -> None:
+    running = await start_server(replace(TEST_SETTINGS, devices="2xH100-80GB", lease_ttl_s=30))
+    try:
+        async with AsyncPlannerClient(f"127.0.0.1:{running.port}", timeout_s=5) as client:
+            uuids = await device_uuids(client)
+            plan = await client.plan(two_rank_request("engine-shrunk", uuids))
+            keeper = AsyncLeaseKeeper(client, plan, interval_s=0.05).start()  # no on_lost
+            # The engine is planned again with one worker: rank 1's lease is gone.
+            await client.plan(leased_request("engine-shrunk", uuids[0], layers=range(8)))
+            deadline = time.monotonic() + 10
+            while not keeper.lost and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert keeper.lost
+            with pytest.raises(PlannerError) as caught:
+                keeper.check()
+            assert_names_the_lost_rank(caught.value, "engine-shrunk")
+            await keeper.stop()  # lost: the new grant is not released by the old keeper
+            devices = {d.uuid: d for d in (await client.list_devices()).devices}
+            assert devices[uuids[0]].live_leases == 1
+            assert devices[uuids[1]].live_leases == 0
     finally:
         await running.stop(0)
