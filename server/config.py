@@ -28,6 +28,9 @@ class Settings:
     max_layers_per_worker: int = 8192
     max_workers_per_engine: int = 1024
     max_pending_rendezvous: int = 4096  # engines waiting for ranks
+    # One identity's engines among them (with authentication): a quarter, so that
+    # one tenant cannot block the others' rank-mode planning.
+    max_pending_rendezvous_per_identity: int = 1024
     rendezvous_ttl_s: float = 600.0  # a rendezvous or finished engine is forgotten after this
     plan_cache_size: int = 4096  # plans kept for GetPlan and cache hits
     plan_cache_bytes: int = 32 * 1024 * 1024  # and at most this many serialized bytes
@@ -77,6 +80,8 @@ _HELP = {
     "max_layers_per_worker": "limit on layers one worker may send",
     "max_workers_per_engine": "limit on workers of one engine",
     "max_pending_rendezvous": "limit on engines waiting for their ranks",
+    "max_pending_rendezvous_per_identity": "limit on one identity's engines waiting for their "
+    "ranks (with authentication)",
     "rendezvous_ttl_s": "seconds an unfinished rendezvous or a finished engine is kept",
     "plan_cache_size": "plans kept in memory",
     "plan_cache_bytes": "bytes of serialized plans kept in memory",
@@ -164,6 +169,7 @@ def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -
         "max_identifier_chars",
         "max_pending_rendezvous_bytes",
         "rendezvous_result_bytes",
+        "max_pending_rendezvous_per_identity",
         "max_engines_per_identity",
     ):
         if getattr(settings, name) <= 0:

@@ -99,6 +99,7 @@ class Rendezvous:
         claim_timeout_s: float,
         max_pending_bytes: int = 256 * 1024 * 1024,
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+        max_pending_per_identity: int | None = None,
     ) -> None:
         self._store = store
         self._plan = plan
@@ -114,6 +115,7 @@ class Rendezvous:
         self._max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0  # rank specs inside join() in this process
         self._max_result_bytes = max_result_bytes
+        self._max_pending_per_identity = max_pending_per_identity
         store.subscribe(self._on_finished)
 
     def _on_finished(self, engine_id: str, result: RendezvousResult) -> None:
@@ -141,8 +143,12 @@ class Rendezvous:
             )
         return worker
 
-    async def join(self, request: plan_pb2.PlanRequest, timeout_s: float | None) -> bytes:
-        """The serialized plan of the rank's engine, once all its ranks arrived."""
+    async def join(
+        self, request: plan_pb2.PlanRequest, timeout_s: float | None, identity: str = ""
+    ) -> bytes:
+        """The serialized plan of the rank's engine, once all its ranks arrived.
+        `identity`: the engine's owner, whose share of pending engines it takes
+        ("" without authentication: one identity, the global limit only)."""
         if self._draining:
             raise ServiceError("UNAVAILABLE", "server is shutting down; retry on another replica")
         worker = self._validate(request)
@@ -163,17 +169,24 @@ class Rendezvous:
         future: asyncio.Future[RendezvousResult] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(engine_id, []).append(future)
         try:
-            arrival = await self._store.rendezvous_join(
-                engine_id=engine_id,
-                world_size=request.world_size,
-                template=template,
-                rank=worker.rank,
-                worker=worker_bytes,
-                now=time.time(),
-                ttl_s=self._ttl_s,
-                max_pending=self._max_pending,
-                claim_timeout_s=self._claim_timeout_s,
-            )
+            try:
+                arrival = await self._store.rendezvous_join(
+                    engine_id=engine_id,
+                    world_size=request.world_size,
+                    template=template,
+                    rank=worker.rank,
+                    worker=worker_bytes,
+                    now=time.time(),
+                    ttl_s=self._ttl_s,
+                    max_pending=self._max_pending,
+                    claim_timeout_s=self._claim_timeout_s,
+                    identity=identity,
+                    max_pending_per_identity=self._max_pending_per_identity if identity else None,
+                )
+            except ServiceError as refusal:  # a pending limit: counted as the others are
+                if refusal.code == "RESOURCE_EXHAUSTED":
+                    self._metrics.limits_hit.labels(str(refusal.details["limit"])).inc()
+                raise
             if arrival.state == "finished":
                 assert arrival.result is not None
                 return _raise_for(arrival.result)

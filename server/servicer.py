@@ -310,6 +310,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             lambda merged: self._plan_engine(merged, repeats=False),
             metrics,
             max_pending=settings.max_pending_rendezvous,
+            max_pending_per_identity=settings.max_pending_rendezvous_per_identity,
             max_pending_bytes=settings.max_pending_rendezvous_bytes,
             max_result_bytes=settings.rendezvous_result_bytes,
             ttl_s=settings.rendezvous_ttl_s,
@@ -940,7 +941,9 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             if request.engine_id:
                 await self.authorize(request.engine_id, "plan", claim=True)
             if request.world_size:
-                return await self.rendezvous.join(request, context.time_remaining())
+                return await self.rendezvous.join(
+                    request, context.time_remaining(), self._holder(request.engine_id)
+                )
             return await self._plan_engine(
                 request, request_digest=request_digest, encoded_workers=encoded
             )

@@ -184,8 +184,11 @@ class Store(Protocol):
         ttl_s: float,
         max_pending: int,
         claim_timeout_s: float,
+        identity: str = "",
+        max_pending_per_identity: int | None = None,
     ) -> Arrival:
-        """Record rank `rank`'s serialized WorkerSpec for `engine_id`.
+        """Record rank `rank`'s serialized WorkerSpec for `engine_id`, an engine
+        of `identity` (its owner; "" without authentication).
 
         `template` is the deterministic serialization of the request without its
         workers (engine options, spec decode, world size): every rank must send
@@ -203,8 +206,10 @@ class Store(Protocol):
            the template too (INVALID_ARGUMENT, "options"); a rank already there
            with other bytes is INVALID_ARGUMENT ("workers[0].rank"); with the
            same bytes it is a retry and is accepted.
-        4. A new engine when `max_pending` engines are open: RESOURCE_EXHAUSTED
-           with the numbers.
+        4. A new engine when `max_pending` engines are open, or when
+           `max_pending_per_identity` of `identity`'s are (None: no share, as
+           without authentication): RESOURCE_EXHAUSTED with the numbers. One
+           tenant cannot fill the server's rendezvous and block the others.
         5. When all `world_size` ranks are present and nobody claimed the
            planning, or the claim is older than `claim_timeout_s` (its server
            died), this caller claims it: state "plan". Otherwise "waiting".

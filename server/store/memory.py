@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
@@ -55,6 +56,7 @@ class _Open:
     created: float
     workers: dict[int, bytes] = field(default_factory=dict)
     claimed_at: float | None = None
+    identity: str = ""
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,20 @@ def too_many_pending(pending: int, limit: int) -> ServiceError:
     )
 
 
+def too_many_pending_of(identity: str, pending: int, limit: int) -> ServiceError:
+    return ServiceError(
+        "RESOURCE_EXHAUSTED",
+        f"{pending} engines of {identity!r} are already waiting for ranks (limit {limit} per "
+        "identity, --max-pending-rendezvous-per-identity); let them complete or time out, "
+        "then retry",
+        details={
+            "pending": pending,
+            "limit": "max_pending_rendezvous_per_identity",
+            "limit_value": limit,
+        },
+    )
+
+
 def same_ranks(
     template_digest: bytes, worker_digest: bytes | None, *, template: bytes, worker: bytes
 ) -> bool:
@@ -249,6 +265,7 @@ class MemoryStore:
     ) -> None:
         self._plans = KeptPlans(max_plans, max_plan_bytes)  # oldest first
         self._open: dict[str, _Open] = {}
+        self._open_of: Counter[str] = Counter()  # identity -> its engines in _open
         self._finished: dict[str, _Finished] = {}  # oldest first
         self._finished_bytes = 0  # their kept_result_bytes
         # The ledger: leases by engine then rank; the totals of the counted ones
@@ -301,11 +318,26 @@ class MemoryStore:
     # --- rendezvous -------------------------------------------------------------
 
     def _expire(self, now: float, ttl_s: float) -> None:
-        _forget_old(self._open_by_age, self._open, lambda entry: entry.created, now, ttl_s)
+        for entry in _forget_old(
+            self._open_by_age, self._open, lambda entry: entry.created, now, ttl_s
+        ):
+            self._closed(entry)
         forgotten = _forget_old(
             self._finished_by_age, self._finished, lambda entry: entry.finished, now, ttl_s
         )
         self._finished_bytes -= sum(entry.size for entry in forgotten)
+
+    def _closed(self, entry: _Open) -> None:
+        """An open rendezvous left `_open`: its identity holds one fewer."""
+        self._open_of[entry.identity] -= 1
+        if not self._open_of[entry.identity]:
+            del self._open_of[entry.identity]
+
+    def _drop_open(self, engine_id: str) -> _Open | None:
+        entry = self._open.pop(engine_id, None)
+        if entry is not None:
+            self._closed(entry)
+        return entry
 
     def _drop_finished(self, engine_id: str) -> None:
         self._finished_bytes -= self._finished.pop(engine_id).size
@@ -322,6 +354,8 @@ class MemoryStore:
         ttl_s: float,
         max_pending: int,
         claim_timeout_s: float,
+        identity: str = "",
+        max_pending_per_identity: int | None = None,
     ) -> Arrival:
         self._expire(now, ttl_s)
         finished = self._finished.get(engine_id)
@@ -349,7 +383,13 @@ class MemoryStore:
         if entry is None:
             if len(self._open) >= max_pending:
                 raise too_many_pending(len(self._open), max_pending)
-            entry = self._open[engine_id] = _Open(world_size, template, created=now)
+            held = self._open_of[identity]
+            if max_pending_per_identity is not None and held >= max_pending_per_identity:
+                raise too_many_pending_of(identity, held, max_pending_per_identity)
+            entry = self._open[engine_id] = _Open(
+                world_size, template, created=now, identity=identity
+            )
+            self._open_of[identity] = held + 1
             self._open_by_age.add(now, engine_id)
         check_compatible(
             engine_id,
@@ -375,7 +415,7 @@ class MemoryStore:
             return
         entry.workers.pop(rank, None)
         if not entry.workers:
-            del self._open[engine_id]
+            self._drop_open(engine_id)
 
     async def rendezvous_finish(
         self,
@@ -386,7 +426,7 @@ class MemoryStore:
         remember_failure: bool = False,
         max_kept_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     ) -> None:
-        entry = self._open.pop(engine_id, None)
+        entry = self._drop_open(engine_id)
         if (result.ok or remember_failure) and entry is not None:
             if engine_id in self._finished:
                 self._drop_finished(engine_id)

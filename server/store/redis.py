@@ -22,7 +22,10 @@ Key layout under `key_prefix` (default "kvplan:"):
     plan-body:{digest}    HASH  body, holders (plans holding it; see store/bodies.py)
     engine-plan:{engine}  STRING plan_id of the engine's newest plan
     rdv:open              ZSET  engine_id -> created (rule 1 forgets by it)
-    rdv:open:{engine}     HASH  world_size, template, created, ttl_s,
+    rdv:open-of:{identity} ZSET engine_id -> created: the identity's open ones
+                                (its share; entries older than the TTL are dropped
+                                when it opens another)
+    rdv:open:{engine}     HASH  world_size, template, created, ttl_s, identity,
                                 claimed_at (absent: unclaimed), rank:{r} -> WorkerSpec
     rdv:done              ZSET  engine_id -> finished
     rdv:done:{engine}     HASH  template_digest, plan, finished, rank:{r} -> worker digest
@@ -110,6 +113,7 @@ from kvplan.server.store.memory import (
     renew_leases,
     same_ranks,
     too_many_pending,
+    too_many_pending_of,
 )
 from kvplan.server.tasks import cancel_and_wait
 
@@ -520,21 +524,30 @@ end
 """
 )
 
-# Lua, inside a join's MULTI: open a rendezvous unless `max_pending` are open
-# (rule 4, atomic with the count: no join watches the index). Returns -1, or
-# the number open when refused (nothing written).
-# KEYS: rdv:open, rdv:open:{engine}.
-# ARGV: engine_id, now, max_pending, expiry in ms ('' for none), then the
-# hash's fields and values.
+# Lua, inside a join's MULTI: open a rendezvous unless `max_pending` are open,
+# or `max_pending_per_identity` of the identity's (rule 4, atomic with the
+# counts: no join watches the indexes). Returns -1, or when refused (nothing
+# written) {0, the number open} or {1, the identity's number open}.
+# KEYS: rdv:open, rdv:open:{engine}, rdv:open-of:{identity}.
+# ARGV: engine_id, now, max_pending, expiry in ms ('' for none), the share (''
+# for none), created before this is forgotten (now - ttl_s), then the hash's
+# fields and values.
 _OPEN_RENDEZVOUS = """
 local pending = redis.call('ZCARD', KEYS[1])
 if pending >= tonumber(ARGV[3]) then
-    return pending
+    return {0, pending}
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[6])
+if ARGV[5] ~= '' then
+    local held = redis.call('ZCARD', KEYS[3])
+    if held >= tonumber(ARGV[5]) then return {1, held} end
 end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-redis.call('HSET', KEYS[2], unpack(ARGV, 5))
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+redis.call('HSET', KEYS[2], unpack(ARGV, 7))
 if ARGV[4] ~= '' then
     redis.call('PEXPIRE', KEYS[2], ARGV[4])
+    redis.call('PEXPIRE', KEYS[3], ARGV[4])
 end
 return -1
 """
@@ -637,6 +650,11 @@ def _by_engine(leases: Sequence[Lease]) -> tuple[Lease, ...]:
     return tuple(sorted(leases, key=lambda lease: (lease.engine_id, lease.rank)))
 
 
+def _identity_of(raw: Mapping[bytes, bytes]) -> str:
+    """The owner of an open rendezvous (a hash written before shares had none: "")."""
+    return raw.get(b"identity", b"").decode()
+
+
 def _rank_fields(raw: Mapping[bytes, bytes]) -> dict[int, bytes]:
     """The per-rank fields of a rendezvous hash."""
     return {
@@ -697,6 +715,9 @@ class RedisStore:
 
     def _done_key(self, engine_id: str) -> str:
         return self._prefix + "rdv:done:" + engine_id
+
+    def _open_of_key(self, identity: str) -> str:
+        return self._prefix + "rdv:open-of:" + identity
 
     def _result_keys(self) -> list[str]:
         """The finished results' sizes and their sum."""
@@ -968,6 +989,8 @@ class RedisStore:
         ttl_s: float,
         max_pending: int,
         claim_timeout_s: float,
+        identity: str = "",
+        max_pending_per_identity: int | None = None,
     ) -> Arrival:
         open_index, done_index = self._key("rdv:open"), self._key("rdv:done")
         open_key, done_key = self._open_key(engine_id), self._done_key(engine_id)
@@ -1044,15 +1067,18 @@ class RedisStore:
                     template=template,
                     created=repr(now),
                     ttl_s=repr(ttl_s),
+                    identity=identity,
                 )
                 expiry = _expiry_ms(ttl_s + self._expiry_grace_s)
                 await self._scripts["open_rendezvous"](
-                    keys=[open_index, open_key],
+                    keys=[open_index, open_key, self._open_of_key(identity)],
                     args=[
                         engine_id,
                         repr(now),
                         max_pending,
                         "" if expiry is None else expiry,
+                        "" if max_pending_per_identity is None else max_pending_per_identity,
+                        repr(now - ttl_s),
                         *(item for pair in fields.items() for item in pair),
                     ],
                     client=pipe,
@@ -1060,7 +1086,11 @@ class RedisStore:
             else:
                 pipe.hset(open_key, mapping=fields)  # type: ignore[arg-type]
             done = await pipe.execute()
-            if created and (pending := int(done[-1])) >= 0:
+            if created and isinstance(done[-1], list):
+                of_identity, pending = (int(value) for value in done[-1])
+                if of_identity:
+                    assert max_pending_per_identity is not None
+                    raise too_many_pending_of(identity, pending, max_pending_per_identity)
                 raise too_many_pending(pending, max_pending)
             return arrival
 
@@ -1081,6 +1111,7 @@ class RedisStore:
             if len(workers) == 1:
                 pipe.delete(open_key)
                 pipe.zrem(self._key("rdv:open"), engine_id)
+                pipe.zrem(self._open_of_key(_identity_of(entry)), engine_id)
             else:
                 pipe.hdel(open_key, f"rank:{rank}")
             await pipe.execute()
@@ -1106,6 +1137,8 @@ class RedisStore:
             _begin(pipe)
             pipe.delete(open_key)
             pipe.zrem(self._key("rdv:open"), engine_id)
+            if entry:
+                pipe.zrem(self._open_of_key(_identity_of(entry)), engine_id)
             if (result.ok or remember_failure) and entry:
                 fields: dict[str, bytes | str] = {
                     "template_digest": digest(entry[b"template"]),

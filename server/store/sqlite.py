@@ -79,6 +79,7 @@ from kvplan.server.store.memory import (
     renew_leases,
     same_ranks,
     too_many_pending,
+    too_many_pending_of,
 )
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ log = logging.getLogger(__name__)
 # 4: plan_bodies (each distinct plan body once); 5: engine_owner_count;
 # 6: plan_bodies.codec, rendezvous_finished.codec, rendezvous_open_worker.codec
 # (plans and rank specs stored compressed); 7: rendezvous_finished.size and
-# rendezvous_finished_bytes (finished results bounded by bytes)
+# rendezvous_finished_bytes (finished results bounded by bytes),
+# rendezvous_open.identity (each identity's share of waiting engines)
 SCHEMA_VERSION = 7
 BUSY_TIMEOUT_S = 5.0  # how long a writer waits for another connection's transaction
 # Pages of a new file. A plan's insert (and the eviction of the oldest) changes a
@@ -149,8 +151,10 @@ CREATE TABLE IF NOT EXISTS rendezvous_open (
     world_size INTEGER NOT NULL,
     template BLOB NOT NULL,
     created REAL NOT NULL,
-    claimed_at REAL                   -- NULL: nobody is planning it
+    claimed_at REAL,                  -- NULL: nobody is planning it
+    identity TEXT NOT NULL DEFAULT '' -- the engine's owner ('' without authentication)
 );
+CREATE INDEX IF NOT EXISTS rendezvous_open_by_identity ON rendezvous_open (identity);
 CREATE TABLE IF NOT EXISTS rendezvous_open_worker (
     engine_id TEXT NOT NULL REFERENCES rendezvous_open (engine_id) ON DELETE CASCADE,
     rank INTEGER NOT NULL,
@@ -657,6 +661,11 @@ class SQLiteStore:
                 db.execute(
                     "ALTER TABLE rendezvous_finished ADD COLUMN size INTEGER NOT NULL DEFAULT 0"
                 )
+            open_columns = {row[1] for row in db.execute("PRAGMA table_info(rendezvous_open)")}
+            if open_columns and "identity" not in open_columns:  # schema < 7
+                db.execute(
+                    "ALTER TABLE rendezvous_open ADD COLUMN identity TEXT NOT NULL DEFAULT ''"
+                )
             lease_columns = {row[1] for row in db.execute("PRAGMA table_info(leases)")}
             identity_added = bool(lease_columns) and "identity" not in lease_columns
             if identity_added:  # schema 1 or 2
@@ -839,6 +848,8 @@ class SQLiteStore:
         ttl_s: float,
         max_pending: int,
         claim_timeout_s: float,
+        identity: str = "",
+        max_pending_per_identity: int | None = None,
     ) -> Arrival:
         return await self._in_shared_transaction(
             lambda db: self._join(
@@ -852,6 +863,8 @@ class SQLiteStore:
                 ttl_s=ttl_s,
                 max_pending=max_pending,
                 claim_timeout_s=claim_timeout_s,
+                identity=identity,
+                max_pending_per_identity=max_pending_per_identity,
             )
         )
 
@@ -868,6 +881,8 @@ class SQLiteStore:
         ttl_s: float,
         max_pending: int,
         claim_timeout_s: float,
+        identity: str,
+        max_pending_per_identity: int | None,
     ) -> Arrival:
         """The join's reads and writes; a refusal keeps rule 1's forgetting, as
         the memory store does (the shared transaction commits it)."""
@@ -914,10 +929,16 @@ class SQLiteStore:
             pending = db.execute("SELECT count(*) FROM rendezvous_open").fetchone()[0]
             if pending >= max_pending:
                 raise too_many_pending(pending, max_pending)
+            if max_pending_per_identity is not None:
+                (held,) = db.execute(
+                    "SELECT count(*) FROM rendezvous_open WHERE identity = ?", (identity,)
+                ).fetchone()
+                if held >= max_pending_per_identity:
+                    raise too_many_pending_of(identity, held, max_pending_per_identity)
             db.execute(
-                "INSERT INTO rendezvous_open (engine_id, world_size, template, created) "
-                "VALUES (?, ?, ?, ?)",
-                (engine_id, world_size, template, now),
+                "INSERT INTO rendezvous_open (engine_id, world_size, template, created, identity) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (engine_id, world_size, template, now, identity),
             )
             open_world_size, open_template, claimed_at = world_size, template, None
         else:

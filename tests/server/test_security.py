@@ -31,7 +31,7 @@ from kvplan.server.main import RunningServer, start_server
 from kvplan.server.metrics import Metrics
 from kvplan.server.security import Authenticator, bind_host, warn_if_exposed
 from tests.server.certs import Authority
-from tests.server.conftest import GIB, TEST_SETTINGS, engine_request
+from tests.server.conftest import GIB, TEST_SETTINGS, engine_request, rank_request
 from tests.server.test_leases import device_uuids, leased_request
 
 TOKEN_A = "token-of-engine-a-0123456789"
@@ -417,6 +417,41 @@ async def test_the_engine_bound_counts_each_identitys_own_engines(tmp_path: Path
             "kvplan_limits_hit_total", {"limit": "max_engines_per_identity"}
         )
         assert hits == 2
+
+
+async def test_one_identity_cannot_fill_the_pending_rendezvous(tmp_path: Path) -> None:
+    """--max-pending-rendezvous-per-identity: a tenant whose engines wait for ranks
+    up to its share is refused a new one, naming the flag, while another tenant's
+    rank-mode engines are planned."""
+    async with teams(tmp_path, max_pending_rendezvous_per_identity=2) as (running, a, b, _):
+        waiting = [
+            asyncio.create_task(a.plan(rank_request(engine_id, 0, world_size=2), timeout_s=30))
+            for engine_id in ("a-1", "a-2")
+        ]
+        while await running.store.pending_engines() < 2:
+            await asyncio.sleep(0.01)
+        with pytest.raises(PlannerError) as refused:
+            await a.plan(rank_request("a-3", 0, world_size=2))
+        assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.metadata["limit"] == "max_pending_rendezvous_per_identity"
+        assert "--max-pending-rendezvous-per-identity" in refused.value.details
+        hits = running.metrics.registry.get_sample_value(
+            "kvplan_limits_hit_total", {"limit": "max_pending_rendezvous_per_identity"}
+        )
+        assert hits == 1
+        planned = await asyncio.gather(
+            *(b.plan(rank_request("b-1", rank, world_size=2)) for rank in range(2))
+        )
+        assert planned[0].plan_id == planned[1].plan_id
+        # a-1 completes: its place is free again.
+        await a.plan(rank_request("a-1", 1, world_size=2))
+        await waiting[0]
+        third = asyncio.create_task(a.plan(rank_request("a-3", 0, world_size=2), timeout_s=30))
+        await a.plan(rank_request("a-3", 1, world_size=2))
+        await third
+        waiting[1].cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting[1]
 
 
 async def test_reflection_needs_credentials_and_health_stays_open(

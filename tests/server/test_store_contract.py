@@ -126,6 +126,8 @@ async def join(
     ttl_s: float = TTL_S,
     max_pending: int = 16,
     claim_timeout_s: float = CLAIM_TIMEOUT_S,
+    identity: str = "",
+    share: int | None = None,
 ) -> Arrival:
     return await store.rendezvous_join(
         engine_id=engine_id,
@@ -137,6 +139,8 @@ async def join(
         ttl_s=ttl_s,
         max_pending=max_pending,
         claim_timeout_s=claim_timeout_s,
+        identity=identity,
+        max_pending_per_identity=share,
     )
 
 
@@ -626,6 +630,38 @@ async def test_pending_engines_counts_open_rendezvous(store: Store) -> None:
     assert await store.pending_engines() == 2
     await store.rendezvous_finish("b", RendezvousResult(True, b"plan"), 1.0)
     assert await store.pending_engines() == 1
+
+
+async def test_one_identity_cannot_take_every_pending_rendezvous(store: Store) -> None:
+    """Each identity's waiting engines are counted apart: past its share, a new
+    engine of that identity is refused while other identities still open theirs."""
+    for engine in ("a1", "a2"):
+        await join(store, engine, 0, identity="alice", share=2)
+    with pytest.raises(ServiceError) as refused:
+        await join(store, "a3", 0, identity="alice", share=2)
+    assert refused.value.code == "RESOURCE_EXHAUSTED"
+    assert refused.value.details == {
+        "pending": 2,
+        "limit": "max_pending_rendezvous_per_identity",
+        "limit_value": 2,
+    }
+    assert "'alice'" in refused.value.message
+    assert await join(store, "b1", 0, identity="bob", share=2) == Arrival("waiting")
+    # Ranks of an engine already open are not new engines.
+    assert (await join(store, "a1", 1, identity="alice", share=2)).state == "plan"
+    # Each way an engine stops waiting gives its place back: finished, left, forgotten.
+    await store.rendezvous_finish("a1", RendezvousResult(True, b"plan"), 1.0)
+    assert await join(store, "a3", 0, identity="alice", share=2) == Arrival("waiting")
+    await store.rendezvous_leave("a3", 0)
+    assert await join(store, "a4", 0, identity="alice", share=2, now=1.0) == Arrival("waiting")
+    with pytest.raises(ServiceError):
+        await join(store, "a5", 0, identity="alice", share=2, now=1.0)
+    later = 2.0 + TTL_S  # a2 and a4 forgotten
+    assert await join(store, "a5", 0, identity="alice", share=2, now=later) == Arrival("waiting")
+    assert await join(store, "a6", 0, identity="alice", share=2, now=later) == Arrival("waiting")
+    # No share (a server without authentication): only the server-wide limit.
+    for engine in ("x1", "x2", "x3"):
+        assert await join(store, engine, 0, now=later) == Arrival("waiting")
 
 
 # --- engine ownership: at most max_engines live engines per identity ------------
@@ -1578,6 +1614,7 @@ async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> No
             "engine-plan:e",
             "rdv:open",
             "rdv:open:f",
+            "rdv:open-of:",  # the engines waiting of identity "" (no authentication)
             "rdv:done",
             "rdv:done:e",
             "rdv:done-size",
@@ -1591,6 +1628,7 @@ async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> No
         }
         for janitored in (
             "rdv:open:f",
+            "rdv:open-of:",
             "rdv:done:e",
             "lease:e",
             *LEDGER_KEYS,
