@@ -273,6 +273,8 @@ class MemoryStore:
         # in a heap (an entry is stale once its lease is gone or renewed); the
         # expired leases the next sweep deletes.
         self._engines: dict[str, dict[int, Lease]] = {}
+        # The same leases by device: a refusal names the holders of one device.
+        self._on_device: dict[str, dict[tuple[str, int], Lease]] = {}
         self._totals: dict[str, Totals] = {}
         self._identities: dict[str, int] = {}
         self._live = 0
@@ -525,7 +527,10 @@ class MemoryStore:
     def _put(self, lease: Lease) -> None:
         held = self._engines.setdefault(lease.engine_id, {})
         self._lease_count += lease.rank not in held
+        if lease.rank in held:
+            self._unindex(held[lease.rank])
         held[lease.rank] = lease
+        self._on_device.setdefault(lease.device_uuid, {})[lease.engine_id, lease.rank] = lease
         self._expiry.add(lease.expires_at, (lease.engine_id, lease.rank))
         self._expiry.compact(
             lambda: (
@@ -539,10 +544,16 @@ class MemoryStore:
     def _delete(self, engine_id: str, ranks: Iterable[int]) -> None:
         held = self._engines[engine_id]
         for rank in ranks:
-            del held[rank]
+            self._unindex(held.pop(rank))
             self._lease_count -= 1
         if not held:
             del self._engines[engine_id]
+
+    def _unindex(self, lease: Lease) -> None:
+        on_device = self._on_device[lease.device_uuid]
+        del on_device[lease.engine_id, lease.rank]
+        if not on_device:
+            del self._on_device[lease.device_uuid]
 
     def _expire_due(self, now: float) -> None:
         """Take the leases due at `now` out of the totals (the heap's head only)."""
@@ -596,8 +607,8 @@ class MemoryStore:
                 expired_through=self._expired_through,
             )
         except GrantRefused as refused:
-            everyone = (lease for leases in self._engines.values() for lease in leases.values())
-            raise naming_holders(refused, everyone, engine_id, now) from None
+            on_device = self._on_device.get(refused.device_uuid, {}).values()
+            raise naming_holders(refused, on_device, engine_id, now) from None
         kept = last_per_rank(granted)
         if own:
             self._delete(engine_id, [lease.rank for lease in own])

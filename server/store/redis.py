@@ -35,6 +35,8 @@ Key layout under `key_prefix` (default "kvplan:"):
                                 device_uuid, bytes, allocated_bytes, granted_at,
                                 expires_at, identity, outstanding_bytes]
     lease-expiry          ZSET  every lease's record -> expires_at
+    lease-device:{uuid}   ZSET  the records of the device's leases -> expires_at
+                                (a refusal names the holders from it alone)
     ledger:committed      HASH  device_uuid -> committed bytes      } the totals of the
     ledger:outstanding    HASH  device_uuid -> outstanding bytes    } counted leases
     ledger:live           HASH  device_uuid -> live leases          } (kvplan.core.ledger)
@@ -131,10 +133,23 @@ _HEADER = struct.Struct(">16sBI")
 
 # Lua, the ledger's scripts. KEYS[1..6] are the ledger's keys (lease-expiry, the
 # four totals hashes, expired-through), KEYS[7] lease-version, KEYS[8] the engine's
-# lease hash. Scores and times travel as Python's exact text of a float.
+# lease hash, KEYS[9] the prefix of the per-device indexes. Scores and times travel
+# as Python's exact text of a float.
 _LEDGER = """
 local expiry, committed, outstanding, live, identities, through_key =
     KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local touched_devices = {}
+
+-- A record's entry in its device's index (rec: the record, sign 1 add, -1 remove).
+local function index_device(record, sign, expires_text)
+    local key = KEYS[9] .. cjson.decode(record)[3]
+    if sign > 0 then
+        redis.call('ZADD', key, expires_text, record)
+    else
+        redis.call('ZREM', key, record)
+    end
+    touched_devices[key] = true
+end
 
 local function through_text()
     return redis.call('GET', through_key) or '-inf'
@@ -185,23 +200,37 @@ local function remove(record)
     local score = redis.call('ZSCORE', expiry, record)
     if score then
         redis.call('ZREM', expiry, record)
+        index_device(record, -1)
         if tonumber(score) > through() then count(record, -1) end
     end
 end
 
 local function add(record, expires_text)
     redis.call('ZADD', expiry, expires_text, record)
+    index_device(record, 1, expires_text)
     if tonumber(expires_text) > through() then count(record, 1) end
 end
 
 -- The janitor: the index and totals live grace_ms past the latest expiry.
+-- The janitor: the index and totals live grace_ms past the latest expiry, each
+-- device's index written here past its own latest.
+local function janitor_ms(key, now_text, grace_ms)
+    local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    if not last[2] then return nil end
+    local ms = math.ceil((tonumber(last[2]) - tonumber(now_text)) * 1000 + tonumber(grace_ms))
+    if ms ~= ms or ms == math.huge then return nil end
+    if ms < 1 then ms = 1 end
+    return ms
+end
+
 local function touch(now_text, grace_ms)
     if tonumber(grace_ms) < 0 then return end
-    local last = redis.call('ZRANGE', expiry, -1, -1, 'WITHSCORES')
-    if not last[2] then return end
-    local ms = math.ceil((tonumber(last[2]) - tonumber(now_text)) * 1000 + tonumber(grace_ms))
-    if ms ~= ms or ms == math.huge then return end
-    if ms < 1 then ms = 1 end
+    for key in pairs(touched_devices) do
+        local ms = janitor_ms(key, now_text, grace_ms)
+        if ms then redis.call('PEXPIRE', key, ms) end
+    end
+    local ms = janitor_ms(expiry, now_text, grace_ms)
+    if not ms then return end
     for i = 1, 6 do
         if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('PEXPIRE', KEYS[i], ms) end
     end
@@ -330,6 +359,7 @@ expire_due(ARGV[1])
 local out = {}
 for _, record in ipairs(redis.call('ZRANGEBYSCORE', expiry, '-inf', ARGV[1])) do
     redis.call('ZREM', expiry, record)
+    index_device(record, -1)
     local lease = cjson.decode(record)
     local key = ARGV[3] .. lease[1]
     local rank = tostring(lease[2])
@@ -877,6 +907,7 @@ class RedisStore:
             for lease in leases:
                 pipe.hset(self._lease_key(lease.engine_id), str(lease.rank), _record(lease))
                 pipe.zadd(keys[0], {_record(lease): lease.expires_at})
+                pipe.zadd(keys[8] + lease.device_uuid, {_record(lease): lease.expires_at})
             for uuid_, totals in tally(leases).items():
                 pipe.hincrby(keys[1], uuid_, totals.committed_bytes)
                 pipe.hincrby(keys[2], uuid_, totals.outstanding_bytes)
@@ -1264,6 +1295,7 @@ class RedisStore:
             self._key("ledger:expired-through"),
             self._key("lease-version"),
             self._lease_key(engine_id),
+            self._key("lease-device:"),
         ]
 
     def _grace_ms(self) -> int:
@@ -1303,10 +1335,11 @@ class RedisStore:
         )
         return bytes(version), view, own, float(through)
 
-    async def _scan(self, low: str) -> list[Lease]:
-        """The leases whose expiry is above `low` (reads the whole index range)."""
+    async def _scan(self, low: str, index: str = "lease-expiry") -> list[Lease]:
+        """The leases of `index` (every lease, or one device's: lease-device:{uuid})
+        whose expiry is above `low` (reads the whole index range)."""
         records: list[Any] = await self._call(
-            self._redis().zrangebyscore(self._key("lease-expiry"), low, "+inf")
+            self._redis().zrangebyscore(self._key(index), low, "+inf")
         )
         return [_lease(record) for record in records]
 
@@ -1357,7 +1390,7 @@ class RedisStore:
                     expired_through=through,
                 )
             except GrantRefused as refused:
-                holders = await self._scan(f"({now!r}")
+                holders = await self._scan(f"({now!r}", "lease-device:" + refused.device_uuid)
                 raise naming_holders(refused, holders, engine_id, now) from None
             kept = last_per_rank(granted)
             args: list[str | int | bytes] = [

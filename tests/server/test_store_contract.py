@@ -1473,10 +1473,11 @@ async def test_the_lease_quota_is_exact_for_grants_at_once_on_two_replicas(
     assert len(await replicas[1].leases(0.0)) == 5
 
 
-# The ledger's keys once a lease is granted; "ledger:expired-through" joins them when
-# a lease first falls due.
+# The ledger's keys once a lease is granted on gpu-0; "ledger:expired-through" joins
+# them when a lease first falls due.
 LEDGER_KEYS = (
     "lease-expiry",
+    "lease-device:gpu-0",
     "ledger:committed",
     "ledger:outstanding",
     "ledger:live",
