@@ -36,7 +36,9 @@ Key layout under `key_prefix` (default "kvplan:"):
                                 expires_at, identity, outstanding_bytes]
     lease-expiry          ZSET  every lease's record -> expires_at
     lease-device:{uuid}   ZSET  the records of the device's leases -> expires_at
-                                (a refusal names the holders from it alone)
+                                (a refusal names the holders from it alone; a
+                                lease an earlier release granted joins it when
+                                renewed, within a third of its TTL)
     ledger:committed      HASH  device_uuid -> committed bytes      } the totals of the
     ledger:outstanding    HASH  device_uuid -> outstanding bytes    } counted leases
     ledger:live           HASH  device_uuid -> live leases          } (kvplan.core.ledger)
