@@ -52,6 +52,7 @@ class Settings:
     max_layer_name_chars: int = 1024
     max_identifier_chars: int = 256  # engine_version, target_model_type, device uuid / name
     max_pending_rendezvous_bytes: int = 256 * 1024 * 1024  # specs of waiting ranks, this process
+    max_pending_rendezvous_bytes_per_identity: int = 64 * 1024 * 1024  # one identity's of those
     rendezvous_result_bytes: int = 64 * 1024 * 1024  # finished rank-mode results kept in the store
     max_leases_per_identity: int = 4096
     # Live ownership records (engine ids) one identity holds: ~110 bytes each in
@@ -102,6 +103,8 @@ _HELP = {
     "max_identifier_chars": "longest options.engine_version, spec_decode.target_model_type, "
     "device.uuid or device.name",
     "max_pending_rendezvous_bytes": "bytes of rank specs waiting in rendezvous (this process)",
+    "max_pending_rendezvous_bytes_per_identity": "bytes of one identity's rank specs waiting "
+    "in rendezvous (this process, with authentication)",
     "rendezvous_result_bytes": "bytes of finished rank-mode results kept for late or retrying "
     "ranks (the oldest are forgotten first)",
     "max_leases_per_identity": "live leases one identity may hold",
@@ -170,6 +173,7 @@ def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -
         "max_pending_rendezvous_bytes",
         "rendezvous_result_bytes",
         "max_pending_rendezvous_per_identity",
+        "max_pending_rendezvous_bytes_per_identity",
         "max_engines_per_identity",
     ):
         if getattr(settings, name) <= 0:

@@ -100,6 +100,7 @@ class Rendezvous:
         max_pending_bytes: int = 256 * 1024 * 1024,
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
         max_pending_per_identity: int | None = None,
+        max_pending_bytes_per_identity: int | None = None,
     ) -> None:
         self._store = store
         self._plan = plan
@@ -116,6 +117,9 @@ class Rendezvous:
         self._pending_bytes = 0  # rank specs inside join() in this process
         self._max_result_bytes = max_result_bytes
         self._max_pending_per_identity = max_pending_per_identity
+        # Each identity's share of the bytes above (with authentication).
+        self._max_pending_bytes_per_identity = max_pending_bytes_per_identity
+        self._pending_bytes_of: dict[str, int] = {}
         store.subscribe(self._on_finished)
 
     def _on_finished(self, engine_id: str, result: RendezvousResult) -> None:
@@ -164,7 +168,19 @@ class Rendezvous:
                 self._max_pending_bytes,
                 "bytes of rank specs waiting for their engines on this server, with this rank's",
             )
+        held = self._pending_bytes_of.get(identity, 0)
+        share = self._max_pending_bytes_per_identity
+        if identity and share is not None and held + size > share:
+            self._metrics.limits_hit.labels("max_pending_rendezvous_bytes_per_identity").inc()
+            raise limit_exceeded(
+                "max_pending_rendezvous_bytes_per_identity",
+                held + size,
+                share,
+                f"bytes of rank specs of identity {identity!r} waiting for their engines on "
+                "this server, with this rank's",
+            )
         self._pending_bytes += size
+        self._pending_bytes_of[identity] = held + size
         # Registered before joining, so news of the engine cannot slip past.
         future: asyncio.Future[RendezvousResult] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(engine_id, []).append(future)
@@ -202,6 +218,9 @@ class Rendezvous:
             return await self._wait(engine_id, future, worker.rank, request.world_size, wait_s)
         finally:
             self._pending_bytes -= size
+            self._pending_bytes_of[identity] -= size
+            if not self._pending_bytes_of[identity]:
+                del self._pending_bytes_of[identity]
             waiting = self._waiters.get(engine_id)
             if waiting is not None and future in waiting:  # not yet resolved: unregister
                 waiting.remove(future)

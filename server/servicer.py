@@ -311,6 +311,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             metrics,
             max_pending=settings.max_pending_rendezvous,
             max_pending_per_identity=settings.max_pending_rendezvous_per_identity,
+            max_pending_bytes_per_identity=settings.max_pending_rendezvous_bytes_per_identity,
             max_pending_bytes=settings.max_pending_rendezvous_bytes,
             max_result_bytes=settings.rendezvous_result_bytes,
             ttl_s=settings.rendezvous_ttl_s,

@@ -454,6 +454,36 @@ async def test_one_identity_cannot_fill_the_pending_rendezvous(tmp_path: Path) -
             await waiting[1]
 
 
+async def test_one_identity_cannot_fill_the_pending_rendezvous_bytes(tmp_path: Path) -> None:
+    """--max-pending-rendezvous-bytes-per-identity: a tenant's waiting rank specs
+    beyond its share are refused, while another tenant's ranks still wait and
+    complete; a rank that stops waiting gives its bytes back."""
+    async with teams(tmp_path, max_pending_rendezvous_bytes_per_identity=1) as (_, a, _, _):
+        with pytest.raises(PlannerError) as measured:  # how many bytes one rank holds
+            await a.plan(rank_request("a-0", 0, world_size=2))
+    share = int(measured.value.metadata["value"]) * 5 // 2  # two ranks fit, three do not
+    async with teams(tmp_path, max_pending_rendezvous_bytes_per_identity=share) as (_, a, b, _):
+        first, second = (
+            asyncio.create_task(a.plan(rank_request(engine_id, 0, world_size=2), timeout_s=30))
+            for engine_id in ("a-1", "a-2")
+        )
+        await asyncio.sleep(0.2)
+        with pytest.raises(PlannerError) as refused:
+            await a.plan(rank_request("a-3", 0, world_size=2))
+        assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.metadata["limit"] == "max_pending_rendezvous_bytes_per_identity"
+        assert "identity 'team-a'" in refused.value.details
+        await asyncio.gather(
+            *(b.plan(rank_request("b-1", rank, world_size=2)) for rank in range(2))
+        )
+        second.cancel()  # a-2's rank gives up: its bytes are team-a's again
+        with contextlib.suppress(asyncio.CancelledError):
+            await second
+        await asyncio.sleep(0.2)
+        await a.plan(rank_request("a-1", 1, world_size=2))
+        await first
+
+
 async def test_reflection_needs_credentials_and_health_stays_open(
     token_server: RunningServer,
 ) -> None:
