@@ -112,6 +112,9 @@ class _Keeper:
         renews whatever the engine still holds, so a success alone proves nothing."""
         missing = sorted(self.ranks - {lease.rank for lease in leases})
         if missing:
+            # Lost, whoever asked (renew_now too): stop() must not release what may
+            # now be another grant's.
+            self.lost = True
             raise PlannerError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"engine {self.engine_id!r} no longer holds the leases of rank(s) "

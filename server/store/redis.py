@@ -479,6 +479,22 @@ local function drop_result(index, sizes, total, prefix, engine)
     redis.call('ZREM', index, engine)
     redis.call('DEL', prefix .. engine)
 end
+
+-- The sum recounted from the sizes of the results still kept, the others' sizes
+-- dropped: a replica of an earlier release forgets results without their sizes.
+local function recount_results(index, sizes, total)
+    local kept = 0
+    local entries = redis.call('HGETALL', sizes)
+    for i = 1, #entries, 2 do
+        if redis.call('ZSCORE', index, entries[i]) then
+            kept = kept + tonumber(entries[i + 1])
+        else
+            redis.call('HDEL', sizes, entries[i])
+        end
+    end
+    redis.call('SET', total, kept)
+    return kept
+end
 """
 
 # Lua: a rank's join, before its decision, in one round trip (the caller WATCHes
@@ -542,16 +558,28 @@ _KEEP_RESULT = (
     _RESULTS
     + """
 drop_result(KEYS[1], KEYS[2], KEYS[3], ARGV[6], ARGV[1])
-if tonumber(ARGV[3]) > tonumber(ARGV[4]) then return end
-redis.call('HSET', KEYS[4], unpack(ARGV, 7))
+local limit = tonumber(ARGV[4])
+if tonumber(ARGV[3]) > limit then return end
+-- Field-value pairs in slices: unpack() takes a few thousand values at most.
+for i = 7, #ARGV, 1000 do
+    redis.call('HSET', KEYS[4], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
 if ARGV[5] ~= '' then redis.call('PEXPIRE', KEYS[4], ARGV[5]) end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
-redis.call('INCRBY', KEYS[3], ARGV[3])
-while tonumber(redis.call('GET', KEYS[3])) > tonumber(ARGV[4]) do
-    local oldest = redis.call('ZRANGE', KEYS[1], 0, 0)
-    if #oldest == 0 then break end
-    drop_result(KEYS[1], KEYS[2], KEYS[3], ARGV[6], oldest[1])
+local kept = redis.call('INCRBY', KEYS[3], ARGV[3])
+if kept > limit and redis.call('HLEN', KEYS[2]) > redis.call('ZCARD', KEYS[1]) then
+    kept = recount_results(KEYS[1], KEYS[2], KEYS[3])
+end
+-- The oldest go first, never the result just kept (its time may be the lowest
+-- when this replica's clock is behind).
+while kept > limit do
+    local oldest = redis.call('ZRANGE', KEYS[1], 0, 1)
+    local engine = oldest[1]
+    if engine == ARGV[1] then engine = oldest[2] end
+    if not engine then break end
+    drop_result(KEYS[1], KEYS[2], KEYS[3], ARGV[6], engine)
+    kept = tonumber(redis.call('GET', KEYS[3]))
 end
 """
 )

@@ -358,11 +358,13 @@ def _drop_finished(db: sqlite3.Connection, where: str, params: Sequence[object])
 
 
 def _keep_within(db: sqlite3.Connection, max_bytes: int) -> None:
-    """Forget the oldest finished results until they hold at most `max_bytes`."""
+    """Forget the oldest finished results until they hold at most `max_bytes`: the
+    first kept (rowid order, as the memory store's), never the one just kept, which
+    has the highest rowid even when this server's clock stepped back."""
     (kept,) = db.execute("SELECT bytes FROM rendezvous_finished_bytes").fetchone()
     while kept > max_bytes:
         oldest, size = db.execute(
-            "SELECT engine_id, size FROM rendezvous_finished ORDER BY finished LIMIT 1"
+            "SELECT engine_id, size FROM rendezvous_finished ORDER BY rowid LIMIT 1"
         ).fetchone()
         _drop_finished(db, "engine_id = ?", (oldest,))
         kept -= size

@@ -194,3 +194,24 @@ async def test_async_keeper_reports_a_regrant_with_fewer_ranks() -> None:
             assert devices[uuids[1]].live_leases == 0
     finally:
         await running.stop(0)
+
+
+async def test_renew_now_that_finds_a_rank_gone_leaves_the_new_grant_alone() -> None:
+    """The same loss found by an explicit renewal (no background beat yet): it is
+    raised, and stop() does not release the engine's leases, now another grant's."""
+    running = await start_server(replace(TEST_SETTINGS, devices="2xH100-80GB", lease_ttl_s=30))
+    try:
+        async with AsyncPlannerClient(f"127.0.0.1:{running.port}", timeout_s=5) as client:
+            uuids = await device_uuids(client)
+            plan = await client.plan(two_rank_request("engine-now", uuids))
+            keeper = AsyncLeaseKeeper(client, plan, interval_s=60)  # never beats by itself
+            await client.plan(leased_request("engine-now", uuids[0], layers=range(8)))
+            with pytest.raises(PlannerError) as caught:
+                await keeper.renew_now()
+            assert_names_the_lost_rank(caught.value, "engine-now")
+            assert keeper.lost
+            await keeper.stop()
+            devices = {d.uuid: d for d in (await client.list_devices()).devices}
+            assert devices[uuids[0]].live_leases == 1
+    finally:
+        await running.stop(0)

@@ -502,6 +502,36 @@ async def test_finished_results_are_kept_within_their_byte_bound(store: Store) -
         assert again.state == "finished"
 
 
+async def test_a_result_is_kept_however_many_ranks_its_engine_has(store: Store) -> None:
+    """Every rank's digest is kept with the result (Redis writes them in slices: one
+    Lua call takes a few thousand values at most)."""
+    ranks = 4096
+    for rank in range(ranks):
+        await join(store, "wide", rank, world_size=ranks, max_pending=1)
+    planned = RendezvousResult(True, b"the plan")
+    await store.rendezvous_finish("wide", planned, 1.0)
+    assert await store.pending_engines() == 0
+    for rank in (0, ranks - 1):
+        late = await join(store, "wide", rank, world_size=ranks, now=2.0)
+        assert late == Arrival("finished", result=planned)
+
+
+async def test_the_result_just_kept_is_not_the_one_forgotten(store: Store) -> None:
+    """A server whose clock is behind (stepped back, or a replica behind another)
+    finishes an engine with an earlier time than the results kept: past the bound,
+    an older result goes, not the one its ranks are about to ask for."""
+    plans = {engine: random.Random(engine).randbytes(1000) for engine in ("ahead", "behind")}
+    bound = kept_result_bytes("ahead", 1000, ranks=1) + 100  # room for one
+    for engine, now in (("ahead", 100.0), ("behind", 50.0)):
+        await join(store, engine, 0, world_size=1, now=now)
+        await store.rendezvous_finish(
+            engine, RendezvousResult(True, plans[engine]), now, max_kept_bytes=bound
+        )
+    kept = await join(store, "behind", 0, world_size=1, now=101.0)
+    assert kept == Arrival("finished", result=RendezvousResult(True, plans["behind"]))
+    assert (await join(store, "ahead", 0, world_size=1, now=101.0)).state == "plan"
+
+
 async def test_memory_store_keeps_its_age_index_bounded() -> None:
     store = MemoryStore()
     for engine in range(2000):  # opened and finished at once: nothing old to forget
@@ -1511,6 +1541,41 @@ async def test_redis_drops_a_dead_engines_leases_by_itself(redis_server: RedisSe
         assert await store.sweep_expired(2.0) == ()  # its hash is gone: nothing to report
         assert await client.zcard(store._key("lease-expiry")) == 1
         assert await store.leases(2.0) == (kept,)
+    finally:
+        await store.close()
+
+
+async def test_result_sizes_left_by_an_earlier_release_are_recounted(
+    redis_server: RedisServer,
+) -> None:
+    """A replica of an earlier release forgets results by their TTL without their
+    sizes. Their bytes must not stay in the sum: past the bound it is recounted from
+    the results still kept, and the new ones are kept as before."""
+    store = RedisStore(redis_server.url, key_prefix=f"test-{uuid.uuid4().hex}:")
+    await store.start()
+    try:
+        client = store._redis()
+        size = kept_result_bytes("e0", 1000, ranks=1)
+        bound = 2 * size + 100  # room for two
+        for index in range(3):
+            engine = f"e{index}"
+            await join(store, engine, 0, world_size=1, now=float(index))
+            plan = random.Random(index).randbytes(1000)
+            await store.rendezvous_finish(
+                engine, RendezvousResult(True, plan), float(index), max_kept_bytes=bound
+            )
+        # What an earlier release's forgetting does: the result goes, its size stays.
+        for engine in ("e1", "e2"):
+            await client.zrem(store._key("rdv:done"), engine)
+            await client.delete(store._done_key(engine))
+        await join(store, "new", 0, world_size=1, now=5.0)
+        plan = random.Random("new").randbytes(1000)
+        await store.rendezvous_finish(
+            "new", RendezvousResult(True, plan), 5.0, max_kept_bytes=bound
+        )
+        assert (await join(store, "new", 0, world_size=1, now=6.0)).state == "finished"
+        assert await client.get(store._key("rdv:done-bytes")) == str(size - 2 + 3).encode()
+        assert set(await client.hkeys(store._key("rdv:done-size"))) == {b"new"}
     finally:
         await store.close()
 
