@@ -67,7 +67,7 @@ class Settings:
 _HELP = {
     "host": "address to bind (auto: all interfaces when TLS or tokens are set, else loopback)",
     "port": "gRPC port",
-    "metrics_port": "Prometheus metrics port (0: off)",
+    "metrics_port": "Prometheus metrics port (0: off, -1: a free port)",
     "metrics_host": "address of the metrics endpoint (empty: the gRPC address)",
     "log_format": "text or json",
     "log_level": "DEBUG, INFO, WARNING, ...",
