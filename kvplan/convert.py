@@ -240,6 +240,9 @@ def _hisparse_layer_from_proto(kind: str, body: Any, path: str, ctx: _Context) -
     return HiSparseResidentSpec(block_size=ctx.block_size, page_size=page)
 
 
+MAX_HOST_POOL_GIB = float(1 << 20)  # 1 PiB of host memory: beyond any machine
+
+
 def _hisparse_from_proto(options: plan_pb2.EngineOptions) -> HiSparseConfig | None:
     if not options.HasField("hisparse"):
         return None
@@ -247,6 +250,12 @@ def _hisparse_from_proto(options: plan_pb2.EngineOptions) -> HiSparseConfig | No
     if not config.host_pool_gib > 0:
         raise InvalidRequest(
             "HiSparse needs a host pool: host_pool_gib must be > 0",
+            field="options.hisparse.host_pool_gib",
+        )
+    # Its bytes must be a number the plan can carry (inf and 1e300 are not).
+    if not config.host_pool_gib <= MAX_HOST_POOL_GIB:
+        raise InvalidRequest(
+            f"host_pool_gib {config.host_pool_gib} is over {MAX_HOST_POOL_GIB} GiB (1 PiB)",
             field="options.hisparse.host_pool_gib",
         )
     device_buffer_size: int | None = None

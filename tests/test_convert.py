@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import pytest
+from google.protobuf import json_format
 
 from kvplan.convert import (
     GPU_MEMORY_BYTES,
@@ -17,6 +22,7 @@ from kvplan.core.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvplan.v1 import plan_pb2, spec_pb2
 
 GIB = 1 << 30
+SCENARIOS = Path(__file__).parent / "conformance" / "scenarios"
 
 
 def full_layer(name: str, heads: int = 8, head: int = 128) -> spec_pb2.LayerSpec:
@@ -148,3 +154,18 @@ def test_empty_budget_is_reported_before_a_spec_limit() -> None:
     request.options.parallel.decode_context_parallel_size = 2
     with pytest.raises(InsufficientMemory, match="No available memory"):
         plan_from_proto(request)
+
+
+@pytest.mark.parametrize("pool_gib", [math.inf, 1e300, float(1 << 21), math.nan, 0.0])
+def test_a_hisparse_host_pool_beyond_any_machine_is_refused_by_name(pool_gib: float) -> None:
+    """The pool's bytes must fit the plan: infinity once reached the planner as an
+    OverflowError (an INTERNAL answer)."""
+    scenario = json.loads(
+        (SCENARIOS / "94-hisparse-groups-and-host-pool.json").read_text(encoding="utf-8")
+    )
+    request = json_format.ParseDict(scenario["request"], plan_pb2.PlanRequest())
+    plan_from_proto(request)  # as given, it plans
+    request.options.hisparse.host_pool_gib = pool_gib
+    with pytest.raises(InvalidRequest) as refused:
+        plan_from_proto(request)
+    assert refused.value.field == "options.hisparse.host_pool_gib"
