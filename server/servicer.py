@@ -343,7 +343,6 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 request_digest=request_digest,
                 encoded_workers=encoded_workers,
             )
-            self._check_reply_size(len(plan))
             return plan
         now = time.time()
         holder = self._holder(request.engine_id)
@@ -768,6 +767,10 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             response = await self._planned(request, keys, encoded, scope)
             parts = PlanParts.of(keys.plan_id, request.engine_id, response.SerializeToString())
             summary = PlanSummary.of(request, response)
+        # Before anything keeps it: a reply the caller cannot receive is nobody's
+        # plan, and must not replace the engine's last one.
+        self._check_reply_size(len(parts.plan))
+        if known is None:
             self._cache.remember_content(keys.content, parts, summary, scope)
         self._cache.keep(keys.plan_id, request.engine_id, parts, name_engine=publish)
         self._record(

@@ -190,6 +190,43 @@ async def test_a_reply_over_the_limit_is_refused_before_any_lease() -> None:
         await running.stop(0)
 
 
+async def test_a_reply_over_the_limit_leaves_the_engines_last_plan_in_place() -> None:
+    """Without leases too: the refused plan is not kept, not persisted and not the
+    engine's plan, which GetPlan still returns (it once returned the refused one,
+    which the transport then could not send)."""
+    running = await start_server(replace(TEST_SETTINGS, max_message_bytes=256 * 1024))
+    try:
+        async with AsyncPlannerClient(f"127.0.0.1:{running.port}", timeout_s=10) as client:
+            good = await client.plan(engine_request("kept", kv_bytes=64 * GIB))
+            big = engine_request("kept", kv_bytes=64 * GIB, layers=600)
+            for layer in big.workers[0].layers:
+                layer.name += "." + "x" * 200
+            with pytest.raises(PlannerError) as caught:
+                await client.plan(big)
+            assert caught.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert caught.value.metadata["limit"] == "max_message_bytes"
+            assert (await client.get_plan(engine_id="kept")).plan_id == good.plan_id
+            assert await running.store.plan_for_engine("kept") is not None
+            stored = plan_pb2.PlanResponse.FromString(
+                await running.store.plan_for_engine("kept") or b""
+            )
+            assert stored.plan_id == good.plan_id
+            # Rank mode's engines are planned the same way.
+            ranked = rank_request(
+                "kept-ranked", 0, world_size=1, layers_per_rank=600, kv_bytes=64 * GIB
+            )
+            for layer in ranked.workers[0].layers:
+                layer.name += "." + "x" * 200
+            with pytest.raises(PlannerError) as caught:
+                await client.plan(ranked)
+            assert caught.value.metadata["limit"] == "max_message_bytes"
+            with pytest.raises(PlannerError) as missing:
+                await client.get_plan(engine_id="kept-ranked")
+            assert missing.value.code is grpc.StatusCode.NOT_FOUND
+    finally:
+        await running.stop(0)
+
+
 async def test_an_unexpected_exception_is_logged_and_answered_internal_with_its_id(
     server: RunningServer, client: AsyncPlannerClient, caplog: pytest.LogCaptureFixture
 ) -> None:
