@@ -1020,6 +1020,12 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                     f"[0, {MAX_64}]",
                     field=f"allocations[{index}].allocated_bytes",
                 )
+            if item.rank in allocations:
+                raise ServiceError(
+                    "INVALID_ARGUMENT",
+                    f"rank {item.rank} is reported twice; send one allocation per rank",
+                    field=f"allocations[{index}].rank",
+                )
             allocations[item.rank] = item.allocated_bytes
         return allocations
 

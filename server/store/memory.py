@@ -231,6 +231,15 @@ def renew_leases(
     stays expired, whatever `now` says: its memory may have been granted since."""
     if not mine:
         raise no_leases(engine_id)
+    held = {lease.rank for lease in mine}
+    if not_held := sorted(set(allocations) - held):
+        raise ServiceError(
+            "FAILED_PRECONDITION",
+            f"engine {engine_id!r} holds no lease for rank(s) "
+            f"{', '.join(map(str, not_held))} (it holds {', '.join(map(str, sorted(held)))}); "
+            "report allocations of held ranks only, or plan again",
+            field="allocations",
+        )
     now = ledger_time(now, expired_through)
     live = [lease for lease in mine if lease.live(now) and counted(lease, expired_through)]
     if not live:
@@ -239,7 +248,8 @@ def renew_leases(
         replace(
             lease,
             expires_at=now + ttl_s,
-            allocated_bytes=allocations.get(lease.rank, lease.allocated_bytes),
+            # As at the grant: what a worker holds past its lease is not the lease's.
+            allocated_bytes=min(allocations.get(lease.rank, lease.allocated_bytes), lease.bytes),
         )
         for lease in sorted(live, key=lambda lease: lease.rank)
     )

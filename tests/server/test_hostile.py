@@ -15,13 +15,15 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
 from kvplan.client import AsyncPlannerClient, PlannerError
 from kvplan.server.logs import TextFormatter, json_formatter
 from kvplan.server.main import RunningServer, start_server
 from kvplan.server.store import open_store
-from kvplan.v1 import plan_pb2, spec_pb2
+from kvplan.v1 import plan_pb2, service_pb2, spec_pb2
 from tests.server.conftest import GIB, TEST_SETTINGS, engine_request, full_layer, rank_request
 from tests.server.redis_server import running_redis
 from tests.server.test_leases import device_uuids, leased_request
@@ -163,6 +165,43 @@ async def test_renew_allocated_bytes_beyond_64_bits_on_sqlite(tmp_path: Path) ->
                 assert caught.value.code is grpc.StatusCode.INVALID_ARGUMENT
                 assert caught.value.violations[0].field == "allocations[0].allocated_bytes"
             assert (await client.renew_leases("big-renew", {0: GIB}))[0].allocated_bytes == GIB
+    finally:
+        await running.stop(0)
+
+
+async def test_renew_allocations_must_name_each_held_rank_once() -> None:
+    """A rank reported twice is INVALID_ARGUMENT on its entry; a rank the engine holds
+    no lease for is FAILED_PRECONDITION listing the held ones (both were dropped or
+    overwritten without a word); an allocation past the lease counts as the lease."""
+    running = await start_server(replace(TEST_SETTINGS, devices="1xH100-80GB"))
+    try:
+        async with AsyncPlannerClient(f"127.0.0.1:{running.port}", timeout_s=5) as client:
+            uuid = (await device_uuids(client))[0]
+            (lease,) = (await client.plan(leased_request("renewed", uuid))).leases
+            twice = service_pb2.RenewLeasesRequest(engine_id="renewed")
+            twice.allocations.add(rank=0, allocated_bytes=GIB)
+            twice.allocations.add(rank=0, allocated_bytes=2 * GIB)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+                renew = channel.unary_unary(
+                    SERVICE + "RenewLeases",
+                    request_serializer=service_pb2.RenewLeasesRequest.SerializeToString,
+                    response_deserializer=service_pb2.RenewLeasesResponse.FromString,
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await renew(twice, timeout=5)
+            assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            status = rpc_status.from_call(caught.value)
+            assert status is not None
+            bad_request = error_details_pb2.BadRequest()
+            assert any(detail.Unpack(bad_request) for detail in status.details)
+            assert bad_request.field_violations[0].field == "allocations[1].rank"
+            with pytest.raises(PlannerError) as refused:
+                await client.renew_leases("renewed", {0: GIB, 7: GIB})
+            assert refused.value.code is grpc.StatusCode.FAILED_PRECONDITION
+            assert refused.value.violations[0].field == "allocations"
+            assert "rank(s) 7 (it holds 0)" in refused.value.details
+            (renewed,) = await client.renew_leases("renewed", {0: 2**50})
+            assert renewed.allocated_bytes == lease.bytes
     finally:
         await running.stop(0)
 
