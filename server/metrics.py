@@ -177,8 +177,8 @@ class Metrics:
         )
         self.limits_hit = Counter(
             "kvplan_limits_hit_total",
-            "Calls refused by a server limit, by the limit's setting (max_engine_id_chars: "
-            "--max-engine-id-chars).",
+            "Calls refused by a server limit, by the limit's setting (max_message_bytes: "
+            "--max-message-bytes).",
             ["limit"],
             registry=self.registry,
         )

@@ -25,6 +25,7 @@ from kvplan.convert import (
     encode_workers,
     plan_from_proto,
     plan_keys,
+    request_from_proto,
 )
 from kvplan.core.errors import PlanningError
 from kvplan.core.ledger import (
@@ -945,6 +946,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             if request.engine_id:
                 await self.authorize(request.engine_id, "plan", claim=True)
             if request.world_size:
+                await self._check_rank(request, encoded)
                 return await self.rendezvous.join(
                     request, context.time_remaining(), self._holder(request.engine_id)
                 )
@@ -954,6 +956,19 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         except (PlanningError, ServiceError, RemoteStatus, StoreUnavailable) as error:
             await self._fail(context, error)
             raise AssertionError("unreachable") from error
+
+    async def _check_rank(
+        self, request: plan_pb2.PlanRequest, encoded: Sequence[WorkerBytes]
+    ) -> None:
+        """A rank's own fields, converted as its engine's will be once merged: a
+        mistake is its caller's INVALID_ARGUMENT now, with the paths of its own
+        request, not a wait for the other ranks followed by an error every rank gets
+        with the merged request's paths."""
+        check = functools.partial(request_from_proto, request, encoded_workers=encoded)
+        if sum(len(worker.layers) for worker in request.workers) > self._settings.offload_layers:
+            await asyncio.to_thread(check)
+        else:
+            check()
 
     async def _find_plan(self, request: service_pb2.GetPlanRequest) -> bytes:
         self._check_engine_id(request.engine_id)

@@ -215,7 +215,7 @@ async def test_fuzz_every_rpc_gets_an_explained_answer(tmp_path: Path) -> None:
                     if step == "renew":
                         renew = service_pb2.RenewLeasesRequest(engine_id=engine)
                         renew.allocations.add(
-                            rank=rng.choice([0, 1, 7]), allocated_bytes=rng.choice(INTS[:14])
+                            rank=rng.choice([0, 0, 0, 7]), allocated_bytes=rng.choice(INTS[:14])
                         )
                         return call("RenewLeases", renew.SerializeToString())
                     if step == "get":

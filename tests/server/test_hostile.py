@@ -169,6 +169,29 @@ async def test_renew_allocated_bytes_beyond_64_bits_on_sqlite(tmp_path: Path) ->
         await running.stop(0)
 
 
+async def test_a_rank_with_a_bad_field_is_refused_at_once_with_its_own_path(
+    server: RunningServer, client: AsyncPlannerClient
+) -> None:
+    """Rank mode converts each rank's own request on arrival: a bad field is the
+    caller's INVALID_ARGUMENT at once (it waited for the other ranks, then every
+    rank heard of it under the merged request's paths)."""
+    bad_dtype = rank_request("bad-rank", 1, world_size=2)
+    bad_dtype.workers[0].layers[2].full_attention.attention.dtype = 999  # type: ignore[assignment]
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(PlannerError) as caught:
+        await client.plan(bad_dtype, timeout_s=30)
+    assert asyncio.get_running_loop().time() - started < 5
+    assert caught.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.violations[0].field == "workers[0].layers[2].full_attention.attention.dtype"
+    unnamed = rank_request("bad-rank", 0, world_size=2)
+    unnamed.workers[0].layers[0].name = ""
+    with pytest.raises(PlannerError) as caught:
+        await client.plan(unnamed, timeout_s=30)
+    assert caught.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.violations[0].field.startswith("workers[0].layers[0]")
+    assert await server.store.pending_engines() == 0  # neither rank holds a place
+
+
 async def test_renew_allocations_must_name_each_held_rank_once() -> None:
     """A rank reported twice is INVALID_ARGUMENT on its entry; a rank the engine holds
     no lease for is FAILED_PRECONDITION listing the held ones (both were dropped or
