@@ -60,6 +60,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # (numbers, timestamps, the device account, framing): a generous upper bound.
 LEASE_REPLY_BYTES = 256
 _OWNER_CACHE_SIZE = 65_536
+CHECKED_RANKS = 4096  # digests of rank requests already converted (_check_rank)
 
 
 @dataclass(frozen=True)
@@ -304,6 +305,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         # store round trip: its record cannot have expired or changed hands since.
         self._owners: dict[str, tuple[str, float]] = {}
         self._owner_fresh_s = settings.ownership_ttl_s / 10
+        # Digests of rank requests already converted (_check_rank), newest last.
+        self._checked_ranks: OrderedDict[bytes, None] = OrderedDict()
         self.rendezvous = Rendezvous(
             store,
             # Each rank's limits were checked when it arrived (world_size bounds the
@@ -963,12 +966,34 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         """A rank's own fields, converted as its engine's will be once merged: a
         mistake is its caller's INVALID_ARGUMENT now, with the paths of its own
         request, not a wait for the other ranks followed by an error every rank gets
-        with the merged request's paths."""
+        with the merged request's paths.
+
+        What the conversion reads (options, spec decode, the worker but its rank) is
+        checked once: tensor-parallel ranks and the engines of one model send the
+        same, and converting each (175 µs for 65 layers) made a rendezvous of 256
+        engines x 8 ranks 23% slower."""
+        if len(encoded) != 1:
+            return  # the rendezvous refuses it, naming the field
+        (sent,) = encoded
+        parts = (
+            request.options.SerializeToString(deterministic=True),
+            request.spec_decode.SerializeToString(deterministic=True),
+            sent.data[sent.layers_start - len(sent.settings_key) :],  # all but the rank
+        )
+        key = hashlib.sha256(
+            b"".join(len(part).to_bytes(8, "big") + part for part in parts)
+        ).digest()
+        if key in self._checked_ranks:
+            self._checked_ranks.move_to_end(key)
+            return
         check = functools.partial(request_from_proto, request, encoded_workers=encoded)
         if sum(len(worker.layers) for worker in request.workers) > self._settings.offload_layers:
             await asyncio.to_thread(check)
         else:
             check()
+        self._checked_ranks[key] = None
+        if len(self._checked_ranks) > CHECKED_RANKS:
+            self._checked_ranks.popitem(last=False)
 
     async def _find_plan(self, request: service_pb2.GetPlanRequest) -> bytes:
         self._check_engine_id(request.engine_id)
