@@ -9,15 +9,21 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import kvplan.server.servicer as servicer_module
 from kvplan.client import AsyncPlannerClient
-from kvplan.server.main import RunningServer
-from tests.server.conftest import GIB, engine_request, rank_request
+from kvplan.convert import plan_from_proto
+from kvplan.server.main import RunningServer, start_server
+from tests.server.conftest import GIB, TEST_SETTINGS, engine_request, rank_request
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -189,3 +195,37 @@ def test_a_log_reader_that_stops_reading_stalls_no_rpc() -> None:
         process.wait(timeout=10)
         if process.stderr:
             process.stderr.close()
+
+
+async def test_large_engines_are_planned_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines over --offload-layers are planned in a thread, one at a time: each may
+    hold many times its request in memory, and threads share one GIL anyway."""
+    planning = 0
+    most = 0
+    lock = threading.Lock()
+    real = plan_from_proto
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal planning, most
+        with lock:
+            planning += 1
+            most = max(most, planning)
+        try:
+            time.sleep(0.05)
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                planning -= 1
+
+    monkeypatch.setattr(servicer_module, "plan_from_proto", counted)
+    running = await start_server(replace(TEST_SETTINGS, offload_layers=4))
+    try:
+        async with AsyncPlannerClient(f"127.0.0.1:{running.port}", timeout_s=30) as client:
+            plans = await asyncio.gather(
+                *(client.plan(engine_request(f"large-{index}", layers=8)) for index in range(4))
+            )
+            assert len({plan.engine_id for plan in plans}) == 4
+            await client.plan(engine_request("small", layers=2))  # inline, not counted apart
+    finally:
+        await running.stop(0)
+    assert most == 1
