@@ -169,3 +169,21 @@ def test_a_hisparse_host_pool_beyond_any_machine_is_refused_by_name(pool_gib: fl
     with pytest.raises(InvalidRequest) as refused:
         plan_from_proto(request)
     assert refused.value.field == "options.hisparse.host_pool_gib"
+
+
+def test_a_scheduler_block_past_32_bits_names_what_made_it() -> None:
+    """Block sizes times decode context parallelism, or block sizes with little in
+    common, can make a scheduler block the reply cannot carry: the refusal names the
+    setting (it was a 64-bit overflow blamed on `workers`)."""
+    request = engine([full_layer(f"layers.{index}") for index in range(4)])
+    request.options.parallel.decode_context_parallel_size = 2**32 - 1
+    with pytest.raises(InvalidRequest) as refused:
+        plan_from_proto(request)
+    assert refused.value.field == "options.parallel.decode_context_parallel_size"
+    coprime = engine([full_layer("a"), sliding_layer("b")])
+    coprime.workers[0].layers[0].block_size = 65537
+    coprime.workers[0].layers[1].block_size = 65539
+    with pytest.raises(InvalidRequest) as refused:
+        plan_from_proto(coprime)
+    assert refused.value.field == "workers"
+    assert "least common multiple" in str(refused.value)

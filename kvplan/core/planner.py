@@ -331,6 +331,9 @@ def _tp_replicas(groups: list[KVCacheGroup], options: EngineOptions) -> int:
     return reduce(math.gcd, (replicas(spec) for spec in specs), tp)
 
 
+MAX_SCHEDULER_BLOCK = 2**32 - 1  # the reply's scheduler_block_size is a uint32
+
+
 def _block_sizes(groups: list[KVCacheGroup], options: EngineOptions) -> tuple[int, int]:
     """(scheduler block size, prefix-cache hash block size) in tokens."""
     if not groups:
@@ -341,10 +344,19 @@ def _block_sizes(groups: list[KVCacheGroup], options: EngineOptions) -> tuple[in
         spec = group.representative_spec
         return spec.block_size * (dcp if spec.dcp_sharded else 1)
 
-    if len(groups) == 1:
-        size = tokens(groups[0])
-        return size, size
     scheduler = math.lcm(*(tokens(group) for group in groups))
+    if scheduler > MAX_SCHEDULER_BLOCK:
+        dcp_scaled = dcp > 1 and any(group.representative_spec.dcp_sharded for group in groups)
+        raise InvalidRequest(
+            f"the scheduler's block would be {scheduler} tokens (the least common multiple "
+            "of the groups' block sizes"
+            + (f", each times decode_context_parallel_size {dcp}" if dcp_scaled else "")
+            + f"), over {MAX_SCHEDULER_BLOCK}: use block sizes with more in common"
+            + (" or a smaller decode_context_parallel_size" if dcp_scaled else ""),
+            field="options.parallel.decode_context_parallel_size" if dcp_scaled else "workers",
+        )
+    if len(groups) == 1:
+        return scheduler, scheduler
     has_mamba_none = (
         any(isinstance(group.representative_spec, MambaSpec) for group in groups)
         and not options.mamba_align_mode
