@@ -68,9 +68,30 @@ class HiSparseGrouping:
 
 def _device_buffer_size(config: HiSparseConfig, top_k: int, max_decode_query_len: int) -> int:
     minimum = max_decode_query_len * top_k
+    if minimum > MAX_DEVICE_BUFFER_ROWS:
+        # No device_buffer_size can help: name what made the rows too many.
+        raise InvalidRequest(
+            f"HiSparse needs a device buffer of max decode query {max_decode_query_len} x "
+            f"top-k {top_k} = {minimum} rows, over the int16 slot-index limit "
+            f"({MAX_DEVICE_BUFFER_ROWS}): lower "
+            + ("num_speculative_tokens" if max_decode_query_len > 1 else "index_topk"),
+            field=(
+                "spec_decode.num_speculative_tokens"
+                if max_decode_query_len > 1
+                else "options.hisparse.index_topk"
+            ),
+        )
     size = config.device_buffer_size
     if size is None:
         size = (max_decode_query_len + 1) * top_k
+        if size > MAX_DEVICE_BUFFER_ROWS:
+            raise InvalidRequest(
+                f"HiSparse's default device buffer, (max decode query "
+                f"{max_decode_query_len} + 1) x top-k {top_k} = {size} rows, is over the "
+                f"int16 slot-index limit ({MAX_DEVICE_BUFFER_ROWS}): set device_buffer_size "
+                f"between {minimum} and {MAX_DEVICE_BUFFER_ROWS}",
+                field="options.hisparse.device_buffer_size",
+            )
     if size < minimum:
         raise InvalidRequest(
             f"HiSparse device_buffer_size ({size}) must cover every decode query's top-k "

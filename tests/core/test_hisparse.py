@@ -60,3 +60,17 @@ def test_a_shared_host_pool_aligns_host_blocks_to_the_host_page() -> None:
     assert shared == 4 * 2**30 // (1 << 20)
     host_tensor = plan_from_proto(request).workers[0].tensors[0]
     assert host_tensor.host_resident
+
+
+def test_rows_over_the_slot_limit_name_what_made_them() -> None:
+    """A top-k or a speculative depth that no device buffer can hold is refused
+    naming that field, not device_buffer_size, which was never set."""
+    too_deep = _request()
+    too_deep.spec_decode.method = plan_pb2.SPEC_DECODE_METHOD_MTP
+    too_deep.spec_decode.num_speculative_tokens = 2**31
+    assert planning_error(too_deep).field == "spec_decode.num_speculative_tokens"
+    too_wide = _request()
+    too_wide.options.hisparse.index_topk = 2**31
+    error = planning_error(too_wide)
+    assert error.code is ErrorCode.INVALID_ARGUMENT
+    assert error.field == "options.hisparse.index_topk"
