@@ -2,7 +2,8 @@
 
 Exit codes: 0 ok; 1 internal / unavailable; 2 bad input (unreadable file, bad
 YAML/JSON, INVALID_ARGUMENT); 3 FAILED_PRECONDITION; 4 RESOURCE_EXHAUSTED;
-5 NOT_FOUND. `kvplan health`: 0 when the service is SERVING, 1 otherwise.
+5 NOT_FOUND; 6 UNAUTHENTICATED / PERMISSION_DENIED (credentials). `kvplan health`:
+0 when the service is SERVING, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ EXIT_CODES = {
     "FAILED_PRECONDITION": 3,
     "RESOURCE_EXHAUSTED": 4,
     "NOT_FOUND": 5,
+    "UNAUTHENTICATED": 6,
+    "PERMISSION_DENIED": 6,
 }
 GIB = 1 << 30
 
@@ -397,6 +400,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # in here: a pipe closed early is met now, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader left (`kvplan plan ... | head`): no traceback, and no second
+        # error when Python flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "serve":
         return _serve_command(args_list[1:])

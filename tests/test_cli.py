@@ -115,6 +115,21 @@ def test_report_and_subprocess() -> None:
     assert "max concurrency" in result.stdout
 
 
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    """`kvplan plan ... | head -1`: the pipe closes before the report is written
+    (`true` reads nothing and is gone long before kvplan has planned)."""
+    binary = Path(sys.executable).parent / "kvplan"
+    result = subprocess.run(
+        f"'{binary}' plan '{EXAMPLES / 'gemma-3-27b.yaml'}' | true",
+        shell=True,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
+    assert result.stderr == ""
+
+
 def test_gpu_flag_sets_total_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     request = {
         "options": {"max_model_len": 8192},

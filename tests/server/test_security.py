@@ -22,6 +22,7 @@ import grpc.aio
 import pytest
 import pytest_asyncio
 from cryptography import x509
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -221,6 +222,20 @@ async def test_certificates_are_reloaded_without_a_restart(
         with pytest.raises(PlannerError) as caught:
             await old.list_devices()
         assert caught.value.code is grpc.StatusCode.UNAVAILABLE
+
+
+async def test_the_cli_tells_refused_credentials_by_its_exit_code(
+    token_server: RunningServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`kvplan plan --target`: no token is UNAUTHENTICATED, exit 6 (it was 1, the
+    code of an internal error or an unreachable server)."""
+    from kvplan.cli import main
+
+    monkeypatch.delenv("KVPLAN_TOKEN", raising=False)
+    request = tmp_path / "request.json"
+    request.write_text(json_format.MessageToJson(engine_request("cli-engine")), encoding="utf-8")
+    target = f"127.0.0.1:{token_server.port}"
+    assert await asyncio.to_thread(main, ["plan", str(request), "--target", target]) == 6
 
 
 async def test_bearer_tokens_authenticate_and_own_engines(token_server: RunningServer) -> None:
