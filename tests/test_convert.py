@@ -187,3 +187,15 @@ def test_a_scheduler_block_past_32_bits_names_what_made_it() -> None:
         plan_from_proto(coprime)
     assert refused.value.field == "workers"
     assert "least common multiple" in str(refused.value)
+
+
+def test_an_override_that_leaves_no_block_says_so() -> None:
+    """num_gpu_blocks_override 1 is all null block: the advice is about the override,
+    not gpu_memory_utilization, which then sizes nothing."""
+    request = engine([full_layer(f"layers.{index}") for index in range(4)])
+    request.options.num_gpu_blocks_override = 1
+    with pytest.raises(InsufficientMemory) as refused:
+        plan_from_proto(request)
+    assert "No available memory" in str(refused.value)
+    assert "num_gpu_blocks_override 1 leaves no block" in str(refused.value)
+    assert "gpu_memory_utilization" not in str(refused.value)

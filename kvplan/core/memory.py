@@ -168,15 +168,23 @@ def check_one_request_fits(
     needed: Callable[[], int],
     max_model_len: int,
     estimate: Callable[[int], int],
+    blocks_override: int | None = None,
 ) -> int:
     """The pool minus the null block must hold one max_model_len request; returns the
     bytes that request needs. `needed` is only evaluated once memory is known to be
-    positive, so an empty budget is reported before any spec's own limits."""
+    positive, so an empty budget is reported before any spec's own limits.
+    `blocks_override`: num_gpu_blocks_override, which then made the pool."""
     if check_bytes <= 0:
+        advice = (
+            f"num_gpu_blocks_override {blocks_override} leaves no block after the null "
+            "block: set it to at least 2, or unset it."
+            if blocks_override is not None
+            else "Increase gpu_memory_utilization or kv_cache_memory_bytes, or reduce the "
+            "non-KV memory."
+        )
         raise InsufficientMemory(
             f"No available memory for the cache blocks on worker rank {rank} "
-            f"({check_bytes} bytes after the null block). Increase gpu_memory_utilization "
-            "or kv_cache_memory_bytes, or reduce the non-KV memory.",
+            f"({check_bytes} bytes after the null block). {advice}",
             details={"rank": rank, "available_bytes": check_bytes},
         )
     request_bytes = needed()

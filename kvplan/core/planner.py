@@ -698,6 +698,7 @@ def plan_engine(request: EngineRequest, model_plan: ModelPlan | None = None) -> 
                 needed=lambda g=device_groups, b=bpb: request_bytes(g, b),  # type: ignore[misc]
                 max_model_len=max_model_len,
                 estimate=lambda memory, g=worker_groups, b=bpb: fits_for(g, b, memory),  # type: ignore[misc]
+                blocks_override=override,
             )
             needed.append(need)
         return needed
