@@ -148,17 +148,25 @@ class Rendezvous:
         return worker
 
     async def join(
-        self, request: plan_pb2.PlanRequest, timeout_s: float | None, identity: str = ""
+        self,
+        request: plan_pb2.PlanRequest,
+        timeout_s: float | None,
+        identity: str = "",
+        *,
+        worker_bytes: bytes | None = None,
     ) -> bytes:
         """The serialized plan of the rank's engine, once all its ranks arrived.
         `identity`: the engine's owner, whose share of pending engines it takes
-        ("" without authentication: one identity, the global limit only)."""
+        ("" without authentication: one identity, the global limit only).
+        `worker_bytes`: the worker's deterministic serialization, when the caller
+        has made it already."""
         if self._draining:
             raise ServiceError("UNAVAILABLE", "server is shutting down; retry on another replica")
         worker = self._validate(request)
         engine_id = request.engine_id
         template = _template_bytes(request)
-        worker_bytes = worker.SerializeToString(deterministic=True)
+        if worker_bytes is None:
+            worker_bytes = worker.SerializeToString(deterministic=True)
         size = len(template) + len(worker_bytes)
         if self._pending_bytes + size > self._max_pending_bytes:
             self._metrics.limits_hit.labels("max_pending_rendezvous_bytes").inc()

@@ -11,8 +11,9 @@ import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import grpc.aio
@@ -60,6 +61,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # (numbers, timestamps, the device account, framing): a generous upper bound.
 LEASE_REPLY_BYTES = 256
 _OWNER_CACHE_SIZE = 65_536
+_T = TypeVar("_T")
 CHECKED_RANKS = 4096  # digests of rank requests already converted (_check_rank)
 
 
@@ -806,16 +808,18 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             models=self._models,
             model_key=(scope, keys.model),
         )
-        layers = sum(len(worker.layers) for worker in request.workers)
-        if layers > self._settings.offload_layers:
-            # Large engines take milliseconds to seconds: keep the event loop serving,
-            # and plan them one at a time. Threads share one GIL, so at once they
-            # finish no sooner, and each holds many times its request in memory (6
-            # requests of 1024 workers x 2048 layers at once, server and client in
-            # one process: peak RSS 6.5 -> 5.7 GB, ListDevices worst 3.1 -> 1.5 s).
-            async with self._large_plans:
-                return await asyncio.to_thread(plan)
-        return plan()
+        return await self._heavy(plan, request)
+
+    async def _heavy(self, work: Callable[[], _T], request: plan_pb2.PlanRequest) -> _T:
+        """`work` on a request: inline, or for one over --offload-layers in a thread,
+        so that the event loop keeps serving, and one at a time. Threads share one
+        GIL, so at once they finish no sooner, and each holds many times its request
+        in memory (6 requests of 1024 workers x 2048 layers at once, server and
+        client in one process: peak RSS 6.5 -> 5.7 GB, ListDevices worst 3.1 -> 1.5 s)."""
+        if sum(len(worker.layers) for worker in request.workers) <= self._settings.offload_layers:
+            return work()
+        async with self._large_plans:
+            return await asyncio.to_thread(work)
 
     async def _persist(self, plan_id: str, engine_id: str, plan: bytes | PlanParts) -> None:
         try:
@@ -957,7 +961,10 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             if request.world_size:
                 await self._check_rank(request, encoded)
                 return await self.rendezvous.join(
-                    request, context.time_remaining(), self._holder(request.engine_id)
+                    request,
+                    context.time_remaining(),
+                    self._holder(request.engine_id),
+                    worker_bytes=encoded[0].data if len(encoded) == 1 else None,
                 )
             return await self._plan_engine(
                 request, request_digest=request_digest, encoded_workers=encoded
@@ -992,11 +999,9 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         if key in self._checked_ranks:
             self._checked_ranks.move_to_end(key)
             return
-        check = functools.partial(request_from_proto, request, encoded_workers=encoded)
-        if sum(len(worker.layers) for worker in request.workers) > self._settings.offload_layers:
-            await asyncio.to_thread(check)
-        else:
-            check()
+        await self._heavy(
+            functools.partial(request_from_proto, request, encoded_workers=encoded), request
+        )
         self._checked_ranks[key] = None
         if len(self._checked_ranks) > CHECKED_RANKS:
             self._checked_ranks.popitem(last=False)
