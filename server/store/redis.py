@@ -142,9 +142,10 @@ local expiry, committed, outstanding, live, identities, through_key =
     KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local touched_devices = {}
 
--- A record's entry in its device's index (rec: the record, sign 1 add, -1 remove).
-local function index_device(record, sign, expires_text)
-    local key = KEYS[9] .. cjson.decode(record)[3]
+-- A record's entry in its device's index (lease: the record decoded; sign 1 add,
+-- -1 remove).
+local function index_device(record, lease, sign, expires_text)
+    local key = KEYS[9] .. lease[3]
     if sign > 0 then
         redis.call('ZADD', key, expires_text, record)
     else
@@ -163,9 +164,9 @@ local function through()
     return -math.huge
 end
 
--- Add (sign 1) or take out (sign -1) one record's share of the totals.
-local function count(record, sign)
-    local lease = cjson.decode(record)
+-- Add (sign 1) or take out (sign -1) one lease's share of the totals (lease: its
+-- record decoded).
+local function count(lease, sign)
     local device, identity = lease[3], lease[8]
     redis.call('HINCRBY', committed, device, string.format('%d', sign * lease[4]))
     redis.call('HINCRBY', outstanding, device, string.format('%d', sign * lease[9]))
@@ -191,7 +192,7 @@ local function expire_due(now_text)
     local due = redis.call('ZRANGEBYSCORE', expiry, low, now_text)
     if #due == 0 then return end
     for _, record in ipairs(due) do
-        count(record, -1)
+        count(cjson.decode(record), -1)
     end
     redis.call('SET', through_key, now_text)
     local ttl = redis.call('PTTL', expiry)
@@ -201,16 +202,18 @@ end
 local function remove(record)
     local score = redis.call('ZSCORE', expiry, record)
     if score then
+        local lease = cjson.decode(record)
         redis.call('ZREM', expiry, record)
-        index_device(record, -1)
-        if tonumber(score) > through() then count(record, -1) end
+        index_device(record, lease, -1)
+        if tonumber(score) > through() then count(lease, -1) end
     end
 end
 
 local function add(record, expires_text)
+    local lease = cjson.decode(record)
     redis.call('ZADD', expiry, expires_text, record)
-    index_device(record, 1, expires_text)
-    if tonumber(expires_text) > through() then count(record, 1) end
+    index_device(record, lease, 1, expires_text)
+    if tonumber(expires_text) > through() then count(lease, 1) end
 end
 
 -- The janitor: the index and totals live grace_ms past the latest expiry.
@@ -361,8 +364,8 @@ expire_due(ARGV[1])
 local out = {}
 for _, record in ipairs(redis.call('ZRANGEBYSCORE', expiry, '-inf', ARGV[1])) do
     redis.call('ZREM', expiry, record)
-    index_device(record, -1)
     local lease = cjson.decode(record)
+    index_device(record, lease, -1)
     local key = ARGV[3] .. lease[1]
     local rank = tostring(lease[2])
     if redis.call('HGET', key, rank) == record then
