@@ -70,6 +70,16 @@ VALIDATION_DEVIATIONS = (
     (re.compile(r"^workers\[\d+\]\.rank$"), "(c) kvplan rejects a rank given twice (D7)"),
 )
 
+# vLLM defects that stop its engine after planning, where kvplan plans what the
+# planner computed (docs/semantics.md, D10): (stage, message prefix, reason).
+VLLM_DEFECTS = (
+    (
+        "kv_cache_manager",
+        "SinkFullAttentionManager.__init__() got an unexpected keyword argument",
+        "(f) vLLM cannot start a sink-attention KV cache manager (D10)",
+    ),
+)
+
 # vLLM 0.32 / 0.33's assertion when the workers' supported-layout lists differ.
 LAYOUT_LISTS_DISAGREE = "Workers disagree on supported KV cache layouts"
 
@@ -322,21 +332,17 @@ def compare_results(v: Json, k: Json) -> list[Diff]:
         if (code in v_codes) != (code in k_codes):
             diffs.append(Diff(f"warnings.{code}", code in v_codes, code in k_codes))
     _cmp(diffs, "padding", v["padding"], k["padding"])
+    vb, kb = v.get("block_sizes") or {}, k.get("block_sizes") or {}
+    for key in ("scheduler", "hash"):
+        _cmp(diffs, f"block_sizes.{key}", vb.get(key), kb.get(key))
     return diffs
 
 
 def informational_diffs(v: Json, k: Json) -> list[Diff]:
-    """Reported, never gating: scheduler/hash block sizes, the auto-fit notice."""
+    """Reported, never gating: the auto-fit notice."""
     diffs: list[Diff] = []
     if not (v.get("ok") and k.get("ok")):
         return diffs
-    vb = v.get("block_sizes") or {}
-    kb = k.get("block_sizes") or {}
-    if "error" in vb:
-        diffs.append(Diff("block_sizes", vb["error"]["message"], kb))
-    else:
-        for key in ("scheduler", "hash"):
-            _cmp(diffs, f"block_sizes.{key}", vb.get(key), kb.get(key))
     v_fit = any(w["code"] == "MAX_MODEL_LEN_AUTO_FIT" for w in v["warnings"])
     k_fit = any(w["code"] == "MAX_MODEL_LEN_AUTO_FIT" for w in k["warnings"])
     _cmp(diffs, "warnings.MAX_MODEL_LEN_AUTO_FIT", v_fit, k_fit)
@@ -351,10 +357,16 @@ def documented_deviation(
     case: Case, v: Json, k: Json, diffs: list[Diff], *, own_rules: bool = True
 ) -> str | None:
     """The deviation that explains every diff, or None. Under a release's rule set
-    only the validation deviations (D7) apply; D1, D2 and D4 are kvplan's own rules."""
+    only the validation deviations (D7) and vLLM's defects (D10) apply; D1, D2 and D4
+    are kvplan's own rules."""
     if not diffs:
         return None
     vllm_error = (v.get("error") or {}).get("message", "")
+    if k.get("ok") and not v.get("ok"):
+        stage = (v.get("error") or {}).get("stage")
+        for defect_stage, prefix, reason in VLLM_DEFECTS:
+            if stage == defect_stage and vllm_error.startswith(prefix):
+                return reason
     if own_rules and vllm_error.startswith(LAYOUT_LISTS_DISAGREE):
         # 0.33 stops there; kvplan's own rules go on with 0.34's merge.
         return "(e) workers' differing layout lists merged as vLLM 0.34 does (D9)"

@@ -393,6 +393,12 @@ def request(
     o.layout = LAYOUTS[layout]
     if mamba_align:
         o.mamba_cache_mode = plan_pb2.MAMBA_CACHE_MODE_ALIGN
+    if prefix_caching is None and any(
+        layer.WhichOneof("kind") == "mamba" for w in workers for layer in w.layers
+    ):
+        # vLLM runs Mamba in "align" mode exactly when prefix caching is on: a mode
+        # is asked for the way an engine gets it.
+        prefix_caching = mamba_align
     o.max_num_encoder_input_tokens = encoder_tokens
     if prefix_caching is not None:
         o.enable_prefix_caching = prefix_caching
@@ -2975,6 +2981,93 @@ def _layout_resolution(c: Cases) -> None:
         c.add(cat, cid, f"DCP mixed sharding, list {names}", with_layouts(dcp, [names] * 2, None))
 
 
+def _block_sizes(c: Cases) -> None:
+    """The scheduler's block sizes and what its KV cache manager refuses at start:
+    prefix_match_unit, DCP, compressed states, the MTP lookahead, caching defaults."""
+    cat = "block_sizes"
+    for dcp in (0, 2):
+        for unit in (None, 16, 32, 8):
+            for caching in (None, False):
+                c.add(
+                    cat,
+                    f"single-dcp{dcp}-unit{unit}-caching{caching}",
+                    f"one full group, DCP {dcp}, prefix_match_unit {unit}, caching {caching}",
+                    _with_unit(
+                        request(W(llama(4), GIB), dcp=dcp, tp=dcp, prefix_caching=caching), unit
+                    ),
+                )
+    hybrids: dict[str, Callable[[], list[Layer]]] = {
+        "qwen35": qwen35,
+        "sw": lambda: pattern(8, lambda i: i % 4 == 3, lambda name: sw(name, 1024)),
+        "sw-blocks": lambda: [
+            *llama(2, block=32),
+            *[sw(f"s.{i}", 512, 16, 64, block=16) for i in range(2)],
+        ],
+        "packed": lambda: dsv4_packed(4),
+        "mamba-compressed": lambda: [
+            *[mamba(f"m.{i}", SMALL_STATES) for i in range(3)],
+            full("f.0", 2, 256, a={"tokens": 4}, block=64),
+        ],
+    }
+    for name, layers in hybrids.items():
+        for unit in (None, 1, 2, 4, 8, 16, 48):
+            for dcp in (0, 2):
+                c.add(
+                    cat,
+                    f"{name}-unit{unit}-dcp{dcp}",
+                    f"{name} groups, prefix_match_unit {unit}, DCP {dcp}",
+                    _with_unit(
+                        request(
+                            W(layers(), 4 * GIB),
+                            dcp=dcp,
+                            tp=dcp,
+                            mamba_align=name.startswith(("qwen35", "mamba")),
+                        ),
+                        unit,
+                    ),
+                )
+    c.add(cat, "unit-zero", "prefix_match_unit 0", _with_unit(request(W(llama(2), GIB)), 0))
+    # Multi-module MTP: the lookahead must fit the scheduler's block.
+    for block in (16, 64):
+        for caching in (None, False):
+            for draft in (True, False):
+                c.add(
+                    cat,
+                    f"mtp-lookahead-b{block}-caching{caching}-draft{draft}",
+                    f"MTP k=32, nextn 32, block {block}, caching {caching}, is_draft {draft}",
+                    request(
+                        W([*llama(2), full("mtp.layers.0.attn", draft=draft)], GIB),
+                        block_size=block,
+                        prefix_caching=caching,
+                        method="mtp",
+                        spec_tokens=32,
+                        nextn=32,
+                    ),
+                )
+    # Groups that opt out of prefix caching, and the defaults by model kind.
+    kinds: dict[str, list[Layer]] = {
+        "circular-only": [circular("c.0"), circular("c.1", head=256)],
+        "encoder-only": [encoder_only(f"e.{i}") for i in range(2)],
+        "mamba-only": [mamba(f"m.{i}", SMALL_STATES) for i in range(2)],
+        "cross": [*llama(2), cross("x.0")],
+        "gdn-hybrid": qwen35(),
+    }
+    for name, kind_layers in kinds.items():
+        for caching in (None, True, False):
+            c.add(
+                cat,
+                f"default-{name}-caching{caching}",
+                f"{name}, prefix caching {caching}",
+                request(W(kind_layers, GIB), prefix_caching=caching),
+            )
+
+
+def _with_unit(req: plan_pb2.PlanRequest, unit: int | None) -> plan_pb2.PlanRequest:
+    if unit is not None:
+        req.options.prefix_match_unit = unit
+    return req
+
+
 SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _reference,
     _uniform,
@@ -2994,6 +3087,7 @@ SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _fuzz,
     _releases,
     _hisparse,
+    _block_sizes,
     _layout_resolution,  # after the sections whose engines it samples
     _scenario_files,
 )

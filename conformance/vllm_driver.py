@@ -10,11 +10,12 @@ does, and turns their results into a plain dict (see `plan_with_vllm`).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +32,7 @@ import vllm.config  # noqa: E402
 import vllm.logger  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
+    ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -41,6 +43,7 @@ from vllm.v1 import kv_cache_interface  # noqa: E402
 from vllm.v1.attention.backend import MultipleOf  # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 from vllm.v1.core import kv_cache_utils  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     generate_scheduler_kv_cache_config,
     get_kv_cache_capacity,
@@ -429,6 +432,27 @@ def available_kv_memory(
     return math.ceil(total * utilization) - used
 
 
+def _default_prefix_caching(req: plan_pb2.PlanRequest) -> bool:
+    """The engine's default (vLLM's ModelConfig.is_prefix_caching_supported) for
+    the model the layers describe: its attention type, and a pooler for a model of
+    encoder-only layers alone (vLLM serves those as pooling models)."""
+    kinds = {layer.WhichOneof("kind") for worker in req.workers for layer in worker.layers}
+    decoder = kinds - {"mamba", "cross_attention", "encoder_only_attention"}
+    if "cross_attention" in kinds:
+        attn_type = "encoder_decoder"
+    elif decoder:
+        attn_type = "hybrid" if "mamba" in kinds else "decoder"
+    elif "encoder_only_attention" in kinds:
+        attn_type = "encoder_only"
+    else:
+        attn_type = "attention_free"
+    model = SimpleNamespace(
+        attn_type=attn_type,
+        pooler_config=SimpleNamespace() if attn_type == "encoder_only" else None,
+    )
+    return bool(ModelConfig.is_prefix_caching_supported.fget(model))
+
+
 def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None) -> VllmInputs:
     """Fresh vLLM inputs for one request (vLLM mutates its configs in place)."""
     o = req.options
@@ -441,8 +465,14 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         max_model_len = int(o.max_model_len)
         original = max_model_len
     batched = o.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    align = o.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN
-    prefix_caching = o.enable_prefix_caching if o.HasField("enable_prefix_caching") else True
+    prefix_caching = (
+        o.enable_prefix_caching
+        if o.HasField("enable_prefix_caching")
+        else _default_prefix_caching(req)
+    )
+    # vLLM's Mamba config hook (MambaModelConfig.verify_and_update_config) sets the
+    # mode from prefix caching, whatever was asked for.
+    align = prefix_caching
 
     cache_config = CacheConfig(
         block_size=block_size,
@@ -732,7 +762,7 @@ def _warnings() -> tuple[list[Json], list[list[Any]]]:
     return warnings, padding
 
 
-def _post_planning(inputs: VllmInputs, configs: list[KVCacheConfig]) -> Json:
+def _post_planning(inputs: VllmInputs, configs: list[KVCacheConfig], progress: Json) -> Json:
     """What the engine core derives next: scheduler view, capacity, block sizes."""
     cfg = inputs.config
     scheduler = generate_scheduler_kv_cache_config(configs)
@@ -750,12 +780,66 @@ def _post_planning(inputs: VllmInputs, configs: list[KVCacheConfig]) -> Json:
             "kv_cache_size_tokens": int(tokens),
             "max_concurrency": float(concurrency),
         }
-    try:
-        scheduler_block, hash_block = resolve_kv_cache_block_sizes(scheduler, cfg)
-        out["block_sizes"] = {"scheduler": int(scheduler_block), "hash": int(hash_block)}
-    except Exception as exc:  # reported, not part of planning proper
-        out["block_sizes"] = {"error": _error_dict(exc, "block_sizes")}
+    progress["stage"] = "block_sizes"
+    scheduler_block, hash_block = resolve_kv_cache_block_sizes(scheduler, cfg)
+    out["block_sizes"] = {"scheduler": int(scheduler_block), "hash": int(hash_block)}
+    progress["stage"] = "kv_cache_manager"
+    _start_kv_cache_manager(cfg, scheduler, scheduler_block, hash_block)
     return out
+
+
+def _num_hash_lookahead_tokens(cfg: Any) -> int:
+    """VllmConfig's own rule: a property in 0.33, resolved once by a method in 0.34,
+    absent in 0.32 (no lookahead hashes)."""
+    resolve: Any = getattr(VllmConfig, "_resolve_num_hash_lookahead_tokens", None)
+    if resolve is not None:
+        return int(resolve(cfg))
+    rule = VllmConfig.__dict__.get("num_hash_lookahead_tokens")
+    if isinstance(rule, property) and rule.fget is not None:
+        return int(rule.fget(cfg))
+    return 0
+
+
+# The manager's block pool holds one Python object per block; its checks do not
+# depend on the count, so the pool is started small.
+_MANAGER_POOL_BLOCKS = 64
+
+
+def _start_kv_cache_manager(
+    cfg: VllmConfig, scheduler: KVCacheConfig, scheduler_block: int, hash_block: int
+) -> None:
+    """Start the KV cache manager with the arguments the engine's scheduler gives
+    it: its coordinator and per-group managers refuse block sizes and draft
+    lookaheads the engine cannot serve (ValueError, AssertionError)."""
+    speculative = cfg.speculative_config
+    use_block_drop = speculative is not None and speculative.use_eagle_block_drop()
+    hash_lookahead = _num_hash_lookahead_tokens(cfg)
+    if hash_lookahead:  # 0.33+: lookahead hashes replace the block drop
+        use_block_drop = False
+    arguments: Json = {
+        "kv_cache_config": replace(
+            scheduler, num_blocks=min(scheduler.num_blocks, _MANAGER_POOL_BLOCKS)
+        ),
+        "max_model_len": cfg.model_config.max_model_len,
+        "max_in_flight_tokens": cfg.max_in_flight_tokens,
+        "enable_caching": cfg.cache_config.enable_prefix_caching,
+        "use_eagle": use_block_drop,
+        "num_hash_lookahead_tokens": hash_lookahead,
+        "num_prefill_lookahead": cfg.num_prefill_lookahead_tokens,
+        "log_stats": False,
+        "enable_kv_cache_events": False,
+        "dcp_world_size": cfg.parallel_config.decode_context_parallel_size,
+        "pcp_world_size": 1,
+        "scheduler_block_size": scheduler_block,
+        "hash_block_size": hash_block,
+        "metrics_collector": None,
+        "watermark": cfg.scheduler_config.watermark,
+        "enable_mamba_shared_prefix_checkpoint": getattr(
+            cfg.cache_config, "enable_mamba_shared_prefix_checkpoint", False
+        ),
+    }
+    accepted = inspect.signature(KVCacheManager).parameters
+    KVCacheManager(**{name: value for name, value in arguments.items() if name in accepted})
 
 
 def plan_with_vllm(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None) -> Json:
@@ -803,7 +887,11 @@ def plan_with_vllm(req: plan_pb2.PlanRequest, table: dict[str, int] | None = Non
             _worker_dict(rank, config, inputs, enc)
             for rank, config, enc in zip(inputs.ranks, configs, inputs.encoder_only, strict=True)
         ]
-        result.update(_post_planning(inputs, configs))
+        progress = {"stage": "post"}
+        try:
+            result.update(_post_planning(inputs, configs, progress))
+        finally:
+            stage = progress["stage"]
         result["ok"] = True
     except Exception as exc:
         result["error"] = _error_dict(exc, stage)

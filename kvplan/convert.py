@@ -33,6 +33,7 @@ from kvplan.core.request import (
     NonKVMemory,
     SpecDecode,
     WorkerInput,
+    default_prefix_caching,
 )
 from kvplan.core.rules import (
     FIELD_EXTENSIBLE_KV_CACHE,
@@ -108,14 +109,16 @@ def cache_dtype_name(value: int) -> str:
 class _Context:
     """Engine-level values the layer conversion needs."""
 
-    def __init__(self, options: plan_pb2.EngineOptions, rules: RuleSet) -> None:
+    def __init__(
+        self, options: plan_pb2.EngineOptions, rules: RuleSet, *, mamba_align_mode: bool
+    ) -> None:
         self.rules = rules
         self.block_size = options.block_size or rules.default_block_size
         model_dtype = _STORAGE.get(options.model_dtype, StorageDtype.BFLOAT16)
         self.cache_dtype = storage_dtype_for_cache_dtype(
             cache_dtype_name(options.cache_dtype), model_dtype
         )
-        self.align_mode = options.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN
+        self.align_mode = mamba_align_mode
         self.hisparse = options.HasField("hisparse")
         self.specs_by_bytes: dict[bytes, KVCacheSpec] = {}
         # Tensor-parallel ranks repeat one layer list: convert each distinct list once
@@ -446,7 +449,26 @@ def _mamba_from_proto(body: spec_pb2.MambaSpec, path: str, common: dict[str, Any
         raise InvalidRequest(error.message, field=f"{path}.page_size_padded_bytes") from error
 
 
-def _options_from_proto(options: plan_pb2.EngineOptions, rules: RuleSet) -> EngineOptions:
+def _prefix_caching(message: plan_pb2.PlanRequest, encoded: Sequence[WorkerBytes]) -> bool:
+    """The request's enable_prefix_caching, else vLLM's default for its layers."""
+    if message.options.HasField("enable_prefix_caching"):
+        return message.options.enable_prefix_caching
+    kinds: set[str | None] = set()
+    seen: set[bytes] = set()
+    for worker, worker_bytes in zip(message.workers, encoded, strict=True):
+        if worker_bytes.layers_key not in seen:  # tensor-parallel ranks repeat one list
+            seen.add(worker_bytes.layers_key)
+            kinds.update(layer.WhichOneof("kind") for layer in worker.layers)
+    return default_prefix_caching(
+        decoder_attention=bool(kinds - {"mamba", "cross_attention", "encoder_only_attention"}),
+        cross_attention="cross_attention" in kinds,
+    )
+
+
+def _options_from_proto(
+    options: plan_pb2.EngineOptions, prefix_caching: bool, rules: RuleSet
+) -> EngineOptions:
+    """`prefix_caching`: resolved (`_prefix_caching`); Mamba's cache mode follows it."""
     max_model_len = options.max_model_len
     if max_model_len == 0 or max_model_len < -1:
         raise InvalidRequest(
@@ -484,11 +506,8 @@ def _options_from_proto(options: plan_pb2.EngineOptions, rules: RuleSet) -> Engi
         pipeline_parallel_size=parallel.pipeline_parallel_size or 1,
         decode_context_parallel_size=parallel.decode_context_parallel_size or 1,
         layout=layout_from_proto(options.layout) if options.HasField("layout") else None,
-        mamba_align_mode=options.mamba_cache_mode == plan_pb2.MAMBA_CACHE_MODE_ALIGN,
         max_num_encoder_input_tokens=options.max_num_encoder_input_tokens or batched,
-        enable_prefix_caching=(
-            options.enable_prefix_caching if options.HasField("enable_prefix_caching") else True
-        ),
+        enable_prefix_caching=prefix_caching,
         prefix_match_unit=(
             options.prefix_match_unit if options.HasField("prefix_match_unit") else None
         ),
@@ -893,24 +912,25 @@ def request_from_proto(
     _check_release_request_fields(message, rules)
     known_workers: Sequence[WorkerModel | None]
     if known_model is None:
-        options = _options_from_proto(message.options, rules)
+        options = _options_from_proto(message.options, _prefix_caching(message, encoded), rules)
         spec_decode = _spec_decode_from_proto(message.spec_decode)
         known_workers = [None] * len(message.workers)
     else:
         options, spec_decode = known_model.options, known_model.spec_decode
         known_workers = [known_model.worker(worker.rank) for worker in message.workers]
-    ctx = _Context(message.options, rules)
+    ctx = _Context(message.options, rules, mamba_align_mode=options.mamba_align_mode)
     table = GPU_MEMORY_BYTES if gpu_memory_table is None else gpu_memory_table
     by_name = _GPU_BY_NAME if gpu_memory_table is None else _lowered(gpu_memory_table)
+    workers = tuple(
+        _worker_from_proto(worker, worker_bytes, index, ctx, table, by_name, known)
+        for index, (worker, worker_bytes, known) in enumerate(
+            zip(message.workers, encoded, known_workers, strict=True)
+        )
+    )
     return EngineRequest(
         engine_id=message.engine_id,
         options=options,
-        workers=tuple(
-            _worker_from_proto(worker, worker_bytes, index, ctx, table, by_name, known)
-            for index, (worker, worker_bytes, known) in enumerate(
-                zip(message.workers, encoded, known_workers, strict=True)
-            )
-        ),
+        workers=workers,
         spec_decode=spec_decode,
         rules=rules,
     )

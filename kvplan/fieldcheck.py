@@ -28,6 +28,8 @@ RANGES: dict[str, tuple[int, int]] = {
     "kvplan.v1.EngineOptions.max_model_len": (-1, 1 << 32),
     "kvplan.v1.EngineOptions.derived_max_model_len": (0, 1 << 32),
     "kvplan.v1.EngineOptions.num_gpu_blocks_override": (0, 1 << 31),
+    # Tokens per prefix-cache hash: positive when set, as vLLM's CacheConfig requires.
+    "kvplan.v1.EngineOptions.prefix_match_unit": (1, (1 << 32) - 1),
     "kvplan.v1.StateTensor.shape": (0, 1 << 32),
 }
 _SIXTY_FOUR = (

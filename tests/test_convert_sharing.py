@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 from kvplan.convert import (
     WorkerBytes,
     _Context,
+    _prefix_caching,
     encode_varint,
+    encode_workers,
     layer_from_proto,
     plan_id_for,
     plan_to_proto,
@@ -90,7 +92,11 @@ def _reference_layers(
     rules = rule_set_for(request.options.engine_version)
     out = []
     for index, worker in enumerate(request.workers):
-        ctx = _Context(request.options, rules)
+        ctx = _Context(
+            request.options,
+            rules,
+            mamba_align_mode=_prefix_caching(request, encode_workers(request)),
+        )
         layers, encoder_only = [], []
         for layer_index, layer in enumerate(worker.layers):
             spec = layer_from_proto(layer, f"workers[{index}].layers[{layer_index}]", ctx)

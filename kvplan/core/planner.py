@@ -46,6 +46,7 @@ from kvplan.core.memory import (
 )
 from kvplan.core.request import EngineOptions, EngineRequest, SpecDecode, WorkerInput
 from kvplan.core.rules import RuleSet
+from kvplan.core.scheduler_blocks import check_scheduler_start, resolve_block_sizes
 from kvplan.core.specs import (
     AttentionSpec,
     KVCacheSpec,
@@ -331,44 +332,6 @@ def _tp_replicas(groups: list[KVCacheGroup], options: EngineOptions) -> int:
     return reduce(math.gcd, (replicas(spec) for spec in specs), tp)
 
 
-MAX_SCHEDULER_BLOCK = 2**32 - 1  # the reply's scheduler_block_size is a uint32
-
-
-def _block_sizes(groups: list[KVCacheGroup], options: EngineOptions) -> tuple[int, int]:
-    """(scheduler block size, prefix-cache hash block size) in tokens."""
-    if not groups:
-        return options.block_size, options.block_size
-    dcp = options.decode_context_parallel_size
-
-    def tokens(group: KVCacheGroup) -> int:
-        spec = group.representative_spec
-        return spec.block_size * (dcp if spec.dcp_sharded else 1)
-
-    scheduler = math.lcm(*(tokens(group) for group in groups))
-    if scheduler > MAX_SCHEDULER_BLOCK:
-        dcp_scaled = dcp > 1 and any(group.representative_spec.dcp_sharded for group in groups)
-        raise InvalidRequest(
-            f"the scheduler's block would be {scheduler} tokens (the least common multiple "
-            "of the groups' block sizes"
-            + (f", each times decode_context_parallel_size {dcp}" if dcp_scaled else "")
-            + f"), over {MAX_SCHEDULER_BLOCK}: use block sizes with more in common"
-            + (" or a smaller decode_context_parallel_size" if dcp_scaled else ""),
-            field="options.parallel.decode_context_parallel_size" if dcp_scaled else "workers",
-        )
-    if len(groups) == 1:
-        return scheduler, scheduler
-    has_mamba_none = (
-        any(isinstance(group.representative_spec, MambaSpec) for group in groups)
-        and not options.mamba_align_mode
-    )
-    if not options.enable_prefix_caching or has_mamba_none:
-        return scheduler, scheduler
-    if options.prefix_match_unit:
-        return scheduler, options.prefix_match_unit
-    cacheable = [g.representative_spec.block_size for g in groups if g.spec.prefix_cacheable]
-    return scheduler, math.gcd(*cacheable) if cacheable else scheduler
-
-
 def _needs_kv_cache_zeroing(worker_groups: list[KVCacheGroup]) -> bool:
     """Mamba state is read before it is fully written; a block reused across
     groups of different precision would decode stale bytes."""
@@ -527,7 +490,7 @@ def plan_model(request: EngineRequest) -> ModelPlan:
         projected,
         lambda groups: tuple(ProjectedGroup(g.group_id, g.layer_names, g.is_draft) for g in groups),
     )
-    scheduler_block, hash_block = _block_sizes(projected[0] if projected else [], options)
+    scheduler_block, hash_block = resolve_block_sizes(projected[0] if projected else [], options)
     return ModelPlan(
         options=options,
         spec_decode=request.spec_decode,
@@ -797,6 +760,14 @@ def plan_engine(request: EngineRequest, model_plan: ModelPlan | None = None) -> 
                 )
                 for tensors in tensors_per_worker
             ]
+    # Last, as the engine does once its KV cache is sized: the scheduler starts.
+    check_scheduler_start(
+        projected[0] if projected else [],
+        options,
+        request.spec_decode,
+        rules,
+        (model.scheduler_block_size, model.hash_block_size),
+    )
     ctx = _context(options, in_flight, max_model_len)
 
     # Workers with one projection share one tuple of tensors and of groups, which

@@ -84,7 +84,6 @@ class EngineOptions:
     # The layout asked for; None: resolved from the workers' supported_layouts,
     # LBNHC when they list none (kvplan/core/layout_resolution.py).
     layout: KVCacheLayout | None = None
-    mamba_align_mode: bool = False
     max_num_encoder_input_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
     prefix_match_unit: int | None = None
@@ -93,6 +92,12 @@ class EngineOptions:
     extensible_kv_cache: bool = False
     # HiSparse sparse-MLA offloading (None: off); implies model runner V2.
     hisparse: HiSparseConfig | None = None
+
+    @property
+    def mamba_align_mode(self) -> bool:
+        """Mamba layers keep "align"-mode state exactly when prefix caching is on:
+        vLLM sets the mode from it, whatever was asked for."""
+        return self.enable_prefix_caching
 
     @property
     def auto_fit(self) -> bool:
@@ -173,3 +178,12 @@ class EngineRequest:
     workers: tuple[WorkerInput, ...]
     spec_decode: SpecDecode = field(default_factory=SpecDecode)
     rules: RuleSet = KVPLAN  # the engine release whose rules plan this request
+
+
+def default_prefix_caching(*, decoder_attention: bool, cross_attention: bool) -> bool:
+    """vLLM's prefix caching for an engine that does not say: on for decoder and
+    hybrid models; off for attention-free (Mamba layers only), encoder-decoder
+    (cross-attention) and encoder-only models. (Pooling decoders with mean or CLS
+    pooling default to off too; nothing in the layers says so.) vLLM then runs
+    Mamba layers in "align" mode exactly when prefix caching is on."""
+    return decoder_attention and not cross_attention

@@ -123,6 +123,10 @@ class RuleSet:
     kv_zeroing_across_workers: bool = False
     # How the workers' supported_layouts combine (kvplan/core/layout_resolution.py).
     layout_merge: LayoutMerge = LayoutMerge.REQUIRE_EQUAL
+    # 0.33+: with prefix caching, block hashes cover the drafter's lookahead, so no
+    # group takes the EAGLE last-block drop unless flagged (0.32 drops from every
+    # group when none is flagged). Read when the scheduler starts.
+    lookahead_block_hashes: bool = True
 
     def max_concurrent_batches(
         self, *, pipeline_parallel_size: int, async_scheduling: bool, use_v2_model_runner: bool
@@ -197,6 +201,7 @@ VLLM_0_32 = replace(
     layout_checked_after_memory=True,
     fields=frozenset(),
     max_kv_quant_mode=11,
+    lookahead_block_hashes=False,
 )
 
 VLLM_0_34 = replace(

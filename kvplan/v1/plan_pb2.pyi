@@ -430,12 +430,19 @@ class EngineOptions(_message.Message):
     else INVALID_ARGUMENT. Without them it is used as given; unset = LBNHC.
     """
     mamba_cache_mode: Global___MambaCacheMode.ValueType
+    """Ignored when planning: vLLM runs Mamba layers in ALIGN mode exactly when
+    prefix caching is on, NONE otherwise, whatever was asked for.
+    """
     max_num_encoder_input_tokens: _builtins.int
     """cross-attention sizing, tokens"""
     enable_prefix_caching: _builtins.bool
-    """unset = true"""
+    """Unset = vLLM's default for the model the layers describe: on for decoder and
+    hybrid models, off for Mamba-only, encoder-decoder and encoder-only ones.
+    """
     prefix_match_unit: _builtins.int
-    """tokens per prefix-cache hash"""
+    """Tokens per prefix-cache hash (> 0). With one KV cache group it must equal the
+    group's block; with several it must divide every cacheable group's block.
+    """
     engine_version: _builtins.str
     """The rule set to plan with: "vllm-0.32", "vllm-0.33", "vllm-0.34" follow that
     vLLM release exactly; empty = kvplan's own rules (docs/semantics.md).

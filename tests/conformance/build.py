@@ -1042,7 +1042,13 @@ for mode, pages in (("MAMBA_CACHE_MODE_ALIGN", 4), ("MAMBA_CACHE_MODE_NONE", 3))
     scenario(
         f"mamba-pages-{mode.rsplit('_', 1)[-1].lower()}",
         "§2.4, §7.25",
-        request([worker(0, [layer("m", mamba_38k)], GIB)], mamba_cache_mode=mode),
+        # A Mamba-only model defaults to no prefix caching, and vLLM sets the mode
+        # from prefix caching: each mode is asked for the way an engine gets it.
+        request(
+            [worker(0, [layer("m", mamba_38k)], GIB)],
+            mamba_cache_mode=mode,
+            enable_prefix_caching=mode == "MAMBA_CACHE_MODE_ALIGN",
+        ),
         {"blocks_per_request": pages, "groups": [{"page_size_bytes": 38_912}]},
     )
 scenario(

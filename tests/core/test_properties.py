@@ -76,7 +76,7 @@ def engines(draw: st.DrawFn) -> EngineRequest:
         memories,
         max_model_len=draw(st.sampled_from([2048, 8192, 32768])),
         layout=draw(st.sampled_from([KVCacheLayout.LBNHC, KVCacheLayout.BLHNC])),
-        mamba_align_mode=draw(st.booleans()),
+        enable_prefix_caching=draw(st.booleans()),
         spec_decode=SpecDecode(method=method, num_speculative_tokens=1),
     )
 

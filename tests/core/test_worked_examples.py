@@ -89,7 +89,7 @@ def test_gated_delta_net_hybrid() -> None:
     )
     attention = FullAttentionSpec(block_size=272, num_kv_heads=2, head_size=256, dtype=bf16)
     layers = [(f"l{i}", attention if i % 4 == 3 else mamba) for i in range(48)]
-    plan = plan_engine(engine(layers, 40 * GIB, max_model_len=32_768, mamba_align_mode=True))
+    plan = plan_engine(engine(layers, 40 * GIB, max_model_len=32_768, enable_prefix_caching=True))
     assert len(plan.groups) == 4
     assert plan.workers[0].bytes_per_block == 6_684_672
     assert plan.num_blocks == 6425
@@ -127,7 +127,8 @@ def test_pipeline_stages_share_blocks() -> None:
 
 
 def test_attention_free() -> None:
-    plan = plan_engine(engine([], GIB))
+    # vLLM turns prefix caching off for models without attention.
+    plan = plan_engine(engine([], GIB, enable_prefix_caching=False))
     assert plan.path is GroupingPath.ATTENTION_FREE
     assert plan.num_blocks == 1
     assert plan.workers[0].tensors == ()

@@ -1,0 +1,193 @@
+"""The block sizes the engine's scheduler works in, and what its KV cache manager
+refuses when it starts.
+
+After planning, vLLM's engine core resolves two token granularities from the
+groups (the same rules in 0.32, 0.33 and 0.34):
+
+- the scheduler block: one group's block size, or the least common multiple of
+  every group's, a DCP-sharded group's size times the DCP size;
+- the prefix-cache hash block: the scheduler block with one group, without prefix
+  caching, or with a Mamba group outside "align" mode; otherwise
+  `prefix_match_unit` when set, else the greatest common divisor of the
+  prefix-cacheable groups' sizes (of every group's, when none is cacheable).
+
+It then starts the KV cache manager, which refuses some of these engines
+(ValueError or AssertionError there; `check_scheduler_start` here). vLLM runs both
+after the memory checks, so the planner calls `check_scheduler_start` last.
+The scheduler sees each group as its representative spec (a uniform-type group as
+its first layer's), and so do these rules.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvplan.core.errors import InvalidRequest, UnplannableSpecs
+from kvplan.core.groups import KVCacheGroup
+from kvplan.core.request import EngineOptions, SpecDecode
+from kvplan.core.rules import RuleSet
+from kvplan.core.specs import FullAttentionSpec, MambaSpec
+
+MAX_SCHEDULER_BLOCK = 2**32 - 1  # the reply's scheduler_block_size is a uint32
+
+
+def group_block_tokens(group: KVCacheGroup, dcp: int) -> int:
+    """Tokens one block of the group spans: a DCP-sharded group's block holds
+    `dcp` times its block size across the DCP ranks."""
+    spec = group.representative_spec
+    return spec.block_size * (dcp if spec.dcp_sharded else 1)
+
+
+def _hashing_sizes(groups: list[KVCacheGroup], dcp: int) -> list[int]:
+    """The sizes the hash block must divide: the prefix-cacheable groups', or
+    every group's when none is cacheable."""
+    sizes = [group_block_tokens(group, dcp) for group in groups]
+    cacheable = [
+        size
+        for group, size in zip(groups, sizes, strict=True)
+        if group.representative_spec.prefix_cacheable
+    ]
+    return cacheable or sizes
+
+
+def _hashes_finely(groups: list[KVCacheGroup], options: EngineOptions) -> bool:
+    """Whether block hashes may be finer than the scheduler block: several groups
+    and prefix caching on (vLLM also requires Mamba groups in "align" mode, which
+    prefix caching implies: `EngineOptions.mamba_align_mode`)."""
+    return len(groups) > 1 and options.enable_prefix_caching
+
+
+def resolve_block_sizes(groups: list[KVCacheGroup], options: EngineOptions) -> tuple[int, int]:
+    """(scheduler block, hash block) in tokens for the lowest rank's groups."""
+    dcp = options.decode_context_parallel_size
+    if len(groups) <= 1:
+        sharded = not groups or groups[0].representative_spec.dcp_sharded
+        block = (groups[0].representative_spec.block_size if groups else options.block_size) * (
+            dcp if sharded else 1
+        )
+        scheduler = block
+    else:
+        scheduler = math.lcm(*(group_block_tokens(group, dcp) for group in groups))
+    if scheduler > MAX_SCHEDULER_BLOCK:
+        dcp_scaled = dcp > 1 and any(group.representative_spec.dcp_sharded for group in groups)
+        raise InvalidRequest(
+            f"the scheduler's block would be {scheduler} tokens (the least common multiple "
+            "of the groups' block sizes"
+            + (f", each times decode_context_parallel_size {dcp}" if dcp_scaled else "")
+            + f"), over {MAX_SCHEDULER_BLOCK}: use block sizes with more in common"
+            + (" or a smaller decode_context_parallel_size" if dcp_scaled else ""),
+            field="options.parallel.decode_context_parallel_size" if dcp_scaled else "workers",
+        )
+    if not _hashes_finely(groups, options):
+        return scheduler, scheduler
+    unit = options.prefix_match_unit
+    return scheduler, unit if unit is not None else math.gcd(*_hashing_sizes(groups, dcp))
+
+
+def _partial_hash_hits(groups: list[KVCacheGroup], hash_block: int, options: EngineOptions) -> bool:
+    """Whether prefix-cache hits may land inside a scheduler block: an aligned
+    Mamba group whose block is coarser than the hash block (DCP: or equal)."""
+    dcp = options.decode_context_parallel_size
+    return any(
+        isinstance(spec, MambaSpec)
+        and (spec.block_size > hash_block or (dcp > 1 and spec.block_size == hash_block))
+        for spec in (group.representative_spec for group in groups)
+    )
+
+
+def check_scheduler_start(
+    groups: list[KVCacheGroup],
+    options: EngineOptions,
+    spec_decode: SpecDecode,
+    rules: RuleSet,
+    block_sizes: tuple[int, int],
+) -> None:
+    """Raise what the engine's scheduler raises when it starts with these groups
+    (the lowest rank's) and block sizes."""
+    scheduler, hash_block = block_sizes
+    caching = options.enable_prefix_caching
+    unit = options.prefix_match_unit
+    dcp = options.decode_context_parallel_size
+    if len(groups) == 1 and caching and unit is not None and unit != scheduler:
+        raise InvalidRequest(
+            f"prefix_match_unit {unit} has no effect with one KV cache group: prefix-cache "
+            f"hits land on its block of {scheduler} tokens. Leave it unset or set it to "
+            f"{scheduler}",
+            field="options.prefix_match_unit",
+        )
+    if _hashes_finely(groups, options):
+        sizes = _hashing_sizes(groups, dcp)
+        if any(size % hash_block for size in sizes):
+            raise InvalidRequest(
+                f"prefix_match_unit {hash_block} does not divide the block sizes of the "
+                f"prefix-cacheable KV cache groups ({sizes} tokens). Set it to a common "
+                f"divisor of them (the largest is {math.gcd(*sizes)}) or leave it unset",
+                field="options.prefix_match_unit",
+            )
+        alignments = sorted(
+            {
+                tokens
+                for group in groups
+                if (spec := group.representative_spec).prefix_cacheable
+                and isinstance(tokens := getattr(spec, "tokens_per_state", 1), int)
+                and tokens > 1
+            }
+        )
+        hit_alignment = hash_block if _partial_hash_hits(groups, hash_block, options) else scheduler
+        if any(hit_alignment % tokens for tokens in alignments):
+            raise InvalidRequest(
+                f"prefix-cache hits would land every {hit_alignment} tokens, which is not a "
+                f"multiple of every compressed layer's tokens per state ({alignments}). "
+                "Choose a prefix_match_unit (or block sizes) that is, or disable prefix "
+                "caching",
+                field="options.prefix_match_unit",
+            )
+    lookahead = spec_decode.prefill_lookahead_tokens
+    if caching and scheduler < lookahead:
+        # The drafter's prefill lookahead must fit in the last block a prefix-cache
+        # hit drops; the groups that drop it are the flagged ones, or every group
+        # when the block drop applies and none is flagged.
+        all_dropped = spec_decode.block_drop_enabled(rules) and not rules.lookahead_block_hashes
+        if any(group.is_draft for group in groups) or (all_dropped and groups):
+            raise InvalidRequest(
+                f"multi-module MTP with prefix caching needs the scheduler's block "
+                f"({scheduler} tokens) to hold num_speculative_tokens ({lookahead}). Lower "
+                "num_speculative_tokens, raise the block size, or disable prefix caching",
+                field="spec_decode.num_speculative_tokens",
+            )
+
+    if caching and len(groups) != 1:
+        # The several-group (hybrid) manager with prefix caching, in its order.
+        if dcp > 1:
+            for group in groups:
+                spec = group.representative_spec
+                if not isinstance(spec, FullAttentionSpec) and spec.dcp_sharded:
+                    raise UnplannableSpecs(
+                        "decode context parallelism with prefix caching over several KV "
+                        "cache groups supports full-attention (and MLA), Mamba and "
+                        f"replicated groups; group {group.group_id} holds "
+                        f"{type(spec).__name__} layers "
+                        f"{list(group.layer_names[:2])} sharded across the DCP ranks. Set "
+                        "dcp_sharded = false on them, disable prefix caching, or set "
+                        "decode_context_parallel_size = 1",
+                        field="options.parallel.decode_context_parallel_size",
+                    )
+        if not any(group.representative_spec.prefix_cacheable for group in groups):
+            raise InvalidRequest(
+                "prefix caching is on, but no KV cache group can be prefix-cached"
+                + (
+                    " (this engine has no KV cache group)"
+                    if not groups
+                    else " (every group opts out, e.g. circular buffers or bounded replay)"
+                )
+                + ": set options.enable_prefix_caching = false",
+                field="options.enable_prefix_caching",
+            )
+
+
+__all__ = [
+    "MAX_SCHEDULER_BLOCK",
+    "check_scheduler_start",
+    "group_block_tokens",
+    "resolve_block_sizes",
+]

@@ -1,0 +1,179 @@
+"""The scheduler's block sizes and what its KV cache manager refuses at start
+(kvplan/core/scheduler_blocks.py), and the prefix-caching defaults that decide
+them, through the wire conversion. Each expected figure is vLLM's rule worked by
+hand; `make conformance` checks the same rules against vLLM 0.32-0.34 themselves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from google.protobuf import json_format
+
+from kvplan.convert import plan_from_proto, request_from_proto
+from kvplan.core.errors import ErrorCode
+from kvplan.v1 import plan_pb2
+from tests.core.builders import planning_error
+
+GIB = 1 << 30
+MAMBA = {"mamba": {"states": [{"shape": [2, 512], "dtype": "DTYPE_FLOAT32"}]}}
+CROSS = {"attention": {"num_kv_heads": 8, "head_size": 64}}
+
+
+def attention(name: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "full_attention": {"attention": {"num_kv_heads": 8, "head_size": 128}}}
+
+
+def layer(name: str, body: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"name": name, **body, **extra}
+
+
+def request(layers: list[dict[str, Any]], **options: Any) -> plan_pb2.PlanRequest:
+    message = {
+        "engine_id": "e",
+        "options": {"max_model_len": 4096, **options},
+        "workers": [{"rank": 0, "layers": layers, "memory": {"kv_cache_memory_bytes": 4 * GIB}}],
+    }
+    return json_format.ParseDict(message, plan_pb2.PlanRequest())
+
+
+def llama(count: int = 2, **extra: Any) -> list[dict[str, Any]]:
+    return [{**attention(f"a.{i}"), **extra} for i in range(count)]
+
+
+def sliding(name: str, block: int) -> dict[str, Any]:
+    body = {"attention": {"num_kv_heads": 16, "head_size": 128}, "sliding_window": 512}
+    return {"name": name, "block_size": block, "sliding_window": body}
+
+
+def two_block_sizes(**options: Any) -> plan_pb2.PlanRequest:
+    """Full attention in 32-token blocks and sliding windows in 16-token blocks:
+    two groups whose pages match (8 x 128 x 2 x 2 x 32 = 16 x 128 x 2 x 2 x 16)."""
+    full = [{**attention(f"f.{i}"), "block_size": 32} for i in range(2)]
+    return request([*full, sliding("s.0", 16), sliding("s.1", 16)], **options)
+
+
+def block_sizes(message: plan_pb2.PlanRequest) -> tuple[int, int]:
+    diagnostics = plan_from_proto(message).diagnostics
+    return diagnostics.scheduler_block_size, diagnostics.hash_block_size
+
+
+def test_one_group_hashes_on_its_block_and_refuses_another_unit() -> None:
+    assert block_sizes(request(llama())) == (16, 16)
+    assert block_sizes(request(llama(), prefix_match_unit=16)) == (16, 16)
+    error = planning_error(request(llama(), prefix_match_unit=8))
+    assert error.code is ErrorCode.INVALID_ARGUMENT
+    assert error.field == "options.prefix_match_unit"
+    assert "set it to 16" in error.message
+    # Without prefix caching the unit is never read (vLLM accepts it then).
+    assert block_sizes(request(llama(), prefix_match_unit=8, enable_prefix_caching=False)) == (
+        16,
+        16,
+    )
+
+
+def test_one_dcp_sharded_group_spans_the_dcp_ranks() -> None:
+    parallel = {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}
+    message = request(llama(), parallel=parallel)
+    message.workers.add().CopyFrom(message.workers[0])
+    message.workers[1].rank = 1
+    assert block_sizes(message) == (32, 32)
+    message.options.prefix_match_unit = 16
+    assert planning_error(message).field == "options.prefix_match_unit"
+
+
+def test_several_groups_hash_on_the_gcd_or_a_dividing_unit() -> None:
+    assert block_sizes(two_block_sizes()) == (32, 16)
+    assert block_sizes(two_block_sizes(prefix_match_unit=8)) == (32, 8)
+    assert block_sizes(two_block_sizes(enable_prefix_caching=False)) == (32, 32)
+    error = planning_error(two_block_sizes(prefix_match_unit=12))
+    assert error.code is ErrorCode.INVALID_ARGUMENT
+    assert error.field == "options.prefix_match_unit"
+    assert "[32, 16]" in error.message and "the largest is 16" in error.message
+
+
+def test_a_zero_unit_is_out_of_range() -> None:
+    error = planning_error(request(llama(), prefix_match_unit=0))
+    assert error.code is ErrorCode.INVALID_ARGUMENT
+    assert error.field == "options.prefix_match_unit"
+
+
+def test_hits_must_align_with_compressed_states() -> None:
+    """An aligned Mamba group coarser than the hash block lets hits land on the hash
+    block, which must then be a multiple of a compressed layer's tokens per state."""
+    compressed = {
+        "name": "c.0",
+        "block_size": 64,
+        "full_attention": {
+            "attention": {"num_kv_heads": 2, "head_size": 256, "tokens_per_state": {"tokens": 4}}
+        },
+    }
+    mambas = [layer(f"m.{i}", MAMBA) for i in range(3)]
+    assert plan_from_proto(request([*mambas, compressed], prefix_match_unit=4))
+    error = planning_error(request([*mambas, compressed], prefix_match_unit=2))
+    assert error.field == "options.prefix_match_unit"
+    assert "tokens per state ([4])" in error.message
+
+
+def test_multi_module_mtp_needs_its_lookahead_in_the_scheduler_block() -> None:
+    def mtp(block: int, **options: Any) -> plan_pb2.PlanRequest:
+        message = request(
+            [*llama(), {**attention("mtp.0"), "is_draft": True}], block_size=block, **options
+        )
+        message.spec_decode.method = plan_pb2.SPEC_DECODE_METHOD_MTP
+        message.spec_decode.num_speculative_tokens = 32
+        message.spec_decode.num_nextn_predict_layers = 32
+        return message
+
+    error = planning_error(mtp(16))
+    assert error.code is ErrorCode.INVALID_ARGUMENT
+    assert error.field == "spec_decode.num_speculative_tokens"
+    assert "(16 tokens)" in error.message and "(32)" in error.message
+    assert plan_from_proto(mtp(32))
+    assert plan_from_proto(mtp(16, enable_prefix_caching=False))
+
+
+def test_prefix_caching_needs_a_group_it_can_cache() -> None:
+    encoder_only = {"encoder_only_attention": {"attention": {"num_kv_heads": 8, "head_size": 64}}}
+    layers = [layer(f"e.{i}", encoder_only) for i in range(2)]
+    assert plan_from_proto(request(layers))  # vLLM's default for such a model: off
+    error = planning_error(request(layers, enable_prefix_caching=True))
+    assert error.code is ErrorCode.INVALID_ARGUMENT
+    assert error.field == "options.enable_prefix_caching"
+
+
+@pytest.mark.parametrize(
+    ("layers", "caching"),
+    [
+        (llama(), True),  # a decoder
+        ([*llama(), layer("m.0", MAMBA)], True),  # hybrid
+        ([layer("m.0", MAMBA)], False),  # attention-free
+        (
+            [
+                *llama(),
+                layer(
+                    "x.0", {"cross_attention": {"attention": {"num_kv_heads": 8, "head_size": 64}}}
+                ),
+            ],
+            False,
+        ),  # encoder-decoder
+    ],
+)
+def test_prefix_caching_defaults_by_model_kind(layers: list[dict[str, Any]], caching: bool) -> None:
+    options = request_from_proto(request(layers)).options
+    assert options.enable_prefix_caching is caching
+    assert options.mamba_align_mode is caching
+
+
+def test_mamba_mode_follows_prefix_caching_whatever_was_asked() -> None:
+    """vLLM sets the mode from prefix caching (MambaModelConfig)."""
+    hybrid = [*llama(), layer("m.0", MAMBA)]
+    asked_align = request(hybrid, mamba_cache_mode="MAMBA_CACHE_MODE_ALIGN")
+    asked_align.options.enable_prefix_caching = False
+    assert not request_from_proto(asked_align).options.mamba_align_mode
+    asked_none = request(hybrid, mamba_cache_mode="MAMBA_CACHE_MODE_NONE")
+    assert request_from_proto(asked_none).options.mamba_align_mode
+    # The mode decides the Mamba block: the model length without it, the block size with.
+    none_plan = plan_from_proto(asked_align)
+    align_plan = plan_from_proto(asked_none)
+    assert none_plan.diagnostics.scheduler_block_size != align_plan.diagnostics.scheduler_block_size
