@@ -3044,6 +3044,26 @@ def _block_sizes(c: Cases) -> None:
                         nextn=32,
                     ),
                 )
+    # A non-causal layer turns prefix caching off: the hash block is the scheduler's.
+    for unit in (None, 8):
+        c.add(
+            cat,
+            f"non-causal-unit{unit}",
+            f"SW blocks of two sizes with a non-causal full layer, prefix_match_unit {unit}",
+            _with_unit(
+                request(
+                    W(
+                        [
+                            full("f.0", block=32),
+                            full("f.1", block=32, non_causal=True),
+                            *[sw(f"s.{i}", 512, 16, 128, block=16) for i in range(2)],
+                        ],
+                        GIB,
+                    )
+                ),
+                unit,
+            ),
+        )
     # Groups that opt out of prefix caching, and the defaults by model kind.
     kinds: dict[str, list[Layer]] = {
         "circular-only": [circular("c.0"), circular("c.1", head=256)],

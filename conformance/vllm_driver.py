@@ -871,6 +871,12 @@ def plan_with_vllm(req: plan_pb2.PlanRequest, table: dict[str, int] | None = Non
         stage = "register"
         register_all_kvcache_specs(cfg)
         stage = "layout"
+        # EngineCore._initialize_kv_caches, inline there: a non-causal layer turns
+        # prefix caching off before anything is planned.
+        if any(
+            getattr(spec, "non_causal", False) for specs in inputs.specs for spec in specs.values()
+        ):
+            cfg.cache_config.enable_prefix_caching = False
         resolve_layout(inputs)
         result["layout"] = cfg.cache_config.kv_cache_layout
         progress: Json = {"stage": "grouping"}

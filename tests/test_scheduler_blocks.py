@@ -177,3 +177,13 @@ def test_mamba_mode_follows_prefix_caching_whatever_was_asked() -> None:
     none_plan = plan_from_proto(asked_align)
     align_plan = plan_from_proto(asked_none)
     assert none_plan.diagnostics.scheduler_block_size != align_plan.diagnostics.scheduler_block_size
+
+
+def test_a_non_causal_layer_turns_prefix_caching_off() -> None:
+    """The engine turns prefix caching off for a model with a non-causal layer
+    before it plans: hashes stay on the scheduler block and the unit is not read."""
+    message = two_block_sizes(prefix_match_unit=8)
+    message.workers[0].layers[1].full_attention.non_causal = True
+    assert block_sizes(message) == (32, 32)
+    # The Mamba mode was set from the configured caching, before that.
+    assert request_from_proto(message).options.mamba_align_mode

@@ -46,7 +46,11 @@ from kvplan.core.memory import (
 )
 from kvplan.core.request import EngineOptions, EngineRequest, SpecDecode, WorkerInput
 from kvplan.core.rules import RuleSet
-from kvplan.core.scheduler_blocks import check_scheduler_start, resolve_block_sizes
+from kvplan.core.scheduler_blocks import (
+    check_scheduler_start,
+    prefix_caching_in_effect,
+    resolve_block_sizes,
+)
 from kvplan.core.specs import (
     AttentionSpec,
     KVCacheSpec,
@@ -436,6 +440,7 @@ class ModelPlan:
     zeroing: tuple[bool, ...]
     scheduler_block_size: int
     hash_block_size: int
+    prefix_caching: bool  # as the scheduler runs it (scheduler_blocks.prefix_caching_in_effect)
 
     def check_made_for(self, request: EngineRequest, workers: list[WorkerInput]) -> None:
         """Raise ValueError unless `request` (its `workers` in rank order) has this
@@ -490,7 +495,10 @@ def plan_model(request: EngineRequest) -> ModelPlan:
         projected,
         lambda groups: tuple(ProjectedGroup(g.group_id, g.layer_names, g.is_draft) for g in groups),
     )
-    scheduler_block, hash_block = resolve_block_sizes(projected[0] if projected else [], options)
+    caching = prefix_caching_in_effect(groups, options)
+    scheduler_block, hash_block = resolve_block_sizes(
+        projected[0] if projected else [], options, caching
+    )
     return ModelPlan(
         options=options,
         spec_decode=request.spec_decode,
@@ -511,6 +519,7 @@ def plan_model(request: EngineRequest) -> ModelPlan:
         zeroing=tuple(zeroing),
         scheduler_block_size=scheduler_block,
         hash_block_size=hash_block,
+        prefix_caching=caching,
     )
 
 
@@ -767,6 +776,7 @@ def plan_engine(request: EngineRequest, model_plan: ModelPlan | None = None) -> 
         request.spec_decode,
         rules,
         (model.scheduler_block_size, model.hash_block_size),
+        model.prefix_caching,
     )
     ctx = _context(options, in_flight, max_model_len)
 

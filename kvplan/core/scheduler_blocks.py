@@ -13,7 +13,9 @@ groups (the same rules in 0.32, 0.33 and 0.34):
 
 It then starts the KV cache manager, which refuses some of these engines
 (ValueError or AssertionError there; `check_scheduler_start` here). vLLM runs both
-after the memory checks, so the planner calls `check_scheduler_start` last.
+after the memory checks, so the planner calls `check_scheduler_start` last. Before
+planning, the engine turns prefix caching off for a model with a non-causal layer
+(`prefix_caching_in_effect`); both read that.
 The scheduler sees each group as its representative spec (a uniform-type group as
 its first layer's), and so do these rules.
 """
@@ -21,12 +23,13 @@ its first layer's), and so do these rules.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from kvplan.core.errors import InvalidRequest, UnplannableSpecs
 from kvplan.core.groups import KVCacheGroup
 from kvplan.core.request import EngineOptions, SpecDecode
 from kvplan.core.rules import RuleSet
-from kvplan.core.specs import FullAttentionSpec, MambaSpec
+from kvplan.core.specs import FullAttentionSpec, MambaSpec, layer_specs_of
 
 MAX_SCHEDULER_BLOCK = 2**32 - 1  # the reply's scheduler_block_size is a uint32
 
@@ -50,15 +53,29 @@ def _hashing_sizes(groups: list[KVCacheGroup], dcp: int) -> list[int]:
     return cacheable or sizes
 
 
-def _hashes_finely(groups: list[KVCacheGroup], options: EngineOptions) -> bool:
+def prefix_caching_in_effect(groups: Iterable[KVCacheGroup], options: EngineOptions) -> bool:
+    """Prefix caching as the scheduler runs it: the engine turns it off when any
+    layer is non-causal (a cached prefix would hold keys that saw later tokens).
+    `groups`: every group of the engine (all ranks' layers)."""
+    return options.enable_prefix_caching and not any(
+        getattr(spec, "non_causal", False)
+        for group in groups
+        for spec in layer_specs_of(group.spec)
+    )
+
+
+def _hashes_finely(groups: list[KVCacheGroup], caching: bool) -> bool:
     """Whether block hashes may be finer than the scheduler block: several groups
     and prefix caching on (vLLM also requires Mamba groups in "align" mode, which
     prefix caching implies: `EngineOptions.mamba_align_mode`)."""
-    return len(groups) > 1 and options.enable_prefix_caching
+    return len(groups) > 1 and caching
 
 
-def resolve_block_sizes(groups: list[KVCacheGroup], options: EngineOptions) -> tuple[int, int]:
-    """(scheduler block, hash block) in tokens for the lowest rank's groups."""
+def resolve_block_sizes(
+    groups: list[KVCacheGroup], options: EngineOptions, caching: bool
+) -> tuple[int, int]:
+    """(scheduler block, hash block) in tokens for the lowest rank's groups;
+    `caching`: `prefix_caching_in_effect`."""
     dcp = options.decode_context_parallel_size
     if len(groups) <= 1:
         sharded = not groups or groups[0].representative_spec.dcp_sharded
@@ -78,7 +95,7 @@ def resolve_block_sizes(groups: list[KVCacheGroup], options: EngineOptions) -> t
             + (" or a smaller decode_context_parallel_size" if dcp_scaled else ""),
             field="options.parallel.decode_context_parallel_size" if dcp_scaled else "workers",
         )
-    if not _hashes_finely(groups, options):
+    if not _hashes_finely(groups, caching):
         return scheduler, scheduler
     unit = options.prefix_match_unit
     return scheduler, unit if unit is not None else math.gcd(*_hashing_sizes(groups, dcp))
@@ -101,11 +118,11 @@ def check_scheduler_start(
     spec_decode: SpecDecode,
     rules: RuleSet,
     block_sizes: tuple[int, int],
+    caching: bool,
 ) -> None:
     """Raise what the engine's scheduler raises when it starts with these groups
-    (the lowest rank's) and block sizes."""
+    (the lowest rank's) and block sizes; `caching`: `prefix_caching_in_effect`."""
     scheduler, hash_block = block_sizes
-    caching = options.enable_prefix_caching
     unit = options.prefix_match_unit
     dcp = options.decode_context_parallel_size
     if len(groups) == 1 and caching and unit is not None and unit != scheduler:
@@ -115,7 +132,7 @@ def check_scheduler_start(
             f"{scheduler}",
             field="options.prefix_match_unit",
         )
-    if _hashes_finely(groups, options):
+    if _hashes_finely(groups, caching):
         sizes = _hashing_sizes(groups, dcp)
         if any(size % hash_block for size in sizes):
             raise InvalidRequest(
@@ -189,5 +206,6 @@ __all__ = [
     "MAX_SCHEDULER_BLOCK",
     "check_scheduler_start",
     "group_block_tokens",
+    "prefix_caching_in_effect",
     "resolve_block_sizes",
 ]
