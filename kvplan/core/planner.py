@@ -47,9 +47,10 @@ from kvplan.core.memory import (
 from kvplan.core.request import EngineOptions, EngineRequest, SpecDecode, WorkerInput
 from kvplan.core.rules import RuleSet
 from kvplan.core.scheduler_blocks import (
-    check_scheduler_start,
+    StartRefusal,
     prefix_caching_in_effect,
     resolve_block_sizes,
+    start_refusal,
 )
 from kvplan.core.specs import (
     AttentionSpec,
@@ -440,7 +441,8 @@ class ModelPlan:
     zeroing: tuple[bool, ...]
     scheduler_block_size: int
     hash_block_size: int
-    prefix_caching: bool  # as the scheduler runs it (scheduler_blocks.prefix_caching_in_effect)
+    # Why the engine's scheduler would not start (raised after the memory checks).
+    start_refusal: StartRefusal | None
 
     def check_made_for(self, request: EngineRequest, workers: list[WorkerInput]) -> None:
         """Raise ValueError unless `request` (its `workers` in rank order) has this
@@ -519,7 +521,14 @@ def plan_model(request: EngineRequest) -> ModelPlan:
         zeroing=tuple(zeroing),
         scheduler_block_size=scheduler_block,
         hash_block_size=hash_block,
-        prefix_caching=caching,
+        start_refusal=start_refusal(
+            projected[0] if projected else [],
+            options,
+            request.spec_decode,
+            rules,
+            (scheduler_block, hash_block),
+            caching,
+        ),
     )
 
 
@@ -770,14 +779,8 @@ def plan_engine(request: EngineRequest, model_plan: ModelPlan | None = None) -> 
                 for tensors in tensors_per_worker
             ]
     # Last, as the engine does once its KV cache is sized: the scheduler starts.
-    check_scheduler_start(
-        projected[0] if projected else [],
-        options,
-        request.spec_decode,
-        rules,
-        (model.scheduler_block_size, model.hash_block_size),
-        model.prefix_caching,
-    )
+    if model.start_refusal is not None:
+        raise model.start_refusal.exception()
     ctx = _context(options, in_flight, max_model_len)
 
     # Workers with one projection share one tuple of tensors and of groups, which

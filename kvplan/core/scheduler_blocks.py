@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
-from kvplan.core.errors import InvalidRequest, UnplannableSpecs
+from kvplan.core.errors import InvalidRequest, PlanningError, UnplannableSpecs
 from kvplan.core.groups import KVCacheGroup
 from kvplan.core.request import EngineOptions, SpecDecode
 from kvplan.core.rules import RuleSet
@@ -202,10 +203,42 @@ def check_scheduler_start(
             )
 
 
+@dataclass(frozen=True)
+class StartRefusal:
+    """What `check_scheduler_start` raised, kept with a model's plan (it depends on
+    the model alone: a fleet's engines check it once) and raised anew per engine
+    after its memory checks."""
+
+    error: type[PlanningError]
+    message: str
+    field: str
+
+    def exception(self) -> PlanningError:
+        return self.error(self.message, field=self.field)
+
+
+def start_refusal(
+    groups: list[KVCacheGroup],
+    options: EngineOptions,
+    spec_decode: SpecDecode,
+    rules: RuleSet,
+    block_sizes: tuple[int, int],
+    caching: bool,
+) -> StartRefusal | None:
+    """`check_scheduler_start`'s refusal, or None when the scheduler starts."""
+    try:
+        check_scheduler_start(groups, options, spec_decode, rules, block_sizes, caching)
+    except PlanningError as refusal:
+        return StartRefusal(type(refusal), refusal.message, refusal.field)
+    return None
+
+
 __all__ = [
     "MAX_SCHEDULER_BLOCK",
+    "StartRefusal",
     "check_scheduler_start",
     "group_block_tokens",
     "prefix_caching_in_effect",
     "resolve_block_sizes",
+    "start_refusal",
 ]
