@@ -362,7 +362,7 @@ def request(
     pp: int = 0,
     dcp: int = 0,
     layout: str = "LBNHC",
-    mamba_align: bool = False,
+    mamba_align: bool | None = None,
     encoder_tokens: int = 0,
     prefix_caching: bool | None = None,
     method: str = "none",
@@ -393,11 +393,13 @@ def request(
     o.layout = LAYOUTS[layout]
     if mamba_align:
         o.mamba_cache_mode = plan_pb2.MAMBA_CACHE_MODE_ALIGN
-    if prefix_caching is None and any(
-        layer.WhichOneof("kind") == "mamba" for w in workers for layer in w.layers
+    if (
+        prefix_caching is None
+        and mamba_align is not None
+        and any(layer.WhichOneof("kind") == "mamba" for w in workers for layer in w.layers)
     ):
         # vLLM runs Mamba in "align" mode exactly when prefix caching is on: a mode
-        # is asked for the way an engine gets it.
+        # asked for is asked the way an engine gets it. (Unset: the engine's default.)
         prefix_caching = mamba_align
     o.max_num_encoder_input_tokens = encoder_tokens
     if prefix_caching is not None:
@@ -3064,6 +3066,110 @@ def _block_sizes(c: Cases) -> None:
                 unit,
             ),
         )
+    # HiSparse runs a KV connector: hashes are consumed without prefix caching, and
+    # (0.33+) the connector keeps the legacy hashes, so the block drop applies again.
+    rng = random.Random(7)
+    for caching in (False, None):
+        for unit, sw_block in ((16, None), (48, None), (None, 64)):
+            others = (
+                []
+                if sw_block is None
+                else [sw(f"swa.{i}", 1024, 4, 64, block=64) for i in range(2)]
+            )
+            req = request(
+                W(
+                    _hisparse_engine(
+                        rng,
+                        sparse=2,
+                        indexers=1,
+                        leader_every=1,
+                        block=32 if sw_block else 64,
+                        sparse_head=656,
+                        others=others,
+                        topk=2048,
+                    ),
+                    kv_bytes=40 * GIB,
+                ),
+                layout="BLHNC",
+                block_size=64,
+                prefix_caching=caching,
+            )
+            req.options.hisparse.host_pool_gib = 4.0
+            req.options.hisparse.index_topk = 2048
+            c.add(
+                cat,
+                f"hisparse-caching{caching}-unit{unit}-sw{sw_block}",
+                f"HiSparse, prefix caching {caching}, prefix_match_unit {unit}, SW {sw_block}",
+                _with_unit(req, unit),
+            )
+    mtp = request(
+        W(
+            _hisparse_engine(
+                rng,
+                sparse=2,
+                indexers=1,
+                leader_every=1,
+                block=32,
+                sparse_head=656,
+                others=[],
+                topk=512,
+            ),
+            kv_bytes=40 * GIB,
+        ),
+        layout="BLHNC",
+        block_size=32,
+        method="mtp",
+        spec_tokens=40,
+        nextn=2,
+    )
+    mtp.options.hisparse.host_pool_gib = 4.0
+    mtp.options.hisparse.index_topk = 512
+    c.add(cat, "hisparse-mtp-lookahead", "HiSparse, MTP k=40 over a 32-token block", mtp)
+    # Bounded-replay windows must agree (the scheduler asserts it, caching or not).
+    for windows in ((128, 128), (128, 256)):
+        for caching in (None, False):
+            c.add(
+                cat,
+                f"replay-windows-{windows[0]}-{windows[1]}-caching{caching}",
+                f"SW-MLA bounded replay windows {windows}, caching {caching}",
+                request(
+                    W(
+                        [
+                            mla("m.0", block=64),
+                            *[
+                                sw_mla(f"s.{i}", window, block=64, bounded_replay=True)
+                                for i, window in enumerate(windows)
+                            ],
+                        ],
+                        GIB,
+                    ),
+                    block_size=64,
+                    prefix_caching=caching,
+                ),
+            )
+    # A hybrid MTP with a lookahead over the scheduler block (kvplan's own rules flag
+    # the drafter's group, which then takes the check: D1).
+    c.add(
+        cat,
+        "mtp-lookahead-hybrid",
+        "full + SW + trailing MTP layer, MTP k=32, block 16",
+        request(
+            W([full("f.0"), sw("s.0", 512), full("mtp.layers.0.self_attn.attn")], GIB),
+            method="mtp",
+            spec_tokens=32,
+            nextn=32,
+        ),
+    )
+    # RSWA (Unlimited-OCR, whose config hook turns prefix caching off).
+    for caching in (None, True):
+        c.add(
+            cat,
+            f"rswa-unit32-caching{caching}",
+            f"RSWA layers, prefix_match_unit 32, caching {caching}",
+            _with_unit(
+                request(W([rswa(f"r.{i}") for i in range(4)], GIB), prefix_caching=caching), 32
+            ),
+        )
     # Groups that opt out of prefix caching, and the defaults by model kind.
     kinds: dict[str, list[Layer]] = {
         "circular-only": [circular("c.0"), circular("c.1", head=256)],
@@ -3071,6 +3177,15 @@ def _block_sizes(c: Cases) -> None:
         "mamba-only": [mamba(f"m.{i}", SMALL_STATES) for i in range(2)],
         "cross": [*llama(2), cross("x.0")],
         "gdn-hybrid": qwen35(),
+        "mamba-attention-drafter": [
+            *[mamba(f"m.{i}", SMALL_STATES) for i in range(2)],
+            full("mtp.0", 2, 256, a={"dtype": "fp32"}, draft=True),
+        ],
+        "hybrid-cross": [
+            mamba("m.0", SMALL_STATES),
+            full("f.0", 2, 256, a={"dtype": "fp32"}),
+            cross("x.0"),
+        ],
     }
     for name, kind_layers in kinds.items():
         for caching in (None, True, False):

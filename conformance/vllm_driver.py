@@ -436,12 +436,19 @@ def _default_prefix_caching(req: plan_pb2.PlanRequest) -> bool:
     """The engine's default (vLLM's ModelConfig.is_prefix_caching_supported) for
     the model the layers describe: its attention type, and a pooler for a model of
     encoder-only layers alone (vLLM serves those as pooling models)."""
-    kinds = {layer.WhichOneof("kind") for worker in req.workers for layer in worker.layers}
+    kinds = {
+        layer.WhichOneof("kind")
+        for worker in req.workers
+        for layer in worker.layers
+        if not layer.is_draft  # the target model's type decides
+    }
     decoder = kinds - {"mamba", "cross_attention", "encoder_only_attention"}
-    if "cross_attention" in kinds:
+    if decoder and "mamba" in kinds:
+        attn_type = "hybrid"  # ModelConfig.attn_type asks is_hybrid first
+    elif "cross_attention" in kinds:
         attn_type = "encoder_decoder"
     elif decoder:
-        attn_type = "hybrid" if "mamba" in kinds else "decoder"
+        attn_type = "decoder"
     elif "encoder_only_attention" in kinds:
         attn_type = "encoder_only"
     else:
@@ -470,6 +477,10 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         if o.HasField("enable_prefix_caching")
         else _default_prefix_caching(req)
     )
+    if any(layer.WhichOneof("kind") == "rswa" for w in req.workers for layer in w.layers):
+        # UnlimitedOCRForCausalLMConfig, the model hook of the only model with RSWA
+        # layers, turns prefix caching off.
+        prefix_caching = False
     # vLLM's Mamba config hook (MambaModelConfig.verify_and_update_config) sets the
     # mode from prefix caching, whatever was asked for.
     align = prefix_caching
@@ -783,6 +794,16 @@ def _post_planning(inputs: VllmInputs, configs: list[KVCacheConfig], progress: J
     progress["stage"] = "block_sizes"
     scheduler_block, hash_block = resolve_kv_cache_block_sizes(scheduler, cfg)
     out["block_sizes"] = {"scheduler": int(scheduler_block), "hash": int(hash_block)}
+    progress["stage"] = "scheduler"
+    # Scheduler.__init__ asserts this inline before it builds the KV cache manager:
+    # groups that replay a bounded window after a prefix hit share one window.
+    replay_windows = {
+        g.kv_cache_spec.prefix_replay_tokens
+        for g in scheduler.kv_cache_groups
+        if getattr(g.kv_cache_spec, "prefix_replay_tokens", 0) > 0
+    }
+    if len(replay_windows) > 1:
+        raise AssertionError(f"Prefix replay windows should agree: {sorted(replay_windows)}")
     progress["stage"] = "kv_cache_manager"
     _start_kv_cache_manager(cfg, scheduler, scheduler_block, hash_block)
     return out

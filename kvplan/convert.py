@@ -33,7 +33,7 @@ from kvplan.core.request import (
     NonKVMemory,
     SpecDecode,
     WorkerInput,
-    default_prefix_caching,
+    configured_prefix_caching,
 )
 from kvplan.core.rules import (
     FIELD_EXTENSIBLE_KV_CACHE,
@@ -450,18 +450,20 @@ def _mamba_from_proto(body: spec_pb2.MambaSpec, path: str, common: dict[str, Any
 
 
 def _prefix_caching(message: plan_pb2.PlanRequest, encoded: Sequence[WorkerBytes]) -> bool:
-    """The request's enable_prefix_caching, else vLLM's default for its layers."""
-    if message.options.HasField("enable_prefix_caching"):
-        return message.options.enable_prefix_caching
+    """Prefix caching as vLLM's configuration settles it for this request."""
     kinds: set[str | None] = set()
     seen: set[bytes] = set()
     for worker, worker_bytes in zip(message.workers, encoded, strict=True):
         if worker_bytes.layers_key not in seen:  # tensor-parallel ranks repeat one list
             seen.add(worker_bytes.layers_key)
-            kinds.update(layer.WhichOneof("kind") for layer in worker.layers)
-    return default_prefix_caching(
+            kinds.update(layer.WhichOneof("kind") for layer in worker.layers if not layer.is_draft)
+    options = message.options
+    return configured_prefix_caching(
+        options.enable_prefix_caching if options.HasField("enable_prefix_caching") else None,
         decoder_attention=bool(kinds - {"mamba", "cross_attention", "encoder_only_attention"}),
+        mamba="mamba" in kinds,
         cross_attention="cross_attention" in kinds,
+        rswa="rswa" in kinds,
     )
 
 

@@ -187,3 +187,77 @@ def test_a_non_causal_layer_turns_prefix_caching_off() -> None:
     assert block_sizes(message) == (32, 32)
     # The Mamba mode was set from the configured caching, before that.
     assert request_from_proto(message).options.mamba_align_mode
+
+
+def test_bounded_replay_windows_must_agree() -> None:
+    """vLLM's scheduler asserts one replay window, with prefix caching or without."""
+    from conformance.generate import GIB as CONF_GIB
+    from conformance.generate import W, mla, sw_mla
+    from conformance.generate import request as engine
+
+    def replaying(*windows: int, caching: bool | None = None) -> plan_pb2.PlanRequest:
+        layers = [mla("m.0", block=64)] + [
+            sw_mla(f"s.{i}", window, block=64, bounded_replay=True)
+            for i, window in enumerate(windows)
+        ]
+        return engine(W(layers, CONF_GIB), block_size=64, prefix_caching=caching)
+
+    assert plan_from_proto(replaying(128, 128))
+    for caching in (None, False):
+        error = planning_error(replaying(128, 256, caching=caching))
+        assert error.code is ErrorCode.FAILED_PRECONDITION
+        assert "[128, 256]" in error.message
+
+
+def test_rswa_models_never_cache_prefixes() -> None:
+    """Unlimited-OCR (the only model with RSWA layers) turns prefix caching off."""
+    from conformance.generate import GIB as CONF_GIB
+    from conformance.generate import W, rswa
+    from conformance.generate import request as engine
+
+    message = engine(W([rswa(f"r.{i}") for i in range(2)], CONF_GIB), prefix_caching=True)
+    message.options.prefix_match_unit = 32  # would be refused with caching on
+    assert not request_from_proto(message).options.enable_prefix_caching
+    assert block_sizes(message) == (16, 16)
+
+
+def test_the_target_model_decides_the_default_not_its_drafter() -> None:
+    drafter = {**attention("mtp.0"), "is_draft": True}
+    # Mamba-only target with an attention drafter: attention-free, so off.
+    assert not request_from_proto(request([layer("m.0", MAMBA), drafter])).options.mamba_align_mode
+    # Hybrid with cross-attention: vLLM asks "hybrid" first, so on.
+    hybrid_cross = [*llama(), layer("m.0", MAMBA), layer("x.0", {"cross_attention": CROSS})]
+    assert request_from_proto(request(hybrid_cross)).options.enable_prefix_caching
+
+
+def test_hisparse_hashes_through_its_connector_without_prefix_caching() -> None:
+    """HiSparse always runs a KV connector, which consumes block hashes: the unit is
+    used and checked even with prefix caching off."""
+    import random
+
+    from conformance.generate import GIB as CONF_GIB
+    from conformance.generate import W, _hisparse_engine
+    from conformance.generate import request as engine
+
+    def hisparse(unit: int) -> plan_pb2.PlanRequest:
+        layers = _hisparse_engine(
+            random.Random(0),
+            sparse=2,
+            indexers=1,
+            leader_every=1,
+            block=64,
+            sparse_head=656,
+            others=[],
+            topk=2048,
+        )
+        message = engine(
+            W(layers, kv_bytes=40 * CONF_GIB), layout="BLHNC", block_size=64, prefix_caching=False
+        )
+        message.options.hisparse.host_pool_gib = 4.0
+        message.options.hisparse.index_topk = 2048
+        message.options.prefix_match_unit = unit
+        return message
+
+    assert block_sizes(hisparse(16)) == (64, 16)
+    error = planning_error(hisparse(48))
+    assert error.field == "options.prefix_match_unit"

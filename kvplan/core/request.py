@@ -180,10 +180,27 @@ class EngineRequest:
     rules: RuleSet = KVPLAN  # the engine release whose rules plan this request
 
 
-def default_prefix_caching(*, decoder_attention: bool, cross_attention: bool) -> bool:
-    """vLLM's prefix caching for an engine that does not say: on for decoder and
-    hybrid models; off for attention-free (Mamba layers only), encoder-decoder
-    (cross-attention) and encoder-only models. (Pooling decoders with mean or CLS
-    pooling default to off too; nothing in the layers says so.) vLLM then runs
-    Mamba layers in "align" mode exactly when prefix caching is on."""
+def configured_prefix_caching(
+    requested: bool | None,
+    *,
+    decoder_attention: bool,
+    mamba: bool,
+    cross_attention: bool,
+    rswa: bool,
+) -> bool:
+    """Prefix caching as vLLM's configuration settles it, from the request's value
+    and the target model's layers (a drafter's do not count).
+
+    Unset, vLLM's default: on for decoder and hybrid (Mamba and attention) models;
+    off for attention-free (Mamba only), encoder-decoder (cross-attention) and
+    encoder-only models (pooling decoders with mean or CLS pooling default to off
+    too; nothing in the layers says so). A model with RSWA layers (Unlimited-OCR,
+    the only one) has it off whatever was asked: its config hook says so. vLLM then
+    runs Mamba layers in "align" mode exactly when prefix caching is on."""
+    if rswa:
+        return False
+    if requested is not None:
+        return requested
+    if mamba and decoder_attention:
+        return True  # hybrid: vLLM asks that before encoder-decoder
     return decoder_attention and not cross_attention

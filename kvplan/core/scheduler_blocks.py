@@ -1,23 +1,24 @@
-"""The block sizes the engine's scheduler works in, and what its KV cache manager
-refuses when it starts.
+"""The block sizes the engine's scheduler works in, and what the scheduler and its
+KV cache manager refuse when they start.
 
 After planning, vLLM's engine core resolves two token granularities from the
 groups (the same rules in 0.32, 0.33 and 0.34):
 
 - the scheduler block: one group's block size, or the least common multiple of
   every group's, a DCP-sharded group's size times the DCP size;
-- the prefix-cache hash block: the scheduler block with one group, without prefix
-  caching, or with a Mamba group outside "align" mode; otherwise
-  `prefix_match_unit` when set, else the greatest common divisor of the
-  prefix-cacheable groups' sizes (of every group's, when none is cacheable).
+- the prefix-cache hash block: the scheduler block with one group, when nothing
+  consumes hashes (neither prefix caching nor a KV connector, which HiSparse always
+  runs), or with a Mamba group outside "align" mode; otherwise `prefix_match_unit`
+  when set, else the greatest common divisor of the prefix-cacheable groups' sizes
+  (of every group's, when none is cacheable).
 
-It then starts the KV cache manager, which refuses some of these engines
-(ValueError or AssertionError there; `check_scheduler_start` here). vLLM runs both
-after the memory checks, so the planner calls `check_scheduler_start` last. Before
-planning, the engine turns prefix caching off for a model with a non-causal layer
-(`prefix_caching_in_effect`); both read that.
-The scheduler sees each group as its representative spec (a uniform-type group as
-its first layer's), and so do these rules.
+It then starts the scheduler and its KV cache manager, which refuse some of these
+engines (ValueError or AssertionError there; `check_scheduler_start` here). vLLM
+does all this after the memory checks, so the planner raises the refusal last.
+Before planning, vLLM turns prefix caching off for some models
+(`prefix_caching_in_effect`); all of these rules read that. The scheduler sees
+each group as its representative spec (a uniform-type group as its first layer's),
+and so do these rules.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ from kvplan.core.errors import InvalidRequest, PlanningError, UnplannableSpecs
 from kvplan.core.groups import KVCacheGroup
 from kvplan.core.request import EngineOptions, SpecDecode
 from kvplan.core.rules import RuleSet
-from kvplan.core.specs import FullAttentionSpec, MambaSpec, layer_specs_of
+from kvplan.core.specs import (
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowMLASpec,
+    layer_specs_of,
+)
 
 MAX_SCHEDULER_BLOCK = 2**32 - 1  # the reply's scheduler_block_size is a uint32
 
@@ -55,8 +61,9 @@ def _hashing_sizes(groups: list[KVCacheGroup], dcp: int) -> list[int]:
 
 
 def prefix_caching_in_effect(groups: Iterable[KVCacheGroup], options: EngineOptions) -> bool:
-    """Prefix caching as the scheduler runs it: the engine turns it off when any
-    layer is non-causal (a cached prefix would hold keys that saw later tokens).
+    """Prefix caching as the scheduler runs it: vLLM's engine turns it off for a
+    model with a non-causal layer, after the configuration (the Mamba mode stays
+    as configured): a cached prefix would hold keys that saw later tokens.
     `groups`: every group of the engine (all ranks' layers)."""
     return options.enable_prefix_caching and not any(
         getattr(spec, "non_causal", False)
@@ -65,11 +72,23 @@ def prefix_caching_in_effect(groups: Iterable[KVCacheGroup], options: EngineOpti
     )
 
 
-def _hashes_finely(groups: list[KVCacheGroup], caching: bool) -> bool:
-    """Whether block hashes may be finer than the scheduler block: several groups
-    and prefix caching on (vLLM also requires Mamba groups in "align" mode, which
-    prefix caching implies: `EngineOptions.mamba_align_mode`)."""
-    return len(groups) > 1 and caching
+def _hashing(options: EngineOptions, caching: bool) -> bool:
+    """Whether block hashes are consumed: by prefix caching or by a KV connector
+    (HiSparse always runs one)."""
+    return caching or options.hisparse is not None
+
+
+def _hashes_finely(groups: list[KVCacheGroup], options: EngineOptions, caching: bool) -> bool:
+    """Whether block hashes may be finer than the scheduler block: several groups,
+    hashes consumed, and no Mamba group outside "align" mode."""
+    return (
+        len(groups) > 1
+        and _hashing(options, caching)
+        and not (
+            not options.mamba_align_mode
+            and any(isinstance(group.representative_spec, MambaSpec) for group in groups)
+        )
+    )
 
 
 def resolve_block_sizes(
@@ -96,7 +115,7 @@ def resolve_block_sizes(
             + (" or a smaller decode_context_parallel_size" if dcp_scaled else ""),
             field="options.parallel.decode_context_parallel_size" if dcp_scaled else "workers",
         )
-    if not _hashes_finely(groups, caching):
+    if not _hashes_finely(groups, options, caching):
         return scheduler, scheduler
     unit = options.prefix_match_unit
     return scheduler, unit if unit is not None else math.gcd(*_hashing_sizes(groups, dcp))
@@ -105,6 +124,8 @@ def resolve_block_sizes(
 def _partial_hash_hits(groups: list[KVCacheGroup], hash_block: int, options: EngineOptions) -> bool:
     """Whether prefix-cache hits may land inside a scheduler block: an aligned
     Mamba group whose block is coarser than the hash block (DCP: or equal)."""
+    if not options.mamba_align_mode:
+        return False
     dcp = options.decode_context_parallel_size
     return any(
         isinstance(spec, MambaSpec)
@@ -126,14 +147,29 @@ def check_scheduler_start(
     scheduler, hash_block = block_sizes
     unit = options.prefix_match_unit
     dcp = options.decode_context_parallel_size
-    if len(groups) == 1 and caching and unit is not None and unit != scheduler:
+    if len(groups) == 1 and _hashing(options, caching) and unit is not None and unit != scheduler:
         raise InvalidRequest(
             f"prefix_match_unit {unit} has no effect with one KV cache group: prefix-cache "
             f"hits land on its block of {scheduler} tokens. Leave it unset or set it to "
             f"{scheduler}",
             field="options.prefix_match_unit",
         )
-    if _hashes_finely(groups, caching):
+    replay_windows = sorted(
+        {
+            group.representative_spec.sliding_window
+            for group in groups
+            if isinstance(group.representative_spec, SlidingWindowMLASpec)
+            and group.representative_spec.bounded_replay
+        }
+    )
+    if len(replay_windows) > 1:
+        raise UnplannableSpecs(
+            "sliding-window MLA layers with bounded replay must share one window (a "
+            "prefix hit recomputes one window's trailing tokens for every group); "
+            f"these groups have windows {replay_windows}",
+            field="workers",
+        )
+    if _hashes_finely(groups, options, caching):
         sizes = _hashing_sizes(groups, dcp)
         if any(size % hash_block for size in sizes):
             raise InvalidRequest(
@@ -153,11 +189,16 @@ def check_scheduler_start(
         )
         hit_alignment = hash_block if _partial_hash_hits(groups, hash_block, options) else scheduler
         if any(hit_alignment % tokens for tokens in alignments):
+            source = (
+                f"prefix_match_unit {unit}"
+                if unit is not None and hit_alignment == hash_block
+                else "the groups' block sizes"
+            )
             raise InvalidRequest(
-                f"prefix-cache hits would land every {hit_alignment} tokens, which is not a "
-                f"multiple of every compressed layer's tokens per state ({alignments}). "
-                "Choose a prefix_match_unit (or block sizes) that is, or disable prefix "
-                "caching",
+                f"prefix-cache hits would land every {hit_alignment} tokens (from {source}), "
+                f"which is not a multiple of every compressed layer's tokens per state "
+                f"({alignments}). Choose a prefix_match_unit (or block sizes) that is, or "
+                "disable prefix caching",
                 field="options.prefix_match_unit",
             )
     lookahead = spec_decode.prefill_lookahead_tokens
@@ -165,7 +206,9 @@ def check_scheduler_start(
         # The drafter's prefill lookahead must fit in the last block a prefix-cache
         # hit drops; the groups that drop it are the flagged ones, or every group
         # when the block drop applies and none is flagged.
-        all_dropped = spec_decode.block_drop_enabled(rules) and not rules.lookahead_block_hashes
+        # A KV connector (HiSparse) keeps the legacy hashes: the drop applies again.
+        lookahead_hashes = rules.lookahead_block_hashes and options.hisparse is None
+        all_dropped = spec_decode.block_drop_enabled(rules) and not lookahead_hashes
         if any(group.is_draft for group in groups) or (all_dropped and groups):
             raise InvalidRequest(
                 f"multi-module MTP with prefix caching needs the scheduler's block "

@@ -436,8 +436,9 @@ class EngineOptions(_message.Message):
     max_num_encoder_input_tokens: _builtins.int
     """cross-attention sizing, tokens"""
     enable_prefix_caching: _builtins.bool
-    """Unset = vLLM's default for the model the layers describe: on for decoder and
+    """Unset = vLLM's default for the target model's layers: on for decoder and
     hybrid models, off for Mamba-only, encoder-decoder and encoder-only ones.
+    Models with RSWA layers: always off (their vLLM config hook).
     """
     prefix_match_unit: _builtins.int
     """Tokens per prefix-cache hash (> 0). With one KV cache group it must equal the
