@@ -97,12 +97,10 @@ def resolve_block_sizes(
     """(scheduler block, hash block) in tokens for the lowest rank's groups;
     `caching`: `prefix_caching_in_effect`."""
     dcp = options.decode_context_parallel_size
-    if len(groups) <= 1:
-        sharded = not groups or groups[0].representative_spec.dcp_sharded
-        block = (groups[0].representative_spec.block_size if groups else options.block_size) * (
-            dcp if sharded else 1
-        )
-        scheduler = block
+    if not groups:
+        scheduler = options.block_size * dcp
+    elif len(groups) == 1:
+        scheduler = group_block_tokens(groups[0], dcp)
     else:
         scheduler = math.lcm(*(group_block_tokens(group, dcp) for group in groups))
     if scheduler > MAX_SCHEDULER_BLOCK:
