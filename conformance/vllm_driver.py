@@ -432,16 +432,23 @@ def available_kv_memory(
     return math.ceil(total * utilization) - used
 
 
-def _default_prefix_caching(req: plan_pb2.PlanRequest) -> bool:
-    """The engine's default (vLLM's ModelConfig.is_prefix_caching_supported) for
-    the model the layers describe: its attention type, and a pooler for a model of
-    encoder-only layers alone (vLLM serves those as pooling models)."""
+def _prefix_caching(req: plan_pb2.PlanRequest) -> bool:
+    """Prefix caching as vLLM's configuration settles it. Unset, the engine's
+    default (ModelConfig.is_prefix_caching_supported) for the target model's layers:
+    its attention type, and a pooler for a model of encoder-only layers alone (vLLM
+    serves those as pooling models)."""
     kinds = {
         layer.WhichOneof("kind")
         for worker in req.workers
         for layer in worker.layers
         if not layer.is_draft  # the target model's type decides
     }
+    if "rswa" in kinds:
+        # UnlimitedOCRForCausalLMConfig, the model hook of the only model with RSWA
+        # layers, turns prefix caching off whatever was asked.
+        return False
+    if req.options.HasField("enable_prefix_caching"):
+        return req.options.enable_prefix_caching
     decoder = kinds - {"mamba", "cross_attention", "encoder_only_attention"}
     if decoder and "mamba" in kinds:
         attn_type = "hybrid"  # ModelConfig.attn_type asks is_hybrid first
@@ -472,15 +479,7 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         max_model_len = int(o.max_model_len)
         original = max_model_len
     batched = o.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    prefix_caching = (
-        o.enable_prefix_caching
-        if o.HasField("enable_prefix_caching")
-        else _default_prefix_caching(req)
-    )
-    if any(layer.WhichOneof("kind") == "rswa" for w in req.workers for layer in w.layers):
-        # UnlimitedOCRForCausalLMConfig, the model hook of the only model with RSWA
-        # layers, turns prefix caching off.
-        prefix_caching = False
+    prefix_caching = _prefix_caching(req)
     # vLLM's Mamba config hook (MambaModelConfig.verify_and_update_config) sets the
     # mode from prefix caching, whatever was asked for.
     align = prefix_caching

@@ -923,16 +923,15 @@ def request_from_proto(
     ctx = _Context(message.options, rules, mamba_align_mode=options.mamba_align_mode)
     table = GPU_MEMORY_BYTES if gpu_memory_table is None else gpu_memory_table
     by_name = _GPU_BY_NAME if gpu_memory_table is None else _lowered(gpu_memory_table)
-    workers = tuple(
-        _worker_from_proto(worker, worker_bytes, index, ctx, table, by_name, known)
-        for index, (worker, worker_bytes, known) in enumerate(
-            zip(message.workers, encoded, known_workers, strict=True)
-        )
-    )
     return EngineRequest(
         engine_id=message.engine_id,
         options=options,
-        workers=workers,
+        workers=tuple(
+            _worker_from_proto(worker, worker_bytes, index, ctx, table, by_name, known)
+            for index, (worker, worker_bytes, known) in enumerate(
+                zip(message.workers, encoded, known_workers, strict=True)
+            )
+        ),
         spec_decode=spec_decode,
         rules=rules,
     )

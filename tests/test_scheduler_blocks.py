@@ -5,11 +5,14 @@ hand; `make conformance` checks the same rules against vLLM 0.32-0.34 themselves
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
 from google.protobuf import json_format
 
+from conformance.generate import W, _hisparse_engine, mla, rswa, sw_mla
+from conformance.generate import request as engine
 from kvplan.convert import plan_from_proto, request_from_proto
 from kvplan.core.errors import ErrorCode
 from kvplan.v1 import plan_pb2
@@ -20,7 +23,7 @@ MAMBA = {"mamba": {"states": [{"shape": [2, 512], "dtype": "DTYPE_FLOAT32"}]}}
 CROSS = {"attention": {"num_kv_heads": 8, "head_size": 64}}
 
 
-def attention(name: str, **extra: Any) -> dict[str, Any]:
+def attention(name: str) -> dict[str, Any]:
     return {"name": name, "full_attention": {"attention": {"num_kv_heads": 8, "head_size": 128}}}
 
 
@@ -191,16 +194,13 @@ def test_a_non_causal_layer_turns_prefix_caching_off() -> None:
 
 def test_bounded_replay_windows_must_agree() -> None:
     """vLLM's scheduler asserts one replay window, with prefix caching or without."""
-    from conformance.generate import GIB as CONF_GIB
-    from conformance.generate import W, mla, sw_mla
-    from conformance.generate import request as engine
 
     def replaying(*windows: int, caching: bool | None = None) -> plan_pb2.PlanRequest:
         layers = [mla("m.0", block=64)] + [
             sw_mla(f"s.{i}", window, block=64, bounded_replay=True)
             for i, window in enumerate(windows)
         ]
-        return engine(W(layers, CONF_GIB), block_size=64, prefix_caching=caching)
+        return engine(W(layers, GIB), block_size=64, prefix_caching=caching)
 
     assert plan_from_proto(replaying(128, 128))
     for caching in (None, False):
@@ -211,11 +211,7 @@ def test_bounded_replay_windows_must_agree() -> None:
 
 def test_rswa_models_never_cache_prefixes() -> None:
     """Unlimited-OCR (the only model with RSWA layers) turns prefix caching off."""
-    from conformance.generate import GIB as CONF_GIB
-    from conformance.generate import W, rswa
-    from conformance.generate import request as engine
-
-    message = engine(W([rswa(f"r.{i}") for i in range(2)], CONF_GIB), prefix_caching=True)
+    message = engine(W([rswa(f"r.{i}") for i in range(2)], GIB), prefix_caching=True)
     message.options.prefix_match_unit = 32  # would be refused with caching on
     assert not request_from_proto(message).options.enable_prefix_caching
     assert block_sizes(message) == (16, 16)
@@ -233,11 +229,6 @@ def test_the_target_model_decides_the_default_not_its_drafter() -> None:
 def test_hisparse_hashes_through_its_connector_without_prefix_caching() -> None:
     """HiSparse always runs a KV connector, which consumes block hashes: the unit is
     used and checked even with prefix caching off."""
-    import random
-
-    from conformance.generate import GIB as CONF_GIB
-    from conformance.generate import W, _hisparse_engine
-    from conformance.generate import request as engine
 
     def hisparse(unit: int) -> plan_pb2.PlanRequest:
         layers = _hisparse_engine(
@@ -251,7 +242,7 @@ def test_hisparse_hashes_through_its_connector_without_prefix_caching() -> None:
             topk=2048,
         )
         message = engine(
-            W(layers, kv_bytes=40 * CONF_GIB), layout="BLHNC", block_size=64, prefix_caching=False
+            W(layers, kv_bytes=40 * GIB), layout="BLHNC", block_size=64, prefix_caching=False
         )
         message.options.hisparse.host_pool_gib = 4.0
         message.options.hisparse.index_topk = 2048

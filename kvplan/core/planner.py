@@ -46,12 +46,7 @@ from kvplan.core.memory import (
 )
 from kvplan.core.request import EngineOptions, EngineRequest, SpecDecode, WorkerInput
 from kvplan.core.rules import RuleSet
-from kvplan.core.scheduler_blocks import (
-    StartRefusal,
-    prefix_caching_in_effect,
-    resolve_block_sizes,
-    start_refusal,
-)
+from kvplan.core.scheduler_blocks import SchedulerStart, start_scheduler
 from kvplan.core.specs import (
     AttentionSpec,
     KVCacheSpec,
@@ -439,10 +434,7 @@ class ModelPlan:
     projected_groups: tuple[tuple[ProjectedGroup, ...], ...]
     tp_replicas: tuple[int, ...]
     zeroing: tuple[bool, ...]
-    scheduler_block_size: int
-    hash_block_size: int
-    # Why the engine's scheduler would not start (raised after the memory checks).
-    start_refusal: StartRefusal | None
+    scheduler: SchedulerStart  # its block sizes, and why it would not start
 
     def check_made_for(self, request: EngineRequest, workers: list[WorkerInput]) -> None:
         """Raise ValueError unless `request` (its `workers` in rank order) has this
@@ -497,10 +489,6 @@ def plan_model(request: EngineRequest) -> ModelPlan:
         projected,
         lambda groups: tuple(ProjectedGroup(g.group_id, g.layer_names, g.is_draft) for g in groups),
     )
-    caching = prefix_caching_in_effect(groups, options)
-    scheduler_block, hash_block = resolve_block_sizes(
-        projected[0] if projected else [], options, caching
-    )
     return ModelPlan(
         options=options,
         spec_decode=request.spec_decode,
@@ -519,15 +507,8 @@ def plan_model(request: EngineRequest) -> ModelPlan:
         projected_groups=tuple(projected_groups),
         tp_replicas=tuple(_per_projection(projected, lambda groups: _tp_replicas(groups, options))),
         zeroing=tuple(zeroing),
-        scheduler_block_size=scheduler_block,
-        hash_block_size=hash_block,
-        start_refusal=start_refusal(
-            projected[0] if projected else [],
-            options,
-            request.spec_decode,
-            rules,
-            (scheduler_block, hash_block),
-            caching,
+        scheduler=start_scheduler(
+            projected[0] if projected else [], groups, options, request.spec_decode, rules
         ),
     )
 
@@ -779,8 +760,8 @@ def plan_engine(request: EngineRequest, model_plan: ModelPlan | None = None) -> 
                 for tensors in tensors_per_worker
             ]
     # Last, as the engine does once its KV cache is sized: the scheduler starts.
-    if model.start_refusal is not None:
-        raise model.start_refusal.exception()
+    if (refusal := model.scheduler.refusal()) is not None:
+        raise refusal
     ctx = _context(options, in_flight, max_model_len)
 
     # Workers with one projection share one tuple of tensors and of groups, which
@@ -850,8 +831,8 @@ def plan_engine(request: EngineRequest, model_plan: ModelPlan | None = None) -> 
         group_size=model.group_size,
         page_sizes_unified=model.page_sizes_unified,
         local_attention_promoted=model.local_attention_promoted,
-        scheduler_block_size=model.scheduler_block_size,
-        hash_block_size=model.hash_block_size,
+        scheduler_block_size=model.scheduler.scheduler_block,
+        hash_block_size=model.scheduler.hash_block,
         rule_set=rules.name,
         hisparse_host_num_blocks=host_blocks_per_worker[0] if hisparse is not None else 0,
         stage=stage,

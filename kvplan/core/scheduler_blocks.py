@@ -13,10 +13,10 @@ groups (the same rules in 0.32, 0.33 and 0.34):
   (of every group's, when none is cacheable).
 
 It then starts the scheduler and its KV cache manager, which refuse some of these
-engines (ValueError or AssertionError there; `check_scheduler_start` here). vLLM
+engines (ValueError or AssertionError there; `start_scheduler` here). vLLM
 does all this after the memory checks, so the planner raises the refusal last.
 Before planning, vLLM turns prefix caching off for some models
-(`prefix_caching_in_effect`); all of these rules read that. The scheduler sees
+(`_prefix_caching_in_effect`); all of these rules read that. The scheduler sees
 each group as its representative spec (a uniform-type group as its first layer's),
 and so do these rules.
 """
@@ -60,7 +60,7 @@ def _hashing_sizes(groups: list[KVCacheGroup], dcp: int) -> list[int]:
     return cacheable or sizes
 
 
-def prefix_caching_in_effect(groups: Iterable[KVCacheGroup], options: EngineOptions) -> bool:
+def _prefix_caching_in_effect(groups: Iterable[KVCacheGroup], options: EngineOptions) -> bool:
     """Prefix caching as the scheduler runs it: vLLM's engine turns it off for a
     model with a non-causal layer, after the configuration (the Mamba mode stays
     as configured): a cached prefix would hold keys that saw later tokens.
@@ -84,25 +84,23 @@ def _hashes_finely(groups: list[KVCacheGroup], options: EngineOptions, caching: 
     return (
         len(groups) > 1
         and _hashing(options, caching)
-        and not (
-            not options.mamba_align_mode
-            and any(isinstance(group.representative_spec, MambaSpec) for group in groups)
+        and (
+            options.mamba_align_mode
+            or not any(isinstance(group.representative_spec, MambaSpec) for group in groups)
         )
     )
 
 
-def resolve_block_sizes(
+def _resolve_block_sizes(
     groups: list[KVCacheGroup], options: EngineOptions, caching: bool
 ) -> tuple[int, int]:
     """(scheduler block, hash block) in tokens for the lowest rank's groups;
-    `caching`: `prefix_caching_in_effect`."""
+    `caching`: `_prefix_caching_in_effect`."""
     dcp = options.decode_context_parallel_size
-    if not groups:
-        scheduler = options.block_size * dcp
-    elif len(groups) == 1:
-        scheduler = group_block_tokens(groups[0], dcp)
-    else:
+    if groups:
         scheduler = math.lcm(*(group_block_tokens(group, dcp) for group in groups))
+    else:
+        scheduler = options.block_size * dcp
     if scheduler > MAX_SCHEDULER_BLOCK:
         dcp_scaled = dcp > 1 and any(group.representative_spec.dcp_sharded for group in groups)
         raise InvalidRequest(
@@ -132,7 +130,7 @@ def _partial_hash_hits(groups: list[KVCacheGroup], hash_block: int, options: Eng
     )
 
 
-def check_scheduler_start(
+def _check_start(
     groups: list[KVCacheGroup],
     options: EngineOptions,
     spec_decode: SpecDecode,
@@ -141,7 +139,7 @@ def check_scheduler_start(
     caching: bool,
 ) -> None:
     """Raise what the engine's scheduler raises when it starts with these groups
-    (the lowest rank's) and block sizes; `caching`: `prefix_caching_in_effect`."""
+    (the lowest rank's) and block sizes; `caching`: `_prefix_caching_in_effect`."""
     scheduler, hash_block = block_sizes
     unit = options.prefix_match_unit
     dcp = options.decode_context_parallel_size
@@ -245,41 +243,44 @@ def check_scheduler_start(
 
 
 @dataclass(frozen=True)
-class StartRefusal:
-    """What `check_scheduler_start` raised, kept with a model's plan (it depends on
-    the model alone: a fleet's engines check it once) and raised anew per engine
-    after its memory checks."""
+class SchedulerStart:
+    """What the engine's scheduler starts with, worked out once per model plan (it
+    depends on the model alone): its block sizes and, when it would not start, why,
+    raised anew for each engine after its memory checks (`refusal()`)."""
 
-    error: type[PlanningError]
-    message: str
-    field: str
+    scheduler_block: int  # tokens
+    hash_block: int  # tokens
+    refused: tuple[type[PlanningError], str, str] | None = None  # class, message, field
 
-    def exception(self) -> PlanningError:
-        return self.error(self.message, field=self.field)
+    def refusal(self) -> PlanningError | None:
+        if self.refused is None:
+            return None
+        error, message, field = self.refused
+        return error(message, field=field)
 
 
-def start_refusal(
+def start_scheduler(
     groups: list[KVCacheGroup],
+    all_groups: Iterable[KVCacheGroup],
     options: EngineOptions,
     spec_decode: SpecDecode,
     rules: RuleSet,
-    block_sizes: tuple[int, int],
-    caching: bool,
-) -> StartRefusal | None:
-    """`check_scheduler_start`'s refusal, or None when the scheduler starts."""
+) -> SchedulerStart:
+    """The scheduler's start for the lowest rank's `groups`; `all_groups`: every
+    group of the engine (what `_prefix_caching_in_effect` reads). A scheduler block
+    past the reply's uint32 is raised at once: it is kvplan's limit, not vLLM's."""
+    caching = _prefix_caching_in_effect(all_groups, options)
+    block_sizes = _resolve_block_sizes(groups, options, caching)
     try:
-        check_scheduler_start(groups, options, spec_decode, rules, block_sizes, caching)
+        _check_start(groups, options, spec_decode, rules, block_sizes, caching)
     except PlanningError as refusal:
-        return StartRefusal(type(refusal), refusal.message, refusal.field)
-    return None
+        return SchedulerStart(*block_sizes, (type(refusal), refusal.message, refusal.field))
+    return SchedulerStart(*block_sizes)
 
 
 __all__ = [
     "MAX_SCHEDULER_BLOCK",
-    "StartRefusal",
-    "check_scheduler_start",
+    "SchedulerStart",
     "group_block_tokens",
-    "prefix_caching_in_effect",
-    "resolve_block_sizes",
-    "start_refusal",
+    "start_scheduler",
 ]

@@ -477,12 +477,18 @@ async def test_one_identity_cannot_fill_the_pending_rendezvous_bytes(tmp_path: P
         with pytest.raises(PlannerError) as measured:  # how many bytes one rank holds
             await a.plan(rank_request("a-0", 0, world_size=2))
     share = int(measured.value.metadata["value"]) * 5 // 2  # two ranks fit, three do not
-    async with teams(tmp_path, max_pending_rendezvous_bytes_per_identity=share) as (_, a, b, _):
+    async with teams(tmp_path, max_pending_rendezvous_bytes_per_identity=share) as (
+        running,
+        a,
+        b,
+        _,
+    ):
         first, second = (
             asyncio.create_task(a.plan(rank_request(engine_id, 0, world_size=2), timeout_s=30))
             for engine_id in ("a-1", "a-2")
         )
-        await asyncio.sleep(0.2)
+        while await running.store.pending_engines() < 2:  # both ranks wait, bytes held
+            await asyncio.sleep(0.01)
         with pytest.raises(PlannerError) as refused:
             await a.plan(rank_request("a-3", 0, world_size=2))
         assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
