@@ -48,12 +48,16 @@ class KnownModel:
     rules: RuleSet
     workers: dict[int, WorkerModel]  # by rank (distinct: plan_model checked them)
     plan: ModelPlan
+    # The plan's groups as a reply carries them (kvplan.convert.render_groups): every
+    # engine of the model gets the same, so it is rendered once.
+    rendered_groups: bytes
     # Bytes it holds, over-estimated: each distinct layer list once (tensor-parallel
-    # ranks share one) at BYTES_PER_LAYER plus its names' characters.
+    # ranks share one) at BYTES_PER_LAYER plus its names' characters, and the groups'
+    # wire bytes.
     weight: int
 
     @classmethod
-    def of(cls, request: EngineRequest, plan: ModelPlan) -> KnownModel:
+    def of(cls, request: EngineRequest, plan: ModelPlan, rendered_groups: bytes) -> KnownModel:
         distinct = {id(worker.layers): worker.layers for worker in request.workers}
         return cls(
             options=request.options,
@@ -64,7 +68,9 @@ class KnownModel:
                 for w in request.workers
             },
             plan=plan,
-            weight=max(
+            rendered_groups=rendered_groups,
+            weight=len(rendered_groups)
+            + max(
                 BYTES_PER_LAYER,
                 sum(
                     BYTES_PER_LAYER + len(name)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from bench.engines import gemma_style, gemma_style_pipeline, qwen3_next_tp8
 from conformance.generate import generate_cases
-from kvplan.convert import plan_from_proto, plan_keys, request_from_proto
+from kvplan.convert import plan_from_proto, plan_keys, render_groups, request_from_proto
 from kvplan.core.errors import PlanningError
 from kvplan.core.planner import plan_engine, plan_model
 from kvplan.core.rules import RULE_SETS
@@ -168,12 +168,15 @@ def test_a_model_plan_of_another_model_is_refused() -> None:
 
 def _known(request: plan_pb2.PlanRequest) -> KnownModel:
     domain = request_from_proto(request)
-    return KnownModel.of(domain, plan_model(domain))
+    model = plan_model(domain)
+    return KnownModel.of(domain, model, render_groups(model.groups))
 
 
 def test_bounded_by_count_and_bytes_least_recently_used_first() -> None:
     small = _known(gemma_style(8))
-    assert small.weight == sum(BYTES_PER_LAYER + len(n) for n, _ in small.worker(0).layers)
+    assert small.weight == len(small.rendered_groups) + sum(
+        BYTES_PER_LAYER + len(n) for n, _ in small.worker(0).layers
+    )
     cache = ModelCache(capacity=2, max_bytes=10 * small.weight)
     for key in ("a", "b"):
         cache.put(key, small)
