@@ -70,16 +70,6 @@ VALIDATION_DEVIATIONS = (
     (re.compile(r"^workers\[\d+\]\.rank$"), "(c) kvplan rejects a rank given twice (D7)"),
 )
 
-# vLLM defects that stop its engine after planning, where kvplan plans what the
-# planner computed (docs/semantics.md, D10): (stage, message prefix, reason).
-VLLM_DEFECTS = (
-    (
-        "kv_cache_manager",
-        "SinkFullAttentionManager.__init__() got an unexpected keyword argument",
-        "(f) vLLM cannot start a sink-attention KV cache manager (D10)",
-    ),
-)
-
 # vLLM 0.32 / 0.33's assertion when the workers' supported-layout lists differ.
 LAYOUT_LISTS_DISAGREE = "Workers disagree on supported KV cache layouts"
 
@@ -357,16 +347,11 @@ def documented_deviation(
     case: Case, v: Json, k: Json, diffs: list[Diff], *, own_rules: bool = True
 ) -> str | None:
     """The deviation that explains every diff, or None. Under a release's rule set
-    only the validation deviations (D7) and vLLM's defects (D10) apply; D1, D2 and D4
+    only the validation deviations (D7) apply; D1, D2 and D4
     are kvplan's own rules."""
     if not diffs:
         return None
     vllm_error = (v.get("error") or {}).get("message", "")
-    if k.get("ok") and not v.get("ok"):
-        stage = (v.get("error") or {}).get("stage")
-        for defect_stage, prefix, reason in VLLM_DEFECTS:
-            if stage == defect_stage and vllm_error.startswith(prefix):
-                return reason
     if own_rules and vllm_error.startswith(LAYOUT_LISTS_DISAGREE):
         # 0.33 stops there; kvplan's own rules go on with 0.34's merge.
         return "(e) workers' differing layout lists merged as vLLM 0.34 does (D9)"

@@ -2983,6 +2983,85 @@ def _layout_resolution(c: Cases) -> None:
         c.add(cat, cid, f"DCP mixed sharding, list {names}", with_layouts(dcp, [names] * 2, None))
 
 
+def _with_low_free_memory(req: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:
+    """Every worker's device with 30 GiB free: below what utilization 0.9 of 80 GiB
+    asks, which vLLM's worker refuses as it starts (a non-extensible cache)."""
+    for worker in req.workers:
+        worker.device.free_memory_bytes = 30 * GIB
+    return _with_release_options(req, extensible=False)
+
+
+def _engine_start(c: Cases) -> None:
+    """Engines with two faults, where the engine's start order decides which one it
+    reports: a worker's free memory (checked as it starts, before the model exists),
+    padded pages the layout cannot express (vLLM 0.33+ places one block before its
+    memory checks), too little memory; and the sink manager's own check of the sink
+    length against its block (the differential check starts that manager with vLLM's
+    defect worked around, D10)."""
+    cat = "engine_start"
+    padded_sw = [full("f.0"), sw("s.0", 1024, 8, 96, a={"padded": 65536})]
+    for layout in ("LHBNC", "BHLNC", "LBNHC"):
+        for kv_bytes, memory in ((MIB, "1MiB"), (4 * GIB, "4GiB")):
+            c.add(
+                cat,
+                f"padded-{layout}-{memory}",
+                f"a padded SW page, layout {layout}, {memory} of KV cache",
+                request(W(padded_sw, kv_bytes), layout=layout, block_size=16),
+            )
+
+    def on_80gib(layers: list[Layer]) -> W:
+        return W(layers, total=80 * GIB, utilization=0.9)
+
+    c.add(
+        cat,
+        "free-memory-vs-no-hybrid-manager",
+        "Mamba + full attention with the hybrid manager off, on a device with too "
+        "little free memory",
+        _with_low_free_memory(
+            request(on_80gib([mamba("m.0"), full("f.0", 2, 64)]), disable_hybrid=True)
+        ),
+    )
+    differing = request([on_80gib(llama(2)), on_80gib(llama(2, prefix="b"))], pp=2)
+    differing.workers[0].supported_layouts.append(LAYOUTS["LBNHC"])
+    differing.workers[1].supported_layouts.append(LAYOUTS["BLHNC"])
+    c.add(
+        cat,
+        "free-memory-vs-layout-lists",
+        "two stages supporting different layouts, on devices with too little free memory",
+        _with_low_free_memory(differing),
+    )
+    c.add(
+        cat,
+        "free-memory-vs-padded-layout",
+        "a padded SW page in LHBNC, on a device with too little free memory",
+        _with_low_free_memory(request(on_80gib(padded_sw), layout="LHBNC")),
+    )
+    sinks = {
+        "sink16-block16": (16, 16, 0),
+        "sink16-block32": (16, 32, 0),
+        "sink48-block32": (48, 32, 0),
+        "sink128-block64": (128, 64, 0),
+        "sink0-block16": (0, 16, 0),
+        "sink16-block16-dcp2": (16, 16, 2),
+        "sink32-block16-dcp2": (32, 16, 2),
+    }
+    for cid, (sink_len, block, dcp) in sinks.items():
+        layers = [sink("k.0", sink_len), sink("k.1", sink_len)]
+        workers = [W(layers, GIB)] * max(dcp, 1)
+        c.add(
+            cat,
+            cid,
+            f"sink attention, sink {sink_len} tokens, block {block}, DCP {dcp}",
+            request(workers, block_size=block, tp=dcp, dcp=dcp),
+        )
+    c.add(
+        cat,
+        "sink16-with-sw-block32",
+        "sink attention beside sliding-window layers, sink 16 tokens, block 32",
+        request(W([sink("k.0", 16), sw("s.0", 512), sw("s.1", 512)], GIB), block_size=32),
+    )
+
+
 def _block_sizes(c: Cases) -> None:
     """The scheduler's block sizes and what its KV cache manager refuses at start:
     prefix_match_unit, DCP, compressed states, the MTP lookahead, caching defaults."""
@@ -3223,6 +3302,7 @@ SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _releases,
     _hisparse,
     _block_sizes,
+    _engine_start,
     _layout_resolution,  # after the sections whose engines it samples
     _scenario_files,
 )

@@ -825,6 +825,29 @@ def _num_hash_lookahead_tokens(cfg: Any) -> int:
 _MANAGER_POOL_BLOCKS = 64
 
 
+def _fixed_sink_manager() -> None:
+    """vLLM 0.32.0-0.34.0 cannot build its sink-attention manager: every manager is
+    given `needs_kv_cache_zeroing`, which SinkFullAttentionManager does not take (a
+    TypeError; docs/semantics.md, D10). The check compares kvplan with the engine
+    as fixed: the manager drops that argument, so its own sink-length assertion and
+    the rest of the start run as they would."""
+    from vllm.v1.core import single_type_kv_cache_manager as managers
+
+    manager = managers.SinkFullAttentionManager
+    build = manager.__init__
+    if "needs_kv_cache_zeroing" in inspect.signature(build).parameters:
+        return  # a release that takes it
+
+    def build_without_zeroing(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("needs_kv_cache_zeroing", None)
+        build(self, *args, **kwargs)
+
+    manager.__init__ = build_without_zeroing
+
+
+_fixed_sink_manager()
+
+
 def _start_kv_cache_manager(
     cfg: VllmConfig, scheduler: KVCacheConfig, scheduler_block: int, hash_block: int
 ) -> None:

@@ -23,7 +23,13 @@ from kvplan.core.groups import DraftRule, GroupingPath, KVCacheGroup
 from kvplan.core.hisparse import DEFAULT_HOST_PAGE_BYTES, HiSparseConfig
 from kvplan.core.layout import KVCacheLayout
 from kvplan.core.memory import BudgetMode
-from kvplan.core.planner import EnginePlan, WorkerPlan, plan_engine, plan_model
+from kvplan.core.planner import (
+    EnginePlan,
+    WorkerPlan,
+    plan_engine,
+    plan_model,
+    worker_budgets,
+)
 from kvplan.core.request import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DeviceInfo,
@@ -1338,14 +1344,17 @@ def plan_from_proto(
     request = request_from_proto(
         message, gpu_memory_table=gpu_memory_table, encoded_workers=encoded, known_model=known
     )
+    budgets = worker_budgets(request)  # as the workers start, before there is a model
     if known is not None:
         model, rendered_groups = known.plan, known.rendered_groups
     else:
         model, rendered_groups = plan_model(request), None
-        if models is not None:
-            rendered_groups = render_groups(model.groups)
-            models.put(model_key, KnownModel.of(request, model, rendered_groups))
-    plan = plan_engine(request, model)
+    plan = plan_engine(request, model, budgets)
+    if known is None and models is not None:
+        # Kept once an engine of it planned: rendering reads every page size, which
+        # may raise an error that vLLM (and plan_engine) raises later than others.
+        rendered_groups = render_groups(model.groups)
+        models.put(model_key, KnownModel.of(request, model, rendered_groups))
     try:
         return plan_to_proto(
             plan, plan_id=plan_id or plan_id_for(message, encoded), rendered_groups=rendered_groups

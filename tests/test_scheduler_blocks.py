@@ -252,3 +252,85 @@ def test_hisparse_hashes_through_its_connector_without_prefix_caching() -> None:
     assert block_sizes(hisparse(16)) == (64, 16)
     error = planning_error(hisparse(48))
     assert error.field == "options.prefix_match_unit"
+
+
+def sinks(sink_len: int) -> list[dict[str, Any]]:
+    body = {"attention": {"num_kv_heads": 8, "head_size": 128}, "sink_len": sink_len}
+    return [{"name": f"k.{i}", "sink_full_attention": body} for i in range(2)]
+
+
+@pytest.mark.parametrize(
+    ("sink_len", "block_size", "dcp", "starts"),
+    [
+        (16, 16, 1, True),
+        (64, 32, 1, True),
+        (16, 32, 1, False),  # the sink is not a whole number of blocks
+        (48, 32, 1, False),
+        (0, 16, 1, False),  # the manager needs a sink
+        (32, 16, 2, True),  # a DCP-sharded block spans 16 x 2 tokens
+        (16, 16, 2, False),
+    ],
+)
+def test_the_sink_manager_needs_its_sink_in_whole_blocks(
+    sink_len: int, block_size: int, dcp: int, starts: bool
+) -> None:
+    message = request(sinks(sink_len), block_size=block_size)
+    if dcp > 1:
+        message.options.parallel.tensor_parallel_size = dcp
+        message.options.parallel.decode_context_parallel_size = dcp
+    if starts:
+        assert plan_from_proto(message).num_blocks > 0
+        return
+    error = planning_error(message)
+    assert (error.code, error.field) == (ErrorCode.INVALID_ARGUMENT, "options.block_size")
+    assert f"sink of {sink_len} tokens" in error.message
+    assert f"block ({block_size * dcp} tokens" in error.message
+
+
+def test_a_worker_refuses_too_little_free_memory_before_planning() -> None:
+    """vLLM's worker checks its device's free memory as it starts, before the model
+    exists: that refusal comes before one of the model's (here: Mamba with the hybrid
+    manager off), for a new model and for a known one alike."""
+    message = request([layer("m.0", MAMBA), *llama(1)], disable_hybrid_kv_cache_manager=True)
+    assert planning_error(message).code == ErrorCode.FAILED_PRECONDITION  # the model's fault
+    worker = message.workers[0]
+    worker.memory.gpu_memory_utilization = 0.9
+    worker.device.total_memory_bytes = 80 * GIB
+    worker.device.free_memory_bytes = 30 * GIB
+    error = planning_error(message)
+    assert (error.code, error.field) == (
+        ErrorCode.RESOURCE_EXHAUSTED,
+        "workers[0].memory.gpu_memory_utilization",
+    )
+    assert "free memory on the device" in error.message
+
+
+@pytest.mark.parametrize(
+    ("engine_version", "kv_bytes", "code"),
+    [
+        # 0.33+ places one block to size it, before the memory checks.
+        ("vllm-0.33", 1 << 20, ErrorCode.FAILED_PRECONDITION),
+        ("vllm-0.34", 1 << 20, ErrorCode.FAILED_PRECONDITION),
+        # 0.32 checks the layout while building each worker's config, after them.
+        ("vllm-0.32", 1 << 20, ErrorCode.RESOURCE_EXHAUSTED),
+        ("vllm-0.32", 4 * GIB, ErrorCode.FAILED_PRECONDITION),
+    ],
+)
+def test_a_layout_that_cannot_pad_pages_is_refused_where_vllm_places_a_block(
+    engine_version: str, kv_bytes: int, code: ErrorCode
+) -> None:
+    padded = {
+        "attention": {"num_kv_heads": 8, "head_size": 96, "page_size_padded_bytes": 65536},
+        "sliding_window": 1024,
+    }
+    message = request(
+        [*llama(1), layer("s.0", {"sliding_window": padded})],
+        layout="KV_CACHE_LAYOUT_LHBNC",
+        block_size=16,
+        engine_version=engine_version,
+    )
+    message.workers[0].memory.kv_cache_memory_bytes = kv_bytes
+    error = planning_error(message)
+    assert error.code == code, error.message
+    if code == ErrorCode.FAILED_PRECONDITION:
+        assert "cannot pad pages" in error.message

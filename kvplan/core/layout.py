@@ -76,8 +76,13 @@ def bytes_per_block(groups: list[KVCacheGroup], layout: KVCacheLayout) -> int:
 
 
 def validate_layout(layout: KVCacheLayout, groups: list[KVCacheGroup]) -> None:
-    """Mixed page sizes pack pages side by side inside a block, which the layout
-    must be able to express."""
+    """Mixed page sizes pack pages side by side inside a block, and padded pages
+    pad a page grid: the layout must be able to express both. (vLLM 0.33+ places
+    one block's tensors to size a block, before its memory checks: a padded page
+    the layout cannot express stops it there.)"""
+    for group in groups:
+        for spec, _ in group.layer_runs:
+            check_page_padding(spec, layout)
     page_sizes = {spec.page_size_bytes for group in groups for spec, _ in group.layer_runs}
     if len(page_sizes) <= 1:
         return
@@ -85,6 +90,19 @@ def validate_layout(layout: KVCacheLayout, groups: list[KVCacheGroup]) -> None:
         raise UnplannableSpecs(
             f"KV cache layout {layout.name} cannot express mixed page sizes "
             f"{sorted(page_sizes)} bytes; use a block-outermost layout such as BLHNC"
+        )
+
+
+def check_page_padding(spec: KVCacheSpec, layout: KVCacheLayout) -> None:
+    """A padded page pads the grid of layers and blocks: the layout may put no axis
+    but L and B in front of the later of the two, unless it has one element (of the
+    six layouts, LHBNC and BHLNC put H there)."""
+    order = layout._value_
+    page_grid = order[: max(order.index(AXIS_L), order.index(AXIS_B)) + 1]
+    if spec.padded_page_bytes is not None and AXIS_H in page_grid and spec.num_heads != 1:
+        raise SpecInvariantError(
+            f"layout {layout.name} cannot pad pages of layers with "
+            f"{spec.num_heads} head slots; use a block-compact layout such as LBNHC"
         )
 
 
@@ -106,13 +124,7 @@ def layout_strides(
     order = layout._value_
     padded_page = spec.padded_page_bytes
     page_grid_end = max(order.index(AXIS_L), order.index(AXIS_B)) + 1
-    if padded_page is not None:
-        grid = math.prod(shape[axis] for axis in order[:page_grid_end])
-        if grid != num_layers * num_blocks:
-            raise SpecInvariantError(
-                f"layout {layout.name} cannot pad pages of layers with "
-                f"{spec.num_heads} head slots; use a block-compact layout such as LBNHC"
-            )
+    check_page_padding(spec, layout)
     strides = [0] * 5
     running = 1
     for position in range(len(order) - 1, -1, -1):

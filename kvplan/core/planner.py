@@ -457,8 +457,8 @@ class ModelPlan:
 
 def plan_model(request: EngineRequest) -> ModelPlan:
     """The memory-independent half of a plan: checks, layout, groups, draft flags and
-    each worker's projection. Raises what `plan_engine` raises before it reads any
-    worker's memory."""
+    each worker's projection. Raises what `plan_engine` raises between the workers'
+    budgets (`worker_budgets`) and its memory checks."""
     options = request.options
     rules = request.rules
     workers = _validate(request)
@@ -513,10 +513,38 @@ def plan_model(request: EngineRequest) -> ModelPlan:
     )
 
 
-def plan_engine(request: EngineRequest, model_plan: ModelPlan | None = None) -> EnginePlan:
+def worker_budgets(request: EngineRequest) -> list[Budget]:
+    """Each worker's memory budget, in rank order: what it reads of its device as it
+    starts. vLLM's workers check their device's free memory when they start, before
+    the model exists, so these refusals come before any planning error: callers work
+    them out before `plan_model`."""
+    index_of = {worker.rank: index for index, worker in enumerate(request.workers)}
+    extensible = request.options.extensible_kv_cache
+    # A budget depends on the worker's memory and device settings alone (the rank and
+    # index only name it in errors, raised at the first worker with those settings):
+    # workers sharing settings objects (converted once per distinct setting) share
+    # one budget (8 TP ranks: 16.7 -> 3.7 µs).
+    budget_of: dict[tuple[int, int], Budget] = {}
+    budgets: list[Budget] = []
+    for worker in sorted(request.workers, key=lambda worker: worker.rank):
+        key = (id(worker.memory), id(worker.device))
+        if key not in budget_of:
+            budget_of[key] = worker_budget(worker, index_of[worker.rank], extensible=extensible)
+        budgets.append(budget_of[key])
+    return budgets
+
+
+def plan_engine(
+    request: EngineRequest,
+    model_plan: ModelPlan | None = None,
+    budgets: list[Budget] | None = None,
+) -> EnginePlan:
     """The plan of one engine. `model_plan`: `plan_model` of a request that differs
     from this one at most in its engine id and its workers' memory and device
-    (checked: ValueError otherwise); without it, made here."""
+    (checked: ValueError otherwise); without it, made here. `budgets`: the request's
+    `worker_budgets`, when the caller has them."""
+    if budgets is None:
+        budgets = worker_budgets(request)
     model = plan_model(request) if model_plan is None else model_plan
     # plan_model checked the ranks (distinct): rank order, as there.
     workers = sorted(request.workers, key=lambda worker: worker.rank)
@@ -532,19 +560,6 @@ def plan_engine(request: EngineRequest, model_plan: ModelPlan | None = None) -> 
     # configuration, after the memory checks (as in every release).
     layout_after_memory = rules.layout_checked_after_memory or hisparse is not None
     index_of = {worker.rank: index for index, worker in enumerate(request.workers)}
-    # A budget depends on the worker's memory and device settings alone (the rank and
-    # index only name it in errors, raised at the first worker with those settings):
-    # workers sharing settings objects (converted once per distinct setting) share
-    # one budget (8 TP ranks: 16.7 -> 3.7 µs).
-    budget_of: dict[tuple[int, int], Budget] = {}
-    budgets: list[Budget] = []
-    for worker in workers:
-        key = (id(worker.memory), id(worker.device))
-        if key not in budget_of:
-            budget_of[key] = worker_budget(
-                worker, index_of[worker.rank], extensible=options.extensible_kv_cache
-            )
-        budgets.append(budget_of[key])
     available = [budget.available_bytes for budget in budgets]
 
     block_bytes: list[int] = []
@@ -850,4 +865,5 @@ __all__ = [
     "cdiv",
     "plan_engine",
     "plan_model",
+    "worker_budgets",
 ]

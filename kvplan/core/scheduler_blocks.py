@@ -34,6 +34,7 @@ from kvplan.core.rules import RuleSet
 from kvplan.core.specs import (
     FullAttentionSpec,
     MambaSpec,
+    SinkFullAttentionSpec,
     SlidingWindowMLASpec,
     layer_specs_of,
 )
@@ -213,6 +214,20 @@ def _check_start(
                 field="spec_decode.num_speculative_tokens",
             )
 
+    for group in groups:
+        # The sink manager's own check, as it is built for its group.
+        spec = group.representative_spec
+        if isinstance(spec, SinkFullAttentionSpec):
+            block = group_block_tokens(group, dcp)
+            if not spec.sink_len or spec.sink_len % block:
+                raise InvalidRequest(
+                    f"attention-sink layers {list(group.layer_names[:2])} keep a sink of "
+                    f"{spec.sink_len or 0} tokens; the engine needs it to be a positive "
+                    f"multiple of their group's block ({block} tokens"
+                    + (f", {spec.block_size} x DCP {dcp}" if block != spec.block_size else "")
+                    + "). Choose a block size that divides the sink length",
+                    field="options.block_size",
+                )
     if caching and len(groups) != 1:
         # The several-group (hybrid) manager with prefix caching, in its order.
         if dcp > 1:
