@@ -1350,12 +1350,12 @@ def plan_from_proto(
     else:
         model, rendered_groups = plan_model(request), None
     plan = plan_engine(request, model, budgets)
-    if known is None and models is not None:
-        # Kept once an engine of it planned: rendering reads every page size, which
-        # may raise an error that vLLM (and plan_engine) raises later than others.
-        rendered_groups = render_groups(model.groups)
-        models.put(model_key, KnownModel.of(request, model, rendered_groups))
     try:
+        if known is None and models is not None:
+            # Kept once an engine of it planned: rendering reads every page size, which
+            # may raise an error that vLLM (and plan_engine) raises later than others.
+            rendered_groups = render_groups(model.groups)
+            models.put(model_key, KnownModel.of(request, model, rendered_groups))
         return plan_to_proto(
             plan, plan_id=plan_id or plan_id_for(message, encoded), rendered_groups=rendered_groups
         )
