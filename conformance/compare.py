@@ -347,8 +347,7 @@ def documented_deviation(
     case: Case, v: Json, k: Json, diffs: list[Diff], *, own_rules: bool = True
 ) -> str | None:
     """The deviation that explains every diff, or None. Under a release's rule set
-    only the validation deviations (D7) apply; D1, D2 and D4
-    are kvplan's own rules."""
+    only the validation deviations (D7) apply; D1, D2 and D4 are kvplan's own rules."""
     if not diffs:
         return None
     vllm_error = (v.get("error") or {}).get("message", "")

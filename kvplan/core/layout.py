@@ -113,7 +113,8 @@ def layout_strides(
     layout: KVCacheLayout,
     fixed_block_stride: int | None,
 ) -> tuple[int, int]:
-    """(layer stride, block stride) in bytes for `num_layers` layers of `spec`."""
+    """(layer stride, block stride) in bytes for `num_layers` layers of `spec`, in a
+    layout `validate_layout` accepted for it (a padded page: `check_page_padding`)."""
     shape = (
         num_layers,
         num_blocks,
@@ -124,7 +125,6 @@ def layout_strides(
     order = layout._value_
     padded_page = spec.padded_page_bytes
     page_grid_end = max(order.index(AXIS_L), order.index(AXIS_B)) + 1
-    check_page_padding(spec, layout)
     strides = [0] * 5
     running = 1
     for position in range(len(order) - 1, -1, -1):
