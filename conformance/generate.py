@@ -3060,6 +3060,34 @@ def _engine_start(c: Cases) -> None:
         "sink attention beside sliding-window layers, sink 16 tokens, block 32",
         request(W([sink("k.0", 16), sw("s.0", 512), sw("s.1", 512)], GIB), block_size=32),
     )
+    # Sliding-window layers of two page sizes that do not occur equally often: the
+    # packed layout's grouping leaves one out (vLLM 0.32 notices as it builds each
+    # worker's configuration, after the memory checks; later releases at grouping).
+    heads = (8, 8, 8, 8, 8, 8, 4, 8, 4, 4, 4, 8)
+    uneven = [
+        full(f"u.{i}", h, 96) if i % 4 == 3 else sw(f"u.{i}", 128, h, 96)
+        for i, h in enumerate(heads)
+    ]
+    for kv_bytes, memory in ((16 * MIB, "16MiB"), (64 * GIB, "64GiB")):
+        c.add(
+            cat,
+            f"packed-drops-a-layer-{memory}",
+            f"BLHNC, sliding-window pages of uneven counts, {memory} of KV cache",
+            request(W(uneven, kv_bytes), layout="BLHNC", block_size=32, max_model_len=131072),
+        )
+        c.add(
+            cat,
+            f"packed-drops-a-layer-pp2-{memory}",
+            f"the same in two pipeline stages (the layer left out is the second's), "
+            f"{memory} of KV cache each",
+            request(
+                [W(uneven[:4], kv_bytes), W(uneven[4:], kv_bytes)],
+                layout="BLHNC",
+                block_size=32,
+                max_model_len=131072,
+                pp=2,
+            ),
+        )
 
 
 def _block_sizes(c: Cases) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from google.protobuf import json_format
 
-from conformance.generate import W, _hisparse_engine, mla, rswa, sw_mla
+from conformance.generate import MIB, W, _hisparse_engine, full, mla, rswa, sw, sw_mla
 from conformance.generate import request as engine
 from kvplan.convert import plan_from_proto, request_from_proto
 from kvplan.core.errors import ErrorCode
@@ -334,3 +334,42 @@ def test_a_layout_that_cannot_pad_pages_is_refused_where_vllm_places_a_block(
     assert error.code == code, error.message
     if code == ErrorCode.FAILED_PRECONDITION:
         assert "cannot pad pages" in error.message
+
+
+# Sliding-window pages of two sizes that do not occur equally often: BLHNC's packed
+# grouping leaves layer u.5 out of every group.
+_UNEVEN_HEADS = (8, 8, 8, 8, 8, 8, 4, 8, 4, 4, 4, 8)
+_UNEVEN = [
+    full(f"u.{i}", heads, 96) if i % 4 == 3 else sw(f"u.{i}", 128, heads, 96)
+    for i, heads in enumerate(_UNEVEN_HEADS)
+]
+
+
+@pytest.mark.parametrize(
+    ("engine_version", "kv_bytes", "code"),
+    [
+        # 0.33+ find the layer left out while grouping, before the memory checks.
+        ("vllm-0.33", 16 * MIB, ErrorCode.FAILED_PRECONDITION),
+        ("vllm-0.34", 16 * MIB, ErrorCode.FAILED_PRECONDITION),
+        ("", 16 * MIB, ErrorCode.FAILED_PRECONDITION),
+        # 0.32 finds it as it builds each worker's configuration, after them.
+        ("vllm-0.32", 16 * MIB, ErrorCode.RESOURCE_EXHAUSTED),
+        ("vllm-0.32", 64 * GIB, ErrorCode.FAILED_PRECONDITION),
+    ],
+)
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_layer_no_group_holds_is_refused_where_the_release_finds_it(
+    engine_version: str, kv_bytes: int, code: ErrorCode, stages: int
+) -> None:
+    workers = (
+        W(_UNEVEN, kv_bytes)
+        if stages == 1
+        else [W(_UNEVEN[:4], kv_bytes), W(_UNEVEN[4:], kv_bytes)]
+    )
+    message = engine(workers, layout="BLHNC", block_size=32, max_model_len=131072, pp=stages)
+    message.options.engine_version = engine_version
+    error = planning_error(message)
+    assert error.code == code, error.message
+    if code == ErrorCode.FAILED_PRECONDITION:
+        assert "no KV cache group holds layers ['u.5']" in error.message
+        assert "LBNHC" in error.message

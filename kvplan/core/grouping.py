@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NoReturn
 
 from kvplan.core.diagnostics import PaddingInfo, PlanWarning, WarningCode
 from kvplan.core.errors import InvalidRequest, UnplannableSpecs
@@ -77,6 +77,9 @@ class GroupingResult:
     page_sizes_unified: bool = False
     local_attention_promoted: bool = False
     annotated_group_start: int = 0
+    # Layers no group holds, where the release finds them only as it builds each
+    # worker's configuration (RuleSet.worker_config_checked_after_memory).
+    unassigned: frozenset[str] = frozenset()
 
     @property
     def annotated_groups(self) -> list[KVCacheGroup]:
@@ -570,11 +573,14 @@ def group_layers(
         page_sizes_unified: bool = False,
     ) -> GroupingResult:
         groups = _numbered(groupings)
-        _check_exact_partition(groups, specs)
+        unassigned = _check_exact_partition(
+            groups, specs, missing_allowed=rules.worker_config_checked_after_memory
+        )
         return GroupingResult(
             path=path,
             groups=groups,
             specs=specs,
+            unassigned=unassigned,
             annotation_specs=specs if annotation_specs is None else annotation_specs,
             annotated_group_count=(
                 len(groups) if annotated_group_count is None else annotated_group_count
@@ -711,17 +717,30 @@ def _hisparse_path(
     )
 
 
-def _check_exact_partition(groups: Sequence[KVCacheGroup], specs: Mapping[str, object]) -> None:
+def _check_exact_partition(
+    groups: Sequence[KVCacheGroup], specs: Mapping[str, object], *, missing_allowed: bool = False
+) -> frozenset[str]:
+    """Raise unless every layer is in exactly one group. `missing_allowed`: layers
+    no group holds are returned instead, for the release that finds them later."""
     grouped = [name for group in groups for name in group.layer_names]
     distinct = set(grouped)
     if len(distinct) == len(grouped) and distinct.issuperset(specs):
-        return  # one pass for the usual case; the loop below names what is wrong
+        return frozenset()  # one pass for the usual case; the loop below names what is wrong
     seen: set[str] = set()
     for group in groups:
         overlap = seen & set(group.layer_names)
         if overlap:
             raise SpecInvariantError(f"KV cache groups overlap: {sorted(overlap)}")
         seen |= set(group.layer_names)
-    missing = set(specs) - seen
-    if missing:
-        raise SpecInvariantError(f"KV cache groups miss layers: {sorted(missing)}")
+    missing = frozenset(specs) - seen
+    if missing and not missing_allowed:
+        raise_unassigned(missing)
+    return missing
+
+
+def raise_unassigned(layers: Iterable[str]) -> NoReturn:
+    raise SpecInvariantError(
+        f"no KV cache group holds layers {sorted(layers)}: a packed layout leaves out the "
+        "layers of one kind whose page sizes do not occur equally often; a layer-outer "
+        "layout such as LBNHC groups them"
+    )

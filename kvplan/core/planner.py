@@ -18,7 +18,7 @@ from kvplan.core.diagnostics import PaddingInfo, PlanWarning, WarningCode
 from kvplan.core.draft import annotate_draft_groups
 from kvplan.core.errors import InsufficientMemory, InvalidRequest, PlanningError, UnplannableSpecs
 from kvplan.core.extensible import blocks_within, segment_strides
-from kvplan.core.grouping import SpecDict, group_layers
+from kvplan.core.grouping import SpecDict, group_layers, raise_unassigned
 from kvplan.core.groups import GroupingPath, KVCacheGroup
 from kvplan.core.hisparse import (
     CONNECTOR_LAYOUT,
@@ -435,6 +435,9 @@ class ModelPlan:
     tp_replicas: tuple[int, ...]
     zeroing: tuple[bool, ...]
     scheduler: SchedulerStart  # its block sizes, and why it would not start
+    # Layers no group holds, refused as each worker's configuration is built
+    # (RuleSet.worker_config_checked_after_memory); elsewhere grouping refuses them.
+    unassigned_layers: frozenset[str] = frozenset()
 
     def check_made_for(self, request: EngineRequest, workers: list[WorkerInput]) -> None:
         """Raise ValueError unless `request` (its `workers` in rank order) has this
@@ -510,6 +513,7 @@ def plan_model(request: EngineRequest) -> ModelPlan:
         scheduler=start_scheduler(
             projected[0] if projected else [], groups, options, request.spec_decode, rules
         ),
+        unassigned_layers=grouping.unassigned,
     )
 
 
@@ -558,7 +562,7 @@ def plan_engine(
     device = model.device
     # Under HiSparse the layout is checked only while building each worker's
     # configuration, after the memory checks (as in every release).
-    layout_after_memory = rules.layout_checked_after_memory or hisparse is not None
+    layout_after_memory = rules.worker_config_checked_after_memory or hisparse is not None
     index_of = {worker.rank: index for index, worker in enumerate(request.workers)}
     available = [budget.available_bytes for budget in budgets]
 
@@ -686,9 +690,16 @@ def plan_engine(
 
     host_blocks_per_worker = [0] * len(workers)
     if layout_after_memory:
-        # vLLM 0.32 (and HiSparse everywhere) validates the layout while building
-        # each worker's config; HiSparse sizes its host pool first.
-        for index, (worker_groups, device_groups) in enumerate(zip(projected, device, strict=True)):
+        # vLLM 0.32 (and HiSparse everywhere) checks each worker's configuration as
+        # it builds it, in rank order: 0.32 first that its groups hold every layer of
+        # the worker, then the layout; HiSparse sizes its host pool first.
+        for index, (worker, worker_groups, device_groups) in enumerate(
+            zip(workers, projected, device, strict=True)
+        ):
+            if model.unassigned_layers:
+                dropped = [name for name, _ in worker.layers if name in model.unassigned_layers]
+                if dropped:
+                    raise_unassigned(dropped)
             if not worker_groups:
                 continue
             if hisparse is not None:

@@ -99,7 +99,10 @@ class RuleSet:
     flag_survives_empty_projection: bool
 
     # Order of checks.
-    layout_checked_after_memory: bool  # 0.32: inside the per-worker config build
+    # 0.32 checks each worker's configuration as it builds it, after the memory
+    # checks: that the groups hold every layer of the worker (its packed grouping
+    # can drop some), then the layout. Later releases check both before.
+    worker_config_checked_after_memory: bool
 
     # Grouping.
     fallback_admits_sliding_window_mla: bool  # MLA + SW-MLA full-allocation fallback
@@ -166,7 +169,7 @@ VLLM_0_33 = RuleSet(
     warning_needs_block_drop=True,
     warns_unflagged_without_mamba=False,
     flag_survives_empty_projection=True,
-    layout_checked_after_memory=False,
+    worker_config_checked_after_memory=False,
     fallback_admits_sliding_window_mla=False,
     promotion_drops_bounded_replay=False,
     sw_mla_merge_keeps_quant_and_alignment=False,
@@ -198,7 +201,7 @@ VLLM_0_32 = replace(
     warning_methods=_EAGLE_FAMILY,
     warning_needs_block_drop=False,
     flag_survives_empty_projection=False,
-    layout_checked_after_memory=True,
+    worker_config_checked_after_memory=True,
     fields=frozenset(),
     max_kv_quant_mode=11,
     lookahead_block_hashes=False,
