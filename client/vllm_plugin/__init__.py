@@ -1,8 +1,8 @@
 """kvplan inside vLLM: a `vllm.general_plugins` entry point (`register`).
 
-Inert unless KVPLAN_ADDR is set. Then, in vLLM 0.33.x and 0.34.x only (checked,
-with the signatures of everything it wraps, when vLLM loads it), every engine
-start asks kvplan for its KV-cache plan:
+Inert unless KVPLAN_ADDR is set. Then, in vLLM 0.32.x, 0.33.x and 0.34.x only
+(checked, with the signatures of everything it wraps, when vLLM loads it), every
+engine start asks kvplan for its KV-cache plan:
 
 - KVPLAN_MODE=observe (default): vLLM plans as always; one log line says whether
   kvplan agrees, or the exact difference.
@@ -17,6 +17,7 @@ needs nothing beyond grpcio and protobuf.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 
@@ -32,7 +33,13 @@ def register() -> None:
     except ImportError:  # not inside vLLM
         return
     try:
-        from kvplan.client.vllm_plugin.hooks import install, release_for, signature_problems
+        from kvplan.client.vllm_plugin.hooks import (
+            GlobalGroups,
+            install,
+            release_for,
+            signature_problems,
+            supported_series,
+        )
     except Exception as error:  # grpcio missing, a protobuf older than the stubs, ...
         _cannot_load(error)
         return
@@ -41,8 +48,9 @@ def register() -> None:
     release = release_for(version)
     if release is None:
         log.warning(
-            "kvplan plugin disabled: vLLM %s is not a supported release (0.33.x, 0.34.x)",
+            "kvplan plugin disabled: vLLM %s is not a supported release (%s)",
             version,
+            supported_series(),
         )
         return
     try:
@@ -52,7 +60,11 @@ def register() -> None:
         return
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
-    problems = signature_problems(core_module, release, KVCacheGroupSpec)
+    kv_cache_utils = None
+    if release.global_groups is GlobalGroups.MADE_INSIDE:  # 0.32: groups made in there
+        kv_cache_utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
+
+    problems = signature_problems(core_module, release, KVCacheGroupSpec, kv_cache_utils)
     if problems:
         log.warning(
             "kvplan plugin disabled: vLLM %s differs from what the plugin wraps: %s",
@@ -60,7 +72,7 @@ def register() -> None:
             "; ".join(problems),
         )
         return
-    install(core_module, release)
+    install(core_module, release, kv_cache_utils)
     log.info(
         "kvplan plugin active for vLLM %s (KVPLAN_ADDR=%s, KVPLAN_MODE=%s)",
         version,

@@ -3,10 +3,14 @@
 `vllm.v1.engine.core` imports `get_kv_cache_configs` (and, in 0.34,
 `finalize_extensible_kv_cache`) by name; the plugin rebinds those names in that
 module, and wraps `EngineCore._initialize_kv_caches` (to know which engine is
-planning) and `EngineCore.shutdown` (to give its leases back). vLLM's grouping,
-tensor layout and attention backends stay vLLM's: the plugin changes at most the
-draft flags of vLLM's own groups (draft-flags mode) and the memory figure each
-worker plans with (lease mode).
+planning) and `EngineCore.shutdown` (to give its leases back). Where the engine's
+global KV-cache groups come from is the release's (`Release.global_groups`): 0.33+
+makes them in the engine core and passes them to `get_kv_cache_configs`; 0.32 makes
+them inside it (`vllm.v1.core.kv_cache_utils.get_kv_cache_groups`, which the plugin
+also wraps, to see them before they are projected onto each worker). vLLM's
+grouping, tensor layout and attention backends stay vLLM's: the plugin changes at
+most the draft flags of vLLM's own groups (draft-flags mode) and the memory figure
+each worker plans with (lease mode).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from types import ModuleType
 from typing import Any
 
@@ -48,18 +53,32 @@ log = logging.getLogger("vllm.plugins.kvplan")
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+class GlobalGroups(Enum):
+    """Where an engine start's global KV-cache groups (the whole model's, draft flags
+    set) come from, before vLLM projects them onto each worker."""
+
+    # 0.33+: the engine core makes them (get_global_kv_cache_groups) and passes them
+    # to get_kv_cache_configs.
+    PASSED = "passed to get_kv_cache_configs"
+    # 0.32: get_kv_cache_configs makes them itself, calling kv_cache_utils'
+    # module-level get_kv_cache_groups (which also sets the draft flags).
+    MADE_INSIDE = "made inside get_kv_cache_configs by kv_cache_utils.get_kv_cache_groups"
+
+
 @dataclass(frozen=True)
 class Release:
     """A vLLM release series the plugin supports, and what it wraps there."""
 
     series: str  # "0.33"
     engine_version: str  # the rule set kvplan is asked for (options.engine_version)
+    global_groups: GlobalGroups
     extensible_kv_cache: bool  # 0.34: num_blocks is settled again after warm-up
 
 
 RELEASES: dict[str, Release] = {
-    "0.33": Release("0.33", "vllm-0.33", extensible_kv_cache=False),
-    "0.34": Release("0.34", "vllm-0.34", extensible_kv_cache=True),
+    "0.32": Release("0.32", "vllm-0.32", GlobalGroups.MADE_INSIDE, extensible_kv_cache=False),
+    "0.33": Release("0.33", "vllm-0.33", GlobalGroups.PASSED, extensible_kv_cache=False),
+    "0.34": Release("0.34", "vllm-0.34", GlobalGroups.PASSED, extensible_kv_cache=True),
 }
 # What the plugin wraps in vllm.v1.engine.core, with the parameters it relies on.
 SIGNATURES: dict[str, tuple[str, ...]] = {
@@ -80,6 +99,19 @@ EXTENSIBLE_SIGNATURES: dict[str, tuple[str, ...]] = {
         "compilation_times",
     ),
 }
+# Where get_kv_cache_configs makes the groups itself (0.32): it takes no groups, and
+# the plugin also wraps the function it makes them with, in vllm.v1.core.kv_cache_utils.
+GROUPS_MADE_INSIDE_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "get_kv_cache_configs": ("vllm_config", "kv_cache_specs", "available_memory"),
+}
+KV_CACHE_UTILS_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "get_kv_cache_groups": ("vllm_config", "kv_cache_spec"),
+}
+
+
+def supported_series() -> str:
+    """ "0.32.x, 0.33.x, 0.34.x": what the version gate's refusal names."""
+    return ", ".join(f"{series}.x" for series in RELEASES)
 
 
 def release_for(version: str) -> Release | None:
@@ -94,23 +126,46 @@ def _lookup(module: ModuleType, dotted: str) -> Any:
     return target
 
 
-def signature_problems(module: ModuleType, release: Release, group_spec: type) -> list[str]:
-    """What differs from the signatures the plugin was written against ([] = none):
-    `module` is vllm.v1.engine.core, `group_spec` vLLM's KVCacheGroupSpec."""
-    wanted = dict(SIGNATURES)
-    if release.extensible_kv_cache:
-        wanted.update(EXTENSIBLE_SIGNATURES)
+def _signature_problems(
+    module: ModuleType, wanted: dict[str, tuple[str, ...]], prefix: str = ""
+) -> list[str]:
     problems: list[str] = []
     for dotted, params in wanted.items():
         try:
             target = _lookup(module, dotted)
         except AttributeError:
-            problems.append(f"{dotted} is missing")
+            problems.append(f"{prefix}{dotted} is missing")
             continue
         target = getattr(target, "__kvplan_original__", target)
         actual = tuple(inspect.signature(target).parameters)
         if actual != params:
-            problems.append(f"{dotted}{actual} != {params}")
+            problems.append(f"{prefix}{dotted}{actual} != {params}")
+    return problems
+
+
+def signature_problems(
+    module: ModuleType,
+    release: Release,
+    group_spec: type,
+    kv_cache_utils: ModuleType | None = None,
+) -> list[str]:
+    """What differs from the signatures the plugin was written against ([] = none):
+    `module` is vllm.v1.engine.core, `group_spec` vLLM's KVCacheGroupSpec, and
+    `kv_cache_utils` vllm.v1.core.kv_cache_utils (read where the release makes its
+    global groups inside get_kv_cache_configs)."""
+    wanted = dict(SIGNATURES)
+    if release.global_groups is GlobalGroups.MADE_INSIDE:
+        wanted.update(GROUPS_MADE_INSIDE_SIGNATURES)
+    if release.extensible_kv_cache:
+        wanted.update(EXTENSIBLE_SIGNATURES)
+    problems = _signature_problems(module, wanted)
+    if release.global_groups is GlobalGroups.MADE_INSIDE:
+        if kv_cache_utils is None:
+            problems.append("vllm.v1.core.kv_cache_utils is missing")
+        else:
+            problems += _signature_problems(
+                kv_cache_utils, KV_CACHE_UTILS_SIGNATURES, prefix="kv_cache_utils."
+            )
     fields = getattr(group_spec, "__dataclass_fields__", {})
     for name in ("layer_names", "is_eagle_group"):
         if name not in fields:
@@ -174,6 +229,10 @@ def _refusal(engine_id: str, addr: str, error: PlannerError) -> str:
         f"kvplan refused the KV-cache lease of engine {engine_id} "
         f"({error.code_name}): {error.details}{fields}"
     )
+
+
+# vLLM's get_kv_cache_configs for this engine start, given each worker's KV memory.
+BuildConfigs = Callable[[list[int]], list[Any]]
 
 
 class LeaseRefused(RuntimeError):
@@ -242,6 +301,9 @@ class EngineStart:
     engine_id: str = ""
     planned_blocks: int = 0  # what vLLM's planner gave (before 0.34's warm-up sizing)
     data_parallel_rank: int | None = None  # this core's, when the engine has several
+    # 0.32: called with the global groups by the wrapped kv_cache_utils.get_kv_cache_groups,
+    # while get_kv_cache_configs runs (see `build`).
+    groups_hook: Callable[[list[Any]], None] | None = None
 
     def __post_init__(self) -> None:
         self.engine_id = engine_id_for(self.settings.engine_id, self.data_parallel_rank)
@@ -280,17 +342,49 @@ class EngineStart:
             COUNTERS.fallbacks,
         )
 
+    def build(
+        self,
+        build_configs: BuildConfigs,
+        memory: list[int],
+        passed_groups: list[Any] | None,
+        before_projection: Callable[[list[Any]], None] | None = None,
+    ) -> tuple[list[Any], list[Any] | None]:
+        """vLLM's per-worker configs for `memory`, and the global groups they were
+        built from (None if they were never seen). `before_projection` gets those
+        groups before vLLM projects them onto the workers and sizes the cache: before
+        the call where the engine core passes them in (0.33+), or as
+        kv_cache_utils.get_kv_cache_groups returns them inside the call (0.32)."""
+        seen: list[list[Any]] = []
+
+        def on_groups(groups: list[Any]) -> None:
+            seen.append(groups)
+            if before_projection is not None:
+                before_projection(groups)
+
+        if passed_groups is not None:
+            on_groups(passed_groups)
+            return build_configs(memory), passed_groups
+        self.groups_hook = on_groups
+        try:
+            configs = build_configs(memory)
+        finally:
+            self.groups_hook = None
+        return configs, seen[0] if seen else None
+
     def plan(
         self,
-        original: Callable[..., list[Any]],
+        build_configs: BuildConfigs,
         vllm_config: Any,
         kv_cache_specs: list[dict[str, Any]],
         available_memory: list[int],
-        global_groups: list[Any],
+        passed_groups: list[Any] | None,
     ) -> list[Any]:
+        """The engine's configs, as vLLM builds them, with the mode's part around
+        it. `passed_groups`: the global groups the engine core passed in (0.33+);
+        None where get_kv_cache_configs makes them itself (0.32)."""
         if self.settings.mode is Mode.LEASE:
             return self._lease(
-                original, vllm_config, kv_cache_specs, available_memory, global_groups
+                build_configs, vllm_config, kv_cache_specs, available_memory, passed_groups
             )
         try:
             request = plan_request(
@@ -305,26 +399,40 @@ class EngineStart:
                 response = client.plan(request).response
         except UnsupportedSpec as error:
             self.fallback("this engine has a spec kvplan cannot represent", error)
-            return original(vllm_config, kv_cache_specs, available_memory, global_groups)
+            return build_configs(available_memory)
         except PlannerError as error:
             self.fallback(f"kvplan at {self.settings.addr} did not answer with a plan", error)
-            return original(vllm_config, kv_cache_specs, available_memory, global_groups)
+            return build_configs(available_memory)
         except Exception as error:  # never let the plugin stop an engine in these modes
             self.fallback("the plugin failed", error)
-            return original(vllm_config, kv_cache_specs, available_memory, global_groups)
-        if self.settings.mode is Mode.DRAFT_FLAGS:
+            return build_configs(available_memory)
+        fix = self._draft_flags_fixer(response) if self.settings.mode is Mode.DRAFT_FLAGS else None
+        configs, global_groups = self.build(build_configs, available_memory, passed_groups, fix)
+        self._report(global_groups, int(configs[0].num_blocks) if configs else None, response)
+        return configs
+
+    def _draft_flags_fixer(self, response: plan_pb2.PlanResponse) -> Callable[[list[Any]], None]:
+        def fix(global_groups: list[Any]) -> None:
             try:
                 self._fix_draft_flags(global_groups, response)
             except Exception as error:  # vLLM's flags stand
                 self.fallback("changing the draft flags failed", error)
-        configs = original(vllm_config, kv_cache_specs, available_memory, global_groups)
-        self._report(global_groups, int(configs[0].num_blocks) if configs else None, response)
-        return configs
+
+        return fix
 
     def _report(
-        self, global_groups: list[Any], vllm_blocks: int | None, response: plan_pb2.PlanResponse
+        self,
+        global_groups: list[Any] | None,
+        vllm_blocks: int | None,
+        response: plan_pb2.PlanResponse,
     ) -> None:
         """The one observe line; never fails the engine's start."""
+        if global_groups is None:  # get_kv_cache_groups was not called through the wrapper
+            log.warning(
+                "kvplan: vLLM's global KV-cache groups were not seen; cannot compare with plan %s",
+                response.plan_id,
+            )
+            return
         try:
             comparison = compare(global_groups, vllm_blocks, response)
         except Exception as error:
@@ -365,12 +473,12 @@ class EngineStart:
         self,
         why: str,
         error: BaseException,
-        original: Callable[..., list[Any]],
-        args: tuple[Any, ...],
+        build_configs: BuildConfigs,
+        available_memory: list[int],
     ) -> list[Any]:
         if self.settings.on_unavailable is Unavailable.SERVE:
             self.fallback(f"{why}; starting unleased (KVPLAN_ON_UNAVAILABLE=serve)", error)
-            return original(*args)
+            return build_configs(available_memory)
         COUNTERS.add("leases_refused")
         raise LeaseRefused(
             f"kvplan lease: {why} ({error}); the engine does not start without a lease "
@@ -379,13 +487,12 @@ class EngineStart:
 
     def _lease(
         self,
-        original: Callable[..., list[Any]],
+        build_configs: BuildConfigs,
         vllm_config: Any,
         kv_cache_specs: list[dict[str, Any]],
         available_memory: list[int],
-        global_groups: list[Any],
+        passed_groups: list[Any] | None,
     ) -> list[Any]:
-        args = (vllm_config, kv_cache_specs, available_memory, global_groups)
         engine_id = self.engine_id
         try:
             reports = self.core.model_executor.collective_rpc(report_device)
@@ -400,9 +507,11 @@ class EngineStart:
                 supported_layouts=self.supported_layouts(),
             )
         except (UnsupportedSpec, DeviceResolutionError) as error:
-            return self._unavailable("cannot describe this engine to kvplan", error, original, args)
+            return self._unavailable(
+                "cannot describe this engine to kvplan", error, build_configs, available_memory
+            )
         except Exception as error:  # the plugin's own failure: the operator's choice too
-            return self._unavailable("the plugin failed", error, original, args)
+            return self._unavailable("the plugin failed", error, build_configs, available_memory)
         client = self.client()
         try:
             result = client.plan(request)
@@ -410,7 +519,10 @@ class EngineStart:
             client.close()
             if error.code in _UNREACHABLE:
                 return self._unavailable(
-                    f"kvplan at {self.settings.addr} is unreachable", error, original, args
+                    f"kvplan at {self.settings.addr} is unreachable",
+                    error,
+                    build_configs,
+                    available_memory,
                 )
             COUNTERS.add("leases_refused")
             raise LeaseRefused(_refusal(engine_id, self.settings.addr, error)) from None
@@ -426,7 +538,7 @@ class EngineStart:
         self.lease = hold
         _LIVE_LEASES.add(hold)
         COUNTERS.add("leases_granted")
-        for rank, (measured, kv) in enumerate(zip(available_memory, leased_kv, strict=True)):
+        for rank, (measured_kv, kv) in enumerate(zip(available_memory, leased_kv, strict=True)):
             log.info(
                 "kvplan lease: engine %s rank %d on %s: leased %s (KV %s); vLLM measured %s; "
                 "KV cache gets %s; heartbeat every %.1f s, plan %s",
@@ -435,12 +547,12 @@ class EngineStart:
                 devices[rank].uuid,
                 gib(footprints.get(rank, 0)),
                 gib(kv),
-                gib(int(measured)),
+                gib(int(measured_kv)),
                 gib(capped[rank]),
                 hold.keeper.interval_s,
                 response.plan_id,
             )
-        configs = original(vllm_config, kv_cache_specs, capped, global_groups)
+        configs, global_groups = self.build(build_configs, capped, passed_groups)
         hold.cap_blocks = int(configs[0].num_blocks) if configs else 0
         self._report(global_groups, hold.cap_blocks if capped == leased_kv else None, response)
         return configs
@@ -520,7 +632,24 @@ def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
     return shutdown
 
 
+def _plan_configs(
+    start: EngineStart,
+    build_configs: BuildConfigs,
+    vllm_config: Any,
+    kv_cache_specs: list[dict[str, Any]],
+    available_memory: list[int],
+    passed_groups: list[Any] | None,
+) -> list[Any]:
+    configs = start.plan(
+        build_configs, vllm_config, kv_cache_specs, available_memory, passed_groups
+    )
+    start.planned_blocks = int(configs[0].num_blocks) if configs else 0
+    return configs
+
+
 def _wrap_configs(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    """0.33+: the engine core passes the global groups in."""
+
     @functools.wraps(original)
     def get_kv_cache_configs(
         vllm_config: Any,
@@ -531,14 +660,69 @@ def _wrap_configs(original: Callable[..., list[Any]]) -> Callable[..., list[Any]
         start: EngineStart | None = getattr(_current, "start", None)
         if start is None:  # not called by an engine start: nothing to do
             return original(vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups)
-        configs = start.plan(
-            original, vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups
+
+        def build_configs(memory: list[int]) -> list[Any]:
+            return original(vllm_config, kv_cache_specs, memory, global_kv_cache_groups)
+
+        return _plan_configs(
+            start,
+            build_configs,
+            vllm_config,
+            kv_cache_specs,
+            available_memory,
+            global_kv_cache_groups,
         )
-        start.planned_blocks = int(configs[0].num_blocks) if configs else 0
-        return configs
 
     get_kv_cache_configs.__kvplan_original__ = original  # type: ignore[attr-defined]
     return get_kv_cache_configs
+
+
+def _wrap_configs_making_groups(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    """0.32: get_kv_cache_configs makes the global groups itself (the wrapped
+    kv_cache_utils.get_kv_cache_groups shows them to the engine start)."""
+
+    @functools.wraps(original)
+    def get_kv_cache_configs(
+        vllm_config: Any,
+        kv_cache_specs: list[dict[str, Any]],
+        available_memory: list[int],
+    ) -> list[Any]:
+        start: EngineStart | None = getattr(_current, "start", None)
+        if start is None:  # not called by an engine start: nothing to do
+            return original(vllm_config, kv_cache_specs, available_memory)
+
+        def build_configs(memory: list[int]) -> list[Any]:
+            return original(vllm_config, kv_cache_specs, memory)
+
+        return _plan_configs(
+            start, build_configs, vllm_config, kv_cache_specs, available_memory, None
+        )
+
+    get_kv_cache_configs.__kvplan_original__ = original  # type: ignore[attr-defined]
+    return get_kv_cache_configs
+
+
+def _wrap_groups(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    """0.32's kv_cache_utils.get_kv_cache_groups: the groups it makes for the whole
+    model inside get_kv_cache_configs go to the engine start's hook, after vLLM set
+    their draft flags and before they are projected onto the workers. Every other
+    call (a worker's own grouping, a memory check) passes through."""
+
+    @functools.wraps(original)
+    def get_kv_cache_groups(vllm_config: Any, kv_cache_spec: dict[str, Any]) -> list[Any]:
+        start: EngineStart | None = getattr(_current, "start", None)
+        hook = start.groups_hook if start is not None else None
+        if start is not None and hook is not None:
+            # Taken by the outermost call: HiSparse groups its other layers through
+            # this function again, from inside it.
+            start.groups_hook = None
+        groups = original(vllm_config, kv_cache_spec)
+        if hook is not None:
+            hook(groups)
+        return groups
+
+    get_kv_cache_groups.__kvplan_original__ = original  # type: ignore[attr-defined]
+    return get_kv_cache_groups
 
 
 def _wrap_finalize(original: Callable[..., int]) -> Callable[..., int]:
@@ -580,14 +764,28 @@ def _wrap_finalize(original: Callable[..., int]) -> Callable[..., int]:
     return finalize_extensible_kv_cache
 
 
-def install(core_module: ModuleType, release: Release) -> None:
-    """Wrap what the plugin needs in vllm.v1.engine.core (idempotent)."""
+def install(
+    core_module: ModuleType, release: Release, kv_cache_utils: ModuleType | None = None
+) -> None:
+    """Wrap what the plugin needs in vllm.v1.engine.core, and where the release makes
+    its global groups inside get_kv_cache_configs (0.32), the function in
+    `kv_cache_utils` (vllm.v1.core.kv_cache_utils) it makes them with (idempotent)."""
     engine_core = core_module.EngineCore
     if getattr(engine_core._initialize_kv_caches, "__kvplan_original__", None) is not None:
         return
     engine_core._initialize_kv_caches = _wrap_initialize(engine_core._initialize_kv_caches, release)
     engine_core.shutdown = _wrap_shutdown(engine_core.shutdown)
-    core_module.get_kv_cache_configs = _wrap_configs(core_module.get_kv_cache_configs)  # type: ignore[attr-defined]
+    if release.global_groups is GlobalGroups.MADE_INSIDE:
+        if kv_cache_utils is None:
+            raise ValueError(f"vLLM {release.series} needs vllm.v1.core.kv_cache_utils")
+        core_module.get_kv_cache_configs = _wrap_configs_making_groups(  # type: ignore[attr-defined]
+            core_module.get_kv_cache_configs
+        )
+        kv_cache_utils.get_kv_cache_groups = _wrap_groups(  # type: ignore[attr-defined]
+            kv_cache_utils.get_kv_cache_groups
+        )
+    else:
+        core_module.get_kv_cache_configs = _wrap_configs(core_module.get_kv_cache_configs)  # type: ignore[attr-defined]
     if release.extensible_kv_cache:
         core_module.finalize_extensible_kv_cache = _wrap_finalize(  # type: ignore[attr-defined]
             core_module.finalize_extensible_kv_cache

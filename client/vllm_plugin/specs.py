@@ -1,11 +1,12 @@
 """vLLM KV-cache spec objects <-> kvplan `LayerSpec`: the one place the two meet.
 
-Every spec class of vLLM 0.33 and 0.34 is listed in `SPEC_KINDS` with the
-`LayerSpec.kind` it becomes, and `ATTENTION_FIELDS` / `KIND_FIELDS` /
-`MAMBA_FIELDS` name the field pairs. `to_layer_spec` reads a vLLM spec through
-those tables; `from_layer_spec` builds a vLLM spec from a `LayerSpec` through the
-same tables (the direction `conformance/` needs), so the two directions cannot
-drift. A field a release lacks is simply absent (0.32 has no `is_draft`, 0.34 adds
+Every spec class of vLLM 0.32, 0.33 and 0.34 (the same classes in all three) is
+listed in `SPEC_KINDS` with the `LayerSpec.kind` it becomes, and
+`ATTENTION_FIELDS` / `KIND_FIELDS` / `MAMBA_FIELDS` name the field pairs.
+`to_layer_spec` reads a vLLM spec through those tables; `from_layer_spec` builds a
+vLLM spec from a `LayerSpec` through the same tables (the direction `conformance/`
+needs), so the two directions cannot drift. A field a release lacks is simply
+absent (0.32 has neither `is_draft` nor MLA's `topk_buffer_width`; 0.34 adds
 `kv_head_major_slots`, Mamba `state_alignment` and SlidingWindowMLA's
 `non_causal_multi_token_decode`): both directions read the spec class's own fields.
 A vLLM field kvplan cannot represent (a value other than its default) or a class

@@ -577,7 +577,7 @@ def test_an_unsupported_release_disables_the_plugin(plugin_site: Path, server: S
         (line,) = plugin_lines(host.ready)
         assert line == (
             "WARNING vllm.plugins.kvplan: kvplan plugin disabled: vLLM 0.35.0 is not a "
-            "supported release (0.33.x, 0.34.x)"
+            "supported release (0.32.x, 0.33.x, 0.34.x)"
         )
         assert host.send(op="wrapped")["wrapped"] is False
         answer = host.start("plain", "llama")

@@ -14,14 +14,17 @@ import grpc
 import pytest
 
 from kvplan.client.errors import PlannerError, Violation
-from kvplan.client.vllm_plugin import register
+from kvplan.client.vllm_plugin import hooks, register
 from kvplan.client.vllm_plugin.engine import compare, draft_flag_fix, spec_decode
 from kvplan.client.vllm_plugin.hooks import (
+    EngineStart,
+    GlobalGroups,
     _refusal,
     data_parallel_rank,
     engine_id_for,
     release_for,
     signature_problems,
+    supported_series,
 )
 from kvplan.client.vllm_plugin.settings import Mode, Settings, SettingsError, Unavailable
 from kvplan.client.vllm_plugin.specs import UnsupportedSpec
@@ -125,7 +128,12 @@ def test_supported_releases() -> None:
     release = release_for("0.34.1")
     assert release is not None and release.extensible_kv_cache
     assert release.engine_version == "vllm-0.34"
-    for other in ("0.32.0", "0.35.0", "1.0.0", "dev"):
+    assert release.global_groups is GlobalGroups.PASSED
+    old = release_for("0.32.3")
+    assert old is not None and old.engine_version == "vllm-0.32"
+    assert old.global_groups is GlobalGroups.MADE_INSIDE and not old.extensible_kv_cache
+    assert supported_series() == "0.32.x, 0.33.x, 0.34.x"
+    for other in ("0.31.0", "0.35.0", "1.0.0", "dev"):
         assert release_for(other) is None
 
 
@@ -229,6 +237,75 @@ def test_the_gate_names_every_signature_it_does_not_recognise() -> None:
     assert signature_problems(module, release_33, OldGroupSpec) == [
         "KVCacheGroupSpec.is_eagle_group is missing"
     ]
+
+    # 0.32: get_kv_cache_configs makes the groups itself, with kv_cache_utils'
+    # get_kv_cache_groups, which the plugin wraps too.
+    def get_kv_cache_configs_032(
+        vllm_config: object, kv_cache_specs: object, available_memory: object
+    ) -> None: ...
+
+    def get_kv_cache_groups(vllm_config: object, kv_cache_spec: object) -> None: ...
+
+    release_32 = release_for("0.32.0")
+    assert release_32 is not None
+    assert signature_problems(module, release_32, GroupSpec) == [
+        "get_kv_cache_configs('vllm_config', 'kv_cache_specs', 'available_memory', "
+        "'global_kv_cache_groups') != ('vllm_config', 'kv_cache_specs', 'available_memory')",
+        "vllm.v1.core.kv_cache_utils is missing",
+    ]
+    module.get_kv_cache_configs = get_kv_cache_configs_032  # type: ignore[attr-defined]
+    kv_cache_utils = ModuleType("kv_cache_utils")
+    assert signature_problems(module, release_32, GroupSpec, kv_cache_utils) == [
+        "kv_cache_utils.get_kv_cache_groups is missing"
+    ]
+    kv_cache_utils.get_kv_cache_groups = get_kv_cache_groups  # type: ignore[attr-defined]
+    assert signature_problems(module, release_32, GroupSpec, kv_cache_utils) == []
+    # The 0.33 table on 0.32's code: the groups parameter is missing.
+    (problem,) = signature_problems(module, release_33, GroupSpec, kv_cache_utils)
+    assert problem.endswith("'available_memory', 'global_kv_cache_groups')")
+
+
+def test_only_the_grouping_of_the_whole_model_reaches_the_engine_start() -> None:
+    """0.32: get_kv_cache_configs makes the global groups with kv_cache_utils'
+    get_kv_cache_groups; the wrapper hands the outermost call's groups to the
+    engine start (before projection), and every other call passes through."""
+
+    def get_kv_cache_groups(vllm_config: object, kv_cache_spec: str) -> list[str]:
+        if kv_cache_spec == "model":  # as HiSparse groups its other layers, from inside
+            wrapped(vllm_config, "nested")
+        return [kv_cache_spec]
+
+    wrapped = hooks._wrap_groups(get_kv_cache_groups)
+    release = release_for("0.32.0")
+    assert release is not None
+    start = EngineStart(core=None, settings=Settings(addr="kvplan:1"), release=release)
+
+    def build_configs(memory: list[int]) -> list[SimpleNamespace]:
+        wrapped(None, "model")
+        wrapped(None, "check")  # a later grouping (a memory check) is not the model's
+        return [SimpleNamespace(num_blocks=memory[0])]
+
+    seen: list[list[str]] = []
+    hooks._current.start = start
+    try:
+        assert wrapped(None, "worker") == ["worker"]  # outside get_kv_cache_configs
+        configs, groups = start.build(build_configs, [7], None, seen.append)
+        assert groups == ["model"] and seen == [["model"]]
+        assert configs[0].num_blocks == 7 and start.groups_hook is None
+        # Grouping that never went through the wrapper: nothing to compare with.
+        configs, groups = start.build(lambda memory: [], [7], None)
+        assert groups is None
+        # 0.33+: the engine core passed the groups in; they are seen before the call.
+        order: list[object] = []
+
+        def build_after_flags(memory: list[int]) -> list[SimpleNamespace]:
+            order.append("configs")
+            return []
+
+        configs, groups = start.build(build_after_flags, [7], ["passed"], order.append)
+        assert groups == ["passed"] and order == [["passed"], "configs"]
+    finally:
+        hooks._current.start = None
 
 
 def test_the_plugin_imports_only_the_thin_clients_dependencies() -> None:
