@@ -49,11 +49,23 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
 SERIES = ".".join(vllm.__version__.split(".")[:2])
 GIB = 1 << 30
+
+
+def has_field(spec_class: type, name: str) -> bool:
+    """Whether this release's spec class has the field (0.32 has no `is_draft` nor
+    MLA's `topk_buffer_width`; 0.34 adds a few)."""
+    return name in getattr(spec_class, "__dataclass_fields__", {})
+
+
+# A drafter layer's marker where the release has one (0.33+); 0.32's specs cannot
+# say which layers are the drafter's, so its draft rules find them otherwise.
+DRAFTER: dict[str, Any] = {"is_draft": True} if has_field(FullAttentionSpec, "is_draft") else {}
 
 # --- the hardware boundary -------------------------------------------------------------
 
@@ -215,7 +227,7 @@ def gpt_oss_eagle3() -> dict[str, Any]:
                 block_size=16, num_kv_heads=8, head_size=64, dtype=BF16, sliding_window=128
             )
         )
-    specs["draft_model.model.layers.24.self_attn.attn"] = full(8, 64, is_draft=True)
+    specs["draft_model.model.layers.24.self_attn.attn"] = full(8, 64, **DRAFTER)
     return specs
 
 
@@ -227,7 +239,29 @@ def mla(**kw: Any) -> MLAAttentionSpec:
 
 def deepseek_mtp() -> dict[str, Any]:
     specs: dict[str, Any] = {f"model.layers.{i}.self_attn.attn": mla() for i in range(8)}
-    specs["model.layers.8.self_attn.attn"] = mla(is_draft=True)
+    specs["model.layers.8.self_attn.attn"] = mla(**DRAFTER)
+    return specs
+
+
+def mla_swa_marked_drafter() -> dict[str, Any]:
+    """A DeepSeek-V4-like target (MLA and sliding-window MLA layers, alternating)
+    with an MTP drafter of one MLA layer carrying the spec marker
+    (`non_causal_multi_token_decode`) and one sliding-window MLA layer registered
+    last. vLLM 0.32 flags both groups (the marker's, and the last layer's); 0.33+
+    flags neither (no layer is `is_draft`); kvplan's own rules flag the marker's."""
+    swa = {"block_size": 64, "num_kv_heads": 1, "head_size": 576, "dtype": BF16}
+    specs: dict[str, Any] = {
+        f"model.layers.{i}.self_attn.attn": (
+            mla()
+            if i % 2 == 0
+            else SlidingWindowMLASpec(**swa, cache_dtype_str="auto", sliding_window=128)
+        )
+        for i in range(6)
+    }
+    specs["mtp.layers.0.self_attn.attn"] = mla(non_causal_multi_token_decode=True)
+    specs["mtp.layers.0.self_attn.swa"] = SlidingWindowMLASpec(
+        **swa, cache_dtype_str="auto", sliding_window=128
+    )
     return specs
 
 
@@ -252,7 +286,7 @@ def qwen3_next(*, marked: bool, **mamba: Any) -> dict[str, Any]:
             specs[f"model.layers.{i}.self_attn.attn"] = full(2, 64, torch.float32)
         else:
             specs[f"model.layers.{i}.linear_attn"] = _gdn(**mamba)
-    specs["mtp.layers.0.self_attn.attn"] = full(2, 64, torch.float32, is_draft=marked)
+    specs["mtp.layers.0.self_attn.attn"] = full(2, 64, torch.float32, **(DRAFTER if marked else {}))
     return specs
 
 
@@ -293,6 +327,10 @@ ENGINES: dict[str, tuple[Any, dict[str, Any]]] = {
         lambda: qwen3_next(marked=False),
         {"max_model_len": 8192, "method": "mtp", "target": "qwen3_next", "mamba": "align"},
     ),
+    "mla-swa-marked-drafter": (
+        mla_swa_marked_drafter,
+        {"max_model_len": 16384, "block_size": 64, "method": "mtp", "target": "deepseek_v4"},
+    ),
 }
 
 
@@ -319,6 +357,8 @@ class EngineConfig:
             supports_kv_cache_grouping=False,
             dtype=BF16,
             is_diffusion=False,
+            # 0.32's trailing-layer draft rule reads the target's model type.
+            hf_config=SimpleNamespace(model_type=options.get("target", "llama")),
         )
         cache_kwargs: dict[str, Any] = {
             "block_size": options.get("block_size", 16),
@@ -382,27 +422,30 @@ def _speculative(options: dict[str, Any]) -> SpeculativeConfig | None:
 
 def spec_samples() -> list[Any]:
     """One spec per kvplan kind, with fields away from their defaults (and, on 0.34,
-    the fields 0.34 added)."""
+    the fields 0.34 added; 0.32's classes lack `is_draft` and `topk_buffer_width`)."""
     import vllm.v1.kv_cache_interface as kv
     from vllm.v1.attention.backend import MultipleOf
 
     att = {"block_size": 32, "num_kv_heads": 4, "head_size": 128, "dtype": BF16}
     quant = {"kv_quant_mode": kv.KVQuantMode.FP8_PER_TENSOR, "dtype": torch.uint8}
     mla_kw = {"block_size": 64, "num_kv_heads": 1, "head_size": 576, "dtype": BF16}
+    topk = (
+        {"topk_buffer_width": 2048} if has_field(kv.MLAAttentionSpec, "topk_buffer_width") else {}
+    )
     return [
-        kv.FullAttentionSpec(**att, head_size_v=64, is_draft=True, max_tp_shards=2),
+        kv.FullAttentionSpec(**att, head_size_v=64, max_tp_shards=2, **DRAFTER),
         kv.FullAttentionSpec(**{**att, **quant}, sliding_window=256, non_causal=True),
         kv.FullAttentionSpec(**att, block_stride_alignment=MultipleOf(64), dcp_sharded=False),
         kv.FullAttentionSpec(**att, page_size_padded=1 << 20, block_stride_alignment=4096),
         kv.MLAAttentionSpec(
             **mla_kw,
             cache_dtype_str="fp8_ds_mla",
-            topk_buffer_width=2048,
             alignment=576,
             model_version="deepseek_v4",
             cache_role=kv.SparseCacheRole.INDEXER,
             is_index_group_leader=True,
             non_causal_multi_token_decode=True,
+            **topk,
         ),
         kv.MLAAttentionSpec(**mla_kw, cache_dtype_str="auto", tokens_per_state=4),
         kv.HiddenStateCacheSpec(**mla_kw, cache_dtype_str="auto"),
@@ -429,7 +472,7 @@ def spec_samples() -> list[Any]:
             num_heads=4,
             tp_replicated=True,
             page_size_padded=65536,
-            is_draft=True,
+            **DRAFTER,
         ),
         kv.HiSparseHotSpec(block_size=64, page_size=656 * 64, blocks_per_request=2048),
         kv.HiSparseResidentSpec(block_size=64, page_size=656 * 64, block_stride_alignment=4096),
@@ -482,7 +525,7 @@ def roundtrip() -> dict[str, Any]:
         back = mapping.from_layer_spec(layer, namespace, torch=torch, mamba_cache_mode=mode)
         if (
             back != spec
-            or getattr(back, "is_draft", None) != spec.is_draft
+            or getattr(back, "is_draft", None) != getattr(spec, "is_draft", None)
             or type(back) is not type(spec)
         ):
             failures.append(f"{spec!r} came back as {back!r}")
@@ -508,6 +551,16 @@ def roundtrip() -> dict[str, Any]:
         built_across_releases = "built"
     except mapping.UnsupportedSpec as error:
         built_across_releases = str(error)
+    # A drafter layer (0.33+'s is_draft): 0.32 has no field to carry it.
+    drafter = mapping.to_layer_spec(
+        "drafter", kv.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=BF16)
+    )
+    drafter.is_draft = True
+    try:
+        mapping.from_layer_spec(drafter, namespace, torch=torch)
+        drafter_built = "built"
+    except mapping.UnsupportedSpec as error:
+        drafter_built = str(error)
     for bad in (
         kv.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.int32),
         kv.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={}),
@@ -524,6 +577,7 @@ def roundtrip() -> dict[str, Any]:
         "unmapped": unmapped,
         "refused": refused,
         "built_across_releases": built_across_releases,
+        "drafter_built": drafter_built,
     }
 
 
@@ -583,6 +637,21 @@ def conformance_direction(repo: str) -> dict[str, Any]:
     }
 
 
+def signatures() -> dict[str, list[str]]:
+    """The plugin's load-time check of every release's table against this vLLM's
+    own modules (the originals, where the plugin wrapped them)."""
+    import vllm.v1.core.kv_cache_utils as kv_cache_utils
+    import vllm.v1.engine.core as core_module
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    from kvplan.client.vllm_plugin.hooks import RELEASES, signature_problems
+
+    return {
+        series: signature_problems(core_module, release, KVCacheGroupSpec, kv_cache_utils)
+        for series, release in RELEASES.items()
+    }
+
+
 # --- the host ---------------------------------------------------------------------------------
 
 
@@ -633,7 +702,7 @@ def start(command: dict[str, Any]) -> dict[str, Any]:
     core.model_executor = executor
     core.available_gpu_memory_for_kv_cache = -1
     try:
-        EngineCore._initialize_kv_caches(core, config)
+        scheduler_config = EngineCore._initialize_kv_caches(core, config)
     except Exception as error:
         return {"ok": False, "error": f"{type(error).__name__}: {error}", "log": CAPTURE.take()}
     CORES[command["name"]] = core
@@ -648,6 +717,8 @@ def start(command: dict[str, Any]) -> dict[str, Any]:
                 {"layers": list(g.layer_names), "is_draft": bool(g.is_eagle_group)}
                 for g in received[0].kv_cache_groups
             ],
+            # The scheduler's own config (what the KV cache manager is built from).
+            "scheduler_draft": [bool(g.is_eagle_group) for g in scheduler_config.kv_cache_groups],
             "extended": executor.extended,
             "max_model_len": int(config.model_config.max_model_len),
             "measured": memory,
@@ -705,6 +776,8 @@ def main() -> None:
                 answer = conformance_direction(command["repo"])
             elif command["op"] == "roundtrip":
                 answer = roundtrip()
+            elif command["op"] == "signatures":
+                answer = signatures()
             elif command["op"] == "wrapped":
                 from vllm.v1.engine import core as engine_core
 

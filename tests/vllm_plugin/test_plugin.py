@@ -1,4 +1,4 @@
-"""The kvplan vLLM plugin through vLLM's own engine core, for vLLM 0.33 and 0.34.
+"""The kvplan vLLM plugin through vLLM's own engine core, for vLLM 0.32, 0.33 and 0.34.
 
 Each vLLM release runs in its own venv (scripts/vllm-venv builds them; `make test`
 does so when they are missing). The plugin is installed from the project's wheel
@@ -33,10 +33,19 @@ from tests.vllm_envs import vllm_python
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = Path(__file__).resolve().parent / "engine_host.py"
-VERSIONS = ("0.33", "0.34")
+VERSIONS = ("0.32", "0.33", "0.34")
 GIB = 1 << 30
 H100_TOTAL = 80 * GIB
 OBSERVED_ENGINES = ("llama", "gemma3", "gpt-oss-eagle3", "deepseek-mtp", "qwen3-next-mtp")
+# The engines whose drafter group vLLM flags, and the rule kvplan names for it. 0.33+
+# flags the groups of `is_draft` layers. 0.32's specs have no `is_draft`: the MTP
+# engine's drafter is found as the trailing layer; the EAGLE3 drafter is not found
+# (not MTP), nor DeepSeek's (one uniform group: 0.32 flags on the hybrid paths only).
+FLAGGED: dict[str, dict[str, str]] = {
+    "0.32": {"qwen3-next-mtp": "trailing_layer"},
+    "0.33": dict.fromkeys(("gpt-oss-eagle3", "deepseek-mtp", "qwen3-next-mtp"), "is_draft"),
+    "0.34": dict.fromkeys(("gpt-oss-eagle3", "deepseek-mtp", "qwen3-next-mtp"), "is_draft"),
+}
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -196,11 +205,17 @@ def test_spec_mapping_round_trips_every_spec_class(host: EngineHost, version: st
     assert len(result["refused"]) == 3, result["refused"]
     if version == "0.34":  # head-major slots exist: the layer builds (and round-trips above)
         assert result["built_across_releases"] == "built"
-    else:  # 0.33 has no such field: refused by name, never dropped
+    else:  # 0.32 and 0.33 have no such field: refused by name, never dropped
         assert (
             "kv_head_major_slots=True does not exist in this vLLM release's"
             in (result["built_across_releases"])
         ), result
+    if version == "0.32":  # no is_draft: a drafter layer cannot be built, and says so
+        assert result["drafter_built"] == (
+            "layer 'drafter': is_draft=True does not exist in this vLLM release's FullAttentionSpec"
+        ), result
+    else:
+        assert result["drafter_built"] == "built", result
     assert "storage dtype torch.int32" in result["refused"][0]
     assert "UniformTypeKVCacheSpecs has no kvplan LayerSpec kind" in result["refused"][1]
 
@@ -224,6 +239,41 @@ def test_plugin_loads_through_its_entry_point(host: EngineHost, version: str) ->
     assert host.send(op="wrapped")["wrapped"] is True
 
 
+def test_the_load_time_check_tells_the_releases_apart(host: EngineHost, version: str) -> None:
+    # Each release's table checked against this vLLM's own modules: its own passes,
+    # and the others name what differs (0.32 makes the global groups inside a
+    # 3-parameter get_kv_cache_configs, with kv_cache_utils.get_kv_cache_groups).
+    made_inside = "('vllm_config', 'kv_cache_specs', 'available_memory')"
+    passed = "('vllm_config', 'kv_cache_specs', 'available_memory', 'global_kv_cache_groups')"
+    expected = {
+        "0.32": {
+            "0.32": [],
+            "0.33": [f"get_kv_cache_configs{made_inside} != {passed}"],
+            "0.34": [
+                f"get_kv_cache_configs{made_inside} != {passed}",
+                "finalize_extensible_kv_cache is missing",
+            ],
+        },
+        "0.33": {
+            "0.32": [
+                f"get_kv_cache_configs{passed} != {made_inside}",
+                "kv_cache_utils.get_kv_cache_groups is missing",
+            ],
+            "0.33": [],
+            "0.34": ["finalize_extensible_kv_cache is missing"],
+        },
+        "0.34": {
+            "0.32": [
+                f"get_kv_cache_configs{passed} != {made_inside}",
+                "kv_cache_utils.get_kv_cache_groups is missing",
+            ],
+            "0.33": [],  # 0.34 has all 0.33 wraps; the gate picks the table by version
+            "0.34": [],
+        },
+    }[version]
+    assert host.send(op="signatures") == expected
+
+
 @pytest.mark.parametrize("engine", OBSERVED_ENGINES)
 def test_observe_agrees(host: EngineHost, server: Server, version: str, engine: str) -> None:
     answer = host.start(engine, engine)
@@ -245,12 +295,15 @@ def test_observe_agrees(host: EngineHost, server: Server, version: str, engine: 
         g["layers"] for g in init["groups"]
     ]
     assert [g.is_draft for g in plan.response.groups] == [g["is_draft"] for g in init["groups"]]
+    assert plan.response.rule_set == f"vllm-{version}"
     # The workers' supported layouts travelled (the stand-in executor reports LBNHC).
     assert list(plan.response.diagnostics.layout_candidates) == [plan_pb2.KV_CACHE_LAYOUT_LBNHC]
-    expected_draft = engine in ("gpt-oss-eagle3", "deepseek-mtp", "qwen3-next-mtp")
-    assert any(g["is_draft"] for g in init["groups"]) == expected_draft
-    if expected_draft:
-        assert "(is_draft)" in line
+    rule = FLAGGED[version].get(engine)
+    assert any(g["is_draft"] for g in init["groups"]) == (rule is not None)
+    if rule is not None:
+        assert f"({rule})" in line, line
+    else:
+        assert "draft groups {}" in line, line
 
 
 def test_observe_agrees_on_mamba_state_alignment(
@@ -262,7 +315,7 @@ def test_observe_agrees_on_mamba_state_alignment(
     answer = host.start("aligned", "qwen3-next-mtp-aligned")
     assert answer["ok"], answer
     line = verdict(answer)
-    assert "kvplan agreement" in line and "(is_draft)" in line, line
+    assert "kvplan agreement" in line and f"({FLAGGED[version]['qwen3-next-mtp']})" in line, line
     plan_id = re.search(r"plan (plan-[0-9a-f]+)", line)
     assert plan_id is not None, line
     plan = server.client.get_plan(plan_id=plan_id.group(1))
@@ -271,7 +324,7 @@ def test_observe_agrees_on_mamba_state_alignment(
     # The unaligned page is 16 KiB (states of 4 and 12 KiB).
     if version == "0.34":  # each state padded to 64 KiB: a 128 KiB page, 8x
         assert blocks == unaligned // 8, (blocks, unaligned)
-    else:  # 0.33: the 64 KiB block stride alone pads the page to 64 KiB, 4x
+    else:  # 0.32, 0.33: the 64 KiB block stride alone pads the page to 64 KiB, 4x
         assert blocks == unaligned // 4, (blocks, unaligned)
 
 
@@ -310,32 +363,91 @@ def test_observe_carries_the_flag_all_warning(host: EngineHost) -> None:
     assert ", warning: " in line and "Mamba" in line, line
 
 
-def test_observe_reports_a_planted_difference_and_changes_nothing(host: EngineHost) -> None:
-    # vLLM flags no drafter group on a hybrid MTP engine whose MTP layer is not
-    # marked; kvplan's own rules (KVPLAN_RULES=kvplan) flag it by the trailing layer.
-    answer = host.start("planted", "qwen3-next-mtp-unmarked", env={"KVPLAN_RULES": "kvplan"})
+def test_observe_reports_a_planted_difference_and_changes_nothing(
+    host: EngineHost, version: str
+) -> None:
+    if version == "0.32":
+        # 0.32 flags the spec marker's group and the last layer's, both at once (here
+        # every group); kvplan's own rules (KVPLAN_RULES=kvplan) let the marker decide.
+        answer = host.start("planted", "mla-swa-marked-drafter", env={"KVPLAN_RULES": "kvplan"})
+        expected = "DIFFERENCE (draft flags: vLLM {0, 1} kvplan {0 (spec_marker)})"
+        flags = [True, True]
+    else:
+        # vLLM flags no drafter group on a hybrid MTP engine whose MTP layer is not
+        # marked; kvplan's own rules flag it by the trailing layer.
+        answer = host.start("planted", "qwen3-next-mtp-unmarked", env={"KVPLAN_RULES": "kvplan"})
+        expected = "DIFFERENCE (draft flags: vLLM {} kvplan {2 (trailing_layer)})"
+        flags = [False, False, False]
     assert answer["ok"], answer
     line = verdict(answer)
     assert line.startswith("WARNING"), line
-    assert "DIFFERENCE (draft flags: vLLM {} kvplan {2 (trailing_layer)})" in line, line
+    assert expected in line, line
     assert "num_blocks" in line and "plan plan-" in line
-    assert [g["is_draft"] for g in answer["init"]["groups"]] == [False, False, False]
+    assert [g["is_draft"] for g in answer["init"]["groups"]] == flags
 
 
-def test_draft_flags_fixes_an_unflagged_hybrid_mtp_engine(host: EngineHost) -> None:
+def test_draft_flags_on_an_unmarked_hybrid_mtp_engine(host: EngineHost, version: str) -> None:
     observed = host.start("unfixed", "qwen3-next-mtp-unmarked")
-    assert [g["is_draft"] for g in observed["init"]["groups"]] == [False, False, False]
+    before = host.send(op="counters")["draft_flag_changes"]
     answer = host.start("fixed", "qwen3-next-mtp-unmarked", env={"KVPLAN_MODE": "draft-flags"})
+    assert answer["ok"], answer
+    groups = answer["init"]["groups"]
+    assert "mtp.layers.0.self_attn.attn" in groups[2]["layers"]
+    if version == "0.32":
+        # 0.32 finds the MTP layer itself (the trailing layer): kvplan's rules agree,
+        # and draft-flags mode changes nothing.
+        assert [g["is_draft"] for g in observed["init"]["groups"]] == [False, False, True]
+        (summary,) = plugin_lines(answer)
+        assert "kvplan agreement" in summary and "draft groups {2 (trailing_layer)}" in summary
+        assert host.send(op="counters")["draft_flag_changes"] == before
+    else:
+        assert [g["is_draft"] for g in observed["init"]["groups"]] == [False, False, False]
+        change, summary = plugin_lines(answer)[:2]
+        assert change.startswith("WARNING"), change
+        assert "CHANGED vLLM's draft flags from {} to {2}" in change
+        assert "group 2: trailing_layer" in change
+        assert "kvplan agreement" in summary
+        assert host.send(op="counters")["draft_flag_changes"] == before + 1
+    assert [g["is_draft"] for g in groups] == [False, False, True]
+    assert answer["init"]["scheduler_draft"] == [False, False, True]
+    # Same block count: the flag changes which group takes the EAGLE block drop.
+    assert answer["init"]["num_blocks"] == observed["init"]["num_blocks"]
+
+
+def test_draft_flags_takes_kvplans_flags_for_a_spec_marked_drafter(
+    host: EngineHost, version: str
+) -> None:
+    # The drafter's MLA layer carries the spec marker; its sliding-window layer is
+    # registered last. vLLM 0.32 flags the marker's group and the last layer's: every
+    # group. 0.33+ flags none (no layer is_draft). kvplan's own rules flag the
+    # marker's group, and the plugin sets that on vLLM's global groups before they
+    # are projected onto the workers: the worker's config carries it.
+    if version == "0.32":
+        vllm_flags, flags, rules = "{0, 1}", [True, True], "{0 (spec_marker), 1 (trailing_layer)}"
+    else:
+        vllm_flags, flags, rules = "{}", [False, False], "{}"
+    observed = host.start("marker-observed", "mla-swa-marked-drafter")
+    assert observed["ok"], observed
+    line = verdict(observed)  # vLLM against its own release's rules
+    assert "kvplan agreement" in line and f"draft groups {rules}" in line, line
+    assert [g["is_draft"] for g in observed["init"]["groups"]] == flags
+    assert observed["init"]["scheduler_draft"] == flags
+    before = host.send(op="counters")["draft_flag_changes"]
+    answer = host.start(
+        "marker-fixed", "mla-swa-marked-drafter", env={"KVPLAN_MODE": "draft-flags"}
+    )
     assert answer["ok"], answer
     change, summary = plugin_lines(answer)[:2]
     assert change.startswith("WARNING"), change
-    assert "CHANGED vLLM's draft flags from {} to {2}" in change
-    assert "group 2: trailing_layer" in change
-    assert "kvplan agreement" in summary
+    assert f"CHANGED vLLM's draft flags from {vllm_flags} to {{0}}" in change, change
+    assert "group 0: spec_marker" in change, change
+    assert "kvplan agreement" in summary and "draft groups {0 (spec_marker)}" in summary, summary
     groups = answer["init"]["groups"]
-    assert [g["is_draft"] for g in groups] == [False, False, True]
-    assert "mtp.layers.0.self_attn.attn" in groups[2]["layers"]
-    # Same block count: the flag changes which group takes the EAGLE block drop.
+    assert "mtp.layers.0.self_attn.attn" in groups[0]["layers"]
+    assert groups[1]["layers"][-1] == "mtp.layers.0.self_attn.swa"
+    assert [g["is_draft"] for g in groups] == [True, False]
+    assert answer["init"]["scheduler_draft"] == [True, False]
+    assert host.send(op="counters")["draft_flag_changes"] == before + 1
     assert answer["init"]["num_blocks"] == observed["init"]["num_blocks"]
 
 
@@ -504,9 +616,9 @@ def test_lease_two_engines_share_a_gpu_a_third_is_refused(
 def test_lease_follows_the_releases_default_utilization(
     host: EngineHost, server: Server, version: str
 ) -> None:
-    # No --gpu-memory-utilization: 0.33 applies 0.92; 0.34's extensible KV cache 1.0,
-    # so its engine leases the whole GPU (docs/vllm.md: set it when co-locating).
-    expected = {"0.33": 0.92, "0.34": 1.0}[version]
+    # No --gpu-memory-utilization: 0.32 and 0.33 apply 0.92; 0.34's extensible KV cache
+    # 1.0, so its engine leases the whole GPU (docs/vllm.md: set it when co-locating).
+    expected = {"0.32": 0.92, "0.33": 0.92, "0.34": 1.0}[version]
     engine_id = f"default-{version}"
     answer = host.start(
         "D", "llama", utilization=None, uuid=server.uuid,
@@ -560,7 +672,13 @@ def test_inert_without_kvplan_addr(version: str, plugin_site: Path) -> None:
         answer = bare.start("plain", "qwen3-next-mtp-unmarked", env={"KVPLAN_MODE": "lease"})
         assert answer["ok"], answer
         assert plugin_lines(answer) == []
-        assert [g["is_draft"] for g in answer["init"]["groups"]] == [False, False, False]
+        # vLLM's own flags: 0.32's trailing-layer rule finds the MTP layer; 0.33+
+        # flags only is_draft layers.
+        assert [g["is_draft"] for g in answer["init"]["groups"]] == [
+            False,
+            False,
+            version == "0.32",
+        ]
         state = bare.send(op="wrapped")
         assert state["wrapped"] is False
         assert "kvplan.client.vllm_plugin.hooks" not in state["modules"]
