@@ -53,7 +53,7 @@ wheel: $(STAMP)
 	$(PY) -m pip wheel -q --no-deps -w dist .
 
 ## The CPU venvs of the vLLM releases (cached in ~/.cache/kvplan): the plugin tests
-## run 0.33's and 0.34's engine core in them, the model importer's tests every
+## run every release's engine core in them, the model importer's tests every
 ## release's planner.
 VLLM_RELEASES ?= 0.32 0.33 0.34
 vllm-venvs:
