@@ -371,6 +371,16 @@ class EngineStart:
             self.groups_hook = None
         return configs, seen[0] if seen else None
 
+    def _noting_blocks(self, build_configs: BuildConfigs) -> BuildConfigs:
+        """`build_configs`, remembering the block count vLLM's planner gave."""
+
+        def build(memory: list[int]) -> list[Any]:
+            configs = build_configs(memory)
+            self.planned_blocks = int(configs[0].num_blocks) if configs else 0
+            return configs
+
+        return build
+
     def plan(
         self,
         build_configs: BuildConfigs,
@@ -382,6 +392,7 @@ class EngineStart:
         """The engine's configs, as vLLM builds them, with the mode's part around
         it. `passed_groups`: the global groups the engine core passed in (0.33+);
         None where get_kv_cache_configs makes them itself (0.32)."""
+        build_configs = self._noting_blocks(build_configs)
         if self.settings.mode is Mode.LEASE:
             return self._lease(
                 build_configs, vllm_config, kv_cache_specs, available_memory, passed_groups
@@ -632,21 +643,6 @@ def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
     return shutdown
 
 
-def _plan_configs(
-    start: EngineStart,
-    build_configs: BuildConfigs,
-    vllm_config: Any,
-    kv_cache_specs: list[dict[str, Any]],
-    available_memory: list[int],
-    passed_groups: list[Any] | None,
-) -> list[Any]:
-    configs = start.plan(
-        build_configs, vllm_config, kv_cache_specs, available_memory, passed_groups
-    )
-    start.planned_blocks = int(configs[0].num_blocks) if configs else 0
-    return configs
-
-
 def _wrap_configs(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
     """0.33+: the engine core passes the global groups in."""
 
@@ -664,13 +660,8 @@ def _wrap_configs(original: Callable[..., list[Any]]) -> Callable[..., list[Any]
         def build_configs(memory: list[int]) -> list[Any]:
             return original(vllm_config, kv_cache_specs, memory, global_kv_cache_groups)
 
-        return _plan_configs(
-            start,
-            build_configs,
-            vllm_config,
-            kv_cache_specs,
-            available_memory,
-            global_kv_cache_groups,
+        return start.plan(
+            build_configs, vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups
         )
 
     get_kv_cache_configs.__kvplan_original__ = original  # type: ignore[attr-defined]
@@ -694,9 +685,7 @@ def _wrap_configs_making_groups(original: Callable[..., list[Any]]) -> Callable[
         def build_configs(memory: list[int]) -> list[Any]:
             return original(vllm_config, kv_cache_specs, memory)
 
-        return _plan_configs(
-            start, build_configs, vllm_config, kv_cache_specs, available_memory, None
-        )
+        return start.plan(build_configs, vllm_config, kv_cache_specs, available_memory, None)
 
     get_kv_cache_configs.__kvplan_original__ = original  # type: ignore[attr-defined]
     return get_kv_cache_configs
