@@ -2350,6 +2350,18 @@ def _scenario_files(c: Cases) -> None:
         c.add("scenarios", path.stem, f"{data.get('reference', '')} {data.get('name', '')}", req)
 
 
+FINDS_DIR = Path(__file__).resolve().parent / "finds"
+
+
+def _fuzz_finds(c: Cases) -> None:
+    """Engines a fuzz campaign found kvplan and a vLLM release disagreeing on, kept
+    as found (a PlanRequest in the proto JSON mapping) once the cause was fixed."""
+    for path in sorted(FINDS_DIR.glob("*.json")):
+        data = json.loads(path.read_text())
+        req = json_format.ParseDict(data["request"], plan_pb2.PlanRequest())
+        c.add("fuzz_finds", path.stem, f"{data['description']} [{data['found_as']}]", req)
+
+
 # --- random engines ----------------------------------------------------------------
 
 FUZZ_CASES = 240
@@ -3332,6 +3344,7 @@ SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _block_sizes,
     _engine_start,
     _layout_resolution,  # after the sections whose engines it samples
+    _fuzz_finds,
     _scenario_files,
 )
 

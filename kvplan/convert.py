@@ -51,6 +51,7 @@ from kvplan.core.rules import (
     FIELD_TOPK_BUFFER_WIDTH,
     RuleSet,
     rule_set_for,
+    versions_with_spec_method,
 )
 from kvplan.core.specs import (
     AttentionSpec,
@@ -836,6 +837,16 @@ def _check_release_request_fields(message: plan_pb2.PlanRequest, rules: RuleSet)
     """Engine- and worker-level fields only some releases have; measured KV bytes
     belong to an extensible cache and are given by every worker or none."""
     options = message.options
+    method = _enum_suffix(
+        plan_pb2.SpecDecodeMethod, message.spec_decode.method, "SPEC_DECODE_METHOD_"
+    )
+    if method in rules.unsupported_spec_methods:
+        raise InvalidRequest(
+            f"speculative method {method!r} does not exist in {rules.description}; choose "
+            f"another method, or an engine_version that has it "
+            f"({', '.join(repr(v) for v in versions_with_spec_method(method))})",
+            field="spec_decode.method",
+        )
     if options.HasField("extensible_kv_cache") and not rules.has_field(FIELD_EXTENSIBLE_KV_CACHE):
         raise rules.unsupported_field(FIELD_EXTENSIBLE_KV_CACHE, "options.extensible_kv_cache")
     extensible = (

@@ -8,7 +8,7 @@ from enum import Enum
 
 from kvplan.core.errors import UnplannableSpecs
 from kvplan.core.groups import KVCacheGroup
-from kvplan.core.specs import KVCacheSpec, SpecInvariantError, round_up
+from kvplan.core.specs import HiSparseHotSpec, KVCacheSpec, SpecInvariantError, round_up
 
 AXIS_L, AXIS_B, AXIS_H, AXIS_N, AXIS_C = 0, 1, 2, 3, 4
 
@@ -58,7 +58,9 @@ def layer_block_stride(spec: KVCacheSpec) -> int:
     return round_up(spec.page_size_bytes, spec.stride_alignment_bytes())
 
 
-def bytes_per_block(groups: list[KVCacheGroup], layout: KVCacheLayout) -> int:
+def bytes_per_block(
+    groups: list[KVCacheGroup], layout: KVCacheLayout, *, hot_pages_align_pool: bool = True
+) -> int:
     """Bytes one block id costs the pool: the widest group's footprint."""
     if not layout.is_block_outermost:
         return max(
@@ -72,6 +74,15 @@ def bytes_per_block(groups: list[KVCacheGroup], layout: KVCacheLayout) -> int:
     if widest <= 0:
         raise UnplannableSpecs("a worker without layers cannot hold a block-outermost cache")
     alignments = [spec.stride_alignment_bytes() for group in groups for spec, _ in group.layer_runs]
+    if hot_pages_align_pool:
+        # vLLM 0.32 / 0.33 align the pool to every HiSparse hot group's page, also
+        # on a worker (pipeline stage) that holds none of its layers (0.34: only
+        # the worker's own layers' alignments).
+        alignments += [
+            group.spec.page_size_bytes
+            for group in groups
+            if not group.layer_names and isinstance(group.spec, HiSparseHotSpec)
+        ]
     return round_up(widest, math.lcm(*alignments)) if alignments else widest
 
 
@@ -98,11 +109,41 @@ def check_page_padding(spec: KVCacheSpec, layout: KVCacheLayout) -> None:
     but L and B in front of the later of the two, unless it has one element (of the
     six layouts, LHBNC and BHLNC put H there)."""
     order = layout._value_
-    page_grid = order[: max(order.index(AXIS_L), order.index(AXIS_B)) + 1]
-    if spec.padded_page_bytes is not None and AXIS_H in page_grid and spec.num_heads != 1:
+    grid_end = max(order.index(AXIS_L), order.index(AXIS_B)) + 1
+    page_grid = order[:grid_end]
+    padded = spec.padded_page_bytes
+    if padded is not None and AXIS_H in page_grid and spec.num_heads != 1:
         raise SpecInvariantError(
             f"layout {layout.name} cannot pad pages of layers with "
             f"{spec.num_heads} head slots; use a block-compact layout such as LBNHC"
+        )
+    if padded is not None:
+        # vLLM's compute_layout_strides: the stride after the page tail (H, N, C
+        # behind the grid) must be a multiple of the padded page. A Mamba page
+        # counts its states once whatever its head slots, so its tail can pass it.
+        dims = {
+            AXIS_H: spec.num_heads,
+            AXIS_N: spec.states_per_block,
+            AXIS_C: spec.state_content_size_bytes,
+        }
+        tail = math.prod(dims[axis] for axis in order[grid_end:])
+        if tail > padded and tail % padded:
+            raise SpecInvariantError(
+                f"layout {layout.name} cannot pad a page it lays out as {tail} bytes "
+                f"({spec.num_heads} head slots) to {padded} bytes: the padded page size "
+                "must be at least that, or divide it"
+            )
+    if (
+        not layout.is_block_outermost
+        and not layout.is_block_compact
+        and layer_block_stride(spec) != spec.page_size_bytes
+    ):
+        # vLLM 0.33+ places one block before its memory checks (0.32: while
+        # building each worker's config), and asserts there.
+        raise UnplannableSpecs(
+            f"layout {layout.name} cannot pad {spec.page_size_bytes}-byte pages to their "
+            f"{layer_block_stride(spec)}-byte stride alignment; use a block-compact layout "
+            "such as LBNHC"
         )
 
 
@@ -188,11 +229,7 @@ def place_tensors(
                 block_stride = interleaved_stride
                 padded_stride = layer_block_stride(spec)
                 if block_stride is None and padded_stride != spec.page_size_bytes:
-                    if not layout.is_block_compact:
-                        raise UnplannableSpecs(
-                            f"layout {layout.name} cannot pad pages to their stride alignment"
-                        )
-                    block_stride = padded_stride
+                    block_stride = padded_stride  # a block-compact layout (validate_layout)
                 strides = strides_of[(id(spec), len(names))] = layout_strides(
                     spec, num_blocks, len(names), layout, block_stride
                 )

@@ -396,7 +396,11 @@ def _host_tensors(worker_groups: list[KVCacheGroup], host_blocks: int) -> list[T
     host_bpb = bytes_per_block(host_groups, host_layout)
     return [
         replace(tensor, host_resident=True)
-        for tensor in place_tensors(host_groups, host_blocks, host_layout, host_bpb)
+        # vLLM's HiSparse placement keeps 0.33-style tensors in every release: a
+        # stage without the source group's layers still gets its (empty) tensor.
+        for tensor in place_tensors(
+            host_groups, host_blocks, host_layout, host_bpb, own_layers_only=False
+        )
     ]
 
 
@@ -566,6 +570,20 @@ def plan_engine(
     index_of = {worker.rank: index for index, worker in enumerate(request.workers)}
     available = [budget.available_bytes for budget in budgets]
 
+    # Projections without every layer of the HiSparse source group, where the
+    # release cannot build their HiSparse configuration (vLLM 0.32).
+    split_source: set[int] = set()
+    if hisparse is not None and not rules.hisparse_projection_keeps_host_source:
+        source_sizes = {g.group_id: len(g.layer_names) for g in model.groups if g.host_resident}
+        split_source = {
+            id(worker_groups)
+            for worker_groups in projected
+            if any(
+                len(g.layer_names) != source_sizes[g.group_id]
+                for g in worker_groups
+                if g.group_id in source_sizes
+            )
+        }
     block_bytes: list[int] = []
     bytes_of_projection: dict[int, int] = {}
     for worker, worker_groups, device_groups in zip(workers, projected, device, strict=True):
@@ -582,7 +600,9 @@ def plan_engine(
                 )
             if not layout_after_memory:
                 validate_layout(layout, worker_groups)
-            bytes_of_projection[id(worker_groups)] = bytes_per_block(device_groups, layout)
+            bytes_of_projection[id(worker_groups)] = bytes_per_block(
+                device_groups, layout, hot_pages_align_pool=rules.hot_pages_align_pool
+            )
         block_bytes.append(bytes_of_projection[id(worker_groups)])
 
     override = options.num_gpu_blocks_override
@@ -618,6 +638,8 @@ def plan_engine(
         device_groups = [g for g in worker_groups if not g.host_resident]
 
         def fits(length: int) -> bool:
+            if id(worker_groups) in split_source:
+                return False  # its configuration cannot be built at any length
             if hisparse is not None and not _hisparse_config_builds(
                 hisparse, worker_groups, layout, length
             ):
@@ -702,6 +724,13 @@ def plan_engine(
                     raise_unassigned(dropped)
             if not worker_groups:
                 continue
+            if id(worker_groups) in split_source:
+                raise UnplannableSpecs(
+                    f"worker rank {worker.rank} does not hold every layer of the HiSparse "
+                    f"host-resident group, which {rules.description} then makes a device "
+                    "group: its HiSparse configuration has no source group. Run the engine "
+                    "without pipeline parallelism, or on vLLM 0.33+"
+                )
             if hisparse is not None:
                 host_blocks_per_worker[index] = _hisparse_host_blocks(
                     hisparse, worker_groups, max_model_len
@@ -709,6 +738,19 @@ def plan_engine(
             validate_layout(layout, device_groups)
             if hisparse is not None:
                 _check_hisparse_layout(layout, device_groups)
+        host_pools = {
+            blocks
+            for blocks, worker_groups in zip(host_blocks_per_worker, projected, strict=True)
+            if worker_groups
+        }
+        if len(host_pools) > 1:
+            # Each worker sizes its host pool from its own source layers, and vLLM's
+            # scheduler takes one count for every worker (it asserts they agree).
+            raise UnplannableSpecs(
+                f"the workers' HiSparse host pools would hold different block counts "
+                f"{sorted(host_pools)}: the pipeline stages' sparse-MLA layers differ in "
+                "number or page size; split the layers so that every stage holds the same"
+            )
 
     per_worker_blocks = [
         (override if override is not None else avail // bpb) if worker_groups else 1

@@ -130,6 +130,16 @@ class RuleSet:
     # group takes the EAGLE last-block drop unless flagged (0.32 drops from every
     # group when none is flagged). Read when the scheduler starts.
     lookahead_block_hashes: bool = True
+    # Speculative methods the release no longer accepts (0.34 drops Medusa: its
+    # SpeculativeConfig refuses the method, "Unsupported speculative method").
+    unsupported_spec_methods: frozenset[str] = frozenset()
+    # HiSparse: every hot group's page aligns a worker's block, also on a stage
+    # holding none of its layers (0.32 / 0.33; 0.34 aligns to own layers only).
+    hot_pages_align_pool: bool = True
+    # HiSparse: a worker holding only some layers of the host-resident source group
+    # keeps it host-resident (0.33+). 0.32's projection drops the flag, so that
+    # worker's HiSparse configuration has no source group and cannot be built.
+    hisparse_projection_keeps_host_source: bool = True
 
     def max_concurrent_batches(
         self, *, pipeline_parallel_size: int, async_scheduling: bool, use_v2_model_runner: bool
@@ -205,6 +215,7 @@ VLLM_0_32 = replace(
     fields=frozenset(),
     max_kv_quant_mode=11,
     lookahead_block_hashes=False,
+    hisparse_projection_keeps_host_source=False,
 )
 
 VLLM_0_34 = replace(
@@ -221,6 +232,8 @@ VLLM_0_34 = replace(
     kv_zeroing_across_workers=True,
     layout_merge=LayoutMerge.FIRST_CHOICE_VOTE,
     fields=_ALL_FIELDS,
+    unsupported_spec_methods=frozenset({"medusa"}),
+    hot_pages_align_pool=False,
 )
 
 RULE_SETS: dict[str, RuleSet] = {
@@ -233,6 +246,10 @@ RULE_SETS: dict[str, RuleSet] = {
 
 def versions_with_field(name: str) -> list[str]:
     return [key for key, rules in RULE_SETS.items() if key and rules.has_field(name)]
+
+
+def versions_with_spec_method(method: str) -> list[str]:
+    return [key for key, rules in RULE_SETS.items() if method not in rules.unsupported_spec_methods]
 
 
 def rule_set_for(engine_version: str) -> RuleSet:

@@ -129,7 +129,14 @@ class KVCacheSpec:
         kernel_block_size = math.gcd(alignment.base, self.block_size)
         if kernel_block_size == self.block_size:
             return 1
-        return self.with_block_size(kernel_block_size).page_size_bytes
+        kernel_page = self.with_block_size(kernel_block_size).page_size_bytes
+        if kernel_page <= 0:
+            # vLLM divides by it (round_up in _get_layer_block_stride): ZeroDivisionError.
+            raise SpecInvariantError(
+                f"a kernel block of {kernel_block_size} tokens holds no state, so it "
+                "cannot give the block stride alignment (multiple_of_kernel_block_tokens)"
+            )
+        return kernel_page
 
     @classmethod
     def merge(cls, specs: Sequence[KVCacheSpec], rules: RuleSet = KVPLAN) -> KVCacheSpec:

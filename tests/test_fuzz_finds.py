@@ -1,0 +1,92 @@
+"""The engines fuzz campaigns found kvplan and a vLLM release disagreeing on
+(conformance/finds/), under each rule set: what each release does with them, read off
+vLLM 0.32 / 0.33 / 0.34 themselves (`make conformance` plans them with vLLM too)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import pytest
+from google.protobuf import json_format
+
+from conformance.generate import FINDS_DIR
+from kvplan.convert import plan_from_proto
+from kvplan.core.errors import ErrorCode
+from kvplan.core.rules import FIELD_TOPK_BUFFER_WIDTH, rule_set_for
+from kvplan.v1 import plan_pb2
+from tests.core.builders import planning_error
+
+PLANS = "plans"
+RELEASES = ("vllm-0.32", "vllm-0.33", "vllm-0.34", "")
+REFUSED_BY_LAYOUT = {release: ErrorCode.FAILED_PRECONDITION for release in RELEASES}
+# find -> rule set -> PLANS or the refusal's code (and, for INVALID_ARGUMENT, field).
+EXPECTED: dict[str, Mapping[str, object]] = {
+    # 0.34's SpeculativeConfig has no Medusa.
+    "medusa": {
+        "vllm-0.32": PLANS,
+        "vllm-0.33": PLANS,
+        "vllm-0.34": (ErrorCode.INVALID_ARGUMENT, "spec_decode.method"),
+        "": PLANS,
+    },
+    # vLLM divides by the kernel block's page (0 bytes): a refusal, never a crash.
+    "kernel-block-holds-no-state": REFUSED_BY_LAYOUT,
+    # Placing one block asserts, in every release before the memory checks.
+    "mamba-head-slots-padded-tail": REFUSED_BY_LAYOUT,
+    # 0.32 places blocks only after the memory checks, which this engine fails.
+    "stride-alignment-not-block-compact": {
+        **REFUSED_BY_LAYOUT,
+        "vllm-0.32": ErrorCode.RESOURCE_EXHAUSTED,
+    },
+    "hisparse-host-pools-differ": {**REFUSED_BY_LAYOUT, "vllm-0.32": ErrorCode.RESOURCE_EXHAUSTED},
+    # 0.32's projection makes the split source group a device group.
+    "hisparse-stage-without-hot-layers": {
+        **{release: PLANS for release in RELEASES},
+        "vllm-0.32": ErrorCode.FAILED_PRECONDITION,
+    },
+}
+
+
+def find(name: str, engine_version: str) -> plan_pb2.PlanRequest:
+    data = json.loads((FINDS_DIR / f"{name}.json").read_text())
+    request = json_format.ParseDict(data["request"], plan_pb2.PlanRequest())
+    request.options.engine_version = engine_version
+    if not rule_set_for(engine_version).has_field(FIELD_TOPK_BUFFER_WIDTH):
+        # As `make conformance` sends it to a release without the field.
+        for worker in request.workers:
+            for layer in worker.layers:
+                if layer.HasField("mla_attention"):
+                    layer.mla_attention.mla.ClearField("topk_buffer_width")
+    return request
+
+
+def test_every_find_has_its_expectations() -> None:
+    assert sorted(path.stem for path in FINDS_DIR.glob("*.json")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("engine_version", RELEASES)
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_release_answers_a_find_as_vllm_does(name: str, engine_version: str) -> None:
+    expected = EXPECTED[name][engine_version]
+    request = find(name, engine_version)
+    if expected == PLANS:
+        assert plan_from_proto(request).workers
+        return
+    code, field = expected if isinstance(expected, tuple) else (expected, None)
+    error = planning_error(request)
+    assert error.code == code, error.message
+    if field is not None:
+        assert error.field == field
+
+
+def test_a_stage_without_hot_layers_aligns_its_block_to_the_hot_page_before_0_34() -> None:
+    """Stage 1 holds no HiSparse hot layer: 0.32 / 0.33 align its block to the hot
+    group's page all the same (20,992 B), 0.34 only to its own layers' (its 16 KiB
+    Mamba page); every release gives it the host source tensor, empty."""
+    for engine_version, stage_block in (("vllm-0.33", 20992), ("vllm-0.34", 16384)):
+        plan = plan_from_proto(find("hisparse-stage-without-hot-layers", engine_version))
+        stage0, stage1 = plan.workers
+        assert stage1.bytes_per_block == stage_block
+        assert stage0.bytes_per_block == 20992
+        (host_tensor,) = [t for t in stage1.tensors if t.host_resident]
+        assert host_tensor.size_bytes == 0
