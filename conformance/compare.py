@@ -340,6 +340,7 @@ def informational_diffs(v: Json, k: Json) -> list[Diff]:
 
 
 _GROUP_FLAG = re.compile(r"^groups\[(\d+)\]\.is_draft$")
+_WORKER_LAYERS = re.compile(r"^workers\[\d+\]\.layers$")
 _PROJECTED_FLAG = re.compile(r"^workers\[\d+\]\.groups\[(\d+)\]\.is_draft$")
 
 
@@ -351,6 +352,16 @@ def documented_deviation(
     if not diffs:
         return None
     vllm_error = (v.get("error") or {}).get("message", "")
+    kvplan_error = k.get("error") or {}
+    if (
+        not v.get("ok")
+        and kvplan_error.get("code") == "INVALID_ARGUMENT"
+        and _WORKER_LAYERS.match(kvplan_error.get("field", ""))
+        and "holds no layers of this engine's KV cache groups" in kvplan_error.get("message", "")
+    ):
+        # vLLM fails too: at the worker's config (ZeroDivisionError), or first at
+        # another worker's memory check, which a 0-byte block leaves to the others.
+        return "(f) a worker with no layer in any group refused up front (D5)"
     if own_rules and vllm_error.startswith(LAYOUT_LISTS_DISAGREE):
         # 0.33 stops there; kvplan's own rules go on with 0.34's merge.
         return "(e) workers' differing layout lists merged as vLLM 0.34 does (D9)"
