@@ -285,7 +285,14 @@ def _project(
                 layer_specs=tuple((name, members[name]) for name in names),
             )
         is_draft = group.is_draft and (bool(names) or rules.flag_survives_empty_projection)
-        projected.append(replace(group, layer_names=names, spec=spec, is_draft=is_draft))
+        # vLLM 0.32 rebuilds a group the worker does not hold whole without its
+        # host_resident flag: the HiSparse source group becomes a device group.
+        host_resident = group.host_resident and rules.hisparse_projection_keeps_host_source
+        projected.append(
+            replace(
+                group, layer_names=names, spec=spec, is_draft=is_draft, host_resident=host_resident
+            )
+        )
     return projected
 
 
@@ -570,20 +577,17 @@ def plan_engine(
     index_of = {worker.rank: index for index, worker in enumerate(request.workers)}
     available = [budget.available_bytes for budget in budgets]
 
-    # Projections without every layer of the HiSparse source group, where the
-    # release cannot build their HiSparse configuration (vLLM 0.32).
-    split_source: set[int] = set()
-    if hisparse is not None and not rules.hisparse_projection_keeps_host_source:
-        source_sizes = {g.group_id: len(g.layer_names) for g in model.groups if g.host_resident}
-        split_source = {
+    # Projections that lost the HiSparse source group to the device pool (vLLM 0.32,
+    # see _project): their HiSparse configuration cannot be built.
+    split_source = (
+        {
             id(worker_groups)
             for worker_groups in projected
-            if any(
-                len(g.layer_names) != source_sizes[g.group_id]
-                for g in worker_groups
-                if g.group_id in source_sizes
-            )
+            if not any(group.host_resident for group in worker_groups)
         }
+        if any(group.host_resident for group in model.groups)
+        else set()
+    )
     block_bytes: list[int] = []
     bytes_of_projection: dict[int, int] = {}
     for worker, worker_groups, device_groups in zip(workers, projected, device, strict=True):
@@ -728,8 +732,9 @@ def plan_engine(
                 raise UnplannableSpecs(
                     f"worker rank {worker.rank} does not hold every layer of the HiSparse "
                     f"host-resident group, which {rules.description} then makes a device "
-                    "group: its HiSparse configuration has no source group. Run the engine "
-                    "without pipeline parallelism, or on vLLM 0.33+"
+                    "group (counted in its memory checks): its HiSparse configuration has no "
+                    "source group. Run the engine without pipeline parallelism, or on vLLM "
+                    "0.33+"
                 )
             if hisparse is not None:
                 host_blocks_per_worker[index] = _hisparse_host_blocks(
