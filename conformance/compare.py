@@ -341,6 +341,9 @@ def informational_diffs(v: Json, k: Json) -> list[Diff]:
 
 _GROUP_FLAG = re.compile(r"^groups\[(\d+)\]\.is_draft$")
 _WORKER_LAYERS = re.compile(r"^workers\[\d+\]\.layers$")
+_TOKENS_PER_STATE = re.compile(
+    r"^workers\[\d+\]\.layers\[\d+\]\.\w+\.attention\.tokens_per_state\.tokens$"
+)
 _PROJECTED_FLAG = re.compile(r"^workers\[\d+\]\.groups\[(\d+)\]\.is_draft$")
 
 
@@ -362,6 +365,12 @@ def documented_deviation(
         # vLLM fails too: at the worker's config (ZeroDivisionError), or first at
         # another worker's memory check, which a 0-byte block leaves to the others.
         return "(f) a worker with no layer in any group refused up front (D5)"
+    if kvplan_error.get("code") == "INVALID_ARGUMENT" and _TOKENS_PER_STATE.match(
+        kvplan_error.get("field", "")
+    ):
+        # Whatever vLLM then does: divides by the 0-byte page, plans a group of such
+        # pages, or refuses first on memory.
+        return "(g) tokens_per_state larger than the block refused up front (D8)"
     if own_rules and vllm_error.startswith(LAYOUT_LISTS_DISAGREE):
         # 0.33 stops there; kvplan's own rules go on with 0.34's merge.
         return "(e) workers' differing layout lists merged as vLLM 0.34 does (D9)"
