@@ -64,10 +64,51 @@ COMPARED_WARNINGS = (
     "NO_DRAFT_GROUP_MAMBA",
 )
 DEVIATION_RULES = ("DRAFT_RULE_SPEC_MARKER", "DRAFT_RULE_TRAILING_LAYER")
-# Requests vLLM's planner function accepts because an engine never builds them, and
-# kvplan, which takes them from the wire, rejects (docs/semantics.md, D7).
+
+
+@dataclass(frozen=True)
+class ValidationDeviation:
+    """A request kvplan refuses up front (INVALID_ARGUMENT on a field matching
+    `field`, its message holding `message`) where vLLM's planner goes on: to a plan
+    ("plans"), to an error of its own ("fails"), or either ("either")."""
+
+    field: re.Pattern[str]
+    vllm: str
+    reason: str
+    message: str = ""
+
+    def explains(self, v: Json, kvplan_error: Json) -> bool:
+        if self.vllm != "either" and bool(v.get("ok")) != (self.vllm == "plans"):
+            return False
+        return bool(self.field.match(kvplan_error.get("field", ""))) and (
+            self.message in kvplan_error.get("message", "")
+        )
+
+
+# docs/semantics.md, D5, D7, D8.
 VALIDATION_DEVIATIONS = (
-    (re.compile(r"^workers\[\d+\]\.rank$"), "(c) kvplan rejects a rank given twice (D7)"),
+    # vLLM's planner function plans it (an engine never builds one); kvplan takes
+    # requests from the wire.
+    ValidationDeviation(
+        re.compile(r"^workers\[\d+\]\.rank$"),
+        "plans",
+        "(c) kvplan rejects a rank given twice (D7)",
+    ),
+    # vLLM fails too: at the worker's config (ZeroDivisionError), or first at
+    # another worker's memory check, which a 0-byte block leaves to the others.
+    ValidationDeviation(
+        re.compile(r"^workers\[\d+\]\.layers$"),
+        "fails",
+        "(f) a worker with no layer in any group refused up front (D5)",
+        message="holds no layers of this engine's KV cache groups",
+    ),
+    # vLLM divides by the 0-byte page, plans a group of such pages, or refuses
+    # first on memory.
+    ValidationDeviation(
+        re.compile(r"^workers\[\d+\]\.layers\[\d+\]\.\w+\.attention\.tokens_per_state\.tokens$"),
+        "either",
+        "(g) tokens_per_state larger than the block refused up front (D8)",
+    ),
 )
 
 # vLLM 0.32 / 0.33's assertion when the workers' supported-layout lists differ.
@@ -340,10 +381,6 @@ def informational_diffs(v: Json, k: Json) -> list[Diff]:
 
 
 _GROUP_FLAG = re.compile(r"^groups\[(\d+)\]\.is_draft$")
-_WORKER_LAYERS = re.compile(r"^workers\[\d+\]\.layers$")
-_TOKENS_PER_STATE = re.compile(
-    r"^workers\[\d+\]\.layers\[\d+\]\.\w+\.attention\.tokens_per_state\.tokens$"
-)
 _PROJECTED_FLAG = re.compile(r"^workers\[\d+\]\.groups\[(\d+)\]\.is_draft$")
 
 
@@ -351,26 +388,15 @@ def documented_deviation(
     case: Case, v: Json, k: Json, diffs: list[Diff], *, own_rules: bool = True
 ) -> str | None:
     """The deviation that explains every diff, or None. Under a release's rule set
-    only the validation deviations (D7) apply; D1, D2 and D4 are kvplan's own rules."""
+    only the validation deviations (D5, D7, D8) apply; D1, D2 and D4 are kvplan's own rules."""
     if not diffs:
         return None
     vllm_error = (v.get("error") or {}).get("message", "")
     kvplan_error = k.get("error") or {}
-    if (
-        not v.get("ok")
-        and kvplan_error.get("code") == "INVALID_ARGUMENT"
-        and _WORKER_LAYERS.match(kvplan_error.get("field", ""))
-        and "holds no layers of this engine's KV cache groups" in kvplan_error.get("message", "")
-    ):
-        # vLLM fails too: at the worker's config (ZeroDivisionError), or first at
-        # another worker's memory check, which a 0-byte block leaves to the others.
-        return "(f) a worker with no layer in any group refused up front (D5)"
-    if kvplan_error.get("code") == "INVALID_ARGUMENT" and _TOKENS_PER_STATE.match(
-        kvplan_error.get("field", "")
-    ):
-        # Whatever vLLM then does: divides by the 0-byte page, plans a group of such
-        # pages, or refuses first on memory.
-        return "(g) tokens_per_state larger than the block refused up front (D8)"
+    if kvplan_error.get("code") == "INVALID_ARGUMENT":
+        for deviation in VALIDATION_DEVIATIONS:
+            if deviation.explains(v, kvplan_error):
+                return deviation.reason
     if own_rules and vllm_error.startswith(LAYOUT_LISTS_DISAGREE):
         # 0.33 stops there; kvplan's own rules go on with 0.34's merge.
         return "(e) workers' differing layout lists merged as vLLM 0.34 does (D9)"
@@ -384,9 +410,6 @@ def documented_deviation(
             # kvplan's own rules flag the drafter's group, and vLLM's KV cache manager
             # checks the lookahead of every flagged group.
             return "(a) the drafter's group flagged by D1 takes the MTP lookahead check (D1)"
-        for pattern, reason in VALIDATION_DEVIATIONS:
-            if error.get("code") == "INVALID_ARGUMENT" and pattern.match(error.get("field", "")):
-                return reason
         return None
     if not (v.get("ok") and k.get("ok")) or not own_rules:
         return None

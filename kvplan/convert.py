@@ -837,8 +837,10 @@ def _check_release_request_fields(message: plan_pb2.PlanRequest, rules: RuleSet)
     """Engine- and worker-level fields only some releases have; measured KV bytes
     belong to an extensible cache and are given by every worker or none."""
     options = message.options
-    method = _enum_suffix(
-        plan_pb2.SpecDecodeMethod, message.spec_decode.method, "SPEC_DECODE_METHOD_"
+    method = (
+        _enum_suffix(plan_pb2.SpecDecodeMethod, message.spec_decode.method, "SPEC_DECODE_METHOD_")
+        if rules.unsupported_spec_methods
+        else ""
     )
     if method in rules.unsupported_spec_methods:
         raise InvalidRequest(

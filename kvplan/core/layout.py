@@ -105,19 +105,21 @@ def validate_layout(layout: KVCacheLayout, groups: list[KVCacheGroup]) -> None:
 
 
 def check_page_padding(spec: KVCacheSpec, layout: KVCacheLayout) -> None:
-    """A padded page pads the grid of layers and blocks: the layout may put no axis
-    but L and B in front of the later of the two, unless it has one element (of the
-    six layouts, LHBNC and BHLNC put H there)."""
-    order = layout._value_
-    grid_end = max(order.index(AXIS_L), order.index(AXIS_B)) + 1
-    page_grid = order[:grid_end]
+    """Pages the layout must be able to pad. A padded page pads the grid of layers
+    and blocks: the layout may put no axis but L and B in front of the later of the
+    two unless it has one element (of the six layouts, LHBNC and BHLNC put H there),
+    and what it lays out behind the grid must fit the padded page or be a multiple
+    of it. Padding to a stride alignment needs a block-compact layout (or a
+    block-outermost one, whose blocks interleave)."""
     padded = spec.padded_page_bytes
-    if padded is not None and AXIS_H in page_grid and spec.num_heads != 1:
-        raise SpecInvariantError(
-            f"layout {layout.name} cannot pad pages of layers with "
-            f"{spec.num_heads} head slots; use a block-compact layout such as LBNHC"
-        )
     if padded is not None:
+        order = layout._value_
+        grid_end = max(order.index(AXIS_L), order.index(AXIS_B)) + 1
+        if AXIS_H in order[:grid_end] and spec.num_heads != 1:
+            raise SpecInvariantError(
+                f"layout {layout.name} cannot pad pages of layers with "
+                f"{spec.num_heads} head slots; use a block-compact layout such as LBNHC"
+            )
         # vLLM's compute_layout_strides: the stride after the page tail (H, N, C
         # behind the grid) must be a multiple of the padded page. A Mamba page
         # counts its states once whatever its head slots, so its tail can pass it.
