@@ -108,7 +108,7 @@ from kvplan.server.store.base import (
     kept_result_bytes,
 )
 from kvplan.server.store.bodies import PlanParts, plan_parts
-from kvplan.server.store.memory import (
+from kvplan.server.store.rules import (
     check_compatible,
     check_finished,
     digest,

@@ -20,7 +20,7 @@ from kvplan.server.errors import ServiceError
 from kvplan.server.store import RendezvousResult, TooManyEngines
 from kvplan.server.store.base import Arrival, kept_result_bytes
 from kvplan.server.store.bodies import PlanParts
-from kvplan.server.store.memory import digest
+from kvplan.server.store.rules import digest
 from kvplan.server.store.sqlite import CODEC_NONE, CODEC_ZLIB, SCHEMA_VERSION, SQLiteStore
 from kvplan.v1 import plan_pb2
 from tests.server.test_store_contract import join
