@@ -169,19 +169,27 @@ def check_one_request_fits(
     max_model_len: int,
     estimate: Callable[[int], int],
     blocks_override: int | None = None,
+    no_memory_advice: str | None = None,
 ) -> int:
     """The pool minus the null block must hold one max_model_len request; returns the
     bytes that request needs. `needed` is only evaluated once memory is known to be
     positive, so an empty budget is reported before any spec's own limits.
-    `blocks_override`: num_gpu_blocks_override, which then made the pool."""
+    `blocks_override`: num_gpu_blocks_override, which then made the pool;
+    `no_memory_advice`: what to change when the pool is empty, where the budget is
+    not what made it (the measured bytes of an extensible cache)."""
     if check_bytes <= 0:
-        advice = (
-            f"num_gpu_blocks_override {blocks_override} leaves no block after the null "
-            "block: set it to at least 2, or unset it."
-            if blocks_override is not None
-            else "Increase gpu_memory_utilization or kv_cache_memory_bytes, or reduce the "
-            "non-KV memory."
-        )
+        if no_memory_advice is not None:
+            advice = no_memory_advice
+        elif blocks_override is not None:
+            advice = (
+                f"num_gpu_blocks_override {blocks_override} leaves no block after the null "
+                "block: set it to at least 2, or unset it."
+            )
+        else:
+            advice = (
+                "Increase gpu_memory_utilization or kv_cache_memory_bytes, or reduce the "
+                "non-KV memory."
+            )
         raise InsufficientMemory(
             f"No available memory for the cache blocks on worker rank {rank} "
             f"({check_bytes} bytes after the null block). {advice}",

@@ -680,7 +680,9 @@ def plan_engine(
             )
             max_model_len = fitted
 
-    def one_request_fits(memory_per_worker: list[int]) -> list[int]:
+    def one_request_fits(
+        memory_per_worker: list[int], no_memory_advice: str | None = None
+    ) -> list[int]:
         ctx = _context(options, in_flight, max_model_len)
         # What one request needs depends on the projection alone: ranks sharing one
         # compute it once (256 TP ranks x 64 layers: planning 2.7 -> 1.8 ms).
@@ -706,6 +708,7 @@ def plan_engine(
                 max_model_len=max_model_len,
                 estimate=lambda memory, g=worker_groups, b=bpb: fits_for(g, b, memory),  # type: ignore[misc]
                 blocks_override=override,
+                no_memory_advice=no_memory_advice,
             )
             needed.append(need)
         return needed
@@ -819,7 +822,14 @@ def plan_engine(
             ]
             if options.auto_fit and any(projected):
                 auto_fit(check, " after warm-up")
-            needed = one_request_fits(check)
+            needed = one_request_fits(
+                check,
+                f"After warm-up the workers' measured KV cache bytes "
+                f"(memory.measured_kv_cache_bytes, mapped in memory.allocation_granule_bytes "
+                f"granules) hold {num_blocks} block(s) at the fewest, and the null block is one "
+                "of them. Report the bytes the cache was measured to hold, or a finer "
+                "allocation granule.",
+            )
             # Strides and offsets keep describing the reservation; sizes shrink.
             tensors_per_worker = [
                 tuple(

@@ -204,6 +204,19 @@ def test_a_final_plan_too_small_for_one_request_is_resource_exhausted() -> None:
     assert planning_error(request).code is ErrorCode.RESOURCE_EXHAUSTED
 
 
+def test_measured_bytes_holding_no_block_past_the_null_one_say_what_to_change() -> None:
+    """The budget did not make this pool, so raising utilization would not help: the
+    advice names the measured bytes and the allocation granule."""
+    request = _request("vllm-0.34", kv_bytes=8 * GIB)
+    request.workers[0].memory.measured_kv_cache_bytes = 3 * MIB
+    request.workers[0].memory.allocation_granule_bytes = 2 * MIB  # 4 layer segments each
+    error = planning_error(request)
+    assert error.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert "hold 0 block(s) at the fewest" in error.message
+    assert "allocation granule" in error.message
+    assert "gpu_memory_utilization" not in error.message
+
+
 @given(
     strides=st.lists(st.integers(1, 1 << 20), min_size=1, max_size=8),
     measured=st.integers(0, 1 << 34),
