@@ -33,7 +33,7 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from conformance.generate import Case, generate_cases  # noqa: E402
+from conformance.generate import Case, add_fuzz_argument, fuzz_sections, generate_cases  # noqa: E402
 from kvplan.v1 import plan_pb2  # noqa: E402
 
 Json = dict[str, Any]
@@ -674,9 +674,11 @@ def main(argv: list[str] | None = None) -> int:
         help="kvplan's rule set ('' = kvplan's own rules; default: the installed release)",
     )
     parser.add_argument("--verbose-json", action="store_true", help="full results in json")
+    add_fuzz_argument(parser)
     args = parser.parse_args(argv)
 
-    cases = generate_cases(args.seed, scenarios=not args.no_scenarios)
+    fuzz = fuzz_sections(args.fuzz)
+    cases = generate_cases(args.seed, scenarios=not args.no_scenarios, fuzz=fuzz)
     if args.only:
         cases = [c for c in cases if any(s in c.id for s in args.only)]
     fn, error_type, entry = (None, None, "") if args.vllm_only else load_kvplan()
@@ -691,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "cases": len(cases),
         "seed": args.seed,
+        "fuzz": fuzz,
         "kvplan_entry": entry,
         "seconds": seconds,
         "vllm": VLLM_VERSION,

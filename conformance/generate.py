@@ -16,7 +16,7 @@ import argparse
 import json
 import random
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -2886,7 +2886,7 @@ def _layout_resolution(c: Cases) -> None:
     cat = "layout_resolution"
     rng = c.rng
     # Engines the other sections built (every path, HiSparse, DCP, pipeline).
-    base = [case for case in c.items if case.category != "scenarios"]
+    base = [case for case in c.items if case.category != "scenarios" and case.request.workers]
     sample = rng.sample(base, min(160, len(base)))
     for case in sample:
         n_workers = len(case.request.workers)
@@ -3349,13 +3349,42 @@ SECTIONS: tuple[Callable[[Cases], None], ...] = (
 )
 
 
-def generate_cases(seed: int = 20260, *, scenarios: bool = True) -> list[Case]:
+def generate_cases(
+    seed: int = 20260, *, scenarios: bool = True, fuzz: Mapping[str, int] | None = None
+) -> list[Case]:
+    """The cases of `seed`. `fuzz`: the wide random sections of conformance/fuzz.py
+    to add, with their case counts (a campaign's, not `make conformance`'s); they
+    draw right after `_fuzz`, in fuzz.py's order, so that a seed and the same counts
+    give the same engines."""
     cases = Cases(seed)
     for section in SECTIONS:
         if section is _scenario_files and not scenarios:
             continue
         section(cases)
+        if section is _fuzz and fuzz:
+            from conformance.fuzz import add_fuzz_sections
+
+            add_fuzz_sections(cases, fuzz)
     return cases.items
+
+
+def add_fuzz_argument(parser: argparse.ArgumentParser) -> None:
+    """`--fuzz SECTION[=COUNT]`, repeatable (`all`: every section at its default
+    count): the wide random sections of conformance/fuzz.py, for a fuzz campaign."""
+    parser.add_argument(
+        "--fuzz",
+        action="append",
+        default=[],
+        metavar="SECTION[=COUNT]",
+        help="add a wide random section of conformance/fuzz.py (repeatable; 'all')",
+    )
+
+
+def fuzz_sections(values: Iterable[str]) -> dict[str, int]:
+    """What `--fuzz` asked for: section name -> case count."""
+    from conformance.fuzz import parse_fuzz_sections
+
+    return parse_fuzz_sections(values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -3363,8 +3392,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=20260)
     parser.add_argument("--out", type=Path, help="write the cases as JSON lines")
     parser.add_argument("--list", action="store_true", help="print id and description")
+    add_fuzz_argument(parser)
     args = parser.parse_args(argv)
-    cases = generate_cases(args.seed)
+    cases = generate_cases(args.seed, fuzz=fuzz_sections(args.fuzz))
     if args.out:
         with args.out.open("w") as fh:
             for case in cases:

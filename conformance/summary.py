@@ -1,19 +1,41 @@
 """conformance/report.md: one row per release from conformance/reports/*.json.
 
-Usage: python -m conformance.summary (run by conformance/run after every release).
+Usage: python -m conformance.summary [--reports DIR --out FILE] (run by conformance/run
+after every release; a fuzz campaign's reports are summed up beside them).
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import os
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
 
-def main() -> int:
-    reports = sorted((HERE / "reports").glob("vllm-*.json"))
+def _campaign(reports: list[Path]) -> list[str]:
+    """A line naming the seed and fuzz sections, for reports that are not the fixed
+    check's (a fuzz campaign: `make fuzz`)."""
+    metas = [json.loads(path.read_text())["meta"] for path in reports]
+    campaigns = {(meta.get("seed"), json.dumps(meta.get("fuzz") or {})) for meta in metas}
+    if not any(meta.get("fuzz") for meta in metas):
+        return []
+    described = "; ".join(
+        f"seed {seed}, " + ", ".join(f"{name} {count}" for name, count in json.loads(fuzz).items())
+        for seed, fuzz in sorted(campaigns, key=str)
+    )
+    return [f"Fuzz campaign (conformance/fuzz.py): {described}.", ""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reports", type=Path, default=HERE / "reports")
+    parser.add_argument("--out", type=Path, default=HERE / "report.md")
+    args = parser.parse_args(argv)
+    reports = sorted(args.reports.glob("vllm-*.json"))
+    link_dir = Path(os.path.relpath(args.reports, args.out.parent))
     lines = [
         "# kvplan vs each vLLM release's own planner: differential check",
         "",
@@ -23,8 +45,9 @@ def main() -> int:
         "`docs/semantics.md`; anything else is a disagreement. The `kvplan` row plans",
         "with kvplan's own rules (empty `engine_version`) against vLLM 0.33, which they",
         "extend: its differences are the deviations D1-D9. Per-release details:",
-        "`conformance/reports/`.",
+        f"`{Path(os.path.relpath(args.reports, HERE.parent)).as_posix()}/`.",
         "",
+        *_campaign(reports),
         "| vLLM | kvplan rule set | cases | agree | deviation | disagree | wall s | report |",
         "|---|---|---:|---:|---:|---:|---:|---|",
     ]
@@ -34,7 +57,7 @@ def main() -> int:
         lines.append(
             f"| {meta['vllm']} | `{meta['rule_set']}` | {overall['total']} | {overall['agree']} "
             f"| {overall['deviation']} | {overall['disagree']} | {meta['seconds']:.1f} "
-            f"| [{path.stem}.md](reports/{path.stem}.md) |"
+            f"| [{path.stem}.md]({(link_dir / path.stem).as_posix()}.md) |"
         )
     lines += [
         "",
@@ -71,7 +94,7 @@ def main() -> int:
                 deviations[key] = deviations.get(key, 0) + 1
     lines += ["", "## Documented deviations", ""]
     lines += [f"- {key} ({count} cases)" for key, count in sorted(deviations.items())] or ["none"]
-    (HERE / "report.md").write_text("\n".join(lines) + "\n")
+    args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -1,0 +1,1326 @@
+"""Wide random engines for fuzz campaigns against each vLLM release's own planner.
+
+`make conformance` checks the fixed sections of conformance/generate.py, including its
+small `_fuzz` one, on every release. A campaign adds these wider sections, drawn from
+their own seed, to look for disagreements beyond every list (`make fuzz`, or
+`python -m conformance.compare --seed N --fuzz all`); what one finds is kept in
+conformance/finds/ and pinned by tests/test_fuzz_finds.py once fixed. Every section
+takes the case generator and a case count:
+
+- fuzz_wide: kind mixes with Mamba, hybrid block alignment as vLLM derives it, Mamba
+  speculative blocks, TP x DCP, uneven pipeline splits, drafters of several shapes,
+  prefix caching settings, layouts, budgets and vLLM 0.34's extensible cache;
+- fuzz_x: engine families (DeepSeek V3.2 sparse MLA with indexers, DeepSeek V4 packed
+  SW-MLA, MLA cache dtypes, Mamba checkpoints, Qwen3-Next, RSWA, padded SW pages);
+- fuzz_y: the fields and values the others fix: odd head sizes, quantized caches,
+  dtypes, compressed states, block sizes 1-2048, stride alignments, every kind alone
+  and in pairs, Mamba types, TP x DCP x PP, edge lengths and budgets;
+- fuzz_h: HiSparse with TP, DCP, pipeline stages and other layer kinds;
+- fuzz_l: supported-layout lists over fuzz_y's and fuzz_h's engines.
+"""
+
+# The sections build each engine from helpers defined in the loop iteration that
+# calls them (they read that iteration's draws), which B023 cannot tell apart from a
+# late-binding closure.
+# ruff: noqa: B023
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from conformance.generate import (
+    GDN_STATES,
+    GIB,
+    MIB,
+    SMALL_STATES,
+    Cases,
+    Layer,
+    W,
+    chunked,
+    cross,
+    encoder_only,
+    full,
+    mamba,
+    mla,
+    request,
+    sink,
+    sw,
+    sw_mla,
+)
+from kvplan.v1 import spec_pb2
+
+_BYTES = {None: 2, "fp16": 2, "bf16": 2, "fp32": 4, "e4m3": 1}
+
+# (attention kinds, with mamba). The first kind is the "global" one.
+_MIXES: tuple[tuple[tuple[str, ...], bool], ...] = (
+    (("full",), False),
+    (("full", "sw"), False),
+    (("full", "chunked"), False),
+    (("full", "sw", "chunked"), False),
+    (("sw",), False),
+    (("mla",), False),
+    (("mla", "sw_mla"), False),
+    (("full",), True),
+    (("full", "sw"), True),
+    (("sw", "chunked"), True),
+    (("mla",), True),
+    ((), True),
+    (("full", "sink"), False),
+    (("full", "cross"), False),
+    (("full", "encoder_only"), False),
+    (("full", "sw", "encoder_only"), False),
+)
+
+_MAMBA_STATES = (
+    SMALL_STATES,
+    GDN_STATES,
+    [([4, 8192], "bf16"), ([64, 128, 64], "bf16")],  # Mamba2-ish
+    [([2, 3072], "bf16")],  # short conv
+)
+
+
+def _attn_per_token(kind: str, heads: int, head: int, head_v: int, dtype: str | None) -> int:
+    if kind in ("mla", "sw_mla"):
+        return head * _BYTES[dtype]
+    return heads * (head + head_v) * _BYTES[dtype]
+
+
+def _mamba_page(states: list[tuple[list[int], str]]) -> int:
+    return sum(math.prod(shape) * _BYTES[dtype] for shape, dtype in states)
+
+
+def _wide_layer(
+    c: Cases,
+    kind: str,
+    name: str,
+    *,
+    heads: int,
+    head: int,
+    head_v: int,
+    dtype: str | None,
+    window: int,
+    chunk: int,
+    mla_head: int,
+    states: list[tuple[list[int], str]],
+    padded: int | None,
+    spec_blocks: int,
+    mamba_type: int,
+    tp_replicated: bool,
+    sw_block: int | None,
+    tp_shards: int | None,
+    dcp_sharded: bool | None,
+    draft: bool = False,
+) -> Layer:
+    a: dict[str, Any] = {}
+    if dtype:
+        a["dtype"] = dtype
+    if head_v != head:
+        a["head_v"] = head_v
+    if tp_shards is not None:
+        a["tp_shards"] = tp_shards
+    if dcp_sharded is not None:
+        a["dcp_sharded"] = dcp_sharded
+    if kind == "full":
+        return full(name, heads, head, a=a or None, draft=draft)
+    if kind == "sw":
+        return sw(name, window, heads, head, a=a or None, draft=draft, block=sw_block)
+    if kind == "chunked":
+        return chunked(name, chunk, heads, head, a=a or None, draft=draft)
+    if kind == "sink":
+        return sink(name, window_sink(window), heads, head, a=a or None, draft=draft)
+    if kind == "cross":
+        return cross(name, heads, head)
+    if kind == "encoder_only":
+        return encoder_only(name, heads, head)
+    mla_a: dict[str, Any] = {"tp_shards": 1}
+    if dcp_sharded is not None:
+        mla_a["dcp_sharded"] = dcp_sharded
+    if kind == "mla":
+        return mla(name, mla_head, a=mla_a, draft=draft)
+    if kind == "sw_mla":
+        return sw_mla(name, window, mla_head, a=mla_a, draft=draft, block=sw_block)
+    assert kind == "mamba"
+    return mamba(
+        name,
+        states,
+        padded=padded,
+        spec_blocks=spec_blocks,
+        mamba_type=mamba_type,
+        tp_replicated=tp_replicated,
+        draft=draft,
+    )
+
+
+def _split(c: Cases, n: int, pp: int) -> list[int]:
+    """pp cut points (uneven), every stage non-empty."""
+    if pp == 1:
+        return [0, n]
+    if c.pick([True, False]):
+        per = n // pp
+        return [i * per for i in range(pp)] + [n]
+    cuts = sorted(c.rng.sample(range(1, n), pp - 1))
+    return [0, *cuts, n]
+
+
+def fuzz_wide(c: Cases, count: int) -> None:
+    cat = "fuzzw"
+    for i in range(count):
+        attn_kinds, with_mamba = c.pick(_MIXES)
+        n_layers = c.pick([1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 40, 48, 61, 64, 80])
+        period = c.pick([1, 2, 3, 4, 5, 6, 8])
+        heads = c.pick([1, 2, 4, 8, 16, 32])
+        head = c.pick([64, 80, 96, 128, 192, 256])
+        head_v = head if c.rng.random() < 0.85 else c.pick([64, 128, 256])
+        dtype = c.pick([None, None, None, "fp16", "fp32", "e4m3"])
+        window = c.pick([128, 256, 512, 1024, 2048, 4096, 8192])
+        chunk = c.pick([256, 1024, 2048, 8192])
+        mla_head = c.pick([576, 576, 512])
+        states = c.pick(_MAMBA_STATES)
+        mamba_type = c.pick(
+            [
+                spec_pb2.MAMBA_TYPE_MAMBA2,
+                spec_pb2.MAMBA_TYPE_GDN_ATTENTION,
+                spec_pb2.MAMBA_TYPE_SHORT_CONV,
+                spec_pb2.MAMBA_TYPE_LINEAR,
+            ]
+        )
+        tp_replicated = c.rng.random() < 0.1
+        cache_dtype = c.pick([spec_pb2.KV_CACHE_DTYPE_AUTO] * 4 + [spec_pb2.KV_CACHE_DTYPE_FP8])
+        model_dtype = c.pick([None, None, "fp16", "bf16"])
+        # Layer kinds: one "global" kind every `period` layers, the others between.
+        kinds: list[str] = []
+        pool = list(attn_kinds)
+        if with_mamba:
+            pool = ["mamba", *pool]
+        for j in range(n_layers):
+            if len(pool) == 1:
+                kinds.append(pool[0])
+            elif with_mamba:
+                # Mamba most layers, attention every `period`.
+                if j % period == period - 1 and attn_kinds:
+                    kinds.append(attn_kinds[(j // period) % len(attn_kinds)])
+                else:
+                    kinds.append("mamba")
+            elif j % period == period - 1:
+                kinds.append(pool[0])
+            else:
+                kinds.append(pool[1 + j % (len(pool) - 1)])
+        tp = c.pick([1, 1, 2, 4, 8])
+        dcp = 0
+        if tp > 1 and c.rng.random() < 0.3:
+            dcp = c.pick([d for d in (2, 4, 8) if d <= tp and tp % d == 0])
+        pp = c.pick([1, 1, 1, 2, 3, 4]) if n_layers >= 4 else 1
+        method = c.pick(
+            [
+                "none",
+                "none",
+                "none",
+                "mtp",
+                "eagle",
+                "eagle3",
+                "dspark",
+                "dflash",
+                "ngram",
+                "draft_model",
+                "suffix",
+            ]
+        )
+        spec_tokens = c.pick([1, 2, 3, 4, 5, 7]) if method != "none" else 0
+        nextn = c.pick([None, None, 1, 2, 3]) if method == "mtp" else None
+        # Block size, realistic hybrid alignment (vLLM's _align_hybrid_block_size).
+        block_size = c.pick([0, 0, 16, 32, 64, 128, 256])
+        prefix_caching = c.pick([None, None, None, True, False])
+        disable_hybrid = c.rng.random() < 0.15
+        padded = None
+        engine_block = block_size
+        align_mode: bool | None = None
+        has_attention = any(k not in ("mamba", "cross", "encoder_only") for k in kinds)
+        if with_mamba:
+            # The engine's default: on for hybrid, off for Mamba only.
+            caching = prefix_caching if prefix_caching is not None else has_attention
+            align_mode = caching
+            if has_attention:
+                main = "mla" if "mla" in attn_kinds else "full"
+                per_token = _attn_per_token(main, heads, head, head_v, dtype)
+                if cache_dtype == spec_pb2.KV_CACHE_DTYPE_FP8 and not dtype:
+                    per_token = _attn_per_token(main, heads, head, head_v, "e4m3")
+                elif not dtype and model_dtype == "fp32":
+                    per_token *= 2
+                page = _mamba_page(states)
+                base = block_size or 16
+                align = max(16, base)
+                if main == "mla":
+                    align = max(align, 128)
+                attn_block = align * -(-page // (align * per_token))
+                attn_block = 16 * -(-attn_block // 16)
+                engine_block = max(base, attn_block)
+                if engine_block * per_token != page:
+                    padded = engine_block * per_token
+        spec_blocks = spec_tokens if (with_mamba and method != "none") else 0
+        # Per-layer SW block (vLLM's SW layers choose their own kernel block).
+        sw_block = None
+        if c.rng.random() < 0.15 and not with_mamba:
+            sw_block = c.pick([16, 32, 64])
+        tp_shards = None
+        if tp > 1 and c.rng.random() < 0.2:
+            tp_shards = c.pick([1, 2, heads])
+        dcp_sharded = None
+        if dcp and c.rng.random() < 0.3:
+            dcp_sharded = False
+        shape = dict(
+            heads=heads,
+            head=head,
+            head_v=head_v,
+            dtype=dtype,
+            window=window,
+            chunk=chunk,
+            mla_head=mla_head,
+            states=states,
+            padded=padded,
+            spec_blocks=spec_blocks,
+            mamba_type=mamba_type,
+            tp_replicated=tp_replicated,
+            sw_block=sw_block,
+            tp_shards=tp_shards,
+            dcp_sharded=dcp_sharded,
+        )
+        mixed_heads = c.rng.random() < 0.2 and not with_mamba
+        layers: list[Layer] = []
+        for j, kind in enumerate(kinds):
+            s = dict(shape)
+            if mixed_heads and kind not in ("mla", "sw_mla", "mamba"):
+                s["heads"] = c.pick([heads, 2 * heads, max(1, heads // 2)])
+            layers.append(_wide_layer(c, kind, f"model.layers.{j}.attn", **s))
+        # Drafters: EAGLE-family heads with a drafter model of their own.
+        if method in ("mtp", "eagle", "eagle3", "dspark", "dflash", "draft_model") and (
+            c.rng.random() < 0.7
+        ):
+            attn_only = [k for k in kinds if k not in ("mamba", "cross", "encoder_only")]
+            draft_kind = c.pick(
+                (attn_only or ["full"]) + (["full"] if "mla" not in attn_kinds else ["mla"])
+            )
+            n_draft = c.pick([1, 1, 1, 2, 3])
+            mark = c.pick([True, True, False])
+            for d in range(n_draft):
+                s = dict(shape)
+                if c.rng.random() < 0.3 and draft_kind not in ("mla", "sw_mla"):
+                    s["heads"] = c.pick([1, 2, 4, 8])
+                    s["head"] = c.pick([64, 128])
+                    s["head_v"] = s["head"]
+                prefix = "mtp.layers" if method == "mtp" else "draft_model.layers"
+                layers.append(_wide_layer(c, draft_kind, f"{prefix}.{d}.attn", draft=mark, **s))
+        n_all = len(layers)
+        pp = min(pp, n_all)
+        cuts = _split(c, n_all, pp)
+        utilization_mode = c.rng.random() < 0.3
+        workers: list[W] = []
+        base_bytes = c.pick([16 * MIB, 128 * MIB, 512 * MIB, GIB, 4 * GIB, 20 * GIB, 60 * GIB])
+        for stage in range(pp):
+            own = layers[cuts[stage] : cuts[stage + 1]]
+            for _ in range(tp):
+                if utilization_mode:
+                    workers.append(
+                        W(
+                            own,
+                            total=c.pick([24 * GIB, 80 * GIB, 141 * GIB]),
+                            utilization=c.pick([0.5, 0.9, 0.92, 0.95]),
+                            non_kv=(c.pick([1, 8, 16]) * GIB, 512 * MIB, 200 * MIB, 64 * MIB),
+                        )
+                    )
+                else:
+                    jitter = c.pick([0, 0, 0, 4097, 3 * MIB])
+                    workers.append(W(own, base_bytes + jitter))
+        auto_fit = c.rng.random() < 0.2
+        max_model_len = c.pick([512, 2048, 4096, 8192, 32768, 131072, 262144])
+        batched = c.pick([0, 0, 256, 512, 2048, 8192, 16384, 65536])
+        req = request(
+            workers,
+            max_model_len=-1 if auto_fit else max_model_len,
+            derived=c.pick([8192, 32768, 131072, 1 << 20]) if auto_fit else None,
+            block_size=engine_block,
+            cache_dtype=cache_dtype,
+            model_dtype=model_dtype,
+            disable_hybrid=disable_hybrid,
+            override=c.pick([None] * 6 + [16, 64, 1000, 4096]),
+            batched=batched,
+            async_scheduling=c.pick([False, True]),
+            v2_runner=c.pick([False, True]),
+            pp=pp if pp > 1 else 0,
+            tp=tp if tp > 1 else 0,
+            dcp=dcp,
+            layout=c.pick(["LBNHC", "LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]),
+            mamba_align=align_mode,
+            encoder_tokens=c.pick([0, 1500, 4096]) if "cross" in attn_kinds else 0,
+            prefix_caching=prefix_caching,
+            method=method,
+            spec_tokens=spec_tokens,
+            target_model_type=c.pick(["", "", "qwen3_next", "deepseek_v3", "deepseek_v4"]),
+            disable_block_drop=c.rng.random() < 0.1,
+            nextn=nextn,
+        )
+        if c.rng.random() < 0.1:
+            req.options.prefix_match_unit = c.pick([1, 8, 16, 32, 64])
+        if c.rng.random() < 0.25:
+            # vLLM 0.34's extensible cache (cleared for older releases).
+            req.options.extensible_kv_cache = c.pick([True, True, False])
+            if c.rng.random() < 0.7 and req.options.extensible_kv_cache:
+                granule = c.pick([None, 64 << 10, 2 << 20])
+                for worker in req.workers:
+                    worker.memory.measured_kv_cache_bytes = c.pick(
+                        [64 * MIB, 700 * MIB, 3 * GIB, 30 * GIB]
+                    ) + c.rng.randrange(1 << 20)
+                    if granule:
+                        worker.memory.allocation_granule_bytes = granule
+        mix_name = "+".join((("mamba",) if with_mamba else ()) + attn_kinds)
+        c.add(
+            cat,
+            f"w{i:04d}",
+            f"{n_layers} layers {mix_name} period {period} heads {heads}x{head}/{head_v} "
+            f"{dtype or 'auto'} {method}x{spec_tokens} pp{pp} tp{tp} dcp{dcp} "
+            f"block {engine_block} padded {padded}",
+            req,
+        )
+
+
+_MLA_VARIANTS: tuple[tuple[str, dict[str, Any], int], ...] = (
+    # (name, mla() kwargs, cache dtype)
+    ("bf16", {}, spec_pb2.KV_CACHE_DTYPE_AUTO),
+    ("fp8", {"a": {"dtype": "u8"}}, spec_pb2.KV_CACHE_DTYPE_FP8),
+    ("fp8_ds_mla", {"a": {"dtype": "u8", "content": 656}}, spec_pb2.KV_CACHE_DTYPE_FP8_DS_MLA),
+    (
+        "nvfp4_ds_mla",
+        {"a": {"dtype": "u8", "content": 352, "quant": 10}},
+        spec_pb2.KV_CACHE_DTYPE_NVFP4_DS_MLA,
+    ),
+)
+
+
+def _with(a: dict[str, Any] | None, **more: Any) -> dict[str, Any]:
+    out = dict(a or {})
+    out.update({k: v for k, v in more.items() if v is not None})
+    return out
+
+
+def fuzz_x(c: Cases, count: int) -> None:
+    """Engine families the first wide fuzz leaves out: DeepSeek-V3.2-like sparse MLA
+    with indexers, DeepSeek-V4-like packed SW-MLA + compressed MLA, MLA cache dtypes,
+    Mamba prefill checkpoints, Qwen3-Next-like GDN hybrids with MTP, RSWA, padded SW
+    pages and SW blocks of their own, free-memory checks."""
+    cat = "fuzzx"
+    from conformance.generate import rswa
+
+    families = ("dsv32", "dsv4", "mla", "mamba-ckpt", "qwen-next", "rswa", "sw-padded", "gemma")
+    for i in range(count):
+        fam = c.pick(families)
+        n = c.pick([2, 3, 4, 6, 8, 12, 16, 24, 32, 61])
+        method = c.pick(["none", "none", "mtp", "eagle", "eagle3", "dspark", "ngram"])
+        spec_tokens = c.pick([1, 2, 3, 4]) if method != "none" else 0
+        nextn = c.pick([None, 1, 2, 3]) if method == "mtp" else None
+        tp = c.pick([1, 1, 2, 4, 8])
+        dcp = 0
+        block_size = c.pick([0, 16, 32, 64])
+        layout = c.pick(["LBNHC", "LBNHC", "BLHNC", "BLNHC", "LBHNC", "LHBNC", "BHLNC"])
+        cache_dtype = spec_pb2.KV_CACHE_DTYPE_AUTO
+        prefix_caching = c.pick([None, None, True, False])
+        mamba_align: bool | None = None
+        max_model_len = c.pick([2048, 8192, 32768, 131072, 163840])
+        disable_hybrid = c.rng.random() < 0.1
+        layers: list[Layer] = []
+        draft_mark = c.pick([True, True, False])
+        with_drafter = method in ("mtp", "eagle", "eagle3", "dspark") and c.rng.random() < 0.7
+        if fam == "dsv32":
+            _, kw, cache_dtype = c.pick(_MLA_VARIANTS)
+            block_size = 64
+            topk = c.pick([None, 2048])
+            for j in range(n):
+                a = _with(kw.get("a"), tp_shards=1)
+                layers.append(
+                    mla(
+                        f"model.layers.{j}.self_attn.attn",
+                        576,
+                        a=a,
+                        topk=topk,
+                        leader=(j % c.pick([1, 1, 2]) == 0),
+                    )
+                )
+                if c.rng.random() < 0.9:
+                    layers.append(
+                        mla(
+                            f"model.layers.{j}.self_attn.indexer.k_cache",
+                            132,
+                            a={"dtype": "u8", "tp_shards": 1},
+                            indexer=True,
+                        )
+                    )
+            if with_drafter:
+                a = _with(kw.get("a"), tp_shards=1)
+                layers.append(
+                    mla(
+                        "model.layers.61.self_attn.attn",
+                        576,
+                        a=a,
+                        topk=topk,
+                        draft=draft_mark,
+                        leader=True,
+                    )
+                )
+                layers.append(
+                    mla(
+                        "model.layers.61.self_attn.indexer.k_cache",
+                        132,
+                        a={"dtype": "u8", "tp_shards": 1},
+                        indexer=True,
+                        draft=draft_mark,
+                    )
+                )
+            if tp > 1 and c.rng.random() < 0.3:
+                dcp = c.pick([d for d in (2, 4, 8) if d <= tp])
+        elif fam == "dsv4":
+            block_size = c.pick([64, 128, 256])
+            layout = c.pick(["BLHNC", "BLHNC", "BLNHC", "LBNHC"])
+            window = c.pick([128, 256])
+            replay = c.rng.random() < 0.3
+            for j in range(n):
+                layers.append(
+                    sw_mla(
+                        f"model.layers.{j}.swa",
+                        window,
+                        a={"tp_shards": 1},
+                        block=64,
+                        version="deepseek_v4",
+                        alignment=576,
+                        bounded_replay=replay,
+                    )
+                )
+                if c.rng.random() < 0.8:
+                    tps = c.pick([4, 128])
+                    layers.append(
+                        mla(
+                            f"model.layers.{j}.mla",
+                            a={"tokens": tps, "tp_shards": 1},
+                            block=256,
+                            version="deepseek_v4",
+                            alignment=576,
+                        )
+                    )
+            if with_drafter:
+                layers.append(
+                    sw_mla(
+                        f"mtp.{n}.swa",
+                        window,
+                        a={"tp_shards": 1},
+                        block=64,
+                        version="deepseek_v4",
+                        alignment=576,
+                        bounded_replay=replay,
+                        draft=draft_mark,
+                    )
+                )
+                layers.append(
+                    mla(
+                        f"mtp.{n}.mla",
+                        a={"tokens": 4, "tp_shards": 1},
+                        block=256,
+                        version="deepseek_v4",
+                        alignment=576,
+                        draft=draft_mark,
+                    )
+                )
+        elif fam == "mla":
+            _, kw, cache_dtype = c.pick(_MLA_VARIANTS)
+            extra = c.pick([{}, {}, {"alignment": 4096}, {"tokens": 4}, {"topk": 2048}])
+            a = _with(kw.get("a"), tp_shards=1, tokens=extra.get("tokens"))
+            for j in range(n):
+                layers.append(
+                    mla(
+                        f"model.layers.{j}.attn",
+                        576,
+                        a=a,
+                        alignment=extra.get("alignment"),
+                        topk=extra.get("topk"),
+                    )
+                )
+            if with_drafter:
+                for d in range(c.pick([1, 1, 2])):
+                    layers.append(
+                        mla(
+                            f"mtp.layers.{d}.attn",
+                            576,
+                            a=a,
+                            alignment=extra.get("alignment"),
+                            topk=extra.get("topk"),
+                            draft=draft_mark,
+                            marker=c.rng.random() < 0.2,
+                        )
+                    )
+            if tp > 1 and c.rng.random() < 0.4:
+                dcp = c.pick([d for d in (2, 4, 8) if d <= tp])
+        elif fam in ("mamba-ckpt", "qwen-next"):
+            states = GDN_STATES if fam == "qwen-next" else c.pick([SMALL_STATES, GDN_STATES])
+            heads, head = c.pick([(2, 256), (4, 256), (8, 128), (2, 128)])
+            dtype = c.pick([None, "fp32"]) if fam == "qwen-next" else None
+            with_attention = fam == "qwen-next" or c.rng.random() < 0.6
+            caching = prefix_caching if prefix_caching is not None else with_attention
+            mamba_align = caching
+            ckpt = c.pick([0, 0, 1, 2]) if caching else 0
+            ckpt_align = c.pick([None, 64]) if ckpt else None
+            engine = block_size or 16
+            padded = None
+            if with_attention:
+                per_token = heads * head * 2 * _BYTES[dtype]
+                page = _mamba_page(states)
+                align = max(16, engine)
+                if ckpt_align and caching:
+                    align = math.lcm(align, ckpt_align)
+                attn_block = align * -(-page // (align * per_token))
+                engine = max(engine, 16 * -(-attn_block // 16))
+                if engine * per_token != page:
+                    padded = engine * per_token
+            block_size = engine
+            period = c.pick([2, 3, 4])
+            for j in range(n):
+                if with_attention and j % period == period - 1:
+                    layers.append(
+                        full(
+                            f"model.layers.{j}.self_attn.attn",
+                            heads,
+                            head,
+                            a={"dtype": dtype} if dtype else None,
+                        )
+                    )
+                else:
+                    layers.append(
+                        mamba(
+                            f"model.layers.{j}.linear_attn",
+                            states,
+                            padded=padded,
+                            spec_blocks=spec_tokens,
+                            checkpoint_blocks=ckpt,
+                            checkpoint_alignment=ckpt_align,
+                            mamba_type=spec_pb2.MAMBA_TYPE_GDN_ATTENTION
+                            if fam == "qwen-next"
+                            else spec_pb2.MAMBA_TYPE_MAMBA2,
+                        )
+                    )
+            if with_drafter and with_attention:
+                layers.append(
+                    full(
+                        "mtp.layers.0.self_attn.attn",
+                        heads,
+                        head,
+                        a={"dtype": dtype} if dtype else None,
+                        draft=draft_mark,
+                    )
+                )
+        elif fam == "rswa":
+            w = c.pick([256, 512, 1024])
+            for j in range(n):
+                layers.append(rswa(f"model.layers.{j}.attn", w, 8, 128))
+            if c.rng.random() < 0.5:
+                layers.append(full("model.layers.full.attn", 8, 128))
+        elif fam == "sw-padded":
+            heads, head = c.pick([(8, 128), (4, 64), (8, 96), (16, 128)])
+            engine = block_size or 16
+            window = c.pick([128, 512, 1024, 4096])
+            sw_block = c.pick([None, 16, 32])
+            sw_heads, sw_head = c.pick([(heads, head), (4, 64), (8, 96), (heads, 96)])
+            full_page = engine * heads * head * 4
+            sw_block_eff = sw_block or engine
+            sw_page = sw_block_eff * sw_heads * sw_head * 4
+            padded = (
+                full_page
+                if (sw_page < full_page and full_page % sw_page and c.rng.random() < 0.7)
+                else None
+            )
+            period = c.pick([2, 4, 6])
+            for j in range(n):
+                if j % period == period - 1:
+                    layers.append(full(f"model.layers.{j}.attn", heads, head))
+                else:
+                    layers.append(
+                        sw(
+                            f"model.layers.{j}.attn",
+                            window,
+                            sw_heads,
+                            sw_head,
+                            a={"padded": padded} if padded else None,
+                            block=sw_block,
+                        )
+                    )
+            if with_drafter:
+                layers.append(
+                    c.pick(
+                        [
+                            full("draft.layers.0.attn", heads, head, draft=draft_mark),
+                            sw(
+                                "draft.layers.0.attn",
+                                window,
+                                sw_heads,
+                                sw_head,
+                                draft=draft_mark,
+                                a={"padded": padded} if padded else None,
+                                block=sw_block,
+                            ),
+                        ]
+                    )
+                )
+        else:  # gemma: 5:1 SW with global full, different head dims per type
+            heads, head = c.pick([(8, 128), (16, 256), (4, 256), (1, 256)])
+            g_heads, g_head = c.pick([(heads, head), (heads, 2 * head), (2 * heads, head)])
+            window = c.pick([512, 1024, 4096])
+            for j in range(n):
+                if j % 6 == 5:
+                    layers.append(full(f"model.layers.{j}.attn", g_heads, g_head))
+                else:
+                    layers.append(sw(f"model.layers.{j}.attn", window, heads, head))
+            if with_drafter:
+                layers.append(sw("draft.layers.0.attn", window, heads, head, draft=draft_mark))
+        pp = c.pick([1, 1, 1, 2, 3]) if len(layers) >= 4 else 1
+        cuts = _split(c, len(layers), pp)
+        free_check = c.rng.random() < 0.15
+        utilization_mode = free_check or c.rng.random() < 0.2
+        base = c.pick([64 * MIB, 512 * MIB, 2 * GIB, 8 * GIB, 40 * GIB])
+        workers: list[W] = []
+        for stage in range(pp):
+            own = layers[cuts[stage] : cuts[stage + 1]]
+            for _ in range(tp):
+                if utilization_mode:
+                    workers.append(
+                        W(
+                            own,
+                            total=80 * GIB,
+                            utilization=c.pick([0.5, 0.9]),
+                            non_kv=(c.pick([2, 20]) * GIB, GIB, 256 * MIB, 0),
+                        )
+                    )
+                else:
+                    workers.append(W(own, base + c.pick([0, 0, 12345])))
+        auto_fit = c.rng.random() < 0.2
+        req = request(
+            workers,
+            max_model_len=-1 if auto_fit else max_model_len,
+            derived=c.pick([32768, 163840, 1 << 20]) if auto_fit else None,
+            block_size=block_size,
+            cache_dtype=cache_dtype,
+            disable_hybrid=disable_hybrid,
+            override=c.pick([None] * 8 + [64, 3000]),
+            batched=c.pick([0, 0, 1024, 4096, 16384]),
+            async_scheduling=c.pick([False, True]),
+            v2_runner=c.pick([False, True]),
+            pp=pp if pp > 1 else 0,
+            tp=tp if tp > 1 else 0,
+            dcp=dcp,
+            layout=layout,
+            mamba_align=mamba_align,
+            prefix_caching=prefix_caching,
+            method=method,
+            spec_tokens=spec_tokens,
+            target_model_type=c.pick(
+                ["", "deepseek_v3", "deepseek_v32", "deepseek_v4", "qwen3_next"]
+            ),
+            disable_block_drop=c.rng.random() < 0.1,
+            nextn=nextn,
+        )
+        if free_check:
+            for worker in req.workers:
+                worker.device.free_memory_bytes = c.pick([80 * GIB, 60 * GIB, 30 * GIB])
+        if c.rng.random() < 0.1:
+            req.options.prefix_match_unit = c.pick([1, 4, 16, 64])
+        c.add(
+            cat,
+            f"x{i:04d}",
+            f"{fam} {len(layers)} layers {method}x{spec_tokens} pp{pp} tp{tp} dcp{dcp} "
+            f"block {block_size} {layout}",
+            req,
+        )
+
+
+def window_sink(window: int) -> int:
+    """One sink length per engine (a model config has one), from the engine's draw."""
+    return {128: 16, 256: 64, 512: 128, 1024: 16, 2048: 64, 4096: 128, 8192: 256}[window]
+
+
+# --- fuzz_y: fields and values the earlier sections fix or leave out ---------------
+
+
+_Y_BYTES = {None: 2, "fp16": 2, "bf16": 2, "fp32": 4, "e4m3": 1, "e5m2": 1, "i8": 1, "u8": 1}
+
+# (dtype, kv_quant_mode, content-bytes rule) of quantized attention caches a backend
+# publishes: per-token-head int8/fp8 (a scale per head and token), int4 / NVFP4 /
+# TurboQuant packing (opaque uint8 content).
+_Y_QUANT: tuple[tuple[str, int, str | None], ...] = (
+    ("i8", spec_pb2.KV_QUANT_MODE_INT8_PER_TOKEN_HEAD, "scales"),
+    ("e4m3", spec_pb2.KV_QUANT_MODE_FP8_PER_TOKEN_HEAD, "scales"),
+    ("u8", spec_pb2.KV_QUANT_MODE_INT4_PER_TOKEN_HEAD, "int4"),
+    ("u8", spec_pb2.KV_QUANT_MODE_NVFP4, "nvfp4"),
+    ("u8", spec_pb2.KV_QUANT_MODE_TURBOQUANT_K8V4, "k8v4"),
+    ("u8", spec_pb2.KV_QUANT_MODE_TURBOQUANT_4BIT_NC, "int4"),
+    ("e4m3", spec_pb2.KV_QUANT_MODE_FP8_PER_TENSOR, None),
+    ("e5m2", spec_pb2.KV_QUANT_MODE_FP8_PER_TENSOR, None),
+)
+
+_Y_CACHE_DTYPES = (
+    spec_pb2.KV_CACHE_DTYPE_AUTO,
+    spec_pb2.KV_CACHE_DTYPE_AUTO,
+    spec_pb2.KV_CACHE_DTYPE_AUTO,
+    spec_pb2.KV_CACHE_DTYPE_FLOAT16,
+    spec_pb2.KV_CACHE_DTYPE_BFLOAT16,
+    spec_pb2.KV_CACHE_DTYPE_FLOAT32,
+    spec_pb2.KV_CACHE_DTYPE_FP8,
+    spec_pb2.KV_CACHE_DTYPE_FP8_E4M3,
+    spec_pb2.KV_CACHE_DTYPE_FP8_E5M2,
+    spec_pb2.KV_CACHE_DTYPE_INT8_PER_TOKEN_HEAD,
+    spec_pb2.KV_CACHE_DTYPE_FP8_INC,
+)
+
+_Y_KINDS = (
+    "full",
+    "sw",
+    "chunked",
+    "sink",
+    "hidden",
+    "circular",
+    "cross",
+    "encoder_only",
+    "mamba",
+    "mla",
+    "sw_mla",
+    "full_window",
+    "full_chunk",
+    "nonc",
+)
+
+_Y_MIXES: tuple[tuple[str, ...], ...] = (
+    ("full",),
+    ("sw",),
+    ("chunked",),
+    ("sink",),
+    ("mamba",),
+    ("mla",),
+    ("sw_mla",),
+    ("hidden",),
+    ("circular",),
+    ("cross",),
+    ("encoder_only",),
+    ("nonc",),
+    ("full", "sw"),
+    ("full", "chunked"),
+    ("sw", "chunked"),
+    ("full", "mamba"),
+    ("sw", "mamba"),
+    ("chunked", "mamba"),
+    ("full", "sink"),
+    ("sink", "sw"),
+    ("full", "hidden"),
+    ("full", "circular"),
+    ("sw", "circular"),
+    ("full", "cross"),
+    ("sw", "cross"),
+    ("full", "encoder_only"),
+    ("mamba", "encoder_only"),
+    ("mla", "mamba"),
+    ("mla", "sw"),
+    ("mla", "full"),
+    ("full", "full_window"),
+    ("full", "full_chunk"),
+    ("full", "nonc"),
+    ("nonc", "sw"),
+    ("full", "sw", "mamba"),
+    ("full", "sw", "chunked", "mamba"),
+    ("full", "sink", "sw"),
+    ("full", "cross", "sw"),
+)
+
+
+def _y_states(c: Cases) -> list[tuple[list[int], str]]:
+    states: list[tuple[list[int], str]] = c.pick(
+        [
+            SMALL_STATES,
+            GDN_STATES,
+            [([4, 8192], "bf16"), ([64, 128, 64], "bf16")],
+            [([2, 3072], "bf16")],
+            [([1, 1], "fp32")],  # a degenerate (tiny) state
+            [([3, 1536], "fp16"), ([16, 64, 64], "fp16")],
+            [([7, 333], "fp32")],  # odd sizes
+            [([2, 1000], "bf16"), ([4, 100, 10], "fp32")],
+        ]
+    )
+    return states
+
+
+def fuzz_y(c: Cases, count: int) -> None:
+    """Odd head sizes, quantized caches (num_head_slots, state_content_bytes,
+    kv_quant_mode), cache / model dtypes, compressed and pooled states, block sizes
+    and stride alignments, per-layer blocks, every kind alone and in pairs (hidden,
+    circular, non-causal, FullAttention with window / chunk metadata), Mamba types,
+    heads, state alignment, checkpoints, drafters of other kinds and methods,
+    TP x DCP x PP, and edge values of max_model_len, batched tokens, overrides,
+    budgets (bytes, utilization 1.0, too small)."""
+    from conformance.generate import circular, hidden, rswa  # noqa: F401
+
+    cat = "fuzzy"
+    for i in range(count):
+        rng = c.rng
+        mix = c.pick(_Y_MIXES)
+        n = c.pick([1, 1, 2, 3, 4, 5, 7, 8, 12, 16, 24, 33, 48, 64, 95])
+        heads = c.pick([1, 1, 2, 3, 4, 5, 8, 12, 16, 20, 32, 64, 128])
+        head = c.pick([8, 16, 32, 40, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256, 320, 512])
+        head_v = head if rng.random() < 0.8 else c.pick([0, 16, 64, 96, 128, 256, 512])
+        if head_v == 0:
+            head_v = head
+        dtype = c.pick([None, None, None, "fp16", "bf16", "fp32", "e4m3", "e5m2", "i8", "u8"])
+        quant = None
+        if rng.random() < 0.2:
+            quant = c.pick(_Y_QUANT)
+            dtype = quant[0]
+        window = c.pick([1, 2, 16, 17, 64, 100, 128, 1000, 4096, 32768, 1 << 20])
+        chunk = c.pick([1, 16, 64, 100, 256, 1024, 8192, 1 << 20])
+        sink_len = c.pick([0, 1, 16, 32, 64, 100, 128, 512])
+        mla_head = c.pick([576, 512, 656, 64, 1, 320])
+        states = _y_states(c)
+        mamba_type = c.pick(
+            [
+                spec_pb2.MAMBA_TYPE_MAMBA1,
+                spec_pb2.MAMBA_TYPE_MAMBA2,
+                spec_pb2.MAMBA_TYPE_SHORT_CONV,
+                spec_pb2.MAMBA_TYPE_LINEAR,
+                spec_pb2.MAMBA_TYPE_GDN_ATTENTION,
+                spec_pb2.MAMBA_TYPE_CUSTOM,
+            ]
+        )
+        mamba_heads = c.pick([0, 0, 0, 1, 2, 8, 32])
+        state_align = c.pick([None, None, None, 16, 64, 512, 4096])
+        cache_dtype = c.pick(_Y_CACHE_DTYPES)
+        model_dtype = c.pick([None, None, "fp16", "bf16", "fp32"])
+        slots = None
+        content = None
+        if quant is not None and quant[2] is not None:
+            rule = quant[2]
+            total = head + head_v
+            if rule == "scales":
+                content = total + 8  # values + a 4-byte scale for K and V
+            elif rule == "int4":
+                content = total // 2 + 8
+            elif rule == "nvfp4":
+                content = total // 2 + total // 16
+            else:
+                content = head + head_v // 2 + 8
+            if rng.random() < 0.3:
+                slots = c.pick([1, heads, 2 * heads])
+        engine_block = c.pick([0, 0, 0, 1, 2, 8, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048])
+        layer_block = None
+        if rng.random() < 0.15:
+            layer_block = c.pick([1, 8, 16, 32, 64, 128, 256])
+        align_bytes = None
+        align_kernel = None
+        r = rng.random()
+        if r < 0.08:
+            align_bytes = c.pick([1, 2, 256, 512, 4096, 65536, 2 << 20])
+        elif r < 0.16:
+            align_kernel = c.pick([1, 8, 16, 32, 64, 128])
+        # Compressed / pooled states: a block holds at least one state (D8 refuses
+        # fewer, which vLLM may or may not trip over).
+        tps: dict[str, Any] = {}
+        r = rng.random()
+        smallest = min(engine_block or 16, layer_block or (1 << 30))
+        if align_kernel:
+            smallest = min(smallest, math.gcd(align_kernel, smallest))
+        fits = [t for t in (2, 4, 8, 128) if t <= smallest]
+        if r < 0.07 and fits:
+            tps = {"tokens": c.pick(fits)}
+        elif r < 0.12:
+            tps = {"states_per_token": c.pick([2, 4])}
+        padded_attn = None
+        if rng.random() < 0.05:
+            padded_attn = c.pick([4096, 65536, 1 << 20])
+        tp = c.pick([1, 1, 1, 2, 2, 4, 8, 16])
+        dcp = 0
+        if tp > 1 and rng.random() < 0.3:
+            dcp = c.pick([d for d in (2, 4, 8, 16) if d <= tp and tp % d == 0])
+        tp_shards = None
+        if tp > 1 and rng.random() < 0.2:
+            tp_shards = c.pick([1, 2, max(1, heads), tp])
+        dcp_sharded = None
+        if rng.random() < 0.15:
+            dcp_sharded = c.pick([False, True])
+
+        def a_params(h: int = heads, hs: int = head) -> dict[str, Any]:
+            a: dict[str, Any] = {}
+            if dtype:
+                a["dtype"] = dtype
+            if head_v != hs or hs != head:
+                a["head_v"] = head_v if hs == head else hs
+            if quant is not None:
+                a["quant"] = quant[1]
+            if content is not None:
+                a["content"] = content
+            if slots is not None:
+                a["slots"] = slots
+            a.update(tps)
+            if padded_attn is not None:
+                a["padded"] = padded_attn
+            if tp_shards is not None:
+                a["tp_shards"] = tp_shards
+            if dcp_sharded is not None:
+                a["dcp_sharded"] = dcp_sharded
+            return a
+
+        common: dict[str, Any] = {}
+        if layer_block is not None:
+            common["block"] = layer_block
+        if align_bytes is not None:
+            common["align_bytes"] = align_bytes
+        if align_kernel is not None:
+            common["align_kernel"] = align_kernel
+        mamba_common = {} if rng.random() < 0.7 else dict(common)
+        spec_tokens = 0
+        method = c.pick(
+            [
+                "none",
+                "none",
+                "none",
+                "none",
+                "mtp",
+                "eagle",
+                "eagle3",
+                "dspark",
+                "dflash",
+                "ngram",
+                "draft_model",
+                "suffix",
+                "medusa",
+            ]
+        )
+        if method != "none":
+            spec_tokens = c.pick([1, 2, 3, 4, 5, 8, 10, 15])
+        prefix_caching = c.pick([None, None, None, True, False])
+        ckpt = c.pick([0, 0, 0, 1, 2, 4])
+        ckpt_align = c.pick([None, None, 16, 64, 128]) if ckpt else None
+
+        def make(kind: str, name: str, draft: bool = False) -> Layer:
+            h = heads
+            if mixed_heads and kind in ("full", "sw", "chunked", "sink"):
+                h = c.pick([heads, 2 * heads, max(1, heads // 2)])
+            if kind == "full":
+                return full(name, h, head, a=a_params(h), draft=draft, **common)
+            if kind == "full_window":
+                return full(name, h, head, window=window, a=a_params(h), draft=draft, **common)
+            if kind == "full_chunk":
+                return full(name, h, head, chunk=chunk, a=a_params(h), draft=draft, **common)
+            if kind == "nonc":
+                return full(name, h, head, non_causal=True, a=a_params(h), draft=draft, **common)
+            if kind == "sw":
+                return sw(name, window, h, head, a=a_params(h), draft=draft, **common)
+            if kind == "chunked":
+                return chunked(name, chunk, h, head, a=a_params(h), draft=draft, **common)
+            if kind == "sink":
+                return sink(name, sink_len, h, head, a=a_params(h), draft=draft, **common)
+            if kind == "cross":
+                return cross(name, h, head, dtype=dtype, draft=draft, **common)
+            if kind == "encoder_only":
+                return encoder_only(name, h, head, draft=draft, **common)
+            if kind == "circular":
+                return circular(
+                    name, c.pick([1, heads]), c.pick([128, 512, head]), draft=draft, **common
+                )
+            if kind == "hidden":
+                return hidden(name, 1, hidden_size, dtype=hidden_dtype, draft=draft, **common)
+            if kind == "mla":
+                ma: dict[str, Any] = {}
+                if tps.get("tokens"):
+                    ma["tokens"] = tps["tokens"]
+                if dcp_sharded is not None:
+                    ma["dcp_sharded"] = dcp_sharded
+                return mla(name, mla_head, a=ma or None, draft=draft, **common)
+            if kind == "sw_mla":
+                return sw_mla(name, window, mla_head, draft=draft, **common)
+            assert kind == "mamba"
+            layer = mamba(
+                name,
+                states,
+                padded=mamba_padded,
+                mamba_type=mamba_type,
+                spec_blocks=spec_tokens if method != "none" and rng.random() < 0.8 else 0,
+                checkpoint_blocks=ckpt,
+                checkpoint_alignment=ckpt_align,
+                heads=mamba_heads,
+                tp_replicated=rng.random() < 0.15,
+                draft=draft,
+                **mamba_common,
+            )
+            if state_align is not None:
+                layer.mamba.state_alignment_bytes = state_align
+            return layer
+
+        mixed_heads = rng.random() < 0.15
+        # One hidden size per model (hidden-state caches of all layers alike).
+        hidden_size = c.pick([1024, 4096, 7168])
+        hidden_dtype = c.pick(["bf16", "fp16", "fp32"])
+        # Mamba hybrids: pad the Mamba page to the attention page as the engine does
+        # (most of the time), from the block size the engine would pick.
+        mamba_padded = None
+        if "mamba" in mix and len(mix) > 1 and rng.random() < 0.75:
+            other = next(k for k in mix if k != "mamba")
+            per = (head + head_v) * heads * _Y_BYTES[dtype]
+            if other in ("mla",):
+                per = mla_head * 2
+            page = sum(math.prod(s) * _Y_BYTES[d] for s, d in states)
+            base = engine_block or 16
+            blk = base * -(-page // (base * per))
+            engine_block = max(engine_block or 16, blk)
+            if engine_block * per > page:
+                mamba_padded = engine_block * per
+            elif rng.random() < 0.5:
+                mamba_padded = page + c.pick([0, 1, 4096])
+        period = c.pick([1, 2, 3, 4, 6])
+        kinds = [
+            mix[0] if len(mix) == 1 or j % period == period - 1 else mix[1 + j % (len(mix) - 1)]
+            for j in range(n)
+        ]
+        if rng.random() < 0.2:
+            rng.shuffle(kinds)
+        layers = [make(k, f"model.layers.{j}.attn") for j, k in enumerate(kinds)]
+        if method in ("mtp", "eagle", "eagle3", "dspark", "dflash", "draft_model", "medusa") and (
+            rng.random() < 0.7
+        ):
+            draft_kind = c.pick([*mix, "full", "sw", "mla", "mamba"])
+            if draft_kind in ("encoder_only", "cross"):
+                draft_kind = "full"
+            mark = c.pick([True, True, False])
+            for d in range(c.pick([1, 1, 2, 3])):
+                layers.append(make(draft_kind, f"draft.layers.{d}.attn", draft=mark))
+        pp = c.pick([1, 1, 1, 2, 3, 4, 8]) if len(layers) >= 2 else 1
+        pp = min(pp, len(layers))
+        cuts = _split(c, len(layers), pp)
+        mode = c.pick(["bytes", "bytes", "bytes", "util", "edge"])
+        workers: list[W] = []
+        base_bytes = int(2 ** rng.uniform(12, 37))  # 4 KiB .. 128 GiB, log-uniform
+        for stage in range(pp):
+            own = layers[cuts[stage] : cuts[stage + 1]]
+            for _ in range(tp):
+                if mode == "util":
+                    workers.append(
+                        W(
+                            own,
+                            total=c.pick([8 * GIB, 24 * GIB, 80 * GIB, 141 * GIB]),
+                            utilization=c.pick([0.05, 0.3, 0.9, 0.99, 1.0]),
+                            non_kv=(
+                                c.pick([0, 1, 7, 60]) * GIB,
+                                c.pick([0, 512 * MIB]),
+                                c.pick([0, 200 * MIB]),
+                                c.pick([0, 64 * MIB]),
+                            ),
+                        )
+                    )
+                elif mode == "edge":
+                    workers.append(W(own, c.pick([1, 4096, 1 << 20, (1 << 40) + 3])))
+                else:
+                    workers.append(W(own, base_bytes + c.pick([0, 0, 1, 4095])))
+        auto_fit = rng.random() < 0.15
+        max_model_len = c.pick(
+            [1, 2, 15, 16, 17, 100, 511, 2048, 8192, 32768, 131072, 1 << 20, 10_000_000]
+        )
+        req = request(
+            workers,
+            max_model_len=-1 if auto_fit else max_model_len,
+            derived=c.pick([1, 17, 8192, 131072, 1 << 21]) if auto_fit else None,
+            block_size=engine_block,
+            cache_dtype=cache_dtype,
+            model_dtype=model_dtype,
+            disable_hybrid=rng.random() < 0.15,
+            override=c.pick([None] * 10 + [1, 2, 3, 17, 1000, 1 << 20]),
+            batched=c.pick([0, 0, 0, 1, 16, 100, 2048, 8192, 1 << 20]),
+            async_scheduling=c.pick([False, True]),
+            v2_runner=c.pick([False, False, True]),
+            pp=pp if pp > 1 else 0,
+            tp=tp if tp > 1 else 0,
+            dcp=dcp,
+            layout=c.pick(["LBNHC", "LBNHC", "LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]),
+            mamba_align=None,
+            encoder_tokens=c.pick([0, 1, 1500, 4096, 1 << 20]) if "cross" in mix else 0,
+            prefix_caching=prefix_caching,
+            method=method,
+            spec_tokens=spec_tokens,
+            target_model_type=c.pick(["", "", "qwen3_next", "deepseek_v3", "deepseek_v4", "llama"]),
+            disable_block_drop=rng.random() < 0.1,
+            nextn=c.pick([None, 1, 2, 3]) if method == "mtp" else None,
+        )
+        if rng.random() < 0.1:
+            req.options.prefix_match_unit = c.pick([1, 2, 8, 16, 32, 64, 128])
+        if rng.random() < 0.2:
+            req.options.extensible_kv_cache = c.pick([True, False])
+            if req.options.extensible_kv_cache and rng.random() < 0.5:
+                for worker in req.workers:
+                    worker.memory.measured_kv_cache_bytes = int(2 ** rng.uniform(16, 36))
+                    if rng.random() < 0.5:
+                        worker.memory.allocation_granule_bytes = c.pick([4096, 2 << 20])
+        c.add(
+            cat,
+            f"y{i:04d}",
+            f"{n} layers {'+'.join(mix)} heads {heads}x{head}/{head_v} {dtype or 'auto'} "
+            f"q{quant[1] if quant else 0} {method}x{spec_tokens} pp{pp} tp{tp} dcp{dcp} "
+            f"block {engine_block} {mode}",
+            req,
+        )
+
+
+def fuzz_h(c: Cases, count: int) -> None:
+    """HiSparse beyond the fixed section: TP (with DCP), pipeline stages, other
+    layer kinds beside it, block sizes, hot-unit counts, host page sizes, the
+    shared pool, index_topk / device buffer edges, budgets, lengths, spec decode."""
+    from conformance.generate import _hisparse_engine, chunked, sink
+
+    cat = "fuzzh"
+    for i in range(count):
+        rng = c.rng
+        kind = c.pick(["none", "none", "sw", "mamba", "full", "chunked", "sink", "mla"])
+        block = c.pick([16, 32, 64, 64, 128, 256])
+        others: list[Layer] = []
+        n_other = c.pick([1, 2, 4])
+        if kind == "sw":
+            others = [
+                sw(f"swa.{j}", c.pick([128, 1024]), 4, 64, block=c.pick([block, 64]))
+                for j in range(n_other)
+            ]
+        elif kind == "mamba":
+            others = [mamba(f"mamba.{j}", SMALL_STATES) for j in range(n_other)]
+        elif kind == "full":
+            others = [full(f"full.{j}", 4, 64) for j in range(n_other)]
+        elif kind == "chunked":
+            others = [chunked(f"chunk.{j}", 2048, 4, 64) for j in range(n_other)]
+        elif kind == "sink":
+            others = [sink(f"sink.{j}", 64, 4, 64) for j in range(n_other)]
+        elif kind == "mla":
+            others = [mla(f"dense.{j}", 576, block=block) for j in range(n_other)]
+        sparse = c.pick([1, 2, 4, 8, 16])
+        layers = _hisparse_engine(
+            rng,
+            sparse=sparse,
+            indexers=c.pick([0, 1, 2, 4, sparse]),
+            leader_every=c.pick([1, 2, 4]),
+            block=block,
+            sparse_head=c.pick([656, 576, 584]),
+            others=others,
+            topk=c.pick([None, 512, 2048, 4096]),
+            mixed_pages=rng.random() < 0.1,
+        )
+        if rng.random() < 0.3:
+            for layer in layers:
+                if layer.WhichOneof("kind") == "hisparse_hot":
+                    layer.hisparse_hot.blocks_per_request = c.pick([1, 2, 4, 32])
+        tp = c.pick([1, 1, 2, 4, 8])
+        dcp = c.pick([0, 0, 2]) if tp >= 2 else 0
+        pp = c.pick([1, 1, 1, 2])
+        workers: list[W] = []
+        base = c.pick([64 * MIB, 256 * MIB, 4 * GIB, 40 * GIB, 120 * GIB])
+        if pp == 2:
+            # Stages split between decoder layers: a layer's indexer and its hot /
+            # resident entries stay with it; the other layers go to the last stage.
+            def stage(name: str) -> int:
+                if name.startswith("model.layers."):
+                    return 0 if int(name.split(".")[2]) < max(1, sparse // 2) else 1
+                return 1
+
+            stages = [[layer for layer in layers if stage(layer.name) == s] for s in (0, 1)]
+            if not stages[1]:
+                stages = [layers]
+        else:
+            stages = [layers]
+        pp = len(stages)
+        for own in stages:
+            for _ in range(tp):
+                workers.append(W(own, kv_bytes=base + c.pick([0, 0, 12345])))
+        auto_fit = rng.random() < 0.3
+        method = c.pick(["none", "none", "mtp", "eagle", "ngram"])
+        req = request(
+            workers,
+            max_model_len=-1 if auto_fit else c.pick([16, 2048, 8192, 131_072, 1 << 20]),
+            derived=c.pick([4096, 163_840, 1_048_576]) if auto_fit else None,
+            layout=c.pick(["BLHNC", "BLHNC", "BLNHC", "BHLNC", "LBNHC", "LHBNC"]),
+            tp=tp if tp > 1 else 0,
+            pp=pp if pp > 1 else 0,
+            dcp=dcp,
+            mamba_align=kind == "mamba",
+            block_size=block,
+            async_scheduling=rng.random() < 0.5,
+            v2_runner=rng.random() < 0.3,
+            batched=c.pick([0, 0, 512, 2048, 32768]),
+            method=method,
+            spec_tokens=c.pick([1, 2, 3, 5]),
+            override=c.pick([None, None, None, 1, 64, 2000]),
+            disable_hybrid=rng.random() < 0.1,
+            prefix_caching=c.pick([None, None, True, False]),
+        )
+        config = req.options.hisparse
+        config.host_pool_gib = c.pick([0.0005, 0.01, 0.25, 4.0, 64.0, 256.0, 2048.0])
+        config.shared_host_pool = rng.random() < 0.4
+        if rng.random() < 0.8:
+            config.index_topk = c.pick([256, 512, 2048, 4096])
+        if rng.random() < 0.5:
+            config.device_buffer_size = c.pick([1, 64, 1024, 2048, 8192, 40000, 1 << 20])
+        if rng.random() < 0.3:
+            config.host_page_size_bytes = c.pick([4096, 65536, 2 << 20])
+        if rng.random() < 0.25:
+            req.options.extensible_kv_cache = c.pick([True, False])
+        c.add(
+            cat,
+            f"h{i:04d}",
+            f"HiSparse {kind} block {block} sparse {sparse} tp{tp} dcp{dcp} pp{pp} {method}",
+            req,
+        )
+
+
+def fuzz_l(c: Cases, count: int) -> None:
+    """Supported-layout lists over the widened engines (fuzzy, fuzzh): the
+    resolution meets quantized / padded / aligned pages, Mamba and HiSparse."""
+    from conformance.generate import LAYOUTS, _layout_patterns, with_layouts
+
+    rng = c.rng
+    base = [
+        case for case in c.items if case.category in ("fuzzy", "fuzzh") and case.request.workers
+    ]
+    for case in rng.sample(base, min(count, len(base))):
+        n_workers = len(case.request.workers)
+        name, lists = rng.choice(_layout_patterns(rng, n_workers))
+        asked = rng.choice([None, None, rng.choice(list(LAYOUTS))])
+        c.add(
+            "fuzzl",
+            f"{case.id.replace('/', '.')}-{name}-{asked or 'unset'}",
+            f"{case.description}; lists {name} {lists}, asked {asked}",
+            with_layouts(case.request, lists, asked),
+        )
+
+
+# Name -> (section, default case count), in the order they draw: a seed and the
+# same counts give the same engines.
+SECTIONS: dict[str, tuple[Callable[[Cases, int], None], int]] = {
+    "fuzz_wide": (fuzz_wide, 1500),
+    "fuzz_x": (fuzz_x, 1000),
+    "fuzz_y": (fuzz_y, 3000),
+    "fuzz_h": (fuzz_h, 600),
+    "fuzz_l": (fuzz_l, 600),  # drawn from fuzz_y's and fuzz_h's engines: after them
+}
+
+
+def parse_fuzz_sections(values: Iterable[str]) -> dict[str, int]:
+    """`--fuzz` values (`SECTION`, `SECTION=COUNT` or `all`) -> section -> count."""
+    counts: dict[str, int] = {}
+    for value in values:
+        name, _, count = value.partition("=")
+        names = list(SECTIONS) if name == "all" else [name]
+        for one in names:
+            if one not in SECTIONS:
+                raise ValueError(f"no fuzz section {one!r}; the sections: {', '.join(SECTIONS)}")
+            counts[one] = int(count) if count else SECTIONS[one][1]
+            if counts[one] < 0:
+                raise ValueError(f"--fuzz {value}: a count is 0 or more")
+    return counts
+
+
+def add_fuzz_sections(c: Cases, counts: Mapping[str, int]) -> None:
+    """The sections asked for, in SECTIONS' order."""
+    for name, (section, _) in SECTIONS.items():
+        if name in counts:
+            section(c, counts[name])

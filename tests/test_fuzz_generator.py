@@ -1,0 +1,82 @@
+"""A sample of every section of conformance/fuzz.py (the fuzz campaigns' wide random
+engines) under every rule set: kvplan answers each with a plan or with a refusal a
+caller can act on (a PlanningError: its gRPC code, a message, and for
+INVALID_ARGUMENT the field path), never with a crash. What vLLM answers is the
+campaign's to check (`make fuzz`); this keeps the generator working and kvplan total
+over its space in `make test`."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from conformance.fuzz import SECTIONS, parse_fuzz_sections
+from conformance.generate import Case, generate_cases
+from kvplan.convert import plan_from_proto
+from kvplan.core.errors import ErrorCode, PlanningError
+from kvplan.v1 import plan_pb2
+
+RELEASES = ("vllm-0.32", "vllm-0.33", "vllm-0.34", "")
+SEED = 20261205
+SAMPLE = {"fuzz_wide": 80, "fuzz_x": 80, "fuzz_y": 200, "fuzz_h": 60, "fuzz_l": 60}
+FUZZ_CATEGORIES = {"fuzzw", "fuzzx", "fuzzy", "fuzzh", "fuzzl"}
+
+
+@pytest.fixture(scope="module")
+def fuzz_cases() -> list[Case]:
+    cases = generate_cases(SEED, scenarios=False, fuzz=SAMPLE)
+    return [case for case in cases if case.category in FUZZ_CATEGORIES]
+
+
+def test_the_sample_draws_every_section() -> None:
+    assert set(SAMPLE) == set(SECTIONS)
+    cases = generate_cases(SEED, scenarios=False, fuzz=SAMPLE)
+    drawn = Counter(case.category for case in cases if case.category in FUZZ_CATEGORIES)
+    assert drawn == {"fuzzw": 80, "fuzzx": 80, "fuzzy": 200, "fuzzh": 60, "fuzzl": 60}
+
+
+def test_a_seed_and_its_counts_give_the_same_engines() -> None:
+    """What makes a campaign's find reproducible from its seed."""
+    counts = {"fuzz_wide": 5, "fuzz_y": 5}
+    first = generate_cases(7, scenarios=False, fuzz=counts)
+    again = generate_cases(7, scenarios=False, fuzz=counts)
+    assert [(case.id, case.request) for case in first] == [
+        (case.id, case.request) for case in again
+    ]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_every_engine_gets_a_plan_or_a_precise_refusal(
+    fuzz_cases: list[Case], release: str
+) -> None:
+    outcomes: Counter[str] = Counter()
+    for case in fuzz_cases:
+        request = plan_pb2.PlanRequest()
+        request.CopyFrom(case.request)
+        request.options.engine_version = release
+        try:
+            response = plan_from_proto(request)
+        except PlanningError as refusal:
+            assert refusal.code in set(ErrorCode), case.id
+            assert str(refusal).strip(), case.id
+            if refusal.code is ErrorCode.INVALID_ARGUMENT:
+                assert refusal.field, f"{case.id}: {refusal}"
+            outcomes[refusal.code.value] += 1
+            continue
+        assert response.num_blocks >= 1, case.id
+        assert len(response.workers) == len(request.workers), case.id
+        outcomes["plan"] += 1
+    # The sample reaches plans and refusals alike (fewer plans under 0.32, which
+    # refuses the fields it lacks), or it would not test much.
+    assert outcomes["plan"] >= len(fuzz_cases) // 10, outcomes
+    assert sum(outcomes.values()) - outcomes["plan"] >= len(fuzz_cases) // 10, outcomes
+
+
+def test_fuzz_arguments_name_sections_and_counts() -> None:
+    assert parse_fuzz_sections(["fuzz_y=12", "fuzz_h"]) == {"fuzz_y": 12, "fuzz_h": 600}
+    assert parse_fuzz_sections(["all"]) == {name: count for name, (_, count) in SECTIONS.items()}
+    with pytest.raises(ValueError, match="no fuzz section 'fuzz_q'"):
+        parse_fuzz_sections(["fuzz_q"])
+    with pytest.raises(ValueError, match="0 or more"):
+        parse_fuzz_sections(["fuzz_y=-1"])
