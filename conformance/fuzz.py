@@ -73,6 +73,9 @@ _MIXES: tuple[tuple[tuple[str, ...], bool], ...] = (
     (("full", "sw", "encoder_only"), False),
 )
 
+# Speculative methods with a drafter or a proposer (vLLM's names).
+_SPEC_METHODS = ("mtp", "eagle", "eagle3", "dspark", "dflash", "ngram", "draft_model", "suffix")
+
 _MAMBA_STATES = (
     SMALL_STATES,
     GDN_STATES,
@@ -212,21 +215,7 @@ def fuzz_wide(c: Cases, count: int) -> None:
         if tp > 1 and c.rng.random() < 0.3:
             dcp = c.pick([d for d in (2, 4, 8) if d <= tp and tp % d == 0])
         pp = c.pick([1, 1, 1, 2, 3, 4]) if n_layers >= 4 else 1
-        method = c.pick(
-            [
-                "none",
-                "none",
-                "none",
-                "mtp",
-                "eagle",
-                "eagle3",
-                "dspark",
-                "dflash",
-                "ngram",
-                "draft_model",
-                "suffix",
-            ]
-        )
+        method = c.pick(["none"] * 3 + list(_SPEC_METHODS))
         spec_tokens = c.pick([1, 2, 3, 4, 5, 7]) if method != "none" else 0
         nextn = c.pick([None, None, 1, 2, 3]) if method == "mtp" else None
         # Block size, realistic hybrid alignment (vLLM's _align_hybrid_block_size).
@@ -976,23 +965,7 @@ def fuzz_y(c: Cases, count: int) -> None:
             common["align_kernel"] = align_kernel
         mamba_common = {} if rng.random() < 0.7 else dict(common)
         spec_tokens = 0
-        method = c.pick(
-            [
-                "none",
-                "none",
-                "none",
-                "none",
-                "mtp",
-                "eagle",
-                "eagle3",
-                "dspark",
-                "dflash",
-                "ngram",
-                "draft_model",
-                "suffix",
-                "medusa",
-            ]
-        )
+        method = c.pick(["none"] * 4 + [*_SPEC_METHODS, "medusa"])
         if method != "none":
             spec_tokens = c.pick([1, 2, 3, 4, 5, 8, 10, 15])
         prefix_caching = c.pick([None, None, None, True, False])
