@@ -580,10 +580,12 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
     is_extensible = extensible(o)
     if HAS_EXTENSIBLE_KV_CACHE:
         cache_config.enable_extensible_kv_cache = is_extensible
-    memory = [
-        available_kv_memory(w, table, extensible=is_extensible) if has_kv_cache else 0
-        for w in workers
-    ]
+    # Every worker checks its device's free memory as it starts (vLLM's
+    # request_memory in init_device), whatever the model; only the profiled KV
+    # budget is skipped when no layer has a KV spec.
+    memory = [available_kv_memory(w, table, extensible=is_extensible) for w in workers]
+    if not has_kv_cache:
+        memory = [0] * len(workers)
     # The engine core turns prefix caching off for non-causal layers.
     if any(getattr(s, "non_causal", False) for one in specs for s in one.values()):
         cache_config.enable_prefix_caching = False

@@ -13,7 +13,11 @@ from google.protobuf import json_format
 from conformance.generate import FINDS_DIR
 from kvplan.convert import plan_from_proto
 from kvplan.core.errors import ErrorCode
-from kvplan.core.rules import FIELD_TOPK_BUFFER_WIDTH, rule_set_for
+from kvplan.core.rules import (
+    FIELD_EXTENSIBLE_KV_CACHE,
+    FIELD_TOPK_BUFFER_WIDTH,
+    rule_set_for,
+)
 from kvplan.v1 import plan_pb2
 from tests.core.builders import planning_error
 
@@ -39,6 +43,12 @@ EXPECTED: dict[str, Mapping[str, object]] = {
         "vllm-0.32": ErrorCode.RESOURCE_EXHAUSTED,
     },
     "hisparse-host-pools-differ": {**REFUSED_BY_LAYOUT, "vllm-0.32": ErrorCode.RESOURCE_EXHAUSTED},
+    # A worker checks its device's free memory as it starts, whatever the model:
+    # also one whose layers need no KV cache.
+    "encoder-only-short-of-free-memory": {
+        release: (ErrorCode.RESOURCE_EXHAUSTED, "workers[0].memory.gpu_memory_utilization")
+        for release in RELEASES
+    },
     # 0.32's projection makes the split source group a device group.
     "hisparse-stage-without-hot-layers": {
         **{release: PLANS for release in RELEASES},
@@ -51,6 +61,8 @@ def find(name: str, engine_version: str) -> plan_pb2.PlanRequest:
     data = json.loads((FINDS_DIR / f"{name}.json").read_text())
     request = json_format.ParseDict(data["request"], plan_pb2.PlanRequest())
     request.options.engine_version = engine_version
+    if not rule_set_for(engine_version).has_field(FIELD_EXTENSIBLE_KV_CACHE):
+        request.options.ClearField("extensible_kv_cache")  # as `make conformance` sends it
     if not rule_set_for(engine_version).has_field(FIELD_TOPK_BUFFER_WIDTH):
         # As `make conformance` sends it to a release without the field.
         for worker in request.workers:
