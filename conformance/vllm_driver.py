@@ -245,6 +245,12 @@ def _speculative_config(spec: plan_pb2.SpecDecodeConfig) -> SpeculativeConfig | 
     if spec.method == plan_pb2.SPEC_DECODE_METHOD_NONE:
         return None
     method = enum_suffix(plan_pb2.SpecDecodeMethod, spec.method, "SPEC_DECODE_METHOD_")
+    # The engine's arguments are validated before any worker starts: a release whose
+    # SpeculativeConfig validates the method (0.34) refuses an unknown one there.
+    validators = getattr(SpeculativeConfig, "__pydantic_decorators__", None)
+    validate = validators.field_validators.get("_validate_method") if validators else None
+    if validate is not None:
+        validate.func(method)
     n_predict = spec.num_nextn_predict_layers if spec.HasField("num_nextn_predict_layers") else 1
     config = object.__new__(SpeculativeConfig)
     # 0.34 counts MTP modules from the draft config's n_predict; earlier releases

@@ -43,6 +43,12 @@ EXPECTED: dict[str, Mapping[str, object]] = {
         "vllm-0.32": ErrorCode.RESOURCE_EXHAUSTED,
     },
     "hisparse-host-pools-differ": {**REFUSED_BY_LAYOUT, "vllm-0.32": ErrorCode.RESOURCE_EXHAUSTED},
+    # Engine arguments are checked before any worker starts: 0.34 refuses Medusa
+    # first; the other releases' workers then refuse the device's free memory.
+    "medusa-short-of-free-memory": {
+        **{release: ErrorCode.RESOURCE_EXHAUSTED for release in RELEASES},
+        "vllm-0.34": (ErrorCode.INVALID_ARGUMENT, "spec_decode.method"),
+    },
     # A worker checks its device's free memory as it starts, whatever the model:
     # also one whose layers need no KV cache.
     "encoder-only-short-of-free-memory": {
