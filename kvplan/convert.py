@@ -495,11 +495,11 @@ def _options_from_proto(
         )
     else:
         derived = max_model_len
-    override: int | None = None
-    if options.HasField("num_gpu_blocks_override"):
-        override = _require(
-            options.num_gpu_blocks_override, "options.num_gpu_blocks_override", "override"
-        )
+    # An override of 0 is one too, as in vLLM: a pool of no blocks, which the memory
+    # check refuses (RESOURCE_EXHAUSTED) unless no layer needs a KV cache.
+    override = (
+        options.num_gpu_blocks_override if options.HasField("num_gpu_blocks_override") else None
+    )
     batched = options.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     parallel = options.parallel
     return EngineOptions(

@@ -199,3 +199,20 @@ def test_an_override_that_leaves_no_block_says_so() -> None:
     assert "No available memory" in str(refused.value)
     assert "num_gpu_blocks_override 1 leaves no block" in str(refused.value)
     assert "gpu_memory_utilization" not in str(refused.value)
+
+
+def test_an_override_of_zero_blocks_is_one_vllm_takes() -> None:
+    """num_gpu_blocks_override 0 is an override, as in vLLM: a pool of no blocks, which
+    the memory check refuses (not a field kvplan refuses up front); a model whose
+    layers need no KV cache plans with it, as there."""
+    request = engine([full_layer(f"layers.{index}") for index in range(4)])
+    request.options.num_gpu_blocks_override = 0
+    with pytest.raises(InsufficientMemory) as refused:
+        plan_from_proto(request)
+    assert "num_gpu_blocks_override 0 leaves no block" in str(refused.value)
+    encoder = engine([])
+    encoder.workers[0].layers.add(name="encoder.0").encoder_only_attention.attention.CopyFrom(
+        full_layer("x").full_attention.attention
+    )
+    encoder.options.num_gpu_blocks_override = 0
+    assert plan_from_proto(encoder).workers[0].encoder_only_layers == ["encoder.0"]

@@ -49,6 +49,8 @@ EXPECTED: dict[str, Mapping[str, object]] = {
         **{release: ErrorCode.RESOURCE_EXHAUSTED for release in RELEASES},
         "vllm-0.34": (ErrorCode.INVALID_ARGUMENT, "spec_decode.method"),
     },
+    # vLLM takes an override of 0 as a pool of no blocks, which its memory check refuses.
+    "blocks-override-zero": {release: ErrorCode.RESOURCE_EXHAUSTED for release in RELEASES},
     # A worker checks its device's free memory as it starts, whatever the model:
     # also one whose layers need no KV cache.
     "encoder-only-short-of-free-memory": {
