@@ -490,15 +490,19 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
     # mode from prefix caching, whatever was asked for.
     align = prefix_caching
 
+    # Given to the constructor, so that the release validates them as the engine's
+    # arguments are (prefix_match_unit must be positive).
+    given: dict[str, int] = {}
+    if o.HasField("num_gpu_blocks_override"):
+        given["num_gpu_blocks_override"] = int(o.num_gpu_blocks_override)
+    if o.HasField("prefix_match_unit"):
+        given["prefix_match_unit"] = o.prefix_match_unit
     cache_config = CacheConfig(
         block_size=block_size,
         mamba_cache_mode="align" if align else "none",
         enable_prefix_caching=prefix_caching,
+        **given,
     )
-    if o.HasField("num_gpu_blocks_override"):
-        cache_config.num_gpu_blocks_override = int(o.num_gpu_blocks_override)
-    if o.HasField("prefix_match_unit"):
-        cache_config.prefix_match_unit = o.prefix_match_unit
     # The engine core resolves the layout once (see `resolve_layout`). Without the
     # workers' lists kvplan takes the layout as given: a layout already on the
     # cache config wins outright.

@@ -51,6 +51,10 @@ EXPECTED: dict[str, Mapping[str, object]] = {
     },
     # vLLM takes an override of 0 as a pool of no blocks, which its memory check refuses.
     "blocks-override-zero": {release: ErrorCode.RESOURCE_EXHAUSTED for release in RELEASES},
+    # Every release's CacheConfig refuses a prefix_match_unit of 0 (it must be positive).
+    "prefix-match-unit-zero": {
+        release: (ErrorCode.INVALID_ARGUMENT, "options.prefix_match_unit") for release in RELEASES
+    },
     # A worker checks its device's free memory as it starts, whatever the model:
     # also one whose layers need no KV cache.
     "encoder-only-short-of-free-memory": {
