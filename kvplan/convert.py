@@ -384,6 +384,13 @@ def layer_from_proto(layer: spec_pb2.LayerSpec, path: str, ctx: _Context) -> KVC
             window = _require(body.sliding_window, f"{body_path}.sliding_window", "sliding_window")
             return SlidingWindowSpec(**kwargs, sliding_window=window)
         if kind == "sliding_window_mla":
+            if body.mla.HasField("topk_buffer_width"):
+                # No release's sliding-window MLA spec has a top-k buffer.
+                raise InvalidRequest(
+                    "sliding-window MLA layers have no top-k index buffer: leave "
+                    "mla.topk_buffer_width unset",
+                    field=f"{body_path}.mla.topk_buffer_width",
+                )
             window = _require(body.sliding_window, f"{body_path}.sliding_window", "sliding_window")
             return SlidingWindowMLASpec(
                 **kwargs,

@@ -216,3 +216,21 @@ def test_an_override_of_zero_blocks_is_one_vllm_takes() -> None:
     )
     encoder.options.num_gpu_blocks_override = 0
     assert plan_from_proto(encoder).workers[0].encoder_only_layers == ["encoder.0"]
+
+
+@pytest.mark.parametrize("engine_version", ["", "vllm-0.32", "vllm-0.33", "vllm-0.34"])
+def test_a_top_k_buffer_on_a_sliding_window_mla_layer_is_refused_by_name(
+    engine_version: str,
+) -> None:
+    """Only (sparse) MLA layers have a top-k index buffer: on a sliding-window MLA
+    layer the field is INVALID_ARGUMENT naming it, not a crash building the spec."""
+    layer = spec_pb2.LayerSpec(name="layers.0.swa")
+    layer.sliding_window_mla.attention.num_kv_heads = 1
+    layer.sliding_window_mla.attention.head_size = 576
+    layer.sliding_window_mla.sliding_window = 128
+    layer.sliding_window_mla.mla.topk_buffer_width = 0
+    request = engine([layer])
+    request.options.engine_version = engine_version
+    with pytest.raises(InvalidRequest) as refused:
+        plan_from_proto(request)
+    assert refused.value.field == "workers[0].layers[0].sliding_window_mla.mla.topk_buffer_width"
