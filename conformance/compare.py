@@ -85,7 +85,7 @@ class ValidationDeviation:
         )
 
 
-# docs/semantics.md, D5, D7, D8.
+# docs/semantics.md, D5, D7, D8, D11.
 VALIDATION_DEVIATIONS = (
     # vLLM's planner function plans it (an engine never builds one); kvplan takes
     # requests from the wire.
@@ -108,6 +108,29 @@ VALIDATION_DEVIATIONS = (
         re.compile(r"^workers\[\d+\]\.layers\[\d+\]\.\w+\.attention\.tokens_per_state\.tokens$"),
         "either",
         "(g) tokens_per_state larger than the block refused up front (D8)",
+    ),
+    # Values no attention backend publishes: vLLM's planner takes them as given
+    # (a 0-byte or 0-slot page, window metadata of 0) and plans, or fails later.
+    ValidationDeviation(
+        re.compile(
+            r"^(options\.derived_max_model_len|workers\[\d+\]\.layers\[\d+\]\.(block_size|"
+            r"\w+\.(sliding_window|attention_chunk_size)|\w+\.attention\.(max_tp_shards|"
+            r"num_head_slots|state_content_bytes|page_size_padded_bytes)))$"
+        ),
+        "either",
+        "(h) a count or size of 0 that no backend publishes refused up front (D11)",
+        message="must be >= 1",
+    ),
+    ValidationDeviation(
+        re.compile(r"^workers\[\d+\]\.layers\[\d+\]\.\w+\.attention\.head_size_v$"),
+        "either",
+        "(h) a V head size on an MLA layer refused up front (D11)",
+        message="MLA layers have no separate V head",
+    ),
+    ValidationDeviation(
+        re.compile(r"^workers\[\d+\]\.layers\[\d+\]\.sliding_window_mla\.mla\.topk_buffer_width$"),
+        "either",
+        "(h) a top-k index buffer on a sliding-window MLA layer refused up front (D11)",
     ),
 )
 
@@ -388,7 +411,7 @@ def documented_deviation(
     case: Case, v: Json, k: Json, diffs: list[Diff], *, own_rules: bool = True
 ) -> str | None:
     """The deviation that explains every diff, or None. Under a release's rule set
-    only the validation deviations (D5, D7, D8) apply; D1, D2 and D4 are kvplan's own rules."""
+    only the validation deviations (D5, D7, D8, D11) apply; D1, D2 and D4 are kvplan's own rules."""
     if not diffs:
         return None
     vllm_error = (v.get("error") or {}).get("message", "")

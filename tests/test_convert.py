@@ -234,3 +234,65 @@ def test_a_top_k_buffer_on_a_sliding_window_mla_layer_is_refused_by_name(
     with pytest.raises(InvalidRequest) as refused:
         plan_from_proto(request)
     assert refused.value.field == "workers[0].layers[0].sliding_window_mla.mla.topk_buffer_width"
+
+
+def _set(request: plan_pb2.PlanRequest, path: str, value: int) -> None:
+    """Set a field of the request's first layer (`layer.` paths) or of its options."""
+    owner, _, name = path.rpartition(".")
+    target: object = request
+    for part in owner.split("."):
+        target = request.workers[0].layers[0] if part == "layer" else getattr(target, part)
+    setattr(target, name, value)
+
+
+@pytest.mark.parametrize("engine_version", ["", "vllm-0.32", "vllm-0.33", "vllm-0.34"])
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("options.derived_max_model_len", "options.derived_max_model_len"),
+        ("layer.block_size", "workers[0].layers[0].block_size"),
+        (
+            "layer.full_attention.sliding_window",
+            "workers[0].layers[0].full_attention.sliding_window",
+        ),
+        (
+            "layer.full_attention.attention_chunk_size",
+            "workers[0].layers[0].full_attention.attention_chunk_size",
+        ),
+        *(
+            (
+                f"layer.full_attention.attention.{name}",
+                f"workers[0].layers[0].full_attention.attention.{name}",
+            )
+            for name in (
+                "max_tp_shards",
+                "num_head_slots",
+                "state_content_bytes",
+                "page_size_padded_bytes",
+            )
+        ),
+    ],
+)
+def test_a_zero_no_backend_publishes_is_refused_by_name(
+    engine_version: str, path: str, field: str
+) -> None:
+    """D11: a count or size that must be at least 1, set to 0, is INVALID_ARGUMENT on
+    its field in every rule set (vLLM's planner takes it as given)."""
+    request = engine([full_layer("layers.0")])
+    request.options.engine_version = engine_version
+    _set(request, path, 0)
+    with pytest.raises(InvalidRequest) as refused:
+        plan_from_proto(request)
+    assert refused.value.field == field
+    assert "must be >= 1" in str(refused.value)
+
+
+def test_a_v_head_size_on_an_mla_layer_is_refused_by_name() -> None:
+    """D11: MLA keeps one latent vector per token; a V head size is a mistake."""
+    layer = spec_pb2.LayerSpec(name="layers.0.mla")
+    layer.mla_attention.attention.num_kv_heads = 1
+    layer.mla_attention.attention.head_size = 576
+    layer.mla_attention.attention.head_size_v = 1
+    with pytest.raises(InvalidRequest) as refused:
+        plan_from_proto(engine([layer]))
+    assert refused.value.field == "workers[0].layers[0].mla_attention.attention.head_size_v"
