@@ -16,7 +16,15 @@ takes the case generator and a case count:
   dtypes, compressed states, block sizes 1-2048, stride alignments, every kind alone
   and in pairs, Mamba types, TP x DCP x PP, edge lengths and budgets;
 - fuzz_h: HiSparse with TP, DCP, pipeline stages and other layer kinds;
-- fuzz_l: supported-layout lists over fuzz_y's and fuzz_h's engines.
+- fuzz_l: supported-layout lists over fuzz_y's and fuzz_h's engines;
+- fuzz_z: real model families (Llama 4, gpt-oss, Gemma 3, DeepSeek V3 / V3.2 / V4,
+  Qwen3-Next, Jamba, Nemotron-H, Falcon-H1, MiniMax, Whisper, BERT, HiSparse) moved to
+  the edges kvplan's own plan of each shows (one byte short of one request, one block,
+  an override at the blocks one request needs, auto-fit at the fitted length, the
+  extensible cache's measured bytes, free memory at the utilization's edge), lengths
+  beside windows, chunks and blocks, and explicit zeros. Its engines depend on kvplan's
+  plans under the installed release's rules: a seed reproduces them only for the same
+  kvplan and release.
 """
 
 # The sections build each engine from helpers defined in the loop iteration that
@@ -33,6 +41,7 @@ from typing import Any
 from conformance.generate import (
     GDN_STATES,
     GIB,
+    LAYOUTS,
     MIB,
     SMALL_STATES,
     Cases,
@@ -49,7 +58,7 @@ from conformance.generate import (
     sw,
     sw_mla,
 )
-from kvplan.v1 import spec_pb2
+from kvplan.v1 import plan_pb2, spec_pb2
 
 _BYTES = {None: 2, "fp16": 2, "bf16": 2, "fp32": 4, "e4m3": 1}
 
@@ -1266,6 +1275,817 @@ def fuzz_l(c: Cases, count: int) -> None:
         )
 
 
+# --- fuzz_z: real model families at the memory / length / block-count edges --------
+
+_Z_FAMILIES = (
+    "llama4",
+    "gptoss",
+    "gemma3",
+    "dsv3",
+    "dsv32",
+    "qwen3next",
+    "jamba",
+    "nemotronh",
+    "falconh1",
+    "minimax",
+    "whisper",
+    "bert",
+    "llama",
+    "mistral-sw",
+    "sinkwin",
+    "phi-mla",
+    "hisparse",
+    "hisparse",
+    "dsv4",
+)
+
+
+def _z_engine_version() -> str:
+    """The rule set of the installed vLLM release (without vLLM: 0.33's)."""
+    try:
+        from conformance.vllm_driver import ENGINE_VERSION
+    except ImportError:
+        return "vllm-0.33"
+    return str(ENGINE_VERSION)
+
+
+def _z_probe(req: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse | None:
+    """kvplan's plan of the request as the installed release can express it, in its
+    rule set (the case is then moved to the edges the plan shows), or None when
+    kvplan refuses it. Without vLLM: the request as it is, under 0.33's rules."""
+    from kvplan.convert import GPU_MEMORY_BYTES, plan_from_proto
+
+    try:
+        from conformance.compare import for_release
+
+        adapted = for_release(req, _z_engine_version())
+    except ImportError:
+        adapted = plan_pb2.PlanRequest()
+        adapted.CopyFrom(req)
+        adapted.options.engine_version = _z_engine_version()
+    try:
+        return plan_from_proto(adapted, gpu_memory_table=GPU_MEMORY_BYTES)
+    except Exception:  # refused (or a fault the comparison itself will report)
+        return None
+
+
+def _z_bisect(req: Any, apply: Any, good: Any, hi: int = 1 << 42) -> int | None:
+    """The least x in [1, hi] for which kvplan's plan of `apply(copy, x)` is `good`
+    (None when even `hi` is not): the exact edge of a budget, as kvplan sees it."""
+
+    def test(x: int) -> bool:
+        trial = plan_pb2.PlanRequest()
+        trial.CopyFrom(req)
+        apply(trial, x)
+        return bool(good(_z_probe(trial)))
+
+    if not test(hi):
+        return None
+    lo = 0  # lo is bad (or untested 0), hi good
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if test(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _z_layers(c: Cases, fam: str) -> tuple[list[Layer], dict[str, Any]]:
+    """One model family's layers (target, then drafter) and the options it implies."""
+    from conformance.generate import circular  # noqa: F401
+
+    rng = c.rng
+    opts: dict[str, Any] = {}
+    layers: list[Layer] = []
+    method = c.pick(
+        ["none", "none", "eagle", "eagle3", "mtp", "ngram", "suffix", "medusa", "draft_model"]
+    )
+    spec_tokens = c.pick([1, 2, 3, 4, 5, 7, 15]) if method != "none" else 0
+    mark = rng.random() < 0.7
+    n = c.pick([2, 4, 6, 8, 12, 24, 48])
+    drafter = method in ("eagle", "eagle3", "mtp", "draft_model", "medusa") and rng.random() < 0.8
+    if fam == "llama4":  # chunked local 3:1 full (NoPE)
+        chunk = c.pick([8192, 8192, 2048, 256])
+        for j in range(n):
+            if j % 4 == 3:
+                layers.append(full(f"model.layers.{j}.self_attn.attn", 8, 128))
+            else:
+                layers.append(chunked(f"model.layers.{j}.self_attn.attn", chunk, 8, 128))
+        if drafter:
+            layers.append(full("draft.layers.0.self_attn.attn", 8, 128, draft=mark))
+        opts["chunk"] = chunk
+    elif fam == "gptoss":  # alternating SW 128 / full, 8 KV heads x 64
+        window = c.pick([128, 128, 256])
+        for j in range(n):
+            if j % 2 == 0:
+                layers.append(sw(f"model.layers.{j}.attn", window, 8, 64))
+            else:
+                layers.append(full(f"model.layers.{j}.attn", 8, 64))
+        if drafter:
+            layers.append(full("draft.layers.0.attn", 8, 64, draft=mark))
+        opts["window"] = window
+    elif fam == "gemma3":  # 5 SW : 1 full, head 256
+        window = c.pick([512, 1024, 4096])
+        heads = c.pick([1, 2, 4, 8, 16])
+        for j in range(n):
+            if j % 6 == 5:
+                layers.append(full(f"model.layers.{j}.attn", heads, 256))
+            else:
+                layers.append(sw(f"model.layers.{j}.attn", window, heads, 256))
+        if drafter:
+            layers.append(sw("draft.layers.0.attn", window, heads, 256, draft=mark))
+        opts["window"] = window
+    elif fam in ("dsv3", "phi-mla"):
+        _, kw, cache_dtype = c.pick(_MLA_VARIANTS)
+        opts["cache_dtype"] = cache_dtype
+        opts["block_size"] = c.pick([16, 32, 64, 64, 128])
+        head = 576 if fam == "dsv3" else c.pick([576, 320, 192])
+        for j in range(n):
+            layers.append(
+                mla(
+                    f"model.layers.{j}.self_attn.attn",
+                    head,
+                    a=_with(kw.get("a"), tp_shards=1),
+                    cache_dtype=cache_dtype,
+                )
+            )
+        if drafter:
+            for d in range(c.pick([1, 1, 2])):
+                layers.append(
+                    mla(
+                        f"model.layers.{n + d}.self_attn.attn",
+                        head,
+                        a=_with(kw.get("a"), tp_shards=1),
+                        cache_dtype=cache_dtype,
+                        draft=mark,
+                        marker=rng.random() < 0.2,
+                    )
+                )
+        if method == "mtp":
+            opts["nextn"] = c.pick([None, 1, 2])
+    elif fam == "dsv32":
+        _, kw, cache_dtype = c.pick(_MLA_VARIANTS)
+        opts["cache_dtype"] = cache_dtype
+        opts["block_size"] = 64
+        topk = c.pick([None, 2048])
+        for j in range(n + (1 if drafter else 0)):
+            d = j == n
+            a = _with(kw.get("a"), tp_shards=1)
+            layers.append(
+                mla(
+                    f"model.layers.{j}.self_attn.attn",
+                    576,
+                    a=a,
+                    topk=topk,
+                    leader=True,
+                    draft=d and mark,
+                    cache_dtype=cache_dtype,
+                )
+            )
+            layers.append(
+                mla(
+                    f"model.layers.{j}.self_attn.indexer.k_cache",
+                    132,
+                    a={"dtype": "u8", "tp_shards": 1},
+                    indexer=True,
+                    draft=d and mark,
+                )
+            )
+    elif fam in ("qwen3next", "jamba", "nemotronh", "falconh1", "minimax"):
+        if fam == "qwen3next":
+            states, mtype, heads, head, period = (
+                GDN_STATES,
+                spec_pb2.MAMBA_TYPE_GDN_ATTENTION,
+                2,
+                256,
+                4,
+            )
+        elif fam == "jamba":
+            states, mtype, heads, head, period = (
+                [([8192, 3], "bf16"), ([8192, 16], "fp32")],
+                spec_pb2.MAMBA_TYPE_MAMBA1,
+                8,
+                128,
+                8,
+            )
+        elif fam == "nemotronh":
+            states, mtype, heads, head, period = (
+                [([3, 10240], "bf16"), ([128, 64, 128], "fp32")],
+                spec_pb2.MAMBA_TYPE_MAMBA2,
+                8,
+                128,
+                c.pick([5, 6, 7]),
+            )
+        elif fam == "falconh1":
+            states, mtype, heads, head, period = (
+                [([3, 5120], "bf16"), ([32, 64, 128], "fp32")],
+                spec_pb2.MAMBA_TYPE_MAMBA2,
+                2,
+                128,
+                1,
+            )
+        else:
+            states, mtype, heads, head, period = (
+                [([64, 96, 96], "fp32")],
+                spec_pb2.MAMBA_TYPE_LINEAR,
+                8,
+                128,
+                8,
+            )
+        opts["mamba"] = (states, heads, head)
+        caching = c.pick([None, None, True, False])
+        opts["prefix_caching"] = caching
+        on = caching if caching is not None else True
+        engine = c.pick([0, 16, 64])
+        per_token = heads * head * 2 * 2
+        page = _mamba_page(states)
+        padded = None
+        base = engine or 16
+        blk = base * -(-page // (base * per_token))
+        blk = 16 * -(-blk // 16)
+        engine = max(base, blk) if on else (engine or 0)
+        if on or rng.random() < 0.5:
+            eb = engine or 16
+            tokens = -(-page // per_token)  # the fewest tokens whose page holds the state
+            eb = max(eb, 16 * -(-tokens // 16))
+            engine = eb
+            if eb * per_token > page:
+                padded = eb * per_token
+        opts["block_size"] = engine
+        ckpt = c.pick([0, 0, 1]) if on else 0
+        spec_blocks = spec_tokens if method != "none" else 0
+        for j in range(n):
+            mk: dict[str, Any] = dict(
+                padded=padded, mamba_type=mtype, spec_blocks=spec_blocks, checkpoint_blocks=ckpt
+            )
+            if fam == "falconh1":
+                layers.append(mamba(f"model.layers.{j}.mamba", states, **mk))
+                layers.append(full(f"model.layers.{j}.self_attn.attn", heads, head))
+            elif j % period == period - 1:
+                layers.append(full(f"model.layers.{j}.self_attn.attn", heads, head))
+            else:
+                layers.append(mamba(f"model.layers.{j}.mixer", states, **mk))
+        if drafter:
+            layers.append(full(f"mtp.layers.{n}.self_attn.attn", heads, head, draft=mark))
+            if rng.random() < 0.3:
+                layers.append(
+                    mamba(
+                        f"mtp.layers.{n}.mixer",
+                        states,
+                        padded=padded,
+                        mamba_type=mtype,
+                        spec_blocks=spec_blocks,
+                        draft=mark,
+                    )
+                )
+    elif fam == "hisparse":
+        from conformance.generate import _hisparse_engine
+
+        block = c.pick([64, 64, 32, 128])
+        others: list[Layer] = []
+        kind = c.pick(["none", "none", "sw", "full"])
+        if kind == "sw":
+            others = [sw(f"swa.{j}", c.pick([128, 1024]), 4, 64, block=block) for j in range(2)]
+        elif kind == "full":
+            others = [full(f"full.{j}", 4, 64) for j in range(2)]
+        sparse = c.pick([1, 2, 4, 8])
+        layers = _hisparse_engine(
+            rng,
+            sparse=sparse,
+            indexers=c.pick([1, sparse]),
+            leader_every=c.pick([1, 2]),
+            block=block,
+            sparse_head=c.pick([656, 576]),
+            others=others,
+            topk=c.pick([None, 2048]),
+        )
+        opts["block_size"] = block
+        opts["hisparse"] = True
+        if method not in ("none", "mtp", "eagle", "ngram"):
+            method, spec_tokens = "mtp", c.pick([1, 2, 3])
+    elif fam == "dsv4":
+        window = c.pick([128, 256])
+        opts["block_size"] = c.pick([64, 128, 256])
+        replay = rng.random() < 0.3
+        for j in range(n):
+            layers.append(
+                sw_mla(
+                    f"model.layers.{j}.swa",
+                    window,
+                    a={"tp_shards": 1},
+                    block=64,
+                    version="deepseek_v4",
+                    alignment=576,
+                    bounded_replay=replay,
+                )
+            )
+            if j % 2 == 0:
+                layers.append(
+                    mla(
+                        f"model.layers.{j}.mla",
+                        a={"tokens": c.pick([4, 128]), "tp_shards": 1},
+                        block=256,
+                        version="deepseek_v4",
+                        alignment=576,
+                    )
+                )
+        if drafter:
+            layer = sw_mla(
+                f"mtp.{n}.swa",
+                window,
+                a={"tp_shards": 1},
+                block=64,
+                version="deepseek_v4",
+                alignment=576,
+                bounded_replay=replay,
+                draft=mark,
+            )
+            layer.sliding_window_mla.non_causal_multi_token_decode = rng.random() < 0.7
+            layers.append(layer)
+            layers.append(
+                mla(
+                    f"mtp.{n}.mla",
+                    a={"tokens": 4, "tp_shards": 1},
+                    block=256,
+                    version="deepseek_v4",
+                    alignment=576,
+                    draft=mark,
+                    marker=rng.random() < 0.5,
+                )
+            )
+        opts["layout"] = c.pick(["BLHNC", "BLHNC", "BLNHC", "LBNHC"])
+    elif fam == "whisper":
+        heads, head = c.pick([(6, 64), (20, 64), (8, 64)])
+        for j in range(n):
+            layers.append(full(f"decoder.layers.{j}.self_attn.attn", heads, head))
+            layers.append(cross(f"decoder.layers.{j}.encoder_attn.attn", heads, head))
+        if rng.random() < 0.5:
+            for j in range(n):
+                layers.append(encoder_only(f"encoder.layers.{j}.self_attn.attn", heads, head))
+        opts["encoder_tokens"] = c.pick([1500, 1500, 448, 3000, 1])
+        method, spec_tokens = "none", 0
+    elif fam == "bert":
+        for j in range(n):
+            layers.append(encoder_only(f"encoder.layer.{j}.attention", 12, 64))
+        if rng.random() < 0.3:
+            layers.append(full("head.attn", 12, 64))
+        method, spec_tokens = "none", 0
+    elif fam == "mistral-sw":  # every layer one SW spec
+        window = c.pick([4096, 32768, 128])
+        for j in range(n):
+            layers.append(sw(f"model.layers.{j}.attn", window, 8, 128))
+        if drafter:
+            layers.append(sw("draft.layers.0.attn", window, 8, 128, draft=mark))
+        opts["window"] = window
+    elif fam == "sinkwin":  # attention sinks, with window / chunk metadata
+        sink_len = c.pick([16, 64, 128, 256])
+        window = c.pick([128, 1024])
+        meta = c.pick(["none", "window", "chunk"])
+        for j in range(n):
+            body = spec_pb2.SinkFullAttentionSpec(sink_len=sink_len)
+            body.attention.CopyFrom(full("x", 8, 64).full_attention.attention)
+            if meta == "window" and j % 2 == 0:
+                body.sliding_window = window
+            if meta == "chunk" and j % 2 == 0:
+                body.attention_chunk_size = window
+            layer = Layer(name=f"model.layers.{j}.attn", sink_full_attention=body)
+            layers.append(layer)
+            if rng.random() < 0.3:
+                layers.append(sw(f"model.layers.{j}.swa", window, 8, 64))
+        opts["window"] = window
+        opts["sink"] = sink_len
+    else:  # llama: full attention, optional FullAttention window / chunk metadata
+        heads, head = c.pick([(8, 128), (4, 128), (1, 128), (32, 128), (8, 64)])
+        meta = c.pick([{}, {}, {"window": 4096}, {"chunk": 8192}])
+        for j in range(n):
+            layers.append(full(f"model.layers.{j}.self_attn.attn", heads, head, **meta))
+        if drafter:
+            for d in range(c.pick([1, 1, 2])):
+                layers.append(full(f"draft.layers.{d}.attn", heads, head, draft=mark))
+    opts["method"] = method
+    opts["spec_tokens"] = spec_tokens
+    return layers, opts
+
+
+def _z_bisect_edge(c: Cases, req: Any, util_mode: bool) -> str:
+    """Move the request to an edge found by bisecting kvplan's own plans: the least
+    KV bytes (every worker alike) that plan; that let auto-fit reach the model's own
+    length; or (vLLM 0.34's extensible cache) the least measured bytes giving the
+    final plan its reservation's block count, or one block more than a request."""
+    rng = c.rng
+    kind = c.pick(["plans", "plans", "fits", "final"])
+    if kind == "final" and _z_engine_version() != "vllm-0.34":
+        kind = "plans"
+
+    def set_bytes(trial: Any, x: int) -> None:
+        for worker in trial.workers:
+            worker.memory.kv_cache_memory_bytes = x
+
+    if kind == "fits":
+        derived = req.options.max_model_len
+        req.options.max_model_len = -1
+        req.options.derived_max_model_len = derived
+        edge = _z_bisect(req, set_bytes, lambda p: p is not None and p.max_model_len >= derived)
+    elif kind == "final":
+        req.options.extensible_kv_cache = True
+        base = _z_probe(req)
+        if base is None or not base.workers or not base.num_blocks:
+            return ""
+        target = c.pick([base.num_blocks, base.workers[0].blocks_per_request + 2])
+        granule = c.pick([None, 4096, 2 << 20, 64 << 10])
+
+        def set_measured(trial: Any, x: int) -> None:
+            for worker in trial.workers:
+                worker.memory.measured_kv_cache_bytes = x
+                if granule:
+                    worker.memory.allocation_granule_bytes = granule
+
+        edge = _z_bisect(
+            req, set_measured, lambda p: p is not None and p.num_blocks >= target, hi=1 << 44
+        )
+        if edge is None:
+            return ""
+        d = c.pick([-1, 0, 0, 1])
+        set_measured(req, max(1, edge + d))
+        return f"bisect final {target} blocks measured {edge}{d:+d} granule {granule}"
+    else:
+        edge = _z_bisect(req, set_bytes, lambda p: p is not None and bool(p.workers))
+    if edge is None:
+        return ""
+    d = c.pick([-1, 0, 0, 1])
+    for worker in req.workers:
+        _z_set_bytes(worker, max(0, edge + d), util_mode and rng.random() < 0.8, c)
+    return f"bisect {kind} {edge}{d:+d}"
+
+
+def _z_set_bytes(worker: Any, kv: int, util_mode: bool, c: Cases) -> None:
+    """Give the worker exactly `kv` KV bytes (explicit, or a device whose
+    utilization leaves that much after its non-KV memory)."""
+    memory = worker.memory
+    if util_mode and kv >= 0:
+        total = c.pick([24 * GIB, 80 * GIB, 141 * GIB])
+        util = c.pick([0.9, 0.92, 0.95, 1.0])
+        requested = math.ceil(total * util)
+        if requested - kv < 0:
+            memory.kv_cache_memory_bytes = kv
+            return
+        worker.device.total_memory_bytes = total
+        memory.gpu_memory_utilization = util
+        memory.non_kv.weights_bytes = requested - kv
+    else:
+        memory.kv_cache_memory_bytes = max(0, kv)
+
+
+def _z_h2nd(c: Cases, layers: list[Layer]) -> None:
+    """Quantized per-token-head caches: head slots, content bytes, and (vLLM 0.34)
+    slots grouped by KV head; applied to every plain attention layer alike."""
+    quant = c.pick(
+        [
+            ("i8", spec_pb2.KV_QUANT_MODE_INT8_PER_TOKEN_HEAD, 8),
+            ("e4m3", spec_pb2.KV_QUANT_MODE_FP8_PER_TOKEN_HEAD, 8),
+            ("u8", spec_pb2.KV_QUANT_MODE_INT4_PER_TOKEN_HEAD, 0),
+        ]
+    )
+    major = c.rng.random() < 0.7
+    slot_factor = c.pick([1, 1, 2])
+    for layer in layers:
+        kind = layer.WhichOneof("kind")
+        if kind not in (
+            "full_attention",
+            "sliding_window",
+            "chunked_local_attention",
+            "sink_full_attention",
+            "cross_attention",
+        ):
+            continue
+        a = getattr(layer, kind).attention
+        a.dtype = {
+            "i8": spec_pb2.DTYPE_INT8,
+            "e4m3": spec_pb2.DTYPE_FLOAT8_E4M3FN,
+            "u8": spec_pb2.DTYPE_UINT8,
+        }[quant[0]]
+        a.kv_quant_mode = quant[1]
+        hv = a.head_size_v if a.HasField("head_size_v") else a.head_size
+        total = a.head_size + hv
+        a.state_content_bytes = (total + quant[2]) if quant[2] else (total // 2 + 8)
+        a.num_head_slots = a.num_kv_heads * slot_factor
+        a.kv_head_major_slots = major
+
+
+def _z_zero(c: Cases, req: Any) -> str:
+    """One optional field at 0 (or 1) on one layer name, on every worker holding it,
+    or an option at 0: values a caller can send that no section sends."""
+    names = [layer.name for w in req.workers for layer in w.layers]
+    choice = c.pick(["layer", "layer", "option"])
+    if choice == "option" or not names:
+        field, value = c.pick(
+            [
+                ("num_gpu_blocks_override", 0),
+                ("num_gpu_blocks_override", 1),
+                ("derived_max_model_len", 0),
+                ("prefix_match_unit", 0),
+                ("max_num_batched_tokens", 1),
+                ("max_num_encoder_input_tokens", 1),
+            ]
+        )
+        setattr(req.options, field, value)
+        return f" {field}={value}"
+    name = c.pick(names)
+    field, value = c.pick(
+        [
+            ("head_size_v", 0),
+            ("page_size_padded_bytes", 0),
+            ("num_head_slots", 0),
+            ("state_content_bytes", 0),
+            ("max_tp_shards", 0),
+            ("block_size", 0),
+            ("sliding_window", 0),
+            ("attention_chunk_size", 0),
+            ("topk_buffer_width", 0),
+            ("alignment_bytes", 0),
+            ("prefill_checkpoint_alignment", 0),
+            ("state_alignment_bytes", 0),
+            ("mamba_page_size_padded", 0),
+            ("sink_len", 0),
+            ("topk_buffer_width", 1),
+            ("prefill_checkpoint_alignment", 1),
+            ("max_tp_shards", 1),
+            ("num_head_slots", 1),
+            ("head_size_v", 1),
+            ("num_speculative_blocks", 0),
+            ("num_heads", 3),
+            ("block_size", 1),
+        ]
+    )
+    for worker in req.workers:
+        for layer in worker.layers:
+            if layer.name != name:
+                continue
+            kind = layer.WhichOneof("kind")
+            body = getattr(layer, kind)
+            if field == "block_size":
+                layer.block_size = value
+            elif kind == "mamba":
+                f = {"mamba_page_size_padded": "page_size_padded_bytes"}.get(field, field)
+                if f in (
+                    "page_size_padded_bytes",
+                    "prefill_checkpoint_alignment",
+                    "state_alignment_bytes",
+                    "num_speculative_blocks",
+                    "num_heads",
+                ):
+                    setattr(body, f, value)
+            elif field in ("sliding_window", "attention_chunk_size") and kind in (
+                "full_attention",
+                "sink_full_attention",
+            ):
+                setattr(body, field, value)
+            elif field == "sink_len" and kind == "sink_full_attention":
+                body.sink_len = value
+            elif field in ("topk_buffer_width", "alignment_bytes") and hasattr(body, "mla"):
+                setattr(body.mla, field, value)
+            elif field in (
+                "head_size_v",
+                "page_size_padded_bytes",
+                "num_head_slots",
+                "state_content_bytes",
+                "max_tp_shards",
+            ) and hasattr(body, "attention"):
+                setattr(body.attention, field, value)
+    return f" {name}.{field}={value}"
+
+
+def _z_free(c: Cases, req: Any) -> None:
+    """Utilization budgets with the device's free memory at the worker's request."""
+    for worker in req.workers:
+        memory = worker.memory
+        if memory.WhichOneof("budget") != "gpu_memory_utilization":
+            total = c.pick([80 * GIB, 141 * GIB])
+            util = c.pick([0.9, 0.92, 0.5, 0.333])
+            worker.device.total_memory_bytes = total
+            memory.gpu_memory_utilization = util
+            memory.non_kv.weights_bytes = c.pick([0, 4 * GIB, 40 * GIB])
+        total = worker.device.total_memory_bytes
+        requested = math.ceil(total * memory.gpu_memory_utilization)
+        worker.device.free_memory_bytes = max(0, requested + c.pick([-1, 0, 1, -GIB, GIB]))
+
+
+def fuzz_z(c: Cases, count: int) -> None:
+    """Real model families (Llama 4, gpt-oss, Gemma 3, DeepSeek V3 / V3.2, Qwen3-Next,
+    Jamba, Nemotron-H, Falcon-H1, MiniMax, Whisper, BERT, Mistral SW, sinks with
+    window / chunk metadata) placed at the edges kvplan's own plan shows: KV bytes
+    just enough / one byte short for one max_model_len request, for one block, for
+    a few blocks; num_gpu_blocks_override at blocks_per_request and next to it;
+    auto-fit with derived_max_model_len at the fitted length; max_model_len next to
+    windows, chunks, block multiples and the batch size; spec-decode lookahead next
+    to the block; utilization-derived budgets at the same edges."""
+    cat = "fuzzz"
+    rng = c.rng
+    for i in range(count):
+        fam = c.pick(_Z_FAMILIES)
+        layers, opts = _z_layers(c, fam)
+        block_size = opts.get("block_size", c.pick([0, 0, 16, 32, 64, 128, 256]))
+        bs = block_size or 16
+        window = opts.get("window", 4096)
+        chunk = opts.get("chunk", 8192)
+        batched = c.pick([0, 0, 256, 2048, 8192, 16384])
+        length_pool = [
+            bs,
+            bs + 1,
+            bs - 1,
+            2 * bs,
+            3 * bs + 1,
+            window - 1,
+            window,
+            window + 1,
+            2 * window,
+            chunk - 1,
+            chunk,
+            chunk + 1,
+            2 * chunk + 1,
+            (batched or 8192) - 1,
+            (batched or 8192) + 1,
+            8192,
+            32768,
+            131072,
+            163840,
+            1 << 20,
+        ]
+        max_model_len = max(1, c.pick(length_pool))
+        tp = c.pick([1, 1, 2, 4, 8])
+        dcp = 0
+        if tp > 1 and rng.random() < 0.3:
+            dcp = c.pick([d for d in (2, 4, 8) if d <= tp and tp % d == 0])
+        pp = c.pick([1, 1, 1, 2, 4]) if len(layers) >= 4 else 1
+        twist = c.pick(
+            ["none", "none", "none", "none", "zero", "draft_first", "h2nd", "free", "encoder"]
+        )
+        if twist == "draft_first":
+            drafts = [
+                layer
+                for layer in layers
+                if layer.is_draft or "draft" in layer.name or layer.name.startswith("mtp.")
+            ]
+            rest = [layer for layer in layers if layer not in drafts]
+            if drafts and rng.random() < 0.5:
+                layers = drafts + rest
+            elif drafts:
+                k = rng.randrange(len(rest) + 1)
+                layers = rest[:k] + drafts + rest[k:]
+        if twist == "h2nd":
+            _z_h2nd(c, layers)
+        cuts = _split(c, len(layers), pp)
+        workers: list[W] = []
+        for stage in range(pp):
+            own = layers[cuts[stage] : cuts[stage + 1]]
+            for _ in range(tp):
+                workers.append(W(own, 1 << 40))
+        spec_tokens = opts["spec_tokens"]
+        if opts["method"] != "none" and rng.random() < 0.3:
+            spec_tokens = c.pick([bs - 1, bs, bs + 1, 2 * bs]) or 1
+        req = request(
+            workers,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            cache_dtype=opts.get(
+                "cache_dtype",
+                c.pick([spec_pb2.KV_CACHE_DTYPE_AUTO] * 5 + [spec_pb2.KV_CACHE_DTYPE_FP8]),
+            ),
+            model_dtype=c.pick([None, None, "fp16"]),
+            disable_hybrid=rng.random() < 0.1,
+            batched=batched,
+            async_scheduling=c.pick([False, True]),
+            v2_runner=c.pick([False, True]),
+            pp=pp if pp > 1 else 0,
+            tp=tp if tp > 1 else 0,
+            dcp=dcp,
+            layout=opts.get("layout")
+            or c.pick(["LBNHC", "LBNHC", "LBNHC", "BLHNC", "BLNHC", "LBHNC"]),
+            mamba_align=None,
+            encoder_tokens=opts.get("encoder_tokens", 0),
+            prefix_caching=opts.get("prefix_caching", c.pick([None, None, True, False])),
+            method=opts["method"],
+            spec_tokens=spec_tokens,
+            target_model_type=c.pick(["", "deepseek_v3", "qwen3_next", "llama4"]),
+            disable_block_drop=rng.random() < 0.05,
+            nextn=opts.get("nextn"),
+        )
+        if rng.random() < 0.3:
+            req.options.extensible_kv_cache = False
+        if opts.get("hisparse"):
+            req.options.layout = c.pick([LAYOUTS["BLHNC"]] * 3 + [LAYOUTS["BLNHC"]])
+            h = req.options.hisparse
+            h.host_pool_gib = 1024.0
+            h.shared_host_pool = rng.random() < 0.4
+            h.index_topk = c.pick([512, 2048, 2048])
+            req.options.parallel.decode_context_parallel_size = 0
+            req.options.disable_hybrid_kv_cache_manager = False
+            if req.spec_decode.num_speculative_tokens > 3:
+                req.spec_decode.num_speculative_tokens = c.pick([1, 2, 3])
+            if rng.random() < 0.3:
+                h.device_buffer_size = c.pick([8192, 16384, 32768])
+            if rng.random() < 0.3:
+                h.host_page_size_bytes = c.pick([4096, 65536, 2 << 20])
+        if twist == "encoder":
+            req.options.max_num_encoder_input_tokens = max(
+                1, c.pick([bs - 1, bs, bs + 1, max_model_len, 1500])
+            )
+        note_zero = _z_zero(c, req) if twist == "zero" else ""
+        edge = c.pick(
+            [
+                "request",
+                "request",
+                "request",
+                "block",
+                "blocks",
+                "override",
+                "autofit",
+                "autofit",
+                "random",
+            ]
+        )
+        util_mode = rng.random() < 0.25
+        if rng.random() < 0.35:
+            note = _z_bisect_edge(c, req, util_mode)
+            if note:
+                if twist == "free":
+                    _z_free(c, req)
+                c.add(
+                    cat,
+                    f"z{i:04d}",
+                    f"{fam} {len(layers)} layers {opts['method']}x{spec_tokens} pp{pp} tp{tp} "
+                    f"dcp{dcp} block {block_size} len {max_model_len} {note} {twist}{note_zero}",
+                    req,
+                )
+                continue
+        plan = _z_probe(req)
+        note = "" if plan is not None and plan.workers and edge != "random" else edge
+        if plan is not None and plan.workers and edge != "random":
+            per = {w.rank: w for w in plan.workers}
+            delta = c.pick([-1, 0, 0, 1, 2, -4096])
+            extra_blocks = c.pick([0, 0, 1, 2, -1])
+            only_one = rng.random() < 0.3 and len(req.workers) > 1
+            victim = rng.randrange(len(req.workers))
+            if opts.get("hisparse") and plan.hisparse_host_num_blocks and rng.random() < 0.6:
+                host = sum(t.size_bytes for t in plan.workers[0].tensors if t.host_resident)
+                stride = host // plan.hisparse_host_num_blocks if host else 0
+                if stride:
+                    blocks = -(-plan.max_model_len // bs) + 2 + c.pick([-1, 0, 0, 1])
+                    hd = c.pick([-1, 0, 0, 1])
+                    req.options.hisparse.host_pool_gib = max(1, blocks * stride + hd) / 2**30
+                    if edge == "autofit":
+                        req.options.hisparse.host_pool_gib += c.pick([0, 64]) * stride / 2**30
+                    note = f"host {blocks} blocks of {stride} d{hd} "
+            if edge == "override":
+                bpr = plan.workers[0].blocks_per_request
+                req.options.num_gpu_blocks_override = max(1, bpr + c.pick([-1, 0, 1, 2, 3]))
+                note += f"override {req.options.num_gpu_blocks_override} bpr {bpr}"
+            elif edge == "autofit":
+                fitted = plan.max_model_len
+                req.options.max_model_len = -1
+                req.options.derived_max_model_len = max(1, fitted + c.pick([-1, 0, 1, bs]))
+                for index, worker in enumerate(req.workers):
+                    w = per.get(worker.rank)
+                    if w is None or (only_one and index != victim):
+                        continue
+                    kv = (
+                        w.budget.needed_per_request_bytes
+                        + (1 + extra_blocks) * (w.bytes_per_block)
+                        + delta
+                    )
+                    _z_set_bytes(worker, kv, util_mode, c)
+                note += f"autofit derived {req.options.derived_max_model_len} d{delta}"
+            else:
+                for index, worker in enumerate(req.workers):
+                    w = per.get(worker.rank)
+                    if w is None or (only_one and index != victim):
+                        continue
+                    bpb = w.bytes_per_block
+                    if edge == "request":
+                        kv = w.budget.needed_per_request_bytes + (1 + extra_blocks) * bpb + delta
+                    elif edge == "block":
+                        kv = c.pick([1, 2]) * bpb + delta
+                    else:
+                        kv = c.pick([3, 5, 17, 64]) * bpb + delta
+                    _z_set_bytes(worker, kv, util_mode, c)
+                note += f"{edge} +{extra_blocks} blocks d{delta}"
+        else:
+            base = int(2 ** rng.uniform(20, 38))
+            for worker in req.workers:
+                _z_set_bytes(worker, base, util_mode, c)
+        if twist == "free":
+            _z_free(c, req)
+        note = f"{note} {twist}{note_zero}"
+        c.add(
+            cat,
+            f"z{i:04d}",
+            f"{fam} {len(layers)} layers {opts['method']}x{spec_tokens} pp{pp} tp{tp} "
+            f"dcp{dcp} block {block_size} len {max_model_len} {note}",
+            req,
+        )
+
+
 # Name -> (section, default case count), in the order they draw: a seed and the
 # same counts give the same engines.
 SECTIONS: dict[str, tuple[Callable[[Cases, int], None], int]] = {
@@ -1274,6 +2094,7 @@ SECTIONS: dict[str, tuple[Callable[[Cases, int], None], int]] = {
     "fuzz_y": (fuzz_y, 3000),
     "fuzz_h": (fuzz_h, 600),
     "fuzz_l": (fuzz_l, 600),  # drawn from fuzz_y's and fuzz_h's engines: after them
+    "fuzz_z": (fuzz_z, 3000),
 }
 
 
