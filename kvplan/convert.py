@@ -205,16 +205,26 @@ def _attention_kwargs(
     return kwargs
 
 
-def _mla_kwargs(mla: spec_pb2.MLAParams) -> dict[str, Any]:
+def _mla_kwargs(mla: spec_pb2.MLAParams, path: str, *, sliding_window: bool) -> dict[str, Any]:
+    """The MLA parameters of a spec at `path` (its `mla` message's parent). No
+    release's sliding-window MLA spec has a top-k index buffer."""
     kwargs: dict[str, Any] = {
         "cache_dtype_str": cache_dtype_name(mla.cache_dtype),
         "model_version": mla.model_version or None,
     }
     if mla.HasField("topk_buffer_width"):
+        if sliding_window:
+            raise InvalidRequest(
+                "sliding-window MLA layers have no top-k index buffer: leave "
+                "mla.topk_buffer_width unset",
+                field=f"{path}.mla.topk_buffer_width",
+            )
         kwargs["topk_buffer_width"] = mla.topk_buffer_width
     if mla.HasField("alignment_bytes"):
         if mla.alignment_bytes <= 0:
-            raise InvalidRequest("alignment_bytes must be >= 1", field="mla.alignment_bytes")
+            raise InvalidRequest(
+                "alignment_bytes must be >= 1", field=f"{path}.mla.alignment_bytes"
+            )
         kwargs["alignment"] = mla.alignment_bytes
     return kwargs
 
@@ -371,7 +381,7 @@ def layer_from_proto(layer: spec_pb2.LayerSpec, path: str, ctx: _Context) -> KVC
         if kind == "mla_attention":
             return MLAAttentionSpec(
                 **kwargs,
-                **_mla_kwargs(body.mla),
+                **_mla_kwargs(body.mla, body_path, sliding_window=False),
                 cache_role=SparseCacheRole.INDEXER
                 if body.cache_role == spec_pb2.SPARSE_CACHE_ROLE_INDEXER
                 else SparseCacheRole.SPARSE,
@@ -379,22 +389,17 @@ def layer_from_proto(layer: spec_pb2.LayerSpec, path: str, ctx: _Context) -> KVC
                 non_causal_multi_token_decode=body.non_causal_multi_token_decode,
             )
         if kind == "hidden_state_cache":
-            return HiddenStateCacheSpec(**kwargs, **_mla_kwargs(body.mla))
+            return HiddenStateCacheSpec(
+                **kwargs, **_mla_kwargs(body.mla, body_path, sliding_window=False)
+            )
         if kind == "sliding_window":
             window = _require(body.sliding_window, f"{body_path}.sliding_window", "sliding_window")
             return SlidingWindowSpec(**kwargs, sliding_window=window)
         if kind == "sliding_window_mla":
-            if body.mla.HasField("topk_buffer_width"):
-                # No release's sliding-window MLA spec has a top-k buffer.
-                raise InvalidRequest(
-                    "sliding-window MLA layers have no top-k index buffer: leave "
-                    "mla.topk_buffer_width unset",
-                    field=f"{body_path}.mla.topk_buffer_width",
-                )
             window = _require(body.sliding_window, f"{body_path}.sliding_window", "sliding_window")
             return SlidingWindowMLASpec(
                 **kwargs,
-                **_mla_kwargs(body.mla),
+                **_mla_kwargs(body.mla, body_path, sliding_window=True),
                 sliding_window=window,
                 bounded_replay=body.bounded_replay,
                 non_causal_multi_token_decode=body.non_causal_multi_token_decode,
