@@ -473,6 +473,37 @@ def _prefix_caching(req: plan_pb2.PlanRequest) -> bool:
     return bool(ModelConfig.is_prefix_caching_supported.fget(model))
 
 
+def _check_cache_dtype_with_dcp(options: plan_pb2.EngineOptions, parallel: ParallelConfig) -> None:
+    """The release's own VllmConfig.validate_nvfp4_kv_cache_with_mla, run on what it
+    reads: 0.34 refuses nvfp4_ds_mla under DCP > 1 (0.32 / 0.33 do not check it). Run
+    without a model config, which ends the validator before its MLA-model check."""
+    validators = VllmConfig.__pydantic_decorators__.model_validators
+    validate = validators.get("validate_nvfp4_kv_cache_with_mla")
+    if validate is None:
+        return
+    cache_dtype = enum_suffix(spec_pb2.KVCacheDtype, options.cache_dtype, "KV_CACHE_DTYPE_")
+    validate.func(
+        SimpleNamespace(
+            cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+            parallel_config=parallel,
+            model_config=None,
+        )
+    )
+
+
+def _check_hisparse_engine(parallel: ParallelConfig, scheduler: SchedulerConfig) -> None:
+    """VllmConfig.__post_init__'s refusals of HiSparse engines (0.32-0.34 alike),
+    which the driver cannot build (it needs a model): no pipeline stages, no
+    decode context parallelism, and (where it settles the hybrid manager) the
+    hybrid KV cache manager on. Messages are the driver's own."""
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError("VllmConfig: HiSparse cannot run with pipeline parallelism")
+    if parallel.decode_context_parallel_size > 1:
+        raise ValueError("VllmConfig: HiSparse cannot run with decode context parallelism")
+    if scheduler.disable_hybrid_kv_cache_manager:
+        raise ValueError("VllmConfig: HiSparse needs the hybrid KV cache manager")
+
+
 def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None) -> VllmInputs:
     """Fresh vLLM inputs for one request (vLLM mutates its configs in place)."""
     o = req.options
@@ -510,6 +541,13 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
     if not any(w.supported_layouts for w in req.workers):
         cache_config.kv_cache_layout = layout_name
 
+    # Every release derives max_num_encoder_input_tokens from max_num_batched_tokens
+    # (SchedulerConfig.__post_init__); no engine argument sets it. A request asking
+    # for another budget is handed to the constructor, which refuses it as it
+    # refuses any argument it does not take.
+    derived_only: dict[str, int] = {}
+    if o.max_num_encoder_input_tokens not in (0, batched):
+        derived_only["max_num_encoder_input_tokens"] = o.max_num_encoder_input_tokens
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,
         is_encoder_decoder=False,
@@ -517,17 +555,22 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         max_num_seqs=min(128, batched),
         enable_chunked_prefill=True,
         async_scheduling=o.async_scheduling,
+        # The request carries the engine's settled value (VllmConfig resolves an
+        # unset one before anything is planned).
+        disable_hybrid_kv_cache_manager=o.disable_hybrid_kv_cache_manager,
+        **derived_only,
     )
-    scheduler_config.disable_hybrid_kv_cache_manager = o.disable_hybrid_kv_cache_manager
-    scheduler_config.max_num_encoder_input_tokens = o.max_num_encoder_input_tokens or batched
 
     par = o.parallel
+    # The constructor checks DCP as the engine's arguments are checked: at least 1,
+    # and dividing TP (no prefill context parallelism here).
     parallel_config = ParallelConfig(
         tensor_parallel_size=par.tensor_parallel_size or 1,
         pipeline_parallel_size=par.pipeline_parallel_size or 1,
+        decode_context_parallel_size=par.decode_context_parallel_size or 1,
     )
-    # DCP's constructor checks want a real TP world; the planner only reads the size.
-    parallel_config.decode_context_parallel_size = par.decode_context_parallel_size or 1
+
+    _check_cache_dtype_with_dcp(o, parallel_config)
 
     model_config = SimpleNamespace(
         max_model_len=max_model_len,
@@ -565,6 +608,7 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         )
         if h.HasField("index_topk"):
             model_config.hf_config.index_topk = h.index_topk
+        _check_hisparse_engine(parallel_config, scheduler_config)
     ctx = _LayerContext(
         options=o,
         block_size=block_size,
