@@ -513,6 +513,7 @@ def _options_from_proto(
         options.num_gpu_blocks_override if options.HasField("num_gpu_blocks_override") else None
     )
     batched = options.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    _check_engine_configuration(options, batched, rules)
     parallel = options.parallel
     return EngineOptions(
         max_model_len=max_model_len,
@@ -539,6 +540,58 @@ def _options_from_proto(
         ),
         hisparse=_hisparse_from_proto(options),
     )
+
+
+def _check_engine_configuration(
+    options: plan_pb2.EngineOptions, batched: int, rules: RuleSet
+) -> None:
+    """What vLLM's engine configuration refuses before any worker starts (its
+    ParallelConfig and VllmConfig checks; docs/semantics.md, "Engine options")."""
+    parallel = options.parallel
+    tp = parallel.tensor_parallel_size or 1
+    dcp = parallel.decode_context_parallel_size or 1
+    encoder_tokens = options.max_num_encoder_input_tokens
+    if not rules.plans_reference_options:
+        if encoder_tokens not in (0, batched):
+            raise InvalidRequest(
+                f"{rules.description} sizes the encoder budget by max_num_batched_tokens "
+                f"({batched}), which no engine argument changes: leave "
+                f"max_num_encoder_input_tokens unset or {batched}",
+                field="options.max_num_encoder_input_tokens",
+            )
+        if tp % dcp:
+            raise InvalidRequest(
+                f"decode_context_parallel_size {dcp} does not divide tensor_parallel_size "
+                f"{tp}: DCP shards the KV cache over the TP ranks",
+                field="options.parallel.decode_context_parallel_size",
+            )
+    if (
+        rules.nvfp4_ds_mla_refuses_dcp
+        and dcp > 1
+        and options.cache_dtype == spec_pb2.KV_CACHE_DTYPE_NVFP4_DS_MLA
+    ):
+        raise InvalidRequest(
+            f"{rules.description} does not run the nvfp4_ds_mla KV cache with decode "
+            "context parallelism: choose another cache_dtype or decode_context_parallel_size 1",
+            field="options.cache_dtype",
+        )
+    if options.HasField("hisparse"):
+        for size, name in (
+            (parallel.pipeline_parallel_size or 1, "pipeline_parallel_size"),
+            (dcp, "decode_context_parallel_size"),
+        ):
+            if size > 1:
+                raise InvalidRequest(
+                    f"HiSparse does not run with {name} {size} (vLLM refuses the "
+                    "engine's configuration)",
+                    field=f"options.parallel.{name}",
+                )
+        if options.disable_hybrid_kv_cache_manager:
+            raise InvalidRequest(
+                "HiSparse needs the hybrid KV cache manager: "
+                "disable_hybrid_kv_cache_manager must be false",
+                field="options.disable_hybrid_kv_cache_manager",
+            )
 
 
 def _spec_decode_from_proto(config: plan_pb2.SpecDecodeConfig) -> SpecDecode:

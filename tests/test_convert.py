@@ -296,3 +296,103 @@ def test_a_v_head_size_on_an_mla_layer_is_refused_by_name() -> None:
     with pytest.raises(InvalidRequest) as refused:
         plan_from_proto(engine([layer]))
     assert refused.value.field == "workers[0].layers[0].mla_attention.attention.head_size_v"
+
+
+RELEASE_RULE_SETS = ["vllm-0.32", "vllm-0.33", "vllm-0.34"]
+
+
+def _hisparse_engine() -> plan_pb2.PlanRequest:
+    scenario = json.loads(
+        (SCENARIOS / "94-hisparse-groups-and-host-pool.json").read_text(encoding="utf-8")
+    )
+    return json_format.ParseDict(scenario["request"], plan_pb2.PlanRequest())
+
+
+@pytest.mark.parametrize("engine_version", ["", *RELEASE_RULE_SETS])
+@pytest.mark.parametrize(
+    ("option", "field"),
+    [
+        ("pipeline", "options.parallel.pipeline_parallel_size"),
+        ("dcp", "options.parallel.decode_context_parallel_size"),
+        ("no_hybrid_manager", "options.disable_hybrid_kv_cache_manager"),
+    ],
+)
+def test_hisparse_refuses_what_vllm_s_engine_configuration_refuses(
+    engine_version: str, option: str, field: str
+) -> None:
+    """VllmConfig refuses HiSparse with pipeline stages, with DCP, or without the
+    hybrid KV cache manager before any worker starts (vLLM 0.32-0.34 alike)."""
+    request = _hisparse_engine()
+    request.options.engine_version = engine_version
+    plan_from_proto(request)  # as given, it plans
+    if option == "pipeline":
+        request.options.parallel.pipeline_parallel_size = 2
+    elif option == "dcp":
+        request.options.parallel.tensor_parallel_size = 2
+        request.options.parallel.decode_context_parallel_size = 2
+    else:
+        request.options.disable_hybrid_kv_cache_manager = True
+    with pytest.raises(InvalidRequest) as refused:
+        plan_from_proto(request)
+    assert refused.value.field == field
+
+
+@pytest.mark.parametrize("engine_version", RELEASE_RULE_SETS)
+@pytest.mark.parametrize(("tp", "dcp"), [(1, 4), (2, 4), (6, 4)])
+def test_a_dcp_size_that_does_not_divide_tp_is_refused_by_a_release(
+    engine_version: str, tp: int, dcp: int
+) -> None:
+    """vLLM's ParallelConfig wants DCP to divide TP (it shards over the TP ranks);
+    kvplan's own rules plan the reference's DCP 4 on one rank as given (D12)."""
+    request = engine([full_layer("layers.0")])
+    request.options.parallel.tensor_parallel_size = tp
+    request.options.parallel.decode_context_parallel_size = dcp
+    plan_from_proto(request)  # kvplan's own rules
+    request.options.engine_version = engine_version
+    with pytest.raises(InvalidRequest) as refused:
+        plan_from_proto(request)
+    assert refused.value.field == "options.parallel.decode_context_parallel_size"
+    request.options.parallel.tensor_parallel_size = dcp * 2
+    plan_from_proto(request)
+
+
+@pytest.mark.parametrize("engine_version", RELEASE_RULE_SETS)
+def test_an_encoder_budget_other_than_the_batch_is_refused_by_a_release(
+    engine_version: str,
+) -> None:
+    """Every release derives max_num_encoder_input_tokens from max_num_batched_tokens
+    and takes no other value; kvplan's own rules size cross-attention by it (D12)."""
+    cross = spec_pb2.LayerSpec(name="layers.0.encoder_attn")
+    cross.cross_attention.attention.num_kv_heads = 8
+    cross.cross_attention.attention.head_size = 64
+    request = engine([cross])
+    request.options.block_size = 16
+    request.options.max_num_batched_tokens = 2048
+    request.options.max_num_encoder_input_tokens = 1500
+    own = plan_from_proto(request)
+    assert own.workers[0].blocks_per_request == 94  # 1500 tokens in blocks of 16
+    request.options.engine_version = engine_version
+    with pytest.raises(InvalidRequest) as refused:
+        plan_from_proto(request)
+    assert refused.value.field == "options.max_num_encoder_input_tokens"
+    request.options.max_num_encoder_input_tokens = 2048  # what the release derives
+    assert plan_from_proto(request).workers[0].blocks_per_request == 128
+
+
+@pytest.mark.parametrize("engine_version", ["", *RELEASE_RULE_SETS])
+def test_nvfp4_ds_mla_under_dcp_is_refused_by_0_34_only(engine_version: str) -> None:
+    """0.34's VllmConfig refuses the nvfp4_ds_mla cache with DCP > 1."""
+    layer = spec_pb2.LayerSpec(name="layers.0.mla")
+    layer.mla_attention.attention.num_kv_heads = 1
+    layer.mla_attention.attention.head_size = 576
+    request = engine([layer], [layer])
+    request.options.engine_version = engine_version
+    request.options.cache_dtype = spec_pb2.KV_CACHE_DTYPE_NVFP4_DS_MLA
+    request.options.parallel.tensor_parallel_size = 2
+    request.options.parallel.decode_context_parallel_size = 2
+    if engine_version != "vllm-0.34":
+        plan_from_proto(request)
+        return
+    with pytest.raises(InvalidRequest) as refused:
+        plan_from_proto(request)
+    assert refused.value.field == "options.cache_dtype"

@@ -24,6 +24,10 @@ from tests.core.builders import planning_error
 PLANS = "plans"
 RELEASES = ("vllm-0.32", "vllm-0.33", "vllm-0.34", "")
 REFUSED_BY_LAYOUT = {release: ErrorCode.FAILED_PRECONDITION for release in RELEASES}
+HISPARSE_STAGES_REFUSED = {
+    release: (ErrorCode.INVALID_ARGUMENT, "options.parallel.pipeline_parallel_size")
+    for release in RELEASES
+}
 # find -> rule set -> PLANS or the refusal's code (and, for INVALID_ARGUMENT, field).
 EXPECTED: dict[str, Mapping[str, object]] = {
     # 0.34's SpeculativeConfig has no Medusa.
@@ -42,7 +46,8 @@ EXPECTED: dict[str, Mapping[str, object]] = {
         **REFUSED_BY_LAYOUT,
         "vllm-0.32": ErrorCode.RESOURCE_EXHAUSTED,
     },
-    "hisparse-host-pools-differ": {**REFUSED_BY_LAYOUT, "vllm-0.32": ErrorCode.RESOURCE_EXHAUSTED},
+    # VllmConfig refuses HiSparse with pipeline stages before any worker starts.
+    "hisparse-host-pools-differ": HISPARSE_STAGES_REFUSED,
     # Engine arguments are checked before any worker starts: 0.34 refuses Medusa
     # first; the other releases' workers then refuse the device's free memory.
     "medusa-short-of-free-memory": {
@@ -61,10 +66,30 @@ EXPECTED: dict[str, Mapping[str, object]] = {
         release: (ErrorCode.RESOURCE_EXHAUSTED, "workers[0].memory.gpu_memory_utilization")
         for release in RELEASES
     },
-    # 0.32's projection makes the split source group a device group.
-    "hisparse-stage-without-hot-layers": {
+    "hisparse-stage-without-hot-layers": HISPARSE_STAGES_REFUSED,
+    "hisparse-dcp": {
+        release: (ErrorCode.INVALID_ARGUMENT, "options.parallel.decode_context_parallel_size")
+        for release in RELEASES
+    },
+    # ParallelConfig wants DCP to divide TP; kvplan's own rules plan it (D12).
+    "dcp-does-not-divide-tp": {
+        **{
+            release: (ErrorCode.INVALID_ARGUMENT, "options.parallel.decode_context_parallel_size")
+            for release in RELEASES
+        },
+        "": PLANS,
+    },
+    # Every release derives the encoder budget from max_num_batched_tokens (D12).
+    "encoder-budget-not-the-batch": {
+        **{
+            release: (ErrorCode.INVALID_ARGUMENT, "options.max_num_encoder_input_tokens")
+            for release in RELEASES
+        },
+        "": PLANS,
+    },
+    "nvfp4-ds-mla-under-dcp": {
         **{release: PLANS for release in RELEASES},
-        "vllm-0.32": ErrorCode.FAILED_PRECONDITION,
+        "vllm-0.34": (ErrorCode.INVALID_ARGUMENT, "options.cache_dtype"),
     },
 }
 
@@ -106,9 +131,13 @@ def test_each_release_answers_a_find_as_vllm_does(name: str, engine_version: str
 def test_a_stage_without_hot_layers_aligns_its_block_to_the_hot_page_before_0_34() -> None:
     """Stage 1 holds no HiSparse hot layer: 0.32 / 0.33 align its block to the hot
     group's page all the same (20,992 B), 0.34 only to its own layers' (its 16 KiB
-    Mamba page); every release gives it the host source tensor, empty."""
+    Mamba page); every release gives it the host source tensor, empty. The planner's
+    rule, reached by workers holding different layers: the engine refuses HiSparse
+    with pipeline_parallel_size > 1 up front, so the find is planned without it."""
     for engine_version, stage_block in (("vllm-0.33", 20992), ("vllm-0.34", 16384)):
-        plan = plan_from_proto(find("hisparse-stage-without-hot-layers", engine_version))
+        request = find("hisparse-stage-without-hot-layers", engine_version)
+        request.options.parallel.ClearField("pipeline_parallel_size")
+        plan = plan_from_proto(request)
         stage0, stage1 = plan.workers
         assert stage1.bytes_per_block == stage_block
         assert stage0.bytes_per_block == 20992

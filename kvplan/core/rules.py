@@ -140,6 +140,14 @@ class RuleSet:
     # keeps it host-resident (0.33+). 0.32's projection drops the flag, so that
     # worker's HiSparse configuration has no source group and cannot be built.
     hisparse_projection_keeps_host_source: bool = True
+    # 0.34's VllmConfig refuses the nvfp4_ds_mla cache dtype under DCP > 1
+    # (validate_nvfp4_kv_cache_with_mla); 0.32 / 0.33 take it.
+    nvfp4_ds_mla_refuses_dcp: bool = False
+    # kvplan's own: engine options the reference's scenarios set that no release's
+    # configuration takes, planned as given (docs/semantics.md, D12): a cross-attention
+    # budget other than max_num_batched_tokens (every release derives it from that),
+    # and a DCP size that does not divide TP (ParallelConfig refuses it).
+    plans_reference_options: bool = False
 
     def max_concurrent_batches(
         self, *, pipeline_parallel_size: int, async_scheduling: bool, use_v2_model_runner: bool
@@ -200,6 +208,7 @@ KVPLAN = replace(
     tensors_for_own_layers_only=True,
     # Pipeline stages may run different backends (docs/semantics.md, D9).
     layout_merge=LayoutMerge.FIRST_CHOICE_VOTE,
+    plans_reference_options=True,
 )
 
 VLLM_0_32 = replace(
@@ -234,6 +243,7 @@ VLLM_0_34 = replace(
     fields=_ALL_FIELDS,
     unsupported_spec_methods=frozenset({"medusa"}),
     hot_pages_align_pool=False,
+    nvfp4_ds_mla_refuses_dcp=True,
 )
 
 RULE_SETS: dict[str, RuleSet] = {
