@@ -491,6 +491,28 @@ def _check_cache_dtype_with_dcp(options: plan_pb2.EngineOptions, parallel: Paral
     )
 
 
+def _check_hybrid_manager(req: plan_pb2.PlanRequest, speculative: SpeculativeConfig | None) -> None:
+    """VllmConfig.__post_init__ settles the hybrid KV cache manager: a model with
+    chunked local attention (its attention_chunk_size; the target's layers show it)
+    and a drafter that reads the target's hidden states cannot keep it on, so an
+    engine asking for it is refused (unset, it is turned off). The drafters are the
+    ones use_eagle() names (0.34 asks uses_target_hidden_states, which its speculator
+    configs set for the same methods). Without such a drafter an environment variable
+    can keep the manager on: the request's setting is taken as given."""
+    if req.options.disable_hybrid_kv_cache_manager or speculative is None:
+        return
+    chunked = any(
+        layer.WhichOneof("kind") == "chunked_local_attention" and not layer.is_draft
+        for worker in req.workers
+        for layer in worker.layers
+    )
+    if chunked and speculative.use_eagle():
+        raise ValueError(
+            "VllmConfig: the hybrid KV cache manager cannot run chunked local attention "
+            "with a drafter reading the target's hidden states"
+        )
+
+
 def _check_hisparse_engine(parallel: ParallelConfig, scheduler: SchedulerConfig) -> None:
     """VllmConfig.__post_init__'s refusals of HiSparse engines (0.32-0.34 alike),
     which the driver cannot build (it needs a model): no pipeline stages, no
@@ -579,13 +601,15 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         # vLLM 0.32's trailing-layer draft rule reads the target's model type here.
         hf_config=SimpleNamespace(model_type=req.spec_decode.target_model_type),
     )
+    speculative_config = _speculative_config(req.spec_decode)
+    _check_hybrid_manager(req, speculative_config)
     hisparse = o.HasField("hisparse")
     config = PlannerConfig(
         model_config=model_config,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
         parallel_config=parallel_config,
-        speculative_config=_speculative_config(req.spec_decode),
+        speculative_config=speculative_config,
         # vLLM's use_v2_model_runner property returns True under HiSparse.
         use_v2_model_runner=o.use_v2_model_runner or hisparse,
     )
