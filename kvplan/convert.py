@@ -594,6 +594,26 @@ def _check_engine_configuration(
             )
 
 
+def _check_hybrid_manager(message: plan_pb2.PlanRequest, spec_decode: SpecDecode) -> None:
+    """vLLM (0.32-0.34) turns the hybrid KV cache manager off for a model with chunked
+    local attention whose drafter reads its hidden states (the EAGLE family: vLLM's
+    use_eagle(), and 0.34's uses_target_hidden_states for the same methods), and
+    refuses an engine that asks for it on: no such engine runs with the manager on."""
+    if message.options.disable_hybrid_kv_cache_manager or not spec_decode.uses_eagle:
+        return
+    if any(
+        layer.WhichOneof("kind") == "chunked_local_attention" and not layer.is_draft
+        for worker in message.workers
+        for layer in worker.layers
+    ):
+        raise InvalidRequest(
+            "vLLM runs chunked local attention with a drafter that reads the target's "
+            f"hidden states ({spec_decode.method}) only with the hybrid KV cache manager "
+            "off: set disable_hybrid_kv_cache_manager",
+            field="options.disable_hybrid_kv_cache_manager",
+        )
+
+
 def _spec_decode_from_proto(config: plan_pb2.SpecDecodeConfig) -> SpecDecode:
     return SpecDecode(
         method=_enum_suffix(plan_pb2.SpecDecodeMethod, config.method, "SPEC_DECODE_METHOD_"),
@@ -1000,6 +1020,7 @@ def request_from_proto(
     if known_model is None:
         options = _options_from_proto(message.options, _prefix_caching(message, encoded), rules)
         spec_decode = _spec_decode_from_proto(message.spec_decode)
+        _check_hybrid_manager(message, spec_decode)
         known_workers = [None] * len(message.workers)
     else:
         options, spec_decode = known_model.options, known_model.spec_decode

@@ -396,3 +396,31 @@ def test_nvfp4_ds_mla_under_dcp_is_refused_by_0_34_only(engine_version: str) -> 
     with pytest.raises(InvalidRequest) as refused:
         plan_from_proto(request)
     assert refused.value.field == "options.cache_dtype"
+
+
+@pytest.mark.parametrize("engine_version", ["", *RELEASE_RULE_SETS])
+@pytest.mark.parametrize("method", ["eagle", "mtp", "dflash", "ngram"])
+def test_chunked_local_attention_with_a_hidden_state_drafter_needs_the_manager_off(
+    engine_version: str, method: str
+) -> None:
+    """vLLM turns the hybrid manager off for chunked local attention with an EAGLE-
+    family drafter, refusing an engine that asks for it on; other drafters, and an
+    engine with the manager off, plan."""
+    chunked = spec_pb2.LayerSpec(name="layers.0.attn")
+    chunked.chunked_local_attention.attention.num_kv_heads = 8
+    chunked.chunked_local_attention.attention.head_size = 128
+    chunked.chunked_local_attention.attention_chunk_size = 8192
+    request = engine([chunked, full_layer("layers.1.attn")])
+    request.options.engine_version = engine_version
+    request.spec_decode.method = plan_pb2.SpecDecodeMethod.Value(
+        f"SPEC_DECODE_METHOD_{method.upper()}"
+    )
+    request.spec_decode.num_speculative_tokens = 1
+    if method == "ngram":
+        plan_from_proto(request)
+        return
+    with pytest.raises(InvalidRequest) as refused:
+        plan_from_proto(request)
+    assert refused.value.field == "options.disable_hybrid_kv_cache_manager"
+    request.options.disable_hybrid_kv_cache_manager = True
+    plan_from_proto(request)

@@ -87,6 +87,12 @@ EXPECTED: dict[str, Mapping[str, object]] = {
         },
         "": PLANS,
     },
+    # VllmConfig turns the hybrid manager off for chunked local attention with an
+    # EAGLE-family drafter, and refuses an engine asking for it on.
+    "chunked-local-eagle-hybrid-manager-on": {
+        release: (ErrorCode.INVALID_ARGUMENT, "options.disable_hybrid_kv_cache_manager")
+        for release in RELEASES
+    },
     "nvfp4-ds-mla-under-dcp": {
         **{release: PLANS for release in RELEASES},
         "vllm-0.34": (ErrorCode.INVALID_ARGUMENT, "options.cache_dtype"),
