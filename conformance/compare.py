@@ -136,12 +136,6 @@ VALIDATION_DEVIATIONS = (
 
 # vLLM 0.32 / 0.33's assertion when the workers' supported-layout lists differ.
 LAYOUT_LISTS_DISAGREE = "Workers disagree on supported KV cache layouts"
-# The engine options kvplan's own rules plan as the reference gives them (D12),
-# recognised by how the release's configuration refuses them.
-REFERENCE_OPTIONS = re.compile(
-    r"max_num_encoder_input_tokens\s+Unexpected keyword argument"
-    r"|tp_size=\d+ must be divisible by dcp_size=\d+"
-)
 
 PlanFn = Callable[[plan_pb2.PlanRequest], plan_pb2.PlanResponse]
 
@@ -417,8 +411,7 @@ def documented_deviation(
     case: Case, v: Json, k: Json, diffs: list[Diff], *, own_rules: bool = True
 ) -> str | None:
     """The deviation that explains every diff, or None. Under a release's rule set
-    only the validation deviations (D5, D7, D8, D11) apply; D1, D2, D4 and D12 are
-    kvplan's own rules."""
+    only the validation deviations (D5, D7, D8, D11) apply; D1, D2 and D4 are kvplan's own rules."""
     if not diffs:
         return None
     vllm_error = (v.get("error") or {}).get("message", "")
@@ -427,13 +420,6 @@ def documented_deviation(
         for deviation in VALIDATION_DEVIATIONS:
             if deviation.explains(v, kvplan_error):
                 return deviation.reason
-    if (
-        own_rules
-        and (v.get("error") or {}).get("stage") == "inputs"
-        and REFERENCE_OPTIONS.search(vllm_error)
-    ):
-        # The release refuses the engine's configuration; kvplan's own rules go on.
-        return "(i) an engine option no release takes, planned as the reference gives it (D12)"
     if own_rules and vllm_error.startswith(LAYOUT_LISTS_DISAGREE):
         # 0.33 stops there; kvplan's own rules go on with 0.34's merge.
         return "(e) workers' differing layout lists merged as vLLM 0.34 does (D9)"

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         "pinned by `conformance/locks/`). A documented deviation is one listed in",
         "`docs/semantics.md`; anything else is a disagreement. The `kvplan` row plans",
         "with kvplan's own rules (empty `engine_version`) against vLLM 0.33, which they",
-        "extend: its differences are the deviations D1-D12. Per-release details:",
+        "extend: its differences are the deviations D1-D11. Per-release details:",
         f"`{Path(os.path.relpath(args.reports, HERE.parent)).as_posix()}/`.",
         "",
         *_campaign(reports),

@@ -563,13 +563,6 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
     if not any(w.supported_layouts for w in req.workers):
         cache_config.kv_cache_layout = layout_name
 
-    # Every release derives max_num_encoder_input_tokens from max_num_batched_tokens
-    # (SchedulerConfig.__post_init__); no engine argument sets it. A request asking
-    # for another budget is handed to the constructor, which refuses it as it
-    # refuses any argument it does not take.
-    derived_only: dict[str, int] = {}
-    if o.max_num_encoder_input_tokens not in (0, batched):
-        derived_only["max_num_encoder_input_tokens"] = o.max_num_encoder_input_tokens
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,
         is_encoder_decoder=False,
@@ -580,8 +573,10 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         # The request carries the engine's settled value (VllmConfig resolves an
         # unset one before anything is planned).
         disable_hybrid_kv_cache_manager=o.disable_hybrid_kv_cache_manager,
-        **derived_only,
     )
+    # Derived state, not an argument (SchedulerConfig sets it from the batch; the CPU
+    # platform raises the batch after that): the request carries the engine's value.
+    scheduler_config.max_num_encoder_input_tokens = o.max_num_encoder_input_tokens or batched
 
     par = o.parallel
     # The constructor checks DCP as the engine's arguments are checked: at least 1,

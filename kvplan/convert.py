@@ -513,7 +513,7 @@ def _options_from_proto(
         options.num_gpu_blocks_override if options.HasField("num_gpu_blocks_override") else None
     )
     batched = options.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    _check_engine_configuration(options, batched, rules)
+    _check_engine_configuration(options, rules)
     parallel = options.parallel
     return EngineOptions(
         max_model_len=max_model_len,
@@ -542,29 +542,19 @@ def _options_from_proto(
     )
 
 
-def _check_engine_configuration(
-    options: plan_pb2.EngineOptions, batched: int, rules: RuleSet
-) -> None:
+def _check_engine_configuration(options: plan_pb2.EngineOptions, rules: RuleSet) -> None:
     """What vLLM's engine configuration refuses before any worker starts (its
     ParallelConfig and VllmConfig checks; docs/semantics.md, "Engine options")."""
     parallel = options.parallel
     tp = parallel.tensor_parallel_size or 1
     dcp = parallel.decode_context_parallel_size or 1
-    encoder_tokens = options.max_num_encoder_input_tokens
-    if not rules.plans_reference_options:
-        if encoder_tokens not in (0, batched):
-            raise InvalidRequest(
-                f"{rules.description} sizes the encoder budget by max_num_batched_tokens "
-                f"({batched}), which no engine argument changes: leave "
-                f"max_num_encoder_input_tokens unset or {batched}",
-                field="options.max_num_encoder_input_tokens",
-            )
-        if tp % dcp:
-            raise InvalidRequest(
-                f"decode_context_parallel_size {dcp} does not divide tensor_parallel_size "
-                f"{tp}: DCP shards the KV cache over the TP ranks",
-                field="options.parallel.decode_context_parallel_size",
-            )
+    # ParallelConfig refuses it in every release (no prefill context parallelism here).
+    if tp % dcp:
+        raise InvalidRequest(
+            f"decode_context_parallel_size {dcp} does not divide tensor_parallel_size "
+            f"{tp}: DCP shards the KV cache over the TP ranks",
+            field="options.parallel.decode_context_parallel_size",
+        )
     if (
         rules.nvfp4_ds_mla_refuses_dcp
         and dcp > 1

@@ -71,21 +71,10 @@ EXPECTED: dict[str, Mapping[str, object]] = {
         release: (ErrorCode.INVALID_ARGUMENT, "options.parallel.decode_context_parallel_size")
         for release in RELEASES
     },
-    # ParallelConfig wants DCP to divide TP; kvplan's own rules plan it (D12).
+    # ParallelConfig wants DCP to divide TP, in every release.
     "dcp-does-not-divide-tp": {
-        **{
-            release: (ErrorCode.INVALID_ARGUMENT, "options.parallel.decode_context_parallel_size")
-            for release in RELEASES
-        },
-        "": PLANS,
-    },
-    # Every release derives the encoder budget from max_num_batched_tokens (D12).
-    "encoder-budget-not-the-batch": {
-        **{
-            release: (ErrorCode.INVALID_ARGUMENT, "options.max_num_encoder_input_tokens")
-            for release in RELEASES
-        },
-        "": PLANS,
+        release: (ErrorCode.INVALID_ARGUMENT, "options.parallel.decode_context_parallel_size")
+        for release in RELEASES
     },
     # VllmConfig turns the hybrid manager off for chunked local attention with an
     # EAGLE-family drafter, and refuses an engine asking for it on.

@@ -143,11 +143,6 @@ class RuleSet:
     # 0.34's VllmConfig refuses the nvfp4_ds_mla cache dtype under DCP > 1
     # (validate_nvfp4_kv_cache_with_mla); 0.32 / 0.33 take it.
     nvfp4_ds_mla_refuses_dcp: bool = False
-    # kvplan's own: engine options the reference's scenarios set that no release's
-    # configuration takes, planned as given (docs/semantics.md, D12): a cross-attention
-    # budget other than max_num_batched_tokens (every release derives it from that),
-    # and a DCP size that does not divide TP (ParallelConfig refuses it).
-    plans_reference_options: bool = False
 
     def max_concurrent_batches(
         self, *, pipeline_parallel_size: int, async_scheduling: bool, use_v2_model_runner: bool
@@ -208,7 +203,6 @@ KVPLAN = replace(
     tensors_for_own_layers_only=True,
     # Pipeline stages may run different backends (docs/semantics.md, D9).
     layout_merge=LayoutMerge.FIRST_CHOICE_VOTE,
-    plans_reference_options=True,
 )
 
 VLLM_0_32 = replace(

@@ -1079,7 +1079,11 @@ scenario(
 scenario(
     "dcp-full-attention",
     "§2.3, §7.26",
-    request([worker(0, llama_layers(2), GIB)], parallel={"decode_context_parallel_size": 4}),
+    request(
+        [worker(0, llama_layers(2), GIB)],
+        # DCP shards over TP ranks: 4 ranks (this one worker stands for each).
+        parallel={"tensor_parallel_size": 4, "decode_context_parallel_size": 4},
+    ),
     {"blocks_per_request": 128},
 )
 scenario(
@@ -1087,7 +1091,7 @@ scenario(
     "§6: DCP does not support sliding window",
     request(
         [worker(0, [layer("f", full()), layer("s", sw(1024))], GIB)],
-        parallel={"decode_context_parallel_size": 2},
+        parallel={"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
     ),
     {"error": {"code": "FAILED_PRECONDITION", "contains": ["decode context parallel"]}},
 )
