@@ -17,7 +17,7 @@ from kvplan.convert import (
     request_from_proto,
     spec_to_proto,
 )
-from kvplan.core.errors import InsufficientMemory, InvalidRequest
+from kvplan.core.errors import InsufficientMemory, InvalidRequest, UnplannableSpecs
 from kvplan.core.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvplan.v1 import plan_pb2, spec_pb2
 
@@ -234,6 +234,31 @@ def test_a_top_k_buffer_on_a_sliding_window_mla_layer_is_refused_by_name(
     with pytest.raises(InvalidRequest) as refused:
         plan_from_proto(request)
     assert refused.value.field == "workers[0].layers[0].sliding_window_mla.mla.topk_buffer_width"
+
+
+@pytest.mark.parametrize("engine_version", ["", "vllm-0.32", "vllm-0.33", "vllm-0.34"])
+def test_hidden_state_caches_of_different_specs_alone_are_unplannable(
+    engine_version: str,
+) -> None:
+    """Hidden-state caches of differing specs are grouped only beside other layers,
+    whose common page they are aligned to. With no other layer every release's
+    grouping has nothing to size its groups by and fails; kvplan refuses the engine
+    (FAILED_PRECONDITION), where it crashed with a ValueError. One spec alone plans."""
+    layers = []
+    for index, block in enumerate((None, 32)):
+        layer = spec_pb2.LayerSpec(name=f"layers.{index}.hidden")
+        layer.hidden_state_cache.attention.num_kv_heads = 1
+        layer.hidden_state_cache.attention.head_size = 4096
+        layer.hidden_state_cache.attention.dtype = spec_pb2.DTYPE_BFLOAT16
+        if block is not None:
+            layer.block_size = block
+        layers.append(layer)
+    request = engine(layers)
+    request.options.engine_version = engine_version
+    with pytest.raises(UnplannableSpecs, match="hidden-state cache"):
+        plan_from_proto(request)
+    request.workers[0].layers[1].ClearField("block_size")
+    assert plan_from_proto(request).workers[0].num_blocks > 1
 
 
 def _set(request: plan_pb2.PlanRequest, path: str, value: int) -> None:

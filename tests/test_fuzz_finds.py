@@ -66,6 +66,9 @@ EXPECTED: dict[str, Mapping[str, object]] = {
         release: (ErrorCode.RESOURCE_EXHAUSTED, "workers[0].memory.gpu_memory_utilization")
         for release in RELEASES
     },
+    # Hidden-state caches of two specs and no other layer: every release's grouping
+    # fails (it sizes groups by the other layers' buckets, of which there are none).
+    "hidden-state-caches-alone": {release: ErrorCode.FAILED_PRECONDITION for release in RELEASES},
     "hisparse-stage-without-hot-layers": HISPARSE_STAGES_REFUSED,
     "hisparse-dcp": {
         release: (ErrorCode.INVALID_ARGUMENT, "options.parallel.decode_context_parallel_size")

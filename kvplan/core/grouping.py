@@ -617,6 +617,16 @@ def group_layers(
     if any(isinstance(spec, HiddenStateCacheSpec) for spec in distinct):
         hidden = {n: s for n, s in specs.items() if isinstance(s, HiddenStateCacheSpec)}
         filtered = {n: s for n, s in specs.items() if n not in hidden}
+        if not filtered:
+            # Every release groups hidden-state caches of differing specs only
+            # beside other layers, whose common page they are aligned to; with
+            # none, its grouping has no bucket to size groups by (min() of none).
+            raise UnplannableSpecs(
+                "every layer with a KV cache is a hidden-state cache and their specs "
+                f"differ ({len(hidden)} layers): hidden-state caches of different specs "
+                "are grouped only beside attention or Mamba layers, whose common page "
+                "they are aligned to; give them one spec, or plan them with such layers"
+            )
 
     packed = packed_groups(filtered, layout)
     if packed is not None:
