@@ -24,7 +24,16 @@ takes the case generator and a case count:
   extensible cache's measured bytes, free memory at the utilization's edge), lengths
   beside windows, chunks and blocks, and explicit zeros. Its engines depend on kvplan's
   plans under the installed release's rules: a seed reproduces them only for the same
-  kvplan and release.
+  kvplan and release;
+- fuzz_c: what a listing of every request field's values over the other sections and
+  the fixed scenarios showed nothing varies: RSWA, cross, circular, hidden-state and
+  encoder-only layers with their attention parameters varied, beside every other kind
+  and with TP / DCP / pipeline stages; SW-MLA with MLA cache dtypes, quantization and
+  alignments; non-causal or windowed sinks; several windows; per-layer dtypes;
+  quantized head slots grouped by KV head on every kind; stride alignments on every
+  kind; drafters of any kind anywhere in the layer order; workers of one engine with
+  budgets of different modes, devices named instead of sized. It draws from a
+  generator of its own, so adding it left every other section's engines as they were.
 """
 
 # The sections build each engine from helpers defined in the loop iteration that
@@ -35,10 +44,12 @@ takes the case generator and a case count:
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from conformance.generate import (
+    _DTYPES,
     GDN_STATES,
     GIB,
     LAYOUTS,
@@ -58,6 +69,7 @@ from conformance.generate import (
     sw,
     sw_mla,
 )
+from kvplan.gpus import GPU_MEMORY_BYTES as GPU_BYTES
 from kvplan.v1 import plan_pb2, spec_pb2
 
 _BYTES = {None: 2, "fp16": 2, "bf16": 2, "fp32": 4, "e4m3": 1}
@@ -2086,6 +2098,449 @@ def fuzz_z(c: Cases, count: int) -> None:
         )
 
 
+# --- fuzz_c: the fields, kinds and combinations no other section varies -----------
+
+# Layer kinds, weighted toward the ones the other sections fix (RSWA, cross, circular,
+# hidden-state, SW-MLA and sinks appear there with one shape each).
+_C_KINDS = (
+    "full",
+    "full",
+    "sw",
+    "sw",
+    "chunked",
+    "sink",
+    "rswa",
+    "rswa",
+    "cross",
+    "cross",
+    "encoder_only",
+    "circular",
+    "circular",
+    "hidden",
+    "hidden",
+    "mla",
+    "sw_mla",
+    "sw_mla",
+    "mamba",
+)
+
+_C_PLAIN = ("full", "sw", "chunked", "sink", "rswa", "cross", "encoder_only", "circular")
+
+_C_DTYPES = (None, None, None, "fp16", "bf16", "fp32", "e4m3", "e5m2", "i8", "u8")
+
+_C_DEVICES = ("H100-80GB", "A100-40GB", "L4-24GB", "H200-141GB", "B200-180GB", "MI300X-192GB")
+
+_C_METHODS = ("none", "none", "none", *_SPEC_METHODS, "medusa")
+
+
+def _c_attention(
+    c: Cases, a: spec_pb2.AttentionParams, kind: str, block: int, tp: int, h2nd: bool
+) -> None:
+    """Vary the attention parameters the other sections leave at their defaults on
+    this kind: dtype, V head, quantized head slots (grouped by KV head on 0.34),
+    padded pages, TP shards, DCP sharding, compressed / expanded states."""
+    rng = c.rng
+    mla_kind = kind in ("mla", "sw_mla", "hidden")
+    if rng.random() < 0.35:
+        dtype = c.pick(_C_DTYPES)
+        a.dtype = _DTYPES[dtype]
+    if not mla_kind and rng.random() < 0.2:
+        a.head_size_v = c.pick([a.head_size // 2 or 1, 2 * a.head_size, 96, 128])
+    if not mla_kind and (h2nd or rng.random() < 0.1):
+        dtype, quant, extra = c.pick(
+            [
+                ("i8", spec_pb2.KV_QUANT_MODE_INT8_PER_TOKEN_HEAD, 8),
+                ("e4m3", spec_pb2.KV_QUANT_MODE_FP8_PER_TOKEN_HEAD, 8),
+                ("u8", spec_pb2.KV_QUANT_MODE_INT4_PER_TOKEN_HEAD, 0),
+                ("u8", spec_pb2.KV_QUANT_MODE_TURBOQUANT_K8V4, 0),
+            ]
+        )
+        a.dtype = _DTYPES[dtype]
+        a.kv_quant_mode = quant
+        hv = a.head_size_v if a.HasField("head_size_v") else a.head_size
+        total = a.head_size + hv
+        a.state_content_bytes = total + extra if extra else total // 2 + 8
+        a.num_head_slots = a.num_kv_heads * c.pick([1, 1, 2])
+        a.kv_head_major_slots = rng.random() < 0.7
+    elif mla_kind and rng.random() < 0.15:
+        a.dtype = _DTYPES[c.pick(["u8", "e4m3"])]
+        a.kv_quant_mode = c.pick(
+            [spec_pb2.KV_QUANT_MODE_FP8_PER_TENSOR, spec_pb2.KV_QUANT_MODE_NVFP4_DS_MLA]
+        )
+        if rng.random() < 0.5:
+            a.state_content_bytes = c.pick([656, 352, a.head_size])
+    if kind not in ("encoder_only",) and rng.random() < 0.1:
+        if rng.random() < 0.6 and block >= 2:
+            a.tokens_per_state.tokens = c.pick([t for t in (2, 4, 8, 16) if t <= block] or [2])
+        else:
+            a.tokens_per_state.states_per_token = c.pick([2, 4])
+    if rng.random() < 0.08:
+        # Unspecified: the engine's cache dtype, at most 4 bytes an element.
+        per = _Y_BYTES[_C_DTYPE_NAMES[a.dtype]] if a.dtype else 4
+        heads = 1 if mla_kind else (a.num_head_slots or a.num_kv_heads)
+        width = (
+            a.head_size
+            if mla_kind
+            else a.head_size + (a.head_size_v if a.HasField("head_size_v") else a.head_size)
+        )
+        states = block * (a.tokens_per_state.states_per_token or 1)
+        states //= a.tokens_per_state.tokens or 1
+        page = states * heads * (a.state_content_bytes or width * per)
+        a.page_size_padded_bytes = page + c.pick([0, 0, 64, 4096, page]) if page > 1 else 4096
+    if tp > 1 and rng.random() < 0.25:
+        a.max_tp_shards = c.pick([1, 2, tp, max(1, a.num_kv_heads)])
+    if rng.random() < 0.15:
+        a.dcp_sharded = rng.random() < 0.5
+
+
+_C_DTYPE_NAMES = {number: name for name, number in _DTYPES.items() if name is not None}
+
+
+def _c_layer(
+    c: Cases,
+    kind: str,
+    name: str,
+    *,
+    shape: Mapping[str, Any],
+    block: int,
+    tp: int,
+    h2nd: bool,
+    draft: bool,
+) -> Layer:
+    """One layer of `kind` with its own variation of the engine's shape."""
+    from conformance.generate import circular, hidden, rswa
+
+    rng = c.rng
+    heads = shape["heads"]
+    head = shape["head"]
+    common: dict[str, Any] = {"draft": draft}
+    if rng.random() < 0.1:
+        common["block"] = c.pick([8, 16, 32, 64, 128, block])
+    r = rng.random()
+    if r < 0.06:
+        common["align_bytes"] = c.pick([256, 4096, 65536, 2 << 20])
+    elif r < 0.1:
+        common["align_kernel"] = c.pick([16, 32, 64])
+    if kind == "full":
+        layer = full(name, heads, head, **common)
+    elif kind == "sw":
+        layer = sw(name, c.pick(shape["windows"]), heads, head, **common)
+    elif kind == "chunked":
+        layer = chunked(name, shape["chunk"], heads, head, **common)
+    elif kind == "sink":
+        layer = sink(name, shape["sink"], heads, head, **common)
+        layer.sink_full_attention.non_causal = rng.random() < 0.3
+        if rng.random() < 0.2:
+            layer.sink_full_attention.sliding_window = c.pick(shape["windows"])
+    elif kind == "rswa":
+        layer = rswa(name, shape["rswa"], heads, head, **common)
+    elif kind == "cross":
+        layer = cross(name, heads, head, **common)
+    elif kind == "encoder_only":
+        layer = encoder_only(name, heads, head, **common)
+    elif kind == "circular":
+        layer = circular(name, c.pick([1, heads]), c.pick([head, 512]), **common)
+    elif kind == "hidden":
+        layer = hidden(name, shape["hidden_heads"], shape["hidden"], **common)
+        if rng.random() < 0.2:
+            layer.hidden_state_cache.mla.alignment_bytes = c.pick([512, 576, 4096])
+    elif kind == "mla":
+        layer = mla(name, shape["mla_head"], cache_dtype=shape["mla_cache"], **common)
+        if rng.random() < 0.15:
+            layer.mla_attention.mla.alignment_bytes = c.pick([576, 1024, 4096])
+    elif kind == "sw_mla":
+        layer = sw_mla(
+            name,
+            c.pick(shape["windows"]),
+            shape["mla_head"],
+            cache_dtype=shape["mla_cache"],
+            bounded_replay=rng.random() < 0.3,
+            **common,
+        )
+        if rng.random() < 0.2:
+            layer.sliding_window_mla.mla.alignment_bytes = c.pick([576, 1024, 4096])
+        if rng.random() < 0.15:
+            layer.sliding_window_mla.mla.model_version = c.pick(["deepseek_v4"] * 4 + ["other"])
+    else:
+        assert kind == "mamba"
+        return mamba(
+            name,
+            shape["states"],
+            padded=shape["mamba_padded"],
+            mamba_type=shape["mamba_type"],
+            spec_blocks=shape["spec_blocks"],
+            heads=shape["mamba_heads"],
+            tp_replicated=rng.random() < 0.2,
+            **common,
+        )
+    body = getattr(layer, str(layer.WhichOneof("kind")))
+    if kind in ("mla", "sw_mla", "hidden") and tp > 1:
+        body.attention.max_tp_shards = 1
+    _c_attention(c, body.attention, kind, common.get("block", block), tp, h2nd)
+    return layer
+
+
+def _c_budget(c: Cases, worker: Any, mode: str, base: int) -> str:
+    """One worker's budget in `mode`: explicit bytes (log-uniform around the engine's
+    base), a utilization of a device given by total or by name, with non-KV memory,
+    and the device's free memory near what the utilization asks."""
+    rng = c.rng
+    memory = worker.memory
+    if mode == "bytes":
+        memory.kv_cache_memory_bytes = max(1, int(base * 2 ** rng.uniform(-3, 3)))
+        return "b"
+    name = c.pick(_C_DEVICES)
+    total = GPU_BYTES[name]
+    if rng.random() < 0.5:
+        worker.device.name = name
+    else:
+        worker.device.total_memory_bytes = total
+    util = c.pick([0.3, 0.5, 0.8, 0.9, 0.95, 1.0])
+    memory.gpu_memory_utilization = util
+    memory.non_kv.weights_bytes = int(total * c.pick([0.0, 0.05, 0.2, 0.5, 0.85]))
+    memory.non_kv.activation_peak_bytes = c.pick([0, 512 * MIB, 2 * GIB])
+    memory.non_kv.non_torch_bytes = c.pick([0, 200 * MIB])
+    memory.non_kv.cuda_graph_bytes = c.pick([0, 64 * MIB, GIB])
+    if rng.random() < 0.2:
+        requested = math.ceil(total * util)
+        worker.device.free_memory_bytes = max(0, requested + c.pick([-GIB, -1, 0, 1, GIB]))
+    return name if worker.device.name else "u"
+
+
+def fuzz_c(c: Cases, count: int) -> None:
+    """The fields, kinds and combinations no other section varies (found by listing
+    every request field's values across the sections and scenarios): RSWA, cross,
+    circular, hidden-state and encoder-only layers with their attention parameters
+    varied (dtypes, V heads, quantized head slots grouped by KV head, padded pages,
+    TP shards, DCP sharding, compressed states, stride alignments, their own
+    blocks) and beside every other kind, with TP / DCP / unequal pipeline stages;
+    SW-MLA with MLA cache dtypes, quantization, alignments and model versions;
+    sinks that are non-causal or carry a window; several windows (many groups);
+    per-layer dtype overrides within a kind; drafters of every kind first, in the
+    middle or last; heterogeneous workers in one engine (each its own budget mode:
+    bytes, utilization of a device by total or by name, free memory at its edge,
+    measured bytes of the extensible cache); devices named instead of sized."""
+    # Its own generator, seeded from the shared one's state without drawing from it:
+    # the sections after it (conformance/generate.py's fixed ones) draw what they drew
+    # before fuzz_c existed, so `--fuzz all` keeps reproducing a seed's older engines.
+    shared = c.rng
+    c.rng = random.Random(f"fuzz_c {shared.getstate()[1][:8]}")
+    try:
+        _fuzz_c(c, count)
+    finally:
+        c.rng = shared
+
+
+def _fuzz_c(c: Cases, count: int) -> None:
+    cat = "fuzzc"
+    rng = c.rng
+    for i in range(count):
+        n_kinds = c.pick([1, 2, 2, 3, 3, 4])
+        kinds = list(dict.fromkeys(c.pick(_C_KINDS) for _ in range(n_kinds)))
+        n = c.pick([1, 2, 3, 4, 6, 8, 12, 16, 24, 36])
+        tp = c.pick([1, 1, 2, 2, 4, 8])
+        dcp = c.pick([0, 0, 0, 0, 0, 2, tp]) if tp > 1 else 0
+        if dcp and tp % dcp:
+            dcp = 0
+        block = c.pick([0, 0, 16, 32, 64, 128, 256])
+        bs = block or 16
+        h2nd = rng.random() < 0.1
+        method = c.pick(_C_METHODS)
+        spec_tokens = c.pick([1, 2, 3, 4, 7]) if method != "none" else 0
+        windows = sorted({c.pick([32, 128, 512, 1024, 4096]) for _ in range(c.pick([1, 1, 2, 3]))})
+        states = c.pick(_MAMBA_STATES)
+        heads = c.pick([1, 2, 4, 8, 16])
+        head = c.pick([64, 96, 128, 256])
+        shape: dict[str, Any] = {
+            "heads": heads,
+            "head": head,
+            "windows": windows,
+            "chunk": c.pick([256, 2048, 8192]),
+            "sink": c.pick([0, 16, 64, 128]),
+            "rswa": c.pick([128, 512, 1024]),
+            "hidden": c.pick([1024, 4096, 7168]),
+            "hidden_heads": c.pick([1, 1, 1, 2]),
+            "mla_head": c.pick([576, 576, 512, 656]),
+            "mla_cache": c.pick(
+                [spec_pb2.KV_CACHE_DTYPE_AUTO] * 3
+                + [
+                    spec_pb2.KV_CACHE_DTYPE_FP8,
+                    spec_pb2.KV_CACHE_DTYPE_FP8_DS_MLA,
+                    spec_pb2.KV_CACHE_DTYPE_NVFP4_DS_MLA,
+                ]
+            ),
+            "states": states,
+            "mamba_padded": None,
+            "mamba_type": c.pick([spec_pb2.MAMBA_TYPE_MAMBA2, spec_pb2.MAMBA_TYPE_GDN_ATTENTION]),
+            "spec_blocks": spec_tokens if method != "none" and rng.random() < 0.8 else 0,
+            "mamba_heads": c.pick([0, 0, 1, 8]),
+        }
+        if "mamba" in kinds and len(kinds) > 1 and rng.random() < 0.7:
+            # Pad the Mamba page to an attention page as the engine does.
+            per = heads * 2 * head * 2
+            page = _mamba_page(states)
+            blk = bs * -(-page // (bs * per))
+            block = bs = 16 * -(-max(bs, blk) // 16)
+            if bs * per > page:
+                shape["mamba_padded"] = bs * per
+        per_layer_dtype = rng.random() < 0.15
+        order = c.pick(["period", "period", "blocks", "shuffle"])
+        layer_kinds = [kinds[j % len(kinds)] for j in range(n)]
+        if order == "blocks":
+            layer_kinds.sort(key=kinds.index)
+        elif order == "shuffle":
+            rng.shuffle(layer_kinds)
+        layers: list[Layer] = []
+        for j, kind in enumerate(layer_kinds):
+            layer = _c_layer(
+                c,
+                kind,
+                f"model.layers.{j}.attn",
+                shape=shape,
+                block=bs,
+                tp=tp,
+                h2nd=h2nd,
+                draft=False,
+            )
+            if per_layer_dtype and kind in _C_PLAIN and rng.random() < 0.4:
+                body = getattr(layer, str(layer.WhichOneof("kind")))
+                body.attention.dtype = _DTYPES[c.pick(["fp16", "fp32", "e4m3"])]
+            layers.append(layer)
+        hisparse = rng.random() < 0.08
+        if hisparse:
+            # HiSparse beside these layers, its hot / resident entries with blocks of
+            # their own or marked as the drafter's (fuzz_h leaves both alone).
+            from conformance.generate import _hisparse_engine
+
+            block = bs = c.pick([32, 64, 64, 128])
+            others = layers[: c.pick([0, 1, 2, 4])]
+            for j, layer in enumerate(others):
+                layer.name = f"others.{j}.attn"
+            sparse = c.pick([1, 2, 4])
+            layers = _hisparse_engine(
+                rng,
+                sparse=sparse,
+                indexers=c.pick([1, sparse]),
+                leader_every=c.pick([1, 2]),
+                block=block,
+                sparse_head=c.pick([656, 576]),
+                others=others,
+                topk=c.pick([None, 2048]),
+            )
+            for layer in layers:
+                if layer.WhichOneof("kind") in ("hisparse_hot", "hisparse_resident"):
+                    if rng.random() < 0.3:
+                        layer.block_size = c.pick([16, block, 2 * block])
+                    layer.is_draft = rng.random() < 0.1
+            dcp = 0
+        where = "none"
+        if method in ("mtp", "eagle", "eagle3", "dspark", "dflash", "draft_model", "medusa") and (
+            rng.random() < 0.75
+        ):
+            draft_kind = c.pick([*kinds, *kinds, "full", "hidden", "cross", "rswa", "sw_mla"])
+            mark = rng.random() < 0.7
+            drafts = [
+                _c_layer(
+                    c,
+                    draft_kind,
+                    f"draft.layers.{d}.attn",
+                    shape=shape,
+                    block=bs,
+                    tp=tp,
+                    h2nd=h2nd,
+                    draft=mark,
+                )
+                for d in range(c.pick([1, 1, 2, 3]))
+            ]
+            where = c.pick(["last", "last", "first", "middle", "spread"])
+            if where == "last":
+                layers = layers + drafts
+            elif where == "first":
+                layers = drafts + layers
+            elif where == "middle":
+                k = rng.randrange(len(layers) + 1)
+                layers = layers[:k] + drafts + layers[k:]
+            else:
+                for d in drafts:
+                    layers.insert(rng.randrange(len(layers) + 1), d)
+        pp = c.pick([1, 1, 2, 3, 4]) if len(layers) >= 2 else 1
+        pp = min(pp, len(layers))
+        cuts = _split(c, len(layers), pp)
+        workers = [
+            W(layers[cuts[stage] : cuts[stage + 1]], 1) for stage in range(pp) for _ in range(tp)
+        ]
+        req = request(
+            workers,
+            max_model_len=c.pick([1, 16, 17, 511, 2048, 8192, 32768, 131072]),
+            block_size=block,
+            cache_dtype=c.pick(_Y_CACHE_DTYPES),
+            model_dtype=c.pick([None, None, "fp16", "bf16", "fp32"]),
+            disable_hybrid=rng.random() < 0.1,
+            override=c.pick([None] * 8 + [1, 64, 1000]),
+            batched=c.pick([0, 0, 16, 2048, 8192]),
+            async_scheduling=c.pick([False, True]),
+            v2_runner=c.pick([False, True]),
+            pp=pp if pp > 1 else 0,
+            tp=tp if tp > 1 else 0,
+            dcp=dcp,
+            layout=c.pick(["LBNHC", "LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]),
+            mamba_align=None,
+            encoder_tokens=c.pick([0, 1, 448, 1500, 8192]) if "cross" in kinds else 0,
+            prefix_caching=c.pick([None, None, True, False]),
+            method=method,
+            spec_tokens=spec_tokens,
+            target_model_type=c.pick(["", "", "llama", "deepseek_v3", "qwen3_next"]),
+            disable_block_drop=rng.random() < 0.1,
+            nextn=c.pick([None, 1, 2]) if method == "mtp" else None,
+        )
+        if rng.random() < 0.15:
+            req.options.max_model_len = -1
+            req.options.derived_max_model_len = c.pick([4096, 131072, 1 << 20])
+        # Workers: one budget mode for all, each its own, or one worker unlike the rest.
+        hetero = c.pick(["same", "same", "each", "one"])
+        base = int(2 ** rng.uniform(22, 36))
+        mode = c.pick(["bytes", "bytes", "util"])
+        victim = rng.randrange(len(req.workers))
+        budgets: list[str] = []
+        for index, worker in enumerate(req.workers):
+            worker.memory.ClearField("kv_cache_memory_bytes")
+            own = mode
+            if hetero == "each" or (hetero == "one" and index == victim):
+                own = (
+                    c.pick(["bytes", "util"])
+                    if hetero == "each"
+                    else ("util" if mode == "bytes" else "bytes")
+                )
+            budgets.append(_c_budget(c, worker, own, base))
+        if rng.random() < 0.2:
+            req.options.extensible_kv_cache = c.pick([True, True, False])
+            if req.options.extensible_kv_cache and rng.random() < 0.6:
+                measured = int(2 ** rng.uniform(24, 36))
+                for worker in req.workers:
+                    spread = hetero != "same" and rng.random() < 0.5
+                    worker.memory.measured_kv_cache_bytes = (
+                        int(measured * rng.uniform(0.5, 1.5)) if spread else measured
+                    )
+        if rng.random() < 0.08:
+            req.options.prefix_match_unit = c.pick([1, 16, bs])
+        if hisparse:
+            req.options.layout = c.pick([LAYOUTS["BLHNC"]] * 3 + [LAYOUTS["BLNHC"]])
+            config = req.options.hisparse
+            config.host_pool_gib = c.pick([0.01, 4.0, 256.0])
+            config.shared_host_pool = rng.random() < 0.4
+            config.index_topk = c.pick([512, 2048])
+            if rng.random() < 0.3:
+                config.device_buffer_size = c.pick([64, 2048, 8192])
+        c.add(
+            cat,
+            f"c{i:04d}",
+            f"{n} layers {'+'.join(kinds)} ({order}) heads {heads}x{head} windows {windows} "
+            f"{method}x{spec_tokens} drafts {where} pp{pp} tp{tp} dcp{dcp} block {block} "
+            f"h2nd {h2nd} hisparse {hisparse} workers {hetero} {','.join(sorted(set(budgets)))}",
+            req,
+        )
+
+
 # Name -> (section, default case count), in the order they draw: a seed and the
 # same counts give the same engines.
 SECTIONS: dict[str, tuple[Callable[[Cases, int], None], int]] = {
@@ -2095,6 +2550,7 @@ SECTIONS: dict[str, tuple[Callable[[Cases, int], None], int]] = {
     "fuzz_h": (fuzz_h, 600),
     "fuzz_l": (fuzz_l, 600),  # drawn from fuzz_y's and fuzz_h's engines: after them
     "fuzz_z": (fuzz_z, 3000),
+    "fuzz_c": (fuzz_c, 1500),
 }
 
 

@@ -2885,8 +2885,13 @@ def _layout_resolution(c: Cases) -> None:
     an extensible cache behind HiSparse's connector, and the asked-for layout."""
     cat = "layout_resolution"
     rng = c.rng
-    # Engines the other sections built (every path, HiSparse, DCP, pipeline).
-    base = [case for case in c.items if case.category != "scenarios" and case.request.workers]
+    # Engines the other sections built (every path, HiSparse, DCP, pipeline); not
+    # fuzz_c's, which came later: a seed's sample stays what it was before them.
+    base = [
+        case
+        for case in c.items
+        if case.category not in ("scenarios", "fuzzc") and case.request.workers
+    ]
     sample = rng.sample(base, min(160, len(base)))
     for case in sample:
         n_workers = len(case.request.workers)

@@ -19,8 +19,16 @@ from kvplan.v1 import plan_pb2
 
 RELEASES = ("vllm-0.32", "vllm-0.33", "vllm-0.34", "")
 SEED = 20261205
-SAMPLE = {"fuzz_wide": 80, "fuzz_x": 80, "fuzz_y": 200, "fuzz_h": 60, "fuzz_l": 60, "fuzz_z": 20}
-FUZZ_CATEGORIES = {"fuzzw", "fuzzx", "fuzzy", "fuzzh", "fuzzl", "fuzzz"}
+SAMPLE = {
+    "fuzz_wide": 80,
+    "fuzz_x": 80,
+    "fuzz_y": 200,
+    "fuzz_h": 60,
+    "fuzz_l": 60,
+    "fuzz_z": 20,
+    "fuzz_c": 100,
+}
+FUZZ_CATEGORIES = {"fuzzw", "fuzzx", "fuzzy", "fuzzh", "fuzzl", "fuzzz", "fuzzc"}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +47,7 @@ def test_the_sample_draws_every_section(fuzz_cases: list[Case]) -> None:
         "fuzzh": 60,
         "fuzzl": 60,
         "fuzzz": 20,
+        "fuzzc": 100,
     }
 
 
@@ -50,6 +59,19 @@ def test_a_seed_and_its_counts_give_the_same_engines() -> None:
     assert [(case.id, case.request) for case in first] == [
         (case.id, case.request) for case in again
     ]
+
+
+def test_fuzz_c_leaves_every_other_section_as_it_was() -> None:
+    """fuzz_c draws from a generator of its own: a seed's other engines (the other
+    fuzz sections and the fixed sections drawn after them) are the ones it gave
+    before fuzz_c existed, with or without it."""
+    counts = {"fuzz_wide": 3, "fuzz_y": 3, "fuzz_l": 2}
+    without = generate_cases(11, scenarios=False, fuzz=counts)
+    with_c = generate_cases(11, scenarios=False, fuzz={**counts, "fuzz_c": 5})
+    assert [(case.id, case.request) for case in without] == [
+        (case.id, case.request) for case in with_c if case.category != "fuzzc"
+    ]
+    assert sum(case.category == "fuzzc" for case in with_c) == 5
 
 
 @pytest.mark.parametrize("release", RELEASES)
