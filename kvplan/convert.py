@@ -243,9 +243,13 @@ def _window_kwargs(message: Any, path: str) -> dict[str, Any]:
     return kwargs
 
 
-def _hisparse_layer_from_proto(kind: str, body: Any, path: str, ctx: _Context) -> KVCacheSpec:
+def _hisparse_layer_from_proto(
+    kind: str, body: Any, path: str, ctx: _Context, *, is_draft: bool
+) -> KVCacheSpec:
     """A HiSparse hot / resident entry the model runner derived for a sparse-MLA layer.
-    Planning lays these out again from the MLA layers; only names must match."""
+    Planning lays these out again from the MLA layers; only names must match, and
+    `is_draft`, which the draft annotation reads off every layer's spec as vLLM's
+    does (the group holding a drafter's entry takes the block drop)."""
     body_path = f"{path}.{kind}"
     if not ctx.hisparse:
         raise InvalidRequest(
@@ -256,8 +260,13 @@ def _hisparse_layer_from_proto(kind: str, body: Any, path: str, ctx: _Context) -
         blocks = _require(
             body.blocks_per_request, f"{body_path}.blocks_per_request", "blocks_per_request"
         )
-        return HiSparseHotSpec(block_size=ctx.block_size, page_size=page, blocks_per_request=blocks)
-    return HiSparseResidentSpec(block_size=ctx.block_size, page_size=page)
+        return HiSparseHotSpec(
+            block_size=ctx.block_size,
+            page_size=page,
+            blocks_per_request=blocks,
+            is_draft=is_draft,
+        )
+    return HiSparseResidentSpec(block_size=ctx.block_size, page_size=page, is_draft=is_draft)
 
 
 MAX_HOST_POOL_GIB = float(1 << 20)  # 1 PiB of host memory: beyond any machine
@@ -323,11 +332,11 @@ def layer_from_proto(layer: spec_pb2.LayerSpec, path: str, ctx: _Context) -> KVC
         raise InvalidRequest("a layer needs a spec kind (full_attention, mamba, ...)", field=path)
     body = getattr(layer, kind)
     body_path = f"{path}.{kind}"
-    if kind in ("hisparse_hot", "hisparse_resident"):
-        return _hisparse_layer_from_proto(kind, body, path, ctx)
     for name, suffix in _release_fields_set(layer, kind, body):
         if not ctx.rules.has_field(name):
             raise ctx.rules.unsupported_field(name, f"{path}.{suffix}")
+    if kind in ("hisparse_hot", "hisparse_resident"):
+        return _hisparse_layer_from_proto(kind, body, path, ctx, is_draft=layer.is_draft)
     common: dict[str, Any] = {"is_draft": layer.is_draft}
     alignment = layer.block_stride_alignment.WhichOneof("alignment")
     if alignment == "bytes":

@@ -15,6 +15,7 @@ from kvplan.convert import plan_from_proto
 from kvplan.core.errors import ErrorCode
 from kvplan.core.rules import (
     FIELD_EXTENSIBLE_KV_CACHE,
+    FIELD_IS_DRAFT,
     FIELD_TOPK_BUFFER_WIDTH,
     rule_set_for,
 )
@@ -69,6 +70,8 @@ EXPECTED: dict[str, Mapping[str, object]] = {
     # Hidden-state caches of two specs and no other layer: every release's grouping
     # fails (it sizes groups by the other layers' buckets, of which there are none).
     "hidden-state-caches-alone": {release: ErrorCode.FAILED_PRECONDITION for release in RELEASES},
+    # A drafter's HiSparse entry flags its group (0.32 has no is_draft: cleared).
+    "hisparse-drafter-resident-entry": {release: PLANS for release in RELEASES},
     "hisparse-stage-without-hot-layers": HISPARSE_STAGES_REFUSED,
     "hisparse-dcp": {
         release: (ErrorCode.INVALID_ARGUMENT, "options.parallel.decode_context_parallel_size")
@@ -96,6 +99,10 @@ def find(name: str, engine_version: str) -> plan_pb2.PlanRequest:
     data = json.loads((FINDS_DIR / f"{name}.json").read_text())
     request = json_format.ParseDict(data["request"], plan_pb2.PlanRequest())
     request.options.engine_version = engine_version
+    if not rule_set_for(engine_version).has_field(FIELD_IS_DRAFT):
+        for worker in request.workers:  # as `make conformance` sends it
+            for layer in worker.layers:
+                layer.is_draft = False
     if not rule_set_for(engine_version).has_field(FIELD_EXTENSIBLE_KV_CACHE):
         request.options.ClearField("extensible_kv_cache")  # as `make conformance` sends it
     if not rule_set_for(engine_version).has_field(FIELD_TOPK_BUFFER_WIDTH):

@@ -74,3 +74,22 @@ def test_rows_over_the_slot_limit_name_what_made_them() -> None:
     error = planning_error(too_wide)
     assert error.code is ErrorCode.INVALID_ARGUMENT
     assert error.field == "options.hisparse.index_topk"
+
+
+def test_a_drafters_hot_or_resident_entry_flags_its_group() -> None:
+    """vLLM flags every group holding a layer whose spec is the drafter's, the
+    HiSparse entries included; kvplan read is_draft off every other kind only."""
+    request = _request()
+    request.spec_decode.method = plan_pb2.SPEC_DECODE_METHOD_EAGLE
+    request.spec_decode.num_speculative_tokens = 1
+    entry = request.workers[0].layers[6]
+    assert entry.WhichOneof("kind") == "hisparse_resident"
+    entry.is_draft = True
+    for release in ("vllm-0.33", "vllm-0.34", ""):
+        request.options.engine_version = release
+        plan = plan_from_proto(request)
+        (flagged,) = [list(g.layer_names) for g in plan.groups if g.is_draft]
+        assert entry.name in flagged, release
+        assert all(name.endswith(".hisparse_resident") for name in flagged), release
+    request.options.engine_version = "vllm-0.32"  # no is_draft field in 0.32
+    assert planning_error(request).field == "workers[0].layers[6].is_draft"
