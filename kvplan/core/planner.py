@@ -485,7 +485,7 @@ def plan_model(request: EngineRequest) -> ModelPlan:
         disable_hybrid=options.disable_hybrid_kv_cache_manager,
         rules=rules,
         hisparse=options.hisparse,
-        max_decode_query_len=request.spec_decode.max_decode_query_len,
+        max_decode_query_len=request.spec_decode.max_decode_query_len(rules),
     )
     groups, draft_warnings = annotate_draft_groups(grouping, request.spec_decode, rules)
     projected = _project_all(groups, workers, rules)

@@ -55,10 +55,14 @@ class SpecDecode:
             and min(self.num_nextn_predict_layers, self.num_speculative_tokens) > 1
         )
 
-    @property
-    def max_decode_query_len(self) -> int:
-        """Widest decode query (model runner V2): the token plus the drafts."""
-        return 1 if self.method == "none" else 1 + self.num_speculative_tokens
+    def max_decode_query_len(self, rules: RuleSet) -> int:
+        """Widest decode query (model runner V2): the token plus the drafts, plus the
+        query rows the release's drafter appends (0.34: an autoregressive draft model
+        keeps one unsliced token)."""
+        if self.method == "none":
+            return 1
+        extra = 1 if self.method == "draft_model" and rules.draft_model_extra_query_slot else 0
+        return 1 + self.num_speculative_tokens + extra
 
     @property
     def prefill_lookahead_tokens(self) -> int:

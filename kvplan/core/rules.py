@@ -143,6 +143,11 @@ class RuleSet:
     # 0.34's VllmConfig refuses the nvfp4_ds_mla cache dtype under DCP > 1
     # (validate_nvfp4_kv_cache_with_mla); 0.32 / 0.33 take it.
     nvfp4_ds_mla_refuses_dcp: bool = False
+    # The widest decode query counts one more row for the draft_model method (0.34:
+    # SpeculativeConfig.max_num_new_slots_for_drafting, the standalone draft model's
+    # unsliced token; 0.32 / 0.33: 1 + num_speculative_tokens for every method under
+    # model runner V2). HiSparse's default device buffer and its minimum read it.
+    draft_model_extra_query_slot: bool = False
 
     def max_concurrent_batches(
         self, *, pipeline_parallel_size: int, async_scheduling: bool, use_v2_model_runner: bool
@@ -238,6 +243,7 @@ VLLM_0_34 = replace(
     unsupported_spec_methods=frozenset({"medusa"}),
     hot_pages_align_pool=False,
     nvfp4_ds_mla_refuses_dcp=True,
+    draft_model_extra_query_slot=True,
 )
 
 RULE_SETS: dict[str, RuleSet] = {

@@ -76,6 +76,32 @@ def test_rows_over_the_slot_limit_name_what_made_them() -> None:
     assert error.field == "options.hisparse.index_topk"
 
 
+def _hot_blocks_per_request(plan: plan_pb2.PlanResponse) -> int:
+    (hot,) = [g for g in plan.groups if g.spec.WhichOneof("kind") == "hisparse_hot"][:1]
+    return hot.spec.hisparse_hot.blocks_per_request
+
+
+def test_0_34_counts_the_draft_models_unsliced_token_as_a_decode_row() -> None:
+    """vLLM 0.34's widest decode query adds the drafter's extra rows
+    (max_num_new_slots_for_drafting: one for the autoregressive draft model), so
+    HiSparse's default device buffer and its minimum grow by a top-k; 0.32 / 0.33
+    count 1 + num_speculative_tokens for every method."""
+    request = _request()
+    request.spec_decode.method = plan_pb2.SPEC_DECODE_METHOD_DRAFT_MODEL
+    request.spec_decode.num_speculative_tokens = 3
+    for release, rows in (("vllm-0.32", 4), ("vllm-0.33", 4), ("", 4), ("vllm-0.34", 5)):
+        request.options.engine_version = release
+        # The default buffer: (max decode query + 1) x top-k rows, in 64-token blocks.
+        assert _hot_blocks_per_request(plan_from_proto(request)) == (rows + 1) * 2048 // 64
+    request.options.hisparse.device_buffer_size = 4 * 2048  # 0.34 needs 5 x 2048
+    request.options.engine_version = "vllm-0.33"
+    assert plan_from_proto(request).workers
+    request.options.engine_version = "vllm-0.34"
+    assert planning_error(request).field == "options.hisparse.device_buffer_size"
+    request.spec_decode.method = plan_pb2.SPEC_DECODE_METHOD_MTP  # no extra row
+    assert plan_from_proto(request).workers
+
+
 def test_a_drafters_hot_or_resident_entry_flags_its_group() -> None:
     """vLLM flags every group holding a layer whose spec is the drafter's, the
     HiSparse entries included; kvplan read is_draft off every other kind only."""
