@@ -94,6 +94,13 @@ def validate_layout(layout: KVCacheLayout, groups: list[KVCacheGroup]) -> None:
     for group in groups:
         for spec, _ in group.layer_runs:
             check_page_padding(spec, layout)
+    check_mixed_page_sizes(layout, groups)
+
+
+def check_mixed_page_sizes(layout: KVCacheLayout, groups: list[KVCacheGroup]) -> None:
+    """Mixed page sizes pack pages side by side inside a block: a block-compact
+    layout, and with several groups the layer axis inside the block axis (vLLM's
+    validate_kv_cache_layout, a ValueError)."""
     page_sizes = {spec.page_size_bytes for group in groups for spec, _ in group.layer_runs}
     if len(page_sizes) <= 1:
         return
@@ -104,18 +111,21 @@ def validate_layout(layout: KVCacheLayout, groups: list[KVCacheGroup]) -> None:
         )
 
 
-def check_page_padding(spec: KVCacheSpec, layout: KVCacheLayout) -> None:
+def check_page_padding(
+    spec: KVCacheSpec, layout: KVCacheLayout, *, num_blocks: int | None = None
+) -> None:
     """Pages the layout must be able to pad. A padded page pads the grid of layers
     and blocks: the layout may put no axis but L and B in front of the later of the
     two unless it has one element (of the six layouts, LHBNC and BHLNC put H there),
     and what it lays out behind the grid must fit the padded page or be a multiple
     of it. Padding to a stride alignment needs a block-compact layout (or a
-    block-outermost one, whose blocks interleave)."""
+    block-outermost one, whose blocks interleave). `num_blocks` 0: a pool of no
+    blocks, whose page grid is empty whatever axes it holds (only the tail counts)."""
     padded = spec.padded_page_bytes
     if padded is not None:
         order = layout._value_
         grid_end = max(order.index(AXIS_L), order.index(AXIS_B)) + 1
-        if AXIS_H in order[:grid_end] and spec.num_heads != 1:
+        if AXIS_H in order[:grid_end] and spec.num_heads != 1 and num_blocks != 0:
             raise SpecInvariantError(
                 f"layout {layout.name} cannot pad pages of layers with "
                 f"{spec.num_heads} head slots; use a block-compact layout such as LBNHC"

@@ -30,6 +30,8 @@ from kvplan.core.layout import (
     KVCacheLayout,
     TensorPlacement,
     bytes_per_block,
+    check_mixed_page_sizes,
+    check_page_padding,
     place_tensors,
     validate_layout,
 )
@@ -379,17 +381,32 @@ def _check_hisparse_layout(layout: KVCacheLayout, device_groups: list[KVCacheGro
 
 
 def _hisparse_config_builds(
-    config: HiSparseConfig, worker_groups: list[KVCacheGroup], layout: KVCacheLayout, length: int
+    config: HiSparseConfig,
+    worker_groups: list[KVCacheGroup],
+    layout: KVCacheLayout,
+    length: int,
+    num_blocks: int,
 ) -> bool:
-    """Whether the worker's HiSparse configuration can be built at `length` (vLLM's
-    length search treats a failing build as "does not fit")."""
+    """Whether the worker's HiSparse configuration can be built at `length` with
+    `num_blocks` blocks. vLLM's length search (the memory check's estimate, auto-fit)
+    builds it and takes a ValueError as "does not fit": the host pool's, mixed page
+    sizes the layout cannot express, a HiSparse entry in a layout that is not
+    block-outermost. Placing each device group's tensors, in group order, it asserts
+    on a padded page the layout cannot express, which no search catches: that
+    refusal is raised here, before any memory refusal (every release)."""
     try:
         _hisparse_host_blocks(config, worker_groups, length)
         device_groups = [g for g in worker_groups if not g.host_resident]
-        validate_layout(layout, device_groups)
-        _check_hisparse_layout(layout, device_groups)
+        check_mixed_page_sizes(layout, device_groups)
     except PlanningError:
         return False
+    for group in device_groups:
+        for spec, _ in group.layer_runs:
+            if is_hisparse_spec(spec):
+                if not layout.is_block_outermost:
+                    return False
+            else:
+                check_page_padding(spec, layout, num_blocks=num_blocks)
     return True
 
 
@@ -645,7 +662,7 @@ def plan_engine(
             if id(worker_groups) in split_source:
                 return False  # its configuration cannot be built at any length
             if hisparse is not None and not _hisparse_config_builds(
-                hisparse, worker_groups, layout, length
+                hisparse, worker_groups, layout, length, memory // bpb if bpb else 0
             ):
                 return False
             return needed_bytes(device_groups, bpb, _context(options, in_flight, length)) <= memory

@@ -10,7 +10,7 @@ from google.protobuf import json_format
 
 from kvplan.convert import plan_from_proto
 from kvplan.core.errors import ErrorCode
-from kvplan.v1 import plan_pb2
+from kvplan.v1 import plan_pb2, spec_pb2
 from tests.conformance import build
 from tests.core.builders import planning_error
 
@@ -119,3 +119,26 @@ def test_a_drafters_hot_or_resident_entry_flags_its_group() -> None:
         assert all(name.endswith(".hisparse_resident") for name in flagged), release
     request.options.engine_version = "vllm-0.32"  # no is_draft field in 0.32
     assert planning_error(request).field == "workers[0].layers[6].is_draft"
+
+
+def test_a_page_the_layout_cannot_pad_stops_the_memory_checks_length_search() -> None:
+    """Short of memory, vLLM estimates a length by building the HiSparse
+    configuration; it takes a ValueError there as "does not fit", but placing a
+    padded page the layout cannot express asserts, which no search catches: the
+    layout's refusal, not the memory's, in every release."""
+    request = _request(layout="KV_CACHE_LAYOUT_BLNHC")
+    worker = request.workers[0]
+    mixer = spec_pb2.LayerSpec(name="layers.4.mixer")
+    state = mixer.mamba.states.add(shape=[2, 3072])
+    state.dtype = spec_pb2.DTYPE_BFLOAT16
+    mixer.mamba.page_size_padded_bytes = 65536  # BLNHC lays its 8 heads out as 96 KiB
+    mixer.mamba.num_heads = 8
+    worker.layers.insert(6, mixer)
+    request.options.enable_prefix_caching = False
+    for budget in (4 << 30, 1 << 20):  # enough, and short of one request
+        worker.memory.kv_cache_memory_bytes = budget
+        for release in ("vllm-0.32", "vllm-0.33", "vllm-0.34", ""):
+            request.options.engine_version = release
+            error = planning_error(request)
+            assert error.code is ErrorCode.FAILED_PRECONDITION, (budget, release, error.message)
+            assert "cannot pad" in error.message
