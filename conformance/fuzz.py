@@ -2406,7 +2406,7 @@ def _fuzz_c(c: Cases, count: int) -> None:
                 body = getattr(layer, str(layer.WhichOneof("kind")))
                 body.attention.dtype = _DTYPES[c.pick(["fp16", "fp32", "e4m3"])]
             layers.append(layer)
-        hisparse = rng.random() < 0.08
+        hisparse = rng.random() < 0.12
         if hisparse:
             # HiSparse beside these layers, its hot / resident entries with blocks of
             # their own or marked as the drafter's (fuzz_h leaves both alone).
@@ -2427,11 +2427,16 @@ def _fuzz_c(c: Cases, count: int) -> None:
                 others=others,
                 topk=c.pick([None, 2048]),
             )
+            # The last sparse-MLA layer (and its indexer) may be the drafter's (an MTP
+            # layer of DeepSeek V3.2).
+            drafter_mla = rng.random() < 0.25
             for layer in layers:
                 if layer.WhichOneof("kind") in ("hisparse_hot", "hisparse_resident"):
                     if rng.random() < 0.3:
                         layer.block_size = c.pick([16, block, 2 * block])
                     layer.is_draft = rng.random() < 0.1
+                elif drafter_mla and layer.name.startswith(f"model.layers.{sparse - 1}."):
+                    layer.is_draft = layer.WhichOneof("kind") == "mla_attention"
             dcp = 0
         where = "none"
         if method in ("mtp", "eagle", "eagle3", "dspark", "dflash", "draft_model", "medusa") and (
@@ -2530,7 +2535,8 @@ def _fuzz_c(c: Cases, count: int) -> None:
             config.shared_host_pool = rng.random() < 0.4
             config.index_topk = c.pick([512, 2048])
             if rng.random() < 0.3:
-                config.device_buffer_size = c.pick([64, 2048, 8192])
+                config.device_buffer_size = c.pick([2048, 8192, 16384, 32768])
+            req.options.disable_hybrid_kv_cache_manager = rng.random() < 0.03
         c.add(
             cat,
             f"c{i:04d}",
