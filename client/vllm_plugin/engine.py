@@ -73,6 +73,12 @@ def engine_options(vllm_config: Any, engine_version: str) -> plan_pb2.EngineOpti
     override = _int(getattr(cache, "num_gpu_blocks_override", None))
     if override is not None:
         options.num_gpu_blocks_override = override
+    # 0.34 settles its extensible KV cache before planning: off with KV cache bytes
+    # or a block override given, off CUDA, behind some KV connectors. The release's
+    # default would be wrong for those engines; older releases have no such field.
+    extensible = getattr(cache, "enable_extensible_kv_cache", None)
+    if isinstance(extensible, bool):
+        options.extensible_kv_cache = extensible
     options.max_num_batched_tokens = int(getattr(scheduler, "max_num_batched_tokens", 0) or 0)
     options.async_scheduling = bool(getattr(scheduler, "async_scheduling", False))
     options.use_v2_model_runner = bool(getattr(vllm_config, "use_v2_model_runner", False))

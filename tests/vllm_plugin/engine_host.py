@@ -367,7 +367,8 @@ class EngineConfig:
         if utilization is not None:  # None: the release's default
             cache_kwargs["gpu_memory_utilization"] = utilization
         if SERIES == "0.34":
-            cache_kwargs["enable_extensible_kv_cache"] = True
+            # As VllmConfig settles it: a block override sizes the cache instead.
+            cache_kwargs["enable_extensible_kv_cache"] = "override" not in options
         self.cache_config = CacheConfig(**cache_kwargs)
         if "override" in options:
             self.cache_config.num_gpu_blocks_override = options["override"]

@@ -340,8 +340,15 @@ def test_observe_agrees_on_auto_fit_and_a_block_override(host: EngineHost, serve
     assert fitted["init"]["max_model_len"] < 131072
     assert plan.max_model_len == fitted["init"]["max_model_len"]
     overridden = host.start("override", "llama-override")
-    assert "kvplan agreement" in verdict(overridden)
+    line = verdict(overridden)
+    assert "kvplan agreement" in line, line
     assert overridden["init"]["num_blocks"] == [1000]
+    # 0.34 turns its extensible cache off for a block override; the plugin says so,
+    # and kvplan plans the classic cache (not the reservation 0.34 defaults to).
+    plan_id = re.search(r"plan (plan-[0-9a-f]+)", line)
+    assert plan_id is not None
+    plan = server.client.get_plan(plan_id=plan_id.group(1))
+    assert plan.response.plan_stage == plan_pb2.PLAN_STAGE_CLASSIC
 
 
 def test_observe_agrees_on_a_tensor_parallel_engine(host: EngineHost) -> None:
