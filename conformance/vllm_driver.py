@@ -94,10 +94,26 @@ HAS_EXTENSIBLE_KV_CACHE = _planning is not None and hasattr(
 DEFAULT_ALLOCATION_GRANULE_BYTES = 2 << 20
 
 
-def extensible(options: plan_pb2.EngineOptions) -> bool:
+def extensible(req: plan_pb2.PlanRequest) -> bool:
+    """The extensible KV cache as 0.34's VllmConfig._resolve_extensible_kv_cache
+    settles it on a CUDA engine without a KV connector: off when the cache's size
+    is given (KV cache bytes, a block override), and an engine asking for it then
+    is refused. The driver runs on the CPU, where vLLM would turn it off, so the
+    CUDA engine's rule is reproduced (messages are the driver's own)."""
     if not HAS_EXTENSIBLE_KV_CACHE:
         return False
-    return options.extensible_kv_cache if options.HasField("extensible_kv_cache") else True
+    o = req.options
+    if o.HasField("extensible_kv_cache") and not o.extensible_kv_cache:
+        return False
+    sized = o.HasField("num_gpu_blocks_override") or any(
+        w.memory.WhichOneof("budget") == "kv_cache_memory_bytes" for w in req.workers
+    )
+    if sized and o.HasField("extensible_kv_cache"):
+        raise ValueError(
+            "enable_extensible_kv_cache: the cache is sized from measured memory, "
+            "which kv_cache_memory_bytes / num_gpu_blocks_override overrides"
+        )
+    return not sized
 
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -650,7 +666,7 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         specs.append(one)
         encoder_only.append(skipped)
     has_kv_cache = any(specs)
-    is_extensible = extensible(o)
+    is_extensible = extensible(req)
     if HAS_EXTENSIBLE_KV_CACHE:
         cache_config.enable_extensible_kv_cache = is_extensible
     # Every worker checks its device's free memory as it starts (vLLM's

@@ -496,9 +496,14 @@ def _prefix_caching(message: plan_pb2.PlanRequest, encoded: Sequence[WorkerBytes
 
 
 def _options_from_proto(
-    options: plan_pb2.EngineOptions, prefix_caching: bool, rules: RuleSet
+    options: plan_pb2.EngineOptions,
+    prefix_caching: bool,
+    rules: RuleSet,
+    *,
+    extensible_kv_cache: bool,
 ) -> EngineOptions:
-    """`prefix_caching`: resolved (`_prefix_caching`); Mamba's cache mode follows it."""
+    """`prefix_caching` and `extensible_kv_cache`: settled (`_prefix_caching`,
+    `_extensible_kv_cache`); Mamba's cache mode follows prefix caching."""
     max_model_len = options.max_model_len
     if max_model_len == 0 or max_model_len < -1:
         raise InvalidRequest(
@@ -542,11 +547,7 @@ def _options_from_proto(
         prefix_match_unit=(
             options.prefix_match_unit if options.HasField("prefix_match_unit") else None
         ),
-        extensible_kv_cache=(
-            options.extensible_kv_cache
-            if options.HasField("extensible_kv_cache")
-            else rules.extensible_kv_cache
-        ),
+        extensible_kv_cache=extensible_kv_cache,
         hisparse=_hisparse_from_proto(options),
     )
 
@@ -917,9 +918,40 @@ def _layers_from_proto(
     return result
 
 
-def _check_release_request_fields(message: plan_pb2.PlanRequest, rules: RuleSet) -> None:
+def _extensible_kv_cache(message: plan_pb2.PlanRequest, rules: RuleSet) -> bool:
+    """The extensible KV cache as vLLM 0.34 settles it before planning: sized from
+    measured memory, it cannot run with the cache's size given (KV cache bytes, a
+    block override). Unset, it is off then; asked for, the engine is refused."""
+    options = message.options
+    given = options.HasField("extensible_kv_cache")
+    if given and not options.extensible_kv_cache:
+        return False
+    if not given and not rules.extensible_kv_cache:
+        return False
+    sized_by = None
+    if options.HasField("num_gpu_blocks_override"):
+        sized_by = "options.num_gpu_blocks_override"
+    else:
+        for index, worker in enumerate(message.workers):
+            if worker.memory.WhichOneof("budget") == "kv_cache_memory_bytes":
+                sized_by = f"workers[{index}].memory.kv_cache_memory_bytes"
+                break
+    if sized_by is None:
+        return True
+    if given:
+        raise InvalidRequest(
+            f"the extensible KV cache is sized from measured memory, which {sized_by} "
+            "overrides (vLLM refuses the engine): drop options.extensible_kv_cache "
+            "or the size",
+            field="options.extensible_kv_cache",
+        )
+    return False
+
+
+def _check_release_request_fields(message: plan_pb2.PlanRequest, rules: RuleSet) -> bool:
     """Engine- and worker-level fields only some releases have; measured KV bytes
-    belong to an extensible cache and are given by every worker or none."""
+    belong to an extensible cache and are given by every worker or none. Returns
+    whether the extensible cache is on (settled)."""
     options = message.options
     method = (
         _enum_suffix(plan_pb2.SpecDecodeMethod, message.spec_decode.method, "SPEC_DECODE_METHOD_")
@@ -935,11 +967,7 @@ def _check_release_request_fields(message: plan_pb2.PlanRequest, rules: RuleSet)
         )
     if options.HasField("extensible_kv_cache") and not rules.has_field(FIELD_EXTENSIBLE_KV_CACHE):
         raise rules.unsupported_field(FIELD_EXTENSIBLE_KV_CACHE, "options.extensible_kv_cache")
-    extensible = (
-        options.extensible_kv_cache
-        if options.HasField("extensible_kv_cache")
-        else rules.extensible_kv_cache
-    )
+    extensible = _extensible_kv_cache(message, rules)
     measured = [w.memory.HasField("measured_kv_cache_bytes") for w in message.workers]
     for index, worker in enumerate(message.workers):
         memory = worker.memory
@@ -951,8 +979,9 @@ def _check_release_request_fields(message: plan_pb2.PlanRequest, rules: RuleSet)
                 raise rules.unsupported_field(FIELD_MEASURED_KV_BYTES, path)
             if not extensible:
                 raise InvalidRequest(
-                    f"{name} applies to the extensible KV cache, which this request "
-                    "turns off (options.extensible_kv_cache = false)",
+                    f"{name} applies to the extensible KV cache, which is off for this "
+                    "request (options.extensible_kv_cache false, or the cache's size "
+                    "given: KV cache bytes or a block override)",
                     field=path,
                 )
         if memory.HasField("allocation_granule_bytes"):
@@ -968,6 +997,7 @@ def _check_release_request_fields(message: plan_pb2.PlanRequest, rules: RuleSet)
             "(or from none, for the reservation)",
             field=f"workers[{index}].memory.measured_kv_cache_bytes",
         )
+    return extensible
 
 
 def _lowered(table: Mapping[str, int]) -> dict[str, int]:
@@ -1014,10 +1044,15 @@ def request_from_proto(
     rules = (
         rule_set_for(message.options.engine_version) if known_model is None else known_model.rules
     )
-    _check_release_request_fields(message, rules)
+    extensible_kv_cache = _check_release_request_fields(message, rules)
     known_workers: Sequence[WorkerModel | None]
     if known_model is None:
-        options = _options_from_proto(message.options, _prefix_caching(message, encoded), rules)
+        options = _options_from_proto(
+            message.options,
+            _prefix_caching(message, encoded),
+            rules,
+            extensible_kv_cache=extensible_kv_cache,
+        )
         spec_decode = _spec_decode_from_proto(message.spec_decode)
         _check_hybrid_manager(message, spec_decode)
         known_workers = [None] * len(message.workers)
@@ -1406,6 +1441,10 @@ def plan_keys(
         if digest is None:
             digest = layer_digests[layers] = hashlib.sha256(layers).digest()
         model.update(b"%d:%d:" % (workers_field, ranks[index]) + digest)
+    # KV cache bytes given settle vLLM 0.34's extensible cache off, which the model's
+    # layouts follow: the model key tells the sizing modes apart.
+    sized = any(w.memory.WhichOneof("budget") == "kv_cache_memory_bytes" for w in message.workers)
+    model.update(b"kv-bytes-given:%d" % sized)
     return PlanKeys(f"plan-{whole.hexdigest()[:32]}", content.digest(), model.digest())
 
 
