@@ -2676,9 +2676,7 @@ def _releases(c: Cases) -> None:
                 non_kv=(rng.choice((2, 8)) * GIB, GIB, 0, 0),
             )
             if utilization_mode
-            # A device all for the KV cache: KV cache bytes given would settle 0.34's
-            # extensible cache off (VllmConfig), which these cases are about.
-            else W(part, total=rng.choice((256 << 20, 2 * GIB, 40 * GIB)), utilization=1.0)
+            else W(part, kv_bytes=rng.choice((256 << 20, 2 * GIB, 40 * GIB)))
             for part in parts
         ]
         auto_fit = rng.random() < 0.3
@@ -2712,23 +2710,22 @@ def _releases(c: Cases) -> None:
 
     # Extensible final plans with a block override, hidden-state and cross-attention
     # layers, chunked-local layers, DCP, and an attention-free engine.
-    # Each worker's device all for the KV cache (bytes given would turn the cache off).
-    def device(layers: list[Layer], size: int) -> W:
-        return W(layers, total=size, utilization=1.0)
-
     extras: list[tuple[str, plan_pb2.PlanRequest]] = [
         ("override", request(W(llama(8), kv_bytes=8 * GIB), override=rng.choice((500, 5000)))),
-        ("hidden", request(device([*llama(4), hidden("hs.0", 1, 4096)], 4 * GIB))),
+        (
+            "hidden",
+            request(W([*llama(4), hidden("hs.0", 1, 4096)], kv_bytes=4 * GIB)),
+        ),
         (
             "chunked",
             request(
-                device(pattern(8, lambda i: i % 4 == 3, lambda n: chunked(n, 8192)), 4 * GIB),
+                W(pattern(8, lambda i: i % 4 == 3, lambda n: chunked(n, 8192)), kv_bytes=4 * GIB),
                 async_scheduling=True,
                 pp=2,
             ),
         ),
-        ("dcp", request([device(llama(4), 2 * GIB) for _ in range(2)], tp=2, dcp=2)),
-        ("attention-free", request(device([encoder_only("enc.0")], GIB))),
+        ("dcp", request([W(llama(4), kv_bytes=2 * GIB) for _ in range(2)], tp=2, dcp=2)),
+        ("attention-free", request(W([encoder_only("enc.0")], kv_bytes=GIB))),
     ]
     for name, req in extras:
         _with_release_options(req, measured=[rng.choice((300 << 20, 2 * GIB)) for _ in req.workers])

@@ -96,24 +96,23 @@ DEFAULT_ALLOCATION_GRANULE_BYTES = 2 << 20
 
 def extensible(req: plan_pb2.PlanRequest) -> bool:
     """The extensible KV cache as 0.34's VllmConfig._resolve_extensible_kv_cache
-    settles it on a CUDA engine without a KV connector: off when the cache's size
-    is given (KV cache bytes, a block override), and an engine asking for it then
-    is refused. The driver runs on the CPU, where vLLM would turn it off, so the
-    CUDA engine's rule is reproduced (messages are the driver's own)."""
+    settles it on a CUDA engine without a KV connector: off with a block override,
+    and an engine asking for it then is refused (the driver runs on the CPU, where
+    vLLM would turn it off: the CUDA engine's rule is reproduced, in the driver's
+    own words). A worker's KV bytes stand for the budget it measured, not vLLM's
+    kv_cache_memory_bytes, which would also turn it off."""
     if not HAS_EXTENSIBLE_KV_CACHE:
         return False
     o = req.options
-    if o.HasField("extensible_kv_cache") and not o.extensible_kv_cache:
-        return False
-    sized = o.HasField("num_gpu_blocks_override") or any(
-        w.memory.WhichOneof("budget") == "kv_cache_memory_bytes" for w in req.workers
-    )
-    if sized and o.HasField("extensible_kv_cache"):
+    override = o.HasField("num_gpu_blocks_override")
+    if not o.HasField("extensible_kv_cache"):
+        return not override
+    if o.extensible_kv_cache and override:
         raise ValueError(
             "enable_extensible_kv_cache: the cache is sized from measured memory, "
-            "which kv_cache_memory_bytes / num_gpu_blocks_override overrides"
+            "which num_gpu_blocks_override overrides"
         )
-    return not sized
+    return o.extensible_kv_cache
 
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192

@@ -920,32 +920,21 @@ def _layers_from_proto(
 
 def _extensible_kv_cache(message: plan_pb2.PlanRequest, rules: RuleSet) -> bool:
     """The extensible KV cache as vLLM 0.34 settles it before planning: sized from
-    measured memory, it cannot run with the cache's size given (KV cache bytes, a
-    block override). Unset, it is off then; asked for, the engine is refused."""
+    measured memory, it cannot run with a block override. Unset, it is off then;
+    asked for, the engine is refused. (vLLM's kv_cache_memory_bytes turns it off
+    too, but a worker's KV bytes here may be the budget an engine measured, as the
+    vLLM plugin sends it with the engine's settled value.)"""
     options = message.options
-    given = options.HasField("extensible_kv_cache")
-    if given and not options.extensible_kv_cache:
-        return False
-    if not given and not rules.extensible_kv_cache:
-        return False
-    sized_by = None
-    if options.HasField("num_gpu_blocks_override"):
-        sized_by = "options.num_gpu_blocks_override"
-    else:
-        for index, worker in enumerate(message.workers):
-            if worker.memory.WhichOneof("budget") == "kv_cache_memory_bytes":
-                sized_by = f"workers[{index}].memory.kv_cache_memory_bytes"
-                break
-    if sized_by is None:
-        return True
-    if given:
-        raise InvalidRequest(
-            f"the extensible KV cache is sized from measured memory, which {sized_by} "
-            "overrides (vLLM refuses the engine): drop options.extensible_kv_cache "
-            "or the size",
-            field="options.extensible_kv_cache",
-        )
-    return False
+    if options.HasField("extensible_kv_cache"):
+        if options.extensible_kv_cache and options.HasField("num_gpu_blocks_override"):
+            raise InvalidRequest(
+                "the extensible KV cache is sized from measured memory, which "
+                "options.num_gpu_blocks_override overrides (vLLM refuses the engine): "
+                "drop options.extensible_kv_cache or the override",
+                field="options.extensible_kv_cache",
+            )
+        return options.extensible_kv_cache
+    return rules.extensible_kv_cache and not options.HasField("num_gpu_blocks_override")
 
 
 def _check_release_request_fields(message: plan_pb2.PlanRequest, rules: RuleSet) -> bool:
@@ -980,8 +969,7 @@ def _check_release_request_fields(message: plan_pb2.PlanRequest, rules: RuleSet)
             if not extensible:
                 raise InvalidRequest(
                     f"{name} applies to the extensible KV cache, which is off for this "
-                    "request (options.extensible_kv_cache false, or the cache's size "
-                    "given: KV cache bytes or a block override)",
+                    "request (options.extensible_kv_cache false, or a block override)",
                     field=path,
                 )
         if memory.HasField("allocation_granule_bytes"):
@@ -1441,10 +1429,6 @@ def plan_keys(
         if digest is None:
             digest = layer_digests[layers] = hashlib.sha256(layers).digest()
         model.update(b"%d:%d:" % (workers_field, ranks[index]) + digest)
-    # KV cache bytes given settle vLLM 0.34's extensible cache off, which the model's
-    # layouts follow: the model key tells the sizing modes apart.
-    sized = any(w.memory.WhichOneof("budget") == "kv_cache_memory_bytes" for w in message.workers)
-    model.update(b"kv-bytes-given:%d" % sized)
     return PlanKeys(f"plan-{whole.hexdigest()[:32]}", content.digest(), model.digest())
 
 

@@ -68,15 +68,8 @@ def _less_and_uneven(index: int, worker: plan_pb2.WorkerSpec) -> None:
 
 
 def _starved(index: int, worker: plan_pb2.WorkerSpec) -> None:
-    """Too little memory for most engines: their refusals must match too. The budget
-    keeps its kind: KV cache bytes given or not is part of the model (vLLM 0.34's
-    extensible cache follows it)."""
-    memory = worker.memory
-    which = memory.WhichOneof("budget")
-    if which == "kv_cache_memory_bytes":
-        memory.kv_cache_memory_bytes = MIB + index
-    else:
-        setattr(memory, which or "gpu_memory_utilization", 0.0001 + index * 1e-6)
+    """Too little memory for most engines: their refusals must match too."""
+    worker.memory.kv_cache_memory_bytes = MIB + index
 
 
 @pytest.mark.parametrize("rule_set", sorted(RULE_SETS), ids=lambda name: name or "kvplan")
@@ -161,28 +154,6 @@ def test_any_memory_per_worker_plans_as_from_scratch(figures: list[tuple[int, fl
     other = _with_memory(base, change)
     assert cache.get(key) is not None
     assert _outcome(other, cache, key) == _outcome(other)
-
-
-def test_kv_bytes_given_are_another_model_under_vllm_0_34() -> None:
-    """0.34 settles its extensible cache off when the KV cache bytes are given, and
-    the model's layouts follow it: an engine sized by bytes is not planned from the
-    kept plan of one sized by utilization (a reservation), nor the other way round."""
-    base = qwen3_next_tp8()
-    base.options.engine_version = "vllm-0.34"
-
-    def by_bytes(index: int, worker: plan_pb2.WorkerSpec) -> None:
-        worker.memory.kv_cache_memory_bytes = 40 * 1024 * MIB
-
-    sized = _with_memory(base, by_bytes)
-    assert plan_keys(sized).model != plan_keys(base).model
-    for first, then in ((base, sized), (sized, base)):
-        cache = ModelCache()
-        key = plan_keys(first).model
-        plan_from_proto(first, models=cache, model_key=key)
-        then_key = plan_keys(then).model
-        assert _outcome(then, cache, then_key) == _outcome(then)
-    assert plan_from_proto(base).plan_stage == plan_pb2.PLAN_STAGE_EXTENSIBLE_RESERVATION
-    assert plan_from_proto(sized).plan_stage == plan_pb2.PLAN_STAGE_CLASSIC
 
 
 def test_a_model_plan_of_another_model_is_refused() -> None:

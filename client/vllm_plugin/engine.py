@@ -75,9 +75,10 @@ def engine_options(vllm_config: Any, engine_version: str) -> plan_pb2.EngineOpti
         options.num_gpu_blocks_override = override
     # 0.34 settles its extensible KV cache before planning: off with KV cache bytes
     # or a block override given, off CUDA, behind some KV connectors. The release's
-    # default would be wrong for those engines; older releases have no such field.
+    # default would be wrong for those engines; older releases have no such field,
+    # nor has kvplan's own rule set (draft-flags mode, which reads only the flags).
     extensible = getattr(cache, "enable_extensible_kv_cache", None)
-    if isinstance(extensible, bool):
+    if isinstance(extensible, bool) and engine_version:
         options.extensible_kv_cache = extensible
     options.max_num_batched_tokens = int(getattr(scheduler, "max_num_batched_tokens", 0) or 0)
     options.async_scheduling = bool(getattr(scheduler, "async_scheduling", False))

@@ -452,10 +452,10 @@ class EngineOptions(_message.Message):
     """vLLM 0.34's extensible KV cache (engine_version "vllm-0.34" only). Unset =
     on, the release's default on CUDA/ROCm: the plan is then a reservation
     (utilization defaults to 1.0), or the final plan when every worker gives
-    memory.measured_kv_cache_bytes; but off when the cache's size is given (a
-    worker's kv_cache_memory_bytes, num_gpu_blocks_override), as vLLM settles it,
-    and true with a size given is INVALID_ARGUMENT. false = the classic,
-    estimate-sized cache.
+    memory.measured_kv_cache_bytes; but off with num_gpu_blocks_override, as vLLM
+    settles it (true with an override is INVALID_ARGUMENT). An engine that set
+    vLLM's kv_cache_memory_bytes runs the classic cache too: say false (the vLLM
+    plugin sends the engine's settled value). false = the classic cache.
     """
     @_builtins.property
     def parallel(self) -> Global___ParallelConfig: ...

@@ -29,10 +29,7 @@ def _request(
     request.options.block_size = 16
     request.options.engine_version = engine_version
     worker = request.workers.add(rank=0)
-    # A device of kv_bytes, all of it for the KV cache: a budget by utilization,
-    # which leaves vLLM 0.34's extensible cache on (bytes given would settle it off).
-    worker.device.total_memory_bytes = kv_bytes
-    worker.memory.gpu_memory_utilization = 1.0
+    worker.memory.kv_cache_memory_bytes = kv_bytes
     for index in range(layers):
         layer = worker.layers.add(name=f"layers.{index}")
         layer.full_attention.attention.num_kv_heads = 8
@@ -60,33 +57,26 @@ def test_the_response_names_its_rule_set(version: str) -> None:
     assert response.plan_stage == expected_stage
 
 
-def test_vllm_0_34_settles_the_extensible_cache_off_when_its_size_is_given() -> None:
-    """Sized from measured memory, 0.34's extensible cache cannot run with the KV
-    cache bytes or a block override given: unset, it is off (the classic plan);
-    asked for, the engine is refused, naming what gives the size."""
-    by_bytes = _request("vllm-0.34")
-    by_bytes.workers[0].memory.kv_cache_memory_bytes = GIB
-    assert plan_from_proto(by_bytes).plan_stage == plan_pb2.PLAN_STAGE_CLASSIC
-    overridden = _request("vllm-0.34")
-    overridden.options.num_gpu_blocks_override = 1024
-    assert plan_from_proto(overridden).plan_stage == plan_pb2.PLAN_STAGE_CLASSIC
-    for request, sized_by in (
-        (by_bytes, "workers[0].memory.kv_cache_memory_bytes"),
-        (overridden, "options.num_gpu_blocks_override"),
-    ):
-        request.options.extensible_kv_cache = True
-        error = planning_error(request)
-        assert error.code is ErrorCode.INVALID_ARGUMENT
-        assert error.field == "options.extensible_kv_cache"
-        assert sized_by in str(error)
-        request.options.extensible_kv_cache = False
-        assert plan_from_proto(request).plan_stage == plan_pb2.PLAN_STAGE_CLASSIC
-    # Measured bytes belong to the extensible cache, which the given size turned off.
-    by_bytes.options.ClearField("extensible_kv_cache")
-    by_bytes.workers[0].memory.measured_kv_cache_bytes = GIB
-    error = planning_error(by_bytes)
+def test_vllm_0_34_settles_the_extensible_cache_off_for_a_block_override() -> None:
+    """Sized from measured memory, 0.34's extensible cache cannot run with a block
+    override: unset, it is off (the classic plan); asked for, the engine is refused."""
+    request = _request("vllm-0.34")
+    assert plan_from_proto(request).plan_stage == plan_pb2.PLAN_STAGE_EXTENSIBLE_RESERVATION
+    request.options.num_gpu_blocks_override = 1024
+    assert plan_from_proto(request).plan_stage == plan_pb2.PLAN_STAGE_CLASSIC
+    request.options.extensible_kv_cache = True
+    error = planning_error(request)
+    assert error.code is ErrorCode.INVALID_ARGUMENT
+    assert error.field == "options.extensible_kv_cache"
+    assert "num_gpu_blocks_override" in str(error)
+    request.options.extensible_kv_cache = False
+    assert plan_from_proto(request).plan_stage == plan_pb2.PLAN_STAGE_CLASSIC
+    # Measured bytes belong to the extensible cache, which the override turned off.
+    request.options.ClearField("extensible_kv_cache")
+    request.workers[0].memory.measured_kv_cache_bytes = GIB
+    error = planning_error(request)
     assert error.field == "workers[0].memory.measured_kv_cache_bytes"
-    assert "KV cache bytes or a block override" in str(error)
+    assert "block override" in str(error)
 
 
 def test_an_unknown_engine_version_lists_the_supported_ones() -> None:
