@@ -477,14 +477,20 @@ def _mamba_from_proto(body: spec_pb2.MambaSpec, path: str, common: dict[str, Any
         raise InvalidRequest(error.message, field=f"{path}.page_size_padded_bytes") from error
 
 
-def _prefix_caching(message: plan_pb2.PlanRequest, encoded: Sequence[WorkerBytes]) -> bool:
-    """Prefix caching as vLLM's configuration settles it for this request."""
+def _target_kinds(message: plan_pb2.PlanRequest, encoded: Sequence[WorkerBytes]) -> set[str | None]:
+    """The spec kinds of the target model's layers (`is_draft` ones do not count),
+    which vLLM's configuration reads to settle engine options."""
     kinds: set[str | None] = set()
     seen: set[bytes] = set()
     for worker, worker_bytes in zip(message.workers, encoded, strict=True):
         if worker_bytes.layers_key not in seen:  # tensor-parallel ranks repeat one list
             seen.add(worker_bytes.layers_key)
             kinds.update(layer.WhichOneof("kind") for layer in worker.layers if not layer.is_draft)
+    return kinds
+
+
+def _prefix_caching(message: plan_pb2.PlanRequest, kinds: set[str | None]) -> bool:
+    """Prefix caching as vLLM's configuration settles it for this request."""
     options = message.options
     return configured_prefix_caching(
         options.enable_prefix_caching if options.HasField("enable_prefix_caching") else None,
@@ -594,18 +600,17 @@ def _check_engine_configuration(options: plan_pb2.EngineOptions, rules: RuleSet)
             )
 
 
-def _check_hybrid_manager(message: plan_pb2.PlanRequest, spec_decode: SpecDecode) -> None:
+def _check_hybrid_manager(
+    options: plan_pb2.EngineOptions, spec_decode: SpecDecode, kinds: set[str | None]
+) -> None:
     """vLLM (0.32-0.34) turns the hybrid KV cache manager off for a model with chunked
     local attention whose drafter reads its hidden states (the EAGLE family: vLLM's
     use_eagle(), and 0.34's uses_target_hidden_states for the same methods), and
-    refuses an engine that asks for it on: no such engine runs with the manager on."""
-    if message.options.disable_hybrid_kv_cache_manager or not spec_decode.uses_eagle:
+    refuses an engine that asks for it on: no such engine runs with the manager on.
+    `kinds`: the target's layer kinds (`_target_kinds`)."""
+    if options.disable_hybrid_kv_cache_manager or not spec_decode.uses_eagle:
         return
-    if any(
-        layer.WhichOneof("kind") == "chunked_local_attention" and not layer.is_draft
-        for worker in message.workers
-        for layer in worker.layers
-    ):
+    if "chunked_local_attention" in kinds:
         raise InvalidRequest(
             "vLLM runs chunked local attention with a drafter that reads the target's "
             f"hidden states ({spec_decode.method}) only with the hybrid KV cache manager "
@@ -1035,14 +1040,15 @@ def request_from_proto(
     extensible_kv_cache = _check_release_request_fields(message, rules)
     known_workers: Sequence[WorkerModel | None]
     if known_model is None:
+        kinds = _target_kinds(message, encoded)
         options = _options_from_proto(
             message.options,
-            _prefix_caching(message, encoded),
+            _prefix_caching(message, kinds),
             rules,
             extensible_kv_cache=extensible_kv_cache,
         )
         spec_decode = _spec_decode_from_proto(message.spec_decode)
-        _check_hybrid_manager(message, spec_decode)
+        _check_hybrid_manager(message.options, spec_decode, kinds)
         known_workers = [None] * len(message.workers)
     else:
         options, spec_decode = known_model.options, known_model.spec_decode

@@ -18,6 +18,7 @@ from kvplan.convert import (
     WorkerBytes,
     _Context,
     _prefix_caching,
+    _target_kinds,
     encode_varint,
     encode_workers,
     layer_from_proto,
@@ -95,7 +96,9 @@ def _reference_layers(
         ctx = _Context(
             request.options,
             rules,
-            mamba_align_mode=_prefix_caching(request, encode_workers(request)),
+            mamba_align_mode=_prefix_caching(
+                request, _target_kinds(request, encode_workers(request))
+            ),
         )
         layers, encoder_only = [], []
         for layer_index, layer in enumerate(worker.layers):
