@@ -400,13 +400,12 @@ def _hisparse_config_builds(
         check_mixed_page_sizes(layout, device_groups)
     except PlanningError:
         return False
-    for group in device_groups:
+    for group in device_groups:  # in placement order: the first failure decides
         for spec, _ in group.layer_runs:
-            if is_hisparse_spec(spec):
-                if not layout.is_block_outermost:
-                    return False
-            else:
+            if not is_hisparse_spec(spec):
                 check_page_padding(spec, layout, num_blocks=num_blocks)
+            elif not layout.is_block_outermost:
+                return False  # a ValueError to vLLM's search: "does not fit"
     return True
 
 
