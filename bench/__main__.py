@@ -5,7 +5,8 @@
     python -m bench --only rpc leases
 
 Runs, in this order: rpc (uncached plan vs Echo, rendezvous, cold start),
-cpu_breakdown (where a plan's server CPU goes), vs_vllm, leases, scaling, long_run, then
+cpu_breakdown (where a plan's server CPU goes), vs_vllm, leases, large_request (how long
+a 57 MB request holds other calls), scaling, long_run, then
 plan_core (core only, inside vLLM's environment when it
 exists). Each writes bench/results/NAME.json and NAME.md; this writes summary.md and
 summary.json: every target, PASS / FAIL / NOT RUN, with its figure and spread. A program
@@ -25,7 +26,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import cpu_breakdown, leases, long_run, plan_core, rpc_bench, scaling, vs_vllm
+from bench import (
+    cpu_breakdown,
+    large_request,
+    leases,
+    long_run,
+    plan_core,
+    rpc_bench,
+    scaling,
+    vs_vllm,
+)
 from bench.common import ROOT, bench_parser, machine_info, machine_line, targets_table
 from bench.options import parse_arguments
 
@@ -34,6 +44,7 @@ PROGRAMS: dict[str, Callable[[list[str]], int]] = {
     "cpu_breakdown": cpu_breakdown.main,
     "vs_vllm": vs_vllm.main,
     "leases": leases.main,
+    "large_request": large_request.main,
     "scaling": scaling.main,
     "long_run": long_run.main,
     "plan_core": plan_core.main,

@@ -879,6 +879,16 @@ def encode_workers(message: plan_pb2.PlanRequest) -> list[WorkerBytes]:
     return [WorkerBytes(worker) for worker in message.workers]
 
 
+def encoded_now(message: plan_pb2.PlanRequest) -> list[WorkerBytes]:
+    """`encode_workers(message)` with what each worker's bytes give (its layer
+    list, that list's hash, its layers' spans) made now rather than on first use:
+    for a large request, in a worker thread, a call per worker."""
+    encoded = encode_workers(message)
+    for worker in encoded:
+        _ = hash(worker.layers_key), worker.layer_spans
+    return encoded
+
+
 def _layers_from_proto(
     worker: plan_pb2.WorkerSpec, encoded: WorkerBytes, path: str, ctx: _Context
 ) -> tuple[tuple[tuple[str, KVCacheSpec], ...], tuple[str, ...]]:

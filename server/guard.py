@@ -3,6 +3,9 @@ and an explained answer for every fault.
 
 - A body that does not parse is INVALID_ARGUMENT (the deserializer never
   raises; gRPC would answer UNKNOWN and skip the interceptors' counts).
+- A body over LARGE_MESSAGE_BYTES is parsed once its caller is authenticated, in
+  a worker thread, one at a time (server/large_messages.py), not on the event
+  loop: a 57 MB request held every other call for 2-3 s.
 - The caller's identity (server/security.py) is checked before the handler
   runs: UNAUTHENTICATED otherwise. Health stays open (it says only SERVING).
 - An exception no handler expected is logged with its traceback and request
@@ -27,6 +30,7 @@ import grpc
 import grpc.aio
 
 from kvplan.server.errors import ServiceError, to_status
+from kvplan.server.large_messages import LARGE_MESSAGE_BYTES
 from kvplan.server.metrics import HandlerCache, Metrics, wrapped_once
 from kvplan.server.security import ANONYMOUS, Authenticator, Identity, Unauthenticated
 
@@ -58,15 +62,31 @@ class Unparseable:
         self.size = size
 
 
+class LargeBody:
+    """What the deserializer returns for a body over LARGE_MESSAGE_BYTES: the
+    guard parses it off the event loop once the caller is authenticated."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def _parsed(deserializer: Callable[[bytes], Any], raw: bytes) -> Any:
+    try:
+        return deserializer(raw)
+    except Exception as error:
+        return Unparseable(str(error) or type(error).__name__, len(raw))
+
+
 def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
     if deserializer is None:
         return None
 
     def parse(raw: bytes) -> Any:
-        try:
-            return deserializer(raw)
-        except Exception as error:
-            return Unparseable(str(error) or type(error).__name__, len(raw))
+        if len(raw) > LARGE_MESSAGE_BYTES:
+            return LargeBody(raw)
+        return _parsed(deserializer, raw)
 
     return parse
 
@@ -150,6 +170,8 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         self._drain = drain
         self._metrics = metrics
         self._wrapped: HandlerCache = {}
+        # One large body parsed at a time: each is held several times over meanwhile.
+        self._large_bodies = asyncio.Semaphore(1)
 
     async def intercept_service(
         self,
@@ -166,7 +188,9 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         open_service = service in OPEN_SERVICES
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                self._unary(handler.unary_unary, method, open_service),
+                self._unary(
+                    handler.unary_unary, method, open_service, handler.request_deserializer
+                ),
                 request_deserializer=_safe(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
@@ -185,7 +209,11 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
 
     def _unary(
-        self, inner: Callable[..., Awaitable[Any]], method: str, open_service: bool
+        self,
+        inner: Callable[..., Awaitable[Any]],
+        method: str,
+        open_service: bool,
+        deserializer: Callable[[bytes], Any] | None,
     ) -> Callable[..., Awaitable[Any]]:
         drain = self._drain
         kind = method.rsplit("/", 1)[-1]
@@ -197,6 +225,9 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
             try:
                 if not open_service:
                     await self._authenticate(context)
+                if isinstance(request, LargeBody) and deserializer is not None:
+                    async with self._large_bodies:
+                        request = await asyncio.to_thread(_parsed, deserializer, request.data)
                 if isinstance(request, Unparseable):
                     await context.abort_with_status(
                         to_status(

@@ -23,6 +23,7 @@ from kvplan import __version__
 from kvplan.server import heap
 from kvplan.server.config import Settings, parse_settings
 from kvplan.server.guard import Drain, GuardInterceptor
+from kvplan.server.large_messages import parse_message
 from kvplan.server.logs import configure_logging as _configure_logging
 from kvplan.server.metrics import Metrics, MetricsInterceptor
 from kvplan.server.probes import DeviceProbe, ProbeUnavailable, open_probe
@@ -71,13 +72,20 @@ def _serializer(
     return serialized
 
 
+def _deserializer(request_class: type[message.Message]) -> Callable[[bytes], message.Message]:
+    """A large body in pieces (the guard calls this in a worker thread for one)."""
+
+    def deserialize(raw: bytes) -> message.Message:
+        return parse_message(request_class, raw)
+
+    return deserialize
+
+
 def _digesting_deserializer(
     request_class: type[message.Message],
 ) -> Callable[[bytes], tuple[message.Message, bytes]]:
-    parse = request_class.FromString
-
     def deserialize(raw: bytes) -> tuple[message.Message, bytes]:
-        return parse(raw), hashlib.sha256(raw).digest()
+        return parse_message(request_class, raw), hashlib.sha256(raw).digest()
 
     return deserialize
 
@@ -106,7 +114,7 @@ def add_planner_service(servicer: PlannerServicer, server: grpc.aio.Server) -> N
         request_class = message_factory.GetMessageClass(method.input_type)
         response_class = message_factory.GetMessageClass(method.output_type)
         behaviour: Callable[..., Awaitable[Any]] = getattr(servicer, method.name)
-        deserializer: Callable[[bytes], Any] = request_class.FromString
+        deserializer: Callable[[bytes], Any] = _deserializer(request_class)
         if method.name == "PlanKVCache":
             behaviour = _plan_with_digest(servicer)
             deserializer = _digesting_deserializer(request_class)

@@ -19,6 +19,7 @@ from google.rpc import status_pb2
 from kvplan.core.errors import PlanningError
 from kvplan.server.errors import RemoteStatus, ServiceError, limit_exceeded, to_rpc_status
 from kvplan.server.guard import current_request_id
+from kvplan.server.large_messages import LARGE_MESSAGE_BYTES
 from kvplan.server.metrics import Metrics
 from kvplan.server.store import RendezvousResult, Store, StoreUnavailable
 from kvplan.server.store.base import DEFAULT_MAX_RESULT_BYTES
@@ -244,7 +245,12 @@ class Rendezvous:
         # failure (UNAVAILABLE) is not: the ranks retry from scratch.
         remember = True
         try:
-            result = RendezvousResult(True, await self._plan(_merged(template, workers)))
+            if len(template) + sum(map(len, workers)) > LARGE_MESSAGE_BYTES:
+                # Parsed in a thread, a rank at a time (server/large_messages.py).
+                merged = await asyncio.to_thread(_merged, template, workers)
+            else:
+                merged = _merged(template, workers)
+            result = RendezvousResult(True, await self._plan(merged))
         except (PlanningError, ServiceError) as error:
             result = RendezvousResult(False, to_rpc_status(error).SerializeToString())
             remember = error.code != "UNAVAILABLE"

@@ -24,6 +24,7 @@ from kvplan.convert import (
     WorkerBytes,
     encode_varint,
     encode_workers,
+    encoded_now,
     plan_from_proto,
     plan_keys,
     request_from_proto,
@@ -45,6 +46,7 @@ from kvplan.model_cache import ModelCache
 from kvplan.server.config import Settings
 from kvplan.server.errors import RemoteStatus, ServiceError, limit_exceeded, to_status
 from kvplan.server.guard import current_identity
+from kvplan.server.large_messages import copy_in_pieces, serialize_in_pieces
 from kvplan.server.metrics import Metrics
 from kvplan.server.probes import DeviceMemory, DeviceProbe
 from kvplan.server.rendezvous import Rendezvous
@@ -355,8 +357,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         holder = self._holder(request.engine_id)
         resolved, devices, accounts, view = await self._resolve_devices(request, named, now)
         # The plan becomes the engine's (GetPlan, persisted) only once it is granted.
-        encoded = encode_workers(resolved)
-        keys = plan_keys(resolved, encoded)
+        encoded = await self._encoded_workers(resolved)
+        keys = await self._heavy(functools.partial(plan_keys, resolved, encoded), resolved)
         plan, response = await self._plan(
             resolved, keys=keys, encoded_workers=encoded, publish=False
         )
@@ -624,8 +626,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 field="engine_id",
             )
         snapshot = {device.uuid: device for device in self._read_devices()}
-        resolved = plan_pb2.PlanRequest()
-        resolved.CopyFrom(request)
+        resolved = await self._heavy(functools.partial(copy_in_pieces, request), request)
         devices: dict[str, DeviceState] = {}
         for index in named:
             device_ref = resolved.workers[index].device
@@ -753,11 +754,10 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         # Each worker serialized once, for the keys and the conversion alike.
         encoded = encode_workers(request) if encoded_workers is None else encoded_workers
         if keys is None:
-            keys = (
-                self._cache.keys(request, request_digest, encoded)
-                if repeats
-                else plan_keys(request, encoded)
-            )
+            if repeats and not self._offloaded(request):
+                keys = self._cache.keys(request, request_digest, encoded)
+            else:  # a large request's bytes are hashed in a thread
+                keys = await self._heavy(functools.partial(plan_keys, request, encoded), request)
         cached = self._cache.get(keys.plan_id)
         if cached is not None:
             self._metrics.cache_hits.inc()
@@ -771,8 +771,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             parts, summary = known
         else:
             self._metrics.cache_misses.inc()
-            response = await self._planned(request, keys, encoded, scope)
-            parts = PlanParts.of(keys.plan_id, request.engine_id, response.SerializeToString())
+            response, parts = await self._planned(request, keys, encoded, scope)
             summary = PlanSummary.of(request, response)
         # Before anything keeps it: a reply the caller cannot receive is nobody's
         # plan, and must not replace the engine's last one.
@@ -797,18 +796,30 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         keys: PlanKeys,
         encoded: Sequence[WorkerBytes],
         scope: str,
-    ) -> plan_pb2.PlanResponse:
-        """Planned now: of a model planned before (by the same identity, as with
-        reused plans) only the budgets are."""
-        plan = functools.partial(
-            plan_from_proto,
-            request,
-            plan_id=keys.plan_id,
-            encoded_workers=encoded,
-            models=self._models,
-            model_key=(scope, keys.model),
-        )
-        return await self._heavy(plan, request)
+    ) -> tuple[plan_pb2.PlanResponse, PlanParts]:
+        """Planned now, and serialized: of a model planned before (by the same
+        identity, as with reused plans) only the budgets are. A plan planned in a
+        thread is serialized there, in pieces (a 52 MB plan: 1.1 s in one call)."""
+        offloaded = self._offloaded(request)
+
+        def planned() -> tuple[plan_pb2.PlanResponse, PlanParts]:
+            response = plan_from_proto(
+                request,
+                plan_id=keys.plan_id,
+                encoded_workers=encoded,
+                models=self._models,
+                model_key=(scope, keys.model),
+            )
+            serialized = (
+                serialize_in_pieces(response) if offloaded else response.SerializeToString()
+            )
+            return response, PlanParts.of(keys.plan_id, request.engine_id, serialized)
+
+        return await self._heavy(planned, request)
+
+    def _offloaded(self, request: plan_pb2.PlanRequest) -> bool:
+        """An engine over --offload-layers: its heavy steps run in a worker thread."""
+        return sum(len(worker.layers) for worker in request.workers) > self._settings.offload_layers
 
     async def _heavy(self, work: Callable[[], _T], request: plan_pb2.PlanRequest) -> _T:
         """`work` on a request: inline, or for one over --offload-layers in a thread,
@@ -816,10 +827,18 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         GIL, so at once they finish no sooner, and each holds many times its request
         in memory (6 requests of 1024 workers x 2048 layers at once, server and
         client in one process: peak RSS 6.5 -> 5.7 GB, ListDevices worst 3.1 -> 1.5 s)."""
-        if sum(len(worker.layers) for worker in request.workers) <= self._settings.offload_layers:
+        if not self._offloaded(request):
             return work()
         async with self._large_plans:
             return await asyncio.to_thread(work)
+
+    async def _encoded_workers(self, request: plan_pb2.PlanRequest) -> list[WorkerBytes]:
+        """`encode_workers(request)`; for an engine over --offload-layers with every
+        worker's bytes and layer spans made in a thread (160 workers x 8,192 layers:
+        1.1 s of serializing and scanning that held the event loop)."""
+        if not self._offloaded(request):
+            return encode_workers(request)  # made on first use: a cached plan needs none
+        return await self._heavy(functools.partial(encoded_now, request), request)
 
     async def _persist(self, plan_id: str, engine_id: str, plan: bytes | PlanParts) -> None:
         try:
@@ -954,7 +973,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         deserializer, so that a repeated request is known without re-serializing it.
         """
         try:
-            encoded = encode_workers(request)
+            encoded = await self._encoded_workers(request)
             self._check_limits(request, encoded)
             if request.engine_id:
                 await self.authorize(request.engine_id, "plan", claim=True)
@@ -1142,7 +1161,9 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             raise AssertionError("unreachable") from error
         return service_pb2.ListDevicesResponse(probe=self._probe.name, devices=devices)
 
-    async def Echo(
+    async def Echo(  # type: ignore[override]
         self, request: plan_pb2.PlanRequest, context: grpc.aio.ServicerContext
-    ) -> plan_pb2.PlanRequest:
+    ) -> plan_pb2.PlanRequest | bytes:
+        if self._offloaded(request):  # serialized in a thread, in pieces, as plans are
+            return await self._heavy(functools.partial(serialize_in_pieces, request), request)
         return request

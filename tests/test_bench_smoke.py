@@ -18,7 +18,16 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROGRAMS = ("rpc", "cpu_breakdown", "vs_vllm", "leases", "scaling", "long_run", "plan_core")
+PROGRAMS = (
+    "rpc",
+    "cpu_breakdown",
+    "vs_vllm",
+    "leases",
+    "large_request",
+    "scaling",
+    "long_run",
+    "plan_core",
+)
 VERDICTS = {"PASS", "FAIL", "NOT RUN"}
 
 
@@ -156,3 +165,14 @@ def test_long_run_leases_and_scaling_figures(results: Path) -> None:
 
     plan_core = load(results, "plan_core")
     assert plan_core["core_only"] is True and plan_core["by_layers"]
+
+
+def test_large_request_figures(results: Path) -> None:
+    """Even at smoke scale the request is over LARGE_MESSAGE_BYTES (the path measured)."""
+    from kvplan.server.large_messages import LARGE_MESSAGE_BYTES
+
+    report = load(results, "large_request")
+    assert report["request_bytes"] > LARGE_MESSAGE_BYTES
+    for name in ("large_s", "worst_during_ms", "worst_control_ms"):
+        assert report["figures"][name]["median"] > 0
+    assert finite(report["added_ms"]["median"])
