@@ -77,6 +77,7 @@ from bench.common import (
 from bench.engines import gemma_style, qwen3_next_tp8
 from bench.options import parse_arguments
 from kvplan.client import AsyncPlannerClient, PlannerError
+from kvplan.server.heap import QuietTrim
 from kvplan.server.main import HEAP_TRIM_INTERVAL_S
 from kvplan.v1 import plan_pb2
 
@@ -678,8 +679,8 @@ def main(argv: list[str] | None = None) -> int:
             rss_start = server.rss_mb()
             asyncio.run(run_server_benchmarks(server, scale, repeats, report))
             # Idle: the server hands freed heap back once a trim tick finds it quiet
-            # after a tick that saw calls, so up to two ticks after the last call.
-            time.sleep(2 * HEAP_TRIM_INTERVAL_S + 1.0)
+            # after a tick that saw calls, and again RETRIM_TICK ticks later.
+            time.sleep((QuietTrim.RETRIM_TICK + 1) * HEAP_TRIM_INTERVAL_S + 1.0)
             rss_after_load = server.rss_mb()
             metrics = scrape(server)
             report["rss_mb"] = {

@@ -33,10 +33,19 @@ async def test_trim_once_quiet_after_calls() -> None:
     assert not quiet_trim.tick()  # quiet, but the call is still in flight
     drain.leave()
     assert quiet_trim.tick() and trims == [1]  # gone quiet after it
-    assert not quiet_trim.tick() and trims == [1]  # once per quiet spell
+    assert not quiet_trim.tick()
+    assert quiet_trim.tick() and trims == [1, 1]  # again: what was freed late
+    for _ in range(5):
+        assert not quiet_trim.tick()  # twice per quiet spell
     for _ in range(3):  # steady load: a call between every two ticks
         drain.enter()
         drain.leave()
         assert not quiet_trim.tick()
-    assert quiet_trim.tick() and trims == [1, 4]
+    assert quiet_trim.tick() and trims == [1, 1, 4]
+    drain.enter()  # a call between the two trims: the next spell trims twice anew
+    drain.leave()
+    assert not quiet_trim.tick()
+    assert quiet_trim.tick() and trims == [1, 1, 4, 5]
+    assert not quiet_trim.tick()
+    assert quiet_trim.tick() and trims == [1, 1, 4, 5, 5]
     await asyncio.sleep(0)
