@@ -46,7 +46,12 @@ from kvplan.model_cache import ModelCache
 from kvplan.server.config import Settings
 from kvplan.server.errors import RemoteStatus, ServiceError, limit_exceeded, to_status
 from kvplan.server.guard import current_identity
-from kvplan.server.large_messages import copy_in_pieces, serialize_in_pieces
+from kvplan.server.large_messages import (
+    LARGE_MESSAGE_BYTES,
+    copy_in_pieces,
+    parse_message,
+    serialize_in_pieces,
+)
 from kvplan.server.metrics import Metrics
 from kvplan.server.probes import DeviceMemory, DeviceProbe
 from kvplan.server.rendezvous import Rendezvous
@@ -219,15 +224,15 @@ class PlanCache:
         return self._plans.distinct_bodies
 
 
-def _only_rank(plan: plan_pb2.PlanResponse, rank: int) -> plan_pb2.PlanResponse:
-    view = plan_pb2.PlanResponse()
-    view.CopyFrom(plan)
-    del view.workers[:]
-    view.workers.extend(worker for worker in plan.workers if worker.rank == rank)
+def _only_rank(serialized: bytes, rank: int) -> plan_pb2.PlanResponse:
+    """One rank's view of a serialized plan: its workers and leases only."""
+    view = parse_message(plan_pb2.PlanResponse, serialized)  # a fresh message: ours to cut
+    for repeated in (view.workers, view.leases):
+        for index in reversed(range(len(repeated))):
+            if repeated[index].rank != rank:
+                del repeated[index]
     if not view.workers:
-        raise ServiceError("NOT_FOUND", f"plan {plan.plan_id} has no rank {rank}", field="rank")
-    del view.leases[:]
-    view.leases.extend(lease for lease in plan.leases if lease.rank == rank)
+        raise ServiceError("NOT_FOUND", f"plan {view.plan_id} has no rank {rank}", field="rank")
     return view
 
 
@@ -374,7 +379,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         leases = await self._grant(
             resolved,
             named,
-            response or plan_pb2.PlanResponse.FromString(plan),
+            response or await self._parsed_plan(plan),
             devices,
             now,
             holder,
@@ -832,6 +837,20 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         async with self._large_plans:
             return await asyncio.to_thread(work)
 
+    async def _large_if(self, size: int, work: Callable[[], _T]) -> _T:
+        """`work` on a message of `size` bytes: inline, or over LARGE_MESSAGE_BYTES
+        in a thread, one at a time, as large plans are."""
+        if size <= LARGE_MESSAGE_BYTES:
+            return work()
+        async with self._large_plans:
+            return await asyncio.to_thread(work)
+
+    async def _parsed_plan(self, plan: bytes) -> plan_pb2.PlanResponse:
+        """A serialized plan as a message (a large one in pieces, in a thread)."""
+        return await self._large_if(
+            len(plan), functools.partial(parse_message, plan_pb2.PlanResponse, plan)
+        )
+
     async def _encoded_workers(self, request: plan_pb2.PlanRequest) -> list[WorkerBytes]:
         """`encode_workers(request)`; for an engine over --offload-layers with every
         worker's bytes and layer spans made in a thread (160 workers x 8,192 layers:
@@ -1035,7 +1054,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             if plan is None:
                 raise ServiceError("NOT_FOUND", f"no plan {request.plan_id!r}", field="plan_id")
             if engine_id is None:
-                engine_id = plan_pb2.PlanResponse.FromString(plan).engine_id
+                engine_id = (await self._parsed_plan(plan)).engine_id
             if engine_id:  # a plan of no engine (offline planning) is nobody's
                 await self.authorize(engine_id, "read the plan of", must_be_owned=True)
             return plan
@@ -1071,7 +1090,9 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         try:
             plan = await self._find_plan(request)
             if request.HasField("rank"):
-                return _only_rank(plan_pb2.PlanResponse.FromString(plan), request.rank)
+                return await self._large_if(
+                    len(plan), functools.partial(_only_rank, plan, request.rank)
+                )
             return plan
         except (ServiceError, StoreUnavailable) as error:
             await self._fail(context, error)

@@ -12,7 +12,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from kvplan.client import AsyncPlannerClient
+from kvplan.client import AsyncPlannerClient, PlannerError
 from kvplan.convert import plan_from_proto
 from kvplan.server.guard import LargeBody, _safe
 from kvplan.server.large_messages import LARGE_MESSAGE_BYTES
@@ -58,6 +58,18 @@ async def test_a_large_request_is_planned_as_one_parse_and_serialization_would()
         assert len(plan.workers) == 16 and plan.num_blocks > 0
         # Again: the same plan id and bytes, now from the plan cache.
         assert await call(target, "PlanKVCache", request.SerializeToString()) == reply
+        # One rank's view of it, and a rank it does not have.
+        assert len(reply) > LARGE_MESSAGE_BYTES  # parsed in pieces for a rank's view
+        async with AsyncPlannerClient(target, timeout_s=60) as planner:
+            view = (await planner.get_plan(plan_id=plan.plan_id, rank=3)).response
+            whole = (await planner.get_plan(plan_id=plan.plan_id)).response
+            with pytest.raises(PlannerError) as missing:
+                await planner.get_plan(plan_id=plan.plan_id, rank=99)
+        assert [worker.rank for worker in view.workers] == [3]
+        assert view.workers[0] == plan.workers[3]
+        assert view.groups == plan.groups and view.num_blocks == plan.num_blocks
+        assert whole == plan
+        assert missing.value.code is grpc.StatusCode.NOT_FOUND
         # Echo answers with the request's bytes.
         echoed = await call(target, "Echo", request.SerializeToString())
         assert echoed == request.SerializeToString()
