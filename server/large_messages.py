@@ -23,6 +23,8 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from kvplan.convert import encode_varint
+
 _M = TypeVar("_M", bound=Message)
 
 PIECE_BYTES = 256 * 1024  # a few ms of parsing or serializing each
@@ -110,15 +112,6 @@ def merge_in_pieces(
     _merge(message, view[piece_start:])
 
 
-def _varint_bytes(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def serialize_in_pieces(message: Message) -> bytes:
     """`message.SerializeToString()`, a field (a sub-message) at a time; in one
     call for a message with unknown fields of its own (not reachable by field)."""
@@ -127,11 +120,11 @@ def serialize_in_pieces(message: Message) -> bytes:
     pieces: list[bytes] = []
     for field, value in message.ListFields():
         if _message_field(message, field.number) is not None:
-            tag = _varint_bytes(field.number << 3 | _LENGTH_DELIMITED)
+            tag = encode_varint(field.number << 3 | _LENGTH_DELIMITED)
             repeated = field.is_repeated
             for element in value if repeated else (value,):
                 serialized = element.SerializeToString()
-                pieces += (tag, _varint_bytes(len(serialized)), serialized)
+                pieces += (tag, encode_varint(len(serialized)), serialized)
             continue
         alone = type(message)()
         _copy_small_field(alone, field, value)
