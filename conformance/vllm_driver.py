@@ -10,22 +10,25 @@ does, and turns their results into a plain dict (see `plan_with_vllm`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Annotated, Any, cast, get_args
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 # vllm.config must be imported before the attention registry (circular import).
+import pydantic  # noqa: E402
 import torch  # noqa: E402
 import vllm  # noqa: E402
 import vllm.config  # noqa: E402
@@ -39,6 +42,7 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
 )
 from vllm.config.attention import AttentionConfig  # noqa: E402
+from vllm.config.speculative import EagleModelTypes, NgramGPUTypes  # noqa: E402
 from vllm.v1 import kv_cache_interface  # noqa: E402
 from vllm.v1.attention.backend import MultipleOf  # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
@@ -229,6 +233,7 @@ class PlannerConfig:
     max_concurrent_batches = VllmConfig.max_concurrent_batches
     max_in_flight_tokens = VllmConfig.max_in_flight_tokens
     num_speculative_tokens = VllmConfig.num_speculative_tokens
+    num_lookahead_tokens = VllmConfig.num_lookahead_tokens
     num_prefill_lookahead_tokens = VllmConfig.num_prefill_lookahead_tokens
 
     def __init__(
@@ -253,19 +258,70 @@ class PlannerConfig:
         self.use_v2_model_runner = use_v2_model_runner
 
 
+@functools.cache
+def _speculative_field_adapter(name: str) -> pydantic.TypeAdapter[Any]:
+    field_info = SpeculativeConfig.__pydantic_fields__[name]
+    with warnings.catch_warnings():
+        # Dataclass-only attributes of the FieldInfo (init, kw_only) mean nothing here.
+        warnings.simplefilter("ignore")
+        return pydantic.TypeAdapter(Annotated[field_info.annotation, field_info])
+
+
+def _validate_speculative_argument(name: str, value: Any) -> None:
+    """The release's own pydantic definition of one SpeculativeConfig field (its
+    type, e.g. the method Literal, and bounds such as num_speculative_tokens > 0),
+    as the engine's arguments are validated; the field validators vLLM declares
+    for it run too (0.34's method validator)."""
+    _speculative_field_adapter(name).validate_python(value)
+    validators = getattr(SpeculativeConfig, "__pydantic_decorators__", None)
+    for validator in validators.field_validators.values() if validators else ():
+        if name in validator.info.fields:
+            validator.func(value)
+
+
+# vLLM 0.34 sets speculators up through per-method config classes; the MTP one
+# checks the target and the module count (adapt_draft_model_config,
+# resolve_num_speculative_tokens), callable on the stand-in.
+try:
+    from vllm.v1.worker.gpu.spec_decode.mtp.config import MTPSpeculatorConfig
+except ImportError:  # 0.32 / 0.33: inline in SpeculativeConfig.__post_init__
+    MTPSpeculatorConfig = None
+
+
+def _check_mtp_drafter(config: SpeculativeConfig) -> None:
+    """SpeculativeConfig's refusals of an MTP drafter from what the request carries:
+    a DeepSeek-V4.1 target (whose checkpoints hold DSpark stages, not MTP modules),
+    and num_speculative_tokens above the drafter's module count (n_predict, the
+    request's num_nextn_predict_layers) and not a multiple of it. 0.34: its MTP
+    config class's own methods. 0.32 / 0.33 inline them in
+    SpeculativeConfig.__post_init__ (vllm/config/speculative.py: the 'mtp' branch of
+    the method detection, then the n_predict divisibility check), reproduced here
+    with the driver's own messages. EAGLE-style drafters carry no n_predict, so only
+    MTP is checked."""
+    if MTPSpeculatorConfig is not None:
+        MTPSpeculatorConfig.adapt_draft_model_config(config)
+        MTPSpeculatorConfig.resolve_num_speculative_tokens(config)
+        return
+    if config.target_model_config.hf_config.model_type == "deepseek_v41":
+        raise ValueError("SpeculativeConfig: a DeepSeek V4.1 target has no MTP drafter")
+    n_predict = config.draft_model_config.hf_config.n_predict
+    tokens = config.num_speculative_tokens
+    if tokens > n_predict and tokens % n_predict != 0:
+        raise ValueError(f"SpeculativeConfig: {tokens} draft tokens, {n_predict} MTP modules")
+
+
 def _speculative_config(spec: plan_pb2.SpecDecodeConfig) -> SpeculativeConfig | None:
     """A SpeculativeConfig without its heavy __init__ (which loads the draft model):
     only the fields its predicates (use_eagle, use_eagle_block_drop,
-    use_multi_module_mtp) read are set, so those predicates run unchanged."""
+    use_multi_module_mtp) read are set, so those predicates run unchanged. The
+    engine's arguments are validated before any worker starts: the fields the
+    request sets are validated as the release defines them, and the checks of the
+    drafter that depend only on them run."""
     if spec.method == plan_pb2.SPEC_DECODE_METHOD_NONE:
         return None
     method = enum_suffix(plan_pb2.SpecDecodeMethod, spec.method, "SPEC_DECODE_METHOD_")
-    # The engine's arguments are validated before any worker starts: a release whose
-    # SpeculativeConfig validates the method (0.34) refuses an unknown one there.
-    validators = getattr(SpeculativeConfig, "__pydantic_decorators__", None)
-    validate = validators.field_validators.get("_validate_method") if validators else None
-    if validate is not None:
-        validate.func(method)
+    _validate_speculative_argument("method", method)
+    _validate_speculative_argument("num_speculative_tokens", spec.num_speculative_tokens)
     n_predict = spec.num_nextn_predict_layers if spec.HasField("num_nextn_predict_layers") else 1
     config = object.__new__(SpeculativeConfig)
     # 0.34 counts MTP modules from the draft config's n_predict; earlier releases
@@ -289,9 +345,34 @@ def _speculative_config(spec: plan_pb2.SpecDecodeConfig) -> SpeculativeConfig | 
             hf_config=SimpleNamespace(model_type=spec.target_model_type)
         ),
     }
+    if MTPSpeculatorConfig is None:
+        # 0.32 / 0.33's __post_init__: DFlash and DSpark draft in parallel (0.32
+        # counts the batch slots a drafter needs from it). 0.34 deprecated the field.
+        values["parallel_drafting"] = method in ("dflash", "dspark")
     for key, value in values.items():
         object.__setattr__(config, key, value)
+    if method == "mtp":
+        _check_mtp_drafter(config)
     return config
+
+
+def _check_async_drafter(config: PlannerConfig) -> None:
+    """VllmConfig.__post_init__ (vllm/config/vllm.py), with async scheduling on (the
+    request carries the settled value, so on means asked for): a drafter outside
+    vLLM's EAGLE types, the GPU n-gram, the draft model, DSpark and DFlash is
+    refused, by 0.32 on any model runner and by 0.33 on the V1 runner only; 0.34
+    has only the V2 runner and no such check. Inline there, so reproduced here (the
+    method lists are vLLM's own); messages are the driver's."""
+    speculative = config.speculative_config
+    refused_on = {"vllm-0.32": "any", "vllm-0.33": "v1"}.get(ENGINE_VERSION)
+    if speculative is None or not config.scheduler_config.async_scheduling or refused_on is None:
+        return
+    overlapped = {*get_args(EagleModelTypes), *get_args(NgramGPUTypes)}
+    overlapped |= {"draft_model", "dspark", "dflash"}
+    if speculative.method in overlapped:
+        return
+    if refused_on == "any" or not config.use_v2_model_runner:
+        raise ValueError(f"VllmConfig: async scheduling with {speculative.method} drafting")
 
 
 # --- layer specs ---------------------------------------------------------------------
@@ -623,6 +704,11 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         # vLLM's use_v2_model_runner property returns True under HiSparse.
         use_v2_model_runner=o.use_v2_model_runner or hisparse,
     )
+    if speculative_config is not None:
+        _check_async_drafter(config)
+        # The release's own check that a step has room for a token beside the
+        # drafter's slots (it also settles max_num_scheduled_tokens, as the engine's).
+        VllmConfig._set_max_num_scheduled_tokens(config)
     if hisparse:
         from vllm.config.attention import HiSparseConfig
 
