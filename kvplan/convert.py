@@ -32,6 +32,7 @@ from kvplan.core.planner import (
 )
 from kvplan.core.request import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    EAGLE_FAMILY,
     DeviceInfo,
     EngineOptions,
     EngineRequest,
@@ -49,6 +50,7 @@ from kvplan.core.rules import (
     FIELD_STATE_ALIGNMENT,
     FIELD_SW_MLA_SPEC_MARKER,
     FIELD_TOPK_BUFFER_WIDTH,
+    AsyncDraftCheck,
     RuleSet,
     rule_set_for,
     versions_with_spec_method,
@@ -619,6 +621,74 @@ def _check_hybrid_manager(
         )
 
 
+# Drafters async scheduling overlaps: the EAGLE family and the (draft-)model drafters.
+_ASYNC_DRAFTERS = EAGLE_FAMILY | {"draft_model"}
+# The target model type whose checkpoints carry DSpark stages, not MTP modules.
+_DSPARK_ONLY_TARGET = "deepseek_v41"
+
+
+def _check_spec_decode(
+    spec_decode: SpecDecode, options: EngineOptions, rules: RuleSet, *, nextn_given: bool
+) -> None:
+    """What vLLM's SpeculativeConfig and VllmConfig refuse of the speculative settings
+    before any worker starts (docs/semantics.md, "Engine options"). `nextn_given`:
+    whether the request set num_nextn_predict_layers (unset, vLLM reads no module
+    count and checks none)."""
+    method = spec_decode.method
+    if method == "none":
+        return
+    tokens = spec_decode.num_speculative_tokens
+    if tokens < 1:
+        raise InvalidRequest(
+            f"speculative method {method!r} drafts at least one token: set "
+            "num_speculative_tokens to 1 or more (or the method to NONE)",
+            field="spec_decode.num_speculative_tokens",
+        )
+    if method == "mtp":
+        if spec_decode.target_model_type == _DSPARK_ONLY_TARGET:
+            raise InvalidRequest(
+                f"a {_DSPARK_ONLY_TARGET} target has no MTP drafter (its checkpoints carry "
+                "DSpark stages): use method DSPARK",
+                field="spec_decode.method",
+            )
+        modules = spec_decode.num_nextn_predict_layers
+        if nextn_given and modules < 1:
+            raise InvalidRequest(
+                "an MTP drafter has at least one module: set num_nextn_predict_layers "
+                "to 1 or more, or leave it unset",
+                field="spec_decode.num_nextn_predict_layers",
+            )
+        if nextn_given and tokens > modules and tokens % modules:
+            raise InvalidRequest(
+                f"num_speculative_tokens {tokens} is more than the drafter's {modules} MTP "
+                f"modules and not a multiple of them (the modules are reused in whole "
+                f"rounds): use at most {modules}, or a multiple of {modules}",
+                field="spec_decode.num_speculative_tokens",
+            )
+    slots = spec_decode.batch_slots_for_drafting(rules)
+    if options.max_num_batched_tokens <= slots:
+        raise InvalidRequest(
+            f"max_num_batched_tokens {options.max_num_batched_tokens} leaves no token to "
+            f"schedule: the {method} drafter takes {slots} of each step's tokens per "
+            f"request in {rules.description}; raise it above {slots} or lower "
+            "num_speculative_tokens",
+            field="options.max_num_batched_tokens",
+        )
+    if options.async_scheduling and method not in _ASYNC_DRAFTERS:
+        v2_runner = options.use_v2_model_runner or options.hisparse is not None
+        check = rules.async_draft_check
+        if check is AsyncDraftCheck.ANY_RUNNER or (
+            check is AsyncDraftCheck.V1_RUNNER and not v2_runner
+        ):
+            runner = " on the V1 model runner" if check is AsyncDraftCheck.V1_RUNNER else ""
+            raise InvalidRequest(
+                f"{rules.description} does not run async scheduling with the {method} "
+                f"drafter{runner}: turn async_scheduling off"
+                + (" or use the V2 model runner" if runner else ""),
+                field="options.async_scheduling",
+            )
+
+
 def _spec_decode_from_proto(config: plan_pb2.SpecDecodeConfig) -> SpecDecode:
     return SpecDecode(
         method=_enum_suffix(plan_pb2.SpecDecodeMethod, config.method, "SPEC_DECODE_METHOD_"),
@@ -1058,6 +1128,12 @@ def request_from_proto(
             extensible_kv_cache=extensible_kv_cache,
         )
         spec_decode = _spec_decode_from_proto(message.spec_decode)
+        _check_spec_decode(
+            spec_decode,
+            options,
+            rules,
+            nextn_given=message.spec_decode.HasField("num_nextn_predict_layers"),
+        )
         _check_hybrid_manager(message.options, spec_decode, kinds)
         known_workers = [None] * len(message.workers)
     else:

@@ -444,3 +444,123 @@ def test_chunked_local_attention_with_a_hidden_state_drafter_needs_the_manager_o
     assert refused.value.field == "options.disable_hybrid_kv_cache_manager"
     request.options.disable_hybrid_kv_cache_manager = True
     plan_from_proto(request)
+
+
+ALL_RULE_SETS = ["", *RELEASE_RULE_SETS]
+
+
+def _drafted(
+    method: str, tokens: int, engine_version: str = "", **options: int | bool
+) -> plan_pb2.PlanRequest:
+    request = engine([full_layer("layers.0.attn"), full_layer("layers.1.attn")])
+    request.options.engine_version = engine_version
+    for name, value in options.items():
+        setattr(request.options, name, value)
+    request.spec_decode.method = plan_pb2.SpecDecodeMethod.Value(
+        f"SPEC_DECODE_METHOD_{method.upper()}"
+    )
+    request.spec_decode.num_speculative_tokens = tokens
+    return request
+
+
+def _refused_field(request: plan_pb2.PlanRequest) -> str | None:
+    with pytest.raises(InvalidRequest) as refused:
+        plan_from_proto(request)
+    return refused.value.field
+
+
+@pytest.mark.parametrize("engine_version", ALL_RULE_SETS)
+@pytest.mark.parametrize("method", ["eagle", "mtp", "ngram", "draft_model"])
+def test_a_drafter_without_draft_tokens_is_refused(engine_version: str, method: str) -> None:
+    """SpeculativeConfig wants num_speculative_tokens > 0 in every release."""
+    request = _drafted(method, 0, engine_version)
+    assert _refused_field(request) == "spec_decode.num_speculative_tokens"
+    request.spec_decode.num_speculative_tokens = 1
+    plan_from_proto(request)
+
+
+@pytest.mark.parametrize("engine_version", ALL_RULE_SETS)
+def test_mtp_draft_tokens_beyond_the_modules_come_in_whole_rounds(engine_version: str) -> None:
+    """SpeculativeConfig refuses more MTP draft tokens than modules unless they are
+    a multiple of the module count, and a drafter of no module at all; unset, the
+    module count is not checked."""
+    request = _drafted("mtp", 3, engine_version)
+    plan_from_proto(request)  # num_nextn_predict_layers unset
+    for modules, tokens, plans in ((2, 3, False), (2, 4, True), (3, 1, True), (3, 2, True)):
+        request = _drafted("mtp", tokens, engine_version)
+        request.spec_decode.num_nextn_predict_layers = modules
+        if plans:
+            plan_from_proto(request)
+        else:
+            assert _refused_field(request) == "spec_decode.num_speculative_tokens"
+    request = _drafted("mtp", 1, engine_version)
+    request.spec_decode.num_nextn_predict_layers = 0
+    assert _refused_field(request) == "spec_decode.num_nextn_predict_layers"
+
+
+@pytest.mark.parametrize("engine_version", ALL_RULE_SETS)
+def test_mtp_on_a_deepseek_v41_target_is_refused(engine_version: str) -> None:
+    """DeepSeek-V4.1 checkpoints carry DSpark stages, no MTP modules: every release
+    refuses the MTP method for it and takes DSpark."""
+    request = _drafted("mtp", 1, engine_version)
+    request.spec_decode.target_model_type = "deepseek_v41"
+    assert _refused_field(request) == "spec_decode.method"
+    request.spec_decode.method = plan_pb2.SPEC_DECODE_METHOD_DSPARK
+    plan_from_proto(request)
+
+
+@pytest.mark.parametrize("engine_version", ALL_RULE_SETS)
+def test_medusa_exists_in_0_32_only(engine_version: str) -> None:
+    """0.33's SpeculativeConfig method field has no Medusa (0.34's validator neither);
+    kvplan's own rules follow 0.33."""
+    request = _drafted("medusa", 2, engine_version)
+    if engine_version == "vllm-0.32":
+        plan_from_proto(request)
+    else:
+        assert _refused_field(request) == "spec_decode.method"
+
+
+# (method, num_speculative_tokens 3) -> the largest max_num_batched_tokens refused:
+# 0.32 counts the slots drafting adds to a request's batch, 0.33+ the lookahead.
+_LARGEST_REFUSED_BATCH = {
+    "vllm-0.32": {"eagle": 0, "mtp": 0, "dflash": 3, "dspark": 2, "draft_model": 1, "ngram": 0},
+    "vllm-0.33": {"eagle": 3, "mtp": 3, "dflash": 4, "dspark": 3, "draft_model": 3, "ngram": 0},
+}
+
+
+@pytest.mark.parametrize("engine_version", ALL_RULE_SETS)
+@pytest.mark.parametrize("method", ["eagle", "mtp", "dflash", "dspark", "draft_model", "ngram"])
+def test_a_step_must_hold_a_token_beside_the_drafters_slots(
+    engine_version: str, method: str
+) -> None:
+    """VllmConfig refuses max_num_batched_tokens not above the drafter's slots."""
+    largest = _LARGEST_REFUSED_BATCH.get(engine_version, _LARGEST_REFUSED_BATCH["vllm-0.33"])[
+        method
+    ]
+    if largest:
+        request = _drafted(method, 3, engine_version, max_num_batched_tokens=largest)
+        assert _refused_field(request) == "options.max_num_batched_tokens"
+    plan_from_proto(_drafted(method, 3, engine_version, max_num_batched_tokens=largest + 1))
+
+
+@pytest.mark.parametrize("engine_version", ALL_RULE_SETS)
+@pytest.mark.parametrize("method", ["ngram", "suffix", "eagle", "draft_model"])
+@pytest.mark.parametrize("v2_runner", [False, True])
+def test_async_scheduling_refuses_drafters_it_cannot_overlap(
+    engine_version: str, method: str, v2_runner: bool
+) -> None:
+    """With async scheduling on, 0.32 refuses the n-gram and suffix drafters on any
+    model runner, 0.33 (and kvplan's own rules) on the V1 runner only, 0.34 never;
+    EAGLE-family and draft-model drafters run everywhere."""
+    request = _drafted(
+        method, 2, engine_version, async_scheduling=True, use_v2_model_runner=v2_runner
+    )
+    refused = method in ("ngram", "suffix") and (
+        engine_version == "vllm-0.32" or (engine_version != "vllm-0.34" and not v2_runner)
+    )
+    if refused:
+        assert _refused_field(request) == "options.async_scheduling"
+    else:
+        plan_from_proto(request)
+    request.options.async_scheduling = False
+    plan_from_proto(request)

@@ -31,29 +31,31 @@ HISPARSE_STAGES_REFUSED = {
 }
 # find -> rule set -> PLANS or the refusal's code (and, for INVALID_ARGUMENT, field).
 EXPECTED: dict[str, Mapping[str, object]] = {
-    # 0.34's SpeculativeConfig has no Medusa.
+    # 0.33's and 0.34's SpeculativeConfig have no Medusa.
     "medusa": {
+        **{release: (ErrorCode.INVALID_ARGUMENT, "spec_decode.method") for release in RELEASES},
         "vllm-0.32": PLANS,
-        "vllm-0.33": PLANS,
-        "vllm-0.34": (ErrorCode.INVALID_ARGUMENT, "spec_decode.method"),
-        "": PLANS,
     },
     # vLLM divides by the kernel block's page (0 bytes): a refusal, never a crash.
     "kernel-block-holds-no-state": REFUSED_BY_LAYOUT,
     # Placing one block asserts, in every release before the memory checks.
     "mamba-head-slots-padded-tail": REFUSED_BY_LAYOUT,
-    # 0.32 places blocks only after the memory checks, which this engine fails.
+    # 0.32 and 0.33 (its V1 model runner) refuse async scheduling with the n-gram
+    # drafter this engine has before anything is planned; 0.34 refuses the layout.
     "stride-alignment-not-block-compact": {
-        **REFUSED_BY_LAYOUT,
-        "vllm-0.32": ErrorCode.RESOURCE_EXHAUSTED,
+        **{
+            release: (ErrorCode.INVALID_ARGUMENT, "options.async_scheduling")
+            for release in RELEASES
+        },
+        "vllm-0.34": ErrorCode.FAILED_PRECONDITION,
     },
     # VllmConfig refuses HiSparse with pipeline stages before any worker starts.
     "hisparse-host-pools-differ": HISPARSE_STAGES_REFUSED,
-    # Engine arguments are checked before any worker starts: 0.34 refuses Medusa
-    # first; the other releases' workers then refuse the device's free memory.
+    # Engine arguments are checked before any worker starts: 0.33 and 0.34 refuse
+    # Medusa first; 0.32's workers then refuse the device's free memory.
     "medusa-short-of-free-memory": {
-        **{release: ErrorCode.RESOURCE_EXHAUSTED for release in RELEASES},
-        "vllm-0.34": (ErrorCode.INVALID_ARGUMENT, "spec_decode.method"),
+        **{release: (ErrorCode.INVALID_ARGUMENT, "spec_decode.method") for release in RELEASES},
+        "vllm-0.32": ErrorCode.RESOURCE_EXHAUSTED,
     },
     # vLLM takes an override of 0 as a pool of no blocks, which its memory check refuses.
     "blocks-override-zero": {release: ErrorCode.RESOURCE_EXHAUSTED for release in RELEASES},

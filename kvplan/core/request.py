@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from kvplan.core.extensible import DEFAULT_ALLOCATION_GRANULE_BYTES
 from kvplan.core.hisparse import HiSparseConfig
 from kvplan.core.layout import KVCacheLayout
-from kvplan.core.rules import KVPLAN, RuleSet
+from kvplan.core.rules import KVPLAN, DraftSlotCheck, RuleSet
 from kvplan.core.specs import KVCacheSpec
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
@@ -63,6 +63,18 @@ class SpecDecode:
             return 1
         extra = 1 if self.method == "draft_model" and rules.draft_model_extra_query_slot else 0
         return 1 + self.num_speculative_tokens + extra
+
+    def batch_slots_for_drafting(self, rules: RuleSet) -> int:
+        """Tokens of a scheduler step the drafter takes per request, as the release's
+        VllmConfig counts them: max_num_batched_tokens must exceed it."""
+        k = self.num_speculative_tokens
+        if rules.draft_slot_check is DraftSlotCheck.NEW_SLOTS_FOR_DRAFTING:
+            # DFlash and DSpark draft in parallel: the query rows past the first.
+            slots = {"dflash": k, "dspark": k - 1, "draft_model": 1}
+            return slots.get(self.method, 0)
+        if self.method == "dflash":
+            return k + 1  # the lookahead: a bonus query plus one per draft token
+        return k if self.uses_eagle or self.method == "draft_model" else 0
 
     @property
     def prefill_lookahead_tokens(self) -> int:

@@ -42,6 +42,27 @@ class InFlightBatches(Enum):
     V2_ONLY = "v2_only"
 
 
+class DraftSlotCheck(Enum):
+    """What VllmConfig requires of max_num_batched_tokens with a drafter: more tokens
+    than the slots the drafter takes per request (else it refuses the engine)."""
+
+    # vLLM 0.32: the drafting slots a request adds to the batch (dflash K, dspark
+    # K - 1 as it drafts in parallel, a draft model 1, the others none).
+    NEW_SLOTS_FOR_DRAFTING = "new_slots_for_drafting"
+    # vLLM 0.33 / 0.34: the lookahead KV slots (dflash K + 1; eagle, eagle3, mtp,
+    # dspark and a draft model K; ngram, suffix and Medusa none).
+    LOOKAHEAD_TOKENS = "lookahead_tokens"
+
+
+class AsyncDraftCheck(Enum):
+    """Where async scheduling refuses a drafter outside the EAGLE family, the draft
+    model and the GPU n-gram (vLLM's ngram, suffix, Medusa)."""
+
+    ANY_RUNNER = "any_runner"  # vLLM 0.32
+    V1_RUNNER = "v1_runner"  # vLLM 0.33: the V2 model runner takes them
+    NEVER = "never"  # vLLM 0.34
+
+
 class LayoutMerge(Enum):
     """How the workers' supported-layout lists (most preferred first) combine
     into the engine's candidates, before the spec-driven narrowing."""
@@ -130,9 +151,10 @@ class RuleSet:
     # group takes the EAGLE last-block drop unless flagged (0.32 drops from every
     # group when none is flagged). Read when the scheduler starts.
     lookahead_block_hashes: bool = True
-    # Speculative methods the release no longer accepts (0.34 drops Medusa: its
-    # SpeculativeConfig refuses the method, "Unsupported speculative method").
-    unsupported_spec_methods: frozenset[str] = frozenset()
+    # Speculative methods the release no longer accepts: its SpeculativeConfig
+    # refuses the method (0.33's method field has no Medusa; 0.34's validator
+    # neither).
+    unsupported_spec_methods: frozenset[str] = frozenset({"medusa"})
     # HiSparse: every hot group's page aligns a worker's block, also on a stage
     # holding none of its layers (0.32 / 0.33; 0.34 aligns to own layers only).
     hot_pages_align_pool: bool = True
@@ -148,6 +170,10 @@ class RuleSet:
     # unsliced token; 0.32 / 0.33: 1 + num_speculative_tokens for every method under
     # model runner V2). HiSparse's default device buffer and its minimum read it.
     draft_model_extra_query_slot: bool = False
+    # The batch a drafter needs (VllmConfig._set_max_num_scheduled_tokens).
+    draft_slot_check: DraftSlotCheck = DraftSlotCheck.LOOKAHEAD_TOKENS
+    # Async scheduling with a drafter it cannot overlap (VllmConfig.__post_init__).
+    async_draft_check: AsyncDraftCheck = AsyncDraftCheck.V1_RUNNER
 
     def max_concurrent_batches(
         self, *, pipeline_parallel_size: int, async_scheduling: bool, use_v2_model_runner: bool
@@ -224,6 +250,9 @@ VLLM_0_32 = replace(
     max_kv_quant_mode=11,
     lookahead_block_hashes=False,
     hisparse_projection_keeps_host_source=False,
+    unsupported_spec_methods=frozenset(),
+    draft_slot_check=DraftSlotCheck.NEW_SLOTS_FOR_DRAFTING,
+    async_draft_check=AsyncDraftCheck.ANY_RUNNER,
 )
 
 VLLM_0_34 = replace(
@@ -240,10 +269,10 @@ VLLM_0_34 = replace(
     kv_zeroing_across_workers=True,
     layout_merge=LayoutMerge.FIRST_CHOICE_VOTE,
     fields=_ALL_FIELDS,
-    unsupported_spec_methods=frozenset({"medusa"}),
     hot_pages_align_pool=False,
     nvfp4_ds_mla_refuses_dcp=True,
     draft_model_extra_query_slot=True,
+    async_draft_check=AsyncDraftCheck.NEVER,
 )
 
 RULE_SETS: dict[str, RuleSet] = {
@@ -283,7 +312,9 @@ __all__ = [
     "VLLM_0_32",
     "VLLM_0_33",
     "VLLM_0_34",
+    "AsyncDraftCheck",
     "DraftFlagRule",
+    "DraftSlotCheck",
     "InFlightBatches",
     "LayoutMerge",
     "RuleSet",

@@ -68,6 +68,8 @@ def test_rows_over_the_slot_limit_name_what_made_them() -> None:
     too_deep = _request()
     too_deep.spec_decode.method = plan_pb2.SPEC_DECODE_METHOD_MTP
     too_deep.spec_decode.num_speculative_tokens = 2**31
+    # A step wide enough for the drafter's lookahead, which VllmConfig checks first.
+    too_deep.options.max_num_batched_tokens = 2**32 - 1
     assert planning_error(too_deep).field == "spec_decode.num_speculative_tokens"
     too_wide = _request()
     too_wide.options.hisparse.index_topk = 2**31
