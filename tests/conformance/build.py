@@ -1649,6 +1649,59 @@ for version in ("vllm-0.33", "vllm-0.34"):
             {"layout": chosen, "grouping_path": "GROUPING_PATH_HISPARSE"},
         )
 
+# Speculative settings SpeculativeConfig / VllmConfig refuse before any worker starts.
+_DRAFTED = [worker(0, llama_layers(4), GIB)]
+
+
+def _spec(method: str, tokens: int, **extra: Any) -> Json:
+    return {
+        "method": f"SPEC_DECODE_METHOD_{method.upper()}",
+        "num_speculative_tokens": tokens,
+        **extra,
+    }
+
+
+scenario(
+    "spec-mtp-tokens-not-whole-module-rounds",
+    "SpeculativeConfig: 3 draft tokens over 2 MTP modules (not a multiple) are refused",
+    request(_DRAFTED, spec_decode=_spec("mtp", 3, num_nextn_predict_layers=2)),
+    {"error": {"code": "INVALID_ARGUMENT", "field": "spec_decode.num_speculative_tokens"}},
+)
+scenario(
+    "spec-mtp-deepseek-v41-target",
+    "SpeculativeConfig: a DeepSeek-V4.1 target has no MTP drafter (its stages are DSpark's)",
+    request(_DRAFTED, spec_decode=_spec("mtp", 1, target_model_type="deepseek_v41")),
+    {"error": {"code": "INVALID_ARGUMENT", "field": "spec_decode.method"}},
+)
+for version, batched in (("vllm-0.32", 3), ("vllm-0.33", 4)):
+    scenario(
+        f"release-{version.removeprefix('vllm-')}-spec-dflash-step-without-room",
+        f"{version}: a step of {batched} tokens leaves none beside DFlash's slots for 3 "
+        "draft tokens (0.32 counts K, 0.33 the lookahead K + 1)",
+        for_release(
+            request(_DRAFTED, spec_decode=_spec("dflash", 3), max_num_batched_tokens=batched),
+            version,
+        ),
+        {"error": {"code": "INVALID_ARGUMENT", "field": "options.max_num_batched_tokens"}},
+    )
+scenario(
+    "release-0.32-spec-ngram-async-v2",
+    "vLLM 0.32: async scheduling refuses the n-gram drafter, also on the V2 model runner",
+    for_release(
+        request(
+            _DRAFTED, spec_decode=_spec("ngram", 3), async_scheduling=True, use_v2_model_runner=True
+        ),
+        "vllm-0.32",
+    ),
+    {"error": {"code": "INVALID_ARGUMENT", "field": "options.async_scheduling"}},
+)
+scenario(
+    "release-0.33-spec-medusa",
+    "vLLM 0.33: the speculative config has no Medusa method",
+    for_release(request(_DRAFTED, spec_decode=_spec("medusa", 2)), "vllm-0.33"),
+    {"error": {"code": "INVALID_ARGUMENT", "field": "spec_decode.method"}},
+)
+
 
 def main() -> None:
     SCENARIO_DIR.mkdir(exist_ok=True)
