@@ -28,7 +28,7 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 # vllm.config must be imported before the attention registry (circular import).
-import pydantic  # noqa: E402
+import pydantic  # type: ignore[import-not-found]  # noqa: E402
 import torch  # noqa: E402
 import vllm  # noqa: E402
 import vllm.config  # noqa: E402
