@@ -282,6 +282,7 @@ async def test_metrics_scrape(server: RunningServer, client: AsyncPlannerClient)
     await client.plan(engine_request())
     request = engine_request("engine-m")
     request.spec_decode.method = plan_pb2.SPEC_DECODE_METHOD_EAGLE
+    request.spec_decode.num_speculative_tokens = 1  # a drafter drafts (vLLM wants > 0)
     request.workers[0].layers.append(full_layer("draft.0"))
     request.workers[0].layers[-1].is_draft = True
     await client.plan(request)
