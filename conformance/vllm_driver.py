@@ -369,6 +369,9 @@ def _check_async_drafter(config: PlannerConfig) -> None:
         return
     overlapped = {*get_args(EagleModelTypes), *get_args(NgramGPUTypes)}
     overlapped |= {"draft_model", "dspark", "dflash"}
+    # kvplan's ngram also stands for vLLM's ngram_gpu (the plugin sends it so),
+    # which is what runs when async scheduling is on; it plans alike.
+    overlapped.add("ngram")
     if speculative.method in overlapped:
         return
     if refused_on == "any" or not config.use_v2_model_runner:

@@ -621,8 +621,9 @@ def _check_hybrid_manager(
         )
 
 
-# Drafters async scheduling overlaps: the EAGLE family and the (draft-)model drafters.
-_ASYNC_DRAFTERS = EAGLE_FAMILY | {"draft_model"}
+# Drafters async scheduling overlaps: the EAGLE family, the draft model and vLLM's
+# GPU n-gram, which the vLLM plugin sends as ngram too (so ngram is not refused).
+_ASYNC_DRAFTERS = EAGLE_FAMILY | {"draft_model", "ngram"}
 # The target model type whose checkpoints carry DSpark stages, not MTP modules.
 _DSPARK_ONLY_TARGET = "deepseek_v41"
 

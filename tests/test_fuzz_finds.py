@@ -40,14 +40,10 @@ EXPECTED: dict[str, Mapping[str, object]] = {
     "kernel-block-holds-no-state": REFUSED_BY_LAYOUT,
     # Placing one block asserts, in every release before the memory checks.
     "mamba-head-slots-padded-tail": REFUSED_BY_LAYOUT,
-    # 0.32 and 0.33 (its V1 model runner) refuse async scheduling with the n-gram
-    # drafter this engine has before anything is planned; 0.34 refuses the layout.
+    # 0.32 places blocks only after the memory checks, which this engine fails.
     "stride-alignment-not-block-compact": {
-        **{
-            release: (ErrorCode.INVALID_ARGUMENT, "options.async_scheduling")
-            for release in RELEASES
-        },
-        "vllm-0.34": ErrorCode.FAILED_PRECONDITION,
+        **REFUSED_BY_LAYOUT,
+        "vllm-0.32": ErrorCode.RESOURCE_EXHAUSTED,
     },
     # VllmConfig refuses HiSparse with pipeline stages before any worker starts.
     "hisparse-host-pools-differ": HISPARSE_STAGES_REFUSED,

@@ -56,7 +56,8 @@ class DraftSlotCheck(Enum):
 
 class AsyncDraftCheck(Enum):
     """Where async scheduling refuses a drafter outside the EAGLE family, the draft
-    model and the GPU n-gram (vLLM's ngram, suffix, Medusa)."""
+    model and the GPU n-gram: suffix, and Medusa (0.32). kvplan's ngram also stands
+    for the GPU n-gram (the vLLM plugin sends it so), so it is not refused."""
 
     ANY_RUNNER = "any_runner"  # vLLM 0.32
     V1_RUNNER = "v1_runner"  # vLLM 0.33: the V2 model runner takes them

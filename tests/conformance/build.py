@@ -1685,11 +1685,14 @@ for version, batched in (("vllm-0.32", 3), ("vllm-0.33", 4)):
         {"error": {"code": "INVALID_ARGUMENT", "field": "options.max_num_batched_tokens"}},
     )
 scenario(
-    "release-0.32-spec-ngram-async-v2",
-    "vLLM 0.32: async scheduling refuses the n-gram drafter, also on the V2 model runner",
+    "release-0.32-spec-suffix-async-v2",
+    "vLLM 0.32: async scheduling refuses the suffix drafter, also on the V2 model runner",
     for_release(
         request(
-            _DRAFTED, spec_decode=_spec("ngram", 3), async_scheduling=True, use_v2_model_runner=True
+            _DRAFTED,
+            spec_decode=_spec("suffix", 3),
+            async_scheduling=True,
+            use_v2_model_runner=True,
         ),
         "vllm-0.32",
     ),
