@@ -629,6 +629,35 @@ def summarize(outcomes: list[Outcome]) -> list[Json]:
     return out
 
 
+def refusal_reason(v: Json) -> str:
+    """vLLM's refusal as "stage: Class: message head", numbers and quoted names
+    replaced, so that refusals of one cause count together; "planned" when it planned."""
+    if v.get("ok"):
+        return "planned"
+    error = v.get("error") or {}
+    head = str(error.get("message", "")).split("\n")[0]
+    head = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", head)
+    head = re.sub(r"\d+(\.\d+)?", "N", head)[:110]
+    return f"{error.get('stage', '?')}: {error.get('class', '?')}: {head}"
+
+
+def refusal_breakdown(outcomes: list[Outcome]) -> dict[str, dict[str, int]]:
+    """Category -> vLLM's answer (planned, or a refusal reason) -> cases: how much of a
+    section reaches the planning rules rather than a refusal (which compares only the
+    error)."""
+    table: dict[str, dict[str, int]] = {}
+    for o in outcomes:
+        if o.vllm is None:
+            continue
+        row = table.setdefault(o.case.category, {})
+        reason = refusal_reason(o.vllm)
+        row[reason] = row.get(reason, 0) + 1
+    return {
+        category: dict(sorted(row.items(), key=lambda item: -item[1]))
+        for category, row in table.items()
+    }
+
+
 def render_markdown(summary: list[Json], outcomes: list[Outcome], meta: Json) -> str:
     lines = [
         f"# kvplan (rule set `{meta['rule_set']}`) vs vLLM {meta['vllm']}'s own planner",
@@ -659,6 +688,14 @@ def render_markdown(summary: list[Json], outcomes: list[Outcome], meta: Json) ->
             more = ", ".join(f"`{d.path}`" for d in o.diffs[1:8])
             lines.append(f"- also: {more}{' ...' if len(o.diffs) > 8 else ''}")
         lines.append("")
+    lines += ["## vLLM's answers: planned or refused, by reason", ""]
+    lines += ["| category | planned | refused | top refusals |", "|---|---:|---:|---|"]
+    for category, row in refusal_breakdown(outcomes).items():
+        planned = row.get("planned", 0)
+        refused = sum(row.values()) - planned
+        top = "; ".join(f"{n}× `{reason}`" for reason, n in row.items() if reason != "planned")
+        lines.append(f"| {category} | {planned} | {refused} | {top[:600]} |")
+    lines.append("")
     deviations = [o for o in outcomes if o.status == "deviation"]
     lines += [f"## Documented deviations ({len(deviations)})", ""]
     by_reason: dict[str, int] = {}
@@ -737,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
         "meta": meta,
         "summary": summary,
         "vllm_digests": {o.case.id: vllm_digest(o.vllm) for o in outcomes},
+        "vllm_answers": refusal_breakdown(outcomes),
         "outcomes": [
             o.to_json(args.verbose_json or o.status == "disagree")
             for o in outcomes
