@@ -2562,6 +2562,353 @@ def _fuzz_c(c: Cases, count: int) -> None:
         )
 
 
+# --- fuzz_v: vLLM 0.34's own rules, on engines that plan ---------------------------
+
+# Model shapes whose layers plan together: (attention kinds, with Mamba). Chunked
+# attention stays out (0.34's hybrid manager refuses it beside a drafter) and so do
+# kinds the other sections cover alone.
+_V_MIXES: tuple[tuple[tuple[str, ...], bool], ...] = (
+    (("full",), False),
+    (("full", "sw"), False),
+    (("full", "sw"), False),
+    (("sw",), False),
+    (("full",), True),
+    (("full",), True),
+    (("full", "sw"), True),
+    (("sw",), True),
+    (("mla",), False),
+    (("mla", "sw_mla"), False),
+    (("mla", "sw_mla"), False),
+    (("sw_mla",), False),
+    (("mla",), True),
+    (("full", "chunked"), False),
+)
+
+# Layouts every planning path can lay mixed page sizes out in (block-compact).
+_V_COMPACT = ("LBNHC", "LBHNC", "BLHNC", "BLNHC")
+
+# Quantized head slots (attention dtype, quant mode, scale bytes per slot; 0: packed).
+_V_HEAD_QUANT = (
+    ("i8", spec_pb2.KV_QUANT_MODE_INT8_PER_TOKEN_HEAD, 8),
+    ("e4m3", spec_pb2.KV_QUANT_MODE_FP8_PER_TOKEN_HEAD, 8),
+    ("u8", spec_pb2.KV_QUANT_MODE_INT4_PER_TOKEN_HEAD, 0),
+)
+
+
+def fuzz_v(c: Cases, count: int) -> None:
+    """vLLM 0.34's own rules on engines sized to plan (most of fuzz_c's 0.34 engines are
+    refusals, which compare only the error): default block size 64 (block unset) beside
+    set ones, the extensible cache on, off and unset, with and without
+    num_gpu_blocks_override, explicit KV bytes and measured bytes; head slots grouped
+    by KV head; Mamba state alignment; SW-MLA multi-token-decode markers and merges of
+    equal or different quantization / alignment; KV-cache zeroing across workers
+    (Mamba or mixed dtypes on some pipeline stages only); own-layer tensors of
+    pipeline stages; workers' differing layout lists; drafters (EAGLE, MTP, a draft
+    model) marked is_draft; HiSparse. Budgets are sized from the engine's pages, a
+    few at the edge. Its own generator, like fuzz_c's: every other section's engines
+    stay as they were."""
+    shared = c.rng
+    c.rng = random.Random(f"fuzz_v {shared.getstate()[1][:8]}")
+    try:
+        _fuzz_v(c, count)
+    finally:
+        c.rng = shared
+
+
+def _v_attention(c: Cases, layer: Layer, quant: tuple[str, int, int] | None, major: bool) -> None:
+    """Quantized head slots on a plain attention layer: `kv_head_major_slots` is part
+    of 0.34's spec identity."""
+    if quant is None:
+        return
+    body = getattr(layer, str(layer.WhichOneof("kind")))
+    a = body.attention
+    dtype, mode, scale = quant
+    a.dtype = _DTYPES[dtype]
+    a.kv_quant_mode = mode  # type: ignore[assignment]
+    total = a.head_size + (a.head_size_v if a.HasField("head_size_v") else a.head_size)
+    a.state_content_bytes = total + scale if scale else total // 2 + 8
+    a.num_head_slots = a.num_kv_heads * c.pick([1, 1, 2])
+    a.kv_head_major_slots = major
+
+
+def _v_page_bytes(layer: Layer, block: int) -> int:
+    """A layer's page, roughly (for sizing budgets, not a planning rule)."""
+    kind = str(layer.WhichOneof("kind"))
+    body = getattr(layer, kind)
+    if kind == "mamba":
+        return body.page_size_padded_bytes or _mamba_page(
+            [(list(s.shape), _C_DTYPE_NAMES.get(s.dtype, "bf16")) for s in body.states]
+        )
+    if kind.startswith("hisparse"):
+        return body.page_size_bytes
+    a = body.attention
+    per = _Y_BYTES[_C_DTYPE_NAMES[a.dtype]] if a.dtype else 2
+    if kind in ("mla_attention", "sliding_window_mla"):
+        return block * a.head_size * per
+    heads = a.num_head_slots or a.num_kv_heads
+    width = (
+        a.state_content_bytes
+        or (a.head_size + (a.head_size_v if a.HasField("head_size_v") else a.head_size)) * per
+    )
+    return block * heads * width
+
+
+def _fuzz_v(c: Cases, count: int) -> None:
+    cat = "fuzzv"
+    rng = c.rng
+    for i in range(count):
+        kinds, with_mamba = c.pick(_V_MIXES)
+        all_kinds = [*kinds, *(["mamba"] if with_mamba else [])]
+        n = c.pick([2, 3, 4, 6, 8, 12, 16, 24])
+        tp = c.pick([1, 1, 2, 2, 4])
+        plain_only = set(kinds) <= {"full", "mla"} and not with_mamba
+        dcp = tp if tp > 1 and plain_only and rng.random() < 0.2 else 0
+        block = c.pick([0, 0, 0, 16, 32, 64, 128])
+        bs = block or 64  # 0.34's default
+        method = c.pick(["none", "none", "eagle", "eagle3", "mtp", "draft_model"])
+        if "chunked" in kinds:
+            method = "none"  # the hybrid manager refuses chunked local beside a drafter
+        spec_tokens = c.pick([1, 2, 3, 4]) if method != "none" else 0
+        heads = c.pick([1, 2, 4, 8])
+        head = c.pick([64, 128, 256])
+        windows = sorted({c.pick([128, 512, 1024, 4096]) for _ in range(c.pick([1, 1, 2]))})
+        quant = c.pick(_V_HEAD_QUANT) if rng.random() < 0.25 else None
+        major = rng.random() < 0.6
+        mla_head = c.pick([576, 576, 512])
+        mla_cache = c.pick([spec_pb2.KV_CACHE_DTYPE_AUTO] * 3 + [spec_pb2.KV_CACHE_DTYPE_FP8])
+        # SW-MLA layers alike (they merge) or each its own quantization / alignment.
+        sw_mla_alike = rng.random() < 0.6
+        sw_mla_align = c.pick([None, None, 576, 1024])
+        sw_mla_quant = c.pick([0, 0, spec_pb2.KV_QUANT_MODE_FP8_PER_TENSOR])
+        version = c.pick(["", "", "deepseek_v4"])
+        states = c.pick(_MAMBA_STATES)
+        state_align = c.pick([None, None, 64, 256, 4096])
+        per_layer_dtype = rng.random() < 0.15
+
+        def layer(kind: str, name: str, draft: bool) -> Layer:
+            common: dict[str, Any] = {"draft": draft}
+            if rng.random() < 0.05:
+                common["align_bytes"] = c.pick([256, 4096])
+            if kind == "full":
+                out = full(name, heads, head, **common)
+            elif kind == "sw":
+                out = sw(name, c.pick(windows), heads, head, **common)
+            elif kind == "chunked":
+                out = chunked(name, c.pick([2048, 8192]), heads, head, **common)
+            elif kind == "mla":
+                out = mla(name, mla_head, cache_dtype=mla_cache, **common)
+                return out
+            elif kind == "sw_mla":
+                out = sw_mla(
+                    name,
+                    windows[0],
+                    mla_head,
+                    cache_dtype=mla_cache,
+                    version=version,
+                    bounded_replay=rng.random() < 0.2,
+                    **common,
+                )
+                body = out.sliding_window_mla
+                body.non_causal_multi_token_decode = rng.random() < 0.4
+                align = sw_mla_align if sw_mla_alike else c.pick([None, 576, 1024])
+                if align is not None:
+                    body.mla.alignment_bytes = align
+                mode = sw_mla_quant if sw_mla_alike else c.pick([0, 0, sw_mla_quant])
+                if mode:
+                    body.attention.kv_quant_mode = mode  # type: ignore[assignment]
+                    body.attention.dtype = _DTYPES["e4m3"]
+                return out
+            else:
+                raise AssertionError(kind)
+            _v_attention(c, out, quant, major)
+            if per_layer_dtype and rng.random() < 0.4 and quant is None:
+                body = getattr(out, str(out.WhichOneof("kind")))
+                body.attention.dtype = _DTYPES[c.pick(["fp16", "fp32", "e4m3"])]
+            return out
+
+        # The Mamba page padded to the attention page, the block raised to hold the
+        # state, as the engine's model config does.
+        mamba_padded: int | None = None
+        if with_mamba:
+            probe = layer(kinds[0], "probe", False)
+            per_block = _v_page_bytes(probe, 1)
+            page = _mamba_page(states)
+            if state_align:
+                page = sum(
+                    -(-math.prod(shape) * _BYTES[dtype] // state_align) * state_align
+                    for shape, dtype in states
+                )
+            blk = 16 * -(-page // (16 * per_block))
+            if blk > bs:
+                bs = blk
+                block = bs
+            if rng.random() < 0.85 and bs * per_block > page:
+                mamba_padded = bs * per_block
+            if state_align and (mamba_padded or page) % state_align:
+                state_align = None
+
+        order = c.pick(["period", "blocks", "shuffle"])
+        layer_kinds = [all_kinds[j % len(all_kinds)] for j in range(max(n, len(all_kinds)))]
+        if order == "blocks":
+            layer_kinds.sort(key=all_kinds.index)
+        elif order == "shuffle":
+            rng.shuffle(layer_kinds)
+        layers: list[Layer] = []
+        for j, kind in enumerate(layer_kinds):
+            name = f"model.layers.{j}.{'mixer' if kind == 'mamba' else 'attn'}"
+            if kind == "mamba":
+                one = mamba(
+                    name,
+                    states,
+                    padded=mamba_padded,
+                    mamba_type=c.pick(
+                        [spec_pb2.MAMBA_TYPE_MAMBA2, spec_pb2.MAMBA_TYPE_GDN_ATTENTION]
+                    ),
+                    spec_blocks=spec_tokens if method != "none" else 0,
+                    heads=c.pick([0, 0, 8]),
+                )
+                if state_align:
+                    one.mamba.state_alignment_bytes = state_align
+                layers.append(one)
+            else:
+                layers.append(layer(kind, name, False))
+
+        hisparse = not with_mamba and rng.random() < 0.08
+        if hisparse:
+            from conformance.generate import _hisparse_engine
+
+            block = bs = c.pick([64, 64, 128])
+            sparse = c.pick([1, 2, 4])
+            others = [x for x in layers if x.WhichOneof("kind") != "mla_attention"][:2]
+            for j, other in enumerate(others):
+                other.name = f"others.{j}.attn"
+            layers = _hisparse_engine(
+                rng,
+                sparse=sparse,
+                indexers=c.pick([1, sparse]),
+                leader_every=1,
+                block=block,
+                sparse_head=656,
+                others=others,
+                topk=None,
+            )
+            dcp = 0
+
+        if method != "none":
+            draft_kind = (
+                "mla"
+                if (method == "mtp" and "mla" in kinds)
+                else c.pick([k for k in kinds if k != "chunked"] + ["full"])
+            )
+            mark = rng.random() < 0.9
+            drafts = [
+                layer(draft_kind, f"draft.layers.{d}.attn", mark) for d in range(c.pick([1, 1, 2]))
+            ]
+            layers = layers + drafts if rng.random() < 0.85 else drafts + layers
+        pp = min(c.pick([1, 1, 2, 2, 3, 4]) if not hisparse else 1, len(layers))
+        cuts = _split(c, len(layers), pp)
+        workers = [
+            W(layers[cuts[stage] : cuts[stage + 1]], 1) for stage in range(pp) for _ in range(tp)
+        ]
+        max_len = c.pick([2048, 8192, 32768, 131072])
+        req = request(
+            workers,
+            max_model_len=max_len,
+            block_size=block,
+            cache_dtype=c.pick([spec_pb2.KV_CACHE_DTYPE_AUTO] * 4 + [spec_pb2.KV_CACHE_DTYPE_FP8]),
+            model_dtype=c.pick([None, None, "bf16", "fp16"]),
+            disable_hybrid=rng.random() < 0.05,
+            batched=c.pick([0, 0, 2048, 8192]),
+            async_scheduling=c.pick([False, True]),
+            v2_runner=c.pick([False, True]),
+            pp=pp if pp > 1 else 0,
+            tp=tp if tp > 1 else 0,
+            dcp=dcp,
+            layout=c.pick([*_V_COMPACT, "LBNHC"]),
+            mamba_align=c.pick([None, None, True]) if with_mamba else None,
+            prefix_caching=c.pick([None, None, True, False]),
+            method=method,
+            spec_tokens=spec_tokens,
+            target_model_type=c.pick(["", "qwen3_next"] if with_mamba else ["", "deepseek_v3"]),
+            nextn=c.pick([None, 1]) if method == "mtp" else None,
+        )
+        if rng.random() < 0.3:
+            req.options.ClearField("layout")
+        auto_fit = rng.random() < 0.1
+        if auto_fit:
+            req.options.max_model_len = -1
+            req.options.derived_max_model_len = c.pick([32768, 131072])
+        # Budgets from the worker's own pages for one request at the longest length,
+        # times a headroom: most plan, one in ten sits near the edge.
+        headroom = 2 ** rng.uniform(1, 7) if rng.random() < 0.9 else rng.uniform(0.5, 1.5)
+        mode = c.pick(["bytes", "util", "util", "mixed"])
+        for index, worker in enumerate(req.workers):
+            length = req.options.derived_max_model_len if auto_fit else max_len
+            blocks = -(-length // bs) + 2
+            need = sum(
+                _v_page_bytes(x, bs)
+                * (1 + spec_tokens if x.WhichOneof("kind") == "mamba" else blocks)
+                for x in worker.layers
+            )
+            budget = max(MIB, int(need * headroom))
+            own = mode if mode != "mixed" else c.pick(["bytes", "util"])
+            if own == "bytes":
+                worker.memory.kv_cache_memory_bytes = budget
+                continue
+            util = c.pick([0.5, 0.8, 0.9, 0.95])
+            weights = c.pick([0, GIB, 8 * GIB])
+            worker.memory.gpu_memory_utilization = util
+            worker.memory.non_kv.weights_bytes = weights
+            worker.memory.non_kv.activation_peak_bytes = c.pick([0, 512 * MIB])
+            worker.device.total_memory_bytes = int((budget + weights + 512 * MIB) / util) + GIB
+            if index == 0 and rng.random() < 0.1:
+                worker.device.ClearField("total_memory_bytes")
+                worker.device.name = c.pick(["H200-141GB", "B200-180GB", "MI300X-192GB"])
+        # The extensible cache: unset (0.34's default on), on or off; an override
+        # settles it off (and asked for as well, a refusal); measured bytes on every
+        # worker for the final plan.
+        extensible = c.pick([None, None, True, False])
+        if extensible is not None:
+            req.options.extensible_kv_cache = extensible
+        if (rng.random() < 0.1 and extensible is not True) or rng.random() < 0.01:
+            req.options.num_gpu_blocks_override = c.pick([64, 1000, 4096])
+        elif extensible is not False and rng.random() < 0.45:
+            granule = c.pick([None, None, 64 << 10, 2 << 20])
+            fraction = rng.uniform(0.05, 1.1)
+            for worker in req.workers:
+                size = worker.memory.kv_cache_memory_bytes or int(
+                    worker.device.total_memory_bytes * worker.memory.gpu_memory_utilization
+                    - worker.memory.non_kv.weights_bytes
+                    or 40 * GIB
+                )
+                spread = 1.0 if rng.random() < 0.7 else rng.uniform(0.8, 1.0)
+                worker.memory.measured_kv_cache_bytes = max(1, int(size * fraction * spread))
+                if granule:
+                    worker.memory.allocation_granule_bytes = granule
+        if len(req.workers) > 1 and rng.random() < 0.3:
+            # Each worker its own list of the layouts its backends support, one shared.
+            shared_layout = c.pick(_V_COMPACT)
+            for worker in req.workers:
+                names = [x for x in _V_COMPACT if x != shared_layout and rng.random() < 0.5]
+                names.insert(rng.randint(0, len(names)), shared_layout)
+                worker.supported_layouts.extend(LAYOUTS[x] for x in names)
+            req.options.ClearField("layout")
+        if hisparse:
+            req.options.layout = LAYOUTS[c.pick(["BLHNC", "BLHNC", "BLNHC"])]
+            config = req.options.hisparse
+            config.host_pool_gib = c.pick([4.0, 64.0, 256.0])
+            config.index_topk = c.pick([512, 2048])
+        c.add(
+            cat,
+            f"v{i:04d}",
+            f"{n} layers {'+'.join(all_kinds)} ({order}) heads {heads}x{head} windows {windows} "
+            f"{method}x{spec_tokens} pp{pp} tp{tp} dcp{dcp} block {block} quant "
+            f"{quant[0] if quant else None} major {major} state_align {state_align} "
+            f"hisparse {hisparse} budget {mode} x{headroom:.2f} extensible {extensible}",
+            req,
+        )
+
+
 # Name -> (section, default case count), in the order they draw: a seed and the
 # same counts give the same engines.
 SECTIONS: dict[str, tuple[Callable[[Cases, int], None], int]] = {
@@ -2572,6 +2919,7 @@ SECTIONS: dict[str, tuple[Callable[[Cases, int], None], int]] = {
     "fuzz_l": (fuzz_l, 600),  # drawn from fuzz_y's and fuzz_h's engines: after them
     "fuzz_z": (fuzz_z, 3000),
     "fuzz_c": (fuzz_c, 1500),
+    "fuzz_v": (fuzz_v, 1000),
 }
 
 

@@ -2894,7 +2894,7 @@ def _layout_resolution(c: Cases) -> None:
     base = [
         case
         for case in c.items
-        if case.category not in ("scenarios", "fuzzc") and case.request.workers
+        if case.category not in ("scenarios", "fuzzc", "fuzzv") and case.request.workers
     ]
     sample = rng.sample(base, min(160, len(base)))
     for case in sample:

@@ -27,8 +27,9 @@ SAMPLE = {
     "fuzz_l": 60,
     "fuzz_z": 20,
     "fuzz_c": 100,
+    "fuzz_v": 60,
 }
-FUZZ_CATEGORIES = {"fuzzw", "fuzzx", "fuzzy", "fuzzh", "fuzzl", "fuzzz", "fuzzc"}
+FUZZ_CATEGORIES = {"fuzzw", "fuzzx", "fuzzy", "fuzzh", "fuzzl", "fuzzz", "fuzzc", "fuzzv"}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,7 @@ def test_the_sample_draws_every_section(fuzz_cases: list[Case]) -> None:
         "fuzzl": 60,
         "fuzzz": 20,
         "fuzzc": 100,
+        "fuzzv": 60,
     }
 
 
@@ -72,6 +74,38 @@ def test_fuzz_c_leaves_every_other_section_as_it_was() -> None:
         (case.id, case.request) for case in with_c if case.category != "fuzzc"
     ]
     assert sum(case.category == "fuzzc" for case in with_c) == 5
+
+
+def test_fuzz_v_leaves_every_other_section_as_it_was() -> None:
+    """fuzz_v, like fuzz_c, draws from a generator of its own."""
+    counts = {"fuzz_wide": 3, "fuzz_y": 3, "fuzz_l": 2, "fuzz_c": 3}
+    without = generate_cases(11, scenarios=False, fuzz=counts)
+    with_v = generate_cases(11, scenarios=False, fuzz={**counts, "fuzz_v": 5})
+    assert [(case.id, case.request) for case in without] == [
+        (case.id, case.request) for case in with_v if case.category != "fuzzv"
+    ]
+    assert sum(case.category == "fuzzv" for case in with_v) == 5
+
+
+def test_most_fuzz_v_engines_plan_under_0_34() -> None:
+    """fuzz_v exists to reach 0.34's planning rules: its budgets are sized so that
+    most engines plan (fuzz_c's mostly draw refusals)."""
+    cases = [
+        case
+        for case in generate_cases(SEED, scenarios=False, fuzz={"fuzz_v": 100})
+        if case.category == "fuzzv"
+    ]
+    planned = 0
+    for case in cases:
+        request = plan_pb2.PlanRequest()
+        request.CopyFrom(case.request)
+        request.options.engine_version = "vllm-0.34"
+        try:
+            plan_from_proto(request)
+        except PlanningError:
+            continue
+        planned += 1
+    assert planned >= 60, planned
 
 
 @pytest.mark.parametrize("release", RELEASES)
