@@ -2674,6 +2674,7 @@ def _fuzz_v(c: Cases, count: int) -> None:
         windows = sorted({c.pick([128, 512, 1024, 4096]) for _ in range(c.pick([1, 1, 2]))})
         quant = c.pick(_V_HEAD_QUANT) if rng.random() < 0.25 else None
         major = rng.random() < 0.6
+        mixed_major = rng.random() < 0.3
         mla_head = c.pick([576, 576, 512])
         mla_cache = c.pick([spec_pb2.KV_CACHE_DTYPE_AUTO] * 3 + [spec_pb2.KV_CACHE_DTYPE_FP8])
         # SW-MLA layers alike (they merge) or each its own quantization / alignment.
@@ -2720,7 +2721,8 @@ def _fuzz_v(c: Cases, count: int) -> None:
                 return out
             else:
                 raise AssertionError(kind)
-            _v_attention(c, out, quant, major)
+            # Some layers grouped by KV head and some not: 0.34 tells their specs apart.
+            _v_attention(c, out, quant, major if not mixed_major else rng.random() < 0.5)
             if per_layer_dtype and rng.random() < 0.4 and quant is None:
                 body = getattr(out, str(out.WhichOneof("kind")))
                 body.attention.dtype = _DTYPES[c.pick(["fp16", "fp32", "e4m3"])]
@@ -2829,7 +2831,13 @@ def _fuzz_v(c: Cases, count: int) -> None:
             prefix_caching=c.pick([None, None, True, False]),
             method=method,
             spec_tokens=spec_tokens,
-            target_model_type=c.pick(["", "qwen3_next"] if with_mamba else ["", "deepseek_v3"]),
+            target_model_type=c.pick(
+                ["", "qwen3_next"]
+                if with_mamba
+                else ["", "deepseek_v3", "deepseek_v4"]
+                if "sw_mla" in kinds
+                else ["", "deepseek_v3"]
+            ),
             nextn=c.pick([None, 1]) if method == "mtp" else None,
         )
         if rng.random() < 0.3:
@@ -2851,16 +2859,24 @@ def _fuzz_v(c: Cases, count: int) -> None:
                 for x in worker.layers
             )
             budget = max(MIB, int(need * headroom))
+            worker.memory.ClearField("kv_cache_memory_bytes")
             own = mode if mode != "mixed" else c.pick(["bytes", "util"])
             if own == "bytes":
                 worker.memory.kv_cache_memory_bytes = budget
                 continue
             util = c.pick([0.5, 0.8, 0.9, 0.95])
             weights = c.pick([0, GIB, 8 * GIB])
-            worker.memory.gpu_memory_utilization = util
+            total = int((budget + weights + 512 * MIB) / util) + GIB
+            if rng.random() < 0.8:
+                worker.memory.gpu_memory_utilization = util
+            # Unset: the engine's default (0.34's extensible cache reserves at 1.0).
             worker.memory.non_kv.weights_bytes = weights
             worker.memory.non_kv.activation_peak_bytes = c.pick([0, 512 * MIB])
-            worker.device.total_memory_bytes = int((budget + weights + 512 * MIB) / util) + GIB
+            worker.device.total_memory_bytes = total
+            if rng.random() < 0.15:
+                # Free memory short of what the utilization asks: the classic cache's
+                # start-up check refuses it, the extensible reservation does not.
+                worker.device.free_memory_bytes = int(total * util * rng.uniform(0.6, 1.05))
             if index == 0 and rng.random() < 0.1:
                 worker.device.ClearField("total_memory_bytes")
                 worker.device.name = c.pick(["H200-141GB", "B200-180GB", "MI300X-192GB"])
@@ -2877,7 +2893,7 @@ def _fuzz_v(c: Cases, count: int) -> None:
             fraction = rng.uniform(0.05, 1.1)
             for worker in req.workers:
                 size = worker.memory.kv_cache_memory_bytes or int(
-                    worker.device.total_memory_bytes * worker.memory.gpu_memory_utilization
+                    worker.device.total_memory_bytes * (worker.memory.gpu_memory_utilization or 1)
                     - worker.memory.non_kv.weights_bytes
                     or 40 * GIB
                 )
