@@ -2903,9 +2903,16 @@ def _fuzz_v(c: Cases, count: int) -> None:
                     worker.memory.allocation_granule_bytes = granule
         if len(req.workers) > 1 and rng.random() < 0.3:
             # Each worker its own list of the layouts its backends support, one shared.
+            # A worker reporting exactly the no-preference default does not vote.
+            from conformance.generate import NO_PREFERENCE
+
             shared_layout = c.pick(_V_COMPACT)
             for worker in req.workers:
-                names = [x for x in _V_COMPACT if x != shared_layout and rng.random() < 0.5]
+                if rng.random() < 0.2:
+                    worker.supported_layouts.extend(LAYOUTS[x] for x in NO_PREFERENCE)
+                    continue
+                others = [*_V_COMPACT, "BHLNC", "LHBNC"]
+                names = [x for x in others if x != shared_layout and rng.random() < 0.4]
                 names.insert(rng.randint(0, len(names)), shared_layout)
                 worker.supported_layouts.extend(LAYOUTS[x] for x in names)
             req.options.ClearField("layout")
