@@ -33,7 +33,14 @@ takes the case generator and a case count:
   quantized head slots grouped by KV head on every kind; stride alignments on every
   kind; drafters of any kind anywhere in the layer order; workers of one engine with
   budgets of different modes, devices named instead of sized. It draws from a
-  generator of its own, so adding it left every other section's engines as they were.
+  generator of its own, so adding it left every other section's engines as they were;
+- fuzz_v: vLLM 0.34's own rules on engines sized to plan (fuzz_c's mostly draw
+  refusals, which compare only the error): block size unset (0.34's 64) or set, the
+  extensible cache on / off / unset with overrides, explicit, measured and
+  unset-utilization budgets, head slots grouped by KV head, Mamba state alignment,
+  SW-MLA markers and merges, zeroing across pipeline stages, own-layer tensors,
+  workers' differing layout lists, drafters marked is_draft, HiSparse. A generator
+  of its own, like fuzz_c's.
 """
 
 # The sections build each engine from helpers defined in the loop iteration that
