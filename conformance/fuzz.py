@@ -2631,7 +2631,7 @@ def _v_attention(c: Cases, layer: Layer, quant: tuple[str, int, int] | None, maj
     a = body.attention
     dtype, mode, scale = quant
     a.dtype = _DTYPES[dtype]
-    a.kv_quant_mode = mode  # type: ignore[assignment]
+    a.kv_quant_mode = mode
     total = a.head_size + (a.head_size_v if a.HasField("head_size_v") else a.head_size)
     a.state_content_bytes = total + scale if scale else total // 2 + 8
     a.num_head_slots = a.num_kv_heads * c.pick([1, 1, 2])
@@ -2643,21 +2643,24 @@ def _v_page_bytes(layer: Layer, block: int) -> int:
     kind = str(layer.WhichOneof("kind"))
     body = getattr(layer, kind)
     if kind == "mamba":
-        return body.page_size_padded_bytes or _mamba_page(
-            [(list(s.shape), _C_DTYPE_NAMES.get(s.dtype, "bf16")) for s in body.states]
+        return int(
+            body.page_size_padded_bytes
+            or _mamba_page(
+                [(list(s.shape), _C_DTYPE_NAMES.get(s.dtype, "bf16")) for s in body.states]
+            )
         )
     if kind.startswith("hisparse"):
-        return body.page_size_bytes
+        return int(body.page_size_bytes)
     a = body.attention
     per = _Y_BYTES[_C_DTYPE_NAMES[a.dtype]] if a.dtype else 2
     if kind in ("mla_attention", "sliding_window_mla"):
-        return block * a.head_size * per
+        return int(block * a.head_size * per)
     heads = a.num_head_slots or a.num_kv_heads
     width = (
         a.state_content_bytes
         or (a.head_size + (a.head_size_v if a.HasField("head_size_v") else a.head_size)) * per
     )
-    return block * heads * width
+    return int(block * heads * width)
 
 
 def _fuzz_v(c: Cases, count: int) -> None:
@@ -2725,7 +2728,7 @@ def _fuzz_v(c: Cases, count: int) -> None:
                     body.mla.alignment_bytes = align
                 mode = sw_mla_quant if sw_mla_alike else c.pick([0, 0, sw_mla_quant])
                 if mode:
-                    body.attention.kv_quant_mode = mode  # type: ignore[assignment]
+                    body.attention.kv_quant_mode = mode
                     body.attention.dtype = _DTYPES["e4m3"]
                 return out
             else:
@@ -2920,8 +2923,8 @@ def _fuzz_v(c: Cases, count: int) -> None:
                 if rng.random() < 0.2:
                     worker.supported_layouts.extend(LAYOUTS[x] for x in NO_PREFERENCE)
                     continue
-                others = [*_V_COMPACT, "BHLNC", "LHBNC"]
-                names = [x for x in others if x != shared_layout and rng.random() < 0.4]
+                candidates = [*_V_COMPACT, "BHLNC", "LHBNC"]
+                names = [x for x in candidates if x != shared_layout and rng.random() < 0.4]
                 names.insert(rng.randint(0, len(names)), shared_layout)
                 worker.supported_layouts.extend(LAYOUTS[x] for x in names)
             req.options.ClearField("layout")
