@@ -693,8 +693,12 @@ def render_markdown(summary: list[Json], outcomes: list[Outcome], meta: Json) ->
     for category, row in refusal_breakdown(outcomes).items():
         planned = row.get("planned", 0)
         refused = sum(row.values()) - planned
-        top = "; ".join(f"{n}× `{reason}`" for reason, n in row.items() if reason != "planned")
-        lines.append(f"| {category} | {planned} | {refused} | {top[:600]} |")
+        # Whole entries only, up to about 600 characters (a cut one breaks the table).
+        entries: list[str] = []
+        for reason, n in row.items():
+            if reason != "planned" and sum(len(e) + 2 for e in entries) < 600:
+                entries.append(f"{n}× `{reason}`")
+        lines.append(f"| {category} | {planned} | {refused} | {'; '.join(entries)} |")
     lines.append("")
     deviations = [o for o in outcomes if o.status == "deviation"]
     lines += [f"## Documented deviations ({len(deviations)})", ""]
