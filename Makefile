@@ -64,7 +64,7 @@ conformance: $(STAMP)
 	bash conformance/run
 
 ## A fuzz campaign: the same check on conformance/fuzz.py's wide random engines of one
-## seed (13,574 per release, about 17 min on 2 cores), reports in build/fuzz-<seed>/;
+## seed (13,574 per release, 16 min on 2 cores), reports in build/fuzz-<seed>/;
 ## fails on any disagreement. FUZZ=fuzz_y=500 narrows it to one section.
 FUZZ_SEED ?= 1
 FUZZ ?= all
