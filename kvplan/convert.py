@@ -951,12 +951,16 @@ def encode_workers(message: plan_pb2.PlanRequest) -> list[WorkerBytes]:
 
 
 def encoded_now(message: plan_pb2.PlanRequest) -> list[WorkerBytes]:
-    """`encode_workers(message)` with what each worker's bytes give (its layer
-    list, that list's hash, its layers' spans) made now rather than on first use:
-    for a large request, in a worker thread, a call per worker."""
+    """`encode_workers(message)` with what each worker's bytes give made now rather
+    than on first use (for a large request, in a worker thread): its layer list and
+    that list's hash, and the layers' spans of each distinct list (the limit check
+    and the conversion read them of the first worker with the list only)."""
     encoded = encode_workers(message)
+    lists: set[bytes] = set()
     for worker in encoded:
-        _ = hash(worker.layers_key), worker.layer_spans
+        if worker.layers_key not in lists:
+            lists.add(worker.layers_key)
+            _ = worker.layer_spans
     return encoded
 
 
