@@ -40,6 +40,10 @@ REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("kvplan_request
 IDENTITY: contextvars.ContextVar[Identity] = contextvars.ContextVar(
     "kvplan_identity", default=ANONYMOUS
 )
+# The call's body was over LARGE_MESSAGE_BYTES (parsed off the event loop).
+LARGE_REQUEST: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "kvplan_large_request", default=False
+)
 _REQUEST_ID_FORM = re.compile(r"[A-Za-z0-9._-]{1,64}")
 OPEN_SERVICES = ("grpc.health.v1.Health",)
 
@@ -50,6 +54,11 @@ def current_identity() -> Identity:
 
 def current_request_id() -> str:
     return REQUEST_ID.get()
+
+
+def request_was_large() -> bool:
+    """The current call's body was over LARGE_MESSAGE_BYTES."""
+    return LARGE_REQUEST.get()
 
 
 class Unparseable:
@@ -226,6 +235,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
                 if not open_service:
                     await self._authenticate(context)
                 if isinstance(request, LargeBody) and deserializer is not None:
+                    LARGE_REQUEST.set(True)
                     async with self._large_bodies:
                         request = await asyncio.to_thread(_parsed, deserializer, request.data)
                 if isinstance(request, Unparseable):

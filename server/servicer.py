@@ -45,7 +45,7 @@ from kvplan.fieldcheck import MAX_64
 from kvplan.model_cache import ModelCache
 from kvplan.server.config import Settings
 from kvplan.server.errors import RemoteStatus, ServiceError, limit_exceeded, to_status
-from kvplan.server.guard import current_identity
+from kvplan.server.guard import current_identity, request_was_large
 from kvplan.server.large_messages import (
     LARGE_MESSAGE_BYTES,
     copy_in_pieces,
@@ -834,6 +834,10 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         client in one process: peak RSS 6.5 -> 5.7 GB, ListDevices worst 3.1 -> 1.5 s)."""
         if not self._offloaded(request):
             return work()
+        return await self._in_thread(work)
+
+    async def _in_thread(self, work: Callable[[], _T]) -> _T:
+        """`work` in a worker thread, one large request's at a time."""
         async with self._large_plans:
             return await asyncio.to_thread(work)
 
@@ -842,8 +846,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         in a thread, one at a time, as large plans are."""
         if size <= LARGE_MESSAGE_BYTES:
             return work()
-        async with self._large_plans:
-            return await asyncio.to_thread(work)
+        return await self._in_thread(work)
 
     async def _parsed_plan(self, plan: bytes) -> plan_pb2.PlanResponse:
         """A serialized plan as a message (a large one in pieces, in a thread)."""
@@ -1185,6 +1188,6 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
     async def Echo(  # type: ignore[override]
         self, request: plan_pb2.PlanRequest, context: grpc.aio.ServicerContext
     ) -> plan_pb2.PlanRequest | bytes:
-        if self._offloaded(request):  # serialized in a thread, in pieces, as plans are
-            return await self._heavy(functools.partial(serialize_in_pieces, request), request)
+        if request_was_large():  # parsed off the event loop: serialized off it too
+            return await self._in_thread(functools.partial(serialize_in_pieces, request))
         return request
