@@ -79,7 +79,7 @@ fuzz: $(STAMP)
 VLLM_VENV ?= $(HOME)/.cache/kvplan/vllm-0.33/venv
 BENCH_FLAGS ?=
 
-## Every benchmark and bench/results/summary.md with each target of issue 11 (about 12 min on 2 cores).
+## Every benchmark and bench/results/summary.md with each target of issue 11 (about 15 min on 2 cores).
 bench: $(STAMP)
 	$(PY) -m bench --vllm-venv $(VLLM_VENV) $(BENCH_FLAGS)
 

@@ -1,6 +1,6 @@
 """Every benchmark in one run, and one summary of the issue's targets.
 
-    python -m bench                  # or: make bench (the full set; about 12 min on 2 cores)
+    python -m bench                  # or: make bench (the full set; about 15 min on 2 cores)
     python -m bench --quick          # smoke-test scale (about a minute)
     python -m bench --only rpc leases
 
