@@ -38,7 +38,8 @@ _START_GROUP, _END_GROUP = 3, 4
 
 
 def _varint(data: memoryview, pos: int) -> tuple[int, int]:
-    """The base-128 varint at `pos`: (value, position after it)."""
+    """The base-128 varint at `pos`: (value, position after it). Bounds-checked:
+    these bytes come from the network (convert.py's reader trusts protobuf's own)."""
     value = shift = 0
     end = len(data)
     while pos < end and shift < 64:
