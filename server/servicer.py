@@ -341,14 +341,18 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         repeats: bool = True,
         request_digest: bytes | None = None,
         encoded_workers: Sequence[WorkerBytes] | None = None,
+        offloaded: bool | None = None,
     ) -> bytes:
         """One engine (all its workers): the serialized PlanResponse.
-        `encoded_workers`: the request's `encode_workers`, when the caller has them.
+        `encoded_workers`: the request's `encode_workers`, when the caller has them;
+        `offloaded`: `_offloaded(request)`, when the caller knows it.
 
         Workers that name a device (device.uuid) get their budget from the
         server's probe and ledger and a lease; the others are planned from the
         numbers they sent, and reserve nothing. Its limits were checked on
         arrival (a rendezvous: each rank's)."""
+        if offloaded is None:
+            offloaded = self._offloaded(request)
         named = [index for index, worker in enumerate(request.workers) if worker.device.uuid]
         if not named:
             plan, _ = await self._plan(
@@ -356,16 +360,19 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 repeats=repeats,
                 request_digest=request_digest,
                 encoded_workers=encoded_workers,
+                offloaded=offloaded,
             )
             return plan
         now = time.time()
         holder = self._holder(request.engine_id)
-        resolved, devices, accounts, view = await self._resolve_devices(request, named, now)
+        resolved, devices, accounts, view = await self._resolve_devices(
+            request, named, now, offloaded
+        )
         # The plan becomes the engine's (GetPlan, persisted) only once it is granted.
-        encoded = await self._encoded_workers(resolved)
-        keys = await self._heavy(functools.partial(plan_keys, resolved, encoded), resolved)
+        encoded = await self._encoded_workers(resolved, offloaded)
+        keys = await self._run(functools.partial(plan_keys, resolved, encoded), offloaded)
         plan, response = await self._plan(
-            resolved, keys=keys, encoded_workers=encoded, publish=False
+            resolved, keys=keys, encoded_workers=encoded, publish=False, offloaded=offloaded
         )
         # Refused before anything is granted: a reply the caller cannot receive
         # must not leave leases behind.
@@ -618,7 +625,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         )
 
     async def _resolve_devices(
-        self, request: plan_pb2.PlanRequest, named: list[int], now: float
+        self, request: plan_pb2.PlanRequest, named: list[int], now: float, offloaded: bool
     ) -> tuple[plan_pb2.PlanRequest, dict[str, DeviceState], dict[str, DeviceAccount], LedgerView]:
         """The request with the named devices' numbers from the probe and ledger:
         the device's total memory, and for the free-fraction mode the bytes the
@@ -631,7 +638,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 field="engine_id",
             )
         snapshot = {device.uuid: device for device in self._read_devices()}
-        resolved = await self._heavy(functools.partial(copy_in_pieces, request), request)
+        resolved = await self._run(functools.partial(copy_in_pieces, request), offloaded)
         devices: dict[str, DeviceState] = {}
         for index in named:
             device_ref = resolved.workers[index].device
@@ -744,6 +751,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         keys: PlanKeys | None = None,
         encoded_workers: Sequence[WorkerBytes] | None = None,
         publish: bool = True,
+        offloaded: bool | None = None,
     ) -> tuple[bytes, plan_pb2.PlanResponse | None]:
         """The serialized plan: from the cache, reused from an earlier request with
         the same content (another engine of one model), or planned now; and the
@@ -755,14 +763,17 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         known (`encode_workers(request)`).
         `publish`: a new plan becomes the engine's plan and is persisted now
         (otherwise the caller does that once its leases are granted).
+        `offloaded`: `_offloaded(request)`, when the caller knows it.
         """
         # Each worker serialized once, for the keys and the conversion alike.
         encoded = encode_workers(request) if encoded_workers is None else encoded_workers
+        if offloaded is None:
+            offloaded = self._offloaded(request)
         if keys is None:
-            if repeats and not self._offloaded(request):
+            if repeats and not offloaded:
                 keys = self._cache.keys(request, request_digest, encoded)
             else:  # a large request's bytes are hashed in a thread
-                keys = await self._heavy(functools.partial(plan_keys, request, encoded), request)
+                keys = await self._run(functools.partial(plan_keys, request, encoded), offloaded)
         cached = self._cache.get(keys.plan_id)
         if cached is not None:
             self._metrics.cache_hits.inc()
@@ -776,7 +787,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             parts, summary = known
         else:
             self._metrics.cache_misses.inc()
-            response, parts = await self._planned(request, keys, encoded, scope)
+            response, parts = await self._planned(request, keys, encoded, scope, offloaded)
             summary = PlanSummary.of(request, response)
         # Before anything keeps it: a reply the caller cannot receive is nobody's
         # plan, and must not replace the engine's last one.
@@ -801,11 +812,11 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         keys: PlanKeys,
         encoded: Sequence[WorkerBytes],
         scope: str,
+        offloaded: bool,
     ) -> tuple[plan_pb2.PlanResponse, PlanParts]:
         """Planned now, and serialized: of a model planned before (by the same
-        identity, as with reused plans) only the budgets are. A plan planned in a
-        thread is serialized there, in pieces (a 52 MB plan: 1.1 s in one call)."""
-        offloaded = self._offloaded(request)
+        identity, as with reused plans) only the budgets are. `offloaded`: planned
+        in a thread, and serialized there, in pieces (a 52 MB plan: 1.1 s in one call)."""
 
         def planned() -> tuple[plan_pb2.PlanResponse, PlanParts]:
             response = plan_from_proto(
@@ -820,7 +831,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             )
             return response, PlanParts.of(keys.plan_id, request.engine_id, serialized)
 
-        return await self._heavy(planned, request)
+        return await self._run(planned, offloaded)
 
     def _offloaded(self, request: plan_pb2.PlanRequest) -> bool:
         """An engine over --offload-layers: its heavy steps run in a worker thread."""
@@ -832,35 +843,29 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         GIL, so at once they finish no sooner, and each holds many times its request
         in memory (6 requests of 1024 workers x 2048 layers at once, server and
         client in one process: peak RSS 6.5 -> 5.7 GB, ListDevices worst 3.1 -> 1.5 s)."""
-        if not self._offloaded(request):
-            return work()
-        return await self._in_thread(work)
+        return await self._run(work, self._offloaded(request))
 
-    async def _in_thread(self, work: Callable[[], _T]) -> _T:
-        """`work` in a worker thread, one large request's at a time."""
+    async def _run(self, work: Callable[[], _T], in_thread: bool) -> _T:
+        """`work` inline, or in a worker thread, one large request's at a time."""
+        if not in_thread:
+            return work()
         async with self._large_plans:
             return await asyncio.to_thread(work)
 
-    async def _large_if(self, size: int, work: Callable[[], _T]) -> _T:
-        """`work` on a message of `size` bytes: inline, or over LARGE_MESSAGE_BYTES
-        in a thread, one at a time, as large plans are."""
-        if size <= LARGE_MESSAGE_BYTES:
-            return work()
-        return await self._in_thread(work)
-
     async def _parsed_plan(self, plan: bytes) -> plan_pb2.PlanResponse:
         """A serialized plan as a message (a large one in pieces, in a thread)."""
-        return await self._large_if(
-            len(plan), functools.partial(parse_message, plan_pb2.PlanResponse, plan)
-        )
+        parse = functools.partial(parse_message, plan_pb2.PlanResponse, plan)
+        return await self._run(parse, len(plan) > LARGE_MESSAGE_BYTES)
 
-    async def _encoded_workers(self, request: plan_pb2.PlanRequest) -> list[WorkerBytes]:
+    async def _encoded_workers(
+        self, request: plan_pb2.PlanRequest, offloaded: bool
+    ) -> list[WorkerBytes]:
         """`encode_workers(request)`; for an engine over --offload-layers with every
         worker's bytes and layer spans made in a thread (160 workers x 8,192 layers:
         1.1 s of serializing and scanning that held the event loop)."""
-        if not self._offloaded(request):
+        if not offloaded:
             return encode_workers(request)  # made on first use: a cached plan needs none
-        return await self._heavy(functools.partial(encoded_now, request), request)
+        return await self._run(functools.partial(encoded_now, request), True)
 
     async def _persist(self, plan_id: str, engine_id: str, plan: bytes | PlanParts) -> None:
         try:
@@ -995,7 +1000,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         deserializer, so that a repeated request is known without re-serializing it.
         """
         try:
-            encoded = await self._encoded_workers(request)
+            offloaded = self._offloaded(request)
+            encoded = await self._encoded_workers(request, offloaded)
             self._check_limits(request, encoded)
             if request.engine_id:
                 await self.authorize(request.engine_id, "plan", claim=True)
@@ -1008,7 +1014,10 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                     worker_bytes=encoded[0].data if len(encoded) == 1 else None,
                 )
             return await self._plan_engine(
-                request, request_digest=request_digest, encoded_workers=encoded
+                request,
+                request_digest=request_digest,
+                encoded_workers=encoded,
+                offloaded=offloaded,
             )
         except (PlanningError, ServiceError, RemoteStatus, StoreUnavailable) as error:
             await self._fail(context, error)
@@ -1093,9 +1102,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         try:
             plan = await self._find_plan(request)
             if request.HasField("rank"):
-                return await self._large_if(
-                    len(plan), functools.partial(_only_rank, plan, request.rank)
-                )
+                view = functools.partial(_only_rank, plan, request.rank)
+                return await self._run(view, len(plan) > LARGE_MESSAGE_BYTES)
             return plan
         except (ServiceError, StoreUnavailable) as error:
             await self._fail(context, error)
@@ -1189,5 +1197,5 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self, request: plan_pb2.PlanRequest, context: grpc.aio.ServicerContext
     ) -> plan_pb2.PlanRequest | bytes:
         if request_was_large():  # parsed off the event loop: serialized off it too
-            return await self._in_thread(functools.partial(serialize_in_pieces, request))
+            return await self._run(functools.partial(serialize_in_pieces, request), True)
         return request
