@@ -2,7 +2,7 @@
 
 A fleet's engines of one model differ in their workers' memory (each process
 measures what it has free) far more often than in their layers. The memory-
-independent half of a plan (`kvplan.core.planner.plan_model`: layer conversion,
+independent half of a plan (`kvplan.core.model_plan.plan_model`: layer conversion,
 layout, groups, draft flags, projections) is then the same for all of them, and
 `ModelCache` keeps it, keyed by `PlanKeys.model`, for the next engine of that model.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from kvplan.core.layout import KVCacheLayout
-from kvplan.core.planner import ModelPlan
+from kvplan.core.model_plan import ModelPlan
 from kvplan.core.request import EngineOptions, EngineRequest, SpecDecode
 from kvplan.core.rules import RuleSet
 from kvplan.core.specs import KVCacheSpec

@@ -27,7 +27,7 @@ from kvplan.convert import (
     request_from_proto,
     spec_to_proto,
 )
-from kvplan.core import planner
+from kvplan.core import model_plan, planner
 from kvplan.core.errors import InvalidRequest, PlanningError
 from kvplan.core.planner import plan_engine
 from kvplan.core.request import EngineRequest
@@ -133,7 +133,7 @@ def _reference_plan(request: plan_pb2.PlanRequest) -> bytes | str:
 def _nothing_shared() -> Iterator[None]:
     """plan_engine with every worker's projection a list of its own and every
     per-projection or per-layer-tuple step run for each worker."""
-    project_all = planner._project_all
+    project_all = model_plan._project_all
 
     def own_lists(*args: Any) -> list[list[Any]]:
         return [list(view) for view in project_all(*args)]
@@ -142,9 +142,10 @@ def _nothing_shared() -> Iterator[None]:
         return [compute(view) for view in projected]
 
     with (
-        mock.patch.object(planner, "_project_all", own_lists),
+        mock.patch.object(model_plan, "_project_all", own_lists),
+        mock.patch.object(model_plan, "_per_projection", each),
         mock.patch.object(planner, "_per_projection", each),
-        mock.patch.object(planner, "_distinct_layers", lambda worker, seen: True),
+        mock.patch.object(model_plan, "_distinct_layers", lambda worker, seen: True),
     ):
         yield
 
