@@ -41,7 +41,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.options import add_output_arguments
 from kvplan.client import channel_options
-from kvplan.convert import encode_varint
+from kvplan.convert.wire import encode_varint
 from kvplan.v1 import plan_pb2
 
 ROOT = Path(__file__).resolve().parents[1]

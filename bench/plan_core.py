@@ -27,7 +27,8 @@ from typing import Any
 
 from bench.engines import gemma_style
 from bench.options import add_output_arguments, parse_arguments
-from kvplan.convert import plan_from_proto, request_from_proto
+from kvplan.convert import plan_from_proto
+from kvplan.convert.request import request_from_proto
 from kvplan.core.planner import plan_engine
 from kvplan.v1 import plan_pb2
 

@@ -29,7 +29,7 @@ def main() -> int:
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 
     from conformance import vllm_driver
-    from kvplan.convert import GPU_MEMORY_BYTES
+    from kvplan.gpus import GPU_MEMORY_BYTES
     from kvplan.v1 import plan_pb2
 
     print(READY_LINE, flush=True)

@@ -543,7 +543,7 @@ def run_case(
     case: Case, kv: tuple[PlanFn, type[BaseException]] | None, engine_version: str
 ) -> Outcome:
     from conformance.vllm_driver import plan_with_vllm
-    from kvplan.convert import GPU_MEMORY_BYTES
+    from kvplan.gpus import GPU_MEMORY_BYTES
 
     request = for_release(case.request, engine_version)
     case = Case(case.id, case.category, case.description, request)

@@ -1346,7 +1346,8 @@ def _z_probe(req: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse | None:
     """kvplan's plan of the request as the installed release can express it, in its
     rule set (the case is then moved to the edges the plan shows), or None when
     kvplan refuses it. Without vLLM: the request as it is, under 0.33's rules."""
-    from kvplan.convert import GPU_MEMORY_BYTES, plan_from_proto
+    from kvplan.convert import plan_from_proto
+    from kvplan.gpus import GPU_MEMORY_BYTES
 
     try:
         from conformance.compare import for_release

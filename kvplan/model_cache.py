@@ -48,7 +48,7 @@ class KnownModel:
     rules: RuleSet
     workers: dict[int, WorkerModel]  # by rank (distinct: plan_model checked them)
     plan: ModelPlan
-    # The plan's groups as a reply carries them (kvplan.convert.render_groups): every
+    # The plan's groups as a reply carries them (kvplan.convert.render.render_groups): every
     # engine of the model gets the same, so it is rendered once.
     rendered_groups: bytes
     # Bytes it holds, over-estimated: each distinct layer list once (tensor-parallel

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvplan.convert import GPU_MEMORY_BYTES
+from kvplan.gpus import GPU_MEMORY_BYTES
 
 _SHORT_FORM = re.compile(r"^(?:(\d+)\s*[xX]\s*)?([A-Za-z0-9][A-Za-z0-9_.-]*)$")
 _NAMESPACE = uuid.UUID("6f1d8a52-4c8e-4f0e-9b1a-6b7c0d2e9a11")

@@ -23,7 +23,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from kvplan.convert import encode_varint
+from kvplan.convert.wire import encode_varint
 
 _M = TypeVar("_M", bound=Message)
 
@@ -39,7 +39,7 @@ _START_GROUP, _END_GROUP = 3, 4
 
 def _varint(data: memoryview, pos: int) -> tuple[int, int]:
     """The base-128 varint at `pos`: (value, position after it). Bounds-checked:
-    these bytes come from the network (convert.py's reader trusts protobuf's own)."""
+    these bytes come from the network (kvplan/convert/wire.py's reader trusts protobuf's own)."""
     value = shift = 0
     end = len(data)
     while pos < end and shift < 64:

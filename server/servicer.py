@@ -19,16 +19,10 @@ import grpc
 import grpc.aio
 from google.protobuf.descriptor import EnumDescriptor
 
-from kvplan.convert import (
-    PlanKeys,
-    WorkerBytes,
-    encode_varint,
-    encode_workers,
-    encoded_now,
-    plan_from_proto,
-    plan_keys,
-    request_from_proto,
-)
+from kvplan.convert import plan_from_proto
+from kvplan.convert.keys import PlanKeys, plan_keys
+from kvplan.convert.request import request_from_proto
+from kvplan.convert.wire import WorkerBytes, encode_varint, encode_workers, encoded_now
 from kvplan.core.errors import PlanningError
 from kvplan.core.ledger import (
     MAX_LISTED_HOLDERS,

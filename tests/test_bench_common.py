@@ -16,7 +16,8 @@ from bench.common import (
     with_engine_id,
 )
 from bench.engines import gemma_style, qwen3_next_tp8
-from kvplan.convert import plan_from_proto, plan_keys
+from kvplan.convert import plan_from_proto
+from kvplan.convert.keys import plan_keys
 from kvplan.v1 import plan_pb2
 
 # The 8-worker engine already reports 1 GiB of non-torch memory; the 64-layer one none.

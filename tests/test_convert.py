@@ -9,16 +9,13 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format
 
-from kvplan.convert import (
-    GPU_MEMORY_BYTES,
-    plan_from_proto,
-    plan_id_for,
-    plan_keys,
-    request_from_proto,
-    spec_to_proto,
-)
+from kvplan.convert import plan_from_proto
+from kvplan.convert.keys import plan_id_for, plan_keys
+from kvplan.convert.render import spec_to_proto
+from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import InsufficientMemory, InvalidRequest, UnplannableSpecs
 from kvplan.core.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.v1 import plan_pb2, spec_pb2
 
 GIB = 1 << 30

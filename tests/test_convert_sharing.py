@@ -14,19 +14,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvplan.convert import (
-    WorkerBytes,
+from kvplan.convert.keys import plan_id_for
+from kvplan.convert.render import plan_to_proto, spec_to_proto
+from kvplan.convert.request import (
     _Context,
     _prefix_caching,
     _target_kinds,
-    encode_varint,
-    encode_workers,
     layer_from_proto,
-    plan_id_for,
-    plan_to_proto,
     request_from_proto,
-    spec_to_proto,
 )
+from kvplan.convert.wire import WorkerBytes, encode_varint, encode_workers
 from kvplan.core import model_plan, planner
 from kvplan.core.errors import InvalidRequest, PlanningError
 from kvplan.core.planner import plan_engine

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from kvplan.convert import request_from_proto
+from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import InvalidRequest
 from kvplan.fieldcheck import MAX_64, check_fields
 from kvplan.v1 import plan_pb2

@@ -14,7 +14,10 @@ from hypothesis import strategies as st
 
 from bench.engines import gemma_style, gemma_style_pipeline, qwen3_next_tp8
 from conformance.generate import generate_cases
-from kvplan.convert import plan_from_proto, plan_keys, render_groups, request_from_proto
+from kvplan.convert import plan_from_proto
+from kvplan.convert.keys import plan_keys
+from kvplan.convert.render import render_groups
+from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import PlanningError
 from kvplan.core.planner import plan_engine, plan_model
 from kvplan.core.rules import RULE_SETS

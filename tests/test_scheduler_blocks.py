@@ -13,7 +13,8 @@ from google.protobuf import json_format
 
 from conformance.generate import MIB, W, _hisparse_engine, full, mla, rswa, sw, sw_mla
 from conformance.generate import request as engine
-from kvplan.convert import plan_from_proto, request_from_proto
+from kvplan.convert import plan_from_proto
+from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import ErrorCode
 from kvplan.v1 import plan_pb2
 from tests.core.builders import planning_error

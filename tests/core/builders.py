@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvplan.convert import PlanningError, plan_from_proto
+from kvplan.convert import plan_from_proto
 from kvplan.core.dtypes import StorageDtype
+from kvplan.core.errors import PlanningError
 from kvplan.core.request import EngineOptions, EngineRequest, MemoryRequest, SpecDecode, WorkerInput
 from kvplan.core.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvplan.v1 import plan_pb2

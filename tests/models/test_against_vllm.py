@@ -56,7 +56,8 @@ from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculat
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from conformance.compare import compare_results, plan_with_kvplan
 from conformance.vllm_driver import plan_with_vllm
-from kvplan.convert import GPU_MEMORY_BYTES, plan_from_proto
+from kvplan.convert import plan_from_proto
+from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.core.errors import PlanningError
 from kvplan.v1 import plan_pb2
 dtypes = {"bfloat16": torch.bfloat16, "uint8": torch.uint8}
@@ -251,7 +252,8 @@ from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculat
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from conformance.compare import compare_results, plan_with_kvplan
 from conformance.vllm_driver import plan_with_vllm
-from kvplan.convert import GPU_MEMORY_BYTES, plan_from_proto
+from kvplan.convert import plan_from_proto
+from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.core.errors import PlanningError
 from kvplan.v1 import plan_pb2
 payload = json.load(sys.stdin)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvplan.convert import request_from_proto
+from kvplan.convert.request import request_from_proto
 from kvplan.core.dtypes import StorageDtype
 from kvplan.core.specs import (
     ChunkedLocalAttentionSpec,

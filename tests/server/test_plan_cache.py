@@ -10,7 +10,8 @@ import time
 import pytest
 
 from kvplan.client import AsyncPlannerClient
-from kvplan.convert import plan_from_proto, plan_id_for, plan_keys
+from kvplan.convert import plan_from_proto
+from kvplan.convert.keys import plan_id_for, plan_keys
 from kvplan.server.errors import RemoteStatus, ServiceError
 from kvplan.server.main import RunningServer
 from kvplan.server.metrics import Metrics

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from conformance.generate import generate_cases
-from kvplan.convert import plan_from_proto, plan_keys
+from kvplan.convert import plan_from_proto
+from kvplan.convert.keys import plan_keys
 from kvplan.core.errors import PlanningError
 from kvplan.core.rules import RULE_SETS
 from kvplan.server.servicer import PlanCache, PlanSummary

@@ -15,7 +15,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from kvplan.convert import GPU_MEMORY_BYTES
+from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.server.devices import parse_inventory
 from kvplan.server.probes import (
     DeviceMemory,
