@@ -73,13 +73,13 @@ def _wrap(owner: Any, name: str, label: str, timer: Callable[..., Any]) -> None:
 
 
 def install() -> None:
-    from kvplan.server import servicer
+    from kvplan.server import limits, plan_cache, servicer
     from kvplan.server.store import bodies
 
-    planner, cache = servicer.PlannerServicer, servicer.PlanCache
+    planner, cache = servicer.PlannerServicer, plan_cache.PlanCache
     _wrap(servicer, "plan_from_proto", "planning", _timed)
     _wrap(servicer, "encode_workers", "encode workers", _timed)
-    _wrap(planner, "_check_limits", "limits", _timed)
+    _wrap(limits.RequestLimits, "check_request", "limits", _timed)
     _wrap(cache, "keys", "plan keys", _timed)
     _wrap(cache, "keep", "plan cache", _timed)
     _wrap(planner, "_record", "metrics and log line", _timed)

@@ -8,7 +8,6 @@ import functools
 import hashlib
 import logging
 import math
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -17,12 +16,11 @@ from typing import TypeVar
 
 import grpc
 import grpc.aio
-from google.protobuf.descriptor import EnumDescriptor
 
 from kvplan.convert import plan_from_proto
 from kvplan.convert.keys import PlanKeys, plan_keys
 from kvplan.convert.request import request_from_proto
-from kvplan.convert.wire import WorkerBytes, encode_varint, encode_workers, encoded_now
+from kvplan.convert.wire import WorkerBytes, encode_workers, encoded_now
 from kvplan.core.errors import PlanningError
 from kvplan.core.ledger import (
     MAX_LISTED_HOLDERS,
@@ -38,7 +36,7 @@ from kvplan.core.ledger import (
 from kvplan.fieldcheck import MAX_64
 from kvplan.model_cache import ModelCache
 from kvplan.server.config import Settings
-from kvplan.server.errors import RemoteStatus, ServiceError, limit_exceeded, to_status
+from kvplan.server.errors import RemoteStatus, ServiceError, to_status
 from kvplan.server.guard import current_identity, request_was_large
 from kvplan.server.large_messages import (
     LARGE_MESSAGE_BYTES,
@@ -46,18 +44,19 @@ from kvplan.server.large_messages import (
     parse_message,
     serialize_in_pieces,
 )
+from kvplan.server.limits import RequestLimits
 from kvplan.server.metrics import Metrics
+from kvplan.server.plan_cache import PlanCache, PlanSummary
 from kvplan.server.probes import DeviceMemory, DeviceProbe
 from kvplan.server.rendezvous import Rendezvous
+from kvplan.server.replies import lease_to_proto, only_rank, with_leases
 from kvplan.server.store import Store, StoreUnavailable, TooManyEngines, TooManyLeases
 from kvplan.server.store.base import LedgerView
-from kvplan.server.store.bodies import KeptPlans, PlanParts
+from kvplan.server.store.bodies import PlanParts
 from kvplan.v1 import plan_pb2, service_pb2, service_pb2_grpc
 
 log = logging.getLogger("kvplan.server")
 
-# C0 and C1 control characters: no engine id needs one, and they forge log lines.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # Serialized bytes of one Lease in a reply besides its engine id and device uuid
 # (numbers, timestamps, the device account, framing): a generous upper bound.
 LEASE_REPLY_BYTES = 256
@@ -66,226 +65,28 @@ _T = TypeVar("_T")
 CHECKED_RANKS = 4096  # digests of rank requests already converted (_check_rank)
 
 
-@dataclass(frozen=True)
-class PlanSummary:
-    """What a plan's metrics and log line say of it: kept with a remembered plan,
-    so that reusing it needs no parse of its bytes."""
+@dataclass
+class _PlanCall:
+    """What one plan call has learned so far, handed from step to step.
 
-    path: str
-    draft_rule: str  # "off" (no spec decode), "none" (no draft group) or the rule
-    groups: int
-    workers: int
-    num_blocks: int
-    largest_tensor_bytes: int  # on the first worker (per-engine metrics)
-
-    @classmethod
-    def of(cls, request: plan_pb2.PlanRequest, response: plan_pb2.PlanResponse) -> PlanSummary:
-        rule = "off"
-        if request.spec_decode.method in _SPEC_DECODE_ON:
-            flagged = [group for group in response.groups if group.is_draft]
-            rule = _DRAFT_RULE_LABELS[flagged[0].draft_rule] if flagged else "none"
-        tensors = response.workers[0].tensors if response.workers else ()
-        return cls(
-            path=_PATH_LABELS[response.diagnostics.grouping_path],
-            draft_rule=rule,
-            groups=len(response.groups),
-            workers=len(response.workers),
-            num_blocks=response.num_blocks,
-            largest_tensor_bytes=max((t.size_bytes for t in tensors), default=0),
-        )
-
-
-class PlanCache:
-    """Bounded, content-addressed plans: plan id -> serialized response, engine -> plan id.
-
-    Plans are kept serialized: a cache hit goes out as these bytes with no
-    re-serialization. Each distinct body is held once (store/bodies.py): a fleet of
-    engines of one model costs a 60-byte head per engine, not a 35 KB plan
-    (8 workers x 65 layers) each.
-
-    It also remembers
-    - the keys of recent requests by their bytes' digest: `plan_keys` walks the
-      request and hashes it twice (38 µs for 8 workers x 65 layers, against 15 µs
-      to hash its raw bytes once);
-    - which body recent requests' content planned to (`PlanKeys.content`, the
-      request without its engine id). A new engine whose request equals an earlier
-      one but for the engine id gets that body under its own head instead of being
-      planned again: a fleet's new replica of a model costs a lookup, not a plan.
-      A body is reused only while the cache still holds it, and only within one
-      `scope` (the caller's identity): how fast a plan comes back must not tell one
-      tenant what another planned.
+    `in_thread`: the engine is over --offload-layers, so its heavy steps run in a
+    worker thread (`PlannerServicer._run`); decided once per call (summing the
+    layers of 8 workers x 65 layers costs 3.9 µs). `encoded`: its workers'
+    `encode_workers`, serialized once for the keys and the conversion alike.
+    `digest`: SHA-256 of the request's wire bytes (see PlanCache.keys). `keys`:
+    its plan keys, once known. `repeats`: the same request may come again, so its
+    keys are remembered (a merged rendezvous request does not come in as these
+    bytes). `publish`: a new plan becomes the engine's plan and is persisted at
+    once (otherwise the caller does that once its leases are granted).
     """
 
-    def __init__(self, capacity: int, max_bytes: int = 32 * 1024 * 1024) -> None:
-        self._capacity = capacity
-        # Plans of large engines are big: bound the bytes too (heads and distinct
-        # bodies), so the server's memory stays flat whatever engines it sees.
-        self._plans = KeptPlans(capacity, max_bytes)
-        self._keys: OrderedDict[bytes, PlanKeys] = OrderedDict()  # request digest -> keys
-        # (scope, content key) -> (body digest, summary): a few hundred bytes an entry.
-        self._known: OrderedDict[tuple[str, bytes], tuple[bytes, PlanSummary]] = OrderedDict()
-
-    def keys(
-        self,
-        request: plan_pb2.PlanRequest,
-        request_digest: bytes | None = None,
-        encoded_workers: Sequence[WorkerBytes] | None = None,
-    ) -> PlanKeys:
-        """`plan_keys(request)`, computed once per distinct request.
-
-        `request_digest`: the SHA-256 of bytes that parse to `request` (the bytes it
-        came in as); without it, of its deterministic serialization. Equal bytes are
-        an equal request, so the digest stands for the request; remembered keys stay
-        right after their plan is evicted. `encoded_workers`: see `plan_keys`.
-        """
-        digest = (
-            request_digest or hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
-        )
-        keys = self._keys.get(digest)
-        if keys is not None:
-            self._keys.move_to_end(digest)
-            return keys
-        keys = plan_keys(request, encoded_workers)
-        self._keys[digest] = keys
-        if len(self._keys) > self._capacity:
-            self._keys.popitem(last=False)
-        return keys
-
-    def known_plan(
-        self, keys: PlanKeys, engine_id: str, scope: str
-    ) -> tuple[PlanParts, PlanSummary] | None:
-        """The plan of an earlier request with this content in this scope, under
-        this engine's ids, if its body is still held."""
-        known = (scope, keys.content)
-        entry = self._known.get(known)
-        if entry is None:
-            return None
-        body_digest, summary = entry
-        body = self._plans.body(body_digest)
-        if body is None:
-            del self._known[known]
-            return None
-        self._known.move_to_end(known)
-        return PlanParts.joined(keys.plan_id, engine_id, body, body_digest), summary
-
-    def remember_content(
-        self, content: bytes, parts: PlanParts, summary: PlanSummary, scope: str
-    ) -> None:
-        """`content` (a `PlanKeys.content`) plans to `parts`' body, in `scope`."""
-        if not parts.head_length:
-            return  # the body holds the ids (PlanParts.of): not another engine's plan
-        known = (scope, content)
-        self._known[known] = (parts.digest, summary)
-        self._known.move_to_end(known)
-        if len(self._known) > self._capacity:
-            self._known.popitem(last=False)
-
-    def engine_of(self, plan_id: str) -> str | None:
-        return self._plans.engine_of(plan_id)
-
-    def get(self, plan_id: str) -> bytes | None:
-        """The serialized PlanResponse."""
-        return self._plans.get(plan_id, touch=True)
-
-    def for_engine(self, engine_id: str) -> bytes | None:
-        plan_id = self._plans.plan_of(engine_id)
-        return self.get(plan_id) if plan_id else None
-
-    def name_engine(self, engine_id: str, plan_id: str) -> None:
-        """`for_engine(engine_id)` answers with this (kept) plan from now on."""
-        self._plans.name_engine(engine_id, plan_id)
-
-    def put(self, plan: plan_pb2.PlanResponse, *, name_engine: bool = True) -> bytes:
-        """Keep `plan`; returns its serialization (see `keep`)."""
-        serialized = plan.SerializeToString()
-        parts = PlanParts.of(plan.plan_id, plan.engine_id, serialized)
-        self.keep(plan.plan_id, plan.engine_id, parts, name_engine=name_engine)
-        return serialized
-
-    def keep(
-        self, plan_id: str, engine_id: str, parts: PlanParts, *, name_engine: bool = True
-    ) -> None:
-        """Keep a serialized plan. `name_engine=False`: not yet the engine's plan
-        (its leases are not granted yet; see `name_engine`)."""
-        self._plans.keep(plan_id, engine_id, parts, name_engine=name_engine)
-
-    @property
-    def size_bytes(self) -> int:
-        return self._plans.size_bytes
-
-    @property
-    def distinct_bodies(self) -> int:
-        return self._plans.distinct_bodies
-
-
-def _only_rank(serialized: bytes, rank: int) -> plan_pb2.PlanResponse:
-    """One rank's view of a serialized plan: its workers and leases only."""
-    view = parse_message(plan_pb2.PlanResponse, serialized)  # a fresh message: ours to cut
-    for repeated in (view.workers, view.leases):
-        for index in reversed(range(len(repeated))):
-            if repeated[index].rank != rank:
-                del repeated[index]
-    if not view.workers:
-        raise ServiceError("NOT_FOUND", f"plan {view.plan_id} has no rank {rank}", field="rank")
-    return view
-
-
-def _labels(enum: EnumDescriptor, prefix: str) -> dict[int, str]:
-    """Metric and log labels of an enum's values: GROUPING_PATH_HYBRID -> hybrid."""
-    return {value.number: value.name.removeprefix(prefix).lower() for value in enum.values}
-
-
-_PATH_LABELS = _labels(plan_pb2.DESCRIPTOR.enum_types_by_name["GroupingPath"], "GROUPING_PATH_")
-_DRAFT_RULE_LABELS = _labels(plan_pb2.DESCRIPTOR.enum_types_by_name["DraftRule"], "DRAFT_RULE_")
-
-
-def _lease_to_proto(
-    lease: Lease, ttl_s: float, device_account: DeviceAccount | None = None
-) -> plan_pb2.Lease:
-    out = plan_pb2.Lease(
-        engine_id=lease.engine_id,
-        rank=lease.rank,
-        device_uuid=lease.device_uuid,
-        bytes=lease.bytes,
-        allocated_bytes=lease.allocated_bytes,
-        ttl_seconds=ttl_s,
-    )
-    out.granted_at.FromNanoseconds(int(lease.granted_at * 1e9))
-    out.expires_at.FromNanoseconds(int(lease.expires_at * 1e9))
-    if device_account is not None:
-        out.account.CopyFrom(
-            plan_pb2.DeviceAccount(
-                total_bytes=device_account.total_bytes,
-                free_bytes=device_account.free_bytes,
-                commit_limit_bytes=device_account.commit_limit_bytes,
-                committed_bytes=device_account.committed_bytes,
-                outstanding_bytes=device_account.outstanding_bytes,
-                available_to_grant_bytes=device_account.available_to_grant_bytes,
-            )
-        )
-    return out
-
-
-_LEASES_TAG = bytes([plan_pb2.PlanResponse.LEASES_FIELD_NUMBER << 3 | 2])
-
-
-def _with_leases(plan: bytes, leases: Sequence[plan_pb2.Lease]) -> bytes:
-    """The serialized plan with `leases` appended: a repeated field's entries may
-    follow the rest of a message, so the cached bytes are not parsed again."""
-    parts = [plan]
-    for lease in leases:
-        body = lease.SerializeToString()
-        parts.append(_LEASES_TAG + encode_varint(len(body)) + body)
-    return b"".join(parts)
-
-
-_SPEC_DECODE_ON = (
-    plan_pb2.SPEC_DECODE_METHOD_EAGLE,
-    plan_pb2.SPEC_DECODE_METHOD_EAGLE3,
-    plan_pb2.SPEC_DECODE_METHOD_MTP,
-    plan_pb2.SPEC_DECODE_METHOD_DSPARK,
-    plan_pb2.SPEC_DECODE_METHOD_DFLASH,
-)
+    request: plan_pb2.PlanRequest
+    in_thread: bool
+    encoded: Sequence[WorkerBytes]
+    digest: bytes | None = None
+    keys: PlanKeys | None = None
+    repeats: bool = True
+    publish: bool = True
 
 
 class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
@@ -294,6 +95,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
     ) -> None:
         self._settings = settings
         self._metrics = metrics
+        self._limits = RequestLimits(settings, metrics)
         self._probe = probe
         self._store = store
         self._cache = PlanCache(settings.plan_cache_size, settings.plan_cache_bytes)
@@ -315,7 +117,9 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             store,
             # Each rank's limits were checked when it arrived (world_size bounds the
             # worker count): the merged request is not walked again.
-            lambda merged: self._plan_engine(merged, repeats=False),
+            lambda merged: self._plan_engine(
+                _PlanCall(merged, self._offloaded(merged), encode_workers(merged), repeats=False)
+            ),
             metrics,
             max_pending=settings.max_pending_rendezvous,
             max_pending_per_identity=settings.max_pending_rendezvous_per_identity,
@@ -328,49 +132,31 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
 
     # --- the flow: request -> validate -> devices -> plan -> lease -> respond ------
 
-    async def _plan_engine(
-        self,
-        request: plan_pb2.PlanRequest,
-        *,
-        repeats: bool = True,
-        request_digest: bytes | None = None,
-        encoded_workers: Sequence[WorkerBytes] | None = None,
-        offloaded: bool | None = None,
-    ) -> bytes:
+    async def _plan_engine(self, call: _PlanCall) -> bytes:
         """One engine (all its workers): the serialized PlanResponse.
-        `encoded_workers`: the request's `encode_workers`, when the caller has them;
-        `offloaded`: `_offloaded(request)`, when the caller knows it.
 
         Workers that name a device (device.uuid) get their budget from the
         server's probe and ledger and a lease; the others are planned from the
         numbers they sent, and reserve nothing. Its limits were checked on
         arrival (a rendezvous: each rank's)."""
-        if offloaded is None:
-            offloaded = self._offloaded(request)
+        request = call.request
         named = [index for index, worker in enumerate(request.workers) if worker.device.uuid]
         if not named:
-            plan, _ = await self._plan(
-                request,
-                repeats=repeats,
-                request_digest=request_digest,
-                encoded_workers=encoded_workers,
-                offloaded=offloaded,
-            )
+            plan, _ = await self._plan(call)
             return plan
         now = time.time()
         holder = self._holder(request.engine_id)
-        resolved, devices, accounts, view = await self._resolve_devices(
-            request, named, now, offloaded
-        )
+        resolved, devices, accounts, view = await self._resolve_devices(call, named, now)
         # The plan becomes the engine's (GetPlan, persisted) only once it is granted.
-        encoded = await self._encoded_workers(resolved, offloaded)
-        keys = await self._run(functools.partial(plan_keys, resolved, encoded), offloaded)
+        in_thread = call.in_thread
+        encoded = await self._encoded_workers(resolved, in_thread)
+        keys = await self._run(functools.partial(plan_keys, resolved, encoded), in_thread)
         plan, response = await self._plan(
-            resolved, keys=keys, encoded_workers=encoded, publish=False, offloaded=offloaded
+            _PlanCall(resolved, in_thread, encoded, keys=keys, publish=False)
         )
         # Refused before anything is granted: a reply the caller cannot receive
         # must not leave leases behind.
-        self._check_reply_size(
+        self._limits.check_reply_size(
             len(plan)
             + sum(
                 LEASE_REPLY_BYTES + len(request.engine_id) + len(request.workers[i].device.uuid)
@@ -378,12 +164,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             )
         )
         leases = await self._grant(
-            resolved,
-            named,
-            response or await self._parsed_plan(plan),
-            devices,
-            now,
-            holder,
+            resolved, response or await self._parsed_plan(plan), devices, now, holder
         )
         # The gauges from what this call read and wrote, not from a second reading.
         self._metrics.leases_active.set(view.live_leases + len(leases))
@@ -394,95 +175,9 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self._cache.name_engine(request.engine_id, keys.plan_id)
         await self._persist(keys.plan_id, request.engine_id, plan)
         ttl_s = self._settings.lease_ttl_s
-        return _with_leases(
-            plan, [_lease_to_proto(lease, ttl_s, accounts[lease.device_uuid]) for lease in leases]
+        return with_leases(
+            plan, [lease_to_proto(lease, ttl_s, accounts[lease.device_uuid]) for lease in leases]
         )
-
-    def _check_engine_id(self, engine_id: str, field: str = "engine_id") -> None:
-        limit = self._settings.max_engine_id_chars
-        if len(engine_id) > limit:
-            self._metrics.limits_hit.labels("max_engine_id_chars").inc()
-            raise limit_exceeded(
-                "max_engine_id_chars", len(engine_id), limit, "engine_id length", field=field
-            )
-        if _CONTROL.search(engine_id):
-            raise ServiceError(
-                "INVALID_ARGUMENT",
-                "engine_id contains a control character (newline, tab, ...); use printable "
-                "characters",
-                field=field,
-            )
-
-    def _limit(self, flag: str, value: int, what: str, field: str = "") -> None:
-        limit = getattr(self._settings, flag)
-        if value > limit:
-            self._metrics.limits_hit.labels(flag).inc()
-            raise limit_exceeded(flag, value, limit, what, field=field)
-
-    def _check_limits(self, request: plan_pb2.PlanRequest, encoded: Sequence[WorkerBytes]) -> None:
-        """The server's bounds on one request (RESOURCE_EXHAUSTED naming the flag).
-        `encoded`: `encode_workers(request)`."""
-        settings = self._settings
-        self._check_engine_id(request.engine_id)
-        self._limit("max_workers_per_engine", len(request.workers), "workers", "workers")
-        self._limit("max_workers_per_engine", request.world_size, "world_size", "world_size")
-        # Strings that error messages and remembered rendezvous failures repeat (the
-        # message is built only for a string over the limit: 16 -> 7 µs for 8 workers).
-        identifier_limit = settings.max_identifier_chars
-        for value, field in (
-            (request.options.engine_version, "options.engine_version"),
-            (request.spec_decode.target_model_type, "spec_decode.target_model_type"),
-        ):
-            if len(value) > identifier_limit:
-                self._limit("max_identifier_chars", len(value), f"{field} length", field)
-        name_limit = settings.max_layer_name_chars
-        # Names are read (about 0.15 µs each) only where one could be too long: never
-        # twice for the one list tensor-parallel ranks share, and not for a list whose
-        # every layer is serialized in fewer bytes than the limit in characters
-        # (8 workers x 65 layers: 88 -> 11 µs per request; 64 layers: 39 -> 10 µs).
-        named_lists: set[bytes] = set()
-        for index, (worker, worker_bytes) in enumerate(zip(request.workers, encoded, strict=True)):
-            self._limit(
-                "max_layers_per_worker",
-                len(worker.layers),
-                f"layers of worker rank {worker.rank}",
-                f"workers[{index}].layers",
-            )
-            device = worker.device
-            for value, part in ((device.uuid, "uuid"), (device.name, "name")):
-                if len(value) <= identifier_limit:
-                    continue
-                self._limit(
-                    "max_identifier_chars",
-                    len(value),
-                    f"device.{part} length of worker rank {worker.rank}",
-                    f"workers[{index}].device.{part}",
-                )
-            if worker_bytes.layers_key in named_lists:
-                continue
-            named_lists.add(worker_bytes.layers_key)
-            if all(end - start <= name_limit for start, end in worker_bytes.layer_spans):
-                continue
-            for layer_index, layer in enumerate(worker.layers):
-                if len(layer.name) > name_limit:
-                    self._limit(
-                        "max_layer_name_chars",
-                        len(layer.name),
-                        "layer name length",
-                        f"workers[{index}].layers[{layer_index}].name",
-                    )
-
-    def _check_reply_size(self, reply_bytes: int) -> None:
-        limit = self._settings.max_message_bytes
-        if reply_bytes > limit:
-            self._metrics.limits_hit.labels("max_message_bytes").inc()
-            raise limit_exceeded(
-                "max_message_bytes",
-                reply_bytes,
-                limit,
-                "the plan's reply would be this many bytes; plan fewer workers or layers "
-                "per call, or raise the limit on server and client",
-            )
 
     # --- ownership ----------------------------------------------------------------
 
@@ -533,7 +228,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                     self._settings.max_engines_per_identity,
                 )
             except TooManyEngines as refusal:
-                self._limit(
+                self._limits.limit(
                     "max_engines_per_identity",
                     refusal.held + 1,
                     f"engines identity {identity.name!r} would own with {engine_id!r} (reuse "
@@ -591,7 +286,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
     def _refuse_over_quota(self, holder: str, refusal: TooManyLeases) -> None:
         """The store's refusal (it checks --max-leases-per-identity inside its grant
         transaction, so grants at once cannot overshoot) as the limit's error."""
-        self._limit(
+        self._limits.limit(
             "max_leases_per_identity",
             refusal.held + refusal.wanted,
             f"live leases of identity {holder or current_identity().name!r} after this grant",
@@ -619,12 +314,13 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         )
 
     async def _resolve_devices(
-        self, request: plan_pb2.PlanRequest, named: list[int], now: float, offloaded: bool
+        self, call: _PlanCall, named: list[int], now: float
     ) -> tuple[plan_pb2.PlanRequest, dict[str, DeviceState], dict[str, DeviceAccount], LedgerView]:
         """The request with the named devices' numbers from the probe and ledger:
         the device's total memory, and for the free-fraction mode the bytes the
         ledger can still grant. Free memory a worker sent is dropped for named
         devices: the ledger, which knows the other engines' leases, decides."""
+        request = call.request
         if not request.engine_id:
             raise ServiceError(
                 "INVALID_ARGUMENT",
@@ -632,7 +328,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 field="engine_id",
             )
         snapshot = {device.uuid: device for device in self._read_devices()}
-        resolved = await self._run(functools.partial(copy_in_pieces, request), offloaded)
+        resolved = await self._run(functools.partial(copy_in_pieces, request), call.in_thread)
         devices: dict[str, DeviceState] = {}
         for index in named:
             device_ref = resolved.workers[index].device
@@ -676,12 +372,12 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
     async def _grant(
         self,
         request: plan_pb2.PlanRequest,
-        named: list[int],
         plan: plan_pb2.PlanResponse,
         devices: dict[str, DeviceState],
         now: float,
         holder: str,
     ) -> tuple[Lease, ...]:
+        """Leases for the workers that name a device, each its plan's footprint."""
         footprint = {worker.rank: worker.budget.footprint_bytes for worker in plan.workers}
         wanted = [
             LeaseRequest(
@@ -690,7 +386,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 bytes=footprint[worker.rank],
                 in_use_bytes=worker.memory.device_bytes_in_use,
             )
-            for worker in (request.workers[index] for index in named)
+            for worker in request.workers
+            if worker.device.uuid
         ]
         try:
             leases = await self._store.grant(
@@ -736,38 +433,20 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 pass  # unknown owner: the id stays withheld
         return refused.naming(own.__contains__)
 
-    async def _plan(
-        self,
-        request: plan_pb2.PlanRequest,
-        *,
-        repeats: bool = True,
-        request_digest: bytes | None = None,
-        keys: PlanKeys | None = None,
-        encoded_workers: Sequence[WorkerBytes] | None = None,
-        publish: bool = True,
-        offloaded: bool | None = None,
-    ) -> tuple[bytes, plan_pb2.PlanResponse | None]:
+    async def _plan(self, call: _PlanCall) -> tuple[bytes, plan_pb2.PlanResponse | None]:
         """The serialized plan: from the cache, reused from an earlier request with
         the same content (another engine of one model), or planned now; and the
-        planned message (None when not planned here, which leaves only the bytes).
-
-        `repeats`: the same request may come again, so remember its keys (a merged
-        rendezvous request does not come in as these bytes).
-        `request_digest`: see PlanCache.keys. `keys`, `encoded_workers`: already
-        known (`encode_workers(request)`).
-        `publish`: a new plan becomes the engine's plan and is persisted now
-        (otherwise the caller does that once its leases are granted).
-        `offloaded`: `_offloaded(request)`, when the caller knows it.
-        """
-        # Each worker serialized once, for the keys and the conversion alike.
-        encoded = encode_workers(request) if encoded_workers is None else encoded_workers
-        if offloaded is None:
-            offloaded = self._offloaded(request)
+        planned message (None when not planned here, which leaves only the bytes)."""
+        request = call.request
+        keys = call.keys
         if keys is None:
-            if repeats and not offloaded:
-                keys = self._cache.keys(request, request_digest, encoded)
+            if call.repeats and not call.in_thread:
+                keys = self._cache.keys(request, call.digest, call.encoded)
             else:  # a large request's bytes are hashed in a thread
-                keys = await self._run(functools.partial(plan_keys, request, encoded), offloaded)
+                keys = await self._run(
+                    functools.partial(plan_keys, request, call.encoded), call.in_thread
+                )
+            call.keys = keys
         cached = self._cache.get(keys.plan_id)
         if cached is not None:
             self._metrics.cache_hits.inc()
@@ -781,14 +460,14 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             parts, summary = known
         else:
             self._metrics.cache_misses.inc()
-            response, parts = await self._planned(request, keys, encoded, scope, offloaded)
+            response, parts = await self._planned(call, keys, scope)
             summary = PlanSummary.of(request, response)
         # Before anything keeps it: a reply the caller cannot receive is nobody's
         # plan, and must not replace the engine's last one.
-        self._check_reply_size(len(parts.plan))
+        self._limits.check_reply_size(len(parts.plan))
         if known is None:
             self._cache.remember_content(keys.content, parts, summary, scope)
-        self._cache.keep(keys.plan_id, request.engine_id, parts, name_engine=publish)
+        self._cache.keep(keys.plan_id, request.engine_id, parts, name_engine=call.publish)
         self._record(
             request.engine_id,
             keys.plan_id,
@@ -796,21 +475,17 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             time.perf_counter() - start,
             reused=known is not None,
         )
-        if publish:
+        if call.publish:
             await self._persist(keys.plan_id, request.engine_id, parts)
         return parts.plan, response
 
     async def _planned(
-        self,
-        request: plan_pb2.PlanRequest,
-        keys: PlanKeys,
-        encoded: Sequence[WorkerBytes],
-        scope: str,
-        offloaded: bool,
+        self, call: _PlanCall, keys: PlanKeys, scope: str
     ) -> tuple[plan_pb2.PlanResponse, PlanParts]:
         """Planned now, and serialized: of a model planned before (by the same
-        identity, as with reused plans) only the budgets are. `offloaded`: planned
+        identity, as with reused plans) only the budgets are. `call.in_thread`: planned
         in a thread, and serialized there, in pieces (a 52 MB plan: 1.1 s in one call)."""
+        request, encoded, offloaded = call.request, call.encoded, call.in_thread
 
         def planned() -> tuple[plan_pb2.PlanResponse, PlanParts]:
             response = plan_from_proto(
@@ -996,7 +671,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         try:
             offloaded = self._offloaded(request)
             encoded = await self._encoded_workers(request, offloaded)
-            self._check_limits(request, encoded)
+            self._limits.check_request(request, encoded)
             if request.engine_id:
                 await self.authorize(request.engine_id, "plan", claim=True)
             if request.world_size:
@@ -1007,12 +682,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                     self._holder(request.engine_id),
                     worker_bytes=encoded[0].data if len(encoded) == 1 else None,
                 )
-            return await self._plan_engine(
-                request,
-                request_digest=request_digest,
-                encoded_workers=encoded,
-                offloaded=offloaded,
-            )
+            return await self._plan_engine(_PlanCall(request, offloaded, encoded, request_digest))
         except (PlanningError, ServiceError, RemoteStatus, StoreUnavailable) as error:
             await self._fail(context, error)
             raise AssertionError("unreachable") from error
@@ -1051,7 +721,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             self._checked_ranks.popitem(last=False)
 
     async def _find_plan(self, request: service_pb2.GetPlanRequest) -> bytes:
-        self._check_engine_id(request.engine_id)
+        self._limits.check_engine_id(request.engine_id)
         if len(request.plan_id) > 128:
             raise ServiceError("INVALID_ARGUMENT", "not a plan id (too long)", field="plan_id")
         if request.plan_id:
@@ -1082,10 +752,10 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             now = time.time()
             ttl_s = self._settings.lease_ttl_s
             live = [
-                _lease_to_proto(lease, ttl_s)
+                lease_to_proto(lease, ttl_s)
                 for lease in await self._store.engine_leases(request.engine_id, now)
             ]
-            return _with_leases(plan, live)
+            return with_leases(plan, live)
         raise ServiceError("INVALID_ARGUMENT", "give a plan_id or an engine_id", field="plan_id")
 
     async def GetPlan(  # type: ignore[override]
@@ -1096,7 +766,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         try:
             plan = await self._find_plan(request)
             if request.HasField("rank"):
-                view = functools.partial(_only_rank, plan, request.rank)
+                view = functools.partial(only_rank, plan, request.rank)
                 return await self._run(view, len(plan) > LARGE_MESSAGE_BYTES)
             return plan
         except (ServiceError, StoreUnavailable) as error:
@@ -1104,7 +774,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             raise AssertionError("unreachable") from error
 
     def _allocations(self, request: service_pb2.RenewLeasesRequest) -> dict[int, int]:
-        self._limit(
+        self._limits.limit(
             "max_workers_per_engine", len(request.allocations), "allocations", "allocations"
         )
         allocations = {}
@@ -1131,7 +801,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         try:
             if not request.engine_id:
                 raise ServiceError("INVALID_ARGUMENT", "give an engine_id", field="engine_id")
-            self._check_engine_id(request.engine_id)
+            self._limits.check_engine_id(request.engine_id)
             allocations = self._allocations(request)
             await self.authorize(request.engine_id, "renew the leases of")
             ttl_s = self._settings.lease_ttl_s
@@ -1139,7 +809,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             # The owner's heartbeat keeps its ownership too.
             await self.authorize(request.engine_id, "renew the leases of", claim=True)
             return service_pb2.RenewLeasesResponse(
-                leases=[_lease_to_proto(lease, ttl_s) for lease in leases]
+                leases=[lease_to_proto(lease, ttl_s) for lease in leases]
             )
         except (ServiceError, StoreUnavailable) as error:
             await self._fail(context, error)
@@ -1151,7 +821,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         try:
             if not request.engine_id:
                 raise ServiceError("INVALID_ARGUMENT", "give an engine_id", field="engine_id")
-            self._check_engine_id(request.engine_id)
+            self._limits.check_engine_id(request.engine_id)
             await self.authorize(request.engine_id, "release the leases of")
             rank = request.rank if request.HasField("rank") else None
             released = await self._store.release(request.engine_id, rank, time.time())
@@ -1170,7 +840,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 await self._refresh_quietly()
             ttl_s = self._settings.lease_ttl_s
             return service_pb2.ReleasePlanResponse(
-                released=[_lease_to_proto(lease, ttl_s) for lease in released],
+                released=[lease_to_proto(lease, ttl_s) for lease in released],
                 released_bytes=sum(lease.bytes for lease in released),
             )
         except (ServiceError, StoreUnavailable) as error:

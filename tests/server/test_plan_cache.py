@@ -15,8 +15,8 @@ from kvplan.convert.keys import plan_id_for, plan_keys
 from kvplan.server.errors import RemoteStatus, ServiceError
 from kvplan.server.main import RunningServer
 from kvplan.server.metrics import Metrics
+from kvplan.server.plan_cache import PlanCache, PlanSummary
 from kvplan.server.rendezvous import Rendezvous
-from kvplan.server.servicer import PlanCache, PlanSummary
 from kvplan.server.store import RendezvousResult, StoreUnavailable
 from kvplan.server.store.bodies import PlanParts
 from kvplan.server.store.memory import MemoryStore

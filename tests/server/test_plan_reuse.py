@@ -11,7 +11,7 @@ from kvplan.convert import plan_from_proto
 from kvplan.convert.keys import plan_keys
 from kvplan.core.errors import PlanningError
 from kvplan.core.rules import RULE_SETS
-from kvplan.server.servicer import PlanCache, PlanSummary
+from kvplan.server.plan_cache import PlanCache, PlanSummary
 from kvplan.server.store.bodies import PlanParts
 from kvplan.v1 import plan_pb2
 
