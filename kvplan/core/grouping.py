@@ -244,11 +244,12 @@ def approximate_gcd(values: Sequence[int], lower_bound: int | None = None) -> in
     return best
 
 
-def packed_groups(specs: SpecDict, layout: KVCacheLayout) -> list[Grouping] | None:
-    """Groups for block-outermost layouts with mixed page sizes: layers packed
-    side by side inside each block."""
-    if not layout.is_block_outermost or len({s.page_size_bytes for s in specs.values()}) <= 1:
-        return None
+_Bucket = tuple[UniformTypeSpecs, dict[int, list[str]], bool]
+
+
+def _packed_buckets(specs: SpecDict) -> list[_Bucket]:
+    """The layers in buckets of one layer type (first fit, in order), each with its
+    layers by page size and whether every page size has as many layers."""
     buckets: list[SpecDict] = []
     for name, spec in specs.items():
         for bucket in buckets:
@@ -258,7 +259,7 @@ def packed_groups(specs: SpecDict, layout: KVCacheLayout) -> list[Grouping] | No
         else:
             buckets.append({name: spec})
 
-    bucketed: list[tuple[UniformTypeSpecs, dict[int, list[str]], bool]] = []
+    bucketed: list[_Bucket] = []
     for bucket in buckets:
         wrapper = UniformTypeSpecs.from_specs(bucket)
         if wrapper is None:
@@ -268,6 +269,15 @@ def packed_groups(specs: SpecDict, layout: KVCacheLayout) -> list[Grouping] | No
             by_page.setdefault(spec.page_size_bytes, []).append(name)
         balanced = len({len(names) for names in by_page.values()}) == 1
         bucketed.append((wrapper, by_page, balanced))
+    return bucketed
+
+
+def packed_groups(specs: SpecDict, layout: KVCacheLayout) -> list[Grouping] | None:
+    """Groups for block-outermost layouts with mixed page sizes: layers packed
+    side by side inside each block."""
+    if not layout.is_block_outermost or len({s.page_size_bytes for s in specs.values()}) <= 1:
+        return None
+    bucketed = _packed_buckets(specs)
 
     min_repeats = max(
         (
@@ -546,6 +556,66 @@ def _numbered(groupings: list[Grouping], host_resident: int = 0) -> list[KVCache
     ]
 
 
+def _grouping_result(
+    path: GroupingPath,
+    groupings: list[Grouping],
+    specs: SpecDict,
+    rules: RuleSet,
+    warnings: list[PlanWarning],
+    promoted: bool,
+    *,
+    annotation_specs: SpecDict | None = None,
+    annotated_group_count: int | None = None,
+    positional: bool = False,
+    padding: list[PaddingInfo] | None = None,
+    group_size: int = 0,
+    page_sizes_unified: bool = False,
+) -> GroupingResult:
+    """The result of a grouping path, its groups numbered and checked to hold every
+    layer exactly once."""
+    groups = _numbered(groupings)
+    unassigned = _check_exact_partition(
+        groups, specs, missing_allowed=rules.worker_config_checked_after_memory
+    )
+    return GroupingResult(
+        path=path,
+        groups=groups,
+        specs=specs,
+        unassigned=unassigned,
+        annotation_specs=specs if annotation_specs is None else annotation_specs,
+        annotated_group_count=(
+            len(groups) if annotated_group_count is None else annotated_group_count
+        ),
+        positional_rules_apply=positional,
+        warnings=warnings,
+        padding=padding or [],
+        group_size=group_size,
+        page_sizes_unified=page_sizes_unified,
+        local_attention_promoted=promoted,
+    )
+
+
+def _split_hidden_state(
+    specs: SpecDict, distinct: Sequence[KVCacheSpec]
+) -> tuple[dict[str, HiddenStateCacheSpec], SpecDict]:
+    """(the hidden-state cache layers, the other layers)."""
+    if not any(isinstance(spec, HiddenStateCacheSpec) for spec in distinct):
+        return {}, specs
+    hidden = {n: s for n, s in specs.items() if isinstance(s, HiddenStateCacheSpec)}
+    filtered = {n: s for n, s in specs.items() if n not in hidden}
+    if not filtered:
+        # Every release groups hidden-state caches of differing specs only
+        # beside other layers, whose common page they are aligned to; with
+        # none, its grouping has no bucket to size groups by (min() of none).
+        raise UnplannableSpecs(
+            "every layer with a KV cache is a hidden-state cache and their specs "
+            f"differ ({len(hidden)} layers): hidden-state caches of different specs "
+            "are grouped only beside attention or Mamba layers, whose common page "
+            "they are aligned to; give them one spec, or plan them with such layers"
+        )
+    return hidden, filtered
+
+
 def group_layers(
     specs: SpecDict,
     *,
@@ -561,37 +631,8 @@ def group_layers(
     if disable_hybrid:
         specs, promoted = _disable_hybrid(specs, warnings, rules)
 
-    def done(
-        path: GroupingPath,
-        groupings: list[Grouping],
-        *,
-        annotation_specs: SpecDict | None = None,
-        annotated_group_count: int | None = None,
-        positional: bool = False,
-        padding: list[PaddingInfo] | None = None,
-        group_size: int = 0,
-        page_sizes_unified: bool = False,
-    ) -> GroupingResult:
-        groups = _numbered(groupings)
-        unassigned = _check_exact_partition(
-            groups, specs, missing_allowed=rules.worker_config_checked_after_memory
-        )
-        return GroupingResult(
-            path=path,
-            groups=groups,
-            specs=specs,
-            unassigned=unassigned,
-            annotation_specs=specs if annotation_specs is None else annotation_specs,
-            annotated_group_count=(
-                len(groups) if annotated_group_count is None else annotated_group_count
-            ),
-            positional_rules_apply=positional,
-            warnings=warnings,
-            padding=padding or [],
-            group_size=group_size,
-            page_sizes_unified=page_sizes_unified,
-            local_attention_promoted=promoted,
-        )
+    def done(path: GroupingPath, groupings: list[Grouping], **found: Any) -> GroupingResult:
+        return _grouping_result(path, groupings, specs, rules, warnings, promoted, **found)
 
     if not specs:
         return done(GroupingPath.ATTENTION_FREE, [])
@@ -612,22 +653,7 @@ def group_layers(
     if wrapper is not None:
         return done(GroupingPath.UNIFORM_TYPE, [Grouping(tuple(specs), wrapper)])
 
-    hidden: dict[str, HiddenStateCacheSpec] = {}
-    filtered = specs
-    if any(isinstance(spec, HiddenStateCacheSpec) for spec in distinct):
-        hidden = {n: s for n, s in specs.items() if isinstance(s, HiddenStateCacheSpec)}
-        filtered = {n: s for n, s in specs.items() if n not in hidden}
-        if not filtered:
-            # Every release groups hidden-state caches of differing specs only
-            # beside other layers, whose common page they are aligned to; with
-            # none, its grouping has no bucket to size groups by (min() of none).
-            raise UnplannableSpecs(
-                "every layer with a KV cache is a hidden-state cache and their specs "
-                f"differ ({len(hidden)} layers): hidden-state caches of different specs "
-                "are grouped only beside attention or Mamba layers, whose common page "
-                "they are aligned to; give them one spec, or plan them with such layers"
-            )
-
+    hidden, filtered = _split_hidden_state(specs, distinct)
     packed = packed_groups(filtered, layout)
     if packed is not None:
         # Blocks are strided by the widest group, so hidden-state pages need no alignment.

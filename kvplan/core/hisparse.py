@@ -107,6 +107,66 @@ def _device_buffer_size(config: HiSparseConfig, top_k: int, max_decode_query_len
     return size
 
 
+_Member = tuple[str, MLAAttentionSpec]
+_GroupEntry = tuple[tuple[str, ...], KVCacheSpec, bool]
+
+
+def _packed_units(source: dict[str, MLAAttentionSpec], indexer_page: int) -> list[list[_Member]]:
+    """The sparse-MLA layers in units (an index group leader starts one), packed in
+    order into hot-cache groups of at most the indexer's page."""
+    units: list[list[_Member]] = []
+    for name, spec in source.items():
+        if spec.is_index_group_leader or not units:
+            units.append([])
+        units[-1].append((name, spec))
+    packed: list[list[_Member]] = []
+    current: list[_Member] = []
+    current_page = 0
+    for unit in units:
+        unit_page = sum(spec.page_size_bytes for _, spec in unit)
+        if current and current_page + unit_page > indexer_page:
+            packed.append(current)
+            current, current_page = [], 0
+        current.extend(unit)
+        current_page += unit_page
+    if current:
+        packed.append(current)
+    return packed
+
+
+def _resident_and_hot_groups(
+    packed: list[list[_Member]], block_size: int, hot_blocks: int
+) -> tuple[list[_GroupEntry], list[_GroupEntry]]:
+    """Per packed group, its device-resident group and its hot-cache group."""
+    resident: list[_GroupEntry] = []
+    hot: list[_GroupEntry] = []
+    for members in packed:
+        pages = {spec.page_size_bytes for _, spec in members}
+        if len(pages) != 1:
+            raise UnplannableSpecs(
+                f"HiSparse hot-cache groups need one page size, got {sorted(pages)} bytes"
+            )
+        page = pages.pop()
+        names = [name for name, _ in members]
+        resident.append(
+            (
+                tuple(name + RESIDENT_SUFFIX for name in names),
+                HiSparseResidentSpec(block_size=block_size, page_size=page),
+                False,
+            )
+        )
+        hot.append(
+            (
+                tuple(name + HOT_SUFFIX for name in names),
+                HiSparseHotSpec(
+                    block_size=block_size, page_size=page, blocks_per_request=hot_blocks
+                ),
+                False,
+            )
+        )
+    return resident, hot
+
+
 def hisparse_groups(
     specs: dict[str, KVCacheSpec],
     config: HiSparseConfig,
@@ -163,50 +223,9 @@ def hisparse_groups(
         raise UnplannableSpecs("HiSparse needs the indexer layers to be of one type")
     indexer_page = sum(spec.page_size_bytes for spec in indexer.values())
 
-    units: list[list[tuple[str, MLAAttentionSpec]]] = []
-    for name, spec in source.items():
-        if spec.is_index_group_leader or not units:
-            units.append([])
-        units[-1].append((name, spec))
-    packed: list[list[tuple[str, MLAAttentionSpec]]] = []
-    current: list[tuple[str, MLAAttentionSpec]] = []
-    current_page = 0
-    for unit in units:
-        unit_page = sum(spec.page_size_bytes for _, spec in unit)
-        if current and current_page + unit_page > indexer_page:
-            packed.append(current)
-            current, current_page = [], 0
-        current.extend(unit)
-        current_page += unit_page
-    if current:
-        packed.append(current)
-
-    resident: list[tuple[tuple[str, ...], KVCacheSpec, bool]] = []
-    hot: list[tuple[tuple[str, ...], KVCacheSpec, bool]] = []
-    for members in packed:
-        pages = {spec.page_size_bytes for _, spec in members}
-        if len(pages) != 1:
-            raise UnplannableSpecs(
-                f"HiSparse hot-cache groups need one page size, got {sorted(pages)} bytes"
-            )
-        page = pages.pop()
-        names = [name for name, _ in members]
-        resident.append(
-            (
-                tuple(name + RESIDENT_SUFFIX for name in names),
-                HiSparseResidentSpec(block_size=block_size, page_size=page),
-                False,
-            )
-        )
-        hot.append(
-            (
-                tuple(name + HOT_SUFFIX for name in names),
-                HiSparseHotSpec(
-                    block_size=block_size, page_size=page, blocks_per_request=hot_blocks
-                ),
-                False,
-            )
-        )
+    resident, hot = _resident_and_hot_groups(
+        _packed_units(source, indexer_page), block_size, hot_blocks
+    )
     source_wrapper = UniformTypeSpecs.from_specs(source)
     if source_wrapper is None:
         raise UnplannableSpecs("HiSparse needs the sparse-MLA layers to be of one type")

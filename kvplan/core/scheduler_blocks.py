@@ -131,6 +131,77 @@ def _partial_hash_hits(groups: list[KVCacheGroup], hash_block: int, options: Eng
     )
 
 
+def _check_hash_alignment(
+    groups: list[KVCacheGroup], options: EngineOptions, block_sizes: tuple[int, int]
+) -> None:
+    """Prefix-cache hashing finer than the scheduler's block: its unit divides every
+    prefix-cacheable group's block, and hits land on a multiple of every compressed
+    layer's tokens per state."""
+    scheduler, hash_block = block_sizes
+    unit = options.prefix_match_unit
+    dcp = options.decode_context_parallel_size
+    sizes = _hashing_sizes(groups, dcp)
+    if any(size % hash_block for size in sizes):
+        raise InvalidRequest(
+            f"prefix_match_unit {hash_block} does not divide the block sizes of the "
+            f"prefix-cacheable KV cache groups ({sizes} tokens). Set it to a common "
+            f"divisor of them (the largest is {math.gcd(*sizes)}) or leave it unset",
+            field="options.prefix_match_unit",
+        )
+    alignments = sorted(
+        {
+            tokens
+            for group in groups
+            if (spec := group.representative_spec).prefix_cacheable
+            and isinstance(tokens := getattr(spec, "tokens_per_state", 1), int)
+            and tokens > 1
+        }
+    )
+    hit_alignment = hash_block if _partial_hash_hits(groups, hash_block, options) else scheduler
+    if any(hit_alignment % tokens for tokens in alignments):
+        source = (
+            f"prefix_match_unit {unit}"
+            if unit is not None and hit_alignment == hash_block
+            else "the groups' block sizes"
+        )
+        raise InvalidRequest(
+            f"prefix-cache hits would land every {hit_alignment} tokens (from {source}), "
+            f"which is not a multiple of every compressed layer's tokens per state "
+            f"({alignments}). Choose a prefix_match_unit (or block sizes) that is, or "
+            "disable prefix caching",
+            field="options.prefix_match_unit",
+        )
+
+
+def _check_hybrid_caching(groups: list[KVCacheGroup], dcp: int) -> None:
+    """The several-group (hybrid) manager with prefix caching, in its order."""
+    if dcp > 1:
+        for group in groups:
+            spec = group.representative_spec
+            if not isinstance(spec, FullAttentionSpec) and spec.dcp_sharded:
+                raise UnplannableSpecs(
+                    "decode context parallelism with prefix caching over several KV "
+                    "cache groups supports full-attention (and MLA), Mamba and "
+                    f"replicated groups; group {group.group_id} holds "
+                    f"{type(spec).__name__} layers "
+                    f"{list(group.layer_names[:2])} sharded across the DCP ranks. Set "
+                    "dcp_sharded = false on them, disable prefix caching, or set "
+                    "decode_context_parallel_size = 1",
+                    field="options.parallel.decode_context_parallel_size",
+                )
+    if not any(group.representative_spec.prefix_cacheable for group in groups):
+        raise InvalidRequest(
+            "prefix caching is on, but no KV cache group can be prefix-cached"
+            + (
+                " (this engine has no KV cache group)"
+                if not groups
+                else " (every group opts out, e.g. circular buffers or bounded replay)"
+            )
+            + ": set options.enable_prefix_caching = false",
+            field="options.enable_prefix_caching",
+        )
+
+
 def _check_start(
     groups: list[KVCacheGroup],
     options: EngineOptions,
@@ -141,7 +212,7 @@ def _check_start(
 ) -> None:
     """Raise what the engine's scheduler raises when it starts with these groups
     (the lowest rank's) and block sizes; `caching`: `_prefix_caching_in_effect`."""
-    scheduler, hash_block = block_sizes
+    scheduler = block_sizes[0]
     unit = options.prefix_match_unit
     dcp = options.decode_context_parallel_size
     if len(groups) == 1 and _hashing(options, caching) and unit is not None and unit != scheduler:
@@ -167,37 +238,7 @@ def _check_start(
             field="workers",
         )
     if _hashes_finely(groups, options, caching):
-        sizes = _hashing_sizes(groups, dcp)
-        if any(size % hash_block for size in sizes):
-            raise InvalidRequest(
-                f"prefix_match_unit {hash_block} does not divide the block sizes of the "
-                f"prefix-cacheable KV cache groups ({sizes} tokens). Set it to a common "
-                f"divisor of them (the largest is {math.gcd(*sizes)}) or leave it unset",
-                field="options.prefix_match_unit",
-            )
-        alignments = sorted(
-            {
-                tokens
-                for group in groups
-                if (spec := group.representative_spec).prefix_cacheable
-                and isinstance(tokens := getattr(spec, "tokens_per_state", 1), int)
-                and tokens > 1
-            }
-        )
-        hit_alignment = hash_block if _partial_hash_hits(groups, hash_block, options) else scheduler
-        if any(hit_alignment % tokens for tokens in alignments):
-            source = (
-                f"prefix_match_unit {unit}"
-                if unit is not None and hit_alignment == hash_block
-                else "the groups' block sizes"
-            )
-            raise InvalidRequest(
-                f"prefix-cache hits would land every {hit_alignment} tokens (from {source}), "
-                f"which is not a multiple of every compressed layer's tokens per state "
-                f"({alignments}). Choose a prefix_match_unit (or block sizes) that is, or "
-                "disable prefix caching",
-                field="options.prefix_match_unit",
-            )
+        _check_hash_alignment(groups, options, block_sizes)
     lookahead = spec_decode.prefill_lookahead_tokens
     if caching and scheduler < lookahead:
         # The drafter's prefill lookahead must fit in the last block a prefix-cache
@@ -229,32 +270,7 @@ def _check_start(
                     field="options.block_size",
                 )
     if caching and len(groups) != 1:
-        # The several-group (hybrid) manager with prefix caching, in its order.
-        if dcp > 1:
-            for group in groups:
-                spec = group.representative_spec
-                if not isinstance(spec, FullAttentionSpec) and spec.dcp_sharded:
-                    raise UnplannableSpecs(
-                        "decode context parallelism with prefix caching over several KV "
-                        "cache groups supports full-attention (and MLA), Mamba and "
-                        f"replicated groups; group {group.group_id} holds "
-                        f"{type(spec).__name__} layers "
-                        f"{list(group.layer_names[:2])} sharded across the DCP ranks. Set "
-                        "dcp_sharded = false on them, disable prefix caching, or set "
-                        "decode_context_parallel_size = 1",
-                        field="options.parallel.decode_context_parallel_size",
-                    )
-        if not any(group.representative_spec.prefix_cacheable for group in groups):
-            raise InvalidRequest(
-                "prefix caching is on, but no KV cache group can be prefix-cached"
-                + (
-                    " (this engine has no KV cache group)"
-                    if not groups
-                    else " (every group opts out, e.g. circular buffers or bounded replay)"
-                )
-                + ": set options.enable_prefix_caching = false",
-                field="options.enable_prefix_caching",
-            )
+        _check_hybrid_caching(groups, dcp)
 
 
 @dataclass(frozen=True)
