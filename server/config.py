@@ -16,6 +16,9 @@ class Settings:
     port: int = 50051  # gRPC
     metrics_port: int = 9464  # Prometheus /metrics; 0 disables, -1 picks a free port
     metrics_host: str = ""  # "": the gRPC bind address
+    # A plaintext port serving only grpc.health.v1 (0: none): kubelet's built-in gRPC
+    # probe speaks no TLS, so it cannot check a TLS port.
+    health_port: int = 0
     log_format: str = "text"  # "text" or "json"
     log_level: str = "INFO"
     probe: str = "auto"  # auto (NVML where a driver is, else static), nvml, torch, static
@@ -69,6 +72,8 @@ _HELP = {
     "port": "gRPC port",
     "metrics_port": "Prometheus metrics port (0: off, -1: a free port)",
     "metrics_host": "address of the metrics endpoint (empty: the gRPC address)",
+    "health_port": "plaintext port serving only grpc.health.v1, for kubelet's gRPC probe "
+    "(0: none; -1: a free port)",
     "log_format": "text or json",
     "log_level": "DEBUG, INFO, WARNING, ...",
     "probe": "device probe: auto, nvml, torch or static",

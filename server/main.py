@@ -144,6 +144,8 @@ class RunningServer:
     _sweeper: asyncio.Task[None] | None = None
     _health_watch: asyncio.Task[None] | None = None
     _heap_trimmer: asyncio.Task[None] | None = None
+    health_server: grpc.aio.Server | None = None
+    health_port: int = 0
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING, waiting ranks get UNAVAILABLE; every call received
@@ -156,6 +158,8 @@ class RunningServer:
         if cut:
             log.warning("drain: grace period over", extra={"answered_unavailable": cut})
         await self.server.stop(0)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         for task in (self._sweeper, self._health_watch, self._heap_trimmer):
             if task is not None:
                 await cancel_and_wait(task)
@@ -187,7 +191,10 @@ async def _return_freed_memory(drain: Drain, interval_s: float) -> None:
 
 
 async def _watch_store(
-    store: Store, health_servicer: health.aio.HealthServicer, interval_s: float
+    store: Store,
+    health_servicer: health.aio.HealthServicer,
+    interval_s: float,
+    metrics: Metrics | None = None,
 ) -> None:
     """The planner service (kvplan.v1.KVCachePlanner) is NOT_SERVING while its
     store does not answer; the server's overall status ("") is not changed."""
@@ -211,6 +218,8 @@ async def _watch_store(
             # The planner service only: "" stays the process's liveness, which a
             # restart would not improve while the store is away.
             await health_servicer.set(SERVICE_NAME, status)
+            if metrics is not None:
+                metrics.store_up.set(1 if healthy else 0)
             if healthy:
                 log.info("store reachable again: SERVING")
 
@@ -270,6 +279,7 @@ async def start_server(settings: Settings) -> RunningServer:
                 extra={"metrics_host": metrics_host},
             )
     await server.start()
+    health_server, health_port = await _start_health_server(settings, host, health_servicer)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     devices = await servicer.refresh_device_metrics()
@@ -277,7 +287,7 @@ async def start_server(settings: Settings) -> RunningServer:
         _sweep_leases(servicer, min(5.0, settings.lease_ttl_s / 4)), name="kvplan-lease-sweeper"
     )
     health_watch = asyncio.create_task(
-        _watch_store(store, health_servicer, settings.health_interval_s),
+        _watch_store(store, health_servicer, settings.health_interval_s, metrics),
         name="kvplan-store-health",
     )
     heap_trimmer = asyncio.create_task(
@@ -290,6 +300,7 @@ async def start_server(settings: Settings) -> RunningServer:
             "host": host,
             "port": port,
             "metrics_port": metrics_port,
+            "health_port": health_port,
             "security": authenticator.mode,
             "probe": probe.name,
             "devices": len(devices),
@@ -312,7 +323,33 @@ async def start_server(settings: Settings) -> RunningServer:
         sweeper,
         health_watch,
         heap_trimmer,
+        health_server,
+        health_port,
     )
+
+
+async def _start_health_server(
+    settings: Settings, host: str, health_servicer: health.aio.HealthServicer
+) -> tuple[grpc.aio.Server | None, int]:
+    """The plaintext health-only listener (--health-port), or none. It shares the main
+    server's HealthServicer, so it reports the same SERVING / NOT_SERVING (the planner
+    service follows the store); it serves nothing else, so it needs no credentials."""
+    if settings.health_port == 0:
+        return None, 0
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4096)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address_host = settings.metrics_host or host
+    port_wanted = max(settings.health_port, 0)
+    address = (
+        f"[{address_host}]:{port_wanted}"
+        if ":" in address_host
+        else f"{address_host}:{port_wanted}"
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the health port to {address}")
+    await server.start()
+    return server, port
 
 
 async def _serve(settings: Settings) -> None:

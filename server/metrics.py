@@ -10,7 +10,14 @@ from typing import Any
 
 import grpc
 import grpc.aio
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+)
 
 from kvplan import __version__
 
@@ -187,6 +194,16 @@ class Metrics:
             "Handler exceptions answered INTERNAL (each logged with its request id).",
             registry=self.registry,
         )
+        self.store_up = Gauge(
+            "kvplan_store_up",
+            "1 while the store answers the health check's ping, 0 while it does not (the "
+            "planner service is NOT_SERVING then).",
+            registry=self.registry,
+        )
+        self.store_up.set(1)
+        # process_cpu_seconds_total, process_resident_memory_bytes, ... (Linux /proc):
+        # the registry is the server's own, so the default one's collector is not in it.
+        ProcessCollector(registry=self.registry)
         build = Info("kvplan_build", "kvplan build information.", registry=self.registry)
         build.info({"version": __version__})
 

@@ -457,10 +457,12 @@ async def test_health_is_not_serving_while_the_store_is_unreachable(tmp_path: Pa
                 assert await status() == health_pb2.HealthCheckResponse.SERVING
                 await asyncio.to_thread(redis_server.stop)
                 await becomes(health_pb2.HealthCheckResponse.NOT_SERVING)
+                assert running.metrics.store_up._value.get() == 0  # the dashboard's health
                 overall = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
                 assert overall.status == health_pb2.HealthCheckResponse.SERVING  # liveness
                 await asyncio.to_thread(redis_server.start)
                 await becomes(health_pb2.HealthCheckResponse.SERVING)
+                assert running.metrics.store_up._value.get() == 1
         finally:
             await running.stop(0)
 

@@ -731,3 +731,41 @@ async def test_without_authentication_no_ownership_is_recorded(tmp_path: Path) -
         await running.stop(0)
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT count(*) FROM engine_owner").fetchone() == (0,)
+
+
+async def test_the_health_port_answers_kubelet_in_plaintext_beside_a_tls_port(pki: Pki) -> None:
+    # kubelet's built-in gRPC probe speaks no TLS: --health-port gives it a plaintext
+    # listener that serves grpc.health.v1 and nothing else.
+    running = await start_server(
+        replace(
+            TEST_SETTINGS,
+            devices="1xH100-80GB",
+            tls_cert=str(pki.server_cert),
+            tls_key=str(pki.server_key),
+            tls_client_ca=str(pki.client_ca),
+            health_port=-1,
+        )
+    )
+    try:
+        assert running.health_port not in (0, running.port)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.health_port}") as channel:
+            health_stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "kvplan.v1.KVCachePlanner"):
+                answer = await health_stub.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=2
+                )
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in reflection.ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=2
+                ):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            await running.health.enter_graceful_shutdown()
+            answer = await health_stub.Check(
+                health_pb2.HealthCheckRequest(service="kvplan.v1.KVCachePlanner"), timeout=2
+            )
+            assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        await running.stop(0)
