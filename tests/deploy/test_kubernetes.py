@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from kvplan.server.config import parse_settings
+from kvplan.server.probes import open_probe
 from tests.deploy.tools import DASHBOARD, KUBERNETES, RULES_FILE, debian_prometheus_binary, kubectl
 
 KUBERNETES_VERSIONS = ("1.36.0", "1.37.0")
@@ -147,7 +148,7 @@ def test_every_container_runs_locked_down(rendered: dict[Any, list[dict[str, Any
 
 
 def test_the_planner_is_probed_over_grpc_and_its_settings_parse(
-    rendered: dict[Any, list[dict[str, Any]]],
+    rendered: dict[Any, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     for case, objects in rendered.items():
         (container,) = planner(objects)["spec"]["template"]["spec"]["containers"]
@@ -174,6 +175,14 @@ def test_the_planner_is_probed_over_grpc_and_its_settings_parse(
         assert volumes["tokens"]["secret"]["secretName"] == "kvplan-tokens"
         assert settings.tls_cert == f"{mounts['tls']}/tls.crt"
         assert settings.token_file == f"{mounts['tokens']}/tokens"
+        # The GPU inventory: a ConfigMap that kvplan's static probe reads as it is.
+        assert (settings.probe, settings.devices) == ("static", f"{mounts['devices']}/devices.yaml")
+        inventory = find(objects, "ConfigMap", volumes["devices"]["configMap"]["name"])
+        inventory_file = tmp_path / "devices.yaml"
+        inventory_file.write_text(inventory["data"]["devices.yaml"])
+        probe = open_probe(settings.probe, str(inventory_file))
+        uuids = [device.uuid for device in probe.snapshot()]
+        assert uuids and all(uuid.startswith("GPU-") for uuid in uuids)
         if "cert-manager" in case[1]:
             certificate = find(objects, "Certificate")
             assert certificate["spec"]["secretName"] == "kvplan-tls"
