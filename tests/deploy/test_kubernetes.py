@@ -22,6 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvplan.client.vllm_plugin.settings import Mode
+from kvplan.client.vllm_plugin.settings import Settings as PluginSettings
 from kvplan.server.config import parse_settings
 from kvplan.server.probes import open_probe
 from tests.deploy.tools import DASHBOARD, KUBERNETES, RULES_FILE, debian_prometheus_binary, kubectl
@@ -308,3 +310,56 @@ def test_the_dashboard_and_rules_ship_as_their_files(
         timeout=60,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_vllm_example_reaches_kvplan_in_lease_mode(
+    rendered: dict[Any, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    rendered_example = subprocess.run(
+        [kubectl(), "kustomize", str(KUBERNETES / "examples" / "vllm")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert rendered_example.returncode == 0, rendered_example.stderr
+    objects = [doc for doc in yaml.safe_load_all(rendered_example.stdout) if doc]
+    for version in KUBERNETES_VERSIONS:
+        for obj in objects:
+            kubernetes_validate.validate(obj, version, strict=True)
+    pod = find(objects, "Deployment")["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    env = container_env(container)
+    assert env["KVPLAN_ENGINE_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+    # kvplan's NetworkPolicy admits this pod, and its address is kvplan's gRPC Service.
+    kvplan_objects = rendered[("single", ())]
+    policy = find(kvplan_objects, "NetworkPolicy", "kvplan")
+    grpc_peers = next(
+        r["from"] for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "grpc"
+    )
+    assert any(
+        selects(p["podSelector"]["matchLabels"], pod["metadata"]["labels"]) for p in grpc_peers
+    )
+    service = find(kvplan_objects, "Service", "kvplan")
+    host, port = env["KVPLAN_ADDR"].rsplit(":", 1)
+    assert host.split(".")[0] == service["metadata"]["name"]
+    assert int(port) == service["spec"]["ports"][0]["port"]
+
+    # The plugin reads these settings as they are, the Secrets' files standing in.
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    files = {
+        env["KVPLAN_CLIENT_TOKEN_FILE"]: b"engine-token\n",
+        env["KVPLAN_TLS_CA"]: b"-----BEGIN CERTIFICATE-----\n",
+    }
+    plugin_env = {k: v for k, v in env.items() if isinstance(v, str)}
+    plugin_env["KVPLAN_ENGINE_ID"] = "vllm-llama-0"
+    for path, content in files.items():
+        assert any(path.startswith(mount + "/") for mount in mounts.values()), path
+        local = tmp_path / Path(path).name
+        local.write_bytes(content)
+        plugin_env = {k: (str(local) if v == path else v) for k, v in plugin_env.items()}
+    settings = PluginSettings.from_env(plugin_env)
+    assert settings.mode is Mode.LEASE and settings.engine_id == "vllm-llama-0"
+    assert settings.security.token == "engine-token"
+    assert settings.security.tls and settings.security.server_name == "kvplan.kvplan.svc"
