@@ -9,14 +9,18 @@
 # `torch` extra). Devices come from KVPLAN_DEVICES, a static inventory, or from what the
 # workers report. See docs/deployment.md.
 
+# The Python base of both stages. `make image` builds on a Debian bookworm base made
+# with debootstrap where Docker Hub cannot be reached (scripts/build-image).
+ARG PYTHON_IMAGE=python:3.11-slim
+
 # ---- builder: the wheel, from the files .dockerignore lets into the context ----------
-FROM python:3.11-slim AS builder
+FROM ${PYTHON_IMAGE} AS builder
 WORKDIR /src
 COPY . .
 RUN pip wheel --no-cache-dir --disable-pip-version-check --no-deps --wheel-dir /wheels .
 
 # ---- runtime: the wheel with its server extra, in a venv at /opt/kvplan --------------
-FROM python:3.11-slim AS runtime
+FROM ${PYTHON_IMAGE} AS runtime
 
 LABEL org.opencontainers.image.title="kvplan" \
       org.opencontainers.image.description="KV-cache planning gRPC service for LLM inference engines" \

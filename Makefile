@@ -122,5 +122,15 @@ bench-core: $(STAMP)
 docker:
 	docker build -t kvplan .
 
+## The same image without Docker or Docker Hub: podman/buildah (root) on a Debian
+## bookworm Python base made with debootstrap once, then started and health-checked
+## where the host can run containers (scripts/build-image). Not part of `make test`:
+## the first build costs ~2.5 min (apt-get, debootstrap), every later one ~26 s (the
+## tree is the build context, so each change reinstalls the wheel from PyPI), and it
+## needs root and the network; see docs/kubernetes.md#the-image.
+.PHONY: image
+image:
+	bash scripts/build-image kvplan:0.1.0
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache
