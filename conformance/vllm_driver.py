@@ -1003,6 +1003,9 @@ def _num_hash_lookahead_tokens(cfg: Any) -> int:
 # depend on the count, so the pool is started small.
 _MANAGER_POOL_BLOCKS = 64
 
+# The arguments of the last KV cache manager started (and its full scheduler view).
+MANAGER_ARGUMENTS: Json = {}
+
 
 def _fixed_sink_manager() -> None:
     """vLLM 0.32.0-0.34.0 cannot build its sink-attention manager: every manager is
@@ -1061,7 +1064,12 @@ def _start_kv_cache_manager(
         ),
     }
     accepted = inspect.signature(KVCacheManager).parameters
-    KVCacheManager(**{name: value for name, value in arguments.items() if name in accepted})
+    kept = {name: value for name, value in arguments.items() if name in accepted}
+    KVCacheManager(**kept)
+    # The prefix-cache probe (conformance/prefix_probe.py) starts its own manager
+    # from the same arguments, with a pool large enough for its requests.
+    MANAGER_ARGUMENTS.clear()
+    MANAGER_ARGUMENTS.update(kept, scheduler=scheduler)
 
 
 def plan_with_vllm(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None) -> Json:

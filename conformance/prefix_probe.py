@@ -1,0 +1,181 @@
+"""Differential check of kvplan's prefix-cache prediction against each release's
+own KV cache manager (run in that release's CPU environment, like compare.py).
+
+For every generated engine that both planners accept with prefix caching on, this
+starts the release's KVCacheManager (and its coordinator) with the arguments its
+scheduler would give it, stores one request (prefilled one scheduler block per
+step, as chunked prefill caches it, then finished), then asks for the longest
+cache hit of requests that repeat its first N tokens and then diverge, for N just
+under and over each unit, multiples of it, and the draft block drop, and compares
+vLLM's hit length with kvplan.core.prefix_cache.cached_tokens.
+
+    python -m conformance.prefix_probe [--only ID] [--limit K] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from conformance import vllm_driver as driver
+from conformance.compare import for_release
+from conformance.generate import generate_cases
+from kvplan.convert import GPU_MEMORY_BYTES, plan_from_proto, request_from_proto
+from kvplan.core.errors import PlanningError
+from kvplan.core.prefix_cache import PrefixCacheSetup, cached_tokens, facts
+from kvplan.prefix_facts import setup_from_plan
+
+Json = dict[str, Any]
+_STORED_UNITS = 6  # the stored request spans this many scheduler blocks (+ a tail)
+_POOL_BLOCKS = 4096
+
+
+def probe_lengths(setup: PrefixCacheSetup, stored: int) -> list[int]:
+    """Shared-prefix lengths around every unit the rules name."""
+    units = {setup.scheduler_block, setup.hash_block}
+    units |= {g.block_tokens for g in setup.groups}
+    points = {1, stored - 1, stored}
+    for unit in units:
+        for k in (1, 2, 3, _STORED_UNITS - 1):
+            for delta in (-1, 0, 1):
+                points.add(k * unit + delta)
+    return sorted(n for n in points if 0 < n <= stored)
+
+
+def _hasher(hash_block: int, lookahead: int) -> Any:
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    try:
+        from vllm.utils.hashing import sha256_cbor as hash_fn
+    except ImportError:  # pragma: no cover - older layout
+        from vllm.utils import sha256_cbor as hash_fn  # type: ignore[no-redef]
+    init_none_hash(hash_fn)
+    if lookahead:  # 0.33+: the engine hashes with the drafter's lookahead
+        return get_request_block_hasher(hash_block, hash_fn, lookahead)
+    return get_request_block_hasher(hash_block, hash_fn)
+
+
+def _request(rid: str, tokens: list[int], hasher: Any) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(rid, tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+
+
+def vllm_hits(stored: int, lengths: list[int], tail: int) -> list[int]:
+    """Hits the release's own manager gives (driver.MANAGER_ARGUMENTS: the last
+    engine the driver started)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    arguments = dict(driver.MANAGER_ARGUMENTS)
+    scheduler = arguments.pop("scheduler")
+    arguments["kv_cache_config"] = replace(scheduler, num_blocks=_POOL_BLOCKS)
+    arguments["max_model_len"] = max(arguments["max_model_len"], 4 * stored)
+    manager = KVCacheManager(**arguments)
+    hasher = _hasher(
+        arguments["hash_block_size"], arguments.get("num_hash_lookahead_tokens", 0)
+    )
+    step = arguments["scheduler_block_size"]
+    first = _request("stored", list(range(stored)), hasher)
+    manager.get_computed_blocks(first)
+    done = 0
+    while done < stored:
+        take = min(step, stored - done)
+        if manager.allocate_slots(first, take) is None:
+            raise RuntimeError(f"pool of {_POOL_BLOCKS} blocks too small")
+        first.num_computed_tokens += take
+        done += take
+        manager.cache_blocks(first, done)
+    manager.free(first)
+    hits = []
+    for n in lengths:
+        probe = _request(f"p{n}", list(range(n)) + [10**7 + i for i in range(tail)], hasher)
+        _, hit, _ = manager.get_computed_blocks(probe)
+        hits.append(int(hit))
+    return hits
+
+
+def run(only: list[str], limit: int | None) -> Json:
+    cases = generate_cases(20260)
+    if only:
+        cases = [c for c in cases if any(s in c.id for s in only)]
+    if limit is not None:
+        cases = cases[:limit]
+    counts = {"engines": 0, "off": 0, "refused": 0, "crashed": 0, "probes": 0, "agree": 0}
+    disagreements: list[Json] = []
+    crashes: list[Json] = []
+    for case in cases:
+        request = for_release(case.request, driver.ENGINE_VERSION)
+        v = driver.plan_with_vllm(request, GPU_MEMORY_BYTES)
+        try:
+            response = plan_from_proto(request)
+            core = request_from_proto(request)
+        except PlanningError:
+            continue
+        if not v["ok"]:
+            counts["refused"] += 1
+            continue
+        setup = setup_from_plan(core, response)
+        if not driver.MANAGER_ARGUMENTS.get("enable_caching") or not facts(setup).on:
+            counts["off"] += 1
+            if bool(driver.MANAGER_ARGUMENTS.get("enable_caching")) != facts(setup).on:
+                disagreements.append({"id": case.id, "on": "vllm and kvplan differ"})
+            continue
+        unit = max(setup.scheduler_block, max(g.block_tokens for g in setup.groups))
+        stored = _STORED_UNITS * unit + unit // 2 + 1
+        lengths = probe_lengths(setup, stored)
+        tail = unit + 1
+        try:
+            got = vllm_hits(stored, lengths, tail)
+        except Exception as exc:  # vLLM's own manager: report, do not hide
+            counts["crashed"] += 1
+            crashes.append({"id": case.id, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        counts["engines"] += 1
+        for n, hit in zip(lengths, got, strict=True):
+            want = cached_tokens(setup, n, stored, n + tail)
+            counts["probes"] += 1
+            if want == hit:
+                counts["agree"] += 1
+            elif len(disagreements) < 200:
+                disagreements.append(
+                    {
+                        "id": case.id,
+                        "shared": n,
+                        "stored": stored,
+                        "vllm": hit,
+                        "kvplan": want,
+                        "setup": repr(setup),
+                    }
+                )
+    return {"counts": counts, "disagreements": disagreements, "crashes": crashes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", default=[])
+    parser.add_argument("--limit", type=int)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    result = run(args.only, args.limit)
+    result["meta"] = {"vllm": driver.VLLM_VERSION, "seconds": time.perf_counter() - start}
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    c = result["counts"]
+    print(
+        f"vLLM {driver.VLLM_VERSION}: {c['engines']} engines probed, {c['probes']} probes, "
+        f"{c['agree']} agree; {c['off']} with prefix caching off, {c['refused']} refused, "
+        f"{c['crashed']} manager crashes ({result['meta']['seconds']:.0f} s)"
+    )
+    return 0 if c["agree"] == c["probes"] and not result["crashes"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

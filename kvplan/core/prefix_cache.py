@@ -1,0 +1,245 @@
+"""What an engine's prefix cache will do, predicted from its plan.
+
+Pure functions over plain values: the plan's KV cache groups (kind, block size,
+draft flag, whether they take part in prefix caching), the scheduler and hash
+block sizes, and the release's draft-drop rule. The facts are checked against each
+release's own KV cache manager by conformance/prefix_probe.py, which stores one
+request and asks for the longest hit of requests sharing prefixes of many lengths.
+
+The model the facts describe (docs/prefix-caching.md):
+
+* Hits are chained block hashes: a request shares `floor(N / hash_block)` hash
+  blocks with a stored one whose first N tokens it repeats, and a hit never covers
+  the request's last token (it is recomputed for logits).
+* One group: hits land on that group's blocks. Several groups: every group must
+  hit at one common length, a multiple of the hit alignment (the scheduler block,
+  the lcm of the groups' blocks; the hash block where a coarser Mamba block allows
+  partial hash hits).
+* Several groups keep a stored request's blocks only up to its replay boundary,
+  the last alignment boundary before its final token; a Mamba group holds state
+  at that boundary alone, so a shorter shared prefix never hits it.
+* Groups that take the EAGLE last-block drop lose one block of every hit (the
+  drafter's lookahead slot); when the hit is one block, it is emptied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class GroupKind(Enum):
+    FULL = "full"  # full attention, MLA, and their quantised forms
+    SLIDING_WINDOW = "sliding_window"
+    CHUNKED_LOCAL = "chunked_local"
+    MAMBA = "mamba"
+    OTHER = "other"
+
+
+class WhyOff(Enum):
+    ON = ""
+    DISABLED = "disabled"  # options.enable_prefix_caching false, or a model rule
+    NO_CACHEABLE_GROUP = "no_cacheable_group"  # attention-free / every group opts out
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    kind: GroupKind
+    block_tokens: int  # the group's block, DCP-scaled where sharded
+    is_draft: bool
+    prefix_cacheable: bool = True
+    window: int = 0  # sliding window / attention chunk (tokens); 0 for others
+
+
+@dataclass(frozen=True)
+class PrefixCacheSetup:
+    """What decides hits: from the plan and the release's rules."""
+
+    enabled: bool
+    groups: tuple[CacheGroup, ...]
+    scheduler_block: int
+    hash_block: int
+    partial_hash_hits: bool  # hits may land on hash blocks inside a scheduler block
+    block_drop: bool  # the EAGLE last-block drop applies (release rule and method)
+    hash_lookahead: int = 0  # tokens after each hash block its hash also covers
+    # Sliding-window / Mamba checkpoints a stored request keeps: 0 (vLLM's default)
+    # only its replay boundary; None densely; k > 0 one per k tokens as well.
+    retention_interval: int | None = 0
+
+
+@dataclass(frozen=True)
+class PrefixCacheFacts:
+    why_off: WhyOff
+    group_units: tuple[int, ...]  # each group's hit unit (0: takes no part)
+    unit: int  # the engine's effective hit unit: every hit is a multiple (0: off)
+    drop_groups: tuple[int, ...]  # indices of the groups that drop their last block
+    drop_tokens: int  # tokens the drop takes off a hit (0: no drop)
+    min_shared_prefix: int  # the shortest shared prefix that can yield a hit (0: never)
+    # Sliding-window / Mamba groups keep a stored request's state only near its
+    # replay boundary (several groups, sparse retention): shorter shared prefixes
+    # of that request do not hit.
+    boundary_only: bool
+
+    @property
+    def on(self) -> bool:
+        return self.why_off is WhyOff.ON
+
+
+def _drop_groups(setup: PrefixCacheSetup) -> tuple[int, ...]:
+    """The groups that drop: the flagged ones, or every group when none is flagged."""
+    if not setup.block_drop:
+        return ()
+    flagged = tuple(i for i, g in enumerate(setup.groups) if g.is_draft)
+    return flagged or tuple(range(len(setup.groups)))
+
+
+def _alignment(setup: PrefixCacheSetup) -> int:
+    if len(setup.groups) == 1:
+        return setup.groups[0].block_tokens
+    return setup.hash_block if setup.partial_hash_hits else setup.scheduler_block
+
+
+def _sparse_kinds() -> frozenset[GroupKind]:
+    return frozenset({GroupKind.SLIDING_WINDOW, GroupKind.MAMBA})
+
+
+def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
+    cacheable = [i for i, g in enumerate(setup.groups) if g.prefix_cacheable]
+    why = WhyOff.ON
+    if not setup.enabled:
+        why = WhyOff.DISABLED
+    elif not cacheable:
+        why = WhyOff.NO_CACHEABLE_GROUP
+    if why is not WhyOff.ON:
+        return PrefixCacheFacts(why, (), 0, (), 0, 0, False)
+    unit = _alignment(setup)
+    drops = _drop_groups(setup)
+    drop_tokens = min(unit, max((setup.groups[i].block_tokens for i in drops), default=0))
+    boundary_only = setup.retention_interval is not None and any(
+        setup.groups[i].kind in _sparse_kinds() for i in cacheable
+    )
+    return PrefixCacheFacts(
+        why_off=why,
+        group_units=tuple(unit if g.prefix_cacheable else 0 for g in setup.groups),
+        unit=unit,
+        drop_groups=drops,
+        drop_tokens=drop_tokens,
+        min_shared_prefix=unit + (setup.groups[drops[0]].block_tokens if drops else 0)
+        + setup.hash_lookahead,
+        boundary_only=boundary_only,
+    )
+
+
+def replay_boundaries(prompt_tokens: int, scheduler_block: int, dropping: bool) -> set[int]:
+    """Where a later request repeating a stored prompt can resume: its last token
+    is recomputed; with a drop, the block above each candidate is kept too."""
+    if not dropping:
+        return {prompt_tokens - 1}
+    resend = (prompt_tokens - 1) // scheduler_block * scheduler_block
+    extension = prompt_tokens // scheduler_block * scheduler_block
+    return {max(resend - scheduler_block, 0), max(extension - scheduler_block, 0)}
+
+
+class _Stored:
+    """Which blocks (states) of one stored, fully prefilled prompt each group keeps."""
+
+    def __init__(self, setup: PrefixCacheSetup, prompt_tokens: int) -> None:
+        self.setup = setup
+        self.align = _alignment(setup)
+        self.drops = set(_drop_groups(setup))
+        h = setup.hash_block
+        hashed = max(0, prompt_tokens - setup.hash_lookahead) // h * h
+        several = len(setup.groups) > 1
+        self.kept: list[set[int] | None] = []  # None: every block up to `full`
+        self.full: list[int] = []
+        bounds = replay_boundaries(prompt_tokens, setup.scheduler_block, bool(self.drops))
+        for i, g in enumerate(setup.groups):
+            cacheable = prompt_tokens
+            if several and not setup.partial_hash_hits:
+                cacheable = prompt_tokens // setup.scheduler_block * setup.scheduler_block
+                if i in self.drops and cacheable > 0:
+                    cacheable = min(prompt_tokens, cacheable + g.block_tokens)
+            full = min(cacheable, hashed) // g.block_tokens
+            self.full.append(full)
+            self.kept.append(self._kept(i, g, full, bounds))
+
+    def _kept(self, i: int, g: CacheGroup, full: int, bounds: set[int]) -> set[int] | None:
+        retention = self.setup.retention_interval
+        if g.kind not in _sparse_kinds() or retention is None:
+            return None
+        b = g.block_tokens
+        kept: set[int] = set()
+        if g.kind is GroupKind.MAMBA:
+            for bound in bounds:
+                block = bound // self.align * self.align // b - 1
+                if 0 <= block < full:
+                    kept.add(block)
+            return kept
+        if self.align % b:
+            return None
+        need = _window_blocks(g, i in self.drops)
+        shift = 1 if i in self.drops else 0
+        for bound in bounds:
+            end = bound // self.align * self.align // b + shift
+            kept.update(j for j in range(max(0, end - need), min(full, end)))
+        return kept
+
+    def has(self, group: int, block: int) -> bool:
+        kept = self.kept[group]
+        return block < self.full[group] and (kept is None or block in kept)
+
+
+def _window_blocks(group: CacheGroup, dropping: bool) -> int:
+    need = -(-(group.window - 1) // group.block_tokens)
+    return need + (1 if dropping else 0)
+
+
+def _accepts(stored: _Stored, i: int, x: int, matched: int, hashed: int) -> bool:
+    """Whether group `i` can hit at `x` tokens: `matched` tokens of hash blocks agree
+    with the stored prompt; `hashed`: the request's hashed tokens."""
+    if x == 0:
+        return True
+    g = stored.setup.groups[i]
+    b = g.block_tokens
+    drop = b if i in stored.drops and g.kind is not GroupKind.MAMBA else 0
+    end = x + drop
+    if end > matched or end > hashed or end % b:
+        return False
+    if g.kind is GroupKind.MAMBA:
+        return stored.has(i, x // b - 1)
+    first = 0
+    if g.kind is GroupKind.SLIDING_WINDOW:
+        first = max(0, end // b - _window_blocks(g, bool(drop)))
+    return all(stored.has(i, j) for j in range(first, end // b))
+
+
+def cached_tokens(
+    setup: PrefixCacheSetup, shared_prefix: int, stored_tokens: int, request_tokens: int
+) -> int:
+    """Tokens of a request of `request_tokens` served from cache when its first
+    `shared_prefix` tokens repeat a stored, fully prefilled prompt of
+    `stored_tokens` (and the rest differ)."""
+    f = facts(setup)
+    if not f.on or request_tokens <= 1:
+        return 0
+    h, lookahead = setup.hash_block, setup.hash_lookahead
+    matched = max(0, min(shared_prefix, stored_tokens) - lookahead) // h * h
+    hashed = max(0, request_tokens - lookahead) // h * h
+    stored = _Stored(setup, stored_tokens)
+    groups = [i for i, g in enumerate(setup.groups) if g.prefix_cacheable]
+    x = (request_tokens - 1) // f.unit * f.unit
+    while x > 0 and not all(_accepts(stored, i, x, matched, hashed) for i in groups):
+        x -= f.unit
+    return x
+
+
+__all__ = [
+    "CacheGroup",
+    "GroupKind",
+    "PrefixCacheFacts",
+    "PrefixCacheSetup",
+    "WhyOff",
+    "cached_tokens",
+    "replay_boundaries",
+    "facts",
+]

@@ -1,0 +1,86 @@
+"""The prefix-cache setup of a planned engine: its core request (kvplan.convert's
+`request_from_proto`) and the PlanResponse, turned into kvplan.core.prefix_cache's
+plain values."""
+
+from __future__ import annotations
+
+from kvplan.core.prefix_cache import CacheGroup, GroupKind, PrefixCacheSetup
+from kvplan.core.request import EngineRequest
+from kvplan.v1 import plan_pb2, spec_pb2
+
+_KINDS = {
+    "full_attention": GroupKind.FULL,
+    "mla_attention": GroupKind.FULL,
+    "sink_full_attention": GroupKind.FULL,
+    "sliding_window": GroupKind.SLIDING_WINDOW,
+    "sliding_window_mla": GroupKind.SLIDING_WINDOW,
+    "chunked_local_attention": GroupKind.CHUNKED_LOCAL,
+    "mamba": GroupKind.MAMBA,
+}
+
+
+def _non_causal(response: plan_pb2.PlanResponse) -> bool:
+    for group in response.groups:
+        for spec in [group.spec, *group.layer_specs]:
+            kind = spec.WhichOneof("kind")
+            body = getattr(spec, kind) if kind else None
+            if body is not None and getattr(body, "non_causal", False):
+                return True
+    return False
+
+
+def _window(spec: spec_pb2.LayerSpec) -> int:
+    kind = spec.WhichOneof("kind")
+    body = getattr(spec, kind) if kind else None
+    for name in ("sliding_window", "attention_chunk_size"):
+        value = getattr(body, name, 0) if body is not None else 0
+        if isinstance(value, int) and value:
+            return value
+    return 0
+
+
+def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> PrefixCacheSetup:
+    options = request.options
+    dcp = options.decode_context_parallel_size
+    groups = tuple(
+        CacheGroup(
+            kind=_KINDS.get(group.spec.WhichOneof("kind") or "", GroupKind.OTHER),
+            block_tokens=int(group.block_size),
+            is_draft=bool(group.is_draft),
+            prefix_cacheable=bool(group.prefix_cacheable),
+            window=_window(group.spec),
+        )
+        for group in response.groups
+    )
+    enabled = options.enable_prefix_caching and not _non_causal(response)
+    hash_block = int(response.diagnostics.hash_block_size)
+    partial = options.mamba_align_mode and any(
+        g.kind is GroupKind.MAMBA
+        and (g.block_tokens > hash_block or (dcp > 1 and g.block_tokens == hash_block))
+        for g in groups
+    )
+    rules = request.rules
+    spec_decode = request.spec_decode
+    drafter_drops = spec_decode.block_drop_enabled(rules)
+    # 0.33+: block hashes cover the drafter's prefill lookahead instead of a drop
+    # (a KV connector, HiSparse's, keeps the legacy hashes and the drop).
+    lookahead = (
+        spec_decode.prefill_lookahead_tokens
+        if drafter_drops
+        and rules.lookahead_block_hashes
+        and options.hisparse is None
+        and enabled
+        else 0
+    )
+    return PrefixCacheSetup(
+        enabled=enabled,
+        groups=groups,
+        scheduler_block=int(response.diagnostics.scheduler_block_size),
+        hash_block=hash_block,
+        partial_hash_hits=partial and len(groups) > 1,
+        block_drop=drafter_drops and lookahead == 0,
+        hash_lookahead=lookahead,
+    )
+
+
+__all__ = ["setup_from_plan"]
