@@ -39,13 +39,23 @@ def _window(spec: spec_pb2.LayerSpec) -> int:
     return 0
 
 
+def _dcp_sharded(spec: spec_pb2.LayerSpec) -> bool:
+    """Attention specs shard token positions across DCP ranks unless told not to."""
+    kind = spec.WhichOneof("kind")
+    body = getattr(spec, kind) if kind else None
+    params = getattr(body, "attention", None)
+    if params is None or kind == "mamba":
+        return False
+    return not params.HasField("dcp_sharded") or params.dcp_sharded
+
+
 def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> PrefixCacheSetup:
     options = request.options
     dcp = options.decode_context_parallel_size
     groups = tuple(
         CacheGroup(
             kind=_KINDS.get(group.spec.WhichOneof("kind") or "", GroupKind.OTHER),
-            block_tokens=int(group.block_size),
+            block_tokens=int(group.block_size) * (dcp if _dcp_sharded(group.spec) else 1),
             is_draft=bool(group.is_draft),
             prefix_cacheable=bool(group.prefix_cacheable),
             window=_window(group.spec),
