@@ -194,14 +194,25 @@ def _window_blocks(group: CacheGroup, dropping: bool) -> int:
     return need + (1 if dropping else 0)
 
 
-def _accepts(stored: _Stored, i: int, x: int, matched: int, hashed: int) -> bool:
+def _accepts(stored: _Stored, i: int, x: int, matched: int, hashed: int, limit: int) -> bool:
     """Whether group `i` can hit at `x` tokens: `matched` tokens of hash blocks agree
-    with the stored prompt; `hashed`: the request's hashed tokens."""
+    with the stored prompt; `hashed`: the request's hashed tokens; `limit`: the
+    longest hit the request allows."""
     if x == 0:
         return True
     g = stored.setup.groups[i]
     b = g.block_tokens
     drop = b if i in stored.drops and g.kind is not GroupKind.MAMBA else 0
+    if drop and g.kind is GroupKind.SLIDING_WINDOW:
+        # A window longer than the matched run: the run from the first block is the
+        # hit, rounded down to the unit, and its drop falls back a whole unit.
+        last = (x + stored.align) // b - (1 if b == stored.align else 0)
+        if last + 1 < _window_blocks(g, True):
+            return (
+                last * b <= limit
+                and (last + 1) * b <= min(matched, hashed)
+                and all(stored.has(i, j) for j in range(last + 1))
+            )
     end = x + drop
     if end > matched or end > hashed or end % b:
         return False
@@ -228,7 +239,7 @@ def cached_tokens(
     stored = _Stored(setup, stored_tokens)
     groups = [i for i, g in enumerate(setup.groups) if g.prefix_cacheable]
     x = (request_tokens - 1) // f.unit * f.unit
-    while x > 0 and not all(_accepts(stored, i, x, matched, hashed) for i in groups):
+    while x > 0 and not all(_accepts(stored, i, x, matched, hashed, request_tokens - 1) for i in groups):
         x -= f.unit
     return x
 
