@@ -52,6 +52,7 @@ def _dcp_sharded(spec: spec_pb2.LayerSpec) -> bool:
 def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> PrefixCacheSetup:
     options = request.options
     dcp = options.decode_context_parallel_size
+    spec_ids: dict[bytes, int] = {}
     groups = tuple(
         CacheGroup(
             kind=_KINDS.get(group.spec.WhichOneof("kind") or "", GroupKind.OTHER),
@@ -59,6 +60,9 @@ def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> 
             is_draft=bool(group.is_draft),
             prefix_cacheable=bool(group.prefix_cacheable),
             window=_window(group.spec),
+            spec_id=spec_ids.setdefault(
+                group.spec.SerializeToString(deterministic=True), len(spec_ids)
+            ),
         )
         for group in response.groups
     )

@@ -49,6 +49,7 @@ class CacheGroup:
     is_draft: bool
     prefix_cacheable: bool = True
     window: int = 0  # sliding window / attention chunk (tokens); 0 for others
+    spec_id: int = -1  # groups of one spec share an id (>= 0); -1: a spec of its own
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,14 @@ def _drop_groups(setup: PrefixCacheSetup) -> tuple[int, ...]:
     """The groups that drop: the flagged ones, or every group when none is flagged."""
     if not setup.block_drop:
         return ()
-    flagged = tuple(i for i, g in enumerate(setup.groups) if g.is_draft)
-    return flagged or tuple(range(len(setup.groups)))
+    flagged = {i for i, g in enumerate(setup.groups) if g.is_draft}
+    if not flagged:
+        return tuple(range(len(setup.groups)))
+    # Groups of one spec are looked up together: one flagged member makes all drop.
+    specs = {setup.groups[i].spec_id for i in flagged if setup.groups[i].spec_id >= 0}
+    return tuple(
+        i for i, g in enumerate(setup.groups) if i in flagged or (g.spec_id >= 0 and g.spec_id in specs)
+    )
 
 
 def _alignment(setup: PrefixCacheSetup) -> int:
@@ -194,27 +201,30 @@ def _window_blocks(group: CacheGroup, dropping: bool) -> int:
     return need + (1 if dropping else 0)
 
 
-def _accepts(stored: _Stored, i: int, x: int, matched: int, hashed: int, limit: int) -> bool:
-    """Whether group `i` can hit at `x` tokens: `matched` tokens of hash blocks agree
-    with the stored prompt; `hashed`: the request's hashed tokens; `limit`: the
-    longest hit the request allows."""
+def _accepts(
+    stored: _Stored, i: int, x: int, reach: tuple[int, int], dropping: bool, max_len: int
+) -> bool:
+    """Whether group `i`'s lookup can land at `x` tokens. `reach`: (tokens of hash
+    blocks that agree with the stored prompt, the request's hashed tokens);
+    `dropping`: this lookup takes the draft drop; `max_len`: its candidate."""
     if x == 0:
         return True
+    matched, hashed = reach
     g = stored.setup.groups[i]
     b = g.block_tokens
-    drop = b if i in stored.drops and g.kind is not GroupKind.MAMBA else 0
+    drop = b if dropping and g.kind is not GroupKind.MAMBA else 0
     if drop and g.kind is GroupKind.SLIDING_WINDOW:
         # A window longer than the matched run: the run from the first block is the
         # hit, rounded down to the unit, and its drop falls back a whole unit.
         last = (x + stored.align) // b - (1 if b == stored.align else 0)
         if last + 1 < _window_blocks(g, True):
             return (
-                last * b <= limit
+                last * b <= max_len
                 and (last + 1) * b <= min(matched, hashed)
                 and all(stored.has(i, j) for j in range(last + 1))
             )
     end = x + drop
-    if end > matched or end > hashed or end % b:
+    if x > max_len or end > matched or end > hashed or end % b:
         return False
     if g.kind is GroupKind.MAMBA:
         return stored.has(i, x // b - 1)
@@ -224,24 +234,79 @@ def _accepts(stored: _Stored, i: int, x: int, matched: int, hashed: int, limit: 
     return all(stored.has(i, j) for j in range(first, end // b))
 
 
+def _lookup(
+    stored: _Stored, members: list[int], max_len: int, reach: tuple[int, int], dropping: bool
+) -> int:
+    """The longest hit one lookup of groups sharing a spec returns: the highest
+    aligned length at most `max_len` every member can land at."""
+    unit = stored.align
+    x = max_len // unit * unit
+    while x > 0 and not all(_accepts(stored, i, x, reach, dropping, max_len) for i in members):
+        x -= unit
+    return x
+
+
+def _spec_groups(setup: PrefixCacheSetup) -> list[tuple[list[int], bool]]:
+    """Cacheable groups merged by spec, full attention first (it bounds the rest
+    cheapest), each with whether any member takes the drop."""
+    drops = set(_drop_groups(setup))
+    merged: dict[int, list[int]] = {}
+    for i, g in enumerate(setup.groups):
+        if g.prefix_cacheable:
+            merged.setdefault(g.spec_id if g.spec_id >= 0 else -1 - i, []).append(i)
+    ordered = sorted(
+        merged.values(), key=lambda ids: setup.groups[ids[0]].kind is not GroupKind.FULL
+    )
+    return [(ids, any(i in drops for i in ids)) for ids in ordered]
+
+
 def cached_tokens(
     setup: PrefixCacheSetup, shared_prefix: int, stored_tokens: int, request_tokens: int
 ) -> int:
     """Tokens of a request of `request_tokens` served from cache when its first
     `shared_prefix` tokens repeat a stored, fully prefilled prompt of
-    `stored_tokens` (and the rest differ)."""
+    `stored_tokens` (and the rest differ).
+
+    Several groups settle on one length by turns: each lookup may only lower the
+    candidate, a dropping group drops once per candidate, and the turns repeat until
+    none lowers it (once, for one full-attention group and one other)."""
     f = facts(setup)
     if not f.on or request_tokens <= 1:
         return 0
     h, lookahead = setup.hash_block, setup.hash_lookahead
-    matched = max(0, min(shared_prefix, stored_tokens) - lookahead) // h * h
-    hashed = max(0, request_tokens - lookahead) // h * h
+    reach = (
+        max(0, min(shared_prefix, stored_tokens) - lookahead) // h * h,
+        max(0, request_tokens - lookahead) // h * h,
+    )
     stored = _Stored(setup, stored_tokens)
-    groups = [i for i, g in enumerate(setup.groups) if g.prefix_cacheable]
-    x = (request_tokens - 1) // f.unit * f.unit
-    while x > 0 and not all(_accepts(stored, i, x, matched, hashed, request_tokens - 1) for i in groups):
-        x -= f.unit
-    return x
+    spec_groups = _spec_groups(setup)
+    if len(setup.groups) == 1:
+        ids, dropping = spec_groups[0]
+        return _lookup(stored, ids, request_tokens - 1, reach, dropping)
+    simple = len(spec_groups) == 2 and setup.groups[spec_groups[0][0][0]].kind is GroupKind.FULL
+    hit = request_tokens - 1
+    full_hits: dict[int, int] = {}
+    verified: set[int] = set()
+    while True:
+        candidate = hit
+        for index, (ids, dropping) in enumerate(spec_groups):
+            if setup.groups[ids[0]].kind is GroupKind.FULL and index in full_hits:
+                candidate = min(candidate, full_hits[index])
+                continue
+            drop_now = dropping and index not in verified
+            found = _lookup(stored, ids, candidate, reach, drop_now)
+            if drop_now:
+                verified.add(index)
+            elif found < candidate:
+                verified.clear()
+            candidate = found
+            if setup.groups[ids[0]].kind is GroupKind.FULL:
+                full_hits[index] = found
+        if candidate >= hit:
+            return hit
+        hit = candidate
+        if simple:
+            return hit
 
 
 __all__ = [
