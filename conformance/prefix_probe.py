@@ -27,7 +27,7 @@ from conformance.compare import for_release
 from conformance.generate import add_fuzz_argument, fuzz_sections, generate_cases
 from kvplan.convert import GPU_MEMORY_BYTES, plan_from_proto, request_from_proto
 from kvplan.core.errors import PlanningError
-from kvplan.core.prefix_cache import PrefixCacheSetup, cached_tokens, facts
+from kvplan.core.prefix_cache import PrefixCacheSetup, cached_tokens
 from kvplan.prefix_facts import setup_from_plan
 
 Json = dict[str, Any]
@@ -77,9 +77,7 @@ def vllm_hits(stored: int, lengths: list[int], tail: int) -> list[int]:
     arguments["kv_cache_config"] = replace(scheduler, num_blocks=_POOL_BLOCKS)
     arguments["max_model_len"] = max(arguments["max_model_len"], 4 * stored)
     manager = KVCacheManager(**arguments)
-    hasher = _hasher(
-        arguments["hash_block_size"], arguments.get("num_hash_lookahead_tokens", 0)
-    )
+    hasher = _hasher(arguments["hash_block_size"], arguments.get("num_hash_lookahead_tokens", 0))
     step = arguments["scheduler_block_size"]
     first = _request("stored", list(range(stored)), hasher)
     manager.get_computed_blocks(first)

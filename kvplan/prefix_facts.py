@@ -80,10 +80,7 @@ def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> 
     # (a KV connector, HiSparse's, keeps the legacy hashes and the drop).
     lookahead = (
         spec_decode.prefill_lookahead_tokens
-        if drafter_drops
-        and rules.lookahead_block_hashes
-        and options.hisparse is None
-        and enabled
+        if drafter_drops and rules.lookahead_block_hashes and options.hisparse is None and enabled
         else 0
     )
     return PrefixCacheSetup(

@@ -96,7 +96,9 @@ def _drop_groups(setup: PrefixCacheSetup) -> tuple[int, ...]:
     # Groups of one spec are looked up together: one flagged member makes all drop.
     specs = {setup.groups[i].spec_id for i in flagged if setup.groups[i].spec_id >= 0}
     return tuple(
-        i for i, g in enumerate(setup.groups) if i in flagged or (g.spec_id >= 0 and g.spec_id in specs)
+        i
+        for i, g in enumerate(setup.groups)
+        if i in flagged or (g.spec_id >= 0 and g.spec_id in specs)
     )
 
 
@@ -131,7 +133,8 @@ def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
         unit=unit,
         drop_groups=drops,
         drop_tokens=drop_tokens,
-        min_shared_prefix=unit + (setup.groups[drops[0]].block_tokens if drops else 0)
+        min_shared_prefix=unit
+        + (setup.groups[drops[0]].block_tokens if drops else 0)
         + setup.hash_lookahead,
         boundary_only=boundary_only,
     )
@@ -316,6 +319,6 @@ __all__ = [
     "PrefixCacheSetup",
     "WhyOff",
     "cached_tokens",
-    "replay_boundaries",
     "facts",
+    "replay_boundaries",
 ]
