@@ -2,8 +2,9 @@
 
 Planning divides `total * gpu_memory_utilization`, and the engine reads the total from
 the CUDA driver (`cudaMemGetInfo`; ROCm's on AMD), which is less than the marketed size.
-A figure marked `measured` was read off a real device: H200's is CUDA's own total
-(torch.cuda.mem_get_info); the other NVIDIA figures are `nvidia-smi`'s memory.total,
+A figure marked `measured` was read off a real device: H200's and the A100s' are CUDA's
+own total (torch.cuda.mem_get_info; the A100s' as torch's OOM message prints it, to
+0.01 GiB); the other NVIDIA figures are `nvidia-smi`'s memory.total,
 which includes the memory the driver reserves and CUDA never offers (616 MiB on the
 H200, where nvidia-smi says 143771MiB), so they overstate CUDA's total by that much,
 about 0.4%. The others are the vendor's capacity in decimal gigabytes and overstate the
@@ -26,20 +27,28 @@ class GpuModel:
     measured: bool  # True: the driver's own figure; False: vendor capacity
     source: str
     aliases: tuple[str, ...] = ()
+    arch: str = ""  # "ampere", "ada", "hopper", "blackwell", "cdna": picks vLLM kernels
 
 
 CATALOG: tuple[GpuModel, ...] = (
     GpuModel(
         "A100-40GB",
-        40_960 * MIB,
+        int(39.50 * GIB),
         True,
-        "nvidia-smi on A100-SXM4-40GB: 40960MiB",
+        "CUDA's total as torch's OOM message prints it on an A100 40GB, '39.50 GiB' (to "
+        "0.01 GiB): github.com/TianheWu/CoSeR/issues/10; nvidia-smi says 40960MiB",
+        aliases=("A100-40G", "A100-SXM4-40GB"),
+        arch="ampere",
     ),
     GpuModel(
         "A100-80GB",
-        81_920 * MIB,
+        int(79.25 * GIB),
         True,
-        "nvidia-smi on A100-SXM4-80GB / A800 80GB: 81920MiB",
+        "CUDA's total as torch's OOM message prints it on A100 80GB, '79.25 GiB' (to "
+        "0.01 GiB): github.com/levihsu/OOTDiffusion/issues/235, "
+        "github.com/HiDream-ai/VAREdit/issues/6; nvidia-smi says 81920MiB",
+        aliases=("A100", "A100-SXM4-80GB", "A800-80GB"),
+        arch="ampere",
     ),
     GpuModel(
         "H100-80GB",
@@ -47,6 +56,7 @@ CATALOG: tuple[GpuModel, ...] = (
         True,
         "nvidia-smi on 'NVIDIA H100 80GB HBM3' (SXM) and H800: 81559MiB",
         aliases=("H100", "H100-SXM", "H100-SXM-80GB", "H100-PCIE-80GB", "H800-80GB"),
+        arch="hopper",
     ),
     GpuModel(
         "H100-NVL-94GB",
@@ -54,6 +64,7 @@ CATALOG: tuple[GpuModel, ...] = (
         True,
         "nvidia-smi on 'NVIDIA H100 NVL': 95830MiB",
         aliases=("H100-NVL", "H100-94GB"),
+        arch="hopper",
     ),
     GpuModel(
         "H200-141GB",
@@ -62,6 +73,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "torch.cuda.mem_get_info on 'NVIDIA H200', driver 580.159.04 (docs/gpu-check.md): "
         "150,109,880,320 B; nvidia-smi: 143771MiB, 616 MiB of it reserved by the driver",
         aliases=("H200",),
+        arch="hopper",
     ),
     GpuModel(
         "H20-96GB",
@@ -70,6 +82,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "vendor capacity 96 GB HBM3; figure taken as the 96 GB Hopper boards' 97871MiB "
         "(seen on GH200), not read off an H20",
         aliases=("H20",),
+        arch="hopper",
     ),
     GpuModel(
         "GH200-96GB",
@@ -77,6 +90,7 @@ CATALOG: tuple[GpuModel, ...] = (
         True,
         "nvidia-smi on GH200 (900 W board, 96 GB HBM3): 97871MiB",
         aliases=("GH200",),
+        arch="hopper",
     ),
     GpuModel(
         "B200-180GB",
@@ -84,6 +98,7 @@ CATALOG: tuple[GpuModel, ...] = (
         True,
         "nvidia-smi on 'NVIDIA B200': 183359MiB",
         aliases=("B200",),
+        arch="blackwell",
     ),
     GpuModel(
         "B300-288GB",
@@ -91,6 +106,7 @@ CATALOG: tuple[GpuModel, ...] = (
         False,
         "vendor capacity 288 GB HBM3e (NVIDIA B300 SXM6); driver figure not verified",
         aliases=("B300",),
+        arch="blackwell",
     ),
     GpuModel(
         "L40S-48GB",
@@ -98,6 +114,7 @@ CATALOG: tuple[GpuModel, ...] = (
         True,
         "nvidia-smi on 'NVIDIA L40S': 46068MiB",
         aliases=("L40S",),
+        arch="ada",
     ),
     GpuModel(
         "L4-24GB",
@@ -105,18 +122,21 @@ CATALOG: tuple[GpuModel, ...] = (
         True,
         "nvidia-smi on 'NVIDIA L4': 23034MiB",
         aliases=("L4",),
+        arch="ada",
     ),
     GpuModel(
         "A10G-24GB",
         24 * GIB,
         False,
         "kvplan's earlier table (marketed 24 GB as GiB); driver figure not verified",
+        arch="ampere",
     ),
     GpuModel(
         "RTX-4090-24GB",
         24 * GIB,
         False,
         "kvplan's earlier table (marketed 24 GB as GiB); driver figure not verified",
+        arch="ada",
     ),
     GpuModel(
         "MI300X-192GB",
@@ -124,6 +144,7 @@ CATALOG: tuple[GpuModel, ...] = (
         True,
         "rocm-smi --showmeminfo vram on 'AMD Instinct MI300X': 205822885888 B",
         aliases=("MI300X",),
+        arch="cdna",
     ),
     GpuModel(
         "MI325X-256GB",
@@ -131,6 +152,7 @@ CATALOG: tuple[GpuModel, ...] = (
         False,
         "vendor capacity 256 GB HBM3E (AMD Instinct MI325X); driver figure not verified",
         aliases=("MI325X",),
+        arch="cdna",
     ),
     GpuModel(
         "MI355X-288GB",
@@ -138,6 +160,7 @@ CATALOG: tuple[GpuModel, ...] = (
         False,
         "vendor capacity 288 GB HBM3E (AMD Instinct MI355X); driver figure not verified",
         aliases=("MI355X",),
+        arch="cdna",
     ),
 )
 
@@ -146,29 +169,12 @@ for _gpu in CATALOG:
     for _key in (_gpu.name, *_gpu.aliases):
         _BY_NAME[_key.lower()] = _gpu
 
-# The historical name table of DeviceRef.name: marketed GiB figures, kept unchanged so
-# existing requests and leases plan exactly as before. The model commands resolve names
-# through the catalog and send the driver's figure as total_memory_bytes instead.
-_LEGACY_BYTES: dict[str, int] = {
-    "A10G-24GB": 24 * GIB,
-    "L4-24GB": 24 * GIB,
-    "RTX-4090-24GB": 24 * GIB,
-    "A100-40GB": 40 * GIB,
-    "L40S-48GB": 48 * GIB,
-    "A100-80GB": 80 * GIB,
-    "H100-80GB": 80 * GIB,
-    "H100-94GB": 94 * GIB,
-    "H200-141GB": 141 * GIB,
-    "B200-180GB": 180 * GIB,
-    "MI300X-192GB": 192 * GIB,
-}
-
-# Name -> total bytes for DeviceRef.name: the legacy names as before, every other
-# catalog name with its catalog figure (aliases are for the command line only, so one
-# device name never means two sizes).
+# Name -> total bytes for DeviceRef.name (request files, static inventory, leases):
+# every catalog name and alias with its one catalog figure, so a GPU name means the
+# same size on every path (the model commands send the same figure as
+# total_memory_bytes). "H100-94GB" is the NVL part's historical name, an alias.
 GPU_MEMORY_BYTES: dict[str, int] = {
-    **{gpu.name: gpu.total_memory_bytes for gpu in CATALOG},
-    **_LEGACY_BYTES,
+    key: gpu.total_memory_bytes for gpu in CATALOG for key in (gpu.name, *gpu.aliases)
 }
 
 

@@ -69,6 +69,12 @@ class HFConfig:
     def opt_integer(self, key: str, *, minimum: int = 1) -> int | None:
         return self.integer(key, minimum=minimum) if self.has(key) else None
 
+    def size_or_none(self, key: str) -> int | None:
+        """A size where 0 (or null, or absent) means "none", as HF configs write a shared
+        expert or a low-rank query the model does not have (Qwen3-MoE:
+        `shared_expert_intermediate_size: 0`)."""
+        return self.integer(key, 0, minimum=0) or None
+
     def flag(self, key: str, default: bool) -> bool:
         value = self.raw(key, default)
         if not isinstance(value, bool):

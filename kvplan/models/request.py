@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -91,6 +92,10 @@ def build_plan_request(
         raise ModelConfigError("pipeline_parallel_size must be >= 1")
     max_len_for_mamba = options.max_model_len if (options.max_model_len or 0) > 0 else None
     device_name, device_bytes = options.gpu or "", options.gpu_memory_bytes
+    gpu_arch = ""  # an unlisted device (a size given): no kernel-specific padding
+    if options.gpu:
+        with contextlib.suppress(UnknownGpu):
+            gpu_arch = lookup_gpu(options.gpu).arch
     if options.gpu and device_bytes is None:
         # The catalog's driver figure travels with the name, so a server plans with the
         # same total as the CLI (DeviceRef.total_memory_bytes wins over its name table).
@@ -120,7 +125,7 @@ def build_plan_request(
         non_kv = plan_pb2.NonKVMemory(weights_bytes=options.non_kv_bytes)
         total_non_kv = options.non_kv_bytes
     else:
-        weights = estimate_weights(config, layers, tp * pp)
+        weights = estimate_weights(config, layers, tp, pp, gpu_arch)
         overhead = estimate_overhead(config, layers, tp, batched, max_num_seqs)
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,

@@ -3,7 +3,8 @@
 Weights: a parameter count by architecture (embeddings, attention / MLA / Mamba / GDN
 projections, dense or MoE MLPs, MTP modules) times bytes per parameter for the
 checkpoint's quantization, divided over tensor-parallel ranks (vocab-parallel embeddings
-and sharded projections; norms and routers are negligible and counted once).
+and sharded projections); MoE routers are replicated on every rank, MXFP4 experts padded
+per rank as vLLM's MoE kernel needs; norms are negligible and left out.
 
 Runtime overhead: the profiling run's activation peak plus non-torch memory, with the
 formula in `OVERHEAD_FORMULA`; pass `--non-kv-bytes` for a measured figure.
@@ -31,10 +32,14 @@ class ParamCount:
     mlp: int  # dense MLPs and routed / shared experts
     state_space: int  # Mamba / GDN mixers
     draft: int  # MTP modules
+    router: int = 0  # MoE routers: replicated on every rank
 
     @property
     def total(self) -> int:
-        return self.embedding + self.attention + self.mlp + self.state_space + self.draft
+        return (
+            self.embedding + self.attention + self.mlp + self.state_space + self.draft
+            + self.router
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ def _attention_params(c: HFConfig) -> int:
         rope = c.integer("qk_rope_head_dim")
         v_dim = c.integer("v_head_dim")
         latent = c.integer("kv_lora_rank")
-        q_rank = c.opt_integer("q_lora_rank")
+        q_rank = c.size_or_none("q_lora_rank")
         q = (
             hidden * heads * (nope + rope)
             if q_rank is None
@@ -78,22 +83,31 @@ def _attention_params(c: HFConfig) -> int:
     return hidden * head_dim * (2 * heads + 2 * kv_heads)
 
 
-def _mlp_params(c: HFConfig, layer: int) -> int:
+def _expert_count(c: HFConfig) -> int:
+    for key in ("n_routed_experts", "num_local_experts", "num_experts"):
+        size = c.size_or_none(key)  # 0 / null: a dense model
+        if size:
+            return size
+    return 0
+
+
+def _matrices(c: HFConfig) -> int:
+    """Gated MLPs (SiLU/GELU) hold gate, up and down; Nemotron-H's relu^2 MLPs and
+    experts only up and down (vLLM's NemotronHMLP / its experts)."""
+    return 2 if c.has("mlp_hidden_act") and c.text("mlp_hidden_act") == "relu2" else 3
+
+
+def _mlp_params(c: HFConfig, layer: int) -> tuple[int, int]:
+    """(MLP / expert parameters, router parameters) of one decoder layer."""
     hidden = c.integer("hidden_size")
-    experts = next(
-        (
-            c.integer(k)
-            for k in ("n_routed_experts", "num_local_experts", "num_experts")
-            if c.has(k)
-        ),
-        0,
-    )
+    experts = _expert_count(c)
+    matrices = _matrices(c)
     if c.has("interleave_moe_layer_step"):  # Llama 4: MoE layers + a shared expert
         step = c.integer("interleave_moe_layer_step", minimum=0)
         if step == 0 or (layer + 1) % step:
-            return 3 * hidden * c.integer("intermediate_size_mlp")
+            return 3 * hidden * c.integer("intermediate_size_mlp"), 0
         expert_size = c.integer("intermediate_size")
-        return (experts + 1) * 3 * hidden * expert_size + hidden * experts
+        return (experts + 1) * 3 * hidden * expert_size, hidden * experts
     dense_first = c.integer("first_k_dense_replace", 0, minimum=0)
     if c.has("expert_layer_period"):  # Jamba: experts every period-th layer from offset
         period = c.integer("expert_layer_period")
@@ -105,13 +119,20 @@ def _mlp_params(c: HFConfig, layer: int) -> int:
             if c.has("moe_intermediate_size")
             else c.integer("intermediate_size")
         )
-        shared = 0
-        if c.has("n_shared_experts"):
-            shared = c.integer("n_shared_experts", minimum=0) * 3 * hidden * expert_size
-        elif c.has("shared_expert_intermediate_size"):
-            shared = 3 * hidden * c.integer("shared_expert_intermediate_size")
-        return experts * 3 * hidden * expert_size + shared + hidden * experts
-    return 3 * hidden * c.integer("intermediate_size")
+        shared_count = c.integer("n_shared_experts", 0, minimum=0)
+        # The shared expert's own size field where the config has one (Nemotron-H:
+        # moe_shared_expert_intermediate_size; Qwen2/3-MoE: shared_expert_intermediate_size,
+        # 0 = none); DeepSeek's n_shared_experts are routed-expert sized.
+        shared_size = c.size_or_none("moe_shared_expert_intermediate_size")
+        if shared_size is not None:
+            shared = max(shared_count, 1) * matrices * hidden * shared_size
+        elif shared_count:
+            shared = shared_count * matrices * hidden * expert_size
+        else:
+            single = c.size_or_none("shared_expert_intermediate_size")
+            shared = matrices * hidden * single if single else 0
+        return experts * matrices * hidden * expert_size + shared, hidden * experts
+    return matrices * hidden * c.integer("intermediate_size"), 0
 
 
 def _state_params(c: HFConfig, kind: str) -> int:
@@ -163,6 +184,7 @@ def count_params(config: HFConfig, layers: ModelLayers) -> ParamCount:
     count = c.integer("num_hidden_layers")
     mamba_kinds = [layer.mamba_type for layer in layers.layers if layer.is_state]
     mamba_kind = mamba_kinds[0] if mamba_kinds else ""
+    router = 0
     attention_layers = sum(
         1 for layer in layers.layers if not layer.is_draft and not layer.is_state
     )
@@ -171,18 +193,18 @@ def count_params(config: HFConfig, layers: ModelLayers) -> ParamCount:
     pattern = c.text("hybrid_override_pattern", "") if c.has("hybrid_override_pattern") else ""
     for index in range(count):
         if pattern:
-            if pattern[index] in "-E":
-                mlp += (
-                    _mlp_params(c, index)
-                    if pattern[index] == "E"
-                    else 3 * hidden * c.integer("intermediate_size") * 2 // 3
-                )
+            if pattern[index] == "E":
+                layer_mlp, layer_router = _mlp_params(c, index)
+                mlp, router = mlp + layer_mlp, router + layer_router
+            elif pattern[index] == "-":
+                mlp += _matrices(c) * hidden * c.integer("intermediate_size")
             continue
-        mlp += _mlp_params(c, index)
+        layer_mlp, layer_router = _mlp_params(c, index)
+        mlp, router = mlp + layer_mlp, router + layer_router
     nextn = layers.num_nextn_predict_layers
     if nextn:
-        draft = nextn * (_attention_params(c) + _mlp_params(c, count) + 2 * hidden * hidden)
-    return ParamCount(embedding, attention, mlp, state, draft)
+        draft = nextn * (_attention_params(c) + sum(_mlp_params(c, count)) + 2 * hidden * hidden)
+    return ParamCount(embedding, attention, mlp, state, draft, router)
 
 
 _INT4_BYTES = 0.5 + 4 / 128  # 4-bit weights + an fp16 scale and zero per 128-group
@@ -242,21 +264,65 @@ def _compressed_tensors(quant: HFConfig) -> tuple[str, float, bool]:
     return (f"compressed-tensors-w{bits}", bits / 8 + scale, False)
 
 
+# vLLM pads each rank's MXFP4 expert shapes to its MoE kernel's tile (vLLM 0.34
+# fused_moe/oracle/mxfp4.py, mxfp4_round_up_hidden_size_and_intermediate_size):
+# (hidden alignment, per-rank intermediate alignment) by the backend the GPU selects.
+_MXFP4_ALIGNMENT: dict[str, tuple[int, int]] = {
+    "hopper": (1, 64),  # Triton (matmul_ogs): intermediate to 64
+    "ampere": (256, 128),  # no FP4 compute: Marlin weight-only, hidden to 256
+    "ada": (256, 128),  # Marlin as well
+    "blackwell": (256, 128),  # FlashInfer TRT-LLM
+    "cdna": (256, 256),  # ROCm: both to 256
+}
+
+
+def _round_up(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+def _mxfp4_experts_per_rank(c: HFConfig, tp: int, arch: str) -> int:
+    """Bytes of one rank's MXFP4 experts, all layers: fused gate_up + down in e2m1 with
+    an e8m0 scale per 32, padded as the GPU's kernel wants, plus bf16 biases (gpt-oss)."""
+    hidden_align, inter_align = _MXFP4_ALIGNMENT.get(arch, (1, 64))
+    hidden = _round_up(c.integer("hidden_size"), hidden_align)
+    inter = _round_up(-(-c.integer("intermediate_size") // tp), inter_align)
+    experts = _expert_count(c)
+    weights = experts * 3 * inter * hidden * (0.5 + 1 / 32)
+    biases = experts * (2 * inter + hidden) * 2
+    return int((weights + biases) * c.integer("num_hidden_layers"))
+
+
 def estimate_weights(
-    config: HFConfig, layers: ModelLayers, tensor_parallel_size: int
+    config: HFConfig,
+    layers: ModelLayers,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int = 1,
+    gpu_arch: str = "",
 ) -> WeightEstimate:
+    """Bytes per worker: embeddings, LM head, attention, MLP and mixers shard over TP
+    (vocab-parallel embeddings, column/row-parallel projections), routers are
+    replicated on every rank, and everything divides over the PP stages. MXFP4 experts
+    are padded per rank for the GPU's (`gpu_arch`) MoE kernel."""
     params = count_params(config, layers)
     dtype_bytes = layers.model_dtype.size_bytes
     name, quant_bytes, experts_only = _quantization(config)
+    ranks = tensor_parallel_size * pipeline_parallel_size
+    router_bytes = params.router * dtype_bytes
     if name == "none":
         total = params.total * dtype_bytes
+        per_rank = -(-(total - router_bytes) // ranks) + router_bytes // pipeline_parallel_size
     elif experts_only:
-        total = int((params.total - params.mlp) * dtype_bytes + params.mlp * quant_bytes)
+        dense = (params.total - params.mlp - params.router) * dtype_bytes
+        total = int(dense + params.mlp * quant_bytes) + router_bytes
+        c = text_config(config, layers.architecture)
+        experts = _mxfp4_experts_per_rank(c, tensor_parallel_size, gpu_arch)
+        per_rank = -(-dense // ranks) + (experts + router_bytes) // pipeline_parallel_size
     else:
-        # Embeddings and the lm head stay in the model dtype.
-        quantized = params.total - params.embedding
-        total = int(params.embedding * dtype_bytes + quantized * quant_bytes)
-    return WeightEstimate(params, name, total, -(-total // tensor_parallel_size))
+        # Embeddings, the lm head and the routers stay in the model dtype.
+        quantized = params.total - params.embedding - params.router
+        total = int(params.embedding * dtype_bytes + quantized * quant_bytes) + router_bytes
+        per_rank = -(-(total - router_bytes) // ranks) + router_bytes // pipeline_parallel_size
+    return WeightEstimate(params, name, total, per_rank)
 
 
 def estimate_overhead(

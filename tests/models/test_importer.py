@@ -434,15 +434,15 @@ def test_deepseek_fp8_and_awq_int4_weights(tmp_path: Path) -> None:
     assert 670e9 < params.total - params.draft < 673e9  # published: 671B + 11.5B MTP
     fp8 = estimate_weights(config, layers, 8)
     assert fp8.quantization == "fp8"
-    expected = params.embedding * 2 + (params.total - params.embedding) * (1 + 4 / 128**2)
+    # Embeddings, LM head and routers stay bf16 (the checkpoint's gates are bf16).
+    unquantized = params.embedding + params.router
+    expected = unquantized * 2 + (params.total - unquantized) * (1 + 4 / 128**2)
     assert fp8.bytes_total == int(expected)
     raw = json.loads((MODELS / "deepseek-v3" / "config.json").read_text())
     raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
     awq = estimate_weights(HFConfig(raw), layers, 8)
     assert awq.quantization == "awq-int4"
-    assert awq.bytes_total == int(
-        params.embedding * 2 + (params.total - params.embedding) * (0.5 + 4 / 128)
-    )
+    assert awq.bytes_total == int(unquantized * 2 + (params.total - unquantized) * (0.5 + 4 / 128))
     raw["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     gptq = estimate_weights(HFConfig(raw), layers, 8)
     assert (gptq.quantization, gptq.bytes_total) == ("gptq-int4", awq.bytes_total)
@@ -455,9 +455,7 @@ def test_deepseek_fp8_and_awq_int4_weights(tmp_path: Path) -> None:
     }
     w4 = estimate_weights(HFConfig(raw), layers, 8)
     assert w4.quantization == "compressed-tensors-w4"
-    assert w4.bytes_total == int(
-        params.embedding * 2 + (params.total - params.embedding) * (0.5 + 2 / 128)
-    )
+    assert w4.bytes_total == int(unquantized * 2 + (params.total - unquantized) * (0.5 + 2 / 128))
     raw["quantization_config"] = {"quant_method": "bitsandbytes"}
     with pytest.raises(ModelConfigError, match="quant_method"):
         estimate_weights(HFConfig(raw), layers, 8)

@@ -1,0 +1,114 @@
+"""Weight estimates against published parameter counts and real per-rank figures, and
+the one GPU table every path reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvplan.cli import main
+from kvplan.gpus import CATALOG, GPU_MEMORY_BYTES, lookup_gpu
+from kvplan.models.config import HFConfig, load_config
+from kvplan.models.importer import Deployment, import_layers
+from kvplan.models.weights import count_params, estimate_weights
+from server.devices import parse_inventory
+
+MODELS = Path(__file__).parents[2] / "examples" / "models"
+GIB = 2**30
+
+# Total parameters as each Hugging Face model card (or its safetensors index) publishes
+# them, for every shipped published config; the MTP / vision parts kvplan does not count
+# are noted. jamba-defaults and llama-4-defaults are transformers' defaults, not a
+# published checkpoint, so they have no published count.
+PUBLISHED_PARAMS: dict[str, tuple[float, str]] = {
+    "deepseek-v3": (671e9, "huggingface.co/deepseek-ai/DeepSeek-V3: 671B main model + 14B MTP"),
+    "gemma-2-9b": (9.24e9, "huggingface.co/google/gemma-2-9b: 9.24B params (safetensors)"),
+    "gemma-3-27b": (27.0e9, "huggingface.co/google/gemma-3-27b-it: 27B (+0.4B SigLIP)"),
+    "gpt-oss-120b": (116.8e9, "openai gpt-oss model card: 116.83B total parameters"),
+    "llama-3.1-8b": (8.03e9, "huggingface.co/meta-llama/Llama-3.1-8B-Instruct: 8.03B"),
+    "mistral-7b-v0.3": (7.25e9, "huggingface.co/mistralai/Mistral-7B-Instruct-v0.3: 7.25B"),
+    "mixtral-8x7b-instruct": (46.7e9, "huggingface.co/mistralai/Mixtral-8x7B-v0.1: 46.7B"),
+    "nemotron-3-nano-30b-a3b": (
+        31.6e9,
+        "huggingface.co/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16: 31.6B total parameters",
+    ),
+    "phi-4": (14.7e9, "huggingface.co/microsoft/phi-4: 14.7B params (safetensors)"),
+    "qwen3-30b-a3b-base": (30.5e9, "huggingface.co/Qwen/Qwen3-30B-A3B-Base: 30.5B in total"),
+    "qwen3-8b": (8.2e9, "huggingface.co/Qwen/Qwen3-8B: 8.2B"),
+    "qwen3-next-80b-a3b": (80e9, "huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct: 80B total"),
+    "whisper-small": (244e6, "huggingface.co/openai/whisper-small: 244M"),
+}
+
+
+def test_every_published_config_has_a_published_count() -> None:
+    shipped = {path.name for path in MODELS.iterdir() if path.is_dir()}
+    assert shipped - set(PUBLISHED_PARAMS) == {"jamba-defaults", "llama-4-defaults"}
+
+
+@pytest.mark.parametrize("model", sorted(PUBLISHED_PARAMS))
+def test_weight_total_matches_the_published_count(model: str) -> None:
+    config = load_config(str(MODELS / model / "config.json"))
+    published, _source = PUBLISHED_PARAMS[model]
+    total = count_params(config, import_layers(config)).total
+    assert abs(total - published) / published < 0.015, (model, total)
+
+
+def test_nemotron_relu2_experts_have_two_matrices() -> None:
+    # 23 MoE layers of 128 routed experts (up + down, relu^2) and one shared expert of
+    # moe_shared_expert_intermediate_size 3712, plus the router.
+    config = load_config(str(MODELS / "nemotron-3-nano-30b-a3b" / "config.json"))
+    params = count_params(config, import_layers(config))
+    assert params.mlp == 23 * (128 * 2 * 2688 * 1856 + 2 * 2688 * 3712)
+    assert params.router == 23 * 128 * 2688
+
+
+def test_nemotron_fits_one_h100(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", str(MODELS / "nemotron-3-nano-30b-a3b"), "--gpu", "H100"]
+    assert main([*args, "--max-model-len", "32k"]) == 0
+    assert "capacity of" in capsys.readouterr().out
+
+
+def test_a_zero_shared_expert_size_means_none() -> None:
+    # Qwen3-Coder-30B-A3B-Instruct publishes shared_expert_intermediate_size 0 on the
+    # Qwen3-MoE shapes: no shared expert, not an error.
+    raw = json.loads((MODELS / "qwen3-30b-a3b-base" / "config.json").read_text())
+    base = count_params(HFConfig(raw), import_layers(HFConfig(raw)))
+    raw["shared_expert_intermediate_size"] = 0
+    coder = HFConfig(raw)
+    assert count_params(coder, import_layers(coder)) == base
+    raw["q_lora_rank"] = 0  # likewise for the other "none" sizes
+    raw["num_experts"] = 0
+    dense = HFConfig(raw)
+    assert count_params(dense, import_layers(dense)).router == 0
+
+
+def test_gpt_oss_120b_tp4_per_rank_as_vllm_loads_it() -> None:
+    # The real A100 TP 4 log: "Model loading took 17.22 GiB" on each rank. Marlin (no FP4
+    # compute on Ampere) pads each rank's 720 intermediate columns to 768 and the hidden
+    # size 2880 to 3072; the router stays replicated. An even split would be 15.17 GiB.
+    config = load_config(str(MODELS / "gpt-oss-120b" / "config.json"))
+    layers = import_layers(config, Deployment(tensor_parallel_size=4))
+    weights = estimate_weights(config, layers, 4, 1, lookup_gpu("A100-80GB").arch)
+    assert abs(weights.bytes_per_worker / GIB - 17.22) < 0.01 * 17.22
+    assert weights.bytes_per_worker > weights.bytes_total // 4
+
+
+def test_one_figure_per_gpu_name_on_every_path() -> None:
+    for gpu in CATALOG:
+        for name in (gpu.name, *gpu.aliases):
+            # request files / leases (DeviceRef.name), the static inventory, --model
+            assert GPU_MEMORY_BYTES[name] == gpu.total_memory_bytes, name
+            assert lookup_gpu(name) is gpu
+    (device,) = parse_inventory("1xH200")
+    assert device.total_bytes == lookup_gpu("H200-141GB").total_memory_bytes == 150_109_880_320
+    (alias,) = parse_inventory("1xH100")
+    assert alias.total_bytes == lookup_gpu("H100-80GB").total_memory_bytes
+
+
+def test_a100_totals_are_cuda_figures_not_nvidia_smi() -> None:
+    # torch prints CUDA's total: "79.25 GiB" on A100 80GB, "39.50 GiB" on A100 40GB;
+    # nvidia-smi's 81920 / 40960 MiB include the driver's reservation.
+    assert round(lookup_gpu("A100-80GB").total_memory_bytes / GIB, 2) == 79.25
+    assert round(lookup_gpu("A100-40GB").total_memory_bytes / GIB, 2) == 39.50
