@@ -12,11 +12,14 @@ import pytest
 from google.protobuf import json_format
 
 from kvplan.cli import main
+from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.v1 import plan_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 GIB = 1 << 30
+H100 = GPU_MEMORY_BYTES["H100-80GB"]  # the catalog's one figure for the name
+H200 = GPU_MEMORY_BYTES["H200-141GB"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -30,9 +33,9 @@ def plan_json(name: str, capsys: pytest.CaptureFixture[str], *extra: str) -> pla
 
 def test_llama(capsys: pytest.CaptureFixture[str]) -> None:
     plan = plan_json("llama-3.1-8b.yaml", capsys)
-    available = math.ceil(80 * GIB * 0.9) - (16_060_522_496 + GIB + GIB // 2)
+    available = math.ceil(H100 * 0.9) - (16_060_522_496 + GIB + GIB // 2)
     blocks = available // (32 * 65_536)
-    assert plan.num_blocks == blocks == 28_437
+    assert plan.num_blocks == blocks == 28_275
     worker = plan.workers[0]
     assert worker.budget.available_bytes == available
     assert worker.kv_cache_size_tokens == int(blocks / (32_768 // 16) * 32_768)
@@ -43,7 +46,7 @@ def test_gemma(capsys: pytest.CaptureFixture[str]) -> None:
     plan = plan_json("gemma-3-27b.yaml", capsys)
     assert [len(g.layer_names) for g in plan.groups] == [9, 9, 9, 9, 8, 8, 10]
     page = 16 * 16 * 256 * 2
-    available = math.ceil(80 * GIB * 0.9) - (54_800_000_000 + 2 * GIB + GIB // 2)
+    available = math.ceil(H100 * 0.9) - (54_800_000_000 + 2 * GIB + GIB // 2)
     assert plan.num_blocks == available // (10 * page)
     per_request = 6 * (cdiv(1023 + 8192, 16) + 1) + 131_072 // 16
     assert plan.workers[0].blocks_per_request == per_request
@@ -56,7 +59,7 @@ def test_gpt_oss_eagle3_flags_the_draft_group(capsys: pytest.CaptureFixture[str]
     assert [g.is_draft for g in plan.groups] == [False, True]
     assert plan.groups[1].draft_rule == plan_pb2.DRAFT_RULE_IS_DRAFT
     assert plan.groups[0].padding_layers == 1
-    available = math.ceil(80 * GIB * 0.9) - (13_761_264_768 + 2 * GIB + GIB // 2)
+    available = math.ceil(H100 * 0.9) - (13_761_264_768 + 2 * GIB + GIB // 2)
     assert plan.num_blocks == available // (13 * 8 * 16 * 128 * 2)
 
 
@@ -68,7 +71,7 @@ def test_qwen3_next_mtp_group_found_by_trailing_rule(capsys: pytest.CaptureFixtu
     assert "mtp.layers.0.self_attn.attn" in plan.groups[3].layer_names
     page = 4 * 2048 * 2 + 8 * 128 * 128 * 4
     assert {g.page_size_bytes for g in plan.groups} == {page} == {528 * 1024}
-    available = math.ceil(80 * GIB * 0.9) - (40_000_000_000 + 2 * GIB + GIB)
+    available = math.ceil(H100 * 0.9) - (40_000_000_000 + 2 * GIB + GIB)
     assert plan.num_blocks == available // (13 * page)
     # align mode, 1 speculative block: 3 pages per Mamba group + the attention table.
     assert plan.workers[0].blocks_per_request == 3 * 3 + cdiv(262_144, 528)
@@ -82,7 +85,7 @@ def test_deepseek_v3_mtp(capsys: pytest.CaptureFixture[str]) -> None:
     (group,) = plan.groups
     assert len(group.layer_names) == 62 and group.page_size_bytes == 64 * 576 * 2
     assert group.is_draft and group.draft_rule == plan_pb2.DRAFT_RULE_IS_DRAFT
-    available = math.ceil(141 * GIB * 0.9) - (86_000_000_000 + 4 * GIB + GIB)
+    available = math.ceil(H200 * 0.9) - (86_000_000_000 + 4 * GIB + GIB)
     assert plan.num_blocks == available // (62 * 73_728)
     assert all(w.kv_tp_replicas == 8 for w in plan.workers)
 
@@ -91,7 +94,7 @@ def test_jamba(capsys: pytest.CaptureFixture[str]) -> None:
     plan = plan_json("jamba-mini.yaml", capsys)
     assert [len(g.layer_names) for g in plan.groups] == [4] * 8
     assert {g.page_size_bytes for g in plan.groups} == {327_680}
-    available = math.ceil(141 * GIB * 0.95) - (103_200_000_000 + 4 * GIB + GIB)
+    available = math.ceil(H200 * 0.95) - (103_200_000_000 + 4 * GIB + GIB)
     assert plan.num_blocks == available // (4 * 327_680)
 
 
@@ -153,7 +156,7 @@ def test_gpu_flag_sets_total_memory(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert plan.num_blocks == 5 * GIB // 65_536
     assert main(["plan", str(path), "--json", "--gpu", "A100-40GB"]) == 0
     plan = json_format.ParseDict(json.loads(capsys.readouterr().out), plan_pb2.PlanResponse())
-    assert plan.num_blocks == 20 * GIB // 65_536
+    assert plan.num_blocks == math.ceil(GPU_MEMORY_BYTES["A100-40GB"] * 0.5) // 65_536
 
 
 @pytest.mark.parametrize(

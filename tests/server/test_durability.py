@@ -19,10 +19,11 @@ import grpc
 import pytest
 
 from kvplan.client import PlannerClient, PlannerError
-from tests.server.conftest import GIB, rank_request
+from kvplan.gpus import GPU_MEMORY_BYTES
+from tests.server.conftest import rank_request
 from tests.server.test_leases import leased_request
 
-TOTAL = 80 * GIB
+TOTAL = GPU_MEMORY_BYTES["H100-80GB"]
 SHARE = math.ceil(TOTAL * 0.45)
 
 

@@ -23,11 +23,12 @@ from kvplan.client import (
     PlannerClient,
     PlannerError,
 )
+from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.server.main import RunningServer, start_server
 from kvplan.v1 import plan_pb2
 from tests.server.conftest import GIB, TEST_SETTINGS, full_layer
 
-TOTAL = 80 * GIB  # H100-80GB in the static inventory
+TOTAL = GPU_MEMORY_BYTES["H100-80GB"]  # H100-80GB in the static inventory
 SHARE = math.ceil(TOTAL * 0.45)
 
 

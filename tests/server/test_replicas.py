@@ -15,12 +15,13 @@ import pytest_asyncio
 import redis
 
 from kvplan.client import AsyncPlannerClient, PlannerError
+from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.server.main import RunningServer, start_server
-from tests.server.conftest import GIB, TEST_SETTINGS, rank_request
+from tests.server.conftest import TEST_SETTINGS, rank_request
 from tests.server.redis_server import RedisServer, running_redis
 from tests.server.test_leases import leased_request
 
-SHARE = math.ceil(80 * GIB * 0.45)
+SHARE = math.ceil(GPU_MEMORY_BYTES["H100-80GB"] * 0.45)
 
 
 @pytest.fixture(scope="module")

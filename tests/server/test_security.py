@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvplan.client import AsyncPlannerClient, ChannelSecurity, PlannerError
+from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.server.config import Settings, parse_settings
 from kvplan.server.main import RunningServer, start_server
 from kvplan.server.metrics import Metrics
@@ -289,7 +290,7 @@ async def test_a_refused_lease_names_only_the_holders_the_caller_may_see(
     token_server: RunningServer,
 ) -> None:
     target = f"127.0.0.1:{token_server.port}"
-    share = math.ceil(80 * GIB * 0.45)
+    share = math.ceil(GPU_MEMORY_BYTES["H100-80GB"] * 0.45)
 
     def client(token: str) -> AsyncPlannerClient:
         return AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=token))

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from kvplan.client import ChannelSecurity, PlannerClient
+from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.v1 import plan_pb2
 from tests.vllm_envs import vllm_python
 
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HOST = Path(__file__).resolve().parent / "engine_host.py"
 VERSIONS = ("0.32", "0.33", "0.34")
 GIB = 1 << 30
-H100_TOTAL = 80 * GIB
+H100_TOTAL = GPU_MEMORY_BYTES["H100-80GB"]
 OBSERVED_ENGINES = ("llama", "gemma3", "gpt-oss-eagle3", "deepseek-mtp", "qwen3-next-mtp")
 # The engines whose drafter group vLLM flags, and the rule kvplan names for it. 0.33+
 # flags the groups of `is_draft` layers. 0.32's specs have no `is_draft`: the MTP
@@ -582,11 +583,12 @@ def test_lease_two_engines_share_a_gpu_a_third_is_refused(
     c = host.start("C", "llama", env={**lease, "KVPLAN_ENGINE_ID": f"c-{version}"}, **common)
     assert not c["ok"]
     assert "LeaseRefused: kvplan refused the KV-cache lease" in c["error"]
-    assert "asks for 36.00 GiB" in c["error"] and "8.00 GiB left" in c["error"], c["error"]
+    share, left = footprint / GIB, (H100_TOTAL - 2 * footprint) / GIB
+    assert f"asks for {share:.2f} GiB" in c["error"] and f"{left:.2f} GiB left" in c["error"]
     # Who holds the rest (a server without authentication names every holder).
     assert (
-        f"Held by: engine 'a-{version}' (rank 0) 36.00 GiB, "
-        f"engine 'b-{version}' (rank 0) 36.00 GiB."
+        f"Held by: engine 'a-{version}' (rank 0) {share:.2f} GiB, "
+        f"engine 'b-{version}' (rank 0) {share:.2f} GiB."
     ) in c["error"], c["error"]
 
     # Shutting an engine down gives its lease back at once.
