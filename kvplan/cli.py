@@ -156,7 +156,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         request.options.engine_version = args.engine_version
     try:
         if args.target:
-            response = _plan_remote(args.target, request)
+            response = _plan_remote(args.target, request, args)
         else:
             from kvplan.convert import plan_from_proto
 
@@ -184,7 +184,7 @@ def _plan_model_command(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from kvplan.core.errors import PlanningError
-    from kvplan.gpus import UnknownGpu
+    from kvplan.gpus import GpuModel, UnknownGpu
     from kvplan.models import ModelConfigError, load_config
     from kvplan.models.cli import (
         format_capacity,
@@ -193,6 +193,7 @@ def _plan_model_command(args: argparse.Namespace) -> int:
         plan_built,
         resolve_gpu,
     )
+    from kvplan.models.fit import catalog_name, explain_no_fit
     from kvplan.models.request import ModelPlanInputs, build_plan_request
 
     inputs: ModelPlanInputs | None = None
@@ -201,28 +202,29 @@ def _plan_model_command(args: argparse.Namespace) -> int:
         gpu = resolve_gpu(args.gpu) if args.gpu_memory is None else None
         options = replace(
             options_from_args(args),
-            tensor_parallel_size=args.tp,
-            pipeline_parallel_size=args.pp,
+            tensor_parallel_size=args.tp or 1,
+            gpu=catalog_name(gpu) if gpu is not None else None,
             gpu_memory_bytes=args.gpu_memory or (gpu.total_memory_bytes if gpu else None),
         )
         if options.gpu_memory_bytes is None:
             raise ModelConfigError("give --gpu NAME or --gpu-memory BYTES")
 
-        def planner(request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
-            if args.target:
-                return _plan_remote(args.target, request)
-            from kvplan.convert import plan_from_proto
-
-            return plan_from_proto(request)
-
         request, inputs = build_plan_request(config, options)
-        response, summary, inputs = plan_built(request, inputs, planner)
+        response, summary, inputs = plan_built(request, inputs, _local_or_remote(args))
     except (ModelConfigError, UnknownGpu) as error:
         print(
             f"error: {error.args[0] if isinstance(error, UnknownGpu) else error}", file=sys.stderr
         )
         return 2
     except (PlanningError, RemoteError) as error:
+        if isinstance(error, PlanningError) and error.code == "RESOURCE_EXHAUSTED":
+            # Said in this command's terms: positive figures and its own flags.
+            device = gpu or GpuModel("the device", options.gpu_memory_bytes or 0, True, "")
+            why = explain_no_fit(config, options, device, inputs, _local_or_remote(args))
+            print(f"error: does not fit on {device.name} at TP {options.tensor_parallel_size}:",
+                  file=sys.stderr)  # fmt: skip
+            print("\n".join(why.lines()), file=sys.stderr)
+            return EXIT_CODES["RESOURCE_EXHAUSTED"]
         if isinstance(error, PlanningError):
             where = f"{error.field}: " if error.field else ""
             print(f"error: {where}{error.message}", file=sys.stderr)
@@ -241,7 +243,23 @@ def _plan_model_command(args: argparse.Namespace) -> int:
     else:
         print(format_report(response))
         print(format_capacity(summary, inputs, gpu))
+        if options.max_model_len == -1:
+            print(
+                f"max_model_len auto: chose {response.max_model_len:,} tokens (the longest "
+                "one request the KV budget holds)"
+            )
     return 0
+
+
+def _local_or_remote(args: argparse.Namespace) -> Any:
+    def planner(request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
+        if args.target:
+            return _plan_remote(args.target, request, args)
+        from kvplan.convert import plan_from_proto
+
+        return plan_from_proto(request)
+
+    return planner
 
 
 class RemoteError(Exception):
@@ -250,15 +268,72 @@ class RemoteError(Exception):
         self.exit_code = exit_code
 
 
-def _plan_remote(target: str, request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
+# The TLS and token flags of every command that talks to a server, by the variable
+# kvplan.client.security reads (a flag wins over the variable). No token on the command
+# line, where `ps` would show it: KVPLAN_TOKEN or --token-file.
+_SECURITY_FLAGS = {
+    "tls": "KVPLAN_TLS",
+    "tls_ca": "KVPLAN_TLS_CA",
+    "client_cert": "KVPLAN_CLIENT_CERT",
+    "client_key": "KVPLAN_CLIENT_KEY",
+    "tls_server_name": "KVPLAN_TLS_SERVER_NAME",
+    "token_file": "KVPLAN_CLIENT_TOKEN_FILE",
+}
+
+
+def add_security_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "connection and auth (with a server; each flag overrides its KVPLAN_* variable)"
+    )
+    group.add_argument(
+        "--tls", action="store_const", const="1", help="TLS with the system roots (KVPLAN_TLS)"
+    )
+    group.add_argument("--tls-ca", help="CA bundle to verify the server (KVPLAN_TLS_CA)")
+    group.add_argument("--client-cert", help="client certificate for mTLS (KVPLAN_CLIENT_CERT)")
+    group.add_argument("--client-key", help="client private key for mTLS (KVPLAN_CLIENT_KEY)")
+    group.add_argument(
+        "--tls-server-name", help="name to verify in the server's certificate"
+        " (KVPLAN_TLS_SERVER_NAME)",
+    )  # fmt: skip
+    group.add_argument(
+        "--token-file",
+        help="file holding the bearer token (KVPLAN_CLIENT_TOKEN_FILE; or KVPLAN_TOKEN)",
+    )
+
+
+def security_environ(args: argparse.Namespace | None) -> dict[str, str]:
+    environ = dict(os.environ)
+    for dest, variable in _SECURITY_FLAGS.items():
+        value = getattr(args, dest, None) if args is not None else None
+        if value:
+            environ[variable] = value
+    return environ
+
+
+def _plan_remote(
+    target: str, request: plan_pb2.PlanRequest, args: argparse.Namespace | None = None
+) -> plan_pb2.PlanResponse:
     from kvplan.client import ChannelSecurity, PlannerClient, PlannerError
 
     try:
-        with PlannerClient(target, security=ChannelSecurity.from_env()) as client:
+        security = ChannelSecurity.from_env(security_environ(args))
+        with PlannerClient(target, security=security) as client:
             return client.plan(request).response
+    except OSError as error:
+        raise RemoteError(f"{error} (a TLS or token file)", 2) from error
     except PlannerError as error:
         field = f"{error.violations[0].field}: " if error.violations else ""
-        raise RemoteError(f"{field}{error.details}", EXIT_CODES.get(error.code_name, 1)) from error
+        hint = ""
+        if error.code_name == "UNAVAILABLE":
+            hint = (
+                f" -- check that a kvplan server listens at {target} and that TLS matches "
+                "it (--tls / --tls-ca, or plaintext without them)"
+            )
+        elif error.code_name in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            hint = " -- check the token (--token-file, KVPLAN_TOKEN) and client certificate"
+        raise RemoteError(
+            f"{field}{error.details}{hint}", EXIT_CODES.get(error.code_name, 1)
+        ) from error
 
 
 def _serve_command(argv: Sequence[str]) -> int:
@@ -286,14 +361,14 @@ def default_health_target(environ: Mapping[str, str] | None = None) -> str:
     return f"{host}:{env.get('KVPLAN_PORT', '') or '50051'}"
 
 
-def _health_channel(target: str) -> Any:
+def _health_channel(target: str, args: argparse.Namespace | None = None) -> Any:
     """Plaintext, or TLS when KVPLAN_TLS_CA / KVPLAN_CLIENT_CERT / KVPLAN_TLS say so
     (kvplan.client.security). A health probe never goes through an HTTP proxy."""
     import grpc
 
     from kvplan.client import ChannelSecurity
 
-    security = ChannelSecurity.from_env()
+    security = ChannelSecurity.from_env(security_environ(args))
     options = [("grpc.enable_http_proxy", 0), *security.channel_options()]
     credentials = security.credentials()
     if credentials is None:
@@ -316,7 +391,7 @@ def _health_command(args: argparse.Namespace) -> int:
     service = args.service or "(server)"
     try:
         # A health probe goes straight to the target, never through an HTTP proxy.
-        with _health_channel(args.target) as channel:
+        with _health_channel(args.target, args) as channel:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )
@@ -325,6 +400,8 @@ def _health_command(args: argparse.Namespace) -> int:
         name = code.name if code is not None else "UNKNOWN"
         details = " ".join(str(error.details() or "").split())
         suffix = f": {details}" if details else ""
+        if name == "UNAVAILABLE":
+            suffix += " -- check the address and that TLS matches the server (--tls / --tls-ca)"
         print(f"error: {args.target} {service}: {name}{suffix}", file=sys.stderr)
         return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
@@ -373,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model it also picks the release's layer registration",
     )
     add_model_options(plan, sweep=False)
+    add_security_options(plan)
     add_capacity_parser(commands)
     commands.add_parser("serve", help="run the gRPC service", add_help=False)
     health = commands.add_parser(
@@ -396,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=3.0,
         help="seconds to wait for the answer (default %(default)s)",
     )
+    add_security_options(health)
     return parser
 
 
@@ -412,16 +491,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def _model_flags_given(args: argparse.Namespace) -> list[str]:
+    """The --model deployment flags present on the command line (none has a default)."""
+    from kvplan.models.cli import MODEL_ONLY_OPTIONS
+
+    return [flag for dest, flag in MODEL_ONLY_OPTIONS.items() if getattr(args, dest) is not None]
+
+
 def _main(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "serve":
         return _serve_command(args_list[1:])
     args = build_parser().parse_args(args_list)
     if args.command == "plan":
+        if args.model and args.file:
+            print(
+                f"error: give a request FILE ({args.file}) or --model CONFIG, not both: a "
+                "request file already lists its layers",
+                file=sys.stderr,
+            )
+            return 2
         if args.model:
             return _plan_model_command(args)
         if not args.file:
             print("error: give a request FILE or --model CONFIG", file=sys.stderr)
+            return 2
+        refused = _model_flags_given(args)
+        if refused:
+            print(
+                f"error: {', '.join(refused)} appl{'ies' if len(refused) == 1 else 'y'} to "
+                "--model only: a request file states its workers, options and memory itself "
+                "(edit the file; --gpu, --gpu-memory and --engine-version do apply to it)",
+                file=sys.stderr,
+            )
             return 2
         return _plan_command(args)
     if args.command == "capacity":

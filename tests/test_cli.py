@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.protobuf import json_format
@@ -217,3 +219,143 @@ def test_engine_version_flag_picks_the_release_rules(capsys: pytest.CaptureFixtu
     codes = [w.code for w in plan_033.diagnostics.warnings]
     assert plan_pb2.WARNING_CODE_NO_DRAFT_GROUP_MAMBA in codes
     assert main(["plan", str(EXAMPLES / "llama-3.1-8b.yaml"), "--engine-version", "x"]) == 2
+
+
+# --- vLLM's flag names (kvplan plan --model / capacity) -------------------------------
+
+MODELS = EXAMPLES / "models"
+
+
+def model_plan(
+    capsys: pytest.CaptureFixture[str], model: str, *flags: str, gpu: str = "H100"
+) -> dict[str, Any]:
+    args = ["plan", "--model", str(MODELS / model), "--gpu", gpu, "--json", *flags]
+    assert main(args) == 0, capsys.readouterr().err
+    result: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return result
+
+
+def test_vllm_flag_names_and_the_short_forms_plan_alike(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    length = ["--max-model-len", "8k"]
+    plans = [
+        model_plan(capsys, "llama-3.1-8b", *length, *flags)
+        for flags in (["--tensor-parallel-size", "2"], ["-tp", "2"], ["--tp", "2"])
+    ]
+    assert len({json.dumps(plan["capacity"], sort_keys=True) for plan in plans}) == 1
+    assert len(plans[0]["workers"]) == 2
+    staged = model_plan(capsys, "llama-3.1-8b", *length, "--pipeline-parallel-size", "2")
+    assert staged == model_plan(capsys, "llama-3.1-8b", *length, "-pp", "2")
+    assert len(staged["workers"]) == 2
+    mtp = ["--max-model-len", "8k", "-tp", "8"]
+    config = '{"method": "deepseek_mtp", "num_speculative_tokens": 1}'
+    by_json = model_plan(capsys, "deepseek-v3", *mtp, "--speculative-config", config, gpu="H200")
+    short = model_plan(capsys, "deepseek-v3", *mtp, "--speculative", "mtp:1", gpu="H200")
+    assert by_json["capacity"] == short["capacity"]
+    assert any(group.get("is_draft") for group in by_json["groups"])
+
+
+def test_vllm_memory_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--max-model-len", "8k"]
+    fixed = model_plan(capsys, "llama-3.1-8b", *base, "--kv-cache-memory-bytes", "10GiB")
+    assert int(fixed["workers"][0]["budget"]["available_bytes"]) == 10 * GIB
+    blocks = model_plan(capsys, "llama-3.1-8b", *base, "--num-gpu-blocks-override", "1000")
+    assert int(blocks["num_blocks"]) == 1000
+    half = model_plan(capsys, "llama-3.1-8b", *base, "--gpu-memory-utilization", "0.5")
+    assert int(half["workers"][0]["budget"]["requested_bytes"]) == math.ceil(H100 * 0.5)
+    fp8 = model_plan(capsys, "llama-3.1-8b", *base, "--kv-cache-dtype", "fp8")
+    plain = model_plan(capsys, "llama-3.1-8b", *base)
+    assert fp8["capacity"]["kv_bytes_per_token"] * 2 == plain["capacity"]["kv_bytes_per_token"]
+    # --max-num-seqs sizes the sampler's share of the activation estimate.
+    few = model_plan(capsys, "llama-3.1-8b", *base, "--max-num-seqs", "8")
+    assert int(few["workers"][0]["budget"]["non_kv_bytes"]) < int(
+        plain["workers"][0]["budget"]["non_kv_bytes"]
+    )
+    tokens = model_plan(capsys, "llama-3.1-8b", *base, "--max-num-batched-tokens", "2k")
+    assert int(tokens["workers"][0]["budget"]["non_kv_bytes"]) < int(
+        plain["workers"][0]["budget"]["non_kv_bytes"]
+    )
+    block = model_plan(capsys, "llama-3.1-8b", *base, "--block-size", "32")
+    assert block["groups"][0]["block_size"] == 32
+
+
+def test_vllm_dtype_quantization_and_prefix_caching_flags(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = ["--max-model-len", "8k"]
+    plain = model_plan(capsys, "llama-3.1-8b", *base)
+    weights = int(plain["workers"][0]["budget"]["non_kv_bytes"])
+    online = model_plan(capsys, "llama-3.1-8b", *base, "--quantization", "fp8")
+    # fp8 on load: the 7.0B non-embedding parameters drop from 2 bytes to 1.
+    saved = weights - int(online["workers"][0]["budget"]["non_kv_bytes"])
+    assert abs(saved - (8_029_995_008 - 2 * 128_256 * 4096)) < 2**20
+    assert (
+        model_plan(capsys, "llama-3.1-8b", *base, "--dtype", "float16")["capacity"]
+        == (plain["capacity"])
+    )  # bf16 and fp16 are the same size
+    wide = model_plan(capsys, "llama-3.1-8b", *base, "--dtype", "float32")
+    assert wide["capacity"]["kv_bytes_per_token"] == 2 * plain["capacity"]["kv_bytes_per_token"]
+    args = ["plan", "--model", str(MODELS / "deepseek-v3"), "--gpu", "H200", "-tp", "8"]
+    assert main([*args, "--quantization", "awq"]) == 2
+    assert "does not match the checkpoint's 'fp8'" in capsys.readouterr().err
+    hybrid = ["--max-model-len", "8k"]
+    on = model_plan(capsys, "nemotron-3-nano-30b-a3b", *hybrid, "--enable-prefix-caching")
+    off = model_plan(capsys, "nemotron-3-nano-30b-a3b", *hybrid, "--no-enable-prefix-caching")
+    short = model_plan(capsys, "nemotron-3-nano-30b-a3b", *hybrid, "--no-prefix-caching")
+    assert off == short and off["capacity"] != on["capacity"]
+
+
+def test_nothing_beside_a_request_file_is_silently_ignored(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    request = str(EXAMPLES / "llama-3.1-8b.yaml")
+    assert main(["plan", request, "--tp", "2", "--max-model-len", "8k"]) == 2
+    err = capsys.readouterr().err
+    assert "--tensor-parallel-size, --max-model-len apply to --model only" in err
+    assert main(["plan", request, "--model", str(MODELS / "llama-3.1-8b")]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["plan", request, "--no-enable-prefix-caching"]) == 2
+    assert "--enable-prefix-caching" in capsys.readouterr().err
+    assert main(["plan", request, "--gpu", "H200", "--json"]) == 0  # these do apply
+
+
+def test_capacity_sweeps_max_model_len(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100", "--tp", "1,2"]
+    assert main([*args, "--max-model-len", "8k,32k,auto", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(row["tp"], row["requested_max_model_len"]) for row in rows] == [
+        (tp, length) for tp in (1, 2) for length in (8192, 32768, -1)
+    ]
+    assert [row["max_model_len"] for row in rows[:2]] == [8192, 32768]
+    # auto: the length it chose, the longest the budget holds (the 8k row's auto-fit)
+    assert rows[2]["max_model_len"] == rows[0]["auto_fit_max_model_len"]
+
+
+def test_auto_shows_the_length_it_chose(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "auto"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    chosen = re.search(r"max_model_len auto: chose ([0-9,]+) tokens", out)
+    assert chosen is not None
+    assert main([*args, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert int(chosen.group(1).replace(",", "")) == int(plan["max_model_len"]) < 40_960
+
+
+def test_commands_that_talk_to_a_server_list_tls_and_token_options(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for command in ("plan", "health"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        for flag in ("--tls", "--tls-ca", "--client-cert", "--client-key", "--token-file"):
+            assert flag in out, (command, flag)
+    request = str(EXAMPLES / "llama-3.1-8b.yaml")
+    assert main(["plan", request, "--target", "127.0.0.1:1"]) == 1
+    err = capsys.readouterr().err
+    assert "check that a kvplan server listens at 127.0.0.1:1" in err
+    missing = ["--tls-ca", "/nonexistent/ca.pem"]
+    assert main(["plan", request, "--target", "127.0.0.1:1", *missing]) == 2
+    assert "KVPLAN_TLS_CA=/nonexistent/ca.pem" in capsys.readouterr().err

@@ -114,6 +114,7 @@ class Deployment:
     mamba_ssm_cache_dtype: str = "auto"
     max_model_len: int | None = None  # Mamba block size when prefix caching is off
     engine_version: str = ""  # the release that registers the layers ("" = vLLM 0.33)
+    dtype: str = "auto"  # vLLM's --dtype: auto (as served from the checkpoint) or a name
 
 
 @dataclass(frozen=True)
@@ -841,6 +842,8 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
         text.dtype() if (text.has("torch_dtype") or text.has("dtype")) else config.dtype()
     )
     model_dtype = serving_dtype(checkpoint_dtype)
+    if deployment.dtype != "auto":
+        model_dtype = HFConfig({"torch_dtype": deployment.dtype}, "--dtype").dtype()
     builder = _Builder(
         config=text,
         deployment=deployment,

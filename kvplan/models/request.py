@@ -59,6 +59,12 @@ class ModelPlanOptions:
     # The engine release that runs the plan: its layer registration and its planning
     # rules (vllm-0.32, vllm-0.33, vllm-0.34; "" = kvplan's own, vLLM 0.33 registration).
     engine_version: str = ""
+    # vLLM's --quantization (None: the checkpoint's own) and --dtype (auto: the config's)
+    quantization: str | None = None
+    dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None  # vLLM's --kv-cache-memory-bytes
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int | None = None  # None: vllm serve's default for the device
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ def build_plan_request(
         device_name, device_bytes = gpu.name, gpu.total_memory_bytes
     batched_default, max_num_seqs = serve_defaults(device_bytes, device_name)
     batched = options.max_num_batched_tokens or batched_default
+    max_num_seqs = options.max_num_seqs or max_num_seqs
     layers = import_layers(
         config,
         Deployment(
@@ -117,6 +124,7 @@ def build_plan_request(
             mamba_ssm_cache_dtype=options.mamba_ssm_cache_dtype,
             max_model_len=max_len_for_mamba,
             engine_version=options.engine_version,
+            dtype=options.dtype,
         ),
     )
     weights: WeightEstimate | None = None
@@ -125,7 +133,7 @@ def build_plan_request(
         non_kv = plan_pb2.NonKVMemory(weights_bytes=options.non_kv_bytes)
         total_non_kv = options.non_kv_bytes
     else:
-        weights = estimate_weights(config, layers, tp, pp, gpu_arch)
+        weights = estimate_weights(config, layers, tp, pp, gpu_arch, options.quantization)
         overhead = estimate_overhead(config, layers, tp, batched, max_num_seqs)
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
@@ -150,6 +158,8 @@ def build_plan_request(
         f"KV_CACHE_DTYPE_{options.kv_cache_dtype.upper()}"
     )
     opts.max_num_batched_tokens = batched
+    if options.num_gpu_blocks_override is not None:
+        opts.num_gpu_blocks_override = options.num_gpu_blocks_override
     opts.parallel.tensor_parallel_size = tp
     if pp > 1:
         opts.parallel.pipeline_parallel_size = pp
@@ -177,7 +187,9 @@ def build_plan_request(
             worker.device.name = device_name
         if device_bytes is not None:
             worker.device.total_memory_bytes = device_bytes
-        if options.gpu_memory_utilization is not None:
+        if options.kv_cache_memory_bytes is not None:
+            worker.memory.kv_cache_memory_bytes = options.kv_cache_memory_bytes
+        elif options.gpu_memory_utilization is not None:
             worker.memory.gpu_memory_utilization = options.gpu_memory_utilization
         worker.memory.non_kv.CopyFrom(non_kv)
     inputs = ModelPlanInputs(

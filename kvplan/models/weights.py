@@ -210,12 +210,27 @@ def count_params(config: HFConfig, layers: ModelLayers) -> ParamCount:
 _INT4_BYTES = 0.5 + 4 / 128  # 4-bit weights + an fp16 scale and zero per 128-group
 
 
-def _quantization(config: HFConfig) -> tuple[str, float, bool]:
-    """(name, bytes per quantized parameter, experts only)."""
+def _quantization(config: HFConfig, requested: str | None = None) -> tuple[str, float, bool]:
+    """(name, bytes per quantized parameter, experts only). `requested` is vLLM's
+    --quantization: it must name the checkpoint's method, or on an unquantized
+    checkpoint `fp8` (quantized when loaded, one scale per tensor)."""
     quant = config.sub("quantization_config")
     if quant is None:
-        return ("none", 0.0, False)
+        if requested in (None, "none"):
+            return ("none", 0.0, False)
+        if requested == "fp8":
+            return ("fp8", 1.0, False)
+        raise ModelConfigError(
+            f"--quantization {requested}: an unquantized checkpoint can be quantized on load "
+            "only with fp8 in the weight estimate; pass --non-kv-bytes"
+        )
     method = quant.text("quant_method")
+    if requested is not None and requested != method:
+        raise ModelConfigError(
+            f"--quantization {requested} does not match the checkpoint's {method!r} "
+            "(vLLM refuses it too)",
+            quant._where("quant_method"),
+        )
     if method == "fp8":
         return ("fp8", 1 + 4 / (128 * 128), False)
     if method in ("awq", "gptq"):
@@ -298,6 +313,7 @@ def estimate_weights(
     tensor_parallel_size: int,
     pipeline_parallel_size: int = 1,
     gpu_arch: str = "",
+    quantization: str | None = None,
 ) -> WeightEstimate:
     """Bytes per worker: embeddings, LM head, attention, MLP and mixers shard over TP
     (vocab-parallel embeddings, column/row-parallel projections), routers are
@@ -305,7 +321,7 @@ def estimate_weights(
     are padded per rank for the GPU's (`gpu_arch`) MoE kernel."""
     params = count_params(config, layers)
     dtype_bytes = layers.model_dtype.size_bytes
-    name, quant_bytes, experts_only = _quantization(config)
+    name, quant_bytes, experts_only = _quantization(config, quantization)
     ranks = tensor_parallel_size * pipeline_parallel_size
     router_bytes = params.router * dtype_bytes
     if name == "none":

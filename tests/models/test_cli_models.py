@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -58,19 +59,27 @@ def test_estimated_non_kv_is_stated(capsys: pytest.CaptureFixture[str]) -> None:
     assert "62 layers, 71,424 B per token" in out
 
 
-def test_a_point_that_does_not_fit_states_the_non_kv_estimate(
+def test_a_point_that_does_not_fit_says_where_the_memory_went(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # DeepSeek V3 at TP 2 on H100s: ~313 GiB of fp8 weights per rank cannot fit.
     args = ["plan", "--model", str(MODELS / "deepseek-v3"), "--gpu", "H100", "--tp", "2"]
     assert main([*args, "--max-model-len", "4k"]) == 4
     err = capsys.readouterr().err
-    assert "No available memory for the cache blocks" in err
-    assert "non-KV memory per worker the plan assumed:" in err and "weights: 313." in err
+    assert "error: does not fit on H100-80GB at TP 2:" in err
+    assert "weights 313." in err and "the non-KV memory alone exceeds it by" in err
+    # Positive figures only, and only flags the command has.
+    assert re.search(r"(^|[\s(])-\d", err) is None  # no negative byte count
+    assert "kv_cache_memory_bytes" not in err and "gpu_memory_utilization" not in err
+    # The smallest TP that fits, found by planning it (8 x H100 holds ~78 GiB per rank).
+    assert "fits from --tensor-parallel-size 16 on this GPU" in err
+    assert main([*args, "--tp", "16", "--max-model-len", "4k"]) == 0
+    capsys.readouterr()
     sweep = ["capacity", "--model", str(MODELS / "deepseek-v3"), "--gpu", "H100"]
-    assert main([*sweep, "--tp", "2", "--json", "--max-model-len", "4k"]) == 4
+    assert main([*sweep, "--tp", "2", "--json", "--max-model-len", "4k"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
-    assert row["status"] == "error" and row["non_kv_bytes_per_worker"] > 313 * 2**30
+    assert row["status"] == "does not fit" and row["non_kv_bytes_per_worker"] > 313 * 2**30
+    assert row["fits_from_tp"] == 16 and row["max_model_len"] == 4096
 
 
 def test_capacity_sweep_table_json_csv_chart(
@@ -108,10 +117,16 @@ def test_capacity_accepts_sizes_for_unlisted_devices(capsys: pytest.CaptureFixtu
     assert "unknown GPU 'Z9'" in capsys.readouterr().err
 
 
-def test_capacity_reports_models_that_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["capacity", "--model", str(MODELS / "deepseek-v3"), "--gpu", "L4", "--tp", "1"]
-    assert main(args) == 4
-    assert "L4-24GB tp=1:" in capsys.readouterr().out
+def test_capacity_marks_rows_that_do_not_fit_and_exits_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The sweep ran: rows that do not fit are marked, with what would fit; exit 0.
+    args = ["capacity", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4,H100", "--tp", "1"]
+    assert main([*args, "--max-model-len", "32k"]) == 0
+    out = capsys.readouterr().out
+    assert "L4-24GB tp=1: does not fit:" in out and "H100-80GB" in out
+    # A config error is exit 2, as `plan` exits.
+    assert main([*args, "--kv-cache-dtype", "int3"]) == 2
 
 
 def test_bad_inputs_are_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

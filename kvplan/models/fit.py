@@ -1,0 +1,128 @@
+"""Why a deployment does not fit, and what would: the smallest TP, the catalog GPUs.
+
+Used by `plan --model` and `capacity` when planning fails for lack of memory: the
+answer says where the memory went (device total x utilization, weights, activations
+and runtime, what one request needs) in plain positive figures, and which TP size and
+which catalog GPUs would hold the same deployment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from kvplan.gpus import CATALOG, GpuModel, UnknownGpu, lookup_gpu
+from kvplan.models.config import HFConfig, ModelConfigError
+from kvplan.models.request import ModelPlanInputs, ModelPlanOptions, build_plan_request
+from kvplan.v1 import plan_pb2
+
+GIB = 1 << 30
+TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+Planner = Callable[[plan_pb2.PlanRequest], plan_pb2.PlanResponse]
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:,.2f} GiB"
+
+
+def default_utilization(options: ModelPlanOptions) -> float:
+    """What the planner applies without --gpu-memory-utilization (0.34's extensible
+    cache reserves the whole device)."""
+    if options.gpu_memory_utilization is not None:
+        return options.gpu_memory_utilization
+    return 1.0 if options.engine_version == "vllm-0.34" else 0.92
+
+
+def catalog_name(gpu: GpuModel) -> str | None:
+    """The catalog name of `gpu`, or None for a size given on the command line."""
+    with contextlib.suppress(UnknownGpu):
+        if lookup_gpu(gpu.name) is gpu:
+            return gpu.name
+    return None
+
+
+def fits(config: HFConfig, options: ModelPlanOptions, planner: Planner) -> bool:
+    from kvplan.core.errors import PlanningError
+
+    try:
+        planner(build_plan_request(config, options)[0])
+    except (PlanningError, ModelConfigError):
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class NoFit:
+    where: list[str]  # where the memory went, one line each
+    smallest_tp: int | None  # on the same GPU, with every other setting unchanged
+    gpus: list[str]  # catalog GPUs that hold it at the same TP
+
+    def lines(self) -> list[str]:
+        out = list(self.where)
+        if self.smallest_tp is not None:
+            out.append(f"  fits from --tensor-parallel-size {self.smallest_tp} on this GPU")
+        else:
+            out.append(f"  no TP size up to {TP_CANDIDATES[-1]} fits on this GPU")
+        if self.gpus:
+            out.append(f"  fits at this TP on: {', '.join(self.gpus)}")
+        else:
+            out.append("  no catalog GPU holds it at this TP")
+        return out
+
+
+def explain_no_fit(
+    config: HFConfig,
+    options: ModelPlanOptions,
+    gpu: GpuModel,
+    inputs: ModelPlanInputs | None,
+    planner: Planner,
+) -> NoFit:
+    """Where the memory of a worker went, and the smallest TP / the catalog GPUs that
+    would hold the deployment (each candidate planned for real, not guessed)."""
+    utilization = default_utilization(options)
+    usable = -(-gpu.total_memory_bytes * int(utilization * 10**6) // 10**6)
+    where = [
+        f"  per worker: {utilization:.0%} of {gpu.name}'s {_gib(gpu.total_memory_bytes)}"
+        f" = {_gib(usable)} usable"
+    ]
+    if inputs is not None:
+        if inputs.weights is not None and inputs.overhead is not None:
+            where.append(
+                f"  weights {_gib(inputs.weights.bytes_per_worker)} + activations and "
+                f"runtime {_gib(inputs.overhead.total_bytes)} (estimated)"
+                f" = {_gib(inputs.non_kv_bytes)} non-KV"
+            )
+        else:
+            where.append(f"  non-KV memory (given): {_gib(inputs.non_kv_bytes)}")
+        if inputs.non_kv_bytes >= usable:
+            where.append(
+                f"  the non-KV memory alone exceeds it by {_gib(inputs.non_kv_bytes - usable)}:"
+                " nothing is left for the KV cache"
+            )
+        else:
+            where.append(
+                f"  {_gib(usable - inputs.non_kv_bytes)} left for the KV cache, less than one"
+                " request of the chosen max_model_len needs"
+            )
+    tp = options.tensor_parallel_size
+    on_gpu = replace(options, gpu_memory_bytes=gpu.total_memory_bytes)
+    smallest = next(
+        (
+            size
+            for size in TP_CANDIDATES
+            if size > tp and fits(config, replace(on_gpu, tensor_parallel_size=size), planner)
+        ),
+        None,
+    )
+    holders = [
+        other.name
+        for other in CATALOG
+        if other.total_memory_bytes > gpu.total_memory_bytes
+        and fits(
+            config,
+            replace(options, gpu=other.name, gpu_memory_bytes=other.total_memory_bytes),
+            planner,
+        )
+    ]
+    return NoFit(where, smallest, holders)
