@@ -417,7 +417,12 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvplan.models.cli import add_capacity_parser, add_model_options, parse_size
+    from kvplan.models.cli import (
+        add_calibrate_parser,
+        add_capacity_parser,
+        add_model_options,
+        parse_size,
+    )
 
     parser = argparse.ArgumentParser(
         prog="kvplan",
@@ -452,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(plan, sweep=False)
     add_security_options(plan)
     add_capacity_parser(commands)
+    add_calibrate_parser(commands)
     commands.add_parser("serve", help="run the gRPC service", add_help=False)
     health = commands.add_parser(
         "health",
@@ -530,6 +536,10 @@ def _main(argv: Sequence[str] | None) -> int:
         from kvplan.models.cli import capacity_command
 
         return capacity_command(args)
+    if args.command == "calibrate":
+        from kvplan.models.cli import calibrate_command
+
+        return calibrate_command(args)
     if args.command == "health":
         return _health_command(args)
     return 2

@@ -681,3 +681,125 @@ def add_capacity_parser(commands: Any) -> None:
     output.add_argument("--csv", action="store_true", help="rows as CSV")
     capacity.add_argument("--chart", help="write an SVG chart (tokens, concurrency vs TP)")
     capacity.add_argument("--progress", action="store_true", help="always show progress")
+
+
+def add_calibrate_parser(commands: Any) -> None:
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="kvplan's prediction beside every figure a vLLM startup log measured",
+        description="Read a vLLM startup log (engine config, model loading, available KV "
+        "memory, KV cache size, maximum concurrency, CUDA-graph memory) and print kvplan's "
+        "prediction beside each, with the error. The log's settings fill every flag not "
+        "given; --model and --gpu are needed (a log names neither file nor device size).",
+    )
+    calibrate.add_argument("log", help="the startup log (text)")
+    calibrate.add_argument("--gpu", required=True, help="catalog name or size (96GiB)")
+    calibrate.add_argument(
+        "--engine-version",
+        help="rules to plan with (vllm-0.32/0.33/0.34); default kvplan's own",
+    )
+    add_model_options(calibrate, sweep=False)
+    calibrate.add_argument("--json", action="store_true", help="the comparison as JSON")
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    from kvplan.core.errors import PlanningError
+    from kvplan.models.calibrate import (
+        Comparison,
+        format_comparisons,
+        parse_log,
+        settings_from_log,
+    )
+
+    try:
+        with open(args.log, encoding="utf-8", errors="replace") as handle:
+            log = parse_log(handle.read())
+    except OSError as error:
+        print(f"error: {args.log}: cannot read: {error.strerror}", file=sys.stderr)
+        return 2
+    from_log = settings_from_log(log)
+    for dest, value in from_log.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, value)
+    try:
+        if not args.model:
+            raise ModelConfigError("give --model CONFIG: the log does not carry the config")
+        config = load_config(args.model)
+        gpu = gpu_or_size(args.gpu)
+        options = replace(
+            options_from_args(args),
+            tensor_parallel_size=args.tp or 1,
+            gpu=catalog_name(gpu),
+            gpu_memory_bytes=gpu.total_memory_bytes,
+        )
+        request, inputs = build_plan_request(config, options)
+        response, summary, inputs = plan_built(request, inputs, _local_planner)
+        given: plan_pb2.PlanResponse | None = None
+        if log.available_kv_gib:
+            measured_budget = replace(
+                options,
+                gpu_memory_utilization=None,
+                kv_cache_memory_bytes=int(min(log.available_kv_gib) * GIB),
+            )
+            given = _local_planner(build_plan_request(config, measured_budget)[0])
+    except (ModelConfigError, UnknownGpu, PlanningError) as error:
+        message = getattr(error, "message", None) or (
+            error.args[0] if isinstance(error, UnknownGpu) else str(error)
+        )
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    worker = response.workers[0]
+    groups = max(len(response.groups), 1)
+    block = min((group.block_size for group in response.groups), default=16)
+    weights = inputs.weights.bytes_per_worker / GIB if inputs.weights is not None else None
+    rows = [
+        Comparison("model loading (weights) per worker", _first(log.model_loading_gib),
+                   weights, "GiB"),
+        Comparison("available KV cache memory per worker",
+                   min(log.available_kv_gib) if log.available_kv_gib else None,
+                   summary.available_kv_bytes / GIB, "GiB"),
+        Comparison("KV cache tokens, int(concurrency x max_model_len)",
+                   _num(log.kv_cache_tokens), float(worker.kv_cache_size_tokens), "tokens"),
+        Comparison("KV cache tokens, num_blocks // groups x block",
+                   _num(log.kv_cache_tokens), float(response.num_blocks // groups * block),
+                   "tokens"),
+        Comparison(f"maximum concurrency at {summary.max_model_len:,} tokens",
+                   log.max_concurrency, summary.max_concurrency, "x"),
+        Comparison("CUDA-graph memory (kvplan: inside its runtime estimate)",
+                   log.cuda_graph_gib, None, "GiB"),
+    ]  # fmt: skip
+    if log.num_gpu_blocks is not None:
+        rows.append(Comparison("GPU blocks (V0 engine)", float(log.num_gpu_blocks),
+                               float(response.num_blocks), "blocks"))  # fmt: skip
+    if given is not None and log.num_gpu_blocks is not None:
+        blocks = float(log.num_gpu_blocks), float(given.num_blocks)
+        rows.append(Comparison("GPU blocks from the logged budget (the exact part)", *blocks,
+                               "blocks"))  # fmt: skip
+    if given is not None:
+        rows.append(
+            Comparison(
+                "KV cache tokens from the logged budget (the exact part)",
+                _num(log.kv_cache_tokens),
+                float(given.workers[0].kv_cache_size_tokens),
+                "tokens",
+            )
+        )
+    if args.json:
+        print(json.dumps({
+            "release": log.release, "settings_from_log": from_log,
+            "rows": [{"figure": r.figure, "measured": r.measured, "predicted": r.predicted,
+                      "unit": r.unit, "error": r.error} for r in rows],
+        }, indent=1))  # fmt: skip
+        return 0
+    print(f"vLLM {log.release or '(release not in the log)'}; settings from the log: "
+          f"{from_log or 'none'}")  # fmt: skip
+    print(format_comparisons(rows))
+    return 0
+
+
+def _first(values: Sequence[float]) -> float | None:
+    return values[0] if values else None
+
+
+def _num(value: int | None) -> float | None:
+    return float(value) if value is not None else None

@@ -1,0 +1,86 @@
+"""`kvplan calibrate LOG` on the public calibration set (tests/data/calibration: each
+record's lines copied verbatim from its source, named in the record's .json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvplan.cli import main
+from kvplan.models.calibrate import parse_log, settings_from_log
+
+ROOT = Path(__file__).parents[2]
+DATA = ROOT / "tests" / "data" / "calibration"
+RECORDS = sorted(path.stem for path in DATA.glob("*.json"))
+
+
+def record(name: str) -> dict[str, object]:
+    result: dict[str, object] = json.loads((DATA / f"{name}.json").read_text())
+    return result
+
+
+def test_every_record_names_its_source_and_has_its_lines() -> None:
+    assert len(RECORDS) >= 3
+    for name in RECORDS:
+        assert str(record(name)["source"]).startswith("https://github.com/")
+        assert (DATA / f"{name}.log").read_text().strip()
+
+
+def test_a_v1_log_is_read_line_by_line() -> None:
+    log = parse_log((DATA / "qwen3.6-35b-a3b-nvfp4-rtx5090-club3090-612.log").read_text())
+    assert log.available_kv_gib == [5.98]
+    assert log.kv_cache_tokens == 567_978
+    assert (log.concurrency_len, log.max_concurrency) == (131_072, 4.33)
+    settings = settings_from_log(log)
+    assert settings["max_model_len"] == 131_072 and settings["kv_cache_dtype"] == "fp8"
+    assert settings["max_num_seqs"] == 1 and settings["max_num_batched_tokens"] == 8192
+
+
+def test_the_engine_config_line_and_the_one_line_capacity_format() -> None:
+    # vLLM 0.32-0.34 print size and concurrency on one line; the config line's fields.
+    text = (
+        "INFO [core.py:154] Initializing a V1 LLM engine (v0.34.0) with config: "
+        "model='m', dtype=torch.bfloat16, max_seq_len=32768, tensor_parallel_size=4, "
+        "pipeline_parallel_size=1, kv_cache_dtype=auto\n"
+        "INFO [kv_cache_utils.py:1169] GPU KV cache size: 1,234,567 tokens, "
+        "Maximum concurrency for 32,768 tokens per request: 37.68x\n"
+        "INFO [model_runner.py:1217] Graph capturing finished in 12 secs, took 0.52 GiB\n"
+    )
+    log = parse_log(text)
+    assert log.release == "0.34.0" and log.cuda_graph_gib == 0.52
+    assert log.kv_cache_tokens == 1_234_567 and log.max_concurrency == 37.68
+    assert settings_from_log(log) == {"tp": 4, "pp": 1, "max_model_len": 32_768}
+
+
+@pytest.mark.parametrize("name", [n for n in RECORDS if record(n)["config_known"]])
+def test_calibrate_prints_prediction_and_error_for_each_record(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = record(name)
+    args = ["calibrate", str(DATA / f"{name}.log"), "--model", str(ROOT / str(data["model"]))]
+    flags = data["flags"]
+    assert isinstance(flags, list)
+    assert main([*args, "--gpu", str(data["gpu"]), *flags, "--json"]) == 0
+    rows = {row["figure"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+    available = rows["available KV cache memory per worker"]
+    assert available["measured"] is not None and available["predicted"] is not None
+    assert available["error"] == pytest.approx(
+        (available["predicted"] - available["measured"]) / available["measured"]
+    )
+
+
+def test_the_logged_budget_reproduces_the_logged_blocks(capsys: pytest.CaptureFixture[str]) -> None:
+    # Given the log's own KV budget (3.81 GiB, printed to 0.01 GiB), the KV arithmetic
+    # is exact up to that rounding: 1,950 blocks of 2 MiB against 1,952 logged.
+    name = "llama-3.1-8b-rtx3090-vllm10517"
+    data = record(name)
+    flags = data["flags"]
+    assert isinstance(flags, list)
+    args = ["calibrate", str(DATA / f"{name}.log"), "--model", str(ROOT / str(data["model"]))]
+    assert main([*args, "--gpu", str(data["gpu"]), *flags, "--json"]) == 0
+    rows = {row["figure"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+    exact = rows["GPU blocks from the logged budget (the exact part)"]
+    assert abs(exact["error"]) < 0.005 / 3.81  # the budget's print rounding
+    assert rows["model loading (weights) per worker"]["error"] == pytest.approx(-0.002, abs=0.001)
