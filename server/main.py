@@ -10,7 +10,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import grpc.aio
@@ -81,23 +81,41 @@ def _deserializer(request_class: type[message.Message]) -> Callable[[bytes], mes
     return deserialize
 
 
+class ReceivedPlanRequest:
+    """PlanKVCache's request as received: the message and the SHA-256 of its wire
+    bytes. gRPC and the interceptors keep what the deserializer returned until the
+    call is answered; the handler takes the message out of it, so that only the
+    servicer decides how long the parsed message lives (a waiting rank drops it)."""
+
+    __slots__ = ("digest", "message")
+
+    def __init__(self, request: message.Message, digest: bytes) -> None:
+        self.message: message.Message | None = request
+        self.digest = digest
+
+    def take(self) -> message.Message:
+        taken, self.message = self.message, None
+        assert taken is not None, "the request was taken already"
+        return taken
+
+
 def _digesting_deserializer(
     request_class: type[message.Message],
-) -> Callable[[bytes], tuple[message.Message, bytes]]:
-    def deserialize(raw: bytes) -> tuple[message.Message, bytes]:
-        return parse_message(request_class, raw), hashlib.sha256(raw).digest()
+) -> Callable[[bytes], ReceivedPlanRequest]:
+    def deserialize(raw: bytes) -> ReceivedPlanRequest:
+        return ReceivedPlanRequest(parse_message(request_class, raw), hashlib.sha256(raw).digest())
 
     return deserialize
 
 
 def _plan_with_digest(
     servicer: PlannerServicer,
-) -> Callable[[tuple[plan_pb2.PlanRequest, bytes], grpc.aio.ServicerContext], Awaitable[bytes]]:
-    async def plan(
-        received: tuple[plan_pb2.PlanRequest, bytes], context: grpc.aio.ServicerContext
-    ) -> bytes:
-        request, request_digest = received
-        return await servicer.PlanKVCache(request, context, request_digest=request_digest)
+) -> Callable[[ReceivedPlanRequest, grpc.aio.ServicerContext], Awaitable[bytes]]:
+    async def plan(received: ReceivedPlanRequest, context: grpc.aio.ServicerContext) -> bytes:
+        # No local keeps the message: PlanKVCache alone decides how long it lives.
+        return await servicer.PlanKVCache(
+            cast(plan_pb2.PlanRequest, received.take()), context, request_digest=received.digest
+        )
 
     return plan
 
@@ -181,10 +199,13 @@ async def _sweep_leases(servicer: PlannerServicer, interval_s: float) -> None:
             log.warning("lease sweep failed", extra={"error": str(error)})
 
 
-async def _return_freed_memory(drain: Drain, interval_s: float) -> None:
-    """Once the server goes quiet after calls: the freed heap back to the OS
-    (server/heap.py), so the idle server's RSS does not keep a burst's peak."""
-    quiet_trim = heap.QuietTrim(drain)
+async def _return_freed_memory(
+    drain: Drain, interval_s: float, parked: Callable[[], int] = lambda: 0
+) -> None:
+    """Once the server goes quiet after calls (`parked` calls, ranks waiting for
+    their engines, count as quiet): the freed heap back to the OS (server/heap.py),
+    so the idle server's RSS does not keep a burst's peak."""
+    quiet_trim = heap.QuietTrim(drain, parked=parked)
     while True:
         await asyncio.sleep(interval_s)
         quiet_trim.tick()
@@ -291,7 +312,8 @@ async def start_server(settings: Settings) -> RunningServer:
         name="kvplan-store-health",
     )
     heap_trimmer = asyncio.create_task(
-        _return_freed_memory(drain, HEAP_TRIM_INTERVAL_S), name="kvplan-heap-trim"
+        _return_freed_memory(drain, HEAP_TRIM_INTERVAL_S, servicer.rendezvous.waiting),
+        name="kvplan-heap-trim",
     )
     log.info(
         "serving",

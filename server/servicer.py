@@ -676,12 +676,14 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 await self.authorize(request.engine_id, "plan", claim=True)
             if request.world_size:
                 await self._check_rank(request, encoded)
-                return await self.rendezvous.join(
-                    request,
-                    context.time_remaining(),
-                    self._holder(request.engine_id),
-                    worker_bytes=encoded[0].data if len(encoded) == 1 else None,
+                rank = self.rendezvous.rank_spec(
+                    request, encoded[0].data if len(encoded) == 1 else None
                 )
+                holder = self._holder(request.engine_id)
+                # A waiting rank keeps its bytes only, not its parsed request
+                # (rendezvous.RankSpec); main.py's handler let go of it too.
+                del request, encoded
+                return await self.rendezvous.join_rank(rank, context.time_remaining(), holder)
             return await self._plan_engine(_PlanCall(request, offloaded, encoded, request_digest))
         except (PlanningError, ServiceError, RemoteStatus, StoreUnavailable) as error:
             await self._fail(context, error)

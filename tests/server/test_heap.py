@@ -49,3 +49,41 @@ async def test_trim_once_quiet_after_calls() -> None:
     assert not quiet_trim.tick()
     assert quiet_trim.tick() and trims == [1, 1, 4, 5, 5]
     await asyncio.sleep(0)
+
+
+async def test_parked_calls_count_as_quiet() -> None:
+    """Ranks waiting for their engines do not keep the trim away, and their end
+    (cancelled, no new call) starts a new quiet spell."""
+    drain = Drain()
+    parked = [0]
+    trims: list[int] = []
+
+    def release() -> bool:
+        trims.append(len(drain.in_flight))
+        return True
+
+    quiet_trim = heap.QuietTrim(drain, release, parked=lambda: parked[0])
+
+    async def waiting_rank() -> None:
+        drain.enter()
+        try:
+            await asyncio.sleep(10)
+        finally:
+            drain.leave()
+
+    ranks = [asyncio.create_task(waiting_rank()) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert not quiet_trim.tick()  # calls started since the last tick
+    assert not quiet_trim.tick()  # in flight, not yet waiting
+    parked[0] = 3
+    assert quiet_trim.tick() and trims == [3]  # all of them wait: quiet
+    assert not quiet_trim.tick()
+    assert quiet_trim.tick() and trims == [3, 3]
+    assert not quiet_trim.tick()
+    for rank in ranks:
+        rank.cancel()
+    await asyncio.gather(*ranks, return_exceptions=True)
+    parked[0] = 0
+    assert quiet_trim.tick() and trims == [3, 3, 0]  # they are gone: trimmed again
+    assert not quiet_trim.tick()
+    assert quiet_trim.tick() and trims == [3, 3, 0, 0]
