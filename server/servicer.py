@@ -238,7 +238,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 )
                 raise  # unreachable: the store refuses only at held >= the limit
             assert owner is not None
-            self._remember_owner(engine_id, owner, claimed=owner == identity.name)
+            if owner:  # "": unowned leases (store/base.py), not an identity to cache
+                self._remember_owner(engine_id, owner, claimed=owner == identity.name)
         else:
             owner = await self._store.engine_owner(engine_id, now)
         if owner == identity.name or (owner is None and not must_be_owned):
@@ -258,6 +259,15 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             "permission denied",
             extra={"identity": identity.name, "engine_id": engine_id, "action": action},
         )
+        if owner == "":
+            raise ServiceError(
+                "PERMISSION_DENIED",
+                f"engine {engine_id!r} holds leases granted without authentication; no "
+                f"identity adopts them, so {identity.name!r} may not {action} it: they end "
+                "--lease-ttl-s after their last renewal (plan the engine again then), or an "
+                "operator releases them",
+                field="engine_id",
+            )
         if owner is None:
             raise ServiceError(
                 "PERMISSION_DENIED",

@@ -257,10 +257,19 @@ class Store(Protocol):
         owns `max_engines` live engines (raises TooManyEngines; expired records
         do not count); the owner's own claim pushes its expiry to now + ttl_s and
         is never refused. Another identity's claim changes nothing and returns
-        the owner."""
+        the owner.
+
+        Unowned live leases are never adopted: an engine with no live owner
+        record whose live leases are held by another identity (in practice "",
+        leases granted while the server ran without authentication) is not
+        claimed; the call returns that holder ("") and changes nothing. Only an
+        operator acts on such an engine (without owning it); otherwise its leases
+        expire after one lease TTL and the engine is free to claim."""
 
     async def engine_owner(self, engine_id: str, now: float) -> str | None:
-        """The engine's live owner, or None."""
+        """The engine's live owner; without a live owner record, the holder of
+        its live leases ("" for leases granted without authentication); None
+        when neither exists."""
 
     async def rendezvous_ranks(self, engine_id: str) -> tuple[int, ...]:
         """Ranks present in the engine's open rendezvous (empty if none)."""

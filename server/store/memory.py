@@ -332,6 +332,9 @@ class MemoryStore:
         if owner is not None and owner[0] != identity:
             return owner[0]
         if owner is None:
+            holder = self._lease_holder(engine_id, now)
+            if holder is not None and holder != identity:
+                return holder  # unowned live leases are never adopted (base.py)
             held = self._engines_owned.get(identity, 0)
             if held >= max_engines:
                 raise TooManyEngines(held, max_engines)
@@ -362,7 +365,14 @@ class MemoryStore:
 
     async def engine_owner(self, engine_id: str, now: float) -> str | None:
         owner = self._owners.get(engine_id)
-        return owner[0] if owner is not None and owner[1] > now else None
+        if owner is not None and owner[1] > now:
+            return owner[0]
+        return self._lease_holder(engine_id, now)
+
+    def _lease_holder(self, engine_id: str, now: float) -> str | None:
+        """Who holds the engine's live leases (one grant: one identity), or None."""
+        held = self._engines.get(engine_id, {})
+        return next((lease.identity for lease in held.values() if lease.live(now)), None)
 
     async def rendezvous_ranks(self, engine_id: str) -> tuple[int, ...]:
         entry = self._open.get(engine_id)

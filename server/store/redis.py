@@ -1241,6 +1241,12 @@ class RedisStore:
         self, engine_id: str, identity: str, now: float, ttl_s: float, max_engines: int
     ) -> str:
         self._redis()
+        holder = await self._unowned_holder(engine_id, now)
+        if holder is not None and holder != identity:
+            # Unowned live leases are never adopted (base.py). Not atomic with the
+            # claim: under authentication no grant makes unowned leases, so a
+            # record that appears in between only makes the claim return its owner.
+            return holder
         owner = await self._call(
             self._scripts["claim_engine"](
                 keys=[self._key("owner:" + engine_id), self._key("owned:" + identity)],
@@ -1253,7 +1259,20 @@ class RedisStore:
 
     async def engine_owner(self, engine_id: str, now: float) -> str | None:
         owner = await self._call(self._redis().get(self._key("owner:" + engine_id)))
-        return owner.decode() if isinstance(owner, bytes) else None
+        if isinstance(owner, bytes):
+            return owner.decode()
+        return await self._lease_holder(engine_id, now)
+
+    async def _unowned_holder(self, engine_id: str, now: float) -> str | None:
+        """The holder of the engine's live leases when no owner record exists."""
+        if await self._call(self._redis().exists(self._key("owner:" + engine_id))):
+            return None
+        return await self._lease_holder(engine_id, now)
+
+    async def _lease_holder(self, engine_id: str, now: float) -> str | None:
+        """Who holds the engine's live leases (one grant: one identity), or None."""
+        leases = await self.engine_leases(engine_id, now)
+        return leases[0].identity if leases else None
 
     async def rendezvous_ranks(self, engine_id: str) -> tuple[int, ...]:
         keys = await self._call(self._redis().hkeys(self._open_key(engine_id)))

@@ -325,6 +325,15 @@ def _live_leases(db: sqlite3.Connection, identity: str) -> tuple[int, int]:
     return int(live), int(held[0]) if held else 0
 
 
+def _lease_holder(db: sqlite3.Connection, engine_id: str, now: float) -> str | None:
+    """Who holds the engine's live leases (one grant: one identity), or None."""
+    row = db.execute(
+        "SELECT identity FROM leases WHERE engine_id = ? AND expires_at > ? LIMIT 1",
+        (engine_id, now),
+    ).fetchone()
+    return str(row[0]) if row else None
+
+
 def _recount_owners(db: sqlite3.Connection) -> None:
     """The per-identity counts of ownership records recounted (schema 5 added them)."""
     db.execute("DELETE FROM engine_owner_count")
@@ -1092,6 +1101,9 @@ class SQLiteStore:
             if row is not None and row[0] != identity:
                 return str(row[0])
             if row is None:
+                holder = _lease_holder(db, engine_id, now)
+                if holder is not None and holder != identity:
+                    return holder  # unowned live leases are never adopted (base.py)
                 count = db.execute(
                     "SELECT engines FROM engine_owner_count WHERE identity = ?", (identity,)
                 ).fetchone()
@@ -1117,7 +1129,7 @@ class SQLiteStore:
                 "SELECT identity FROM engine_owner WHERE engine_id = ? AND expires_at > ?",
                 (engine_id, now),
             ).fetchone()
-        return str(row[0]) if row else None
+            return str(row[0]) if row else _lease_holder(db, engine_id, now)
 
     @_in_store_thread
     def rendezvous_ranks(self, engine_id: str) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ import os
 import sqlite3
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -770,3 +770,56 @@ async def test_the_health_port_answers_kubelet_in_plaintext_beside_a_tls_port(pk
             assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         await running.stop(0)
+
+
+async def test_leases_granted_without_authentication_are_adopted_by_no_identity(
+    tmp_path: Path,
+) -> None:
+    """Issue 31 item 3: a lease granted while the server ran insecure, then the
+    server restarted on the same state with tokens. Identity B must not renew
+    it into its own, nor release it (it would free A's memory), nor plan over
+    it; nobody adopts it (A cannot prove it granted it either). An operator
+    may release it; otherwise it ends one lease TTL after its last renewal."""
+    path = tmp_path / "kvplan.sqlite3"
+    tokens = tmp_path / "tokens"
+    write_tokens(tokens, f"{TOKEN_A} team-a", f"{TOKEN_B} team-b", f"{TOKEN_OPS} ops operator")
+    base = replace(TEST_SETTINGS, store=f"sqlite://{path}", devices="1xH100-80GB")
+    insecure = await start_server(base)
+    try:
+        async with AsyncPlannerClient(f"127.0.0.1:{insecure.port}", timeout_s=10) as anyone:
+            (uuid,) = await device_uuids(anyone)
+            await anyone.plan(leased_request("engine-a", uuid, utilization=0.5))
+    finally:
+        await insecure.stop(0)
+    secured = await start_server(replace(base, token_file=str(tokens)))
+    target = f"127.0.0.1:{secured.port}"
+    try:
+        async with (
+            AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=TOKEN_A)) as a,
+            AsyncPlannerClient(target, timeout_s=5, security=ChannelSecurity(token=TOKEN_B)) as b,
+            AsyncPlannerClient(
+                target, timeout_s=5, security=ChannelSecurity(token=TOKEN_OPS)
+            ) as operator,
+        ):
+            attempts: tuple[Callable[[], Awaitable[object]], ...] = (
+                lambda: b.renew_leases("engine-a"),
+                lambda: b.release_plan("engine-a"),
+                lambda: b.plan(leased_request("engine-a", uuid, utilization=0.5)),
+                lambda: a.renew_leases("engine-a"),
+            )
+            for attempt in attempts:
+                with pytest.raises(PlannerError) as denied:
+                    await attempt()
+                assert denied.value.code is grpc.StatusCode.PERMISSION_DENIED
+                assert "granted without authentication" in denied.value.details
+                assert "--lease-ttl-s" in denied.value.details
+            # Nothing was taken: the lease is still there, held by nobody's identity.
+            released = await operator.release_plan("engine-a")
+            assert released.released_bytes >= 40 * GIB
+            # Freed, the engine id is anyone's to plan (and own) again.
+            await b.plan(leased_request("engine-a", uuid, utilization=0.5))
+            with pytest.raises(PlannerError) as denied:
+                await a.release_plan("engine-a")
+            assert denied.value.code is grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        await secured.stop(0)

@@ -717,6 +717,28 @@ async def test_an_identity_owns_at_most_max_engines(store: Store) -> None:
         await store.claim_engine("a3", "alice", now, TTL_S, 2)
 
 
+async def test_unowned_live_leases_are_never_adopted(store: Store) -> None:
+    """Leases granted without authentication ("") have no owner record; under
+    authentication no identity claims their engine while they live (it would
+    then renew or release another's memory), and the refusal records nothing."""
+    now = time.time()
+    gpus = devices(device("gpu-0"))
+    await store.grant("old", [ask(0, "gpu-0", 40)], gpus, now, 30.0)
+    assert await store.engine_owner("old", now) == ""
+    assert await store.claim_engine("old", "bob", now, TTL_S, 2) == ""
+    assert await store.claim_engine("old", "alice", now, TTL_S, 2) == ""
+    assert await store.engine_owner("old", now) == ""
+    # Once the leases expire (one lease TTL) the engine is free to claim.
+    later = now + 31.0
+    assert await store.engine_owner("old", later) is None
+    assert await store.claim_engine("old", "bob", later, TTL_S, 2) == "bob"
+    # An identity's own leases whose owner record lapsed stay its own.
+    await store.grant("mine", [ask(0, "gpu-0", 10)], gpus, now, 30.0, "carol")
+    assert await store.engine_owner("mine", now) == "carol"
+    assert await store.claim_engine("mine", "bob", now, TTL_S, 2) == "carol"
+    assert await store.claim_engine("mine", "carol", now, TTL_S, 2) == "carol"
+
+
 async def test_an_expired_ownership_stops_counting_at_once(store: Store) -> None:
     now = time.time()
     assert await store.claim_engine("short", "alice", now, 0.3, 2) == "alice"
