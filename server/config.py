@@ -116,7 +116,7 @@ _HELP = {
     "max_engines_per_identity": "engines one identity may own at once (live ownership records)",
     "metrics_engine_labels": "per-engine metric series (engine_id label); off by default",
     "health_interval_s": "seconds between store checks behind the health status",
-    "redis_allow_no_persistence": "accept a Redis without AOF or RDB snapshots",
+    "redis_allow_no_persistence": "accept a Redis without AOF (RDB-only or none)",
 }
 
 

@@ -215,20 +215,23 @@ async def _watch_store(
     store: Store,
     health_servicer: health.aio.HealthServicer,
     interval_s: float,
+    ttl_s: float,
     metrics: Metrics | None = None,
 ) -> None:
     """The planner service (kvplan.v1.KVCachePlanner) is NOT_SERVING while its
-    store does not answer; the server's overall status ("") is not changed."""
+    store does not answer, keeps no data across a restart (Redis), or lost its
+    data and pauses grants (store.check); the server's overall status ("") is
+    not changed."""
     serving = True
     while True:
         await asyncio.sleep(interval_s)
         try:
-            await asyncio.wait_for(store.ping(), timeout=max(interval_s, 1.0))
+            await asyncio.wait_for(store.check(time.time(), ttl_s), timeout=max(interval_s, 1.0))
             healthy = True
         except Exception as error:
             healthy = False
             if serving:
-                log.error("store unreachable: NOT_SERVING", extra={"error": str(error)})
+                log.error("store unusable: NOT_SERVING", extra={"error": str(error)})
         if healthy != serving:
             serving = healthy
             status = (
@@ -242,7 +245,7 @@ async def _watch_store(
             if metrics is not None:
                 metrics.store_up.set(1 if healthy else 0)
             if healthy:
-                log.info("store reachable again: SERVING")
+                log.info("store usable again: SERVING")
 
 
 async def start_server(settings: Settings) -> RunningServer:
@@ -308,7 +311,9 @@ async def start_server(settings: Settings) -> RunningServer:
         _sweep_leases(servicer, min(5.0, settings.lease_ttl_s / 4)), name="kvplan-lease-sweeper"
     )
     health_watch = asyncio.create_task(
-        _watch_store(store, health_servicer, settings.health_interval_s, metrics),
+        _watch_store(
+            store, health_servicer, settings.health_interval_s, settings.lease_ttl_s, metrics
+        ),
         name="kvplan-store-health",
     )
     heap_trimmer = asyncio.create_task(

@@ -28,8 +28,10 @@ behaviour; tests/server/test_store_contract.py runs one suite against all.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Literal, Protocol
 
 from kvplan.core.ledger import DeviceState, Lease, LeaseRequest, Totals
@@ -54,6 +56,23 @@ def kept_result_bytes(engine_id: str, stored_payload_bytes: int, ranks: int) -> 
 
 class StoreUnavailable(Exception):
     """The backend cannot be reached or failed mid-call; nothing was changed."""
+
+
+class StoreLostState(StoreUnavailable):
+    """The store lost its data (a Redis restarted empty or replaced) and so the
+    leases it held: grants are paused until `resume_at` (one lease TTL after
+    the loss was found), so that no byte is promised twice."""
+
+    def __init__(self, where: str, resume_at: float) -> None:
+        resume = datetime.fromtimestamp(resume_at, UTC).strftime("%H:%M:%S UTC")
+        left = max(0.0, resume_at - time.time())
+        super().__init__(
+            f"store {where} lost its data (restarted empty or replaced): the leases it "
+            f"held are unknown, so grants are paused until {resume} (in {left:.0f} s, one "
+            "lease TTL after the loss was found, when every lost lease has expired); "
+            "retry then. Renewals of lost leases answer this too until then"
+        )
+        self.resume_at = resume_at
 
 
 class TooManyEngines(Exception):
@@ -149,6 +168,12 @@ class Store(Protocol):
 
     async def ping(self) -> None:
         """Raise StoreUnavailable unless the backend answers."""
+
+    async def check(self, now: float, ttl_s: float) -> None:
+        """Every health tick: raise StoreUnavailable unless the backend answers and
+        still keeps what it was given (Redis: its persistence, unless allowed off,
+        and its epoch; StoreLostState while grants are paused after a loss, for
+        `ttl_s`, one lease TTL, from when the loss was found)."""
 
     # --- plans ------------------------------------------------------------------
 

@@ -167,6 +167,9 @@ class MemoryStore:
     async def ping(self) -> None:
         return None
 
+    async def check(self, now: float, ttl_s: float) -> None:
+        return None  # lives and dies with the process: nothing to lose under it
+
     # --- plans ------------------------------------------------------------------
 
     async def put_plan(

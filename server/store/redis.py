@@ -46,6 +46,11 @@ Key layout under `key_prefix` (default "kvplan:"):
     ledger:expired-through STRING the latest `now` due leases were expired at
     lease-version         STRING bumped by every lease write: a grant commits only
                                 if it is unchanged since the grant read the ledger
+    epoch                 STRING a random token written at first use; its loss (an
+                                empty or replaced Redis) pauses grants (below)
+    epoch:{token}         STRING "1": the token again, for the ledger scripts' guard
+    grants-paused         STRING when grants resume (PX: one lease TTL), written when
+                                a replica finds the epoch gone
     owner:{engine}        STRING the engine's owning identity (PX: --ownership-ttl-s)
     owned:{identity}      ZSET  engine_id -> when its ownership expires (Redis ms):
                                 the identity's live engines, counted per claim
@@ -73,6 +78,7 @@ import json
 import logging
 import math
 import struct
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar, cast
@@ -102,6 +108,7 @@ from kvplan.server.store.base import (
     FinishedCallback,
     LedgerView,
     RendezvousResult,
+    StoreLostState,
     StoreUnavailable,
     TooManyEngines,
     check_lease_quota,
@@ -280,8 +287,40 @@ return {
 # a new lease's expiry since (it would never be counted): the engine's records
 # replaced. ARGV: version read, now, grace ms, engine hash ms (-1: none),
 # then rank, record, expires_at per new lease. Returns 0 on a conflict.
+# The ledger's writes run only on the Redis this replica knows: KEYS[10] is
+# epoch:{token} (gone when Redis lost its data), KEYS[11] grants-paused. A grant
+# is refused while grants are paused; a renewal only when the epoch is gone.
+_LOST_GUARD = """
+if redis.call('EXISTS', KEYS[10]) == 0 then return redis.error_reply('KVPLAN_LOST_STATE') end
+"""
+_PAUSE_GUARD = """
+if redis.call('EXISTS', KEYS[11]) == 1 then return redis.error_reply('KVPLAN_PAUSED') end
+"""
+
+# Lua: the store's epoch. KEYS[1] epoch, KEYS[2] grants-paused; ARGV the epoch
+# this replica knows ("" at start), a new token, the epoch:{token} prefix, the
+# pause in ms, when grants resume (text). A missing epoch at start is first use;
+# later it is a Redis that lost its data: a new epoch, and grants paused. Returns
+# {epoch, when grants resume ("": not paused), 1 if this call found the loss}.
+_CHECK_EPOCH = """
+local current = redis.call('GET', KEYS[1])
+local lost = 0
+if not current then
+    current = ARGV[2]
+    redis.call('SET', KEYS[1], current)
+    redis.call('SET', ARGV[3] .. current, '1')
+    if ARGV[1] ~= '' then
+        redis.call('SET', KEYS[2], ARGV[5], 'PX', ARGV[4])
+        lost = 1
+    end
+end
+return {current, redis.call('GET', KEYS[2]) or '', lost}
+"""
+
 _LEDGER_GRANT = (
-    _LEDGER
+    _LOST_GUARD
+    + _PAUSE_GUARD
+    + _LEDGER
     + """
 if (redis.call('GET', KEYS[7]) or '0') ~= ARGV[1] then return 0 end
 for i = 7, #ARGV, 3 do
@@ -307,7 +346,8 @@ return 1
 # A renewal's write, if the engine's renewed records are unchanged since its read.
 # ARGV: now, grace ms, engine hash ms, then rank, old record, new record, expires_at.
 _LEDGER_RENEW = (
-    _LEDGER
+    _LOST_GUARD
+    + _LEDGER
     + """
 for i = 4, #ARGV, 4 do
     if redis.call('HGET', KEYS[8], ARGV[i]) ~= ARGV[i + 1] then return 0 end
@@ -751,6 +791,8 @@ class RedisStore:
     ) -> None:
         self._url = url
         self._require_persistence = require_persistence
+        self._persistence_refusal: str | None = None  # set by `check` (health ticks)
+        self._epoch = ""  # the store's epoch as this replica first saw it
         self._max_plans = max_plans
         self._max_plan_bytes = max_plan_bytes
         self._prefix = key_prefix
@@ -857,6 +899,7 @@ class RedisStore:
             "put_plan": self._client.register_script(_PUT_PLAN),
             "get_plan": self._client.register_script(_GET_PLAN),
             "claim_engine": self._client.register_script(_CLAIM_ENGINE),
+            "check_epoch": self._client.register_script(_CHECK_EPOCH),
             "index_owner": self._client.register_script(_INDEX_OWNER),
             "join": self._client.register_script(_JOIN),
             "open_rendezvous": self._client.register_script(_OPEN_RENDEZVOUS),
@@ -866,7 +909,11 @@ class RedisStore:
         try:
             await self.ping()
             if self._require_persistence:
-                await self._check_persistence()
+                problem = await self._persistence_problem()
+                if problem is not None:
+                    raise ValueError(problem)
+            with contextlib.suppress(StoreLostState):  # health and grants say it
+                await self._check_epoch(time.time(), 0.0)
             await self._convert_old_ledger()
             await self._index_old_owners()
         except (StoreUnavailable, ValueError):
@@ -956,26 +1003,92 @@ class RedisStore:
 
         await self._transact(attempt)
 
-    async def _check_persistence(self) -> None:
-        """Leases kept only in memory are lost when Redis restarts, and the ledger
-        then grants the same device memory again: refuse such a Redis."""
+    async def _persistence_problem(self) -> str | None:
+        """Why this Redis would lose leases on a restart, or None. Only AOF keeps
+        every acknowledged write: RDB snapshots lose what was written since the
+        last one (a kill -9 before the first loses everything), and the ledger
+        would then grant the same device memory twice."""
         client = self._redis()
         info = await self._call(client.info("persistence"))
         if int(info.get("aof_enabled", 0)) == 1:
-            return
+            return None
         try:
             save = (await client.config_get("save")).get("save", "")
         except ResponseError:  # CONFIG disabled (managed Redis): cannot tell
             save = ""
         except (RedisError, OSError) as error:
             raise self._unavailable(error) from error
-        if str(save).strip():
-            return
-        raise ValueError(
-            f"Redis store {self._url} keeps no data across a restart (appendonly no, no save "
-            "points): a restart would lose every lease and grant the same memory twice. "
-            "Enable AOF (appendonly yes), or start with --redis-allow-no-persistence"
+        kept = (
+            f"only RDB snapshots (save {str(save).strip()!r}): a restart loses every lease "
+            "written since the last snapshot"
+            if str(save).strip()
+            else "no data across a restart (appendonly no, no save points): a restart "
+            "loses every lease"
         )
+        return (
+            f"Redis store {self._url} keeps {kept}, and the ledger would then grant the "
+            "same memory twice. Enable AOF (appendonly yes; docs/deployment.md gives each "
+            "appendfsync policy's loss window), or start with --redis-allow-no-persistence"
+        )
+
+    async def _check_epoch(self, now: float, ttl_s: float) -> None:
+        """Raise StoreLostState when this Redis lost its data since this replica
+        first saw it (its epoch key gone or replaced), or while grants stay paused
+        after such a loss; the first replica to find the loss writes a new epoch
+        and pauses grants for `ttl_s` (one lease TTL: by then every lease the lost
+        ledger held has expired, or its holder gave its memory up)."""
+        result = await self._call(
+            self._scripts["check_epoch"](
+                keys=[self._key("epoch"), self._key("grants-paused")],
+                args=[
+                    self._epoch,
+                    uuid.uuid4().hex,
+                    self._key("epoch:"),
+                    max(math.ceil(ttl_s * 1000), 1),
+                    repr(now + ttl_s),
+                ],
+            )
+        )
+        epoch, resume, _ = (
+            item.decode() if isinstance(item, bytes) else str(item) for item in result
+        )
+        if self._epoch and epoch != self._epoch:
+            log.error(
+                "Redis store lost its data: grants paused",
+                extra={"store": self._url, "resume_at": resume},
+            )
+        self._epoch = epoch
+        if resume:
+            raise StoreLostState(self._url, float(resume))
+
+    async def check(self, now: float, ttl_s: float) -> None:
+        if self._require_persistence:
+            problem = await self._persistence_problem()
+            if problem is not None:
+                self._persistence_refusal = problem
+                raise StoreUnavailable(problem)
+        self._persistence_refusal = None
+        await self._check_epoch(now, ttl_s)
+
+    def _guard_keys(self) -> list[str]:
+        return [self._key("epoch:" + self._epoch), self._key("grants-paused")]
+
+    async def _ledger_write(
+        self, name: str, engine_id: str, args: Sequence[str | int | bytes], now: float, ttl_s: float
+    ) -> Any:
+        """A guarded ledger script (grant, renew): on a Redis that lost its data
+        or while grants are paused, StoreLostState instead of a promise."""
+        try:
+            return await self._scripts[name](
+                keys=self._ledger_keys(engine_id) + self._guard_keys(), args=args
+            )
+        except ResponseError as error:
+            if "KVPLAN_" not in str(error):
+                raise self._unavailable(error) from error
+        except (RedisError, OSError) as error:
+            raise self._unavailable(error) from error
+        await self._check_epoch(now, ttl_s)  # raises: the loss or the pause
+        return None  # another replica wrote the new epoch and its pause is over: again
 
     async def close(self) -> None:
         listener, self._listener = self._listener, None
@@ -1453,9 +1566,9 @@ class RedisStore:
             ]
             for lease in granted:
                 args += [str(lease.rank), _record(lease), repr(lease.expires_at)]
-            done = await self._call(
-                self._scripts["ledger_grant"](keys=self._ledger_keys(engine_id), args=args)
-            )
+            if self._persistence_refusal is not None:
+                raise StoreUnavailable(self._persistence_refusal)
+            done = await self._ledger_write("ledger_grant", engine_id, args, now, ttl_s)
             return granted if done else None
 
         return await self._retry(attempt)
@@ -1470,6 +1583,10 @@ class RedisStore:
             nonlocal through
             records = await self._call(self._redis().hvals(lease_key))
             mine = _by_rank(records)
+            if not mine:
+                # NOT_FOUND, unless the store lost the engine's leases: then the
+                # holder retries (UNAVAILABLE) while grants are paused.
+                await self._check_epoch(now, ttl_s)
             renewed = renew_leases(engine_id, mine, allocations, now, ttl_s, through)
             old = {lease.rank: lease for lease in mine}
             after = {**old, **{lease.rank: lease for lease in renewed}}
@@ -1485,9 +1602,7 @@ class RedisStore:
                     _record(lease),
                     repr(lease.expires_at),
                 ]
-            done = await self._call(
-                self._scripts["ledger_renew"](keys=self._ledger_keys(engine_id), args=args)
-            )
+            done = await self._ledger_write("ledger_renew", engine_id, args, now, ttl_s)
             if isinstance(done, list):  # expired meanwhile: decide again with the mark
                 through = float(done[0])
                 return None

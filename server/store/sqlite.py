@@ -721,6 +721,12 @@ class SQLiteStore:
         with self._transaction(write=False) as db:
             db.execute("SELECT 1").fetchone()
 
+    async def check(self, now: float, ttl_s: float) -> None:
+        # The open connection keeps its file even when the path is deleted or
+        # replaced under it, so this server never sees the ledger vanish; a fresh
+        # file at start looks like first use (docs/deployment.md).
+        await self.ping()
+
     # --- plans --------------------------------------------------------------------
 
     async def put_plan(

@@ -75,10 +75,13 @@ def _answers_ping(port: int) -> bool:
 class RedisServer:
     """One redis-server process; `restart` brings it back on the same port."""
 
-    def __init__(self, binary: str, directory: Path, *, appendonly: bool = False) -> None:
+    def __init__(
+        self, binary: str, directory: Path, *, appendonly: bool = False, save: str = ""
+    ) -> None:
         self.binary = binary
         self.directory = directory
         self.appendonly = appendonly
+        self.save = save  # RDB save points ("": none), e.g. "3600 1"
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = directory / "redis.log"
@@ -94,7 +97,7 @@ class RedisServer:
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.directory),
-            "--save", "",
+            "--save", self.save,
             "--logfile", str(self.log_path),
         ]  # fmt: skip
         if self.appendonly:
@@ -153,9 +156,11 @@ class RedisServer:
 
 
 @contextmanager
-def running_redis(directory: Path, *, appendonly: bool = False) -> Iterator[RedisServer]:
+def running_redis(
+    directory: Path, *, appendonly: bool = False, save: str = ""
+) -> Iterator[RedisServer]:
     """A started redis-server, stopped on exit (skips when there is none)."""
-    server = RedisServer(redis_server_binary(), directory, appendonly=appendonly)
+    server = RedisServer(redis_server_binary(), directory, appendonly=appendonly, save=save)
     server.start()
     try:
         yield server

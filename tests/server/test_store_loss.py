@@ -1,0 +1,142 @@
+"""A Redis that lost its data under running replicas (issue 31 item 2): the
+ledger must not promise the same device memory twice. Real redis-servers: one
+restarted empty, one RDB-only killed before its first snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvplan.client import AsyncPlannerClient, PlannerError
+from kvplan.server.main import RunningServer, start_server
+from tests.server.conftest import GIB, TEST_SETTINGS
+from tests.server.redis_server import RedisServer, running_redis
+from tests.server.test_leases import device_uuids, leased_request
+
+LEASE_TTL_S = 2.0  # the pause lasts one lease TTL: short, so the test is quick
+SEVENTY_GIB = 70 / 80  # of an H100-80GB: a 70 GiB lease
+
+
+async def planner_health(server: RunningServer) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        request = health_pb2.HealthCheckRequest(service="kvplan.v1.KVCachePlanner")
+        answer = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
+        return int(answer.status)
+
+
+async def started(redis_server: RedisServer, **changes: object) -> RunningServer:
+    settings = replace(
+        TEST_SETTINGS,
+        devices="1xH100-80GB",
+        store=redis_server.url,
+        lease_ttl_s=LEASE_TTL_S,
+        health_interval_s=0.1,
+        **changes,  # type: ignore[arg-type]
+    )
+    return await start_server(settings)
+
+
+async def no_double_grant_after_a_loss(server: RunningServer, redis_server: RedisServer) -> None:
+    """A 70 GiB lease held, Redis loses its data: the holder's renewal and a
+    second 70 GiB grant are UNAVAILABLE (grants paused, the planner service
+    NOT_SERVING) until one lease TTL has passed; then the holder's lease is
+    gone (NOT_FOUND: by the client's contract it stopped using the memory when
+    its retries reached the lease's expiry) and the memory may be granted."""
+    async with AsyncPlannerClient(f"127.0.0.1:{server.port}", timeout_s=10) as client:
+        (uuid,) = await device_uuids(client)
+        held = await client.plan(leased_request("holder", uuid, utilization=SEVENTY_GIB))
+        assert held.leases[0].bytes == 70 * GIB
+        await asyncio.to_thread(redis_server.restart)  # SIGKILL, then empty
+        found_at = time.time()
+        for attempt in (
+            lambda: client.renew_leases("holder"),
+            lambda: client.plan(leased_request("second", uuid, utilization=SEVENTY_GIB)),
+        ):
+            with pytest.raises(PlannerError) as paused:
+                await attempt()  # the client retries UNAVAILABLE (~0.7 s), in vain
+            assert paused.value.code is grpc.StatusCode.UNAVAILABLE, paused.value
+            assert "lost its data" in paused.value.details
+            assert "grants are paused until" in paused.value.details
+        for _ in range(50):
+            if await planner_health(server) == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the planner service stayed SERVING during the pause")
+        await asyncio.sleep(max(0.0, found_at + LEASE_TTL_S + 0.1 - time.time()))
+        second = await client.plan(leased_request("second", uuid, utilization=SEVENTY_GIB))
+        assert second.leases[0].bytes == 70 * GIB
+        with pytest.raises(PlannerError) as gone:
+            await client.renew_leases("holder")
+        assert gone.value.code is grpc.StatusCode.NOT_FOUND
+        (device,) = (await client.list_devices()).devices
+        assert device.committed_bytes == 70 * GIB  # never 140 GiB on an 80 GiB device
+        for _ in range(50):
+            if await planner_health(server) == health_pb2.HealthCheckResponse.SERVING:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the planner service never came back to SERVING")
+
+
+@pytest.fixture
+async def redis_without_persistence(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    with running_redis(tmp_path, appendonly=False) as server:
+        yield server
+
+
+async def test_redis_restarted_empty_under_a_replica_promises_no_byte_twice(
+    redis_without_persistence: RedisServer,
+) -> None:
+    server = await started(redis_without_persistence, redis_allow_no_persistence=True)
+    try:
+        await no_double_grant_after_a_loss(server, redis_without_persistence)
+    finally:
+        await server.stop(0)
+
+
+async def test_rdb_only_redis_is_refused_and_when_allowed_loses_nothing_twice(
+    tmp_path: Path,
+) -> None:
+    with running_redis(tmp_path, appendonly=False, save="3600 1") as redis_server:
+        with pytest.raises(ValueError, match="only RDB snapshots") as refused:
+            await started(redis_server)
+        assert "--redis-allow-no-persistence" in str(refused.value)
+        server = await started(redis_server, redis_allow_no_persistence=True)
+        try:
+            # Killed (-9) before its first snapshot: restarted empty.
+            await no_double_grant_after_a_loss(server, redis_server)
+        finally:
+            await server.stop(0)
+
+
+async def test_persistence_turned_off_under_a_replica_is_not_serving(tmp_path: Path) -> None:
+    """Checked at every health tick, not only at start: AOF switched off at run
+    time makes the planner service NOT_SERVING and grants UNAVAILABLE."""
+    with running_redis(tmp_path, appendonly=True) as redis_server:
+        server = await started(redis_server)
+        try:
+            async with AsyncPlannerClient(f"127.0.0.1:{server.port}", timeout_s=10) as client:
+                (uuid,) = await device_uuids(client)
+                await client.plan(leased_request("before", uuid, utilization=0.3))
+                redis.Redis.from_url(redis_server.url).config_set("appendonly", "no")
+                for _ in range(50):
+                    if await planner_health(server) == health_pb2.HealthCheckResponse.NOT_SERVING:
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("the planner service stayed SERVING")
+                with pytest.raises(PlannerError) as refused:
+                    await client.plan(leased_request("after", uuid, utilization=0.3))
+                assert refused.value.code is grpc.StatusCode.UNAVAILABLE
+                assert "appendonly" in refused.value.details
+        finally:
+            await server.stop(0)
