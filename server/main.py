@@ -29,7 +29,7 @@ from kvplan.server.metrics import Metrics, MetricsInterceptor
 from kvplan.server.probes import DeviceProbe, ProbeUnavailable, open_probe
 from kvplan.server.security import Authenticator, bind_host, is_loopback, warn_if_exposed
 from kvplan.server.servicer import PlannerServicer
-from kvplan.server.store import Store, StoreUnavailable, open_store
+from kvplan.server.store import Store, StoreLostState, StoreUnavailable, open_store
 from kvplan.server.tasks import cancel_and_wait
 from kvplan.v1 import plan_pb2, service_pb2
 
@@ -214,22 +214,30 @@ async def _return_freed_memory(
 async def _watch_store(
     store: Store,
     health_servicer: health.aio.HealthServicer,
+    metrics: Metrics,
     interval_s: float,
     ttl_s: float,
-    metrics: Metrics | None = None,
 ) -> None:
     """The planner service (kvplan.v1.KVCachePlanner) is NOT_SERVING while its
     store does not answer, keeps no data across a restart (Redis), or lost its
     data and pauses grants (store.check); the server's overall status ("") is
     not changed."""
     serving = True
+    paused = False  # grants paused after the store lost its data (StoreLostState)
     while True:
         await asyncio.sleep(interval_s)
         try:
             await asyncio.wait_for(store.check(time.time(), ttl_s), timeout=max(interval_s, 1.0))
             healthy = True
+            paused = False
+            metrics.store_grants_paused.set(0)
         except Exception as error:
             healthy = False
+            paused_now = isinstance(error, StoreLostState)
+            if paused_now and not paused:
+                metrics.store_losses.inc()
+            paused = paused_now
+            metrics.store_grants_paused.set(1 if paused else 0)
             if serving:
                 log.error("store unusable: NOT_SERVING", extra={"error": str(error)})
         if healthy != serving:
@@ -242,8 +250,7 @@ async def _watch_store(
             # The planner service only: "" stays the process's liveness, which a
             # restart would not improve while the store is away.
             await health_servicer.set(SERVICE_NAME, status)
-            if metrics is not None:
-                metrics.store_up.set(1 if healthy else 0)
+            metrics.store_up.set(1 if healthy else 0)
             if healthy:
                 log.info("store usable again: SERVING")
 
@@ -312,7 +319,7 @@ async def start_server(settings: Settings) -> RunningServer:
     )
     health_watch = asyncio.create_task(
         _watch_store(
-            store, health_servicer, settings.health_interval_s, settings.lease_ttl_s, metrics
+            store, health_servicer, metrics, settings.health_interval_s, settings.lease_ttl_s
         ),
         name="kvplan-store-health",
     )

@@ -182,6 +182,17 @@ class Metrics:
             "Calls that failed because the store could not be reached.",
             registry=self.registry,
         )
+        self.store_grants_paused = Gauge(
+            "kvplan_store_grants_paused",
+            "1 while grants are paused because the store lost its data (a Redis restarted "
+            "empty or replaced), for one lease TTL; else 0.",
+            registry=self.registry,
+        )
+        self.store_losses = Counter(
+            "kvplan_store_losses_total",
+            "Pauses of grants this replica's health ticks saw begin: the store lost its data.",
+            registry=self.registry,
+        )
         self.limits_hit = Counter(
             "kvplan_limits_hit_total",
             "Calls refused by a server limit, by the limit's setting (max_message_bytes: "

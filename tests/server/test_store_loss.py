@@ -45,13 +45,19 @@ async def started(redis_server: RedisServer, **changes: object) -> RunningServer
     return await start_server(settings)
 
 
-async def no_double_grant_after_a_loss(server: RunningServer, redis_server: RedisServer) -> None:
+async def no_double_grant_after_a_loss(
+    server: RunningServer, other: RunningServer, redis_server: RedisServer
+) -> None:
     """A 70 GiB lease held, Redis loses its data: the holder's renewal and a
     second 70 GiB grant are UNAVAILABLE (grants paused, the planner service
     NOT_SERVING) until one lease TTL has passed; then the holder's lease is
     gone (NOT_FOUND: by the client's contract it stopped using the memory when
-    its retries reached the lease's expiry) and the memory may be granted."""
-    async with AsyncPlannerClient(f"127.0.0.1:{server.port}", timeout_s=10) as client:
+    its retries reached the lease's expiry) and the memory may be granted. The
+    second grant goes to another replica, which must see the pause too."""
+    async with (
+        AsyncPlannerClient(f"127.0.0.1:{server.port}", timeout_s=10) as client,
+        AsyncPlannerClient(f"127.0.0.1:{other.port}", timeout_s=10) as other_client,
+    ):
         (uuid,) = await device_uuids(client)
         held = await client.plan(leased_request("holder", uuid, utilization=SEVENTY_GIB))
         assert held.leases[0].bytes == 70 * GIB
@@ -59,7 +65,7 @@ async def no_double_grant_after_a_loss(server: RunningServer, redis_server: Redi
         found_at = time.time()
         for attempt in (
             lambda: client.renew_leases("holder"),
-            lambda: client.plan(leased_request("second", uuid, utilization=SEVENTY_GIB)),
+            lambda: other_client.plan(leased_request("second", uuid, utilization=SEVENTY_GIB)),
         ):
             with pytest.raises(PlannerError) as paused:
                 await attempt()  # the client retries UNAVAILABLE (~0.7 s), in vain
@@ -72,6 +78,9 @@ async def no_double_grant_after_a_loss(server: RunningServer, redis_server: Redi
             await asyncio.sleep(0.05)
         else:
             raise AssertionError("the planner service stayed SERVING during the pause")
+        registry = server.metrics.registry
+        assert registry.get_sample_value("kvplan_store_grants_paused") == 1
+        assert registry.get_sample_value("kvplan_store_losses_total") == 1
         await asyncio.sleep(max(0.0, found_at + LEASE_TTL_S + 0.1 - time.time()))
         second = await client.plan(leased_request("second", uuid, utilization=SEVENTY_GIB))
         assert second.leases[0].bytes == 70 * GIB
@@ -82,9 +91,11 @@ async def no_double_grant_after_a_loss(server: RunningServer, redis_server: Redi
         assert device.committed_bytes == 70 * GIB  # never 140 GiB on an 80 GiB device
         for _ in range(50):
             if await planner_health(server) == health_pb2.HealthCheckResponse.SERVING:
-                return
+                break
             await asyncio.sleep(0.05)
-        raise AssertionError("the planner service never came back to SERVING")
+        else:
+            raise AssertionError("the planner service never came back to SERVING")
+        assert registry.get_sample_value("kvplan_store_grants_paused") == 0
 
 
 @pytest.fixture
@@ -96,11 +107,14 @@ async def redis_without_persistence(tmp_path: Path) -> AsyncIterator[RedisServer
 async def test_redis_restarted_empty_under_a_replica_promises_no_byte_twice(
     redis_without_persistence: RedisServer,
 ) -> None:
-    server = await started(redis_without_persistence, redis_allow_no_persistence=True)
+    servers = [
+        await started(redis_without_persistence, redis_allow_no_persistence=True) for _ in range(2)
+    ]
     try:
-        await no_double_grant_after_a_loss(server, redis_without_persistence)
+        await no_double_grant_after_a_loss(servers[0], servers[1], redis_without_persistence)
     finally:
-        await server.stop(0)
+        for server in servers:
+            await server.stop(0)
 
 
 async def test_rdb_only_redis_is_refused_and_when_allowed_loses_nothing_twice(
@@ -113,7 +127,7 @@ async def test_rdb_only_redis_is_refused_and_when_allowed_loses_nothing_twice(
         server = await started(redis_server, redis_allow_no_persistence=True)
         try:
             # Killed (-9) before its first snapshot: restarted empty.
-            await no_double_grant_after_a_loss(server, redis_server)
+            await no_double_grant_after_a_loss(server, server, redis_server)
         finally:
             await server.stop(0)
 
