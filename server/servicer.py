@@ -659,8 +659,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             self._metrics.store_errors.inc()
             error = ServiceError(
                 "UNAVAILABLE",
-                f"the state store cannot be reached ({error}); retry shortly",
-                details={"retry_after_s": 1},
+                error.caller_message(),
+                details={"retry_after_s": math.ceil(error.retry_after_s)},
             )
         reason = error.reason if isinstance(error, PlanningError) else error.code
         self._metrics.validation_errors.labels(reason).inc()

@@ -28,6 +28,7 @@ behaviour; tests/server/test_store_contract.py runs one suite against all.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,22 @@ def kept_result_bytes(engine_id: str, stored_payload_bytes: int, ranks: int) -> 
 class StoreUnavailable(Exception):
     """The backend cannot be reached or failed mid-call; nothing was changed."""
 
+    retry_after_s = 1.0
+
+    def caller_message(self) -> str:
+        """What the caller is told, with UNAVAILABLE."""
+        return f"the state store cannot be reached ({self}); retry shortly"
+
+
+class StoreNotPersistent(StoreUnavailable):
+    """The backend answers but would lose leases on a restart (Redis without
+    AOF, found at a health tick): grants are refused until that is fixed."""
+
+    retry_after_s = 10.0
+
+    def caller_message(self) -> str:
+        return f"grants are refused: {self}"
+
 
 class StoreLostState(StoreUnavailable):
     """The store lost its data (a Redis restarted empty or replaced) and so the
@@ -73,6 +90,10 @@ class StoreLostState(StoreUnavailable):
             "retry then. Renewals of lost leases answer this too until then"
         )
         self.resume_at = resume_at
+        self.retry_after_s = max(1.0, math.ceil(left))
+
+    def caller_message(self) -> str:
+        return str(self)
 
 
 class TooManyEngines(Exception):

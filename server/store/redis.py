@@ -109,6 +109,7 @@ from kvplan.server.store.base import (
     LedgerView,
     RendezvousResult,
     StoreLostState,
+    StoreNotPersistent,
     StoreUnavailable,
     TooManyEngines,
     check_lease_quota,
@@ -1066,7 +1067,7 @@ class RedisStore:
             problem = await self._persistence_problem()
             if problem is not None:
                 self._persistence_refusal = problem
-                raise StoreUnavailable(problem)
+                raise StoreNotPersistent(problem)
         self._persistence_refusal = None
         await self._check_epoch(now, ttl_s)
 
@@ -1567,7 +1568,7 @@ class RedisStore:
             for lease in granted:
                 args += [str(lease.rank), _record(lease), repr(lease.expires_at)]
             if self._persistence_refusal is not None:
-                raise StoreUnavailable(self._persistence_refusal)
+                raise StoreNotPersistent(self._persistence_refusal)
             done = await self._ledger_write("ledger_grant", engine_id, args, now, ttl_s)
             return granted if done else None
 

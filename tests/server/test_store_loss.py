@@ -72,6 +72,8 @@ async def no_double_grant_after_a_loss(
             assert paused.value.code is grpc.StatusCode.UNAVAILABLE, paused.value
             assert "lost its data" in paused.value.details
             assert "grants are paused until" in paused.value.details
+            assert "cannot be reached" not in paused.value.details  # it answers
+            assert 1 <= int(paused.value.metadata["retry_after_s"]) <= LEASE_TTL_S
         for _ in range(50):
             if await planner_health(server) == health_pb2.HealthCheckResponse.NOT_SERVING:
                 break
@@ -151,6 +153,7 @@ async def test_persistence_turned_off_under_a_replica_is_not_serving(tmp_path: P
                 with pytest.raises(PlannerError) as refused:
                     await client.plan(leased_request("after", uuid, utilization=0.3))
                 assert refused.value.code is grpc.StatusCode.UNAVAILABLE
-                assert "appendonly" in refused.value.details
+                assert refused.value.details.startswith("grants are refused: Redis store")
+                assert "appendonly yes" in refused.value.details
         finally:
             await server.stop(0)
