@@ -284,10 +284,6 @@ return {
 """
 )
 
-# A grant's write, if no lease changed since its read and the mark has not passed
-# a new lease's expiry since (it would never be counted): the engine's records
-# replaced. ARGV: version read, now, grace ms, engine hash ms (-1: none),
-# then rank, record, expires_at per new lease. Returns 0 on a conflict.
 # The ledger's writes run only on the Redis this replica knows: KEYS[10] is
 # epoch:{token} (gone when Redis lost its data), KEYS[11] grants-paused. A grant
 # is refused while grants are paused; a renewal only when the epoch is gone.
@@ -298,26 +294,39 @@ _PAUSE_GUARD = """
 if redis.call('EXISTS', KEYS[11]) == 1 then return redis.error_reply('KVPLAN_PAUSED') end
 """
 
-# Lua: the store's epoch. KEYS[1] epoch, KEYS[2] grants-paused; ARGV the epoch
-# this replica knows ("" at start), a new token, the epoch:{token} prefix, the
-# pause in ms, when grants resume (text). A missing epoch at start is first use;
-# later it is a Redis that lost its data: a new epoch, and grants paused. Returns
-# {epoch, when grants resume ("": not paused), 1 if this call found the loss}.
+# Lua: the store's epoch. KEYS[1] epoch, KEYS[2] grants-paused, KEYS[3]
+# lease-version; ARGV the epoch this replica knows ("" at start), a new token, the
+# epoch:{token} prefix, the pause in ms, when grants resume (text), the highest
+# lease-version this replica saw under that epoch. A missing epoch at start is
+# first use. Later, a missing epoch (Redis restarted empty) or a lease-version
+# below one already seen under the same epoch (an older snapshot or a lost AOF
+# tail: every lease write bumps it, and only a loss takes it back) is a loss:
+# a new epoch (the old one's guard key deleted, so every replica's next write
+# sees it), and grants paused. Returns {epoch, when grants resume ("": not
+# paused), 1 if this call found the loss, lease-version}.
 _CHECK_EPOCH = """
 local current = redis.call('GET', KEYS[1])
+local version = tonumber(redis.call('GET', KEYS[3]) or '0')
 local lost = 0
-if not current then
+if ARGV[1] ~= '' and (not current or (current == ARGV[1] and version < tonumber(ARGV[6]))) then
+    if current then redis.call('DEL', ARGV[3] .. current) end
     current = ARGV[2]
     redis.call('SET', KEYS[1], current)
     redis.call('SET', ARGV[3] .. current, '1')
-    if ARGV[1] ~= '' then
-        redis.call('SET', KEYS[2], ARGV[5], 'PX', ARGV[4])
-        lost = 1
-    end
+    redis.call('SET', KEYS[2], ARGV[5], 'PX', ARGV[4])
+    lost = 1
+elseif not current then
+    current = ARGV[2]
+    redis.call('SET', KEYS[1], current)
+    redis.call('SET', ARGV[3] .. current, '1')
 end
-return {current, redis.call('GET', KEYS[2]) or '', lost}
+return {current, redis.call('GET', KEYS[2]) or '', lost, tostring(version)}
 """
 
+# A grant's write, if no lease changed since its read and the mark has not passed
+# a new lease's expiry since (it would never be counted): the engine's records
+# replaced. ARGV: version read, now, grace ms, engine hash ms (-1: none),
+# then rank, record, expires_at per new lease. Returns 0 on a conflict.
 _LEDGER_GRANT = (
     _LOST_GUARD
     + _PAUSE_GUARD
@@ -794,6 +803,7 @@ class RedisStore:
         self._require_persistence = require_persistence
         self._persistence_refusal: str | None = None  # set by `check` (health ticks)
         self._epoch = ""  # the store's epoch as this replica first saw it
+        self._version_seen = 0  # the highest lease-version seen under that epoch
         self._max_plans = max_plans
         self._max_plan_bytes = max_plan_bytes
         self._prefix = key_prefix
@@ -1040,17 +1050,18 @@ class RedisStore:
         ledger held has expired, or its holder gave its memory up)."""
         result = await self._call(
             self._scripts["check_epoch"](
-                keys=[self._key("epoch"), self._key("grants-paused")],
+                keys=[self._key("epoch"), self._key("grants-paused"), self._key("lease-version")],
                 args=[
                     self._epoch,
                     uuid.uuid4().hex,
                     self._key("epoch:"),
                     max(math.ceil(ttl_s * 1000), 1),
                     repr(now + ttl_s),
+                    self._version_seen,
                 ],
             )
         )
-        epoch, resume, _ = (
+        epoch, resume, _, version = (
             item.decode() if isinstance(item, bytes) else str(item) for item in result
         )
         if self._epoch and epoch != self._epoch:
@@ -1058,7 +1069,9 @@ class RedisStore:
                 "Redis store lost its data: grants paused",
                 extra={"store": self._url, "resume_at": resume},
             )
+            self._version_seen = int(version)  # counted again from the new epoch
         self._epoch = epoch
+        self._version_seen = max(self._version_seen, int(version))
         if resume:
             raise StoreLostState(self._url, float(resume))
 
@@ -1535,6 +1548,10 @@ class RedisStore:
 
         async def attempt() -> tuple[Lease, ...] | None:
             version, view, _, through = await self._read(now, list(devices), engine_id, identity)
+            if int(version or b"0") < self._version_seen:
+                # Taken back: Redis lost writes (an older snapshot, a lost AOF tail).
+                await self._check_epoch(now, ttl_s)  # raises: the loss or the pause
+                return None  # another replica's new epoch, its pause over: again
             # Decided on this read; the write below commits only if no lease changed
             # since (lease-version), so grants at once on any replica cannot all pass.
             check_lease_quota(
@@ -1570,6 +1587,8 @@ class RedisStore:
             if self._persistence_refusal is not None:
                 raise StoreNotPersistent(self._persistence_refusal)
             done = await self._ledger_write("ledger_grant", engine_id, args, now, ttl_s)
+            if done:
+                self._version_seen = max(self._version_seen, int(version or b"0") + 1)
             return granted if done else None
 
         return await self._retry(attempt)

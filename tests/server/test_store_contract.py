@@ -1691,7 +1691,9 @@ async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> No
         await store.rendezvous_finish("e", RendezvousResult(True, b"plan"), 0.0)
         await join(store, "f", 0)
         await store.grant("e", [ask(0, "gpu-0", 10)], devices(device("gpu-0")), 0.0, 60.0)
-        await store.claim_engine("e", "team-a", 0.0, 60.0, 16)
+        # "e" holds leases of no identity: never adopted (owner records of "g").
+        assert await store.claim_engine("e", "team-a", 0.0, 60.0, 16) == ""
+        await store.claim_engine("g", "team-a", 0.0, 60.0, 16)
         keys = {key.decode() async for key in store._redis().scan_iter(match=prefix + "*")}
         assert {key.removeprefix(prefix) for key in keys} == {
             "plans",
@@ -1710,9 +1712,11 @@ async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> No
             "lease:e",
             "lease-version",
             *LEDGER_KEYS,
-            "owner:e",
+            "owner:g",
             "owned:team-a",
             "owners-indexed",  # one marker, kept
+            "epoch",  # kept: its loss is how a Redis that lost its data is found
+            "epoch:" + store._epoch,
         }
         for janitored in (
             "rdv:open:f",
@@ -1720,7 +1724,7 @@ async def test_every_key_lives_under_the_prefix(redis_server: RedisServer) -> No
             "rdv:done:e",
             "lease:e",
             *LEDGER_KEYS,
-            "owner:e",
+            "owner:g",
             "owned:team-a",
         ):
             assert await store._redis().pttl(prefix + janitored) > 0  # Redis expires them too

@@ -157,3 +157,41 @@ async def test_persistence_turned_off_under_a_replica_is_not_serving(tmp_path: P
                 assert "appendonly yes" in refused.value.details
         finally:
             await server.stop(0)
+
+
+async def test_a_redis_back_from_an_older_snapshot_promises_no_byte_twice(
+    tmp_path: Path,
+) -> None:
+    """RDB-only (allowed), snapshot taken after the first lease, a second one
+    granted, then kill -9: Redis comes back with the snapshot (its epoch
+    included) and without the second lease. The ledger's version went back
+    below what the replica saw, which only a loss does: grants pause, so that
+    lease's 40 GiB is not granted again while its holder may still use it
+    (20 + 40 + 40 GiB of 80)."""
+    with running_redis(tmp_path, appendonly=False, save="3600 1") as redis_server:
+        server = await started(redis_server, redis_allow_no_persistence=True)
+        try:
+            async with AsyncPlannerClient(f"127.0.0.1:{server.port}", timeout_s=10) as client:
+                (uuid,) = await device_uuids(client)
+                await client.plan(leased_request("kept", uuid, utilization=0.25))
+                redis.Redis.from_url(redis_server.url).save()
+                await client.plan(leased_request("lost", uuid, utilization=0.5))
+                await asyncio.to_thread(redis_server.restart)  # SIGKILL: the snapshot
+                # A health tick sees the version back below what this replica saw.
+                # (A write first would hide it: see docs/deployment.md.)
+                for _ in range(50):
+                    if await planner_health(server) == health_pb2.HealthCheckResponse.NOT_SERVING:
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("the planner service stayed SERVING")
+                # The lease the snapshot kept renews; the lost one's memory is not granted.
+                assert [lease.rank for lease in await client.renew_leases("kept")] == [0]
+                with pytest.raises(PlannerError) as paused:
+                    await client.plan(leased_request("second", uuid, utilization=0.5))
+                assert paused.value.code is grpc.StatusCode.UNAVAILABLE, paused.value
+                assert "lost its data" in paused.value.details
+                (device,) = (await client.list_devices()).devices
+                assert device.committed_bytes == 20 * GIB
+        finally:
+            await server.stop(0)
