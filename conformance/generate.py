@@ -357,7 +357,7 @@ def request(
     override: int | None = None,
     batched: int = 0,
     async_scheduling: bool = False,
-    v2_runner: bool = False,
+    v2_runner: bool | None = None,
     tp: int = 0,
     pp: int = 0,
     dcp: int = 0,
@@ -386,7 +386,8 @@ def request(
         o.num_gpu_blocks_override = override
     o.max_num_batched_tokens = batched
     o.async_scheduling = async_scheduling
-    o.use_v2_model_runner = v2_runner
+    if v2_runner is not None:  # unset: the release's default runner
+        o.use_v2_model_runner = v2_runner
     o.parallel.tensor_parallel_size = tp
     o.parallel.pipeline_parallel_size = pp
     o.parallel.decode_context_parallel_size = dcp

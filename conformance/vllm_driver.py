@@ -257,6 +257,10 @@ class PlannerConfig:
         self.diffusion_config = None
         self.use_v2_model_runner = use_v2_model_runner
 
+    # What the model runners' feature lists (0.32 / 0.33) call on the configuration.
+    _dflash_needs_multi_kv_group = getattr(VllmConfig, "_dflash_needs_multi_kv_group", None)
+    _is_dflash_candidate_draft = getattr(VllmConfig, "_is_dflash_candidate_draft", None)
+
 
 @functools.cache
 def _speculative_field_adapter(name: str) -> pydantic.TypeAdapter[Any]:
@@ -345,15 +349,49 @@ def _speculative_config(spec: plan_pb2.SpecDecodeConfig) -> SpeculativeConfig | 
             hf_config=SimpleNamespace(model_type=spec.target_model_type)
         ),
     }
+    asked_parallel = spec.parallel_drafting if spec.HasField("parallel_drafting") else None
     if MTPSpeculatorConfig is None:
-        # 0.32 / 0.33's __post_init__: DFlash and DSpark draft in parallel (0.32
-        # counts the batch slots a drafter needs from it). 0.34 deprecated the field.
-        values["parallel_drafting"] = method in ("dflash", "dspark")
+        # 0.32 / 0.33's __post_init__: DFlash and DSpark draft in parallel, other
+        # methods as asked (0.32 counts the batch slots a drafter needs from it).
+        values["parallel_drafting"] = method in ("dflash", "dspark") or bool(asked_parallel)
+        # What the V1 / V2 runners' feature lists read besides.
+        values["enable_adaptive_verification"] = False
+        values["draft_lm_head_quantization"] = None
+    elif asked_parallel and method not in ("dflash", "dspark"):
+        # 0.34's __post_init__ (inline there): the deprecated field is taken for
+        # DFlash and DSpark only.
+        raise ValueError(f"SpeculativeConfig: parallel_drafting with {method}")
     for key, value in values.items():
         object.__setattr__(config, key, value)
     if method == "mtp":
         _check_mtp_drafter(config)
     return config
+
+
+def _model_runner(options: plan_pb2.EngineOptions, config: PlannerConfig) -> bool:
+    """VllmConfig.use_v2_model_runner with VLLM_USE_V2_MODEL_RUNNER as the request
+    sets it (unset: the release's default), then the chosen runner's checks, from
+    the release's own lists of what each runner lacks. Triton is taken as present
+    (every CUDA build has it; this CPU venv may not). 0.34 has only V2."""
+    if not hasattr(VllmConfig, "_get_v1_model_runner_unsupported_features"):
+        return True
+    asked = options.use_v2_model_runner if options.HasField("use_v2_model_runner") else None
+    v2_lacks = VllmConfig._get_v2_model_runner_unsupported_features(config)
+    if options.HasField("hisparse"):
+        if asked is False:
+            raise ValueError("VllmConfig: HiSparse requires model runner V2")
+        use_v2 = True
+    elif asked is not None:
+        use_v2 = asked
+    else:
+        use_v2 = not v2_lacks
+    if use_v2 and v2_lacks:
+        raise ValueError(f"VllmConfig: model runner V2 lacks {', '.join(v2_lacks)}")
+    if not use_v2:
+        v1_lacks = VllmConfig._get_v1_model_runner_unsupported_features(config)
+        if v1_lacks:
+            raise ValueError(f"VllmConfig: model runner V1 lacks {', '.join(v1_lacks)}")
+    return use_v2
 
 
 def _check_async_drafter(config: PlannerConfig) -> None:
@@ -692,6 +730,9 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         max_model_len=max_model_len,
         original_max_model_len=original,
         supports_kv_cache_grouping=False,
+        # What model runner V1's feature list reads (no diffusion, no Step5).
+        is_diffusion=False,
+        architecture="",
         # vLLM 0.32's trailing-layer draft rule reads the target's model type here.
         hf_config=SimpleNamespace(model_type=req.spec_decode.target_model_type),
     )
@@ -704,9 +745,9 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
         scheduler_config=scheduler_config,
         parallel_config=parallel_config,
         speculative_config=speculative_config,
-        # vLLM's use_v2_model_runner property returns True under HiSparse.
-        use_v2_model_runner=o.use_v2_model_runner or hisparse,
+        use_v2_model_runner=False,  # settled below, from the configuration
     )
+    config.use_v2_model_runner = _model_runner(o, config)
     if speculative_config is not None:
         _check_async_drafter(config)
         # The release's own check that a step has room for a token beside the

@@ -14,6 +14,7 @@ from kvplan.convert.keys import plan_id_for, plan_keys
 from kvplan.convert.render import spec_to_proto
 from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import InsufficientMemory, InvalidRequest, UnplannableSpecs
+from kvplan.core.rules import rule_set_for
 from kvplan.core.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.v1 import plan_pb2, spec_pb2
@@ -558,9 +559,21 @@ def test_async_scheduling_refuses_drafters_it_cannot_overlap(
     refused = method in ("suffix", "medusa") and (
         engine_version == "vllm-0.32" or (engine_version != "vllm-0.34" and not v2_runner)
     )
+    # Asked for, model runner V2 refuses the drafters it does not run (checked after
+    # the async scheduling check, as VllmConfig does).
+    v2_lacks = (
+        v2_runner
+        and engine_version != "vllm-0.34"
+        and method in rule_set_for(engine_version).v2_runner_unsupported_methods
+    )
     if refused:
         assert _refused_field(request) == "options.async_scheduling"
+    elif v2_lacks:
+        assert _refused_field(request) == "options.use_v2_model_runner"
     else:
         plan_from_proto(request)
     request.options.async_scheduling = False
-    plan_from_proto(request)
+    if v2_lacks:
+        assert _refused_field(request) == "options.use_v2_model_runner"
+    else:
+        plan_from_proto(request)

@@ -82,7 +82,11 @@ def engine_options(vllm_config: Any, engine_version: str) -> plan_pb2.EngineOpti
         options.extensible_kv_cache = extensible
     options.max_num_batched_tokens = int(getattr(scheduler, "max_num_batched_tokens", 0) or 0)
     options.async_scheduling = bool(getattr(scheduler, "async_scheduling", False))
-    options.use_v2_model_runner = bool(getattr(vllm_config, "use_v2_model_runner", False))
+    # The engine's settled runner (0.32 / 0.33; it saw Triton and the environment).
+    # 0.34 has only V2 and no such attribute: left unset.
+    runner = getattr(vllm_config, "use_v2_model_runner", None)
+    if isinstance(runner, bool):
+        options.use_v2_model_runner = runner
     options.parallel.tensor_parallel_size = int(parallel.tensor_parallel_size)
     options.parallel.pipeline_parallel_size = int(parallel.pipeline_parallel_size)
     options.parallel.decode_context_parallel_size = int(
@@ -136,6 +140,10 @@ def spec_decode(vllm_config: Any) -> plan_pb2.SpecDecodeConfig:
     n_predict = getattr(getattr(draft, "hf_config", None), "num_nextn_predict_layers", None)
     if isinstance(n_predict, int):
         out.num_nextn_predict_layers = n_predict
+    # 0.34 deprecated the field (None unless given); 0.32 / 0.33 settle it.
+    parallel_drafting = getattr(spec, "parallel_drafting", None)
+    if isinstance(parallel_drafting, bool):
+        out.parallel_drafting = parallel_drafting
     return out
 
 

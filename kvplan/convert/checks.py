@@ -173,7 +173,7 @@ def _check_spec_decode(
             field="options.max_num_batched_tokens",
         )
     if options.async_scheduling and method not in _ASYNC_DRAFTERS:
-        v2_runner = options.use_v2_model_runner or options.hisparse is not None
+        v2_runner = options.use_v2_model_runner
         check = rules.async_draft_check
         if check is AsyncDraftCheck.ANY_RUNNER or (
             check is AsyncDraftCheck.V1_RUNNER and not v2_runner

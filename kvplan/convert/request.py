@@ -5,6 +5,7 @@ values are built."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
@@ -23,6 +24,12 @@ from kvplan.core.errors import FieldViolation, InvalidRequest
 from kvplan.core.extensible import DEFAULT_ALLOCATION_GRANULE_BYTES
 from kvplan.core.hisparse import DEFAULT_HOST_PAGE_BYTES, HiSparseConfig
 from kvplan.core.layout import KVCacheLayout
+from kvplan.core.model_runner import (
+    RunnerInputs,
+    check_model_runner,
+    check_parallel_drafting,
+    choose_model_runner,
+)
 from kvplan.core.request import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DeviceInfo,
@@ -509,8 +516,28 @@ def _options_from_proto(
     )
 
 
+def _runner_inputs(
+    proto_options: plan_pb2.EngineOptions, options: EngineOptions, spec_decode: SpecDecode
+) -> RunnerInputs:
+    """What the model runner's choice and checks read (kvplan/core/model_runner.py)."""
+    asked = (
+        proto_options.use_v2_model_runner if proto_options.HasField("use_v2_model_runner") else None
+    )
+    return RunnerInputs(
+        asked=asked,
+        hisparse=proto_options.HasField("hisparse"),
+        method=spec_decode.method,
+        parallel_drafting=spec_decode.method != "none" and spec_decode.drafts_in_parallel,
+        pipeline_parallel_size=options.pipeline_parallel_size,
+        async_scheduling=options.async_scheduling,
+    )
+
+
 def _spec_decode_from_proto(config: plan_pb2.SpecDecodeConfig) -> SpecDecode:
     return SpecDecode(
+        parallel_drafting=(
+            config.parallel_drafting if config.HasField("parallel_drafting") else None
+        ),
         method=_enum_suffix(plan_pb2.SpecDecodeMethod, config.method, "SPEC_DECODE_METHOD_"),
         num_speculative_tokens=config.num_speculative_tokens,
         target_model_type=config.target_model_type,
@@ -728,12 +755,16 @@ def request_from_proto(
             extensible_kv_cache=extensible_kv_cache,
         )
         spec_decode = _spec_decode_from_proto(message.spec_decode)
+        check_parallel_drafting(rules, spec_decode.method, spec_decode.parallel_drafting)
+        runner = _runner_inputs(message.options, options, spec_decode)
+        options = replace(options, use_v2_model_runner=choose_model_runner(rules, runner))
         _check_spec_decode(
             spec_decode,
             options,
             rules,
             nextn_given=message.spec_decode.HasField("num_nextn_predict_layers"),
         )
+        check_model_runner(rules, runner, options.use_v2_model_runner)
         _check_hybrid_manager(message.options, spec_decode, kinds)
         known_workers = [None] * len(message.workers)
     else:

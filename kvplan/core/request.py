@@ -27,6 +27,14 @@ class SpecDecode:
     target_model_type: str = ""
     disable_eagle_block_drop: bool = False
     num_nextn_predict_layers: int = 1
+    # speculative_config.parallel_drafting as asked; None = unset.
+    parallel_drafting: bool | None = None
+
+    @property
+    def drafts_in_parallel(self) -> bool:
+        """DFlash and DSpark always draft in parallel (vLLM sets it for them); the
+        other methods as asked."""
+        return self.method in ("dflash", "dspark") or bool(self.parallel_drafting)
 
     @property
     def uses_eagle(self) -> bool:
@@ -69,9 +77,13 @@ class SpecDecode:
         VllmConfig counts them: max_num_batched_tokens must exceed it."""
         k = self.num_speculative_tokens
         if rules.draft_slot_check is DraftSlotCheck.NEW_SLOTS_FOR_DRAFTING:
-            # DFlash and DSpark draft in parallel: the query rows past the first.
-            slots = {"dflash": k, "dspark": k - 1, "draft_model": 1}
-            return slots.get(self.method, 0)
+            # A parallel drafter's query rows past the first (DFlash: all K, as its
+            # bonus query is its own; a parallel draft model, PARD: all K too).
+            if self.method == "dflash":
+                return k
+            if self.drafts_in_parallel:
+                return k if self.method == "draft_model" else k - 1
+            return 1 if self.method == "draft_model" else 0
         if self.method == "dflash":
             return k + 1  # the lookahead: a bonus query plus one per draft token
         return k if self.uses_eagle or self.method == "draft_model" else 0

@@ -175,6 +175,25 @@ class RuleSet:
     draft_slot_check: DraftSlotCheck = DraftSlotCheck.LOOKAHEAD_TOKENS
     # Async scheduling with a drafter it cannot overlap (VllmConfig.__post_init__).
     async_draft_check: AsyncDraftCheck = AsyncDraftCheck.V1_RUNNER
+    # The model runner (VllmConfig.use_v2_model_runner, 0.32 / 0.33; 0.34 has only V2,
+    # in_flight_batches V2_ONLY, and reads none of these). Unset, V2 is chosen unless
+    # the engine uses something V2 lacks (then V1); asked for, a runner that lacks a
+    # feature refuses the engine (kvplan/core/model_runner.py).
+    # Speculative methods V2 does not run.
+    v2_runner_unsupported_methods: frozenset[str] = frozenset({"suffix"})
+    # The methods V2 runs with parallel drafting (others only on V1).
+    v2_runner_parallel_drafting_methods: frozenset[str] = frozenset({"dflash", "dspark"})
+    # Speculative methods V1 does not run (DSpark is V2's only).
+    v1_runner_unsupported_methods: frozenset[str] = frozenset({"dspark"})
+    # V1 refuses pipeline parallelism (pp > 1) with async scheduling.
+    v1_runner_refuses_pp_async: bool = True
+    # The methods speculative_config.parallel_drafting may be set for (0.34: DFlash and
+    # DSpark; the field is deprecated there). None: any method (0.32 / 0.33).
+    parallel_drafting_methods: frozenset[str] | None = None
+
+    @property
+    def has_v1_runner(self) -> bool:
+        return self.in_flight_batches is not InFlightBatches.V2_ONLY
 
     def max_concurrent_batches(
         self, *, pipeline_parallel_size: int, async_scheduling: bool, use_v2_model_runner: bool
@@ -254,6 +273,7 @@ VLLM_0_32 = replace(
     unsupported_spec_methods=frozenset(),
     draft_slot_check=DraftSlotCheck.NEW_SLOTS_FOR_DRAFTING,
     async_draft_check=AsyncDraftCheck.ANY_RUNNER,
+    v2_runner_unsupported_methods=frozenset({"suffix", "medusa"}),
 )
 
 VLLM_0_34 = replace(
@@ -274,6 +294,7 @@ VLLM_0_34 = replace(
     nvfp4_ds_mla_refuses_dcp=True,
     draft_model_extra_query_slot=True,
     async_draft_check=AsyncDraftCheck.NEVER,
+    parallel_drafting_methods=frozenset({"dflash", "dspark"}),
 )
 
 RULE_SETS: dict[str, RuleSet] = {

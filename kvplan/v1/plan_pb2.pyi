@@ -274,6 +274,7 @@ class SpecDecodeConfig(_message.Message):
     TARGET_MODEL_TYPE_FIELD_NUMBER: _builtins.int
     DISABLE_EAGLE_BLOCK_DROP_FIELD_NUMBER: _builtins.int
     NUM_NEXTN_PREDICT_LAYERS_FIELD_NUMBER: _builtins.int
+    PARALLEL_DRAFTING_FIELD_NUMBER: _builtins.int
     method: Global___SpecDecodeMethod.ValueType
     num_speculative_tokens: _builtins.int
     target_model_type: _builtins.str
@@ -281,6 +282,12 @@ class SpecDecodeConfig(_message.Message):
     disable_eagle_block_drop: _builtins.bool
     num_nextn_predict_layers: _builtins.int
     """MTP modules the drafter has (`num_nextn_predict_layers`); unset = 1."""
+    parallel_drafting: _builtins.bool
+    """Draft all tokens in one pass (vLLM's speculative_config.parallel_drafting).
+    Unset = the method's own: on for DFlash and DSpark, off for the others.
+    vLLM 0.32 / 0.33 run it for other methods on model runner V1 only; 0.34
+    takes it for DFlash and DSpark only (docs/releases.md).
+    """
     def __init__(
         self,
         *,
@@ -289,14 +296,20 @@ class SpecDecodeConfig(_message.Message):
         target_model_type: _builtins.str = ...,
         disable_eagle_block_drop: _builtins.bool = ...,
         num_nextn_predict_layers: _builtins.int | None = ...,
+        parallel_drafting: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_nextn_predict_layers", b"_num_nextn_predict_layers", "num_nextn_predict_layers", b"num_nextn_predict_layers"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_nextn_predict_layers", b"_num_nextn_predict_layers", "_parallel_drafting", b"_parallel_drafting", "num_nextn_predict_layers", b"num_nextn_predict_layers", "parallel_drafting", b"parallel_drafting"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_nextn_predict_layers", b"_num_nextn_predict_layers", "disable_eagle_block_drop", b"disable_eagle_block_drop", "method", b"method", "num_nextn_predict_layers", b"num_nextn_predict_layers", "num_speculative_tokens", b"num_speculative_tokens", "target_model_type", b"target_model_type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_nextn_predict_layers", b"_num_nextn_predict_layers", "_parallel_drafting", b"_parallel_drafting", "disable_eagle_block_drop", b"disable_eagle_block_drop", "method", b"method", "num_nextn_predict_layers", b"num_nextn_predict_layers", "num_speculative_tokens", b"num_speculative_tokens", "parallel_drafting", b"parallel_drafting", "target_model_type", b"target_model_type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__num_nextn_predict_layers: _TypeAlias = _typing.Literal["num_nextn_predict_layers"]  # noqa: Y015
     _WhichOneofArgType__num_nextn_predict_layers: _TypeAlias = _typing.Literal["_num_nextn_predict_layers", b"_num_nextn_predict_layers"]  # noqa: Y015
+    _WhichOneofReturnType__parallel_drafting: _TypeAlias = _typing.Literal["parallel_drafting"]  # noqa: Y015
+    _WhichOneofArgType__parallel_drafting: _TypeAlias = _typing.Literal["_parallel_drafting", b"_parallel_drafting"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_nextn_predict_layers) -> _WhichOneofReturnType__num_nextn_predict_layers | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_drafting) -> _WhichOneofReturnType__parallel_drafting | None: ...
 
 Global___SpecDecodeConfig: _TypeAlias = SpecDecodeConfig  # noqa: Y015
 
@@ -423,7 +436,13 @@ class EngineOptions(_message.Message):
     """tokens per scheduler step; unset = 8192"""
     async_scheduling: _builtins.bool
     use_v2_model_runner: _builtins.bool
-    """Model runner V2 keeps pp+1 batches in flight under async scheduling."""
+    """Model runner V2 keeps pp+1 batches in flight under async scheduling.
+    Unset = the release's default (VLLM_USE_V2_MODEL_RUNNER unset): V2 in
+    vLLM 0.32 / 0.33 unless the engine uses a feature V2 lacks, then V1; 0.34
+    has only V2. false = V1, true = V2, as the environment variable forces them
+    (docs/releases.md, "Model runner"). Wire-compatible with the earlier plain
+    bool: a client that sent true still asks for V2; false was never sent.
+    """
     layout: Global___KVCacheLayout.ValueType
     """The KV cache layout. With workers[].supported_layouts it is the layout asked
     for (as vLLM's VLLM_KV_CACHE_LAYOUT): it must be one the resolution leaves,
@@ -475,7 +494,7 @@ class EngineOptions(_message.Message):
         num_gpu_blocks_override: _builtins.int | None = ...,
         max_num_batched_tokens: _builtins.int = ...,
         async_scheduling: _builtins.bool = ...,
-        use_v2_model_runner: _builtins.bool = ...,
+        use_v2_model_runner: _builtins.bool | None = ...,
         parallel: Global___ParallelConfig | None = ...,
         layout: Global___KVCacheLayout.ValueType | None = ...,
         mamba_cache_mode: Global___MambaCacheMode.ValueType = ...,
@@ -486,9 +505,9 @@ class EngineOptions(_message.Message):
         extensible_kv_cache: _builtins.bool | None = ...,
         hisparse: Global___HiSparseConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_layout", b"_layout", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "derived_max_model_len", b"derived_max_model_len", "enable_prefix_caching", b"enable_prefix_caching", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "layout", b"layout", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_layout", b"_layout", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "_use_v2_model_runner", b"_use_v2_model_runner", "derived_max_model_len", b"derived_max_model_len", "enable_prefix_caching", b"enable_prefix_caching", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "layout", b"layout", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_layout", b"_layout", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "async_scheduling", b"async_scheduling", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "derived_max_model_len", b"derived_max_model_len", "disable_hybrid_kv_cache_manager", b"disable_hybrid_kv_cache_manager", "enable_prefix_caching", b"enable_prefix_caching", "engine_version", b"engine_version", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "layout", b"layout", "mamba_cache_mode", b"mamba_cache_mode", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "model_dtype", b"model_dtype", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_layout", b"_layout", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "_use_v2_model_runner", b"_use_v2_model_runner", "async_scheduling", b"async_scheduling", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "derived_max_model_len", b"derived_max_model_len", "disable_hybrid_kv_cache_manager", b"disable_hybrid_kv_cache_manager", "enable_prefix_caching", b"enable_prefix_caching", "engine_version", b"engine_version", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "layout", b"layout", "mamba_cache_mode", b"mamba_cache_mode", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "model_dtype", b"model_dtype", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__derived_max_model_len: _TypeAlias = _typing.Literal["derived_max_model_len"]  # noqa: Y015
     _WhichOneofArgType__derived_max_model_len: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len"]  # noqa: Y015
@@ -502,6 +521,8 @@ class EngineOptions(_message.Message):
     _WhichOneofArgType__num_gpu_blocks_override: _TypeAlias = _typing.Literal["_num_gpu_blocks_override", b"_num_gpu_blocks_override"]  # noqa: Y015
     _WhichOneofReturnType__prefix_match_unit: _TypeAlias = _typing.Literal["prefix_match_unit"]  # noqa: Y015
     _WhichOneofArgType__prefix_match_unit: _TypeAlias = _typing.Literal["_prefix_match_unit", b"_prefix_match_unit"]  # noqa: Y015
+    _WhichOneofReturnType__use_v2_model_runner: _TypeAlias = _typing.Literal["use_v2_model_runner"]  # noqa: Y015
+    _WhichOneofArgType__use_v2_model_runner: _TypeAlias = _typing.Literal["_use_v2_model_runner", b"_use_v2_model_runner"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__derived_max_model_len) -> _WhichOneofReturnType__derived_max_model_len | None: ...
     @_typing.overload
@@ -514,6 +535,8 @@ class EngineOptions(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_gpu_blocks_override) -> _WhichOneofReturnType__num_gpu_blocks_override | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prefix_match_unit) -> _WhichOneofReturnType__prefix_match_unit | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__use_v2_model_runner) -> _WhichOneofReturnType__use_v2_model_runner | None: ...
 
 Global___EngineOptions: _TypeAlias = EngineOptions  # noqa: Y015
 

@@ -1400,11 +1400,12 @@ def async_pp_request(engine_version: str) -> Json:
 
 # One sliding-window block table row: the window plus every in-flight batch's tokens.
 SW_PAGE = LLAMA_PAGE
-for version, batches in (("vllm-0.33", 2), ("vllm-0.34", 3)):
+for version, batches in (("vllm-0.33", 3), ("vllm-0.34", 3)):
     scenario(
         f"release-{version.removeprefix('vllm-')}-async-pp-in-flight",
         f"{version}: async scheduling with pp=2 keeps {batches} batches in flight "
-        "(0.33's V1 runner: pp; 0.34 has only V2: pp + 1)",
+        "(model runner V2, 0.33's default and 0.34's only runner: pp + 1; 0.33's V1 "
+        "refuses pp > 1 with async scheduling)",
         async_pp_request(version),
         {
             "blocks_per_request": cdiv(65_536, 16)
@@ -1703,6 +1704,107 @@ scenario(
     "vLLM 0.33: the speculative config has no Medusa method",
     for_release(request(_DRAFTED, spec_decode=_spec("medusa", 2)), "vllm-0.33"),
     {"error": {"code": "INVALID_ARGUMENT", "field": "spec_decode.method"}},
+)
+
+# The model runner (issue 31): unset is the release's default; each runner refuses
+# what it lacks (VllmConfig's V1 / V2 feature lists in 0.32 / 0.33).
+for version in ("vllm-0.32", "vllm-0.33"):
+    short = version.removeprefix("vllm-")
+    v1_pp_async = async_pp_request(version)
+    v1_pp_async["options"]["use_v2_model_runner"] = False
+    scenario(
+        f"release-{short}-v1-runner-pp-async",
+        f"{version}: model runner V1 does not run pipeline parallelism with async scheduling",
+        v1_pp_async,
+        {"error": {"code": "INVALID_ARGUMENT", "field": "options.use_v2_model_runner"}},
+    )
+    scenario(
+        f"release-{short}-v1-runner-dspark",
+        f"{version}: DSpark runs on model runner V2 only",
+        for_release(
+            request(_DRAFTED, spec_decode=_spec("dspark", 2), use_v2_model_runner=False), version
+        ),
+        {"error": {"code": "INVALID_ARGUMENT", "field": "options.use_v2_model_runner"}},
+    )
+    scenario(
+        f"release-{short}-v2-runner-suffix",
+        f"{version}: model runner V2 does not run the suffix drafter",
+        for_release(
+            request(_DRAFTED, spec_decode=_spec("suffix", 2), use_v2_model_runner=True), version
+        ),
+        {"error": {"code": "INVALID_ARGUMENT", "field": "options.use_v2_model_runner"}},
+    )
+    scenario(
+        f"release-{short}-v2-runner-parallel-eagle",
+        f"{version}: model runner V2 drafts in parallel only for DFlash and DSpark",
+        for_release(
+            request(
+                _DRAFTED,
+                spec_decode=_spec("eagle", 3, parallel_drafting=True),
+                use_v2_model_runner=True,
+            ),
+            version,
+        ),
+        {"error": {"code": "INVALID_ARGUMENT", "field": "options.use_v2_model_runner"}},
+    )
+    scenario(
+        f"release-{short}-default-runner-parallel-ngram-pp-async",
+        f"{version}: parallel n-gram drafting makes the default runner V1, which does not "
+        "run pipeline parallelism with async scheduling",
+        for_release(
+            request(
+                _DRAFTED,
+                spec_decode=_spec("ngram", 3, parallel_drafting=True),
+                async_scheduling=True,
+                parallel={"pipeline_parallel_size": 2},
+            ),
+            version,
+        ),
+        {"error": {"code": "INVALID_ARGUMENT", "field": "options.async_scheduling"}},
+    )
+scenario(
+    "release-0.33-default-runner-dspark-pp-async",
+    "vllm-0.33: unset, the runner is V2, which runs DSpark with pp > 1 and async scheduling",
+    for_release(
+        request(
+            _DRAFTED,
+            spec_decode=_spec("dspark", 2),
+            async_scheduling=True,
+            parallel={"pipeline_parallel_size": 2},
+        ),
+        "vllm-0.33",
+    ),
+    {"grouping_path": "GROUPING_PATH_UNIFORM_SPEC"},
+)
+scenario(
+    "release-0.33-default-runner-suffix-async",
+    "vllm-0.33: unset, the suffix drafter runs on V1, where async scheduling refuses it",
+    for_release(
+        request(_DRAFTED, spec_decode=_spec("suffix", 2), async_scheduling=True), "vllm-0.33"
+    ),
+    {"error": {"code": "INVALID_ARGUMENT", "field": "options.async_scheduling"}},
+)
+scenario(
+    "release-0.32-parallel-eagle-batch-slots",
+    "vllm-0.32: a parallel EAGLE drafter takes K - 1 slots of a step (3 tokens: 2), "
+    "so a step of 2 tokens leaves none",
+    for_release(
+        request(
+            _DRAFTED,
+            spec_decode=_spec("eagle", 3, parallel_drafting=True),
+            max_num_batched_tokens=2,
+        ),
+        "vllm-0.32",
+    ),
+    {"error": {"code": "INVALID_ARGUMENT", "field": "options.max_num_batched_tokens"}},
+)
+scenario(
+    "release-0.34-parallel-drafting-eagle",
+    "vllm-0.34: parallel_drafting is taken for DFlash and DSpark only",
+    for_release(
+        request(_DRAFTED, spec_decode=_spec("eagle", 3, parallel_drafting=True)), "vllm-0.34"
+    ),
+    {"error": {"code": "INVALID_ARGUMENT", "field": "spec_decode.parallel_drafting"}},
 )
 
 
