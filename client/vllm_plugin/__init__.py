@@ -18,16 +18,15 @@ needs nothing beyond grpcio and protobuf.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
-
-log = logging.getLogger("vllm.plugins.kvplan")
 
 
 def register() -> None:
     """The entry point vLLM calls in each of its processes (more than once is fine)."""
     if not os.environ.get("KVPLAN_ADDR", "").strip():
         return  # inert: nothing imported, nothing wrapped
+    from kvplan.client.vllm_plugin.logs import log
+
     try:
         import vllm
     except ImportError:  # not inside vLLM
@@ -99,6 +98,8 @@ def _cannot_load(error: Exception) -> None:
             f"{reason}; the engine does not start without a lease (KVPLAN_ON_UNAVAILABLE=serve "
             "starts it unleased)"
         ) from error
+    from kvplan.client.vllm_plugin.logs import log
+
     log.warning("%s; vLLM plans alone", reason)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
-import logging
 import os
 import socket
 import threading
@@ -44,13 +43,18 @@ from kvplan.client.vllm_plugin.engine import (
     plan_request,
     vllm_groups,
 )
+from kvplan.client.vllm_plugin.logs import log
 from kvplan.client.vllm_plugin.settings import Mode, Rules, Settings, Unavailable
 from kvplan.client.vllm_plugin.worker import report_device
 from kvplan.v1 import plan_pb2
 
-log = logging.getLogger("vllm.plugins.kvplan")
-
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# kvplan answered, and the answer is that this engine cannot be planned as configured.
+_REFUSALS = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
 
 
 class GlobalGroups(Enum):
@@ -184,6 +188,9 @@ class Counters:
     agreements: int = 0
     differences: int = 0
     fallbacks: int = 0  # kvplan unreachable, slow or failing: vLLM's own plan stood
+    # kvplan refused the engine (INVALID_ARGUMENT, FAILED_PRECONDITION,
+    # RESOURCE_EXHAUSTED) and so did vLLM: a misconfigured engine, not a fallback.
+    refusals_agreed: int = 0
     draft_flag_changes: int = 0
     leases_granted: int = 0
     leases_refused: int = 0
@@ -412,6 +419,8 @@ class EngineStart:
             self.fallback("this engine has a spec kvplan cannot represent", error)
             return build_configs(available_memory)
         except PlannerError as error:
+            if error.code in _REFUSALS:
+                return self._refused(build_configs, available_memory, error)
             self.fallback(f"kvplan at {self.settings.addr} did not answer with a plan", error)
             return build_configs(available_memory)
         except Exception as error:  # never let the plugin stop an engine in these modes
@@ -420,6 +429,38 @@ class EngineStart:
         fix = self._draft_flags_fixer(response) if self.settings.mode is Mode.DRAFT_FLAGS else None
         configs, global_groups = self.build(build_configs, available_memory, passed_groups, fix)
         self._report(global_groups, int(configs[0].num_blocks) if configs else None, response)
+        return configs
+
+    def _refused(
+        self, build_configs: BuildConfigs, available_memory: list[int], error: PlannerError
+    ) -> list[Any]:
+        """kvplan refused the engine (observe, draft-flags): vLLM plans as always. If
+        vLLM refuses it too, the two agree (counted apart from the fallbacks, so an
+        alert on fallbacks does not fire for a misconfigured engine) and vLLM's
+        error stops the start; if vLLM plans it, that is a difference."""
+        refusal = f"{error.code_name}: {error.details}"
+        try:
+            configs = build_configs(available_memory)
+        except Exception as vllm_error:
+            COUNTERS.add("refusals_agreed")
+            log.warning(
+                "kvplan %s: kvplan and vLLM both refuse engine %s (kvplan %s; vLLM %s: %s); "
+                "the engine's configuration needs a change (refusal agreement #%d)",
+                self.settings.mode.value,
+                self.engine_id,
+                refusal,
+                type(vllm_error).__name__,
+                vllm_error,
+                COUNTERS.refusals_agreed,
+            )
+            raise
+        COUNTERS.add("differences")
+        log.warning(
+            "kvplan DIFFERENCE (kvplan refused engine %s, vLLM planned it): kvplan %s; "
+            "vLLM's own plan stands",
+            self.engine_id,
+            refusal,
+        )
         return configs
 
     def _draft_flags_fixer(self, response: plan_pb2.PlanResponse) -> Callable[[list[Any]], None]:

@@ -466,6 +466,24 @@ def test_draft_flags_leaves_a_marked_engine_alone(host: EngineHost) -> None:
     assert not any("CHANGED" in x for x in plugin_lines(answer))
 
 
+def test_both_refusing_is_an_agreement_not_a_fallback(host: EngineHost) -> None:
+    """An engine too large for its memory: kvplan refuses it (RESOURCE_EXHAUSTED), and
+    so does vLLM's own planner. The plugin logs the agreement and counts it apart
+    from the fallbacks (which stay for an unreachable kvplan); vLLM's error stops
+    the start, as it would without the plugin."""
+    before = host.send(op="counters")
+    answer = host.start("too-small", "llama", memory=[64 << 20])
+    assert not answer["ok"], answer
+    lines = plugin_lines(answer)
+    assert len(lines) == 1 and lines[0].startswith("WARNING"), lines
+    line = lines[0]
+    assert "[kvplan-plugin]" in line and "kvplan and vLLM both refuse engine" in line, line
+    assert "RESOURCE_EXHAUSTED" in line and "fallback" not in line, line
+    after = host.send(op="counters")
+    assert after["refusals_agreed"] == before["refusals_agreed"] + 1
+    assert after["fallbacks"] == before["fallbacks"]
+
+
 # --- kvplan down ---------------------------------------------------------------------------
 
 
@@ -703,7 +721,8 @@ def test_an_unsupported_release_disables_the_plugin(plugin_site: Path, server: S
     try:
         (line,) = plugin_lines(host.ready)
         assert line == (
-            "WARNING vllm.plugins.kvplan: kvplan plugin disabled: vLLM 0.35.0 is not a "
+            "WARNING vllm.plugins.kvplan: [kvplan-plugin] kvplan plugin disabled: vLLM 0.35.0 "
+            "is not a "
             "supported release (0.32.x, 0.33.x, 0.34.x)"
         )
         assert host.send(op="wrapped")["wrapped"] is False

@@ -404,3 +404,19 @@ def test_a_plugin_that_cannot_load_stops_only_an_engine_that_needs_its_lease(
         register()
     assert "the kvplan plugin cannot load" in caplog.text
     assert "vLLM plans alone" in caplog.text
+
+
+def test_plugin_records_carry_the_tag_and_the_callers_file(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM's default format prints [file:line], not the logger's name: every record
+    starts with the tag operators grep for, and names the caller's file (the
+    adapter adds no frame of its own)."""
+    from kvplan.client.vllm_plugin.logs import LOG_TAG, LOGGER_NAME, log
+
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        log.warning("kvplan %s: %s", "observe", "something")
+    (record,) = caplog.records
+    assert record.getMessage() == f"{LOG_TAG} kvplan observe: something"
+    assert record.name == LOGGER_NAME
+    assert record.filename == Path(__file__).name
