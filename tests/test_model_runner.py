@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvplan.convert import plan_from_proto, request_from_proto
+from kvplan.convert import plan_from_proto
+from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import InvalidRequest
 from kvplan.core.model_runner import RunnerInputs, choose_model_runner
 from kvplan.core.rules import rule_set_for
