@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,10 @@ from typing import Any
 from conformance import vllm_driver as driver
 from conformance.compare import for_release
 from conformance.generate import add_fuzz_argument, fuzz_sections, generate_cases
-from kvplan.convert import GPU_MEMORY_BYTES, plan_from_proto, request_from_proto
+from kvplan.convert import plan_from_proto, request_from_proto
 from kvplan.core.errors import PlanningError
 from kvplan.core.prefix_cache import PrefixCacheSetup, cached_tokens
+from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.prefix_facts import setup_from_plan
 
 Json = dict[str, Any]
@@ -67,14 +69,34 @@ def _request(rid: str, tokens: list[int], hasher: Any) -> Any:
     return Request(rid, tokens, SamplingParams(max_tokens=1), None, block_hasher=hasher)
 
 
-def vllm_hits(stored: int, lengths: list[int], tail: int) -> list[int]:
+def _failure(exc: Exception) -> str:
+    """vLLM's own error, as one line: its type, message and the vLLM function
+    that raised it (the class of failure the report counts)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next(
+        (f"{Path(f.filename).name}:{f.name}" for f in reversed(frames) if "vllm" in f.filename),
+        "?",
+    )
+    message = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__} in {where}: {message}"[:200]
+
+
+def _pool_blocks(scheduler: Any, tokens: int) -> int:
+    """Blocks for the stored request and one probe in every group at once."""
+    per_request = sum(-(-tokens // g.kv_cache_spec.block_size) + 1 for g in scheduler.kv_cache_groups)
+    return max(_POOL_BLOCKS, 2 * per_request + 16)
+
+
+def vllm_hits(stored: int, lengths: list[int], tail: int) -> list[int | str]:
     """Hits the release's own manager gives (driver.MANAGER_ARGUMENTS: the last
-    engine the driver started)."""
+    engine the driver started); where its lookup raises, the failure (_failure)
+    in that probe's place. Storing the request raising propagates."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     arguments = dict(driver.MANAGER_ARGUMENTS)
     scheduler = arguments.pop("scheduler")
-    arguments["kv_cache_config"] = replace(scheduler, num_blocks=_POOL_BLOCKS)
+    pool = _pool_blocks(scheduler, stored + tail)
+    arguments["kv_cache_config"] = replace(scheduler, num_blocks=pool)
     arguments["max_model_len"] = max(arguments["max_model_len"], 4 * stored)
     manager = KVCacheManager(**arguments)
     hasher = _hasher(arguments["hash_block_size"], arguments.get("num_hash_lookahead_tokens", 0))
@@ -85,15 +107,19 @@ def vllm_hits(stored: int, lengths: list[int], tail: int) -> list[int]:
     while done < stored:
         take = min(step, stored - done)
         if manager.allocate_slots(first, take) is None:
-            raise RuntimeError(f"pool of {_POOL_BLOCKS} blocks too small")
+            raise RuntimeError(f"pool of {pool} blocks too small")
         first.num_computed_tokens += take
         done += take
         manager.cache_blocks(first, done)
     manager.free(first)
-    hits = []
+    hits: list[int | str] = []
     for n in lengths:
         probe = _request(f"p{n}", list(range(n)) + [10**7 + i for i in range(tail)], hasher)
-        _, hit, _ = manager.get_computed_blocks(probe)
+        try:
+            _, hit, _ = manager.get_computed_blocks(probe)
+        except Exception as exc:  # vLLM's own lookup: report, do not hide
+            hits.append(_failure(exc))
+            continue
         hits.append(int(hit))
     return hits
 
@@ -118,7 +144,11 @@ def run(
         "crashed": 0,
         "probes": 0,
         "agree": 0,
+        "lookup_crashes": 0,
     }
+    # vLLM's own failures, by class (_failure): engines whose stored request vLLM
+    # cannot prefill, and probes whose lookup raises. Reported, not compared.
+    failure_classes: dict[str, int] = {}
     disagreements: list[Json] = []
     crashes: list[Json] = []
     for case in cases:
@@ -151,15 +181,23 @@ def run(
             got = vllm_hits(stored, lengths, tail)
         except Exception as exc:  # vLLM's own manager: report, do not hide
             counts["crashed"] += 1
-            crashes.append({"id": case.id, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            failure = _failure(exc)
+            failure_classes[failure] = failure_classes.get(failure, 0) + 1
+            crashes.append({"id": case.id, "error": failure})
             continue
         counts["engines"] += 1
         for n, hit in zip(lengths, got, strict=True):
+            if isinstance(hit, str):
+                counts["lookup_crashes"] += 1
+                failure_classes[hit] = failure_classes.get(hit, 0) + 1
+                if failure_classes[hit] == 1:
+                    crashes.append({"id": case.id, "shared": n, "stored": stored, "error": hit})
+                continue
             want = cached_tokens(setup, n, stored, n + tail)
             counts["probes"] += 1
             if want == hit:
                 counts["agree"] += 1
-            elif len(disagreements) < 200:
+            elif len(disagreements) < 2000:
                 disagreements.append(
                     {
                         "id": case.id,
@@ -170,7 +208,12 @@ def run(
                         "setup": repr(setup),
                     }
                 )
-    return {"counts": counts, "disagreements": disagreements, "crashes": crashes}
+    return {
+        "counts": counts,
+        "disagreements": disagreements,
+        "crashes": crashes,
+        "failure_classes": failure_classes,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,8 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"vLLM {driver.VLLM_VERSION}: {c['engines']} engines probed, {c['probes']} probes, "
         f"{c['agree']} agree; {c['off']} with prefix caching off, {c['refused']} refused, "
-        f"{c['crashed']} manager crashes ({result['meta']['seconds']:.0f} s)"
+        f"{c['crashed']} engines vLLM cannot prefill, {c['lookup_crashes']} lookups vLLM "
+        f"raises in ({result['meta']['seconds']:.0f} s)"
     )
+    for failure, count in sorted(result["failure_classes"].items(), key=lambda kv: -kv[1]):
+        print(f"  vLLM fails {count}x: {failure}")
     # vLLM crashing in its own lookup is reported, not failed on: it is vLLM's.
     return 0 if c["agree"] == c["probes"] and not result["disagreements"] else 1
 

@@ -242,11 +242,31 @@ def _lookup(
 ) -> int:
     """The longest hit one lookup of groups sharing a spec returns: the highest
     aligned length at most `max_len` every member can land at."""
+    if stored.setup.groups[members[0]].kind is GroupKind.CHUNKED_LOCAL:
+        return _chunked_local_hit(stored, members, max_len, reach)
     unit = stored.align
     x = max_len // unit * unit
     while x > 0 and not all(_accepts(stored, i, x, reach, dropping, max_len) for i in members):
         x -= unit
     return x
+
+
+def _chunked_local_hit(
+    stored: _Stored, members: list[int], max_len: int, reach: tuple[int, int]
+) -> int:
+    """Chunked local attention needs no state before the chunk the next token is
+    in: those blocks count as hit without a lookup (whatever the request shares),
+    and the hit runs on over the blocks from there that the stored prompt has."""
+    g = stored.setup.groups[members[0]]
+    b = g.block_tokens
+    start = max_len // g.window * g.window // b if g.window else 0
+    reachable = min(reach)
+    blocks = start
+    while (blocks + 1) * b <= max_len and (blocks + 1) * b <= reachable:
+        if not all(stored.has(i, blocks) for i in members):
+            break
+        blocks += 1
+    return blocks * b
 
 
 def _spec_groups(setup: PrefixCacheSetup) -> list[tuple[list[int], bool]]:

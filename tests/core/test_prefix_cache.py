@@ -123,3 +123,25 @@ def test_mamba_hits_only_at_the_stored_replay_boundary() -> None:
     assert cached_tokens(setup, at - 64, stored, at + 100) == 0
     dense = PrefixCacheSetup(True, groups, 64, 64, False, False, retention_interval=None)
     assert cached_tokens(dense, at - 64, stored, at + 100) == at - 64
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from([16, 64, 256]),
+    st.sampled_from([100, 512, 8192]),
+    st.integers(0, 2000),
+    st.integers(1, 2000),
+    st.integers(1, 600),
+)
+def test_chunked_local_counts_blocks_before_the_current_chunk_as_hit(
+    block: int, chunk: int, shared: int, stored: int, tail: int
+) -> None:
+    # vLLM's chunked-local lookup fills the blocks wholly before the chunk the next
+    # token is in with null blocks and counts them as computed, shared or not.
+    group = CacheGroup(GroupKind.CHUNKED_LOCAL, block, False, window=chunk)
+    setup = PrefixCacheSetup(True, (group,), block, block, False, False)
+    request = shared + tail
+    hit = cached_tokens(setup, shared, stored, request)
+    skipped = (request - 1) // chunk * chunk // block * block
+    assert hit % block == 0
+    assert skipped <= hit <= max(skipped, min(shared, stored, request - 1))
