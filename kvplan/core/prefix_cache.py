@@ -123,7 +123,19 @@ def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
         return PrefixCacheFacts(why, (), 0, (), 0, 0, False)
     unit = _alignment(setup)
     drops = _drop_groups(setup)
-    drop_tokens = min(unit, max((setup.groups[i].block_tokens for i in drops), default=0))
+    # A Mamba group's lookup takes no drop (its state sits at the hit itself); every
+    # other dropping group must match its drop past the hit, the widest one decides.
+    drop_tokens = min(
+        unit,
+        max(
+            (
+                setup.groups[i].block_tokens
+                for i in drops
+                if setup.groups[i].kind is not GroupKind.MAMBA
+            ),
+            default=0,
+        ),
+    )
     boundary_only = setup.retention_interval is not None and any(
         setup.groups[i].kind in _sparse_kinds() for i in cacheable
     )
@@ -133,9 +145,7 @@ def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
         unit=unit,
         drop_groups=drops,
         drop_tokens=drop_tokens,
-        min_shared_prefix=unit
-        + (setup.groups[drops[0]].block_tokens if drops else 0)
-        + setup.hash_lookahead,
+        min_shared_prefix=unit + drop_tokens + setup.hash_lookahead,
         boundary_only=boundary_only,
     )
 
@@ -157,6 +167,7 @@ class _Stored:
         self.setup = setup
         self.align = _alignment(setup)
         self.drops = set(_drop_groups(setup))
+        self.prompt_tokens = prompt_tokens
         h = setup.hash_block
         hashed = max(0, prompt_tokens - setup.hash_lookahead) // h * h
         several = len(setup.groups) > 1
@@ -170,6 +181,8 @@ class _Stored:
                 if i in self.drops and cacheable > 0:
                     cacheable = min(prompt_tokens, cacheable + g.block_tokens)
             full = min(cacheable, hashed) // g.block_tokens
+            if setup.partial_hash_hits and g.kind is GroupKind.FULL:
+                full = -(-min(cacheable, hashed) // g.block_tokens)
             self.full.append(full)
             self.kept.append(self._kept(i, g, full, bounds))
 
@@ -180,6 +193,11 @@ class _Stored:
         b = g.block_tokens
         kept: set[int] = set()
         if g.kind is GroupKind.MAMBA:
+            if self.setup.partial_hash_hits and i in self.drops:
+                # Measured on vLLM 0.32 (fuzz seed 7): the state at the prompt's
+                # last whole scheduler block outlives the prefill too.
+                last = self.prompt_tokens // self.setup.scheduler_block
+                bounds = bounds | {last * self.setup.scheduler_block}
             for bound in bounds:
                 block = bound // self.align * self.align // b - 1
                 if 0 <= block < full:
@@ -215,7 +233,12 @@ def _accepts(
     matched, hashed = reach
     g = stored.setup.groups[i]
     b = g.block_tokens
-    drop = b if dropping and g.kind is not GroupKind.MAMBA else 0
+    # Under partial hash hits full attention looks up (and drops) hash blocks,
+    # reading a stored prompt's last, partly filled block as far as it is hashed.
+    step = b
+    if stored.setup.partial_hash_hits and g.kind is GroupKind.FULL:
+        step = stored.setup.hash_block
+    drop = step if dropping and g.kind is not GroupKind.MAMBA else 0
     if drop and g.kind is GroupKind.SLIDING_WINDOW:
         # A window longer than the matched run: the run from the first block is the
         # hit, rounded down to the unit, and its drop falls back a whole unit.
@@ -227,14 +250,14 @@ def _accepts(
                 and all(stored.has(i, j) for j in range(last + 1))
             )
     end = x + drop
-    if x > max_len or end > matched or end > hashed or end % b:
+    if x > max_len or end > matched or end > hashed or end % step:
         return False
     if g.kind is GroupKind.MAMBA:
         return stored.has(i, x // b - 1)
     first = 0
     if g.kind is GroupKind.SLIDING_WINDOW:
         first = max(0, end // b - _window_blocks(g, bool(drop)))
-    return all(stored.has(i, j) for j in range(first, end // b))
+    return all(stored.has(i, j) for j in range(first, -(-end // b)))
 
 
 def _lookup(

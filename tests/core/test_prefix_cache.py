@@ -145,3 +145,53 @@ def test_chunked_local_counts_blocks_before_the_current_chunk_as_hit(
     skipped = (request - 1) // chunk * chunk // block * block
     assert hit % block == 0
     assert skipped <= hit <= max(skipped, min(shared, stored, request - 1))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([32, 64, 128]), st.sampled_from([2, 4]), st.integers(1, 3000))
+def test_partial_hash_hits_drop_one_hash_block_of_full_attention(
+    hash_block: int, ratio: int, prompt: int
+) -> None:
+    # Mamba "align" blocks as fine as the hash block, full attention coarser: full
+    # attention is looked up by hash blocks, reads the stored prompt's partly filled
+    # last block as far as it is hashed, and the (unflagged) drop takes one hash block.
+    groups = (
+        CacheGroup(GroupKind.MAMBA, hash_block, False),
+        CacheGroup(GroupKind.FULL, hash_block * ratio, False),
+    )
+    setup = PrefixCacheSetup(
+        True, groups, hash_block * ratio, hash_block, True, True, retention_interval=None
+    )
+    hit = cached_tokens(setup, prompt, prompt, prompt + 100)
+    assert hit == max(0, prompt // hash_block * hash_block - hash_block)
+
+
+def test_partial_hash_hits_keep_the_last_scheduler_block_state() -> None:
+    # vLLM 0.32's own manager (fuzz seed 7, fuzzw/w0110): Mamba 128 x 4 groups and
+    # DCP-sharded MLA of 256, every group dropping; a repeated 1,665-token prompt
+    # hits at 1,536, the state at its last whole scheduler block.
+    mamba = CacheGroup(GroupKind.MAMBA, 128, False, spec_id=0)
+    groups = (mamba, mamba, mamba, mamba, CacheGroup(GroupKind.FULL, 256, False, spec_id=1))
+    setup = PrefixCacheSetup(True, groups, 256, 128, True, True)
+    assert cached_tokens(setup, 1664, 1665, 1664 + 257) == 1536
+
+
+@settings(max_examples=60, deadline=None)
+@given(BLOCKS, st.integers(1, 4), st.integers(0, 600))
+def test_a_dropping_mamba_group_adds_nothing_to_the_minimum_prefix(
+    block: int, ratio: int, stored: int
+) -> None:
+    # Only a flagged Mamba group drops: its lookup takes no drop, so the minimum
+    # shared prefix is the unit and a repeated prompt of one unit and a bit hits it.
+    groups = (
+        CacheGroup(GroupKind.FULL, block, False),
+        CacheGroup(GroupKind.MAMBA, block * ratio, True),
+    )
+    setup = PrefixCacheSetup(
+        True, groups, block * ratio, block, False, True, retention_interval=None
+    )
+    f = facts(setup)
+    assert f.drop_tokens == 0
+    assert f.min_shared_prefix == f.unit
+    if stored > f.unit:
+        assert cached_tokens(setup, stored, stored, stored + 1) >= f.unit
