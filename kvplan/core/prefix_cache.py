@@ -256,7 +256,8 @@ def _accepts(
         return stored.has(i, x // b - 1)
     first = 0
     if g.kind is GroupKind.SLIDING_WINDOW:
-        first = max(0, end // b - _window_blocks(g, bool(drop)))
+        # A hit lands on a matched block: a window of one token still needs one.
+        first = max(0, end // b - max(1, _window_blocks(g, bool(drop))))
     return all(stored.has(i, j) for j in range(first, -(-end // b)))
 
 

@@ -195,3 +195,19 @@ def test_a_dropping_mamba_group_adds_nothing_to_the_minimum_prefix(
     assert f.min_shared_prefix == f.unit
     if stored > f.unit:
         assert cached_tokens(setup, stored, stored, stored + 1) >= f.unit
+
+
+@settings(max_examples=60, deadline=None)
+@given(BLOCKS, st.integers(0, 600), st.integers(1, 600), st.integers(1, 64))
+def test_a_one_token_window_keeps_nothing_to_hit(
+    block: int, shared: int, stored: int, tail: int
+) -> None:
+    # A hit must land on a matched block; a one-token window retains none of a
+    # stored prompt's blocks (vLLM's sparse retention), so it never hits. Dense
+    # checkpoints keep every block: then it hits like full attention.
+    group = CacheGroup(GroupKind.SLIDING_WINDOW, block, False, window=1)
+    sparse = PrefixCacheSetup(True, (group,), block, block, False, False)
+    assert cached_tokens(sparse, shared, stored, shared + tail) == 0
+    dense = PrefixCacheSetup(True, (group,), block, block, False, False, retention_interval=None)
+    expected = min(shared, stored, shared + tail - 1) // block * block
+    assert cached_tokens(dense, shared, stored, shared + tail) == expected
