@@ -49,6 +49,17 @@ def _dcp_sharded(spec: spec_pb2.LayerSpec) -> bool:
     return not params.HasField("dcp_sharded") or params.dcp_sharded
 
 
+def _needs_whole_blocks(group: CacheGroup, hash_block: int) -> bool:
+    """A cacheable group whose lookup cannot land inside its block (sliding window,
+    chunked local, cross-attention): unless its block is the hash block, vLLM turns
+    partial hash hits off for the whole engine. Full attention and Mamba can."""
+    return (
+        group.prefix_cacheable
+        and group.kind not in (GroupKind.FULL, GroupKind.MAMBA)
+        and group.block_tokens != hash_block
+    )
+
+
 def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> PrefixCacheSetup:
     options = request.options
     dcp = options.decode_context_parallel_size
@@ -68,10 +79,14 @@ def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> 
     )
     enabled = options.enable_prefix_caching and not _non_causal(response)
     hash_block = int(response.diagnostics.hash_block_size)
-    partial = options.mamba_align_mode and any(
-        g.kind is GroupKind.MAMBA
-        and (g.block_tokens > hash_block or (dcp > 1 and g.block_tokens == hash_block))
-        for g in groups
+    partial = (
+        options.mamba_align_mode
+        and any(
+            g.kind is GroupKind.MAMBA
+            and (g.block_tokens > hash_block or (dcp > 1 and g.block_tokens == hash_block))
+            for g in groups
+        )
+        and not any(_needs_whole_blocks(g, hash_block) for g in groups)
     )
     rules = request.rules
     spec_decode = request.spec_decode
