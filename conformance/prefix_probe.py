@@ -26,7 +26,8 @@ from typing import Any
 from conformance import vllm_driver as driver
 from conformance.compare import for_release
 from conformance.generate import add_fuzz_argument, fuzz_sections, generate_cases
-from kvplan.convert import plan_from_proto, request_from_proto
+from kvplan.convert import plan_from_proto
+from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import PlanningError
 from kvplan.core.prefix_cache import PrefixCacheSetup, cached_tokens
 from kvplan.gpus import GPU_MEMORY_BYTES
@@ -83,7 +84,9 @@ def _failure(exc: Exception) -> str:
 
 def _pool_blocks(scheduler: Any, tokens: int) -> int:
     """Blocks for the stored request and one probe in every group at once."""
-    per_request = sum(-(-tokens // g.kv_cache_spec.block_size) + 1 for g in scheduler.kv_cache_groups)
+    per_request = sum(
+        -(-tokens // g.kv_cache_spec.block_size) + 1 for g in scheduler.kv_cache_groups
+    )
     return max(_POOL_BLOCKS, 2 * per_request + 16)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvplan.convert import request_from_proto
+from kvplan.convert.request import request_from_proto
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2, spec_pb2
 
