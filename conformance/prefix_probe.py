@@ -4,7 +4,8 @@ own KV cache manager (run in that release's CPU environment, like compare.py).
 For every generated engine that both planners accept with prefix caching on, this
 starts the release's KVCacheManager (and its coordinator) with the arguments its
 scheduler would give it, stores one request (prefilled one scheduler block per
-step, as chunked prefill caches it, then finished), then asks for the longest
+step, as chunked prefill caches it, a step ending where the scheduler ends one
+for a Mamba checkpoint, then finished), then asks for the longest
 cache hit of requests that repeat its first N tokens and then diverge, for N just
 under and over each unit, multiples of it, and the draft block drop, and compares
 vLLM's hit length with kvplan.core.prefix_cache.cached_tokens.
@@ -90,6 +91,31 @@ def _pool_blocks(scheduler: Any, tokens: int) -> int:
     return max(_POOL_BLOCKS, 2 * per_request + 16)
 
 
+def _mamba_checkpoint(manager: Any, arguments: Json, stored: int) -> int:
+    """Where the release's scheduler ends a prefill chunk so that a Mamba "align"
+    state is written (its `_mamba_block_aligned_split`, from vLLM's own helper);
+    0 without such a group."""
+    from vllm.v1 import kv_cache_interface as interface
+
+    blocks = [
+        spec.block_size
+        for group in arguments["kv_cache_config"].kv_cache_groups
+        for spec in [group.kv_cache_spec]
+        if isinstance(spec, interface.MambaSpec) and spec.mamba_cache_mode == "align"
+    ]
+    if not blocks:
+        return 0
+    partial = getattr(manager.coordinator, "enable_partial_hash_hits", False)
+    unit = arguments["hash_block_size"] if partial else blocks[0]
+    position = interface.get_mamba_prefill_checkpoint_position
+    lookahead = arguments.get("num_hash_lookahead_tokens", 0)
+    if lookahead:  # 0.33+
+        return int(
+            position(stored, unit, arguments["use_eagle"], num_hash_lookahead_tokens=lookahead)
+        )
+    return int(position(stored, unit, arguments["use_eagle"]))
+
+
 def vllm_hits(stored: int, lengths: list[int], tail: int) -> list[int | str]:
     """Hits the release's own manager gives (driver.MANAGER_ARGUMENTS: the last
     engine the driver started); where its lookup raises, the failure (_failure)
@@ -104,11 +130,14 @@ def vllm_hits(stored: int, lengths: list[int], tail: int) -> list[int | str]:
     manager = KVCacheManager(**arguments)
     hasher = _hasher(arguments["hash_block_size"], arguments.get("num_hash_lookahead_tokens", 0))
     step = arguments["scheduler_block_size"]
+    checkpoint = _mamba_checkpoint(manager, arguments, stored)
     first = _request("stored", list(range(stored)), hasher)
     manager.get_computed_blocks(first)
     done = 0
     while done < stored:
         take = min(step, stored - done)
+        if done < checkpoint < done + take:
+            take = checkpoint - done
         if manager.allocate_slots(first, take) is None:
             raise RuntimeError(f"pool of {pool} blocks too small")
         first.num_computed_tokens += take

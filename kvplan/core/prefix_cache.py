@@ -193,15 +193,13 @@ class _Stored:
         b = g.block_tokens
         kept: set[int] = set()
         if g.kind is GroupKind.MAMBA:
-            if self.setup.partial_hash_hits and i in self.drops:
-                # Measured on vLLM 0.32 (fuzz seed 7): the state at the prompt's
-                # last whole scheduler block outlives the prefill too.
-                last = self.prompt_tokens // self.setup.scheduler_block
-                bounds = bounds | {last * self.setup.scheduler_block}
             for bound in bounds:
                 block = bound // self.align * self.align // b - 1
                 if 0 <= block < full:
                     kept.add(block)
+            checkpoint = _mamba_checkpoint(self.setup, b, self.prompt_tokens)
+            if checkpoint % b == 0 and 0 < checkpoint // b <= full:
+                kept.add(checkpoint // b - 1)
             return kept
         if self.align % b:
             return None
@@ -215,6 +213,16 @@ class _Stored:
     def has(self, group: int, block: int) -> bool:
         kept = self.kept[group]
         return block < self.full[group] and (kept is None or block in kept)
+
+
+def _mamba_checkpoint(setup: PrefixCacheSetup, mamba_block: int, prompt_tokens: int) -> int:
+    """Where vLLM's scheduler ends a prefill chunk so that a Mamba "align" state is
+    written there: the last hash block (partial hash hits; else Mamba block) a
+    replay can reach, one lower under the draft drop; the state it writes is kept."""
+    unit = setup.hash_block if setup.partial_hash_hits else mamba_block
+    if setup.block_drop:
+        return max(0, prompt_tokens // unit * unit - unit)
+    return max(0, (prompt_tokens - max(1, setup.hash_lookahead)) // unit * unit)
 
 
 def _window_blocks(group: CacheGroup, dropping: bool) -> int:

@@ -166,10 +166,11 @@ def test_partial_hash_hits_drop_one_hash_block_of_full_attention(
     assert hit == max(0, prompt // hash_block * hash_block - hash_block)
 
 
-def test_partial_hash_hits_keep_the_last_scheduler_block_state() -> None:
+def test_the_drop_keeps_the_mamba_prefill_checkpoint_state() -> None:
     # vLLM 0.32's own manager (fuzz seed 7, fuzzw/w0110): Mamba 128 x 4 groups and
     # DCP-sharded MLA of 256, every group dropping; a repeated 1,665-token prompt
-    # hits at 1,536, the state at its last whole scheduler block.
+    # hits at 1,536: the scheduler ends a prefill chunk one hash block below the
+    # last whole one, 1,664, and the Mamba state written there is kept.
     mamba = CacheGroup(GroupKind.MAMBA, 128, False, spec_id=0)
     groups = (mamba, mamba, mamba, mamba, CacheGroup(GroupKind.FULL, 256, False, spec_id=1))
     setup = PrefixCacheSetup(True, groups, 256, 128, True, True)
