@@ -178,8 +178,8 @@ def run(
         "agree": 0,
         "lookup_crashes": 0,
     }
-    # vLLM's own failures, by class (_failure): engines whose stored request vLLM
-    # cannot prefill, and probes whose lookup raises. Reported, not compared.
+    # vLLM's own failures, by class (_failure): engines vLLM
+    # cannot store a request for, and probes whose lookup raises. Reported, not compared.
     failure_classes: dict[str, int] = {}
     disagreements: list[Json] = []
     crashes: list[Json] = []
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"vLLM {driver.VLLM_VERSION}: {c['engines']} engines probed, {c['probes']} probes, "
         f"{c['agree']} agree; {c['off']} with prefix caching off, {c['refused']} refused, "
-        f"{c['crashed']} engines vLLM cannot prefill, {c['lookup_crashes']} lookups vLLM "
+        f"{c['crashed']} engines vLLM fails to store a request for, {c['lookup_crashes']} lookups vLLM "
         f"raises in ({result['meta']['seconds']:.0f} s)"
     )
     for failure, count in sorted(result["failure_classes"].items(), key=lambda kv: -kv[1]):
