@@ -272,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"vLLM {driver.VLLM_VERSION}: {c['engines']} engines probed, {c['probes']} probes, "
         f"{c['agree']} agree; {c['off']} with prefix caching off, {c['refused']} refused, "
-        f"{c['crashed']} engines vLLM fails to store a request for, {c['lookup_crashes']} lookups vLLM "
-        f"raises in ({result['meta']['seconds']:.0f} s)"
+        f"{c['crashed']} engines vLLM fails to store a request for, "
+        f"{c['lookup_crashes']} lookups vLLM raises in ({result['meta']['seconds']:.0f} s)"
     )
     for failure, count in sorted(result["failure_classes"].items(), key=lambda kv: -kv[1]):
         print(f"  vLLM fails {count}x: {failure}")
