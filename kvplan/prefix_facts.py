@@ -51,11 +51,11 @@ def _dcp_sharded(spec: spec_pb2.LayerSpec) -> bool:
 
 def _needs_whole_blocks(group: CacheGroup, hash_block: int) -> bool:
     """A cacheable group whose lookup cannot land inside its block (sliding window,
-    chunked local, cross-attention): unless its block is the hash block, vLLM turns
-    partial hash hits off for the whole engine. Full attention and Mamba can."""
+    chunked local): unless its block is the hash block, vLLM turns partial hash hits
+    off for the whole engine. Full attention (and its kin) and Mamba can."""
     return (
         group.prefix_cacheable
-        and group.kind not in (GroupKind.FULL, GroupKind.MAMBA)
+        and group.kind in (GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL)
         and group.block_tokens != hash_block
     )
 

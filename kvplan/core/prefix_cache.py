@@ -172,6 +172,8 @@ class _Stored:
         hashed = max(0, prompt_tokens - setup.hash_lookahead) // h * h
         several = len(setup.groups) > 1
         self.kept: list[set[int] | None] = []  # None: every block up to `full`
+        # Mamba states kept inside a block (token positions), per group.
+        self.points: list[set[int]] = [set() for _ in setup.groups]
         self.full: list[int] = []
         bounds = replay_boundaries(prompt_tokens, setup.scheduler_block, bool(self.drops))
         for i, g in enumerate(setup.groups):
@@ -200,6 +202,9 @@ class _Stored:
             checkpoint = _mamba_checkpoint(self.setup, b, self.prompt_tokens)
             if checkpoint % b == 0 and 0 < checkpoint // b <= full:
                 kept.add(checkpoint // b - 1)
+            elif self.setup.partial_hash_hits and 0 < checkpoint <= self.prompt_tokens:
+                # A state inside a block: partial hash hits can land on it.
+                self.points[i].add(checkpoint)
             return kept
         if self.align % b:
             return None
@@ -258,7 +263,11 @@ def _accepts(
                 and all(stored.has(i, j) for j in range(last + 1))
             )
     end = x + drop
-    if x > max_len or end > matched or end > hashed or end % step:
+    if x > max_len or end > matched or end > hashed:
+        return False
+    if g.kind is GroupKind.MAMBA and x in stored.points[i]:
+        return True
+    if end % step:
         return False
     if g.kind is GroupKind.MAMBA:
         return stored.has(i, x // b - 1)

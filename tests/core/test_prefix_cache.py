@@ -212,3 +212,19 @@ def test_a_one_token_window_keeps_nothing_to_hit(
     dense = PrefixCacheSetup(True, (group,), block, block, False, False, retention_interval=None)
     expected = min(shared, stored, shared + tail - 1) // block * block
     assert cached_tokens(dense, shared, stored, shared + tail) == expected
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([1, 4, 8]), st.sampled_from([16, 64]), st.integers(2, 2000))
+def test_a_repeated_prompt_hits_at_the_mamba_prefill_checkpoint(
+    hash_block: int, block: int, prompt: int
+) -> None:
+    # Partial hash hits: vLLM's scheduler ends a prefill chunk at the last hash
+    # block before the final token and keeps the Mamba state written there, even
+    # inside a Mamba block; full attention reaches it hash block by hash block.
+    groups = (CacheGroup(GroupKind.MAMBA, block, False), CacheGroup(GroupKind.FULL, block, False))
+    setup = PrefixCacheSetup(True, groups, block, hash_block, True, False)
+    assert (
+        cached_tokens(setup, prompt, prompt, prompt + 100)
+        == (prompt - 1) // hash_block * hash_block
+    )
