@@ -108,6 +108,12 @@ def _alignment(setup: PrefixCacheSetup) -> int:
     return setup.hash_block if setup.partial_hash_hits else setup.scheduler_block
 
 
+def _full_like(group: CacheGroup) -> bool:
+    """Full attention and the other kinds vLLM looks up as it does full attention
+    (reduced sliding window, hidden-state caches: its full-attention manager)."""
+    return group.kind in (GroupKind.FULL, GroupKind.OTHER)
+
+
 def _sparse_kinds() -> frozenset[GroupKind]:
     return frozenset({GroupKind.SLIDING_WINDOW, GroupKind.MAMBA})
 
@@ -183,7 +189,7 @@ class _Stored:
                 if i in self.drops and cacheable > 0:
                     cacheable = min(prompt_tokens, cacheable + g.block_tokens)
             full = min(cacheable, hashed) // g.block_tokens
-            if setup.partial_hash_hits and g.kind is GroupKind.FULL:
+            if setup.partial_hash_hits and _full_like(g):
                 full = -(-min(cacheable, hashed) // g.block_tokens)
             self.full.append(full)
             self.kept.append(self._kept(i, g, full, bounds))
@@ -249,7 +255,7 @@ def _accepts(
     # Under partial hash hits full attention looks up (and drops) hash blocks,
     # reading a stored prompt's last, partly filled block as far as it is hashed.
     step = b
-    if stored.setup.partial_hash_hits and g.kind is GroupKind.FULL:
+    if stored.setup.partial_hash_hits and _full_like(g):
         step = stored.setup.hash_block
     drop = step if dropping and g.kind is not GroupKind.MAMBA else 0
     if drop and g.kind is GroupKind.SLIDING_WINDOW:
@@ -318,9 +324,7 @@ def _spec_groups(setup: PrefixCacheSetup) -> list[tuple[list[int], bool]]:
     for i, g in enumerate(setup.groups):
         if g.prefix_cacheable:
             merged.setdefault(g.spec_id if g.spec_id >= 0 else -1 - i, []).append(i)
-    ordered = sorted(
-        merged.values(), key=lambda ids: setup.groups[ids[0]].kind is not GroupKind.FULL
-    )
+    ordered = sorted(merged.values(), key=lambda ids: not _full_like(setup.groups[ids[0]]))
     return [(ids, any(i in drops for i in ids)) for ids in ordered]
 
 
@@ -347,14 +351,14 @@ def cached_tokens(
     if len(setup.groups) == 1:
         ids, dropping = spec_groups[0]
         return _lookup(stored, ids, request_tokens - 1, reach, dropping)
-    simple = len(spec_groups) == 2 and setup.groups[spec_groups[0][0][0]].kind is GroupKind.FULL
+    simple = len(spec_groups) == 2 and _full_like(setup.groups[spec_groups[0][0][0]])
     hit = request_tokens - 1
     full_hits: dict[int, int] = {}
     verified: set[int] = set()
     while True:
         candidate = hit
         for index, (ids, dropping) in enumerate(spec_groups):
-            if setup.groups[ids[0]].kind is GroupKind.FULL and index in full_hits:
+            if _full_like(setup.groups[ids[0]]) and index in full_hits:
                 candidate = min(candidate, full_hits[index])
                 continue
             drop_now = dropping and index not in verified
@@ -364,7 +368,7 @@ def cached_tokens(
             elif found < candidate:
                 verified.clear()
             candidate = found
-            if setup.groups[ids[0]].kind is GroupKind.FULL:
+            if _full_like(setup.groups[ids[0]]):
                 full_hits[index] = found
         if candidate >= hit:
             return hit

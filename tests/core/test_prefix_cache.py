@@ -228,3 +228,15 @@ def test_a_repeated_prompt_hits_at_the_mamba_prefill_checkpoint(
         cached_tokens(setup, prompt, prompt, prompt + 100)
         == (prompt - 1) // hash_block * hash_block
     )
+
+
+def test_other_cacheable_kinds_are_looked_up_as_full_attention() -> None:
+    # vLLM 0.32's own manager (fuzz seed 11, fuzzy/y0053): a one-token window of 16
+    # and a full-attention kin (reduced sliding window) of 1, both dropping: one
+    # turn each, as for full attention and one other group; 80 of 104 shared tokens.
+    groups = (
+        CacheGroup(GroupKind.SLIDING_WINDOW, 16, False, window=1, spec_id=0),
+        CacheGroup(GroupKind.OTHER, 1, False, spec_id=1),
+    )
+    setup = PrefixCacheSetup(True, groups, 16, 1, False, True)
+    assert cached_tokens(setup, 104, 105, 104 + 17) == 80
