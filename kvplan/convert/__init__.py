@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 
 from kvplan.convert.keys import plan_id_for, plan_keys
-from kvplan.convert.render import plan_to_proto, render_groups
+from kvplan.convert.render import plan_to_proto, prefix_cache_to_proto, render_groups
 from kvplan.convert.request import request_from_proto
 from kvplan.convert.wire import WorkerBytes, encode_workers
 from kvplan.core.errors import InvalidRequest
@@ -59,9 +59,14 @@ def plan_from_proto(
             # may raise an error that vLLM (and plan_engine) raises later than others.
             rendered_groups = render_groups(model.groups)
             models.put(model_key, KnownModel.of(request, model, rendered_groups))
-        return plan_to_proto(
+        response = plan_to_proto(
             plan, plan_id=plan_id or plan_id_for(message, encoded), rendered_groups=rendered_groups
         )
+        shared_prefix = (
+            message.shared_prefix_tokens if message.HasField("shared_prefix_tokens") else None
+        )
+        prefix_cache_to_proto(request, response, shared_prefix)
+        return response
     except ValueError as error:  # protobuf: a number outside its field's type
         raise InvalidRequest(
             "the plan's numbers do not fit the reply's 64-bit fields (a size or count "

@@ -17,6 +17,10 @@ from kvplan.core.planner import (
     EnginePlan,
     WorkerPlan,
 )
+from kvplan.core.prefix_cache import WhyOff
+from kvplan.core.prefix_cache import facts as prefix_facts
+from kvplan.core.prefix_warnings import PrefixContext, off_detail, prefix_warnings, what_if
+from kvplan.core.request import EngineRequest
 from kvplan.core.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -38,6 +42,7 @@ from kvplan.core.specs import (
     SparseCacheRole,
     UniformTypeSpecs,
 )
+from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2, spec_pb2
 
 _STORAGE_TO_PROTO = {value: key for key, value in _STORAGE.items()}
@@ -355,3 +360,43 @@ def plan_to_proto(
     for warning in plan.warnings:
         diagnostics.warnings.add(code=_WARNINGS[warning.code], message=warning.message)
     return response
+
+
+_OFF_REASONS = {
+    WhyOff.ON: plan_pb2.PREFIX_CACHE_OFF_REASON_UNSPECIFIED,
+    WhyOff.DISABLED: plan_pb2.PREFIX_CACHE_OFF_REASON_DISABLED,
+    WhyOff.NO_CACHEABLE_GROUP: plan_pb2.PREFIX_CACHE_OFF_REASON_NO_CACHEABLE_GROUP,
+}
+
+
+def prefix_cache_to_proto(
+    request: EngineRequest, response: plan_pb2.PlanResponse, shared_prefix: int | None = None
+) -> None:
+    """The plan's prefix-cache facts (kvplan.core.prefix_cache), its prefix warnings
+    and, when asked, the what-if for `shared_prefix` tokens, into `response`."""
+    setup = setup_from_plan(request, response)
+    facts = prefix_facts(setup)
+    out = response.diagnostics.prefix_cache
+    out.effectively_on = facts.on
+    out.off_reason = _OFF_REASONS[facts.why_off]
+    out.off_detail = off_detail(facts)
+    out.hit_unit_tokens = facts.unit
+    out.group_hit_unit_tokens.extend(facts.group_units)
+    out.min_shared_prefix_tokens = facts.min_shared_prefix
+    out.drop_group_ids.extend(response.groups[i].group_id for i in facts.drop_groups)
+    out.drop_tokens = facts.drop_tokens
+    out.hash_block_tokens = setup.hash_block if facts.on else 0
+    out.hash_lookahead_tokens = setup.hash_lookahead if facts.on else 0
+    out.boundary_only = facts.boundary_only
+    out.rule_exact = facts.drop_tokens == 0
+    if shared_prefix is not None:
+        answer = what_if(setup, facts, shared_prefix)
+        out.what_if.shared_prefix_tokens = answer.shared_prefix
+        out.what_if.cached_tokens_prefix_stored = answer.prefix_stored
+        out.what_if.cached_tokens_prefix_diverges = answer.prefix_diverges
+    context = PrefixContext(
+        spec_decode=request.spec_decode.uses_eagle,
+        drafter_flagged=any(group.is_draft for group in response.groups),
+    )
+    for warning in prefix_warnings(setup, facts, context):
+        response.diagnostics.warnings.add(code=_WARNINGS[warning.code], message=warning.message)

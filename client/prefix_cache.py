@@ -1,0 +1,60 @@
+"""What a plan says of the engine's prefix cache, evaluated and worded with only
+protobuf: the rule PrefixCacheDiagnostics states for cached tokens of a shared
+prefix, and the one-line summary `kvplan plan` and the vLLM plugin print
+(docs/prefix-caching.md, "Where kvplan shows it")."""
+
+from __future__ import annotations
+
+from kvplan.v1 import plan_pb2
+
+
+def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: int) -> int:
+    """Tokens served from cache when a request repeats all `shared_prefix` tokens
+    of an earlier request that was exactly those tokens and goes on past them.
+    Exact when `prefix_cache.rule_exact`; with a draft drop, an estimate: ask the
+    server with PlanRequest.shared_prefix_tokens for the exact answer."""
+    n = shared_prefix
+    unit = prefix_cache.hit_unit_tokens
+    if not prefix_cache.effectively_on or not unit or n < prefix_cache.min_shared_prefix_tokens:
+        return 0
+    hash_block = prefix_cache.hash_block_tokens or unit
+    hashed = max(0, n - prefix_cache.hash_lookahead_tokens) // hash_block * hash_block
+    if prefix_cache.drop_tokens:
+        return max(0, min(n, hashed) // unit * unit - prefix_cache.drop_tokens)
+    base = n - 1 if prefix_cache.boundary_only else n
+    return max(0, min(base, hashed) // unit * unit)
+
+
+def summary(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
+    """e.g. "prefix cache: hits in 2,096-token units; shared prefixes under 4,192
+    tokens never hit; the drafter's groups drop the last matched block (2,096 tokens)"."""
+    if not prefix_cache.effectively_on:
+        return f"prefix cache: no hit ever ({prefix_cache.off_detail or 'off'})"
+    parts = [
+        f"prefix cache: hits in {prefix_cache.hit_unit_tokens:,}-token units",
+        f"shared prefixes under {prefix_cache.min_shared_prefix_tokens:,} tokens never hit",
+    ]
+    if prefix_cache.drop_tokens:
+        parts.append(
+            f"the drafter's groups drop the last matched block ({prefix_cache.drop_tokens:,} "
+            "tokens)"
+        )
+    if prefix_cache.boundary_only:
+        parts.append("Mamba / window state only where a request ended")
+    return "; ".join(parts)
+
+
+def what_if_line(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
+    """The answer to PlanRequest.shared_prefix_tokens, in words ("" when not asked)."""
+    if not prefix_cache.HasField("what_if"):
+        return ""
+    answer = prefix_cache.what_if
+    return (
+        f"shared prefix of {answer.shared_prefix_tokens:,} tokens: "
+        f"{answer.cached_tokens_prefix_stored:,} served from cache after a request of "
+        f"exactly those tokens, {answer.cached_tokens_prefix_diverges:,} after one that "
+        "went on with other text"
+    )
+
+
+__all__ = ["cached_tokens", "summary", "what_if_line"]
