@@ -57,4 +57,26 @@ def what_if_line(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
     )
 
 
-__all__ = ["cached_tokens", "summary", "what_if_line"]
+def zero_hit_reason(response: plan_pb2.PlanResponse) -> str:
+    """Why an engine with prefix caching asked for will get no (or next to no)
+    hit, with the knob that fixes it; "" when it will hit. A prefix cache switched
+    off on purpose is not a reason: that engine asked for no hits."""
+    pc = response.diagnostics.prefix_cache
+    if not response.diagnostics.HasField("prefix_cache"):
+        return ""
+    if not pc.effectively_on:
+        if pc.off_reason == plan_pb2.PREFIX_CACHE_OFF_REASON_DISABLED:
+            return ""
+        return pc.off_detail
+    if pc.min_shared_prefix_tokens > response.max_model_len:
+        return (
+            f"the shortest prefix that can hit ({pc.min_shared_prefix_tokens:,} tokens) is "
+            f"longer than max_model_len ({response.max_model_len:,})"
+        )
+    for warning in response.diagnostics.warnings:
+        if warning.code == plan_pb2.WARNING_CODE_PREFIX_UNIDENTIFIED_DRAFTER:
+            return warning.message
+    return ""
+
+
+__all__ = ["cached_tokens", "summary", "what_if_line", "zero_hit_reason"]

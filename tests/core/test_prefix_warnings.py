@@ -33,7 +33,9 @@ def test_the_stated_rule_is_the_simulation_without_a_drop(
     f = facts(setup)
     if f.drop_tokens:
         return  # the rule says it is an estimate there (rule_exact false)
-    assert rule_cached_tokens(setup, f, shared) == cached_tokens(setup, shared, shared, shared + tail)
+    assert rule_cached_tokens(setup, f, shared) == cached_tokens(
+        setup, shared, shared, shared + tail
+    )
 
 
 def _qwen_like(block_drop: bool, flagged: bool) -> PrefixCacheSetup:
@@ -70,7 +72,9 @@ def test_a_flagged_drafter_names_the_release_switch_and_the_unit() -> None:
 def test_plain_attention_gets_no_prefix_warning_and_a_large_block_names_block_size() -> None:
     small = PrefixCacheSetup(True, (CacheGroup(GroupKind.FULL, 16, False),), 16, 16, False, False)
     assert _codes(small, spec_decode=False) == {}
-    large = PrefixCacheSetup(True, (CacheGroup(GroupKind.FULL, 512, False),), 512, 512, False, False)
+    large = PrefixCacheSetup(
+        True, (CacheGroup(GroupKind.FULL, 512, False),), 512, 512, False, False
+    )
     assert "smaller --block-size" in _codes(large, False)[WarningCode.PREFIX_LARGE_HIT_UNIT]
 
 

@@ -74,7 +74,9 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
             assert reused.engine_id == "qwen-b"
 
             # Without a drop the client's rule is the core's simulation.
-            llama = (await client.plan(_request("llama-3.1-8b.yaml", "llama", "vllm-0.34"))).response
+            llama = (
+                await client.plan(_request("llama-3.1-8b.yaml", "llama", "vllm-0.34"))
+            ).response
             lpc = llama.diagnostics.prefix_cache
             assert lpc.rule_exact and not lpc.HasField("what_if")
             lsetup = setup_from_plan(
