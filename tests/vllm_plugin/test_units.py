@@ -420,3 +420,29 @@ def test_plugin_records_carry_the_tag_and_the_callers_file(
     assert record.getMessage() == f"{LOG_TAG} kvplan observe: something"
     assert record.name == LOGGER_NAME
     assert record.filename == Path(__file__).name
+
+
+def test_zero_hit_reason_names_an_unidentified_drafter_and_a_too_long_minimum() -> None:
+    from pathlib import Path
+
+    from kvplan.cli import load_request
+    from kvplan.client.prefix_cache import zero_hit_reason
+    from kvplan.convert import plan_from_proto
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "qwen3-next-80b-a3b-mtp.yaml"
+    request = load_request(str(example))
+    request.options.engine_version = "vllm-0.32"
+    assert zero_hit_reason(plan_from_proto(request)) == ""
+    # EAGLE with no drafter layer marked: nothing identifies the draft group, every
+    # group takes 0.32's drop.
+    request.spec_decode.method = plan_pb2.SPEC_DECODE_METHOD_EAGLE
+    unmarked = plan_from_proto(request)
+    assert not any(g.is_draft for g in unmarked.groups)
+    assert "is_draft" in zero_hit_reason(unmarked)
+    short = plan_pb2.PlanResponse()
+    short.CopyFrom(unmarked)
+    short.max_model_len = short.diagnostics.prefix_cache.min_shared_prefix_tokens - 1
+    del short.diagnostics.warnings[:]
+    assert "longer than max_model_len" in zero_hit_reason(short)
+    request.options.enable_prefix_caching = False
+    assert zero_hit_reason(plan_from_proto(request)) == ""  # off on purpose
