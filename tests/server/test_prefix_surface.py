@@ -72,6 +72,13 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
             reused = (await client.plan(qwen)).response
             assert again.diagnostics == response.diagnostics == reused.diagnostics
             assert reused.engine_id == "qwen-b"
+            # Another question about the same engine: the model plan is kept (only
+            # budgeted), the answer is the new one.
+            qwen.engine_id, qwen.shared_prefix_tokens = "qwen-c", 2000
+            other = (await client.plan(qwen)).response
+            assert other.diagnostics.prefix_cache.what_if.cached_tokens_prefix_stored == (
+                what_if(setup, f, 2000).prefix_stored
+            )
 
             # Without a drop the client's rule is the core's simulation.
             llama = (
@@ -88,9 +95,10 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
             assert client_cached_tokens(pc, 4000) == pc.what_if.cached_tokens_prefix_stored
 
         body = await _scrape(running.metrics_port)
-        # Engines planned (computed or reused), not cache hits: qwen-a and qwen-b.
+        # Engines planned (computed or reused), not cache hits: qwen-a, -b and -c.
         for code in ("draft_drop", "large_hit_unit", "boundary_only"):
-            assert f'kvplan_prefix_cache_warnings_total{{code="{code}"}} 2.0' in body, code
+            assert f'kvplan_prefix_cache_warnings_total{{code="{code}"}} 3.0' in body, code
+        assert "kvplan_model_plans_reused_total 1.0" in body
         assert 'code="cache_off"' not in body
     finally:
         await running.stop(0)
