@@ -58,9 +58,9 @@ def what_if_line(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
 
 
 def zero_hit_reason(response: plan_pb2.PlanResponse) -> str:
-    """Why an engine with prefix caching asked for will get no (or next to no)
-    hit, with the knob that fixes it; "" when it will hit. A prefix cache switched
-    off on purpose is not a reason: that engine asked for no hits."""
+    """Why an engine with prefix caching asked for will get no hit at all, with
+    the knob; "" when some shared prefix hits. A prefix cache switched off on
+    purpose is not a reason: that engine asked for no hits."""
     pc = response.diagnostics.prefix_cache
     if not response.diagnostics.HasField("prefix_cache"):
         return ""
@@ -70,13 +70,20 @@ def zero_hit_reason(response: plan_pb2.PlanResponse) -> str:
         return pc.off_detail
     if pc.min_shared_prefix_tokens > response.max_model_len:
         return (
-            f"the shortest prefix that can hit ({pc.min_shared_prefix_tokens:,} tokens) is "
-            f"longer than max_model_len ({response.max_model_len:,})"
+            f"the shortest shared prefix that hits ({pc.min_shared_prefix_tokens:,} tokens) is "
+            f"longer than max_model_len ({response.max_model_len:,}); knob: a smaller "
+            "--block-size, or a longer --max-model-len"
         )
+    return ""
+
+
+def degraded_reason(response: plan_pb2.PlanResponse) -> str:
+    """The plan's warning for a drafter no group was identified as (every group
+    takes the block drop): hits remain, fewer; "" otherwise."""
     for warning in response.diagnostics.warnings:
         if warning.code == plan_pb2.WARNING_CODE_PREFIX_UNIDENTIFIED_DRAFTER:
             return warning.message
     return ""
 
 
-__all__ = ["cached_tokens", "summary", "what_if_line", "zero_hit_reason"]
+__all__ = ["cached_tokens", "degraded_reason", "summary", "what_if_line", "zero_hit_reason"]

@@ -34,8 +34,8 @@ from kvplan.client.devices import DeviceResolutionError
 from kvplan.client.errors import PlannerError
 from kvplan.client.leases import LeaseKeeper
 from kvplan.client.planner import PlannerClient
+from kvplan.client.prefix_cache import degraded_reason, zero_hit_reason
 from kvplan.client.prefix_cache import summary as prefix_summary
-from kvplan.client.prefix_cache import zero_hit_reason
 from kvplan.client.vllm_plugin.engine import (
     UnsupportedSpec,
     WorkerDevice,
@@ -827,17 +827,18 @@ def install(
 
 def _log_prefix_cache(response: plan_pb2.PlanResponse, vllms_own: bool) -> None:
     """Observe's prefix-cache line: what the plan predicts, and a warning when the
-    engine will get no hits. `vllms_own`: vLLM's groups and draft flags are the
-    plan's, so the prediction is for vLLM's own setup."""
+    engine will get no hit, or fewer for an unidentified drafter. `vllms_own`:
+    vLLM's groups and draft flags are the plan's, so the prediction is vLLM's."""
     if not response.diagnostics.HasField("prefix_cache"):
         return  # an older server
     whose = "vLLM's own setup" if vllms_own else "kvplan's draft flags (vLLM's differ)"
-    reason = zero_hit_reason(response)
-    if reason:
+    zero, fewer = zero_hit_reason(response), degraded_reason(response)
+    if zero or fewer:
         log.warning(
-            "kvplan prefix cache: ZERO HITS expected for %s: %s; plan %s",
+            "kvplan prefix cache: %s expected for %s: %s; plan %s",
+            "ZERO HITS" if zero else "FEWER HITS",
             whose,
-            reason,
+            zero or fewer,
             response.plan_id,
         )
     else:
