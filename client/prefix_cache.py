@@ -11,8 +11,8 @@ from kvplan.v1 import plan_pb2
 def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: int) -> int:
     """Tokens served from cache when a request repeats all `shared_prefix` tokens
     of an earlier request that was exactly those tokens and goes on past them.
-    Exact when `prefix_cache.rule_exact`; with a draft drop, an estimate: ask the
-    server with PlanRequest.shared_prefix_tokens for the exact answer."""
+    Exact when `prefix_cache.rule_exact`; else (a draft drop on Mamba / window
+    groups) an estimate: ask the server with PlanRequest.shared_prefix_tokens."""
     n = shared_prefix
     unit = prefix_cache.hit_unit_tokens
     if not prefix_cache.effectively_on or not unit or n < prefix_cache.min_shared_prefix_tokens:
@@ -20,7 +20,10 @@ def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: 
     hash_block = prefix_cache.hash_block_tokens or unit
     hashed = max(0, n - prefix_cache.hash_lookahead_tokens) // hash_block * hash_block
     if prefix_cache.drop_tokens:
-        return max(0, min(n, hashed) // unit * unit - prefix_cache.drop_tokens)
+        hit = (min(n, hashed) - prefix_cache.drop_tokens) // unit * unit
+        if prefix_cache.boundary_only:
+            hit = min(hit, n // unit * unit - unit)
+        return max(0, hit)
     base = n - 1 if prefix_cache.boundary_only else n
     return max(0, min(base, hashed) // unit * unit)
 

@@ -19,7 +19,13 @@ from kvplan.core.planner import (
 )
 from kvplan.core.prefix_cache import WhyOff
 from kvplan.core.prefix_cache import facts as prefix_facts
-from kvplan.core.prefix_warnings import PrefixContext, off_detail, prefix_warnings, what_if
+from kvplan.core.prefix_warnings import (
+    PrefixContext,
+    off_detail,
+    prefix_warnings,
+    rule_is_exact,
+    what_if,
+)
 from kvplan.core.request import EngineRequest
 from kvplan.core.specs import (
     AttentionSpec,
@@ -388,7 +394,7 @@ def prefix_cache_to_proto(
     out.hash_block_tokens = setup.hash_block if facts.on else 0
     out.hash_lookahead_tokens = setup.hash_lookahead if facts.on else 0
     out.boundary_only = facts.boundary_only
-    out.rule_exact = facts.drop_tokens == 0
+    out.rule_exact = rule_is_exact(setup, facts)
     if shared_prefix is not None:
         answer = what_if(setup, facts, shared_prefix)
         out.what_if.shared_prefix_tokens = answer.shared_prefix

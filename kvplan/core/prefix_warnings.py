@@ -133,20 +133,35 @@ def what_if(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_prefix: int
     )
 
 
+def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
+    """Whether `rule_cached_tokens` is the simulation's answer for every N: all but a
+    draft drop beside sliding-window or Mamba groups (there the coordinator's turns
+    depend on which window blocks and Mamba states are kept)."""
+    return not facts.drop_tokens or all(
+        g.kind not in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA)
+        for g in setup.groups
+        if g.prefix_cacheable
+    )
+
+
 def rule_cached_tokens(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_prefix: int) -> int:
     """The closed-form rule the PlanResponse states (PrefixCacheDiagnostics) for a
     request continuing an earlier one that was exactly `shared_prefix` tokens:
-    exact without a draft drop (tests/core/test_prefix_warnings.py checks it against
-    `cached_tokens`)."""
-    n = shared_prefix
+    exact where `rule_is_exact` (tests/core/test_prefix_warnings.py checks it
+    against `cached_tokens`), an estimate elsewhere."""
+    n, unit = shared_prefix, facts.unit
     if not facts.on or n < facts.min_shared_prefix:
         return 0
     h = setup.hash_block
     hashed = max(0, n - setup.hash_lookahead) // h * h
     if facts.drop_tokens:
-        return max(0, min(n, hashed) // facts.unit * facts.unit - facts.drop_tokens)
+        # The dropped block must be matched too, and hits stay whole units.
+        hit = (min(n, hashed) - facts.drop_tokens) // unit * unit
+        if facts.boundary_only:  # the stored request's last state, one unit back
+            hit = min(hit, n // unit * unit - unit)
+        return max(0, hit)
     base = n - 1 if facts.boundary_only else n
-    return max(0, min(base, hashed) // facts.unit * facts.unit)
+    return max(0, min(base, hashed) // unit * unit)
 
 
 __all__ = [
@@ -156,5 +171,6 @@ __all__ = [
     "off_detail",
     "prefix_warnings",
     "rule_cached_tokens",
+    "rule_is_exact",
     "what_if",
 ]

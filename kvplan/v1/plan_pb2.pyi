@@ -1189,12 +1189,13 @@ class PrefixCacheDiagnostics(_message.Message):
     """What the engine's prefix cache will do, before it starts (docs/prefix-caching.md).
     Cached tokens when a request repeats the first N tokens of an earlier request
     that was exactly those N tokens (`rule_exact` says whether this is exact; else
-    ask with PlanRequest.shared_prefix_tokens):
+    ask with PlanRequest.shared_prefix_tokens), with u = hit_unit_tokens:
       0 if not effectively_on or N < min_shared_prefix_tokens; else, with
       hashed = floor((N - hash_lookahead_tokens) / hash_block_tokens) * hash_block_tokens,
-      drop_tokens > 0:  floor(min(N, hashed) / hit_unit_tokens) * hit_unit_tokens - drop_tokens
-      boundary_only:    floor(min(N - 1, hashed) / hit_unit_tokens) * hit_unit_tokens
-      otherwise:        floor(min(N, hashed) / hit_unit_tokens) * hit_unit_tokens
+      drop_tokens > 0:  floor((min(N, hashed) - drop_tokens) / u) * u,
+                        and with boundary_only at most floor(N / u) * u - u
+      boundary_only:    floor(min(N - 1, hashed) / u) * u
+      otherwise:        floor(min(N, hashed) / u) * u
     (at least 0). client.prefix_cache.cached_tokens evaluates it.
     """
 
@@ -1231,7 +1232,9 @@ class PrefixCacheDiagnostics(_message.Message):
     it ended: a shared prefix followed by different text may not hit.
     """
     rule_exact: _builtins.bool
-    """the rule above is exact (no draft drop)"""
+    """The rule above is exact for every N: all but a draft drop beside
+    sliding-window or Mamba groups.
+    """
     @_builtins.property
     def group_hit_unit_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """per group, by group_id (0: takes no part)"""

@@ -14,6 +14,7 @@ from kvplan.client import AsyncPlannerClient
 from kvplan.client.prefix_cache import cached_tokens as client_cached_tokens
 from kvplan.client.prefix_cache import summary
 from kvplan.convert.request import request_from_proto
+from kvplan.core.errors import InvalidRequest
 from kvplan.core.prefix_cache import cached_tokens, facts
 from kvplan.core.prefix_warnings import what_if
 from kvplan.prefix_facts import setup_from_plan
@@ -102,3 +103,30 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
         assert 'code="cache_off"' not in body
     finally:
         await running.stop(0)
+
+
+def test_the_client_rule_on_every_example_and_release() -> None:
+    """In-process: the client's rule against the core's simulation on every example
+    engine under every rule set, at N around each unit and the minimum."""
+    from kvplan.convert import plan_from_proto
+
+    exact = 0
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        for version in ("", "vllm-0.32", "vllm-0.33", "vllm-0.34"):
+            request = _request(path.name, "e", version)
+            try:
+                response = plan_from_proto(request)
+            except InvalidRequest:  # an example using what this release lacks
+                continue
+            pc = response.diagnostics.prefix_cache
+            setup = setup_from_plan(request_from_proto(request), response)
+            if not pc.rule_exact or not pc.effectively_on:
+                continue
+            exact += 1
+            unit, low = pc.hit_unit_tokens, pc.min_shared_prefix_tokens
+            tail = unit + pc.hash_lookahead_tokens
+            for n in {0, 1, low - 1, low, low + 1, 2 * low, 3 * unit - 1, 3 * unit, 7 * unit + 5}:
+                if n >= 0:
+                    expected = cached_tokens(setup, n, n, n + tail)
+                    assert client_cached_tokens(pc, n) == expected, (path.name, version, n)
+    assert exact >= 20
