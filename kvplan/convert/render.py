@@ -375,14 +375,15 @@ _OFF_REASONS = {
 }
 
 
-def prefix_cache_to_proto(
-    request: EngineRequest, response: plan_pb2.PlanResponse, shared_prefix: int | None = None
-) -> None:
-    """The plan's prefix-cache facts (kvplan.core.prefix_cache), its prefix warnings
-    and, when asked, the what-if for `shared_prefix` tokens, into `response`."""
+def prefix_cache_diagnostics(request: EngineRequest, response: plan_pb2.PlanResponse) -> bytes:
+    """The plan's prefix-cache facts (kvplan.core.prefix_cache) and its prefix
+    warnings, as Diagnostics bytes to merge into `response.diagnostics`. They depend
+    on the model plan alone (groups, draft flags, block sizes, options), so a kept
+    model renders them once (`KnownModel.prefix_diagnostics`)."""
     setup = setup_from_plan(request, response)
     facts = prefix_facts(setup)
-    out = response.diagnostics.prefix_cache
+    diagnostics = plan_pb2.Diagnostics()
+    out = diagnostics.prefix_cache
     out.effectively_on = facts.on
     out.off_reason = _OFF_REASONS[facts.why_off]
     out.off_detail = off_detail(facts)
@@ -395,14 +396,22 @@ def prefix_cache_to_proto(
     out.hash_lookahead_tokens = setup.hash_lookahead if facts.on else 0
     out.boundary_only = facts.boundary_only
     out.rule_exact = rule_is_exact(setup, facts)
-    if shared_prefix is not None:
-        answer = what_if(setup, facts, shared_prefix)
-        out.what_if.shared_prefix_tokens = answer.shared_prefix
-        out.what_if.cached_tokens_prefix_stored = answer.prefix_stored
-        out.what_if.cached_tokens_prefix_diverges = answer.prefix_diverges
     context = PrefixContext(
         spec_decode=request.spec_decode.uses_eagle,
         drafter_flagged=any(group.is_draft for group in response.groups),
     )
     for warning in prefix_warnings(setup, facts, context):
-        response.diagnostics.warnings.add(code=_WARNINGS[warning.code], message=warning.message)
+        diagnostics.warnings.add(code=_WARNINGS[warning.code], message=warning.message)
+    return diagnostics.SerializeToString()
+
+
+def prefix_what_if_to_proto(
+    request: EngineRequest, response: plan_pb2.PlanResponse, shared_prefix: int
+) -> None:
+    """PlanRequest.shared_prefix_tokens answered into `response`'s prefix_cache."""
+    setup = setup_from_plan(request, response)
+    answer = what_if(setup, prefix_facts(setup), shared_prefix)
+    out = response.diagnostics.prefix_cache.what_if
+    out.shared_prefix_tokens = answer.shared_prefix
+    out.cached_tokens_prefix_stored = answer.prefix_stored
+    out.cached_tokens_prefix_diverges = answer.prefix_diverges
