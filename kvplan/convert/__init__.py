@@ -72,7 +72,11 @@ def plan_from_proto(
         if known is not None and known.prefix_diagnostics:
             prefix = known.prefix_diagnostics
         else:
-            prefix = prefix_cache_diagnostics(request, response)
+            options = message.options
+            asked_off = options.HasField("enable_prefix_caching") and not (
+                options.enable_prefix_caching
+            )
+            prefix = prefix_cache_diagnostics(request, response, asked_off=asked_off)
             if kept is not None and models is not None:
                 models.put(model_key, kept.with_prefix_diagnostics(prefix))
         response.diagnostics.MergeFromString(prefix)

@@ -375,11 +375,14 @@ _OFF_REASONS = {
 }
 
 
-def prefix_cache_diagnostics(request: EngineRequest, response: plan_pb2.PlanResponse) -> bytes:
+def prefix_cache_diagnostics(
+    request: EngineRequest, response: plan_pb2.PlanResponse, *, asked_off: bool = False
+) -> bytes:
     """The plan's prefix-cache facts (kvplan.core.prefix_cache) and its prefix
     warnings, as Diagnostics bytes to merge into `response.diagnostics`. They depend
     on the model plan alone (groups, draft flags, block sizes, options), so a kept
-    model renders them once (`KnownModel.prefix_diagnostics`)."""
+    model renders them once (`KnownModel.prefix_diagnostics`). `asked_off`: the
+    request set options.enable_prefix_caching false (no warning for that)."""
     setup = setup_from_plan(request, response)
     facts = prefix_facts(setup)
     diagnostics = plan_pb2.Diagnostics()
@@ -399,6 +402,7 @@ def prefix_cache_diagnostics(request: EngineRequest, response: plan_pb2.PlanResp
     context = PrefixContext(
         spec_decode=request.spec_decode.uses_eagle,
         drafter_flagged=any(group.is_draft for group in response.groups),
+        asked_off=asked_off,
     )
     for warning in prefix_warnings(setup, facts, context):
         diagnostics.warnings.add(code=_WARNINGS[warning.code], message=warning.message)

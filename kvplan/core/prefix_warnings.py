@@ -32,6 +32,7 @@ class PrefixContext:
 
     spec_decode: bool  # a drafter runs (EAGLE family)
     drafter_flagged: bool  # some group was identified as the drafter's
+    asked_off: bool = False  # the request itself turned prefix caching off
     why_off_detail: str = ""
 
 
@@ -52,6 +53,8 @@ def prefix_warnings(
 ) -> tuple[PlanWarning, ...]:
     """Each setup that gets no hit or fewer hits than it could, with its knob."""
     if not facts.on:
+        if facts.why_off is WhyOff.DISABLED and context.asked_off:
+            return ()  # what was asked for: nothing to fix
         return (
             PlanWarning(
                 WarningCode.PREFIX_CACHE_OFF,

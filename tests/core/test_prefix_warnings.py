@@ -79,10 +79,12 @@ def test_plain_attention_gets_no_prefix_warning_and_a_large_block_names_block_si
     assert "smaller --block-size" in _codes(large, False)[WarningCode.PREFIX_LARGE_HIT_UNIT]
 
 
-def test_off_is_named_with_its_switch() -> None:
+def test_off_is_named_with_its_switch_unless_asked_for() -> None:
     off = PrefixCacheSetup(False, (CacheGroup(GroupKind.FULL, 16, False),), 16, 16, False, False)
     (message,) = _codes(off, False).values()
     assert "disabled" in message and "--enable-prefix-caching" in message
+    asked = PrefixContext(spec_decode=False, drafter_flagged=False, asked_off=True)
+    assert prefix_warnings(off, facts(off), asked) == ()
 
 
 def test_what_if_separates_a_stored_prefix_from_a_diverging_one() -> None:

@@ -130,3 +130,17 @@ def test_the_client_rule_on_every_example_and_release() -> None:
                     expected = cached_tokens(setup, n, n, n + tail)
                     assert client_cached_tokens(pc, n) == expected, (path.name, version, n)
     assert exact >= 20
+
+
+def test_prefix_caching_turned_off_on_purpose_draws_no_warning() -> None:
+    from kvplan.convert import plan_from_proto
+
+    request = _request("llama-3.1-8b.yaml", "e", "vllm-0.34")
+    request.options.enable_prefix_caching = False
+    response = plan_from_proto(request)
+    pc = response.diagnostics.prefix_cache
+    assert not pc.effectively_on and pc.off_reason == plan_pb2.PREFIX_CACHE_OFF_REASON_DISABLED
+    assert pc.hit_unit_tokens == pc.min_shared_prefix_tokens == 0 and pc.off_detail
+    names = [plan_pb2.WarningCode.Name(w.code) for w in response.diagnostics.warnings]
+    assert not [name for name in names if name.startswith("WARNING_CODE_PREFIX_")], names
+    assert summary(pc).startswith("prefix cache: no hit ever (prefix caching is disabled")
