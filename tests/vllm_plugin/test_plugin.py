@@ -285,7 +285,9 @@ def test_observe_agrees(host: EngineHost, server: Server, version: str, engine: 
         assert any("extensible KV cache settled at" in x for x in plugin_lines(answer))
         assert answer["init"]["extended"] == answer["init"]["num_blocks"][0]
     else:
-        assert len(plugin_lines(answer)) == 1
+        # The verdict, then the prefix-cache line.
+        assert len(plugin_lines(answer)) == 2, plugin_lines(answer)
+    assert "kvplan prefix cache: " in plugin_lines(answer)[1], plugin_lines(answer)
     plan_id = re.search(r"plan (plan-[0-9a-f]+)", line)
     assert plan_id is not None, line
     # The operator can fetch the plan the line names; it is the engine's.
@@ -427,8 +429,9 @@ def test_draft_flags_on_an_unmarked_hybrid_mtp_engine(host: EngineHost, version:
         # 0.32 finds the MTP layer itself (the trailing layer): kvplan's rules agree,
         # and draft-flags mode changes nothing.
         assert [g["is_draft"] for g in observed["init"]["groups"]] == [False, False, True]
-        (summary,) = plugin_lines(answer)
+        summary, prefix = plugin_lines(answer)
         assert "kvplan agreement" in summary and "draft groups {2 (trailing_layer)}" in summary
+        assert "kvplan prefix cache: " in prefix and "vLLM's own setup" in prefix, prefix
         assert host.send(op="counters")["draft_flag_changes"] == before
     else:
         assert [g["is_draft"] for g in observed["init"]["groups"]] == [False, False, False]
