@@ -84,8 +84,8 @@ def prefix_warnings(
     if facts.unit >= LARGE_HIT_UNIT_TOKENS:
         cause = (
             "the attention block is the smallest whose page holds a Mamba state (vLLM "
-            f"raises {BLOCK_SIZE_KNOB} to it): fewer state bytes per worker, e.g. a larger "
-            "tensor-parallel size, shrink it"
+            "raises --block-size to it); knob: fewer state bytes per worker, e.g. a larger "
+            "tensor-parallel size"
             if any(g.kind is GroupKind.MAMBA for g in setup.groups)
             else f"knob: a smaller {BLOCK_SIZE_KNOB}"
         )
