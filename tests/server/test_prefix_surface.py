@@ -9,8 +9,11 @@ import asyncio
 import urllib.request
 from pathlib import Path
 
+import grpc
+import pytest
+
 from kvplan.cli import load_request
-from kvplan.client import AsyncPlannerClient
+from kvplan.client import AsyncPlannerClient, PlannerError
 from kvplan.client.prefix_cache import cached_tokens as client_cached_tokens
 from kvplan.client.prefix_cache import summary
 from kvplan.convert.request import request_from_proto
@@ -81,6 +84,14 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
                 what_if(setup, f, 2000).prefix_stored
             )
 
+            # A prefix longer than any request is the caller's mistake, named.
+            qwen.shared_prefix_tokens = 262_145
+            with pytest.raises(PlannerError) as refused:
+                await client.plan(qwen)
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert [v.field for v in refused.value.violations] == ["shared_prefix_tokens"]
+            assert "longer than the plan's max_model_len 262,144" in str(refused.value)
+
             # Without a drop the client's rule is the core's simulation.
             llama = (
                 await client.plan(_request("llama-3.1-8b.yaml", "llama", "vllm-0.34"))
@@ -99,7 +110,8 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
         # Engines planned (computed or reused), not cache hits: qwen-a, -b and -c.
         for code in ("draft_drop", "large_hit_unit", "boundary_only"):
             assert f'kvplan_prefix_cache_warnings_total{{code="{code}"}} 3.0' in body, code
-        assert "kvplan_model_plans_reused_total 1.0" in body
+        # qwen-c and the refused what-if: the model plan is kept, only budgeted.
+        assert "kvplan_model_plans_reused_total 2.0" in body
         assert 'code="cache_off"' not in body
     finally:
         await running.stop(0)
@@ -144,3 +156,18 @@ def test_prefix_caching_turned_off_on_purpose_draws_no_warning() -> None:
     names = [plan_pb2.WarningCode.Name(w.code) for w in response.diagnostics.warnings]
     assert not [name for name in names if name.startswith("WARNING_CODE_PREFIX_")], names
     assert summary(pc).startswith("prefix cache: no hit ever (prefix caching is disabled")
+
+
+def test_the_what_if_is_bounded_in_hit_units() -> None:
+    from kvplan.convert import plan_from_proto
+
+    request = _request("llama-3.1-8b.yaml", "e", "")  # 16-token units
+    request.options.max_model_len = request.options.derived_max_model_len = 1 << 20
+    for worker in request.workers:
+        worker.memory.kv_cache_memory_bytes = 1 << 40
+    request.shared_prefix_tokens = 32_768 * 16
+    assert plan_from_proto(request).diagnostics.prefix_cache.what_if.shared_prefix_tokens
+    request.shared_prefix_tokens += 16
+    with pytest.raises(InvalidRequest, match="at most 32,768") as refused:
+        plan_from_proto(request)
+    assert refused.value.field == "shared_prefix_tokens"
