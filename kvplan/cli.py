@@ -136,11 +136,27 @@ def format_report(response: plan_pb2.PlanResponse) -> str:
         )
         if worker.encoder_only_layers:
             lines.append(f"  encoder-only layers (no KV cache): {len(worker.encoder_only_layers)}")
+    lines.extend(["", *prefix_cache_lines(diagnostics)])
     if diagnostics.warnings:
         lines.append("")
         for warning in diagnostics.warnings:
             lines.append(f"warning: {warning.message}")
     return "\n".join(lines)
+
+
+def prefix_cache_lines(diagnostics: plan_pb2.Diagnostics) -> list[str]:
+    """The plan's prefix-cache summary and what-if answer (client/prefix_cache.py)."""
+    from kvplan.client.prefix_cache import summary, what_if_line
+
+    if not diagnostics.HasField("prefix_cache"):
+        return []
+    asked = what_if_line(diagnostics.prefix_cache)
+    return [summary(diagnostics.prefix_cache), *([asked] if asked else [])]
+
+
+def _ask_shared_prefix(request: plan_pb2.PlanRequest, args: argparse.Namespace) -> None:
+    if getattr(args, "shared_prefix", None) is not None:
+        request.shared_prefix_tokens = args.shared_prefix
 
 
 def _plan_command(args: argparse.Namespace) -> int:
@@ -152,6 +168,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     apply_hardware(request, args.gpu, args.gpu_memory)
+    _ask_shared_prefix(request, args)
     if args.engine_version is not None:
         request.options.engine_version = args.engine_version
     try:
@@ -253,6 +270,7 @@ def _plan_model_command(args: argparse.Namespace) -> int:
 
 def _local_or_remote(args: argparse.Namespace) -> Any:
     def planner(request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
+        _ask_shared_prefix(request, args)
         if args.target:
             return _plan_remote(args.target, request, args)
         from kvplan.convert import plan_from_proto
@@ -416,6 +434,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text.replace(",", "").replace("_", ""))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvplan.models.cli import (
         add_calibrate_parser,
@@ -453,6 +478,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="rule set of the engine release that will run the plan: vllm-0.32, vllm-0.33, "
         "vllm-0.34, or '' for kvplan's own rules (overrides options.engine_version); with "
         "--model it also picks the release's layer registration",
+    )
+    plan.add_argument(
+        "--shared-prefix",
+        type=_non_negative_int,
+        metavar="N",
+        help="what-if: how many of N tokens repeated from an earlier request this engine "
+        "serves from its prefix cache (PlanRequest.shared_prefix_tokens)",
     )
     add_model_options(plan, sweep=False)
     add_security_options(plan)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvplan.core.layout import KVCacheLayout
 from kvplan.core.model_plan import ModelPlan
@@ -55,6 +55,10 @@ class KnownModel:
     # ranks share one) at BYTES_PER_LAYER plus its names' characters, and the groups'
     # wire bytes.
     weight: int
+    # The plan's prefix-cache diagnostics and warnings as Diagnostics bytes
+    # (kvplan.convert.render.prefix_cache_diagnostics): the same for every engine of
+    # the model; b"" until its first engine rendered them.
+    prefix_diagnostics: bytes = b""
 
     @classmethod
     def of(cls, request: EngineRequest, plan: ModelPlan, rendered_groups: bytes) -> KnownModel:
@@ -79,6 +83,9 @@ class KnownModel:
                 ),
             ),
         )
+
+    def with_prefix_diagnostics(self, rendered: bytes) -> KnownModel:
+        return replace(self, prefix_diagnostics=rendered, weight=self.weight + len(rendered))
 
     def worker(self, rank: int) -> WorkerModel:
         """The model side of the worker of this rank (a request with this model's key

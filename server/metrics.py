@@ -79,6 +79,13 @@ class Metrics:
             ["rule"],
             registry=self.registry,
         )
+        self.prefix_cache_warnings = Counter(
+            "kvplan_prefix_cache_warnings_total",
+            "Engines planned with each prefix-cache warning code (docs/prefix-caching.md): "
+            "cache_off, unidentified_drafter, large_hit_unit, boundary_only, draft_drop.",
+            ["code"],
+            registry=self.registry,
+        )
         self.cache_hits = Counter(
             "kvplan_plan_cache_hits_total", "Plans served from the cache.", registry=self.registry
         )

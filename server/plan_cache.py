@@ -36,6 +36,8 @@ class PlanSummary:
     workers: int
     num_blocks: int
     largest_tensor_bytes: int  # on the first worker (per-engine metrics)
+    # The plan's prefix-cache warning codes as labels ("draft_drop", ...): a few.
+    prefix_warnings: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, request: plan_pb2.PlanRequest, response: plan_pb2.PlanResponse) -> PlanSummary:
@@ -51,6 +53,15 @@ class PlanSummary:
             workers=len(response.workers),
             num_blocks=response.num_blocks,
             largest_tensor_bytes=max((t.size_bytes for t in tensors), default=0),
+            prefix_warnings=tuple(
+                sorted(
+                    {
+                        _PREFIX_WARNING_LABELS[w.code]
+                        for w in response.diagnostics.warnings
+                        if w.code in _PREFIX_WARNING_LABELS
+                    }
+                )
+            ),
         )
 
 
@@ -186,3 +197,12 @@ _PATH_LABELS = _labels(plan_pb2.DESCRIPTOR.enum_types_by_name["GroupingPath"], "
 
 
 _DRAFT_RULE_LABELS = _labels(plan_pb2.DESCRIPTOR.enum_types_by_name["DraftRule"], "DRAFT_RULE_")
+
+
+_PREFIX_WARNING_LABELS = {
+    number: label.removeprefix("prefix_")
+    for number, label in _labels(
+        plan_pb2.DESCRIPTOR.enum_types_by_name["WarningCode"], "WARNING_CODE_"
+    ).items()
+    if label.startswith("prefix_")
+}

@@ -565,6 +565,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         metrics.plans.labels(summary.path).inc()
         if summary.draft_rule != "off":
             metrics.draft_annotations.labels(summary.draft_rule).inc()
+        for code in summary.prefix_warnings:
+            metrics.prefix_cache_warnings.labels(code).inc()
         if engine_id and metrics.engine_labels:
             metrics.record_engine(engine_id, summary.largest_tensor_bytes, summary.num_blocks)
         log.info(

@@ -359,3 +359,18 @@ def test_commands_that_talk_to_a_server_list_tls_and_token_options(
     missing = ["--tls-ca", "/nonexistent/ca.pem"]
     assert main(["plan", request, "--target", "127.0.0.1:1", *missing]) == 2
     assert "KVPLAN_TLS_CA=/nonexistent/ca.pem" in capsys.readouterr().err
+
+
+def test_plan_prints_the_prefix_cache_line_and_answers_a_shared_prefix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", str(EXAMPLES / "qwen3-next-80b-a3b-mtp.yaml"), "--engine-version"]
+    assert main([*argv, "vllm-0.32", "--shared-prefix", "4,000"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "prefix cache: hits in 528-token units; shared prefixes under 1,056 tokens never hit; "
+        "the drafter's groups drop the last matched block (528 tokens)"
+    ) in out
+    assert "shared prefix of 4,000 tokens: 3,168 served from cache" in out
+    plan = plan_json("qwen3-next-80b-a3b-mtp.yaml", capsys, "--shared-prefix", "1000")
+    assert plan.diagnostics.prefix_cache.what_if.shared_prefix_tokens == 1000

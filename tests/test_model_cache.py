@@ -127,6 +127,7 @@ def test_the_model_key_leaves_out_memory_and_device_only() -> None:
     assert changed(lambda r: setattr(r.options, "block_size", 16)) != key
     assert changed(lambda r: setattr(r.spec_decode, "num_speculative_tokens", 3)) != key
     assert changed(lambda r: setattr(r, "engine_id", "another")) == key
+    assert changed(lambda r: setattr(r, "shared_prefix_tokens", 4096)) == key  # a what-if
 
     # Workers in another order are the same model, planned alike from the kept plan.
     reordered = _with_memory(base, _less_and_uneven)

@@ -34,6 +34,8 @@ from kvplan.client.devices import DeviceResolutionError
 from kvplan.client.errors import PlannerError
 from kvplan.client.leases import LeaseKeeper
 from kvplan.client.planner import PlannerClient
+from kvplan.client.prefix_cache import degraded_reason, zero_hit_reason
+from kvplan.client.prefix_cache import summary as prefix_summary
 from kvplan.client.vllm_plugin.engine import (
     UnsupportedSpec,
     WorkerDevice,
@@ -496,6 +498,7 @@ class EngineStart:
         else:
             COUNTERS.add("differences")
             log.warning("%s", comparison.summary())
+        _log_prefix_cache(response, comparison.same_groups and comparison.same_flags)
 
     def _fix_draft_flags(self, global_groups: list[Any], response: plan_pb2.PlanResponse) -> None:
         wanted = draft_flag_fix(global_groups, response)
@@ -820,3 +823,24 @@ def install(
         core_module.finalize_extensible_kv_cache = _wrap_finalize(  # type: ignore[attr-defined]
             core_module.finalize_extensible_kv_cache
         )
+
+
+def _log_prefix_cache(response: plan_pb2.PlanResponse, vllms_own: bool) -> None:
+    """Observe's prefix-cache line: what the plan predicts, and a warning when the
+    engine will get no hit, or fewer for an unidentified drafter. `vllms_own`:
+    vLLM's groups and draft flags are the plan's, so the prediction is vLLM's."""
+    if not response.diagnostics.HasField("prefix_cache"):
+        return  # an older server
+    whose = "vLLM's own setup" if vllms_own else "kvplan's draft flags (vLLM's differ)"
+    zero, fewer = zero_hit_reason(response), degraded_reason(response)
+    if zero or fewer:
+        log.warning(
+            "kvplan prefix cache: %s expected for %s: %s; plan %s",
+            "ZERO HITS" if zero else "FEWER HITS",
+            whose,
+            zero or fewer,
+            response.plan_id,
+        )
+    else:
+        log.info("kvplan %s (%s), plan %s", prefix_summary(response.diagnostics.prefix_cache),
+                 whose, response.plan_id)  # fmt: skip

@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 
 from kvplan.convert.keys import plan_id_for, plan_keys
-from kvplan.convert.render import plan_to_proto, render_groups
+from kvplan.convert.render import (
+    plan_to_proto,
+    prefix_cache_diagnostics,
+    prefix_what_if_to_proto,
+    render_groups,
+)
 from kvplan.convert.request import request_from_proto
 from kvplan.convert.wire import WorkerBytes, encode_workers
 from kvplan.core.errors import InvalidRequest
@@ -54,14 +59,30 @@ def plan_from_proto(
         model, rendered_groups = plan_model(request), None
     plan = plan_engine(request, model, budgets)
     try:
+        kept = None
         if known is None and models is not None:
             # Kept once an engine of it planned: rendering reads every page size, which
             # may raise an error that vLLM (and plan_engine) raises later than others.
             rendered_groups = render_groups(model.groups)
-            models.put(model_key, KnownModel.of(request, model, rendered_groups))
-        return plan_to_proto(
+            kept = KnownModel.of(request, model, rendered_groups)
+            models.put(model_key, kept)
+        response = plan_to_proto(
             plan, plan_id=plan_id or plan_id_for(message, encoded), rendered_groups=rendered_groups
         )
+        if known is not None and known.prefix_diagnostics:
+            prefix = known.prefix_diagnostics
+        else:
+            options = message.options
+            asked_off = options.HasField("enable_prefix_caching") and not (
+                options.enable_prefix_caching
+            )
+            prefix = prefix_cache_diagnostics(request, response, asked_off=asked_off)
+            if kept is not None and models is not None:
+                models.put(model_key, kept.with_prefix_diagnostics(prefix))
+        response.diagnostics.MergeFromString(prefix)
+        if message.HasField("shared_prefix_tokens"):
+            prefix_what_if_to_proto(request, response, message.shared_prefix_tokens)
+        return response
     except ValueError as error:  # protobuf: a number outside its field's type
         raise InvalidRequest(
             "the plan's numbers do not fit the reply's 64-bit fields (a size or count "

@@ -40,6 +40,8 @@ def plan_keys(
     whole, content, model = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
     workers_field = plan_pb2.PlanRequest.WORKERS_FIELD_NUMBER
     engine_id_field = plan_pb2.PlanRequest.ENGINE_ID_FIELD_NUMBER
+    # A what-if question changes the diagnostics, not the model plan.
+    shared_prefix_field = plan_pb2.PlanRequest.SHARED_PREFIX_TOKENS_FIELD_NUMBER
     for field, value in message.ListFields():
         if field.number == workers_field:
             continue
@@ -52,7 +54,8 @@ def plan_keys(
         whole.update(framed)
         if field.number != engine_id_field:
             content.update(framed)
-            model.update(framed)
+            if field.number != shared_prefix_field:
+                model.update(framed)
     ranks = [worker.rank for worker in message.workers]
     for index in sorted(range(len(ranks)), key=ranks.__getitem__):
         part = encoded[index].data

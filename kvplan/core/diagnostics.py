@@ -17,6 +17,12 @@ class WarningCode(Enum):
     NO_DRAFT_GROUP = "no_draft_group"
     MAX_MODEL_LEN_AUTO_FIT = "max_model_len_auto_fit"
     HIDDEN_STATE_PADDING = "hidden_state_padding"
+    # Prefix-cache setups that lose hits (kvplan/core/prefix_warnings.py).
+    PREFIX_CACHE_OFF = "prefix_cache_off"
+    PREFIX_UNIDENTIFIED_DRAFTER = "prefix_unidentified_drafter"
+    PREFIX_LARGE_HIT_UNIT = "prefix_large_hit_unit"
+    PREFIX_BOUNDARY_ONLY = "prefix_boundary_only"
+    PREFIX_DRAFT_DROP = "prefix_draft_drop"
 
 
 @dataclass(frozen=True)

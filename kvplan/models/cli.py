@@ -463,7 +463,9 @@ def capacity_rows(
                     request, inputs = build_plan_request(config, step)
                     # Known before planning: a point that does not fit still shows it.
                     row["non_kv_bytes_per_worker"] = inputs.non_kv_bytes
-                    _, summary, inputs = plan_built(request, inputs, planner)
+                    response, summary, inputs = plan_built(request, inputs, planner)
+                    # The shortest shared prefix the prefix cache can hit (0: never).
+                    row["min_cached_prefix"] = min_cached_prefix(response)
                     row.update(
                         kv_budget_bytes=summary.available_kv_bytes,
                         kv_bytes_per_token=summary.kv_bytes_per_token,
@@ -506,7 +508,13 @@ _COLUMNS = (
     ("kv_cache_tokens", "tokens"),
     ("max_concurrency", "concurrency"),
     ("auto_fit_max_model_len", "auto-fit len"),
+    ("min_cached_prefix", "min cached prefix"),
 )
+
+
+def min_cached_prefix(response: plan_pb2.PlanResponse) -> int:
+    """docs/prefix-caching.md: PrefixCacheDiagnostics.min_shared_prefix_tokens."""
+    return int(response.diagnostics.prefix_cache.min_shared_prefix_tokens)
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -516,6 +524,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         value = row.get(key)
         if row.get("status") != "ok" and key == "max_model_len":
             return f"{value:,}" if isinstance(value, int) else str(value)
+        if key == "min_cached_prefix" and value == 0:
+            return "never"  # prefix caching off or nothing cacheable
         if key.endswith("bytes") or key.endswith("_per_worker"):
             return _gib(int(value or 0))
         if isinstance(value, float):

@@ -220,6 +220,19 @@ class _WarningCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WarningCo
     WARNING_CODE_MAX_MODEL_LEN_AUTO_FIT: _WarningCode.ValueType  # 6
     WARNING_CODE_HIDDEN_STATE_PADDING: _WarningCode.ValueType  # 7
     WARNING_CODE_MAMBA_PAGE_PADDED: _WarningCode.ValueType  # 8
+    WARNING_CODE_PREFIX_CACHE_OFF: _WarningCode.ValueType  # 60
+    """Prefix-cache setups that lose hits (docs/prefix-caching.md, "Where kvplan
+    shows it"); each message names the numbers and the knob that fixes it.
+    no hit ever: disabled or nothing cacheable
+    """
+    WARNING_CODE_PREFIX_UNIDENTIFIED_DRAFTER: _WarningCode.ValueType  # 61
+    """every group takes the draft block drop"""
+    WARNING_CODE_PREFIX_LARGE_HIT_UNIT: _WarningCode.ValueType  # 62
+    """hits only in units of >= 256 tokens"""
+    WARNING_CODE_PREFIX_BOUNDARY_ONLY: _WarningCode.ValueType  # 63
+    """Mamba / window state only where a request ended"""
+    WARNING_CODE_PREFIX_DRAFT_DROP: _WarningCode.ValueType  # 64
+    """the drafter's drop takes a block off every hit"""
 
 class WarningCode(_WarningCode, metaclass=_WarningCodeEnumTypeWrapper): ...
 
@@ -238,7 +251,44 @@ group will take the EAGLE block drop.
 WARNING_CODE_MAX_MODEL_LEN_AUTO_FIT: WarningCode.ValueType  # 6
 WARNING_CODE_HIDDEN_STATE_PADDING: WarningCode.ValueType  # 7
 WARNING_CODE_MAMBA_PAGE_PADDED: WarningCode.ValueType  # 8
+WARNING_CODE_PREFIX_CACHE_OFF: WarningCode.ValueType  # 60
+"""Prefix-cache setups that lose hits (docs/prefix-caching.md, "Where kvplan
+shows it"); each message names the numbers and the knob that fixes it.
+no hit ever: disabled or nothing cacheable
+"""
+WARNING_CODE_PREFIX_UNIDENTIFIED_DRAFTER: WarningCode.ValueType  # 61
+"""every group takes the draft block drop"""
+WARNING_CODE_PREFIX_LARGE_HIT_UNIT: WarningCode.ValueType  # 62
+"""hits only in units of >= 256 tokens"""
+WARNING_CODE_PREFIX_BOUNDARY_ONLY: WarningCode.ValueType  # 63
+"""Mamba / window state only where a request ended"""
+WARNING_CODE_PREFIX_DRAFT_DROP: WarningCode.ValueType  # 64
+"""the drafter's drop takes a block off every hit"""
 Global___WarningCode: _TypeAlias = WarningCode  # noqa: Y015
+
+class _PrefixCacheOffReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PrefixCacheOffReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PrefixCacheOffReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PREFIX_CACHE_OFF_REASON_UNSPECIFIED: _PrefixCacheOffReason.ValueType  # 0
+    """on"""
+    PREFIX_CACHE_OFF_REASON_DISABLED: _PrefixCacheOffReason.ValueType  # 1
+    """enable_prefix_caching off (asked, or the model's rule)"""
+    PREFIX_CACHE_OFF_REASON_NO_CACHEABLE_GROUP: _PrefixCacheOffReason.ValueType  # 2
+    """attention-free, or no group takes part"""
+
+class PrefixCacheOffReason(_PrefixCacheOffReason, metaclass=_PrefixCacheOffReasonEnumTypeWrapper):
+    """Why prefix caching gives no hit at all."""
+
+PREFIX_CACHE_OFF_REASON_UNSPECIFIED: PrefixCacheOffReason.ValueType  # 0
+"""on"""
+PREFIX_CACHE_OFF_REASON_DISABLED: PrefixCacheOffReason.ValueType  # 1
+"""enable_prefix_caching off (asked, or the model's rule)"""
+PREFIX_CACHE_OFF_REASON_NO_CACHEABLE_GROUP: PrefixCacheOffReason.ValueType  # 2
+"""attention-free, or no group takes part"""
+Global___PrefixCacheOffReason: _TypeAlias = PrefixCacheOffReason  # noqa: Y015
 
 class _PlanStage:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -731,10 +781,17 @@ class PlanRequest(_message.Message):
     SPEC_DECODE_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    SHARED_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     world_size: _builtins.int
     """Rank mode: this call carries one worker (rank) of an engine of
     `world_size` workers; the server merges all ranks before planning.
+    """
+    shared_prefix_tokens: _builtins.int
+    """What-if: how many of the first N tokens of a request this engine serves
+    from its prefix cache when they repeat an earlier request's
+    (Diagnostics.prefix_cache.what_if). Unset = not asked. Does not change the
+    plan, only what its diagnostics say (docs/prefix-caching.md).
     """
     @_builtins.property
     def options(self) -> Global___EngineOptions: ...
@@ -750,12 +807,15 @@ class PlanRequest(_message.Message):
         spec_decode: Global___SpecDecodeConfig | None = ...,
         workers: _abc.Iterable[Global___WorkerSpec] | None = ...,
         world_size: _builtins.int = ...,
+        shared_prefix_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options", "spec_decode", b"spec_decode"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_shared_prefix_tokens", b"_shared_prefix_tokens", "options", b"options", "shared_prefix_tokens", b"shared_prefix_tokens", "spec_decode", b"spec_decode"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "options", b"options", "spec_decode", b"spec_decode", "workers", b"workers", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_shared_prefix_tokens", b"_shared_prefix_tokens", "engine_id", b"engine_id", "options", b"options", "shared_prefix_tokens", b"shared_prefix_tokens", "spec_decode", b"spec_decode", "workers", b"workers", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__shared_prefix_tokens: _TypeAlias = _typing.Literal["shared_prefix_tokens"]  # noqa: Y015
+    _WhichOneofArgType__shared_prefix_tokens: _TypeAlias = _typing.Literal["_shared_prefix_tokens", b"_shared_prefix_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__shared_prefix_tokens) -> _WhichOneofReturnType__shared_prefix_tokens | None: ...
 
 Global___PlanRequest: _TypeAlias = PlanRequest  # noqa: Y015
 
@@ -1089,6 +1149,130 @@ class PaddingInfo(_message.Message):
 Global___PaddingInfo: _TypeAlias = PaddingInfo  # noqa: Y015
 
 @_typing.final
+class PrefixCacheWhatIf(_message.Message):
+    """The answer to PlanRequest.shared_prefix_tokens (N), from kvplan's model of the
+    release's KV cache manager (kvplan/core/prefix_cache.py).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARED_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_PREFIX_STORED_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_PREFIX_DIVERGES_FIELD_NUMBER: _builtins.int
+    shared_prefix_tokens: _builtins.int
+    """N"""
+    cached_tokens_prefix_stored: _builtins.int
+    """The earlier request was exactly the N tokens (a chat's previous turn); this
+    one goes on past them.
+    """
+    cached_tokens_prefix_diverges: _builtins.int
+    """The earlier request went on past the N tokens with other text (a shared
+    system prompt followed by different questions).
+    """
+    def __init__(
+        self,
+        *,
+        shared_prefix_tokens: _builtins.int = ...,
+        cached_tokens_prefix_stored: _builtins.int = ...,
+        cached_tokens_prefix_diverges: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens_prefix_diverges", b"cached_tokens_prefix_diverges", "cached_tokens_prefix_stored", b"cached_tokens_prefix_stored", "shared_prefix_tokens", b"shared_prefix_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefixCacheWhatIf: _TypeAlias = PrefixCacheWhatIf  # noqa: Y015
+
+@_typing.final
+class PrefixCacheDiagnostics(_message.Message):
+    """What the engine's prefix cache will do, before it starts (docs/prefix-caching.md).
+    Cached tokens when a request repeats the first N tokens of an earlier request
+    that was exactly those N tokens (`rule_exact` says whether this is exact; else
+    ask with PlanRequest.shared_prefix_tokens), with u = hit_unit_tokens:
+      0 if not effectively_on or N < min_shared_prefix_tokens; else, with
+      hashed = floor((N - hash_lookahead_tokens) / hash_block_tokens) * hash_block_tokens,
+      drop_tokens > 0:  floor((min(N, hashed) - drop_tokens) / u) * u,
+                        and with boundary_only at most floor(N / u) * u - u
+      boundary_only:    floor(min(N - 1, hashed) / u) * u
+      otherwise:        floor(min(N, hashed) / u) * u
+    (at least 0). client.prefix_cache.cached_tokens evaluates it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EFFECTIVELY_ON_FIELD_NUMBER: _builtins.int
+    OFF_REASON_FIELD_NUMBER: _builtins.int
+    OFF_DETAIL_FIELD_NUMBER: _builtins.int
+    HIT_UNIT_TOKENS_FIELD_NUMBER: _builtins.int
+    GROUP_HIT_UNIT_TOKENS_FIELD_NUMBER: _builtins.int
+    MIN_SHARED_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
+    DROP_GROUP_IDS_FIELD_NUMBER: _builtins.int
+    DROP_TOKENS_FIELD_NUMBER: _builtins.int
+    HASH_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _builtins.int
+    BOUNDARY_ONLY_FIELD_NUMBER: _builtins.int
+    RULE_EXACT_FIELD_NUMBER: _builtins.int
+    WHAT_IF_FIELD_NUMBER: _builtins.int
+    effectively_on: _builtins.bool
+    off_reason: Global___PrefixCacheOffReason.ValueType
+    off_detail: _builtins.str
+    """why off, in words"""
+    hit_unit_tokens: _builtins.int
+    """every hit is a multiple of it (0: off)"""
+    min_shared_prefix_tokens: _builtins.int
+    """shorter shared prefixes never hit (0: off)"""
+    drop_tokens: _builtins.int
+    """tokens the draft drop takes off a hit"""
+    hash_block_tokens: _builtins.int
+    hash_lookahead_tokens: _builtins.int
+    """tokens after a hash block its hash covers"""
+    boundary_only: _builtins.bool
+    """Mamba / sliding-window groups keep a stored request's state only near where
+    it ended: a shared prefix followed by different text may not hit.
+    """
+    rule_exact: _builtins.bool
+    """The rule above is exact for every N: all but a draft drop beside
+    sliding-window or Mamba groups.
+    """
+    @_builtins.property
+    def group_hit_unit_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """per group, by group_id (0: takes no part)"""
+
+    @_builtins.property
+    def drop_group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """groups that drop their last matched block"""
+
+    @_builtins.property
+    def what_if(self) -> Global___PrefixCacheWhatIf:
+        """set when the request asked"""
+
+    def __init__(
+        self,
+        *,
+        effectively_on: _builtins.bool = ...,
+        off_reason: Global___PrefixCacheOffReason.ValueType = ...,
+        off_detail: _builtins.str = ...,
+        hit_unit_tokens: _builtins.int = ...,
+        group_hit_unit_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        min_shared_prefix_tokens: _builtins.int = ...,
+        drop_group_ids: _abc.Iterable[_builtins.int] | None = ...,
+        drop_tokens: _builtins.int = ...,
+        hash_block_tokens: _builtins.int = ...,
+        hash_lookahead_tokens: _builtins.int = ...,
+        boundary_only: _builtins.bool = ...,
+        rule_exact: _builtins.bool = ...,
+        what_if: Global___PrefixCacheWhatIf | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["what_if", b"what_if"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_only", b"boundary_only", "drop_group_ids", b"drop_group_ids", "drop_tokens", b"drop_tokens", "effectively_on", b"effectively_on", "group_hit_unit_tokens", b"group_hit_unit_tokens", "hash_block_tokens", b"hash_block_tokens", "hash_lookahead_tokens", b"hash_lookahead_tokens", "hit_unit_tokens", b"hit_unit_tokens", "min_shared_prefix_tokens", b"min_shared_prefix_tokens", "off_detail", b"off_detail", "off_reason", b"off_reason", "rule_exact", b"rule_exact", "what_if", b"what_if"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefixCacheDiagnostics: _TypeAlias = PrefixCacheDiagnostics  # noqa: Y015
+
+@_typing.final
 class Diagnostics(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1102,6 +1286,7 @@ class Diagnostics(_message.Message):
     GROUP_SIZE_FIELD_NUMBER: _builtins.int
     KV_CACHE_LAYOUT_FIELD_NUMBER: _builtins.int
     LAYOUT_CANDIDATES_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     grouping_path: Global___GroupingPath.ValueType
     page_sizes_unified: _builtins.bool
     local_attention_promoted: _builtins.bool
@@ -1121,6 +1306,8 @@ class Diagnostics(_message.Message):
     def layout_candidates(self) -> _containers.RepeatedScalarFieldContainer[Global___KVCacheLayout.ValueType]:
         """With supported_layouts: every layout the resolution left, best first."""
 
+    @_builtins.property
+    def prefix_cache(self) -> Global___PrefixCacheDiagnostics: ...
     def __init__(
         self,
         *,
@@ -1134,10 +1321,11 @@ class Diagnostics(_message.Message):
         group_size: _builtins.int = ...,
         kv_cache_layout: Global___KVCacheLayout.ValueType = ...,
         layout_candidates: _abc.Iterable[Global___KVCacheLayout.ValueType] | None = ...,
+        prefix_cache: Global___PrefixCacheDiagnostics | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prefix_cache", b"prefix_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_size", b"group_size", "grouping_path", b"grouping_path", "hash_block_size", b"hash_block_size", "kv_cache_layout", b"kv_cache_layout", "layout_candidates", b"layout_candidates", "local_attention_promoted", b"local_attention_promoted", "padding", b"padding", "page_sizes_unified", b"page_sizes_unified", "scheduler_block_size", b"scheduler_block_size", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_size", b"group_size", "grouping_path", b"grouping_path", "hash_block_size", b"hash_block_size", "kv_cache_layout", b"kv_cache_layout", "layout_candidates", b"layout_candidates", "local_attention_promoted", b"local_attention_promoted", "padding", b"padding", "page_sizes_unified", b"page_sizes_unified", "prefix_cache", b"prefix_cache", "scheduler_block_size", b"scheduler_block_size", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

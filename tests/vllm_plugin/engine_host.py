@@ -305,6 +305,11 @@ ENGINES: dict[str, tuple[Any, dict[str, Any]]] = {
         deepseek_mtp,
         {"max_model_len": 16384, "block_size": 64, "method": "mtp", "target": "deepseek_v3"},
     ),
+    # Requests never longer than one block: no shared prefix can hit.
+    "deepseek-mtp-short": (
+        deepseek_mtp,
+        {"max_model_len": 64, "block_size": 64, "method": "mtp", "target": "deepseek_v3"},
+    ),
     "qwen3-next-mtp": (
         lambda: qwen3_next(marked=True),
         {"max_model_len": 8192, "method": "mtp", "target": "qwen3_next", "mamba": "align"},

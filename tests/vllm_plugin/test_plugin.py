@@ -285,7 +285,9 @@ def test_observe_agrees(host: EngineHost, server: Server, version: str, engine: 
         assert any("extensible KV cache settled at" in x for x in plugin_lines(answer))
         assert answer["init"]["extended"] == answer["init"]["num_blocks"][0]
     else:
-        assert len(plugin_lines(answer)) == 1
+        # The verdict, then the prefix-cache line.
+        assert len(plugin_lines(answer)) == 2, plugin_lines(answer)
+    assert "kvplan prefix cache: " in plugin_lines(answer)[1], plugin_lines(answer)
     plan_id = re.search(r"plan (plan-[0-9a-f]+)", line)
     assert plan_id is not None, line
     # The operator can fetch the plan the line names; it is the engine's.
@@ -361,7 +363,7 @@ def test_observe_agrees_on_a_tensor_parallel_engine(host: EngineHost) -> None:
     assert answer["init"]["num_blocks"] == [18 * GIB // bytes_per_block] * 2
 
 
-def test_observe_carries_the_flag_all_warning(host: EngineHost) -> None:
+def test_observe_carries_the_flag_all_warning(host: EngineHost, version: str) -> None:
     # EAGLE on a hybrid Mamba model with no drafter layer marked: neither vLLM nor
     # kvplan can name the draft group, and consumers would flag every group.
     answer = host.start("eagle", "qwen3-next-eagle-unmarked")
@@ -369,6 +371,28 @@ def test_observe_carries_the_flag_all_warning(host: EngineHost) -> None:
     line = verdict(answer)
     assert "kvplan agreement" in line and "draft groups {}" in line, line
     assert ", warning: " in line and "Mamba" in line, line
+    # The prefix cache, for vLLM's own (agreeing) setup: 0.32 drops a block of every
+    # group (none is the drafter's), named with its knob; 0.33+ hash the drafter's
+    # lookahead instead of dropping, and hits are as usual.
+    (prefix,) = [x for x in plugin_lines(answer) if "kvplan prefix cache" in x]
+    assert "vLLM's own setup" in prefix and "ZERO HITS" not in prefix, prefix
+    if version == "0.32":
+        assert prefix.startswith("WARNING") and "FEWER HITS expected" in prefix, prefix
+        assert "is_draft" in prefix, prefix
+    else:
+        assert prefix.startswith("INFO") and "prefix cache: hits in" in prefix, prefix
+
+
+def test_observe_warns_when_vllms_own_setup_gets_zero_prefix_hits(host: EngineHost) -> None:
+    # max_model_len 64 with 64-token blocks: the shortest prefix that hits is longer
+    # than any request (a block, plus the drafter's drop or hash lookahead).
+    answer = host.start("short", "deepseek-mtp-short")
+    assert answer["ok"], answer
+    assert "kvplan agreement" in verdict(answer)
+    (prefix,) = [x for x in plugin_lines(answer) if "kvplan prefix cache" in x]
+    assert prefix.startswith("WARNING"), prefix
+    assert "ZERO HITS expected for vLLM's own setup" in prefix, prefix
+    assert "longer than max_model_len (64)" in prefix and "--block-size" in prefix, prefix
 
 
 def test_observe_reports_a_planted_difference_and_changes_nothing(
@@ -405,8 +429,9 @@ def test_draft_flags_on_an_unmarked_hybrid_mtp_engine(host: EngineHost, version:
         # 0.32 finds the MTP layer itself (the trailing layer): kvplan's rules agree,
         # and draft-flags mode changes nothing.
         assert [g["is_draft"] for g in observed["init"]["groups"]] == [False, False, True]
-        (summary,) = plugin_lines(answer)
+        summary, prefix = plugin_lines(answer)
         assert "kvplan agreement" in summary and "draft groups {2 (trailing_layer)}" in summary
+        assert "kvplan prefix cache: " in prefix and "vLLM's own setup" in prefix, prefix
         assert host.send(op="counters")["draft_flag_changes"] == before
     else:
         assert [g["is_draft"] for g in observed["init"]["groups"]] == [False, False, False]

@@ -420,3 +420,45 @@ def test_plugin_records_carry_the_tag_and_the_callers_file(
     assert record.getMessage() == f"{LOG_TAG} kvplan observe: something"
     assert record.name == LOGGER_NAME
     assert record.filename == Path(__file__).name
+
+
+def test_zero_hits_only_where_no_prefix_hits_an_unidentified_drafter_is_fewer() -> None:
+    from kvplan.cli import load_request
+    from kvplan.client.prefix_cache import degraded_reason, zero_hit_reason
+    from kvplan.convert import plan_from_proto
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "qwen3-next-80b-a3b-mtp.yaml"
+    request = load_request(str(example))
+    request.options.engine_version = "vllm-0.32"
+    assert zero_hit_reason(plan_from_proto(request)) == ""
+    # EAGLE with no drafter layer marked: nothing identifies the draft group, every
+    # group takes 0.32's drop.
+    request.spec_decode.method = plan_pb2.SPEC_DECODE_METHOD_EAGLE
+    unmarked = plan_from_proto(request)
+    assert not any(g.is_draft for g in unmarked.groups)
+    # Every group drops, yet a long enough shared prefix still hits (the core).
+    assert zero_hit_reason(unmarked) == "" and "is_draft" in degraded_reason(unmarked)
+    request.options.max_model_len = unmarked.diagnostics.prefix_cache.min_shared_prefix_tokens - 1
+    assert "longer than max_model_len" in zero_hit_reason(plan_from_proto(request))
+    request.options.enable_prefix_caching = False
+    assert zero_hit_reason(plan_from_proto(request)) == ""  # off on purpose
+
+
+def test_observe_warns_of_an_unidentified_drafter_with_the_knob(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from kvplan.cli import load_request
+    from kvplan.convert import plan_from_proto
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "qwen3-next-80b-a3b-mtp.yaml"
+    request = load_request(str(example))
+    request.options.engine_version = "vllm-0.32"
+    request.spec_decode.method = plan_pb2.SPEC_DECODE_METHOD_EAGLE
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.kvplan"):
+        hooks._log_prefix_cache(plan_from_proto(request), vllms_own=True)
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith(
+        "[kvplan-plugin] kvplan prefix cache: FEWER HITS expected for vLLM's own setup: "
+    )
+    assert "is_draft" in record.getMessage()

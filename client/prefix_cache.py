@@ -1,0 +1,92 @@
+"""What a plan says of the engine's prefix cache, evaluated and worded with only
+protobuf: the rule PrefixCacheDiagnostics states for cached tokens of a shared
+prefix, and the one-line summary `kvplan plan` and the vLLM plugin print
+(docs/prefix-caching.md, "Where kvplan shows it")."""
+
+from __future__ import annotations
+
+from kvplan.v1 import plan_pb2
+
+
+def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: int) -> int:
+    """Tokens served from cache when a request repeats all `shared_prefix` tokens
+    of an earlier request that was exactly those tokens and goes on past them.
+    Exact when `prefix_cache.rule_exact`; else (a draft drop on Mamba / window
+    groups) an estimate: ask the server with PlanRequest.shared_prefix_tokens."""
+    n = shared_prefix
+    unit = prefix_cache.hit_unit_tokens
+    if not prefix_cache.effectively_on or not unit or n < prefix_cache.min_shared_prefix_tokens:
+        return 0
+    hash_block = prefix_cache.hash_block_tokens or unit
+    hashed = max(0, n - prefix_cache.hash_lookahead_tokens) // hash_block * hash_block
+    if prefix_cache.drop_tokens:
+        hit = (min(n, hashed) - prefix_cache.drop_tokens) // unit * unit
+        if prefix_cache.boundary_only:
+            hit = min(hit, n // unit * unit - unit)
+        return max(0, hit)
+    base = n - 1 if prefix_cache.boundary_only else n
+    return max(0, min(base, hashed) // unit * unit)
+
+
+def summary(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
+    """e.g. "prefix cache: hits in 2,096-token units; shared prefixes under 4,192
+    tokens never hit; the drafter's groups drop the last matched block (2,096 tokens)"."""
+    if not prefix_cache.effectively_on:
+        return f"prefix cache: no hit ever ({prefix_cache.off_detail or 'off'})"
+    parts = [
+        f"prefix cache: hits in {prefix_cache.hit_unit_tokens:,}-token units",
+        f"shared prefixes under {prefix_cache.min_shared_prefix_tokens:,} tokens never hit",
+    ]
+    if prefix_cache.drop_tokens:
+        parts.append(
+            f"the drafter's groups drop the last matched block ({prefix_cache.drop_tokens:,} "
+            "tokens)"
+        )
+    if prefix_cache.boundary_only:
+        parts.append("Mamba / window state only where a request ended")
+    return "; ".join(parts)
+
+
+def what_if_line(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
+    """The answer to PlanRequest.shared_prefix_tokens, in words ("" when not asked)."""
+    if not prefix_cache.HasField("what_if"):
+        return ""
+    answer = prefix_cache.what_if
+    return (
+        f"shared prefix of {answer.shared_prefix_tokens:,} tokens: "
+        f"{answer.cached_tokens_prefix_stored:,} served from cache after a request of "
+        f"exactly those tokens, {answer.cached_tokens_prefix_diverges:,} after one that "
+        "went on with other text"
+    )
+
+
+def zero_hit_reason(response: plan_pb2.PlanResponse) -> str:
+    """Why an engine with prefix caching asked for will get no hit at all, with
+    the knob; "" when some shared prefix hits. A prefix cache switched off on
+    purpose is not a reason: that engine asked for no hits."""
+    pc = response.diagnostics.prefix_cache
+    if not response.diagnostics.HasField("prefix_cache"):
+        return ""
+    if not pc.effectively_on:
+        if pc.off_reason == plan_pb2.PREFIX_CACHE_OFF_REASON_DISABLED:
+            return ""
+        return pc.off_detail
+    if pc.min_shared_prefix_tokens > response.max_model_len:
+        return (
+            f"the shortest shared prefix that hits ({pc.min_shared_prefix_tokens:,} tokens) is "
+            f"longer than max_model_len ({response.max_model_len:,}); knob: a smaller "
+            "--block-size, or a longer --max-model-len"
+        )
+    return ""
+
+
+def degraded_reason(response: plan_pb2.PlanResponse) -> str:
+    """The plan's warning for a drafter no group was identified as (every group
+    takes the block drop): hits remain, fewer; "" otherwise."""
+    for warning in response.diagnostics.warnings:
+        if warning.code == plan_pb2.WARNING_CODE_PREFIX_UNIDENTIFIED_DRAFTER:
+            return warning.message
+    return ""
+
+
+__all__ = ["cached_tokens", "degraded_reason", "summary", "what_if_line", "zero_hit_reason"]

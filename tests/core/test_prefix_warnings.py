@@ -1,0 +1,95 @@
+"""kvplan.core.prefix_warnings: the closed-form rule the PlanResponse states agrees
+with the core's simulation (kvplan.core.prefix_cache.cached_tokens) wherever it
+says it is exact, and each lossy setup is named with its code and knob."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvplan.core.diagnostics import WarningCode
+from kvplan.core.prefix_cache import (
+    CacheGroup,
+    GroupKind,
+    PrefixCacheSetup,
+    cached_tokens,
+    facts,
+)
+from kvplan.core.prefix_warnings import (
+    DRAFT_DROP_SWITCH,
+    PrefixContext,
+    prefix_warnings,
+    rule_cached_tokens,
+    rule_is_exact,
+    what_if,
+)
+from tests.core.test_prefix_cache import setups
+
+
+@settings(max_examples=200, deadline=None)
+@given(setups(), st.integers(0, 700), st.integers(1, 64))
+def test_the_stated_rule_is_the_simulation_where_it_says_it_is_exact(
+    setup: PrefixCacheSetup, shared: int, tail: int
+) -> None:
+    f = facts(setup)
+    if not rule_is_exact(setup, f):
+        return  # the response says it is an estimate there (rule_exact false)
+    assert rule_cached_tokens(setup, f, shared) == cached_tokens(
+        setup, shared, shared, shared + tail
+    )
+
+
+def _qwen_like(block_drop: bool, flagged: bool) -> PrefixCacheSetup:
+    groups = (
+        CacheGroup(GroupKind.MAMBA, 2096, False),
+        CacheGroup(GroupKind.FULL, 2096, flagged),
+    )
+    return PrefixCacheSetup(True, groups, 2096, 2096, False, block_drop)
+
+
+def _codes(setup: PrefixCacheSetup, spec_decode: bool = True) -> dict[WarningCode, str]:
+    context = PrefixContext(
+        spec_decode=spec_decode, drafter_flagged=any(g.is_draft for g in setup.groups)
+    )
+    return {w.code: w.message for w in prefix_warnings(setup, facts(setup), context)}
+
+
+def test_an_unidentified_drafter_names_is_draft() -> None:
+    codes = _codes(_qwen_like(block_drop=True, flagged=False))
+    assert "is_draft" in codes[WarningCode.PREFIX_UNIDENTIFIED_DRAFTER]
+    assert "4,192 tokens never hit" in codes[WarningCode.PREFIX_UNIDENTIFIED_DRAFTER]
+    assert WarningCode.PREFIX_DRAFT_DROP not in codes
+
+
+def test_a_flagged_drafter_names_the_release_switch_and_the_unit() -> None:
+    codes = _codes(_qwen_like(block_drop=True, flagged=True))
+    assert WarningCode.PREFIX_UNIDENTIFIED_DRAFTER not in codes
+    assert DRAFT_DROP_SWITCH in codes[WarningCode.PREFIX_DRAFT_DROP]
+    assert "2,096-token units" in codes[WarningCode.PREFIX_LARGE_HIT_UNIT]
+    assert "Mamba state" in codes[WarningCode.PREFIX_LARGE_HIT_UNIT]
+    assert "only where it ended" in codes[WarningCode.PREFIX_BOUNDARY_ONLY]
+
+
+def test_plain_attention_gets_no_prefix_warning_and_a_large_block_names_block_size() -> None:
+    small = PrefixCacheSetup(True, (CacheGroup(GroupKind.FULL, 16, False),), 16, 16, False, False)
+    assert _codes(small, spec_decode=False) == {}
+    large = PrefixCacheSetup(
+        True, (CacheGroup(GroupKind.FULL, 512, False),), 512, 512, False, False
+    )
+    assert "smaller --block-size" in _codes(large, False)[WarningCode.PREFIX_LARGE_HIT_UNIT]
+
+
+def test_off_is_named_with_its_switch_unless_asked_for() -> None:
+    off = PrefixCacheSetup(False, (CacheGroup(GroupKind.FULL, 16, False),), 16, 16, False, False)
+    (message,) = _codes(off, False).values()
+    assert "disabled" in message and "--enable-prefix-caching" in message
+    asked = PrefixContext(spec_decode=False, drafter_flagged=False, asked_off=True)
+    assert prefix_warnings(off, facts(off), asked) == ()
+
+
+def test_what_if_separates_a_stored_prefix_from_a_diverging_one() -> None:
+    setup = _qwen_like(block_drop=False, flagged=True)
+    answer = what_if(setup, facts(setup), 3 * 2096)
+    assert answer.prefix_stored == cached_tokens(setup, 3 * 2096, 3 * 2096, 4 * 2096)
+    # Mamba state only at the earlier request's end: a diverging one never hits here.
+    assert answer.prefix_diverges == 0 < answer.prefix_stored

@@ -1,0 +1,173 @@
+"""The prefix-cache prediction through a real server on loopback and the real
+client: the PlanResponse's prefix_cache diagnostics and prefix warnings, the
+shared-prefix what-if, the client's rule helper, cached and reused replies, and the
+per-code metric."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvplan.cli import load_request
+from kvplan.client import AsyncPlannerClient, PlannerError
+from kvplan.client.prefix_cache import cached_tokens as client_cached_tokens
+from kvplan.client.prefix_cache import summary
+from kvplan.convert.request import request_from_proto
+from kvplan.core.errors import InvalidRequest
+from kvplan.core.prefix_cache import cached_tokens, facts
+from kvplan.core.prefix_warnings import what_if
+from kvplan.prefix_facts import setup_from_plan
+from kvplan.server.main import start_server
+from kvplan.v1 import plan_pb2
+from tests.server.conftest import TEST_SETTINGS
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _request(name: str, engine_id: str, version: str) -> plan_pb2.PlanRequest:
+    request = load_request(str(EXAMPLES / name))
+    request.engine_id = engine_id
+    request.options.engine_version = version
+    return request
+
+
+async def _scrape(port: int) -> str:
+    url = f"http://127.0.0.1:{port}/metrics"
+    return await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
+
+
+async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> None:
+    running = await start_server(TEST_SETTINGS)
+    try:
+        async with AsyncPlannerClient(f"127.0.0.1:{running.port}", timeout_s=30) as client:
+            qwen = _request("qwen3-next-80b-a3b-mtp.yaml", "qwen-a", "vllm-0.32")
+            qwen.shared_prefix_tokens = 4000
+            response = (await client.plan(qwen)).response
+            setup = setup_from_plan(request_from_proto(qwen), response)
+            f = facts(setup)
+            pc = response.diagnostics.prefix_cache
+            assert pc.effectively_on and pc.hit_unit_tokens == f.unit == 528
+            assert list(pc.group_hit_unit_tokens) == list(f.group_units)
+            assert pc.min_shared_prefix_tokens == f.min_shared_prefix == 1056
+            assert list(pc.drop_group_ids) == [g.group_id for g in response.groups if g.is_draft]
+            assert pc.drop_tokens == 528 and not pc.rule_exact and pc.boundary_only
+            answer = what_if(setup, f, 4000)
+            assert pc.what_if.shared_prefix_tokens == 4000
+            assert pc.what_if.cached_tokens_prefix_stored == answer.prefix_stored == 3168
+            assert pc.what_if.cached_tokens_prefix_diverges == answer.prefix_diverges == 0
+            assert summary(pc).startswith(
+                "prefix cache: hits in 528-token units; shared prefixes under 1,056 tokens"
+            )
+            codes = {plan_pb2.WarningCode.Name(w.code) for w in response.diagnostics.warnings}
+            assert {
+                "WARNING_CODE_PREFIX_DRAFT_DROP",
+                "WARNING_CODE_PREFIX_LARGE_HIT_UNIT",
+                "WARNING_CODE_PREFIX_BOUNDARY_ONLY",
+            } <= codes
+
+            # A repeat is answered from the cache, another engine of equal content
+            # reuses the body: both carry the same prediction.
+            again = (await client.plan(qwen)).response
+            qwen.engine_id = "qwen-b"
+            reused = (await client.plan(qwen)).response
+            assert again.diagnostics == response.diagnostics == reused.diagnostics
+            assert reused.engine_id == "qwen-b"
+            # Another question about the same engine: the model plan is kept (only
+            # budgeted), the answer is the new one.
+            qwen.engine_id, qwen.shared_prefix_tokens = "qwen-c", 2000
+            other = (await client.plan(qwen)).response
+            assert other.diagnostics.prefix_cache.what_if.cached_tokens_prefix_stored == (
+                what_if(setup, f, 2000).prefix_stored
+            )
+
+            # A prefix longer than any request is the caller's mistake, named.
+            qwen.shared_prefix_tokens = 262_145
+            with pytest.raises(PlannerError) as refused:
+                await client.plan(qwen)
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert [v.field for v in refused.value.violations] == ["shared_prefix_tokens"]
+            assert "longer than the plan's max_model_len 262,144" in str(refused.value)
+
+            # Without a drop the client's rule is the core's simulation.
+            llama = (
+                await client.plan(_request("llama-3.1-8b.yaml", "llama", "vllm-0.34"))
+            ).response
+            lpc = llama.diagnostics.prefix_cache
+            assert lpc.rule_exact and not lpc.HasField("what_if")
+            lsetup = setup_from_plan(
+                request_from_proto(_request("llama-3.1-8b.yaml", "x", "vllm-0.34")), llama
+            )
+            for n in (0, 63, 64, 65, 1000, 4096):
+                assert client_cached_tokens(lpc, n) == cached_tokens(lsetup, n, n, n + 64)
+            # The stated rule with a drop: the server's exact answer at this N.
+            assert client_cached_tokens(pc, 4000) == pc.what_if.cached_tokens_prefix_stored
+
+        body = await _scrape(running.metrics_port)
+        # Engines planned (computed or reused), not cache hits: qwen-a, -b and -c.
+        for code in ("draft_drop", "large_hit_unit", "boundary_only"):
+            assert f'kvplan_prefix_cache_warnings_total{{code="{code}"}} 3.0' in body, code
+        # qwen-c and the refused what-if: the model plan is kept, only budgeted.
+        assert "kvplan_model_plans_reused_total 2.0" in body
+        assert 'code="cache_off"' not in body
+    finally:
+        await running.stop(0)
+
+
+def test_the_client_rule_on_every_example_and_release() -> None:
+    """In-process: the client's rule against the core's simulation on every example
+    engine under every rule set, at N around each unit and the minimum."""
+    from kvplan.convert import plan_from_proto
+
+    exact = 0
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        for version in ("", "vllm-0.32", "vllm-0.33", "vllm-0.34"):
+            request = _request(path.name, "e", version)
+            try:
+                response = plan_from_proto(request)
+            except InvalidRequest:  # an example using what this release lacks
+                continue
+            pc = response.diagnostics.prefix_cache
+            setup = setup_from_plan(request_from_proto(request), response)
+            if not pc.rule_exact or not pc.effectively_on:
+                continue
+            exact += 1
+            unit, low = pc.hit_unit_tokens, pc.min_shared_prefix_tokens
+            tail = unit + pc.hash_lookahead_tokens
+            for n in {0, 1, low - 1, low, low + 1, 2 * low, 3 * unit - 1, 3 * unit, 7 * unit + 5}:
+                if n >= 0:
+                    expected = cached_tokens(setup, n, n, n + tail)
+                    assert client_cached_tokens(pc, n) == expected, (path.name, version, n)
+    assert exact >= 20
+
+
+def test_prefix_caching_turned_off_on_purpose_draws_no_warning() -> None:
+    from kvplan.convert import plan_from_proto
+
+    request = _request("llama-3.1-8b.yaml", "e", "vllm-0.34")
+    request.options.enable_prefix_caching = False
+    response = plan_from_proto(request)
+    pc = response.diagnostics.prefix_cache
+    assert not pc.effectively_on and pc.off_reason == plan_pb2.PREFIX_CACHE_OFF_REASON_DISABLED
+    assert pc.hit_unit_tokens == pc.min_shared_prefix_tokens == 0 and pc.off_detail
+    names = [plan_pb2.WarningCode.Name(w.code) for w in response.diagnostics.warnings]
+    assert not [name for name in names if name.startswith("WARNING_CODE_PREFIX_")], names
+    assert summary(pc).startswith("prefix cache: no hit ever (prefix caching is disabled")
+
+
+def test_the_what_if_is_bounded_in_hit_units() -> None:
+    from kvplan.convert import plan_from_proto
+
+    request = _request("llama-3.1-8b.yaml", "e", "")  # 16-token units
+    request.options.max_model_len = request.options.derived_max_model_len = 1 << 20
+    for worker in request.workers:
+        worker.memory.kv_cache_memory_bytes = 1 << 40
+    request.shared_prefix_tokens = 32_768 * 16
+    assert plan_from_proto(request).diagnostics.prefix_cache.what_if.shared_prefix_tokens
+    request.shared_prefix_tokens += 16
+    with pytest.raises(InvalidRequest, match="at most 32,768") as refused:
+        plan_from_proto(request)
+    assert refused.value.field == "shared_prefix_tokens"
