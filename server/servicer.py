@@ -158,7 +158,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
     async def _serve_plan(
         self, call: _PlanCall, context: grpc.aio.ServicerContext | None = None
     ) -> bytes:
-        """One engine (all its workers): the serialized PlanResponse.
+        """One engine (all its workers): the serialized PlanResponse, step by step:
+        request (`_check_request`) -> authorize -> devices -> plan -> lease -> respond.
 
         A rank (world_size set) stops after authorize and waits for its engine's
         other ranks; the merged engine (`call.merged`) comes back in here, at
