@@ -12,7 +12,6 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -48,6 +47,7 @@ from kvplan.server.large_messages import (
 from kvplan.server.limits import RequestLimits
 from kvplan.server.metrics import Metrics
 from kvplan.server.plan_cache import PlanCache, PlanSummary
+from kvplan.server.plan_call import Leasing, PlanCall
 from kvplan.server.probes import DeviceMemory, DeviceProbe
 from kvplan.server.rendezvous import Rendezvous
 from kvplan.server.replies import lease_to_proto, only_rank, with_leases
@@ -64,52 +64,6 @@ LEASE_REPLY_BYTES = 256
 _OWNER_CACHE_SIZE = 65_536
 _T = TypeVar("_T")
 CHECKED_RANKS = 4096  # digests of rank requests already converted (_check_rank)
-
-
-@dataclass
-class _PlanCall:
-    """What one plan call has learned so far, handed from step to step.
-
-    `in_thread`: the engine is over --offload-layers, so its heavy steps run in a
-    worker thread (`PlannerServicer._run`); decided once per call (summing the
-    layers of 8 workers x 65 layers costs 3.9 µs). `encoded`: its workers'
-    `encode_workers`, serialized once for the keys and the conversion alike (set by
-    the request step). `digest`: SHA-256 of the request's wire bytes (see
-    PlanCache.keys). `keys`: its plan keys, once known. `merged`: a rendezvous'
-    merged engine, whose ranks were checked and authorized each on arrival; it
-    does not come in again as these bytes, so its keys are not remembered.
-    `publish`: a new plan becomes the engine's plan and is persisted at once
-    (otherwise the lease step does that once its leases are granted).
-    """
-
-    request: plan_pb2.PlanRequest
-    in_thread: bool
-    encoded: Sequence[WorkerBytes] = ()
-    digest: bytes | None = None
-    keys: PlanKeys | None = None
-    merged: bool = False
-    publish: bool = True
-
-    def let_go_of_request(self) -> None:
-        """A rank waiting for its engine's others keeps its bytes only, not its
-        parsed request (rendezvous.RankSpec): nothing of this call holds it on."""
-        self.request = plan_pb2.PlanRequest()
-        self.encoded = ()
-
-
-@dataclass
-class _Leasing:
-    """A call whose workers name devices, after the devices step: `call` plans the
-    request with the devices' numbers (keys known; published once granted), for
-    `holder`'s quota, against the ledger as read at `now` (`view`)."""
-
-    call: _PlanCall
-    named: list[int]  # indexes of the workers that name a device
-    devices: dict[str, DeviceState]
-    accounts: dict[str, DeviceAccount]
-    view: LedgerView
-    now: float
-    holder: str
 
 
 class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
@@ -141,7 +95,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             # Each rank's limits were checked when it arrived (world_size bounds the
             # worker count): the merged request is not walked again.
             lambda merged: self._serve_plan(
-                _PlanCall(merged, self._offloaded(merged), encode_workers(merged), merged=True)
+                PlanCall(merged, self._offloaded(merged), encode_workers(merged), merged=True)
             ),
             metrics,
             max_pending=settings.max_pending_rendezvous,
@@ -156,7 +110,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
     # --- the flow: request -> authorize -> devices -> plan -> lease -> respond -----
 
     async def _serve_plan(
-        self, call: _PlanCall, context: grpc.aio.ServicerContext | None = None
+        self, call: PlanCall, context: grpc.aio.ServicerContext | None = None
     ) -> bytes:
         """One engine (all its workers): the serialized PlanResponse, step by step:
         request (`_check_request`) -> authorize -> devices -> plan -> lease -> respond.
@@ -182,12 +136,12 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         leases = await self._lease(leasing, plan, response)
         return self._respond(leasing, plan, leases)
 
-    async def _check_request(self, call: _PlanCall) -> None:
+    async def _check_request(self, call: PlanCall) -> None:
         """The request's workers encoded once, and its limits checked."""
         call.encoded = await self._encoded_workers(call.request, call.in_thread)
         self._limits.check_request(call.request, call.encoded)
 
-    async def _join_rendezvous(self, call: _PlanCall, context: grpc.aio.ServicerContext) -> bytes:
+    async def _join_rendezvous(self, call: PlanCall, context: grpc.aio.ServicerContext) -> bytes:
         """A rank: checked alone, then its engine's plan once every rank is in."""
         await self._check_rank(call.request, call.encoded)
         encoded = call.encoded
@@ -199,7 +153,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         call.let_go_of_request()  # main.py's handler and PlanKVCache let go of it too
         return await self.rendezvous.join_rank(rank, context.time_remaining(), holder)
 
-    async def _devices(self, call: _PlanCall, named: list[int]) -> _Leasing:
+    async def _devices(self, call: PlanCall, named: list[int]) -> Leasing:
         """The named devices' numbers in the request, and the call that plans it;
         the plan becomes the engine's (GetPlan, persisted) only once it is granted."""
         now = time.time()
@@ -208,11 +162,11 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         in_thread = call.in_thread
         encoded = await self._encoded_workers(resolved, in_thread)
         keys = await self._run(functools.partial(plan_keys, resolved, encoded), in_thread)
-        planning = _PlanCall(resolved, in_thread, encoded, keys=keys, publish=False)
-        return _Leasing(planning, named, devices, accounts, view, now, holder)
+        planning = PlanCall(resolved, in_thread, encoded, keys=keys, publish=False)
+        return Leasing(planning, named, devices, accounts, view, now, holder)
 
     async def _lease(
-        self, leasing: _Leasing, plan: bytes, response: plan_pb2.PlanResponse | None
+        self, leasing: Leasing, plan: bytes, response: plan_pb2.PlanResponse | None
     ) -> tuple[Lease, ...]:
         """The plan's leases granted, and the plan published as the engine's."""
         request = leasing.call.request
@@ -245,7 +199,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         await self._persist(keys.plan_id, request.engine_id, plan)
         return leases
 
-    def _respond(self, leasing: _Leasing, plan: bytes, leases: tuple[Lease, ...]) -> bytes:
+    def _respond(self, leasing: Leasing, plan: bytes, leases: tuple[Lease, ...]) -> bytes:
         """The plan's bytes with its leases appended."""
         ttl_s = self._settings.lease_ttl_s
         return with_leases(
@@ -398,7 +352,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         )
 
     async def _resolve_devices(
-        self, call: _PlanCall, named: list[int], now: float
+        self, call: PlanCall, named: list[int], now: float
     ) -> tuple[plan_pb2.PlanRequest, dict[str, DeviceState], dict[str, DeviceAccount], LedgerView]:
         """The request with the named devices' numbers from the probe and ledger:
         the device's total memory, and for the free-fraction mode the bytes the
@@ -517,7 +471,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 pass  # unknown owner: the id stays withheld
         return refused.naming(own.__contains__)
 
-    async def _plan(self, call: _PlanCall) -> tuple[bytes, plan_pb2.PlanResponse | None]:
+    async def _plan(self, call: PlanCall) -> tuple[bytes, plan_pb2.PlanResponse | None]:
         """The serialized plan: from the cache, reused from an earlier request with
         the same content (another engine of one model), or planned now; and the
         planned message (None when not planned here, which leaves only the bytes)."""
@@ -564,7 +518,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         return parts.plan, response
 
     async def _planned(
-        self, call: _PlanCall, keys: PlanKeys, scope: str
+        self, call: PlanCall, keys: PlanKeys, scope: str
     ) -> tuple[plan_pb2.PlanResponse, PlanParts]:
         """Planned now, and serialized: of a model planned before (by the same
         identity, as with reused plans) only the budgets are. `call.in_thread`: planned
@@ -752,7 +706,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         `request_digest`: SHA-256 of the request's wire bytes, from main.py's
         deserializer, so that a repeated request is known without re-serializing it.
         """
-        call = _PlanCall(request, self._offloaded(request), digest=request_digest)
+        call = PlanCall(request, self._offloaded(request), digest=request_digest)
         del request  # the call holds it, and lets go of it while a rank waits
         try:
             return await self._serve_plan(call, context)
