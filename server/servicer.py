@@ -1,5 +1,6 @@
 """The KVCachePlanner servicer: convert, delegate to the core and the store,
-respond. The flow of a plan is in `_plan_engine`."""
+respond. The flow of a plan, request -> authorize -> devices -> plan -> lease ->
+respond, is one method: `_serve_plan`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -47,6 +47,7 @@ from kvplan.server.large_messages import (
 from kvplan.server.limits import RequestLimits
 from kvplan.server.metrics import Metrics
 from kvplan.server.plan_cache import PlanCache, PlanSummary
+from kvplan.server.plan_call import Leasing, PlanCall
 from kvplan.server.probes import DeviceMemory, DeviceProbe
 from kvplan.server.rendezvous import Rendezvous
 from kvplan.server.replies import lease_to_proto, only_rank, with_leases
@@ -63,30 +64,6 @@ LEASE_REPLY_BYTES = 256
 _OWNER_CACHE_SIZE = 65_536
 _T = TypeVar("_T")
 CHECKED_RANKS = 4096  # digests of rank requests already converted (_check_rank)
-
-
-@dataclass
-class _PlanCall:
-    """What one plan call has learned so far, handed from step to step.
-
-    `in_thread`: the engine is over --offload-layers, so its heavy steps run in a
-    worker thread (`PlannerServicer._run`); decided once per call (summing the
-    layers of 8 workers x 65 layers costs 3.9 µs). `encoded`: its workers'
-    `encode_workers`, serialized once for the keys and the conversion alike.
-    `digest`: SHA-256 of the request's wire bytes (see PlanCache.keys). `keys`:
-    its plan keys, once known. `repeats`: the same request may come again, so its
-    keys are remembered (a merged rendezvous request does not come in as these
-    bytes). `publish`: a new plan becomes the engine's plan and is persisted at
-    once (otherwise the caller does that once its leases are granted).
-    """
-
-    request: plan_pb2.PlanRequest
-    in_thread: bool
-    encoded: Sequence[WorkerBytes]
-    digest: bytes | None = None
-    keys: PlanKeys | None = None
-    repeats: bool = True
-    publish: bool = True
 
 
 class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
@@ -117,8 +94,8 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             store,
             # Each rank's limits were checked when it arrived (world_size bounds the
             # worker count): the merged request is not walked again.
-            lambda merged: self._plan_engine(
-                _PlanCall(merged, self._offloaded(merged), encode_workers(merged), repeats=False)
+            lambda merged: self._serve_plan(
+                PlanCall(merged, self._offloaded(merged), encode_workers(merged), merged=True)
             ),
             metrics,
             max_pending=settings.max_pending_rendezvous,
@@ -130,53 +107,104 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             claim_timeout_s=settings.claim_timeout_s,
         )
 
-    # --- the flow: request -> validate -> devices -> plan -> lease -> respond ------
+    # --- the flow: request -> authorize -> devices -> plan -> lease -> respond -----
 
-    async def _plan_engine(self, call: _PlanCall) -> bytes:
-        """One engine (all its workers): the serialized PlanResponse.
+    async def _serve_plan(
+        self, call: PlanCall, context: grpc.aio.ServicerContext | None = None
+    ) -> bytes:
+        """One engine (all its workers): the serialized PlanResponse, step by step:
+        request (`_check_request`) -> authorize -> devices -> plan -> lease -> respond.
 
-        Workers that name a device (device.uuid) get their budget from the
+        A rank (world_size set) stops after authorize and waits for its engine's
+        other ranks; the merged engine (`call.merged`) comes back in here, at
+        devices. Workers that name a device (device.uuid) get their budget from the
         server's probe and ledger and a lease; the others are planned from the
-        numbers they sent, and reserve nothing. Its limits were checked on
-        arrival (a rendezvous: each rank's)."""
-        request = call.request
-        named = [index for index, worker in enumerate(request.workers) if worker.device.uuid]
+        numbers they sent, and reserve nothing."""
+        if not call.merged:
+            await self._check_request(call)
+            if call.request.engine_id:
+                await self.authorize(call.request.engine_id, "plan", claim=True)
+            if call.request.world_size:
+                assert context is not None  # only a merged call comes without one
+                return await self._join_rendezvous(call, context)
+        named = [index for index, worker in enumerate(call.request.workers) if worker.device.uuid]
         if not named:
             plan, _ = await self._plan(call)
             return plan
+        leasing = await self._devices(call, named)
+        plan, response = await self._plan(leasing.call)
+        leases = await self._lease(leasing, plan, response)
+        return self._respond(leasing, plan, leases)
+
+    async def _check_request(self, call: PlanCall) -> None:
+        """The request's workers encoded once, and its limits checked."""
+        call.encoded = await self._encoded_workers(call.request, call.in_thread)
+        self._limits.check_request(call.request, call.encoded)
+
+    async def _join_rendezvous(self, call: PlanCall, context: grpc.aio.ServicerContext) -> bytes:
+        """A rank: checked alone, then its engine's plan once every rank is in."""
+        await self._check_rank(call.request, call.encoded)
+        encoded = call.encoded
+        rank = self.rendezvous.rank_spec(
+            call.request, encoded[0].data if len(encoded) == 1 else None
+        )
+        holder = self._holder(call.request.engine_id)
+        del encoded
+        call.let_go_of_request()  # main.py's handler and PlanKVCache let go of it too
+        return await self.rendezvous.join_rank(rank, context.time_remaining(), holder)
+
+    async def _devices(self, call: PlanCall, named: list[int]) -> Leasing:
+        """The named devices' numbers in the request, and the call that plans it;
+        the plan becomes the engine's (GetPlan, persisted) only once it is granted."""
         now = time.time()
-        holder = self._holder(request.engine_id)
+        holder = self._holder(call.request.engine_id)
         resolved, devices, accounts, view = await self._resolve_devices(call, named, now)
-        # The plan becomes the engine's (GetPlan, persisted) only once it is granted.
         in_thread = call.in_thread
         encoded = await self._encoded_workers(resolved, in_thread)
         keys = await self._run(functools.partial(plan_keys, resolved, encoded), in_thread)
-        plan, response = await self._plan(
-            _PlanCall(resolved, in_thread, encoded, keys=keys, publish=False)
-        )
+        planning = PlanCall(resolved, in_thread, encoded, keys=keys, publish=False)
+        return Leasing(planning, named, devices, accounts, view, now, holder)
+
+    async def _lease(
+        self, leasing: Leasing, plan: bytes, response: plan_pb2.PlanResponse | None
+    ) -> tuple[Lease, ...]:
+        """The plan's leases granted, and the plan published as the engine's."""
+        request = leasing.call.request
+        keys = leasing.call.keys
+        assert keys is not None  # the devices step computed them
         # Refused before anything is granted: a reply the caller cannot receive
         # must not leave leases behind.
         self._limits.check_reply_size(
             len(plan)
             + sum(
                 LEASE_REPLY_BYTES + len(request.engine_id) + len(request.workers[i].device.uuid)
-                for i in named
+                for i in leasing.named
             )
         )
         leases = await self._grant(
-            resolved, response or await self._parsed_plan(plan), devices, now, holder
+            request,
+            response or await self._parsed_plan(plan),
+            leasing.devices,
+            leasing.now,
+            leasing.holder,
         )
         # The gauges from what this call read and wrote, not from a second reading.
+        view = leasing.view
         self._metrics.leases_active.set(view.live_leases + len(leases))
         granted = tally(leases)
-        for state in devices.values():
+        for state in leasing.devices.values():
             after = view.devices[state.uuid] + granted.get(state.uuid, NOTHING)
             self._set_device_gauges(state, account(state, after))
         self._cache.name_engine(request.engine_id, keys.plan_id)
         await self._persist(keys.plan_id, request.engine_id, plan)
+        return leases
+
+    def _respond(self, leasing: Leasing, plan: bytes, leases: tuple[Lease, ...]) -> bytes:
+        """The plan's bytes with its leases appended."""
         ttl_s = self._settings.lease_ttl_s
         return with_leases(
-            plan, [lease_to_proto(lease, ttl_s, accounts[lease.device_uuid]) for lease in leases]
+            plan,
+            [lease_to_proto(lease, ttl_s, leasing.accounts[lease.device_uuid]) for lease in leases],
         )
 
     # --- ownership ----------------------------------------------------------------
@@ -324,7 +352,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         )
 
     async def _resolve_devices(
-        self, call: _PlanCall, named: list[int], now: float
+        self, call: PlanCall, named: list[int], now: float
     ) -> tuple[plan_pb2.PlanRequest, dict[str, DeviceState], dict[str, DeviceAccount], LedgerView]:
         """The request with the named devices' numbers from the probe and ledger:
         the device's total memory, and for the free-fraction mode the bytes the
@@ -443,14 +471,14 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 pass  # unknown owner: the id stays withheld
         return refused.naming(own.__contains__)
 
-    async def _plan(self, call: _PlanCall) -> tuple[bytes, plan_pb2.PlanResponse | None]:
+    async def _plan(self, call: PlanCall) -> tuple[bytes, plan_pb2.PlanResponse | None]:
         """The serialized plan: from the cache, reused from an earlier request with
         the same content (another engine of one model), or planned now; and the
         planned message (None when not planned here, which leaves only the bytes)."""
         request = call.request
         keys = call.keys
         if keys is None:
-            if call.repeats and not call.in_thread:
+            if not call.merged and not call.in_thread:
                 keys = self._cache.keys(request, call.digest, call.encoded)
             else:  # a large request's bytes are hashed in a thread
                 keys = await self._run(
@@ -490,7 +518,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         return parts.plan, response
 
     async def _planned(
-        self, call: _PlanCall, keys: PlanKeys, scope: str
+        self, call: PlanCall, keys: PlanKeys, scope: str
     ) -> tuple[plan_pb2.PlanResponse, PlanParts]:
         """Planned now, and serialized: of a model planned before (by the same
         identity, as with reused plans) only the budgets are. `call.in_thread`: planned
@@ -680,23 +708,10 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         `request_digest`: SHA-256 of the request's wire bytes, from main.py's
         deserializer, so that a repeated request is known without re-serializing it.
         """
+        call = PlanCall(request, self._offloaded(request), digest=request_digest)
+        del request  # the call holds it, and lets go of it while a rank waits
         try:
-            offloaded = self._offloaded(request)
-            encoded = await self._encoded_workers(request, offloaded)
-            self._limits.check_request(request, encoded)
-            if request.engine_id:
-                await self.authorize(request.engine_id, "plan", claim=True)
-            if request.world_size:
-                await self._check_rank(request, encoded)
-                rank = self.rendezvous.rank_spec(
-                    request, encoded[0].data if len(encoded) == 1 else None
-                )
-                holder = self._holder(request.engine_id)
-                # A waiting rank keeps its bytes only, not its parsed request
-                # (rendezvous.RankSpec); main.py's handler let go of it too.
-                del request, encoded
-                return await self.rendezvous.join_rank(rank, context.time_remaining(), holder)
-            return await self._plan_engine(_PlanCall(request, offloaded, encoded, request_digest))
+            return await self._serve_plan(call, context)
         except (PlanningError, ServiceError, RemoteStatus, StoreUnavailable) as error:
             await self._fail(context, error)
             raise AssertionError("unreachable") from error

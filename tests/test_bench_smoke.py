@@ -176,3 +176,29 @@ def test_large_request_figures(results: Path) -> None:
     for name in ("large_s", "worst_during_ms", "worst_control_ms"):
         assert report["figures"][name]["median"] > 0
     assert finite(report["added_ms"]["median"])
+
+
+def test_interleaved_compare_reads_both_benchmarks(results: Path, tmp_path: Path) -> None:
+    """bench.interleaved's table from the smoke run's own results, as two trees and two
+    rounds: every row of plan_core and the uncached rows of rpc, each tree against the
+    first (here the same figures, so each ratio is 1)."""
+    import shutil
+
+    from bench.interleaved import compare
+
+    for label in ("base", "new"):
+        for round_ in (1, 2):
+            for name in ("core", "rpc"):
+                folder = tmp_path / f"{label}-{name}-{round_}"
+                folder.mkdir()
+                source = "plan_core.json" if name == "core" else "rpc.json"
+                shutil.copy(results / source, folder / source)
+    table = compare(tmp_path, ["base", "new"])
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    core_rows = [row for row in rows[1:] if not row.startswith("| rpc")]
+    rpc_rows = [row for row in rows if row.startswith("| rpc uncached")]
+    plan_core = load(results, "plan_core")
+    assert len(core_rows) == 2 * len(plan_core["by_layers"] + plan_core["by_workers"])
+    assert len(rpc_rows) == 3 * 4  # 2 engines x concurrency 1, 16; 3 figures each
+    assert all(row.endswith("**1.000** |") for row in core_rows + rpc_rows), table
+    assert "plan_core {'base': 2, 'new': 2}, rpc_bench {'base': 2, 'new': 2}" in table

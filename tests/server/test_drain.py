@@ -77,7 +77,7 @@ async def test_a_call_still_running_at_the_end_of_the_grace_gets_unavailable() -
         await asyncio.sleep(30)
         return b""
 
-    running.servicer._plan_engine = slow  # type: ignore[method-assign]
+    running.servicer._serve_plan = slow  # type: ignore[method-assign]
     # Without the client's retry policy, to see the server's own answer.
     async with grpc.aio.insecure_channel(
         f"127.0.0.1:{running.port}", options=[("grpc.enable_retries", 0)]

@@ -483,7 +483,8 @@ async def test_a_fault_while_planning_a_rendezvous_reaches_every_rank(
     async def broken(*args: object, **kwargs: object) -> bytes:
         raise KeyError("a bug")
 
-    server.servicer._plan_engine = broken  # type: ignore[method-assign]
+    # Only the merged engine is planned (each rank is checked and waits).
+    server.servicer._plan = broken  # type: ignore[method-assign,assignment]
     with caplog.at_level(logging.ERROR, logger="kvplan.server"):
         results = await asyncio.gather(
             *(client.plan(rank_request("faulty", rank, 2), timeout_s=5) for rank in range(2)),

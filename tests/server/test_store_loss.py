@@ -17,13 +17,16 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplan.client import AsyncPlannerClient, PlannerError
+from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.server.main import RunningServer, start_server
-from tests.server.conftest import GIB, TEST_SETTINGS
+from tests.server.conftest import TEST_SETTINGS
 from tests.server.redis_server import RedisServer, running_redis
 from tests.server.test_leases import device_uuids, leased_request
 
 LEASE_TTL_S = 2.0  # the pause lasts one lease TTL: short, so the test is quick
-SEVENTY_GIB = 70 / 80  # of an H100-80GB: a 70 GiB lease
+H100 = GPU_MEMORY_BYTES["H100-80GB"]  # the catalog's figure, as the static probe reports
+SEVEN_EIGHTHS = 7 / 8  # of the device: two such leases never fit it
+SEVEN_EIGHTHS_BYTES = H100 * 7 // 8
 
 
 async def planner_health(server: RunningServer) -> int:
@@ -48,8 +51,8 @@ async def started(redis_server: RedisServer, **changes: object) -> RunningServer
 async def no_double_grant_after_a_loss(
     server: RunningServer, other: RunningServer, redis_server: RedisServer
 ) -> None:
-    """A 70 GiB lease held, Redis loses its data: the holder's renewal and a
-    second 70 GiB grant are UNAVAILABLE (grants paused, the planner service
+    """A lease of 7/8 of the device held, Redis loses its data: the holder's renewal and a
+    second such grant are UNAVAILABLE (grants paused, the planner service
     NOT_SERVING) until one lease TTL has passed; then the holder's lease is
     gone (NOT_FOUND: by the client's contract it stopped using the memory when
     its retries reached the lease's expiry) and the memory may be granted. The
@@ -59,13 +62,13 @@ async def no_double_grant_after_a_loss(
         AsyncPlannerClient(f"127.0.0.1:{other.port}", timeout_s=10) as other_client,
     ):
         (uuid,) = await device_uuids(client)
-        held = await client.plan(leased_request("holder", uuid, utilization=SEVENTY_GIB))
-        assert held.leases[0].bytes == 70 * GIB
+        held = await client.plan(leased_request("holder", uuid, utilization=SEVEN_EIGHTHS))
+        assert held.leases[0].bytes == SEVEN_EIGHTHS_BYTES
         await asyncio.to_thread(redis_server.restart)  # SIGKILL, then empty
         found_at = time.time()
         for attempt in (
             lambda: client.renew_leases("holder"),
-            lambda: other_client.plan(leased_request("second", uuid, utilization=SEVENTY_GIB)),
+            lambda: other_client.plan(leased_request("second", uuid, utilization=SEVEN_EIGHTHS)),
         ):
             with pytest.raises(PlannerError) as paused:
                 await attempt()  # the client retries UNAVAILABLE (~0.7 s), in vain
@@ -84,13 +87,13 @@ async def no_double_grant_after_a_loss(
         assert registry.get_sample_value("kvplan_store_grants_paused") == 1
         assert registry.get_sample_value("kvplan_store_losses_total") == 1
         await asyncio.sleep(max(0.0, found_at + LEASE_TTL_S + 0.1 - time.time()))
-        second = await client.plan(leased_request("second", uuid, utilization=SEVENTY_GIB))
-        assert second.leases[0].bytes == 70 * GIB
+        second = await client.plan(leased_request("second", uuid, utilization=SEVEN_EIGHTHS))
+        assert second.leases[0].bytes == SEVEN_EIGHTHS_BYTES
         with pytest.raises(PlannerError) as gone:
             await client.renew_leases("holder")
         assert gone.value.code is grpc.StatusCode.NOT_FOUND
         (device,) = (await client.list_devices()).devices
-        assert device.committed_bytes == 70 * GIB  # never 140 GiB on an 80 GiB device
+        assert device.committed_bytes == SEVEN_EIGHTHS_BYTES  # never twice that
         for _ in range(50):
             if await planner_health(server) == health_pb2.HealthCheckResponse.SERVING:
                 break
@@ -166,8 +169,8 @@ async def test_a_redis_back_from_an_older_snapshot_promises_no_byte_twice(
     granted, then kill -9: Redis comes back with the snapshot (its epoch
     included) and without the second lease. The ledger's version went back
     below what the replica saw, which only a loss does: grants pause, so that
-    lease's 40 GiB is not granted again while its holder may still use it
-    (20 + 40 + 40 GiB of 80)."""
+    lease's half of the device is not granted again while its holder may still use it
+    (a quarter + a half + a half of it)."""
     with running_redis(tmp_path, appendonly=False, save="3600 1") as redis_server:
         server = await started(redis_server, redis_allow_no_persistence=True)
         try:
@@ -192,6 +195,6 @@ async def test_a_redis_back_from_an_older_snapshot_promises_no_byte_twice(
                 assert paused.value.code is grpc.StatusCode.UNAVAILABLE, paused.value
                 assert "lost its data" in paused.value.details
                 (device,) = (await client.list_devices()).devices
-                assert device.committed_bytes == 20 * GIB
+                assert device.committed_bytes == H100 // 4
         finally:
             await server.stop(0)
