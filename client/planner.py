@@ -10,9 +10,10 @@ from typing import Self
 import grpc
 import grpc.aio
 
-from kvplan.client.errors import error_from_rpc
+from kvplan.client.errors import PlannerError, error_from_rpc
 from kvplan.client.model import PlanResult
 from kvplan.client.security import ChannelSecurity, resolve_security
+from kvplan.client.targets import with_default_port
 from kvplan.v1 import plan_pb2, service_pb2, service_pb2_grpc
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -94,6 +95,14 @@ def _plan_get_request(
 class PlannerClient:
     """Blocking client. Use as a context manager or call close()."""
 
+    def _error(self, error: grpc.RpcError) -> PlannerError:
+        return error_from_rpc(
+            error,
+            target=self.target,
+            tls=self.security.tls,
+            token=self.security.token is not None,
+        )
+
     def __init__(
         self,
         target: str,
@@ -114,6 +123,7 @@ class PlannerClient:
             security, tls, root_certificates, private_key, certificate_chain
         )
         self._metadata = self.security.metadata()
+        self.target = target = with_default_port(target)
         options = channel_options() + self.security.channel_options()
         creds = self.security.credentials()
         if creds is not None:
@@ -129,7 +139,7 @@ class PlannerClient:
                 request, timeout=timeout_s or self.timeout_s, metadata=self._metadata
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
         return PlanResult(response)
 
     def get_plan(
@@ -147,7 +157,7 @@ class PlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
         return PlanResult(response)
 
     def list_devices(self, *, timeout_s: float | None = None) -> service_pb2.ListDevicesResponse:
@@ -158,7 +168,7 @@ class PlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
 
     def renew_leases(
         self,
@@ -177,7 +187,7 @@ class PlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
         return tuple(response.leases)
 
     def release_plan(
@@ -191,7 +201,7 @@ class PlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
 
     def close(self) -> None:
         self._channel.close()
@@ -211,6 +221,14 @@ class PlannerClient:
 class AsyncPlannerClient:
     """asyncio client. Use `async with` or await close()."""
 
+    def _error(self, error: grpc.RpcError) -> PlannerError:
+        return error_from_rpc(
+            error,
+            target=self.target,
+            tls=self.security.tls,
+            token=self.security.token is not None,
+        )
+
     def __init__(
         self,
         target: str,
@@ -228,6 +246,7 @@ class AsyncPlannerClient:
             security, tls, root_certificates, private_key, certificate_chain
         )
         self._metadata = self.security.metadata()
+        self.target = target = with_default_port(target)
         options = channel_options() + self.security.channel_options()
         creds = self.security.credentials()
         if creds is not None:
@@ -244,7 +263,7 @@ class AsyncPlannerClient:
                 request, timeout=timeout_s or self.timeout_s, metadata=self._metadata
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
         return PlanResult(response)
 
     async def get_plan(
@@ -262,7 +281,7 @@ class AsyncPlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
         return PlanResult(response)
 
     async def list_devices(
@@ -275,7 +294,7 @@ class AsyncPlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
 
     async def renew_leases(
         self,
@@ -292,7 +311,7 @@ class AsyncPlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
         return tuple(response.leases)
 
     async def release_plan(
@@ -305,7 +324,7 @@ class AsyncPlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
 
     async def echo(self, request: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:
         return await self._stub.Echo(request, timeout=self.timeout_s, metadata=self._metadata)
