@@ -25,38 +25,52 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 _SERVICE = "kvplan.v1.KVCachePlanner"
 # Retries with backoff on UNAVAILABLE, for calls that are safe to repeat. A plan
 # is content-addressed and a repeated rank with the same spec joins the same
-# rendezvous, so PlanKVCache is idempotent too.
-_SERVICE_CONFIG = {
-    "methodConfig": [
-        {
-            "name": [
-                {"service": _SERVICE, "method": method}
-                # Renewing and releasing leases are idempotent as well.
-                for method in (
-                    "PlanKVCache",
-                    "GetPlan",
-                    "ListDevices",
-                    "Echo",
-                    "RenewLeases",
-                    "ReleasePlan",
-                )
-            ],
-            "retryPolicy": {
-                "maxAttempts": 4,
-                "initialBackoff": "0.1s",
-                "maxBackoff": "2s",
-                "backoffMultiplier": 2,
-                "retryableStatusCodes": ["UNAVAILABLE"],
-            },
-        }
-    ]
-}
+# rendezvous, so PlanKVCache is idempotent too. Renewing and releasing leases are
+# idempotent as well.
+_RETRIED_METHODS = ("PlanKVCache", "GetPlan", "ListDevices", "Echo", "RenewLeases", "ReleasePlan")
+MAX_ATTEMPTS = 4
+INITIAL_BACKOFF_S = 0.1
+BACKOFF_MULTIPLIER = 2
 
 
-def channel_options() -> list[tuple[str, int | str]]:
+def retry_attempts(retry_budget_s: float | None) -> int:
+    """Attempts of one call (1 = no retry): MAX_ATTEMPTS, or fewer when the longest
+    waits between them (0.1 s, 0.2 s, 0.4 s, each with gRPC's jitter) would
+    add up past `retry_budget_s`."""
+    attempts, waited, backoff = 1, 0.0, INITIAL_BACKOFF_S
+    while attempts < MAX_ATTEMPTS and (
+        retry_budget_s is None or waited + backoff <= retry_budget_s + 1e-9
+    ):
+        attempts, waited, backoff = attempts + 1, waited + backoff, backoff * BACKOFF_MULTIPLIER
+    return attempts
+
+
+def _service_config(attempts: int) -> dict[str, object]:
+    if attempts < 2:  # gRPC takes no retry policy of one attempt
+        return {}
+    return {
+        "methodConfig": [
+            {
+                "name": [{"service": _SERVICE, "method": method} for method in _RETRIED_METHODS],
+                "retryPolicy": {
+                    "maxAttempts": attempts,
+                    "initialBackoff": f"{INITIAL_BACKOFF_S}s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": BACKOFF_MULTIPLIER,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+
+
+def channel_options(retry_budget_s: float | None = None) -> list[tuple[str, int | str]]:
+    """`retry_budget_s`: the most the waits between retries of one call may add (None:
+    MAX_ATTEMPTS attempts, at most 0.7 s of waits)."""
+    attempts = retry_attempts(retry_budget_s)
     return [
-        ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
-        ("grpc.enable_retries", 1),
+        ("grpc.service_config", json.dumps(_service_config(attempts))),
+        ("grpc.enable_retries", 1 if attempts > 1 else 0),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -113,18 +127,21 @@ class PlannerClient:
         private_key: bytes | None = None,
         certificate_chain: bytes | None = None,
         security: ChannelSecurity | None = None,
+        retry_budget_s: float | None = None,
     ) -> None:
-        """`security`: TLS, client certificate and bearer token (see
+        """`target`: HOST:PORT (HOST alone: port 50051, see kvplan.client.targets).
+        `security`: TLS, client certificate and bearer token (see
         kvplan.client.security; `ChannelSecurity.from_env()` reads KVPLAN_*).
-        Default: plaintext, no token. The `tls`/`root_certificates`/... keywords
-        remain for older callers."""
+        Default: plaintext, no token. `retry_budget_s`: the most the waits between
+        retries on UNAVAILABLE may add to one call (see channel_options). The
+        `tls`/`root_certificates`/... keywords remain for older callers."""
         self.timeout_s = timeout_s
         self.security = resolve_security(
             security, tls, root_certificates, private_key, certificate_chain
         )
         self._metadata = self.security.metadata()
         self.target = target = with_default_port(target)
-        options = channel_options() + self.security.channel_options()
+        options = channel_options(retry_budget_s) + self.security.channel_options()
         creds = self.security.credentials()
         if creds is not None:
             self._channel = grpc.secure_channel(target, creds, options=options)
@@ -239,6 +256,7 @@ class AsyncPlannerClient:
         private_key: bytes | None = None,
         certificate_chain: bytes | None = None,
         security: ChannelSecurity | None = None,
+        retry_budget_s: float | None = None,
     ) -> None:
         """See PlannerClient."""
         self.timeout_s = timeout_s
@@ -247,7 +265,7 @@ class AsyncPlannerClient:
         )
         self._metadata = self.security.metadata()
         self.target = target = with_default_port(target)
-        options = channel_options() + self.security.channel_options()
+        options = channel_options(retry_budget_s) + self.security.channel_options()
         creds = self.security.credentials()
         if creds is not None:
             self._channel = grpc.aio.secure_channel(target, creds, options=options)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from pathlib import Path
 
 import grpc
@@ -13,7 +14,9 @@ from google.protobuf import json_format
 
 from kvplan.cli import main
 from kvplan.client import AsyncPlannerClient, PlannerClient, PlannerError
+from kvplan.client.planner import retry_attempts
 from kvplan.client.targets import DEFAULT_PORT, with_default_port
+from kvplan.client.vllm_plugin.settings import Settings
 from kvplan.server.main import RunningServer
 from tests.server.conftest import engine_request
 
@@ -86,3 +89,44 @@ def test_health_names_the_default_port(capsys: pytest.CaptureFixture[str]) -> No
     err = capsys.readouterr().err
     assert code == 1
     assert f"no kvplan server answered at nohost.invalid:{DEFAULT_PORT}" in err, err
+
+
+class _CountingBrokenProbe:
+    """A device driver that fails on every reading (the server answers UNAVAILABLE,
+    which clients retry): counts the readings, one per attempt."""
+
+    name = "nvml"
+
+    def __init__(self) -> None:
+        self.readings = 0
+
+    def snapshot(self) -> tuple[()]:
+        self.readings += 1
+        raise RuntimeError("NVML: GPU is lost")
+
+    def close(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize(("timeout_s", "attempts"), [(2.0, 3), (1.0, 2), (0.3, 1)])
+async def test_plugin_retries_fit_a_quarter_of_its_timeout(
+    server: RunningServer, timeout_s: float, attempts: int
+) -> None:
+    """A dead server cost every engine start 0.6-0.8 s of retries (4 attempts): the
+    plugin's waits between retries are bounded by KVPLAN_TIMEOUT_S / 4."""
+    settings = Settings(addr=f"127.0.0.1:{_closed_port()}", timeout_s=timeout_s)
+    started = time.monotonic()
+    with settings.planner_client() as client, pytest.raises(PlannerError) as caught:
+        await asyncio.to_thread(client.list_devices)
+    took = time.monotonic() - started
+    assert caught.value.code is grpc.StatusCode.UNAVAILABLE  # not DEADLINE_EXCEEDED
+    assert took < timeout_s / 4 * 1.2 + 0.2, took  # gRPC's jitter, and a busy machine
+    # The attempts, counted by a real server whose device probe fails.
+    probe = _CountingBrokenProbe()
+    server.servicer._probe = probe  # type: ignore[assignment]
+    settings = Settings(addr=f"127.0.0.1:{server.port}", timeout_s=timeout_s)
+    with settings.planner_client() as client, pytest.raises(PlannerError) as caught:
+        await asyncio.to_thread(client.list_devices)
+    assert "GPU is lost" in caught.value.details
+    assert probe.readings == attempts == retry_attempts(settings.retry_budget_s)
+    assert retry_attempts(None) == 4  # the library's own default is unchanged
