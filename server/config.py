@@ -54,7 +54,7 @@ class Settings:
     max_engine_id_chars: int = 256
     max_layer_name_chars: int = 1024
     max_identifier_chars: int = 256  # engine_version, target_model_type, device uuid / name
-    max_pending_rendezvous_bytes: int = 256 * 1024 * 1024  # 2x waiting ranks' wire bytes, this process
+    max_pending_rendezvous_bytes: int = 256 * 1024 * 1024  # 2x waiting ranks' wire size
     max_pending_rendezvous_bytes_per_identity: int = 64 * 1024 * 1024  # one identity's of those
     rendezvous_result_bytes: int = 64 * 1024 * 1024  # finished rank-mode results kept in the store
     max_leases_per_identity: int = 4096

@@ -123,7 +123,7 @@ async def test_plugin_retries_fit_a_quarter_of_its_timeout(
     assert took < timeout_s / 4 * 1.2 + 0.2, took  # gRPC's jitter, and a busy machine
     # The attempts, counted by a real server whose device probe fails.
     probe = _CountingBrokenProbe()
-    server.servicer._probe = probe  # type: ignore[assignment]
+    server.servicer._probe = probe
     settings = Settings(addr=f"127.0.0.1:{server.port}", timeout_s=timeout_s)
     with settings.planner_client() as client, pytest.raises(PlannerError) as caught:
         await asyncio.to_thread(client.list_devices)
