@@ -72,10 +72,51 @@ def _read_detail(
         metadata.setdefault("reason", info.reason)
 
 
-def error_from_rpc(error: grpc.RpcError) -> PlannerError:
-    """A PlannerError from a failed call (sync or asyncio)."""
+def error_from_rpc(
+    error: grpc.RpcError, *, target: str | None = None, tls: bool = False, token: bool = False
+) -> PlannerError:
+    """A PlannerError from a failed call (sync or asyncio). With `target` (and how the
+    channel was secured), a call that never reached a kvplan server says so and what
+    to check, instead of gRPC's transport text (kept in metadata["grpc_message"])."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
-    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    violations, metadata = _unpack_details(tuple(trailing or ()))
+    trailing = tuple(
+        (error.trailing_metadata() if hasattr(error, "trailing_metadata") else None) or ()
+    )
+    violations, metadata = _unpack_details(trailing)
+    answered = any(key == _STATUS_DETAILS_KEY for key, _ in trailing)  # kvplan always packs them
+    if target is not None and code is grpc.StatusCode.UNAVAILABLE and not answered:
+        metadata["grpc_message"] = details or ""
+        details = unreachable_text(target, details or "", tls=tls, token=token)
     return PlannerError(code, details or "", violations, metadata)
+
+
+# gRPC's transport text -> the likely cause, in the order they are tried.
+_CAUSES = (
+    ("Connection refused", "connection refused: nothing listens on that port"),
+    ("DNS resolution failed", "the host name does not resolve"),
+    ("Domain name not found", "the host name does not resolve"),
+    ("Ssl handshake failed", "the TLS handshake failed: a plaintext server, or a server "
+     "certificate this client does not trust"),
+    ("Socket closed", "the server closed the connection at once: a TLS server reached in "
+     "plaintext, a client certificate it refused, or not a gRPC server"),
+    ("Connection reset", "the connection was reset: a TLS server reached in plaintext, or "
+     "not a gRPC server"),
+    ("timed out", "the connection timed out: a wrong address or a firewall"),
+)  # fmt: skip
+
+
+def unreachable_text(target: str, raw: str, *, tls: bool, token: bool) -> str:
+    """What to check when no kvplan server answered at `target`."""
+    cause = next((why for marker, why in _CAUSES if marker in raw), None)
+    if cause is None:
+        cause = " ".join(raw.rpartition("last error: ")[2].split()) or "no answer"
+    security = "TLS" if tls else "plaintext"
+    flip = "plaintext (no --tls / KVPLAN_TLS)" if tls else "TLS (--tls or --tls-ca)"
+    return (
+        f"no kvplan server answered at {target} ({cause}). Check the address and port "
+        f"(kvplan serve listens on 50051 by default), that the server runs, TLS vs "
+        f"plaintext (this client used {security}; the server may want {flip}), and the "
+        f"token ({'one was sent' if token else 'none was sent'}: KVPLAN_TOKEN or "
+        "--token-file when the server has --token-file)"
+    )

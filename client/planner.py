@@ -10,9 +10,10 @@ from typing import Self
 import grpc
 import grpc.aio
 
-from kvplan.client.errors import error_from_rpc
+from kvplan.client.errors import PlannerError, error_from_rpc
 from kvplan.client.model import PlanResult
 from kvplan.client.security import ChannelSecurity, resolve_security
+from kvplan.client.targets import with_default_port
 from kvplan.v1 import plan_pb2, service_pb2, service_pb2_grpc
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -24,38 +25,52 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 _SERVICE = "kvplan.v1.KVCachePlanner"
 # Retries with backoff on UNAVAILABLE, for calls that are safe to repeat. A plan
 # is content-addressed and a repeated rank with the same spec joins the same
-# rendezvous, so PlanKVCache is idempotent too.
-_SERVICE_CONFIG = {
-    "methodConfig": [
-        {
-            "name": [
-                {"service": _SERVICE, "method": method}
-                # Renewing and releasing leases are idempotent as well.
-                for method in (
-                    "PlanKVCache",
-                    "GetPlan",
-                    "ListDevices",
-                    "Echo",
-                    "RenewLeases",
-                    "ReleasePlan",
-                )
-            ],
-            "retryPolicy": {
-                "maxAttempts": 4,
-                "initialBackoff": "0.1s",
-                "maxBackoff": "2s",
-                "backoffMultiplier": 2,
-                "retryableStatusCodes": ["UNAVAILABLE"],
-            },
-        }
-    ]
-}
+# rendezvous, so PlanKVCache is idempotent too. Renewing and releasing leases are
+# idempotent as well.
+_RETRIED_METHODS = ("PlanKVCache", "GetPlan", "ListDevices", "Echo", "RenewLeases", "ReleasePlan")
+MAX_ATTEMPTS = 4
+INITIAL_BACKOFF_S = 0.1
+BACKOFF_MULTIPLIER = 2
 
 
-def channel_options() -> list[tuple[str, int | str]]:
+def retry_attempts(retry_budget_s: float | None) -> int:
+    """Attempts of one call (1 = no retry): MAX_ATTEMPTS, or fewer when the longest
+    waits between them (0.1 s, 0.2 s, 0.4 s, each with gRPC's jitter) would
+    add up past `retry_budget_s`."""
+    attempts, waited, backoff = 1, 0.0, INITIAL_BACKOFF_S
+    while attempts < MAX_ATTEMPTS and (
+        retry_budget_s is None or waited + backoff <= retry_budget_s + 1e-9
+    ):
+        attempts, waited, backoff = attempts + 1, waited + backoff, backoff * BACKOFF_MULTIPLIER
+    return attempts
+
+
+def _service_config(attempts: int) -> dict[str, object]:
+    if attempts < 2:  # gRPC takes no retry policy of one attempt
+        return {}
+    return {
+        "methodConfig": [
+            {
+                "name": [{"service": _SERVICE, "method": method} for method in _RETRIED_METHODS],
+                "retryPolicy": {
+                    "maxAttempts": attempts,
+                    "initialBackoff": f"{INITIAL_BACKOFF_S}s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": BACKOFF_MULTIPLIER,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+
+
+def channel_options(retry_budget_s: float | None = None) -> list[tuple[str, int | str]]:
+    """`retry_budget_s`: the most the waits between retries of one call may add (None:
+    MAX_ATTEMPTS attempts, at most 0.7 s of waits)."""
+    attempts = retry_attempts(retry_budget_s)
     return [
-        ("grpc.service_config", json.dumps(_SERVICE_CONFIG)),
-        ("grpc.enable_retries", 1),
+        ("grpc.service_config", json.dumps(_service_config(attempts))),
+        ("grpc.enable_retries", 1 if attempts > 1 else 0),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -94,6 +109,14 @@ def _plan_get_request(
 class PlannerClient:
     """Blocking client. Use as a context manager or call close()."""
 
+    def _error(self, error: grpc.RpcError) -> PlannerError:
+        return error_from_rpc(
+            error,
+            target=self.target,
+            tls=self.security.tls,
+            token=self.security.token is not None,
+        )
+
     def __init__(
         self,
         target: str,
@@ -104,17 +127,21 @@ class PlannerClient:
         private_key: bytes | None = None,
         certificate_chain: bytes | None = None,
         security: ChannelSecurity | None = None,
+        retry_budget_s: float | None = None,
     ) -> None:
-        """`security`: TLS, client certificate and bearer token (see
+        """`target`: HOST:PORT (HOST alone: port 50051, see kvplan.client.targets).
+        `security`: TLS, client certificate and bearer token (see
         kvplan.client.security; `ChannelSecurity.from_env()` reads KVPLAN_*).
-        Default: plaintext, no token. The `tls`/`root_certificates`/... keywords
-        remain for older callers."""
+        Default: plaintext, no token. `retry_budget_s`: the most the waits between
+        retries on UNAVAILABLE may add to one call (see channel_options). The
+        `tls`/`root_certificates`/... keywords remain for older callers."""
         self.timeout_s = timeout_s
         self.security = resolve_security(
             security, tls, root_certificates, private_key, certificate_chain
         )
         self._metadata = self.security.metadata()
-        options = channel_options() + self.security.channel_options()
+        self.target = target = with_default_port(target)
+        options = channel_options(retry_budget_s) + self.security.channel_options()
         creds = self.security.credentials()
         if creds is not None:
             self._channel = grpc.secure_channel(target, creds, options=options)
@@ -129,7 +156,7 @@ class PlannerClient:
                 request, timeout=timeout_s or self.timeout_s, metadata=self._metadata
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
         return PlanResult(response)
 
     def get_plan(
@@ -147,7 +174,7 @@ class PlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
         return PlanResult(response)
 
     def list_devices(self, *, timeout_s: float | None = None) -> service_pb2.ListDevicesResponse:
@@ -158,7 +185,7 @@ class PlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
 
     def renew_leases(
         self,
@@ -177,7 +204,7 @@ class PlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
         return tuple(response.leases)
 
     def release_plan(
@@ -191,7 +218,7 @@ class PlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
 
     def close(self) -> None:
         self._channel.close()
@@ -211,6 +238,14 @@ class PlannerClient:
 class AsyncPlannerClient:
     """asyncio client. Use `async with` or await close()."""
 
+    def _error(self, error: grpc.RpcError) -> PlannerError:
+        return error_from_rpc(
+            error,
+            target=self.target,
+            tls=self.security.tls,
+            token=self.security.token is not None,
+        )
+
     def __init__(
         self,
         target: str,
@@ -221,6 +256,7 @@ class AsyncPlannerClient:
         private_key: bytes | None = None,
         certificate_chain: bytes | None = None,
         security: ChannelSecurity | None = None,
+        retry_budget_s: float | None = None,
     ) -> None:
         """See PlannerClient."""
         self.timeout_s = timeout_s
@@ -228,7 +264,8 @@ class AsyncPlannerClient:
             security, tls, root_certificates, private_key, certificate_chain
         )
         self._metadata = self.security.metadata()
-        options = channel_options() + self.security.channel_options()
+        self.target = target = with_default_port(target)
+        options = channel_options(retry_budget_s) + self.security.channel_options()
         creds = self.security.credentials()
         if creds is not None:
             self._channel = grpc.aio.secure_channel(target, creds, options=options)
@@ -244,7 +281,7 @@ class AsyncPlannerClient:
                 request, timeout=timeout_s or self.timeout_s, metadata=self._metadata
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
         return PlanResult(response)
 
     async def get_plan(
@@ -262,7 +299,7 @@ class AsyncPlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
         return PlanResult(response)
 
     async def list_devices(
@@ -275,7 +312,7 @@ class AsyncPlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
 
     async def renew_leases(
         self,
@@ -292,7 +329,7 @@ class AsyncPlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
         return tuple(response.leases)
 
     async def release_plan(
@@ -305,7 +342,7 @@ class AsyncPlannerClient:
                 metadata=self._metadata,
             )
         except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+            raise self._error(error) from None
 
     async def echo(self, request: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:
         return await self._stub.Echo(request, timeout=self.timeout_s, metadata=self._metadata)

@@ -339,19 +339,20 @@ def _plan_remote(
             return client.plan(request).response
     except OSError as error:
         raise RemoteError(f"{error} (a TLS or token file)", 2) from error
+    except ValueError as error:  # a target with an empty port
+        raise RemoteError(str(error), 2) from error
     except PlannerError as error:
-        field = f"{error.violations[0].field}: " if error.violations else ""
-        hint = ""
-        if error.code_name == "UNAVAILABLE":
-            hint = (
-                f" -- check that a kvplan server listens at {target} and that TLS matches "
-                "it (--tls / --tls-ca, or plaintext without them)"
-            )
-        elif error.code_name in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
-            hint = " -- check the token (--token-file, KVPLAN_TOKEN) and client certificate"
-        raise RemoteError(
-            f"{field}{error.details}{hint}", EXIT_CODES.get(error.code_name, 1)
-        ) from error
+        raise RemoteError(remote_error_text(error), EXIT_CODES.get(error.code_name, 1)) from error
+
+
+def remote_error_text(error: Any) -> str:
+    """A server's answer (or no answer) in one line: the status code once, the field
+    it names, the server's message (for no answer, the client's: what to check)."""
+    field = f"{error.violations[0].field}: " if error.violations else ""
+    hint = ""
+    if error.code_name in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+        hint = " -- check the token (--token-file, KVPLAN_TOKEN) and client certificate"
+    return f"{error.code_name}: {field}{error.details}{hint}"
 
 
 def _serve_command(argv: Sequence[str]) -> int:
@@ -385,8 +386,10 @@ def _health_channel(target: str, args: argparse.Namespace | None = None) -> Any:
     import grpc
 
     from kvplan.client import ChannelSecurity
+    from kvplan.client.targets import with_default_port
 
     security = ChannelSecurity.from_env(security_environ(args))
+    target = with_default_port(target)
     options = [("grpc.enable_http_proxy", 0), *security.channel_options()]
     credentials = security.credentials()
     if credentials is None:
@@ -406,6 +409,8 @@ def _health_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    from kvplan.client import ChannelSecurity
+
     service = args.service or "(server)"
     try:
         # A health probe goes straight to the target, never through an HTTP proxy.
@@ -413,13 +418,25 @@ def _health_command(args: argparse.Namespace) -> int:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )
+    except ValueError as error:  # a target with an empty port
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except grpc.RpcError as error:
         code = error.code()
         name = code.name if code is not None else "UNKNOWN"
         details = " ".join(str(error.details() or "").split())
         suffix = f": {details}" if details else ""
-        if name == "UNAVAILABLE":
-            suffix += " -- check the address and that TLS matches the server (--tls / --tls-ca)"
+        if name == "UNAVAILABLE" and not error.trailing_metadata():
+            from kvplan.client.errors import unreachable_text
+            from kvplan.client.targets import with_default_port
+
+            security = ChannelSecurity.from_env(security_environ(args))
+            suffix = ": " + unreachable_text(
+                with_default_port(args.target),
+                str(error.details() or ""),
+                tls=security.tls,
+                token=security.token is not None,
+            )
         print(f"error: {args.target} {service}: {name}{suffix}", file=sys.stderr)
         return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
@@ -472,7 +489,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--gpu-memory", type=parse_size, help="device total memory: bytes, 80GiB, 81559MiB"
     )
-    plan.add_argument("--target", help="plan on a server at HOST:PORT instead of in-process")
+    plan.add_argument(
+        "--target",
+        help="plan on a server at HOST:PORT instead of in-process (HOST alone: port 50051)",
+    )
     plan.add_argument(
         "--engine-version",
         help="rule set of the engine release that will run the plan: vllm-0.32, vllm-0.33, "

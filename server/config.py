@@ -54,7 +54,7 @@ class Settings:
     max_engine_id_chars: int = 256
     max_layer_name_chars: int = 1024
     max_identifier_chars: int = 256  # engine_version, target_model_type, device uuid / name
-    max_pending_rendezvous_bytes: int = 256 * 1024 * 1024  # specs of waiting ranks, this process
+    max_pending_rendezvous_bytes: int = 256 * 1024 * 1024  # 2x waiting ranks' wire size
     max_pending_rendezvous_bytes_per_identity: int = 64 * 1024 * 1024  # one identity's of those
     rendezvous_result_bytes: int = 64 * 1024 * 1024  # finished rank-mode results kept in the store
     max_leases_per_identity: int = 4096
@@ -107,9 +107,11 @@ _HELP = {
     "max_layer_name_chars": "longest layer name",
     "max_identifier_chars": "longest options.engine_version, spec_decode.target_model_type, "
     "device.uuid or device.name",
-    "max_pending_rendezvous_bytes": "bytes of rank specs waiting in rendezvous (this process)",
-    "max_pending_rendezvous_bytes_per_identity": "bytes of one identity's rank specs waiting "
-    "in rendezvous (this process, with authentication)",
+    "max_pending_rendezvous_bytes": "bytes that ranks waiting in rendezvous hold in this "
+    "process, each counted as twice its request's wire size (its spec kept as bytes, and "
+    "gRPC's copy of the received call)",
+    "max_pending_rendezvous_bytes_per_identity": "the same bytes, of one identity's waiting "
+    "ranks (this process, with authentication)",
     "rendezvous_result_bytes": "bytes of finished rank-mode results kept for late or retrying "
     "ranks (the oldest are forgotten first)",
     "max_leases_per_identity": "live leases one identity may hold",

@@ -137,7 +137,7 @@ class Rendezvous:
         self._draining = False
         self._waiting = 0
         self._max_pending_bytes = max_pending_bytes
-        self._pending_bytes = 0  # rank specs inside join() in this process
+        self._pending_bytes = 0  # HELD_COPIES x wire bytes of the ranks inside join() here
         self._max_result_bytes = max_result_bytes
         self._max_pending_per_identity = max_pending_per_identity
         # Each identity's share of the bytes above (with authentication).
@@ -217,7 +217,8 @@ class Rendezvous:
                 "max_pending_rendezvous_bytes",
                 self._pending_bytes + size,
                 self._max_pending_bytes,
-                "bytes of rank specs waiting for their engines on this server, with this rank's",
+                "bytes held by ranks waiting for their engines on this server (twice each "
+                "rank's request size), with this rank's",
             )
         held = self._pending_bytes_of.get(identity, 0)
         share = self._max_pending_bytes_per_identity
@@ -227,8 +228,8 @@ class Rendezvous:
                 "max_pending_rendezvous_bytes_per_identity",
                 held + size,
                 share,
-                f"bytes of rank specs of identity {identity!r} waiting for their engines on "
-                "this server, with this rank's",
+                f"bytes held by ranks of identity {identity!r} waiting for their engines on "
+                "this server (twice each rank's request size), with this rank's",
             )
         self._pending_bytes += size
         self._pending_bytes_of[identity] = held + size

@@ -355,7 +355,7 @@ def test_commands_that_talk_to_a_server_list_tls_and_token_options(
     request = str(EXAMPLES / "llama-3.1-8b.yaml")
     assert main(["plan", request, "--target", "127.0.0.1:1"]) == 1
     err = capsys.readouterr().err
-    assert "check that a kvplan server listens at 127.0.0.1:1" in err
+    assert "no kvplan server answered at 127.0.0.1:1 " in err
     missing = ["--tls-ca", "/nonexistent/ca.pem"]
     assert main(["plan", request, "--target", "127.0.0.1:1", *missing]) == 2
     assert "KVPLAN_TLS_CA=/nonexistent/ca.pem" in capsys.readouterr().err

@@ -325,9 +325,7 @@ class EngineStart:
         return self.release.engine_version
 
     def client(self) -> PlannerClient:
-        return PlannerClient(
-            self.settings.addr, timeout_s=self.settings.timeout_s, security=self.settings.security
-        )
+        return self.settings.planner_client()
 
     def supported_layouts(self) -> list[list[str]] | None:
         """Each worker's supported layouts, the lists the engine core resolved the

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kvplan.client.planner import PlannerClient
 from kvplan.client.security import ChannelSecurity
 
 
@@ -57,6 +58,22 @@ class Settings:
     @property
     def enabled(self) -> bool:
         return bool(self.addr)
+
+    @property
+    def retry_budget_s(self) -> float:
+        """The most the waits between retries may add to one call: a quarter of
+        KVPLAN_TIMEOUT_S, so a dead server costs an engine start at most that (0.3 s
+        at the default 2 s: two retries) and the last try keeps most of the deadline."""
+        return self.timeout_s / 4
+
+    def planner_client(self) -> PlannerClient:
+        """The client of one engine start (and its lease heartbeats)."""
+        return PlannerClient(
+            self.addr,
+            timeout_s=self.timeout_s,
+            security=self.security,
+            retry_budget_s=self.retry_budget_s,
+        )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -61,6 +61,19 @@ def _hashing_sizes(groups: list[KVCacheGroup], dcp: int) -> list[int]:
     return cacheable or sizes
 
 
+# What vLLM 0.32-0.34 do with an engine whose layers need no KV cache and prefix
+# caching forced on (checked in each release's engine core: tests/vllm_plugin,
+# test_an_engine_without_kv_cache_groups_cannot_prefix_cache_in_vllm_either): the
+# configuration keeps it on (only a pooling model gets a warning), the KV cache is
+# planned with no group, and the scheduler's KV cache manager then fails. kvplan
+# refuses it up front with the same cause.
+VLLM_WITHOUT_KV_GROUPS = (
+    "vLLM 0.32-0.34 do not start it either: their scheduler's KV cache manager fails "
+    "with AssertionError 'HybridKVCacheCoordinator requires at least one cacheable "
+    "group.'; it starts with prefix caching off"
+)
+
+
 def _prefix_caching_in_effect(groups: Iterable[KVCacheGroup], options: EngineOptions) -> bool:
     """Prefix caching as the scheduler runs it: vLLM's engine turns it off for a
     model with a non-causal layer, after the configuration (the Mamba mode stays
@@ -193,7 +206,7 @@ def _check_hybrid_caching(groups: list[KVCacheGroup], dcp: int) -> None:
         raise InvalidRequest(
             "prefix caching is on, but no KV cache group can be prefix-cached"
             + (
-                " (this engine has no KV cache group)"
+                f" (this engine has no KV cache group). {VLLM_WITHOUT_KV_GROUPS}"
                 if not groups
                 else " (every group opts out, e.g. circular buffers or bounded replay)"
             )

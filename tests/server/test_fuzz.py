@@ -255,7 +255,9 @@ async def test_fuzz_every_rpc_gets_an_explained_answer(tmp_path: Path) -> None:
     assert not any(code in ("UNKNOWN", "INTERNAL") for _, code in codes)
     assert answer.status == health_pb2.HealthCheckResponse.SERVING
     assert running.metrics.unexpected_errors._value.get() == 0
-    assert growth < 64 * 1024 * 1024, growth
+    # Measured -1.1 to +1.3 MB after the warm-up (docs/deployment.md): 16 MiB is headroom
+    # for a busy machine's allocator, not room to grow.
+    assert growth < 16 * 1024 * 1024, growth
     # The fuzz reached past validation: plans and leases were made.
     assert codes[("PlanKVCache", "OK")] > 50
     assert codes[("RenewLeases", "OK")] > 2

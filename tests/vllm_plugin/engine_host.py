@@ -19,6 +19,7 @@ Protocol: one JSON command per stdin line, one JSON answer per stdout line.
 from __future__ import annotations
 
 import ctypes
+import inspect
 import json
 import logging
 import math
@@ -732,6 +733,38 @@ def start(command: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def without_kv_groups(command: dict[str, Any]) -> dict[str, Any]:
+    """An engine whose layers need no KV cache (vLLM's attention-free spec dict, {}):
+    the real `_initialize_kv_caches`, then the KV cache manager EngineCore.__init__'s
+    scheduler builds next from its config, prefix caching as `command` says."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.engine.core import EngineCore
+
+    config = EngineConfig({"max_model_len": 4096}, 0.9)
+    config.cache_config.enable_prefix_caching = command["prefix_caching"]
+    executor = StandInExecutor([{}], [40 * GIB], [StandInWorker(80 * GIB, 72 * GIB, 16 * GIB)])
+    executor.warmup_blocks = None
+    core = object.__new__(EngineCore)
+    core.model_executor = executor
+    core.available_gpu_memory_for_kv_cache = -1
+    os.environ.pop("KVPLAN_ADDR", None)  # vLLM alone: the plugin stays inert
+    kv_cache_config = EngineCore._initialize_kv_caches(core, config)
+    params = inspect.signature(KVCacheManager.__init__).parameters
+    sizes = {n: 16 for n in ("scheduler_block_size", "hash_block_size") if n in params}
+    try:
+        manager = KVCacheManager(
+            kv_cache_config=kv_cache_config,
+            max_model_len=4096,
+            enable_caching=config.cache_config.enable_prefix_caching,
+            **sizes,
+        )
+    except Exception as error:
+        return {"ok": False, "groups": len(kv_cache_config.kv_cache_groups),
+                "error": f"{type(error).__name__}: {error}"}  # fmt: skip
+    return {"ok": True, "groups": len(kv_cache_config.kv_cache_groups),
+            "coordinator": type(manager.coordinator).__name__}  # fmt: skip
+
+
 def shutdown(command: dict[str, Any]) -> dict[str, Any]:
     from vllm.v1.engine import core as engine_core
     from vllm.v1.engine.core import EngineCore
@@ -780,6 +813,8 @@ def main() -> None:
                 }
             elif command["op"] == "conformance_direction":
                 answer = conformance_direction(command["repo"])
+            elif command["op"] == "without_kv_groups":
+                answer = without_kv_groups(command)
             elif command["op"] == "roundtrip":
                 answer = roundtrip()
             elif command["op"] == "signatures":

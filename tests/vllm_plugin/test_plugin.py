@@ -509,6 +509,38 @@ def test_both_refusing_is_an_agreement_not_a_fallback(host: EngineHost) -> None:
     assert after["fallbacks"] == before["fallbacks"]
 
 
+def test_an_engine_without_kv_cache_groups_cannot_prefix_cache_in_vllm_either(
+    host: EngineHost, version: str
+) -> None:
+    """Issue 31 §5: no layer needs a KV cache and prefix caching is forced on. vLLM's
+    configuration keeps it on, its engine core plans the cache with no group, and the
+    scheduler's KV cache manager then fails: kvplan's refusal (INVALID_ARGUMENT)
+    says so, quoting vLLM; with prefix caching off both plan it."""
+    from kvplan.convert import plan_from_proto
+    from kvplan.core.errors import PlanningError
+
+    on = host.send(op="without_kv_groups", prefix_caching=True)
+    off = host.send(op="without_kv_groups", prefix_caching=False)
+    assert on["groups"] == off["groups"] == 0
+    assert not on["ok"] and on["error"] == (
+        "AssertionError: HybridKVCacheCoordinator requires at least one cacheable group."
+    ), on
+    assert off["ok"] and off["coordinator"] == "KVCacheCoordinatorNoPrefixCache", off
+    request = plan_pb2.PlanRequest(engine_id="no-kv")
+    request.options.max_model_len = 4096
+    request.options.engine_version = f"vllm-{version}"
+    request.options.enable_prefix_caching = True
+    worker = request.workers.add(rank=0)
+    worker.memory.kv_cache_memory_bytes = 1 << 30
+    with pytest.raises(PlanningError) as refused:
+        plan_from_proto(request)
+    assert refused.value.code == "INVALID_ARGUMENT"
+    assert refused.value.field == "options.enable_prefix_caching"
+    assert on["error"].split(": ", 1)[1] in refused.value.message
+    request.options.enable_prefix_caching = False
+    assert plan_from_proto(request).workers  # both plan it without prefix caching
+
+
 # --- kvplan down ---------------------------------------------------------------------------
 
 
