@@ -193,6 +193,30 @@ class PlannerClient:
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
 
+    def report_measurements(
+        self, request: service_pb2.ReportMeasurementsRequest, *, timeout_s: float | None = None
+    ) -> service_pb2.ReportMeasurementsResponse:
+        """Keep what an engine's workers measured at start (kvplan.client.fleet)."""
+        try:
+            return self._stub.ReportMeasurements(
+                request, timeout=timeout_s or self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    def get_measurements(
+        self, fingerprint: service_pb2.ConfigFingerprint, *, timeout_s: float | None = None
+    ) -> service_pb2.GetMeasurementsResponse:
+        """The measurements kept for a configuration (runtime fields 0 / "": any)."""
+        try:
+            return self._stub.GetMeasurements(
+                service_pb2.GetMeasurementsRequest(fingerprint=fingerprint),
+                timeout=timeout_s or self.timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
     def close(self) -> None:
         self._channel.close()
 
@@ -301,6 +325,30 @@ class AsyncPlannerClient:
         try:
             return await self._stub.ReleasePlan(
                 _release_request(engine_id, rank),
+                timeout=timeout_s or self.timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    async def report_measurements(
+        self, request: service_pb2.ReportMeasurementsRequest, *, timeout_s: float | None = None
+    ) -> service_pb2.ReportMeasurementsResponse:
+        """See PlannerClient.report_measurements."""
+        try:
+            return await self._stub.ReportMeasurements(
+                request, timeout=timeout_s or self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    async def get_measurements(
+        self, fingerprint: service_pb2.ConfigFingerprint, *, timeout_s: float | None = None
+    ) -> service_pb2.GetMeasurementsResponse:
+        """See PlannerClient.get_measurements."""
+        try:
+            return await self._stub.GetMeasurements(
+                service_pb2.GetMeasurementsRequest(fingerprint=fingerprint),
                 timeout=timeout_s or self.timeout_s,
                 metadata=self._metadata,
             )
