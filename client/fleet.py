@@ -108,6 +108,8 @@ class FleetFigures:
     ranks: int
     min_available_kv_bytes: int  # the smallest any rank of any engine measured
     max_available_kv_bytes: int
+    max_non_kv_bytes: int  # the largest requested - available of any rank: non-KV memory
+    total_bytes: int  # the device's total as CUDA reported it (the largest reported)
     runtimes: tuple[tuple[int, str], ...]  # (max_num_batched_tokens, cuda_graphs) seen
     weights_bytes: int | None  # the largest any rank reported, where reported
     activation_peak_bytes: int | None
@@ -120,7 +122,7 @@ class FleetFigures:
             if self.min_available_kv_bytes == self.max_available_kv_bytes
             else f"{_gib(self.min_available_kv_bytes)} .. {_gib(self.max_available_kv_bytes)}"
         )
-        parts = [f"available KV {spread} per worker"]
+        parts = [f"available KV {spread} per worker", f"non-KV {_gib(self.max_non_kv_bytes)}"]
         for name, value in (
             ("weights", self.weights_bytes),
             ("activation peak", self.activation_peak_bytes),
@@ -161,6 +163,8 @@ def fleet_figures(engines: Sequence[service_pb2.EngineMeasurement]) -> FleetFigu
         ranks=max(len(engine.workers) for engine in engines),
         min_available_kv_bytes=min(available),
         max_available_kv_bytes=max(available),
+        max_non_kv_bytes=max(w.requested_bytes - w.available_kv_bytes for w in workers),
+        total_bytes=max(worker.total_bytes for worker in workers),
         runtimes=tuple(runtimes),
         weights_bytes=optional("weights_bytes"),
         activation_peak_bytes=optional("activation_peak_bytes"),

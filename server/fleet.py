@@ -96,11 +96,17 @@ class FleetRecords:
             seen.add(worker.rank)
             if not 0 < worker.total_bytes <= MAX_64:
                 raise _invalid(f"{where}.total_bytes", "the device's total must be given (> 0)")
-            if not 0 < worker.available_kv_bytes <= worker.total_bytes:
+            if not 0 < worker.requested_bytes <= worker.total_bytes:
+                raise _invalid(
+                    f"{where}.requested_bytes",
+                    f"{worker.requested_bytes} must be in [1, total_bytes = {worker.total_bytes}]"
+                    ": what vLLM requested, ceil(total x gpu_memory_utilization)",
+                )
+            if not 0 < worker.available_kv_bytes <= worker.requested_bytes:
                 raise _invalid(
                     f"{where}.available_kv_bytes",
-                    f"{worker.available_kv_bytes} must be in [1, total_bytes = "
-                    f"{worker.total_bytes}]",
+                    f"{worker.available_kv_bytes} must be in [1, requested_bytes = "
+                    f"{worker.requested_bytes}]",
                 )
             for name in ("weights_bytes", "activation_peak_bytes", "cuda_graph_bytes"):
                 if worker.HasField(name) and getattr(worker, name) > worker.total_bytes:

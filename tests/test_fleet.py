@@ -99,7 +99,7 @@ def engine(
     workers = []
     for rank, available in enumerate(kv):
         worker = service_pb2.WorkerMeasurement(
-            rank=rank, available_kv_bytes=available, total_bytes=80 * GIB
+            rank=rank, available_kv_bytes=available, total_bytes=80 * GIB, requested_bytes=72 * GIB
         )
         if weights is not None:
             worker.weights_bytes = weights
@@ -127,8 +127,12 @@ def test_figures_take_the_smallest_rank_of_any_engine() -> None:
     assert figures.min_available_kv_bytes == 59 * GIB
     assert figures.max_available_kv_bytes == 62 * GIB
     assert figures.weights_bytes == 15 * GIB
+    assert figures.max_non_kv_bytes == 13 * GIB  # 72 GiB requested, 59 GiB left for KV
+    assert figures.total_bytes == 80 * GIB
     assert figures.activation_peak_bytes is None  # no engine reported one
     text = figures.describe()
-    assert text.startswith("measured on 2 engines: available KV 59.00 GiB .. 62.00 GiB")
+    assert text.startswith(
+        "measured on 2 engines: available KV 59.00 GiB .. 62.00 GiB per worker, non-KV 13.00 GiB"
+    )
     assert "weights 15.00 GiB" in text and "activation" not in text
     assert "max_num_batched_tokens 4096" in text and "max_num_batched_tokens 8192" in text

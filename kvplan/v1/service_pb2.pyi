@@ -335,6 +335,7 @@ class WorkerMeasurement(_message.Message):
     WEIGHTS_BYTES_FIELD_NUMBER: _builtins.int
     ACTIVATION_PEAK_BYTES_FIELD_NUMBER: _builtins.int
     CUDA_GRAPH_BYTES_FIELD_NUMBER: _builtins.int
+    REQUESTED_BYTES_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     available_kv_bytes: _builtins.int
     """the KV cache memory vLLM's profiling left"""
@@ -343,6 +344,11 @@ class WorkerMeasurement(_message.Message):
     weights_bytes: _builtins.int
     activation_peak_bytes: _builtins.int
     cuda_graph_bytes: _builtins.int
+    requested_bytes: _builtins.int
+    """What vLLM asked for: ceil(total x gpu_memory_utilization). requested -
+    available is the non-KV memory vLLM measured, the figure that carries over
+    to another utilization.
+    """
     def __init__(
         self,
         *,
@@ -352,10 +358,11 @@ class WorkerMeasurement(_message.Message):
         weights_bytes: _builtins.int | None = ...,
         activation_peak_bytes: _builtins.int | None = ...,
         cuda_graph_bytes: _builtins.int | None = ...,
+        requested_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_activation_peak_bytes", b"_activation_peak_bytes", "_cuda_graph_bytes", b"_cuda_graph_bytes", "_weights_bytes", b"_weights_bytes", "activation_peak_bytes", b"activation_peak_bytes", "cuda_graph_bytes", b"cuda_graph_bytes", "weights_bytes", b"weights_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_activation_peak_bytes", b"_activation_peak_bytes", "_cuda_graph_bytes", b"_cuda_graph_bytes", "_weights_bytes", b"_weights_bytes", "activation_peak_bytes", b"activation_peak_bytes", "available_kv_bytes", b"available_kv_bytes", "cuda_graph_bytes", b"cuda_graph_bytes", "rank", b"rank", "total_bytes", b"total_bytes", "weights_bytes", b"weights_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_activation_peak_bytes", b"_activation_peak_bytes", "_cuda_graph_bytes", b"_cuda_graph_bytes", "_weights_bytes", b"_weights_bytes", "activation_peak_bytes", b"activation_peak_bytes", "available_kv_bytes", b"available_kv_bytes", "cuda_graph_bytes", b"cuda_graph_bytes", "rank", b"rank", "requested_bytes", b"requested_bytes", "total_bytes", b"total_bytes", "weights_bytes", b"weights_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__activation_peak_bytes: _TypeAlias = _typing.Literal["activation_peak_bytes"]  # noqa: Y015
     _WhichOneofArgType__activation_peak_bytes: _TypeAlias = _typing.Literal["_activation_peak_bytes", b"_activation_peak_bytes"]  # noqa: Y015

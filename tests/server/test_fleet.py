@@ -48,7 +48,9 @@ def report(
         release="0.33.0",
     )
     for rank, available in enumerate(kv):
-        worker = request.workers.add(rank=rank, available_kv_bytes=available, total_bytes=80 * GIB)
+        worker = request.workers.add(
+            rank=rank, available_kv_bytes=available, total_bytes=80 * GIB, requested_bytes=72 * GIB
+        )
         worker.weights_bytes = 15 * GIB
         worker.activation_peak_bytes = 2 * GIB
         worker.cuda_graph_bytes = GIB // 2
@@ -140,12 +142,13 @@ async def test_engines_report_and_the_fleet_answers(
             assert figures is not None and figures.engines == 2
             assert figures.min_available_kv_bytes == 61 * GIB
             assert figures.weights_bytes == 15 * GIB
+            assert figures.max_non_kv_bytes == 72 * GIB - 61 * GIB
             # The runtime fields, where given, select.
             only = await client.get_measurements(fingerprint(2, cuda_graphs=""))
             assert [engine.engine_id for engine in only.engines] == ["b"]
             none = await client.get_measurements(fingerprint(4))
             assert none.engines == [] and none.config_key
-        reported = running.metrics.measurements_reported._value.get()  # noqa: SLF001
+        reported = running.metrics.measurements_reported._value.get()
         assert reported == 4
     finally:
         await running.stop(0)
@@ -181,8 +184,11 @@ async def test_bad_reports_get_precise_statuses() -> None:
             repeated = report("a", [GIB, GIB])
             repeated.workers[1].rank = 0
             cases.append((repeated, "INVALID_ARGUMENT", "workers[1].rank"))
-            too_much = report("a", [81 * GIB])
+            too_much = report("a", [73 * GIB])
             cases.append((too_much, "INVALID_ARGUMENT", "workers[0].available_kv_bytes"))
+            no_request = report("a", [GIB])
+            no_request.workers[0].requested_bytes = 0
+            cases.append((no_request, "INVALID_ARGUMENT", "workers[0].requested_bytes"))
             no_total = report("a", [GIB])
             no_total.workers[0].total_bytes = 0
             cases.append((no_total, "INVALID_ARGUMENT", "workers[0].total_bytes"))
