@@ -155,7 +155,7 @@ def fleet_figures(engines: Sequence[service_pb2.EngineMeasurement]) -> FleetFigu
     available = [worker.available_kv_bytes for worker in workers]
 
     def optional(name: str) -> int | None:
-        return _largest([getattr(w, name) if w.HasField(name) else None for w in workers])
+        return _largest([getattr(w, name) if w.HasField(name) else None for w in workers])  # type: ignore[arg-type]
 
     runtimes = sorted({(e.max_num_batched_tokens, e.cuda_graphs) for e in engines})
     return FleetFigures(

@@ -1215,10 +1215,14 @@ class RedisStore:
 
     async def measurements(self, config_key: str) -> tuple[bytes, ...]:
         client = self._redis()
-        engines = await self._call(client.zrevrange(self._key("fleet:ord:") + config_key, 0, -1))
+        engines: list[bytes] = await self._call(
+            client.zrevrange(self._key("fleet:ord:") + config_key, 0, -1)  # type: ignore[arg-type]
+        )
         if not engines:
             return ()
-        records = await self._call(client.hmget(self._key("fleet:rec:") + config_key, engines))
+        records: list[bytes | None] = await self._call(
+            client.hmget(self._key("fleet:rec:") + config_key, engines)  # type: ignore[arg-type]
+        )
         return tuple(bytes(record) for record in records if record is not None)
 
     async def distinct_plan_bodies(self) -> int:
