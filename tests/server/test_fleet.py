@@ -3,15 +3,20 @@ ReportMeasurements / GetMeasurements through a real server and client."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from kvplan.cli import main
 from kvplan.client import AsyncPlannerClient, ChannelSecurity, PlannerError
 from kvplan.client.fleet import config_key, fleet_figures, model_config_hash
-from kvplan.server.main import start_server
+from kvplan.models import load_config
+from kvplan.server.main import RunningServer, start_server
 from kvplan.v1 import service_pb2
 from tests.server.conftest import GIB, TEST_SETTINGS
 from tests.server.redis_server import RedisServer, running_redis
@@ -20,6 +25,7 @@ from tests.server.test_store_contract import OpenStore
 
 pytest_plugins = ["tests.server.test_store_contract"]  # its open_store / redis_server fixtures
 
+MODELS = Path(__file__).parents[2] / "examples" / "models"
 HASH = model_config_hash({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32})
 
 
@@ -235,3 +241,62 @@ async def test_reports_are_authorized_per_engine(tmp_path: Path) -> None:
             assert [e.engine_id for e in seen_by_ops.engines] == ["code", "chat"]
     finally:
         await running.stop(0)
+
+
+# --- `kvplan plan --model` with the fleet --------------------------------------------------
+
+
+async def test_plan_model_answers_measured_or_estimated(
+    server: RunningServer, client: AsyncPlannerClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = MODELS / "llama-3.1-8b"
+    args = ["plan", "--model", str(model), "--gpu", "H100", "--max-model-len", "8k"]
+    args += ["--gpu-memory-utilization", "0.9"]  # the engine's: requested = ceil(total x 0.9)
+    remote = [*args, "--target", f"127.0.0.1:{server.port}"]
+    assert await asyncio.to_thread(main, [*remote, "--json"]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert estimated["memory_source"]["source"] == "estimated"
+    assert "no engine of this configuration" in estimated["memory_source"]["reason"]
+    # Without --target nobody is asked, and the line says so.
+    assert await asyncio.to_thread(main, args) == 0
+    assert "memory per worker: estimated (no fleet asked: --target" in capsys.readouterr().out
+
+    # An engine of this configuration reports (as the plugin does, CUDA's GPU name).
+    total = 84_987_740_160  # what CUDA reported, below the catalog's figure
+    requested = math.ceil(total * 0.9)
+    available = requested - 17 * GIB
+    measured = service_pb2.ReportMeasurementsRequest(
+        engine_id="llama-1",
+        release="0.34.0",
+        fingerprint=service_pb2.ConfigFingerprint(
+            model_config_hash=model_config_hash(load_config(str(model)).data),
+            engine_version="vllm-0.34",
+            gpu_name="NVIDIA H100 80GB HBM3",
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            dtype="bfloat16",
+            kv_cache_dtype="auto",
+            max_num_batched_tokens=8192,
+            cuda_graphs="FULL_AND_PIECEWISE:512",
+        ),
+    )
+    measured.workers.add(
+        rank=0, available_kv_bytes=available, total_bytes=total, requested_bytes=requested
+    )
+    await client.report_measurements(measured)
+
+    assert await asyncio.to_thread(main, [*remote, "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    source = answer["memory_source"]
+    assert source["source"] == "measured" and source["engines"] == 1
+    assert source["engine_version"] == "vllm-0.34"
+    assert (source["non_kv_bytes"], source["total_bytes"]) == (17 * GIB, total)
+    # Planned with the measured figures: the KV budget is what the engine measured.
+    assert answer["capacity"]["available_kv_bytes"] == available
+    assert answer["capacity"]["available_kv_bytes"] != estimated["capacity"]["available_kv_bytes"]
+    assert await asyncio.to_thread(main, remote) == 0
+    text = capsys.readouterr().out
+    assert "memory per worker: measured on 1 engine: available KV" in text
+    # Another TP is another configuration: estimated.
+    assert await asyncio.to_thread(main, [*remote, "--tp", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory_source"]["source"] == "estimated"
