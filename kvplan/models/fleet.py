@@ -10,7 +10,7 @@ either way, so the tokens are then what such a worker gets at this utilization.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -164,3 +164,32 @@ def remote_ask(target: str, environ: dict[str, str]) -> Ask:
             return client.get_measurements(print_)
 
     return ask
+
+
+def with_fleet(
+    rows: list[dict[str, Any]],
+    config: HFConfig,
+    options: ModelPlanOptions,
+    gpus: Sequence[GpuModel],
+    replan: Callable[[ModelPlanOptions, GpuModel, int, int | None], dict[str, Any]],
+    ask: Ask | None,
+) -> list[dict[str, Any]]:
+    """`capacity`'s rows, each saying where its memory came from ("memory"): a row of a
+    configuration the fleet measured is planned again with the measured figures
+    (`replan(options, gpu, tp, max_model_len)` gives the new row)."""
+    by_name = {gpu.name: gpu for gpu in gpus}
+    out = []
+    sources: dict[tuple[str, int], MemorySource] = {}
+    for row in rows:
+        gpu = by_name[row["gpu"]]
+        step = replace(options, tensor_parallel_size=row["tp"])
+        where = (gpu.name, row["tp"])
+        if where not in sources:
+            sources[where] = memory_source(config, step, gpu, ask)
+        source = sources[where]
+        if source.figures is not None and row.get("status") != "error":
+            measured_gpu = replace(gpu, total_memory_bytes=source.figures.total_bytes)
+            length = row.get("requested_max_model_len", options.max_model_len)
+            row = replan(measured_options(step, source), measured_gpu, row["tp"], length)
+        out.append({**row, "memory": source.label()})
+    return out

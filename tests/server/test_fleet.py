@@ -300,3 +300,46 @@ async def test_plan_model_answers_measured_or_estimated(
     # Another TP is another configuration: estimated.
     assert await asyncio.to_thread(main, [*remote, "--tp", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["memory_source"]["source"] == "estimated"
+
+
+async def test_capacity_marks_each_row_measured_or_estimated(
+    server: RunningServer, client: AsyncPlannerClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = MODELS / "llama-3.1-8b"
+    args = ["capacity", "--model", str(model), "--gpu", "H100,H200", "--tp", "1,2"]
+    args += ["--max-model-len", "8k", "--gpu-memory-utilization", "0.9"]
+    args += ["--target", f"127.0.0.1:{server.port}"]
+    total = 84_987_740_160
+    requested = math.ceil(total * 0.9)
+    measured = service_pb2.ReportMeasurementsRequest(
+        engine_id="llama-tp2",
+        fingerprint=service_pb2.ConfigFingerprint(
+            model_config_hash=model_config_hash(load_config(str(model)).data),
+            engine_version="vllm-0.33",
+            gpu_name="NVIDIA H100 80GB HBM3",
+            tensor_parallel_size=2,
+            pipeline_parallel_size=1,
+            dtype="bfloat16",
+        ),
+    )
+    for rank in range(2):
+        measured.workers.add(
+            rank=rank,
+            available_kv_bytes=requested - 10 * GIB - rank * GIB,
+            total_bytes=total,
+            requested_bytes=requested,
+        )
+    await client.report_measurements(measured)
+    assert await asyncio.to_thread(main, [*args, "--json"]) == 0
+    rows = {(row["gpu"], row["tp"]): row for row in json.loads(capsys.readouterr().out)}
+    assert rows["H100-80GB", 2]["memory"] == "measured on 1 engine"
+    # The larger of the two ranks' non-KV memory: the budget every rank can hold.
+    assert rows["H100-80GB", 2]["non_kv_bytes_per_worker"] == 11 * GIB
+    assert rows["H100-80GB", 2]["kv_budget_bytes"] == requested - 11 * GIB
+    for other in (("H100-80GB", 1), ("H200-141GB", 1), ("H200-141GB", 2)):
+        assert rows[other]["memory"] == "estimated", other
+    assert await asyncio.to_thread(main, args) == 0
+    table = capsys.readouterr().out
+    assert "measured on 1 engine" in table.splitlines()[2] and table.splitlines()[0].endswith(
+        "memory"
+    )
