@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
+import grpc.aio
 import pytest
 
 from kvplan.cli import main
@@ -20,6 +23,7 @@ from kvplan.server.main import RunningServer, start_server
 from kvplan.v1 import service_pb2
 from tests.server.conftest import GIB, TEST_SETTINGS
 from tests.server.redis_server import RedisServer, running_redis
+from tests.server.test_fuzz import ALLOWED, SERVICE, random_message
 from tests.server.test_security import TOKEN_A, TOKEN_B, TOKEN_OPS, write_tokens
 from tests.server.test_store_contract import OpenStore
 
@@ -343,3 +347,41 @@ async def test_capacity_marks_each_row_measured_or_estimated(
     assert "measured on 1 engine" in table.splitlines()[2] and table.splitlines()[0].endswith(
         "memory"
     )
+
+
+async def test_fuzzed_measurement_calls_get_explained_answers() -> None:
+    # Random messages of both types, and mutated valid ones: every answer is a
+    # status a caller can act on, never UNKNOWN / INTERNAL.
+    rng = random.Random(29)
+    running = await start_server(TEST_SETTINGS)
+    codes: set[str] = set()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            calls = {
+                name: channel.unary_unary(SERVICE + name)
+                for name in ("ReportMeasurements", "GetMeasurements")
+            }
+            valid = report("fz", [GIB, GIB]).SerializeToString()
+            for index in range(400):
+                method = "ReportMeasurements" if index % 2 else "GetMeasurements"
+                if index % 4 == 1:
+                    body = bytearray(valid)
+                    body[rng.randrange(len(body))] = rng.randrange(256)
+                    message = bytes(body)
+                else:
+                    kind = (
+                        service_pb2.ReportMeasurementsRequest
+                        if method == "ReportMeasurements"
+                        else service_pb2.GetMeasurementsRequest
+                    )
+                    message = random_message(kind, rng, ["GPU-0"]).SerializeToString()
+                try:
+                    await calls[method](message, timeout=10)
+                    codes.add("OK")
+                except grpc.aio.AioRpcError as error:
+                    assert error.code() in ALLOWED, (method, error.code(), error.details())
+                    codes.add(error.code().name)
+    finally:
+        await running.stop(0)
+    assert running.metrics.unexpected_errors._value.get() == 0
+    assert {"OK", "INVALID_ARGUMENT"} <= codes, codes
