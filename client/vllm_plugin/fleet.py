@@ -39,11 +39,15 @@ def _config_json(model_config: Any) -> tuple[dict[str, Any] | None, str]:
         if os.path.isfile(local):
             with open(local) as file:
                 return json.load(file), local
-        # A hub id: vLLM's own reader (its cache, offline or not, as vLLM loaded it).
-        from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
+        # A hub id: the copy vLLM loaded, from the local cache only (never the network:
+        # this runs while the engine starts).
+        from vllm.transformers_utils.repo_utils import try_get_local_file
 
-        data = get_hf_file_to_dict("config.json", where, getattr(model_config, "revision", None))
-        return (dict(data), where) if data else (None, where)
+        path = try_get_local_file(where, "config.json", getattr(model_config, "revision", None))
+        if not (isinstance(path, os.PathLike) and os.path.isfile(path)):
+            return None, f"{where}: config.json not in the local Hugging Face cache"
+        with open(path) as file:
+            return json.load(file), str(path)
     except Exception as error:  # the fingerprint is then unknown, not wrong
         return None, f"{where}: {error}"
 

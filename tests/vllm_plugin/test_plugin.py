@@ -190,8 +190,15 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def host(version: str, plugin_site: Path, server: Server) -> Iterator[EngineHost]:
-    engine_host = EngineHost(version, plugin_site, {"KVPLAN_ADDR": server.addr})
+def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine host's Hugging Face cache (HF_HUB_CACHE): models served by hub id."""
+    return tmp_path_factory.mktemp("hub")
+
+
+@pytest.fixture(scope="module")
+def host(version: str, plugin_site: Path, server: Server, hub_cache: Path) -> Iterator[EngineHost]:
+    env = {"KVPLAN_ADDR": server.addr, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    engine_host = EngineHost(version, plugin_site, env)
     yield engine_host
     engine_host.close()
 
@@ -670,7 +677,7 @@ def model_dir(base: Path, **config: Any) -> tuple[Path, dict[str, Any]]:
 
 
 def test_the_fleet_learns_and_a_measured_configuration_skips_profiling(
-    host: EngineHost, server: Server, version: str, tmp_path: Path
+    host: EngineHost, server: Server, version: str, tmp_path: Path, hub_cache: Path
 ) -> None:
     model, config = model_dir(tmp_path / "llama", note=f"fleet-{version}")
     requested = math.ceil(80 * GIB * 0.9)
@@ -744,6 +751,20 @@ def test_the_fleet_learns_and_a_measured_configuration_skips_profiling(
         f"(reused) {second['init']['seconds']:.3f} s, unmeasured (profiled, reported) "
         f"{fourth['init']['seconds']:.3f} s"
     )
+
+    # A model served by hub id: its config.json from the local cache vLLM loaded it from.
+    repo = f"kvplan-test/llama-{version}"
+    snapshot = hub_cache / f"models--kvplan-test--llama-{version}" / "snapshots" / "0123abcd"
+    hub_config = {"architectures": ["LlamaForCausalLM"], "note": f"hub-{version}"}
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(hub_config))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    hub = host.start("F6", "llama", memory=[19 * GIB], model_dir=repo)
+    assert hub["ok"] and any("reported the measurements" in x for x in plugin_lines(hub)), hub
+    fingerprint.model_config_hash = model_config_hash(hub_config)
+    (engine,) = server.client.get_measurements(fingerprint).engines
+    assert engine.workers[0].available_kv_bytes == 19 * GIB
 
     # Observe never changes the KV cache: the opt-in there stops the start, by name.
     refused = host.start("F5", "llama", model_dir=str(model), env=reuse)
