@@ -385,3 +385,21 @@ async def test_fuzzed_measurement_calls_get_explained_answers() -> None:
         await running.stop(0)
     assert running.metrics.unexpected_errors._value.get() == 0
     assert {"OK", "INVALID_ARGUMENT"} <= codes, codes
+
+
+async def test_replicas_on_one_redis_share_the_record(redis_for_servers: RedisServer) -> None:
+    settings = replace(TEST_SETTINGS, store=redis_for_servers.url, redis_allow_no_persistence=True)
+    first, second = await start_server(settings), await start_server(settings)
+    try:
+        async with (
+            AsyncPlannerClient(f"127.0.0.1:{first.port}", timeout_s=10) as one,
+            AsyncPlannerClient(f"127.0.0.1:{second.port}", timeout_s=10) as other,
+        ):
+            await one.report_measurements(report("replica-a", [30 * GIB], model="shared"))
+            await other.report_measurements(report("replica-b", [31 * GIB], model="shared"))
+            for client in (one, other):
+                answer = await client.get_measurements(fingerprint(1))
+                assert {e.engine_id for e in answer.engines} >= {"replica-a", "replica-b"}
+    finally:
+        await first.stop(0)
+        await second.stop(0)
