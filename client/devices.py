@@ -105,6 +105,21 @@ def cuda_device_uuid(
     )
 
 
+def cuda_device_name(index: int, *, libcuda: Any = _LOAD) -> str:
+    """CUDA's name of device `index` of this process ("NVIDIA H100 80GB HBM3"), or ""
+    where the driver cannot say. Call it where `cuda_device_uuid` may be called."""
+    driver = _load_libcuda() if libcuda is _LOAD else libcuda
+    if driver is None or not hasattr(driver, "cuDeviceGet"):
+        return ""
+    try:
+        _check(driver, driver.cuInit(0), "cuInit")
+        device = ctypes.c_int(0)
+        _check(driver, driver.cuDeviceGet(ctypes.pointer(device), index), "cuDeviceGet")
+        return _device_name(driver, device.value)
+    except DeviceResolutionError:
+        return ""
+
+
 def _load_libcuda() -> Any | None:
     name = "nvcuda.dll" if sys.platform.startswith("win") else "libcuda.so.1"
     try:

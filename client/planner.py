@@ -220,6 +220,30 @@ class PlannerClient:
         except grpc.RpcError as error:
             raise self._error(error) from None
 
+    def report_measurements(
+        self, request: service_pb2.ReportMeasurementsRequest, *, timeout_s: float | None = None
+    ) -> service_pb2.ReportMeasurementsResponse:
+        """Keep what an engine's workers measured at start (kvplan.client.fleet)."""
+        try:
+            return self._stub.ReportMeasurements(
+                request, timeout=timeout_s or self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    def get_measurements(
+        self, fingerprint: service_pb2.ConfigFingerprint, *, timeout_s: float | None = None
+    ) -> service_pb2.GetMeasurementsResponse:
+        """The measurements kept for a configuration (runtime fields 0 / "": any)."""
+        try:
+            return self._stub.GetMeasurements(
+                service_pb2.GetMeasurementsRequest(fingerprint=fingerprint),
+                timeout=timeout_s or self.timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
     def close(self) -> None:
         self._channel.close()
 
@@ -343,6 +367,30 @@ class AsyncPlannerClient:
             )
         except grpc.RpcError as error:
             raise self._error(error) from None
+
+    async def report_measurements(
+        self, request: service_pb2.ReportMeasurementsRequest, *, timeout_s: float | None = None
+    ) -> service_pb2.ReportMeasurementsResponse:
+        """See PlannerClient.report_measurements."""
+        try:
+            return await self._stub.ReportMeasurements(
+                request, timeout=timeout_s or self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    async def get_measurements(
+        self, fingerprint: service_pb2.ConfigFingerprint, *, timeout_s: float | None = None
+    ) -> service_pb2.GetMeasurementsResponse:
+        """See PlannerClient.get_measurements."""
+        try:
+            return await self._stub.GetMeasurements(
+                service_pb2.GetMeasurementsRequest(fingerprint=fingerprint),
+                timeout=timeout_s or self.timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
 
     async def echo(self, request: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:
         return await self._stub.Echo(request, timeout=self.timeout_s, metadata=self._metadata)

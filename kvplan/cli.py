@@ -211,6 +211,7 @@ def _plan_model_command(args: argparse.Namespace) -> int:
         resolve_gpu,
     )
     from kvplan.models.fit import catalog_name, explain_no_fit
+    from kvplan.models.fleet import measured_options
     from kvplan.models.request import ModelPlanInputs, build_plan_request
 
     inputs: ModelPlanInputs | None = None
@@ -225,6 +226,8 @@ def _plan_model_command(args: argparse.Namespace) -> int:
         )
         if options.gpu_memory_bytes is None:
             raise ModelConfigError("give --gpu NAME or --gpu-memory BYTES")
+        source = fleet_source(args, config, options, gpu)  # kvplan/models/fleet.py
+        options = measured_options(options, source)
 
         request, inputs = build_plan_request(config, options)
         response, summary, inputs = plan_built(request, inputs, _local_or_remote(args))
@@ -256,16 +259,26 @@ def _plan_model_command(args: argparse.Namespace) -> int:
     if args.json:
         out = json_format.MessageToDict(response, preserving_proto_field_name=True)
         out["capacity"] = summary.as_dict()
+        out["memory_source"] = source.as_dict()
         print(json.dumps(out, indent=1))
     else:
         print(format_report(response))
         print(format_capacity(summary, inputs, gpu))
+        print(source.line())
         if options.max_model_len == -1:
             print(
                 f"max_model_len auto: chose {response.max_model_len:,} tokens (the longest "
                 "one request the KV budget holds)"
             )
     return 0
+
+
+def fleet_source(args: argparse.Namespace, config: Any, options: Any, gpu: Any) -> Any:
+    """The fleet's measurements of this configuration (with --target), or why none."""
+    from kvplan.models.fleet import memory_source, remote_ask
+
+    ask = remote_ask(args.target, security_environ(args)) if args.target else None
+    return memory_source(config, options, gpu, ask)
 
 
 def _local_or_remote(args: argparse.Namespace) -> Any:

@@ -58,6 +58,9 @@ class Settings:
     max_pending_rendezvous_bytes_per_identity: int = 64 * 1024 * 1024  # one identity's of those
     rendezvous_result_bytes: int = 64 * 1024 * 1024  # finished rank-mode results kept in the store
     max_leases_per_identity: int = 4096
+    # Fleet measurements (docs/capacity.md): configurations kept, engines kept per one.
+    max_measured_configs: int = 1024
+    max_measurements_per_config: int = 16
     # Live ownership records (engine ids) one identity holds: ~110 bytes each in
     # SQLite, so 65,536 is ~7 MB per identity, while a real tenant plans far
     # fewer engines per --ownership-ttl-s (a day); matches the servicer's owner cache.
@@ -86,6 +89,8 @@ _HELP = {
     "max_layers_per_worker": "limit on layers one worker may send",
     "max_workers_per_engine": "limit on workers of one engine",
     "max_pending_rendezvous": "limit on engines waiting for their ranks",
+    "max_measured_configs": "engine configurations whose start-up measurements are kept",
+    "max_measurements_per_config": "engines' measurements kept per configuration (newest)",
     "max_pending_rendezvous_per_identity": "limit on one identity's engines waiting for their "
     "ranks (with authentication)",
     "rendezvous_ttl_s": "seconds an unfinished rendezvous or a finished engine is kept",
@@ -182,6 +187,8 @@ def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -
         "max_pending_rendezvous_per_identity",
         "max_pending_rendezvous_bytes_per_identity",
         "max_engines_per_identity",
+        "max_measured_configs",
+        "max_measurements_per_config",
     ):
         if getattr(settings, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")

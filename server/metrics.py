@@ -178,6 +178,11 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.measurements_reported = Counter(
+            "kvplan_measurements_reported_total",
+            "Engines' start-up measurements kept (ReportMeasurements).",
+            registry=self.registry,
+        )
         self.grants_refused = Counter(
             "kvplan_grants_refused_total",
             'Lease grants refused, by the bound hit ("commit_limit", "free_memory").',

@@ -37,6 +37,7 @@ from kvplan.fieldcheck import MAX_64
 from kvplan.model_cache import ModelCache
 from kvplan.server.config import Settings
 from kvplan.server.errors import RemoteStatus, ServiceError, to_status
+from kvplan.server.fleet import FleetRecords
 from kvplan.server.guard import current_identity, request_was_large
 from kvplan.server.large_messages import (
     LARGE_MESSAGE_BYTES,
@@ -90,6 +91,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
         self._large_plans = asyncio.Semaphore(1)  # engines over --offload-layers
         # Digests of rank requests already converted (_check_rank), newest last.
         self._checked_ranks: OrderedDict[bytes, None] = OrderedDict()
+        self.fleet = FleetRecords(store, settings, self._limits, self.authorize)
         self.rendezvous = Rendezvous(
             store,
             # Each rank's limits were checked when it arrived (world_size bounds the
@@ -872,6 +874,26 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
                 released=[lease_to_proto(lease, ttl_s) for lease in released],
                 released_bytes=sum(lease.bytes for lease in released),
             )
+        except (ServiceError, StoreUnavailable) as error:
+            await self._fail(context, error)
+            raise AssertionError("unreachable") from error
+
+    async def ReportMeasurements(
+        self, request: service_pb2.ReportMeasurementsRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb2.ReportMeasurementsResponse:
+        try:
+            response = await self.fleet.report(request)
+        except (ServiceError, StoreUnavailable) as error:
+            await self._fail(context, error)
+            raise AssertionError("unreachable") from error
+        self._metrics.measurements_reported.inc()
+        return response
+
+    async def GetMeasurements(
+        self, request: service_pb2.GetMeasurementsRequest, context: grpc.aio.ServicerContext
+    ) -> service_pb2.GetMeasurementsResponse:
+        try:
+            return await self.fleet.get(request)
         except (ServiceError, StoreUnavailable) as error:
             await self._fail(context, error)
             raise AssertionError("unreachable") from error

@@ -23,6 +23,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from enum import Enum
 from types import ModuleType
@@ -45,6 +46,7 @@ from kvplan.client.vllm_plugin.engine import (
     plan_request,
     vllm_groups,
 )
+from kvplan.client.vllm_plugin.fleet import FleetStart
 from kvplan.client.vllm_plugin.logs import log
 from kvplan.client.vllm_plugin.settings import Mode, Rules, Settings, Unavailable
 from kvplan.client.vllm_plugin.worker import report_device
@@ -313,6 +315,7 @@ class EngineStart:
     # 0.32: called with the global groups by the wrapped kv_cache_utils.get_kv_cache_groups,
     # while get_kv_cache_configs runs (see `build`).
     groups_hook: Callable[[list[Any]], None] | None = None
+    measured: list[int] | None = None  # each worker's KV memory as vLLM measured it
 
     def __post_init__(self) -> None:
         self.engine_id = engine_id_for(self.settings.engine_id, self.data_parallel_rank)
@@ -400,6 +403,7 @@ class EngineStart:
         it. `passed_groups`: the global groups the engine core passed in (0.33+);
         None where get_kv_cache_configs makes them itself (0.32)."""
         build_configs = self._noting_blocks(build_configs)
+        self.measured = [int(memory) for memory in available_memory]
         if self.settings.mode is Mode.LEASE:
             return self._lease(
                 build_configs, vllm_config, kv_cache_specs, available_memory, passed_groups
@@ -622,6 +626,12 @@ class EngineStart:
         return on_lost
 
 
+def _version() -> str:
+    import vllm  # loaded already: vLLM is calling the plugin
+
+    return str(getattr(vllm, "__version__", ""))
+
+
 _LIVE_LEASES: set[LeaseHold] = set()
 _current = threading.local()
 
@@ -650,10 +660,12 @@ def _wrap_initialize(original: Callable[..., Any], release: Release) -> Callable
             release=release,
             data_parallel_rank=data_parallel_rank(vllm_config),
         )
+        fleet = FleetStart(self, start.client, start.engine_id, release.engine_version, _version())
         previous = getattr(_current, "start", None)
         _current.start = start
         try:
-            result = original(self, vllm_config)
+            with fleet.reusing(vllm_config) if settings.reuse_measurements else nullcontext():
+                result = original(self, vllm_config)
         except BaseException:
             if start.lease is not None:  # the engine failed after the grant
                 start.lease.release()
@@ -664,6 +676,7 @@ def _wrap_initialize(original: Callable[..., Any], release: Release) -> Callable
         if start.lease is not None:
             start.lease.allocated = True
             self._kvplan_lease = start.lease
+        fleet.report(vllm_config, start.measured)
         return result
 
     _initialize_kv_caches.__kvplan_original__ = original  # type: ignore[attr-defined]

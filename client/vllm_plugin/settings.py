@@ -51,6 +51,9 @@ class Settings:
     on_unavailable: Unavailable = Unavailable.REFUSE
     rules: Rules = Rules.ENGINE
     engine_id: str = ""  # lease mode; empty = generated per engine start
+    # draft-flags and lease modes: a configuration the fleet measured before gets
+    # kv_cache_memory_bytes, so vLLM skips its memory profiling (docs/vllm.md).
+    reuse_measurements: bool = False
     # TLS, client certificate and bearer token, from the client's own KVPLAN_TLS_CA /
     # KVPLAN_CLIENT_CERT / KVPLAN_CLIENT_KEY / KVPLAN_TOKEN (docs/security.md).
     security: ChannelSecurity = field(default_factory=ChannelSecurity)
@@ -100,6 +103,12 @@ class Settings:
             raise SettingsError(
                 f"KVPLAN_RULES={env['KVPLAN_RULES']!r}: expected engine or kvplan"
             ) from None
+        reuse = _flag(env, "KVPLAN_REUSE_MEASUREMENTS")
+        if reuse and mode is Mode.OBSERVE:
+            raise SettingsError(
+                "KVPLAN_REUSE_MEASUREMENTS=1 changes the KV cache size, which observe mode "
+                "never does: set KVPLAN_MODE=draft-flags or lease with it"
+            )
         raw_timeout = env.get("KVPLAN_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
         try:
             timeout_s = float(raw_timeout)
@@ -119,7 +128,17 @@ class Settings:
             rules=rules,
             engine_id=env.get("KVPLAN_ENGINE_ID", "").strip(),
             security=security,
+            reuse_measurements=reuse,
         )
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    value = env.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise SettingsError(f"{name}={env[name]!r}: expected 1 or 0 (true/false, yes/no, on/off)")
 
 
 __all__ = ["Mode", "Rules", "Settings", "SettingsError", "Unavailable"]

@@ -509,6 +509,7 @@ _COLUMNS = (
     ("max_concurrency", "concurrency"),
     ("auto_fit_max_model_len", "auto-fit len"),
     ("min_cached_prefix", "min cached prefix"),
+    ("memory", "memory"),  # "estimated" or "measured on N engines" (kvplan/models/fleet.py)
 )
 
 
@@ -662,6 +663,7 @@ def capacity_command(args: argparse.Namespace) -> int:
     rows = capacity_rows(
         config, options, gpus, tps, _local_planner, progress if show_progress else None, lengths
     )
+    rows = fleet_rows(args, rows, config, options, gpus)  # kvplan/models/fleet.py
     if all(row["status"] == "error" for row in rows):
         for row in rows:
             print(f"error: {row['gpu']} tp={row['tp']}: {row['error']}", file=sys.stderr)
@@ -680,6 +682,28 @@ def capacity_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def fleet_rows(
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    config: HFConfig,
+    options: ModelPlanOptions,
+    gpus: Sequence[GpuModel],
+) -> list[dict[str, Any]]:
+    """The rows with their memory's source: the fleet's measurements with --target."""
+    from kvplan.cli import security_environ
+    from kvplan.models.fleet import remote_ask, with_fleet
+
+    def replan(
+        step: ModelPlanOptions, gpu: GpuModel, tp: int, length: int | None
+    ) -> dict[str, Any]:
+        (row,) = capacity_rows(config, step, [gpu], [tp], _local_planner, None, [length])
+        return row
+
+    target = getattr(args, "target", None)
+    ask = remote_ask(target, security_environ(args)) if target else None
+    return with_fleet(rows, config, options, gpus, replan, ask)
+
+
 def add_capacity_parser(commands: Any) -> None:
     capacity = commands.add_parser(
         "capacity",
@@ -691,6 +715,12 @@ def add_capacity_parser(commands: Any) -> None:
     output.add_argument("--csv", action="store_true", help="rows as CSV")
     capacity.add_argument("--chart", help="write an SVG chart (tokens, concurrency vs TP)")
     capacity.add_argument("--progress", action="store_true", help="always show progress")
+    capacity.add_argument(
+        "--target", help="ask a kvplan server at HOST:PORT for the fleet's measurements"
+    )
+    from kvplan.cli import add_security_options
+
+    add_security_options(capacity)
 
 
 def add_calibrate_parser(commands: Any) -> None:

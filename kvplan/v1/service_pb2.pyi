@@ -259,3 +259,259 @@ class ListDevicesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListDevicesResponse: _TypeAlias = ListDevicesResponse  # noqa: Y015
+
+@_typing.final
+class ConfigFingerprint(_message.Message):
+    """What makes two engines' start-up memory figures comparable. The first eight
+    fields are the configuration (what `kvplan plan --model` knows too) and make
+    the record's key; the runtime fields (9, 10) are kept with each engine.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_CONFIG_HASH_FIELD_NUMBER: _builtins.int
+    ENGINE_VERSION_FIELD_NUMBER: _builtins.int
+    GPU_NAME_FIELD_NUMBER: _builtins.int
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
+    CUDA_GRAPHS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    model_config_hash: _builtins.str
+    """kvplan.client.fleet.model_config_hash of config.json"""
+    engine_version: _builtins.str
+    """the release series: vllm-0.32, vllm-0.33, vllm-0.34"""
+    gpu_name: _builtins.str
+    """kvplan's catalog name (H100-80GB) or CUDA's name"""
+    tensor_parallel_size: _builtins.int
+    pipeline_parallel_size: _builtins.int
+    dtype: _builtins.str
+    """the model's dtype as the engine settled it (bfloat16)"""
+    kv_cache_dtype: _builtins.str
+    """auto, fp8, fp8_e4m3, ..."""
+    quantization: _builtins.str
+    """"" when unquantized"""
+    max_num_batched_tokens: _builtins.int
+    """runtime; 0 in a query: any"""
+    cuda_graphs: _builtins.str
+    """runtime: the CUDA-graph mode and sizes; "" in a query: any"""
+    model: _builtins.str
+    """the model's name, for people (not in the key)"""
+    def __init__(
+        self,
+        *,
+        model_config_hash: _builtins.str = ...,
+        engine_version: _builtins.str = ...,
+        gpu_name: _builtins.str = ...,
+        tensor_parallel_size: _builtins.int = ...,
+        pipeline_parallel_size: _builtins.int = ...,
+        dtype: _builtins.str = ...,
+        kv_cache_dtype: _builtins.str = ...,
+        quantization: _builtins.str = ...,
+        max_num_batched_tokens: _builtins.int = ...,
+        cuda_graphs: _builtins.str = ...,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_graphs", b"cuda_graphs", "dtype", b"dtype", "engine_version", b"engine_version", "gpu_name", b"gpu_name", "kv_cache_dtype", b"kv_cache_dtype", "max_num_batched_tokens", b"max_num_batched_tokens", "model", b"model", "model_config_hash", b"model_config_hash", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfigFingerprint: _TypeAlias = ConfigFingerprint  # noqa: Y015
+
+@_typing.final
+class WorkerMeasurement(_message.Message):
+    """One worker's start-up figures, as vLLM measured them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    AVAILABLE_KV_BYTES_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    WEIGHTS_BYTES_FIELD_NUMBER: _builtins.int
+    ACTIVATION_PEAK_BYTES_FIELD_NUMBER: _builtins.int
+    CUDA_GRAPH_BYTES_FIELD_NUMBER: _builtins.int
+    REQUESTED_BYTES_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    available_kv_bytes: _builtins.int
+    """the KV cache memory vLLM's profiling left"""
+    total_bytes: _builtins.int
+    """the device's total as CUDA reports it"""
+    weights_bytes: _builtins.int
+    activation_peak_bytes: _builtins.int
+    cuda_graph_bytes: _builtins.int
+    requested_bytes: _builtins.int
+    """What vLLM asked for: ceil(total x gpu_memory_utilization). requested -
+    available is the non-KV memory vLLM measured, the figure that carries over
+    to another utilization.
+    """
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        available_kv_bytes: _builtins.int = ...,
+        total_bytes: _builtins.int = ...,
+        weights_bytes: _builtins.int | None = ...,
+        activation_peak_bytes: _builtins.int | None = ...,
+        cuda_graph_bytes: _builtins.int | None = ...,
+        requested_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_activation_peak_bytes", b"_activation_peak_bytes", "_cuda_graph_bytes", b"_cuda_graph_bytes", "_weights_bytes", b"_weights_bytes", "activation_peak_bytes", b"activation_peak_bytes", "cuda_graph_bytes", b"cuda_graph_bytes", "weights_bytes", b"weights_bytes"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_activation_peak_bytes", b"_activation_peak_bytes", "_cuda_graph_bytes", b"_cuda_graph_bytes", "_weights_bytes", b"_weights_bytes", "activation_peak_bytes", b"activation_peak_bytes", "available_kv_bytes", b"available_kv_bytes", "cuda_graph_bytes", b"cuda_graph_bytes", "rank", b"rank", "requested_bytes", b"requested_bytes", "total_bytes", b"total_bytes", "weights_bytes", b"weights_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__activation_peak_bytes: _TypeAlias = _typing.Literal["activation_peak_bytes"]  # noqa: Y015
+    _WhichOneofArgType__activation_peak_bytes: _TypeAlias = _typing.Literal["_activation_peak_bytes", b"_activation_peak_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__cuda_graph_bytes: _TypeAlias = _typing.Literal["cuda_graph_bytes"]  # noqa: Y015
+    _WhichOneofArgType__cuda_graph_bytes: _TypeAlias = _typing.Literal["_cuda_graph_bytes", b"_cuda_graph_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__weights_bytes: _TypeAlias = _typing.Literal["weights_bytes"]  # noqa: Y015
+    _WhichOneofArgType__weights_bytes: _TypeAlias = _typing.Literal["_weights_bytes", b"_weights_bytes"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__activation_peak_bytes) -> _WhichOneofReturnType__activation_peak_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cuda_graph_bytes) -> _WhichOneofReturnType__cuda_graph_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__weights_bytes) -> _WhichOneofReturnType__weights_bytes | None: ...
+
+Global___WorkerMeasurement: _TypeAlias = WorkerMeasurement  # noqa: Y015
+
+@_typing.final
+class EngineMeasurement(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    REPORTED_AT_FIELD_NUMBER: _builtins.int
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
+    CUDA_GRAPHS_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    release: _builtins.str
+    """vLLM's version, e.g. 0.33.1"""
+    reported_at: _builtins.float
+    """seconds since the epoch (the server's clock)"""
+    max_num_batched_tokens: _builtins.int
+    cuda_graphs: _builtins.str
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerMeasurement]: ...
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        release: _builtins.str = ...,
+        reported_at: _builtins.float = ...,
+        max_num_batched_tokens: _builtins.int = ...,
+        cuda_graphs: _builtins.str = ...,
+        workers: _abc.Iterable[Global___WorkerMeasurement] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_graphs", b"cuda_graphs", "engine_id", b"engine_id", "max_num_batched_tokens", b"max_num_batched_tokens", "release", b"release", "reported_at", b"reported_at", "workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineMeasurement: _TypeAlias = EngineMeasurement  # noqa: Y015
+
+@_typing.final
+class ReportMeasurementsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    release: _builtins.str
+    @_builtins.property
+    def fingerprint(self) -> Global___ConfigFingerprint: ...
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerMeasurement]:
+        """one per rank, 0 .. TP x PP - 1"""
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        fingerprint: Global___ConfigFingerprint | None = ...,
+        release: _builtins.str = ...,
+        workers: _abc.Iterable[Global___WorkerMeasurement] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "fingerprint", b"fingerprint", "release", b"release", "workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportMeasurementsRequest: _TypeAlias = ReportMeasurementsRequest  # noqa: Y015
+
+@_typing.final
+class ReportMeasurementsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONFIG_KEY_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
+    config_key: _builtins.str
+    engines: _builtins.int
+    """engines kept for this configuration now"""
+    def __init__(
+        self,
+        *,
+        config_key: _builtins.str = ...,
+        engines: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_key", b"config_key", "engines", b"engines"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportMeasurementsResponse: _TypeAlias = ReportMeasurementsResponse  # noqa: Y015
+
+@_typing.final
+class GetMeasurementsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def fingerprint(self) -> Global___ConfigFingerprint: ...
+    def __init__(
+        self,
+        *,
+        fingerprint: Global___ConfigFingerprint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetMeasurementsRequest: _TypeAlias = GetMeasurementsRequest  # noqa: Y015
+
+@_typing.final
+class GetMeasurementsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONFIG_KEY_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
+    config_key: _builtins.str
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineMeasurement]:
+        """Newest first; only those matching the query's runtime fields where given."""
+
+    def __init__(
+        self,
+        *,
+        config_key: _builtins.str = ...,
+        engines: _abc.Iterable[Global___EngineMeasurement] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_key", b"config_key", "engines", b"engines"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetMeasurementsResponse: _TypeAlias = GetMeasurementsResponse  # noqa: Y015

@@ -65,6 +65,16 @@ class KVCachePlannerStub:
                 request_serializer=kvplan_dot_v1_dot_plan__pb2.PlanRequest.SerializeToString,
                 response_deserializer=kvplan_dot_v1_dot_plan__pb2.PlanRequest.FromString,
                 _registered_method=True)
+        self.ReportMeasurements = channel.unary_unary(
+                '/kvplan.v1.KVCachePlanner/ReportMeasurements',
+                request_serializer=kvplan_dot_v1_dot_service__pb2.ReportMeasurementsRequest.SerializeToString,
+                response_deserializer=kvplan_dot_v1_dot_service__pb2.ReportMeasurementsResponse.FromString,
+                _registered_method=True)
+        self.GetMeasurements = channel.unary_unary(
+                '/kvplan.v1.KVCachePlanner/GetMeasurements',
+                request_serializer=kvplan_dot_v1_dot_service__pb2.GetMeasurementsRequest.SerializeToString,
+                response_deserializer=kvplan_dot_v1_dot_service__pb2.GetMeasurementsResponse.FromString,
+                _registered_method=True)
 
 
 class KVCachePlannerServicer:
@@ -115,6 +125,21 @@ class KVCachePlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportMeasurements(self, request, context):
+        """What an engine's workers measured at start (docs/capacity.md, "Learn from
+        the fleet"), kept under its configuration's fingerprint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetMeasurements(self, request, context):
+        """The measurements kept for a configuration.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCachePlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +172,16 @@ def add_KVCachePlannerServicer_to_server(servicer, server):
                     servicer.Echo,
                     request_deserializer=kvplan_dot_v1_dot_plan__pb2.PlanRequest.FromString,
                     response_serializer=kvplan_dot_v1_dot_plan__pb2.PlanRequest.SerializeToString,
+            ),
+            'ReportMeasurements': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportMeasurements,
+                    request_deserializer=kvplan_dot_v1_dot_service__pb2.ReportMeasurementsRequest.FromString,
+                    response_serializer=kvplan_dot_v1_dot_service__pb2.ReportMeasurementsResponse.SerializeToString,
+            ),
+            'GetMeasurements': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMeasurements,
+                    request_deserializer=kvplan_dot_v1_dot_service__pb2.GetMeasurementsRequest.FromString,
+                    response_serializer=kvplan_dot_v1_dot_service__pb2.GetMeasurementsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +346,60 @@ class KVCachePlanner:
             '/kvplan.v1.KVCachePlanner/Echo',
             kvplan_dot_v1_dot_plan__pb2.PlanRequest.SerializeToString,
             kvplan_dot_v1_dot_plan__pb2.PlanRequest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportMeasurements(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvplan.v1.KVCachePlanner/ReportMeasurements',
+            kvplan_dot_v1_dot_service__pb2.ReportMeasurementsRequest.SerializeToString,
+            kvplan_dot_v1_dot_service__pb2.ReportMeasurementsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMeasurements(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvplan.v1.KVCachePlanner/GetMeasurements',
+            kvplan_dot_v1_dot_service__pb2.GetMeasurementsRequest.SerializeToString,
+            kvplan_dot_v1_dot_service__pb2.GetMeasurementsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,12 @@ class KVCachePlannerStub:
     """Give back an engine's leases (all, or one rank's) when it shuts down."""
     Echo: _grpc.UnaryUnaryMultiCallable[_plan_pb2.PlanRequest, _plan_pb2.PlanRequest]
     """Returns its payload unchanged: the baseline of the benchmarks."""
+    ReportMeasurements: _grpc.UnaryUnaryMultiCallable[_service_pb2.ReportMeasurementsRequest, _service_pb2.ReportMeasurementsResponse]
+    """What an engine's workers measured at start (docs/capacity.md, "Learn from
+    the fleet"), kept under its configuration's fingerprint.
+    """
+    GetMeasurements: _grpc.UnaryUnaryMultiCallable[_service_pb2.GetMeasurementsRequest, _service_pb2.GetMeasurementsResponse]
+    """The measurements kept for a configuration."""
 
 @_typing.type_check_only
 class KVCachePlannerAsyncStub(KVCachePlannerStub):
@@ -70,6 +76,12 @@ class KVCachePlannerAsyncStub(KVCachePlannerStub):
     """Give back an engine's leases (all, or one rank's) when it shuts down."""
     Echo: _aio.UnaryUnaryMultiCallable[_plan_pb2.PlanRequest, _plan_pb2.PlanRequest]  # type: ignore[assignment]
     """Returns its payload unchanged: the baseline of the benchmarks."""
+    ReportMeasurements: _aio.UnaryUnaryMultiCallable[_service_pb2.ReportMeasurementsRequest, _service_pb2.ReportMeasurementsResponse]  # type: ignore[assignment]
+    """What an engine's workers measured at start (docs/capacity.md, "Learn from
+    the fleet"), kept under its configuration's fingerprint.
+    """
+    GetMeasurements: _aio.UnaryUnaryMultiCallable[_service_pb2.GetMeasurementsRequest, _service_pb2.GetMeasurementsResponse]  # type: ignore[assignment]
+    """The measurements kept for a configuration."""
 
 class KVCachePlannerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -124,5 +136,23 @@ class KVCachePlannerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_plan_pb2.PlanRequest, _abc.Awaitable[_plan_pb2.PlanRequest]]:
         """Returns its payload unchanged: the baseline of the benchmarks."""
+
+    @_abc_1.abstractmethod
+    def ReportMeasurements(
+        self,
+        request: _service_pb2.ReportMeasurementsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_service_pb2.ReportMeasurementsResponse, _abc.Awaitable[_service_pb2.ReportMeasurementsResponse]]:
+        """What an engine's workers measured at start (docs/capacity.md, "Learn from
+        the fleet"), kept under its configuration's fingerprint.
+        """
+
+    @_abc_1.abstractmethod
+    def GetMeasurements(
+        self,
+        request: _service_pb2.GetMeasurementsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_service_pb2.GetMeasurementsResponse, _abc.Awaitable[_service_pb2.GetMeasurementsResponse]]:
+        """The measurements kept for a configuration."""
 
 def add_KVCachePlannerServicer_to_server(servicer: KVCachePlannerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

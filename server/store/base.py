@@ -45,6 +45,11 @@ DEFAULT_MAX_PLAN_BYTES = 64 * 1024 * 1024
 # Finished rank-mode results (plans, remembered failures) kept for ranks that
 # arrive late or retry, by the bytes they hold (kept_result_bytes).
 DEFAULT_MAX_RESULT_BYTES = 64 * 1024 * 1024
+# Fleet measurements (docs/capacity.md): configurations kept, and engines kept per
+# configuration (newest first; an engine's new report replaces its old one). A
+# record is one engine's serialized EngineMeasurement, at most a few KB.
+DEFAULT_MAX_MEASURED_CONFIGS = 1024
+DEFAULT_MAX_ENGINES_PER_CONFIG = 16
 DIGEST_BYTES = 32  # SHA-256: of a template, of each rank's spec
 
 
@@ -374,6 +379,27 @@ class Store(Protocol):
 
     async def leases(self, now: float) -> tuple[Lease, ...]:
         """Every live lease, by engine then rank (reads them all: tests, diagnostics)."""
+
+    # --- fleet measurements -------------------------------------------------------
+
+    async def put_measurement(
+        self,
+        config_key: str,
+        engine_id: str,
+        record: bytes,
+        now: float,
+        *,
+        max_configs: int = DEFAULT_MAX_MEASURED_CONFIGS,
+        max_engines: int = DEFAULT_MAX_ENGINES_PER_CONFIG,
+    ) -> int:
+        """Atomically keep `record` (a serialized EngineMeasurement) as `engine_id`'s
+        for `config_key`, replacing the engine's earlier one. Bounded: beyond
+        `max_engines` the configuration's oldest reports are dropped, beyond
+        `max_configs` the configurations reported to least recently. Returns the
+        engines now kept for `config_key`."""
+
+    async def measurements(self, config_key: str) -> tuple[bytes, ...]:
+        """The records kept for `config_key`, newest first."""
 
     async def sweep_expired(self, now: float) -> tuple[Lease, ...]:
         """Expire what is due, then delete and return the leases whose expiry

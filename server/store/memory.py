@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -24,6 +24,8 @@ from kvplan.core.ledger import (
     identity_changes,
 )
 from kvplan.server.store.base import (
+    DEFAULT_MAX_ENGINES_PER_CONFIG,
+    DEFAULT_MAX_MEASURED_CONFIGS,
     DEFAULT_MAX_PLAN_BYTES,
     DEFAULT_MAX_PLANS,
     DEFAULT_MAX_RESULT_BYTES,
@@ -157,6 +159,8 @@ class MemoryStore:
         # Each record's expiry: expired records leave in expiry order, each claim
         # paying for its own.
         self._owner_expiry: _TimeIndex[str] = _TimeIndex()
+        # Fleet measurements: config key -> engine -> record, least recent first.
+        self._measured: OrderedDict[str, OrderedDict[str, bytes]] = OrderedDict()
 
     async def start(self) -> None:
         return None
@@ -549,6 +553,29 @@ class MemoryStore:
             for rank in sorted(held)
             if held[rank].live(now)
         )
+
+    async def put_measurement(
+        self,
+        config_key: str,
+        engine_id: str,
+        record: bytes,
+        now: float,
+        *,
+        max_configs: int = DEFAULT_MAX_MEASURED_CONFIGS,
+        max_engines: int = DEFAULT_MAX_ENGINES_PER_CONFIG,
+    ) -> int:
+        engines = self._measured.setdefault(config_key, OrderedDict())
+        self._measured.move_to_end(config_key)
+        engines.pop(engine_id, None)
+        engines[engine_id] = record
+        while len(engines) > max_engines:
+            engines.popitem(last=False)
+        while len(self._measured) > max_configs:
+            self._measured.popitem(last=False)
+        return len(engines)
+
+    async def measurements(self, config_key: str) -> tuple[bytes, ...]:
+        return tuple(reversed(self._measured.get(config_key, {}).values()))
 
     async def sweep_expired(self, now: float) -> tuple[Lease, ...]:
         self._expire_due(now)

@@ -101,6 +101,8 @@ from kvplan.core.ledger import (
     tally,
 )
 from kvplan.server.store.base import (
+    DEFAULT_MAX_ENGINES_PER_CONFIG,
+    DEFAULT_MAX_MEASURED_CONFIGS,
     DEFAULT_MAX_PLAN_BYTES,
     DEFAULT_MAX_PLANS,
     DEFAULT_MAX_RESULT_BYTES,
@@ -520,6 +522,32 @@ return plan_bytes(ARGV[2] .. plan_id, ARGV[3])
 """
 )
 
+# Fleet measurements: KEYS = the configuration's records (hash engine -> record),
+# its order (zset engine -> seq), the configurations (zset key -> seq), the seq
+# counter; ARGV = engine, record, max engines, max configurations, the records'
+# and orders' key prefixes, the configuration's key. Returns the engines kept.
+_PUT_MEASUREMENT = """
+local seq = redis.call('INCR', KEYS[4])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], seq, ARGV[1])
+redis.call('ZADD', KEYS[3], seq, ARGV[7])
+local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[3])
+if extra > 0 then
+    for _, engine in ipairs(redis.call('ZRANGE', KEYS[2], 0, extra - 1)) do
+        redis.call('HDEL', KEYS[1], engine)
+    end
+    redis.call('ZREMRANGEBYRANK', KEYS[2], 0, extra - 1)
+end
+local configs = redis.call('ZCARD', KEYS[3]) - tonumber(ARGV[4])
+if configs > 0 then
+    for _, key in ipairs(redis.call('ZRANGE', KEYS[3], 0, configs - 1)) do
+        redis.call('DEL', ARGV[5] .. key, ARGV[6] .. key)
+    end
+    redis.call('ZREMRANGEBYRANK', KEYS[3], 0, configs - 1)
+end
+return redis.call('HLEN', KEYS[1])
+"""
+
 # Lua, shared by the rendezvous scripts: forget one finished engine's result and
 # take its size out of the sum (a result kept before sizes were has none).
 _RESULTS = """
@@ -908,6 +936,7 @@ class RedisStore:
             "ledger_release": self._client.register_script(_LEDGER_RELEASE),
             "ledger_sweep": self._client.register_script(_LEDGER_SWEEP),
             "put_plan": self._client.register_script(_PUT_PLAN),
+            "put_measurement": self._client.register_script(_PUT_MEASUREMENT),
             "get_plan": self._client.register_script(_GET_PLAN),
             "claim_engine": self._client.register_script(_CLAIM_ENGINE),
             "check_epoch": self._client.register_script(_CHECK_EPOCH),
@@ -1158,6 +1187,43 @@ class RedisStore:
 
     async def plan_for_engine(self, engine_id: str) -> bytes | None:
         return await self._get_plan("", engine_id) if engine_id else None
+
+    async def put_measurement(
+        self,
+        config_key: str,
+        engine_id: str,
+        record: bytes,
+        now: float,
+        *,
+        max_configs: int = DEFAULT_MAX_MEASURED_CONFIGS,
+        max_engines: int = DEFAULT_MAX_ENGINES_PER_CONFIG,
+    ) -> int:
+        self._redis()
+        records, order = self._key("fleet:rec:"), self._key("fleet:ord:")
+        kept = await self._call(
+            self._scripts["put_measurement"](
+                keys=[
+                    records + config_key,
+                    order + config_key,
+                    self._key("fleet:configs"),
+                    self._key("fleet:seq"),
+                ],
+                args=[engine_id, record, max_engines, max_configs, records, order, config_key],
+            )
+        )
+        return int(kept)
+
+    async def measurements(self, config_key: str) -> tuple[bytes, ...]:
+        client = self._redis()
+        engines: list[bytes] = await self._call(
+            client.zrevrange(self._key("fleet:ord:") + config_key, 0, -1)  # type: ignore[arg-type]
+        )
+        if not engines:
+            return ()
+        records: list[bytes | None] = await self._call(
+            client.hmget(self._key("fleet:rec:") + config_key, engines)  # type: ignore[arg-type]
+        )
+        return tuple(bytes(record) for record in records if record is not None)
 
     async def distinct_plan_bodies(self) -> int:
         """Bodies stored (tests: plans of equal content share one)."""

@@ -56,6 +56,8 @@ from kvplan.core.ledger import (
 )
 from kvplan.server.errors import ServiceError
 from kvplan.server.store.base import (
+    DEFAULT_MAX_ENGINES_PER_CONFIG,
+    DEFAULT_MAX_MEASURED_CONFIGS,
     DEFAULT_MAX_PLAN_BYTES,
     DEFAULT_MAX_PLANS,
     DEFAULT_MAX_RESULT_BYTES,
@@ -113,6 +115,17 @@ CHECKPOINT_WAL_BYTES = 4 * 1024 * 1024
 CODEC_NONE, CODEC_ZLIB = 0, 1
 # Slack on the index range of the expiry scan: covers float rounding of now - ttl.
 _EXPIRY_MARGIN_S = 1.0
+
+# Fleet measurements (docs/capacity.md): one row per configuration and engine; a
+# configuration's `touched_at` orders configurations for the bound.
+_FLEET_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS fleet_measurement (config_key TEXT NOT NULL, "
+    "engine_id TEXT NOT NULL, reported_at REAL NOT NULL, seq INTEGER NOT NULL, "
+    "record BLOB NOT NULL, PRIMARY KEY (config_key, engine_id))",
+    "CREATE TABLE IF NOT EXISTS fleet_config (config_key TEXT PRIMARY KEY, "
+    "touched_seq INTEGER NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS fleet_config_by_touch ON fleet_config (touched_seq)",
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS engine_owner (
@@ -702,6 +715,9 @@ class SQLiteStore:
             # One server per file: a claim left in it is from a server that was
             # killed while planning, so the next rank to arrive plans again.
             db.execute("UPDATE rendezvous_open SET claimed_at = NULL WHERE claimed_at IS NOT NULL")
+            # Added tables need no migration: created where missing, at any version.
+            for statement in _FLEET_SCHEMA:
+                db.execute(statement)
             count, heads = db.execute("SELECT count(*), total(length(head)) FROM plans").fetchone()
             (bodies,) = db.execute("SELECT total(length(body)) FROM plan_bodies").fetchone()
             self._plan_count, self._plan_bytes = int(count), int(heads + bodies)
@@ -1136,6 +1152,56 @@ class SQLiteStore:
                 (engine_id, now),
             ).fetchone()
             return str(row[0]) if row else _lease_holder(db, engine_id, now)
+
+    async def put_measurement(
+        self,
+        config_key: str,
+        engine_id: str,
+        record: bytes,
+        now: float,
+        *,
+        max_configs: int = DEFAULT_MAX_MEASURED_CONFIGS,
+        max_engines: int = DEFAULT_MAX_ENGINES_PER_CONFIG,
+    ) -> int:
+        def put(db: sqlite3.Connection) -> int:
+            # A sequence, not the clock, orders reports: a clock stepped back
+            # must not make the newest report the first one dropped.
+            (seq,) = db.execute(
+                "SELECT coalesce(max(touched_seq), 0) + 1 FROM fleet_config"
+            ).fetchone()
+            db.execute(
+                "INSERT OR REPLACE INTO fleet_measurement VALUES (?, ?, ?, ?, ?)",
+                (config_key, engine_id, now, seq, record),
+            )
+            db.execute("INSERT OR REPLACE INTO fleet_config VALUES (?, ?)", (config_key, seq))
+            db.execute(
+                "DELETE FROM fleet_measurement WHERE config_key = ? AND engine_id NOT IN "
+                "(SELECT engine_id FROM fleet_measurement WHERE config_key = ? "
+                "ORDER BY seq DESC LIMIT ?)",
+                (config_key, config_key, max_engines),
+            )
+            dropped = db.execute(
+                "SELECT config_key FROM fleet_config ORDER BY touched_seq DESC LIMIT -1 OFFSET ?",
+                (max_configs,),
+            ).fetchall()
+            for (key,) in dropped:
+                db.execute("DELETE FROM fleet_config WHERE config_key = ?", (key,))
+                db.execute("DELETE FROM fleet_measurement WHERE config_key = ?", (key,))
+            (kept,) = db.execute(
+                "SELECT count(*) FROM fleet_measurement WHERE config_key = ?", (config_key,)
+            ).fetchone()
+            return int(kept)
+
+        return int(await self._in_shared_transaction(put))
+
+    @_in_store_thread
+    def measurements(self, config_key: str) -> tuple[bytes, ...]:
+        with self._transaction(write=False) as db:
+            rows = db.execute(
+                "SELECT record FROM fleet_measurement WHERE config_key = ? ORDER BY seq DESC",
+                (config_key,),
+            ).fetchall()
+        return tuple(bytes(row[0]) for row in rows)
 
     @_in_store_thread
     def rendezvous_ranks(self, engine_id: str) -> tuple[int, ...]:

@@ -29,7 +29,16 @@ from tests.server.redis_server import running_redis
 from tests.server.test_leases import device_uuids, leased_request
 
 SERVICE = "/kvplan.v1.KVCachePlanner/"
-METHODS = ("PlanKVCache", "GetPlan", "ListDevices", "RenewLeases", "ReleasePlan", "Echo")
+METHODS = (
+    "PlanKVCache",
+    "GetPlan",
+    "ListDevices",
+    "RenewLeases",
+    "ReleasePlan",
+    "Echo",
+    "ReportMeasurements",
+    "GetMeasurements",
+)
 
 
 async def raw_call(port: int, method: str, body: bytes) -> grpc.StatusCode:

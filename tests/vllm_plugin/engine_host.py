@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import sys
+import time
 import traceback
 from fractions import Fraction
 from types import SimpleNamespace
@@ -112,12 +113,30 @@ def install_fake_driver() -> None:
 class StandInWorker:
     """What the plugin's worker-side report reads from a GPU worker."""
 
-    def __init__(self, total: int, requested: int, weights: int) -> None:
+    def __init__(self, total: int, requested: int, weights: int, cache_config: Any = None) -> None:
         self.device = SimpleNamespace(index=0)
         self.local_rank = 0
         self.init_snapshot = SimpleNamespace(total_memory=total)
         self.requested_memory = requested
         self.model_runner = SimpleNamespace(model_memory_usage=weights)
+        # As a uniprocess executor's worker: the engine's own CacheConfig.
+        self.cache_config = cache_config
+        self.profiled = False
+
+    def determine_available_memory(self, measured: int) -> int:
+        """vLLM's branch (gpu_worker.Worker.determine_available_memory, 0.32-0.34):
+        an explicit kv_cache_memory_bytes skips the memory profiling; otherwise the
+        profile sets what the plugin's report reads. The device is the boundary:
+        `measured` stands for what profiling it would leave."""
+        explicit = getattr(self.cache_config, "kv_cache_memory_bytes", None)
+        if explicit:
+            self.profiled = False
+            return int(explicit)
+        self.profiled = True
+        self.peak_activation_memory = (self.requested_memory - measured) // 4
+        self.cudagraph_memory_estimate = GIB // 4
+        self.available_kv_cache_memory_bytes = measured
+        return measured
 
 
 class StandInExecutor:
@@ -135,7 +154,10 @@ class StandInExecutor:
         return self.specs
 
     def determine_available_memory(self) -> list[int]:
-        return list(self.memory)
+        return [
+            worker.determine_available_memory(measured)
+            for worker, measured in zip(self.workers, self.memory, strict=True)
+        ]
 
     def get_supported_kv_cache_layouts(self) -> list[list[str]]:
         return [["LBNHC"] for _ in self.specs]
@@ -363,6 +385,9 @@ class EngineConfig:
             supports_kv_cache_grouping=False,
             dtype=BF16,
             is_diffusion=False,
+            model="",
+            enforce_eager=False,
+            quantization=None,
             # 0.32's trailing-layer draft rule reads the target's model type.
             hf_config=SimpleNamespace(model_type=options.get("target", "llama")),
         )
@@ -393,7 +418,10 @@ class EngineConfig:
         self.diffusion_config = None
         self.use_v2_model_runner = False
         self.compilation_config = SimpleNamespace(
-            compilation_time=0.0, encoder_compilation_time=0.0
+            compilation_time=0.0,
+            encoder_compilation_time=0.0,
+            cudagraph_mode=SimpleNamespace(name="FULL_AND_PIECEWISE"),
+            max_cudagraph_capture_size=512,
         )
 
 
@@ -699,15 +727,17 @@ def start(command: dict[str, Any]) -> dict[str, Any]:
     total = command.get("total", 80 * GIB)
     requested = math.ceil(total * utilization)
     workers = [
-        StandInWorker(total, requested, weights=max(0, min(16 * GIB, requested - m)))
-        for m in memory
+        StandInWorker(total, requested, max(0, min(16 * GIB, requested - m)), cache) for m in memory
     ]
+    # The model's directory (its config.json identifies the configuration to the fleet).
+    config.model_config.model = command.get("model_dir", "")
     executor = StandInExecutor([specs for _ in memory], memory, workers)
     executor.warmup_blocks = command.get("warmup_blocks")
     LIBCUDA.uuid = command.get("uuid", "GPU-00000000-0000-0000-0000-000000000000")
     core = object.__new__(EngineCore)
     core.model_executor = executor
     core.available_gpu_memory_for_kv_cache = -1
+    started = time.perf_counter()
     try:
         scheduler_config = EngineCore._initialize_kv_caches(core, config)
     except Exception as error:
@@ -729,6 +759,8 @@ def start(command: dict[str, Any]) -> dict[str, Any]:
             "extended": executor.extended,
             "max_model_len": int(config.model_config.max_model_len),
             "measured": memory,
+            "profiled": [worker.profiled for worker in workers],
+            "seconds": time.perf_counter() - started,
         },
     }
 

@@ -28,8 +28,9 @@ from typing import Any
 import pytest
 
 from kvplan.client import ChannelSecurity, PlannerClient
+from kvplan.client.fleet import model_config_hash
 from kvplan.gpus import GPU_MEMORY_BYTES
-from kvplan.v1 import plan_pb2
+from kvplan.v1 import plan_pb2, service_pb2
 from tests.vllm_envs import vllm_python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,8 +190,15 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def host(version: str, plugin_site: Path, server: Server) -> Iterator[EngineHost]:
-    engine_host = EngineHost(version, plugin_site, {"KVPLAN_ADDR": server.addr})
+def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine host's Hugging Face cache (HF_HUB_CACHE): models served by hub id."""
+    return tmp_path_factory.mktemp("hub")
+
+
+@pytest.fixture(scope="module")
+def host(version: str, plugin_site: Path, server: Server, hub_cache: Path) -> Iterator[EngineHost]:
+    env = {"KVPLAN_ADDR": server.addr, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    engine_host = EngineHost(version, plugin_site, env)
     yield engine_host
     engine_host.close()
 
@@ -713,6 +721,111 @@ def test_lease_follows_the_releases_default_utilization(
     assert lease.bytes == math.ceil(H100_TOTAL * expected)
     assert host.send(op="shutdown", name="D")["ok"]
     assert server.committed() == 0
+
+
+# --- the fleet's measurements -----------------------------------------------------------------
+
+
+def model_dir(base: Path, **config: Any) -> tuple[Path, dict[str, Any]]:
+    values = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32, **config}
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({**values, "torch_dtype": "bfloat16"}))
+    return base, values
+
+
+def test_the_fleet_learns_and_a_measured_configuration_skips_profiling(
+    host: EngineHost, server: Server, version: str, tmp_path: Path, hub_cache: Path
+) -> None:
+    model, config = model_dir(tmp_path / "llama", note=f"fleet-{version}")
+    requested = math.ceil(80 * GIB * 0.9)
+    # Every mode reports what the workers measured: observe here.
+    first = host.start("F1", "llama", memory=[20 * GIB], model_dir=str(model))
+    assert first["ok"], first
+    assert first["init"]["profiled"] == [True]
+    assert any("reported the measurements of engine" in x for x in plugin_lines(first)), first
+    fingerprint = service_pb2.ConfigFingerprint(
+        model_config_hash=model_config_hash(config),
+        engine_version=f"vllm-{version}",
+        gpu_name="H100",
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        dtype="bfloat16",
+    )
+    (engine,) = server.client.get_measurements(fingerprint).engines
+    assert engine.release == f"{version}.0"
+    assert (engine.max_num_batched_tokens, engine.cuda_graphs) == (8192, "FULL_AND_PIECEWISE:512")
+    (worker,) = engine.workers
+    assert (worker.available_kv_bytes, worker.requested_bytes, worker.total_bytes) == (
+        20 * GIB,
+        requested,
+        80 * GIB,
+    )
+    assert worker.weights_bytes == 16 * GIB
+    assert worker.activation_peak_bytes == (requested - 20 * GIB) // 4
+    assert worker.cuda_graph_bytes == GIB // 4
+
+    # draft-flags, opted in: the configuration was measured, so the worker gets
+    # kv_cache_memory_bytes = requested - the measured non-KV memory and does not
+    # profile (the stand-in's profile would now leave 18 GiB: not used).
+    reuse = {"KVPLAN_REUSE_MEASUREMENTS": "1"}
+    second = host.start(
+        "F2", "llama", memory=[18 * GIB], model_dir=str(model),
+        env={"KVPLAN_MODE": "draft-flags", **reuse},
+    )  # fmt: skip
+    assert second["ok"], second
+    assert second["init"]["profiled"] == [False]
+    assert second["init"]["num_blocks"] == first["init"]["num_blocks"]
+    (line,) = [x for x in plugin_lines(second) if "skips its memory profiling" in x]
+    assert "measured on 1 engine:" in line and f"kv_cache_memory_bytes={20 * GIB} " in line, line
+    # A start that did not profile reports nothing.
+    assert len(server.client.get_measurements(fingerprint).engines) == 1
+
+    # lease, opted in: the lease asks for the utilization with the measured non-KV.
+    third = host.start(
+        "F3", "llama", memory=[18 * GIB], model_dir=str(model), uuid=server.uuid,
+        env={"KVPLAN_MODE": "lease", "KVPLAN_ENGINE_ID": f"fleet-{version}", **reuse},
+    )  # fmt: skip
+    assert third["ok"], third
+    assert third["init"]["profiled"] == [False]
+    assert any("vLLM measured 20.00 GiB" in x for x in plugin_lines(third)), third
+    assert host.send(op="shutdown", name="F3")["ok"]
+
+    # A configuration never measured: vLLM profiles, and then it is measured.
+    other, other_config = model_dir(tmp_path / "other", note=f"other-{version}")
+    fourth = host.start(
+        "F4", "llama", memory=[18 * GIB], model_dir=str(other),
+        env={"KVPLAN_MODE": "draft-flags", **reuse},
+    )  # fmt: skip
+    assert fourth["ok"], fourth
+    assert fourth["init"]["profiled"] == [True]
+    assert any("was not measured before: vLLM profiles" in x for x in plugin_lines(fourth))
+    fingerprint.model_config_hash = model_config_hash(other_config)
+    assert len(server.client.get_measurements(fingerprint).engines) == 1
+    # The start times (pytest -s): the stand-in's profiling costs nothing on the CPU,
+    # so these are the plugin's own costs (docs/vllm.md quotes them).
+    print(
+        f"vLLM {version} EngineCore._initialize_kv_caches, draft-flags: measured configuration "
+        f"(reused) {second['init']['seconds']:.3f} s, unmeasured (profiled, reported) "
+        f"{fourth['init']['seconds']:.3f} s"
+    )
+
+    # A model served by hub id: its config.json from the local cache vLLM loaded it from.
+    repo = f"kvplan-test/llama-{version}"
+    snapshot = hub_cache / f"models--kvplan-test--llama-{version}" / "snapshots" / "0123abcd"
+    hub_config = {"architectures": ["LlamaForCausalLM"], "note": f"hub-{version}"}
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(hub_config))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    hub = host.start("F6", "llama", memory=[19 * GIB], model_dir=repo)
+    assert hub["ok"] and any("reported the measurements" in x for x in plugin_lines(hub)), hub
+    fingerprint.model_config_hash = model_config_hash(hub_config)
+    (engine,) = server.client.get_measurements(fingerprint).engines
+    assert engine.workers[0].available_kv_bytes == 19 * GIB
+
+    # Observe never changes the KV cache: the opt-in there stops the start, by name.
+    refused = host.start("F5", "llama", model_dir=str(model), env=reuse)
+    assert not refused["ok"] and "KVPLAN_REUSE_MEASUREMENTS" in refused["error"], refused
 
 
 def test_a_lost_lease_is_reported(host: EngineHost, version: str) -> None:

@@ -49,6 +49,21 @@ def test_settings_defaults_and_values() -> None:
     assert settings.security.token is None and not settings.security.tls
 
 
+def test_settings_reuse_measurements_only_where_the_mode_may_change_memory() -> None:
+    base = {"KVPLAN_ADDR": "x:1"}
+    assert not Settings.from_env(base).reuse_measurements
+    for mode in ("draft-flags", "lease"):
+        for value in ("1", "true", "ON"):
+            env = {**base, "KVPLAN_MODE": mode, "KVPLAN_REUSE_MEASUREMENTS": value}
+            assert Settings.from_env(env).reuse_measurements
+        env = {**base, "KVPLAN_MODE": mode, "KVPLAN_REUSE_MEASUREMENTS": "0"}
+        assert not Settings.from_env(env).reuse_measurements
+    with pytest.raises(SettingsError, match="observe mode never does"):
+        Settings.from_env({**base, "KVPLAN_REUSE_MEASUREMENTS": "1"})
+    with pytest.raises(SettingsError, match="KVPLAN_REUSE_MEASUREMENTS='maybe'"):
+        Settings.from_env({**base, "KVPLAN_MODE": "lease", "KVPLAN_REUSE_MEASUREMENTS": "maybe"})
+
+
 def test_settings_carry_the_clients_tls_and_token(tmp_path: Path) -> None:
     ca = tmp_path / "ca.pem"
     ca.write_bytes(b"-----BEGIN CERTIFICATE-----\n")
