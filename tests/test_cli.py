@@ -359,3 +359,33 @@ def test_commands_that_talk_to_a_server_list_tls_and_token_options(
     missing = ["--tls-ca", "/nonexistent/ca.pem"]
     assert main(["plan", request, "--target", "127.0.0.1:1", *missing]) == 2
     assert "KVPLAN_TLS_CA=/nonexistent/ca.pem" in capsys.readouterr().err
+
+
+def test_a_budget_below_the_non_kv_memory_is_said_in_positive_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 90% of 80 GiB = 72 GiB usable, 100 GiB of weights: 28 GiB plus the null block short.
+    request = {
+        "options": {"max_model_len": 8192},
+        "workers": [
+            {
+                "rank": 0,
+                "device": {"total_memory_bytes": 80 * 2**30},
+                "memory": {"gpu_memory_utilization": 0.9, "non_kv": {"weights_bytes": 100 * 2**30}},
+                "layers": [
+                    {
+                        "name": "x",
+                        "full_attention": {"attention": {"num_kv_heads": 8, "head_size": 128}},
+                    }
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(request))
+    assert main(["plan", str(path)]) == 4
+    err = capsys.readouterr().err
+    assert "No available memory for the cache blocks on worker rank 0" in err
+    assert re.search(r"(^|[\s(])-\d", err) is None  # no negative byte count
+    # 28 GiB short, plus one 16-token block of 8 heads x 128 x 2 (K, V) x 2 B = 64 KiB
+    assert f"falls {28 * 2**30 + 65_536:,} bytes (28.0 GiB) short of one block" in err
