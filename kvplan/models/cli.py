@@ -13,6 +13,14 @@ from dataclasses import replace
 from typing import Any
 
 from kvplan.gpus import CATALOG, GpuModel, UnknownGpu, lookup_gpu
+from kvplan.models.chart import (
+    ChartUnavailable,
+    apply_prices,
+    check_chart_path,
+    model_title,
+    parse_price,
+    write_chart,
+)
 from kvplan.models.config import HFConfig, ModelConfigError, load_config
 from kvplan.models.fit import catalog_name, explain_no_fit
 from kvplan.models.importer import Speculative
@@ -557,64 +565,15 @@ def format_csv(rows: Sequence[dict[str, Any]]) -> str:
     return buffer.getvalue()
 
 
-def render_svg(rows: Sequence[dict[str, Any]], title: str) -> str:
-    """Two panels (tokens, concurrency) against TP, one line per GPU; plain SVG."""
-    palette = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
-    gpus = list(dict.fromkeys(row["gpu"] for row in rows))
-    tps = sorted({row["tp"] for row in rows})
-    width, height, pad = 420, 300, 50
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * width}" height="{height + 60}" '
-        'font-family="sans-serif" font-size="11">',
-        f'<text x="{width}" y="16" text-anchor="middle" font-size="13">{_escape(title)}</text>',
-    ]
-    for panel, (key, label) in enumerate(
-        (("kv_cache_tokens", "KV cache tokens"), ("max_concurrency", "max concurrency (x)"))
-    ):
-        x0 = panel * width + pad
-        y0, y1 = 30, height - pad + 30
-        values = [float(row[key]) for row in rows if row.get("status") == "ok"]
-        top = max(values, default=1.0) or 1.0
-        parts.append(
-            f'<text x="{x0 + (width - 2 * pad) / 2}" y="{y1 + 35}" text-anchor="middle">'
-            f"tensor-parallel size</text>"
-        )
-        parts.append(f'<text x="{x0}" y="{y0 - 4}">{label} (max {top:,.0f})</text>')
-        parts.append(
-            f'<line x1="{x0}" y1="{y1}" x2="{x0 + width - 2 * pad}" y2="{y1}" stroke="#000"/>'
-        )
-        parts.append(f'<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{y1}" stroke="#000"/>')
-        span = max(len(tps) - 1, 1)
-        for index, tp in enumerate(tps):
-            x = x0 + index * (width - 2 * pad) / span
-            parts.append(f'<text x="{x}" y="{y1 + 14}" text-anchor="middle">{tp}</text>')
-        for color, gpu in zip(palette * 4, gpus, strict=False):
-            points = []
-            for row in rows:
-                if row["gpu"] != gpu or row.get("status") != "ok":
-                    continue
-                x = x0 + tps.index(row["tp"]) * (width - 2 * pad) / span
-                y = y1 - (float(row[key]) / top) * (y1 - y0)
-                points.append(f"{x:.1f},{y:.1f}")
-            if points:
-                parts.append(
-                    f'<polyline fill="none" stroke="{color}" stroke-width="2" '
-                    f'points="{" ".join(points)}"/>'
-                )
-                for point in points:
-                    cx, cy = point.split(",")
-                    parts.append(f'<circle cx="{cx}" cy="{cy}" r="3" fill="{color}"/>')
-    for index, (color, gpu) in enumerate(zip(palette * 4, gpus, strict=False)):
-        y = height + 45
-        x = 60 + index * 130
-        parts.append(f'<rect x="{x}" y="{y - 9}" width="10" height="10" fill="{color}"/>')
-        parts.append(f'<text x="{x + 14}" y="{y}">{_escape(gpu)}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts) + "\n"
-
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+def chart_subtitle(args: argparse.Namespace, lengths: Sequence[int | None]) -> str:
+    """What the chart holds fixed: the length (or TP in a length sweep) and the release."""
+    if len(lengths) > 1:
+        fixed = f"TP {args.tp}"
+    elif lengths[0] is None:
+        fixed = "max_model_len: the model's own"
+    else:
+        fixed = f"max_model_len {'auto' if lengths[0] == -1 else f'{lengths[0]:,}'}"
+    return f"{fixed}; rules {args.engine_version or 'kvplan'}"
 
 
 def _local_planner(request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
@@ -633,9 +592,16 @@ def capacity_command(args: argparse.Namespace) -> int:
         if not tps or min(tps) < 1:
             raise ModelConfigError(f"--tp {args.tp!r}: expected positive integers, e.g. 1,2,4,8")
         options = options_from_args(args)
-        if args.chart and not args.chart.lower().endswith(".svg"):
-            raise ModelConfigError(f"--chart {args.chart}: kvplan writes SVG charts (name.svg)")
-    except (ModelConfigError, UnknownGpu, ValueError) as error:
+        prices = dict(args.price or [])
+        unpriced = sorted(set(prices) - {gpu.name for gpu in gpus})
+        if unpriced:
+            raise ModelConfigError(
+                f"--price {', '.join(unpriced)}: not among --gpu {args.gpu} (price the GPUs "
+                "the sweep runs on)"
+            )
+        if args.chart:
+            check_chart_path(args.chart)
+    except (ModelConfigError, UnknownGpu, ValueError, ChartUnavailable) as error:
         print(
             f"error: {error.args[0] if isinstance(error, UnknownGpu) else error}", file=sys.stderr
         )
@@ -652,6 +618,7 @@ def capacity_command(args: argparse.Namespace) -> int:
     rows = capacity_rows(
         config, options, gpus, tps, _local_planner, progress if show_progress else None, lengths
     )
+    apply_prices(rows, prices, options.pipeline_parallel_size)
     if all(row["status"] == "error" for row in rows):
         for row in rows:
             print(f"error: {row['gpu']} tp={row['tp']}: {row['error']}", file=sys.stderr)
@@ -663,9 +630,7 @@ def capacity_command(args: argparse.Namespace) -> int:
     else:
         print(format_table(rows))
     if args.chart:
-        title = f"{args.model}: max_model_len {rows[0].get('max_model_len', '-')}"
-        with open(args.chart, "w") as chart:
-            chart.write(render_svg(rows, title))
+        write_chart(rows, args.chart, model_title(args.model), chart_subtitle(args, lengths))
         print(f"chart written to {args.chart}", file=sys.stderr)
     return 0
 
@@ -679,7 +644,21 @@ def add_capacity_parser(commands: Any) -> None:
     output = capacity.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="rows as JSON")
     output.add_argument("--csv", action="store_true", help="rows as CSV")
-    capacity.add_argument("--chart", help="write an SVG chart (tokens, concurrency vs TP)")
+    capacity.add_argument(
+        "--chart",
+        metavar="FILE",
+        help="draw the sweep to FILE (.png, .svg or .pdf): tokens, concurrency (and tokens "
+        "per USD/h with --price) against TP, or against length in a length sweep; needs "
+        "matplotlib (pip install 'kvplan[chart]')",
+    )
+    capacity.add_argument(
+        "--price",
+        metavar="GPU=USD/h",
+        type=parse_price,
+        action="append",
+        help="price of one GPU an hour (repeat per GPU type): adds the KV cache tokens each "
+        "USD an hour buys (an engine costs TP x PP GPUs)",
+    )
     capacity.add_argument("--progress", action="store_true", help="always show progress")
 
 
