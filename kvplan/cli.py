@@ -220,7 +220,9 @@ def _plan_model_command(args: argparse.Namespace) -> int:
         if isinstance(error, PlanningError) and error.code == "RESOURCE_EXHAUSTED":
             # Said in this command's terms: positive figures and its own flags.
             device = gpu or GpuModel("the device", options.gpu_memory_bytes or 0, True, "")
-            why = explain_no_fit(config, options, device, inputs, _local_or_remote(args))
+            why = explain_no_fit(
+                config, options, device, inputs, _local_or_remote(args), error.details
+            )
             print(f"error: does not fit on {device.name} at TP {options.tensor_parallel_size}:",
                   file=sys.stderr)  # fmt: skip
             print("\n".join(why.lines()), file=sys.stderr)

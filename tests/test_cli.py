@@ -303,7 +303,14 @@ def test_vllm_dtype_quantization_and_prefix_caching_flags(
     on = model_plan(capsys, "nemotron-3-nano-30b-a3b", *hybrid, "--enable-prefix-caching")
     off = model_plan(capsys, "nemotron-3-nano-30b-a3b", *hybrid, "--no-enable-prefix-caching")
     short = model_plan(capsys, "nemotron-3-nano-30b-a3b", *hybrid, "--no-prefix-caching")
-    assert off == short and off["capacity"] != on["capacity"]
+    shown = model_plan(capsys, "nemotron-3-nano-30b-a3b", *hybrid, "--disable-prefix-caching")
+    assert off == short == shown and off["capacity"] != on["capacity"]
+    # vLLM's own short forms: -q (quantization), -sc (speculative config)
+    assert model_plan(capsys, "llama-3.1-8b", *base, "-q", "fp8") == online
+    mtp = ["--max-model-len", "8k", "-tp", "8", "--speculative-config"]
+    config = '{"method": "mtp", "num_speculative_tokens": 1}'
+    by_short = model_plan(capsys, "deepseek-v3", *mtp[:-1], "-sc", config, gpu="H200")
+    assert by_short == model_plan(capsys, "deepseek-v3", *mtp, config, gpu="H200")
 
 
 def test_nothing_beside_a_request_file_is_silently_ignored(
@@ -389,3 +396,53 @@ def test_a_budget_below_the_non_kv_memory_is_said_in_positive_bytes(
     assert re.search(r"(^|[\s(])-\d", err) is None  # no negative byte count
     # 28 GiB short, plus one 16-token block of 8 heads x 128 x 2 (K, V) x 2 B = 64 KiB
     assert f"falls {28 * 2**30 + 65_536:,} bytes (28.0 GiB) short of one block" in err
+
+
+def _flags_of(parser_args: list[str]) -> set[str]:
+    """Every option string of the kvplan subcommand `parser_args[0]`."""
+    from kvplan.cli import build_parser
+
+    subparsers: Any = build_parser()._subparsers
+    command = subparsers._group_actions[0].choices[parser_args[0]]
+    return {flag for action in command._actions for flag in action.option_strings}
+
+
+def test_does_not_fit_says_where_memory_went_and_advice_works_as_typed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Qwen3-8B at 32k on one L4: 16.56 GiB non-KV leaves 4.14 GiB; a request needs 4.50.
+    args = ["plan", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "32k"]
+    assert main(args) == 4
+    err = capsys.readouterr().err
+    assert re.search(r"(^|[\s(])-\d", err) is None  # no negative byte count
+    for part in ("weights 15.26 GiB", "activation peak", "CUDA graphs and runtime",
+                 "= 16.56 GiB non-KV", "4.14 GiB left for the KV cache",
+                 "less than the 4.50 GiB one request"):  # fmt: skip
+        assert part in err, part
+    # The smallest catalog GPUs first, the rest counted.
+    assert "fits at this TP on: A10G-24GB, RTX-4090-24GB, A100-40GB, L40S-48GB and " in err
+    # Every flag the answer names is one of this command's, and each advice runs as typed.
+    named = set(re.findall(r"--[a-z][a-z-]+", err))
+    assert named == {"--max-model-len", "--tensor-parallel-size"} <= _flags_of(["plan"])
+    shorter = re.search(r"fits here with (--max-model-len \d+) or shorter", err)
+    wider = re.search(r"fits from (--tensor-parallel-size \d+) on this GPU", err)
+    assert shorter is not None and wider is not None
+    assert main([*args[:-2], *shorter.group(1).split(), "--json"]) == 0
+    assert main([*args, *wider.group(1).split(), "--json"]) == 0
+    capsys.readouterr()
+
+
+def test_capacity_length_sweep_names_each_point_and_the_auto_length(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["capacity", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--tp", "1"]
+    assert main([*args, "--max-model-len", "8k,32k,auto", "--price", "L4=0.8"]) == 0
+    out = capsys.readouterr().out
+    assert "L4-24GB tp=1 max_model_len 32,768: does not fit:" in out
+    rows = {line.split()[2]: line for line in out.splitlines()[1:4]}
+    assert set(rows) == {"8,192", "32,768", "auto:"}
+    # auto shows the length it chose: the longest one request the budget holds.
+    assert re.search(r"auto: 30,112 .* 1\.00x", rows["auto:"])
+    assert "tokens per USD/h" in out.splitlines()[0] and "0.80" in rows["8,192"]
+    named = set(re.findall(r"--[a-z][a-z-]+", out))
+    assert named and named <= _flags_of(["capacity"])

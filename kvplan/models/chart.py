@@ -104,7 +104,7 @@ def _length_label(value: Any) -> str:
 def series_of(rows: Sequence[dict[str, Any]], key: str) -> tuple[str, list[str], list[Series]]:
     """The x axis title, its tick labels and one series per GPU (and TP in a length
     sweep) for `key`; rows the config refuses ("error") are left out."""
-    length_sweep = any("requested_max_model_len" in row for row in rows)
+    length_sweep = len({row.get("requested_max_model_len") for row in rows}) > 1
     if length_sweep:
         ticks = list(dict.fromkeys(_length_label(row["requested_max_model_len"]) for row in rows))
         several_tps = len({row["tp"] for row in rows}) > 1

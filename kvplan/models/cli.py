@@ -22,7 +22,7 @@ from kvplan.models.chart import (
     write_chart,
 )
 from kvplan.models.config import HFConfig, ModelConfigError, load_config
-from kvplan.models.fit import catalog_name, explain_no_fit
+from kvplan.models.fit import TP_CANDIDATES, catalog_name, explain_no_fit, name_gpus
 from kvplan.models.importer import Speculative
 from kvplan.models.request import (
     CapacitySummary,
@@ -124,7 +124,7 @@ MODEL_ONLY_OPTIONS = {
     "draft_model": "--draft-model",
     "quantization": "--quantization",
     "dtype": "--dtype",
-    "enable_prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
+    "enable_prefix_caching": "--enable-prefix-caching / --disable-prefix-caching",
     "block_size": "--block-size",
     "non_kv_bytes": "--non-kv-bytes",
 }
@@ -206,6 +206,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
     )
     parser.add_argument(
         "--quantization",
+        "-q",
         help="the checkpoint's quantization method (fp8, awq, gptq, mxfp4, "
         "compressed-tensors), or fp8 to quantize an unquantized checkpoint on load",
     )
@@ -216,6 +217,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
     )
     parser.add_argument(
         "--speculative-config",
+        "-sc",
         help='vLLM\'s JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' or '
         '\'{"method": "eagle3", "model": "DRAFTER_DIR", "num_speculative_tokens": 3}\'',
     )
@@ -230,11 +232,12 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         help="prefix caching (default on; off keeps Mamba state per request only)",
     )
     parser.add_argument(
+        "--disable-prefix-caching",  # vLLM 0.32-0.34 pair --enable-x with --disable-x
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_const",
         const=False,
-        help="short form of --no-enable-prefix-caching",
+        help="as --no-enable-prefix-caching",
     )
     parser.add_argument(
         "--non-kv-bytes",
@@ -464,8 +467,8 @@ def capacity_rows(
                     max_model_len=length if length is not None else options.max_model_len,
                 )
                 row: dict[str, Any] = {"gpu": gpu.name, "tp": tp, "status": "ok"}
-                if len(lengths) > 1:
-                    row["requested_max_model_len"] = length
+                if len(lengths) > 1 or step.max_model_len == -1:
+                    row["requested_max_model_len"] = step.max_model_len
                 inputs: ModelPlanInputs | None = None
                 try:
                     request, inputs = build_plan_request(config, step)
@@ -486,7 +489,7 @@ def capacity_rows(
                     if error.code != "RESOURCE_EXHAUSTED":
                         row.update(status="error", error=error.message)
                     else:
-                        why = explain_no_fit(config, step, gpu, inputs, planner)
+                        why = explain_no_fit(config, step, gpu, inputs, planner, error.details)
                         asked = step.max_model_len
                         if asked is None and inputs is not None:
                             asked = inputs.layers.derived_max_model_len
@@ -517,42 +520,67 @@ _COLUMNS = (
 )
 
 
+_PRICE_COLUMNS = (("usd_per_hour", "USD/h"), ("kv_tokens_per_usd_hour", "tokens per USD/h"))
+
+
+def _row_name(row: dict[str, Any], length_sweep: bool) -> str:
+    name = f"{row['gpu']} tp={row['tp']}"
+    if length_sweep:
+        asked = row.get("requested_max_model_len")
+        name += " max_model_len " + ("auto" if asked == -1 else f"{asked:,}")
+    return name
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The sweep as a table; under it, each row that does not fit (where its memory went,
+    the smallest TP and the smallest catalog GPUs that hold it) or that the config refuses."""
+
     def cell(row: dict[str, Any], key: str) -> str:
+        if key.startswith(("usd_", "kv_tokens_per_")) and key not in row:
+            return "-"
         if row.get("status") != "ok" and key not in row:
             return "-" if row.get("status") == "error" else "no fit"
         value = row.get(key)
+        if key == "max_model_len" and row.get("requested_max_model_len") == -1:
+            return f"auto: {value:,}" if isinstance(value, int) else "auto"
         if row.get("status") != "ok" and key == "max_model_len":
             return f"{value:,}" if isinstance(value, int) else str(value)
+        if value is None:
+            return "-"
+        if key == "usd_per_hour":
+            return f"{value:,.2f}"
         if key.endswith("bytes") or key.endswith("_per_worker"):
-            return _gib(int(value or 0))
+            return _gib(int(value))
         if isinstance(value, float):
             return f"{value:.2f}x"
         if isinstance(value, int):
             return f"{value:,}"
         return str(value)
 
-    table = [[title for _, title in _COLUMNS]]
-    table += [[cell(row, key) for key, _ in _COLUMNS] for row in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
+    columns = _COLUMNS + (_PRICE_COLUMNS if any("usd_per_hour" in row for row in rows) else ())
+    table = [[title for _, title in columns]]
+    table += [[cell(row, key) for key, _ in columns] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     out = [
         "  ".join(text.rjust(width) for text, width in zip(line, widths, strict=True))
         for line in table
     ]
+    length_sweep = len({row.get("requested_max_model_len") for row in rows}) > 1
     for row in rows:
+        name = _row_name(row, length_sweep)
         if row.get("status") == NO_FIT:
             tp_hint = (
                 f"fits from --tensor-parallel-size {row['fits_from_tp']}"
                 if row["fits_from_tp"]
-                else "no TP size fits"
+                else f"no TP size up to {TP_CANDIDATES[-1]} fits on this GPU"
             )
-            gpus = ", ".join(row["fits_on"]) or "no catalog GPU"
+            gpus = name_gpus(row["fits_on"]) if row["fits_on"] else "no catalog GPU"
             out.append(
-                f"{row['gpu']} tp={row['tp']}: does not fit: {row['error']}; {tp_hint}; "
+                f"{name}: does not fit: {row['error']}; {tp_hint}; "
                 f"at tp={row['tp']} it fits on: {gpus}"
             )
         elif row.get("status") == "error":
-            out.append(f"{row['gpu']} tp={row['tp']}: {row['error']}")
+            out.append(f"{name}: {row['error']}")
     return "\n".join(out)
 
 
