@@ -446,3 +446,48 @@ def test_capacity_length_sweep_names_each_point_and_the_auto_length(
     assert "tokens per USD/h" in out.splitlines()[0] and "0.80" in rows["8,192"]
     named = set(re.findall(r"--[a-z][a-z-]+", out))
     assert named and named <= _flags_of(["capacity"])
+
+
+def test_gpu_beside_a_request_file_that_sizes_every_device_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    request = {
+        "options": {"max_model_len": 8192},
+        "workers": [
+            {
+                "rank": 0,
+                "device": {"total_memory_bytes": 80 * 2**30},
+                "memory": {"gpu_memory_utilization": 0.9},
+                "layers": [
+                    {
+                        "name": "x",
+                        "full_attention": {"attention": {"num_kv_heads": 8, "head_size": 128}},
+                    }
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "sized.json"
+    path.write_text(json.dumps(request))
+    for flags in (["--gpu", "H200"], ["--gpu-memory", "141GiB"]):
+        assert main(["plan", str(path), *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"{flags[0]} applies to workers without a device size" in err
+    assert main(["plan", str(path), "--json"]) == 0
+    capsys.readouterr()
+
+
+def test_every_command_that_talks_to_a_server_lists_tls_and_token_options() -> None:
+    from kvplan.cli import build_parser
+
+    security = {"--tls", "--tls-ca", "--client-cert", "--client-key", "--tls-server-name"}
+    security.add("--token-file")
+    subparsers: Any = build_parser()._subparsers
+    with_target = {
+        name: {flag for action in command._actions for flag in action.option_strings}
+        for name, command in subparsers._group_actions[0].choices.items()
+        if any("--target" in action.option_strings for action in command._actions)
+    }
+    assert {"plan", "health"} <= set(with_target)
+    for name, flags in with_target.items():
+        assert security <= flags, f"kvplan {name} lacks {sorted(security - flags)}"

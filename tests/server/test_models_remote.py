@@ -51,3 +51,18 @@ async def test_cli_plans_a_model_on_a_server(
     local = json.loads(capsys.readouterr().out)
     assert remote["capacity"] == local["capacity"]
     assert remote["capacity"]["kv_bytes_per_token"] == 32 * 4 * 128 * 2 * 2
+
+
+async def test_does_not_fit_on_a_server_is_said_as_locally(
+    server: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The server's RESOURCE_EXHAUSTED (its ErrorInfo numbers) gets the local answer:
+    # where the memory went, a length that fits, the smallest TP and GPUs; exit 4.
+    args = ["plan", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "32k"]
+    assert await asyncio.to_thread(main, args) == 4
+    local = capsys.readouterr().err
+    remote_args = [*args, "--target", f"127.0.0.1:{server.port}"]
+    assert await asyncio.to_thread(main, remote_args) == 4
+    assert capsys.readouterr().err == local
+    assert "less than the 4.50 GiB one request" in local
+    assert "fits here with --max-model-len 30112 or shorter" in local
