@@ -247,7 +247,9 @@ def _plan_model_command(args: argparse.Namespace) -> int:
             print(f"error: {where}{error.message}", file=sys.stderr)
         else:
             print(f"error: {error}", file=sys.stderr)
-        if inputs is not None:
+        # Beside a refusal of the plan, not a connection or auth failure.
+        refused = isinstance(error, PlanningError) or error.exit_code in (2, 3, 4, 5)
+        if inputs is not None and refused:
             print("non-KV memory per worker the plan assumed:", file=sys.stderr)
             print("\n".join(non_kv_lines(inputs)), file=sys.stderr)
         if isinstance(error, PlanningError):

@@ -66,3 +66,15 @@ async def test_does_not_fit_on_a_server_is_said_as_locally(
     assert capsys.readouterr().err == local
     assert "less than the 4.50 GiB one request" in local
     assert "fits here with --max-model-len 30112 or shorter" in local
+
+
+async def test_no_server_is_a_connection_error_only(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = ["plan", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "8k"]
+    assert await asyncio.to_thread(main, [*args, "--target", f"127.0.0.1:{port}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "non-KV memory" not in err  # not a plan refusal
