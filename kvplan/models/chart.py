@@ -173,7 +173,7 @@ def capacity_figure(rows: Sequence[dict[str, Any]], title: str, subtitle: str = 
                 any_no_fit = True
                 # Crosses on the axis in the series' colour, nudged apart where several
                 # series do not fit at one point.
-                nudge = 0.05 * (labels.index(series.label) - (len(labels) - 1) / 2)
+                nudge = 0.08 * (labels.index(series.label) - (len(labels) - 1) / 2)
                 ax.plot(
                     [x + nudge for x in series.no_fit_x],
                     [0.0] * len(series.no_fit_x),
