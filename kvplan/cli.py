@@ -211,6 +211,11 @@ def _plan_model_command(args: argparse.Namespace) -> int:
 
     inputs: ModelPlanInputs | None = None
     try:
+        if args.gpu is not None and args.gpu_memory is not None:
+            raise ModelConfigError(
+                "give --gpu NAME (or a size, --gpu 96GiB) or --gpu-memory BYTES, not both: "
+                "with --model, --gpu-memory would replace the GPU's size"
+            )
         config = load_config(args.model)
         gpu = resolve_gpu(args.gpu) if args.gpu_memory is None else None
         options = replace(

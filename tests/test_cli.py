@@ -325,6 +325,10 @@ def test_nothing_beside_a_request_file_is_silently_ignored(
     assert main(["plan", request, "--no-enable-prefix-caching"]) == 2
     assert "--enable-prefix-caching" in capsys.readouterr().err
     assert main(["plan", request, "--gpu", "H200", "--json"]) == 0  # these do apply
+    capsys.readouterr()
+    both = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H200"]
+    assert main([*both, "--gpu-memory", "80GiB"]) == 2  # --gpu would be dropped
+    assert "not both" in capsys.readouterr().err
 
 
 def test_capacity_sweeps_max_model_len(capsys: pytest.CaptureFixture[str]) -> None:

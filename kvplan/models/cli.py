@@ -504,7 +504,7 @@ def capacity_rows(
                     row.update(status="error", error=str(error))
                 rows.append(row)
                 if progress is not None:
-                    progress(len(rows), total, f"{gpu.name} tp={tp}")
+                    progress(len(rows), total, _row_name(row, len(lengths) > 1))
     return rows
 
 
