@@ -238,7 +238,7 @@ def model_plan(
 def test_vllm_flag_names_and_the_short_forms_plan_alike(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    length = ["--max-model-len", "8k"]
+    length = ["--max-model-len", "8K"]
     plans = [
         model_plan(capsys, "llama-3.1-8b", *length, *flags)
         for flags in (["--tensor-parallel-size", "2"], ["-tp", "2"], ["--tp", "2"])
@@ -248,7 +248,7 @@ def test_vllm_flag_names_and_the_short_forms_plan_alike(
     staged = model_plan(capsys, "llama-3.1-8b", *length, "--pipeline-parallel-size", "2")
     assert staged == model_plan(capsys, "llama-3.1-8b", *length, "-pp", "2")
     assert len(staged["workers"]) == 2
-    mtp = ["--max-model-len", "8k", "-tp", "8"]
+    mtp = ["--max-model-len", "8K", "-tp", "8"]
     config = '{"method": "deepseek_mtp", "num_speculative_tokens": 1}'
     by_json = model_plan(capsys, "deepseek-v3", *mtp, "--speculative-config", config, gpu="H200")
     short = model_plan(capsys, "deepseek-v3", *mtp, "--speculative", "mtp:1", gpu="H200")
@@ -257,7 +257,7 @@ def test_vllm_flag_names_and_the_short_forms_plan_alike(
 
 
 def test_vllm_memory_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["--max-model-len", "8k"]
+    base = ["--max-model-len", "8K"]
     fixed = model_plan(capsys, "llama-3.1-8b", *base, "--kv-cache-memory-bytes", "10GiB")
     assert int(fixed["workers"][0]["budget"]["available_bytes"]) == 10 * GIB
     blocks = model_plan(capsys, "llama-3.1-8b", *base, "--num-gpu-blocks-override", "1000")
@@ -272,7 +272,7 @@ def test_vllm_memory_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert int(few["workers"][0]["budget"]["non_kv_bytes"]) < int(
         plain["workers"][0]["budget"]["non_kv_bytes"]
     )
-    tokens = model_plan(capsys, "llama-3.1-8b", *base, "--max-num-batched-tokens", "2k")
+    tokens = model_plan(capsys, "llama-3.1-8b", *base, "--max-num-batched-tokens", "2K")
     assert int(tokens["workers"][0]["budget"]["non_kv_bytes"]) < int(
         plain["workers"][0]["budget"]["non_kv_bytes"]
     )
@@ -283,7 +283,7 @@ def test_vllm_memory_flags(capsys: pytest.CaptureFixture[str]) -> None:
 def test_vllm_dtype_quantization_and_prefix_caching_flags(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    base = ["--max-model-len", "8k"]
+    base = ["--max-model-len", "8K"]
     plain = model_plan(capsys, "llama-3.1-8b", *base)
     weights = int(plain["workers"][0]["budget"]["non_kv_bytes"])
     online = model_plan(capsys, "llama-3.1-8b", *base, "--quantization", "fp8")
@@ -299,7 +299,7 @@ def test_vllm_dtype_quantization_and_prefix_caching_flags(
     args = ["plan", "--model", str(MODELS / "deepseek-v3"), "--gpu", "H200", "-tp", "8"]
     assert main([*args, "--quantization", "awq"]) == 2
     assert "does not match the checkpoint's 'fp8'" in capsys.readouterr().err
-    hybrid = ["--max-model-len", "8k"]
+    hybrid = ["--max-model-len", "8K"]
     on = model_plan(capsys, "nemotron-3-nano-30b-a3b", *hybrid, "--enable-prefix-caching")
     off = model_plan(capsys, "nemotron-3-nano-30b-a3b", *hybrid, "--no-enable-prefix-caching")
     short = model_plan(capsys, "nemotron-3-nano-30b-a3b", *hybrid, "--no-prefix-caching")
@@ -307,7 +307,7 @@ def test_vllm_dtype_quantization_and_prefix_caching_flags(
     assert off == short == shown and off["capacity"] != on["capacity"]
     # vLLM's own short forms: -q (quantization), -sc (speculative config)
     assert model_plan(capsys, "llama-3.1-8b", *base, "-q", "fp8") == online
-    mtp = ["--max-model-len", "8k", "-tp", "8", "--speculative-config"]
+    mtp = ["--max-model-len", "8K", "-tp", "8", "--speculative-config"]
     config = '{"method": "mtp", "num_speculative_tokens": 1}'
     by_short = model_plan(capsys, "deepseek-v3", *mtp[:-1], "-sc", config, gpu="H200")
     assert by_short == model_plan(capsys, "deepseek-v3", *mtp, config, gpu="H200")
@@ -317,7 +317,7 @@ def test_nothing_beside_a_request_file_is_silently_ignored(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     request = str(EXAMPLES / "llama-3.1-8b.yaml")
-    assert main(["plan", request, "--tp", "2", "--max-model-len", "8k"]) == 2
+    assert main(["plan", request, "--tp", "2", "--max-model-len", "8K"]) == 2
     err = capsys.readouterr().err
     assert "--tensor-parallel-size, --max-model-len apply to --model only" in err
     assert main(["plan", request, "--model", str(MODELS / "llama-3.1-8b")]) == 2
@@ -333,7 +333,7 @@ def test_nothing_beside_a_request_file_is_silently_ignored(
 
 def test_capacity_sweeps_max_model_len(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100", "--tp", "1,2"]
-    assert main([*args, "--max-model-len", "8k,32k,auto", "--json"]) == 0
+    assert main([*args, "--max-model-len", "8K,32K,auto", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(row["tp"], row["requested_max_model_len"]) for row in rows] == [
         (tp, length) for tp in (1, 2) for length in (8192, 32768, -1)
@@ -415,7 +415,7 @@ def test_does_not_fit_says_where_memory_went_and_advice_works_as_typed(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # Qwen3-8B at 32k on one L4: 16.56 GiB non-KV leaves 4.14 GiB; a request needs 4.50.
-    args = ["plan", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "32k"]
+    args = ["plan", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "32K"]
     assert main(args) == 4
     err = capsys.readouterr().err
     assert re.search(r"(^|[\s(])-\d", err) is None  # no negative byte count
@@ -440,7 +440,7 @@ def test_capacity_length_sweep_names_each_point_and_the_auto_length(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     args = ["capacity", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--tp", "1"]
-    assert main([*args, "--max-model-len", "8k,32k,auto", "--price", "L4=0.8"]) == 0
+    assert main([*args, "--max-model-len", "8K,32K,auto", "--price", "L4=0.8"]) == 0
     out = capsys.readouterr().out
     assert "L4-24GB tp=1 max_model_len 32,768: does not fit:" in out
     rows = {line.split()[2]: line for line in out.splitlines()[1:4]}

@@ -95,7 +95,8 @@ def _length_label(value: Any) -> str:
     if value in (-1, None, "auto"):
         return "auto"
     number = int(value)
-    for unit, size in (("M", 1 << 20), ("k", 1 << 10)):
+    # As vLLM reads them back: 32K = 32,768, 32k = 32,000.
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10), ("m", 10**6), ("k", 10**3)):
         if number >= size and number % size == 0:
             return f"{number // size}{unit}"
     return f"{number:,}"

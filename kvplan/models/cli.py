@@ -44,17 +44,25 @@ _UNITS = {
     "g": 10**9, "gb": 10**9, "gib": 1 << 30,
     "t": 10**12, "tb": 10**12, "tib": 1 << 40,
 }  # fmt: skip
-_TOKEN_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20}
+# vLLM's human-readable integers (vllm.utils.argparse_utils.human_readable_int, used by
+# --max-model-len, --max-num-batched-tokens, --kv-cache-memory-bytes): a lower-case
+# suffix is decimal, an upper-case one binary: 32k = 32,000 and 32K = 32,768.
+_VLLM_SUFFIXES = {
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+    "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
+}  # fmt: skip
 
 
 def parse_size(text: str) -> int:
-    """Bytes from `80GiB`, `80GB`, `81559MiB`, `1.5e9` or a plain integer."""
+    """Bytes from `80GiB`, `80GB`, `81559MiB`, `1.5e9`, a plain integer, or vLLM's
+    one-letter suffixes (`20G` = 20 GiB, `20g` = 20 x 10^9)."""
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
+    suffix = match.group(2) if match else ""
+    factor = _VLLM_SUFFIXES.get(suffix) or _UNITS.get(suffix.lower())
+    if match is None or factor is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 80GiB, 81559MiB, 24GB)")
     try:
-        value = float(match.group(1)) * _UNITS[unit]
+        value = float(match.group(1)) * factor
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
     if value <= 0:
@@ -63,14 +71,17 @@ def parse_size(text: str) -> int:
 
 
 def parse_tokens(text: str) -> int:
-    """Tokens from `32768`, `32k` (= 32768), `1m`; `-1` or `auto` asks for auto-fit."""
-    cleaned = text.strip().lower()
-    if cleaned in ("auto", "-1"):
+    """Tokens as vLLM reads them: `32768`, `32K` (= 32,768), `32k` (= 32,000), `1M`,
+    `25.6k`; `-1` or `auto` asks for auto-fit."""
+    cleaned = text.strip()
+    if cleaned.lower() in ("auto", "-1"):
         return -1
-    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([km]?)", cleaned)
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]?)", cleaned)
     if match is None:
-        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 32768, 32k, auto)")
-    value = int(float(match.group(1)) * _TOKEN_UNITS[match.group(2)])
+        raise argparse.ArgumentTypeError(
+            f"not a token count: {text!r} (e.g. 32768, 32K = 32,768, 32k = 32,000, auto)"
+        )
+    value = int(float(match.group(1)) * _VLLM_SUFFIXES.get(match.group(2), 1))
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
     return value
@@ -89,10 +100,10 @@ def parse_fraction(text: str) -> float:
 
 
 def parse_token_list(text: str) -> list[int]:
-    """`8k,32k,auto`: one or more lengths to sweep."""
+    """`8K,32K,auto`: one or more lengths to sweep."""
     values = [parse_tokens(part) for part in text.split(",") if part.strip()]
     if not values:
-        raise argparse.ArgumentTypeError(f"no length in {text!r} (e.g. 8k,32k,128k)")
+        raise argparse.ArgumentTypeError(f"no length in {text!r} (e.g. 8K,32K,128K)")
     return values
 
 
@@ -154,7 +165,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         parser.add_argument(
             "--max-model-len",
             type=parse_token_list,
-            help="tokens per request, one or a comma-separated sweep (8k,32k,128k; auto); "
+            help="tokens per request, one or a comma-separated sweep (8K,32K,128K; auto; "
+            "as vLLM reads them, 32K = 32,768 and 32k = 32,000); "
             "default: the model's own maximum",
         )
     else:
@@ -165,7 +177,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         parser.add_argument(
             "--max-model-len",
             type=parse_tokens,
-            help="tokens per request (32768, 32k, auto); default: the model's own maximum",
+            help="tokens per request (32768, 32K = 32,768, 32k = 32,000 as vLLM reads them, "
+            "auto); default: the model's own maximum",
         )
     parser.add_argument(
         "--pipeline-parallel-size", "-pp", "--pp", dest="pp", type=_count,
@@ -197,7 +210,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
     parser.add_argument(
         "--max-num-batched-tokens",
         type=parse_tokens,
-        help="tokens per step; default: vllm serve's for the device (2k/8k/16k by memory)",
+        help="tokens per step; default: vllm serve's for the device (2K/8K/16K by memory)",
     )
     parser.add_argument(
         "--dtype",

@@ -31,7 +31,7 @@ def _lines(figure: Any, gid: str) -> dict[str, tuple[list[float], list[float]]]:
 def test_tp_sweep_chart_with_prices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     chart = tmp_path / "capacity.png"
     args = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100,L4"]
-    args += ["--tp", "1,2,4", "--max-model-len", "32k", "--price", "H100=2.5", "--json"]
+    args += ["--tp", "1,2,4", "--max-model-len", "32K", "--price", "H100=2.5", "--json"]
     assert main([*args, "--chart", str(chart)]) == 0
     rows = json.loads(capsys.readouterr().out)
     # An engine of TP 4 costs 4 GPUs: tokens per USD/h = tokens / (price x TP).
@@ -66,7 +66,7 @@ def test_length_sweep_chart_marks_points_that_do_not_fit(
 ) -> None:
     chart = tmp_path / "lengths.png"
     args = ["capacity", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--tp", "1"]
-    args += ["--max-model-len", "8k,32k,auto", "--json", "--chart", str(chart)]
+    args += ["--max-model-len", "8K,32K,auto", "--json", "--chart", str(chart)]
     assert main(args) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [row["status"] for row in rows] == ["ok", "does not fit", "ok"]
@@ -83,7 +83,7 @@ def test_length_sweep_chart_marks_points_that_do_not_fit(
     assert len(crosses) == 1 and list(crosses[0].get_ydata()) == [0.0]
     assert round(float(crosses[0].get_xdata()[0])) == 1  # at 32k, nudged off its neighbours
     labels = [tick.get_text() for tick in figure.axes[0].get_xticklabels()]
-    assert labels == ["8k", "32k", "auto"]
+    assert labels == ["8K", "32K", "auto"]
     assert figure.axes[0].get_xlabel().startswith("max_model_len")
 
 

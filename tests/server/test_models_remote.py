@@ -44,7 +44,7 @@ async def test_cli_plans_a_model_on_a_server(
     server: RunningServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100", "--tp", "2"]
-    args += ["--max-model-len", "8k", "--target", f"127.0.0.1:{server.port}", "--json"]
+    args += ["--max-model-len", "8K", "--target", f"127.0.0.1:{server.port}", "--json"]
     assert await asyncio.to_thread(main, args) == 0
     remote = json.loads(capsys.readouterr().out)
     assert await asyncio.to_thread(main, [*args[:-3], "--json"]) == 0
@@ -58,7 +58,7 @@ async def test_does_not_fit_on_a_server_is_said_as_locally(
 ) -> None:
     # The server's RESOURCE_EXHAUSTED (its ErrorInfo numbers) gets the local answer:
     # where the memory went, a length that fits, the smallest TP and GPUs; exit 4.
-    args = ["plan", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "32k"]
+    args = ["plan", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "32K"]
     assert await asyncio.to_thread(main, args) == 4
     local = capsys.readouterr().err
     remote_args = [*args, "--target", f"127.0.0.1:{server.port}"]
@@ -74,7 +74,7 @@ async def test_no_server_is_a_connection_error_only(capsys: pytest.CaptureFixtur
     with socket.socket() as probe:  # a loopback port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    args = ["plan", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "8k"]
+    args = ["plan", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "8K"]
     assert await asyncio.to_thread(main, [*args, "--target", f"127.0.0.1:{port}"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "non-KV memory" not in err  # not a plan refusal
