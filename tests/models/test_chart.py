@@ -98,3 +98,29 @@ def test_chart_and_price_errors_before_the_sweep(
     with pytest.raises(SystemExit):
         main([*args, "--price", "H100"])
     assert "not GPU=USD/h" in capsys.readouterr().err
+
+
+def test_without_matplotlib_only_chart_needs_it(tmp_path: Path) -> None:
+    # The [chart] extra is optional: a process where matplotlib cannot be imported
+    # plans and sweeps; --chart says what to install before the sweep runs; the server
+    # and the client never import it.
+    import subprocess
+    import sys
+
+    model = str(MODELS / "llama-3.1-8b")
+    script = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None  # an import of it now raises ImportError\n"
+        "import kvplan.server.main, client, kvplan.cli\n"
+        "from kvplan.cli import main\n"
+        f"sweep = ['capacity', '--model', {model!r}, '--gpu', 'H100', '--tp', '1', '--json']\n"
+        "assert main(sweep) == 0\n"
+        f"assert main([*sweep, '--chart', {str(tmp_path / 'c.png')!r}]) == 2\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "--chart needs matplotlib: pip install 'kvplan[chart]'" in done.stderr
+    assert not (tmp_path / "c.png").exists()
+    clean = "import sys, kvplan.server.main, client, kvplan.cli\n"
+    clean += "kvplan.cli.build_parser()\nassert 'matplotlib' not in sys.modules\n"
+    assert subprocess.run([sys.executable, "-c", clean]).returncode == 0
