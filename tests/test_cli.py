@@ -481,7 +481,8 @@ def test_gpu_beside_a_request_file_that_sizes_every_device_is_an_error(
     capsys.readouterr()
 
 
-def test_every_command_that_talks_to_a_server_lists_tls_and_token_options() -> None:
+def test_any_command_with_target_has_every_security_option() -> None:
+    # Found by --target, not listed: a command that gains --target later is held too.
     from kvplan.cli import build_parser
 
     security = {"--tls", "--tls-ca", "--client-cert", "--client-key", "--tls-server-name"}
