@@ -496,3 +496,26 @@ def test_any_command_with_target_has_every_security_option() -> None:
     assert {"plan", "health"} <= set(with_target)
     for name, flags in with_target.items():
         assert security <= flags, f"kvplan {name} lacks {sorted(security - flags)}"
+
+
+def test_does_not_fit_under_a_fixed_kv_budget_names_the_flag_that_set_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The device's share is not the budget here: the answer names what is, not the
+    # 56 GiB an H100 would leave.
+    args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100"]
+    args += ["--max-model-len", "128K"]
+    # 1 GiB at 131,072 B per token: 8,192 tokens less the null block's 16
+    assert main([*args, "--kv-cache-memory-bytes", "1GiB"]) == 4
+    err = capsys.readouterr().err
+    assert "--kv-cache-memory-bytes sets the KV cache: 1.00 GiB per worker" in err
+    assert "less than the 16.00 GiB one request" in err and "left for the KV cache" not in err
+    assert "fits here with --max-model-len 8176 or shorter" in err
+    assert main([*args[:-1], "8176", "--kv-cache-memory-bytes", "1GiB", "--json"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--num-gpu-blocks-override", "100"]) == 4
+    err = capsys.readouterr().err
+    assert "--num-gpu-blocks-override 100 sets the pool: 99 usable blocks" in err
+    assert "fits here with --max-model-len 1584 or shorter" in err  # 99 x 16 tokens
+    assert main([*args, "--num-gpu-blocks-override", "1"]) == 4
+    assert "0 usable blocks (one is the null block)" in capsys.readouterr().err

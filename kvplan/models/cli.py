@@ -661,8 +661,9 @@ def capacity_command(args: argparse.Namespace) -> int:
     )
     apply_prices(rows, prices, options.pipeline_parallel_size)
     if all(row["status"] == "error" for row in rows):
+        length_sweep = len(lengths) > 1
         for row in rows:
-            print(f"error: {row['gpu']} tp={row['tp']}: {row['error']}", file=sys.stderr)
+            print(f"error: {_row_name(row, length_sweep)}: {row['error']}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(rows, indent=1))
