@@ -7,13 +7,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+import matplotlib.image as matplotlib_image  # the [chart] extra: make install has it
 import pytest
 
 from kvplan.cli import main
-
-matplotlib_image = pytest.importorskip("matplotlib.image")  # the [chart] extra: make install
-
-from kvplan.models.chart import capacity_figure  # noqa: E402
+from kvplan.models.chart import capacity_figure
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
 
