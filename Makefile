@@ -12,7 +12,7 @@ PROTOS := $(wildcard proto/kvplan/v1/*.proto)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --constraint constraints.txt -e '.[server,dev]'
+	$(PY) -m pip install -q --constraint constraints.txt -e '.[server,dev,chart]'
 	touch $(STAMP)
 
 install: $(STAMP)

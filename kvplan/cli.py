@@ -64,15 +64,19 @@ def load_request(path: str) -> plan_pb2.PlanRequest:
         raise InputError(f"{path}: {error}") from error
 
 
-def apply_hardware(request: plan_pb2.PlanRequest, gpu: str | None, gpu_memory: int | None) -> None:
-    """Give every worker without a known device size the named GPU / size."""
+def apply_hardware(request: plan_pb2.PlanRequest, gpu: str | None, gpu_memory: int | None) -> int:
+    """Give every worker without a known device size the named GPU / size; returns how
+    many workers took it."""
+    taken = 0
     for worker in request.workers:
-        if worker.device.total_memory_bytes:
+        if worker.device.total_memory_bytes or (gpu is None and gpu_memory is None):
             continue
+        taken += 1
         if gpu_memory is not None:
             worker.device.total_memory_bytes = gpu_memory
         elif gpu is not None:
             worker.device.name = gpu
+    return taken
 
 
 def _gib(num_bytes: int) -> str:
@@ -167,7 +171,16 @@ def _plan_command(args: argparse.Namespace) -> int:
     except InputError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    apply_hardware(request, args.gpu, args.gpu_memory)
+    given = args.gpu is not None or args.gpu_memory is not None
+    if given and request.workers and not apply_hardware(request, args.gpu, args.gpu_memory):
+        flag = "--gpu-memory" if args.gpu_memory is not None else "--gpu"
+        print(
+            f"error: {flag} applies to workers without a device size, and every worker of "
+            f"{args.file} states device.total_memory_bytes: edit the file (nothing is "
+            "silently ignored)",
+            file=sys.stderr,
+        )
+        return 2
     _ask_shared_prefix(request, args)
     if args.engine_version is not None:
         request.options.engine_version = args.engine_version
@@ -216,6 +229,11 @@ def _plan_model_command(args: argparse.Namespace) -> int:
 
     inputs: ModelPlanInputs | None = None
     try:
+        if args.gpu is not None and args.gpu_memory is not None:
+            raise ModelConfigError(
+                "give --gpu NAME (or a size, --gpu 96GiB) or --gpu-memory BYTES, not both: "
+                "with --model, --gpu-memory would replace the GPU's size"
+            )
         config = load_config(args.model)
         gpu = resolve_gpu(args.gpu) if args.gpu_memory is None else None
         options = replace(
@@ -237,10 +255,14 @@ def _plan_model_command(args: argparse.Namespace) -> int:
         )
         return 2
     except (PlanningError, RemoteError) as error:
-        if isinstance(error, PlanningError) and error.code == "RESOURCE_EXHAUSTED":
-            # Said in this command's terms: positive figures and its own flags.
+        refusal = _no_fit_details(error)
+        if refusal is not None:
+            # Said in this command's terms: positive figures and its own flags, alike
+            # locally and with --target. The alternatives (other TP sizes, GPUs) are
+            # planned in-process: the same core as the server's, and no RPC per candidate.
             device = gpu or GpuModel("the device", options.gpu_memory_bytes or 0, True, "")
-            why = explain_no_fit(config, options, device, inputs, _local_or_remote(args))
+            local = _local_or_remote(argparse.Namespace(target=None))
+            why = explain_no_fit(config, options, device, inputs, local, refusal)
             print(f"error: does not fit on {device.name} at TP {options.tensor_parallel_size}:",
                   file=sys.stderr)  # fmt: skip
             print("\n".join(why.lines()), file=sys.stderr)
@@ -250,7 +272,9 @@ def _plan_model_command(args: argparse.Namespace) -> int:
             print(f"error: {where}{error.message}", file=sys.stderr)
         else:
             print(f"error: {error}", file=sys.stderr)
-        if inputs is not None:
+        # Beside a refusal of the plan, not a connection or auth failure.
+        refused = isinstance(error, PlanningError) or error.exit_code in (2, 3, 4, 5)
+        if inputs is not None and refused:
             print("non-KV memory per worker the plan assumed:", file=sys.stderr)
             print("\n".join(non_kv_lines(inputs)), file=sys.stderr)
         if isinstance(error, PlanningError):
@@ -279,6 +303,18 @@ def fleet_source(args: argparse.Namespace, config: Any, options: Any, gpu: Any) 
 
     ask = remote_ask(args.target, security_environ(args)) if args.target else None
     return memory_source(config, options, gpu, ask)
+
+
+def _no_fit_details(error: Exception) -> dict[str, int | float | str] | None:
+    """The details of a RESOURCE_EXHAUSTED refusal, in-process or from a server (its
+    ErrorInfo metadata, numbers as text there); None for any other error."""
+    if not isinstance(error, RemoteError):
+        code = getattr(error, "code", None)
+        return dict(getattr(error, "details", {})) if code == "RESOURCE_EXHAUSTED" else None
+    if error.exit_code != EXIT_CODES["RESOURCE_EXHAUSTED"]:
+        return None
+    metadata = getattr(error.__cause__, "metadata", {}) or {}
+    return {key: int(value) if value.isdigit() else value for key, value in metadata.items()}
 
 
 def _local_or_remote(args: argparse.Namespace) -> Any:

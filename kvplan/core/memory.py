@@ -190,10 +190,21 @@ def check_one_request_fits(
                 "Increase gpu_memory_utilization or kv_cache_memory_bytes, or reduce the "
                 "non-KV memory."
             )
+        # A budget below the non-KV memory (or below one block) is said as the positive
+        # shortfall: "-30064836608 bytes" is arithmetic, not an answer.
+        left = (
+            f"after any non-KV memory the budget falls {-check_bytes:,} bytes "
+            f"({format_gib(-check_bytes)} GiB) short of one block"
+            if check_bytes < 0
+            else "0 bytes are left after the null block"
+        )
         raise InsufficientMemory(
-            f"No available memory for the cache blocks on worker rank {rank} "
-            f"({check_bytes} bytes after the null block). {advice}",
-            details={"rank": rank, "available_bytes": check_bytes},
+            f"No available memory for the cache blocks on worker rank {rank}: {left}. {advice}",
+            details={
+                "rank": rank,
+                "available_bytes": max(check_bytes, 0),
+                "shortfall_bytes": max(-check_bytes, 0),
+            },
         )
     request_bytes = needed()
     if request_bytes > check_bytes:

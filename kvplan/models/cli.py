@@ -13,8 +13,16 @@ from dataclasses import replace
 from typing import Any
 
 from kvplan.gpus import CATALOG, GpuModel, UnknownGpu, lookup_gpu
+from kvplan.models.chart import (
+    ChartUnavailable,
+    apply_prices,
+    check_chart_path,
+    model_title,
+    parse_price,
+    write_chart,
+)
 from kvplan.models.config import HFConfig, ModelConfigError, load_config
-from kvplan.models.fit import catalog_name, explain_no_fit
+from kvplan.models.fit import TP_CANDIDATES, catalog_name, explain_no_fit, name_gpus
 from kvplan.models.importer import Speculative
 from kvplan.models.request import (
     CapacitySummary,
@@ -36,17 +44,25 @@ _UNITS = {
     "g": 10**9, "gb": 10**9, "gib": 1 << 30,
     "t": 10**12, "tb": 10**12, "tib": 1 << 40,
 }  # fmt: skip
-_TOKEN_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20}
+# vLLM's human-readable integers (vllm.utils.argparse_utils.human_readable_int, used by
+# --max-model-len, --max-num-batched-tokens, --kv-cache-memory-bytes): a lower-case
+# suffix is decimal, an upper-case one binary: 32k = 32,000 and 32K = 32,768.
+_VLLM_SUFFIXES = {
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+    "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
+}  # fmt: skip
 
 
 def parse_size(text: str) -> int:
-    """Bytes from `80GiB`, `80GB`, `81559MiB`, `1.5e9` or a plain integer."""
+    """Bytes from `80GiB`, `80GB`, `81559MiB`, `1.5e9`, a plain integer, or vLLM's
+    one-letter suffixes (`20G` = 20 GiB, `20g` = 20 x 10^9)."""
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
+    suffix = match.group(2) if match else ""
+    factor = _VLLM_SUFFIXES.get(suffix) or _UNITS.get(suffix.lower())
+    if match is None or factor is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 80GiB, 81559MiB, 24GB)")
     try:
-        value = float(match.group(1)) * _UNITS[unit]
+        value = float(match.group(1)) * factor
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
     if value <= 0:
@@ -55,14 +71,17 @@ def parse_size(text: str) -> int:
 
 
 def parse_tokens(text: str) -> int:
-    """Tokens from `32768`, `32k` (= 32768), `1m`; `-1` or `auto` asks for auto-fit."""
-    cleaned = text.strip().lower()
-    if cleaned in ("auto", "-1"):
+    """Tokens as vLLM reads them: `32768`, `32K` (= 32,768), `32k` (= 32,000), `1M`,
+    `25.6k`; `-1` or `auto` asks for auto-fit."""
+    cleaned = text.strip()
+    if cleaned.lower() in ("auto", "-1"):
         return -1
-    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([km]?)", cleaned)
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]?)", cleaned)
     if match is None:
-        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 32768, 32k, auto)")
-    value = int(float(match.group(1)) * _TOKEN_UNITS[match.group(2)])
+        raise argparse.ArgumentTypeError(
+            f"not a token count: {text!r} (e.g. 32768, 32K = 32,768, 32k = 32,000, auto)"
+        )
+    value = int(float(match.group(1)) * _VLLM_SUFFIXES.get(match.group(2), 1))
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
     return value
@@ -81,10 +100,10 @@ def parse_fraction(text: str) -> float:
 
 
 def parse_token_list(text: str) -> list[int]:
-    """`8k,32k,auto`: one or more lengths to sweep."""
+    """`8K,32K,auto`: one or more lengths to sweep."""
     values = [parse_tokens(part) for part in text.split(",") if part.strip()]
     if not values:
-        raise argparse.ArgumentTypeError(f"no length in {text!r} (e.g. 8k,32k,128k)")
+        raise argparse.ArgumentTypeError(f"no length in {text!r} (e.g. 8K,32K,128K)")
     return values
 
 
@@ -116,7 +135,7 @@ MODEL_ONLY_OPTIONS = {
     "draft_model": "--draft-model",
     "quantization": "--quantization",
     "dtype": "--dtype",
-    "enable_prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
+    "enable_prefix_caching": "--enable-prefix-caching / --disable-prefix-caching",
     "block_size": "--block-size",
     "non_kv_bytes": "--non-kv-bytes",
 }
@@ -146,7 +165,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         parser.add_argument(
             "--max-model-len",
             type=parse_token_list,
-            help="tokens per request, one or a comma-separated sweep (8k,32k,128k; auto); "
+            help="tokens per request, one or a comma-separated sweep (8K,32K,128K; auto; "
+            "as vLLM reads them, 32K = 32,768 and 32k = 32,000); "
             "default: the model's own maximum",
         )
     else:
@@ -157,7 +177,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         parser.add_argument(
             "--max-model-len",
             type=parse_tokens,
-            help="tokens per request (32768, 32k, auto); default: the model's own maximum",
+            help="tokens per request (32768, 32K = 32,768, 32k = 32,000 as vLLM reads them, "
+            "auto); default: the model's own maximum",
         )
     parser.add_argument(
         "--pipeline-parallel-size", "-pp", "--pp", dest="pp", type=_count,
@@ -189,7 +210,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
     parser.add_argument(
         "--max-num-batched-tokens",
         type=parse_tokens,
-        help="tokens per step; default: vllm serve's for the device (2k/8k/16k by memory)",
+        help="tokens per step; default: vllm serve's for the device (2K/8K/16K by memory)",
     )
     parser.add_argument(
         "--dtype",
@@ -198,6 +219,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
     )
     parser.add_argument(
         "--quantization",
+        "-q",
         help="the checkpoint's quantization method (fp8, awq, gptq, mxfp4, "
         "compressed-tensors), or fp8 to quantize an unquantized checkpoint on load",
     )
@@ -208,6 +230,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
     )
     parser.add_argument(
         "--speculative-config",
+        "-sc",
         help='vLLM\'s JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' or '
         '\'{"method": "eagle3", "model": "DRAFTER_DIR", "num_speculative_tokens": 3}\'',
     )
@@ -222,11 +245,12 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         help="prefix caching (default on; off keeps Mamba state per request only)",
     )
     parser.add_argument(
+        "--disable-prefix-caching",  # vLLM 0.32-0.34 pair --enable-x with --disable-x
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_const",
         const=False,
-        help="short form of --no-enable-prefix-caching",
+        help="as --no-enable-prefix-caching",
     )
     parser.add_argument(
         "--non-kv-bytes",
@@ -456,8 +480,8 @@ def capacity_rows(
                     max_model_len=length if length is not None else options.max_model_len,
                 )
                 row: dict[str, Any] = {"gpu": gpu.name, "tp": tp, "status": "ok"}
-                if len(lengths) > 1:
-                    row["requested_max_model_len"] = length
+                if len(lengths) > 1 or step.max_model_len == -1:
+                    row["requested_max_model_len"] = step.max_model_len
                 inputs: ModelPlanInputs | None = None
                 try:
                     request, inputs = build_plan_request(config, step)
@@ -480,7 +504,7 @@ def capacity_rows(
                     if error.code != "RESOURCE_EXHAUSTED":
                         row.update(status="error", error=error.message)
                     else:
-                        why = explain_no_fit(config, step, gpu, inputs, planner)
+                        why = explain_no_fit(config, step, gpu, inputs, planner, error.details)
                         asked = step.max_model_len
                         if asked is None and inputs is not None:
                             asked = inputs.layers.derived_max_model_len
@@ -490,12 +514,13 @@ def capacity_rows(
                             error="; ".join(line.strip() for line in why.where),
                             fits_from_tp=why.smallest_tp,
                             fits_on=why.gpus,
+                            fits_max_model_len=error.details.get("estimated_max_model_len") or None,
                         )
                 except ModelConfigError as error:
                     row.update(status="error", error=str(error))
                 rows.append(row)
                 if progress is not None:
-                    progress(len(rows), total, f"{gpu.name} tp={tp}")
+                    progress(len(rows), total, _row_name(row, len(lengths) > 1))
     return rows
 
 
@@ -518,44 +543,69 @@ def min_cached_prefix(response: plan_pb2.PlanResponse) -> int:
     return int(response.diagnostics.prefix_cache.min_shared_prefix_tokens)
 
 
+_PRICE_COLUMNS = (("usd_per_hour", "USD/h"), ("kv_tokens_per_usd_hour", "tokens per USD/h"))
+
+
+def _row_name(row: dict[str, Any], length_sweep: bool) -> str:
+    name = f"{row['gpu']} tp={row['tp']}"
+    if length_sweep:
+        asked = row.get("requested_max_model_len")
+        name += " max_model_len " + ("auto" if asked == -1 else f"{asked:,}")
+    return name
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The sweep as a table; under it, each row that does not fit (where its memory went,
+    the smallest TP and the smallest catalog GPUs that hold it) or that the config refuses."""
+
     def cell(row: dict[str, Any], key: str) -> str:
+        if key.startswith(("usd_", "kv_tokens_per_")) and key not in row:
+            return "-"
         if row.get("status") != "ok" and key not in row:
             return "-" if row.get("status") == "error" else "no fit"
         value = row.get(key)
+        if key == "max_model_len" and row.get("requested_max_model_len") == -1:
+            return f"auto: {value:,}" if isinstance(value, int) else "auto"
         if row.get("status") != "ok" and key == "max_model_len":
             return f"{value:,}" if isinstance(value, int) else str(value)
         if key == "min_cached_prefix" and value == 0:
             return "never"  # prefix caching off or nothing cacheable
+        if value is None:
+            return "-"
+        if key == "usd_per_hour":
+            return f"{value:,.2f}"
         if key.endswith("bytes") or key.endswith("_per_worker"):
-            return _gib(int(value or 0))
+            return _gib(int(value))
         if isinstance(value, float):
             return f"{value:.2f}x"
         if isinstance(value, int):
             return f"{value:,}"
         return str(value)
 
-    table = [[title for _, title in _COLUMNS]]
-    table += [[cell(row, key) for key, _ in _COLUMNS] for row in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
+    columns = _COLUMNS + (_PRICE_COLUMNS if any("usd_per_hour" in row for row in rows) else ())
+    table = [[title for _, title in columns]]
+    table += [[cell(row, key) for key, _ in columns] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     out = [
         "  ".join(text.rjust(width) for text, width in zip(line, widths, strict=True))
         for line in table
     ]
+    length_sweep = len({row.get("requested_max_model_len") for row in rows}) > 1
     for row in rows:
+        name = _row_name(row, length_sweep)
         if row.get("status") == NO_FIT:
             tp_hint = (
                 f"fits from --tensor-parallel-size {row['fits_from_tp']}"
                 if row["fits_from_tp"]
-                else "no TP size fits"
+                else f"no TP size up to {TP_CANDIDATES[-1]} fits on this GPU"
             )
-            gpus = ", ".join(row["fits_on"]) or "no catalog GPU"
+            gpus = name_gpus(row["fits_on"]) if row["fits_on"] else "no catalog GPU"
             out.append(
-                f"{row['gpu']} tp={row['tp']}: does not fit: {row['error']}; {tp_hint}; "
+                f"{name}: does not fit: {row['error']}; {tp_hint}; "
                 f"at tp={row['tp']} it fits on: {gpus}"
             )
         elif row.get("status") == "error":
-            out.append(f"{row['gpu']} tp={row['tp']}: {row['error']}")
+            out.append(f"{name}: {row['error']}")
     return "\n".join(out)
 
 
@@ -568,64 +618,15 @@ def format_csv(rows: Sequence[dict[str, Any]]) -> str:
     return buffer.getvalue()
 
 
-def render_svg(rows: Sequence[dict[str, Any]], title: str) -> str:
-    """Two panels (tokens, concurrency) against TP, one line per GPU; plain SVG."""
-    palette = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
-    gpus = list(dict.fromkeys(row["gpu"] for row in rows))
-    tps = sorted({row["tp"] for row in rows})
-    width, height, pad = 420, 300, 50
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * width}" height="{height + 60}" '
-        'font-family="sans-serif" font-size="11">',
-        f'<text x="{width}" y="16" text-anchor="middle" font-size="13">{_escape(title)}</text>',
-    ]
-    for panel, (key, label) in enumerate(
-        (("kv_cache_tokens", "KV cache tokens"), ("max_concurrency", "max concurrency (x)"))
-    ):
-        x0 = panel * width + pad
-        y0, y1 = 30, height - pad + 30
-        values = [float(row[key]) for row in rows if row.get("status") == "ok"]
-        top = max(values, default=1.0) or 1.0
-        parts.append(
-            f'<text x="{x0 + (width - 2 * pad) / 2}" y="{y1 + 35}" text-anchor="middle">'
-            f"tensor-parallel size</text>"
-        )
-        parts.append(f'<text x="{x0}" y="{y0 - 4}">{label} (max {top:,.0f})</text>')
-        parts.append(
-            f'<line x1="{x0}" y1="{y1}" x2="{x0 + width - 2 * pad}" y2="{y1}" stroke="#000"/>'
-        )
-        parts.append(f'<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{y1}" stroke="#000"/>')
-        span = max(len(tps) - 1, 1)
-        for index, tp in enumerate(tps):
-            x = x0 + index * (width - 2 * pad) / span
-            parts.append(f'<text x="{x}" y="{y1 + 14}" text-anchor="middle">{tp}</text>')
-        for color, gpu in zip(palette * 4, gpus, strict=False):
-            points = []
-            for row in rows:
-                if row["gpu"] != gpu or row.get("status") != "ok":
-                    continue
-                x = x0 + tps.index(row["tp"]) * (width - 2 * pad) / span
-                y = y1 - (float(row[key]) / top) * (y1 - y0)
-                points.append(f"{x:.1f},{y:.1f}")
-            if points:
-                parts.append(
-                    f'<polyline fill="none" stroke="{color}" stroke-width="2" '
-                    f'points="{" ".join(points)}"/>'
-                )
-                for point in points:
-                    cx, cy = point.split(",")
-                    parts.append(f'<circle cx="{cx}" cy="{cy}" r="3" fill="{color}"/>')
-    for index, (color, gpu) in enumerate(zip(palette * 4, gpus, strict=False)):
-        y = height + 45
-        x = 60 + index * 130
-        parts.append(f'<rect x="{x}" y="{y - 9}" width="10" height="10" fill="{color}"/>')
-        parts.append(f'<text x="{x + 14}" y="{y}">{_escape(gpu)}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts) + "\n"
-
-
-def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+def chart_subtitle(args: argparse.Namespace, lengths: Sequence[int | None]) -> str:
+    """What the chart holds fixed: the length (or TP in a length sweep) and the release."""
+    if len(lengths) > 1:
+        fixed = f"TP {args.tp}"
+    elif lengths[0] is None:
+        fixed = "max_model_len: the model's own"
+    else:
+        fixed = f"max_model_len {'auto' if lengths[0] == -1 else f'{lengths[0]:,}'}"
+    return f"{fixed}; rules {args.engine_version or 'kvplan'}"
 
 
 def _local_planner(request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
@@ -644,9 +645,16 @@ def capacity_command(args: argparse.Namespace) -> int:
         if not tps or min(tps) < 1:
             raise ModelConfigError(f"--tp {args.tp!r}: expected positive integers, e.g. 1,2,4,8")
         options = options_from_args(args)
-        if args.chart and not args.chart.lower().endswith(".svg"):
-            raise ModelConfigError(f"--chart {args.chart}: kvplan writes SVG charts (name.svg)")
-    except (ModelConfigError, UnknownGpu, ValueError) as error:
+        prices = dict(args.price or [])
+        unpriced = sorted(set(prices) - {gpu.name for gpu in gpus})
+        if unpriced:
+            raise ModelConfigError(
+                f"--price {', '.join(unpriced)}: not among --gpu {args.gpu} (price the GPUs "
+                "the sweep runs on)"
+            )
+        if args.chart:
+            check_chart_path(args.chart)
+    except (ModelConfigError, UnknownGpu, ValueError, ChartUnavailable) as error:
         print(
             f"error: {error.args[0] if isinstance(error, UnknownGpu) else error}", file=sys.stderr
         )
@@ -664,9 +672,11 @@ def capacity_command(args: argparse.Namespace) -> int:
         config, options, gpus, tps, _local_planner, progress if show_progress else None, lengths
     )
     rows = fleet_rows(args, rows, config, options, gpus)  # kvplan/models/fleet.py
+    apply_prices(rows, prices, options.pipeline_parallel_size)
     if all(row["status"] == "error" for row in rows):
+        length_sweep = len(lengths) > 1
         for row in rows:
-            print(f"error: {row['gpu']} tp={row['tp']}: {row['error']}", file=sys.stderr)
+            print(f"error: {_row_name(row, length_sweep)}: {row['error']}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -675,9 +685,7 @@ def capacity_command(args: argparse.Namespace) -> int:
     else:
         print(format_table(rows))
     if args.chart:
-        title = f"{args.model}: max_model_len {rows[0].get('max_model_len', '-')}"
-        with open(args.chart, "w") as chart:
-            chart.write(render_svg(rows, title))
+        write_chart(rows, args.chart, model_title(args.model), chart_subtitle(args, lengths))
         print(f"chart written to {args.chart}", file=sys.stderr)
     return 0
 
@@ -713,7 +721,21 @@ def add_capacity_parser(commands: Any) -> None:
     output = capacity.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="rows as JSON")
     output.add_argument("--csv", action="store_true", help="rows as CSV")
-    capacity.add_argument("--chart", help="write an SVG chart (tokens, concurrency vs TP)")
+    capacity.add_argument(
+        "--chart",
+        metavar="FILE",
+        help="draw the sweep to FILE (.png, .svg or .pdf): tokens, concurrency (and tokens "
+        "per USD/h with --price) against TP, or against length in a length sweep; needs "
+        "matplotlib (pip install 'kvplan[chart]')",
+    )
+    capacity.add_argument(
+        "--price",
+        metavar="GPU=USD/h",
+        type=parse_price,
+        action="append",
+        help="price of one GPU an hour (repeat per GPU type): adds the KV cache tokens each "
+        "USD an hour buys (an engine costs TP x PP GPUs)",
+    )
     capacity.add_argument("--progress", action="store_true", help="always show progress")
     capacity.add_argument(
         "--target", help="ask a kvplan server at HOST:PORT for the fleet's measurements"

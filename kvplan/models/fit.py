@@ -9,7 +9,7 @@ which catalog GPUs would hold the same deployment.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from kvplan.gpus import CATALOG, GpuModel, UnknownGpu, lookup_gpu
@@ -52,6 +52,43 @@ def fits(config: HFConfig, options: ModelPlanOptions, planner: Planner) -> bool:
     return True
 
 
+def name_gpus(names: list[str], shown: int = 4) -> str:
+    """The smallest few GPUs that fit (the list is smallest first), and how many more."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} larger" if more > 0 else "")
+
+
+def _utilization_budget(
+    options: ModelPlanOptions, gpu: GpuModel, inputs: ModelPlanInputs | None, short: str
+) -> list[str]:
+    """The device's usable share, the non-KV memory in it, and what is left."""
+    utilization = default_utilization(options)
+    usable = -(-gpu.total_memory_bytes * int(utilization * 10**6) // 10**6)
+    where = [
+        f"  per worker: {utilization:.0%} of {gpu.name}'s {_gib(gpu.total_memory_bytes)}"
+        f" = {_gib(usable)} usable"
+    ]
+    if inputs is None:
+        return where
+    if inputs.weights is not None and inputs.overhead is not None:
+        overhead = inputs.overhead
+        where.append(
+            f"  weights {_gib(inputs.weights.bytes_per_worker)} + activation peak "
+            f"{_gib(overhead.activation_peak_bytes)} + CUDA graphs and runtime "
+            f"{_gib(overhead.non_torch_bytes)} (estimated) = {_gib(inputs.non_kv_bytes)} non-KV"
+        )
+    else:
+        where.append(f"  non-KV memory (given): {_gib(inputs.non_kv_bytes)}")
+    if inputs.non_kv_bytes >= usable:
+        where.append(
+            f"  the non-KV memory alone exceeds it by {_gib(inputs.non_kv_bytes - usable)}:"
+            " nothing is left for the KV cache"
+        )
+    else:
+        where.append(f"  {_gib(usable - inputs.non_kv_bytes)} left for the KV cache, {short}")
+    return where
+
+
 @dataclass(frozen=True)
 class NoFit:
     where: list[str]  # where the memory went, one line each
@@ -65,7 +102,7 @@ class NoFit:
         else:
             out.append(f"  no TP size up to {TP_CANDIDATES[-1]} fits on this GPU")
         if self.gpus:
-            out.append(f"  fits at this TP on: {', '.join(self.gpus)}")
+            out.append(f"  fits at this TP on: {name_gpus(self.gpus)}")
         else:
             out.append("  no catalog GPU holds it at this TP")
         return out
@@ -77,34 +114,34 @@ def explain_no_fit(
     gpu: GpuModel,
     inputs: ModelPlanInputs | None,
     planner: Planner,
+    refusal: Mapping[str, int | float | str] | None = None,
 ) -> NoFit:
     """Where the memory of a worker went, and the smallest TP / the catalog GPUs that
-    would hold the deployment (each candidate planned for real, not guessed)."""
-    utilization = default_utilization(options)
-    usable = -(-gpu.total_memory_bytes * int(utilization * 10**6) // 10**6)
-    where = [
-        f"  per worker: {utilization:.0%} of {gpu.name}'s {_gib(gpu.total_memory_bytes)}"
-        f" = {_gib(usable)} usable"
-    ]
-    if inputs is not None:
-        if inputs.weights is not None and inputs.overhead is not None:
-            where.append(
-                f"  weights {_gib(inputs.weights.bytes_per_worker)} + activations and "
-                f"runtime {_gib(inputs.overhead.total_bytes)} (estimated)"
-                f" = {_gib(inputs.non_kv_bytes)} non-KV"
-            )
-        else:
-            where.append(f"  non-KV memory (given): {_gib(inputs.non_kv_bytes)}")
-        if inputs.non_kv_bytes >= usable:
-            where.append(
-                f"  the non-KV memory alone exceeds it by {_gib(inputs.non_kv_bytes - usable)}:"
-                " nothing is left for the KV cache"
-            )
-        else:
-            where.append(
-                f"  {_gib(usable - inputs.non_kv_bytes)} left for the KV cache, less than one"
-                " request of the chosen max_model_len needs"
-            )
+    would hold the deployment (each candidate planned for real, not guessed), smallest
+    device first. `refusal`: the planner's error details (needed_bytes: what one request
+    of max_model_len needs; estimated_max_model_len: the longest that fits)."""
+    details = refusal or {}
+    needed = details.get("needed_bytes")
+    longest = details.get("estimated_max_model_len")
+    needs = f"the {_gib(needed)} " if isinstance(needed, int) and needed > 0 else ""
+    short = f"less than {needs}one request of the chosen max_model_len needs"
+    where: list[str] = []
+    if options.num_gpu_blocks_override is not None:
+        # The pool is the override, whatever the device holds.
+        blocks = options.num_gpu_blocks_override
+        where.append(
+            f"  --num-gpu-blocks-override {blocks} sets the pool: {max(blocks - 1, 0):,} usable"
+            f" block{'s' if blocks != 2 else ''} (one is the null block), {short}"
+        )
+    elif options.kv_cache_memory_bytes is not None:
+        where.append(
+            f"  --kv-cache-memory-bytes sets the KV cache: {_gib(options.kv_cache_memory_bytes)}"
+            f" per worker (the device and the non-KV memory do not change it), {short}"
+        )
+    else:
+        where += _utilization_budget(options, gpu, inputs, short)
+    if isinstance(longest, int) and longest > 0:
+        where.append(f"  fits here with --max-model-len {longest} or shorter (or auto)")
     tp = options.tensor_parallel_size
     on_gpu = replace(options, gpu_memory_bytes=gpu.total_memory_bytes)
     smallest = next(
@@ -117,7 +154,7 @@ def explain_no_fit(
     )
     holders = [
         other.name
-        for other in CATALOG
+        for other in sorted(CATALOG, key=lambda device: device.total_memory_bytes)
         if other.total_memory_bytes > gpu.total_memory_bytes
         and fits(
             config,

@@ -66,7 +66,7 @@ def test_nemotron_relu2_experts_have_two_matrices() -> None:
 
 def test_nemotron_fits_one_h100(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["plan", "--model", str(MODELS / "nemotron-3-nano-30b-a3b"), "--gpu", "H100"]
-    assert main([*args, "--max-model-len", "32k"]) == 0
+    assert main([*args, "--max-model-len", "32K"]) == 0
     assert "capacity of" in capsys.readouterr().out
 
 

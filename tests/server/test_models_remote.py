@@ -44,10 +44,37 @@ async def test_cli_plans_a_model_on_a_server(
     server: RunningServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100", "--tp", "2"]
-    args += ["--max-model-len", "8k", "--target", f"127.0.0.1:{server.port}", "--json"]
+    args += ["--max-model-len", "8K", "--target", f"127.0.0.1:{server.port}", "--json"]
     assert await asyncio.to_thread(main, args) == 0
     remote = json.loads(capsys.readouterr().out)
     assert await asyncio.to_thread(main, [*args[:-3], "--json"]) == 0
     local = json.loads(capsys.readouterr().out)
     assert remote["capacity"] == local["capacity"]
     assert remote["capacity"]["kv_bytes_per_token"] == 32 * 4 * 128 * 2 * 2
+
+
+async def test_does_not_fit_on_a_server_is_said_as_locally(
+    server: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The server's RESOURCE_EXHAUSTED (its ErrorInfo numbers) gets the local answer:
+    # where the memory went, a length that fits, the smallest TP and GPUs; exit 4.
+    args = ["plan", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "32K"]
+    assert await asyncio.to_thread(main, args) == 4
+    local = capsys.readouterr().err
+    remote_args = [*args, "--target", f"127.0.0.1:{server.port}"]
+    assert await asyncio.to_thread(main, remote_args) == 4
+    assert capsys.readouterr().err == local
+    assert "less than the 4.50 GiB one request" in local
+    assert "fits here with --max-model-len 30112 or shorter" in local
+
+
+async def test_no_server_is_a_connection_error_only(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = ["plan", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "8K"]
+    assert await asyncio.to_thread(main, [*args, "--target", f"127.0.0.1:{port}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "non-KV memory" not in err  # not a plan refusal
