@@ -20,8 +20,10 @@ from kvplan.models.importer import ModelLayers, text_config
 GIB = 1 << 30
 NON_TORCH_BYTES = GIB  # CUDA context, cuBLAS/NCCL workspaces: vLLM logs ~0.5-1.5 GiB
 OVERHEAD_FORMULA = (
-    "activation_peak = max_num_batched_tokens x (4 x hidden + 2 x ffn_per_rank) x act_bytes"
-    " + max_num_seqs x vocab x 4 (sampler logits);  non_torch = 1 GiB"
+    "activation_peak = max(tokens x (3 x hidden + max(attention_per_rank, mlp_per_rank))"
+    " x act_bytes, tokens x hidden x act_bytes + max_num_seqs x vocab x 4);"
+    " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
+    " for MoE;  non_torch = 1 GiB"
 )
 
 
@@ -341,6 +343,33 @@ def estimate_weights(
     return WeightEstimate(params, name, total, per_rank)
 
 
+def _per_token_activation(c: HFConfig, tp: int) -> int:
+    """Elements one token holds at the peak of a decoder layer's forward, per rank.
+
+    Three hidden-size streams stay live through a layer (its input / residual, the
+    normed input, the output being built); beside them the attention phase holds the
+    QKV projection and the attention output, the MLP phase the up (and gate)
+    projection and the activation's output, or for fused MoE the top-k copies of
+    those and of the expert outputs (vLLM's fused_moe intermediate caches). The
+    peak is the larger phase."""
+    hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
+    heads = c.opt_integer("num_attention_heads") or c.opt_integer("decoder_attention_heads") or 1
+    head_dim = c.integer("head_dim") if c.has("head_dim") else hidden // heads
+    kv_heads = c.opt_integer("num_key_value_heads") or heads
+    attention = ((heads + 2 * kv_heads) * head_dim + heads * head_dim) // tp
+    matrices = _matrices(c)
+    ffn_keys = ("intermediate_size", "decoder_ffn_dim")
+    ffn = next((c.integer(key) for key in ffn_keys if c.has(key)), 4 * hidden)
+    if c.has("intermediate_size_mlp"):  # Llama 4: the dense layers' size
+        ffn = max(ffn, c.integer("intermediate_size_mlp"))
+    mlp = matrices * ffn // tp
+    if _expert_count(c):
+        expert = c.integer("moe_intermediate_size") if c.has("moe_intermediate_size") else ffn
+        top_k = c.opt_integer("num_experts_per_tok") or c.opt_integer("moe_topk") or 1
+        mlp = max(mlp, top_k * (matrices * expert // tp + hidden))
+    return 3 * hidden + max(attention, mlp)
+
+
 def estimate_overhead(
     config: HFConfig,
     layers: ModelLayers,
@@ -348,12 +377,15 @@ def estimate_overhead(
     max_num_batched_tokens: int,
     max_num_seqs: int = 256,
 ) -> OverheadEstimate:
+    """The profile run's peak over the weights: a forward pass of
+    `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
+    chunked prefill profiled `max_model_len`), then the sampler's float32 logits for
+    `max_num_seqs` requests while the forward's last hidden states are still held.
+    The two do not overlap, so the peak is the larger."""
     c = text_config(config, layers.architecture)
     hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
-    ffn_keys = ("intermediate_size", "moe_intermediate_size", "decoder_ffn_dim")
-    present = [c.integer(key) for key in ffn_keys if c.has(key)]
-    ffn = max(present) if present else 4 * hidden
     act_bytes = layers.model_dtype.size_bytes
-    activation = max_num_batched_tokens * (4 * hidden + 2 * ffn // tensor_parallel_size) * act_bytes
-    activation += max_num_seqs * c.integer("vocab_size") * 4
-    return OverheadEstimate(activation, NON_TORCH_BYTES)
+    forward = max_num_batched_tokens * _per_token_activation(c, tensor_parallel_size) * act_bytes
+    sampler = max_num_batched_tokens * hidden * act_bytes
+    sampler += max_num_seqs * c.integer("vocab_size") * 4
+    return OverheadEstimate(max(forward, sampler), NON_TORCH_BYTES)
