@@ -41,6 +41,12 @@ _GRAPH_UTIL = re.compile(
     r"gpu-memory-utilization=([0-9.]+) is equivalent to --gpu-memory-utilization=([0-9.]+)"
 )
 _GRAPH_ESTIMATE = re.compile(r"Estimated CUDA graph memory: ([0-9.]+) GiB")
+# V1's profiling summary (DEBUG) and its init snapshot: the parts of the non-KV memory.
+_PROFILE_V1 = re.compile(
+    r"torch peak memory increase: ([0-9.]+)GiB; non-torch forward increase memory: "
+    r"([0-9.]+)GiB; weights memory: ([0-9.]+)GiB"
+)
+_INIT_TOTAL = re.compile(r"init memory snapshot: .*total_memory=([0-9.]+)GiB")
 _BLOCKS_V0 = re.compile(r"(?:^|[#\s])GPU blocks: ([0-9]+)")
 _CONFIG_FIELDS = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|[^,]*)")
 
@@ -65,6 +71,7 @@ class StartupLog:
     # What the V0 engine's profiling line states beside the KV size.
     total_gpu_gib: float | None = None
     peak_torch_gib: float | None = None
+    peak_torch_increase_gib: float | None = None  # V1: the profile run's activation peak
     non_torch_gib: float | None = None
 
 
@@ -110,6 +117,11 @@ def parse_log(text: str) -> StartupLog:
             log.cuda_graph_gib = float(match.group(1))
         if match := _GRAPH_UTIL.search(line):
             log.cudagraph_subtracted_fraction = float(match.group(1)) - float(match.group(2))
+        if match := _PROFILE_V1.search(line):
+            log.peak_torch_increase_gib = float(match.group(1))
+            log.non_torch_gib = float(match.group(2))
+        if match := _INIT_TOTAL.search(line):
+            log.total_gpu_gib = float(match.group(1))
         if match := _GRAPH_ESTIMATE.search(line):
             log.cuda_graph_estimate_gib = float(match.group(1))
         if match := _GRAPH_POOL.search(line):
@@ -233,6 +245,7 @@ def component_rows(
     weights_bytes: int | None,
     activation_bytes: int | None,
     non_torch_bytes: int | None,
+    cudagraph_bytes: int | None,
     device_bytes: int,
     utilization: float | None,
 ) -> list[Comparison]:
@@ -245,7 +258,7 @@ def component_rows(
     activation = (
         log.peak_torch_gib - loading
         if log.peak_torch_gib is not None and loading is not None
-        else None
+        else log.peak_torch_increase_gib
     )
     total = log.total_gpu_gib * GIB if log.total_gpu_gib is not None else device_bytes
     implied = (
@@ -253,7 +266,13 @@ def component_rows(
         if utilization is not None and log.available_kv_gib
         else None
     )
-    parts = [weights_bytes, activation_bytes, non_torch_bytes]
+    # The graph estimate counts only where the release subtracts it (>= 0.21 says so).
+    subtracted = (
+        log.cudagraph_subtracted_fraction * total / GIB
+        if log.cudagraph_subtracted_fraction is not None
+        else None
+    )
+    parts = [weights_bytes, activation_bytes, non_torch_bytes, cudagraph_bytes]
     predicted_non_kv = sum(p for p in parts if p is not None) / GIB if None not in parts else None
 
     def gib(value: int | None) -> float | None:
@@ -265,6 +284,7 @@ def component_rows(
         Comparison("activation peak of the profile run", activation, gib(activation_bytes),
                    "GiB"),
         Comparison("non-torch memory", log.non_torch_gib, gib(non_torch_bytes), "GiB"),
+        Comparison("CUDA-graph estimate subtracted", subtracted, gib(cudagraph_bytes), "GiB"),
         Comparison("non-KV memory (utilization x total - available)", implied,
                    predicted_non_kv, "GiB"),
     ]  # fmt: skip

@@ -704,6 +704,8 @@ def add_calibrate_parser(commands: Any) -> None:
 
 def calibrate_command(args: argparse.Namespace) -> int:
     from kvplan.core.errors import PlanningError
+    from kvplan.models.weights import PROFILES
+
     from kvplan.models.calibrate import (
         CONCURRENCY_FORMULA,
         PER_GROUP_FORMULA,
@@ -738,6 +740,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
             tensor_parallel_size=args.tp or 1,
             gpu=catalog_name(gpu),
             gpu_memory_bytes=gpu.total_memory_bytes,
+            engine_release="v0" if log.engine == "v0" else log.release,
         )
         request, inputs = build_plan_request(config, options)
         try:
@@ -778,19 +781,17 @@ def calibrate_command(args: argparse.Namespace) -> int:
         Comparison(f"maximum concurrency at {summary.max_model_len:,} tokens",
                    log.max_concurrency, summary.max_concurrency
                    if log.concurrency_len in (None, summary.max_model_len) else None, "x"),
-        Comparison("CUDA-graph memory (kvplan: not estimated)",
+        Comparison("CUDA-graph memory captured (after the KV cache)",
                    log.cuda_graph_gib, None, "GiB"),
-        Comparison("CUDA-graph estimate subtracted (kvplan: not estimated)",
-                   log.cuda_graph_estimate_gib
-                   if log.cuda_graph_estimate_gib is not None
-                   else log.cudagraph_subtracted_fraction * gpu.total_memory_bytes / GIB
-                   if log.cudagraph_subtracted_fraction is not None else None, None, "GiB"),
+        Comparison("CUDA-graph estimate the release logged (kvplan's, from 0.21)",
+                   log.cuda_graph_estimate_gib, PROFILES["v1"].cudagraph_bytes / GIB, "GiB"),
     ]  # fmt: skip
     overhead = inputs.overhead
     rows += component_rows(
         log, inputs.weights.bytes_per_worker if inputs.weights is not None else None,
         overhead.activation_peak_bytes if overhead is not None else None,
         overhead.non_torch_bytes if overhead is not None else None,
+        overhead.cudagraph_bytes if overhead is not None else None,
         gpu.total_memory_bytes, options.gpu_memory_utilization,
     )  # fmt: skip
     printed = printed_token_formula(log.release)
