@@ -186,12 +186,15 @@ def profiled_tokens(log: StartupLog, max_model_len: int | None) -> int | None:
 # (checked in their CPU venvs, v1/core/kv_cache_utils.py) print
 # int(max_concurrency x max_model_len); earlier V1 releases printed
 # num_blocks // len(kv_cache_groups) x min block size (the V1 kv_cache_utils.py of
-# the decode-context-parallel era, multiplied by dcp_world_size). For one KV-cache
+# the decode-context-parallel era, multiplied by dcp_world_size; 0.19 by its log). For one KV-cache
 # group the two agree; for a hybrid model they differ (state pages count in the
 # first, each group's blocks are divided out in the second).
 CONCURRENCY_FORMULA = "int(concurrency x max_model_len)"
 PER_GROUP_FORMULA = "num_blocks // groups x block"
 PRINTED_TOKEN_FORMULA: dict[str, str] = {
+    # The gemma-2-9b calibration record (vLLM 0.19.0, two groups): 168,880 tokens =
+    # 16 x 10,555 blocks, while 20.60x concurrency x 8,192 is 168,755.
+    "0.19": PER_GROUP_FORMULA,
     "0.32": CONCURRENCY_FORMULA,
     "0.33": CONCURRENCY_FORMULA,
     "0.34": CONCURRENCY_FORMULA,

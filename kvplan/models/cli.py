@@ -806,9 +806,14 @@ def calibrate_command(args: argparse.Namespace) -> int:
         rows.append(Comparison("GPU blocks from the logged budget (the exact part)", *blocks,
                                "blocks"))  # fmt: skip
     if given is not None:
+        given_block = min((group.block_size for group in given.groups), default=16)
+        rows.append(Comparison(
+            "KV cache tokens from the logged budget, " + PER_GROUP_FORMULA,
+            _num(log.kv_cache_tokens),
+            float(given.num_blocks // max(len(given.groups), 1) * given_block), "tokens"))
         rows.append(
             Comparison(
-                "KV cache tokens from the logged budget (the exact part)",
+                "KV cache tokens from the logged budget, " + CONCURRENCY_FORMULA,
                 _num(log.kv_cache_tokens),
                 float(given.workers[0].kv_cache_size_tokens),
                 "tokens",
