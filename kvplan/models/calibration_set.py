@@ -104,8 +104,11 @@ def table(results: list[RecordResult]) -> str:
         available = result.row(AVAILABLE) or {}
         non_kv = result.row(NON_KV) or {}
         weights = result.row(WEIGHTS) or {}
-        printed = [row for figure, row in result.rows.items()
-                   if figure.startswith("KV cache tokens, ") and "(printed by" in figure]
+        printed = [
+            row
+            for figure, row in result.rows.items()
+            if figure.startswith("KV cache tokens, ") and "(printed by" in figure
+        ]
         tokens = printed[0] if printed else result.row("KV cache tokens, int(") or {}
         role = str(meta.get("role", "check"))
         if not meta.get("config_known"):

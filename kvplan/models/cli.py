@@ -704,8 +704,6 @@ def add_calibrate_parser(commands: Any) -> None:
 
 def calibrate_command(args: argparse.Namespace) -> int:
     from kvplan.core.errors import PlanningError
-    from kvplan.models.weights import PROFILES
-
     from kvplan.models.calibrate import (
         CONCURRENCY_FORMULA,
         PER_GROUP_FORMULA,
@@ -717,6 +715,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         profiled_tokens,
         settings_from_log,
     )
+    from kvplan.models.weights import PROFILES
 
     try:
         with open(args.log, encoding="utf-8", errors="replace") as handle:
@@ -807,10 +806,14 @@ def calibrate_command(args: argparse.Namespace) -> int:
                                "blocks"))  # fmt: skip
     if given is not None:
         given_block = min((group.block_size for group in given.groups), default=16)
-        rows.append(Comparison(
-            "KV cache tokens from the logged budget, " + PER_GROUP_FORMULA,
-            _num(log.kv_cache_tokens),
-            float(given.num_blocks // max(len(given.groups), 1) * given_block), "tokens"))
+        rows.append(
+            Comparison(
+                "KV cache tokens from the logged budget, " + PER_GROUP_FORMULA,
+                _num(log.kv_cache_tokens),
+                float(given.num_blocks // max(len(given.groups), 1) * given_block),
+                "tokens",
+            )
+        )
         rows.append(
             Comparison(
                 "KV cache tokens from the logged budget, " + CONCURRENCY_FORMULA,
