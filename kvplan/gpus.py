@@ -52,9 +52,11 @@ CATALOG: tuple[GpuModel, ...] = (
     ),
     GpuModel(
         "H100-80GB",
-        81_559 * MIB,
+        int(79.19 * GIB),
         True,
-        "nvidia-smi on 'NVIDIA H100 80GB HBM3' (SXM) and H800: 81559MiB",
+        "CUDA's total as vLLM's worker logs it on H100 80GB HBM3, 'total_memory=79.19GiB' "
+        "(to 0.01 GiB): github.com/llm-d-incubation/llm-d-planner, accuracy/results/"
+        "v0.19.0/logs; nvidia-smi says 81559MiB (the driver's reservation included)",
         aliases=("H100", "H100-SXM", "H100-SXM-80GB", "H100-PCIE-80GB", "H800-80GB"),
         arch="hopper",
     ),

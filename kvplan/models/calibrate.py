@@ -34,6 +34,19 @@ _CONCURRENCY = re.compile(r"Maximum concurrency for ([0-9,]+) tokens per request
 _GRAPHS = re.compile(r"Graph capturing finished in [0-9.]+ secs?, took ([0-9.]+) GiB")
 _GRAPH_POOL = re.compile(r"CUDA graph pool memory: ([0-9.]+) GiB \(actual\), ([0-9.]+) GiB")
 _PROFILE_V0 = re.compile(r"kv_cache_size=([0-9.]+)GiB")  # V0 engine's profiling line
+_V0_FIELD = re.compile(r"(total_gpu_memory|peak_torch_memory|non_torch_memory)=([0-9.]+)GiB")
+# vLLM >= 0.21 subtract their CUDA-graph estimate from the KV budget and say so as a
+# utilization: the difference of the two figures is the estimate over the total.
+_GRAPH_UTIL = re.compile(
+    r"gpu-memory-utilization=([0-9.]+) is equivalent to --gpu-memory-utilization=([0-9.]+)"
+)
+_GRAPH_ESTIMATE = re.compile(r"Estimated CUDA graph memory: ([0-9.]+) GiB")
+# V1's profiling summary (DEBUG) and its init snapshot: the parts of the non-KV memory.
+_PROFILE_V1 = re.compile(
+    r"torch peak memory increase: ([0-9.]+)GiB; non-torch forward increase memory: "
+    r"([0-9.]+)GiB; weights memory: ([0-9.]+)GiB"
+)
+_INIT_TOTAL = re.compile(r"init memory snapshot: .*total_memory=([0-9.]+)GiB")
 _BLOCKS_V0 = re.compile(r"(?:^|[#\s])GPU blocks: ([0-9]+)")
 _CONFIG_FIELDS = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|[^,]*)")
 
@@ -53,6 +66,13 @@ class StartupLog:
     max_concurrency: float | None = None
     cuda_graph_gib: float | None = None
     cuda_graph_estimate_gib: float | None = None
+    cudagraph_subtracted_fraction: float | None = None  # of the total, from _GRAPH_UTIL
+    engine: str = "v1"  # "v0": the V0 engine's profiling line / weights line
+    # What the V0 engine's profiling line states beside the KV size.
+    total_gpu_gib: float | None = None
+    peak_torch_gib: float | None = None
+    peak_torch_increase_gib: float | None = None  # V1: the profile run's activation peak
+    non_torch_gib: float | None = None
 
 
 def parse_log(text: str) -> StartupLog:
@@ -75,6 +95,15 @@ def parse_log(text: str) -> StartupLog:
             log.model_loading_gib.append(float(match.group(1)))
         if match := _PROFILE_V0.search(line):
             log.available_kv_gib.append(float(match.group(1)))
+            log.engine = "v0"
+            fields = dict(_V0_FIELD.findall(line))
+            for name, attribute in (("total_gpu_memory", "total_gpu_gib"),
+                                    ("peak_torch_memory", "peak_torch_gib"),
+                                    ("non_torch_memory", "non_torch_gib")):  # fmt: skip
+                if name in fields:
+                    setattr(log, attribute, float(fields[name]))
+        if _WEIGHTS_V0.search(line):
+            log.engine = "v0"
         if match := _BLOCKS_V0.search(line):
             log.num_gpu_blocks = int(match.group(1))
         if match := _AVAILABLE.search(line):
@@ -86,6 +115,15 @@ def parse_log(text: str) -> StartupLog:
             log.max_concurrency = float(match.group(2))
         if match := _GRAPHS.search(line):
             log.cuda_graph_gib = float(match.group(1))
+        if match := _GRAPH_UTIL.search(line):
+            log.cudagraph_subtracted_fraction = float(match.group(1)) - float(match.group(2))
+        if match := _PROFILE_V1.search(line):
+            log.peak_torch_increase_gib = float(match.group(1))
+            log.non_torch_gib = float(match.group(2))
+        if match := _INIT_TOTAL.search(line):
+            log.total_gpu_gib = float(match.group(1))
+        if match := _GRAPH_ESTIMATE.search(line):
+            log.cuda_graph_estimate_gib = float(match.group(1))
         if match := _GRAPH_POOL.search(line):
             log.cuda_graph_gib = float(match.group(1))
             log.cuda_graph_estimate_gib = float(match.group(2))
@@ -123,6 +161,52 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
     return out
 
 
+# V0's scheduler (vLLM <= 0.7 and VLLM_USE_V1=0): without chunked prefill a step
+# holds a whole prompt, so max_num_batched_tokens defaulted to max(max_model_len,
+# 2,048) and the profile run pushed that many tokens through the model; the
+# OpenAI server turned chunked prefill on by default only above 32K tokens, with
+# 512-token steps. V1 (every release kvplan plans for) profiles
+# max_num_batched_tokens, chunked prefill always on.
+V0_CHUNKED_PREFILL_FROM = 32_768
+V0_CHUNKED_PREFILL_TOKENS = 512
+V0_MIN_BATCHED_TOKENS = 2_048
+
+
+def profiled_tokens(log: StartupLog, max_model_len: int | None) -> int | None:
+    """The tokens the log's engine profiled when the log does not say: the V0
+    scheduler's default; None for V1 (the caller's default applies)."""
+    if log.engine != "v0" or max_model_len is None:
+        return None
+    if max_model_len > V0_CHUNKED_PREFILL_FROM:
+        return V0_CHUNKED_PREFILL_TOKENS
+    return max(max_model_len, V0_MIN_BATCHED_TOKENS)
+
+
+# The formula behind "GPU KV cache size: N tokens", by release. vLLM 0.32-0.34
+# (checked in their CPU venvs, v1/core/kv_cache_utils.py) print
+# int(max_concurrency x max_model_len); earlier V1 releases printed
+# num_blocks // len(kv_cache_groups) x min block size (the V1 kv_cache_utils.py of
+# the decode-context-parallel era, multiplied by dcp_world_size; 0.19 by its log). For one KV-cache
+# group the two agree; for a hybrid model they differ (state pages count in the
+# first, each group's blocks are divided out in the second).
+CONCURRENCY_FORMULA = "int(concurrency x max_model_len)"
+PER_GROUP_FORMULA = "num_blocks // groups x block"
+PRINTED_TOKEN_FORMULA: dict[str, str] = {
+    # The gemma-2-9b calibration record (vLLM 0.19.0, two groups): 168,880 tokens =
+    # 16 x 10,555 blocks, while 20.60x concurrency x 8,192 is 168,755.
+    "0.19": PER_GROUP_FORMULA,
+    "0.32": CONCURRENCY_FORMULA,
+    "0.33": CONCURRENCY_FORMULA,
+    "0.34": CONCURRENCY_FORMULA,
+}
+
+
+def printed_token_formula(release: str) -> str | None:
+    """Which formula this release prints, where checked; None where not."""
+    minor = ".".join(release.split(".")[:2])
+    return PRINTED_TOKEN_FORMULA.get(minor)
+
+
 @dataclass(frozen=True)
 class Comparison:
     figure: str
@@ -157,3 +241,54 @@ def format_comparisons(rows: list[Comparison]) -> str:
         cells[0] = line[0].ljust(widths[0])
         lines.append("  ".join(cells))
     return "\n".join(lines)
+
+
+def component_rows(
+    log: StartupLog,
+    weights_bytes: int | None,
+    activation_bytes: int | None,
+    non_torch_bytes: int | None,
+    cudagraph_bytes: int | None,
+    device_bytes: int,
+    utilization: float | None,
+) -> list[Comparison]:
+    """The memory outside the KV cache, part by part, beside what the log states:
+    the V0 profiling line gives the activation peak (peak torch memory less the
+    weights), the non-torch memory and CUDA's total; any log gives the non-KV total
+    its engine subtracted (utilization x total - available, CUDA graphs included
+    where the release subtracts their estimate: vLLM 0.32-0.34 do by default)."""
+    loading = log.model_loading_gib[0] if log.model_loading_gib else None
+    activation = (
+        log.peak_torch_gib - loading
+        if log.peak_torch_gib is not None and loading is not None
+        else log.peak_torch_increase_gib
+    )
+    total = log.total_gpu_gib * GIB if log.total_gpu_gib is not None else device_bytes
+    implied = (
+        utilization * total / GIB - min(log.available_kv_gib)
+        if utilization is not None and log.available_kv_gib
+        else None
+    )
+    # The graph estimate counts only where the release subtracts it (>= 0.21 says so).
+    subtracted = (
+        log.cudagraph_subtracted_fraction * total / GIB
+        if log.cudagraph_subtracted_fraction is not None
+        else None
+    )
+    parts = [weights_bytes, activation_bytes, non_torch_bytes, cudagraph_bytes]
+    predicted_non_kv = sum(p for p in parts if p is not None) / GIB if None not in parts else None
+
+    def gib(value: int | None) -> float | None:
+        return value / GIB if value is not None else None
+
+    rows = [
+        Comparison("GPU total (CUDA's, as the engine saw it)", log.total_gpu_gib,
+                   device_bytes / GIB, "GiB"),
+        Comparison("activation peak of the profile run", activation, gib(activation_bytes),
+                   "GiB"),
+        Comparison("non-torch memory", log.non_torch_gib, gib(non_torch_bytes), "GiB"),
+        Comparison("CUDA-graph estimate subtracted", subtracted, gib(cudagraph_bytes), "GiB"),
+        Comparison("non-KV memory (utilization x total - available)", implied,
+                   predicted_non_kv, "GiB"),
+    ]  # fmt: skip
+    return [row for row in rows if row.measured is not None]

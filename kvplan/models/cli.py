@@ -767,11 +767,17 @@ def add_calibrate_parser(commands: Any) -> None:
 def calibrate_command(args: argparse.Namespace) -> int:
     from kvplan.core.errors import PlanningError
     from kvplan.models.calibrate import (
+        CONCURRENCY_FORMULA,
+        PER_GROUP_FORMULA,
         Comparison,
+        component_rows,
         format_comparisons,
         parse_log,
+        printed_token_formula,
+        profiled_tokens,
         settings_from_log,
     )
+    from kvplan.models.weights import PROFILES
 
     try:
         with open(args.log, encoding="utf-8", errors="replace") as handle:
@@ -783,6 +789,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
     for dest, value in from_log.items():
         if getattr(args, dest, None) is None:
             setattr(args, dest, value)
+    if args.max_num_batched_tokens is None:  # the V0 engine's profile length
+        args.max_num_batched_tokens = profiled_tokens(log, args.max_model_len)
     try:
         if not args.model:
             raise ModelConfigError("give --model CONFIG: the log does not carry the config")
@@ -793,9 +801,15 @@ def calibrate_command(args: argparse.Namespace) -> int:
             tensor_parallel_size=args.tp or 1,
             gpu=catalog_name(gpu),
             gpu_memory_bytes=gpu.total_memory_bytes,
+            engine_release="v0" if log.engine == "v0" else log.release,
         )
         request, inputs = build_plan_request(config, options)
-        response, summary, inputs = plan_built(request, inputs, _local_planner)
+        try:
+            response, summary, inputs = plan_built(request, inputs, _local_planner)
+        except PlanningError:  # a log of an engine that refused its length: same budget
+            options = replace(options, max_model_len=-1)
+            request, inputs = build_plan_request(config, options)
+            response, summary, inputs = plan_built(request, inputs, _local_planner)
         given: plan_pb2.PlanResponse | None = None
         if log.available_kv_gib:
             measured_budget = replace(
@@ -820,16 +834,31 @@ def calibrate_command(args: argparse.Namespace) -> int:
         Comparison("available KV cache memory per worker",
                    min(log.available_kv_gib) if log.available_kv_gib else None,
                    summary.available_kv_bytes / GIB, "GiB"),
-        Comparison("KV cache tokens, int(concurrency x max_model_len)",
+        Comparison("KV cache tokens, " + CONCURRENCY_FORMULA,
                    _num(log.kv_cache_tokens), float(worker.kv_cache_size_tokens), "tokens"),
-        Comparison("KV cache tokens, num_blocks // groups x block",
+        Comparison("KV cache tokens, " + PER_GROUP_FORMULA,
                    _num(log.kv_cache_tokens), float(response.num_blocks // groups * block),
                    "tokens"),
         Comparison(f"maximum concurrency at {summary.max_model_len:,} tokens",
-                   log.max_concurrency, summary.max_concurrency, "x"),
-        Comparison("CUDA-graph memory (kvplan: inside its runtime estimate)",
+                   log.max_concurrency, summary.max_concurrency
+                   if log.concurrency_len in (None, summary.max_model_len) else None, "x"),
+        Comparison("CUDA-graph memory captured (after the KV cache)",
                    log.cuda_graph_gib, None, "GiB"),
+        Comparison("CUDA-graph estimate the release logged (kvplan's, from 0.21)",
+                   log.cuda_graph_estimate_gib, PROFILES["v1"].cudagraph_bytes / GIB, "GiB"),
     ]  # fmt: skip
+    overhead = inputs.overhead
+    rows += component_rows(
+        log, inputs.weights.bytes_per_worker if inputs.weights is not None else None,
+        overhead.activation_peak_bytes if overhead is not None else None,
+        overhead.non_torch_bytes if overhead is not None else None,
+        overhead.cudagraph_bytes if overhead is not None else None,
+        gpu.total_memory_bytes, options.gpu_memory_utilization,
+    )  # fmt: skip
+    printed = printed_token_formula(log.release)
+    rows = [replace(row, figure=f"{row.figure} (printed by {log.release})")
+            if printed is not None and printed in row.figure else row
+            for row in rows]  # fmt: skip
     if log.num_gpu_blocks is not None:
         rows.append(Comparison("GPU blocks (V0 engine)", float(log.num_gpu_blocks),
                                float(response.num_blocks), "blocks"))  # fmt: skip
@@ -838,9 +867,18 @@ def calibrate_command(args: argparse.Namespace) -> int:
         rows.append(Comparison("GPU blocks from the logged budget (the exact part)", *blocks,
                                "blocks"))  # fmt: skip
     if given is not None:
+        given_block = min((group.block_size for group in given.groups), default=16)
         rows.append(
             Comparison(
-                "KV cache tokens from the logged budget (the exact part)",
+                "KV cache tokens from the logged budget, " + PER_GROUP_FORMULA,
+                _num(log.kv_cache_tokens),
+                float(given.num_blocks // max(len(given.groups), 1) * given_block),
+                "tokens",
+            )
+        )
+        rows.append(
+            Comparison(
+                "KV cache tokens from the logged budget, " + CONCURRENCY_FORMULA,
                 _num(log.kv_cache_tokens),
                 float(given.workers[0].kv_cache_size_tokens),
                 "tokens",
@@ -848,7 +886,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         )
     if args.json:
         print(json.dumps({
-            "release": log.release, "settings_from_log": from_log,
+            "release": log.release, "engine": log.engine, "settings_from_log": from_log,
             "rows": [{"figure": r.figure, "measured": r.measured, "predicted": r.predicted,
                       "unit": r.unit, "error": r.error} for r in rows],
         }, indent=1))  # fmt: skip

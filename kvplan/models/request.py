@@ -65,6 +65,9 @@ class ModelPlanOptions:
     kv_cache_memory_bytes: int | None = None  # vLLM's --kv-cache-memory-bytes
     num_gpu_blocks_override: int | None = None
     max_num_seqs: int | None = None  # None: vllm serve's default for the device
+    # The release whose start-up profile the non-KV estimate follows ("0.19.0", "v0"
+    # for the V0 engine); "" = engine_version's, else the newest (weights.PROFILES).
+    engine_release: str = ""
 
 
 @dataclass(frozen=True)
@@ -134,10 +137,12 @@ def build_plan_request(
         total_non_kv = options.non_kv_bytes
     else:
         weights = estimate_weights(config, layers, tp, pp, gpu_arch, options.quantization)
-        overhead = estimate_overhead(config, layers, tp, batched, max_num_seqs)
+        release = options.engine_release or options.engine_version
+        overhead = estimate_overhead(config, layers, tp, batched, max_num_seqs, release)
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
-            activation_peak_bytes=overhead.activation_peak_bytes,
+            # As vLLM 0.34 counts it: the CUDA-graph estimate with the activation peak.
+            activation_peak_bytes=overhead.activation_peak_bytes + overhead.cudagraph_bytes,
             non_torch_bytes=overhead.non_torch_bytes,
         )
         total_non_kv = weights.bytes_per_worker + overhead.total_bytes

@@ -18,10 +18,67 @@ from kvplan.models.config import HFConfig, ModelConfigError
 from kvplan.models.importer import ModelLayers, text_config
 
 GIB = 1 << 30
-NON_TORCH_BYTES = GIB  # CUDA context, cuBLAS/NCCL workspaces: vLLM logs ~0.5-1.5 GiB
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ProfileRules:
+    """How one vLLM release measures the memory outside the KV cache at start-up.
+
+    The figures that are not derived from the config are runtime constants, measured
+    once and named here with their source (docs/capacity.md lists which calibration
+    records set them and which only check them)."""
+
+    name: str
+    # The dummy sampler run's peak per logit (max_num_seqs x vocab logits): float32
+    # logits (4 B) while top-k/top-p sorts them (4 B values + 8 B int64 indices).
+    sampler_bytes_per_logit: int
+    # Memory outside torch's allocator that appears during the profile run (cuBLAS
+    # workspaces and lazily loaded kernels; with TP > 1 also NCCL communicators and
+    # custom all-reduce buffers). vLLM 0.19 on H100 logged 0.25 GiB at TP 1 and
+    # 2.07 GiB at TP 2 for Llama-3.1-8B (0.25-0.27 and 2.07-2.13 on the other records).
+    non_torch_single_gpu: int
+    non_torch_tensor_parallel: int
+    # CUDA-graph memory the release subtracts from the KV budget before allocating it
+    # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default since vLLM 0.21; 0.32-0.34
+    # checked in their source). vLLM 0.19's own estimate for Llama-3.1-8B on an H100
+    # (51 PIECEWISE + 51 FULL graphs up to 512 tokens) was 0.84 GiB; the other models
+    # of the calibration set logged 0.54-1.69 GiB. 0 where the release does not subtract.
+    cudagraph_bytes: int
+
+
+_NON_TORCH_TP1 = round(0.25 * GIB)
+_NON_TORCH_TP = round(2.07 * GIB)
+_CUDAGRAPH_ESTIMATE = round(0.84 * GIB)
+PROFILES: dict[str, ProfileRules] = {
+    # V0 (vLLM <= 0.7, VLLM_USE_V1=0): graphs captured after the KV cache, outside it.
+    "v0": ProfileRules("vLLM V0 engine", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0),
+    # V1 before 0.21: the CUDA-graph estimate exists but is off by default.
+    "v1-0.20": ProfileRules("vLLM V1 < 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0),
+    # 0.21 onward, the releases kvplan plans for (0.32, 0.33, 0.34) among them.
+    "v1": ProfileRules("vLLM >= 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, _CUDAGRAPH_ESTIMATE),
+}
+
+
+def profile_rules(release: str) -> ProfileRules:
+    """The profile rules of a release: `0.19.0`, `vllm-0.33`, `v0` (the V0 engine);
+    "" or an unparseable release: the newest (what kvplan plans for)."""
+    if release == "v0":
+        return PROFILES["v0"]
+    parts = release.removeprefix("vllm-").removeprefix("v").split(".")
+    try:
+        version = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return PROFILES["v1"]
+    return PROFILES["v1-0.20"] if version < (0, 21) else PROFILES["v1"]
+
+
 OVERHEAD_FORMULA = (
-    "activation_peak = max_num_batched_tokens x (4 x hidden + 2 x ffn_per_rank) x act_bytes"
-    " + max_num_seqs x vocab x 4 (sampler logits);  non_torch = 1 GiB"
+    "activation_peak = max(tokens x (3 x hidden + max(attention_per_rank, mlp_per_rank))"
+    " x act_bytes, tokens x hidden x act_bytes + max_num_seqs x vocab x 16 B);"
+    " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
+    " for MoE;  non_torch = 0.25 GiB (TP 1) / 2.07 GiB (TP > 1);"
+    " CUDA graphs = 0.84 GiB from vLLM 0.21"
 )
 
 
@@ -54,11 +111,13 @@ class WeightEstimate:
 class OverheadEstimate:
     activation_peak_bytes: int
     non_torch_bytes: int
+    cudagraph_bytes: int = 0  # what the release subtracts for CUDA graphs
     formula: str = OVERHEAD_FORMULA
+    release: str = "vLLM >= 0.21"
 
     @property
     def total_bytes(self) -> int:
-        return self.activation_peak_bytes + self.non_torch_bytes
+        return self.activation_peak_bytes + self.non_torch_bytes + self.cudagraph_bytes
 
 
 def _attention_params(c: HFConfig) -> int:
@@ -204,7 +263,27 @@ def count_params(config: HFConfig, layers: ModelLayers) -> ParamCount:
     nextn = layers.num_nextn_predict_layers
     if nextn:
         draft = nextn * (_attention_params(c) + sum(_mlp_params(c, count)) + 2 * hidden * hidden)
+    # A multimodal checkpoint's vision tower is loaded too (vLLM builds the whole
+    # *ForConditionalGeneration model); counted with the attention.
+    attention += _vision_params(config, hidden)
     return ParamCount(embedding, attention, mlp, state, draft, router)
+
+
+def _vision_params(config: HFConfig, text_hidden: int) -> int:
+    """A SigLIP vision tower (Gemma 3's `vision_config`) and its projection into the
+    text model: per encoder layer Q/K/V/O and a two-matrix MLP (with biases), the
+    patch embedding and a position embedding per patch. Other vision towers are not
+    counted (none of the supported families has one)."""
+    vision = config.sub("vision_config")
+    if vision is None or vision.text("model_type", "") != "siglip_vision_model":
+        return 0
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    layer = 4 * width * width + 2 * width * inter + 6 * width + inter
+    patch = vision.integer("patch_size")
+    patches = (vision.integer("image_size") // patch) ** 2
+    stem = 3 * patch * patch * width + width + patches * width
+    return vision.integer("num_hidden_layers") * layer + stem + width * text_hidden
 
 
 _INT4_BYTES = 0.5 + 4 / 128  # 4-bit weights + an fp16 scale and zero per 128-group
@@ -341,19 +420,65 @@ def estimate_weights(
     return WeightEstimate(params, name, total, per_rank)
 
 
+def _per_token_activation(c: HFConfig, tp: int) -> int:
+    """Elements one token holds at the peak of a decoder layer's forward, per rank.
+
+    Three hidden-size streams stay live through a layer (its input / residual, the
+    normed input, the output being built); beside them the attention phase holds the
+    QKV projection and the attention output, the MLP phase the up (and gate)
+    projection and the activation's output, or for fused MoE the top-k copies of
+    those and of the expert outputs (vLLM's fused_moe intermediate caches). The
+    peak is the larger phase."""
+    hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
+    heads = c.opt_integer("num_attention_heads") or c.opt_integer("decoder_attention_heads") or 1
+    head_dim = c.integer("head_dim") if c.has("head_dim") else hidden // heads
+    kv_heads = c.opt_integer("num_key_value_heads") or heads
+    attention = ((heads + 2 * kv_heads) * head_dim + heads * head_dim) // tp
+    matrices = _matrices(c)
+    ffn_keys = ("intermediate_size", "decoder_ffn_dim")
+    ffn = next((c.integer(key) for key in ffn_keys if c.has(key)), 4 * hidden)
+    if c.has("intermediate_size_mlp"):  # Llama 4: the dense layers' size
+        ffn = max(ffn, c.integer("intermediate_size_mlp"))
+    mlp = matrices * ffn // tp
+    if _expert_count(c):
+        expert = c.integer("moe_intermediate_size") if c.has("moe_intermediate_size") else ffn
+        top_k = c.opt_integer("num_experts_per_tok") or c.opt_integer("moe_topk") or 1
+        mlp = max(mlp, top_k * (matrices * expert // tp + hidden))
+    return 3 * hidden + max(attention, mlp)
+
+
 def estimate_overhead(
     config: HFConfig,
     layers: ModelLayers,
     tensor_parallel_size: int,
     max_num_batched_tokens: int,
     max_num_seqs: int = 256,
+    release: str = "",
 ) -> OverheadEstimate:
+    """The profile run's peak over the weights: a forward pass of
+    `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
+    chunked prefill profiled `max_model_len`), then the sampler's float32 logits for
+    `max_num_seqs` requests while the forward's last hidden states are still held.
+    The two do not overlap, so the peak is the larger. `release` picks the runtime
+    allowances (`PROFILES`)."""
     c = text_config(config, layers.architecture)
     hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
-    ffn_keys = ("intermediate_size", "moe_intermediate_size", "decoder_ffn_dim")
-    present = [c.integer(key) for key in ffn_keys if c.has(key)]
-    ffn = max(present) if present else 4 * hidden
     act_bytes = layers.model_dtype.size_bytes
-    activation = max_num_batched_tokens * (4 * hidden + 2 * ffn // tensor_parallel_size) * act_bytes
-    activation += max_num_seqs * c.integer("vocab_size") * 4
-    return OverheadEstimate(activation, NON_TORCH_BYTES)
+    forward = max_num_batched_tokens * _per_token_activation(c, tensor_parallel_size) * act_bytes
+    sampler = max_num_batched_tokens * hidden * act_bytes
+    if _expert_count(c):
+        # The fused-MoE kernels' scratch lives in vLLM's workspace manager, which keeps
+        # it after the forward pass: it is still held while the sampler runs.
+        expert = c.integer("moe_intermediate_size") if c.has("moe_intermediate_size") else 0
+        expert = expert or c.integer("intermediate_size")
+        top_k = c.opt_integer("num_experts_per_tok") or c.opt_integer("moe_topk") or 1
+        per_token = top_k * (_matrices(c) * expert // tensor_parallel_size + hidden)
+        sampler += max_num_batched_tokens * per_token * act_bytes
+    rules = profile_rules(release)
+    sampler += max_num_seqs * c.integer("vocab_size") * rules.sampler_bytes_per_logit
+    non_torch = (
+        rules.non_torch_tensor_parallel if tensor_parallel_size > 1 else rules.non_torch_single_gpu
+    )
+    return OverheadEstimate(
+        max(forward, sampler), non_torch, rules.cudagraph_bytes, release=rules.name
+    )

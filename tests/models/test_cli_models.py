@@ -34,13 +34,13 @@ def test_plan_every_shipped_config(model: str, capsys: pytest.CaptureFixture[str
 
 
 def test_plan_llama_capacity_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
-    # H100 80GB: 81,559 MiB; utilization 0.9; 20 GiB non-KV; 32 layers x 8 heads x 128 x
+    # H100 80GB: CUDA's 79.19 GiB; utilization 0.9; 20 GiB non-KV; 32 layers x 8 heads x 128 x
     # (K+V) x 2 B = 131,072 B per token = 2 MiB per 16-token block.
     args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100-80GB"]
     args += ["--max-model-len", "8K", "--gpu-memory-utilization", "0.9", "--non-kv-bytes", "20GiB"]
     assert main([*args, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    available = -(-81_559 * 2**20 * 9 // 10) - 20 * 2**30
+    available = -(-int(79.19 * 2**30) * 9 // 10) - 20 * 2**30
     blocks = available // (32 * 65_536)
     capacity = plan["capacity"]
     assert capacity["kv_bytes_per_token"] == 131_072
@@ -271,12 +271,12 @@ def test_serve_defaults_follow_the_device() -> None:
 @pytest.mark.parametrize(
     ("engine_version", "block", "blocks"),
     [
-        # H100 80GB = 85,520,809,984 B, 20 GiB non-KV, 131,072 B per token.
+        # H100 80GB = 85,029,615,042 B (79.19 GiB), 20 GiB non-KV, 131,072 B per token.
         # 0.32 / 0.33: 0.92 x total - 20 GiB over 2 MiB blocks (16 tokens);
-        ("vllm-0.32", 16, (-(-85_520_809_984 * 92 // 100) - 20 * 2**30) // (16 * 131_072)),
-        ("vllm-0.33", 16, (-(-85_520_809_984 * 92 // 100) - 20 * 2**30) // (16 * 131_072)),
+        ("vllm-0.32", 16, (-(-85_029_615_042 * 92 // 100) - 20 * 2**30) // (16 * 131_072)),
+        ("vllm-0.33", 16, (-(-85_029_615_042 * 92 // 100) - 20 * 2**30) // (16 * 131_072)),
         # 0.34: the extensible cache reserves at utilization 1.0, 64-token blocks of 8 MiB.
-        ("vllm-0.34", 64, (85_520_809_984 - 20 * 2**30) // (64 * 131_072)),
+        ("vllm-0.34", 64, (85_029_615_042 - 20 * 2**30) // (64 * 131_072)),
     ],
 )
 def test_model_plans_with_a_release(
