@@ -80,17 +80,47 @@ class Prometheus:
         return list(data["result"])
 
 
-def dashboard_queries() -> list[tuple[str, str]]:
+def dashboard_targets() -> list[tuple[str, str, str]]:
+    """(panel title, query with the variables filled in, legend format)."""
     dashboard = json.loads(DASHBOARD.read_text())
-    queries = []
+    targets = []
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
             expr = target["expr"]
             for variable, value in DASHBOARD_VARIABLES.items():
                 expr = expr.replace(variable, value)
             assert "$" not in expr, f"an unknown variable in {panel['title']}: {expr}"
-            queries.append((panel["title"], expr))
-    return queries
+            targets.append((panel["title"], expr, target.get("legendFormat", "")))
+    return targets
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    return [(title, expr) for title, expr, _ in dashboard_targets()]
+
+
+def groupings(expr: str) -> list[tuple[list[str], str]]:
+    """Each `by (labels) (inner)` of the expression: the labels and the inner
+    expression. A label the series lack still gives a result (one group, the label
+    empty), so the series must be asked for it."""
+    found = []
+    for match in re.finditer(r"\bby\s*\(([^)]*)\)\s*\(", expr):
+        depth, start = 1, match.end()
+        end, quoted = start, False
+        while depth:
+            char = expr[end]
+            if char == '"' and expr[end - 1] != "\\":
+                quoted = not quoted
+            elif not quoted:
+                depth += {"(": 1, ")": -1}.get(char, 0)
+            end += 1
+        labels = [label.strip() for label in match.group(1).split(",") if label.strip()]
+        found.append((labels, expr[start : end - 1]))
+    return found
+
+
+def test_groupings_are_found() -> None:
+    expr = 'max by (a, b) (x{c="("} / y) + sum by (le) (rate(z[1m]))'
+    assert groupings(expr) == [(["a", "b"], 'x{c="("} / y'), (["le"], "rate(z[1m])")]
 
 
 def alert_expressions() -> list[tuple[str, str]]:
@@ -194,6 +224,18 @@ def test_every_dashboard_query_and_alert_expression_returns_series(tmp_path: Pat
                 if not prometheus.query(expr):
                     failures.append(f"alert {alert}: {expr}")
             assert not failures, "no series for:\n" + "\n".join(failures)
+
+            # Every label a query groups by, and every one a legend shows, is on
+            # every series it reads.
+            for name, expr in [*dashboard_queries(), *alert_expressions()]:
+                for labels, inner in groupings(expr):
+                    for series in prometheus.query(f"count by ({', '.join(labels)}) ({inner})"):
+                        missing = [label for label in labels if not series["metric"].get(label)]
+                        assert not missing, f"{name}: no {missing} on the series of {inner}"
+            for title, expr, legend in dashboard_targets():
+                for series in prometheus.query(expr):
+                    for label in re.findall(r"{{\s*(\w+)\s*}}", legend):
+                        assert series["metric"].get(label), f"{title}: legend {{{{{label}}}}}"
 
             # What the load did shows in the series the panels read.
             assert prometheus.query('max_over_time(kvplan_store_up{job="kvplan"}[1m]) == 1')
