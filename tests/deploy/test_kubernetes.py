@@ -453,3 +453,56 @@ def test_the_vllm_example_reaches_kvplan_in_lease_mode(
     assert settings.mode is Mode.LEASE and settings.engine_id == "vllm-llama-0"
     assert settings.security.token == "engine-token"
     assert settings.security.tls and settings.security.server_name == "kvplan.kvplan.svc"
+
+
+# Measured figures of docs/deployment.md ("Memory and disk: the bounds"), bytes.
+MB = 1_000_000
+RSS_AT_REST = 55 * MB
+BOOKKEEPING_PER_CACHED_PLAN = 1024
+SQLITE_PAGE_CACHE = 2 * 1024 * 1024
+# 365 ranks waiting at the 256 MiB bound: 346 MB RSS, 291 MB over rest (1.08x the bound).
+RENDEZVOUS_RSS_PER_BOUND_BYTE = 291 / 268.435456
+# 2,048 rank-mode calls at once: 186 MB RSS at most before the heap trim.
+BURST_OVER_REST = 186 * MB - RSS_AT_REST
+
+
+def _quantity_bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "M": 10**6, "G": 10**9}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return int(quantity.removesuffix(suffix)) * factor
+    return int(quantity)
+
+
+def test_memory_requests_and_limits_follow_the_measured_bounds(
+    rendered: dict[Case, list[dict[str, Any]]],
+) -> None:
+    """The request holds the planner with its caches full; the limit holds that plus
+    the rendezvous bound filled, a burst of rank-mode calls and one largest call in
+    and out, at the bounds the manifest's own settings give (raise a bound there and
+    this asks for the limit to follow)."""
+    for case, objects in rendered.items():
+        (container,) = planner(objects)["spec"]["template"]["spec"]["containers"]
+        env = container_env(container)
+        settings = parse_settings([], {k: v for k, v in env.items() if isinstance(v, str)})
+        steady = (
+            RSS_AT_REST
+            + settings.plan_cache_bytes
+            + settings.plan_cache_size * BOOKKEEPING_PER_CACHED_PLAN
+            + settings.model_cache_bytes
+            + SQLITE_PAGE_CACHE
+        )
+        # The memory store keeps finished rank-mode results in the process too.
+        in_process_results = settings.rendezvous_result_bytes if settings.store == "memory" else 0
+        peak = (
+            steady
+            + in_process_results
+            + settings.max_pending_rendezvous_bytes * RENDEZVOUS_RSS_PER_BOUND_BYTE
+            + BURST_OVER_REST
+            + 2 * settings.max_message_bytes
+        )
+        resources = container["resources"]
+        request = _quantity_bytes(resources["requests"]["memory"])
+        limit = _quantity_bytes(resources["limits"]["memory"])
+        assert steady <= request, (case, steady, request)
+        assert peak <= limit, (case, peak, limit)
