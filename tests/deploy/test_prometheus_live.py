@@ -1,7 +1,8 @@
 """The dashboard and the alerts against reality: a real Prometheus (Debian's package)
 scrapes a real `kvplan serve` on loopback every second while a short load runs
 through it (uncached and cached plans, leases, a refused grant, a release, an expiry,
-a Redis outage). Then every dashboard panel's query and every alert's expression goes
+a Redis outage, during which the health port answers the manifests' readiness probe
+NOT_SERVING and their liveness probe SERVING). Then every dashboard panel's query and every alert's expression goes
 through Prometheus' HTTP query API, and each must return series: a metric or label
 that the server does not export returns none and fails the test."""
 
@@ -22,6 +23,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplan.client import PlannerClient, PlannerError
 from tests.deploy.tools import DASHBOARD, RULES_FILE, debian_prometheus_binary
@@ -137,7 +139,18 @@ def alert_expressions() -> list[tuple[str, str]]:
     return expressions
 
 
-def drive_load(target: str, prometheus: Prometheus, redis_stop: Any, redis_start: Any) -> None:
+def probe(health_target: str, service: str) -> str:
+    """What kubelet's gRPC probe (readiness: the planner service; liveness: "") sees."""
+    with grpc.insecure_channel(health_target) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2
+        )
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
+
+
+def drive_load(
+    target: str, health_target: str, prometheus: Prometheus, redis_stop: Any, redis_start: Any
+) -> None:
     with PlannerClient(target, timeout_s=5) as client:
         uuid = client.list_devices().devices[0].uuid
         client.plan(leased_request("engine-a", uuid))  # uncached, granted
@@ -157,8 +170,12 @@ def drive_load(target: str, prometheus: Prometheus, redis_stop: Any, redis_start
         assert outage.value.code is grpc.StatusCode.UNAVAILABLE
         # The health check sees it (every 0.2 s), a scrape records it.
         wait_until("the outage scraped", lambda: prometheus.query("kvplan_store_up == 0"))
+        # The Deployment's probes: not ready while the store is down, but alive.
+        assert probe(health_target, "kvplan.v1.KVCachePlanner") == "NOT_SERVING"
+        assert probe(health_target, "") == "SERVING"
         redis_start()
         wait_until("the store back", lambda: client.plan(leased_request("engine-e", uuid)))
+        assert probe(health_target, "kvplan.v1.KVCachePlanner") == "SERVING"
         client.release_plan("engine-e")
 
 
@@ -166,6 +183,7 @@ def test_every_dashboard_query_and_alert_expression_returns_series(tmp_path: Pat
     prometheus_binary = debian_prometheus_binary("prometheus")
     kvplan = str(Path(sys.executable).parent / "kvplan")
     grpc_port, metrics_port, prometheus_port = free_port(), free_port(), free_port()
+    health_port = free_port()
     config = {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
         "rule_files": [str(RULES_FILE)],
@@ -185,6 +203,7 @@ def test_every_dashboard_query_and_alert_expression_returns_series(tmp_path: Pat
             "--host=127.0.0.1",
             f"--port={grpc_port}",
             f"--metrics-port={metrics_port}",
+            f"--health-port={health_port}",  # plaintext grpc.health.v1, as kubelet probes
             f"--store={redis.url}",
             f"--state-dir={tmp_path / 'state'}",
             "--devices=1xH100-80GB",
@@ -212,7 +231,7 @@ def test_every_dashboard_query_and_alert_expression_returns_series(tmp_path: Pat
                 lambda: prometheus.query('up{job="kvplan"} == 1'),
                 logs=prometheus_log,
             )
-            drive_load(target, prometheus, redis.stop, redis.start)
+            drive_load(target, f"127.0.0.1:{health_port}", prometheus, redis.stop, redis.start)
             # A few more scrapes after the load, so every rate() has two samples of it.
             time.sleep(2)
 
