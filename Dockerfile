@@ -9,15 +9,20 @@
 # `torch` extra). Devices come from KVPLAN_DEVICES, a static inventory, or from what the
 # workers report. See docs/deployment.md.
 
-# The Python base of both stages. `make image` builds on a Debian bookworm base made
-# with debootstrap where Docker Hub cannot be reached (scripts/build-image).
-ARG PYTHON_IMAGE=python:3.11-slim
+# The Python base of both stages: Python 3.11 on Debian bookworm, the release the
+# suite runs on. For a reproducible production build pin it by digest as well:
+#   --build-arg PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:<digest>
+# (`docker buildx imagetools inspect python:3.11-slim-bookworm` prints it). `make image`
+# builds on a Debian bookworm base made with debootstrap where Docker Hub cannot be
+# reached (scripts/build-image).
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---- builder: the wheel, from the files .dockerignore lets into the context ----------
 FROM ${PYTHON_IMAGE} AS builder
 WORKDIR /src
 COPY . .
-RUN pip wheel --no-cache-dir --disable-pip-version-check --no-deps --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --disable-pip-version-check --no-deps --wheel-dir /wheels . \
+    && cp constraints.txt /wheels/constraints.txt
 
 # ---- runtime: the wheel with its server extra, in a venv at /opt/kvplan --------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -31,12 +36,15 @@ RUN groupadd --system --gid 10001 kvplan \
     && useradd --system --uid 10001 --gid kvplan --no-create-home \
         --home-dir /nonexistent --shell /usr/sbin/nologin kvplan
 
-# The wheel is bind-mounted from the builder, so it never lands in a layer. The build
-# fails if anything pulled in torch.
+# The wheel is bind-mounted from the builder, so it never lands in a layer. Every
+# dependency is installed at the version the suite was run against (constraints.txt,
+# `make lock`), not whatever PyPI has that day. The build fails if anything pulled in
+# torch.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     python -m venv /opt/kvplan \
     && wheel="$(echo /wheels/kvplan-*.whl)" \
-    && /opt/kvplan/bin/pip install --no-cache-dir --disable-pip-version-check "${wheel}[server]" \
+    && /opt/kvplan/bin/pip install --no-cache-dir --disable-pip-version-check \
+        --constraint /wheels/constraints.txt "${wheel}[server]" \
     && /opt/kvplan/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)" \
     && install -d -o 10001 -g 10001 -m 0750 /var/lib/kvplan
 

@@ -68,9 +68,10 @@ def test_multi_stage_wheel_build_on_python_slim() -> None:
     stages = parsing.stages()
     assert len(stages) >= 2
     builder, runtime = stages[0], stages[-1]
-    # Both stages on one Python base, python:3.11-slim unless the build says otherwise.
+    # Both stages on one Python base: Python 3.11 on Debian bookworm (a named
+    # release, not whatever "slim" points at) unless the build says otherwise.
     base = next(i for i in parsing.instructions() if i.keyword == "ARG")
-    assert base.args == "PYTHON_IMAGE=python:3.11-slim"
+    assert base.args == "PYTHON_IMAGE=python:3.11-slim-bookworm"
     assert builder[0].args.startswith("${PYTHON_IMAGE} AS ")
     assert runtime[0].args.split()[0] == "${PYTHON_IMAGE}"
     builder_runs = " ".join(i.args for i in builder if i.keyword == "RUN")
@@ -78,6 +79,9 @@ def test_multi_stage_wheel_build_on_python_slim() -> None:
     runtime_runs = " ".join(i.args for i in runtime if i.keyword == "RUN")
     assert "python -m venv /opt/kvplan" in runtime_runs
     assert "/opt/kvplan/bin/pip install" in runtime_runs and "[server]" in runtime_runs
+    # Every dependency at the version the suite was run against.
+    assert "cp constraints.txt /wheels/constraints.txt" in builder_runs
+    assert "--constraint /wheels/constraints.txt" in runtime_runs
     assert "from=builder" in runtime_runs
 
 
@@ -125,6 +129,7 @@ def test_healthcheck_uses_kvplan_health() -> None:
     ("path", "sent"),
     [
         ("pyproject.toml", True),
+        ("constraints.txt", True),
         ("README.md", True),
         ("kvplan/cli.py", True),
         ("kvplan/v1/plan_pb2.py", True),

@@ -1,15 +1,20 @@
 """deploy/kubernetes rendered by kubectl's kustomize, every object validated against
-the Kubernetes 1.36 and 1.37 schemas (kubernetes-validate's bundled ones, offline),
-and what the objects must mean: the security context, the probes, the selectors.
+the Kubernetes 1.36 and 1.37 schemas (kubernetes-validate's bundled ones, offline) and
+every custom resource against its own published CRD (tests/deploy/crds), and what the
+objects must mean: the security context, the probes, the selectors.
 
-Combinations: each overlay alone, with each component alone, and with all of them
-(once with the ServiceMonitor, once with the PodMonitor: one scrapes the other's
-targets, so they are alternatives). The components touch disjoint objects, so a
-pair that works alone and in the full set works in any subset.
+Combinations: every overlay with every subset of the components it takes (the power
+set), less the subsets holding both the ServiceMonitor and the PodMonitor: they are
+documented alternatives (each would scrape every planner once more). 24 sets on
+`single` (no external-redis: it replaces the replicated overlay's Redis), 48 on
+`replicated`. kubectl renders them all in one run, each set in a namespace of its
+own (one kubectl start instead of 72); a few sets are rendered alone as well, and
+must come out the same but for the namespace.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -26,6 +31,7 @@ from kvplan.client.vllm_plugin.settings import Mode
 from kvplan.client.vllm_plugin.settings import Settings as PluginSettings
 from kvplan.server.config import parse_settings
 from kvplan.server.probes import open_probe
+from tests.deploy.crd_schemas import crd_errors
 from tests.deploy.tools import DASHBOARD, KUBERNETES, RULES_FILE, debian_prometheus_binary, kubectl
 
 KUBERNETES_VERSIONS = ("1.36.0", "1.37.0")
@@ -38,27 +44,38 @@ COMPONENTS = (
     "grafana-dashboard",
     "external-redis",
 )
-# Custom resources: no schema in kubernetes-validate; checked field by field below.
+ALTERNATIVES = {"service-monitor", "pod-monitor"}
+# Custom resources: validated against the CRDs in tests/deploy/crds.
 CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "Certificate"}
+
+Case = tuple[str, tuple[str, ...]]
 
 
 def component_sets(overlay: str) -> list[tuple[str, ...]]:
     usable = [c for c in COMPONENTS if c != "external-redis" or overlay == "replicated"]
-    full = [c for c in usable if c != "pod-monitor"]
-    sets: list[tuple[str, ...]] = [(), *((c,) for c in usable), tuple(full)]
-    sets.append(tuple(c if c != "service-monitor" else "pod-monitor" for c in full))
-    return sets
+    subsets = itertools.chain.from_iterable(
+        itertools.combinations(usable, size) for size in range(len(usable) + 1)
+    )
+    return [s for s in subsets if not set(s) >= ALTERNATIVES]
 
 
-CASES = [(overlay, components) for overlay in OVERLAYS for components in component_sets(overlay)]
+CASES: list[Case] = [
+    (overlay, components) for overlay in OVERLAYS for components in component_sets(overlay)
+]
+# Rendered alone too: both bare overlays and the largest sets.
+ALONE: list[Case] = [
+    ("single", ()),
+    ("replicated", ()),
+    max((c for c in CASES if c[0] == "single"), key=lambda c: len(c[1])),
+    max((c for c in CASES if c[0] == "replicated"), key=lambda c: len(c[1])),
+]
 
 
-def _render(case: tuple[str, tuple[str, ...]], scratch: Path) -> list[dict[str, Any]]:
+def _kustomization(case: Case, directory: Path, namespace: str | None) -> None:
     overlay, components = case
-    directory = scratch / f"{overlay}-{'+'.join(components) or 'plain'}"
     directory.mkdir()
     # kustomize refuses absolute paths: point at the repository relative to here.
-    kustomization = {
+    kustomization: dict[str, Any] = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "resources": [os.path.relpath(KUBERNETES / "overlays" / overlay, directory)],
@@ -66,20 +83,61 @@ def _render(case: tuple[str, tuple[str, ...]], scratch: Path) -> list[dict[str, 
             os.path.relpath(KUBERNETES / "components" / c, directory) for c in components
         ],
     }
+    if namespace is not None:
+        kustomization["namespace"] = namespace
     (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+
+
+def _kustomize(directory: Path) -> list[dict[str, Any]]:
     rendered = subprocess.run(
-        [kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=60
+        [kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120
     )
-    assert rendered.returncode == 0, f"kubectl kustomize {case}: {rendered.stderr}"
-    return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+    assert rendered.returncode == 0, f"kubectl kustomize {directory}: {rendered.stderr}"
+    # libyaml: 72 sets are 1.4 MB of YAML, ten times slower to read in pure Python.
+    return [doc for doc in yaml.load_all(rendered.stdout, Loader=yaml.CSafeLoader) if doc]
+
+
+def _without_namespace(obj: dict[str, Any]) -> dict[str, Any]:
+    obj = json.loads(json.dumps(obj))
+    obj["metadata"].pop("namespace", None)
+    return obj
+
+
+def _by_identity(objects: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(objects, key=lambda o: (o["apiVersion"], o["kind"], o["metadata"]["name"]))
 
 
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, list[dict[str, Any]]]:
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[Case, list[dict[str, Any]]]:
     scratch = tmp_path_factory.mktemp("kustomize")
+    namespaces = {f"case-{number}": case for number, case in enumerate(CASES)}
+    for namespace, case in namespaces.items():
+        _kustomization(case, scratch / namespace, namespace)
+    (scratch / "kustomization.yaml").write_text(
+        yaml.safe_dump({"resources": list(namespaces)})  # every set, one kubectl run
+    )
+    by_case: dict[Case, list[dict[str, Any]]] = {case: [] for case in CASES}
+    for obj in _kustomize(scratch):
+        namespace = obj["metadata"].get("namespace")
+        assert namespace in namespaces, f"cluster-scoped {obj['kind']} {obj['metadata']['name']}"
+        by_case[namespaces[namespace]].append(_without_namespace(obj))
+
+    def alone(number_and_case: tuple[int, Case]) -> list[dict[str, Any]]:
+        number, case = number_and_case
+        directory = scratch / f"alone-{number}"
+        _kustomization(case, directory, None)
+        return _kustomize(directory)
+
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda case: _render(case, scratch), CASES))
-    return dict(zip(CASES, results, strict=True))
+        singles = list(pool.map(alone, enumerate(ALONE)))
+    for case, objects in zip(ALONE, singles, strict=True):
+        assert _by_identity(objects) == _by_identity(by_case[case]), case
+    return by_case
+
+
+def test_every_combination_is_rendered(rendered: dict[Case, list[dict[str, Any]]]) -> None:
+    assert len(rendered) == 24 + 48
+    assert all(rendered.values())
 
 
 def find(objects: Sequence[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
@@ -101,7 +159,7 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 
 def test_every_object_is_valid_in_two_kubernetes_releases(
-    rendered: dict[Any, list[dict[str, Any]]],
+    rendered: dict[Case, list[dict[str, Any]]],
 ) -> None:
     # The cases share most objects: each distinct one is validated once per release.
     distinct = {
@@ -125,9 +183,41 @@ def test_every_object_is_valid_in_two_kubernetes_releases(
     for (_, components), objects in rendered.items():
         custom = {o["kind"] for o in objects} & CUSTOM_KINDS
         assert custom == {wanted[c] for c in components if c in wanted}
+    custom_objects = {
+        json.dumps(obj, sort_keys=True): obj
+        for objects in rendered.values()
+        for obj in objects
+        if obj["kind"] in CUSTOM_KINDS
+    }
+    assert {o["kind"] for o in custom_objects.values()} == CUSTOM_KINDS
+    for obj in custom_objects.values():
+        errors = crd_errors(obj)
+        assert not errors, f"{obj['kind']}/{obj['metadata']['name']}: {errors}"
 
 
-def test_every_container_runs_locked_down(rendered: dict[Any, list[dict[str, Any]]]) -> None:
+def test_the_crd_validation_does_find_problems() -> None:
+    monitor = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": {"name": "kvplan"},
+        "spec": {"selector": {}, "endpoints": [{"port": "metrics", "intervall": "15s"}]},
+    }
+    assert crd_errors(monitor) == [
+        "spec.endpoints.0: Additional properties are not allowed ('intervall' was unexpected)"
+    ]
+    certificate = {
+        "apiVersion": "cert-manager.io/v1",
+        "kind": "Certificate",
+        "metadata": {"name": "kvplan"},
+        "spec": {"issuerRef": {"name": "ca"}},
+    }
+    assert crd_errors(certificate) == ["spec: 'secretName' is a required property"]
+    assert crd_errors({**certificate, "apiVersion": "cert-manager.io/v1alpha2"}) == [
+        "no CRD in tests/deploy/crds serves cert-manager.io/v1alpha2 Certificate"
+    ]
+
+
+def test_every_container_runs_locked_down(rendered: dict[Case, list[dict[str, Any]]]) -> None:
     for case, objects in rendered.items():
         for workload in (o for o in objects if o["kind"] == "StatefulSet"):
             pod = workload["spec"]["template"]["spec"]
@@ -150,7 +240,7 @@ def test_every_container_runs_locked_down(rendered: dict[Any, list[dict[str, Any
 
 
 def test_the_planner_is_probed_over_grpc_and_its_settings_parse(
-    rendered: dict[Any, list[dict[str, Any]]], tmp_path: Path
+    rendered: dict[Case, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     for case, objects in rendered.items():
         (container,) = planner(objects)["spec"]["template"]["spec"]["containers"]
@@ -192,7 +282,7 @@ def test_the_planner_is_probed_over_grpc_and_its_settings_parse(
 
 
 def test_the_topologies_keep_their_state_where_it_survives(
-    rendered: dict[Any, list[dict[str, Any]]],
+    rendered: dict[Case, list[dict[str, Any]]],
 ) -> None:
     single = rendered[("single", ())]
     statefulset = planner(single)
@@ -237,7 +327,7 @@ def test_the_topologies_keep_their_state_where_it_survives(
 
 
 def test_services_and_policies_select_what_they_name(
-    rendered: dict[Any, list[dict[str, Any]]],
+    rendered: dict[Case, list[dict[str, Any]]],
 ) -> None:
     for case, objects in rendered.items():
         statefulset = planner(objects)
@@ -290,7 +380,7 @@ def test_services_and_policies_select_what_they_name(
 
 
 def test_the_dashboard_and_rules_ship_as_their_files(
-    rendered: dict[Any, list[dict[str, Any]]], tmp_path: Path
+    rendered: dict[Case, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     objects = rendered[("single", ("grafana-dashboard",))]
     config_map = find(objects, "ConfigMap", "kvplan-dashboard")
@@ -313,7 +403,7 @@ def test_the_dashboard_and_rules_ship_as_their_files(
 
 
 def test_the_vllm_example_reaches_kvplan_in_lease_mode(
-    rendered: dict[Any, list[dict[str, Any]]], tmp_path: Path
+    rendered: dict[Case, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     rendered_example = subprocess.run(
         [kubectl(), "kustomize", str(KUBERNETES / "examples" / "vllm")],
@@ -363,3 +453,56 @@ def test_the_vllm_example_reaches_kvplan_in_lease_mode(
     assert settings.mode is Mode.LEASE and settings.engine_id == "vllm-llama-0"
     assert settings.security.token == "engine-token"
     assert settings.security.tls and settings.security.server_name == "kvplan.kvplan.svc"
+
+
+# Measured figures of docs/deployment.md ("Memory and disk: the bounds"), bytes.
+MB = 1_000_000
+RSS_AT_REST = 55 * MB
+BOOKKEEPING_PER_CACHED_PLAN = 1024
+SQLITE_PAGE_CACHE = 2 * 1024 * 1024
+# 365 ranks waiting at the 256 MiB bound: 346 MB RSS, 291 MB over rest (1.08x the bound).
+RENDEZVOUS_RSS_PER_BOUND_BYTE = 291 / 268.435456
+# 2,048 rank-mode calls at once: 186 MB RSS at most before the heap trim.
+BURST_OVER_REST = 186 * MB - RSS_AT_REST
+
+
+def _quantity_bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "M": 10**6, "G": 10**9}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return int(quantity.removesuffix(suffix)) * factor
+    return int(quantity)
+
+
+def test_memory_requests_and_limits_follow_the_measured_bounds(
+    rendered: dict[Case, list[dict[str, Any]]],
+) -> None:
+    """The request holds the planner with its caches full; the limit holds that plus
+    the rendezvous bound filled, a burst of rank-mode calls and one largest call in
+    and out, at the bounds the manifest's own settings give (raise a bound there and
+    this asks for the limit to follow)."""
+    for case, objects in rendered.items():
+        (container,) = planner(objects)["spec"]["template"]["spec"]["containers"]
+        env = container_env(container)
+        settings = parse_settings([], {k: v for k, v in env.items() if isinstance(v, str)})
+        steady = (
+            RSS_AT_REST
+            + settings.plan_cache_bytes
+            + settings.plan_cache_size * BOOKKEEPING_PER_CACHED_PLAN
+            + settings.model_cache_bytes
+            + SQLITE_PAGE_CACHE
+        )
+        # The memory store keeps finished rank-mode results in the process too.
+        in_process_results = settings.rendezvous_result_bytes if settings.store == "memory" else 0
+        peak = (
+            steady
+            + in_process_results
+            + settings.max_pending_rendezvous_bytes * RENDEZVOUS_RSS_PER_BOUND_BYTE
+            + BURST_OVER_REST
+            + 2 * settings.max_message_bytes
+        )
+        resources = container["resources"]
+        request = _quantity_bytes(resources["requests"]["memory"])
+        limit = _quantity_bytes(resources["limits"]["memory"])
+        assert steady <= request, (case, steady, request)
+        assert peak <= limit, (case, peak, limit)

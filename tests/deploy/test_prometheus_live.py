@@ -1,9 +1,11 @@
 """The dashboard and the alerts against reality: a real Prometheus (Debian's package)
 scrapes a real `kvplan serve` on loopback every second while a short load runs
 through it (uncached and cached plans, leases, a refused grant, a release, an expiry,
-a Redis outage). Then every dashboard panel's query and every alert's expression goes
-through Prometheus' HTTP query API, and each must return series: a metric or label
-that the server does not export returns none and fails the test."""
+a Redis outage, during which the health service answers the manifests' readiness
+probe NOT_SERVING and their liveness probe SERVING). Then every dashboard panel's
+query and every alert's expression goes through Prometheus' HTTP query API, and each
+must return series: a metric or label that the server does not export returns none
+and fails the test."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplan.client import PlannerClient, PlannerError
 from tests.deploy.tools import DASHBOARD, RULES_FILE, debian_prometheus_binary
@@ -80,17 +83,47 @@ class Prometheus:
         return list(data["result"])
 
 
-def dashboard_queries() -> list[tuple[str, str]]:
+def dashboard_targets() -> list[tuple[str, str, str]]:
+    """(panel title, query with the variables filled in, legend format)."""
     dashboard = json.loads(DASHBOARD.read_text())
-    queries = []
+    targets = []
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
             expr = target["expr"]
             for variable, value in DASHBOARD_VARIABLES.items():
                 expr = expr.replace(variable, value)
             assert "$" not in expr, f"an unknown variable in {panel['title']}: {expr}"
-            queries.append((panel["title"], expr))
-    return queries
+            targets.append((panel["title"], expr, target.get("legendFormat", "")))
+    return targets
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    return [(title, expr) for title, expr, _ in dashboard_targets()]
+
+
+def groupings(expr: str) -> list[tuple[list[str], str]]:
+    """Each `by (labels) (inner)` of the expression: the labels and the inner
+    expression. A label the series lack still gives a result (one group, the label
+    empty), so the series must be asked for it."""
+    found = []
+    for match in re.finditer(r"\bby\s*\(([^)]*)\)\s*\(", expr):
+        depth, start = 1, match.end()
+        end, quoted = start, False
+        while depth:
+            char = expr[end]
+            if char == '"' and expr[end - 1] != "\\":
+                quoted = not quoted
+            elif not quoted:
+                depth += {"(": 1, ")": -1}.get(char, 0)
+            end += 1
+        labels = [label.strip() for label in match.group(1).split(",") if label.strip()]
+        found.append((labels, expr[start : end - 1]))
+    return found
+
+
+def test_groupings_are_found() -> None:
+    expr = 'max by (a, b) (x{c="("} / y) + sum by (le) (rate(z[1m]))'
+    assert groupings(expr) == [(["a", "b"], 'x{c="("} / y'), (["le"], "rate(z[1m])")]
 
 
 def alert_expressions() -> list[tuple[str, str]]:
@@ -107,7 +140,18 @@ def alert_expressions() -> list[tuple[str, str]]:
     return expressions
 
 
-def drive_load(target: str, prometheus: Prometheus, redis_stop: Any, redis_start: Any) -> None:
+def probe(health_target: str, service: str) -> str:
+    """What kubelet's gRPC probe (readiness: the planner service; liveness: "") sees."""
+    with grpc.insecure_channel(health_target) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2
+        )
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
+
+
+def drive_load(
+    target: str, health_target: str, prometheus: Prometheus, redis_stop: Any, redis_start: Any
+) -> None:
     with PlannerClient(target, timeout_s=5) as client:
         uuid = client.list_devices().devices[0].uuid
         client.plan(leased_request("engine-a", uuid))  # uncached, granted
@@ -127,8 +171,16 @@ def drive_load(target: str, prometheus: Prometheus, redis_stop: Any, redis_start
         assert outage.value.code is grpc.StatusCode.UNAVAILABLE
         # The health check sees it (every 0.2 s), a scrape records it.
         wait_until("the outage scraped", lambda: prometheus.query("kvplan_store_up == 0"))
+        # The Deployment's probes: not ready while the store is down, but alive.
+        assert probe(health_target, "kvplan.v1.KVCachePlanner") == "NOT_SERVING"
+        assert probe(health_target, "") == "SERVING"
         redis_start()
         wait_until("the store back", lambda: client.plan(leased_request("engine-e", uuid)))
+        # Ready again at a health tick after the store answers (kubelet probes again).
+        wait_until(
+            "ready again",
+            lambda: probe(health_target, "kvplan.v1.KVCachePlanner") == "SERVING",
+        )
         client.release_plan("engine-e")
 
 
@@ -182,7 +234,10 @@ def test_every_dashboard_query_and_alert_expression_returns_series(tmp_path: Pat
                 lambda: prometheus.query('up{job="kvplan"} == 1'),
                 logs=prometheus_log,
             )
-            drive_load(target, prometheus, redis.stop, redis.start)
+            # The manifests' health port shares the gRPC port's health service
+            # (tests/server/test_security.py): asked here on the gRPC port, one port
+            # fewer to find free on a busy machine.
+            drive_load(target, target, prometheus, redis.stop, redis.start)
             # A few more scrapes after the load, so every rate() has two samples of it.
             time.sleep(2)
 
@@ -194,6 +249,18 @@ def test_every_dashboard_query_and_alert_expression_returns_series(tmp_path: Pat
                 if not prometheus.query(expr):
                     failures.append(f"alert {alert}: {expr}")
             assert not failures, "no series for:\n" + "\n".join(failures)
+
+            # Every label a query groups by, and every one a legend shows, is on
+            # every series it reads.
+            for name, expr in [*dashboard_queries(), *alert_expressions()]:
+                for labels, inner in groupings(expr):
+                    for series in prometheus.query(f"count by ({', '.join(labels)}) ({inner})"):
+                        missing = [label for label in labels if not series["metric"].get(label)]
+                        assert not missing, f"{name}: no {missing} on the series of {inner}"
+            for title, expr, legend in dashboard_targets():
+                for series in prometheus.query(expr):
+                    for label in re.findall(r"{{\s*(\w+)\s*}}", legend):
+                        assert series["metric"].get(label), f"{title}: legend {{{{{label}}}}}"
 
             # What the load did shows in the series the panels read.
             assert prometheus.query('max_over_time(kvplan_store_up{job="kvplan"}[1m]) == 1')

@@ -20,9 +20,9 @@ import pytest
 
 from tests.deploy import parsing
 from tests.deploy.parsing import ROOT
+from tests.deploy.tools import offline_plan
 
 EXAMPLE = ROOT / "examples" / "llama-3.1-8b.yaml"
-LLAMA_BLOCKS = 28_437  # tests/test_cli.py works it out from the formulas
 
 
 def free_port() -> int:
@@ -173,10 +173,11 @@ def test_wheel_runs_like_the_image(tmp_path: Path, timer: Timer) -> None:
         assert planned.returncode == 0, planned.stderr
         plan = json.loads(planned.stdout)
         assert plan["engine_id"] == "llama-3.1-8b"
-        assert int(plan["num_blocks"]) == LLAMA_BLOCKS
+        llama_blocks = int(offline_plan(EXAMPLE)["num_blocks"])
+        assert int(plan["num_blocks"]) == llama_blocks
         text = run([kvplan, "plan", str(EXAMPLE), "--target", target], timeout=60)
         assert text.returncode == 0, text.stderr
-        assert f"num_blocks: {LLAMA_BLOCKS:,}" in text.stdout
+        assert f"num_blocks: {llama_blocks:,}" in text.stdout
 
         metrics = scrape(metrics_port)
         handled = [

@@ -7,9 +7,13 @@ installs (apt-get, once: the package stays installed).
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,3 +42,16 @@ def debian_prometheus_binary(name: str) -> str:
             "`prometheus` package), or apt-get install -y --no-install-recommends prometheus"
         )
     return binary
+
+
+def offline_plan(request_file: Path) -> dict[str, Any]:
+    """The PlanResponse (JSON mapping) the repository's own `kvplan plan` gives offline:
+    what a server built from the wheel must answer too (tests/test_cli.py checks the
+    figures against the formulas, so these tests need not repeat them)."""
+    from kvplan.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", str(request_file), "--json"]) == 0
+    plan: dict[str, Any] = json.loads(out.getvalue())
+    return plan
