@@ -139,8 +139,10 @@ def what_if(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_prefix: int
 def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
     """Whether `rule_cached_tokens` is the simulation's answer for every N: all but a
     draft drop beside sliding-window or Mamba groups (there the coordinator's turns
-    depend on which window blocks and Mamba states are kept)."""
-    return not facts.drop_tokens or all(
+    depend on which window blocks and Mamba states are kept). `drop_groups`, not
+    `drop_tokens`: a dropping Mamba group takes no tokens off the minimum prefix
+    yet still shapes the hit."""
+    return not facts.drop_groups or all(
         g.kind not in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA)
         for g in setup.groups
         if g.prefix_cacheable

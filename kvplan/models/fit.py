@@ -74,8 +74,9 @@ def _utilization_budget(
         overhead = inputs.overhead
         where.append(
             f"  weights {_gib(inputs.weights.bytes_per_worker)} + activation peak "
-            f"{_gib(overhead.activation_peak_bytes)} + CUDA graphs and runtime "
-            f"{_gib(overhead.non_torch_bytes)} (estimated) = {_gib(inputs.non_kv_bytes)} non-KV"
+            f"{_gib(overhead.activation_peak_bytes)} + CUDA graphs "
+            f"{_gib(overhead.cudagraph_bytes)} + runtime {_gib(overhead.non_torch_bytes)}"
+            f" (estimated) = {_gib(inputs.non_kv_bytes)} non-KV"
         )
     else:
         where.append(f"  non-KV memory (given): {_gib(inputs.non_kv_bytes)}")
