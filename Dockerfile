@@ -1,4 +1,4 @@
-# syntax=docker/dockerfile:1
+# syntax=docker/dockerfile:1.26.0@sha256:ecfaec9ed6d810b56388c508f4121597bfbba70d41a6dfeee4d8cad5f295fc32
 # kvplan: the KV-cache planning gRPC service.
 #
 #   docker build -t kvplan .
@@ -10,12 +10,12 @@
 # workers report. See docs/deployment.md.
 
 # The Python base of both stages: Python 3.11 on Debian bookworm, the release the
-# suite runs on. For a reproducible production build pin it by digest as well:
-#   --build-arg PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:<digest>
-# (`docker buildx imagetools inspect python:3.11-slim-bookworm` prints it). `make image`
-# builds on a Debian bookworm base made with debootstrap where Docker Hub cannot be
-# reached (scripts/build-image).
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# suite runs on, pinned by the digest of its multi-arch index (Python 3.11.16, built
+# 1 Sep 2026; docs/kubernetes.md#the-image says where the digest comes from and how to
+# refresh it). The tag is kept for readers; the digest alone decides what is pulled.
+# `make image` builds on a Debian bookworm base made with debootstrap where Docker Hub
+# cannot be reached, by overriding this ARG (scripts/build-image).
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:c425d915a89a6dcd3183b1797ad9bd8878caff5a417f6371c8df93c8ea8b727f
 
 # ---- builder: the wheel, from the files .dockerignore lets into the context ----------
 FROM ${PYTHON_IMAGE} AS builder

@@ -46,6 +46,29 @@ def instructions(path: Path = DOCKERFILE) -> list[Instruction]:
     return result
 
 
+def global_args(path: Path = DOCKERFILE) -> dict[str, str]:
+    """The ARGs declared before the first FROM, with their defaults ("" when none)."""
+    result: dict[str, str] = {}
+    for instruction in instructions(path):
+        if instruction.keyword == "FROM":
+            break
+        if instruction.keyword == "ARG":
+            name, _, default = instruction.args.partition("=")
+            result[name.strip()] = default.strip().strip('"')
+    return result
+
+
+def syntax_directive(path: Path = DOCKERFILE) -> str | None:
+    """The `# syntax=` parser directive (the BuildKit frontend image), if the file has one."""
+    for raw in path.read_text().splitlines():
+        match = re.match(r"#\s*(\w+)\s*=\s*(\S+)\s*$", raw)
+        if not match:
+            return None  # directives come first; the first other line ends them
+        if match[1].lower() == "syntax":
+            return match[2]
+    return None
+
+
 def stages(path: Path = DOCKERFILE) -> list[list[Instruction]]:
     """The instructions of each build stage, each list starting with its FROM."""
     result: list[list[Instruction]] = []

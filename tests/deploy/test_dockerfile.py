@@ -70,8 +70,8 @@ def test_multi_stage_wheel_build_on_python_slim() -> None:
     builder, runtime = stages[0], stages[-1]
     # Both stages on one Python base: Python 3.11 on Debian bookworm (a named
     # release, not whatever "slim" points at) unless the build says otherwise.
-    base = next(i for i in parsing.instructions() if i.keyword == "ARG")
-    assert base.args == "PYTHON_IMAGE=python:3.11-slim-bookworm"
+    base = parsing.global_args()["PYTHON_IMAGE"]
+    assert base.partition("@")[0] == "python:3.11-slim-bookworm"
     assert builder[0].args.startswith("${PYTHON_IMAGE} AS ")
     assert runtime[0].args.split()[0] == "${PYTHON_IMAGE}"
     builder_runs = " ".join(i.args for i in builder if i.keyword == "RUN")
@@ -83,6 +83,76 @@ def test_multi_stage_wheel_build_on_python_slim() -> None:
     assert "cp constraints.txt /wheels/constraints.txt" in builder_runs
     assert "--constraint /wheels/constraints.txt" in runtime_runs
     assert "from=builder" in runtime_runs
+
+
+DIGEST_PINNED = re.compile(r"^[a-z0-9][a-z0-9._/-]*:[A-Za-z0-9._-]+@sha256:[0-9a-f]{64}$")
+
+
+def unpinned_images(path: Path) -> list[str]:
+    """Each image a build of `path` pulls that is not `name:tag@sha256:<digest>`.
+
+    FROM arguments are resolved with the global ARG defaults (what `docker build`
+    pulls when no --build-arg is given); a FROM naming an earlier stage pulls nothing.
+    The `# syntax=` frontend is an image that BuildKit pulls too.
+    """
+    defaults = parsing.global_args(path)
+    found: list[str] = []
+    syntax = parsing.syntax_directive(path)
+    if syntax is not None and not DIGEST_PINNED.match(syntax):
+        found.append(f"# syntax={syntax}")
+    stage_names: set[str] = set()
+    for instruction in parsing.instructions(path):
+        if instruction.keyword != "FROM":
+            continue
+        words = [w for w in instruction.args.split() if not w.startswith("--platform=")]
+        image = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: defaults.get(m[1] or m[2], ""), words[0])
+        if len(words) == 3 and words[1].upper() == "AS":
+            stage_names.add(words[2])
+        if image in stage_names - {words[-1]} or image == "scratch":
+            continue
+        if not DIGEST_PINNED.match(image):
+            found.append(f"line {instruction.line}: FROM {words[0]} -> {image!r}")
+    return found
+
+
+def test_every_base_image_is_pinned_by_digest() -> None:
+    """Tag and multi-arch index digest: the build pulls the same bytes on every host."""
+    assert unpinned_images(DOCKERFILE) == []
+    assert parsing.syntax_directive(DOCKERFILE) is not None
+
+
+def test_the_digest_check_finds_unpinned_images(tmp_path: Path) -> None:
+    """The clean result above means something: tags, variables and a bare syntax line fail."""
+    digest = "sha256:" + "0" * 64
+    bad = tmp_path / "Dockerfile"
+    bad.write_text(
+        "# syntax=docker/dockerfile:1\n"
+        "ARG BASE=python:3.11-slim-bookworm\n"
+        f"ARG PINNED=python:3.11-slim-bookworm@{digest}\n"
+        "FROM ${BASE} AS one\n"
+        f"FROM --platform=linux/amd64 python@{digest} AS two\n"
+        "FROM one AS three\n"
+        "FROM ${PINNED}\n"
+        "FROM ${MISSING}\n"
+    )
+    assert unpinned_images(bad) == [
+        "# syntax=docker/dockerfile:1",
+        "line 4: FROM ${BASE} -> 'python:3.11-slim-bookworm'",
+        f"line 5: FROM python@{digest} -> 'python@{digest}'",
+        "line 8: FROM ${MISSING} -> ''",
+    ]
+
+
+def test_make_image_overrides_the_base_the_dockerfile_declares() -> None:
+    """scripts/build-image swaps the Docker Hub base for its debootstrap one by --build-arg:
+    the ARG it sets must be the one every FROM reads, or the swap silently does nothing
+    (the build would then try Docker Hub)."""
+    script = (ROOT / "scripts" / "build-image").read_text()
+    overridden = set(re.findall(r"--build-arg (\w+)=", script))
+    assert overridden == {"PYTHON_IMAGE"}
+    assert overridden <= set(parsing.global_args())
+    for stage in parsing.stages():
+        assert stage[0].args.split()[0] == "${PYTHON_IMAGE}", stage[0]
 
 
 def test_no_torch_in_the_image() -> None:
