@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 ## Pin what .venv holds now as the tested set (after upgrading a dependency on purpose).
+## Comment lines and lines with an environment marker (pins for other Pythons) stay;
+## setuptools is listed too (--all: grpcio-tools needs it at run time).
 lock: $(STAMP)
-	{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --exclude-editable; } > constraints.tmp
+	{ sed -n -e '/^#/{p;d;}' -e '/;/p' constraints.txt; $(PY) -m pip freeze --all --exclude-editable --exclude pip; } > constraints.tmp
 	mv constraints.tmp constraints.txt
 
 ## Start the service on its embedded defaults (gRPC :50051, metrics :9464).
