@@ -1,14 +1,19 @@
 """GPU catalog: the total memory each device's driver reports, with where it comes from.
 
 Planning divides `total * gpu_memory_utilization`, and the engine reads the total from
-the CUDA driver (`cudaMemGetInfo`; ROCm's on AMD), which is less than the marketed size.
-A figure marked `measured` was read off a real device: H200's and the A100s' are CUDA's
-own total (torch.cuda.mem_get_info; the A100s' as torch's OOM message prints it, to
-0.01 GiB); the other NVIDIA figures are `nvidia-smi`'s memory.total,
-which includes the memory the driver reserves and CUDA never offers (616 MiB on the
-H200, where nvidia-smi says 143771MiB), so they overstate CUDA's total by that much,
-about 0.4%. The others are the vendor's capacity in decimal gigabytes and overstate the
-driver's figure by a few GiB. Pass the exact size (`--gpu-memory`) where it matters.
+the CUDA driver (`cudaMemGetInfo`; ROCm's on AMD), which is less than the marketed size
+and less than `nvidia-smi`'s memory.total (that includes what the driver reserves and
+CUDA never offers: 616 MiB on the H200, where nvidia-smi says 143771MiB).
+
+A figure marked `measured` was read off a real device. Where a source gives CUDA's own
+total (torch.cuda.mem_get_info, vLLM's `total_memory=` / `total_gpu_memory`, torch's
+out-of-memory message "GPU 0 has a total capacity of X GiB", cudaDeviceProp's total
+global memory), that is the figure, to the 0.01 GiB the source prints; the source is
+quoted in each entry. The same part prints totals a few hundredths of a GiB apart under
+different drivers (L4: 22.03-22.05 GiB), which is the precision of these figures. Where
+no such source was found the entry says so and keeps nvidia-smi's figure (which
+overstates CUDA's total by about 0.4-1%) or the vendor's capacity in decimal GB (which
+overstates it by a few GiB). Pass the exact size (`--gpu-memory`) where it matters.
 """
 
 from __future__ import annotations
@@ -62,9 +67,11 @@ CATALOG: tuple[GpuModel, ...] = (
     ),
     GpuModel(
         "H100-NVL-94GB",
-        95_830 * MIB,
+        int(93.09 * GIB),
         True,
-        "nvidia-smi on 'NVIDIA H100 NVL': 95830MiB",
+        "CUDA's total as torch's OOM message prints it on an H100 NVL, 'GPU 0 has a total "
+        "capacity of 93.09 GiB' (a public report found by the code index; other 94 GB "
+        "Hopper reports print 93.10); nvidia-smi on 'NVIDIA H100 NVL' says 95830MiB",
         aliases=("H100-NVL", "H100-94GB"),
         arch="hopper",
     ),
@@ -82,7 +89,7 @@ CATALOG: tuple[GpuModel, ...] = (
         97_871 * MIB,
         False,
         "vendor capacity 96 GB HBM3; figure taken as the 96 GB Hopper boards' 97871MiB "
-        "(seen on GH200), not read off an H20",
+        "(seen on GH200), not read off an H20; no CUDA total found (nvidia-smi's figure)",
         aliases=("H20",),
         arch="hopper",
     ),
@@ -90,15 +97,19 @@ CATALOG: tuple[GpuModel, ...] = (
         "GH200-96GB",
         97_871 * MIB,
         True,
-        "nvidia-smi on GH200 (900 W board, 96 GB HBM3): 97871MiB",
+        "nvidia-smi on GH200 (900 W board, 96 GB HBM3): 97871MiB; no CUDA total found, so "
+        "this overstates it by the driver's reservation",
         aliases=("GH200",),
         arch="hopper",
     ),
     GpuModel(
         "B200-180GB",
-        183_359 * MIB,
+        int(178.35 * GIB),
         True,
-        "nvidia-smi on 'NVIDIA B200': 183359MiB",
+        "CUDA's total on 'NVIDIA B200': cudaDeviceProp's 'Total Global Memory: 178.35 GB' "
+        "(GiB, labelled GB: github.com/pytorch/ao/pull/4002) and torch's OOM message 'GPU 0 "
+        "has a total capacity of 178.35 GiB' in several public B200 reports; nvidia-smi "
+        "says 183359MiB",
         aliases=("B200",),
         arch="blackwell",
     ),
@@ -112,39 +123,63 @@ CATALOG: tuple[GpuModel, ...] = (
     ),
     GpuModel(
         "L40S-48GB",
-        46_068 * MIB,
+        int(44.39 * GIB),
         True,
-        "nvidia-smi on 'NVIDIA L40S': 46068MiB",
+        "CUDA's total as torch's OOM message prints it on an L40S during vLLM's CUDA-graph "
+        "capture, 'GPU 0 has a total capacity of 44.39 GiB' (public deploy notes found by "
+        "the code index; an AWS g6e L40S report gives 44.4 GiB); nvidia-smi says 46068MiB",
         aliases=("L40S",),
         arch="ada",
     ),
     GpuModel(
         "L4-24GB",
-        23_034 * MIB,
+        int(22.05 * GIB),
         True,
-        "nvidia-smi on 'NVIDIA L4': 23034MiB",
+        "CUDA's total on the L4 vLLM's CI runs on, torch's OOM message 'GPU 0 has a total "
+        "capacity of 22.05 GiB' (github.com/vllm-project/vllm/issues/20214); other L4s "
+        "print 22.03-22.04 GiB; nvidia-smi says 23034MiB",
         aliases=("L4",),
         arch="ada",
     ),
     GpuModel(
         "A10G-24GB",
-        24 * GIB,
-        False,
-        "kvplan's earlier table (marketed 24 GB as GiB); driver figure not verified",
+        int(22.06 * GIB),
+        True,
+        "CUDA's total as torch's OOM message prints it on AWS g5 (A10G), 'GPU 0 has a "
+        "total capacity of 22.06 GiB', also under vLLM after 'Model loading took 16.48 "
+        "GiB' (public reports found by the code index); nvidia-smi says 23028MiB "
+        "(github.com/modal-labs/modal-client/pull/2797)",
+        aliases=("A10G", "A10G-24G"),
         arch="ampere",
     ),
     GpuModel(
         "RTX-4090-24GB",
-        24 * GIB,
-        False,
-        "kvplan's earlier table (marketed 24 GB as GiB); driver figure not verified",
+        int(23.52 * GIB),
+        True,
+        "CUDA's total as torch's OOM message prints it on 'NVIDIA GeForce RTX 4090, 24564 "
+        "MiB' (nvidia-smi, driver 595.84): 'GPU 0 has a total capacity of 23.52 GiB' (a "
+        "public report found by the code index); an older driver printed 23.68 GiB "
+        "(github.com/zai-org/CogVideo/issues/36)",
+        aliases=("RTX-4090", "RTX4090"),
         arch="ada",
+    ),
+    GpuModel(
+        "RTX-3090-24GB",
+        int(23.58 * GIB),
+        True,
+        "CUDA's total as vLLM's V0 worker logs it on an RTX 3090, 'total_gpu_memory=23.58GiB' "
+        "(github.com/vllm-project/vllm/issues/10517, the calibration set's V0 records); "
+        "nvidia-smi says 24576MiB",
+        aliases=("RTX-3090", "RTX3090"),
+        arch="ampere",
     ),
     GpuModel(
         "MI300X-192GB",
         205_822_885_888,
         True,
-        "rocm-smi --showmeminfo vram on 'AMD Instinct MI300X': 205822885888 B",
+        "rocm-smi --showmeminfo vram on 'AMD Instinct MI300X': 205822885888 B (191.69 GiB), "
+        "which torch's HIP OOM message prints on some MI300X hosts; others print 191.98 GiB, "
+        "so the figure is good to 0.3 GiB",
         aliases=("MI300X",),
         arch="cdna",
     ),

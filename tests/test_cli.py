@@ -452,7 +452,7 @@ def test_does_not_fit_says_where_memory_went_and_advice_works_as_typed(
     assert abs(weights + activation + graphs + runtime - non_kv) <= 0.02
     assert abs(usable - non_kv - left) <= 0.015 and 0 < left < 4.5
     # The smallest catalog GPUs first, the rest counted.
-    assert "fits at this TP on: A10G-24GB, RTX-4090-24GB, A100-40GB, L40S-48GB and " in err
+    assert "fits at this TP on: RTX-4090-24GB, RTX-3090-24GB, A100-40GB, L40S-48GB and " in err
     # Every flag the answer names is one of this command's, and each advice runs as typed.
     named = set(re.findall(r"--[a-z][a-z-]+", err))
     assert named == {"--max-model-len", "--tensor-parallel-size"} <= _flags_of(["plan"])

@@ -16,7 +16,7 @@ from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import InsufficientMemory, InvalidRequest, UnplannableSpecs
 from kvplan.core.rules import rule_set_for
 from kvplan.core.specs import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from kvplan.gpus import GPU_MEMORY_BYTES
+from kvplan.gpus import CATALOG
 from kvplan.v1 import plan_pb2, spec_pb2
 
 GIB = 1 << 30
@@ -115,12 +115,15 @@ def test_plan_id_is_stable_across_releases() -> None:
 
 
 def test_device_name_resolves_total_memory() -> None:
-    request = engine([full_layer("l0")])
-    worker = request.workers[0]
-    worker.memory.gpu_memory_utilization = 0.9
-    worker.device.name = "H100-80GB"
-    domain = request_from_proto(request)
-    assert domain.workers[0].device.total_memory_bytes == GPU_MEMORY_BYTES["H100-80GB"]
+    # Every catalog name and alias, in any case, means its one catalog figure.
+    for gpu in CATALOG:
+        for name in (gpu.name, *gpu.aliases, gpu.name.lower()):
+            request = engine([full_layer("l0")])
+            worker = request.workers[0]
+            worker.memory.gpu_memory_utilization = 0.9
+            worker.device.name = name
+            domain = request_from_proto(request)
+            assert domain.workers[0].device.total_memory_bytes == gpu.total_memory_bytes, name
 
 
 def test_duplicate_rank_names_the_field() -> None:

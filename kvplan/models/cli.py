@@ -107,6 +107,15 @@ def parse_token_list(text: str) -> list[int]:
     return values
 
 
+def _layer_partition(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma list of layer counts: {text!r} (e.g. 17,15)"
+        ) from None
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -122,6 +131,7 @@ def _count(text: str) -> int:
 MODEL_ONLY_OPTIONS = {
     "tp": "--tensor-parallel-size",
     "pp": "--pipeline-parallel-size",
+    "pp_layer_partition": "--pp-layer-partition",
     "max_model_len": "--max-model-len",
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "kv_cache_dtype": "--kv-cache-dtype",
@@ -183,6 +193,11 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
     parser.add_argument(
         "--pipeline-parallel-size", "-pp", "--pp", dest="pp", type=_count,
         help="pipeline-parallel size (default 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pp-layer-partition", type=_layer_partition, metavar="N,N,...",
+        help="decoder layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION "
+        "lists them (default: vLLM's own partition)",
     )  # fmt: skip
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -315,6 +330,7 @@ def options_from_args(args: argparse.Namespace) -> ModelPlanOptions:
     return ModelPlanOptions(
         max_model_len=max_len[0] if isinstance(max_len, list) else max_len,
         pipeline_parallel_size=args.pp or 1,
+        pp_layer_partition=args.pp_layer_partition,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_dtype=args.kv_cache_dtype or "auto",
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype or "auto",
@@ -396,9 +412,14 @@ def non_kv_lines(inputs: ModelPlanInputs) -> list[str]:
     assert inputs.weights is not None and inputs.overhead is not None
     weights, overhead = inputs.weights, inputs.overhead
     quantization = weights.quantization if weights.quantization != "none" else "unquantized"
+    stages = ""
+    if len(weights.bytes_per_stage) > 1:  # each stage's rank; the largest is shown first
+        stages = "; per pipeline stage " + " / ".join(
+            _gib(value) for value in weights.bytes_per_stage
+        )
     return [
         f"    weights: {_gib(weights.bytes_per_worker)} ({weights.params.total / 1e9:,.2f}B "
-        f"params, {quantization})",
+        f"params, {quantization}{stages})",
         f"    activations + runtime: {_gib(overhead.total_bytes)} ({overhead.formula}); "
         "override with --non-kv-bytes",
     ]

@@ -150,26 +150,50 @@ class ModelLayers:
             counts[layer.kind] = counts.get(layer.kind, 0) + 1
         return counts
 
-    def stage_layers(self, pp_rank: int, pp_size: int) -> tuple[ImportedLayer, ...]:
-        """The layers pipeline stage `pp_rank` of `pp_size` registers."""
+    def stage_layers(
+        self, pp_rank: int, pp_size: int, partition: tuple[int, ...] | None = None
+    ) -> tuple[ImportedLayer, ...]:
+        """The layers pipeline stage `pp_rank` of `pp_size` registers (`partition`:
+        VLLM_PP_LAYER_PARTITION's layers per stage)."""
         if pp_size == 1:
             return self.layers
         if any(layer.is_draft for layer in self.layers):
             raise UnsupportedModel("pipeline parallelism with a drafter is not imported")
-        start, end = pipeline_stage_bounds(self.num_hidden_layers, pp_rank, pp_size)
+        start, end = pipeline_stage_bounds(self.num_hidden_layers, pp_rank, pp_size, partition)
         return tuple(layer for layer in self.layers if start <= layer.decoder_index < end)
 
 
-def pipeline_stage_bounds(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """[start, end) decoder layers of a stage: even shares, the remainder going to the
-    stages before the last, from the second-to-last backwards (vLLM's partition)."""
-    if num_layers < pp_size:
-        raise ModelConfigError(
-            f"{num_layers} layers cannot fill {pp_size} pipeline stages", "num_hidden_layers"
-        )
-    partitions = [num_layers // pp_size] * pp_size
-    for offset in range(2, num_layers % pp_size + 2):
-        partitions[-offset] += 1
+def pipeline_stage_bounds(
+    num_layers: int, pp_rank: int, pp_size: int, partition: tuple[int, ...] | None = None
+) -> tuple[int, int]:
+    """[start, end) decoder layers of a stage, as vLLM's get_pp_indices gives them: even
+    shares, the remainder going to the stages before the last, from the second-to-last
+    backwards; or `partition`, the layers per stage as VLLM_PP_LAYER_PARTITION lists
+    them, which must name every stage and add up to the model's layers."""
+    if partition is not None:
+        shown = ",".join(str(count) for count in partition)
+        if len(partition) != pp_size:
+            raise ModelConfigError(
+                f"VLLM_PP_LAYER_PARTITION {shown} lists {len(partition)} stages, but "
+                f"pipeline_parallel_size is {pp_size}"
+            )
+        if sum(partition) != num_layers:
+            raise ModelConfigError(
+                f"VLLM_PP_LAYER_PARTITION {shown} adds up to {sum(partition)} layers; the "
+                f"model has {num_layers}",
+                "num_hidden_layers",
+            )
+        if any(count < 0 for count in partition):
+            raise ModelConfigError(f"VLLM_PP_LAYER_PARTITION {shown}: a negative layer count")
+        partitions = list(partition)
+    else:
+        if num_layers < pp_size:
+            raise ModelConfigError(
+                f"{num_layers} layers cannot fill {pp_size} pipeline stages", "num_hidden_layers"
+            )
+        partitions = [num_layers // pp_size] * pp_size
+        for offset in range(2, num_layers % pp_size + 2):
+            partitions[-offset] += 1
     start = sum(partitions[:pp_rank])
     return start, start + partitions[pp_rank]
 

@@ -68,6 +68,9 @@ class ModelPlanOptions:
     # The release whose start-up profile the non-KV estimate follows ("0.19.0", "v0"
     # for the V0 engine); "" = engine_version's, else the newest (weights.PROFILES).
     engine_release: str = ""
+    # Decoder layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION lists them;
+    # None: vLLM's own partition.
+    pp_layer_partition: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,9 @@ def build_plan_request(
         non_kv = plan_pb2.NonKVMemory(weights_bytes=options.non_kv_bytes)
         total_non_kv = options.non_kv_bytes
     else:
-        weights = estimate_weights(config, layers, tp, pp, gpu_arch, options.quantization)
+        weights = estimate_weights(
+            config, layers, tp, pp, gpu_arch, options.quantization, options.pp_layer_partition
+        )
         release = options.engine_release or options.engine_version
         overhead = estimate_overhead(config, layers, tp, batched, max_num_seqs, release)
         non_kv = plan_pb2.NonKVMemory(
@@ -184,7 +189,10 @@ def build_plan_request(
         spec.target_model_type = layers.model_type
         if options.speculative.method == "mtp":
             spec.num_nextn_predict_layers = max(layers.num_nextn_predict_layers, 1)
-    stages = [layers.layer_protos(layers.stage_layers(stage, pp)) for stage in range(pp)]
+    stages = [
+        layers.layer_protos(layers.stage_layers(stage, pp, options.pp_layer_partition))
+        for stage in range(pp)
+    ]
     for rank in range(tp * pp):
         worker = request.workers.add(rank=rank)
         worker.layers.extend(stages[rank // tp])  # ranks: TP innermost, then PP stage
@@ -197,6 +205,8 @@ def build_plan_request(
         elif options.gpu_memory_utilization is not None:
             worker.memory.gpu_memory_utilization = options.gpu_memory_utilization
         worker.memory.non_kv.CopyFrom(non_kv)
+        if weights is not None:  # each stage holds its own layers and embeddings
+            worker.memory.non_kv.weights_bytes = weights.stage_bytes(rank // tp)
     inputs = ModelPlanInputs(
         layers=layers,
         weights=weights,

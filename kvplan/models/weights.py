@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvplan.models.config import HFConfig, ModelConfigError
-from kvplan.models.importer import ModelLayers, text_config
+from kvplan.models.importer import ModelLayers, pipeline_stage_bounds, text_config
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -104,7 +104,12 @@ class WeightEstimate:
     params: ParamCount
     quantization: str  # "none", "fp8", "awq-int4", "gptq-int4", "mxfp4"
     bytes_total: int
-    bytes_per_worker: int
+    bytes_per_worker: int  # the largest stage's rank: what limits the KV cache
+    # One rank of each pipeline stage, first to last (one entry without PP).
+    bytes_per_stage: tuple[int, ...] = ()
+
+    def stage_bytes(self, stage: int) -> int:
+        return self.bytes_per_stage[stage] if self.bytes_per_stage else self.bytes_per_worker
 
 
 @dataclass(frozen=True)
@@ -269,6 +274,76 @@ def count_params(config: HFConfig, layers: ModelLayers) -> ParamCount:
     return ParamCount(embedding, attention, mlp, state, draft, router)
 
 
+# Families whose vLLM model builds the embeddings only on the first pipeline stage and
+# the LM head only on the last (LlamaModel, Qwen2Model and DeepSeek-V2's `is_first_rank`
+# / `is_last_rank` checks, and the models built on them); with tied embeddings the
+# last stage builds its own copy for the head. Every other family builds both on every
+# stage (vLLM 0.32-0.34: Mixtral, Qwen3-MoE, Gemma 2 / 3, gpt-oss, Qwen3-Next,
+# Nemotron-H, Jamba). tests/models/test_against_vllm_pp.py counts vLLM's own modules.
+_PP_EMBEDDINGS_AT_THE_ENDS = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+})  # fmt: skip
+
+
+def _decoder_layer_params(c: HFConfig, layers: ModelLayers) -> list[ParamCount]:
+    """Each decoder layer's attention / mixer, MLP and router parameters, as
+    `count_params` counts them (their sum is its attention + state + MLP + router)."""
+    hidden = c.integer("hidden_size")
+    count = c.integer("num_hidden_layers")
+    attention_at = {layer.decoder_index for layer in layers.layers
+                    if not layer.is_draft and not layer.is_state}  # fmt: skip
+    state_kinds = {layer.decoder_index: layer.mamba_type for layer in layers.layers
+                   if layer.is_state and not layer.is_draft}  # fmt: skip
+    attention = _attention_params(c)
+    pattern = c.text("hybrid_override_pattern", "") if c.has("hybrid_override_pattern") else ""
+    result = []
+    for index in range(count):
+        mlp = router = 0
+        if not pattern or pattern[index] == "E":
+            mlp, router = _mlp_params(c, index)
+        elif pattern[index] == "-":
+            mlp = _matrices(c) * hidden * c.integer("intermediate_size")
+        state = _state_params(c, state_kinds[index]) if index in state_kinds else 0
+        result.append(ParamCount(0, attention if index in attention_at else 0, mlp, state, 0,
+                                 router))  # fmt: skip
+    return result
+
+
+def stage_params(
+    config: HFConfig, layers: ModelLayers, bounds: list[tuple[int, int]]
+) -> list[ParamCount]:
+    """The parameters each pipeline stage builds, for stages holding decoder layers
+    [start, end): its layers, the embeddings where the family's vLLM model builds them
+    (`_PP_EMBEDDINGS_AT_THE_ENDS`), MTP modules on the last stage and the vision tower
+    on every stage (vLLM builds it without a stage check). One stage: `count_params`."""
+    if len(bounds) == 1:
+        return [count_params(config, layers)]
+    c = text_config(config, layers.architecture)
+    total = count_params(config, layers)
+    table = c.integer("vocab_size") * c.integer("hidden_size")
+    per_layer = _decoder_layer_params(c, layers)
+    vision = _vision_params(config, c.integer("hidden_size"))
+    stages = []
+    for stage, (start, end) in enumerate(bounds):
+        first, last = stage == 0, stage == len(bounds) - 1
+        if layers.architecture in _PP_EMBEDDINGS_AT_THE_ENDS:
+            embedding = table * (first + last)
+        else:  # both tables (one if tied) on every stage
+            embedding = total.embedding
+        mine = per_layer[start:end]
+        stages.append(ParamCount(
+            embedding,
+            sum(p.attention for p in mine) + vision,
+            sum(p.mlp for p in mine),
+            sum(p.state_space for p in mine),
+            total.draft if last else 0,
+            sum(p.router for p in mine),
+        ))  # fmt: skip
+    return stages
+
+
 def _vision_params(config: HFConfig, text_hidden: int) -> int:
     """A SigLIP vision tower (Gemma 3's `vision_config`) and its projection into the
     text model: per encoder layer Q/K/V/O and a two-matrix MLP (with biases), the
@@ -393,31 +468,52 @@ def estimate_weights(
     pipeline_parallel_size: int = 1,
     gpu_arch: str = "",
     quantization: str | None = None,
+    pp_layer_partition: tuple[int, ...] | None = None,
 ) -> WeightEstimate:
     """Bytes per worker: embeddings, LM head, attention, MLP and mixers shard over TP
     (vocab-parallel embeddings, column/row-parallel projections), routers are
-    replicated on every rank, and everything divides over the PP stages. MXFP4 experts
-    are padded per rank for the GPU's (`gpu_arch`) MoE kernel."""
+    replicated on every rank. Each pipeline stage holds its decoder layers (vLLM's
+    partition, or `pp_layer_partition` as VLLM_PP_LAYER_PARTITION gives it) and the
+    embeddings where the family builds them (`stage_params`). MXFP4 experts are
+    padded per rank for the GPU's (`gpu_arch`) MoE kernel."""
     params = count_params(config, layers)
     dtype_bytes = layers.model_dtype.size_bytes
     name, quant_bytes, experts_only = _quantization(config, quantization)
-    ranks = tensor_parallel_size * pipeline_parallel_size
+    tp = tensor_parallel_size
     router_bytes = params.router * dtype_bytes
     if name == "none":
         total = params.total * dtype_bytes
-        per_rank = -(-(total - router_bytes) // ranks) + router_bytes // pipeline_parallel_size
     elif experts_only:
         dense = (params.total - params.mlp - params.router) * dtype_bytes
         total = int(dense + params.mlp * quant_bytes) + router_bytes
-        c = text_config(config, layers.architecture)
-        experts = _mxfp4_experts_per_rank(c, tensor_parallel_size, gpu_arch)
-        per_rank = -(-dense // ranks) + (experts + router_bytes) // pipeline_parallel_size
     else:
         # Embeddings, the lm head and the routers stay in the model dtype.
         quantized = params.total - params.embedding - params.router
         total = int(params.embedding * dtype_bytes + quantized * quant_bytes) + router_bytes
-        per_rank = -(-(total - router_bytes) // ranks) + router_bytes // pipeline_parallel_size
-    return WeightEstimate(params, name, total, per_rank)
+    c = text_config(config, layers.architecture)
+    num_layers = c.integer("num_hidden_layers") if not layers.encoder_decoder else 1
+    if layers.encoder_decoder and pipeline_parallel_size > 1:
+        raise ModelConfigError("pipeline parallelism is not estimated for encoder-decoder models")
+    bounds = [
+        pipeline_stage_bounds(num_layers, stage, pipeline_parallel_size, pp_layer_partition)
+        for stage in range(pipeline_parallel_size)
+    ]
+    experts_all_layers = _mxfp4_experts_per_rank(c, tp, gpu_arch) if experts_only else 0
+    per_stage = []
+    for (start, end), stage in zip(bounds, stage_params(config, layers, bounds), strict=True):
+        stage_router = stage.router * dtype_bytes
+        if name == "none":
+            rank = -(-(stage.total - stage.router) * dtype_bytes // tp) + stage_router
+        elif experts_only:
+            dense = (stage.total - stage.mlp - stage.router) * dtype_bytes
+            experts = experts_all_layers * (end - start) // num_layers
+            rank = -(-dense // tp) + experts + stage_router
+        else:
+            quantized = stage.total - stage.embedding - stage.router
+            sharded = int(stage.embedding * dtype_bytes + quantized * quant_bytes)
+            rank = -(-sharded // tp) + stage_router
+        per_stage.append(rank)
+    return WeightEstimate(params, name, total, max(per_stage), tuple(per_stage))
 
 
 def _per_token_activation(c: HFConfig, tp: int) -> int:

@@ -101,10 +101,20 @@ def test_one_figure_per_gpu_name_on_every_path() -> None:
             # request files / leases (DeviceRef.name), the static inventory, --model
             assert GPU_MEMORY_BYTES[name] == gpu.total_memory_bytes, name
             assert lookup_gpu(name) is gpu
+            (listed,) = parse_inventory(f"1x{name}")
+            assert listed.total_bytes == gpu.total_memory_bytes, name
     (device,) = parse_inventory("1xH200")
     assert device.total_bytes == lookup_gpu("H200-141GB").total_memory_bytes == 150_109_880_320
     (alias,) = parse_inventory("1xH100")
     assert alias.total_bytes == lookup_gpu("H100-80GB").total_memory_bytes
+
+
+def test_the_short_names_people_type_resolve() -> None:
+    for short, name in (("A10G", "A10G-24GB"), ("H100", "H100-80GB"), ("A100", "A100-80GB"),
+                        ("L4", "L4-24GB"), ("L40S", "L40S-48GB"), ("B200", "B200-180GB"),
+                        ("RTX-4090", "RTX-4090-24GB"), ("RTX-3090", "RTX-3090-24GB")):  # fmt: skip
+        assert lookup_gpu(short).name == name
+        assert lookup_gpu(short.lower()).name == name
 
 
 def test_a100_totals_are_cuda_figures_not_nvidia_smi() -> None:
@@ -112,3 +122,20 @@ def test_a100_totals_are_cuda_figures_not_nvidia_smi() -> None:
     # nvidia-smi's 81920 / 40960 MiB include the driver's reservation.
     assert round(lookup_gpu("A100-80GB").total_memory_bytes / GIB, 2) == 79.25
     assert round(lookup_gpu("A100-40GB").total_memory_bytes / GIB, 2) == 39.50
+
+
+# nvidia-smi's memory.total (MiB) for the parts whose CUDA total the catalog holds; it
+# includes what the driver reserves, so CUDA's own figure must be below it.
+NVIDIA_SMI_MIB = {"A100-40GB": 40_960, "A100-80GB": 81_920, "H100-80GB": 81_559,
+                  "H100-NVL-94GB": 95_830, "H200-141GB": 143_771, "B200-180GB": 183_359,
+                  "L40S-48GB": 46_068, "L4-24GB": 23_034, "A10G-24GB": 23_028,
+                  "RTX-4090-24GB": 24_564, "RTX-3090-24GB": 24_576}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(NVIDIA_SMI_MIB))
+def test_catalog_totals_are_cuda_figures_below_nvidia_smi(name: str) -> None:
+    gpu = lookup_gpu(name)
+    smi = NVIDIA_SMI_MIB[name] * 2**20
+    assert gpu.measured and "cuda" in gpu.source.lower()
+    # The reservation is 0.4-4% of the board (616 MiB on an H200, ~1 GiB on a 24 GB card).
+    assert 0.95 * smi < gpu.total_memory_bytes < smi, name
