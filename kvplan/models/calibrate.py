@@ -67,6 +67,7 @@ class StartupLog:
     cuda_graph_gib: float | None = None
     cuda_graph_estimate_gib: float | None = None
     cudagraph_subtracted_fraction: float | None = None  # of the total, from _GRAPH_UTIL
+    graph_line_utilization: float | None = None  # the "current" utilization _GRAPH_UTIL states
     engine: str = "v1"  # "v0": the V0 engine's profiling line / weights line
     # What the V0 engine's profiling line states beside the KV size.
     total_gpu_gib: float | None = None
@@ -117,6 +118,7 @@ def parse_log(text: str) -> StartupLog:
             log.cuda_graph_gib = float(match.group(1))
         if match := _GRAPH_UTIL.search(line):
             log.cudagraph_subtracted_fraction = float(match.group(1)) - float(match.group(2))
+            log.graph_line_utilization = float(match.group(1))
         if match := _PROFILE_V1.search(line):
             log.peak_torch_increase_gib = float(match.group(1))
             log.non_torch_gib = float(match.group(2))
@@ -151,6 +153,9 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
     for dest in ("gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs"):
         if dest in args:
             out[dest] = args[dest]
+    if "gpu_memory_utilization" not in out and log.graph_line_utilization is not None:
+        # vLLM >= 0.21 restate the utilization in their CUDA-graph line.
+        out["gpu_memory_utilization"] = log.graph_line_utilization
     dtype = str(args.get("kv_cache_dtype", config.get("kv_cache_dtype", "auto")))
     if dtype and dtype != "auto":
         out["kv_cache_dtype"] = dtype
