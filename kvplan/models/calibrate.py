@@ -47,6 +47,15 @@ _PROFILE_V1 = re.compile(
     r"([0-9.]+)GiB; weights memory: ([0-9.]+)GiB"
 )
 _INIT_TOTAL = re.compile(r"init memory snapshot: .*total_memory=([0-9.]+)GiB")
+# V1's account after graph capture (INFO, 0.10 onward): "Free memory on device (F/T GiB)
+# on startup. Desired GPU memory utilization is (U, X GiB). Actual usage is W GiB for
+# weight, A GiB for peak activation, N GiB for non-torch memory, and G GiB for CUDAGraph
+# memory" (later releases: "W GiB for consumed memory (weights + non-torch), A GiB ...").
+_FREE_MEMORY = re.compile(r"Free memory on device \(([0-9.]+)/([0-9.]+) GiB\) on startup")
+_DESIRED = re.compile(r"Desired GPU memory utilization is \(([0-9.]+),")
+_ACTUAL_ACTIVATION = re.compile(r"([0-9.]+) GiB for peak activation")
+_ACTUAL_NON_TORCH = re.compile(r"([0-9.]+) GiB for non-torch memory")
+_ACTUAL_GRAPHS = re.compile(r"([0-9.]+) GiB for CUDAGraph memory")
 _BLOCKS_V0 = re.compile(r"(?:^|[#\s])GPU blocks: ([0-9]+)")
 _CONFIG_FIELDS = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|[^,]*)")
 
@@ -67,6 +76,9 @@ class StartupLog:
     cuda_graph_gib: float | None = None
     cuda_graph_estimate_gib: float | None = None
     cudagraph_subtracted_fraction: float | None = None  # of the total, from _GRAPH_UTIL
+    # The utilization the engine states it ran with (the 0.21+ CUDA-graph line, or the
+    # "Desired GPU memory utilization" of the post-capture account): its default then.
+    graph_line_utilization: float | None = None
     engine: str = "v1"  # "v0": the V0 engine's profiling line / weights line
     # What the V0 engine's profiling line states beside the KV size.
     total_gpu_gib: float | None = None
@@ -117,11 +129,22 @@ def parse_log(text: str) -> StartupLog:
             log.cuda_graph_gib = float(match.group(1))
         if match := _GRAPH_UTIL.search(line):
             log.cudagraph_subtracted_fraction = float(match.group(1)) - float(match.group(2))
+            log.graph_line_utilization = float(match.group(1))
         if match := _PROFILE_V1.search(line):
             log.peak_torch_increase_gib = float(match.group(1))
             log.non_torch_gib = float(match.group(2))
         if match := _INIT_TOTAL.search(line):
             log.total_gpu_gib = float(match.group(1))
+        if match := _FREE_MEMORY.search(line):
+            log.total_gpu_gib = float(match.group(2))
+            if desired := _DESIRED.search(line):
+                log.graph_line_utilization = float(desired.group(1))
+            if activation := _ACTUAL_ACTIVATION.search(line):
+                log.peak_torch_increase_gib = float(activation.group(1))
+            if non_torch := _ACTUAL_NON_TORCH.search(line):
+                log.non_torch_gib = float(non_torch.group(1))
+            if graphs := _ACTUAL_GRAPHS.search(line):
+                log.cuda_graph_gib = float(graphs.group(1))
         if match := _GRAPH_ESTIMATE.search(line):
             log.cuda_graph_estimate_gib = float(match.group(1))
         if match := _GRAPH_POOL.search(line):
@@ -151,6 +174,9 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
     for dest in ("gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs"):
         if dest in args:
             out[dest] = args[dest]
+    if "gpu_memory_utilization" not in out and log.graph_line_utilization is not None:
+        # The engine restated the utilization it ran with (a release's own default).
+        out["gpu_memory_utilization"] = log.graph_line_utilization
     dtype = str(args.get("kv_cache_dtype", config.get("kv_cache_dtype", "auto")))
     if dtype and dtype != "auto":
         out["kv_cache_dtype"] = dtype
@@ -192,9 +218,15 @@ def profiled_tokens(log: StartupLog, max_model_len: int | None) -> int | None:
 CONCURRENCY_FORMULA = "int(concurrency x max_model_len)"
 PER_GROUP_FORMULA = "num_blocks // groups x block"
 PRINTED_TOKEN_FORMULA: dict[str, str] = {
+    # The Qwen3-Next calibration record (vLLM 0.10.2, 4 groups of 544-token blocks):
+    # 973,760 tokens = 7,162 blocks // 4 x 544.
+    "0.10": PER_GROUP_FORMULA,
     # The gemma-2-9b calibration record (vLLM 0.19.0, two groups): 168,880 tokens =
     # 16 x 10,555 blocks, while 20.60x concurrency x 8,192 is 168,755.
     "0.19": PER_GROUP_FORMULA,
+    # club-3090#612 (vLLM 0.24.0, hybrid Qwen3.6): 567,978 tokens, no multiple of any
+    # block size, = int(4.333 x 131,072): the concurrency formula.
+    "0.24": CONCURRENCY_FORMULA,
     "0.32": CONCURRENCY_FORMULA,
     "0.33": CONCURRENCY_FORMULA,
     "0.34": CONCURRENCY_FORMULA,

@@ -84,6 +84,9 @@ def _source(url: str) -> str:
     link = url.split(" ")[0]
     if "llm-d-planner" in link:
         label = "llm-d-planner " + link.rsplit("/", 1)[-1].removesuffix(".log")[:28] + "…"
+    elif link.startswith("code-index:"):
+        # A public repository's file the code index found without naming its repository.
+        return f"public file, code index id {link.removeprefix('code-index:')}"
     elif "/issues/" in link:
         repo = link.split("github.com/")[1].split("/issues/")[0].split("/")[-1]
         label = f"{repo}#{link.rsplit('/', 1)[-1]}"

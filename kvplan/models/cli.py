@@ -781,6 +781,11 @@ def add_calibrate_parser(commands: Any) -> None:
         "--engine-version",
         help="rules to plan with (vllm-0.32/0.33/0.34); default kvplan's own",
     )
+    calibrate.add_argument(
+        "--release",
+        help="the vLLM release (0.21.0) when the quoted lines do not print it (the engine "
+        "banner); it picks the release's profiling rules and printed token formula",
+    )
     add_model_options(calibrate, sweep=False)
     calibrate.add_argument("--json", action="store_true", help="the comparison as JSON")
 
@@ -798,7 +803,6 @@ def calibrate_command(args: argparse.Namespace) -> int:
         profiled_tokens,
         settings_from_log,
     )
-    from kvplan.models.weights import PROFILES
 
     try:
         with open(args.log, encoding="utf-8", errors="replace") as handle:
@@ -806,6 +810,10 @@ def calibrate_command(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"error: {args.log}: cannot read: {error.strerror}", file=sys.stderr)
         return 2
+    if args.release and log.release and args.release != log.release:
+        print(f"error: --release {args.release}: the log says {log.release}", file=sys.stderr)
+        return 2
+    log.release = log.release or args.release or ""
     from_log = settings_from_log(log)
     for dest, value in from_log.items():
         if getattr(args, dest, None) is None:
@@ -866,7 +874,9 @@ def calibrate_command(args: argparse.Namespace) -> int:
         Comparison("CUDA-graph memory captured (after the KV cache)",
                    log.cuda_graph_gib, None, "GiB"),
         Comparison("CUDA-graph estimate the release logged (kvplan's, from 0.21)",
-                   log.cuda_graph_estimate_gib, PROFILES["v1"].cudagraph_bytes / GIB, "GiB"),
+                   log.cuda_graph_estimate_gib,
+                   inputs.overhead.cudagraph_logged_bytes / GIB
+                   if inputs.overhead is not None else None, "GiB"),
     ]  # fmt: skip
     overhead = inputs.overhead
     rows += component_rows(

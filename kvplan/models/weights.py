@@ -41,22 +41,33 @@ class ProfileRules:
     non_torch_tensor_parallel: int
     # CUDA-graph memory the release subtracts from the KV budget before allocating it
     # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default since vLLM 0.21; 0.32-0.34
-    # checked in their source). vLLM 0.19's own estimate for Llama-3.1-8B on an H100
-    # (51 PIECEWISE + 51 FULL graphs up to 512 tokens) was 0.84 GiB; the other models
-    # of the calibration set logged 0.54-1.69 GiB. 0 where the release does not subtract.
-    cudagraph_bytes: int
+    # checked in their source). vLLM measures the PIECEWISE graphs in full and
+    # extrapolates the FULL (decode) graphs from the second-largest one: n_full x a
+    # cost that grows with the largest FULL size. So the estimate is modelled as
+    # n_piecewise x `cudagraph_bytes_per_piecewise_graph` + n_full x largest_full x
+    # `cudagraph_bytes_per_full_graph_token` (`cudagraph_estimate`); both 0 where the
+    # release does not subtract. Set by two logged estimates of an 8B dense model
+    # (hidden 4,096): 0.84 GiB with 51 PIECEWISE + 51 FULL graphs to 512 tokens
+    # (vLLM 0.19, H100, max_num_seqs 1,024) and 0.52 GiB with 51 + 35 to 256 (vLLM 0.21,
+    # RTX A5000, max_num_seqs 256; LMCache#3430). The other models of the set logged
+    # 0.57-1.69 GiB at 51 + 51, so this part is good to about +-0.5 GiB per worker.
+    cudagraph_bytes_per_piecewise_graph: int
+    cudagraph_bytes_per_full_graph_token: int
 
 
 _NON_TORCH_TP1 = round(0.25 * GIB)
 _NON_TORCH_TP = round(2.07 * GIB)
-_CUDAGRAPH_ESTIMATE = round(0.84 * GIB)
+_PIECEWISE_GRAPH = round(7.1 * MIB)
+_FULL_GRAPH_TOKEN = round(19.6 * 1024)
 PROFILES: dict[str, ProfileRules] = {
     # V0 (vLLM <= 0.7, VLLM_USE_V1=0): graphs captured after the KV cache, outside it.
-    "v0": ProfileRules("vLLM V0 engine", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0),
+    "v0": ProfileRules("vLLM V0 engine", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
     # V1 before 0.21: the CUDA-graph estimate exists but is off by default.
-    "v1-0.20": ProfileRules("vLLM V1 < 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0),
+    "v1-0.20": ProfileRules("vLLM V1 < 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
     # 0.21 onward, the releases kvplan plans for (0.32, 0.33, 0.34) among them.
-    "v1": ProfileRules("vLLM >= 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, _CUDAGRAPH_ESTIMATE),
+    "v1": ProfileRules(
+        "vLLM >= 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, _PIECEWISE_GRAPH, _FULL_GRAPH_TOKEN
+    ),
 }
 
 
@@ -78,8 +89,31 @@ OVERHEAD_FORMULA = (
     " x act_bytes, tokens x hidden x act_bytes + max_num_seqs x vocab x 16 B);"
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
     " for MoE;  non_torch = 0.25 GiB (TP 1) / 2.07 GiB (TP > 1);"
-    " CUDA graphs = 0.84 GiB from vLLM 0.21"
+    " CUDA graphs (from vLLM 0.21) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
 )
+
+# vLLM's default capture list (config/vllm.py `_set_cudagraph_sizes`, the same in
+# 0.32-0.34): 1, 2, 4, multiples of 8 below 256, then of 16, up to
+# min(2 x max_num_seqs, 512) and no further than max_num_batched_tokens. FULL graphs
+# (uniform decode, FULL_AND_PIECEWISE, the default mode) stop at max_num_seqs.
+_DEFAULT_MAX_CAPTURE = 512
+
+
+def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    largest = min(2 * max_num_seqs, _DEFAULT_MAX_CAPTURE, max_num_batched_tokens)
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, _DEFAULT_MAX_CAPTURE + 1, 16)]
+    return [size for size in sizes if size <= largest]
+
+
+def cudagraph_estimate(rules: ProfileRules, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The CUDA-graph memory `rules`' release subtracts before sizing the KV cache."""
+    piecewise = cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens)
+    full = [size for size in piecewise if size <= max_num_seqs]
+    largest_full = max(full, default=0)
+    return (
+        len(piecewise) * rules.cudagraph_bytes_per_piecewise_graph
+        + len(full) * largest_full * rules.cudagraph_bytes_per_full_graph_token
+    )
 
 
 @dataclass(frozen=True)
@@ -117,6 +151,8 @@ class OverheadEstimate:
     activation_peak_bytes: int
     non_torch_bytes: int
     cudagraph_bytes: int = 0  # what the release subtracts for CUDA graphs
+    # The estimate vLLM logs ("Estimated CUDA graph memory"), subtracted or not.
+    cudagraph_logged_bytes: int = 0
     formula: str = OVERHEAD_FORMULA
     release: str = "vLLM >= 0.21"
 
@@ -575,6 +611,6 @@ def estimate_overhead(
     non_torch = (
         rules.non_torch_tensor_parallel if tensor_parallel_size > 1 else rules.non_torch_single_gpu
     )
-    return OverheadEstimate(
-        max(forward, sampler), non_torch, rules.cudagraph_bytes, release=rules.name
-    )
+    graphs = cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens)
+    logged = cudagraph_estimate(PROFILES["v1"], max_num_seqs, max_num_batched_tokens)
+    return OverheadEstimate(max(forward, sampler), non_torch, graphs, logged, release=rules.name)
