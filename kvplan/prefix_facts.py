@@ -60,22 +60,35 @@ def _needs_whole_blocks(group: CacheGroup, hash_block: int) -> bool:
     )
 
 
+def _scheduler_draft_flags(response: plan_pb2.PlanResponse) -> list[bool]:
+    """Each group's draft flag as the scheduler sees it. vLLM's scheduler (and its
+    KV cache manager) takes the first worker's config: under pipeline parallelism a
+    group that worker holds no layer of may have lost its flag there (0.32: a
+    drafter on the last stage leaves no group flagged, so every group drops)."""
+    if not response.workers:
+        return [bool(group.is_draft) for group in response.groups]
+    first = min(response.workers, key=lambda worker: worker.rank)
+    flags = {projected.group_id: bool(projected.is_draft) for projected in first.groups}
+    return [flags.get(group.group_id, bool(group.is_draft)) for group in response.groups]
+
+
 def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> PrefixCacheSetup:
     options = request.options
     dcp = options.decode_context_parallel_size
+    draft_flags = _scheduler_draft_flags(response)
     spec_ids: dict[bytes, int] = {}
     groups = tuple(
         CacheGroup(
             kind=_KINDS.get(group.spec.WhichOneof("kind") or "", GroupKind.OTHER),
             block_tokens=int(group.block_size) * (dcp if _dcp_sharded(group.spec) else 1),
-            is_draft=bool(group.is_draft),
+            is_draft=is_draft,
             prefix_cacheable=bool(group.prefix_cacheable),
             window=_window(group.spec),
             spec_id=spec_ids.setdefault(
                 group.spec.SerializeToString(deterministic=True), len(spec_ids)
             ),
         )
-        for group in response.groups
+        for group, is_draft in zip(response.groups, draft_flags, strict=True)
     )
     enabled = options.enable_prefix_caching and not _non_causal(response)
     hash_block = int(response.diagnostics.hash_block_size)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
+from kvplan.core.prefix_cache import cached_tokens, facts
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2, spec_pb2
+from tests.test_fuzz_finds import find
 
 
 def _plan(attention: str, attention_block: int) -> plan_pb2.PlanResponse:
@@ -44,3 +47,33 @@ def test_partial_hash_hits_need_every_other_group_to_look_up_hash_blocks(
     request.options.max_model_len = 4096
     setup = setup_from_plan(request_from_proto(request), _plan(attention, block))
     assert setup.partial_hash_hits is partial
+
+
+@pytest.mark.parametrize(
+    ("engine_version", "flagged"),
+    [
+        ("vllm-0.32", False),  # the first worker holds no drafter layer: flag lost
+        ("", True),  # kvplan's own rules: the flag survives an empty projection
+    ],
+)
+def test_draft_flags_are_the_first_workers_the_scheduler_takes(
+    engine_version: str, flagged: bool
+) -> None:
+    """conformance/finds/prefix-drafter-on-last-stage (fuzz seed 11, fuzzy/y0015): a
+    Mamba drafter layer on the second of two pipeline stages. vLLM's scheduler takes
+    the first worker's KV cache config, where under 0.32 the drafter's group has no
+    layer and so no draft flag: no group is flagged, every group drops its last
+    matched block, and vLLM 0.32's own manager hit 0 tokens of a 10,240-token shared
+    prefix of a stored 13,313-token prompt (the prefix probe; kvplan said 10,240
+    when it read the global flag)."""
+    request = find("prefix-drafter-on-last-stage", engine_version)
+    response = plan_from_proto(request)
+    (mamba,) = [g for g in response.groups if g.spec.WhichOneof("kind") == "mamba"]
+    assert mamba.is_draft  # the trailing-layer rule flags the global group
+    setup = setup_from_plan(request_from_proto(request), response)
+    flags = [g.is_draft for g in setup.groups]
+    assert flags[mamba.group_id] is flagged
+    assert sum(flags) == int(flagged)
+    if engine_version == "vllm-0.32":
+        assert facts(setup).drop_groups == tuple(range(len(setup.groups)))
+        assert cached_tokens(setup, 10240, 13313, 10240 + 2049) == 0
