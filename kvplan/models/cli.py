@@ -511,6 +511,7 @@ def capacity_rows(
                     response, summary, inputs = plan_built(request, inputs, planner)
                     # The shortest shared prefix the prefix cache can hit (0: never).
                     row["min_cached_prefix"] = min_cached_prefix(response)
+                    row["rule_set"] = response.rule_set  # the planner's (a server's)
                     row.update(
                         kv_budget_bytes=summary.available_kv_bytes,
                         kv_bytes_per_token=summary.kv_bytes_per_token,
@@ -656,6 +657,72 @@ def _local_planner(request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
     return plan_from_proto(request)
 
 
+class RemotePlanner:
+    """`capacity --target`: every plan of the sweep (each row, its auto-fit length, the
+    alternatives a row that does not fit names, a measured row's replan) asked of one
+    kvplan server over one channel, so the rows are the server's answer: its rule set
+    and its release of the planning core. The request is what the client builds in
+    every mode (kvplan's estimate of the non-KV memory, or the fleet's measurement):
+    the wire carries layer specs and budgets, not model configs.
+
+    A refusal of the plan comes back as the planning error it is (its field path and
+    ErrorInfo numbers), so a row says it as in-process; anything else (no server,
+    credentials) raises the CLI's RemoteError and ends the sweep."""
+
+    def __init__(self, target: str, environ: dict[str, str]) -> None:
+        from kvplan.client import ChannelSecurity, PlannerClient
+
+        self.target = target
+        self._client = PlannerClient(target, security=ChannelSecurity.from_env(environ))
+
+    def __call__(self, request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
+        from kvplan.cli import EXIT_CODES, RemoteError, remote_error_text
+        from kvplan.client import PlannerError
+
+        asked = plan_pb2.PlanRequest()
+        asked.CopyFrom(request)
+        # A what-if, not an engine: no engine id for the server to claim for this
+        # identity or to publish the plan under (GetPlan of a real engine unchanged).
+        asked.engine_id = ""
+        try:
+            return self._client.plan(asked).response
+        except PlannerError as error:
+            refusal = _planning_error(error)
+            if refusal is not None:
+                raise refusal from error
+            raise RemoteError(
+                remote_error_text(error), EXIT_CODES.get(error.code_name, 1)
+            ) from error
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _planning_error(error: Any) -> Exception | None:
+    """The server's refusal of a plan as the core's error (None: not a refusal)."""
+    from kvplan.core.errors import (
+        InsufficientMemory,
+        InvalidRequest,
+        UnknownDevice,
+        UnplannableSpecs,
+    )
+
+    kinds = {
+        "INVALID_ARGUMENT": InvalidRequest,
+        "FAILED_PRECONDITION": UnplannableSpecs,
+        "RESOURCE_EXHAUSTED": InsufficientMemory,
+        "NOT_FOUND": UnknownDevice,
+    }
+    kind = kinds.get(error.code_name)
+    if kind is None:
+        return None
+    field = error.violations[0].field if error.violations else ""
+    details: dict[str, int | float | str] = {
+        key: int(value) if value.isdigit() else value for key, value in error.metadata.items()
+    }
+    return kind(error.details, field=field, details=details)
+
+
 def capacity_command(args: argparse.Namespace) -> int:
     """Exit 0 when the sweep ran (rows that do not fit are marked, not failures); 2 for a
     bad config or flag, as `plan` exits, including when every row is refused by it."""
@@ -689,10 +756,21 @@ def capacity_command(args: argparse.Namespace) -> int:
     def progress(done: int, count: int, what: str) -> None:
         print(f"\r[{done}/{count}] {what}   ", end="" if done < count else "\n", file=sys.stderr)
 
-    rows = capacity_rows(
-        config, options, gpus, tps, _local_planner, progress if show_progress else None, lengths
-    )
-    rows = fleet_rows(args, rows, config, options, gpus)  # kvplan/models/fleet.py
+    from kvplan.cli import RemoteError, security_environ
+
+    remote = RemotePlanner(args.target, security_environ(args)) if args.target else None
+    planner: Planner = remote or _local_planner
+    try:
+        rows = capacity_rows(
+            config, options, gpus, tps, planner, progress if show_progress else None, lengths
+        )
+        rows = fleet_rows(args, rows, config, options, gpus, planner)  # models/fleet.py
+    except RemoteError as error:  # no server, credentials: no row can be answered
+        print(f"error: {args.target}: {error}", file=sys.stderr)
+        return error.exit_code
+    finally:
+        if remote is not None:
+            remote.close()
     apply_prices(rows, prices, options.pipeline_parallel_size)
     if all(row["status"] == "error" for row in rows):
         length_sweep = len(lengths) > 1
@@ -705,10 +783,24 @@ def capacity_command(args: argparse.Namespace) -> int:
         print(format_csv(rows), end="")
     else:
         print(format_table(rows))
+        print(planned_by_line(rows, args.target))
     if args.chart:
         write_chart(rows, args.chart, model_title(args.model), chart_subtitle(args, lengths))
         print(f"chart written to {args.chart}", file=sys.stderr)
     return 0
+
+
+def planned_by_line(rows: Sequence[dict[str, Any]], target: str | None) -> str:
+    """Who planned the rows, with which rule set: said under every table."""
+    rule_sets = ", ".join(sorted({row["rule_set"] for row in rows if row.get("rule_set")}))
+    rules = f"rule set {rule_sets}" if rule_sets else "no row planned"
+    if target:
+        return (
+            f"plans: asked of the kvplan server at {target} ({rules}, as the server "
+            "answered); the non-KV memory each request carries is this client's estimate "
+            "unless the row says measured"
+        )
+    return f"plans: in-process ({rules}); --target HOST:PORT asks a kvplan server"
 
 
 def fleet_rows(
@@ -717,15 +809,17 @@ def fleet_rows(
     config: HFConfig,
     options: ModelPlanOptions,
     gpus: Sequence[GpuModel],
+    planner: Planner = _local_planner,
 ) -> list[dict[str, Any]]:
-    """The rows with their memory's source: the fleet's measurements with --target."""
+    """The rows with their memory's source: the fleet's measurements with --target (a
+    measured row planned again by `planner`, the server's with --target)."""
     from kvplan.cli import security_environ
     from kvplan.models.fleet import remote_ask, with_fleet
 
     def replan(
         step: ModelPlanOptions, gpu: GpuModel, tp: int, length: int | None
     ) -> dict[str, Any]:
-        (row,) = capacity_rows(config, step, [gpu], [tp], _local_planner, None, [length])
+        (row,) = capacity_rows(config, step, [gpu], [tp], planner, None, [length])
         return row
 
     target = getattr(args, "target", None)
@@ -759,7 +853,9 @@ def add_capacity_parser(commands: Any) -> None:
     )
     capacity.add_argument("--progress", action="store_true", help="always show progress")
     capacity.add_argument(
-        "--target", help="ask a kvplan server at HOST:PORT for the fleet's measurements"
+        "--target",
+        help="plan every row on the kvplan server at HOST:PORT (its rule set and release) "
+        "with the fleet's measurements it keeps",
     )
     from kvplan.cli import add_security_options
 

@@ -79,3 +79,67 @@ async def test_no_server_is_a_connection_error_only(capsys: pytest.CaptureFixtur
     assert await asyncio.to_thread(main, [*args, "--target", f"127.0.0.1:{port}"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "non-KV memory" not in err  # not a plan refusal
+
+
+def _plans_answered(server: RunningServer) -> float:
+    metrics = server.metrics
+    counters = (metrics.cache_hits, metrics.cache_misses, metrics.plans_reused)
+    return float(sum(counter._value.get() for counter in counters))
+
+
+async def test_capacity_with_target_is_the_servers_answer(
+    server: RunningServer,
+    client: AsyncPlannerClient,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvplan.models.cli as models_cli
+    from kvplan.client import PlannerError
+
+    # L4 at 32K does not fit at TP 1 (its advice plans other TPs and GPUs), the rest fits.
+    args = ["capacity", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4,H100", "--tp", "1,2"]
+    args += ["--max-model-len", "32K", "--engine-version", "vllm-0.33", "--json"]
+    assert await asyncio.to_thread(main, args) == 0
+    local = json.loads(capsys.readouterr().out)
+
+    def in_process(request: object) -> object:
+        raise AssertionError("capacity --target planned a row in-process")
+
+    monkeypatch.setattr(models_cli, "_local_planner", in_process)
+    before = _plans_answered(server)
+    remote_args = [*args, "--target", f"127.0.0.1:{server.port}"]
+    assert await asyncio.to_thread(main, remote_args) == 0
+    remote = json.loads(capsys.readouterr().out)
+    # Every fitting row, its auto-fit length and the no-fit row's candidates were answered
+    # by the server, which gives what the same core gives in-process.
+    assert _plans_answered(server) - before >= 2 * sum(row["status"] == "ok" for row in remote)
+    assert remote == local
+    statuses = {(row["gpu"], row["tp"]): row["status"] for row in remote}
+    assert statuses[("L4-24GB", 1)] == models_cli.NO_FIT and statuses[("H100-80GB", 1)] == "ok"
+    no_fit = next(row for row in remote if row["status"] == models_cli.NO_FIT)
+    assert no_fit["fits_from_tp"] == 2 and no_fit["fits_on"]  # planned by the server too
+    assert {row["rule_set"] for row in remote if row["status"] == "ok"} == {"vllm-0.33"}
+    # A what-if names no engine: nothing published or claimed under the model's name.
+    with pytest.raises(PlannerError) as missing:
+        await client.get_plan(engine_id="qwen3")
+    assert missing.value.code_name == "NOT_FOUND"
+
+    assert await asyncio.to_thread(main, [arg for arg in remote_args if arg != "--json"]) == 0
+    table = capsys.readouterr().out
+    assert f"plans: asked of the kvplan server at 127.0.0.1:{server.port} (rule set " in table
+    assert "vllm-0.33, as the server answered" in table
+
+
+async def test_capacity_without_a_server_says_what_to_check(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = ["capacity", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--tp", "1,2"]
+    assert await asyncio.to_thread(main, [*args, "--target", f"127.0.0.1:{port}"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no table of rows nobody answered
+    assert captured.err.startswith(f"error: 127.0.0.1:{port}: UNAVAILABLE")
