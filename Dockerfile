@@ -21,7 +21,13 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:c425d915a89a6dcd3183b1797ad9bd
 FROM ${PYTHON_IMAGE} AS builder
 WORKDIR /src
 COPY . .
-RUN pip wheel --no-cache-dir --disable-pip-version-check --no-deps --wheel-dir /wheels . \
+# The build backend too at its pinned version (setuptools in constraints.txt), in a
+# throwaway venv, instead of the newest release that build isolation would fetch.
+RUN python -m venv /build \
+    && /build/bin/pip install --no-cache-dir --disable-pip-version-check \
+        --constraint constraints.txt setuptools \
+    && /build/bin/pip wheel --no-cache-dir --disable-pip-version-check --no-build-isolation \
+        --no-deps --wheel-dir /wheels . \
     && cp constraints.txt /wheels/constraints.txt
 
 # ---- runtime: the wheel with its server extra, in a venv at /opt/kvplan --------------

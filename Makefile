@@ -127,9 +127,9 @@ docker:
 ## The same image without Docker or Docker Hub: podman/buildah (root) on a Debian
 ## bookworm Python base made with debootstrap once, then started and health-checked
 ## where the host can run containers (scripts/build-image). Not part of `make test`:
-## the first build costs ~2.5 min (apt-get, debootstrap), every later one ~26 s (the
-## tree is the build context, so each change reinstalls the wheel from PyPI), and it
-## needs root and the network; see docs/kubernetes.md#the-image.
+## the first build costs ~2.5 min (apt-get, debootstrap), every later one ~45 s (no
+## cached layers: buildah's would keep an old wheel), and it needs root and the
+## network; see docs/kubernetes.md#the-image.
 .PHONY: image
 image:
 	bash scripts/build-image kvplan:0.1.0

@@ -323,6 +323,23 @@ def test_without_libcuda_nvml_and_the_environment_decide() -> None:
     assert cuda_device_uuid(0, libcuda=object(), nvml=nvml, environ={}) == UUIDS[0]
 
 
+@pytest.mark.parametrize(
+    "nvidia_visible",
+    [UUIDS[2], "void", None],
+    ids=["device-plugin-envvar-uuid", "dra-cdi", "unset"],
+)
+def test_in_a_pod_the_container_sees_only_its_gpu(nvidia_visible: str | None) -> None:
+    """In a Kubernetes pod the runtime mounts only the allocated GPU, so the container's
+    NVML lists that one. NVIDIA_VISIBLE_DEVICES (the device plugin's UUIDs; `void`
+    under the DRA driver's CDI spec, docs/kubernetes.md#wiring-vllm) is read by the
+    container runtime, not by CUDA: the UUID follows from CUDA's view alone."""
+    nvml = FakeNvml([FakeGpu(UUIDS[2], pci_bus_id="00000000:48:00.0")]).module()
+    env = {} if nvidia_visible is None else {"NVIDIA_VISIBLE_DEVICES": nvidia_visible}
+    assert cuda_device_uuid(0, libcuda=None, nvml=nvml, environ=env) == UUIDS[2]
+    with pytest.raises(DeviceResolutionError, match="CUDA device 1 does not exist: 1 visible"):
+        cuda_device_uuid(1, libcuda=None, nvml=nvml, environ=env)
+
+
 def test_without_libcuda_or_nvml() -> None:
     with pytest.raises(
         DeviceResolutionError, match=r"libcuda\.so\.1.*NVML is not installed"

@@ -214,3 +214,15 @@ def test_an_unpinned_dependency_is_reported() -> None:
     assert pin_problems(INSTALLS["image"], image, "x86_64", too_old) == [
         f"redis (pulled by kvplan on {image}, x86_64): pinned 4.6.0, needs >=5"
     ]
+
+
+def test_the_build_backend_is_pinned() -> None:
+    """The image builds kvplan's wheel with the pinned backend (--no-build-isolation after
+    installing it with the constraints), so the backend needs a pin that satisfies
+    pyproject.toml's build-system requirement."""
+    constraints = pins()
+    build_system = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]
+    for text in build_system["requires"]:
+        requirement = Requirement(text)
+        (pin,) = constraints[canonicalize_name(requirement.name)]
+        assert requirement.specifier.contains(pin.version), (text, pin.version)

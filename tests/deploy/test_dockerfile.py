@@ -76,6 +76,11 @@ def test_multi_stage_wheel_build_on_python_slim() -> None:
     assert runtime[0].args.split()[0] == "${PYTHON_IMAGE}"
     builder_runs = " ".join(i.args for i in builder if i.keyword == "RUN")
     assert "pip wheel" in builder_runs and "--no-deps" in builder_runs
+    # The build backend at its pinned version, not what build isolation would fetch.
+    assert "--no-build-isolation" in builder_runs
+    assert "--constraint constraints.txt setuptools" in builder_runs
+    backend = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert [re.split(r"[<>=!~ ]", r)[0] for r in backend] == ["setuptools"]
     runtime_runs = " ".join(i.args for i in runtime if i.keyword == "RUN")
     assert "python -m venv /opt/kvplan" in runtime_runs
     assert "/opt/kvplan/bin/pip install" in runtime_runs and "[server]" in runtime_runs
@@ -148,6 +153,9 @@ def test_make_image_overrides_the_base_the_dockerfile_declares() -> None:
     the ARG it sets must be the one every FROM reads, or the swap silently does nothing
     (the build would then try Docker Hub)."""
     script = (ROOT / "scripts" / "build-image").read_text()
+    # buildah keys a cached RUN by its text, not by what it bind-mounts from the
+    # builder: a cached runtime layer would keep an old wheel (docs/kubernetes.md).
+    assert "--no-cache" in script
     overridden = set(re.findall(r"--build-arg (\w+)=", script))
     assert overridden == {"PYTHON_IMAGE"}
     assert overridden <= set(parsing.global_args())

@@ -421,6 +421,11 @@ def test_the_vllm_example_reaches_kvplan_in_lease_mode(
     env = container_env(container)
     assert env["KVPLAN_ENGINE_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # The device plugin or the DRA driver decides what the container sees; a value in
+    # the pod would override it (NVIDIA_VISIBLE_DEVICES=all exposes every GPU to a
+    # legacy-mode runtime) or renumber CUDA's devices (docs/kubernetes.md#wiring-vllm).
+    assert not {"NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & set(env)
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
 
     # kvplan's NetworkPolicy admits this pod, and its address is kvplan's gRPC Service.
     kvplan_objects = rendered[("single", ())]
