@@ -107,6 +107,7 @@ class WeightEstimate:
     bytes_per_worker: int  # the largest stage's rank: what limits the KV cache
     # One rank of each pipeline stage, first to last (one entry without PP).
     bytes_per_stage: tuple[int, ...] = ()
+    rope_cache_bytes: int = 0  # in every rank's figure (RoPE cos/sin caches)
 
     def stage_bytes(self, stage: int) -> int:
         return self.bytes_per_stage[stage] if self.bytes_per_stage else self.bytes_per_worker
@@ -361,6 +362,51 @@ def _vision_params(config: HFConfig, text_hidden: int) -> int:
     return vision.integer("num_hidden_layers") * layer + stem + width * text_hidden
 
 
+# Families whose vLLM attention has no rotary embedding (Mamba layers carry position).
+_NO_ROPE = frozenset({"JambaForCausalLM", "NemotronHForCausalLM",
+                      "WhisperForConditionalGeneration"})  # fmt: skip
+
+
+def _positive_number(c: HFConfig, key: str, default: float) -> float:
+    value = c.raw(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ModelConfigError(f"expected a positive number, got {value!r}", c._where(key))
+    return float(value)
+
+
+def rope_cache_bytes(config: HFConfig, layers: ModelLayers) -> int:
+    """The RoPE cos/sin caches vLLM builds with the model, on every rank: not
+    parameters, but loaded with them ("Model loading took" counts them: Llama 3.1 8B's
+    14.99 GiB against 14.96 of parameters). One cache per distinct rotary embedding
+    (get_rope shares it between layers): positions x rotary dims in the model dtype
+    (gpt-oss's in float32). Positions: max_position_embeddings, times the factor for
+    linear / dynamic scaling, original_max_position_embeddings times the factor for
+    YaRN. Gemma 3 holds a second, unscaled cache for its local layers. Checked against
+    vLLM 0.34's model classes (tests/models/test_against_vllm_pp.py)."""
+    if layers.architecture in _NO_ROPE:
+        return 0
+    c = text_config(config, layers.architecture)
+    positions = c.opt_integer("max_position_embeddings") or layers.derived_max_model_len
+    hidden, heads = c.integer("hidden_size"), c.integer("num_attention_heads")
+    if c.has("kv_lora_rank"):  # MLA: only the rope part of each head rotates
+        dims = c.integer("qk_rope_head_dim")
+    else:
+        head_dim = c.integer("head_dim") if c.has("head_dim") else hidden // heads
+        dims = int(head_dim * _positive_number(c, "partial_rotary_factor", 1.0))
+    scaling = c.sub("rope_scaling") or c.sub("rope_parameters")
+    scaled = positions
+    if scaling is not None:
+        kind = scaling.text("rope_type", "") or scaling.text("type", "")
+        if kind in ("linear", "dynamic"):
+            scaled = int(positions * _positive_number(scaling, "factor", 1.0))
+        elif kind in ("yarn", "deepseek_yarn"):
+            original = scaling.integer("original_max_position_embeddings")
+            scaled = int(original * _positive_number(scaling, "factor", 1.0))
+    entries = scaled + (positions if layers.architecture.startswith("Gemma3") else 0)
+    dtype_bytes = 4 if layers.architecture == "GptOssForCausalLM" else layers.model_dtype.size_bytes
+    return entries * dims * dtype_bytes
+
+
 _INT4_BYTES = 0.5 + 4 / 128  # 4-bit weights + an fp16 scale and zero per 128-group
 
 
@@ -499,6 +545,7 @@ def estimate_weights(
         for stage in range(pipeline_parallel_size)
     ]
     experts_all_layers = _mxfp4_experts_per_rank(c, tp, gpu_arch) if experts_only else 0
+    rope = rope_cache_bytes(config, layers)
     per_stage = []
     for (start, end), stage in zip(bounds, stage_params(config, layers, bounds), strict=True):
         stage_router = stage.router * dtype_bytes
@@ -512,8 +559,8 @@ def estimate_weights(
             quantized = stage.total - stage.embedding - stage.router
             sharded = int(stage.embedding * dtype_bytes + quantized * quant_bytes)
             rank = -(-sharded // tp) + stage_router
-        per_stage.append(rank)
-    return WeightEstimate(params, name, total, max(per_stage), tuple(per_stage))
+        per_stage.append(rank + rope)
+    return WeightEstimate(params, name, total, max(per_stage), tuple(per_stage), rope)
 
 
 def _per_token_activation(c: HFConfig, tp: int) -> int:
