@@ -50,9 +50,15 @@ class ProfileRules:
 _NON_TORCH_TP1 = round(0.25 * GIB)
 _NON_TORCH_TP = round(2.07 * GIB)
 _CUDAGRAPH_ESTIMATE = round(0.84 * GIB)
+# The V0 worker counts as non-torch everything the device has in use outside torch's
+# allocator after the profile run (mem_get_info's used bytes less torch's allocated),
+# so its figure includes the process's own CUDA context, which V1 leaves out (its
+# baseline is taken after the context exists): 0.35 GiB on an RTX 3090 in both
+# vllm#10517 logs ("non_torch_memory=0.35GiB"), against V1's 0.25 on an H100.
+_NON_TORCH_V0_TP1 = round(0.35 * GIB)
 PROFILES: dict[str, ProfileRules] = {
     # V0 (vLLM <= 0.7, VLLM_USE_V1=0): graphs captured after the KV cache, outside it.
-    "v0": ProfileRules("vLLM V0 engine", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0),
+    "v0": ProfileRules("vLLM V0 engine", 16, _NON_TORCH_V0_TP1, _NON_TORCH_TP, 0),
     # V1 before 0.21: the CUDA-graph estimate exists but is off by default.
     "v1-0.20": ProfileRules("vLLM V1 < 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0),
     # 0.21 onward, the releases kvplan plans for (0.32, 0.33, 0.34) among them.
