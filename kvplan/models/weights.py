@@ -489,7 +489,7 @@ def _compressed_tensors(quant: HFConfig) -> tuple[str, float, bool]:
 # fused_moe/oracle/mxfp4.py, mxfp4_round_up_hidden_size_and_intermediate_size):
 # (hidden alignment, per-rank intermediate alignment) by the backend the GPU selects.
 _MXFP4_ALIGNMENT: dict[str, tuple[int, int]] = {
-    "hopper": (1, 64),  # Triton (matmul_ogs): intermediate to 64
+    "hopper": (1, 64),  # Triton (matmul_ogs): intermediate to 64, then its layout below
     "ampere": (256, 128),  # no FP4 compute: Marlin weight-only, hidden to 256
     "ada": (256, 128),  # Marlin as well
     "blackwell": (256, 128),  # FlashInfer TRT-LLM
@@ -501,6 +501,21 @@ def _round_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
 
 
+def _hopper_mx_layout_bytes(k: int, n: int) -> int:
+    """One expert matrix (reduction size k, output size n) as the Triton MoE kernel
+    stores it on Hopper after vLLM swizzles it (_swizzle_mxfp4): triton_kernels'
+    Hopper MX value layout pads the packed e2m1 bytes along k to 64 and n to 256
+    (aligning each 4-packed row to a 64-byte load); the e8m0 scales (one per 32 along
+    k, padded by vLLM to a multiple of 4 groups) take the Hopper scale layout, n
+    padded to 256 (2 x 8 warps x 2 x 8). The copy of triton_kernels vLLM 0.34 vendors
+    as a fallback pads less (to 16 / 32 only); an installed triton_kernels wins, and
+    the padded figure is what a real H100 load logged (test_weights.py), so kvplan
+    plans with it."""
+    values = _round_up(k // 2, 64) * _round_up(n, 256)
+    scales = _round_up(n, 256) * _round_up(_round_up(-(-k // 32), 4), 2)
+    return values + scales
+
+
 def _mxfp4_experts_per_rank(c: HFConfig, tp: int, arch: str) -> int:
     """Bytes of one rank's MXFP4 experts, all layers: fused gate_up + down in e2m1 with
     an e8m0 scale per 32, padded as the GPU's kernel wants, plus bf16 biases (gpt-oss)."""
@@ -508,8 +523,11 @@ def _mxfp4_experts_per_rank(c: HFConfig, tp: int, arch: str) -> int:
     hidden = _round_up(c.integer("hidden_size"), hidden_align)
     inter = _round_up(-(-c.integer("intermediate_size") // tp), inter_align)
     experts = _expert_count(c)
-    weights = experts * 3 * inter * hidden * (0.5 + 1 / 32)
     biases = experts * (2 * inter + hidden) * 2
+    weights: float = experts * 3 * inter * hidden * (0.5 + 1 / 32)
+    if arch == "hopper":  # gate_up (k = hidden, n = 2 x inter) and down (k = inter)
+        gate_up = _hopper_mx_layout_bytes(hidden, 2 * inter)
+        weights = experts * (gate_up + _hopper_mx_layout_bytes(inter, hidden))
     return int((weights + biases) * c.integer("num_hidden_layers"))
 
 
