@@ -59,9 +59,15 @@ _NON_TORCH_TP1 = round(0.25 * GIB)
 _NON_TORCH_TP = round(2.07 * GIB)
 _PIECEWISE_GRAPH = round(7.1 * MIB)
 _FULL_GRAPH_TOKEN = round(19.6 * 1024)
+# The V0 worker counts as non-torch everything the device has in use outside torch's
+# allocator after the profile run (mem_get_info's used bytes less torch's allocated),
+# so its figure includes the process's own CUDA context, which V1 leaves out (its
+# baseline is taken after the context exists): 0.35 GiB on an RTX 3090 in both
+# vllm#10517 logs ("non_torch_memory=0.35GiB"), against V1's 0.25 on an H100.
+_NON_TORCH_V0_TP1 = round(0.35 * GIB)
 PROFILES: dict[str, ProfileRules] = {
     # V0 (vLLM <= 0.7, VLLM_USE_V1=0): graphs captured after the KV cache, outside it.
-    "v0": ProfileRules("vLLM V0 engine", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
+    "v0": ProfileRules("vLLM V0 engine", 16, _NON_TORCH_V0_TP1, _NON_TORCH_TP, 0, 0),
     # V1 before 0.21: the CUDA-graph estimate exists but is off by default.
     "v1-0.20": ProfileRules("vLLM V1 < 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
     # 0.21 onward, the releases kvplan plans for (0.32, 0.33, 0.34) among them.
@@ -141,6 +147,7 @@ class WeightEstimate:
     bytes_per_worker: int  # the largest stage's rank: what limits the KV cache
     # One rank of each pipeline stage, first to last (one entry without PP).
     bytes_per_stage: tuple[int, ...] = ()
+    rope_cache_bytes: int = 0  # in every rank's figure (RoPE cos/sin caches)
 
     def stage_bytes(self, stage: int) -> int:
         return self.bytes_per_stage[stage] if self.bytes_per_stage else self.bytes_per_worker
@@ -397,6 +404,51 @@ def _vision_params(config: HFConfig, text_hidden: int) -> int:
     return vision.integer("num_hidden_layers") * layer + stem + width * text_hidden
 
 
+# Families whose vLLM attention has no rotary embedding (Mamba layers carry position).
+_NO_ROPE = frozenset({"JambaForCausalLM", "NemotronHForCausalLM",
+                      "WhisperForConditionalGeneration"})  # fmt: skip
+
+
+def _positive_number(c: HFConfig, key: str, default: float) -> float:
+    value = c.raw(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ModelConfigError(f"expected a positive number, got {value!r}", c._where(key))
+    return float(value)
+
+
+def rope_cache_bytes(config: HFConfig, layers: ModelLayers) -> int:
+    """The RoPE cos/sin caches vLLM builds with the model, on every rank: not
+    parameters, but loaded with them ("Model loading took" counts them: Llama 3.1 8B's
+    14.99 GiB against 14.96 of parameters). One cache per distinct rotary embedding
+    (get_rope shares it between layers): positions x rotary dims in the model dtype
+    (gpt-oss's in float32). Positions: max_position_embeddings, times the factor for
+    linear / dynamic scaling, original_max_position_embeddings times the factor for
+    YaRN. Gemma 3 holds a second, unscaled cache for its local layers. Checked against
+    vLLM 0.34's model classes (tests/models/test_against_vllm_pp.py)."""
+    if layers.architecture in _NO_ROPE:
+        return 0
+    c = text_config(config, layers.architecture)
+    positions = c.opt_integer("max_position_embeddings") or layers.derived_max_model_len
+    hidden, heads = c.integer("hidden_size"), c.integer("num_attention_heads")
+    if c.has("kv_lora_rank"):  # MLA: only the rope part of each head rotates
+        dims = c.integer("qk_rope_head_dim")
+    else:
+        head_dim = c.integer("head_dim") if c.has("head_dim") else hidden // heads
+        dims = int(head_dim * _positive_number(c, "partial_rotary_factor", 1.0))
+    scaling = c.sub("rope_scaling") or c.sub("rope_parameters")
+    scaled = positions
+    if scaling is not None:
+        kind = scaling.text("rope_type", "") or scaling.text("type", "")
+        if kind in ("linear", "dynamic"):
+            scaled = int(positions * _positive_number(scaling, "factor", 1.0))
+        elif kind in ("yarn", "deepseek_yarn"):
+            original = scaling.integer("original_max_position_embeddings")
+            scaled = int(original * _positive_number(scaling, "factor", 1.0))
+    entries = scaled + (positions if layers.architecture.startswith("Gemma3") else 0)
+    dtype_bytes = 4 if layers.architecture == "GptOssForCausalLM" else layers.model_dtype.size_bytes
+    return entries * dims * dtype_bytes
+
+
 _INT4_BYTES = 0.5 + 4 / 128  # 4-bit weights + an fp16 scale and zero per 128-group
 
 
@@ -473,7 +525,7 @@ def _compressed_tensors(quant: HFConfig) -> tuple[str, float, bool]:
 # fused_moe/oracle/mxfp4.py, mxfp4_round_up_hidden_size_and_intermediate_size):
 # (hidden alignment, per-rank intermediate alignment) by the backend the GPU selects.
 _MXFP4_ALIGNMENT: dict[str, tuple[int, int]] = {
-    "hopper": (1, 64),  # Triton (matmul_ogs): intermediate to 64
+    "hopper": (1, 64),  # Triton (matmul_ogs): intermediate to 64, then its layout below
     "ampere": (256, 128),  # no FP4 compute: Marlin weight-only, hidden to 256
     "ada": (256, 128),  # Marlin as well
     "blackwell": (256, 128),  # FlashInfer TRT-LLM
@@ -485,6 +537,21 @@ def _round_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
 
 
+def _hopper_mx_layout_bytes(k: int, n: int) -> int:
+    """One expert matrix (reduction size k, output size n) as the Triton MoE kernel
+    stores it on Hopper after vLLM swizzles it (_swizzle_mxfp4): triton_kernels'
+    Hopper MX value layout pads the packed e2m1 bytes along k to 64 and n to 256
+    (aligning each 4-packed row to a 64-byte load); the e8m0 scales (one per 32 along
+    k, padded by vLLM to a multiple of 4 groups) take the Hopper scale layout, n
+    padded to 256 (2 x 8 warps x 2 x 8). The copy of triton_kernels vLLM 0.34 vendors
+    as a fallback pads less (to 16 / 32 only); an installed triton_kernels wins, and
+    the padded figure is what a real H100 load logged (test_weights.py), so kvplan
+    plans with it."""
+    values = _round_up(k // 2, 64) * _round_up(n, 256)
+    scales = _round_up(n, 256) * _round_up(_round_up(-(-k // 32), 4), 2)
+    return values + scales
+
+
 def _mxfp4_experts_per_rank(c: HFConfig, tp: int, arch: str) -> int:
     """Bytes of one rank's MXFP4 experts, all layers: fused gate_up + down in e2m1 with
     an e8m0 scale per 32, padded as the GPU's kernel wants, plus bf16 biases (gpt-oss)."""
@@ -492,8 +559,11 @@ def _mxfp4_experts_per_rank(c: HFConfig, tp: int, arch: str) -> int:
     hidden = _round_up(c.integer("hidden_size"), hidden_align)
     inter = _round_up(-(-c.integer("intermediate_size") // tp), inter_align)
     experts = _expert_count(c)
-    weights = experts * 3 * inter * hidden * (0.5 + 1 / 32)
     biases = experts * (2 * inter + hidden) * 2
+    weights: float = experts * 3 * inter * hidden * (0.5 + 1 / 32)
+    if arch == "hopper":  # gate_up (k = hidden, n = 2 x inter) and down (k = inter)
+        gate_up = _hopper_mx_layout_bytes(hidden, 2 * inter)
+        weights = experts * (gate_up + _hopper_mx_layout_bytes(inter, hidden))
     return int((weights + biases) * c.integer("num_hidden_layers"))
 
 
@@ -535,6 +605,7 @@ def estimate_weights(
         for stage in range(pipeline_parallel_size)
     ]
     experts_all_layers = _mxfp4_experts_per_rank(c, tp, gpu_arch) if experts_only else 0
+    rope = rope_cache_bytes(config, layers)
     per_stage = []
     for (start, end), stage in zip(bounds, stage_params(config, layers, bounds), strict=True):
         stage_router = stage.router * dtype_bytes
@@ -548,8 +619,8 @@ def estimate_weights(
             quantized = stage.total - stage.embedding - stage.router
             sharded = int(stage.embedding * dtype_bytes + quantized * quant_bytes)
             rank = -(-sharded // tp) + stage_router
-        per_stage.append(rank)
-    return WeightEstimate(params, name, total, max(per_stage), tuple(per_stage))
+        per_stage.append(rank + rope)
+    return WeightEstimate(params, name, total, max(per_stage), tuple(per_stage), rope)
 
 
 def _per_token_activation(c: HFConfig, tp: int) -> int:

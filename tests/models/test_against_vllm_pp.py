@@ -18,7 +18,13 @@ import pytest
 from kvplan.models import Deployment, import_layers, load_config
 from kvplan.models.config import HFConfig, ModelConfigError
 from kvplan.models.importer import pipeline_stage_bounds, text_config
-from kvplan.models.weights import _vision_params, count_params, estimate_weights, stage_params
+from kvplan.models.weights import (
+    _vision_params,
+    count_params,
+    estimate_weights,
+    rope_cache_bytes,
+    stage_params,
+)
 from tests.models.test_against_vllm_model_code import vllm_input
 from tests.vllm_envs import vllm_python
 
@@ -47,6 +53,8 @@ NEGATIVE = (32, 2, "40,-8")
 STAGE_MODELS: tuple[tuple[str, int], ...] = (
     ("llama-3.1-8b", 3),
     ("llama-3.1-8b-tied", 2),  # a tied head: the last stage builds its own table
+    ("mistral-7b-v0.3", 2),
+    ("llama-4-defaults", 2),
     ("qwen3-8b", 2),
     ("phi-4", 2),
     ("deepseek-v3", 2),
@@ -136,6 +144,8 @@ def test_stage_tables_and_layers_match_vllm_model_code(tmp_path: Path) -> None:
             assert isinstance(theirs, dict)
             assert theirs["layers"] == list(bounds[rank]), (model, rank)
             assert ours[rank].embedding == theirs["embedding_params"], (model, rank)
+            # The RoPE caches every stage builds with its layers, in bytes.
+            assert rope_cache_bytes(config, layers) == theirs["rope_cache_bytes"], model
 
 
 def test_stage_weights_add_up_to_the_model() -> None:
@@ -149,7 +159,8 @@ def test_stage_weights_add_up_to_the_model() -> None:
         whole = estimate_weights(config, layers, 1, 1)
         split = estimate_weights(config, layers, 1, 3)
         table = config.integer("vocab_size") * config.integer("hidden_size") * 2  # bf16
-        assert sum(split.bytes_per_stage) == whole.bytes_total + extra_tables * table, model
+        rope = split.rope_cache_bytes  # built on every stage
+        assert sum(split.bytes_per_stage) == whole.bytes_total + extra_tables * table + 3 * rope
         assert split.bytes_per_worker == max(split.bytes_per_stage)
 
 

@@ -84,15 +84,17 @@ def test_every_v1_record_with_a_known_config_is_within_3_percent(
             result.name, printed)  # fmt: skip
 
 
-def test_the_v0_records_are_within_5_percent(results: list[RecordResult]) -> None:
-    # docs/capacity.md: V0's non-torch memory (0.35 GiB) is not the V1 releases' 0.25;
-    # on a 3-4 GiB budget that is 3-5%. Activation and weights agree to 0.5%.
+def test_the_v0_records_are_within_3_percent(results: list[RecordResult]) -> None:
+    # docs/capacity.md: V0 counts the CUDA context as non-torch memory (0.35 GiB logged
+    # on the RTX 3090, against V1's 0.25), and vLLM's RoPE cache loads with the weights.
+    # These are the V0 row's tuning records: no held-out V0 log checks the 0.35.
     v0 = [r for r in results if r.release == "V0 engine"]
-    assert len(v0) == 2
+    assert len(v0) == 2 and all(r.meta.get("role") == "tuning" for r in v0)
     for result in v0:
-        assert result.available_error is not None and abs(result.available_error) <= 0.05
-        activation = result.row("activation peak")
-        assert activation is not None and abs(activation["error"]) <= 0.01
+        assert result.available_error is not None and abs(result.available_error) <= 0.03
+        for part in ("activation peak", "non-torch memory", "model loading (weights)"):
+            row = result.row(part)
+            assert row is not None and abs(row["error"]) <= 0.01, (result.name, part)
 
 
 def test_the_logged_budget_reproduces_the_token_count_the_release_prints(

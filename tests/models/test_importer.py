@@ -424,7 +424,8 @@ def test_llama_parameter_count_by_hand() -> None:
     assert count_params(config, layers).total == embed + 32 * (attention + mlp) == 8_029_995_008
     weights = estimate_weights(config, layers, tensor_parallel_size=2)
     assert weights.quantization == "none"
-    assert weights.bytes_per_worker == 8_029_995_008 * 2 // 2
+    # Each rank also builds the RoPE cache: 131,072 positions x 128 dims x 2 B.
+    assert weights.bytes_per_worker == 8_029_995_008 * 2 // 2 + 131_072 * 128 * 2
 
 
 def test_deepseek_fp8_and_awq_int4_weights(tmp_path: Path) -> None:

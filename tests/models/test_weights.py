@@ -95,6 +95,21 @@ def test_gpt_oss_120b_tp4_per_rank_as_vllm_loads_it() -> None:
     assert weights.bytes_per_worker > weights.bytes_total // 4
 
 
+def test_gpt_oss_120b_on_one_hopper_gpu_as_vllm_loads_it() -> None:
+    # H100, Triton MoE backend: "Model loading took 64.38 GiB" (vLLM 0.14.1,
+    # github.com/vllm-project/vllm/issues/33155): the Hopper MX layout pads each
+    # expert's packed bytes to 64 along K and its outputs to 256 (2,880 -> 3,072 for
+    # the down projection, 5,760 -> 5,888 for gate_up); unpadded it would be 60.80.
+    # The Marlin fallback the same GPU took in vLLM 0.10.1 (hidden to 256, intermediate
+    # to 128): "Model loading took 65.9651 GiB" (github.com/vllm-project/vllm/issues/23278).
+    config = load_config(str(MODELS / "gpt-oss-120b" / "config.json"))
+    layers = import_layers(config)
+    triton = estimate_weights(config, layers, 1, 1, lookup_gpu("H100").arch)
+    assert abs(triton.bytes_per_worker / GIB - 64.38) < 0.005 * 64.38
+    marlin = estimate_weights(config, layers, 1, 1, "ampere")
+    assert abs(marlin.bytes_per_worker / GIB - 65.9651) < 0.005 * 65.9651
+
+
 def test_one_figure_per_gpu_name_on_every_path() -> None:
     for gpu in CATALOG:
         for name in (gpu.name, *gpu.aliases):

@@ -4,8 +4,9 @@ pipeline group's rank and size as the model code reads them).
 
 Two answers per case: vLLM's `get_pp_indices` for every stage under the case's
 VLLM_PP_LAYER_PARTITION (or the error it raises), and, for cases with a config, each
-stage's decoder-layer range and the parameters of its embedding and LM-head modules
-(vocab-parallel tables), counted from the built model. The stand-ins of
+stage's decoder-layer range, the parameters of its embedding and LM-head modules
+(vocab-parallel tables) and the bytes of its RoPE cos/sin caches, counted from the
+built model. The stand-ins of
 vllm_model_side.py apply (no attention kernels, MoE experts as empty modules: experts
 are not counted here). The pipeline group is the one-rank group with its rank and size
 set as a stage's would be; nothing communicates on the meta device.
@@ -13,7 +14,8 @@ set as a stage's would be; nothing communicates on the meta device.
 stdin: {"port": P, "partitions": [{"layers": N, "pp": S, "env": "17,15" | null}],
         "stages": [{"path": DIR, "pp": S, "rank": R}]}
 stdout (last line): {"partitions": [[[start, end], ...] | "error: ..."],
-                     "stages": [{"layers": [first, end], "embedding_params": N}]}
+                     "stages": [{"layers": [first, end], "embedding_params": N,
+                                 "rope_cache_bytes": B}]}
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from vllm.distributed import (
 )
 from vllm.distributed.utils import get_pp_indices
 from vllm.model_executor.model_loader.utils import initialize_model
+from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm_model_side import install_stand_ins  # type: ignore[import-not-found]
 
 _TABLES = re.compile(r"(^|\.)(embed_tokens|embedding|lm_head)\.")
@@ -98,7 +101,8 @@ def stage_of(case: dict[str, object], port: int) -> dict[str, object]:
         # with `ranks`; make_layers reads rank_in_group and world_size.
         group.ranks, group.world_size, group.rank_in_group = list(range(pp)), pp, rank
         group.rank = rank
-        with torch.device("meta"):
+        # As vLLM's loader builds it: the model dtype is torch's default meanwhile.
+        with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
             model = initialize_model(config)
         group.ranks, group.world_size, group.rank_in_group, group.rank = [0], 1, 0, 0
     indexes: set[int] = set()
@@ -108,7 +112,18 @@ def stage_of(case: dict[str, object], port: int) -> dict[str, object]:
             indexes.add(int(match.group(1)))
         elif _TABLES.search(name):
             tables += parameter.numel()
-    return {"layers": [min(indexes), max(indexes) + 1], "embedding_params": tables}
+    # RoPE cos/sin caches: buffers, one per distinct rotary embedding (get_rope shares
+    # an instance between layers; named_buffers lists a shared buffer once).
+    rope = sum(
+        buffer.numel() * buffer.element_size()
+        for name, buffer in model.named_buffers()
+        if name.endswith("cos_sin_cache")
+    )
+    return {
+        "layers": [min(indexes), max(indexes) + 1],
+        "embedding_params": tables,
+        "rope_cache_bytes": rope,
+    }
 
 
 def main() -> None:
