@@ -94,15 +94,19 @@ OVERHEAD_FORMULA = (
 
 # vLLM's default capture list (config/vllm.py `_set_cudagraph_sizes`, the same in
 # 0.32-0.34): 1, 2, 4, multiples of 8 below 256, then of 16, up to
-# min(2 x max_num_seqs, 512) and no further than max_num_batched_tokens. FULL graphs
-# (uniform decode, FULL_AND_PIECEWISE, the default mode) stop at max_num_seqs.
+# min(2 x max_num_seqs, 512) and no further than max_num_batched_tokens, plus
+# max_num_batched_tokens and max_num_seqs themselves where they are within that cap.
+# FULL graphs (uniform decode, FULL_AND_PIECEWISE, the default mode) stop at
+# max_num_seqs. Not modelled: speculative decoding's decode sizes (multiples of the
+# query length) and data-centre Blackwell's 1,024 cap.
 _DEFAULT_MAX_CAPTURE = 512
 
 
 def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
     largest = min(2 * max_num_seqs, _DEFAULT_MAX_CAPTURE, max_num_batched_tokens)
-    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, _DEFAULT_MAX_CAPTURE + 1, 16)]
-    return [size for size in sizes if size <= largest]
+    grid = [1, 2, 4, *range(8, 256, 8), *range(256, _DEFAULT_MAX_CAPTURE + 1, 16)]
+    sizes = {size for size in [*grid, max_num_batched_tokens, max_num_seqs] if size <= largest}
+    return sorted(sizes)
 
 
 def cudagraph_estimate(rules: ProfileRules, max_num_seqs: int, max_num_batched_tokens: int) -> int:
