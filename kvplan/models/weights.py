@@ -49,8 +49,10 @@ class ProfileRules:
     # release does not subtract. Set by two logged estimates of an 8B dense model
     # (hidden 4,096): 0.84 GiB with 51 PIECEWISE + 51 FULL graphs to 512 tokens
     # (vLLM 0.19, H100, max_num_seqs 1,024) and 0.52 GiB with 51 + 35 to 256 (vLLM 0.21,
-    # RTX A5000, max_num_seqs 256; LMCache#3430). The other models of the set logged
-    # 0.57-1.69 GiB at 51 + 51, so this part is good to about +-0.5 GiB per worker.
+    # RTX A5000, max_num_seqs 256; LMCache#3430). The other 0.19 records logged
+    # 0.57-1.69 GiB at 51 + 51 (kvplan 0.84): off by up to 0.85 GiB per worker (Llama at
+    # TP 2). Not modelled: the hybrid GDN models' profiling transient counted as graph
+    # memory from 0.26 (vllm#50780), for want of a log with a shipped config.
     cudagraph_bytes_per_piecewise_graph: int
     cudagraph_bytes_per_full_graph_token: int
 
