@@ -41,9 +41,12 @@ class ProfileRules:
     non_torch_tensor_parallel: int
     # CUDA-graph memory the release subtracts from the KV budget before allocating it
     # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default since vLLM 0.21; 0.32-0.34
-    # checked in their source). vLLM measures the PIECEWISE graphs in full and
-    # extrapolates the FULL (decode) graphs from the second-largest one: n_full x a
-    # cost that grows with the largest FULL size. So the estimate is modelled as
+    # checked in their source). vLLM captures the two largest graphs of each mode and
+    # extrapolates: the first capture + (n - 1) x the second's cost (0.32/0.33
+    # gpu_model_runner.profile_cudagraph_memory; 0.34 measures PIECEWISE in full and
+    # extrapolates FULL alone). A FULL (decode) graph's cost grows with its batch, a
+    # PIECEWISE one's hardly: small-batch logs of hybrid 27B models show 25-30 MiB
+    # per PIECEWISE graph at 16 tokens (club-3090#104, #127). So the estimate is modelled as
     # n_piecewise x `cudagraph_bytes_per_piecewise_graph` + n_full x largest_full x
     # `cudagraph_bytes_per_full_graph_token` (`cudagraph_estimate`); both 0 where the
     # release does not subtract. Set by two logged estimates of an 8B dense model
