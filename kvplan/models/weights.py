@@ -45,8 +45,9 @@ class ProfileRules:
     # extrapolates: the first capture + (n - 1) x the second's cost (0.32/0.33
     # gpu_model_runner.profile_cudagraph_memory; 0.34 measures PIECEWISE in full and
     # extrapolates FULL alone). A FULL (decode) graph's cost grows with its batch, a
-    # PIECEWISE one's hardly: small-batch logs of hybrid 27B models show 25-30 MiB
-    # per PIECEWISE graph at 16 tokens (club-3090#104, #127). So the estimate is modelled as
+    # PIECEWISE one's hardly: logs of a hybrid 27B model whose graphs stop at 16 tokens
+    # estimate 23-35 MiB per PIECEWISE graph (club-3090#104 and #127, gpustack/runner#251:
+    # 0.13 GiB for 5, 0.17 for 5, 0.36 for 16). So the estimate is modelled as
     # n_piecewise x `cudagraph_bytes_per_piecewise_graph` + n_full x largest_full x
     # `cudagraph_bytes_per_full_graph_token` (`cudagraph_estimate`); both 0 where the
     # release does not subtract. Set by two logged estimates of an 8B dense model
