@@ -23,6 +23,7 @@ END = "<!-- calibration-table:end -->"
 AVAILABLE = "available KV cache memory per worker"
 NON_KV = "non-KV memory (utilization x total - available)"
 WEIGHTS = "model loading (weights) per worker"
+GRAPH_ESTIMATE = "CUDA-graph estimate the release logged"
 
 
 @dataclass(frozen=True)
@@ -97,16 +98,17 @@ def _source(url: str) -> str:
 
 def table(results: list[RecordResult]) -> str:
     lines = [
-        "| Record | Release | Role | Weights log / kvplan | Non-KV log / kvplan "
-        "| Available KV log / kvplan (GiB) | Error | KV tokens log / kvplan (the release's "
-        "formula) | Error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| Record | Release | Role | Weights log / kvplan | Graph estimate log / kvplan "
+        "| Non-KV log / kvplan | Available KV log / kvplan (GiB) | Error | KV tokens log / "
+        "kvplan (the release's formula) | Error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         meta = result.meta
         available = result.row(AVAILABLE) or {}
         non_kv = result.row(NON_KV) or {}
         weights = result.row(WEIGHTS) or {}
+        graphs = result.row(GRAPH_ESTIMATE) or {}
         printed = [
             row
             for figure, row in result.rows.items()
@@ -121,6 +123,7 @@ def table(results: list[RecordResult]) -> str:
             result.release or "not logged",
             role,
             f"{_gib(weights.get('measured'))} / {_gib(weights.get('predicted'))}",
+            f"{_gib(graphs.get('measured'))} / {_gib(graphs.get('predicted'))}",
             f"{_gib(non_kv.get('measured'))} / {_gib(non_kv.get('predicted'))}",
             f"{_gib(available.get('measured'))} / {_gib(available.get('predicted'))}",
             _error(available.get("error")),

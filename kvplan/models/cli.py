@@ -393,6 +393,13 @@ def format_capacity(summary: CapacitySummary, inputs: ModelPlanInputs, gpu: GpuM
         f"blocks, {summary.kv_cache_tokens:,} tokens, max concurrency "
         f"{summary.max_concurrency:.2f}x at {summary.max_model_len:,} tokens"
     )
+    if len(summary.groups) > 1:
+        smallest = min(group.block_size for group in summary.groups)
+        lines.append(
+            f'    vLLM\'s "GPU KV cache size" line: {summary.kv_cache_tokens:,} tokens from 0.24 '
+            f"(int(max concurrency x max_model_len)), {summary.per_group_tokens:,} up to 0.19 "
+            f"(num_blocks // {len(summary.groups)} groups x {smallest})"
+        )
     if summary.auto_fit_max_model_len is not None:
         lines.append(f"    auto-fit max_model_len: {summary.auto_fit_max_model_len:,} tokens")
     lines.append("  estimated (per worker):")

@@ -252,6 +252,17 @@ class CapacitySummary:
     available_kv_bytes: int
     auto_fit_max_model_len: int | None = None
 
+    @property
+    def per_group_tokens(self) -> int:
+        """The "GPU KV cache size" vLLM printed up to 0.19 (and 0.10): num_blocks // groups
+        x the smallest block; `kv_cache_tokens` is what 0.24 and 0.32-0.34 print
+        (int(max_concurrency x max_model_len)). They differ for several KV-cache groups
+        (calibrate.PRINTED_TOKEN_FORMULA says which release prints which)."""
+        if not self.groups:
+            return self.kv_cache_tokens
+        smallest = min(group.block_size for group in self.groups)
+        return self.num_blocks // len(self.groups) * smallest
+
     def as_dict(self) -> dict[str, Any]:
         out = {key: value for key, value in self.__dict__.items() if key != "groups"}
         out["groups"] = [group.__dict__ for group in self.groups]

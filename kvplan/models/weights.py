@@ -41,16 +41,22 @@ class ProfileRules:
     non_torch_tensor_parallel: int
     # CUDA-graph memory the release subtracts from the KV budget before allocating it
     # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default since vLLM 0.21; 0.32-0.34
-    # checked in their source). vLLM measures the PIECEWISE graphs in full and
-    # extrapolates the FULL (decode) graphs from the second-largest one: n_full x a
-    # cost that grows with the largest FULL size. So the estimate is modelled as
+    # checked in their source). vLLM captures the two largest graphs of each mode and
+    # extrapolates: the first capture + (n - 1) x the second's cost (0.32/0.33
+    # gpu_model_runner.profile_cudagraph_memory; 0.34 measures PIECEWISE in full and
+    # extrapolates FULL alone). A FULL (decode) graph's cost grows with its batch, a
+    # PIECEWISE one's hardly: logs of a hybrid 27B model whose graphs stop at 16 tokens
+    # estimate 23-35 MiB per PIECEWISE graph (club-3090#104 and #127, gpustack/runner#251:
+    # 0.13 GiB for 5, 0.17 for 5, 0.36 for 16). So the estimate is modelled as
     # n_piecewise x `cudagraph_bytes_per_piecewise_graph` + n_full x largest_full x
     # `cudagraph_bytes_per_full_graph_token` (`cudagraph_estimate`); both 0 where the
     # release does not subtract. Set by two logged estimates of an 8B dense model
     # (hidden 4,096): 0.84 GiB with 51 PIECEWISE + 51 FULL graphs to 512 tokens
     # (vLLM 0.19, H100, max_num_seqs 1,024) and 0.52 GiB with 51 + 35 to 256 (vLLM 0.21,
-    # RTX A5000, max_num_seqs 256; LMCache#3430). The other models of the set logged
-    # 0.57-1.69 GiB at 51 + 51, so this part is good to about +-0.5 GiB per worker.
+    # RTX A5000, max_num_seqs 256; LMCache#3430). The other 0.19 records logged
+    # 0.57-1.69 GiB at 51 + 51 (kvplan 0.84): off by up to 0.85 GiB per worker (Llama at
+    # TP 2). Not modelled: the hybrid GDN models' profiling transient counted as graph
+    # memory from 0.26 (vllm#50780), for want of a log with a shipped config.
     cudagraph_bytes_per_piecewise_graph: int
     cudagraph_bytes_per_full_graph_token: int
 
@@ -100,15 +106,19 @@ OVERHEAD_FORMULA = (
 
 # vLLM's default capture list (config/vllm.py `_set_cudagraph_sizes`, the same in
 # 0.32-0.34): 1, 2, 4, multiples of 8 below 256, then of 16, up to
-# min(2 x max_num_seqs, 512) and no further than max_num_batched_tokens. FULL graphs
-# (uniform decode, FULL_AND_PIECEWISE, the default mode) stop at max_num_seqs.
+# min(2 x max_num_seqs, 512) and no further than max_num_batched_tokens, plus
+# max_num_batched_tokens and max_num_seqs themselves where they are within that cap.
+# FULL graphs (uniform decode, FULL_AND_PIECEWISE, the default mode) stop at
+# max_num_seqs. Not modelled: speculative decoding's decode sizes (multiples of the
+# query length) and data-centre Blackwell's 1,024 cap.
 _DEFAULT_MAX_CAPTURE = 512
 
 
 def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
     largest = min(2 * max_num_seqs, _DEFAULT_MAX_CAPTURE, max_num_batched_tokens)
-    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, _DEFAULT_MAX_CAPTURE + 1, 16)]
-    return [size for size in sizes if size <= largest]
+    grid = [1, 2, 4, *range(8, 256, 8), *range(256, _DEFAULT_MAX_CAPTURE + 1, 16)]
+    sizes = {size for size in [*grid, max_num_batched_tokens, max_num_seqs] if size <= largest}
+    return sorted(sizes)
 
 
 def cudagraph_estimate(rules: ProfileRules, max_num_seqs: int, max_num_batched_tokens: int) -> int:

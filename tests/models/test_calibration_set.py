@@ -4,6 +4,7 @@ documented status gives (±3% for every V1 record whose config is known)."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -214,3 +215,25 @@ def test_the_graph_estimate_reproduces_the_two_logged_estimates_it_was_set_from(
     # Fewer sequences, fewer and smaller graphs: never more memory.
     sizes = [cudagraph_estimate(rules, seqs, 8192) for seqs in (1, 16, 64, 256, 1024)]
     assert sizes == sorted(sizes)
+
+
+def test_plan_prints_both_token_counts_of_a_hybrid_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Qwen3-Next at TP 2 with the budget the 0.10.2 record's engine allocated: the
+    # per-group count is the one that release printed; the other is 0.24's and later.
+    from kvplan.cli import main
+
+    text = (ROOT / "tests/data/calibration/qwen3-next-80b-a3b-h200-tp2-v0.10.2.log").read_text()
+    budget = re.search(r"kv cache memory in use is (\d+) bytes", text)
+    logged = parse_log(text).kv_cache_tokens
+    assert budget is not None and logged is not None
+    args = ["plan", "--model", str(ROOT / "examples/models/qwen3-next-80b-a3b"), "--gpu", "H200"]
+    args += ["-tp", "2", "--max-model-len", "262144", "--kv-cache-memory-bytes", budget[1]]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if '"GPU KV cache size" line' in line)
+    assert f"{logged:,} up to 0.19 (num_blocks // 4 groups x 544)" in line
+    assert main([*args, "--json"]) == 0
+    capacity = json.loads(capsys.readouterr().out)["capacity"]
+    assert f"{capacity['kv_cache_tokens']:,} tokens from 0.24" in line
