@@ -99,6 +99,27 @@ def parse_fraction(text: str) -> float:
     return value
 
 
+def parse_batch_tokens(text: str) -> int:
+    """--max-num-batched-tokens as vLLM reads it (`8192`, `8K`, `8k`): no `auto`."""
+    if text.strip().lower() in ("auto", "-1"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: vLLM takes a token count here (e.g. 8192, 8K, 16K); leave the flag "
+            "out for vllm serve's default for the GPU"
+        )
+    return parse_tokens(text)
+
+
+def parse_tp_list(text: str) -> list[int]:
+    """`capacity --tensor-parallel-size 1,2,4,8`: the sizes to sweep, each >= 1."""
+    try:
+        sizes = [_count(part.strip()) for part in text.split(",") if part.strip()]
+    except argparse.ArgumentTypeError as error:
+        raise ModelConfigError(f"--tensor-parallel-size {text!r}: {error}") from None
+    if not sizes:
+        raise ModelConfigError(f"--tensor-parallel-size {text!r}: expected sizes, e.g. 1,2,4,8")
+    return sizes
+
+
 def parse_token_list(text: str) -> list[int]:
     """`8K,32K,auto`: one or more lengths to sweep."""
     values = [parse_tokens(part) for part in text.split(",") if part.strip()]
@@ -209,7 +230,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
     )
     parser.add_argument(
         "--max-num-batched-tokens",
-        type=parse_tokens,
+        type=parse_batch_tokens,
         help="tokens per step; default: vllm serve's for the device (2K/8K/16K by memory)",
     )
     parser.add_argument(
@@ -225,6 +246,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
     )
     parser.add_argument(
         "--mamba-ssm-cache-dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),  # vLLM's MambaDType, 0.32-0.34
         help="Mamba/GDN recurrent state dtype: auto (the model's; NemotronH float32), "
         "float32, bfloat16, float16",
     )
@@ -238,7 +260,12 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         "--speculative", help="short form: mtp:TOKENS, or eagle3:TOKENS / eagle:TOKENS"
     )
     parser.add_argument("--draft-model", help="with --speculative: the EAGLE drafter's config")
-    parser.add_argument("--block-size", type=_count, help="attention block size (tokens)")
+    parser.add_argument(
+        "--block-size",
+        type=_count,
+        help="attention block size (tokens): a multiple of 16 on CUDA, as vLLM's attention "
+        "backends take (any size for an MLA model on ROCm); default: the release's",
+    )
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -708,9 +735,7 @@ def capacity_command(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.model)
         gpus = [gpu_or_size(name) for name in args.gpu.split(",") if name.strip()]
-        tps = [int(value) for value in args.tp.split(",") if value.strip()]
-        if not tps or min(tps) < 1:
-            raise ModelConfigError(f"--tp {args.tp!r}: expected positive integers, e.g. 1,2,4,8")
+        tps = parse_tp_list(args.tp)
         options = options_from_args(args)
         prices = dict(args.price or [])
         unpriced = sorted(set(prices) - {gpu.name for gpu in gpus})

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvplan.gpus import UnknownGpu, lookup_gpu
+from kvplan.models.block_sizes import block_size_problem, platform_of
 from kvplan.models.config import HFConfig, ModelConfigError
 from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
 from kvplan.models.weights import (
@@ -116,6 +117,14 @@ def build_plan_request(
     batched_default, max_num_seqs = serve_defaults(device_bytes, device_name)
     batched = options.max_num_batched_tokens or batched_default
     max_num_seqs = options.max_num_seqs or max_num_seqs
+    if batched < max_num_seqs:  # vLLM's SchedulerConfig refuses it (0.32-0.34)
+        raise ModelConfigError(
+            f"max_num_batched_tokens ({batched:,}"
+            f"{'' if options.max_num_batched_tokens else ', vllm serve default for this GPU'})"
+            f" must be >= max_num_seqs ({max_num_seqs:,}"
+            f"{'' if options.max_num_seqs else ', vllm serve default for this GPU'}), as vLLM "
+            "requires: raise --max-num-batched-tokens or lower --max-num-seqs"
+        )
     layers = import_layers(
         config,
         Deployment(
@@ -130,6 +139,15 @@ def build_plan_request(
             dtype=options.dtype,
         ),
     )
+    if options.block_size is not None:
+        attention = [layer for layer in layers.layers if not layer.is_state]
+        problem = attention and block_size_problem(
+            options.block_size,
+            platform=platform_of(gpu_arch),
+            mla=any(layer.kind == "mla_attention" for layer in attention),
+        )
+        if problem:
+            raise ModelConfigError(problem)
     weights: WeightEstimate | None = None
     overhead: OverheadEstimate | None = None
     if options.non_kv_bytes is not None:

@@ -307,3 +307,49 @@ def test_plan_gpu_takes_a_size_like_capacity(capsys: pytest.CaptureFixture[str])
     assert sized["capacity"]["num_blocks"] == exact["capacity"]["num_blocks"] > 0
     assert main([*args, "--gpu", "H999"]) == 2
     assert "unknown GPU 'H999'" in capsys.readouterr().err
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """stderr of a command refused with exit 2 (argparse's or the command's own)."""
+    try:
+        code = main(list(args))
+    except SystemExit as stop:  # argparse refuses a flag's value itself
+        code = int(stop.code or 0)
+    assert code == 2, args
+    return capsys.readouterr().err
+
+
+def test_block_size_is_one_vllm_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    llama = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--max-model-len", "8K"]
+    err = _refused(capsys, *llama, "--gpu", "H100", "--block-size", "7")
+    assert err.startswith("error: --block-size 7: no attention backend") and "on cuda" in err
+    assert "FLASH_ATTN, TRITON_ATTN" in err and "multiple of 16 (16, 32, 48, 64, ...)" in err
+    assert main([*llama, "--gpu", "H100", "--block-size", "48", "--json"]) == 0
+    assert {group["block_size"] for group in json.loads(capsys.readouterr().out)["groups"]} == {48}
+    # A hybrid's size is checked as given, before vLLM raises it to hold a Mamba page.
+    hybrid = ["plan", "--model", str(MODELS / "qwen3-next-80b-a3b"), "--tp", "4", "--gpu", "H100"]
+    assert "--block-size 8:" in _refused(capsys, *hybrid, "--block-size", "8")
+    # MLA: multiples of 16 on CUDA; on ROCm AITER's MLA kernel takes any size.
+    deepseek = ["capacity", "--model", str(MODELS / "deepseek-v3"), "--tp", "8"]
+    deepseek += ["--max-model-len", "8K", "--block-size", "7", "--json"]
+    err = _refused(capsys, *deepseek, "--gpu", "H200")
+    assert "for an MLA model" in err and "FLASHMLA: 64" in err
+    assert main([*deepseek, "--gpu", "MI300X"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["status"] == "ok"
+
+
+def test_vllm_flags_refuse_what_vllm_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100"]
+    err = _refused(capsys, *plan, "--max-num-batched-tokens", "auto")
+    assert "vLLM takes a token count here" in err
+    err = _refused(capsys, *plan, "--mamba-ssm-cache-dtype", "fp8")
+    assert "invalid choice: 'fp8'" in err
+    # vLLM's SchedulerConfig: max_num_batched_tokens >= max_num_seqs, defaults included.
+    err = _refused(capsys, *plan, "--max-num-seqs", "10000")
+    assert "max_num_batched_tokens (8,192, vllm serve default for this GPU) must be >= " in err
+    err = _refused(capsys, *plan, "--max-num-seqs", "512", "--max-num-batched-tokens", "256")
+    assert "max_num_batched_tokens (256) must be >= max_num_seqs (512)" in err
+    sweep = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100"]
+    assert "--tensor-parallel-size '1,x': not an integer" in _refused(capsys, *sweep, "-tp", "1,x")
+    assert "'0,2': must be >= 1: '0'" in _refused(capsys, *sweep, "-tp", "0,2")
