@@ -170,6 +170,14 @@ def build_plan_request(
             f"max_model_len {max_model_len:,} exceeds the model's maximum "
             f"{layers.derived_max_model_len:,} (vLLM refuses it too)"
         )
+    if layers.encoder_decoder and options.max_num_batched_tokens and batched < max_model_len:
+        # vLLM turns chunked prefill off for encoder-decoder models, and its
+        # SchedulerConfig then wants a whole request in one step (0.32-0.34).
+        raise ModelConfigError(
+            f"max_num_batched_tokens ({batched:,}) is smaller than max_model_len "
+            f"({max_model_len:,}): an encoder-decoder model runs without chunked prefill in "
+            "vLLM, which refuses this; raise --max-num-batched-tokens or lower --max-model-len"
+        )
     request = plan_pb2.PlanRequest(engine_id=options.engine_id or layers.model_type or "model")
     opts = request.options
     opts.engine_version = options.engine_version

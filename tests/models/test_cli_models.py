@@ -353,3 +353,8 @@ def test_vllm_flags_refuse_what_vllm_refuses(capsys: pytest.CaptureFixture[str])
     sweep = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100"]
     assert "--tensor-parallel-size '1,x': not an integer" in _refused(capsys, *sweep, "-tp", "1,x")
     assert "'0,2': must be >= 1: '0'" in _refused(capsys, *sweep, "-tp", "0,2")
+    # Encoder-decoder: no chunked prefill in vLLM, so a whole request fits one step.
+    whisper = ["plan", "--model", str(MODELS / "whisper-small"), "--gpu", "L4"]
+    err = _refused(capsys, *whisper, "--max-num-batched-tokens", "256", "--max-num-seqs", "8")
+    assert "max_num_batched_tokens (256) is smaller than max_model_len (448)" in err
+    assert main([*whisper, "--max-num-batched-tokens", "448", "--max-num-seqs", "8"]) == 0
