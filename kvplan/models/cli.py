@@ -34,7 +34,7 @@ from kvplan.models.request import (
     state_pages_per_request,
     summarize,
 )
-from kvplan.v1 import plan_pb2
+from kvplan.v1 import plan_pb2, service_pb2
 
 GIB = 1 << 30
 _UNITS = {
@@ -654,7 +654,8 @@ def chart_subtitle(args: argparse.Namespace, lengths: Sequence[int | None]) -> s
         fixed = "max_model_len: the model's own"
     else:
         fixed = f"max_model_len {'auto' if lengths[0] == -1 else f'{lengths[0]:,}'}"
-    return f"{fixed}; rules {args.engine_version or 'kvplan'}"
+    planned = f"; planned by the kvplan server at {args.target}" if args.target else ""
+    return f"{fixed}; rules {args.engine_version or 'kvplan'}{planned}"
 
 
 def _local_planner(request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
@@ -699,6 +700,12 @@ class RemotePlanner:
             raise RemoteError(
                 remote_error_text(error), EXIT_CODES.get(error.code_name, 1)
             ) from error
+
+    def get_measurements(
+        self, fingerprint: service_pb2.ConfigFingerprint
+    ) -> service_pb2.GetMeasurementsResponse:
+        """The fleet's measurements, over the sweep's channel (kvplan/models/fleet.py)."""
+        return self._client.get_measurements(fingerprint)
 
     def close(self) -> None:
         self._client.close()
@@ -827,7 +834,11 @@ def fleet_rows(
         return row
 
     target = getattr(args, "target", None)
-    ask = remote_ask(target, security_environ(args)) if target else None
+    ask: Any = None
+    if isinstance(planner, RemotePlanner):
+        ask = planner.get_measurements
+    elif target:
+        ask = remote_ask(target, security_environ(args))
     return with_fleet(rows, config, options, gpus, replan, ask)
 
 
