@@ -452,9 +452,54 @@ def plan_built(
             fitted = planner(auto_fit_request(request))
         except Exception:
             fitted = None
+    check_device_holds(response, inputs)
     pages = state_pages_per_request(inputs.layers)
     drafts = frozenset(layer.name for layer in inputs.layers.layers if layer.is_draft)
     return response, summarize(response, fitted, pages, drafts), inputs
+
+
+_FIXED_SIZE_MODES = {
+    plan_pb2.BUDGET_MODE_EXPLICIT_BYTES: "--kv-cache-memory-bytes",
+    plan_pb2.BUDGET_MODE_BLOCKS_OVERRIDE: "--num-gpu-blocks-override",
+}
+
+
+def check_device_holds(response: plan_pb2.PlanResponse, inputs: ModelPlanInputs) -> None:
+    """A KV cache sized by --kv-cache-memory-bytes or --num-gpu-blocks-override is planned
+    whatever the device holds, as vLLM's planner does; vLLM then fails allocating it.
+    Refused where the KV tensors and the weights (loaded before them) alone exceed the
+    device: a lower bound of what must be resident, so no estimate of the activations
+    or CUDA graphs can make the refusal false."""
+    for worker in response.workers:
+        budget = worker.budget
+        flag = _FIXED_SIZE_MODES.get(budget.mode)
+        if flag is None or not budget.total_bytes:
+            continue
+        kv = sum(tensor.size_bytes for tensor in worker.tensors)
+        if inputs.weights is not None:
+            resident, what = inputs.weights.bytes_per_worker, "the weights (estimated)"
+        else:
+            resident, what = inputs.non_kv_bytes, "the non-KV memory (given)"
+        if kv + resident <= budget.total_bytes:
+            continue
+        sized = (
+            f"{worker.num_blocks:,} blocks of {worker.bytes_per_block:,} B"
+            if budget.mode == plan_pb2.BUDGET_MODE_BLOCKS_OVERRIDE
+            else "the size given"
+        )
+        room = _gib(max(budget.total_bytes - resident, 0))
+        hint = (
+            f"less than {room} fits beside the weights (the activations and CUDA graphs "
+            "need part of it)"
+            if inputs.weights is not None
+            else f"at most {room} fits beside the given non-KV memory"
+        )
+        raise ModelConfigError(
+            f"{flag}: a KV cache of {_gib(kv)} per worker ({sized}) and {what}, "
+            f"{_gib(resident)}, need {_gib(kv + resident)}, more than the device's "
+            f"{_gib(budget.total_bytes)}: vLLM runs out of memory allocating the KV cache; "
+            f"{hint}"
+        )
 
 
 def gpu_or_size(text: str) -> GpuModel:

@@ -358,3 +358,36 @@ def test_vllm_flags_refuse_what_vllm_refuses(capsys: pytest.CaptureFixture[str])
     err = _refused(capsys, *whisper, "--max-num-batched-tokens", "256", "--max-num-seqs", "8")
     assert "max_num_batched_tokens (256) is smaller than max_model_len (448)" in err
     assert main([*whisper, "--max-num-batched-tokens", "448", "--max-num-seqs", "8"]) == 0
+
+
+def test_a_fixed_kv_size_the_device_cannot_hold_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # vLLM plans --kv-cache-memory-bytes / --num-gpu-blocks-override whatever the device
+    # holds, then fails allocating: the KV tensors plus the weights loaded before them
+    # already exceed the H100's 79.19 GiB here.
+    plan = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100"]
+    plan += ["--max-model-len", "8K"]
+    err = _refused(capsys, *plan, "--kv-cache-memory-bytes", "200GiB")
+    assert err.startswith("error: --kv-cache-memory-bytes: a KV cache of 200.00 GiB per worker")
+    assert "more than the device's 79.19 GiB: vLLM runs out of memory" in err
+    assert "less than 64.23 GiB fits beside the weights" in err  # 79.19 - 14.96 estimated
+    err = _refused(capsys, *plan, "--num-gpu-blocks-override", "1000000")
+    assert "(1,000,000 blocks of 2,097,152 B)" in err  # 32 layers x 2 x 8 x 128 x 2 B x 16
+    given = ["--kv-cache-memory-bytes", "70GiB", "--non-kv-bytes", "20GiB"]
+    assert "at most 59.19 GiB fits beside the given non-KV memory" in _refused(
+        capsys, *plan, *given
+    )
+    assert main([*plan, "--kv-cache-memory-bytes", "60GiB"]) == 0
+    capsys.readouterr()
+    # In a sweep the GPU that cannot hold it is that row's error; the others plan.
+    sweep = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "L4,H100", "--tp", "1"]
+    assert (
+        main([*sweep, "--max-model-len", "8K", "--kv-cache-memory-bytes", "30GiB", "--json"]) == 0
+    )
+    rows = {row["gpu"]: row for row in json.loads(capsys.readouterr().out)}
+    assert (
+        rows["L4-24GB"]["status"] == "error"
+        and "vLLM runs out of memory" in rows["L4-24GB"]["error"]
+    )
+    assert rows["H100-80GB"]["status"] == "ok"
