@@ -318,10 +318,17 @@ def _no_fit_details(error: Exception) -> dict[str, int | float | str] | None:
 
 
 def _local_or_remote(args: argparse.Namespace) -> Any:
+    """`plan --model`'s planner. On a server the plan is a what-if, as `capacity
+    --target`'s: no engine id, so the server claims no engine for this identity and
+    publishes no plan under the model's name (GetPlan of a real engine unchanged)."""
+
     def planner(request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
         _ask_shared_prefix(request, args)
         if args.target:
-            return _plan_remote(args.target, request, args)
+            asked = plan_pb2.PlanRequest()
+            asked.CopyFrom(request)
+            asked.engine_id = ""
+            return _plan_remote(args.target, asked, args)
         from kvplan.convert import plan_from_proto
 
         return plan_from_proto(request)
