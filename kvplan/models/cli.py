@@ -812,11 +812,16 @@ def capacity_command(args: argparse.Namespace) -> int:
     def progress(done: int, count: int, what: str) -> None:
         print(f"\r[{done}/{count}] {what}   ", end="" if done < count else "\n", file=sys.stderr)
 
-    from kvplan.cli import RemoteError, security_environ
+    from kvplan.cli import RemoteError, connection_setup_error, security_environ
 
-    remote = RemotePlanner(args.target, security_environ(args)) if args.target else None
-    planner: Planner = remote or _local_planner
+    remote: RemotePlanner | None = None
     try:
+        if args.target:
+            try:
+                remote = RemotePlanner(args.target, security_environ(args))
+            except (OSError, ValueError) as error:
+                raise connection_setup_error(error) from error
+        planner: Planner = remote or _local_planner
         rows = capacity_rows(
             config, options, gpus, tps, planner, progress if show_progress else None, lengths
         )

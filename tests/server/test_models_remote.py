@@ -153,3 +153,17 @@ async def test_capacity_without_a_server_says_what_to_check(
     captured = capsys.readouterr()
     assert captured.out == ""  # no table of rows nobody answered
     assert captured.err.startswith(f"error: 127.0.0.1:{port}: UNAVAILABLE")
+
+
+@pytest.mark.parametrize("command", ["plan", "capacity"])
+def test_a_channel_that_cannot_be_set_up_is_a_flag_error(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [command, "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "8K"]
+    missing = str(tmp_path / "missing-ca.pem")
+    assert main([*args, "--target", "127.0.0.1:1", "--tls-ca", missing]) == 2
+    assert f"KVPLAN_TLS_CA={missing}: No such file or directory (a TLS or token file)" in (
+        capsys.readouterr().err
+    )
+    assert main([*args, "--target", "127.0.0.1:"]) == 2
+    assert "empty port (give HOST:PORT, or HOST for 50051)" in capsys.readouterr().err
