@@ -325,6 +325,8 @@ def _no_fit_details(error: Exception) -> dict[str, int | float | str] | None:
     if error.exit_code != EXIT_CODES["RESOURCE_EXHAUSTED"]:
         return None
     metadata = getattr(error.__cause__, "metadata", {}) or {}
+    if metadata.get("reason", "RESOURCE_EXHAUSTED") == "RESOURCE_EXHAUSTED":
+        return None  # the server's own limit (its flag named), not the memory
     return {key: int(value) if value.isdigit() else value for key, value in metadata.items()}
 
 

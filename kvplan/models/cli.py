@@ -772,7 +772,9 @@ def _planning_error(error: Any) -> Exception | None:
         "NOT_FOUND": UnknownDevice,
     }
     kind = kinds.get(error.code_name)
-    if kind is None:
+    # The planner's refusals carry their error class as the reason; the server's own
+    # (a request over its limits: reason = the code) are not the plan's answer.
+    if kind is None or error.metadata.get("reason", error.code_name) == error.code_name:
         return None
     field = error.violations[0].field if error.violations else ""
     details: dict[str, int | float | str] = {

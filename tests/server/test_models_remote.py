@@ -167,3 +167,26 @@ def test_a_channel_that_cannot_be_set_up_is_a_flag_error(
     )
     assert main([*args, "--target", "127.0.0.1:"]) == 2
     assert "empty port (give HOST:PORT, or HOST for 50051)" in capsys.readouterr().err
+
+
+async def test_a_server_limit_is_not_a_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    # The server's own RESOURCE_EXHAUSTED (a request over --max-layers-per-worker) ends
+    # the sweep with its message; it is not read as the memory's "does not fit".
+    from dataclasses import replace
+
+    from kvplan.server.main import start_server
+    from tests.server.conftest import TEST_SETTINGS
+
+    running = await start_server(replace(TEST_SETTINGS, max_layers_per_worker=8))
+    try:
+        target = ["--target", f"127.0.0.1:{running.port}"]
+        args = ["--model", str(MODELS / "qwen3-8b"), "--gpu", "H100", "--max-model-len", "8K"]
+        assert await asyncio.to_thread(main, ["capacity", *args, "--tp", "1", *target]) == 4
+        err = capsys.readouterr().err
+        assert "exceeds the server's limit of 8 (--max-layers-per-worker)" in err
+        assert "does not fit" not in err
+        assert await asyncio.to_thread(main, ["plan", *args, *target]) == 4
+        err = capsys.readouterr().err
+        assert "(--max-layers-per-worker)" in err and "does not fit" not in err
+    finally:
+        await running.stop(0)
