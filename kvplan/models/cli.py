@@ -986,6 +986,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
             gpu=catalog_name(gpu),
             gpu_memory_bytes=gpu.total_memory_bytes,
             engine_release="v0" if log.engine == "v0" else log.release,
+            block_size_ran=from_log.get("block_size", 0) == args.block_size,  # the log ran it
         )
         request, inputs = build_plan_request(config, options)
         try:

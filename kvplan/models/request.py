@@ -53,6 +53,9 @@ class ModelPlanOptions:
     mamba_ssm_cache_dtype: str = "auto"  # vLLM's --mamba-ssm-cache-dtype
     speculative: Speculative | None = None
     block_size: int | None = None
+    # The block size a real engine ran with (a startup log's, `calibrate`): taken as
+    # given, whatever release or platform ran it; else checked (models/block_sizes.py).
+    block_size_ran: bool = False
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None  # None: vllm serve's default for the device
     non_kv_bytes: int | None = None  # measured non-KV memory per worker; None: estimate
@@ -139,7 +142,7 @@ def build_plan_request(
             dtype=options.dtype,
         ),
     )
-    if options.block_size is not None:
+    if options.block_size is not None and not options.block_size_ran:
         attention = [layer for layer in layers.layers if not layer.is_state]
         problem = attention and block_size_problem(
             options.block_size,

@@ -391,3 +391,21 @@ def test_a_fixed_kv_size_the_device_cannot_hold_is_refused(
         and "vLLM runs out of memory" in rows["L4-24GB"]["error"]
     )
     assert rows["H100-80GB"]["status"] == "ok"
+
+
+def test_a_logged_block_size_is_taken_as_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A block size an engine ran with (V0's 8, or ROCm's AITER MLA 1) is a fact of the
+    # log `calibrate` reads, not refused as vLLM 0.32-0.34's CUDA backends refuse it.
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "INFO 04-22 15:56:27 [entrypoints/utils.py:233] non-default args: {'model': 'm', "
+        "'max_model_len': 8192, 'block_size': 8}\n"
+    )
+    model = str(MODELS / "llama-3.1-8b")
+    assert main(["calibrate", str(log), "--model", model, "--gpu", "H100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings_from_log"]["block_size"] == 8
+    # The same size given for a deployment is checked.
+    plan = ["plan", "--model", model, "--gpu", "H100", "--max-model-len", "8K"]
+    assert "--block-size 8: no attention backend" in _refused(capsys, *plan, "--block-size", "8")
