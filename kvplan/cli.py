@@ -301,8 +301,19 @@ def fleet_source(args: argparse.Namespace, config: Any, options: Any, gpu: Any) 
     """The fleet's measurements of this configuration (with --target), or why none."""
     from kvplan.models.fleet import memory_source, remote_ask
 
-    ask = remote_ask(args.target, security_environ(args)) if args.target else None
+    try:
+        ask = remote_ask(args.target, security_environ(args)) if args.target else None
+    except (OSError, ValueError) as error:
+        raise connection_setup_error(error) from error
     return memory_source(config, options, gpu, ask)
+
+
+def connection_setup_error(error: OSError | ValueError) -> RemoteError:
+    """A channel that could not be set up: an unreadable TLS or token file, or a target
+    without a port. Exit 2, as a bad flag."""
+    if isinstance(error, OSError):
+        return RemoteError(f"{error} (a TLS or token file)", 2)
+    return RemoteError(str(error), 2)
 
 
 def _no_fit_details(error: Exception) -> dict[str, int | float | str] | None:
@@ -314,14 +325,23 @@ def _no_fit_details(error: Exception) -> dict[str, int | float | str] | None:
     if error.exit_code != EXIT_CODES["RESOURCE_EXHAUSTED"]:
         return None
     metadata = getattr(error.__cause__, "metadata", {}) or {}
+    if metadata.get("reason", "RESOURCE_EXHAUSTED") == "RESOURCE_EXHAUSTED":
+        return None  # the server's own limit (its flag named), not the memory
     return {key: int(value) if value.isdigit() else value for key, value in metadata.items()}
 
 
 def _local_or_remote(args: argparse.Namespace) -> Any:
+    """`plan --model`'s planner. On a server the plan is a what-if, as `capacity
+    --target`'s: no engine id, so the server claims no engine for this identity and
+    publishes no plan under the model's name (GetPlan of a real engine unchanged)."""
+
     def planner(request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
         _ask_shared_prefix(request, args)
         if args.target:
-            return _plan_remote(args.target, request, args)
+            asked = plan_pb2.PlanRequest()
+            asked.CopyFrom(request)
+            asked.engine_id = ""
+            return _plan_remote(args.target, asked, args)
         from kvplan.convert import plan_from_proto
 
         return plan_from_proto(request)
@@ -386,10 +406,8 @@ def _plan_remote(
         security = ChannelSecurity.from_env(security_environ(args))
         with PlannerClient(target, security=security) as client:
             return client.plan(request).response
-    except OSError as error:
-        raise RemoteError(f"{error} (a TLS or token file)", 2) from error
-    except ValueError as error:  # a target with an empty port
-        raise RemoteError(str(error), 2) from error
+    except (OSError, ValueError) as error:  # a TLS or token file, a target without a port
+        raise connection_setup_error(error) from error
     except PlannerError as error:
         raise RemoteError(remote_error_text(error), EXIT_CODES.get(error.code_name, 1)) from error
 

@@ -34,7 +34,7 @@ from kvplan.models.request import (
     state_pages_per_request,
     summarize,
 )
-from kvplan.v1 import plan_pb2
+from kvplan.v1 import plan_pb2, service_pb2
 
 GIB = 1 << 30
 _UNITS = {
@@ -97,6 +97,27 @@ def parse_fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1]: {text!r}")
     return value
+
+
+def parse_batch_tokens(text: str) -> int:
+    """--max-num-batched-tokens as vLLM reads it (`8192`, `8K`, `8k`): no `auto`."""
+    if text.strip().lower() in ("auto", "-1"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: vLLM takes a token count here (e.g. 8192, 8K, 16K); leave the flag "
+            "out for vllm serve's default for the GPU"
+        )
+    return parse_tokens(text)
+
+
+def parse_tp_list(text: str) -> list[int]:
+    """`capacity --tensor-parallel-size 1,2,4,8`: the sizes to sweep, each >= 1."""
+    try:
+        sizes = [_count(part.strip()) for part in text.split(",") if part.strip()]
+    except argparse.ArgumentTypeError as error:
+        raise ModelConfigError(f"--tensor-parallel-size {text!r}: {error}") from None
+    if not sizes:
+        raise ModelConfigError(f"--tensor-parallel-size {text!r}: expected sizes, e.g. 1,2,4,8")
+    return sizes
 
 
 def parse_token_list(text: str) -> list[int]:
@@ -224,7 +245,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
     )
     parser.add_argument(
         "--max-num-batched-tokens",
-        type=parse_tokens,
+        type=parse_batch_tokens,
         help="tokens per step; default: vllm serve's for the device (2K/8K/16K by memory)",
     )
     parser.add_argument(
@@ -240,6 +261,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
     )
     parser.add_argument(
         "--mamba-ssm-cache-dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),  # vLLM's MambaDType, 0.32-0.34
         help="Mamba/GDN recurrent state dtype: auto (the model's; NemotronH float32), "
         "float32, bfloat16, float16",
     )
@@ -253,7 +275,12 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         "--speculative", help="short form: mtp:TOKENS, or eagle3:TOKENS / eagle:TOKENS"
     )
     parser.add_argument("--draft-model", help="with --speculative: the EAGLE drafter's config")
-    parser.add_argument("--block-size", type=_count, help="attention block size (tokens)")
+    parser.add_argument(
+        "--block-size",
+        type=_count,
+        help="attention block size (tokens): a multiple of 16 on CUDA, as vLLM's attention "
+        "backends take (any size for an MLA model on ROCm); default: the release's",
+    )
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -453,9 +480,54 @@ def plan_built(
             fitted = planner(auto_fit_request(request))
         except Exception:
             fitted = None
+    check_device_holds(response, inputs)
     pages = state_pages_per_request(inputs.layers)
     drafts = frozenset(layer.name for layer in inputs.layers.layers if layer.is_draft)
     return response, summarize(response, fitted, pages, drafts), inputs
+
+
+_FIXED_SIZE_MODES = {
+    plan_pb2.BUDGET_MODE_EXPLICIT_BYTES: "--kv-cache-memory-bytes",
+    plan_pb2.BUDGET_MODE_BLOCKS_OVERRIDE: "--num-gpu-blocks-override",
+}
+
+
+def check_device_holds(response: plan_pb2.PlanResponse, inputs: ModelPlanInputs) -> None:
+    """A KV cache sized by --kv-cache-memory-bytes or --num-gpu-blocks-override is planned
+    whatever the device holds, as vLLM's planner does; vLLM then fails allocating it.
+    Refused where the KV tensors and the weights (loaded before them) alone exceed the
+    device: a lower bound of what must be resident, so no estimate of the activations
+    or CUDA graphs can make the refusal false."""
+    for worker in response.workers:
+        budget = worker.budget
+        flag = _FIXED_SIZE_MODES.get(budget.mode)
+        if flag is None or not budget.total_bytes:
+            continue
+        kv = sum(tensor.size_bytes for tensor in worker.tensors)
+        if inputs.weights is not None:
+            resident, what = inputs.weights.bytes_per_worker, "the weights (estimated)"
+        else:
+            resident, what = inputs.non_kv_bytes, "the non-KV memory (given)"
+        if kv + resident <= budget.total_bytes:
+            continue
+        sized = (
+            f"{worker.num_blocks:,} blocks of {worker.bytes_per_block:,} B"
+            if budget.mode == plan_pb2.BUDGET_MODE_BLOCKS_OVERRIDE
+            else "the size given"
+        )
+        room = _gib(max(budget.total_bytes - resident, 0))
+        hint = (
+            f"less than {room} fits beside the weights (the activations and CUDA graphs "
+            "need part of it)"
+            if inputs.weights is not None
+            else f"at most {room} fits beside the given non-KV memory"
+        )
+        raise ModelConfigError(
+            f"{flag}: a KV cache of {_gib(kv)} per worker ({sized}) and {what}, "
+            f"{_gib(resident)}, need {_gib(kv + resident)}, more than the device's "
+            f"{_gib(budget.total_bytes)}: vLLM runs out of memory allocating the KV cache; "
+            f"{hint}"
+        )
 
 
 def gpu_or_size(text: str) -> GpuModel:
@@ -655,7 +727,8 @@ def chart_subtitle(args: argparse.Namespace, lengths: Sequence[int | None]) -> s
         fixed = "max_model_len: the model's own"
     else:
         fixed = f"max_model_len {'auto' if lengths[0] == -1 else f'{lengths[0]:,}'}"
-    return f"{fixed}; rules {args.engine_version or 'kvplan'}"
+    planned = f"; planned by the kvplan server at {args.target}" if args.target else ""
+    return f"{fixed}; rules {args.engine_version or 'kvplan'}{planned}"
 
 
 def _local_planner(request: plan_pb2.PlanRequest) -> plan_pb2.PlanResponse:
@@ -701,6 +774,12 @@ class RemotePlanner:
                 remote_error_text(error), EXIT_CODES.get(error.code_name, 1)
             ) from error
 
+    def get_measurements(
+        self, fingerprint: service_pb2.ConfigFingerprint
+    ) -> service_pb2.GetMeasurementsResponse:
+        """The fleet's measurements, over the sweep's channel (kvplan/models/fleet.py)."""
+        return self._client.get_measurements(fingerprint)
+
     def close(self) -> None:
         self._client.close()
 
@@ -721,7 +800,9 @@ def _planning_error(error: Any) -> Exception | None:
         "NOT_FOUND": UnknownDevice,
     }
     kind = kinds.get(error.code_name)
-    if kind is None:
+    # The planner's refusals carry their error class as the reason; the server's own
+    # (a request over its limits: reason = the code) are not the plan's answer.
+    if kind is None or error.metadata.get("reason", error.code_name) == error.code_name:
         return None
     field = error.violations[0].field if error.violations else ""
     details: dict[str, int | float | str] = {
@@ -736,9 +817,7 @@ def capacity_command(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.model)
         gpus = [gpu_or_size(name) for name in args.gpu.split(",") if name.strip()]
-        tps = [int(value) for value in args.tp.split(",") if value.strip()]
-        if not tps or min(tps) < 1:
-            raise ModelConfigError(f"--tp {args.tp!r}: expected positive integers, e.g. 1,2,4,8")
+        tps = parse_tp_list(args.tp)
         options = options_from_args(args)
         prices = dict(args.price or [])
         unpriced = sorted(set(prices) - {gpu.name for gpu in gpus})
@@ -763,11 +842,16 @@ def capacity_command(args: argparse.Namespace) -> int:
     def progress(done: int, count: int, what: str) -> None:
         print(f"\r[{done}/{count}] {what}   ", end="" if done < count else "\n", file=sys.stderr)
 
-    from kvplan.cli import RemoteError, security_environ
+    from kvplan.cli import RemoteError, connection_setup_error, security_environ
 
-    remote = RemotePlanner(args.target, security_environ(args)) if args.target else None
-    planner: Planner = remote or _local_planner
+    remote: RemotePlanner | None = None
     try:
+        if args.target:
+            try:
+                remote = RemotePlanner(args.target, security_environ(args))
+            except (OSError, ValueError) as error:
+                raise connection_setup_error(error) from error
+        planner: Planner = remote or _local_planner
         rows = capacity_rows(
             config, options, gpus, tps, planner, progress if show_progress else None, lengths
         )
@@ -830,7 +914,11 @@ def fleet_rows(
         return row
 
     target = getattr(args, "target", None)
-    ask = remote_ask(target, security_environ(args)) if target else None
+    ask: Any = None
+    if isinstance(planner, RemotePlanner):
+        ask = planner.get_measurements
+    elif target:
+        ask = remote_ask(target, security_environ(args))
     return with_fleet(rows, config, options, gpus, replan, ask)
 
 
@@ -934,6 +1022,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
             gpu=catalog_name(gpu),
             gpu_memory_bytes=gpu.total_memory_bytes,
             engine_release="v0" if log.engine == "v0" else log.release,
+            block_size_ran=from_log.get("block_size", 0) == args.block_size,  # the log ran it
         )
         request, inputs = build_plan_request(config, options)
         try:

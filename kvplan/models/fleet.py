@@ -156,7 +156,9 @@ def measured_options(options: ModelPlanOptions, source: MemorySource) -> ModelPl
 def remote_ask(target: str, environ: dict[str, str]) -> Ask:
     """GetMeasurements on a kvplan server (TLS and token from `environ`'s KVPLAN_*)."""
     from kvplan.client import ChannelSecurity, PlannerClient
+    from kvplan.client.targets import with_default_port
 
+    with_default_port(target)  # a target without a port: ValueError here, not per call
     security = ChannelSecurity.from_env(environ)
 
     def ask(print_: service_pb2.ConfigFingerprint) -> service_pb2.GetMeasurementsResponse:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvplan.gpus import UnknownGpu, lookup_gpu
+from kvplan.models.block_sizes import block_size_problem, platform_of
 from kvplan.models.config import HFConfig, ModelConfigError
 from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
 from kvplan.models.weights import (
@@ -52,6 +53,9 @@ class ModelPlanOptions:
     mamba_ssm_cache_dtype: str = "auto"  # vLLM's --mamba-ssm-cache-dtype
     speculative: Speculative | None = None
     block_size: int | None = None
+    # The block size a real engine ran with (a startup log's, `calibrate`): taken as
+    # given, whatever release or platform ran it; else checked (models/block_sizes.py).
+    block_size_ran: bool = False
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None  # None: vllm serve's default for the device
     non_kv_bytes: int | None = None  # measured non-KV memory per worker; None: estimate
@@ -119,6 +123,14 @@ def build_plan_request(
     batched_default, max_num_seqs = serve_defaults(device_bytes, device_name)
     batched = options.max_num_batched_tokens or batched_default
     max_num_seqs = options.max_num_seqs or max_num_seqs
+    if batched < max_num_seqs:  # vLLM's SchedulerConfig refuses it (0.32-0.34)
+        raise ModelConfigError(
+            f"max_num_batched_tokens ({batched:,}"
+            f"{'' if options.max_num_batched_tokens else ', vllm serve default for this GPU'})"
+            f" must be >= max_num_seqs ({max_num_seqs:,}"
+            f"{'' if options.max_num_seqs else ', vllm serve default for this GPU'}), as vLLM "
+            "requires: raise --max-num-batched-tokens or lower --max-num-seqs"
+        )
     layers = import_layers(
         config,
         Deployment(
@@ -133,6 +145,15 @@ def build_plan_request(
             dtype=options.dtype,
         ),
     )
+    if options.block_size is not None and not options.block_size_ran:
+        attention = [layer for layer in layers.layers if not layer.is_state]
+        problem = attention and block_size_problem(
+            options.block_size,
+            platform=platform_of(gpu_arch),
+            mla=any(layer.kind == "mla_attention" for layer in attention),
+        )
+        if problem:
+            raise ModelConfigError(problem)
     weights: WeightEstimate | None = None
     overhead: OverheadEstimate | None = None
     if options.non_kv_bytes is not None:
@@ -156,6 +177,14 @@ def build_plan_request(
         raise ModelConfigError(
             f"max_model_len {max_model_len:,} exceeds the model's maximum "
             f"{layers.derived_max_model_len:,} (vLLM refuses it too)"
+        )
+    if layers.encoder_decoder and options.max_num_batched_tokens and batched < max_model_len:
+        # vLLM turns chunked prefill off for encoder-decoder models, and its
+        # SchedulerConfig then wants a whole request in one step (0.32-0.34).
+        raise ModelConfigError(
+            f"max_num_batched_tokens ({batched:,}) is smaller than max_model_len "
+            f"({max_model_len:,}): an encoder-decoder model runs without chunked prefill in "
+            "vLLM, which refuses this; raise --max-num-batched-tokens or lower --max-model-len"
         )
     request = plan_pb2.PlanRequest(engine_id=options.engine_id or layers.model_type or "model")
     opts = request.options

@@ -307,3 +307,105 @@ def test_plan_gpu_takes_a_size_like_capacity(capsys: pytest.CaptureFixture[str])
     assert sized["capacity"]["num_blocks"] == exact["capacity"]["num_blocks"] > 0
     assert main([*args, "--gpu", "H999"]) == 2
     assert "unknown GPU 'H999'" in capsys.readouterr().err
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """stderr of a command refused with exit 2 (argparse's or the command's own)."""
+    try:
+        code = main(list(args))
+    except SystemExit as stop:  # argparse refuses a flag's value itself
+        code = int(stop.code or 0)
+    assert code == 2, args
+    return capsys.readouterr().err
+
+
+def test_block_size_is_one_vllm_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    llama = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--max-model-len", "8K"]
+    err = _refused(capsys, *llama, "--gpu", "H100", "--block-size", "7")
+    assert err.startswith("error: --block-size 7: no attention backend") and "on cuda" in err
+    assert "FLASH_ATTN, TRITON_ATTN" in err and "multiple of 16 (16, 32, 48, 64, ...)" in err
+    assert main([*llama, "--gpu", "H100", "--block-size", "48", "--json"]) == 0
+    assert {group["block_size"] for group in json.loads(capsys.readouterr().out)["groups"]} == {48}
+    # A hybrid's size is checked as given, before vLLM raises it to hold a Mamba page.
+    hybrid = ["plan", "--model", str(MODELS / "qwen3-next-80b-a3b"), "--tp", "4", "--gpu", "H100"]
+    assert "--block-size 8:" in _refused(capsys, *hybrid, "--block-size", "8")
+    # MLA: multiples of 16 on CUDA; on ROCm AITER's MLA kernel takes any size.
+    deepseek = ["capacity", "--model", str(MODELS / "deepseek-v3"), "--tp", "8"]
+    deepseek += ["--max-model-len", "8K", "--block-size", "7", "--json"]
+    err = _refused(capsys, *deepseek, "--gpu", "H200")
+    assert "for an MLA model" in err and "FLASHMLA: 64" in err
+    assert main([*deepseek, "--gpu", "MI300X"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["status"] == "ok"
+
+
+def test_vllm_flags_refuse_what_vllm_refuses(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100"]
+    err = _refused(capsys, *plan, "--max-num-batched-tokens", "auto")
+    assert "vLLM takes a token count here" in err
+    err = _refused(capsys, *plan, "--mamba-ssm-cache-dtype", "fp8")
+    assert "invalid choice: 'fp8'" in err
+    # vLLM's SchedulerConfig: max_num_batched_tokens >= max_num_seqs, defaults included.
+    err = _refused(capsys, *plan, "--max-num-seqs", "10000")
+    assert "max_num_batched_tokens (8,192, vllm serve default for this GPU) must be >= " in err
+    err = _refused(capsys, *plan, "--max-num-seqs", "512", "--max-num-batched-tokens", "256")
+    assert "max_num_batched_tokens (256) must be >= max_num_seqs (512)" in err
+    sweep = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100"]
+    assert "--tensor-parallel-size '1,x': not an integer" in _refused(capsys, *sweep, "-tp", "1,x")
+    assert "'0,2': must be >= 1: '0'" in _refused(capsys, *sweep, "-tp", "0,2")
+    # Encoder-decoder: no chunked prefill in vLLM, so a whole request fits one step.
+    whisper = ["plan", "--model", str(MODELS / "whisper-small"), "--gpu", "L4"]
+    err = _refused(capsys, *whisper, "--max-num-batched-tokens", "256", "--max-num-seqs", "8")
+    assert "max_num_batched_tokens (256) is smaller than max_model_len (448)" in err
+    assert main([*whisper, "--max-num-batched-tokens", "448", "--max-num-seqs", "8"]) == 0
+
+
+def test_a_fixed_kv_size_the_device_cannot_hold_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # vLLM plans --kv-cache-memory-bytes / --num-gpu-blocks-override whatever the device
+    # holds, then fails allocating: the KV tensors plus the weights loaded before them
+    # already exceed the H100's 79.19 GiB here.
+    plan = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100"]
+    plan += ["--max-model-len", "8K"]
+    err = _refused(capsys, *plan, "--kv-cache-memory-bytes", "200GiB")
+    assert err.startswith("error: --kv-cache-memory-bytes: a KV cache of 200.00 GiB per worker")
+    assert "more than the device's 79.19 GiB: vLLM runs out of memory" in err
+    assert "less than 64.23 GiB fits beside the weights" in err  # 79.19 - 14.96 estimated
+    err = _refused(capsys, *plan, "--num-gpu-blocks-override", "1000000")
+    assert "(1,000,000 blocks of 2,097,152 B)" in err  # 32 layers x 2 x 8 x 128 x 2 B x 16
+    given = ["--kv-cache-memory-bytes", "70GiB", "--non-kv-bytes", "20GiB"]
+    assert "at most 59.19 GiB fits beside the given non-KV memory" in _refused(
+        capsys, *plan, *given
+    )
+    assert main([*plan, "--kv-cache-memory-bytes", "60GiB"]) == 0
+    capsys.readouterr()
+    # In a sweep the GPU that cannot hold it is that row's error; the others plan.
+    sweep = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "L4,H100", "--tp", "1"]
+    assert (
+        main([*sweep, "--max-model-len", "8K", "--kv-cache-memory-bytes", "30GiB", "--json"]) == 0
+    )
+    rows = {row["gpu"]: row for row in json.loads(capsys.readouterr().out)}
+    assert (
+        rows["L4-24GB"]["status"] == "error"
+        and "vLLM runs out of memory" in rows["L4-24GB"]["error"]
+    )
+    assert rows["H100-80GB"]["status"] == "ok"
+
+
+def test_a_logged_block_size_is_taken_as_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A block size an engine ran with (V0's 8, or ROCm's AITER MLA 1) is a fact of the
+    # log `calibrate` reads, not refused as vLLM 0.32-0.34's CUDA backends refuse it.
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "INFO 04-22 15:56:27 [entrypoints/utils.py:233] non-default args: {'model': 'm', "
+        "'max_model_len': 8192, 'block_size': 8}\n"
+    )
+    model = str(MODELS / "llama-3.1-8b")
+    assert main(["calibrate", str(log), "--model", model, "--gpu", "H100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings_from_log"]["block_size"] == 8
+    # The same size given for a deployment is checked.
+    plan = ["plan", "--model", model, "--gpu", "H100", "--max-model-len", "8K"]
+    assert "--block-size 8: no attention backend" in _refused(capsys, *plan, "--block-size", "8")

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from kvplan.cli import main
-from kvplan.client import AsyncPlannerClient, ModelPlanOptions, build_plan_request
+from kvplan.client import (
+    AsyncPlannerClient,
+    ModelPlanOptions,
+    PlannerError,
+    build_plan_request,
+)
 from kvplan.convert import plan_from_proto
 from kvplan.models import Speculative, load_config
 from kvplan.server.main import RunningServer
@@ -42,7 +47,7 @@ async def test_client_plans_a_model_config_on_the_server(client: AsyncPlannerCli
 
 
 async def test_cli_plans_a_model_on_a_server(
-    server: RunningServer, capsys: pytest.CaptureFixture[str]
+    server: RunningServer, client: AsyncPlannerClient, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100", "--tp", "2"]
     args += ["--max-model-len", "8K", "--target", f"127.0.0.1:{server.port}", "--json"]
@@ -52,6 +57,12 @@ async def test_cli_plans_a_model_on_a_server(
     local = json.loads(capsys.readouterr().out)
     assert remote["capacity"] == local["capacity"]
     assert remote["capacity"]["kv_bytes_per_token"] == 32 * 4 * 128 * 2 * 2
+    # A what-if: the same plan under no engine of the server's.
+    assert (remote["num_blocks"], remote["groups"]) == (local["num_blocks"], local["groups"])
+    assert "engine_id" not in remote and local["engine_id"] == "llama"
+    with pytest.raises(PlannerError) as missing:
+        await client.get_plan(engine_id=local["engine_id"])
+    assert missing.value.code_name == "NOT_FOUND"
 
 
 async def test_does_not_fit_on_a_server_is_said_as_locally(
@@ -94,7 +105,6 @@ async def test_capacity_with_target_is_the_servers_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import kvplan.models.cli as models_cli
-    from kvplan.client import PlannerError
 
     # L4 at 32K does not fit at TP 1 (its advice plans other TPs and GPUs), the rest fits.
     args = ["capacity", "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4,H100", "--tp", "1,2"]
@@ -143,3 +153,40 @@ async def test_capacity_without_a_server_says_what_to_check(
     captured = capsys.readouterr()
     assert captured.out == ""  # no table of rows nobody answered
     assert captured.err.startswith(f"error: 127.0.0.1:{port}: UNAVAILABLE")
+
+
+@pytest.mark.parametrize("command", ["plan", "capacity"])
+def test_a_channel_that_cannot_be_set_up_is_a_flag_error(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [command, "--model", str(MODELS / "qwen3-8b"), "--gpu", "L4", "--max-model-len", "8K"]
+    missing = str(tmp_path / "missing-ca.pem")
+    assert main([*args, "--target", "127.0.0.1:1", "--tls-ca", missing]) == 2
+    assert f"KVPLAN_TLS_CA={missing}: No such file or directory (a TLS or token file)" in (
+        capsys.readouterr().err
+    )
+    assert main([*args, "--target", "127.0.0.1:"]) == 2
+    assert "empty port (give HOST:PORT, or HOST for 50051)" in capsys.readouterr().err
+
+
+async def test_a_server_limit_is_not_a_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    # The server's own RESOURCE_EXHAUSTED (a request over --max-layers-per-worker) ends
+    # the sweep with its message; it is not read as the memory's "does not fit".
+    from dataclasses import replace
+
+    from kvplan.server.main import start_server
+    from tests.server.conftest import TEST_SETTINGS
+
+    running = await start_server(replace(TEST_SETTINGS, max_layers_per_worker=8))
+    try:
+        target = ["--target", f"127.0.0.1:{running.port}"]
+        args = ["--model", str(MODELS / "qwen3-8b"), "--gpu", "H100", "--max-model-len", "8K"]
+        assert await asyncio.to_thread(main, ["capacity", *args, "--tp", "1", *target]) == 4
+        err = capsys.readouterr().err
+        assert "exceeds the server's limit of 8 (--max-layers-per-worker)" in err
+        assert "does not fit" not in err
+        assert await asyncio.to_thread(main, ["plan", *args, *target]) == 4
+        err = capsys.readouterr().err
+        assert "(--max-layers-per-worker)" in err and "does not fit" not in err
+    finally:
+        await running.stop(0)

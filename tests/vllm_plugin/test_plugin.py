@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -826,6 +827,49 @@ def test_the_fleet_learns_and_a_measured_configuration_skips_profiling(
     # Observe never changes the KV cache: the opt-in there stops the start, by name.
     refused = host.start("F5", "llama", model_dir=str(model), env=reuse)
     assert not refused["ok"] and "KVPLAN_REUSE_MEASUREMENTS" in refused["error"], refused
+
+
+REPEATS = 15
+
+
+def test_start_time_with_and_without_reuse(
+    host: EngineHost, server: Server, version: str, tmp_path: Path
+) -> None:
+    # EngineCore._initialize_kv_caches, draft-flags, REPEATS times each, interleaved so
+    # drift hits both alike: a configuration measured before (the worker is handed
+    # kv_cache_memory_bytes and does not profile) against one started without the
+    # opt-in (it profiles and reports). On the CPU the stand-in's profile costs
+    # nothing, so the difference is what the plugin adds on each path, never the GPU's
+    # saving (docs/vllm.md says what that is); pytest -s prints the figures quoted there.
+    model, _ = model_dir(tmp_path / "llama", note=f"timing-{version}")
+    first = host.start("T0", "llama", memory=[20 * GIB], model_dir=str(model))
+    assert first["ok"] and first["init"]["profiled"] == [True], first
+    reuse = {"KVPLAN_MODE": "draft-flags", "KVPLAN_REUSE_MEASUREMENTS": "1"}
+    profile = {"KVPLAN_MODE": "draft-flags"}
+    seconds: dict[str, list[float]] = {"reused": [], "profiled": []}
+    for repeat in range(REPEATS):
+        for label, env in (("reused", reuse), ("profiled", profile)):
+            # Every profile measures 20 GiB, so the fleet's answer stays 20 GiB; a reused
+            # start would have measured 18 GiB, and gets the fleet's 20 GiB instead.
+            memory = 18 * GIB if label == "reused" else 20 * GIB
+            answer = host.start(
+                f"T{label}{repeat}", "llama", memory=[memory], model_dir=str(model), env=env
+            )
+            assert answer["ok"], answer
+            assert answer["init"]["profiled"] == [label == "profiled"], (label, answer)
+            assert answer["init"]["num_blocks"] == first["init"]["num_blocks"], answer
+            seconds[label].append(answer["init"]["seconds"])
+    figures = {
+        label: (statistics.median(values), min(values), max(values))
+        for label, values in seconds.items()
+    }
+    print(
+        f"vLLM {version} CPU, _initialize_kv_caches x{REPEATS}: "
+        + "; ".join(
+            f"{label} median {median * 1000:.1f} ms (min {low * 1000:.1f}, max {high * 1000:.1f})"
+            for label, (median, low, high) in figures.items()
+        )
+    )
 
 
 def test_a_lost_lease_is_reported(host: EngineHost, version: str) -> None:
