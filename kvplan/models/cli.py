@@ -503,7 +503,9 @@ def check_device_holds(response: plan_pb2.PlanResponse, inputs: ModelPlanInputs)
         flag = _FIXED_SIZE_MODES.get(budget.mode)
         if flag is None or not budget.total_bytes:
             continue
-        kv = sum(tensor.size_bytes for tensor in worker.tensors)
+        # Blocks x block bytes, not the tensors' sizes: a hybrid model's tensors are listed
+        # once per KV cache group that shares them.
+        kv = worker.num_blocks * worker.bytes_per_block
         if inputs.weights is not None:
             resident, what = inputs.weights.bytes_per_worker, "the weights (estimated)"
         else:
