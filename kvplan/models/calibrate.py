@@ -56,6 +56,12 @@ _DESIRED = re.compile(r"Desired GPU memory utilization is \(([0-9.]+),")
 _ACTUAL_ACTIVATION = re.compile(r"([0-9.]+) GiB for peak activation")
 _ACTUAL_NON_TORCH = re.compile(r"([0-9.]+) GiB for non-torch memory")
 _ACTUAL_GRAPHS = re.compile(r"([0-9.]+) GiB for CUDAGraph memory")
+# The V1 sampler's line when FlashInfer is not installed: "FlashInfer is not
+# available. Falling back to the PyTorch-native implementation" (0.10.2), "FlashInfer
+# top-p/top-k sampling unavailable: ...; falling back" (0.32-0.34).
+_NO_FLASHINFER = re.compile(
+    r"FlashInfer is not available\. Falling back|FlashInfer top-p/top-k sampling unavailable"
+)
 _BLOCKS_V0 = re.compile(r"(?:^|[#\s])GPU blocks: ([0-9]+)")
 _CONFIG_FIELDS = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|[^,]*)")
 
@@ -85,6 +91,7 @@ class StartupLog:
     peak_torch_gib: float | None = None
     peak_torch_increase_gib: float | None = None  # V1: the profile run's activation peak
     non_torch_gib: float | None = None
+    flashinfer: bool = True  # False where the sampler says FlashInfer is missing
 
 
 def parse_log(text: str) -> StartupLog:
@@ -116,6 +123,8 @@ def parse_log(text: str) -> StartupLog:
                     setattr(log, attribute, float(fields[name]))
         if _WEIGHTS_V0.search(line):
             log.engine = "v0"
+        if _NO_FLASHINFER.search(line):
+            log.flashinfer = False
         if match := _BLOCKS_V0.search(line):
             log.num_gpu_blocks = int(match.group(1))
         if match := _AVAILABLE.search(line):
@@ -184,6 +193,8 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
         out["enable_prefix_caching"] = bool(args["enable_prefix_caching"])
     if "block_size" in args:
         out["block_size"] = int(args["block_size"])
+    if not log.flashinfer:  # the sampler's fallback line
+        out["no_flashinfer"] = True
     return out
 
 

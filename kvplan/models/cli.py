@@ -244,6 +244,13 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         "default: vllm serve's for the device",
     )
     parser.add_argument(
+        "--no-flashinfer",
+        action="store_true",
+        help="FlashInfer is not installed (vLLM's wheels require it from 0.11, its images "
+        "ship it): vLLM <= 0.10 then sorts the logits in the profile run's sampler, "
+        "38 B per logit where kvplan otherwise counts 16",
+    )
+    parser.add_argument(
         "--max-num-batched-tokens",
         type=parse_batch_tokens,
         help="tokens per step; default: vllm serve's for the device (2K/8K/16K by memory)",
@@ -372,6 +379,7 @@ def options_from_args(args: argparse.Namespace) -> ModelPlanOptions:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         max_num_seqs=args.max_num_seqs,
+        flashinfer=not getattr(args, "no_flashinfer", False),
     )
 
 
@@ -1024,6 +1032,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
             gpu=catalog_name(gpu),
             gpu_memory_bytes=gpu.total_memory_bytes,
             engine_release="v0" if log.engine == "v0" else log.release,
+            flashinfer=not (args.no_flashinfer or from_log.get("no_flashinfer")),
             block_size_ran=from_log.get("block_size", 0) == args.block_size,  # the log ran it
         )
         request, inputs = build_plan_request(config, options)

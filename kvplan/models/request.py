@@ -72,6 +72,9 @@ class ModelPlanOptions:
     # The release whose start-up profile the non-KV estimate follows ("0.19.0", "v0"
     # for the V0 engine); "" = engine_version's, else the newest (weights.PROFILES).
     engine_release: str = ""
+    # Whether FlashInfer is installed, as vLLM's wheels (from 0.11) and images have it:
+    # without it vLLM <= 0.10's sampler sorts (`calibrate` reads the log's fallback line).
+    flashinfer: bool = True
     # Decoder layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION lists them;
     # None: vLLM's own partition.
     pp_layer_partition: tuple[int, ...] | None = None
@@ -164,7 +167,9 @@ def build_plan_request(
             config, layers, tp, pp, gpu_arch, options.quantization, options.pp_layer_partition
         )
         release = options.engine_release or options.engine_version
-        overhead = estimate_overhead(config, layers, tp, batched, max_num_seqs, release)
+        overhead = estimate_overhead(
+            config, layers, tp, batched, max_num_seqs, release, options.flashinfer
+        )
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
             # As vLLM 0.34 counts it: the CUDA-graph estimate with the activation peak.

@@ -30,8 +30,11 @@ class ProfileRules:
     records set them and which only check them)."""
 
     name: str
-    # The dummy sampler run's peak per logit (max_num_seqs x vocab logits): float32
-    # logits (4 B) while top-k/top-p sorts them (4 B values + 8 B int64 indices).
+    # The dummy sampler run's peak per logit (max_num_seqs x vocab logits) on the
+    # release's default top-k/top-p path: 16 B, what vLLM 0.19 measured on its Triton
+    # kernel (its logs: FlashInfer's sampler "available but disabled by default").
+    # Assumed the same for FlashInfer's, the default from 0.21 (vllm#40376): no log
+    # with the activation peak checks it.
     sampler_bytes_per_logit: int
     # Memory outside torch's allocator that appears during the profile run (cuBLAS
     # workspaces and lazily loaded kernels; with TP > 1 also NCCL communicators and
@@ -59,6 +62,33 @@ class ProfileRules:
     # memory from 0.26 (vllm#50780), for want of a log with a shipped config.
     cudagraph_bytes_per_piecewise_graph: int
     cudagraph_bytes_per_full_graph_token: int
+    # The sampler's peak per logit when FlashInfer is not installed, where the release
+    # then sorts the logits with torch.sort (`_SORT_SAMPLER`); 0 = the default's figure
+    # (from the Triton kernel, vllm#33538, the fallback is Triton, not a sort).
+    no_flashinfer_sampler_bytes_per_logit: int = 0
+    # Whether the fused-MoE scratch is still held while the sampler runs: vLLM's
+    # workspace manager (vllm#27532 calls it new, 2025-11) keeps it; before it, the
+    # kernels' intermediate caches were freed with the forward pass.
+    moe_workspace_held: bool = True
+
+
+# The profile run samples every request with top-k and top-p. Without FlashInfer, V1
+# up to 0.10 logs "FlashInfer is not available. Falling back to the PyTorch-native
+# implementation of top-p & top-k sampling" and sorts the logits. Its peak is at
+# torch.sort, per logit, with 128 or more requests:
+# - what vLLM's code holds then, measured by running its PyTorch path in the CPU venvs
+#   (tests/models/test_sampler_against_vllm.py): the model-dtype logits (2 B, bf16),
+#   their float32 copy (4 B), the sorted values (4 B) and the int64 indices (8 B);
+# - what torch.sort's CUDA kernel allocates besides, which no CPU run shows (PyTorch's
+#   SortStable.cu, segmented_sort_pairs, taken from 128 rows): an int64 iota of source
+#   indices (8 B) and cub's alternate key and value buffers (4 + 8 B).
+# 38 B; later steps (the top-k/top-p masks, softmax, the scatter back) hold less. Under
+# 128 rows torch sorts by a full sort with segment ids instead; not modelled apart.
+# (vllm#32558's GPU benchmark, 256 x 131,072 logits: 1.25 GB on this path, 40 B per
+# logit with the benchmark's own inputs.)
+_SORT_HELD_PER_LOGIT = 18  # the CPU-measured part
+_CUDA_SORT_WORKSPACE_PER_LOGIT = 8 + 4 + 8
+_SORT_SAMPLER = _SORT_HELD_PER_LOGIT + _CUDA_SORT_WORKSPACE_PER_LOGIT
 
 
 _NON_TORCH_TP1 = round(0.25 * GIB)
@@ -74,6 +104,20 @@ _NON_TORCH_V0_TP1 = round(0.35 * GIB)
 PROFILES: dict[str, ProfileRules] = {
     # V0 (vLLM <= 0.7, VLLM_USE_V1=0): graphs captured after the KV cache, outside it.
     "v0": ProfileRules("vLLM V0 engine", 16, _NON_TORCH_V0_TP1, _NON_TORCH_TP, 0, 0),
+    # V1 up to 0.10 (checked on 0.10.2's log): no MoE workspace manager yet; without
+    # FlashInfer (its wheel did not require it) the sampler sorts. 0.11 is not checked.
+    # Not modelled: from vllm#26859 (2025-10) to the Triton kernel (2026-02) releases
+    # sorted by default, FlashInfer installed or not (their rows keep 16 B).
+    "v1-0.10": ProfileRules(
+        "vLLM V1 <= 0.10",
+        16,
+        _NON_TORCH_TP1,
+        _NON_TORCH_TP,
+        0,
+        0,
+        no_flashinfer_sampler_bytes_per_logit=_SORT_SAMPLER,
+        moe_workspace_held=False,
+    ),
     # V1 before 0.21: the CUDA-graph estimate exists but is off by default.
     "v1-0.20": ProfileRules("vLLM V1 < 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
     # 0.21 onward, the releases kvplan plans for (0.32, 0.33, 0.34) among them.
@@ -93,12 +137,23 @@ def profile_rules(release: str) -> ProfileRules:
         version = (int(parts[0]), int(parts[1]))
     except (IndexError, ValueError):
         return PROFILES["v1"]
+    if version < (0, 11):
+        return PROFILES["v1-0.10"]
     return PROFILES["v1-0.20"] if version < (0, 21) else PROFILES["v1"]
+
+
+def sampler_bytes_per_logit(rules: ProfileRules, flashinfer: bool = True) -> int:
+    """The dummy sampler's peak per logit, with FlashInfer installed (vLLM's wheels
+    require it from 0.11, its images ship it) or not."""
+    if not flashinfer and rules.no_flashinfer_sampler_bytes_per_logit:
+        return rules.no_flashinfer_sampler_bytes_per_logit
+    return rules.sampler_bytes_per_logit
 
 
 OVERHEAD_FORMULA = (
     "activation_peak = max(tokens x (3 x hidden + max(attention_per_rank, mlp_per_rank))"
-    " x act_bytes, tokens x hidden x act_bytes + max_num_seqs x vocab x 16 B);"
+    " x act_bytes, tokens x hidden x act_bytes + max_num_seqs x vocab x 16 B"
+    " (38 B on PyTorch's sort, vLLM <= 0.10 without FlashInfer));"
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
     " for MoE;  non_torch = 0.25 GiB (TP 1) / 2.07 GiB (TP > 1);"
     " CUDA graphs (from vLLM 0.21) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
@@ -667,28 +722,32 @@ def estimate_overhead(
     max_num_batched_tokens: int,
     max_num_seqs: int = 256,
     release: str = "",
+    flashinfer: bool = True,
 ) -> OverheadEstimate:
     """The profile run's peak over the weights: a forward pass of
     `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
     chunked prefill profiled `max_model_len`), then the sampler's float32 logits for
     `max_num_seqs` requests while the forward's last hidden states are still held.
     The two do not overlap, so the peak is the larger. `release` picks the runtime
-    allowances (`PROFILES`)."""
+    allowances (`PROFILES`); `flashinfer` whether FlashInfer is installed (the
+    sampler's path)."""
     c = text_config(config, layers.architecture)
     hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
     act_bytes = layers.model_dtype.size_bytes
     forward = max_num_batched_tokens * _per_token_activation(c, tensor_parallel_size) * act_bytes
     sampler = max_num_batched_tokens * hidden * act_bytes
-    if _expert_count(c):
+    rules = profile_rules(release)
+    if _expert_count(c) and rules.moe_workspace_held:
         # The fused-MoE kernels' scratch lives in vLLM's workspace manager, which keeps
-        # it after the forward pass: it is still held while the sampler runs.
+        # it after the forward pass: it is still held while the sampler runs (where the
+        # release has one: `moe_workspace_held`).
         expert = c.integer("moe_intermediate_size") if c.has("moe_intermediate_size") else 0
         expert = expert or c.integer("intermediate_size")
         top_k = c.opt_integer("num_experts_per_tok") or c.opt_integer("moe_topk") or 1
         per_token = top_k * (_matrices(c) * expert // tensor_parallel_size + hidden)
         sampler += max_num_batched_tokens * per_token * act_bytes
-    rules = profile_rules(release)
-    sampler += max_num_seqs * c.integer("vocab_size") * rules.sampler_bytes_per_logit
+    logits = max_num_seqs * c.integer("vocab_size")
+    sampler += logits * sampler_bytes_per_logit(rules, flashinfer)
     non_torch = (
         rules.non_torch_tensor_parallel if tensor_parallel_size > 1 else rules.non_torch_single_gpu
     )

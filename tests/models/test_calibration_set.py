@@ -178,6 +178,35 @@ def test_the_sampler_phase_and_the_moe_workspace() -> None:
     assert moe.activation_peak_bytes == 8192 * 4096 * 2 + 1024 * 32_000 * 16 + workspace
 
 
+def test_the_sampler_path_is_the_one_the_log_ran(results: list[RecordResult]) -> None:
+    # Qwen3-Next's 0.10.2 engine logged that FlashInfer was missing: planned with the
+    # PyTorch sort, its activation peak is the logged one to 3% (5.54 against 5.58 GiB;
+    # 2.78 with the 16 B the other records measure).
+    for result in results:
+        log = parse_log((ROOT / "tests/data/calibration" / f"{result.name}.log").read_text())
+        assert log.flashinfer == (not result.name.startswith("qwen3-next")), result.name
+        if not log.flashinfer:
+            row = result.row("activation peak")
+            assert row is not None and abs(row["error"]) <= 0.03, (result.name, row)
+    newer = parse_log(
+        "WARNING [topk_topp_sampler.py:125] FlashInfer top-p/top-k sampling unavailable: "
+        "FlashInfer kernels are disabled; falling back. Set VLLM_USE_FLASHINFER_SAMPLER=0 "
+        "to silence.\n"
+    )
+    assert not newer.flashinfer
+    # Only releases that fall back to the sort plan it; the Triton fallback (0.32-0.34)
+    # and 0.19's default keep the 16 B 0.19 measured.
+    qwen = load_config(str(ROOT / "examples/models/qwen3-next-80b-a3b/config.json"))
+    layers = import_layers(qwen)
+    for release in ("0.19.0", "vllm-0.34"):
+        with_fi = estimate_overhead(qwen, layers, 2, 8192, 1024, release)
+        without = estimate_overhead(qwen, layers, 2, 8192, 1024, release, flashinfer=False)
+        assert with_fi == without, release
+    sort = estimate_overhead(qwen, layers, 2, 8192, 1024, "0.10.2", flashinfer=False)
+    default = estimate_overhead(qwen, layers, 2, 8192, 1024, "0.10.2")
+    assert sort.activation_peak_bytes > default.activation_peak_bytes
+
+
 def test_gemma3_counts_its_siglip_vision_tower() -> None:
     config = load_config(str(ROOT / "examples/models/gemma-3-27b/config.json"))
     text_only = dict(config.data)
