@@ -244,13 +244,6 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         "default: vllm serve's for the device",
     )
     parser.add_argument(
-        "--no-flashinfer",
-        action="store_true",
-        help="FlashInfer is not installed (vLLM's wheels require it from 0.11, its images "
-        "ship it): vLLM <= 0.10 then sorts the logits in the profile run's sampler, "
-        "38 B per logit where kvplan otherwise counts 16",
-    )
-    parser.add_argument(
         "--max-num-batched-tokens",
         type=parse_batch_tokens,
         help="tokens per step; default: vllm serve's for the device (2K/8K/16K by memory)",
@@ -379,7 +372,6 @@ def options_from_args(args: argparse.Namespace) -> ModelPlanOptions:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         max_num_seqs=args.max_num_seqs,
-        flashinfer=not getattr(args, "no_flashinfer", False),
     )
 
 
@@ -988,6 +980,13 @@ def add_calibrate_parser(commands: Any) -> None:
         "banner); it picks the release's profiling rules and printed token formula",
     )
     add_model_options(calibrate, sweep=False)
+    calibrate.add_argument(
+        "--no-flashinfer",
+        action="store_true",
+        help="the engine ran without FlashInfer (read from the log's sampler line when it is "
+        "quoted): vLLM <= 0.10 then sorts the logits in the profile run's sampler, 38 B per "
+        "logit where kvplan otherwise counts 16; 0.11 and later plan the same either way",
+    )
     calibrate.add_argument("--json", action="store_true", help="the comparison as JSON")
 
 

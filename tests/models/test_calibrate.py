@@ -87,3 +87,30 @@ def test_the_logged_budget_reproduces_the_logged_blocks(capsys: pytest.CaptureFi
     assert abs(exact["error"]) < 0.005 / 3.81  # the budget's print rounding
     # Parameters and the RoPE cache (131,072 positions x 128 x 2 B) against 14.9888 GiB.
     assert abs(rows["model loading (weights) per worker"]["error"]) < 0.0005
+
+
+def test_the_flashinfer_fallback_line_or_flag_plans_the_sort(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The Qwen3-Next 0.10.2 record without its sampler WARNING plans FlashInfer's path
+    # (16 B per logit) and misses the logged activation peak by half; --no-flashinfer
+    # says what the line said, and plans what the whole log plans.
+    name = "qwen3-next-80b-a3b-h200-tp2-v0.10.2"
+    text = (DATA / f"{name}.log").read_text()
+    stripped = tmp_path / "without-warning.log"
+    stripped.write_text(
+        "".join(line for line in text.splitlines(True) if "FlashInfer" not in line)
+    )
+    model = ["--model", str(ROOT / str(record(name)["model"])), "--gpu", "H200", "--json"]
+
+    def activation(log: Path, *flags: str) -> dict[str, float]:
+        assert main(["calibrate", str(log), *model, *flags]) == 0
+        rows = {row["figure"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+        row: dict[str, float] = rows["activation peak of the profile run"]
+        return row
+
+    whole = activation(DATA / f"{name}.log")
+    assert abs(whole["error"]) <= 0.03
+    without = activation(stripped)
+    assert without["error"] < -0.4
+    assert activation(stripped, "--no-flashinfer") == whole
