@@ -98,9 +98,7 @@ def test_the_flashinfer_fallback_line_or_flag_plans_the_sort(
     name = "qwen3-next-80b-a3b-h200-tp2-v0.10.2"
     text = (DATA / f"{name}.log").read_text()
     stripped = tmp_path / "without-warning.log"
-    stripped.write_text(
-        "".join(line for line in text.splitlines(True) if "FlashInfer" not in line)
-    )
+    stripped.write_text("".join(line for line in text.splitlines(True) if "FlashInfer" not in line))
     model = ["--model", str(ROOT / str(record(name)["model"])), "--gpu", "H200", "--json"]
 
     def activation(log: Path, *flags: str) -> dict[str, float]:
