@@ -20,15 +20,27 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:c425d915a89a6dcd3183b1797ad9bd
 # ---- builder: the wheel, from the files .dockerignore lets into the context ----------
 FROM ${PYTHON_IMAGE} AS builder
 WORKDIR /src
-COPY . .
-# The build backend too at its pinned version (setuptools in constraints.txt), in a
-# throwaway venv, instead of the newest release that build isolation would fetch.
+# What the runtime stage installs besides kvplan: the package's own requirements with
+# its server extra (pyproject.toml), pinned by constraints.txt. And the build backend
+# at its pinned version (setuptools in constraints.txt), in a throwaway venv, instead of
+# the newest release that build isolation would fetch. Both change only with these two
+# files, so a rebuild after a code change reuses this layer.
+COPY pyproject.toml constraints.txt ./
 RUN python -m venv /build \
     && /build/bin/pip install --no-cache-dir --disable-pip-version-check \
         --constraint constraints.txt setuptools \
-    && /build/bin/pip wheel --no-cache-dir --disable-pip-version-check --no-build-isolation \
-        --no-deps --wheel-dir /wheels . \
-    && cp constraints.txt /wheels/constraints.txt
+    && mkdir /pins \
+    && python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(*p["dependencies"], *p["optional-dependencies"]["server"], sep="\n")' \
+        > /pins/requirements.txt \
+    && cp constraints.txt /pins/constraints.txt
+COPY . .
+# SOURCE_DATE_EPOCH: the wheel's zip timestamps are this date, not the files' mtimes
+# (which a fresh clone resets), so the same tree gives the same wheel, byte for byte.
+# Its digest is what the runtime stage copies: the install is redone exactly when the
+# wheel changed.
+RUN SOURCE_DATE_EPOCH=315532800 /build/bin/pip wheel --no-cache-dir \
+        --disable-pip-version-check --no-build-isolation --no-deps --wheel-dir /wheels . \
+    && sha256sum /wheels/kvplan-*.whl > /pins/kvplan-wheel.sha256
 
 # ---- runtime: the wheel with its server extra, in a venv at /opt/kvplan --------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -42,17 +54,29 @@ RUN groupadd --system --gid 10001 kvplan \
     && useradd --system --uid 10001 --gid kvplan --no-create-home \
         --home-dir /nonexistent --shell /usr/sbin/nologin kvplan
 
-# The wheel is bind-mounted from the builder, so it never lands in a layer. Every
-# dependency is installed at the version the suite was run against (constraints.txt,
-# `make lock`), not whatever PyPI has that day. The build fails if anything pulled in
-# torch.
-RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    python -m venv /opt/kvplan \
-    && wheel="$(echo /wheels/kvplan-*.whl)" \
+# The dependencies, in a layer of their own, each at the version the suite was run
+# against (constraints.txt, `make lock`), not whatever PyPI has that day. A COPY is
+# cached by the content of what it copies, a RUN only by its text (buildah 1.28): the
+# copied pins make this layer follow pyproject.toml and constraints.txt.
+COPY --from=builder /pins/requirements.txt /pins/constraints.txt /usr/local/share/kvplan/
+RUN python -m venv /opt/kvplan \
     && /opt/kvplan/bin/pip install --no-cache-dir --disable-pip-version-check \
-        --constraint /wheels/constraints.txt "${wheel}[server]" \
-    && /opt/kvplan/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)" \
+        --constraint /usr/local/share/kvplan/constraints.txt \
+        --requirement /usr/local/share/kvplan/requirements.txt \
     && install -d -o 10001 -g 10001 -m 0750 /var/lib/kvplan
+
+# kvplan itself. The wheel is bind-mounted from the builder, so it never lands in a
+# layer; its digest is copied first, so a changed wheel is installed anew instead of
+# a cached layer holding the old one, and the install checks that the mounted wheel is
+# that one. --no-index: every dependency must already be there, from the layer above.
+# The build fails if anything pulled in torch.
+COPY --from=builder /pins/kvplan-wheel.sha256 /usr/local/share/kvplan/
+RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+    sha256sum --check --quiet /usr/local/share/kvplan/kvplan-wheel.sha256 \
+    && wheel="$(echo /wheels/kvplan-*.whl)" \
+    && /opt/kvplan/bin/pip install --no-cache-dir --disable-pip-version-check --no-index \
+        --constraint /usr/local/share/kvplan/constraints.txt "${wheel}[server]" \
+    && /opt/kvplan/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"
 
 # Settings are KVPLAN_* variables (server/config.py); flags after the image name win.
 # KVPLAN_HOST=auto: gRPC on every interface only once callers must authenticate

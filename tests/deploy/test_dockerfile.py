@@ -85,9 +85,38 @@ def test_multi_stage_wheel_build_on_python_slim() -> None:
     assert "python -m venv /opt/kvplan" in runtime_runs
     assert "/opt/kvplan/bin/pip install" in runtime_runs and "[server]" in runtime_runs
     # Every dependency at the version the suite was run against.
-    assert "cp constraints.txt /wheels/constraints.txt" in builder_runs
-    assert "--constraint /wheels/constraints.txt" in runtime_runs
+    assert "cp constraints.txt /pins/constraints.txt" in builder_runs
+    assert "--constraint /usr/local/share/kvplan/constraints.txt" in runtime_runs
     assert "from=builder" in runtime_runs
+    # The same tree gives the same wheel (zip timestamps not from the files' mtimes).
+    assert "SOURCE_DATE_EPOCH=" in builder_runs
+
+
+def test_cached_runtime_layers_follow_what_they_install() -> None:
+    """buildah (1.28) reuses a cached RUN by its text alone, a COPY by the content it
+    copies: each runtime RUN that uses the builder's files comes right after a COPY
+    --from=builder of what decides its result (the pins; the wheel's digest, which the
+    RUN checks against the wheel it mounts). Without this a cached layer kept an old
+    wheel (34 of 88 modules stale, 6 Dec 2026); tests/deploy/test_image.py compares
+    the built image's modules with the tree."""
+    runtime = parsing.stages()[-1]
+    installs = [i for i in runtime if i.keyword == "RUN" and "pip install" in i.args]
+    assert len(installs) == 2
+    dependencies, kvplan = installs
+    before = {i.args: runtime[runtime.index(i) - 1] for i in installs}
+    assert before[dependencies.args].keyword == "COPY"
+    assert before[dependencies.args].args.startswith("--from=builder /pins/requirements.txt")
+    assert "/pins/constraints.txt" in before[dependencies.args].args
+    assert "--requirement /usr/local/share/kvplan/requirements.txt" in dependencies.args
+    assert before[kvplan.args].args == (
+        "--from=builder /pins/kvplan-wheel.sha256 /usr/local/share/kvplan/"
+    )
+    assert "sha256sum --check --quiet /usr/local/share/kvplan/kvplan-wheel.sha256" in kvplan.args
+    assert "--mount=type=bind,from=builder,source=/wheels,target=/wheels" in kvplan.args
+    # kvplan's own install fetches nothing: its dependencies are the layer above.
+    assert "--no-index" in kvplan.args and "[server]" in kvplan.args
+    builder_runs = " ".join(i.args for i in parsing.stages()[0] if i.keyword == "RUN")
+    assert "sha256sum /wheels/kvplan-*.whl > /pins/kvplan-wheel.sha256" in builder_runs
 
 
 DIGEST_PINNED = re.compile(r"^[a-z0-9][a-z0-9._/-]*:[A-Za-z0-9._-]+@sha256:[0-9a-f]{64}$")
@@ -153,9 +182,9 @@ def test_make_image_overrides_the_base_the_dockerfile_declares() -> None:
     the ARG it sets must be the one every FROM reads, or the swap silently does nothing
     (the build would then try Docker Hub)."""
     script = (ROOT / "scripts" / "build-image").read_text()
-    # buildah keys a cached RUN by its text, not by what it bind-mounts from the
-    # builder: a cached runtime layer would keep an old wheel (docs/kubernetes.md).
-    assert "--no-cache" in script
+    # Cached layers are reused: the Dockerfile keys each install by what it installs
+    # (test_cached_runtime_layers_follow_what_they_install).
+    assert "--layers" in script and "--no-cache" not in script
     overridden = set(re.findall(r"--build-arg (\w+)=", script))
     assert overridden == {"PYTHON_IMAGE"}
     assert overridden <= set(parsing.global_args())
