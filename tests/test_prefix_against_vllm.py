@@ -12,7 +12,7 @@ from pathlib import Path
 from kvplan.cli import load_request
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
-from kvplan.core.prefix_cache import facts
+from kvplan.core.prefix_cache import cached_tokens_after_junction, facts
 from kvplan.core.prefix_warnings import DIVERGING_TAIL_UNITS, what_if
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Runs in the release's venv with the repository on sys.path: plans the request
 # with the release (which leaves its KV cache manager's arguments behind), then
 # asks that manager for hits: ["first", stored, n, tail] is the first request
-# sharing n tokens after a stored prompt.
+# sharing n tokens after a stored prompt, ["later", ...] the one after that.
 VLLM_SIDE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -35,7 +35,10 @@ request = plan_pb2.PlanRequest.FromString(bytes.fromhex(payload["request"]))
 assert vllm_driver.plan_with_vllm(request, GPU_MEMORY_BYTES)["ok"]
 out = []
 for which, stored, n, tail in payload["probes"]:
-    out.append(prefix_probe.vllm_hits(stored, [n], tail)[0])
+    if which == "first":
+        out.append(prefix_probe.vllm_hits(stored, [n], tail)[0])
+    else:
+        out.append(prefix_probe.vllm_later_hit(stored, n, tail))
 print(json.dumps(out))
 """
 
@@ -83,3 +86,23 @@ def test_qwen3_next_with_an_unmarked_eagle_drafter_under_0_32_keeps_part_of_a_pr
     )
     assert vllm == [answer.prefix_stored, answer.prefix_diverges]
     assert answer.prefix_stored == 3168 and answer.prefix_diverges == 0
+
+
+def test_later_requests_hit_at_the_shared_prefix_junction() -> None:
+    """Requests that share a 4,000-token system prompt and go on differently: the
+    first after the stored one hits nothing (the Mamba state is kept at the stored
+    prompt's end only), but vLLM records where its groups' hits parted, keeps that
+    request's Mamba state there, and the next one hits 3,696 tokens (7 units of
+    528). vLLM 0.33's manager agrees with cached_tokens_after_junction."""
+    request = qwen3_next(plan_pb2.SPEC_DECODE_METHOD_MTP, "vllm-0.33")
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    unit = facts(setup).unit
+    diverging = 4000 + DIVERGING_TAIL_UNITS * unit + 1
+    tail = unit + setup.hash_lookahead
+    vllm = vllm_hits(
+        "0.33", request, [("first", diverging, 4000, tail), ("later", diverging, 4000, tail)]
+    )
+    first = what_if(setup, facts(setup), 4000).prefix_diverges
+    later = cached_tokens_after_junction(setup, 4000, diverging, 4000 + tail)
+    assert vllm == [first, later]
+    assert first == 0 and later == 3696
