@@ -30,7 +30,12 @@ from conformance.generate import add_fuzz_argument, fuzz_sections, generate_case
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import PlanningError
-from kvplan.core.prefix_cache import PrefixCacheSetup, cached_tokens
+from kvplan.core.prefix_cache import (
+    GroupKind,
+    PrefixCacheSetup,
+    cached_tokens,
+    cached_tokens_after_junction,
+)
 from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.prefix_facts import setup_from_plan
 
@@ -116,34 +121,77 @@ def _mamba_checkpoint(manager: Any, arguments: Json, stored: int) -> int:
     return int(position(stored, unit, arguments["use_eagle"]))
 
 
-def vllm_hits(stored: int, lengths: list[int], tail: int) -> list[int | str]:
-    """Hits the release's own manager gives (driver.MANAGER_ARGUMENTS: the last
-    engine the driver started); where its lookup raises, the failure (_failure)
-    in that probe's place. Storing the request raising propagates."""
+def _manager(stored: int, tail: int) -> tuple[Any, Json, Any]:
+    """A new KV cache manager of the release's (driver.MANAGER_ARGUMENTS: the last
+    engine the driver started), its arguments and the request hasher."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     arguments = dict(driver.MANAGER_ARGUMENTS)
     scheduler = arguments.pop("scheduler")
-    pool = _pool_blocks(scheduler, stored + tail)
+    # Room for the stored request and two more, so nothing is evicted.
+    pool = _pool_blocks(scheduler, 4 * (stored + tail))
     arguments["kv_cache_config"] = replace(scheduler, num_blocks=pool)
     arguments["max_model_len"] = max(arguments["max_model_len"], 4 * stored)
     manager = KVCacheManager(**arguments)
     hasher = _hasher(arguments["hash_block_size"], arguments.get("num_hash_lookahead_tokens", 0))
+    return manager, arguments, hasher
+
+
+def _mamba_block(arguments: Json) -> int:
+    """The scheduler's block in "align" mode (a Mamba group's), 0 without one."""
+    from vllm.v1 import kv_cache_interface as interface
+
+    for group in arguments["kv_cache_config"].kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, interface.MambaSpec) and spec.mamba_cache_mode == "align":
+            return int(spec.block_size)
+    return 0
+
+
+def _run(manager: Any, arguments: Json, request: Any, hit: int = 0, blocks: Any = None) -> None:
+    """Prefill `request` from its hit as chunked prefill does (one scheduler block a
+    step, a step ending where the scheduler ends one: the Mamba prefill checkpoint
+    and, block-floored, the shared-prefix junction), then finish it."""
+    total = request.num_tokens
     step = arguments["scheduler_block_size"]
-    checkpoint = _mamba_checkpoint(manager, arguments, stored)
+    checkpoint = _mamba_checkpoint(manager, arguments, total)
+    mamba_block = _mamba_block(arguments)
+    junction = request.shared_prefix_boundary if mamba_block else 0
+    done = hit
+    while done < total:
+        take = min(step - done % step, total - done)
+        stops = [checkpoint]
+        if done < junction < done + take:
+            stops.append(done + (junction - done) // mamba_block * mamba_block)
+        take = min([take] + [s - done for s in stops if done < s < done + take])
+        adopted = (hit, blocks) if done == hit else (0, None)
+        manager.new_step_starts()  # as each scheduler step does
+        if manager.allocate_slots(request, take, adopted[0], adopted[1]) is None:
+            raise RuntimeError("the probe's block pool is too small")
+        request.num_computed_tokens = done + take
+        done += take
+        manager.cache_blocks(request, done)
+    manager.free(request)
+
+
+def _later_is_probed(setup: PrefixCacheSetup) -> bool:
+    """Later requests can differ from the first only where a recorded junction
+    shapes what is kept: several groups, one of them Mamba or sliding window."""
+    return len(setup.groups) > 1 and any(
+        g.prefix_cacheable and g.kind in (GroupKind.MAMBA, GroupKind.SLIDING_WINDOW)
+        for g in setup.groups
+    )
+
+
+def vllm_hits(stored: int, lengths: list[int], tail: int) -> list[int | str]:
+    """Hits the release's own manager gives (driver.MANAGER_ARGUMENTS: the last
+    engine the driver started) to the first request sharing each prefix after the
+    stored one; where its lookup raises, the failure (_failure) in that probe's
+    place. Storing the request raising propagates."""
+    manager, arguments, hasher = _manager(stored, tail)
     first = _request("stored", list(range(stored)), hasher)
     manager.get_computed_blocks(first)
-    done = 0
-    while done < stored:
-        take = min(step, stored - done)
-        if done < checkpoint < done + take:
-            take = checkpoint - done
-        if manager.allocate_slots(first, take) is None:
-            raise RuntimeError(f"pool of {pool} blocks too small")
-        first.num_computed_tokens += take
-        done += take
-        manager.cache_blocks(first, done)
-    manager.free(first)
+    _run(manager, arguments, first)
     hits: list[int | str] = []
     for n in lengths:
         probe = _request(f"p{n}", list(range(n)) + [10**7 + i for i in range(tail)], hasher)
@@ -154,6 +202,27 @@ def vllm_hits(stored: int, lengths: list[int], tail: int) -> list[int | str]:
             continue
         hits.append(int(hit))
     return hits
+
+
+def vllm_later_hit(stored: int, n: int, tail: int) -> int | str:
+    """The hit of the second request sharing `n` tokens with the stored one, after
+    the first (looked up, its junction recorded, run and finished) on a new manager;
+    each goes on with its own tokens. A failure of vLLM's: _failure."""
+    manager, arguments, hasher = _manager(stored, tail)
+    prefix = list(range(n))
+    try:
+        stored_request = _request("stored", list(range(stored)), hasher)
+        manager.get_computed_blocks(stored_request)
+        _run(manager, arguments, stored_request)
+        first = _request("first", prefix + [10**7 + i for i in range(tail)], hasher)
+        blocks, hit, junction = manager.get_computed_blocks(first)
+        first.shared_prefix_boundary = junction
+        _run(manager, arguments, first, int(hit), blocks)
+        later = _request("later", prefix + [2 * 10**7 + i for i in range(tail)], hasher)
+        _, later_hit, _ = manager.get_computed_blocks(later)
+    except Exception as exc:  # vLLM's own: report, do not hide
+        return _failure(exc)
+    return int(later_hit)
 
 
 def run(
@@ -177,6 +246,9 @@ def run(
         "probes": 0,
         "agree": 0,
         "lookup_crashes": 0,
+        "later_probes": 0,
+        "later_agree": 0,
+        "later_gain": 0,  # later probes where vLLM hits more than for the first request
     }
     # vLLM's own failures, by class (_failure): engines vLLM
     # cannot store a request for, and probes whose lookup raises. Reported, not compared.
@@ -240,12 +312,53 @@ def run(
                         "setup": repr(setup),
                     }
                 )
+            if _later_is_probed(setup) and isinstance(hit, int):
+                _probe_later(
+                    case.id, setup, stored, (n, hit), tail, counts, disagreements, failure_classes
+                )
     return {
         "counts": counts,
         "disagreements": disagreements,
         "crashes": crashes,
         "failure_classes": failure_classes,
     }
+
+
+def _probe_later(
+    case_id: str,
+    setup: PrefixCacheSetup,
+    stored: int,
+    shared: tuple[int, int],
+    tail: int,
+    counts: dict[str, int],
+    disagreements: list[Json],
+    failure_classes: dict[str, int],
+) -> None:
+    """The second request sharing `n` tokens (vllm_later_hit) against
+    cached_tokens_after_junction. `shared`: (n, vLLM's hit for the first one)."""
+    n, first_hit = shared
+    hit = vllm_later_hit(stored, n, tail)
+    if isinstance(hit, str):
+        counts["lookup_crashes"] += 1
+        failure_classes[hit] = failure_classes.get(hit, 0) + 1
+        return
+    want = cached_tokens_after_junction(setup, n, stored, n + tail)
+    counts["later_probes"] += 1
+    counts["later_gain"] += hit > first_hit
+    if want == hit:
+        counts["later_agree"] += 1
+    elif len(disagreements) < 2000:
+        disagreements.append(
+            {
+                "id": case_id,
+                "later": True,
+                "shared": n,
+                "stored": stored,
+                "vllm": hit,
+                "kvplan": want,
+                "setup": repr(setup),
+            }
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,12 +386,16 @@ def main(argv: list[str] | None = None) -> int:
         f"vLLM {driver.VLLM_VERSION}: {c['engines']} engines probed, {c['probes']} probes, "
         f"{c['agree']} agree; {c['off']} with prefix caching off, {c['refused']} refused, "
         f"{c['crashed']} engines vLLM fails to store a request for, "
-        f"{c['lookup_crashes']} lookups vLLM raises in ({result['meta']['seconds']:.0f} s)"
+        f"{c['lookup_crashes']} lookups vLLM raises in; later requests (after the "
+        f"junction is recorded): {c['later_probes']} probes, {c['later_agree']} agree, "
+        f"{c['later_gain']} hit more than the first "
+        f"({result['meta']['seconds']:.0f} s)"
     )
     for failure, count in sorted(result["failure_classes"].items(), key=lambda kv: -kv[1]):
         print(f"  vLLM fails {count}x: {failure}")
     # vLLM crashing in its own lookup is reported, not failed on: it is vLLM's.
-    return 0 if c["agree"] == c["probes"] and not result["disagreements"] else 1
+    agree = c["agree"] == c["probes"] and c["later_agree"] == c["later_probes"]
+    return 0 if agree and not result["disagreements"] else 1
 
 
 if __name__ == "__main__":

@@ -167,9 +167,15 @@ def replay_boundaries(prompt_tokens: int, scheduler_block: int, dropping: bool) 
 
 
 class _Stored:
-    """Which blocks (states) of one stored, fully prefilled prompt each group keeps."""
+    """Which blocks (states) of one stored, fully prefilled prompt each group keeps.
 
-    def __init__(self, setup: PrefixCacheSetup, prompt_tokens: int) -> None:
+    `junction`: the shared-prefix boundary vLLM recorded for the prompt when it was
+    looked up (kept like a replay boundary); `computed_from`: the tokens it got from
+    the cache, whose blocks it does not store again (0: it was computed whole)."""
+
+    def __init__(
+        self, setup: PrefixCacheSetup, prompt_tokens: int, junction: int = 0, computed_from: int = 0
+    ) -> None:
         self.setup = setup
         self.align = _alignment(setup)
         self.drops = set(_drop_groups(setup))
@@ -180,8 +186,13 @@ class _Stored:
         self.kept: list[set[int] | None] = []  # None: every block up to `full`
         # Mamba states kept inside a block (token positions), per group.
         self.points: list[set[int]] = [set() for _ in setup.groups]
+        # Full attention under partial hash hits: where a lookup can land inside a
+        # block (the prompt's final hash boundary alone), per group.
+        self.tails: list[set[int]] = [set() for _ in setup.groups]
         self.full: list[int] = []
         bounds = replay_boundaries(prompt_tokens, setup.scheduler_block, bool(self.drops))
+        if junction:
+            bounds.add(junction)
         for i, g in enumerate(setup.groups):
             cacheable = prompt_tokens
             if several and not setup.partial_hash_hits:
@@ -190,9 +201,20 @@ class _Stored:
                     cacheable = min(prompt_tokens, cacheable + g.block_tokens)
             full = min(cacheable, hashed) // g.block_tokens
             if setup.partial_hash_hits and _full_like(g):
-                full = -(-min(cacheable, hashed) // g.block_tokens)
+                # vLLM registers the block holding the prompt's last hash boundary
+                # there too (a resend reads up to its last token but one; the drop
+                # the whole prompt), not at the boundaries before it in the block.
+                limit = prompt_tokens if i in self.drops else prompt_tokens - 1
+                boundary = min(limit // h * h, hashed)
+                if boundary % g.block_tokens and boundary > computed_from:
+                    self.tails[i].add(boundary)
             self.full.append(full)
-            self.kept.append(self._kept(i, g, full, bounds))
+            kept = self._kept(i, g, full, bounds)
+            if kept is not None and computed_from:
+                # Blocks below its hit were another prompt's: only those it computed.
+                kept = {j for j in kept if j >= computed_from // g.block_tokens}
+                self.points[i] = {p for p in self.points[i] if p > computed_from}
+            self.kept.append(kept)
 
     def _kept(self, i: int, g: CacheGroup, full: int, bounds: set[int]) -> set[int] | None:
         retention = self.setup.retention_interval
@@ -226,6 +248,21 @@ class _Stored:
         return block < self.full[group] and (kept is None or block in kept)
 
 
+class _StoredTogether(_Stored):
+    """Several stored prompts sharing a prefix: a block is kept if any keeps it."""
+
+    def __init__(self, prompts: list[_Stored]) -> None:
+        first = prompts[0]
+        self.setup, self.align, self.drops = first.setup, first.align, first.drops
+        self.prompts = prompts
+        groups = range(len(first.points))
+        self.points = [set().union(*(p.points[i] for p in prompts)) for i in groups]
+        self.tails = [set().union(*(p.tails[i] for p in prompts)) for i in groups]
+
+    def has(self, group: int, block: int) -> bool:
+        return any(p.has(group, block) for p in self.prompts)
+
+
 def _mamba_checkpoint(setup: PrefixCacheSetup, mamba_block: int, prompt_tokens: int) -> int:
     """Where vLLM's scheduler ends a prefill chunk so that a Mamba "align" state is
     written there: the last hash block (partial hash hits; else Mamba block) a
@@ -252,8 +289,8 @@ def _accepts(
     matched, hashed = reach
     g = stored.setup.groups[i]
     b = g.block_tokens
-    # Under partial hash hits full attention looks up (and drops) hash blocks,
-    # reading a stored prompt's last, partly filled block as far as it is hashed.
+    # Under partial hash hits full attention looks up (and drops) hash blocks: whole
+    # blocks, and a stored prompt's block holding its last hash boundary.
     step = b
     if stored.setup.partial_hash_hits and _full_like(g):
         step = stored.setup.hash_block
@@ -277,6 +314,9 @@ def _accepts(
         return False
     if g.kind is GroupKind.MAMBA:
         return stored.has(i, x // b - 1)
+    if step != b and end % b:
+        # Inside a block: only where a stored prompt's last hash boundary is.
+        return end in stored.tails[i] and all(stored.has(i, j) for j in range(end // b))
     first = 0
     if g.kind is GroupKind.SLIDING_WINDOW:
         # A hit lands on a matched block: a window of one token still needs one.
@@ -289,13 +329,55 @@ def _lookup(
 ) -> int:
     """The longest hit one lookup of groups sharing a spec returns: the highest
     aligned length at most `max_len` every member can land at."""
-    if stored.setup.groups[members[0]].kind is GroupKind.CHUNKED_LOCAL:
+    kind = stored.setup.groups[members[0]].kind
+    if kind is GroupKind.CHUNKED_LOCAL:
         return _chunked_local_hit(stored, members, max_len, reach)
+    if kind is GroupKind.SLIDING_WINDOW and len(stored.setup.groups) > 1:
+        return _sliding_window_hit(stored, members, max_len, reach, dropping)
     unit = stored.align
     x = max_len // unit * unit
     while x > 0 and not all(_accepts(stored, i, x, reach, dropping, max_len) for i in members):
         x -= unit
     return x
+
+
+def _sliding_window_hit(
+    stored: _Stored, members: list[int], max_len: int, reach: tuple[int, int], dropping: bool
+) -> int:
+    """vLLM's sliding-window lookup beside other groups: the right-most run of the
+    window's blocks (one more with the drop) whose end, less the dropped block, is
+    aligned; failing that the run from the first block, cut to the alignment. The
+    drop then takes its block off, and the hit is cut to the alignment again. A
+    dropping lookup reads one block past the candidate (as far as it is hashed)."""
+    g = stored.setup.groups[members[0]]
+    b, align = g.block_tokens, stored.align
+    matched, hashed = reach
+    limit = min(max_len + b, hashed) if dropping else max_len
+    need = _window_blocks(g, dropping)
+
+    def present(j: int) -> bool:
+        return (j + 1) * b <= min(matched, hashed) and all(stored.has(i, j) for i in members)
+
+    def aligned(blocks: int) -> int:
+        while blocks and blocks * b % align:
+            blocks -= 1
+        return blocks
+
+    run, hit = 0, -1
+    for j in range(limit // b - 1, -1, -1):
+        if not present(j):
+            run = 0
+            continue
+        if run == 0 and ((j if dropping else j + 1) * b) % align:
+            continue  # a run must end where the hit is aligned
+        run += 1
+        if run >= need:
+            hit = j + run
+            break
+    blocks = hit if hit >= 0 else aligned(run)
+    if dropping and blocks:
+        blocks = aligned(blocks - 1)
+    return blocks * b
 
 
 def _chunked_local_hit(
@@ -338,21 +420,56 @@ def cached_tokens(
     Several groups settle on one length by turns: each lookup may only lower the
     candidate, a dropping group drops once per candidate, and the turns repeat until
     none lowers it (once, for one full-attention group and one other)."""
-    f = facts(setup)
-    if not f.on or request_tokens <= 1:
+    if not facts(setup).on or request_tokens <= 1:
         return 0
+    reach = _reach(setup, shared_prefix, stored_tokens, request_tokens)
+    return _settle(setup, _Stored(setup, stored_tokens), reach, request_tokens)[0]
+
+
+def cached_tokens_after_junction(
+    setup: PrefixCacheSetup, shared_prefix: int, stored_tokens: int, request_tokens: int
+) -> int:
+    """As `cached_tokens`, for the request after that one: when the first request
+    sharing the prefix is looked up, vLLM records where its groups' hits parted (the
+    "shared-prefix junction": the longest single-group hit, when it is longer than
+    the settled one); that request, run and stored, then keeps its Mamba state and
+    its sliding-window blocks at the junction as well. A later request of
+    `request_tokens` sharing the same `shared_prefix` tokens with both (and going on
+    differently from each) is looked up against them together."""
+    if not facts(setup).on or request_tokens <= 1:
+        return 0
+    reach = _reach(setup, shared_prefix, stored_tokens, request_tokens)
+    stored = _Stored(setup, stored_tokens)
+    hit, junction = _settle(setup, stored, reach, request_tokens)
+    first = _Stored(setup, request_tokens, junction=junction, computed_from=hit)
+    return _settle(setup, _StoredTogether([stored, first]), reach, request_tokens)[0]
+
+
+def _reach(
+    setup: PrefixCacheSetup, shared_prefix: int, stored_tokens: int, request_tokens: int
+) -> tuple[int, int]:
+    """(tokens of hash blocks that agree with the stored prompt, the request's hashed
+    tokens)."""
     h, lookahead = setup.hash_block, setup.hash_lookahead
-    reach = (
+    return (
         max(0, min(shared_prefix, stored_tokens) - lookahead) // h * h,
         max(0, request_tokens - lookahead) // h * h,
     )
-    stored = _Stored(setup, stored_tokens)
+
+
+def _settle(
+    setup: PrefixCacheSetup, stored: _Stored, reach: tuple[int, int], request_tokens: int
+) -> tuple[int, int]:
+    """The coordinator's turns: (the hit, the shared-prefix junction vLLM records:
+    the longest hit one lookup returned on the way, when longer than the hit; else
+    0)."""
     spec_groups = _spec_groups(setup)
     if len(setup.groups) == 1:
         ids, dropping = spec_groups[0]
-        return _lookup(stored, ids, request_tokens - 1, reach, dropping)
+        return _lookup(stored, ids, request_tokens - 1, reach, dropping), 0
     simple = len(spec_groups) == 2 and _full_like(setup.groups[spec_groups[0][0][0]])
     hit = request_tokens - 1
+    longest = 0
     full_hits: dict[int, int] = {}
     verified: set[int] = set()
     while True:
@@ -368,13 +485,13 @@ def cached_tokens(
             elif found < candidate:
                 verified.clear()
             candidate = found
+            longest = max(longest, candidate)
             if _full_like(setup.groups[ids[0]]):
                 full_hits[index] = found
-        if candidate >= hit:
-            return hit
+        if candidate >= hit or simple:
+            hit = min(hit, candidate)
+            return hit, longest if longest > hit else 0
         hit = candidate
-        if simple:
-            return hit
 
 
 __all__ = [
@@ -384,6 +501,7 @@ __all__ = [
     "PrefixCacheSetup",
     "WhyOff",
     "cached_tokens",
+    "cached_tokens_after_junction",
     "facts",
     "replay_boundaries",
 ]

@@ -15,6 +15,7 @@ from kvplan.core.prefix_cache import (
     PrefixCacheSetup,
     WhyOff,
     cached_tokens,
+    cached_tokens_after_junction,
     facts,
     replay_boundaries,
 )
@@ -240,3 +241,67 @@ def test_other_cacheable_kinds_are_looked_up_as_full_attention() -> None:
     )
     setup = PrefixCacheSetup(True, groups, 16, 1, False, True)
     assert cached_tokens(setup, 104, 105, 104 + 17) == 80
+
+
+def test_a_later_request_hits_at_the_junction_the_first_one_recorded() -> None:
+    """Mamba and full attention of 528-token blocks (Qwen3-Next at TP 4): a request
+    sharing 4,000 tokens of a longer stored prompt hits 0 (no Mamba state there),
+    its full attention would hit 3,696: vLLM records that junction and keeps the
+    request's Mamba state there, so the next request sharing the prefix hits it
+    (vLLM 0.33's manager: 0, then 3,696; tests/test_prefix_against_vllm.py)."""
+    mamba = CacheGroup(GroupKind.MAMBA, 528, False, spec_id=0)
+    setup = PrefixCacheSetup(
+        True,
+        (mamba, mamba, mamba, CacheGroup(GroupKind.FULL, 528, True, spec_id=1)),
+        528,
+        528,
+        False,
+        False,
+        hash_lookahead=1,
+    )
+    stored, request = 4000 + 4 * 528 + 2, 4000 + 529
+    assert cached_tokens(setup, 4000, stored, request) == 0
+    assert cached_tokens_after_junction(setup, 4000, stored, request) == 3696
+
+
+def test_full_attention_lands_inside_a_block_only_at_a_prompts_last_hash_boundary() -> None:
+    """Partial hash hits (Mamba of 16 beside full attention of 64, DCP-sharded):
+    vLLM registers a full-attention block under its last hash boundary alone, so a
+    request sharing 16 tokens of a 417-token prompt finds no full-attention hit,
+    records no junction, and the next one hits 0 too (vLLM 0.32's manager,
+    parallel/dcp2-mamba in make conformance; kvplan said 16 for the next one)."""
+    mamba = CacheGroup(GroupKind.MAMBA, 16, False, spec_id=0)
+    setup = PrefixCacheSetup(
+        True,
+        (mamba, mamba, CacheGroup(GroupKind.FULL, 64, False, spec_id=1)),
+        64,
+        16,
+        True,
+        False,
+    )
+    assert cached_tokens(setup, 16, 417, 16 + 65) == 0
+    assert cached_tokens_after_junction(setup, 16, 417, 16 + 65) == 0
+    # The stored prompt's own last boundary (416, inside block 6) still hits.
+    assert cached_tokens(setup, 417, 417, 417 + 65) == 416
+
+
+def test_a_dropping_window_shorter_than_its_run_falls_back_a_whole_unit() -> None:
+    """fuzz/f230's groups: 128-token windows of 16- and 32-token blocks beside full
+    attention of both, every group dropping (0.32, no group flagged): with only 7
+    of the 16-token blocks in reach vLLM's
+    lookup takes the run from the first block (112), cuts it to the unit (96),
+    drops a block and cuts again: 64 (fuzz/f230's later request, vLLM 0.32's
+    manager; kvplan said 96)."""
+    window = CacheGroup(GroupKind.SLIDING_WINDOW, 16, False, window=128, spec_id=0)
+    full = CacheGroup(GroupKind.FULL, 32, False, spec_id=1)
+    wide_window = CacheGroup(GroupKind.SLIDING_WINDOW, 32, False, window=128, spec_id=2)
+    fine = CacheGroup(GroupKind.FULL, 16, False, spec_id=3)
+    setup = PrefixCacheSetup(
+        True,
+        (window, window, full, full, wide_window, fine, fine),
+        32,
+        16,
+        False,
+        True,
+    )
+    assert cached_tokens_after_junction(setup, 159, 209, 159 + 33) == 64

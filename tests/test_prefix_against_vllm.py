@@ -1,0 +1,108 @@
+"""kvplan's prefix-cache answers against each release's own KV cache manager, in
+that release's CPU venv (conformance/prefix_probe.py's harness): engines a claim or
+a doc names, where `make conformance` and the fuzz campaigns check every generated
+one. A missing venv fails the test with how to build it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from kvplan.cli import load_request
+from kvplan.convert import plan_from_proto
+from kvplan.convert.request import request_from_proto
+from kvplan.core.prefix_cache import cached_tokens_after_junction, facts
+from kvplan.core.prefix_warnings import DIVERGING_TAIL_UNITS, what_if
+from kvplan.prefix_facts import setup_from_plan
+from kvplan.v1 import plan_pb2
+from tests.vllm_envs import vllm_python
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Runs in the release's venv with the repository on sys.path: plans the request
+# with the release (which leaves its KV cache manager's arguments behind), then
+# asks that manager for hits: ["first", stored, n, tail] is the first request
+# sharing n tokens after a stored prompt, ["later", ...] the one after that.
+VLLM_SIDE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from conformance import prefix_probe, vllm_driver
+from kvplan.gpus import GPU_MEMORY_BYTES
+from kvplan.v1 import plan_pb2
+payload = json.load(sys.stdin)
+request = plan_pb2.PlanRequest.FromString(bytes.fromhex(payload["request"]))
+assert vllm_driver.plan_with_vllm(request, GPU_MEMORY_BYTES)["ok"]
+out = []
+for which, stored, n, tail in payload["probes"]:
+    if which == "first":
+        out.append(prefix_probe.vllm_hits(stored, [n], tail)[0])
+    else:
+        out.append(prefix_probe.vllm_later_hit(stored, n, tail))
+print(json.dumps(out))
+"""
+
+
+def vllm_hits(
+    release: str, request: plan_pb2.PlanRequest, probes: list[tuple[str, int, int, int]]
+) -> list[int]:
+    result = subprocess.run(
+        [str(vllm_python(release)), "-c", VLLM_SIDE, str(REPO)],
+        input=json.dumps({"request": request.SerializeToString().hex(), "probes": probes}),
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=True,
+    )
+    hits: list[int] = json.loads(result.stdout.strip().splitlines()[-1])
+    return hits
+
+
+def qwen3_next(method: int, engine_version: str) -> plan_pb2.PlanRequest:
+    """examples/qwen3-next-80b-a3b-mtp.yaml (528-token units) with `method`, its
+    drafter layer unmarked, as `make conformance` sends it to a release."""
+    request = load_request(str(REPO / "examples" / "qwen3-next-80b-a3b-mtp.yaml"))
+    request.spec_decode.method = method  # type: ignore[assignment]
+    request.options.max_model_len = 16384  # room for the probes, a smaller pool
+    request.options.engine_version = engine_version
+    return request
+
+
+def test_qwen3_next_with_an_unmarked_eagle_drafter_under_0_32_keeps_part_of_a_prefix() -> None:
+    """No group is flagged (0.32 flags a trailing MTP layer only), so every group
+    drops its last matched block: a 4,000-token prompt repeated and continued keeps
+    3,168 tokens (6 units of 528, one dropped), not 0, which is why the plugin says
+    FEWER HITS rather than ZERO HITS; a prefix of a longer prompt gets nothing
+    (the Mamba groups hold its state only at its end). vLLM 0.32's manager agrees."""
+    request = qwen3_next(plan_pb2.SPEC_DECODE_METHOD_EAGLE, "vllm-0.32")
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    f = facts(setup)
+    assert f.drop_groups == tuple(range(len(setup.groups)))  # every group drops
+    answer = what_if(setup, f, 4000)
+    unit = f.unit
+    diverging = 4000 + DIVERGING_TAIL_UNITS * unit + 1
+    vllm = vllm_hits(
+        "0.32", request, [("first", 4000, 4000, unit), ("first", diverging, 4000, unit)]
+    )
+    assert vllm == [answer.prefix_stored, answer.prefix_diverges]
+    assert answer.prefix_stored == 3168 and answer.prefix_diverges == 0
+
+
+def test_later_requests_hit_at_the_shared_prefix_junction() -> None:
+    """Requests that share a 4,000-token system prompt and go on differently: the
+    first after the stored one hits nothing (the Mamba state is kept at the stored
+    prompt's end only), but vLLM records where its groups' hits parted, keeps that
+    request's Mamba state there, and the next one hits 3,696 tokens (7 units of
+    528). vLLM 0.33's manager agrees with cached_tokens_after_junction."""
+    request = qwen3_next(plan_pb2.SPEC_DECODE_METHOD_MTP, "vllm-0.33")
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    unit = facts(setup).unit
+    diverging = 4000 + DIVERGING_TAIL_UNITS * unit + 1
+    tail = unit + setup.hash_lookahead
+    vllm = vllm_hits(
+        "0.33", request, [("first", diverging, 4000, tail), ("later", diverging, 4000, tail)]
+    )
+    first = what_if(setup, facts(setup), 4000).prefix_diverges
+    later = cached_tokens_after_junction(setup, 4000, diverging, 4000 + tail)
+    assert vllm == [first, later]
+    assert first == 0 and later == 3696
