@@ -54,7 +54,8 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
             assert list(pc.group_hit_unit_tokens) == list(f.group_units)
             assert pc.min_shared_prefix_tokens == f.min_shared_prefix == 1056
             assert list(pc.drop_group_ids) == [g.group_id for g in response.groups if g.is_draft]
-            assert pc.drop_tokens == 528 and not pc.rule_exact and pc.boundary_only
+            assert pc.drop_tokens == 528 and pc.rule_exact and pc.boundary_only
+            assert pc.boundary_block_tokens == 528 and list(pc.mamba_checkpoint_tokens) == [528]
             answer = what_if(setup, f, 4000)
             assert pc.what_if.shared_prefix_tokens == 4000
             assert pc.what_if.cached_tokens_prefix_stored == answer.prefix_stored == 3168
@@ -103,7 +104,7 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
             )
             for n in (0, 63, 64, 65, 1000, 4096):
                 assert client_cached_tokens(lpc, n) == cached_tokens(lsetup, n, n, n + 64)
-            # The stated rule with a drop: the server's exact answer at this N.
+            # The stated rule with a drop beside Mamba groups: exact, as the what-if.
             assert client_cached_tokens(pc, 4000) == pc.what_if.cached_tokens_prefix_stored
 
         body = await _scrape(running.metrics_port)
