@@ -97,4 +97,21 @@ def degraded_reason(response: plan_pb2.PlanResponse) -> str:
     return ""
 
 
-__all__ = ["cached_tokens", "degraded_reason", "summary", "what_if_line", "zero_hit_reason"]
+def repeated_prompts_only_reason(response: plan_pb2.PlanResponse) -> str:
+    """The plan's warning that shared prefixes shorter than a stored prompt get
+    nothing (Mamba groups; a sliding window shorter than most prompts): only
+    repeated prompts hit. "" otherwise."""
+    for warning in response.diagnostics.warnings:
+        if warning.code == plan_pb2.WARNING_CODE_PREFIX_BOUNDARY_ONLY:
+            return warning.message
+    return ""
+
+
+__all__ = [
+    "cached_tokens",
+    "degraded_reason",
+    "repeated_prompts_only_reason",
+    "summary",
+    "what_if_line",
+    "zero_hit_reason",
+]

@@ -20,10 +20,24 @@ from kvplan.core.prefix_cache import (
 # often shorter, and then never hits.
 LARGE_HIT_UNIT_TOKENS = 256
 
+# A sliding window shorter than this is worth the repeated-prompts-only warning:
+# most prompts are longer, and a shorter prefix of a longer stored prompt never
+# hits. Longer windows hold many whole prompts, whose shorter prefixes still hit.
+SHORT_WINDOW_TOKENS = 8_192
+
 # vLLM's names for the knobs (checked in the 0.32, 0.33 and 0.34 sources).
 DRAFT_DROP_SWITCH = 'speculative_config {"disable_eagle_block_drop": true}'
 PREFIX_CACHING_SWITCH = "--enable-prefix-caching (options.enable_prefix_caching)"
 BLOCK_SIZE_KNOB = "--block-size (options.block_size)"
+HYBRID_MANAGER_SWITCH = (
+    "--disable-hybrid-kv-cache-manager (options.disable_hybrid_kv_cache_manager)"
+)
+
+# The plain words of PREFIX_BOUNDARY_ONLY, which the vLLM plugin's log repeats.
+REPEATED_PROMPTS_ONLY = (
+    "shared prefixes shorter than a stored prompt get 0 cached tokens; only repeated "
+    "prompts (multi-turn) hit"
+)
 
 
 @dataclass(frozen=True)
@@ -96,18 +110,36 @@ def prefix_warnings(
                 f"{_fmt(facts.min_shared_prefix)} tokens never hit; {cause}",
             )
         )
-    if facts.boundary_only and any(g.kind is GroupKind.MAMBA for g in setup.groups):
-        out.append(
-            PlanWarning(
-                WarningCode.PREFIX_BOUNDARY_ONLY,
-                "Mamba groups keep a request's state only where it ended (vLLM's 'align' "
-                "Mamba cache mode, on with prefix caching): a prefix shared by requests that "
-                "go on with different text hits only where an earlier request ended; "
-                "knob: none (vLLM runs Mamba in 'align' mode whenever prefix caching is on; "
-                "--mamba-cache-mode cannot change it)",
-            )
-        )
+    repeated_only = _repeated_prompts_only(setup, facts)
+    if repeated_only:
+        out.append(PlanWarning(WarningCode.PREFIX_BOUNDARY_ONLY, repeated_only))
     return tuple(out)
+
+
+def _repeated_prompts_only(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> str:
+    """Why a request sharing only part of a stored prompt gets nothing, with the
+    knob; "" where shorter shared prefixes hit. vLLM keeps a stored prompt's Mamba
+    states and sliding-window blocks only near its replay boundary: a Mamba group
+    then hits at that boundary alone, a window once the prompt outgrows it."""
+    if not facts.boundary_only:
+        return ""
+    cacheable = [g for g in setup.groups if g.prefix_cacheable]
+    if any(g.kind is GroupKind.MAMBA for g in cacheable):
+        return (
+            f"{REPEATED_PROMPTS_ONLY}: Mamba groups keep a request's state only where it "
+            "ended (vLLM's 'align' Mamba cache mode, on with prefix caching); knob: none "
+            "(vLLM runs Mamba in 'align' mode whenever prefix caching is on; "
+            "--mamba-cache-mode cannot change it)"
+        )
+    windows = [g.window for g in cacheable if g.kind is GroupKind.SLIDING_WINDOW]
+    if not windows or min(windows) >= SHORT_WINDOW_TOKENS:
+        return ""
+    return (
+        f"{REPEATED_PROMPTS_ONLY} (once a stored prompt is longer than the "
+        f"{_fmt(min(windows))}-token sliding window): sliding-window groups keep a "
+        f"request's blocks only near where it ended; knob: {HYBRID_MANAGER_SWITCH} keeps "
+        "every layer's whole context, at full attention's KV memory per token"
+    )
 
 
 @dataclass(frozen=True)
@@ -214,6 +246,8 @@ def rule_cached_tokens(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_
 
 __all__ = [
     "LARGE_HIT_UNIT_TOKENS",
+    "REPEATED_PROMPTS_ONLY",
+    "SHORT_WINDOW_TOKENS",
     "PrefixContext",
     "WhatIf",
     "boundary_block",
