@@ -46,26 +46,34 @@ def test_the_stated_rule_is_the_simulation_where_it_says_it_is_exact(
 
 @st.composite
 def planned_setups(draw: st.DrawFn) -> PrefixCacheSetup:
-    """Engines as plans describe them: vLLM's sparse retention, one to three groups
-    of full attention, sliding window (one-token windows too) and Mamba with blocks
-    that need not divide each other, the draft drop or hash lookahead, and partial
-    hash hits where vLLM allows them (a Mamba block coarser than the hash block, any
-    sliding window's block the hash block)."""
-    count = draw(st.integers(1, 3))
-    groups = []
+    """Engines as plans describe them: vLLM's sparse retention, one to four groups
+    of full attention, sliding window (one-token windows too), Mamba and the other
+    kinds looked up as full attention, with blocks that need not divide each other,
+    groups of one spec, groups that take no part in prefix caching, the draft drop or
+    hash lookahead, and partial hash hits where vLLM allows them (a Mamba block
+    coarser than the hash block, any sliding window's block the hash block)."""
+    count = draw(st.integers(1, 4))
+    groups: list[CacheGroup] = []
     for index in range(count):
+        if groups and draw(st.integers(0, 3)) == 0:
+            groups.append(draw(st.sampled_from(groups)))  # another group of one spec
+            continue
         kind = draw(
             st.sampled_from([GroupKind.FULL])
             if index == 0
-            else st.sampled_from([GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA])
+            else st.sampled_from(
+                [GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA, GroupKind.OTHER]
+            )
         )
         window = draw(st.sampled_from([1, 16, 64, 128, 1024]))
         groups.append(
             CacheGroup(
                 kind=kind,
-                block_tokens=draw(st.sampled_from([16, 32, 48, 64])),
+                block_tokens=draw(st.sampled_from([16, 32, 48, 64, 80])),
                 is_draft=draw(st.booleans()),
+                prefix_cacheable=index == 0 or draw(st.integers(0, 4)) > 0,
                 window=window if kind is GroupKind.SLIDING_WINDOW else 0,
+                spec_id=index,
             )
         )
     blocks = [g.block_tokens for g in groups]
