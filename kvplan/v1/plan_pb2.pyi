@@ -230,7 +230,9 @@ class _WarningCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WarningCo
     WARNING_CODE_PREFIX_LARGE_HIT_UNIT: _WarningCode.ValueType  # 62
     """hits only in units of >= 256 tokens"""
     WARNING_CODE_PREFIX_BOUNDARY_ONLY: _WarningCode.ValueType  # 63
-    """Mamba / window state only where a request ended"""
+    """Shared prefixes shorter than a stored prompt get 0 cached tokens; only repeated
+    prompts hit (Mamba groups; sliding windows under 8,192 tokens).
+    """
     WARNING_CODE_PREFIX_DRAFT_DROP: _WarningCode.ValueType  # 64
     """the drafter's drop takes a block off every hit"""
 
@@ -261,7 +263,9 @@ WARNING_CODE_PREFIX_UNIDENTIFIED_DRAFTER: WarningCode.ValueType  # 61
 WARNING_CODE_PREFIX_LARGE_HIT_UNIT: WarningCode.ValueType  # 62
 """hits only in units of >= 256 tokens"""
 WARNING_CODE_PREFIX_BOUNDARY_ONLY: WarningCode.ValueType  # 63
-"""Mamba / window state only where a request ended"""
+"""Shared prefixes shorter than a stored prompt get 0 cached tokens; only repeated
+prompts hit (Mamba groups; sliding windows under 8,192 tokens).
+"""
 WARNING_CODE_PREFIX_DRAFT_DROP: WarningCode.ValueType  # 64
 """the drafter's drop takes a block off every hit"""
 Global___WarningCode: _TypeAlias = WarningCode  # noqa: Y015
@@ -1241,7 +1245,8 @@ class PrefixCacheDiagnostics(_message.Message):
     """
     rule_exact: _builtins.bool
     """The rule above is exact for every N: all but a draft drop beside a
-    sliding-window group whose block is smaller than the hit unit.
+    sliding-window group whose block is smaller than the hit unit, and windows
+    of one token (there the what-if is exact).
     """
     boundary_block_tokens: _builtins.int
     """The stride of a stored request's replay boundaries (the scheduler block):
