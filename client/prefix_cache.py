@@ -11,21 +11,29 @@ from kvplan.v1 import plan_pb2
 def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: int) -> int:
     """Tokens served from cache when a request repeats all `shared_prefix` tokens
     of an earlier request that was exactly those tokens and goes on past them.
-    Exact when `prefix_cache.rule_exact`; else (a draft drop on Mamba / window
-    groups) an estimate: ask the server with PlanRequest.shared_prefix_tokens."""
+    Exact when `prefix_cache.rule_exact`; else (a draft drop beside a sliding-window
+    group finer than the hit unit) an estimate: ask the server with
+    PlanRequest.shared_prefix_tokens."""
     n = shared_prefix
     unit = prefix_cache.hit_unit_tokens
     if not prefix_cache.effectively_on or not unit or n < prefix_cache.min_shared_prefix_tokens:
         return 0
     hash_block = prefix_cache.hash_block_tokens or unit
     hashed = max(0, n - prefix_cache.hash_lookahead_tokens) // hash_block * hash_block
-    if prefix_cache.drop_tokens:
-        hit = (min(n, hashed) - prefix_cache.drop_tokens) // unit * unit
-        if prefix_cache.boundary_only:
-            hit = min(hit, n // unit * unit - unit)
-        return max(0, hit)
-    base = n - 1 if prefix_cache.boundary_only else n
-    return max(0, min(base, hashed) // unit * unit)
+    if not prefix_cache.drop_group_ids:
+        base = n - 1 if prefix_cache.boundary_only else n
+        return max(0, min(base, hashed) // unit * unit)
+    reach = (min(n, hashed) - prefix_cache.drop_tokens) // unit * unit
+    if not prefix_cache.boundary_only:
+        return max(0, reach)
+    # State kept only at the stored request's replay boundaries (one lower under
+    # the drop) and at its Mamba prefill checkpoint.
+    stride = prefix_cache.boundary_block_tokens or unit
+    kept = [n // stride * stride - stride, (n - 1) // stride * stride - stride]
+    checkpoints = {n // c * c - c for c in prefix_cache.mamba_checkpoint_tokens if c}
+    if len(checkpoints) == 1:
+        kept.extend(checkpoints)
+    return max((x for x in kept if 0 < x <= reach and x % unit == 0), default=0)
 
 
 def summary(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
@@ -89,4 +97,21 @@ def degraded_reason(response: plan_pb2.PlanResponse) -> str:
     return ""
 
 
-__all__ = ["cached_tokens", "degraded_reason", "summary", "what_if_line", "zero_hit_reason"]
+def repeated_prompts_only_reason(response: plan_pb2.PlanResponse) -> str:
+    """The plan's warning that shared prefixes shorter than a stored prompt get
+    nothing (Mamba groups; a sliding window shorter than most prompts): only
+    repeated prompts hit. "" otherwise."""
+    for warning in response.diagnostics.warnings:
+        if warning.code == plan_pb2.WARNING_CODE_PREFIX_BOUNDARY_ONLY:
+            return warning.message
+    return ""
+
+
+__all__ = [
+    "cached_tokens",
+    "degraded_reason",
+    "repeated_prompts_only_reason",
+    "summary",
+    "what_if_line",
+    "zero_hit_reason",
+]

@@ -35,7 +35,11 @@ from kvplan.client.devices import DeviceResolutionError
 from kvplan.client.errors import PlannerError
 from kvplan.client.leases import LeaseKeeper
 from kvplan.client.planner import PlannerClient
-from kvplan.client.prefix_cache import degraded_reason, zero_hit_reason
+from kvplan.client.prefix_cache import (
+    degraded_reason,
+    repeated_prompts_only_reason,
+    zero_hit_reason,
+)
 from kvplan.client.prefix_cache import summary as prefix_summary
 from kvplan.client.vllm_plugin.engine import (
     UnsupportedSpec,
@@ -838,18 +842,21 @@ def install(
 
 def _log_prefix_cache(response: plan_pb2.PlanResponse, vllms_own: bool) -> None:
     """Observe's prefix-cache line: what the plan predicts, and a warning when the
-    engine will get no hit, or fewer for an unidentified drafter. `vllms_own`:
+    engine will get no hit, fewer for an unidentified drafter, or none for shared
+    prefixes shorter than a stored prompt (only repeated prompts hit). `vllms_own`:
     vLLM's groups and draft flags are the plan's, so the prediction is vLLM's."""
     if not response.diagnostics.HasField("prefix_cache"):
         return  # an older server
     whose = "vLLM's own setup" if vllms_own else "kvplan's draft flags (vLLM's differ)"
     zero, fewer = zero_hit_reason(response), degraded_reason(response)
-    if zero or fewer:
+    repeated_only = repeated_prompts_only_reason(response)
+    if zero or fewer or repeated_only:
+        label = "ZERO HITS" if zero else "FEWER HITS" if fewer else "ZERO SHARED-PREFIX HITS"
         log.warning(
             "kvplan prefix cache: %s expected for %s: %s; plan %s",
-            "ZERO HITS" if zero else "FEWER HITS",
+            label,
             whose,
-            zero or fewer,
+            zero or "; and ".join(r for r in (fewer, repeated_only) if r),
             response.plan_id,
         )
     else:

@@ -18,10 +18,12 @@ from kvplan.core.planner import (
     EnginePlan,
     WorkerPlan,
 )
-from kvplan.core.prefix_cache import WhyOff
+from kvplan.core.prefix_cache import PrefixCacheFacts, PrefixCacheSetup, WhyOff
 from kvplan.core.prefix_cache import facts as prefix_facts
 from kvplan.core.prefix_warnings import (
     PrefixContext,
+    boundary_block,
+    mamba_checkpoint_strides,
     off_detail,
     prefix_warnings,
     rule_is_exact,
@@ -376,6 +378,31 @@ _OFF_REASONS = {
 }
 
 
+def prefix_rule_to_proto(
+    setup: PrefixCacheSetup,
+    facts: PrefixCacheFacts,
+    group_ids: list[int],
+    out: plan_pb2.PrefixCacheDiagnostics,
+) -> None:
+    """The facts and the terms of the rule a client evaluates
+    (kvplan.client.prefix_cache.cached_tokens) into `out`; `group_ids`: the
+    plan's group ids, in the setup's group order."""
+    out.effectively_on = facts.on
+    out.off_reason = _OFF_REASONS[facts.why_off]
+    out.off_detail = off_detail(facts)
+    out.hit_unit_tokens = facts.unit
+    out.group_hit_unit_tokens.extend(facts.group_units)
+    out.min_shared_prefix_tokens = facts.min_shared_prefix
+    out.drop_group_ids.extend(group_ids[i] for i in facts.drop_groups)
+    out.drop_tokens = facts.drop_tokens
+    out.hash_block_tokens = setup.hash_block if facts.on else 0
+    out.hash_lookahead_tokens = setup.hash_lookahead if facts.on else 0
+    out.boundary_only = facts.boundary_only
+    out.rule_exact = rule_is_exact(setup, facts)
+    out.boundary_block_tokens = boundary_block(setup, facts)
+    out.mamba_checkpoint_tokens.extend(mamba_checkpoint_strides(setup, facts))
+
+
 def prefix_cache_diagnostics(
     request: EngineRequest, response: plan_pb2.PlanResponse, *, asked_off: bool = False
 ) -> bytes:
@@ -387,19 +414,9 @@ def prefix_cache_diagnostics(
     setup = setup_from_plan(request, response)
     facts = prefix_facts(setup)
     diagnostics = plan_pb2.Diagnostics()
-    out = diagnostics.prefix_cache
-    out.effectively_on = facts.on
-    out.off_reason = _OFF_REASONS[facts.why_off]
-    out.off_detail = off_detail(facts)
-    out.hit_unit_tokens = facts.unit
-    out.group_hit_unit_tokens.extend(facts.group_units)
-    out.min_shared_prefix_tokens = facts.min_shared_prefix
-    out.drop_group_ids.extend(response.groups[i].group_id for i in facts.drop_groups)
-    out.drop_tokens = facts.drop_tokens
-    out.hash_block_tokens = setup.hash_block if facts.on else 0
-    out.hash_lookahead_tokens = setup.hash_lookahead if facts.on else 0
-    out.boundary_only = facts.boundary_only
-    out.rule_exact = rule_is_exact(setup, facts)
+    prefix_rule_to_proto(
+        setup, facts, [group.group_id for group in response.groups], diagnostics.prefix_cache
+    )
     context = PrefixContext(
         spec_decode=request.spec_decode.uses_eagle,
         drafter_flagged=any(group.is_draft for group in response.groups),

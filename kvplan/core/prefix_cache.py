@@ -137,7 +137,7 @@ def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
             (
                 setup.groups[i].block_tokens
                 for i in drops
-                if setup.groups[i].kind is not GroupKind.MAMBA
+                if setup.groups[i].kind is not GroupKind.MAMBA and setup.groups[i].prefix_cacheable
             ),
             default=0,
         ),

@@ -20,10 +20,24 @@ from kvplan.core.prefix_cache import (
 # often shorter, and then never hits.
 LARGE_HIT_UNIT_TOKENS = 256
 
+# A sliding window shorter than this is worth the repeated-prompts-only warning:
+# most prompts are longer, and a shorter prefix of a longer stored prompt never
+# hits. Longer windows hold many whole prompts, whose shorter prefixes still hit.
+SHORT_WINDOW_TOKENS = 8_192
+
 # vLLM's names for the knobs (checked in the 0.32, 0.33 and 0.34 sources).
 DRAFT_DROP_SWITCH = 'speculative_config {"disable_eagle_block_drop": true}'
 PREFIX_CACHING_SWITCH = "--enable-prefix-caching (options.enable_prefix_caching)"
 BLOCK_SIZE_KNOB = "--block-size (options.block_size)"
+HYBRID_MANAGER_SWITCH = (
+    "--disable-hybrid-kv-cache-manager (options.disable_hybrid_kv_cache_manager)"
+)
+
+# The plain words of PREFIX_BOUNDARY_ONLY, which the vLLM plugin's log repeats.
+REPEATED_PROMPTS_ONLY = (
+    "shared prefixes shorter than a stored prompt get 0 cached tokens; only repeated "
+    "prompts (multi-turn) hit"
+)
 
 
 @dataclass(frozen=True)
@@ -96,18 +110,36 @@ def prefix_warnings(
                 f"{_fmt(facts.min_shared_prefix)} tokens never hit; {cause}",
             )
         )
-    if facts.boundary_only and any(g.kind is GroupKind.MAMBA for g in setup.groups):
-        out.append(
-            PlanWarning(
-                WarningCode.PREFIX_BOUNDARY_ONLY,
-                "Mamba groups keep a request's state only where it ended (vLLM's 'align' "
-                "Mamba cache mode, on with prefix caching): a prefix shared by requests that "
-                "go on with different text hits only where an earlier request ended; "
-                "knob: none (vLLM runs Mamba in 'align' mode whenever prefix caching is on; "
-                "--mamba-cache-mode cannot change it)",
-            )
-        )
+    repeated_only = _repeated_prompts_only(setup, facts)
+    if repeated_only:
+        out.append(PlanWarning(WarningCode.PREFIX_BOUNDARY_ONLY, repeated_only))
     return tuple(out)
+
+
+def _repeated_prompts_only(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> str:
+    """Why a request sharing only part of a stored prompt gets nothing, with the
+    knob; "" where shorter shared prefixes hit. vLLM keeps a stored prompt's Mamba
+    states and sliding-window blocks only near its replay boundary: a Mamba group
+    then hits at that boundary alone, a window once the prompt outgrows it."""
+    if not facts.boundary_only:
+        return ""
+    cacheable = [g for g in setup.groups if g.prefix_cacheable]
+    if any(g.kind is GroupKind.MAMBA for g in cacheable):
+        return (
+            f"{REPEATED_PROMPTS_ONLY}: Mamba groups keep a request's state only where it "
+            "ended (vLLM's 'align' Mamba cache mode, on with prefix caching); knob: none "
+            "(vLLM runs Mamba in 'align' mode whenever prefix caching is on; "
+            "--mamba-cache-mode cannot change it)"
+        )
+    windows = [g.window for g in cacheable if g.kind is GroupKind.SLIDING_WINDOW]
+    if not windows or min(windows) >= SHORT_WINDOW_TOKENS:
+        return ""
+    return (
+        f"{REPEATED_PROMPTS_ONLY} (once a stored prompt is longer than the "
+        f"{_fmt(min(windows))}-token sliding window): sliding-window groups keep a "
+        f"request's blocks only near where it ended; knob: {HYBRID_MANAGER_SWITCH} keeps "
+        "every layer's whole context, at full attention's KV memory per token"
+    )
 
 
 @dataclass(frozen=True)
@@ -136,43 +168,90 @@ def what_if(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_prefix: int
     )
 
 
+def boundary_block(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> int:
+    """The stride of a stored request's replay boundaries: the scheduler block
+    (0 when off)."""
+    return setup.scheduler_block if facts.on else 0
+
+
+def mamba_checkpoint_strides(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> tuple[int, ...]:
+    """The strides of the Mamba prefill checkpoint a stored request keeps under the
+    draft drop (one hash block or Mamba block below its last whole one): one per
+    distinct Mamba block, the hash block under partial hash hits. Empty without a
+    drop or a Mamba group, and when a cacheable sliding-window group keeps only the
+    replay boundaries' blocks (a checkpoint above them never hits it)."""
+    cacheable = [g for g in setup.groups if g.prefix_cacheable]
+    if not facts.on or not facts.drop_groups or not facts.boundary_only:
+        return ()
+    if any(g.kind is GroupKind.SLIDING_WINDOW for g in cacheable):
+        return ()
+    if setup.partial_hash_hits:
+        return (setup.hash_block,)
+    return tuple(sorted({g.block_tokens for g in cacheable if g.kind is GroupKind.MAMBA}))
+
+
 def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
-    """Whether `rule_cached_tokens` is the simulation's answer for every N: all but a
-    draft drop beside sliding-window or Mamba groups (there the coordinator's turns
-    depend on which window blocks and Mamba states are kept). `drop_groups`, not
-    `drop_tokens`: a dropping Mamba group takes no tokens off the minimum prefix
-    yet still shapes the hit."""
-    return not facts.drop_groups or all(
-        g.kind not in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA)
-        for g in setup.groups
-        if g.prefix_cacheable
-    )
+    """Whether `rule_cached_tokens` is the simulation's answer for every N
+    (tests/core/test_prefix_warnings.py checks it on random engines). Not where:
+
+    * a draft drop beside a sliding-window group whose block is finer than the hit
+      unit: while the window reaches back past the first block, the dropping
+      group's lookup runs from the first block and falls a further unit back, by
+      the window's length in tokens, which the rule does not state;
+    * a window of one token (fuzz engines): under vLLM's sparse retention it keeps
+      none or one block of a stored prompt, and the coordinator's turns decide;
+    * retention other than vLLM's (`retention_interval` not 0: a modelling option,
+      no plan uses it) with sliding-window or Mamba groups."""
+    cacheable = [g for g in setup.groups if g.prefix_cacheable]
+    sparse = [g for g in cacheable if g.kind in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA)]
+    if sparse and setup.retention_interval != 0:
+        return False
+    for g in sparse:
+        if g.kind is not GroupKind.SLIDING_WINDOW:
+            continue
+        if facts.drop_groups and g.block_tokens < facts.unit:
+            return False
+        if g.window <= 1:
+            return False
+    return True
 
 
 def rule_cached_tokens(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_prefix: int) -> int:
     """The closed-form rule the PlanResponse states (PrefixCacheDiagnostics) for a
     request continuing an earlier one that was exactly `shared_prefix` tokens:
     exact where `rule_is_exact` (tests/core/test_prefix_warnings.py checks it
-    against `cached_tokens`), an estimate elsewhere."""
+    against `cached_tokens`), an estimate elsewhere. Mirrors
+    kvplan.client.prefix_cache.cached_tokens term for term."""
     n, unit = shared_prefix, facts.unit
     if not facts.on or n < facts.min_shared_prefix:
         return 0
     h = setup.hash_block
     hashed = max(0, n - setup.hash_lookahead) // h * h
-    if facts.drop_tokens:
-        # The dropped block must be matched too, and hits stay whole units.
-        hit = (min(n, hashed) - facts.drop_tokens) // unit * unit
-        if facts.boundary_only:  # the stored request's last state, one unit back
-            hit = min(hit, n // unit * unit - unit)
-        return max(0, hit)
-    base = n - 1 if facts.boundary_only else n
-    return max(0, min(base, hashed) // unit * unit)
+    if not facts.drop_groups:
+        base = n - 1 if facts.boundary_only else n
+        return max(0, min(base, hashed) // unit * unit)
+    # The dropped block must be matched too, and hits stay whole units.
+    reach = (min(n, hashed) - facts.drop_tokens) // unit * unit
+    if not facts.boundary_only:
+        return max(0, reach)
+    # Window / Mamba state only where the stored request was kept: its replay
+    # boundaries (one boundary lower under the drop) and its Mamba checkpoint.
+    s = boundary_block(setup, facts)
+    kept = [n // s * s - s, (n - 1) // s * s - s]
+    checkpoints = {n // c * c - c for c in mamba_checkpoint_strides(setup, facts)}
+    if len(checkpoints) == 1:
+        kept.extend(checkpoints)
+    return max((x for x in kept if 0 < x <= reach and x % unit == 0), default=0)
 
 
 __all__ = [
     "LARGE_HIT_UNIT_TOKENS",
+    "REPEATED_PROMPTS_ONLY",
+    "SHORT_WINDOW_TOKENS",
     "PrefixContext",
     "WhatIf",
+    "boundary_block",
+    "mamba_checkpoint_strides",
     "off_detail",
     "prefix_warnings",
     "rule_cached_tokens",

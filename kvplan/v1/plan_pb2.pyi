@@ -230,7 +230,9 @@ class _WarningCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WarningCo
     WARNING_CODE_PREFIX_LARGE_HIT_UNIT: _WarningCode.ValueType  # 62
     """hits only in units of >= 256 tokens"""
     WARNING_CODE_PREFIX_BOUNDARY_ONLY: _WarningCode.ValueType  # 63
-    """Mamba / window state only where a request ended"""
+    """Shared prefixes shorter than a stored prompt get 0 cached tokens; only repeated
+    prompts hit (Mamba groups; sliding windows under 8,192 tokens).
+    """
     WARNING_CODE_PREFIX_DRAFT_DROP: _WarningCode.ValueType  # 64
     """the drafter's drop takes a block off every hit"""
 
@@ -261,7 +263,9 @@ WARNING_CODE_PREFIX_UNIDENTIFIED_DRAFTER: WarningCode.ValueType  # 61
 WARNING_CODE_PREFIX_LARGE_HIT_UNIT: WarningCode.ValueType  # 62
 """hits only in units of >= 256 tokens"""
 WARNING_CODE_PREFIX_BOUNDARY_ONLY: WarningCode.ValueType  # 63
-"""Mamba / window state only where a request ended"""
+"""Shared prefixes shorter than a stored prompt get 0 cached tokens; only repeated
+prompts hit (Mamba groups; sliding windows under 8,192 tokens).
+"""
 WARNING_CODE_PREFIX_DRAFT_DROP: WarningCode.ValueType  # 64
 """the drafter's drop takes a block off every hit"""
 Global___WarningCode: _TypeAlias = WarningCode  # noqa: Y015
@@ -1192,10 +1196,16 @@ class PrefixCacheDiagnostics(_message.Message):
     ask with PlanRequest.shared_prefix_tokens), with u = hit_unit_tokens:
       0 if not effectively_on or N < min_shared_prefix_tokens; else, with
       hashed = floor((N - hash_lookahead_tokens) / hash_block_tokens) * hash_block_tokens,
-      drop_tokens > 0:  floor((min(N, hashed) - drop_tokens) / u) * u,
-                        and with boundary_only at most floor(N / u) * u - u
-      boundary_only:    floor(min(N - 1, hashed) / u) * u
-      otherwise:        floor(min(N, hashed) / u) * u
+      reach = floor((min(N, hashed) - drop_tokens) / u) * u,
+      no drop_group_ids:  boundary_only: floor(min(N - 1, hashed) / u) * u
+                          otherwise:     floor(min(N, hashed) / u) * u
+      drop_group_ids, not boundary_only: reach
+      drop_group_ids and boundary_only: the largest of these kept states that is
+        positive, a multiple of u and at most reach (0 if none), with
+        s = boundary_block_tokens:
+          floor(N / s) * s - s and floor((N - 1) / s) * s - s (replay boundaries),
+          floor(N / c) * c - c when it is the same for every c in
+          mamba_checkpoint_tokens (the Mamba prefill checkpoint; none when empty)
     (at least 0). client.prefix_cache.cached_tokens evaluates it.
     """
 
@@ -1214,6 +1224,8 @@ class PrefixCacheDiagnostics(_message.Message):
     BOUNDARY_ONLY_FIELD_NUMBER: _builtins.int
     RULE_EXACT_FIELD_NUMBER: _builtins.int
     WHAT_IF_FIELD_NUMBER: _builtins.int
+    BOUNDARY_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    MAMBA_CHECKPOINT_TOKENS_FIELD_NUMBER: _builtins.int
     effectively_on: _builtins.bool
     off_reason: Global___PrefixCacheOffReason.ValueType
     off_detail: _builtins.str
@@ -1232,8 +1244,14 @@ class PrefixCacheDiagnostics(_message.Message):
     it ended: a shared prefix followed by different text may not hit.
     """
     rule_exact: _builtins.bool
-    """The rule above is exact for every N: all but a draft drop beside
-    sliding-window or Mamba groups.
+    """The rule above is exact for every N: all but a draft drop beside a
+    sliding-window group whose block is smaller than the hit unit, and windows
+    of one token (there the what-if is exact).
+    """
+    boundary_block_tokens: _builtins.int
+    """The stride of a stored request's replay boundaries (the scheduler block):
+    with a draft drop, sliding-window and Mamba groups keep its state one
+    boundary below its end.
     """
     @_builtins.property
     def group_hit_unit_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -1246,6 +1264,13 @@ class PrefixCacheDiagnostics(_message.Message):
     @_builtins.property
     def what_if(self) -> Global___PrefixCacheWhatIf:
         """set when the request asked"""
+
+    @_builtins.property
+    def mamba_checkpoint_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With a draft drop: the strides of the Mamba prefill checkpoint, one per
+        distinct Mamba block (the hash block under partial hash hits); empty when
+        there is none or a sliding-window group keeps only replay boundaries.
+        """
 
     def __init__(
         self,
@@ -1263,10 +1288,12 @@ class PrefixCacheDiagnostics(_message.Message):
         boundary_only: _builtins.bool = ...,
         rule_exact: _builtins.bool = ...,
         what_if: Global___PrefixCacheWhatIf | None = ...,
+        boundary_block_tokens: _builtins.int = ...,
+        mamba_checkpoint_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["what_if", b"what_if"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_only", b"boundary_only", "drop_group_ids", b"drop_group_ids", "drop_tokens", b"drop_tokens", "effectively_on", b"effectively_on", "group_hit_unit_tokens", b"group_hit_unit_tokens", "hash_block_tokens", b"hash_block_tokens", "hash_lookahead_tokens", b"hash_lookahead_tokens", "hit_unit_tokens", b"hit_unit_tokens", "min_shared_prefix_tokens", b"min_shared_prefix_tokens", "off_detail", b"off_detail", "off_reason", b"off_reason", "rule_exact", b"rule_exact", "what_if", b"what_if"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_block_tokens", b"boundary_block_tokens", "boundary_only", b"boundary_only", "drop_group_ids", b"drop_group_ids", "drop_tokens", b"drop_tokens", "effectively_on", b"effectively_on", "group_hit_unit_tokens", b"group_hit_unit_tokens", "hash_block_tokens", b"hash_block_tokens", "hash_lookahead_tokens", b"hash_lookahead_tokens", "hit_unit_tokens", b"hit_unit_tokens", "mamba_checkpoint_tokens", b"mamba_checkpoint_tokens", "min_shared_prefix_tokens", b"min_shared_prefix_tokens", "off_detail", b"off_detail", "off_reason", b"off_reason", "rule_exact", b"rule_exact", "what_if", b"what_if"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

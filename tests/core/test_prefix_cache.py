@@ -305,3 +305,18 @@ def test_a_dropping_window_shorter_than_its_run_falls_back_a_whole_unit() -> Non
         True,
     )
     assert cached_tokens_after_junction(setup, 159, 209, 159 + 33) == 64
+
+
+def test_a_dropping_group_outside_prefix_caching_takes_nothing_off_hits() -> None:
+    # A flagged group that takes no part in prefix caching is never looked up: its
+    # drop shortens no hit, so the minimum shared prefix is the unit (random engines
+    # of tests/core/test_prefix_warnings.py found facts counting it).
+    groups = (
+        CacheGroup(GroupKind.FULL, 80, True, prefix_cacheable=False),
+        CacheGroup(GroupKind.OTHER, 16, False),
+    )
+    setup = PrefixCacheSetup(True, groups, 80, 16, False, True)
+    f = facts(setup)
+    assert f.drop_groups == (0,) and f.drop_tokens == 0
+    assert f.min_shared_prefix == f.unit == 80
+    assert cached_tokens(setup, 80, 80, 81) == 80

@@ -4,9 +4,13 @@ says it is exact, and each lossy setup is named with its code and knob."""
 
 from __future__ import annotations
 
+import math
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvplan.client.prefix_cache import cached_tokens as client_cached_tokens
+from kvplan.convert.render import prefix_rule_to_proto
 from kvplan.core.diagnostics import WarningCode
 from kvplan.core.prefix_cache import (
     CacheGroup,
@@ -23,6 +27,7 @@ from kvplan.core.prefix_warnings import (
     rule_is_exact,
     what_if,
 )
+from kvplan.v1 import plan_pb2
 from tests.core.test_prefix_cache import setups
 
 
@@ -37,6 +42,86 @@ def test_the_stated_rule_is_the_simulation_where_it_says_it_is_exact(
     assert rule_cached_tokens(setup, f, shared) == cached_tokens(
         setup, shared, shared, shared + tail
     )
+
+
+@st.composite
+def planned_setups(draw: st.DrawFn) -> PrefixCacheSetup:
+    """Engines as plans describe them: vLLM's sparse retention, one to four groups
+    of full attention, sliding window (one-token windows too), Mamba and the other
+    kinds looked up as full attention, with blocks that need not divide each other,
+    groups of one spec, groups that take no part in prefix caching, the draft drop or
+    hash lookahead, and partial hash hits where vLLM allows them (a Mamba block
+    coarser than the hash block, any sliding window's block the hash block)."""
+    count = draw(st.integers(1, 4))
+    groups: list[CacheGroup] = []
+    for index in range(count):
+        if groups and draw(st.integers(0, 3)) == 0:
+            groups.append(draw(st.sampled_from(groups)))  # another group of one spec
+            continue
+        kind = draw(
+            st.sampled_from([GroupKind.FULL])
+            if index == 0
+            else st.sampled_from(
+                [GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA, GroupKind.OTHER]
+            )
+        )
+        window = draw(st.sampled_from([1, 16, 64, 128, 1024]))
+        groups.append(
+            CacheGroup(
+                kind=kind,
+                block_tokens=draw(st.sampled_from([16, 32, 48, 64, 80])),
+                is_draft=draw(st.booleans()),
+                prefix_cacheable=index == 0 or draw(st.integers(0, 4)) > 0,
+                window=window if kind is GroupKind.SLIDING_WINDOW else 0,
+                spec_id=index,
+            )
+        )
+    blocks = [g.block_tokens for g in groups]
+    scheduler = math.lcm(*blocks)
+    hash_block = math.gcd(*blocks) if count > 1 else scheduler
+    partial = False
+    if count > 1 and draw(st.booleans()):
+        finer = draw(st.sampled_from([d for d in (1, 4, 8, 16) if hash_block % d == 0]))
+        partial = any(g.kind is GroupKind.MAMBA and g.block_tokens > finer for g in groups) and all(
+            g.kind is not GroupKind.SLIDING_WINDOW or g.block_tokens == finer for g in groups
+        )
+        hash_block = finer if partial else hash_block
+    drop = draw(st.booleans())
+    return PrefixCacheSetup(
+        enabled=True,
+        groups=tuple(groups),
+        scheduler_block=scheduler,
+        hash_block=hash_block,
+        partial_hash_hits=partial,
+        block_drop=drop,
+        # vLLM hashes the drafter's lookahead or drops a block, never both.
+        hash_lookahead=0 if drop else draw(st.sampled_from([0, 1])),
+    )
+
+
+# Engines whose stated rule was checked for every N up to this many tokens.
+RULE_CHECK_TOKENS = 1_200
+rule_checks = {"engines": 0, "exact": 0, "with_drop_and_sparse": 0}
+
+
+@settings(max_examples=150, deadline=None)
+@given(planned_setups(), st.integers(1, 64))
+def test_the_clients_rule_is_the_simulation_for_every_n_where_it_says_exact(
+    setup: PrefixCacheSetup, tail: int
+) -> None:
+    f = facts(setup)
+    prefix_cache = plan_pb2.PrefixCacheDiagnostics()
+    prefix_rule_to_proto(setup, f, list(range(len(setup.groups))), prefix_cache)
+    rule_checks["engines"] += 1
+    if not prefix_cache.rule_exact:
+        return  # a draft drop beside a finer sliding window: the what-if answers
+    rule_checks["exact"] += 1
+    if f.drop_groups and f.boundary_only:
+        rule_checks["with_drop_and_sparse"] += 1
+    for n in range(RULE_CHECK_TOKENS):
+        expected = cached_tokens(setup, n, n, n + tail)
+        assert client_cached_tokens(prefix_cache, n) == expected, n
+        assert rule_cached_tokens(setup, f, n) == expected, n
 
 
 def _qwen_like(block_drop: bool, flagged: bool) -> PrefixCacheSetup:

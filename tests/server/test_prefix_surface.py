@@ -54,7 +54,8 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
             assert list(pc.group_hit_unit_tokens) == list(f.group_units)
             assert pc.min_shared_prefix_tokens == f.min_shared_prefix == 1056
             assert list(pc.drop_group_ids) == [g.group_id for g in response.groups if g.is_draft]
-            assert pc.drop_tokens == 528 and not pc.rule_exact and pc.boundary_only
+            assert pc.drop_tokens == 528 and pc.rule_exact and pc.boundary_only
+            assert pc.boundary_block_tokens == 528 and list(pc.mamba_checkpoint_tokens) == [528]
             answer = what_if(setup, f, 4000)
             assert pc.what_if.shared_prefix_tokens == 4000
             assert pc.what_if.cached_tokens_prefix_stored == answer.prefix_stored == 3168
@@ -103,7 +104,7 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
             )
             for n in (0, 63, 64, 65, 1000, 4096):
                 assert client_cached_tokens(lpc, n) == cached_tokens(lsetup, n, n, n + 64)
-            # The stated rule with a drop: the server's exact answer at this N.
+            # The stated rule with a drop beside Mamba groups: exact, as the what-if.
             assert client_cached_tokens(pc, 4000) == pc.what_if.cached_tokens_prefix_stored
 
         body = await _scrape(running.metrics_port)
@@ -171,3 +172,73 @@ def test_the_what_if_is_bounded_in_hit_units() -> None:
     with pytest.raises(InvalidRequest, match="at most 32,768") as refused:
         plan_from_proto(request)
     assert refused.value.field == "shared_prefix_tokens"
+
+
+# Each family whose groups keep a stored prompt's state only near its end, its
+# request file, its Hugging Face config (kvplan plan --model) and the knob named.
+REPEATED_PROMPTS_ONLY_FAMILIES = [
+    ("qwen3-next-80b-a3b-mtp.yaml", "qwen3-next-80b-a3b", "knob: none"),
+    ("jamba-mini.yaml", "jamba-defaults", "knob: none"),
+    ("gpt-oss-20b-eagle3.yaml", "gpt-oss-120b", "knob: --disable-hybrid-kv-cache-manager"),
+]
+RULE_SETS = ("", "vllm-0.32", "vllm-0.33", "vllm-0.34")
+
+
+def _planned(name: str, version: str) -> tuple[plan_pb2.PlanRequest, plan_pb2.PlanResponse]:
+    from kvplan.convert import plan_from_proto
+
+    request = _request(name, "e", version)
+    if version == "vllm-0.32":  # no is_draft in 0.32: the drafter comes unflagged
+        for worker in request.workers:
+            for layer in worker.layers:
+                layer.ClearField("is_draft")
+    return request, plan_from_proto(request)
+
+
+def _boundary_warning(response: plan_pb2.PlanResponse) -> str:
+    return "".join(
+        w.message
+        for w in response.diagnostics.warnings
+        if w.code == plan_pb2.WARNING_CODE_PREFIX_BOUNDARY_ONLY
+    )
+
+
+@pytest.mark.parametrize("version", RULE_SETS)
+@pytest.mark.parametrize(("example", "model", "knob"), REPEATED_PROMPTS_ONLY_FAMILIES)
+def test_shorter_shared_prefixes_get_nothing_and_every_plan_says_so(
+    example: str, model: str, knob: str, version: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvplan.cli import main
+    from kvplan.core.prefix_warnings import REPEATED_PROMPTS_ONLY
+
+    request, response = _planned(example, version)
+    message = _boundary_warning(response)
+    assert REPEATED_PROMPTS_ONLY in message and knob in message, message
+    # What it says is what kvplan's model of the release's manager does: a stored
+    # prompt of 6,000 tokens, requests sharing less of it get nothing, the same
+    # prompt again (the next turn) hits.
+    setup = setup_from_plan(request_from_proto(request), response)
+    unit, stored = response.diagnostics.prefix_cache.hit_unit_tokens, 6_000
+    for shared in (unit, 2 * unit, stored // 2, stored - 2 * unit - 1):
+        assert cached_tokens(setup, shared, stored, shared + 500) == 0, shared
+    assert cached_tokens(setup, stored, stored, stored + 500) > 0
+
+    # The plan output, for the request file and for the model's HF config.
+    path = EXAMPLES / example
+    if version != "vllm-0.32":
+        assert main(["plan", str(path), *(["--engine-version", version] if version else [])]) == 0
+        assert f"warning: {REPEATED_PROMPTS_ONLY}" in capsys.readouterr().out
+    args = ["plan", "--model", str(EXAMPLES / "models" / model), "--gpu", "H200", "-tp", "2"]
+    assert main([*args, *(["--engine-version", version] if version else [])]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: {REPEATED_PROMPTS_ONLY}" in out and knob in out, out
+
+
+@pytest.mark.parametrize("version", RULE_SETS)
+def test_whole_context_models_get_no_repeated_prompts_warning(version: str) -> None:
+    # Full attention keeps every block of a stored prompt: shorter prefixes hit.
+    for example in ("llama-3.1-8b.yaml", "deepseek-v3-mtp.yaml"):
+        assert _boundary_warning(_planned(example, version)[1]) == ""
+    # Gemma 3's 1,024-token window is shorter than most prompts: warned, with it.
+    gemma = _boundary_warning(_planned("gemma-3-27b.yaml", version)[1])
+    assert "1,024-token sliding window" in gemma, gemma
