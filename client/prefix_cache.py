@@ -12,8 +12,8 @@ def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: 
     """Tokens served from cache when a request repeats all `shared_prefix` tokens
     of an earlier request that was exactly those tokens and goes on past them.
     Exact when `prefix_cache.rule_exact`; else (a draft drop beside a sliding-window
-    group finer than the hit unit) an estimate: ask the server with
-    PlanRequest.shared_prefix_tokens."""
+    group finer than the hit unit and another non-full-attention group; one-token
+    windows) an estimate: ask the server with PlanRequest.shared_prefix_tokens."""
     n = shared_prefix
     unit = prefix_cache.hit_unit_tokens
     if not prefix_cache.effectively_on or not unit or n < prefix_cache.min_shared_prefix_tokens:
@@ -29,11 +29,19 @@ def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: 
     # State kept only at the stored request's replay boundaries (one lower under
     # the drop) and at its Mamba prefill checkpoint.
     stride = prefix_cache.boundary_block_tokens or unit
-    kept = [n // stride * stride - stride, (n - 1) // stride * stride - stride]
+    last_boundary = n // stride * stride - stride
+    kept = [last_boundary, (n - 1) // stride * stride - stride]
     checkpoints = {n // c * c - c for c in prefix_cache.mamba_checkpoint_tokens if c}
     if len(checkpoints) == 1:
         kept.extend(checkpoints)
-    return max((x for x in kept if 0 < x <= reach and x % unit == 0), default=0)
+    hit = max((x for x in kept if 0 < x <= reach and x % unit == 0), default=0)
+    window = prefix_cache.drop_window_tokens
+    if hit and hit + unit < window:
+        # A finer dropping window's lookup from the first block.
+        if last_boundary > window:
+            return 0
+        hit = max(0, min(hit, reach - unit, last_boundary - unit))
+    return hit
 
 
 def summary(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:

@@ -23,6 +23,7 @@ from kvplan.core.prefix_cache import facts as prefix_facts
 from kvplan.core.prefix_warnings import (
     PrefixContext,
     boundary_block,
+    drop_window,
     mamba_checkpoint_strides,
     off_detail,
     prefix_warnings,
@@ -401,6 +402,7 @@ def prefix_rule_to_proto(
     out.rule_exact = rule_is_exact(setup, facts)
     out.boundary_block_tokens = boundary_block(setup, facts)
     out.mamba_checkpoint_tokens.extend(mamba_checkpoint_strides(setup, facts))
+    out.drop_window_tokens = drop_window(setup, facts)
 
 
 def prefix_cache_diagnostics(

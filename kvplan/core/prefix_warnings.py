@@ -190,14 +190,34 @@ def mamba_checkpoint_strides(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -
     return tuple(sorted({g.block_tokens for g in cacheable if g.kind is GroupKind.MAMBA}))
 
 
+def drop_window(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> int:
+    """A dropping sliding-window group whose block is finer than the hit unit: its
+    window in whole blocks, in tokens (the largest such; 0 when none). While a hit
+    plus one unit is shorter, that group's lookup runs from the first block and
+    must fit a unit below the others' hit, so the hit falls a unit back."""
+    if not facts.on:
+        return 0
+    return max(
+        (
+            -(-(g.window - 1) // g.block_tokens) * g.block_tokens
+            for i, g in enumerate(setup.groups)
+            if i in facts.drop_groups
+            and g.prefix_cacheable
+            and g.kind is GroupKind.SLIDING_WINDOW
+            and g.block_tokens < facts.unit
+        ),
+        default=0,
+    )
+
+
 def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
     """Whether `rule_cached_tokens` is the simulation's answer for every N
     (tests/core/test_prefix_warnings.py checks it on random engines). Not where:
 
     * a draft drop beside a sliding-window group whose block is finer than the hit
-      unit: while the window reaches back past the first block, the dropping
-      group's lookup runs from the first block and falls a further unit back, by
-      the window's length in tokens, which the rule does not state;
+      unit, when another group that is not full attention (a Mamba group, another
+      window) takes part too: the coordinator's turns between them move the hit
+      in ways the rule's terms do not follow;
     * a window of one token (fuzz engines): under vLLM's sparse retention it keeps
       none or one block of a stored prompt, and the coordinator's turns decide;
     * retention other than vLLM's (`retention_interval` not 0: a modelling option,
@@ -206,13 +226,16 @@ def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
     sparse = [g for g in cacheable if g.kind in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA)]
     if sparse and setup.retention_interval != 0:
         return False
-    for g in sparse:
-        if g.kind is not GroupKind.SLIDING_WINDOW:
-            continue
-        if facts.drop_groups and g.block_tokens < facts.unit:
-            return False
-        if g.window <= 1:
-            return False
+    if any(g.kind is GroupKind.SLIDING_WINDOW and g.window <= 1 for g in sparse):
+        return False
+    finer = facts.drop_groups and any(
+        g.kind is GroupKind.SLIDING_WINDOW and g.block_tokens < facts.unit for g in sparse
+    )
+    if finer:
+        # Exact beside full attention alone: the other groups are one spec.
+        return len(sparse) == 1 or (
+            sparse[0].spec_id >= 0 and len({g.spec_id for g in sparse}) == 1
+        )
     return True
 
 
@@ -237,11 +260,20 @@ def rule_cached_tokens(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_
     # Window / Mamba state only where the stored request was kept: its replay
     # boundaries (one boundary lower under the drop) and its Mamba checkpoint.
     s = boundary_block(setup, facts)
-    kept = [n // s * s - s, (n - 1) // s * s - s]
+    last_boundary = n // s * s - s
+    kept = [last_boundary, (n - 1) // s * s - s]
     checkpoints = {n // c * c - c for c in mamba_checkpoint_strides(setup, facts)}
     if len(checkpoints) == 1:
         kept.extend(checkpoints)
-    return max((x for x in kept if 0 < x <= reach and x % unit == 0), default=0)
+    hit = max((x for x in kept if 0 < x <= reach and x % unit == 0), default=0)
+    window = drop_window(setup, facts)
+    if hit and hit + unit < window:
+        # The finer window's lookup from the first block: a unit below the reach
+        # and the last boundary, and only while the window holds that boundary.
+        if last_boundary > window:
+            return 0
+        hit = max(0, min(hit, reach - unit, last_boundary - unit))
+    return hit
 
 
 __all__ = [
@@ -251,6 +283,7 @@ __all__ = [
     "PrefixContext",
     "WhatIf",
     "boundary_block",
+    "drop_window",
     "mamba_checkpoint_strides",
     "off_detail",
     "prefix_warnings",

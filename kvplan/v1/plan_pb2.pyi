@@ -1205,7 +1205,9 @@ class PrefixCacheDiagnostics(_message.Message):
         s = boundary_block_tokens:
           floor(N / s) * s - s and floor((N - 1) / s) * s - s (replay boundaries),
           floor(N / c) * c - c when it is the same for every c in
-          mamba_checkpoint_tokens (the Mamba prefill checkpoint; none when empty)
+          mamba_checkpoint_tokens (the Mamba prefill checkpoint; none when empty);
+        then, w = drop_window_tokens, if that hit + u < w: 0 when
+        floor(N / s) * s - s > w, else min(hit, reach - u, floor(N / s) * s - s - u)
     (at least 0). client.prefix_cache.cached_tokens evaluates it.
     """
 
@@ -1226,6 +1228,7 @@ class PrefixCacheDiagnostics(_message.Message):
     WHAT_IF_FIELD_NUMBER: _builtins.int
     BOUNDARY_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     MAMBA_CHECKPOINT_TOKENS_FIELD_NUMBER: _builtins.int
+    DROP_WINDOW_TOKENS_FIELD_NUMBER: _builtins.int
     effectively_on: _builtins.bool
     off_reason: Global___PrefixCacheOffReason.ValueType
     off_detail: _builtins.str
@@ -1245,13 +1248,19 @@ class PrefixCacheDiagnostics(_message.Message):
     """
     rule_exact: _builtins.bool
     """The rule above is exact for every N: all but a draft drop beside a
-    sliding-window group whose block is smaller than the hit unit, and windows
-    of one token (there the what-if is exact).
+    sliding-window group whose block is smaller than the hit unit together with
+    another group that is not full attention, and windows of one token (there
+    the what-if is exact).
     """
     boundary_block_tokens: _builtins.int
     """The stride of a stored request's replay boundaries (the scheduler block):
     with a draft drop, sliding-window and Mamba groups keep its state one
     boundary below its end.
+    """
+    drop_window_tokens: _builtins.int
+    """With a draft drop: a dropping sliding-window group whose block is smaller
+    than the hit unit, its window in whole blocks (tokens; 0: none). A hit less
+    than one unit shorter than it falls a unit back (the rule above).
     """
     @_builtins.property
     def group_hit_unit_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -1290,10 +1299,11 @@ class PrefixCacheDiagnostics(_message.Message):
         what_if: Global___PrefixCacheWhatIf | None = ...,
         boundary_block_tokens: _builtins.int = ...,
         mamba_checkpoint_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        drop_window_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["what_if", b"what_if"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_block_tokens", b"boundary_block_tokens", "boundary_only", b"boundary_only", "drop_group_ids", b"drop_group_ids", "drop_tokens", b"drop_tokens", "effectively_on", b"effectively_on", "group_hit_unit_tokens", b"group_hit_unit_tokens", "hash_block_tokens", b"hash_block_tokens", "hash_lookahead_tokens", b"hash_lookahead_tokens", "hit_unit_tokens", b"hit_unit_tokens", "mamba_checkpoint_tokens", b"mamba_checkpoint_tokens", "min_shared_prefix_tokens", b"min_shared_prefix_tokens", "off_detail", b"off_detail", "off_reason", b"off_reason", "rule_exact", b"rule_exact", "what_if", b"what_if"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_block_tokens", b"boundary_block_tokens", "boundary_only", b"boundary_only", "drop_group_ids", b"drop_group_ids", "drop_tokens", b"drop_tokens", "drop_window_tokens", b"drop_window_tokens", "effectively_on", b"effectively_on", "group_hit_unit_tokens", b"group_hit_unit_tokens", "hash_block_tokens", b"hash_block_tokens", "hash_lookahead_tokens", b"hash_lookahead_tokens", "hit_unit_tokens", b"hit_unit_tokens", "mamba_checkpoint_tokens", b"mamba_checkpoint_tokens", "min_shared_prefix_tokens", b"min_shared_prefix_tokens", "off_detail", b"off_detail", "off_reason", b"off_reason", "rule_exact", b"rule_exact", "what_if", b"what_if"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

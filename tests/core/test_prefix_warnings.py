@@ -178,3 +178,22 @@ def test_what_if_separates_a_stored_prefix_from_a_diverging_one() -> None:
     assert answer.prefix_stored == cached_tokens(setup, 3 * 2096, 3 * 2096, 4 * 2096)
     # Mamba state only at the earlier request's end: a diverging one never hits here.
     assert answer.prefix_diverges == 0 < answer.prefix_stored
+
+
+def test_a_finer_dropping_window_needs_its_window_in_the_rule() -> None:
+    # gpt-oss-like groups with the window's blocks finer than the unit, every group
+    # dropping (an unflagged drafter): the stated window keeps the rule exact, and
+    # without it the rule would promise hits the manager does not give.
+    groups = (
+        CacheGroup(GroupKind.FULL, 32, False),
+        CacheGroup(GroupKind.SLIDING_WINDOW, 16, False, window=128),
+    )
+    setup = PrefixCacheSetup(True, groups, 32, 16, False, True)
+    f = facts(setup)
+    prefix_cache = plan_pb2.PrefixCacheDiagnostics()
+    prefix_rule_to_proto(setup, f, [0, 1], prefix_cache)
+    assert prefix_cache.rule_exact and prefix_cache.drop_window_tokens == 128
+    simulated = [cached_tokens(setup, n, n, n + 1) for n in range(2_000)]
+    assert [client_cached_tokens(prefix_cache, n) for n in range(2_000)] == simulated
+    prefix_cache.drop_window_tokens = 0
+    assert [client_cached_tokens(prefix_cache, n) for n in range(2_000)] != simulated
