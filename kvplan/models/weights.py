@@ -197,7 +197,18 @@ def _attention_params(c: HFConfig) -> int:
         )
     head_dim = c.integer("head_dim") if c.has("head_dim") else hidden // heads
     kv_heads = c.integer("num_key_value_heads") if c.has("num_key_value_heads") else heads
-    return hidden * head_dim * (2 * heads + 2 * kv_heads)
+    # Qwen3-Next / Qwen3.5 gate the attention output: the query projection also emits a
+    # gate per head (vLLM's Qwen3NextAttention, `attn_output_gate`, default true).
+    gate = (
+        heads
+        if _GATED_ATTENTION.get(c.text("model_type", ""), False)
+        and c.flag("attn_output_gate", True)
+        else 0
+    )
+    return hidden * head_dim * (2 * heads + 2 * kv_heads + gate)
+
+
+_GATED_ATTENTION = {"qwen3_next": True, "qwen3_5_text": True, "qwen3_5_moe_text": True}
 
 
 def _expert_count(c: HFConfig) -> int:
@@ -338,6 +349,12 @@ _PP_EMBEDDINGS_AT_THE_ENDS = frozenset({
     "Qwen3ForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
 })  # fmt: skip
+# Qwen3.5 / 3.6 build the embedding on every stage and the LM head on the last only
+# (a tied head shares the last stage's embedding).
+_PP_HEAD_ON_THE_LAST = frozenset({
+    "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+})  # fmt: skip
 
 
 def _decoder_layer_params(c: HFConfig, layers: ModelLayers) -> list[ParamCount]:
@@ -383,6 +400,8 @@ def stage_params(
         first, last = stage == 0, stage == len(bounds) - 1
         if layers.architecture in _PP_EMBEDDINGS_AT_THE_ENDS:
             embedding = table * (first + last)
+        elif layers.architecture in _PP_HEAD_ON_THE_LAST:
+            embedding = table * (1 + (last and not c.flag("tie_word_embeddings", False)))
         else:  # both tables (one if tied) on every stage
             embedding = total.embedding
         mine = per_layer[start:end]
@@ -397,12 +416,39 @@ def stage_params(
     return stages
 
 
+def _qwen3_vision_params(vision: HFConfig) -> int:
+    """Qwen3-VL's vision transformer, which Qwen3.5 / 3.6 load (vLLM's
+    Qwen3_VisionTransformer): a Conv3d patch embedding, a learned position table, per
+    block two LayerNorms, a fused QKV and an output projection and a two-matrix MLP
+    (all with biases), then the patch merger (a LayerNorm and two linears over
+    `spatial_merge_size`^2 patches into the text width) and one more merger per
+    deepstack level."""
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    patch = vision.integer("patch_size")
+    stem = vision.integer("in_channels", 3) * vision.integer("temporal_patch_size", 2)
+    stem = stem * patch * patch * width + width
+    positions = vision.integer("num_position_embeddings") * width
+    block = 4 * width + 4 * width * width + 4 * width + 2 * width * inter + inter + width
+    merged = width * vision.integer("spatial_merge_size", 2) ** 2
+    out = vision.integer("out_hidden_size")
+    merger = merged * merged + merged + merged * out + out
+    deepstack = len(vision.items("deepstack_visual_indexes") or [])
+    return (
+        stem + positions + vision.integer("depth") * block
+        + (merger + 2 * width) + deepstack * (merger + 2 * merged)
+    )  # fmt: skip
+
+
 def _vision_params(config: HFConfig, text_hidden: int) -> int:
     """A SigLIP vision tower (Gemma 3's `vision_config`) and its projection into the
     text model: per encoder layer Q/K/V/O and a two-matrix MLP (with biases), the
-    patch embedding and a position embedding per patch. Other vision towers are not
-    counted (none of the supported families has one)."""
+    patch embedding and a position embedding per patch; or Qwen3.5 / 3.6's
+    (`_qwen3_vision_params`). Other vision towers are not counted (none of the
+    supported families has one)."""
     vision = config.sub("vision_config")
+    if vision is not None and vision.text("model_type", "") in ("qwen3_5", "qwen3_5_moe"):
+        return _qwen3_vision_params(vision)
     if vision is None or vision.text("model_type", "") != "siglip_vision_model":
         return 0
     width = vision.integer("hidden_size")

@@ -4,9 +4,16 @@ the release's CPU venv) and every cache layer's `get_kv_cache_spec` is compared 
 importer's layer for the same tensor-parallel size and KV cache dtype: kind, KV heads
 per rank, head size, dtype, window / chunk, Mamba state shapes and dtypes, in order.
 
-Not covered here, and why: Qwen3-Next (its model module imports `compressed_tensors`,
-which the CPU venvs do not install); its pages and GDN state shapes are checked against
-vLLM's spec classes and state calculators in test_against_vllm.py.
+Qwen3.5 / 3.6's model module imports `compressed_tensors` and `torchvision`, which the
+CPU venvs do not install and the meta build does not use: the side process runs with
+the import stand-ins of tests/models/vllm_stubs on its path. For Qwen3.5 / 3.6 the
+parameter count is compared too: the text model as vLLM builds it, plus its vision
+tower built from `vision_config`, against `count_params` (which leaves out norms,
+convolution kernels and the GDN decay vectors: under 0.02%).
+
+Not covered here, and why: Qwen3-Next (its config as shipped has no `layer_types`, and
+its pages and GDN state shapes are checked against vLLM's spec classes and state
+calculators in test_against_vllm.py).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import pytest
 
 from kvplan.models import Deployment, import_layers, load_config
 from kvplan.models.layers import ImportedLayer
+from kvplan.models.weights import count_params
 from tests.vllm_envs import vllm_python
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -50,6 +58,8 @@ CASES: tuple[tuple[str, int, str], ...] = (
     ("jamba-defaults", 2, "auto"),
     ("nemotron-3-nano-30b-a3b", 4, "auto"),  # 2 KV heads replicated over 4 ranks
     ("whisper-small", 2, "auto"),
+    ("qwen3.6-27b", 1, "auto"),  # GDN + gated attention, fp32 SSM state from its config
+    ("qwen3.6-27b", 2, "fp8"),
 )
 
 # Multimodal wrappers whose vLLM class needs processors the CPU venv cannot inspect: the
@@ -58,7 +68,10 @@ CASES: tuple[tuple[str, int, str], ...] = (
 TEXT_ONLY = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
+STUBS = Path(__file__).with_name("vllm_stubs")
 
 _KINDS = {
     "full_attention": "FullAttentionSpec",
@@ -114,7 +127,7 @@ def decoder_index(name: str) -> int:
 @pytest.fixture(scope="module", params=RELEASES)
 def vllm_specs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[str, list[list[list[object]]]]:
+) -> tuple[str, list[list[list[object]]], list[int]]:
     engine_version: str = request.param
     python = vllm_python(engine_version.removeprefix("vllm-"))
     root = tmp_path_factory.mktemp(engine_version)
@@ -122,9 +135,12 @@ def vllm_specs(
     for model, tp, kv_dtype in CASES:
         directory, _ = vllm_input(model, root / model)
         length = 448 if model.startswith("whisper") else 4096
-        cases.append(
-            {"path": str(directory), "tp": tp, "max_model_len": length, "kv_cache_dtype": kv_dtype}
-        )
+        case = {"path": str(directory), "tp": tp, "max_model_len": length,
+                "kv_cache_dtype": kv_dtype}  # fmt: skip
+        raw = json.loads((MODELS / model / "config.json").read_text())
+        if raw["architectures"][0].startswith("Qwen3_5"):
+            case["vision"] = raw["vision_config"]
+        cases.append(case)
     # vLLM's Llama layers with `is_causal: false` (encoder-only attention): no spec at all
     bidirectional = json.loads((MODELS / "llama-3.1-8b" / "config.json").read_text())
     bidirectional["is_causal"] = False
@@ -148,17 +164,21 @@ def vllm_specs(
         text=True,
         timeout=280,
         # vLLM's model-info cache, per run: the releases would overwrite each other's.
-        env={**os.environ, "VLLM_CACHE_ROOT": str(root / "vllm-cache")},
+        env={
+            **os.environ,
+            "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS), os.environ.get("PYTHONPATH")])),
+        },
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    specs: list[list[list[object]]] = json.loads(result.stdout.strip().splitlines()[-1])["specs"]
-    return engine_version, specs
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    return engine_version, answer["specs"], answer["parameters"]
 
 
 def test_importer_layers_match_vllm_model_code(
-    vllm_specs: tuple[str, list[list[list[object]]]], tmp_path: Path
+    vllm_specs: tuple[str, list[list[list[object]]], list[int]], tmp_path: Path
 ) -> None:
-    engine_version, specs = vllm_specs
+    engine_version, specs, _ = vllm_specs
     assert len(specs) == len(CASES) + 1
     assert specs[-1] == [], "is_causal false: vLLM registers no cache layer"
     for (model, tp, kv_dtype), theirs in zip(CASES, specs[:-1], strict=True):
@@ -175,6 +195,23 @@ def test_importer_layers_match_vllm_model_code(
         _, same_names = vllm_input(model, tmp_path / model)
         if same_names:
             assert [layer.name for layer in layers] == [spec[0] for spec in theirs], where
+
+
+def test_qwen3_5_parameters_match_vllm_model_code(
+    vllm_specs: tuple[str, list[list[list[object]]], list[int]],
+) -> None:
+    """Gated attention (the query projection's per-head gate), GDN mixers, the MLP and
+    the vision tower: kvplan's count against the modules vLLM builds, at TP 1."""
+    engine_version, _, parameters = vllm_specs
+    compared = 0
+    for (model, tp, _), theirs in zip(CASES, parameters, strict=False):
+        config = load_config(str(MODELS / model))
+        if tp != 1 or not config.text("model_type").startswith("qwen3_5"):
+            continue
+        ours = count_params(config, import_layers(config)).total
+        assert 0 <= theirs - ours < 2e-4 * theirs, (engine_version, model, ours, theirs)
+        compared += 1
+    assert compared
 
 
 def test_every_shipped_config_is_compared_somewhere() -> None:

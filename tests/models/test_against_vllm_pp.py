@@ -25,7 +25,7 @@ from kvplan.models.weights import (
     rope_cache_bytes,
     stage_params,
 )
-from tests.models.test_against_vllm_model_code import vllm_input
+from tests.models.test_against_vllm_model_code import STUBS, vllm_input
 from tests.vllm_envs import vllm_python
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -65,6 +65,7 @@ STAGE_MODELS: tuple[tuple[str, int], ...] = (
     ("gpt-oss-120b", 2),
     ("jamba-defaults", 2),
     ("nemotron-3-nano-30b-a3b", 2),
+    ("qwen3.6-27b", 3),  # the embedding on every stage, the LM head on the last
 )
 
 
@@ -95,7 +96,11 @@ def _run(release: str, payload: Mapping[str, object], root: Path) -> dict[str, l
         capture_output=True,
         text=True,
         timeout=280,
-        env={**os.environ, "VLLM_CACHE_ROOT": str(root / "vllm-cache")},
+        env={
+            **os.environ,
+            "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS), os.environ.get("PYTHONPATH")])),
+        },
     )
     assert result.returncode == 0, result.stderr[-3000:]
     answer: dict[str, list[object]] = json.loads(result.stdout.strip().splitlines()[-1])
