@@ -447,7 +447,7 @@ def _vision_params(config: HFConfig, text_hidden: int) -> int:
     (`_qwen3_vision_params`). Other vision towers are not counted (none of the
     supported families has one)."""
     vision = config.sub("vision_config")
-    if vision is not None and vision.text("model_type", "") in ("qwen3_5", "qwen3_5_moe"):
+    if vision is not None and config.text("model_type", "") in ("qwen3_5", "qwen3_5_moe"):
         return _qwen3_vision_params(vision)
     if vision is None or vision.text("model_type", "") != "siglip_vision_model":
         return 0
