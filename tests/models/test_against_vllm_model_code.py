@@ -24,10 +24,13 @@ import re
 import socket
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvplan.models import Deployment, import_layers, load_config
+from kvplan.models.config import HFConfig, ModelConfigError
+from kvplan.models.importer import Speculative
 from kvplan.models.layers import ImportedLayer
 from kvplan.models.weights import count_params
 from tests.vllm_envs import vllm_python
@@ -231,3 +234,66 @@ def test_every_shipped_config_is_compared_somewhere() -> None:
     built = {model for model, _, _ in CASES}
     shipped = {path.name for path in MODELS.iterdir() if path.is_dir()}
     assert shipped - built == {"qwen3-next-80b-a3b"}
+
+
+# ModelOpt exclusion lists as NVIDIA's and the community's NVFP4 exports write them.
+EXCLUSIONS: tuple[list[str], ...] = (
+    ["lm_head", "model.visual*", "mtp*", "*linear_attn*", "*mlp.gate", "*shared_expert_gate"],
+    ["lm_head", "*self_attn*", "model.visual*"],
+    ["lm_head"],
+)
+
+
+def test_modelopt_exclusions_leave_unquantized_what_vllm_does(tmp_path: Path) -> None:
+    """kvplan's unquantized parts of a Qwen3.5 / 3.6 MoE NVFP4 checkpoint against
+    vLLM 0.34's ModelOptNvFp4Config.is_layer_excluded on the modules vLLM builds (first
+    and last layer of each part)."""
+    from kvplan.models.weights import _unquantized_parts
+
+    raw = json.loads((MODELS / "qwen3.5-moe-35b-a3b-ornith" / "config.json").read_text())
+    root = "language_model.model.layers"
+    prefixes = {
+        "attention": [f"{root}.3.self_attn.qkv_proj", f"{root}.39.self_attn.qkv_proj"],
+        "state_space": [
+            f"{root}.0.linear_attn.in_proj_qkvz",
+            f"{root}.38.linear_attn.in_proj_qkvz",
+        ],
+        "mlp": [f"{root}.0.mlp.experts", f"{root}.39.mlp.experts"],
+        "vision": ["visual.blocks.0.attn.qkv", "visual.merger.linear_fc2"],
+        "draft": ["mtp.layers.0.self_attn.qkv_proj", "mtp.layers.0.mlp.experts"],
+    }
+    mtp = Deployment(speculative=Speculative("mtp", 1))
+    cases: list[dict[str, Any]] = []
+    for patterns in EXCLUSIONS:
+        quant: dict[str, object] = {
+            "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": patterns
+        }  # fmt: skip
+        cases.append({"quantization_config": quant, "prefixes": prefixes})
+    result = subprocess.run(
+        [str(vllm_python("0.34")), str(Path(__file__).with_name("vllm_quant_side.py"))],
+        input=json.dumps({"cases": cases}),
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={
+            **os.environ,
+            "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS), os.environ.get("PYTHONPATH")])),
+        },
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = json.loads(result.stdout.strip().splitlines()[-1])["excluded"]
+    for case, theirs in zip(cases, answers, strict=True):
+        quant = case["quantization_config"]
+        config = HFConfig({**raw, "quantization_config": quant})
+        ignore = quant["ignore"]
+        if len(set(theirs["draft"])) > 1:  # vLLM quantizes only part of the MTP layer
+            with pytest.raises(ModelConfigError, match="part of the draft weights"):
+                _unquantized_parts(config, import_layers(config, mtp))
+        else:
+            kept = _unquantized_parts(config, import_layers(config, mtp))
+            assert ("draft" in kept) == theirs["draft"][0], ignore
+        kept = _unquantized_parts(config, import_layers(config))  # no MTP layer loaded
+        for part in ("attention", "state_space", "mlp", "vision"):
+            assert len(set(theirs[part])) == 1, (ignore, part, theirs[part])  # whole parts
+            assert (part in kept) == theirs[part][0], (ignore, part)
