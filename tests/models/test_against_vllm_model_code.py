@@ -4,16 +4,12 @@ the release's CPU venv) and every cache layer's `get_kv_cache_spec` is compared 
 importer's layer for the same tensor-parallel size and KV cache dtype: kind, KV heads
 per rank, head size, dtype, window / chunk, Mamba state shapes and dtypes, in order.
 
-Qwen3.5 / 3.6's model module imports `compressed_tensors` and `torchvision`, which the
-CPU venvs do not install and the meta build does not use: the side process runs with
-the import stand-ins of tests/models/vllm_stubs on its path. For Qwen3.5 / 3.6 the
-parameter count is compared too: the text model as vLLM builds it, plus its vision
-tower built from `vision_config`, against `count_params` (which leaves out norms,
-convolution kernels and the GDN decay vectors: under 0.02%).
-
-Not covered here, and why: Qwen3-Next (its config as shipped has no `layer_types`, and
-its pages and GDN state shapes are checked against vLLM's spec classes and state
-calculators in test_against_vllm.py).
+Qwen3-Next's and Qwen3.5 / 3.6's module chain imports `compressed_tensors` and
+`torchvision`, which the CPU venvs do not install and the meta build does not use: the
+side process runs with the import stand-ins of tests/models/vllm_stubs on its path. For
+these GDN families the parameter count is compared too: the text model as vLLM builds
+it, plus a wrapper's vision tower built from `vision_config`, against `count_params`
+(which leaves out norms, convolution kernels and the GDN decay vectors: under 0.02%).
 """
 
 from __future__ import annotations
@@ -65,6 +61,8 @@ CASES: tuple[tuple[str, int, str], ...] = (
     ("qwen3.6-27b", 2, "fp8"),
     ("qwen3.5-moe-35b-a3b-ornith", 1, "auto"),  # Qwen3.5 / 3.6 MoE: 2 KV heads
     ("qwen3.5-moe-35b-a3b-ornith", 4, "fp8"),  # replicated over 4 ranks
+    ("qwen3-next-80b-a3b", 1, "auto"),
+    ("qwen3-next-80b-a3b", 4, "fp8"),
 )
 
 # Multimodal wrappers whose vLLM class needs processors the CPU venv cannot inspect: the
@@ -202,7 +200,7 @@ def test_importer_layers_match_vllm_model_code(
             assert [layer.name for layer in layers] == [spec[0] for spec in theirs], where
 
 
-def test_qwen3_5_parameters_match_vllm_model_code(
+def test_gdn_family_parameters_match_vllm_model_code(
     vllm_specs: tuple[str, list[list[list[object]]], list[int]],
 ) -> None:
     """Gated attention (the query projection's per-head gate), GDN mixers, the MLP or
@@ -214,10 +212,9 @@ def test_qwen3_5_parameters_match_vllm_model_code(
     compared = 0
     for (model, tp, _), theirs in zip(CASES, parameters, strict=False):
         config = load_config(str(MODELS / model))
-        if tp != 1 or not config.text("model_type").startswith("qwen3_5"):
+        if tp != 1 or not config.text("model_type").startswith(("qwen3_5", "qwen3_next")):
             continue
-        text = config.sub("text_config")
-        assert text is not None
+        text = config.sub("text_config") or config
         if text.has("num_experts"):
             theirs += text.integer("num_hidden_layers") * (
                 text.integer("num_experts") * 3 * text.integer("hidden_size")
@@ -226,14 +223,14 @@ def test_qwen3_5_parameters_match_vllm_model_code(
         ours = count_params(config, import_layers(config)).total
         assert 0 <= theirs - ours < 2e-4 * theirs, (engine_version, model, ours, theirs)
         compared += 1
-    assert compared == 2
+    assert compared == 3
 
 
 def test_every_shipped_config_is_compared_somewhere() -> None:
-    """A config not built here must be named (with the reason) in the module docstring."""
+    """Every shipped config is built by vLLM's model code here."""
     built = {model for model, _, _ in CASES}
     shipped = {path.name for path in MODELS.iterdir() if path.is_dir()}
-    assert shipped - built == {"qwen3-next-80b-a3b"}
+    assert shipped == built
 
 
 # ModelOpt exclusion lists as NVIDIA's and the community's NVFP4 exports write them.

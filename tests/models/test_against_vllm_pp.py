@@ -67,6 +67,7 @@ STAGE_MODELS: tuple[tuple[str, int], ...] = (
     ("nemotron-3-nano-30b-a3b", 2),
     ("qwen3.6-27b", 3),  # the embedding on every stage, the LM head on the last
     ("qwen3.5-moe-35b-a3b-ornith", 2),
+    ("qwen3-next-80b-a3b", 2),
 )
 
 
