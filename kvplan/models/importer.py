@@ -503,7 +503,13 @@ def _gdn_states(b: _Builder) -> tuple[StateTensor, ...]:
     _divisible(b, conv_dim, "linear_num_value_heads", "GDN conv channels")
     _divisible(b, v_heads, "linear_num_value_heads", "GDN value heads")
     conv = StateTensor((kernel - 1 + b.num_spec, conv_dim // b.tp), b.conv_dtype())
-    temporal = StateTensor((v_heads // b.tp, v_dim, k_dim), b.ssm_dtype())
+    # Qwen3.5 / 3.6: vLLM takes `mamba_ssm_dtype` from the config when the
+    # mamba_ssm_cache_dtype setting is auto (its Qwen3_5 config hook; float32 in the
+    # published configs).
+    ssm_default = "auto"
+    if b.architecture in _QWEN3_5 and c.has("mamba_ssm_dtype"):
+        ssm_default = c.text("mamba_ssm_dtype")
+    temporal = StateTensor((v_heads // b.tp, v_dim, k_dim), b.ssm_dtype(ssm_default))
     return (conv, temporal)
 
 
@@ -516,8 +522,11 @@ def _divisible(b: _Builder, value: int, key: str, what: str) -> None:
 
 
 def _qwen3_next(b: _Builder) -> None:
-    """Qwen3-Next: Gated DeltaNet layers with a gated full-attention layer every
-    `full_attention_interval` layers; the MTP layers are full attention (`mtp.layers.j`)."""
+    """Qwen3-Next and Qwen3.5 / 3.6 (dense and MoE; vLLM builds the latter's decoder
+    layers from Qwen3-Next's): Gated DeltaNet layers with a gated full-attention layer
+    every `full_attention_interval` layers (or as `layer_types` lists them); the MTP
+    layers are full attention (`mtp.layers.j`). Qwen3.5 / 3.6's multimodal wrappers
+    register the same layers under `language_model.`."""
     count = b.config.integer("num_hidden_layers")
     types = _layer_types(b, count)
     if types is None:
@@ -527,19 +536,26 @@ def _qwen3_next(b: _Builder) -> None:
             for i in range(count)
         ]
     states = _gdn_states(b)
+    prefix = "language_model.model.layers" if b.config.path else "model.layers"
     for index, kind in enumerate(types):
         if kind == "full_attention":
-            b.full(f"model.layers.{index}.self_attn.attn")
+            b.full(f"{prefix}.{index}.self_attn.attn")
         elif kind == "linear_attention":
-            name = f"model.layers.{index}.linear_attn"
+            name = f"{prefix}.{index}.linear_attn"
             b.layers.append(_mamba(name, states, "GDN_ATTENTION", b.num_spec, b.block_size))
         else:
             raise ModelConfigError(
                 f"layer {index}: unknown layer type {kind!r}", b.config._where("layer_types")
             )
     if b.deployment.speculative is not None:
-        # vLLM reads num_nextn_predict_layers with a default of 1 for this family.
-        b.num_nextn = b.config.integer("num_nextn_predict_layers", 1)
+        # vLLM reads the MTP layer count with a default of 1: Qwen3-Next's
+        # num_nextn_predict_layers, Qwen3.5 / 3.6's mtp_num_hidden_layers.
+        key = (
+            "mtp_num_hidden_layers"
+            if b.config.has("mtp_num_hidden_layers")
+            else ("num_nextn_predict_layers")
+        )
+        b.num_nextn = b.config.integer(key, 1)
         for offset in range(b.num_nextn):
             b.full(f"mtp.layers.{offset}.self_attn.attn", is_draft=True)
 
@@ -705,6 +721,10 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     "DeepseekV2ForCausalLM": (_deepseek, False),
     "DeepseekV3ForCausalLM": (_deepseek, False),
     "Qwen3NextForCausalLM": (_qwen3_next, False),
+    "Qwen3_5ForCausalLM": (_qwen3_next, False),
+    "Qwen3_5MoeForCausalLM": (_qwen3_next, False),
+    "Qwen3_5ForConditionalGeneration": (_qwen3_next, True),
+    "Qwen3_5MoeForConditionalGeneration": (_qwen3_next, True),
     "JambaForCausalLM": (_jamba, False),
     "NemotronHForCausalLM": (_nemotron_h, False),
     "WhisperForConditionalGeneration": (_whisper, False),
@@ -724,7 +744,14 @@ _READS_IS_CAUSAL = {
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
 }
-_MTP_CAPABLE = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Qwen3NextForCausalLM"}
+_QWEN3_5 = {
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+}
+_MTP_CAPABLE = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Qwen3NextForCausalLM",
+                *_QWEN3_5}  # fmt: skip
 
 
 def supported_architectures() -> list[str]:

@@ -13,9 +13,10 @@ formula in `OVERHEAD_FORMULA`; pass `--non-kv-bytes` for a measured figure.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fnmatch import fnmatch
 
 from kvplan.models.config import HFConfig, ModelConfigError
-from kvplan.models.importer import ModelLayers, pipeline_stage_bounds, text_config
+from kvplan.models.importer import ARCHITECTURES, ModelLayers, pipeline_stage_bounds, text_config
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -195,12 +196,13 @@ class ParamCount:
     state_space: int  # Mamba / GDN mixers
     draft: int  # MTP modules
     router: int = 0  # MoE routers: replicated on every rank
+    vision: int = 0  # a multimodal wrapper's vision tower and projector
 
     @property
     def total(self) -> int:
         return (
             self.embedding + self.attention + self.mlp + self.state_space + self.draft
-            + self.router
+            + self.router + self.vision
         )  # fmt: skip
 
 
@@ -252,7 +254,18 @@ def _attention_params(c: HFConfig) -> int:
         )
     head_dim = c.integer("head_dim") if c.has("head_dim") else hidden // heads
     kv_heads = c.integer("num_key_value_heads") if c.has("num_key_value_heads") else heads
-    return hidden * head_dim * (2 * heads + 2 * kv_heads)
+    # Qwen3-Next / Qwen3.5 gate the attention output: the query projection also emits a
+    # gate per head (vLLM's Qwen3NextAttention, `attn_output_gate`, default true).
+    gate = (
+        heads
+        if _GATED_ATTENTION.get(c.text("model_type", ""), False)
+        and c.flag("attn_output_gate", True)
+        else 0
+    )
+    return hidden * head_dim * (2 * heads + 2 * kv_heads + gate)
+
+
+_GATED_ATTENTION = {"qwen3_next": True, "qwen3_5_text": True, "qwen3_5_moe_text": True}
 
 
 def _expert_count(c: HFConfig) -> int:
@@ -377,9 +390,10 @@ def count_params(config: HFConfig, layers: ModelLayers) -> ParamCount:
     if nextn:
         draft = nextn * (_attention_params(c) + sum(_mlp_params(c, count)) + 2 * hidden * hidden)
     # A multimodal checkpoint's vision tower is loaded too (vLLM builds the whole
-    # *ForConditionalGeneration model); counted with the attention.
-    attention += _vision_params(config, hidden)
-    return ParamCount(embedding, attention, mlp, state, draft, router)
+    # *ForConditionalGeneration model).
+    return ParamCount(
+        embedding, attention, mlp, state, draft, router, _vision_params(config, hidden)
+    )
 
 
 # Families whose vLLM model builds the embeddings only on the first pipeline stage and
@@ -392,6 +406,12 @@ _PP_EMBEDDINGS_AT_THE_ENDS = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
     "Qwen3ForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+})  # fmt: skip
+# Qwen3.5 / 3.6 build the embedding on every stage and the LM head on the last only
+# (a tied head shares the last stage's embedding).
+_PP_HEAD_ON_THE_LAST = frozenset({
+    "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
 })  # fmt: skip
 
 
@@ -438,26 +458,56 @@ def stage_params(
         first, last = stage == 0, stage == len(bounds) - 1
         if layers.architecture in _PP_EMBEDDINGS_AT_THE_ENDS:
             embedding = table * (first + last)
+        elif layers.architecture in _PP_HEAD_ON_THE_LAST:
+            embedding = table * (1 + (last and not c.flag("tie_word_embeddings", False)))
         else:  # both tables (one if tied) on every stage
             embedding = total.embedding
         mine = per_layer[start:end]
         stages.append(ParamCount(
             embedding,
-            sum(p.attention for p in mine) + vision,
+            sum(p.attention for p in mine),
             sum(p.mlp for p in mine),
             sum(p.state_space for p in mine),
             total.draft if last else 0,
             sum(p.router for p in mine),
+            vision,
         ))  # fmt: skip
     return stages
+
+
+def _qwen3_vision_params(vision: HFConfig) -> int:
+    """Qwen3-VL's vision transformer, which Qwen3.5 / 3.6 load (vLLM's
+    Qwen3_VisionTransformer): a Conv3d patch embedding, a learned position table, per
+    block two LayerNorms, a fused QKV and an output projection and a two-matrix MLP
+    (all with biases), then the patch merger (a LayerNorm and two linears over
+    `spatial_merge_size`^2 patches into the text width) and one more merger per
+    deepstack level."""
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    patch = vision.integer("patch_size")
+    stem = vision.integer("in_channels", 3) * vision.integer("temporal_patch_size", 2)
+    stem = stem * patch * patch * width + width
+    positions = vision.integer("num_position_embeddings") * width
+    block = 4 * width + 4 * width * width + 4 * width + 2 * width * inter + inter + width
+    merged = width * vision.integer("spatial_merge_size", 2) ** 2
+    out = vision.integer("out_hidden_size")
+    merger = merged * merged + merged + merged * out + out
+    deepstack = len(vision.items("deepstack_visual_indexes") or [])
+    return (
+        stem + positions + vision.integer("depth") * block
+        + (merger + 2 * width) + deepstack * (merger + 2 * merged)
+    )  # fmt: skip
 
 
 def _vision_params(config: HFConfig, text_hidden: int) -> int:
     """A SigLIP vision tower (Gemma 3's `vision_config`) and its projection into the
     text model: per encoder layer Q/K/V/O and a two-matrix MLP (with biases), the
-    patch embedding and a position embedding per patch. Other vision towers are not
-    counted (none of the supported families has one)."""
+    patch embedding and a position embedding per patch; or Qwen3.5 / 3.6's
+    (`_qwen3_vision_params`). Other vision towers are not counted (none of the
+    supported families has one)."""
     vision = config.sub("vision_config")
+    if vision is not None and config.text("model_type", "") in ("qwen3_5", "qwen3_5_moe"):
+        return _qwen3_vision_params(vision)
     if vision is None or vision.text("model_type", "") != "siglip_vision_model":
         return 0
     width = vision.integer("hidden_size")
@@ -527,11 +577,20 @@ def _quantization(config: HFConfig, requested: str | None = None) -> tuple[str, 
             return ("none", 0.0, False)
         if requested == "fp8":
             return ("fp8", 1.0, False)
+        if requested.startswith("modelopt"):
+            raise ModelConfigError(
+                f"--quantization {requested}: config.json has no quantization_config; vLLM then "
+                "reads ModelOpt's settings from hf_quant_config.json, which kvplan does not: "
+                "copy its 'quantization' section into config.json as quantization_config with "
+                '"quant_method": "modelopt" (quant_algo, group_size, exclude_modules)'
+            )
         raise ModelConfigError(
             f"--quantization {requested}: an unquantized checkpoint can be quantized on load "
             "only with fp8 in the weight estimate; pass --non-kv-bytes"
         )
     method = quant.text("quant_method")
+    if requested == "modelopt" and method.startswith("modelopt"):
+        requested = method  # vLLM's --quantization modelopt picks the checkpoint's algorithm
     if requested is not None and requested != method:
         raise ModelConfigError(
             f"--quantization {requested} does not match the checkpoint's {method!r} "
@@ -551,11 +610,96 @@ def _quantization(config: HFConfig, requested: str | None = None) -> tuple[str, 
         return ("mxfp4", 0.5 + 1 / 32, True)  # e2m1 pairs + one e8m0 scale per 32
     if method == "compressed-tensors":
         return _compressed_tensors(quant)
+    if method == "modelopt":
+        return _modelopt(quant)
     raise ModelConfigError(
         f"quantization {method!r} is not supported by the weight estimate (fp8, awq, gptq, "
-        "mxfp4, compressed-tensors); pass --non-kv-bytes",
+        "mxfp4, compressed-tensors, modelopt); pass --non-kv-bytes",
         quant._where("quant_method"),
     )
+
+
+def _modelopt(quant: HFConfig) -> tuple[str, float, bool]:
+    """NVIDIA ModelOpt as config.json's quantization_config states it (vLLM's
+    ModelOptQuantConfigBase.from_config): NVFP4 (and W4A16_NVFP4) store e2m1 pairs
+    with one fp8 scale per `group_size` (16) weights; FP8 one byte per weight with a
+    per-tensor scale. Mixed precision is per layer and not estimated."""
+    algo = quant.text("quant_algo").upper()
+    if algo in ("NVFP4", "W4A16_NVFP4"):
+        group = quant.integer("group_size", 16)
+        return ("modelopt-nvfp4", 0.5 + 1 / group, False)
+    if algo == "FP8":
+        return ("modelopt-fp8", 1.0, False)
+    raise ModelConfigError(
+        f"ModelOpt quant_algo {algo!r} is not estimated (NVFP4, W4A16_NVFP4, FP8); pass "
+        "--non-kv-bytes",
+        quant._where("quant_algo"),
+    )
+
+
+def _excluded_patterns(config: HFConfig) -> list[str]:
+    """The modules a checkpoint leaves unquantized: fp8's `ignored_layers` (else
+    `modules_to_not_convert`), ModelOpt's `ignore` (else `exclude_modules`)."""
+    quant = config.sub("quantization_config")
+    if quant is None:
+        return []
+    keys = ("ignore", "exclude_modules", "ignored_layers", "modules_to_not_convert")
+    for key in keys:
+        patterns = quant.items(key)
+        if patterns:
+            return [str(pattern) for pattern in patterns]
+    return []
+
+
+def _matches(name: str, pattern: str) -> bool:
+    # vLLM's rules together: an exact or substring match of the module name
+    # (is_layer_skipped, ModelOpt's legacy substring rule) or a wildcard (fnmatch).
+    return pattern in name or fnmatch(name, pattern)
+
+
+def _unquantized_parts(config: HFConfig, layers: ModelLayers) -> frozenset[str]:
+    """The ParamCount parts a quantized checkpoint keeps in the model dtype: the
+    embeddings and LM head and the MoE routers always; the vision tower, MTP modules,
+    attention, GDN / Mamba mixers or MLPs when the exclusion list names them. A part
+    is matched through the checkpoint names of its first and last layer; a list that
+    excludes one of them only (part of a group) cannot be estimated per part."""
+    patterns = _excluded_patterns(config)
+    kept = {"embedding", "router"}
+    if not patterns:
+        return frozenset(kept)
+    nested = ARCHITECTURES[layers.architecture][1]
+    root = "model.language_model.layers" if nested else "model.layers"
+    c = text_config(config, layers.architecture)
+    mlp = "mlp.experts.0.gate_proj" if _expert_count(c) else "mlp.gate_proj"
+    target = [layer for layer in layers.layers if not layer.is_draft]
+    attention = [layer.decoder_index for layer in target if not layer.is_state]
+    state = [layer.decoder_index for layer in target if layer.is_state]
+    count = c.integer("num_hidden_layers")
+    representatives: dict[str, list[str]] = {
+        "attention": [f"{root}.{i}.self_attn.q_proj" for i in (attention[:1] + attention[-1:])],
+        "state_space": [f"{root}.{i}.linear_attn.in_proj_qkv" for i in (state[:1] + state[-1:])],
+        "mlp": [f"{root}.0.{mlp}", f"{root}.{count - 1}.{mlp}"],
+    }
+    if _vision_params(config, c.integer("hidden_size")):
+        representatives["vision"] = [
+            "model.visual.blocks.0.attn.qkv",
+            "model.visual.merger.linear_fc2",
+        ]
+    if layers.num_nextn_predict_layers:  # MTP modules are loaded
+        representatives["draft"] = ["mtp.layers.0.self_attn.q_proj", f"mtp.layers.0.{mlp}"]
+    for part, names in representatives.items():
+        if not names:
+            continue
+        hits = {any(_matches(name, pattern) for pattern in patterns) for name in names}
+        if len(hits) > 1:
+            raise ModelConfigError(
+                f"excludes part of the {part} weights only ({names[0]} and {names[-1]} "
+                "differ); the estimate counts whole parts: pass --non-kv-bytes",
+                "quantization_config",
+            )
+        if hits == {True}:
+            kept.add(part)
+    return frozenset(kept)
 
 
 def _compressed_tensors(quant: HFConfig) -> tuple[str, float, bool]:
@@ -652,15 +796,20 @@ def estimate_weights(
     name, quant_bytes, experts_only = _quantization(config, quantization)
     tp = tensor_parallel_size
     router_bytes = params.router * dtype_bytes
+    kept = (
+        _unquantized_parts(config, layers) if name != "none" and not experts_only else frozenset()
+    )
     if name == "none":
         total = params.total * dtype_bytes
     elif experts_only:
         dense = (params.total - params.mlp - params.router) * dtype_bytes
         total = int(dense + params.mlp * quant_bytes) + router_bytes
     else:
-        # Embeddings, the lm head and the routers stay in the model dtype.
-        quantized = params.total - params.embedding - params.router
-        total = int(params.embedding * dtype_bytes + quantized * quant_bytes) + router_bytes
+        # Embeddings, the lm head and the routers stay in the model dtype, and what the
+        # checkpoint's exclusion list names.
+        unquantized = sum(getattr(params, part) for part in kept) - params.router
+        quantized = params.total - unquantized - params.router
+        total = int(unquantized * dtype_bytes + quantized * quant_bytes) + router_bytes
     c = text_config(config, layers.architecture)
     num_layers = c.integer("num_hidden_layers") if not layers.encoder_decoder else 1
     if layers.encoder_decoder and pipeline_parallel_size > 1:
@@ -681,8 +830,9 @@ def estimate_weights(
             experts = experts_all_layers * (end - start) // num_layers
             rank = -(-dense // tp) + experts + stage_router
         else:
-            quantized = stage.total - stage.embedding - stage.router
-            sharded = int(stage.embedding * dtype_bytes + quantized * quant_bytes)
+            unquantized = sum(getattr(stage, part) for part in kept) - stage.router
+            quantized = stage.total - unquantized - stage.router
+            sharded = int(unquantized * dtype_bytes + quantized * quant_bytes)
             rank = -(-sharded // tp) + stage_router
         per_stage.append(rank + rope)
     return WeightEstimate(params, name, total, max(per_stage), tuple(per_stage), rope)

@@ -4,9 +4,12 @@ the release's CPU venv) and every cache layer's `get_kv_cache_spec` is compared 
 importer's layer for the same tensor-parallel size and KV cache dtype: kind, KV heads
 per rank, head size, dtype, window / chunk, Mamba state shapes and dtypes, in order.
 
-Not covered here, and why: Qwen3-Next (its model module imports `compressed_tensors`,
-which the CPU venvs do not install); its pages and GDN state shapes are checked against
-vLLM's spec classes and state calculators in test_against_vllm.py.
+Qwen3-Next's and Qwen3.5 / 3.6's module chain imports `compressed_tensors` and
+`torchvision`, which the CPU venvs do not install and the meta build does not use: the
+side process runs with the import stand-ins of tests/models/vllm_stubs on its path. For
+these GDN families the parameter count is compared too: the text model as vLLM builds
+it, plus a wrapper's vision tower built from `vision_config`, against `count_params`
+(which leaves out norms, convolution kernels and the GDN decay vectors: under 0.02%).
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ import re
 import socket
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvplan.models import Deployment, import_layers, load_config
+from kvplan.models.config import HFConfig, ModelConfigError
+from kvplan.models.importer import Speculative
 from kvplan.models.layers import ImportedLayer
+from kvplan.models.weights import count_params
 from tests.vllm_envs import vllm_python
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -50,6 +57,12 @@ CASES: tuple[tuple[str, int, str], ...] = (
     ("jamba-defaults", 2, "auto"),
     ("nemotron-3-nano-30b-a3b", 4, "auto"),  # 2 KV heads replicated over 4 ranks
     ("whisper-small", 2, "auto"),
+    ("qwen3.6-27b", 1, "auto"),  # GDN + gated attention, fp32 SSM state from its config
+    ("qwen3.6-27b", 2, "fp8"),
+    ("qwen3.5-moe-35b-a3b-ornith", 1, "auto"),  # Qwen3.5 / 3.6 MoE: 2 KV heads
+    ("qwen3.5-moe-35b-a3b-ornith", 4, "fp8"),  # replicated over 4 ranks
+    ("qwen3-next-80b-a3b", 1, "auto"),
+    ("qwen3-next-80b-a3b", 4, "fp8"),
 )
 
 # Multimodal wrappers whose vLLM class needs processors the CPU venv cannot inspect: the
@@ -58,7 +71,10 @@ CASES: tuple[tuple[str, int, str], ...] = (
 TEXT_ONLY = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
+STUBS = Path(__file__).with_name("vllm_stubs")
 
 _KINDS = {
     "full_attention": "FullAttentionSpec",
@@ -114,7 +130,7 @@ def decoder_index(name: str) -> int:
 @pytest.fixture(scope="module", params=RELEASES)
 def vllm_specs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[str, list[list[list[object]]]]:
+) -> tuple[str, list[list[list[object]]], list[int]]:
     engine_version: str = request.param
     python = vllm_python(engine_version.removeprefix("vllm-"))
     root = tmp_path_factory.mktemp(engine_version)
@@ -122,9 +138,12 @@ def vllm_specs(
     for model, tp, kv_dtype in CASES:
         directory, _ = vllm_input(model, root / model)
         length = 448 if model.startswith("whisper") else 4096
-        cases.append(
-            {"path": str(directory), "tp": tp, "max_model_len": length, "kv_cache_dtype": kv_dtype}
-        )
+        case = {"path": str(directory), "tp": tp, "max_model_len": length,
+                "kv_cache_dtype": kv_dtype}  # fmt: skip
+        raw = json.loads((MODELS / model / "config.json").read_text())
+        if raw["architectures"][0].startswith("Qwen3_5"):
+            case["vision"] = raw["vision_config"]
+        cases.append(case)
     # vLLM's Llama layers with `is_causal: false` (encoder-only attention): no spec at all
     bidirectional = json.loads((MODELS / "llama-3.1-8b" / "config.json").read_text())
     bidirectional["is_causal"] = False
@@ -148,17 +167,21 @@ def vllm_specs(
         text=True,
         timeout=280,
         # vLLM's model-info cache, per run: the releases would overwrite each other's.
-        env={**os.environ, "VLLM_CACHE_ROOT": str(root / "vllm-cache")},
+        env={
+            **os.environ,
+            "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS), os.environ.get("PYTHONPATH")])),
+        },
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    specs: list[list[list[object]]] = json.loads(result.stdout.strip().splitlines()[-1])["specs"]
-    return engine_version, specs
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    return engine_version, answer["specs"], answer["parameters"]
 
 
 def test_importer_layers_match_vllm_model_code(
-    vllm_specs: tuple[str, list[list[list[object]]]], tmp_path: Path
+    vllm_specs: tuple[str, list[list[list[object]]], list[int]], tmp_path: Path
 ) -> None:
-    engine_version, specs = vllm_specs
+    engine_version, specs, _ = vllm_specs
     assert len(specs) == len(CASES) + 1
     assert specs[-1] == [], "is_causal false: vLLM registers no cache layer"
     for (model, tp, kv_dtype), theirs in zip(CASES, specs[:-1], strict=True):
@@ -177,8 +200,97 @@ def test_importer_layers_match_vllm_model_code(
             assert [layer.name for layer in layers] == [spec[0] for spec in theirs], where
 
 
+def test_gdn_family_parameters_match_vllm_model_code(
+    vllm_specs: tuple[str, list[list[list[object]]], list[int]],
+) -> None:
+    """Gated attention (the query projection's per-head gate), GDN mixers, the MLP or
+    shared expert and router, and the vision tower: kvplan's count against the modules
+    vLLM builds, at TP 1. The routed experts are stood in (no kernel oracle on the CPU):
+    their weights, `num_experts` x 3 x hidden x `moe_intermediate_size` per layer, are
+    added back to vLLM's count."""
+    engine_version, _, parameters = vllm_specs
+    compared = 0
+    for (model, tp, _), theirs in zip(CASES, parameters, strict=False):
+        config = load_config(str(MODELS / model))
+        if tp != 1 or not config.text("model_type").startswith(("qwen3_5", "qwen3_next")):
+            continue
+        text = config.sub("text_config") or config
+        if text.has("num_experts"):
+            theirs += text.integer("num_hidden_layers") * (
+                text.integer("num_experts") * 3 * text.integer("hidden_size")
+                * text.integer("moe_intermediate_size")
+            )  # fmt: skip
+        ours = count_params(config, import_layers(config)).total
+        assert 0 <= theirs - ours < 2e-4 * theirs, (engine_version, model, ours, theirs)
+        compared += 1
+    assert compared == 3
+
+
 def test_every_shipped_config_is_compared_somewhere() -> None:
-    """A config not built here must be named (with the reason) in the module docstring."""
+    """Every shipped config is built by vLLM's model code here."""
     built = {model for model, _, _ in CASES}
     shipped = {path.name for path in MODELS.iterdir() if path.is_dir()}
-    assert shipped - built == {"qwen3-next-80b-a3b"}
+    assert shipped == built
+
+
+# ModelOpt exclusion lists as NVIDIA's and the community's NVFP4 exports write them.
+EXCLUSIONS: tuple[list[str], ...] = (
+    ["lm_head", "model.visual*", "mtp*", "*linear_attn*", "*mlp.gate", "*shared_expert_gate"],
+    ["lm_head", "*self_attn*", "model.visual*"],
+    ["lm_head"],
+)
+
+
+def test_modelopt_exclusions_leave_unquantized_what_vllm_does(tmp_path: Path) -> None:
+    """kvplan's unquantized parts of a Qwen3.5 / 3.6 MoE NVFP4 checkpoint against
+    vLLM 0.34's ModelOptNvFp4Config.is_layer_excluded on the modules vLLM builds (first
+    and last layer of each part)."""
+    from kvplan.models.weights import _unquantized_parts
+
+    raw = json.loads((MODELS / "qwen3.5-moe-35b-a3b-ornith" / "config.json").read_text())
+    root = "language_model.model.layers"
+    prefixes = {
+        "attention": [f"{root}.3.self_attn.qkv_proj", f"{root}.39.self_attn.qkv_proj"],
+        "state_space": [
+            f"{root}.0.linear_attn.in_proj_qkvz",
+            f"{root}.38.linear_attn.in_proj_qkvz",
+        ],
+        "mlp": [f"{root}.0.mlp.experts", f"{root}.39.mlp.experts"],
+        "vision": ["visual.blocks.0.attn.qkv", "visual.merger.linear_fc2"],
+        "draft": ["mtp.layers.0.self_attn.qkv_proj", "mtp.layers.0.mlp.experts"],
+    }
+    mtp = Deployment(speculative=Speculative("mtp", 1))
+    cases: list[dict[str, Any]] = []
+    for patterns in EXCLUSIONS:
+        quant: dict[str, object] = {
+            "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": patterns
+        }  # fmt: skip
+        cases.append({"quantization_config": quant, "prefixes": prefixes})
+    result = subprocess.run(
+        [str(vllm_python("0.34")), str(Path(__file__).with_name("vllm_quant_side.py"))],
+        input=json.dumps({"cases": cases}),
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={
+            **os.environ,
+            "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS), os.environ.get("PYTHONPATH")])),
+        },
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = json.loads(result.stdout.strip().splitlines()[-1])["excluded"]
+    for case, theirs in zip(cases, answers, strict=True):
+        quant = case["quantization_config"]
+        config = HFConfig({**raw, "quantization_config": quant})
+        ignore = quant["ignore"]
+        if len(set(theirs["draft"])) > 1:  # vLLM quantizes only part of the MTP layer
+            with pytest.raises(ModelConfigError, match="part of the draft weights"):
+                _unquantized_parts(config, import_layers(config, mtp))
+        else:
+            kept = _unquantized_parts(config, import_layers(config, mtp))
+            assert ("draft" in kept) == theirs["draft"][0], ignore
+        kept = _unquantized_parts(config, import_layers(config))  # no MTP layer loaded
+        for part in ("attention", "state_space", "mlp", "vision"):
+            assert len(set(theirs[part])) == 1, (ignore, part, theirs[part])  # whole parts
+            assert (part in kept) == theirs[part][0], (ignore, part)

@@ -25,7 +25,7 @@ from kvplan.models.weights import (
     rope_cache_bytes,
     stage_params,
 )
-from tests.models.test_against_vllm_model_code import vllm_input
+from tests.models.test_against_vllm_model_code import STUBS, vllm_input
 from tests.vllm_envs import vllm_python
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -65,6 +65,9 @@ STAGE_MODELS: tuple[tuple[str, int], ...] = (
     ("gpt-oss-120b", 2),
     ("jamba-defaults", 2),
     ("nemotron-3-nano-30b-a3b", 2),
+    ("qwen3.6-27b", 3),  # the embedding on every stage, the LM head on the last
+    ("qwen3.5-moe-35b-a3b-ornith", 2),
+    ("qwen3-next-80b-a3b", 2),
 )
 
 
@@ -95,7 +98,11 @@ def _run(release: str, payload: Mapping[str, object], root: Path) -> dict[str, l
         capture_output=True,
         text=True,
         timeout=280,
-        env={**os.environ, "VLLM_CACHE_ROOT": str(root / "vllm-cache")},
+        env={
+            **os.environ,
+            "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS), os.environ.get("PYTHONPATH")])),
+        },
     )
     assert result.returncode == 0, result.stderr[-3000:]
     answer: dict[str, list[object]] = json.loads(result.stdout.strip().splitlines()[-1])
@@ -191,8 +198,8 @@ def test_stages_share_out_every_decoder_layer(model: str) -> None:
     whole = count_params(config, layers)
     bounds = [pipeline_stage_bounds(layers.num_hidden_layers, rank, 3) for rank in range(3)]
     stages = stage_params(config, layers, bounds)
-    # The vision tower (Gemma 3's) is on every stage, counted once in the whole.
+    # The vision tower (Gemma 3's, Qwen3.5's) is on every stage, counted once in the whole.
     vision = _vision_params(config, text_config(config, layers.architecture).integer("hidden_size"))
-    assert sum(stage.attention for stage in stages) == whole.attention + 2 * vision
-    for part in ("mlp", "state_space", "router"):
+    assert whole.vision == vision and all(stage.vision == vision for stage in stages)
+    for part in ("attention", "mlp", "state_space", "router"):
         assert sum(getattr(stage, part) for stage in stages) == getattr(whole, part), part

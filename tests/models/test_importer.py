@@ -251,6 +251,29 @@ def test_qwen3_next_tp1_pads_the_state_page() -> None:
     assert state.page_size_padded == 544 * 2_048 == 1_114_112
 
 
+def test_qwen3_6_27b_layers_under_its_wrapper_with_fp32_ssm_state_and_mtp() -> None:
+    mtp = Speculative("mtp", 3)
+    specs = layers_of("qwen3.6-27b", tensor_parallel_size=2, kv_cache_dtype="fp8", speculative=mtp)
+    gdn = only(specs, MambaSpec)
+    full = only(specs, FullAttentionSpec)
+    assert (len(gdn), len(full)) == (48, 17)  # 3:1 of 64 layers, + mtp_num_hidden_layers 1
+    assert specs[0][0] == "language_model.model.layers.0.linear_attn"
+    assert specs[3][0] == "language_model.model.layers.3.self_attn.attn"
+    assert specs[-1][0] == "mtp.layers.0.self_attn.attn" and specs[-1][1].is_draft
+    state = gdn[0]
+    assert isinstance(state, MambaSpec)
+    # conv (4 - 1 + 3 speculative tokens, (2*16*128 + 48*128) / 2) bf16; the temporal
+    # state in the config's mamba_ssm_dtype, float32 (vLLM's Qwen3.5 config hook)
+    assert [s.shape for s in state.states] == [(6, 5120), (24, 128, 128)]
+    assert [s.dtype.value for s in state.states] == ["bfloat16", "float32"]
+    # fp8 KV: 2 heads x 256 x 2 x 1 B = 1,024 B/token; the state page 1,634,304 B gives
+    # 16 * cdiv(1,634,304, 16,384) = 1,600 tokens, padded by 0.25%: what club-3090#751's
+    # TP-2 log printed for a Qwen3.6-27B ("Setting attention block size to 1600 tokens",
+    # "Padding mamba page size by 0.25%").
+    assert state.block_size == 1600 and state.page_size_padded == 1600 * 1024
+    assert round(100 * (1600 * 1024 / 1_634_304 - 1), 2) == 0.25
+
+
 def test_prefix_caching_off_gives_mamba_max_len_blocks() -> None:
     specs = layers_of("qwen3-next-80b-a3b", enable_prefix_caching=False, max_model_len=32768)
     assert only(specs, MambaSpec)[0].block_size == 32768

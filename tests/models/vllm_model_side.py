@@ -11,7 +11,8 @@ parallelism is the model-parallel group's world size: the model code reads it to
 heads and states, and nothing communicates on the meta device.
 
 stdin: {"cases": [{"path": DIR, "tp": N, "max_model_len": L, "kv_cache_dtype": D}]}
-stdout (last line): {"specs": [[[name, kind, fields...], ...] per case]}
+stdout (last line): {"specs": [[[name, kind, fields...], ...] per case],
+                     "parameters": [element count of the model's parameters, per case]}
 """
 
 from __future__ import annotations
@@ -112,6 +113,12 @@ def install_stand_ins() -> None:
     from vllm.model_executor.models import registry
 
     registry._run_in_subprocess = lambda inspect: inspect()
+    # The GDN mixer of Qwen3.5 places its norm on the platform's current device, which
+    # the CPU build does not name: the meta device, as every other parameter here.
+    from vllm.platforms import current_platform
+
+    if getattr(current_platform, "current_device", None) is None:
+        current_platform.current_device = lambda: torch.device("meta")
     for name in (
         "attention.attention",
         "attention.mla_attention",
@@ -126,7 +133,8 @@ def install_stand_ins() -> None:
             setattr(module, "get_attn_backend", _backend)  # noqa: B010
     mla = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
     setattr(mla, "get_mla_prefill_backend", lambda *args, **kwargs: NoKernels)  # noqa: B010
-    for name in ("gpt_oss", "jamba", "llama4", "nemotron_h", "qwen3_moe", "mixtral", "deepseek_v2"):
+    for name in ("gpt_oss", "jamba", "llama4", "nemotron_h", "qwen3_moe", "mixtral", "deepseek_v2",
+                 "qwen3_next"):  # fmt: skip
         module = importlib.import_module("vllm.model_executor.models." + name)
         if hasattr(module, "FusedMoEFactory"):
             setattr(module, "FusedMoEFactory", _no_experts)  # noqa: B010
@@ -147,6 +155,19 @@ def spec_row(name: str, spec: object) -> list[object]:
         getattr(spec, "attention_chunk_size", None),
     ]
     return row
+
+
+def vision_tower(vision: dict[str, object]) -> nn.Module:
+    """Qwen3.5 / 3.6's vision transformer (vLLM's Qwen3_VisionTransformer, what their
+    ConditionalGeneration wrappers build) on the meta device."""
+    config_class = importlib.import_module("transformers").Qwen3_5VisionConfig
+    from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
+
+    with torch.device("meta"):
+        return Qwen3_VisionTransformer(config_class(**vision), prefix="visual")
+
+
+PARAMETERS: list[int] = []  # each case's model: its parameters' element count
 
 
 def specs_of(case: dict[str, object]) -> list[list[object]]:
@@ -179,7 +200,10 @@ def specs_of(case: dict[str, object]) -> list[list[object]]:
                 parallel_state._EP = parallel_state._TP
         parallel_state._TP.world_size = int(case["tp"])  # type: ignore[call-overload]
         with torch.device("meta"):
-            initialize_model(config)
+            model = initialize_model(config)
+        if "vision" in case:  # the multimodal wrapper's tower, built beside the text model
+            model = nn.ModuleList([model, vision_tower(case["vision"])])  # type: ignore[arg-type]
+    PARAMETERS.append(sum(parameter.numel() for parameter in model.parameters()))
     layers = get_layers_from_vllm_config(config, AttentionLayerBase)
     rows = []
     for name, layer in layers.items():
@@ -193,7 +217,8 @@ def main() -> None:
     payload = json.load(sys.stdin)
     install_stand_ins()
     cases = [{**case, "port": payload["port"]} for case in payload["cases"]]
-    print(json.dumps({"specs": [specs_of(case) for case in cases]}))
+    specs = [specs_of(case) for case in cases]
+    print(json.dumps({"specs": specs, "parameters": PARAMETERS}))
 
 
 if __name__ == "__main__":
