@@ -88,8 +88,9 @@ def _source(url: str) -> str:
     elif link.startswith("code-index:"):
         # A public repository's file the code index found without naming its repository.
         return f"public file, code index id {link.removeprefix('code-index:')}"
-    elif "/issues/" in link:
-        repo = link.split("github.com/")[1].split("/issues/")[0].split("/")[-1]
+    elif "/issues/" in link or "/pull/" in link:
+        kind = "/issues/" if "/issues/" in link else "/pull/"
+        repo = link.split("github.com/")[1].split(kind)[0].split("/")[-1]
         label = f"{repo}#{link.rsplit('/', 1)[-1]}"
     else:
         label = link
