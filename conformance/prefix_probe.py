@@ -231,6 +231,7 @@ def run(
     seed: int = 20260,
     scenarios: bool = True,
     fuzz: dict[str, int] | None = None,
+    later: bool = True,
 ) -> Json:
     cases = generate_cases(seed, scenarios=scenarios, fuzz=fuzz)
     if only:
@@ -312,7 +313,7 @@ def run(
                         "setup": repr(setup),
                     }
                 )
-            if _later_is_probed(setup) and isinstance(hit, int):
+            if later and _later_is_probed(setup):
                 _probe_later(
                     case.id, setup, stored, (n, hit), tail, counts, disagreements, failure_classes
                 )
@@ -368,11 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--seed", type=int, default=20260)
     parser.add_argument("--no-scenarios", action="store_true", help="skip tests/ scenarios")
+    parser.add_argument(
+        "--first-only", action="store_true", help="skip the later requests (a quicker campaign)"
+    )
     add_fuzz_argument(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     fuzz = fuzz_sections(args.fuzz)
-    result = run(args.only, args.limit, args.seed, not args.no_scenarios, fuzz)
+    result = run(args.only, args.limit, args.seed, not args.no_scenarios, fuzz, not args.first_only)
     result["meta"] = {
         "vllm": driver.VLLM_VERSION,
         "seed": args.seed,
