@@ -8,7 +8,10 @@ step, as chunked prefill caches it, a step ending where the scheduler ends one
 for a Mamba checkpoint, then finished), then asks for the longest
 cache hit of requests that repeat its first N tokens and then diverge, for N just
 under and over each unit, multiples of it, and the draft block drop, and compares
-vLLM's hit length with kvplan.core.prefix_cache.cached_tokens.
+vLLM's hit length with kvplan.core.prefix_cache.cached_tokens. Where a Mamba or
+sliding-window group sits beside others it also measures the request after that
+one, once the first has recorded its shared-prefix junction and run ("later"
+probes, against cached_tokens_after_junction; --first-only skips them).
 
     python -m conformance.prefix_probe [--only ID] [--limit K] [--out FILE]
 """

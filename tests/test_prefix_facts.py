@@ -7,6 +7,7 @@ import pytest
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
 from kvplan.core.prefix_cache import cached_tokens, facts
+from kvplan.core.prefix_warnings import rule_is_exact, what_if
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2, spec_pb2
 from tests.test_fuzz_finds import find
@@ -120,3 +121,11 @@ def test_a_multi_module_mtp_drafters_reprefilled_tail_is_not_cached(
     )
     unit = max(setup.scheduler_block, *(g.block_tokens for g in setup.groups))
     assert cached_tokens(setup, shared, stored, shared + unit + 1) == vllm
+    # The closed-form rule leaves the tail out: not claimed exact. The minimum
+    # prefix still bounds every hit, and is the first that hits on one group.
+    f = facts(setup)
+    assert not rule_is_exact(setup, f)
+    minimum = f.min_shared_prefix
+    assert what_if(setup, f, minimum - 1).prefix_stored == 0
+    if len(setup.groups) == 1:
+        assert what_if(setup, f, minimum).prefix_stored > 0

@@ -20,6 +20,9 @@ The model the facts describe (docs/prefix-caching.md):
   at that boundary alone, so a shorter shared prefix never hits it.
 * Groups that take the EAGLE last-block drop lose one block of every hit (the
   drafter's lookahead slot); when the hit is one block, it is emptied.
+* A request whose groups' hits part records the longest as its shared-prefix
+  junction and keeps its state there too: `cached_tokens_after_junction` is the
+  hit of the request after it.
 """
 
 from __future__ import annotations
@@ -155,7 +158,12 @@ def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
         unit=unit,
         drop_groups=drops,
         drop_tokens=drop_tokens,
-        min_shared_prefix=unit + drop_tokens + setup.hash_lookahead,
+        # A multi-module MTP drafter's reprefilled tail is not cached where the drop
+        # applies: a stored prompt must be that much longer to hit.
+        min_shared_prefix=unit
+        + drop_tokens
+        + setup.hash_lookahead
+        + (setup.reprefill_tokens if drops else 0),
         boundary_only=boundary_only,
     )
 

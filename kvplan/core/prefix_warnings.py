@@ -142,6 +142,8 @@ def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
     depend on which window blocks and Mamba states are kept). `drop_groups`, not
     `drop_tokens`: a dropping Mamba group takes no tokens off the minimum prefix
     yet still shapes the hit."""
+    if facts.drop_groups and setup.reprefill_tokens:
+        return False  # the reprefilled tail the drop comes with: not in the rule
     return not facts.drop_groups or all(
         g.kind not in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA)
         for g in setup.groups
