@@ -8,7 +8,10 @@ step, as chunked prefill caches it, a step ending where the scheduler ends one
 for a Mamba checkpoint, then finished), then asks for the longest
 cache hit of requests that repeat its first N tokens and then diverge, for N just
 under and over each unit, multiples of it, and the draft block drop, and compares
-vLLM's hit length with kvplan.core.prefix_cache.cached_tokens.
+vLLM's hit length with kvplan.core.prefix_cache.cached_tokens. Where a Mamba or
+sliding-window group sits beside others it also measures the request after that
+one, once the first has recorded its shared-prefix junction and run ("later"
+probes, against cached_tokens_after_junction; --first-only skips them).
 
     python -m conformance.prefix_probe [--only ID] [--limit K] [--out FILE]
 """
@@ -231,6 +234,7 @@ def run(
     seed: int = 20260,
     scenarios: bool = True,
     fuzz: dict[str, int] | None = None,
+    later: bool = True,
 ) -> Json:
     cases = generate_cases(seed, scenarios=scenarios, fuzz=fuzz)
     if only:
@@ -312,7 +316,7 @@ def run(
                         "setup": repr(setup),
                     }
                 )
-            if _later_is_probed(setup) and isinstance(hit, int):
+            if later and _later_is_probed(setup):
                 _probe_later(
                     case.id, setup, stored, (n, hit), tail, counts, disagreements, failure_classes
                 )
@@ -368,11 +372,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--seed", type=int, default=20260)
     parser.add_argument("--no-scenarios", action="store_true", help="skip tests/ scenarios")
+    parser.add_argument(
+        "--first-only", action="store_true", help="skip the later requests (a quicker campaign)"
+    )
     add_fuzz_argument(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     fuzz = fuzz_sections(args.fuzz)
-    result = run(args.only, args.limit, args.seed, not args.no_scenarios, fuzz)
+    result = run(args.only, args.limit, args.seed, not args.no_scenarios, fuzz, not args.first_only)
     result["meta"] = {
         "vllm": driver.VLLM_VERSION,
         "seed": args.seed,

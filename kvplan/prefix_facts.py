@@ -72,23 +72,52 @@ def _scheduler_draft_flags(response: plan_pb2.PlanResponse) -> list[bool]:
     return [flags.get(group.group_id, bool(group.is_draft)) for group in response.groups]
 
 
+def _scheduler_specs(response: plan_pb2.PlanResponse) -> list[spec_pb2.LayerSpec]:
+    """Each group's spec as the scheduler sees it. vLLM's scheduler takes the first
+    worker's config and, for a group of several layer specs, the spec of its first
+    layer there (the whole group's first layer where that worker holds none): a
+    group kvplan calls not cacheable because a later member opts out (a bounded-
+    replay sliding-window MLA layer) is cacheable there when its first layer is."""
+    first = min(response.workers, key=lambda worker: worker.rank) if response.workers else None
+    held = {p.group_id: list(p.layer_names) for p in first.groups} if first else {}
+    specs = []
+    for group in response.groups:
+        spec = group.spec
+        if group.layer_specs:
+            names = held.get(group.group_id) or list(group.layer_names[:1])
+            index = list(group.layer_names).index(names[0]) if names else 0
+            spec = group.layer_specs[index]
+        specs.append(spec)
+    return specs
+
+
+def _layer_cacheable(spec: spec_pb2.LayerSpec) -> bool:
+    """A layer's own prefix-caching opt-out (kvplan.core.specs: bounded replay)."""
+    return not (
+        spec.WhichOneof("kind") == "sliding_window_mla" and spec.sliding_window_mla.bounded_replay
+    )
+
+
 def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> PrefixCacheSetup:
     options = request.options
     dcp = options.decode_context_parallel_size
     draft_flags = _scheduler_draft_flags(response)
+    scheduler_specs = _scheduler_specs(response)
     spec_ids: dict[bytes, int] = {}
     groups = tuple(
         CacheGroup(
-            kind=_KINDS.get(group.spec.WhichOneof("kind") or "", GroupKind.OTHER),
+            kind=_KINDS.get(spec.WhichOneof("kind") or "", GroupKind.OTHER),
             block_tokens=int(group.block_size) * (dcp if _dcp_sharded(group.spec) else 1),
             is_draft=is_draft,
-            prefix_cacheable=bool(group.prefix_cacheable),
-            window=_window(group.spec),
+            prefix_cacheable=_layer_cacheable(spec)
+            if group.layer_specs
+            else bool(group.prefix_cacheable),
+            window=_window(spec),
             spec_id=spec_ids.setdefault(
                 group.spec.SerializeToString(deterministic=True), len(spec_ids)
             ),
         )
-        for group, is_draft in zip(response.groups, draft_flags, strict=True)
+        for group, is_draft, spec in zip(response.groups, draft_flags, scheduler_specs, strict=True)
     )
     enabled = options.enable_prefix_caching and not _non_causal(response)
     hash_block = int(response.diagnostics.hash_block_size)
@@ -119,6 +148,7 @@ def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> 
         partial_hash_hits=partial and len(groups) > 1,
         block_drop=drafter_drops and lookahead == 0,
         hash_lookahead=lookahead,
+        reprefill_tokens=max(0, spec_decode.prefill_lookahead_tokens - 1),
     )
 
 

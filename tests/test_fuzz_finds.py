@@ -101,6 +101,11 @@ EXPECTED: dict[str, Mapping[str, object]] = {
     # A drafter on the last pipeline stage plans everywhere; its prefix-cache
     # prediction is pinned in tests/test_prefix_facts.py.
     "prefix-drafter-on-last-stage": {release: PLANS for release in RELEASES},
+    # Prefix-cache finds (their predictions are pinned in tests/test_prefix_facts.py):
+    # every release plans them.
+    "prefix-first-layer-cacheable": {release: PLANS for release in RELEASES},
+    "prefix-mtp-reprefilled-tail": {release: PLANS for release in RELEASES},
+    "prefix-mtp-reprefilled-tail-hybrid": {release: PLANS for release in RELEASES},
     "nvfp4-ds-mla-under-dcp": {
         **{release: PLANS for release in RELEASES},
         "vllm-0.34": (ErrorCode.INVALID_ARGUMENT, "options.cache_dtype"),

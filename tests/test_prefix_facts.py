@@ -7,6 +7,7 @@ import pytest
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
 from kvplan.core.prefix_cache import cached_tokens, facts
+from kvplan.core.prefix_warnings import rule_is_exact, what_if
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2, spec_pb2
 from tests.test_fuzz_finds import find
@@ -77,3 +78,54 @@ def test_draft_flags_are_the_first_workers_the_scheduler_takes(
     if engine_version == "vllm-0.32":
         assert facts(setup).drop_groups == tuple(range(len(setup.groups)))
         assert cached_tokens(setup, 10240, 13313, 10240 + 2049) == 0
+
+
+def test_a_groups_cacheability_is_its_first_layers_on_the_first_worker() -> None:
+    """conformance/finds/prefix-first-layer-cacheable (fuzz seed 13, fuzzc/c0490,
+    vLLM 0.34): group 0 holds sliding-window layers and bounded-replay
+    sliding-window MLA layers (which opt out of prefix caching). vLLM's scheduler
+    takes the first worker's config and, for such a group, its first layer's spec
+    there: a sliding window of 32 tokens, cacheable. Its 32-token window then keeps
+    a stored prompt's blocks only near its end, and vLLM 0.34's manager hit 0 for
+    every shared prefix shorter than the stored 105 tokens (kvplan, leaving the
+    group out, said 16 for 16 tokens)."""
+    request = find("prefix-first-layer-cacheable", "vllm-0.34")
+    response = plan_from_proto(request)
+    assert not response.groups[0].prefix_cacheable  # kvplan's own view of the group
+    setup = setup_from_plan(request_from_proto(request), response)
+    assert setup.groups[0].prefix_cacheable and setup.groups[0].window == 32
+    assert cached_tokens(setup, 16, 105, 16 + 17) == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "shared", "stored", "vllm"),
+    [
+        # One MLA group of 64-token blocks, 64 MTP modules: 63 tokens not cached.
+        ("prefix-mtp-reprefilled-tail", 416, 417, 256),
+        # Mamba beside full attention of 288-token blocks, hash blocks of 1 token.
+        ("prefix-mtp-reprefilled-tail-hybrid", 1873, 1873, 1440),
+    ],
+)
+def test_a_multi_module_mtp_drafters_reprefilled_tail_is_not_cached(
+    name: str, shared: int, stored: int, vllm: int
+) -> None:
+    """Fuzz seed 13 on vLLM 0.32 (fuzzz/z1890, fuzzx/x0788): with several MTP
+    modules the drafter may prefill a prompt's last lookahead-less-one tokens
+    again, so vLLM caches a single group, and a dropping group beside others, only
+    up to there; the hits are vLLM 0.32's own manager's (kvplan said 320 and 1,872
+    when it cached the whole prompt)."""
+    request = find(name, "vllm-0.32")
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    assert (
+        setup.reprefill_tokens == request_from_proto(request).spec_decode.num_speculative_tokens - 1
+    )
+    unit = max(setup.scheduler_block, *(g.block_tokens for g in setup.groups))
+    assert cached_tokens(setup, shared, stored, shared + unit + 1) == vllm
+    # The closed-form rule leaves the tail out: not claimed exact. The minimum
+    # prefix still bounds every hit, and is the first that hits on one group.
+    f = facts(setup)
+    assert not rule_is_exact(setup, f)
+    minimum = f.min_shared_prefix
+    assert what_if(setup, f, minimum - 1).prefix_stored == 0
+    if len(setup.groups) == 1:
+        assert what_if(setup, f, minimum).prefix_stored > 0

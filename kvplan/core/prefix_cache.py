@@ -20,6 +20,9 @@ The model the facts describe (docs/prefix-caching.md):
   at that boundary alone, so a shorter shared prefix never hits it.
 * Groups that take the EAGLE last-block drop lose one block of every hit (the
   drafter's lookahead slot); when the hit is one block, it is emptied.
+* A request whose groups' hits part records the longest as its shared-prefix
+  junction and keeps its state there too: `cached_tokens_after_junction` is the
+  hit of the request after it.
 """
 
 from __future__ import annotations
@@ -66,6 +69,10 @@ class PrefixCacheSetup:
     # Sliding-window / Mamba checkpoints a stored request keeps: 0 (vLLM's default)
     # only its replay boundary; None densely; k > 0 one per k tokens as well.
     retention_interval: int | None = 0
+    # The last tokens of a prompt whose KV a multi-module MTP drafter may prefill
+    # again (its lookahead less one): not cached, by a single group, or by the
+    # groups that take the drop beside others.
+    reprefill_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,7 +158,12 @@ def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
         unit=unit,
         drop_groups=drops,
         drop_tokens=drop_tokens,
-        min_shared_prefix=unit + drop_tokens + setup.hash_lookahead,
+        # A multi-module MTP drafter's reprefilled tail is not cached where the drop
+        # applies: a stored prompt must be that much longer to hit.
+        min_shared_prefix=unit
+        + drop_tokens
+        + setup.hash_lookahead
+        + (setup.reprefill_tokens if drops else 0),
         boundary_only=boundary_only,
     )
 
@@ -194,11 +206,10 @@ class _Stored:
         if junction:
             bounds.add(junction)
         for i, g in enumerate(setup.groups):
-            cacheable = prompt_tokens
-            if several and not setup.partial_hash_hits:
-                cacheable = prompt_tokens // setup.scheduler_block * setup.scheduler_block
-                if i in self.drops and cacheable > 0:
-                    cacheable = min(prompt_tokens, cacheable + g.block_tokens)
+            finalized = max(0, prompt_tokens - setup.reprefill_tokens)
+            cacheable = finalized if not several else self._aligned(prompt_tokens)
+            if several and i in self.drops and cacheable > 0:
+                cacheable = min(finalized, self._aligned(finalized) + g.block_tokens)
             full = min(cacheable, hashed) // g.block_tokens
             if setup.partial_hash_hits and _full_like(g):
                 # vLLM registers the block holding the prompt's last hash boundary
@@ -206,7 +217,7 @@ class _Stored:
                 # the whole prompt), not at the boundaries before it in the block.
                 limit = prompt_tokens if i in self.drops else prompt_tokens - 1
                 boundary = min(limit // h * h, hashed)
-                if boundary % g.block_tokens and boundary > computed_from:
+                if boundary % g.block_tokens and computed_from < boundary <= cacheable:
                     self.tails[i].add(boundary)
             self.full.append(full)
             kept = self._kept(i, g, full, bounds)
@@ -215,6 +226,13 @@ class _Stored:
                 kept = {j for j in kept if j >= computed_from // g.block_tokens}
                 self.points[i] = {p for p in self.points[i] if p > computed_from}
             self.kept.append(kept)
+
+    def _aligned(self, tokens: int) -> int:
+        """Where several groups cache up to: the scheduler block, or any hash
+        block under partial hash hits."""
+        if self.setup.partial_hash_hits:
+            return tokens
+        return tokens // self.setup.scheduler_block * self.setup.scheduler_block
 
     def _kept(self, i: int, g: CacheGroup, full: int, bounds: set[int]) -> set[int] | None:
         retention = self.setup.retention_interval

@@ -221,7 +221,11 @@ def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
     * a window of one token (fuzz engines): under vLLM's sparse retention it keeps
       none or one block of a stored prompt, and the coordinator's turns decide;
     * retention other than vLLM's (`retention_interval` not 0: a modelling option,
-      no plan uses it) with sliding-window or Mamba groups."""
+      no plan uses it) with sliding-window or Mamba groups;
+    * a draft drop that comes with a multi-module MTP drafter's reprefilled tail
+      (the rule leaves the tail out)."""
+    if facts.drop_groups and setup.reprefill_tokens:
+        return False
     cacheable = [g for g in setup.groups if g.prefix_cacheable]
     sparse = [g for g in cacheable if g.kind in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA)]
     if sparse and setup.retention_interval != 0:
