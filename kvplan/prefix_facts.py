@@ -91,11 +91,18 @@ def _scheduler_specs(response: plan_pb2.PlanResponse) -> list[spec_pb2.LayerSpec
     return specs
 
 
+# Layer kinds that never take part in prefix caching (kvplan.core.specs'
+# `prefix_cacheable`): per-request ring blocks, HiSparse's pools.
+_NOT_CACHEABLE = frozenset({"circular_buffer", "hisparse_hot", "hisparse_resident"})
+
+
 def _layer_cacheable(spec: spec_pb2.LayerSpec) -> bool:
-    """A layer's own prefix-caching opt-out (kvplan.core.specs: bounded replay)."""
-    return not (
-        spec.WhichOneof("kind") == "sliding_window_mla" and spec.sliding_window_mla.bounded_replay
-    )
+    """A layer's own prefix-caching opt-out (kvplan.core.specs' rule per kind; a
+    sliding-window MLA layer's bounded replay)."""
+    kind = spec.WhichOneof("kind") or ""
+    if kind == "sliding_window_mla":
+        return not spec.sliding_window_mla.bounded_replay
+    return kind not in _NOT_CACHEABLE
 
 
 def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> PrefixCacheSetup:

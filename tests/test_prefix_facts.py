@@ -129,3 +129,26 @@ def test_a_multi_module_mtp_drafters_reprefilled_tail_is_not_cached(
     assert what_if(setup, f, minimum - 1).prefix_stored == 0
     if len(setup.groups) == 1:
         assert what_if(setup, f, minimum).prefix_stored > 0
+
+
+def test_a_uniform_group_of_circular_buffers_stays_out_of_prefix_caching() -> None:
+    """The group's first layer decides (the scheduler's view), by its kind's own
+    rule: circular-buffer layers never take part (block_sizes/default-circular-only-
+    caching* in make conformance: vLLM hits 0; kvplan said 16 for 16 tokens when it
+    read only sliding-window MLA's opt-out)."""
+    response = plan_pb2.PlanResponse()
+    response.diagnostics.hash_block_size = 16
+    response.diagnostics.scheduler_block_size = 16
+    group = response.groups.add(block_size=16, prefix_cacheable=False, uniform_type=True)
+    group.layer_names.extend(["model.layers.0.attn", "model.layers.1.attn"])
+    for _ in range(2):
+        layer = group.layer_specs.add()
+        layer.circular_buffer.attention.num_kv_heads = 8
+        layer.circular_buffer.attention.head_size = 128
+    group.spec.CopyFrom(group.layer_specs[0])
+    request = plan_pb2.PlanRequest(engine_id="prefix-facts")
+    request.options.enable_prefix_caching = True
+    request.options.max_model_len = 4096
+    setup = setup_from_plan(request_from_proto(request), response)
+    assert not setup.groups[0].prefix_cacheable
+    assert cached_tokens(setup, 16, 105, 16 + 17) == 0
