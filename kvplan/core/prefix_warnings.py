@@ -192,9 +192,11 @@ def mamba_checkpoint_strides(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -
 
 def drop_window(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> int:
     """A dropping sliding-window group whose block is finer than the hit unit: its
-    window in whole blocks, in tokens (the largest such; 0 when none). While a hit
-    plus one unit is shorter, that group's lookup runs from the first block and
-    must fit a unit below the others' hit, so the hit falls a unit back."""
+    window in whole blocks, in tokens (the largest such; 0 when none). While the
+    others' hit is shorter, that group's lookup (the hit and one block past it,
+    against the window and the dropped block) finds no whole window: it runs from
+    the first block, is cut to the unit, drops a block and is cut again, so the
+    hit falls a unit back."""
     if not facts.on:
         return 0
     return max(
@@ -210,6 +212,33 @@ def drop_window(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> int:
     )
 
 
+def _partial_hits_in_rule(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
+    """Whether the rule's terms cover where partial hash hits let full attention
+    land. vLLM's full-attention lookup lands inside one of its blocks only at a
+    stored request's last hash boundary (its last token but one for a resend; the
+    whole prompt for a dropping group, whose dropped hash block must end there).
+    The rule follows that where the hit it states is that boundary: every coarse
+    full-attention-like group drops (the hit is one hash block below the match,
+    the drop ends at the boundary), or nothing drops and the hit is the resend's
+    boundary (Mamba state only at the stored request's end). Elsewhere the hit
+    falls back to that boundary or to the lcm of those groups' blocks, which the
+    diagnostics do not state."""
+    if not setup.partial_hash_hits or not facts.on:
+        return True
+    coarse = [
+        i
+        for i, g in enumerate(setup.groups)
+        if g.prefix_cacheable
+        and g.kind in (GroupKind.FULL, GroupKind.OTHER)
+        and g.block_tokens != setup.hash_block
+    ]
+    if not coarse:
+        return True
+    if facts.drop_groups:
+        return all(i in facts.drop_groups for i in coarse)
+    return facts.boundary_only
+
+
 def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
     """Whether `rule_cached_tokens` is the simulation's answer for every N
     (tests/core/test_prefix_warnings.py checks it on random engines). Not where:
@@ -221,10 +250,16 @@ def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
     * a window of one token (fuzz engines): under vLLM's sparse retention it keeps
       none or one block of a stored prompt, and the coordinator's turns decide;
     * retention other than vLLM's (`retention_interval` not 0: a modelling option,
-      no plan uses it) with sliding-window or Mamba groups."""
+      no plan uses it) with sliding-window or Mamba groups;
+    * partial hash hits with a full-attention-like group whose block is coarser than
+      the hash block, unless every such group drops, or nothing drops and a Mamba
+      group keeps state only at the stored request's end (see
+      `_partial_hits_in_rule`)."""
     cacheable = [g for g in setup.groups if g.prefix_cacheable]
     sparse = [g for g in cacheable if g.kind in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA)]
     if sparse and setup.retention_interval != 0:
+        return False
+    if not _partial_hits_in_rule(setup, facts):
         return False
     if any(g.kind is GroupKind.SLIDING_WINDOW and g.window <= 1 for g in sparse):
         return False
@@ -267,9 +302,10 @@ def rule_cached_tokens(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_
         kept.extend(checkpoints)
     hit = max((x for x in kept if 0 < x <= reach and x % unit == 0), default=0)
     window = drop_window(setup, facts)
-    if hit and hit + unit < window:
-        # The finer window's lookup from the first block: a unit below the reach
-        # and the last boundary, and only while the window holds that boundary.
+    if hit and hit < window:
+        # The finer window's lookup from the first block (hit / b + 1 blocks, short
+        # of the window's blocks and the dropped one): a unit below the reach and
+        # the last boundary, and only while the window holds that boundary.
         if last_boundary > window:
             return 0
         hit = max(0, min(hit, reach - unit, last_boundary - unit))

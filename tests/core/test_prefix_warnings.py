@@ -197,3 +197,50 @@ def test_a_finer_dropping_window_needs_its_window_in_the_rule() -> None:
     assert [client_cached_tokens(prefix_cache, n) for n in range(2_000)] == simulated
     prefix_cache.drop_window_tokens = 0
     assert [client_cached_tokens(prefix_cache, n) for n in range(2_000)] != simulated
+
+
+def _client_rule(setup: PrefixCacheSetup) -> plan_pb2.PrefixCacheDiagnostics:
+    prefix_cache = plan_pb2.PrefixCacheDiagnostics()
+    prefix_rule_to_proto(setup, facts(setup), list(range(len(setup.groups))), prefix_cache)
+    return prefix_cache
+
+
+def test_a_finer_window_beside_a_group_outside_prefix_caching_follows_the_run_search() -> None:
+    # Every group drops (no drafter flagged); the coarse group takes no part. The
+    # window's run from the first block is short of its blocks and the dropped one
+    # until the hit reaches the window: the hit falls a unit back before that.
+    groups = (
+        CacheGroup(GroupKind.FULL, 16, False, spec_id=0),
+        CacheGroup(GroupKind.SLIDING_WINDOW, 16, False, window=64, spec_id=1),
+        CacheGroup(GroupKind.FULL, 32, False, prefix_cacheable=False, spec_id=2),
+    )
+    setup = PrefixCacheSetup(True, groups, 32, 16, False, True)
+    prefix_cache = _client_rule(setup)
+    assert prefix_cache.rule_exact and prefix_cache.drop_window_tokens == 64
+    for tail in (1, 17, 64):
+        simulated = [cached_tokens(setup, n, n, n + tail) for n in range(1_500)]
+        assert [client_cached_tokens(prefix_cache, n) for n in range(1_500)] == simulated
+
+
+def test_partial_hash_hits_beside_a_coarse_group_that_keeps_its_block_are_an_estimate() -> None:
+    # Full attention lands inside its 64-token block only at a stored request's last
+    # hash boundary: where that coarse group does not drop but another does, the hit
+    # is not the rule's, and the response says so; when it drops too, it is exact.
+    def setup(coarse_drafts: bool) -> PrefixCacheSetup:
+        groups = (
+            CacheGroup(GroupKind.FULL, 16, True, spec_id=0),
+            CacheGroup(GroupKind.FULL, 64, coarse_drafts, spec_id=1),
+            CacheGroup(GroupKind.MAMBA, 64, False, prefix_cacheable=False, spec_id=2),
+        )
+        return PrefixCacheSetup(True, groups, 64, 8, True, True)
+
+    keeps, drops = setup(coarse_drafts=False), setup(coarse_drafts=True)
+    keeps_rule, drops_rule = _client_rule(keeps), _client_rule(drops)
+    assert not keeps_rule.rule_exact and drops_rule.rule_exact
+    ns = range(1_000)
+    assert [client_cached_tokens(keeps_rule, n) for n in ns] != [
+        cached_tokens(keeps, n, n, n + 1) for n in ns
+    ]
+    assert [client_cached_tokens(drops_rule, n) for n in ns] == [
+        cached_tokens(drops, n, n, n + 1) for n in ns
+    ]
