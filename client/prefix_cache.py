@@ -14,7 +14,8 @@ def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: 
     Exact when `prefix_cache.rule_exact`; else (a draft drop beside a sliding-window
     group finer than the hit unit and another non-full-attention group; one-token
     windows; partial hash hits with a coarse full-attention group that keeps its
-    last block) an estimate: ask the server with PlanRequest.shared_prefix_tokens."""
+    last block, in some orders) an estimate: ask the server with
+    PlanRequest.shared_prefix_tokens."""
     n = shared_prefix
     unit = prefix_cache.hit_unit_tokens
     if not prefix_cache.effectively_on or not unit or n < prefix_cache.min_shared_prefix_tokens:

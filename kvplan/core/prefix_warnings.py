@@ -14,6 +14,7 @@ from kvplan.core.prefix_cache import (
     PrefixCacheSetup,
     WhyOff,
     cached_tokens,
+    lookup_order,
 )
 
 # A hit unit from here up is worth a warning: a system prompt or a chat turn is
@@ -217,26 +218,43 @@ def _partial_hits_in_rule(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> b
     land. vLLM's full-attention lookup lands inside one of its blocks only at a
     stored request's last hash boundary (its last token but one for a resend; the
     whole prompt for a dropping group, whose dropped hash block must end there).
-    The rule follows that where the hit it states is that boundary: every coarse
-    full-attention-like group drops (the hit is one hash block below the match,
-    the drop ends at the boundary), or nothing drops and the hit is the resend's
-    boundary (Mamba state only at the stored request's end). Elsewhere the hit
-    falls back to that boundary or to the lcm of those groups' blocks, which the
-    diagnostics do not state."""
+    A coarse group (a block coarser than the hash block) that keeps its block
+    then hits either the match or that boundary, or a multiple of its block,
+    which the diagnostics do not state. The rule's answer is still the hit where:
+
+    * nothing drops and a Mamba / window group holds state only at the stored
+      request's end (the hit is the resend's boundary, which every group takes);
+    * something drops, and every coarse group that keeps its block is looked up
+      before each dropping full-attention group: those coarse groups hit one hash
+      block below the match or higher, the dropping group then cuts the hit to the
+      rule's reach, and Mamba / window state is kept no higher than that. Looked up
+      after a dropping group, a coarse group would cut the hit to its block."""
     if not setup.partial_hash_hits or not facts.on:
         return True
-    coarse = [
-        i
-        for i, g in enumerate(setup.groups)
-        if g.prefix_cacheable
-        and g.kind in (GroupKind.FULL, GroupKind.OTHER)
-        and g.block_tokens != setup.hash_block
+    drops = set(facts.drop_groups)
+    order = lookup_order(setup)
+    keeps_coarse = [
+        position
+        for position, (ids, _) in enumerate(order)
+        if any(
+            setup.groups[i].kind in (GroupKind.FULL, GroupKind.OTHER)
+            and setup.groups[i].block_tokens != setup.hash_block
+            and i not in drops
+            for i in ids
+        )
     ]
-    if not coarse:
+    if not keeps_coarse:
         return True
-    if facts.drop_groups:
-        return all(i in facts.drop_groups for i in coarse)
-    return facts.boundary_only
+    if not drops:
+        return facts.boundary_only
+    if not facts.boundary_only and not facts.drop_tokens:
+        return False  # only groups outside the lookup drop: the coarse groups decide
+    dropping_full = [
+        position
+        for position, (ids, dropping) in enumerate(order)
+        if dropping and setup.groups[ids[0]].kind in (GroupKind.FULL, GroupKind.OTHER)
+    ]
+    return max(keeps_coarse) < min(dropping_full, default=len(order))
 
 
 def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:

@@ -1251,9 +1251,9 @@ class PrefixCacheDiagnostics(_message.Message):
     sliding-window group whose block is smaller than the hit unit together with
     another group that is not full attention; windows of one token; and partial
     hash hits where a full-attention group with blocks coarser than the hash
-    block keeps its last block (does not drop) while another group drops, or
-    nothing drops and no Mamba / window group takes part (there the what-if is
-    exact).
+    block keeps its last block (does not drop) and is looked up after a dropping
+    full-attention group, or nothing drops and no Mamba / window group takes
+    part (there the what-if is exact).
     """
     boundary_block_tokens: _builtins.int
     """The stride of a stored request's replay boundaries (the scheduler block):
