@@ -12,7 +12,8 @@ def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: 
     """Tokens served from cache when a request repeats all `shared_prefix` tokens
     of an earlier request that was exactly those tokens and goes on past them.
     Exact when `prefix_cache.rule_exact`; else (a draft drop beside a sliding-window
-    group finer than the hit unit and another non-full-attention group; one-token
+    group finer than the hit unit, of a window of two units or more, and another
+    non-full-attention group; one-token
     windows; partial hash hits with a coarse full-attention group that keeps its
     last block, in some orders) an estimate: ask the server with
     PlanRequest.shared_prefix_tokens."""

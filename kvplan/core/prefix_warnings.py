@@ -262,17 +262,18 @@ def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
     (tests/core/test_prefix_warnings.py checks it on random engines). Not where:
 
     * a draft drop beside a sliding-window group whose block is finer than the hit
-      unit, when another group that is not full attention (a Mamba group, another
-      window) takes part too: the coordinator's turns between them move the hit
-      in ways the rule's terms do not follow;
+      unit and whose window (drop_window) is two units or more, when another group
+      that is not full attention (a Mamba group, another window) takes part too:
+      the coordinator's turns between them move the hit in ways the rule's terms
+      do not follow;
     * a window of one token (fuzz engines): under vLLM's sparse retention it keeps
       none or one block of a stored prompt, and the coordinator's turns decide;
     * retention other than vLLM's (`retention_interval` not 0: a modelling option,
       no plan uses it) with sliding-window or Mamba groups;
     * partial hash hits with a full-attention-like group whose block is coarser than
-      the hash block, unless every such group drops, or nothing drops and a Mamba
-      group keeps state only at the stored request's end (see
-      `_partial_hits_in_rule`)."""
+      the hash block and that keeps its block, where nothing drops and no Mamba /
+      window group takes part, or it is looked up after a dropping full-attention
+      group (`_partial_hits_in_rule`)."""
     cacheable = [g for g in setup.groups if g.prefix_cacheable]
     sparse = [g for g in cacheable if g.kind in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA)]
     if sparse and setup.retention_interval != 0:
@@ -285,9 +286,14 @@ def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
         g.kind is GroupKind.SLIDING_WINDOW and g.block_tokens < facts.unit for g in sparse
     )
     if finer:
-        # Exact beside full attention alone: the other groups are one spec.
-        return len(sparse) == 1 or (
-            sparse[0].spec_id >= 0 and len({g.spec_id for g in sparse}) == 1
+        # Exact beside full attention alone (the other groups are one spec), or
+        # where the window's fall back can only empty the hit: a stored request
+        # within the window then ends under two units, so the hit a unit below its
+        # last boundary is 0, which the other groups' turns leave at 0.
+        return (
+            len(sparse) == 1
+            or (sparse[0].spec_id >= 0 and len({g.spec_id for g in sparse}) == 1)
+            or drop_window(setup, facts) < 2 * facts.unit
         )
     return True
 

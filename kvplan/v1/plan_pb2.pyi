@@ -1248,8 +1248,9 @@ class PrefixCacheDiagnostics(_message.Message):
     """
     rule_exact: _builtins.bool
     """The rule above is exact for every N: all but a draft drop beside a
-    sliding-window group whose block is smaller than the hit unit together with
-    another group that is not full attention; windows of one token; and partial
+    sliding-window group whose block is smaller than the hit unit and whose
+    window is two units or more, together with another group that is not full
+    attention; windows of one token; and partial
     hash hits where a full-attention group with blocks coarser than the hash
     block keeps its last block (does not drop) and is looked up after a dropping
     full-attention group, or nothing drops and no Mamba / window group takes

@@ -248,3 +248,23 @@ def test_partial_hash_hits_beside_a_coarse_group_that_keeps_its_block() -> None:
         stated = [client_cached_tokens(rule, n) for n in ns]
         assert rule.rule_exact == (coarse_first or coarse_drafts)
         assert (stated == simulated) == rule.rule_exact, (coarse_first, coarse_drafts)
+
+
+def test_a_finer_window_beside_mamba_is_exact_while_its_fall_back_can_only_empty_the_hit() -> None:
+    # Every group drops. A window under two units: a stored request within it ends
+    # under two units, so its fall back empties the hit and the rule is exact. A
+    # longer window falls back to a length the Mamba group holds no state at.
+    def setup(window_block: int, window: int) -> PrefixCacheSetup:
+        groups = (
+            CacheGroup(GroupKind.FULL, 64, False, spec_id=0),
+            CacheGroup(GroupKind.SLIDING_WINDOW, window_block, False, window=window, spec_id=1),
+            CacheGroup(GroupKind.MAMBA, 64, False, spec_id=2),
+        )
+        return PrefixCacheSetup(True, groups, math.lcm(64, window_block), 16, False, True)
+
+    ns = range(1_600)
+    for engine, exact in ((setup(16, 64), True), (setup(48, 1024), False)):
+        rule = _client_rule(engine)
+        assert rule.rule_exact == exact and rule.drop_window_tokens > 0
+        simulated = [cached_tokens(engine, n, n, n + 1) for n in ns]
+        assert ([client_cached_tokens(rule, n) for n in ns] == simulated) == exact
