@@ -12,8 +12,11 @@ def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: 
     """Tokens served from cache when a request repeats all `shared_prefix` tokens
     of an earlier request that was exactly those tokens and goes on past them.
     Exact when `prefix_cache.rule_exact`; else (a draft drop beside a sliding-window
-    group finer than the hit unit and another non-full-attention group; one-token
-    windows) an estimate: ask the server with PlanRequest.shared_prefix_tokens."""
+    group finer than the hit unit, of a window of two units or more, and another
+    non-full-attention group; one-token
+    windows; partial hash hits with a coarse full-attention group that keeps its
+    last block, in some orders) an estimate: ask the server with
+    PlanRequest.shared_prefix_tokens."""
     n = shared_prefix
     unit = prefix_cache.hit_unit_tokens
     if not prefix_cache.effectively_on or not unit or n < prefix_cache.min_shared_prefix_tokens:
@@ -36,8 +39,9 @@ def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: 
         kept.extend(checkpoints)
     hit = max((x for x in kept if 0 < x <= reach and x % unit == 0), default=0)
     window = prefix_cache.drop_window_tokens
-    if hit and hit + unit < window:
-        # A finer dropping window's lookup from the first block.
+    if hit and hit < window:
+        # A finer dropping window's lookup from the first block: its run is the hit
+        # and one block past it, short of the window and the dropped block.
         if last_boundary > window:
             return 0
         hit = max(0, min(hit, reach - unit, last_boundary - unit))

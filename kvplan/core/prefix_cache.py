@@ -428,6 +428,12 @@ def _spec_groups(setup: PrefixCacheSetup) -> list[tuple[list[int], bool]]:
     return [(ids, any(i in drops for i in ids)) for ids in ordered]
 
 
+def lookup_order(setup: PrefixCacheSetup) -> list[tuple[list[int], bool]]:
+    """The order the coordinator looks groups up in: each spec's cacheable group
+    indices, full attention first, with whether the spec takes the draft drop."""
+    return _spec_groups(setup)
+
+
 def cached_tokens(
     setup: PrefixCacheSetup, shared_prefix: int, stored_tokens: int, request_tokens: int
 ) -> int:
@@ -521,5 +527,6 @@ __all__ = [
     "cached_tokens",
     "cached_tokens_after_junction",
     "facts",
+    "lookup_order",
     "replay_boundaries",
 ]

@@ -14,6 +14,7 @@ from kvplan.core.prefix_cache import (
     PrefixCacheSetup,
     WhyOff,
     cached_tokens,
+    lookup_order,
 )
 
 # A hit unit from here up is worth a warning: a system prompt or a chat turn is
@@ -192,9 +193,11 @@ def mamba_checkpoint_strides(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -
 
 def drop_window(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> int:
     """A dropping sliding-window group whose block is finer than the hit unit: its
-    window in whole blocks, in tokens (the largest such; 0 when none). While a hit
-    plus one unit is shorter, that group's lookup runs from the first block and
-    must fit a unit below the others' hit, so the hit falls a unit back."""
+    window in whole blocks, in tokens (the largest such; 0 when none). While the
+    others' hit is shorter, that group's lookup (the hit and one block past it,
+    against the window and the dropped block) finds no whole window: it runs from
+    the first block, is cut to the unit, drops a block and is cut again, so the
+    hit falls a unit back."""
     if not facts.on:
         return 0
     return max(
@@ -210,18 +213,67 @@ def drop_window(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> int:
     )
 
 
+def _partial_hits_in_rule(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
+    """Whether the rule's terms cover where partial hash hits let full attention
+    land. vLLM's full-attention lookup lands inside one of its blocks only at a
+    stored request's last hash boundary (its last token but one for a resend; the
+    whole prompt for a dropping group, whose dropped hash block must end there).
+    A coarse group (a block coarser than the hash block) that keeps its block
+    then hits either the match or that boundary, or a multiple of its block,
+    which the diagnostics do not state. The rule's answer is still the hit where:
+
+    * nothing drops and a Mamba / window group holds state only at the stored
+      request's end (the hit is the resend's boundary, which every group takes);
+    * something drops, and every coarse group that keeps its block is looked up
+      before each dropping full-attention group: those coarse groups hit one hash
+      block below the match or higher, the dropping group then cuts the hit to the
+      rule's reach, and Mamba / window state is kept no higher than that. Looked up
+      after a dropping group, a coarse group would cut the hit to its block."""
+    if not setup.partial_hash_hits or not facts.on:
+        return True
+    drops = set(facts.drop_groups)
+    order = lookup_order(setup)
+    keeps_coarse = [
+        position
+        for position, (ids, _) in enumerate(order)
+        if any(
+            setup.groups[i].kind in (GroupKind.FULL, GroupKind.OTHER)
+            and setup.groups[i].block_tokens != setup.hash_block
+            and i not in drops
+            for i in ids
+        )
+    ]
+    if not keeps_coarse:
+        return True
+    if not drops:
+        return facts.boundary_only
+    if not facts.boundary_only and not facts.drop_tokens:
+        return False  # only groups outside the lookup drop: the coarse groups decide
+    dropping_full = [
+        position
+        for position, (ids, dropping) in enumerate(order)
+        if dropping and setup.groups[ids[0]].kind in (GroupKind.FULL, GroupKind.OTHER)
+    ]
+    return max(keeps_coarse) < min(dropping_full, default=len(order))
+
+
 def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
     """Whether `rule_cached_tokens` is the simulation's answer for every N
     (tests/core/test_prefix_warnings.py checks it on random engines). Not where:
 
     * a draft drop beside a sliding-window group whose block is finer than the hit
-      unit, when another group that is not full attention (a Mamba group, another
-      window) takes part too: the coordinator's turns between them move the hit
-      in ways the rule's terms do not follow;
+      unit and whose window (drop_window) is two units or more, when another group
+      that is not full attention (a Mamba group, another window) takes part too:
+      the coordinator's turns between them move the hit in ways the rule's terms
+      do not follow;
     * a window of one token (fuzz engines): under vLLM's sparse retention it keeps
       none or one block of a stored prompt, and the coordinator's turns decide;
     * retention other than vLLM's (`retention_interval` not 0: a modelling option,
       no plan uses it) with sliding-window or Mamba groups;
+    * partial hash hits with a full-attention-like group whose block is coarser than
+      the hash block and that keeps its block, where nothing drops and no Mamba /
+      window group takes part, or it is looked up after a dropping full-attention
+      group (`_partial_hits_in_rule`);
     * a draft drop that comes with a multi-module MTP drafter's reprefilled tail
       (the rule leaves the tail out)."""
     if facts.drop_groups and setup.reprefill_tokens:
@@ -230,15 +282,22 @@ def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
     sparse = [g for g in cacheable if g.kind in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA)]
     if sparse and setup.retention_interval != 0:
         return False
+    if not _partial_hits_in_rule(setup, facts):
+        return False
     if any(g.kind is GroupKind.SLIDING_WINDOW and g.window <= 1 for g in sparse):
         return False
     finer = facts.drop_groups and any(
         g.kind is GroupKind.SLIDING_WINDOW and g.block_tokens < facts.unit for g in sparse
     )
     if finer:
-        # Exact beside full attention alone: the other groups are one spec.
-        return len(sparse) == 1 or (
-            sparse[0].spec_id >= 0 and len({g.spec_id for g in sparse}) == 1
+        # Exact beside full attention alone (the other groups are one spec), or
+        # where the window's fall back can only empty the hit: a stored request
+        # within the window then ends under two units, so the hit a unit below its
+        # last boundary is 0, which the other groups' turns leave at 0.
+        return (
+            len(sparse) == 1
+            or (sparse[0].spec_id >= 0 and len({g.spec_id for g in sparse}) == 1)
+            or drop_window(setup, facts) < 2 * facts.unit
         )
     return True
 
@@ -271,9 +330,10 @@ def rule_cached_tokens(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_
         kept.extend(checkpoints)
     hit = max((x for x in kept if 0 < x <= reach and x % unit == 0), default=0)
     window = drop_window(setup, facts)
-    if hit and hit + unit < window:
-        # The finer window's lookup from the first block: a unit below the reach
-        # and the last boundary, and only while the window holds that boundary.
+    if hit and hit < window:
+        # The finer window's lookup from the first block (hit / b + 1 blocks, short
+        # of the window's blocks and the dropped one): a unit below the reach and
+        # the last boundary, and only while the window holds that boundary.
         if last_boundary > window:
             return 0
         hit = max(0, min(hit, reach - unit, last_boundary - unit))

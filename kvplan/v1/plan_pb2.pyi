@@ -1206,7 +1206,7 @@ class PrefixCacheDiagnostics(_message.Message):
           floor(N / s) * s - s and floor((N - 1) / s) * s - s (replay boundaries),
           floor(N / c) * c - c when it is the same for every c in
           mamba_checkpoint_tokens (the Mamba prefill checkpoint; none when empty);
-        then, w = drop_window_tokens, if that hit + u < w: 0 when
+        then, w = drop_window_tokens, if that hit < w: 0 when
         floor(N / s) * s - s > w, else min(hit, reach - u, floor(N / s) * s - s - u)
     (at least 0). client.prefix_cache.cached_tokens evaluates it.
     """
@@ -1248,9 +1248,13 @@ class PrefixCacheDiagnostics(_message.Message):
     """
     rule_exact: _builtins.bool
     """The rule above is exact for every N: all but a draft drop beside a
-    sliding-window group whose block is smaller than the hit unit together with
-    another group that is not full attention, and windows of one token (there
-    the what-if is exact).
+    sliding-window group whose block is smaller than the hit unit and whose
+    window is two units or more, together with another group that is not full
+    attention; windows of one token; and partial
+    hash hits where a full-attention group with blocks coarser than the hash
+    block keeps its last block (does not drop) and is looked up after a dropping
+    full-attention group, or nothing drops and no Mamba / window group takes
+    part (there the what-if is exact).
     """
     boundary_block_tokens: _builtins.int
     """The stride of a stored request's replay boundaries (the scheduler block):
@@ -1259,8 +1263,8 @@ class PrefixCacheDiagnostics(_message.Message):
     """
     drop_window_tokens: _builtins.int
     """With a draft drop: a dropping sliding-window group whose block is smaller
-    than the hit unit, its window in whole blocks (tokens; 0: none). A hit less
-    than one unit shorter than it falls a unit back (the rule above).
+    than the hit unit, its window in whole blocks (tokens; 0: none). A hit
+    shorter than it falls a unit back (the rule above).
     """
     @_builtins.property
     def group_hit_unit_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

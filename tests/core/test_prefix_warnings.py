@@ -5,6 +5,7 @@ says it is exact, and each lossy setup is named with its code and knob."""
 from __future__ import annotations
 
 import math
+import os
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,7 +32,12 @@ from kvplan.v1 import plan_pb2
 from tests.core.test_prefix_cache import setups
 
 
-@settings(max_examples=200, deadline=None)
+def _examples(default: int) -> int:
+    """Random engines per run: KVPLAN_RULE_EXAMPLES=5000 for a wider check by hand."""
+    return int(os.environ.get("KVPLAN_RULE_EXAMPLES", default))
+
+
+@settings(max_examples=_examples(200), deadline=None)
 @given(setups(), st.integers(0, 700), st.integers(1, 64))
 def test_the_stated_rule_is_the_simulation_where_it_says_it_is_exact(
     setup: PrefixCacheSetup, shared: int, tail: int
@@ -104,7 +110,7 @@ RULE_CHECK_TOKENS = 1_200
 rule_checks = {"engines": 0, "exact": 0, "with_drop_and_sparse": 0}
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=_examples(150), deadline=None)
 @given(planned_setups(), st.integers(1, 64))
 def test_the_clients_rule_is_the_simulation_for_every_n_where_it_says_exact(
     setup: PrefixCacheSetup, tail: int
@@ -197,3 +203,68 @@ def test_a_finer_dropping_window_needs_its_window_in_the_rule() -> None:
     assert [client_cached_tokens(prefix_cache, n) for n in range(2_000)] == simulated
     prefix_cache.drop_window_tokens = 0
     assert [client_cached_tokens(prefix_cache, n) for n in range(2_000)] != simulated
+
+
+def _client_rule(setup: PrefixCacheSetup) -> plan_pb2.PrefixCacheDiagnostics:
+    prefix_cache = plan_pb2.PrefixCacheDiagnostics()
+    prefix_rule_to_proto(setup, facts(setup), list(range(len(setup.groups))), prefix_cache)
+    return prefix_cache
+
+
+def test_a_finer_window_beside_a_group_outside_prefix_caching_follows_the_run_search() -> None:
+    # Every group drops (no drafter flagged); the coarse group takes no part. The
+    # window's run from the first block is short of its blocks and the dropped one
+    # until the hit reaches the window: the hit falls a unit back before that.
+    groups = (
+        CacheGroup(GroupKind.FULL, 16, False, spec_id=0),
+        CacheGroup(GroupKind.SLIDING_WINDOW, 16, False, window=64, spec_id=1),
+        CacheGroup(GroupKind.FULL, 32, False, prefix_cacheable=False, spec_id=2),
+    )
+    setup = PrefixCacheSetup(True, groups, 32, 16, False, True)
+    prefix_cache = _client_rule(setup)
+    assert prefix_cache.rule_exact and prefix_cache.drop_window_tokens == 64
+    for tail in (1, 17, 64):
+        simulated = [cached_tokens(setup, n, n, n + tail) for n in range(1_500)]
+        assert [client_cached_tokens(prefix_cache, n) for n in range(1_500)] == simulated
+
+
+def test_partial_hash_hits_beside_a_coarse_group_that_keeps_its_block() -> None:
+    # Full attention lands inside its 64-token block only at a stored request's last
+    # hash boundary. A coarse group that keeps its block, looked up after a dropping
+    # one, cuts the hit to its block: not the rule's, and the response says so. Looked
+    # up first, or dropping too, it leaves the rule exact.
+    def setup(coarse_first: bool, coarse_drafts: bool) -> PrefixCacheSetup:
+        coarse = CacheGroup(GroupKind.FULL, 64, coarse_drafts, spec_id=0)
+        fine = CacheGroup(GroupKind.FULL, 16, True, spec_id=1)
+        mamba = CacheGroup(GroupKind.MAMBA, 64, False, prefix_cacheable=False, spec_id=2)
+        groups = (coarse, fine, mamba) if coarse_first else (fine, coarse, mamba)
+        return PrefixCacheSetup(True, groups, 64, 8, True, True)
+
+    ns = range(1_000)
+    for coarse_first, coarse_drafts in ((False, False), (True, False), (False, True)):
+        engine = setup(coarse_first, coarse_drafts)
+        rule = _client_rule(engine)
+        simulated = [cached_tokens(engine, n, n, n + 1) for n in ns]
+        stated = [client_cached_tokens(rule, n) for n in ns]
+        assert rule.rule_exact == (coarse_first or coarse_drafts)
+        assert (stated == simulated) == rule.rule_exact, (coarse_first, coarse_drafts)
+
+
+def test_a_finer_window_beside_mamba_is_exact_while_its_fall_back_can_only_empty_the_hit() -> None:
+    # Every group drops. A window under two units: a stored request within it ends
+    # under two units, so its fall back empties the hit and the rule is exact. A
+    # longer window falls back to a length the Mamba group holds no state at.
+    def setup(window_block: int, window: int) -> PrefixCacheSetup:
+        groups = (
+            CacheGroup(GroupKind.FULL, 64, False, spec_id=0),
+            CacheGroup(GroupKind.SLIDING_WINDOW, window_block, False, window=window, spec_id=1),
+            CacheGroup(GroupKind.MAMBA, 64, False, spec_id=2),
+        )
+        return PrefixCacheSetup(True, groups, math.lcm(64, window_block), 16, False, True)
+
+    ns = range(1_600)
+    for engine, exact in ((setup(16, 64), True), (setup(48, 1024), False)):
+        rule = _client_rule(engine)
+        assert rule.rule_exact == exact and rule.drop_window_tokens > 0
+        simulated = [cached_tokens(engine, n, n, n + 1) for n in ns]
+        assert ([client_cached_tokens(rule, n) for n in ns] == simulated) == exact
