@@ -33,7 +33,8 @@ from tests.core.test_prefix_cache import setups
 
 
 def _examples(default: int) -> int:
-    """Random engines per run: KVPLAN_RULE_EXAMPLES=5000 for a wider check by hand."""
+    """Random engines per run: KVPLAN_RULE_EXAMPLES=5000 (with pytest --timeout=0)
+    for a wider check by hand."""
     return int(os.environ.get("KVPLAN_RULE_EXAMPLES", default))
 
 
