@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from kvplan.core.prefix_cache import CacheGroup, GroupKind, PrefixCacheSetup
 from kvplan.core.request import EngineRequest
+from kvplan.core.specs import KVCacheSpec
 from kvplan.v1 import plan_pb2, spec_pb2
 
 _KINDS = {
@@ -72,59 +73,67 @@ def _scheduler_draft_flags(response: plan_pb2.PlanResponse) -> list[bool]:
     return [flags.get(group.group_id, bool(group.is_draft)) for group in response.groups]
 
 
-def _scheduler_specs(response: plan_pb2.PlanResponse) -> list[spec_pb2.LayerSpec]:
-    """Each group's spec as the scheduler sees it. vLLM's scheduler takes the first
-    worker's config and, for a group of several layer specs, the spec of its first
-    layer there (the whole group's first layer where that worker holds none): a
-    group kvplan calls not cacheable because a later member opts out (a bounded-
-    replay sliding-window MLA layer) is cacheable there when its first layer is."""
+def _scheduler_first_layers(response: plan_pb2.PlanResponse) -> list[int]:
+    """Each group's first layer as the scheduler sees it, as an index into its
+    `layer_names`. vLLM's scheduler takes the first worker's config and, for a group of
+    several layer specs, the spec of its first layer there (the whole group's first
+    layer where that worker holds none): a group kvplan calls not cacheable because a
+    later member opts out (a bounded-replay sliding-window MLA layer) is cacheable
+    there when its first layer is."""
     first = min(response.workers, key=lambda worker: worker.rank) if response.workers else None
     held = {p.group_id: list(p.layer_names) for p in first.groups} if first else {}
-    specs = []
+    firsts = []
     for group in response.groups:
-        spec = group.spec
-        if group.layer_specs:
-            names = held.get(group.group_id) or list(group.layer_names[:1])
-            index = list(group.layer_names).index(names[0]) if names else 0
-            spec = group.layer_specs[index]
-        specs.append(spec)
-    return specs
+        names = held.get(group.group_id)
+        firsts.append(list(group.layer_names).index(names[0]) if names else 0)
+    return firsts
 
 
-# Layer kinds that never take part in prefix caching (kvplan.core.specs'
-# `prefix_cacheable`): per-request ring blocks, HiSparse's pools.
-_NOT_CACHEABLE = frozenset({"circular_buffer", "hisparse_hot", "hisparse_resident"})
+def _core_spec(request: EngineRequest, layer_name: str) -> KVCacheSpec | None:
+    """A layer's spec as the planner read it (searched only for groups of several
+    layer specs, which are rare: no per-plan index of every layer)."""
+    return next(
+        (spec for worker in request.workers for name, spec in worker.layers if name == layer_name),
+        None,
+    )
 
 
-def _layer_cacheable(spec: spec_pb2.LayerSpec) -> bool:
-    """A layer's own prefix-caching opt-out (kvplan.core.specs' rule per kind; a
-    sliding-window MLA layer's bounded replay)."""
-    kind = spec.WhichOneof("kind") or ""
-    if kind == "sliding_window_mla":
-        return not spec.sliding_window_mla.bounded_replay
-    return kind not in _NOT_CACHEABLE
+def _scheduler_view(
+    group: plan_pb2.KVCacheGroup, first: int, request: EngineRequest
+) -> tuple[spec_pb2.LayerSpec, bool]:
+    """The spec the scheduler reads for `group` and whether it takes part in prefix
+    caching: its first layer's own (the core spec's `prefix_cacheable`) where the
+    group holds several layer specs, else the group's."""
+    if not group.layer_specs:
+        return group.spec, bool(group.prefix_cacheable)
+    core = _core_spec(request, group.layer_names[first])
+    cacheable = core.prefix_cacheable if core is not None else bool(group.prefix_cacheable)
+    return group.layer_specs[first], cacheable
 
 
 def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> PrefixCacheSetup:
     options = request.options
     dcp = options.decode_context_parallel_size
     draft_flags = _scheduler_draft_flags(response)
-    scheduler_specs = _scheduler_specs(response)
+    views = [
+        _scheduler_view(group, first, request)
+        for group, first in zip(response.groups, _scheduler_first_layers(response), strict=True)
+    ]
     spec_ids: dict[bytes, int] = {}
     groups = tuple(
         CacheGroup(
             kind=_KINDS.get(spec.WhichOneof("kind") or "", GroupKind.OTHER),
             block_tokens=int(group.block_size) * (dcp if _dcp_sharded(group.spec) else 1),
             is_draft=is_draft,
-            prefix_cacheable=_layer_cacheable(spec)
-            if group.layer_specs
-            else bool(group.prefix_cacheable),
+            prefix_cacheable=cacheable,
             window=_window(spec),
             spec_id=spec_ids.setdefault(
                 group.spec.SerializeToString(deterministic=True), len(spec_ids)
             ),
         )
-        for group, is_draft, spec in zip(response.groups, draft_flags, scheduler_specs, strict=True)
+        for group, is_draft, (spec, cacheable) in zip(
+            response.groups, draft_flags, views, strict=True
+        )
     )
     enabled = options.enable_prefix_caching and not _non_causal(response)
     hash_block = int(response.diagnostics.hash_block_size)

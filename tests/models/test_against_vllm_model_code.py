@@ -15,10 +15,8 @@ it, plus a wrapper's vision tower built from `vision_config`, against `count_par
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,7 @@ from kvplan.models.config import HFConfig, ModelConfigError
 from kvplan.models.importer import Speculative
 from kvplan.models.layers import ImportedLayer
 from kvplan.models.weights import count_params
-from tests.vllm_envs import vllm_python
+from tests.vllm_envs import run_in_vllm
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
 SIDE = Path(__file__).with_name("vllm_model_side.py")
@@ -74,7 +72,6 @@ TEXT_ONLY = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
-STUBS = Path(__file__).with_name("vllm_stubs")
 
 _KINDS = {
     "full_attention": "FullAttentionSpec",
@@ -132,7 +129,7 @@ def vllm_specs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[str, list[list[list[object]]], list[int]]:
     engine_version: str = request.param
-    python = vllm_python(engine_version.removeprefix("vllm-"))
+    release = engine_version.removeprefix("vllm-")
     root = tmp_path_factory.mktemp(engine_version)
     cases = []
     for model, tp, kv_dtype in CASES:
@@ -160,21 +157,7 @@ def vllm_specs(
     with socket.socket() as probe:  # a free loopback port for the one-rank gloo group
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    result = subprocess.run(
-        [str(python), str(SIDE)],
-        input=json.dumps({"port": port, "cases": cases}),
-        capture_output=True,
-        text=True,
-        timeout=280,
-        # vLLM's model-info cache, per run: the releases would overwrite each other's.
-        env={
-            **os.environ,
-            "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS), os.environ.get("PYTHONPATH")])),
-        },
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    answer = run_in_vllm(release, [str(SIDE)], {"port": port, "cases": cases}, cache_root=root)
     return engine_version, answer["specs"], answer["parameters"]
 
 
@@ -266,20 +249,8 @@ def test_modelopt_exclusions_leave_unquantized_what_vllm_does(tmp_path: Path) ->
             "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": patterns
         }  # fmt: skip
         cases.append({"quantization_config": quant, "prefixes": prefixes})
-    result = subprocess.run(
-        [str(vllm_python("0.34")), str(Path(__file__).with_name("vllm_quant_side.py"))],
-        input=json.dumps({"cases": cases}),
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env={
-            **os.environ,
-            "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS), os.environ.get("PYTHONPATH")])),
-        },
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    answers = json.loads(result.stdout.strip().splitlines()[-1])["excluded"]
+    side = str(Path(__file__).with_name("vllm_quant_side.py"))
+    answers = run_in_vllm("0.34", [side], {"cases": cases}, cache_root=tmp_path)["excluded"]
     for case, theirs in zip(cases, answers, strict=True):
         quant = case["quantization_config"]
         config = HFConfig({**raw, "quantization_config": quant})

@@ -7,9 +7,7 @@ stage on the meta device, tests/models/vllm_pp_side.py), beside kvplan's
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -25,8 +23,8 @@ from kvplan.models.weights import (
     rope_cache_bytes,
     stage_params,
 )
-from tests.models.test_against_vllm_model_code import STUBS, vllm_input
-from tests.vllm_envs import vllm_python
+from tests.models.test_against_vllm_model_code import vllm_input
+from tests.vllm_envs import run_in_vllm
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
 SIDE = Path(__file__).with_name("vllm_pp_side.py")
@@ -92,20 +90,9 @@ def _run(release: str, payload: Mapping[str, object], root: Path) -> dict[str, l
     with socket.socket() as probe:  # a free loopback port for the one-rank gloo group
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    result = subprocess.run(
-        [str(vllm_python(release)), str(SIDE)],
-        input=json.dumps({"port": port, **payload}),
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env={
-            **os.environ,
-            "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(STUBS), os.environ.get("PYTHONPATH")])),
-        },
+    answer: dict[str, list[object]] = run_in_vllm(
+        release, [str(SIDE)], {"port": port, **payload}, cache_root=root
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    answer: dict[str, list[object]] = json.loads(result.stdout.strip().splitlines()[-1])
     return answer
 
 

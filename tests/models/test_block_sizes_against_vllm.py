@@ -8,14 +8,12 @@ composite-backend factory; the answer says which were read so."""
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 
 import pytest
 
 from kvplan.models.block_sizes import BLOCK_SIZE_RULES, block_size_problem
-from tests.vllm_envs import vllm_python
+from tests.vllm_envs import run_in_vllm
 
 VERSIONS = ("0.32", "0.33", "0.34")
 
@@ -111,14 +109,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module", params=VERSIONS)
 def vllm_sizes(request: pytest.FixtureRequest) -> dict[str, object]:
-    result = subprocess.run(
-        [str(vllm_python(request.param)), "-c", VLLM_SIDE],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=True,
-    )
-    answer: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
+    answer: dict[str, object] = run_in_vllm(request.param, ["-c", VLLM_SIDE])
     assert str(answer["release"]).startswith(request.param)
     return answer
 

@@ -5,13 +5,10 @@ max_num_seqs / max_num_batched_tokens and the speculative config)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-
 import pytest
 
 from kvplan.models.weights import cudagraph_capture_sizes
-from tests.vllm_envs import vllm_python
+from tests.vllm_envs import run_in_vllm
 
 # (max_num_seqs, max_num_batched_tokens): vllm serve's defaults by device class, the
 # offline class's, a small interactive engine, and a step budget under the grid's cap.
@@ -44,15 +41,7 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
 def test_capture_sizes_are_the_release_defaults(release: str) -> None:
-    result = subprocess.run(
-        [str(vllm_python(release)), "-c", VLLM_SIDE],
-        input=json.dumps(CASES),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
-    answers = json.loads(result.stdout.strip().splitlines()[-1])
+    answers = run_in_vllm(release, ["-c", VLLM_SIDE], CASES, timeout=240)
     for (seqs, tokens), (theirs, decode) in zip(CASES, answers, strict=True):
         ours = cudagraph_capture_sizes(seqs, tokens)
         assert ours == theirs, (release, seqs, tokens)

@@ -6,13 +6,10 @@ that comes from)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-
 import pytest
 
 from kvplan.models import weights
-from tests.vllm_envs import vllm_python
+from tests.vllm_envs import run_in_vllm
 
 # Counts the bytes of the tensors alive (by storage) after each aten op: the model-dtype
 # logits as compute_logits returns them, the sampler's float32 copy with temperature
@@ -72,14 +69,7 @@ print(json.dumps({"at_sort": (at_sort - base) / (rows * vocab),
 
 @pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
 def test_sort_path_holds_what_kvplan_counts(release: str) -> None:
-    result = subprocess.run(
-        [str(vllm_python(release)), "-c", VLLM_SIDE],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    measured = run_in_vllm(release, ["-c", VLLM_SIDE], timeout=240)
     # What vLLM's code holds when torch.sort returns, per logit (a few bytes of k, p
     # and the temperature spread over 1.2M logits are below a rounding).
     assert round(measured["at_sort"]) == weights._SORT_HELD_PER_LOGIT, (release, measured)
