@@ -170,34 +170,51 @@ def vision_tower(vision: dict[str, object]) -> nn.Module:
 PARAMETERS: list[int] = []  # each case's model: its parameters' element count
 
 
-def specs_of(case: dict[str, object]) -> list[list[object]]:
+def cpu_vllm_config(path: str, max_model_len: int, cache_dtype: str = "auto") -> VllmConfig:
+    """The engine config vLLM's loader reads, for a config directory on the CPU
+    (dummy weights, no tokenizer)."""
     model_config = ModelConfig(
-        model=str(case["path"]),
-        tokenizer=str(case["path"]),
+        model=path,
+        tokenizer=path,
         skip_tokenizer_init=True,
         dtype="auto",
-        max_model_len=int(case["max_model_len"]),  # type: ignore[call-overload]
+        max_model_len=max_model_len,
     )
-    config = VllmConfig(
+    return VllmConfig(
         model_config=model_config,
-        cache_config=CacheConfig(block_size=16, cache_dtype=str(case["kv_cache_dtype"])),
+        cache_config=CacheConfig(block_size=16, cache_dtype=cache_dtype),
         parallel_config=ParallelConfig(),
         load_config=LoadConfig(load_format="dummy"),
         device_config=DeviceConfig(device="cpu"),
     )
+
+
+def join_one_rank_groups(port: int) -> None:
+    """vLLM's distributed groups, one rank each (once per process): the model code
+    reads their sizes and ranks; nothing communicates on the meta device."""
+    if parallel_state._TP is not None:
+        return
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        backend="gloo",
+    )
+    initialize_model_parallel(1, 1)
+    if getattr(parallel_state, "_EP", None) is None:
+        # Created only when the first model has experts; one rank either way.
+        parallel_state._EP = parallel_state._TP
+
+
+def specs_of(case: dict[str, object]) -> list[list[object]]:
+    config = cpu_vllm_config(
+        str(case["path"]),
+        int(case["max_model_len"]),  # type: ignore[call-overload]
+        str(case["kv_cache_dtype"]),
+    )
     with vllm.config.set_current_vllm_config(config):
-        if parallel_state._TP is None:
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                local_rank=0,
-                distributed_init_method=f"tcp://127.0.0.1:{case['port']}",
-                backend="gloo",
-            )
-            initialize_model_parallel(1, 1)
-            if getattr(parallel_state, "_EP", None) is None:
-                # Created only when the first model has experts; one rank either way.
-                parallel_state._EP = parallel_state._TP
+        join_one_rank_groups(int(case["port"]))  # type: ignore[call-overload]
         parallel_state._TP.world_size = int(case["tp"])  # type: ignore[call-overload]
         with torch.device("meta"):
             model = initialize_model(config)

@@ -31,23 +31,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 import vllm.config
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    LoadConfig,
-    ModelConfig,
-    ParallelConfig,
-    VllmConfig,
-)
 from vllm.distributed import (
-    init_distributed_environment,
-    initialize_model_parallel,
     parallel_state,
 )
 from vllm.distributed.utils import get_pp_indices
 from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.utils.torch_utils import set_default_torch_dtype
-from vllm_model_side import install_stand_ins  # type: ignore[import-not-found]
+from vllm_model_side import (  # type: ignore[import-not-found]
+    cpu_vllm_config,
+    install_stand_ins,
+    join_one_rank_groups,
+)
 
 _TABLES = re.compile(r"(^|\.)(embed_tokens|embedding|lm_head)\.")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -69,32 +63,9 @@ def partition_of(case: dict[str, object]) -> object:
 
 
 def stage_of(case: dict[str, object], port: int) -> dict[str, object]:
-    model_config = ModelConfig(
-        model=str(case["path"]),
-        tokenizer=str(case["path"]),
-        skip_tokenizer_init=True,
-        dtype="auto",
-        max_model_len=4096,
-    )
-    config = VllmConfig(
-        model_config=model_config,
-        cache_config=CacheConfig(block_size=16),
-        parallel_config=ParallelConfig(),
-        load_config=LoadConfig(load_format="dummy"),
-        device_config=DeviceConfig(device="cpu"),
-    )
+    config = cpu_vllm_config(str(case["path"]), 4096)
     with vllm.config.set_current_vllm_config(config):
-        if parallel_state._TP is None:
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                local_rank=0,
-                distributed_init_method=f"tcp://127.0.0.1:{port}",
-                backend="gloo",
-            )
-            initialize_model_parallel(1, 1)
-            if getattr(parallel_state, "_EP", None) is None:
-                parallel_state._EP = parallel_state._TP
+        join_one_rank_groups(port)
         group = parallel_state._PP
         pp, rank = int(case["pp"]), int(case["rank"])  # type: ignore[call-overload]
         # A stage's view of its group: is_first_rank / is_last_rank compare `rank`
@@ -102,7 +73,7 @@ def stage_of(case: dict[str, object], port: int) -> dict[str, object]:
         group.ranks, group.world_size, group.rank_in_group = list(range(pp)), pp, rank
         group.rank = rank
         # As vLLM's loader builds it: the model dtype is torch's default meanwhile.
-        with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+        with set_default_torch_dtype(config.model_config.dtype), torch.device("meta"):
             model = initialize_model(config)
         group.ranks, group.world_size, group.rank_in_group, group.rank = [0], 1, 0, 0
     indexes: set[int] = set()
