@@ -31,9 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 import vllm.config
-from vllm.distributed import (
-    parallel_state,
-)
+from vllm.distributed import parallel_state
 from vllm.distributed.utils import get_pp_indices
 from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.utils.torch_utils import set_default_torch_dtype
