@@ -17,6 +17,7 @@ single-group model both agree to within one request's rounding.
 from __future__ import annotations
 
 import ast
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,6 +196,12 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
         out["block_size"] = int(args["block_size"])
     if not log.flashinfer:  # the sampler's fallback line
         out["no_flashinfer"] = True
+    for dest in ("skip_mm_profiling", "language_model_only"):  # a multimodal model's flags
+        if args.get(dest):
+            out[dest] = True
+    limits = args.get("limit_mm_per_prompt")
+    if isinstance(limits, dict):
+        out["limit_mm_per_prompt"] = json.dumps(limits)
     return out
 
 

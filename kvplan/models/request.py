@@ -13,6 +13,7 @@ from typing import Any
 from kvplan.gpus import UnknownGpu, lookup_gpu
 from kvplan.models.block_sizes import block_size_problem, platform_of
 from kvplan.models.config import HFConfig, ModelConfigError
+from kvplan.models.encoder import MultimodalOptions, tower_built, vision_tower
 from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
 from kvplan.models.weights import (
     OverheadEstimate,
@@ -78,6 +79,9 @@ class ModelPlanOptions:
     # Decoder layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION lists them;
     # None: vLLM's own partition.
     pp_layer_partition: tuple[int, ...] | None = None
+    # vLLM's --skip-mm-profiling, --limit-mm-per-prompt and --language-model-only: the
+    # encoder's part of the profile run, and whether the vision tower is loaded.
+    multimodal: MultimodalOptions = field(default_factory=MultimodalOptions)
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,18 @@ def parse_speculative(text: str, draft_config: HFConfig | None = None) -> Specul
             f"speculative setting {text!r}: expected METHOD:TOKENS, e.g. mtp:1 or eagle3:3"
         )
     return Speculative(method.strip().lower(), int(tokens), draft_config)
+
+
+def _as_loaded(config: HFConfig, multimodal: MultimodalOptions) -> HFConfig:
+    """The config as vLLM builds the model: without the vision tower where every
+    modality it serves has a limit of 0 (vLLM's _mark_tower_model skips building and
+    loading it)."""
+    if vision_tower(config, 1) is None or tower_built(config, multimodal):
+        return config
+    data = {key: value for key, value in config.data.items() if key != "vision_config"}
+    loaded = HFConfig(data, config.path, config.source)
+    loaded.defaulted = config.defaulted
+    return loaded
 
 
 def build_plan_request(
@@ -164,11 +180,26 @@ def build_plan_request(
         total_non_kv = options.non_kv_bytes
     else:
         weights = estimate_weights(
-            config, layers, tp, pp, gpu_arch, options.quantization, options.pp_layer_partition
+            _as_loaded(config, options.multimodal),
+            layers,
+            tp,
+            pp,
+            gpu_arch,
+            options.quantization,
+            options.pp_layer_partition,
         )
         release = options.engine_release or options.engine_version
         overhead = estimate_overhead(
-            config, layers, tp, batched, max_num_seqs, release, options.flashinfer
+            config,
+            layers,
+            tp,
+            batched,
+            max_num_seqs,
+            release,
+            options.flashinfer,
+            # what vLLM's profile run sees: the given length (auto: the model's own)
+            max_model_len=(options.max_model_len or 0),
+            multimodal=options.multimodal,
         )
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatch
 
 from kvplan.models.config import HFConfig, ModelConfigError
+from kvplan.models.encoder import EncoderProfile, MultimodalOptions, encoder_profile
 from kvplan.models.importer import ARCHITECTURES, ModelLayers, pipeline_stage_bounds, text_config
 
 GIB = 1 << 30
@@ -157,7 +158,8 @@ OVERHEAD_FORMULA = (
     " (38 B on PyTorch's sort, vLLM <= 0.10 without FlashInfer));"
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
     " for MoE;  non_torch = 0.25 GiB (TP 1) / 2.07 GiB (TP > 1);"
-    " CUDA graphs (from vLLM 0.21) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
+    " CUDA graphs (from vLLM 0.21) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB;"
+    " a vision model: max(encoder inputs + encoder forward, inputs + embeddings + the above)"
 )
 
 # vLLM's default capture list (config/vllm.py `_set_cudagraph_sizes`, the same in
@@ -229,6 +231,8 @@ class OverheadEstimate:
     cudagraph_logged_bytes: int = 0
     formula: str = OVERHEAD_FORMULA
     release: str = "vLLM >= 0.21"
+    # A multimodal model's encoder run (in the activation peak), None where none runs.
+    encoder: EncoderProfile | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -873,6 +877,8 @@ def estimate_overhead(
     max_num_seqs: int = 256,
     release: str = "",
     flashinfer: bool = True,
+    max_model_len: int = 0,
+    multimodal: MultimodalOptions | None = None,
 ) -> OverheadEstimate:
     """The profile run's peak over the weights: a forward pass of
     `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
@@ -880,7 +886,10 @@ def estimate_overhead(
     `max_num_seqs` requests while the forward's last hidden states are still held.
     The two do not overlap, so the peak is the larger. `release` picks the runtime
     allowances (`PROFILES`); `flashinfer` whether FlashInfer is installed (the
-    sampler's path)."""
+    sampler's path). A multimodal model's encoder runs first (kvplan.models.encoder:
+    `max_model_len` and `multimodal`, vLLM's flags, set its item count): the peak is
+    then the larger of its inputs plus its forward, and its inputs and embeddings plus
+    the decoder's phases, which run while the encoder cache holds them."""
     c = text_config(config, layers.architecture)
     hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
     act_bytes = layers.model_dtype.size_bytes
@@ -903,4 +912,16 @@ def estimate_overhead(
     )
     graphs = cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens)
     logged = cudagraph_estimate(PROFILES["v1"], max_num_seqs, max_num_batched_tokens)
-    return OverheadEstimate(max(forward, sampler), non_torch, graphs, logged, release=rules.name)
+    encoder = encoder_profile(
+        config,
+        tensor_parallel_size,
+        act_bytes,
+        max_model_len if max_model_len > 0 else layers.derived_max_model_len,
+        max_num_batched_tokens,
+        max_num_seqs,
+        multimodal or MultimodalOptions(),
+    )
+    peak = max(forward, sampler)
+    if encoder is not None:
+        peak = max(encoder.encoder_phase_bytes, encoder.held_bytes + peak)
+    return OverheadEstimate(peak, non_torch, graphs, logged, release=rules.name, encoder=encoder)
