@@ -287,6 +287,14 @@ PRINTED_TOKEN_FORMULA: dict[str, str] = {
     "0.19": PER_GROUP_FORMULA,
     # club-3090#612 (vLLM 0.24.0, hybrid Qwen3.6): 567,978 tokens, no multiple of any
     # block size, = int(4.333 x 131,072): the concurrency formula.
+    # A Gemma 4 E4B log (vLLM 0.22.1, sliding and global groups; a public file the code
+    # index found, id 54492899325): 224,353 tokens, 1 over a multiple of 16, is
+    # int(6.85x x 32,768).
+    "0.22": CONCURRENCY_FORMULA,
+    # The qwen3.5-4b-rtx4090d-selfllm-v0.23 record (vLLM 0.23.0, hybrid GDN): 235,706
+    # tokens, 10 over a multiple of 16; a Qwen3.6-27B-NVFP4 log (0.23.1rc1, block 1,568,
+    # code index id 61544841280): 1,505,068 = int(5.74x x 262,144), 12 over one.
+    "0.23": CONCURRENCY_FORMULA,
     "0.24": CONCURRENCY_FORMULA,
     "0.32": CONCURRENCY_FORMULA,
     "0.33": CONCURRENCY_FORMULA,
