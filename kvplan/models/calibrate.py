@@ -35,7 +35,7 @@ _GRAPHS = re.compile(r"Graph capturing finished in [0-9.]+ secs?, took ([0-9.]+)
 _GRAPH_POOL = re.compile(r"CUDA graph pool memory: ([0-9.]+) GiB \(actual\), ([0-9.]+) GiB")
 _PROFILE_V0 = re.compile(r"kv_cache_size=([0-9.]+)GiB")  # V0 engine's profiling line
 _V0_FIELD = re.compile(r"(total_gpu_memory|peak_torch_memory|non_torch_memory)=([0-9.]+)GiB")
-# vLLM >= 0.21 subtract their CUDA-graph estimate from the KV budget and say so as a
+# vLLM >= 0.20 subtract their CUDA-graph estimate from the KV budget and say so as a
 # utilization: the difference of the two figures is the estimate over the total.
 _GRAPH_UTIL = re.compile(
     r"gpu-memory-utilization=([0-9.]+) is equivalent to --gpu-memory-utilization=([0-9.]+)"
@@ -370,7 +370,7 @@ def component_rows(
         if utilization is not None and log.available_kv_gib
         else None
     )
-    # The graph estimate counts only where the release subtracts it (>= 0.21 says so).
+    # The graph estimate counts only where the release subtracts it (>= 0.20 says so).
     subtracted = (
         log.cudagraph_subtracted_fraction * total / GIB
         if log.cudagraph_subtracted_fraction is not None

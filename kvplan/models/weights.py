@@ -44,7 +44,7 @@ class ProfileRules:
     non_torch_single_gpu: int
     non_torch_tensor_parallel: int
     # CUDA-graph memory the release subtracts from the KV budget before allocating it
-    # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default since vLLM 0.21; 0.32-0.34
+    # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default since vLLM 0.20; 0.32-0.34
     # checked in their source). vLLM captures the two largest graphs of each mode and
     # extrapolates: the first capture + (n - 1) x the second's cost (0.32/0.33
     # gpu_model_runner.profile_cudagraph_memory; 0.34 measures PIECEWISE in full and
@@ -119,11 +119,16 @@ PROFILES: dict[str, ProfileRules] = {
         no_flashinfer_sampler_bytes_per_logit=_SORT_SAMPLER,
         moe_workspace_held=False,
     ),
-    # V1 before 0.21: the CUDA-graph estimate exists but is off by default.
-    "v1-0.20": ProfileRules("vLLM V1 < 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
-    # 0.21 onward, the releases kvplan plans for (0.32, 0.33, 0.34) among them.
+    # V1 before 0.20: the CUDA-graph estimate is logged but not subtracted (0.19.0's own
+    # line: "To try it now, set VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1").
+    "v1-0.19": ProfileRules("vLLM V1 < 0.20", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
+    # 0.20 onward, the releases kvplan plans for (0.32, 0.33, 0.34) among them. 0.20.0
+    # already subtracts (the stock vllm/vllm-openai:v0.20.0 image, no environment
+    # override, prints "CUDA graph memory profiling is enabled ... equivalent to
+    # --gpu-memory-utilization=0.8878": a public log the code index found, id 51830815744),
+    # although the line names 0.21 as the default's first release.
     "v1": ProfileRules(
-        "vLLM >= 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, _PIECEWISE_GRAPH, _FULL_GRAPH_TOKEN
+        "vLLM >= 0.20", 16, _NON_TORCH_TP1, _NON_TORCH_TP, _PIECEWISE_GRAPH, _FULL_GRAPH_TOKEN
     ),
 }
 
@@ -140,7 +145,7 @@ def profile_rules(release: str) -> ProfileRules:
         return PROFILES["v1"]
     if version < (0, 11):
         return PROFILES["v1-0.10"]
-    return PROFILES["v1-0.20"] if version < (0, 21) else PROFILES["v1"]
+    return PROFILES["v1-0.19"] if version < (0, 20) else PROFILES["v1"]
 
 
 def sampler_bytes_per_logit(rules: ProfileRules, flashinfer: bool = True) -> int:
@@ -157,7 +162,7 @@ OVERHEAD_FORMULA = (
     " (38 B on PyTorch's sort, vLLM <= 0.10 without FlashInfer));"
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
     " for MoE;  non_torch = 0.25 GiB (TP 1) / 2.07 GiB (TP > 1);"
-    " CUDA graphs (from vLLM 0.21) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
+    " CUDA graphs (from vLLM 0.20) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
 )
 
 # vLLM's default capture list (config/vllm.py `_set_cudagraph_sizes`, the same in
@@ -228,7 +233,7 @@ class OverheadEstimate:
     # The estimate vLLM logs ("Estimated CUDA graph memory"), subtracted or not.
     cudagraph_logged_bytes: int = 0
     formula: str = OVERHEAD_FORMULA
-    release: str = "vLLM >= 0.21"
+    release: str = "vLLM >= 0.20"
 
     @property
     def total_bytes(self) -> int:

@@ -130,6 +130,9 @@ def test_the_logged_budget_reproduces_the_token_count_the_release_prints(
 
 def test_release_rows_and_the_v0_profile_length() -> None:
     assert cudagraph_estimate(profile_rules("0.19.0"), 1024, 8192) == 0
+    # 0.20.0 already subtracts its estimate (a stock v0.20.0 image's log prints the
+    # "CUDA graph memory profiling is enabled" line; weights.PROFILES says where).
+    assert profile_rules("0.20.0") is PROFILES["v1"] is profile_rules("0.21.0")
     newest = cudagraph_estimate(profile_rules(""), 1024, 8192)
     assert cudagraph_estimate(profile_rules("vllm-0.34"), 1024, 8192) == newest > 0
     assert profile_rules("v0") is PROFILES["v0"]
