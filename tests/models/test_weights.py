@@ -35,6 +35,10 @@ PUBLISHED_PARAMS: dict[str, tuple[float, str]] = {
         "huggingface.co/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16: 31.6B total parameters",
     ),
     "phi-4": (14.7e9, "huggingface.co/microsoft/phi-4: 14.7B params (safetensors)"),
+    "qwen2.5-7b-instruct": (
+        7.61e9,
+        "huggingface.co/Qwen/Qwen2.5-7B-Instruct: Number of Parameters 7.61B",
+    ),
     "qwen2.5-72b-instruct": (
         72.7e9,
         "huggingface.co/Qwen/Qwen2.5-72B-Instruct: Number of Parameters 72.7B",
