@@ -73,7 +73,8 @@ class ModelPlanOptions:
     # for the V0 engine); "" = engine_version's, else the newest (weights.PROFILES).
     engine_release: str = ""
     # Whether FlashInfer is installed, as vLLM's wheels (from 0.11) and images have it:
-    # without it vLLM <= 0.10's sampler sorts (`calibrate` reads the log's fallback line).
+    # without it vLLM <= 0.11.0's sampler sorts (`calibrate` reads the log's fallback
+    # line); 0.11.1-0.16 sort either way.
     flashinfer: bool = True
     # Decoder layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION lists them;
     # None: vLLM's own partition.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from itertools import takewhile
 
 from kvplan.models.config import HFConfig, ModelConfigError
 from kvplan.models.importer import ARCHITECTURES, ModelLayers, pipeline_stage_bounds, text_config
@@ -105,12 +106,10 @@ _NON_TORCH_V0_TP1 = round(0.35 * GIB)
 PROFILES: dict[str, ProfileRules] = {
     # V0 (vLLM <= 0.7, VLLM_USE_V1=0): graphs captured after the KV cache, outside it.
     "v0": ProfileRules("vLLM V0 engine", 16, _NON_TORCH_V0_TP1, _NON_TORCH_TP, 0, 0),
-    # V1 up to 0.10 (checked on 0.10.2's log): no MoE workspace manager yet; without
-    # FlashInfer (its wheel did not require it) the sampler sorts. 0.11 is not checked.
-    # Not modelled: from vllm#26859 (2025-10) to the Triton kernel (2026-02) releases
-    # sorted by default, FlashInfer installed or not (their rows keep 16 B).
+    # V1 up to 0.11.0 (checked on 0.10.2's log and 0.11.0's wheel): FlashInfer's sampler
+    # when it is installed, else the sort; no MoE workspace manager yet.
     "v1-0.10": ProfileRules(
-        "vLLM V1 <= 0.10",
+        "vLLM V1 <= 0.11.0",
         16,
         _NON_TORCH_TP1,
         _NON_TORCH_TP,
@@ -119,8 +118,28 @@ PROFILES: dict[str, ProfileRules] = {
         no_flashinfer_sampler_bytes_per_logit=_SORT_SAMPLER,
         moe_workspace_held=False,
     ),
-    # V1 before 0.21: the CUDA-graph estimate exists but is off by default.
-    "v1-0.20": ProfileRules("vLLM V1 < 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
+    # 0.11.1 to 0.16 sort the logits by default, FlashInfer installed or not: vllm#26859
+    # (2025-10) made FlashInfer's sampler opt-in (VLLM_USE_FLASHINFER_SAMPLER=1) and
+    # the Triton kernel (vllm#33538) first shipped in 0.17.0 (read in the wheels of
+    # 0.11.0, 0.11.1, 0.12.0, 0.13.0, 0.14.1, 0.15.1, 0.16.0 and 0.17.0). Their own PyTorch path
+    # holds 18 B per logit at the sort, as 0.32-0.34's does (measured the same way on
+    # 0.11.1's, 0.13.0's and 0.16.0's function). The fused-MoE kernels keep their
+    # scratch in the workspace manager from 0.13.0 (absent from 0.12.0's fused_moe).
+    "v1-sort-0.12": ProfileRules(
+        "vLLM V1 0.11.1-0.12 (sampler sorts)",
+        _SORT_SAMPLER,
+        _NON_TORCH_TP1,
+        _NON_TORCH_TP,
+        0,
+        0,
+        moe_workspace_held=False,
+    ),
+    "v1-sort": ProfileRules(
+        "vLLM V1 0.13-0.16 (sampler sorts)", _SORT_SAMPLER, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0
+    ),
+    # V1 0.17 to 0.20: the Triton top-k/top-p kernel; the CUDA-graph estimate exists
+    # but is off by default.
+    "v1-0.20": ProfileRules("vLLM V1 0.17-0.20", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
     # 0.21 onward, the releases kvplan plans for (0.32, 0.33, 0.34) among them.
     "v1": ProfileRules(
         "vLLM >= 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, _PIECEWISE_GRAPH, _FULL_GRAPH_TOKEN
@@ -128,19 +147,33 @@ PROFILES: dict[str, ProfileRules] = {
 }
 
 
+def _release_version(release: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of `0.19.0`, `vllm-0.33`, `v0.11.1rc2` (patch 0 where not
+    given); None where it does not parse."""
+    parts = release.removeprefix("vllm-").removeprefix("v").split(".")
+    try:
+        major, minor = int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+    patch = "".join(takewhile(str.isdigit, parts[2])) if len(parts) > 2 else ""
+    return major, minor, int(patch or 0)
+
+
 def profile_rules(release: str) -> ProfileRules:
     """The profile rules of a release: `0.19.0`, `vllm-0.33`, `v0` (the V0 engine);
     "" or an unparseable release: the newest (what kvplan plans for)."""
     if release == "v0":
         return PROFILES["v0"]
-    parts = release.removeprefix("vllm-").removeprefix("v").split(".")
-    try:
-        version = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
+    version = _release_version(release)
+    if version is None:
         return PROFILES["v1"]
-    if version < (0, 11):
+    if version <= (0, 11, 0):
         return PROFILES["v1-0.10"]
-    return PROFILES["v1-0.20"] if version < (0, 21) else PROFILES["v1"]
+    if version < (0, 13, 0):
+        return PROFILES["v1-sort-0.12"]
+    if version < (0, 17, 0):
+        return PROFILES["v1-sort"]
+    return PROFILES["v1-0.20"] if version < (0, 21, 0) else PROFILES["v1"]
 
 
 def sampler_bytes_per_logit(rules: ProfileRules, flashinfer: bool = True) -> int:
@@ -154,7 +187,7 @@ def sampler_bytes_per_logit(rules: ProfileRules, flashinfer: bool = True) -> int
 OVERHEAD_FORMULA = (
     "activation_peak = max(tokens x (3 x hidden + max(attention_per_rank, mlp_per_rank))"
     " x act_bytes, tokens x hidden x act_bytes + max_num_seqs x vocab x 16 B"
-    " (38 B on PyTorch's sort, vLLM <= 0.10 without FlashInfer));"
+    " (38 B on PyTorch's sort: vLLM 0.11.1-0.16, and <= 0.11.0 without FlashInfer));"
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
     " for MoE;  non_torch = 0.25 GiB (TP 1) / 2.07 GiB (TP > 1);"
     " CUDA graphs (from vLLM 0.21) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
