@@ -169,8 +169,9 @@ def build_plan_request(
         )
         release = options.engine_release or options.engine_version
         overhead = estimate_overhead(
-            config, layers, tp, batched, max_num_seqs, release, options.flashinfer
-        )
+            config, layers, tp, batched, max_num_seqs, release, options.flashinfer,
+            max_model_len=options.max_model_len,  # None or -1 (auto): the model's
+        )  # fmt: skip
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
             # As vLLM 0.34 counts it: the CUDA-graph estimate with the activation peak.
