@@ -74,7 +74,8 @@ class ModelPlanOptions:
     # for the V0 engine); "" = engine_version's, else the newest (weights.PROFILES).
     engine_release: str = ""
     # Whether FlashInfer is installed, as vLLM's wheels (from 0.11) and images have it:
-    # without it vLLM <= 0.10's sampler sorts (`calibrate` reads the log's fallback line).
+    # without it vLLM <= 0.11.0's sampler sorts (`calibrate` reads the log's fallback
+    # line); 0.11.1-0.16 sort either way.
     flashinfer: bool = True
     # Decoder layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION lists them;
     # None: vLLM's own partition.
@@ -190,17 +191,10 @@ def build_plan_request(
         )
         release = options.engine_release or options.engine_version
         overhead = estimate_overhead(
-            config,
-            layers,
-            tp,
-            batched,
-            max_num_seqs,
-            release,
-            options.flashinfer,
-            # what vLLM's profile run sees: the given length (auto: the model's own)
-            max_model_len=(options.max_model_len or 0),
+            config, layers, tp, batched, max_num_seqs, release, options.flashinfer,
+            max_model_len=options.max_model_len,  # None or -1 (auto): the model's
             multimodal=options.multimodal,
-        )
+        )  # fmt: skip
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
             # As vLLM 0.34 counts it: the CUDA-graph estimate with the activation peak.

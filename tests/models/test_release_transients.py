@@ -1,0 +1,115 @@
+"""Release-specific transients of the start-up profile that kvplan counts in the
+memory outside the KV cache (weights.PROFILES): the sampler's sort in the releases
+that sort by default (vLLM 0.11.1-0.16), and the hybrid GDN models' transient that the
+V1 runner's CUDA-graph estimate counts (0.26-0.28, vllm#50780)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvplan.models.config import HFConfig, load_config
+from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
+from kvplan.models.weights import (
+    _SORT_SAMPLER,
+    GIB,
+    cudagraph_estimate,
+    estimate_overhead,
+    gdn_graph_transient,
+    profile_rules,
+    sampler_bytes_per_logit,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("release", "default_sorts", "sorts_without_flashinfer", "moe_workspace_held"),
+    [
+        ("0.10.2", False, True, False),
+        ("0.11.0", False, True, False),  # FlashInfer's sampler by default where installed
+        ("0.11.1", True, True, False),  # vllm#26859: FlashInfer's sampler opt-in
+        ("0.12.0", True, True, False),
+        ("0.13.0", True, True, True),  # fused MoE keeps its scratch in the workspace manager
+        ("0.16.0", True, True, True),  # the last release without the Triton kernel
+        ("0.17.0", False, False, True),  # vllm#33538's Triton kernel, the fallback too
+        ("vllm-0.33", False, False, True),
+    ],
+)
+def test_the_sampler_sorts_by_default_from_0_11_1_to_0_16(
+    release: str, default_sorts: bool, sorts_without_flashinfer: bool, moe_workspace_held: bool
+) -> None:
+    rules = profile_rules(release)
+    with_flashinfer = sampler_bytes_per_logit(rules, flashinfer=True)
+    without = sampler_bytes_per_logit(rules, flashinfer=False)
+    assert (with_flashinfer == _SORT_SAMPLER) == default_sorts, release
+    assert (without == _SORT_SAMPLER) == sorts_without_flashinfer, release
+    assert rules.moe_workspace_held == moe_workspace_held, release
+
+
+def test_the_sort_window_shows_in_the_activation_peak() -> None:
+    # Llama 3.1 8B, 8,192 batched tokens, 1,024 sequences: the sampler phase is the peak
+    # (its logits outweigh the forward), so a sorting release's peak is exactly
+    # 1,024 x 128,256 x (38 - 16) B above its neighbours'.
+    llama = load_config(str(ROOT / "examples/models/llama-3.1-8b/config.json"))
+    layers = import_layers(llama)
+    peaks = {
+        release: estimate_overhead(llama, layers, 1, 8192, 1024, release).activation_peak_bytes
+        for release in ("0.11.0", "0.11.1", "0.16.0", "0.17.0")
+    }
+    extra = 1024 * 128_256 * (_SORT_SAMPLER - 16)
+    assert peaks["0.11.1"] == peaks["0.16.0"] == peaks["0.11.0"] + extra
+    assert peaks["0.17.0"] == peaks["0.11.0"]
+    # FlashInfer missing changes nothing in the window: the release sorts anyway.
+    sorted_without = estimate_overhead(llama, layers, 1, 8192, 1024, "0.13.0", flashinfer=False)
+    assert sorted_without.activation_peak_bytes == peaks["0.16.0"]
+
+
+def _qwen36(speculative: Speculative | None = None) -> tuple[HFConfig, ModelLayers]:
+    config = load_config(str(ROOT / "examples/models/qwen3.6-27b/config.json"))
+    return config, import_layers(config, Deployment(speculative=speculative))
+
+
+def test_the_gdn_graph_transient_is_counted_on_0_26_to_0_28_only() -> None:
+    # vllm#50780: the V1 runner's first FULL sample (256 requests, the largest FULL size
+    # at max_num_seqs 256) runs 32,768 // 256 = 128 tokens of context each: 32,768
+    # context tokens x 128 KiB = 4.0 GiB, which outweighs the graphs' own 0.52 GiB.
+    config, layers = _qwen36()
+    per_token = profile_rules("0.26.0").gdn_graph_transient_per_context_token
+    assert per_token == 128 * 1024
+    graphs = cudagraph_estimate(profile_rules("0.26.0"), 256, 32_768)
+    for release, counted in (("0.25.1", False), ("0.26.0", True), ("0.28.0", True),
+                             ("0.29.0", False), ("vllm-0.33", False)):  # fmt: skip
+        estimate = estimate_overhead(config, layers, 1, 32_768, 256, release, max_model_len=32_768)
+        expected = 256 * 128 * per_token if counted else graphs
+        assert estimate.cudagraph_bytes == estimate.cudagraph_logged_bytes == expected, release
+    # A model without GDN layers has none, whatever the release.
+    llama = load_config(str(ROOT / "examples/models/llama-3.1-8b/config.json"))
+    dense = estimate_overhead(llama, import_layers(llama), 1, 32_768, 256, "0.26.0")
+    assert dense.cudagraph_bytes == graphs
+
+
+def test_the_transient_shows_past_the_graphs_as_vllm_52872_logged() -> None:
+    # vllm#52872 (64-layer GDN hybrid, RTX 5090): graph memory 0.52 GiB at 2,048 and
+    # 4,096 batched tokens, 0.89 at 8,192. kvplan: the larger of its graph figure and the
+    # transient, 0.52 / 0.52 / 1.00 GiB.
+    config, layers = _qwen36()
+    logged = {2048: 0.52, 4096: 0.52, 8192: 0.89}
+    for batched, gib in logged.items():
+        estimate = estimate_overhead(config, layers, 1, batched, 256, "0.27.0")
+        assert abs(estimate.cudagraph_bytes / GIB - gib) <= 0.12, (batched, estimate)
+
+
+def test_the_context_of_the_long_sample() -> None:
+    rules = profile_rules("0.27.0")
+    per_token = rules.gdn_graph_transient_per_context_token
+    _, layers = _qwen36()
+    # A short max_model_len caps each request's context: min(1,024, 32,768 // 256).
+    assert gdn_graph_transient(rules, layers, 256, 32_768, 100) == 256 * 100 * per_token
+    # With a drafter of 3 tokens the FULL batch of 256 tokens is ceil(256 / 4) = 64
+    # requests (vLLM's _dummy_run), each with 32,768 // 256 = 128 tokens of context.
+    _, mtp = _qwen36(Speculative("mtp", 3))
+    assert gdn_graph_transient(rules, mtp, 256, 32_768, 32_768) == 64 * 128 * per_token
+    # A release whose estimate runs no long sample (Model Runner V2 from 0.29): nothing.
+    assert gdn_graph_transient(profile_rules("vllm-0.33"), layers, 256, 32_768, 32_768) == 0
