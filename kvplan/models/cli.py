@@ -1125,6 +1125,14 @@ def calibrate_command(args: argparse.Namespace) -> int:
                    if inputs.overhead is not None else None, "GiB"),
     ]  # fmt: skip
     overhead = inputs.overhead
+    encoder = overhead.encoder if overhead is not None else None
+    if log.encoder_budget is not None:  # the log's "Encoder cache will be initialized" line
+        rows += [
+            Comparison("encoder budget of the profile run (tokens)", float(log.encoder_budget),
+                       _num(encoder.encoder_budget if encoder else None), "tokens"),
+            Comparison("encoder items profiled", _num(log.encoder_items),
+                       _num(encoder.items if encoder else None), "items"),
+        ]  # fmt: skip
     rows += component_rows(
         log, inputs.weights.bytes_per_worker if inputs.weights is not None else None,
         overhead.activation_peak_bytes if overhead is not None else None,

@@ -124,3 +124,18 @@ def test_calibrate_reads_the_flags_from_the_log() -> None:
     assert settings["skip_mm_profiling"] is True
     assert "language_model_only" not in settings
     assert json.loads(settings["limit_mm_per_prompt"]) == {"image": 2}
+
+
+def test_the_gemma_3_4b_record_logs_what_kvplan_profiles(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # vLLM 0.19 on an H100 (llm-d-planner's sweep): "Encoder cache will be initialized
+    # with a budget of 8192 tokens, and profiled with 32 image items".
+    record = Path(__file__).parents[1] / "data" / "calibration" / "gemma-3-4b-h100-llmd-v0.19.log"
+    args = ["calibrate", str(record), "--model", str(MODELS / "gemma-3-4b"), "--gpu", "H100"]
+    assert main([*args, "--json"]) == 0
+    rows = {row["figure"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+    budget = rows["encoder budget of the profile run (tokens)"]
+    items = rows["encoder items profiled"]
+    assert (budget["measured"], budget["predicted"]) == (8192, 8192)
+    assert (items["measured"], items["predicted"]) == (32, 32)
