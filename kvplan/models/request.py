@@ -272,9 +272,31 @@ def build_plan_request(
         overhead=overhead,
         non_kv_bytes=total_non_kv,
         non_kv_given=options.non_kv_bytes is not None,
-        notes=layers.notes,
+        notes=layers.notes + _multimodal_notes(config, options, overhead is not None),
     )
     return request, inputs
+
+
+def _multimodal_notes(
+    config: HFConfig, options: ModelPlanOptions, estimated: bool
+) -> tuple[str, ...]:
+    """Said where the multimodal flags or a vision tower are not modelled, rather than
+    left silent."""
+    multimodal = options.multimodal
+    flags = multimodal != MultimodalOptions()
+    if config.sub("vision_config") is None:
+        if flags:
+            return (
+                "the model has no vision tower: --skip-mm-profiling, --limit-mm-per-prompt "
+                "and --language-model-only change nothing (vLLM ignores them too)",
+            )
+        return ()
+    if vision_tower(config, 1) is None and estimated:
+        return ("vLLM also loads and profiles this model's vision tower, which kvplan does "
+                "not estimate for this family (Gemma 3 and Qwen3.5 / 3.6 only): the non-KV "
+                "estimate leaves its weights and its encoder run out; --non-kv-bytes takes a "
+                "measured figure",)  # fmt: skip
+    return ()
 
 
 def auto_fit_request(request: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:

@@ -139,3 +139,16 @@ def test_the_gemma_3_4b_record_logs_what_kvplan_profiles(
     items = rows["encoder items profiled"]
     assert (budget["measured"], budget["predicted"]) == (8192, 8192)
     assert (items["measured"], items["predicted"]) == (32, 32)
+
+
+def test_what_is_not_modelled_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    llama4 = ["plan", "--model", str(MODELS / "llama-4-defaults"), "--gpu", "H200", "-tp", "8"]
+    assert main([*llama4, "--max-model-len", "8K"]) == 0
+    assert "vision tower, which kvplan does not estimate for this family" in (
+        capsys.readouterr().out
+    )
+    text = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100"]
+    assert main([*text, "--max-model-len", "8K", "--skip-mm-profiling"]) == 0
+    assert "the model has no vision tower" in capsys.readouterr().out
+    assert main([*GEMMA]) == 0
+    assert "note: the model has no vision tower" not in capsys.readouterr().out
