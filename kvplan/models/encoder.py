@@ -30,8 +30,8 @@ forward (tests/models/test_encoder_against_vllm.py runs them on the CPU):
   projection: the position embeddings, the layer's input, its normed copy and the
   projection's output (hidden each), beside QKV (3 x hidden / TP), the contiguous Q/K
   (2 / TP), the rotated Q/K (2 / TP) and the attention output (1 / TP); plus the rotary
-  cos/sin per patch
-  (head_dim) and two int64 position ids.
+  cos/sin per patch (head_dim). The position ids are built on the host (vLLM keeps one
+  item's in a host-side cache) and their device copy is freed before the layers run.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ DEFAULT_LIMIT_PER_PROMPT = 999
 # Qwen3.5 / 3.6's image processor (Qwen2VLImageProcessorFast, the checkpoints'
 # preprocessor_config.json: size.longest_edge 16,777,216 pixels, which config.json does
 # not carry): the largest image is 4,096 x 4,096 pixels, 256 x 256 patches of 16, 16,384
-# tokens after the 2 x 2 merge; vLLM logs "Encoder cache will be initialized with a
-# budget of 16384 tokens" for them. Its video (2 frames at 25,165,824 / 2 pixels) has
-# fewer tokens, so the image is the profiled modality.
+# tokens after the 2 x 2 merge. Public startup logs of Qwen3.5 checkpoints print "Encoder
+# cache will be initialized with a budget of 16384 tokens, and profiled with 1 image
+# items" at 8,192 batched tokens: the image, not the video, is the profiled modality.
 QWEN3_VL_MAX_IMAGE_PIXELS = 16_777_216
 
 
@@ -105,7 +105,6 @@ class Tower:
     # the dummy pixels on the device, in the model dtype (vLLM's processor casts them)
     input_elements_per_item: int
     peak_elements_per_patch: int  # at the forward's peak, in the model dtype
-    peak_extra_bytes_per_patch: int  # int64 position ids and the like
     output_hidden: int  # width of the embeddings handed to the decoder
 
 
@@ -124,7 +123,6 @@ def _siglip_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
         patches_per_item=(size // patch) ** 2,
         input_elements_per_item=channels * size * size,
         peak_elements_per_patch=4 * width + 2 * -(-inter // tp),
-        peak_extra_bytes_per_patch=0,
         output_hidden=text_hidden,
     )
 
@@ -145,16 +143,13 @@ def _qwen3_vit_tower(vision: HFConfig, tp: int) -> Tower:
         patches_per_item=patches,
         input_elements_per_item=patches * channels * temporal * patch * patch,
         peak_elements_per_patch=4 * width + 8 * per_rank + width // heads,
-        peak_extra_bytes_per_patch=2 * 8,
         output_hidden=vision.integer("out_hidden_size"),
     )
 
 
 def forward_peak_bytes(tower: Tower, patches: int, dtype_bytes: int) -> int:
     """The encoder forward's peak over its inputs and weights, for `patches` patches."""
-    return patches * (
-        tower.peak_elements_per_patch * dtype_bytes + tower.peak_extra_bytes_per_patch
-    )
+    return patches * tower.peak_elements_per_patch * dtype_bytes
 
 
 def vision_tower(config: HFConfig, tp: int) -> Tower | None:
