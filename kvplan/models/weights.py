@@ -252,21 +252,22 @@ def gdn_graph_transient(
 ) -> int:
     """The transient `rules`' release counts as CUDA-graph memory on a hybrid GDN model
     (vllm#50780), 0 where it has none. The V1 runner (0.26-0.28 gpu_model_runner.
-    profile_cudagraph_memory) runs its first FULL sample, the largest FULL size N, with
-    every request's context at min(max_model_len, max_num_batched_tokens // N);
-    `_dummy_run` makes that batch min(max_num_seqs, ceil(N / q)) requests of q query
-    tokens (1 + the drafter's tokens). The transient is that context times the
-    per-token figure."""
+    profile_cudagraph_memory) runs its first FULL sample, the largest FULL decode size N
+    (capture sizes from q to q x max_num_seqs, q = 1 + the drafter's tokens), with every
+    request's context at min(max_model_len, max_num_batched_tokens // N); `_dummy_run`
+    makes that batch min(max_num_seqs, ceil(N / q)) requests. The transient is that
+    context times the per-token figure. The capture sizes are the ones without a
+    drafter (`cudagraph_capture_sizes`)."""
     per_token = rules.gdn_graph_transient_per_context_token
     gdn = [layer for layer in layers.layers if layer.mamba_type == "GDN_ATTENTION"]
     if not per_token or not gdn:
         return 0
+    query_len = 1 + gdn[0].num_speculative_blocks
     full = [size for size in cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens)
-            if size <= max_num_seqs]  # fmt: skip
+            if query_len <= size <= query_len * max_num_seqs]  # fmt: skip
     largest_full = max(full, default=0)
     if not largest_full:
         return 0
-    query_len = 1 + gdn[0].num_speculative_blocks
     requests = min(max_num_seqs, -(-largest_full // query_len))
     context = min(max_model_len, max_num_batched_tokens // largest_full)
     return requests * context * per_token
