@@ -150,3 +150,48 @@ def test_the_long_sample_is_the_one_vllms_v1_profiler_takes(release: str) -> Non
         _, layers = _qwen36(Speculative("mtp", spec) if spec else None)
         ours = gdn_graph_transient(rules, layers, seqs, tokens, max_len)
         assert ours == requests * context * per_token, (release, seqs, tokens, long[0])
+
+
+def test_a_plan_for_a_0_27_engine_reserves_the_transient() -> None:
+    # The path `plan --model`, `capacity` and `calibrate` take: the release and the
+    # length reach the estimate, and the transient lands in the non-KV memory.
+    from kvplan.models.request import ModelPlanOptions, build_plan_request
+
+    config, layers = _qwen36()
+
+    def non_kv(release: str, max_model_len: int) -> int:
+        options = ModelPlanOptions(
+            gpu="H100",
+            max_model_len=max_model_len,
+            max_num_seqs=256,
+            max_num_batched_tokens=32_768,
+            engine_release=release,
+        )
+        return build_plan_request(config, options)[1].non_kv_bytes
+
+    rules = profile_rules("0.27.0")
+    graphs = cudagraph_estimate(rules, 256, 32_768)
+    # 256 requests x min(max_model_len, 32,768 // 256 = 128) tokens of context.
+    for max_model_len, context in ((8192, 128), (64, 64)):
+        transient = gdn_graph_transient(rules, layers, 256, 32_768, max_model_len)
+        assert transient == 256 * context * rules.gdn_graph_transient_per_context_token
+        added = non_kv("0.27.0", max_model_len) - non_kv("0.25.1", max_model_len)
+        assert added == transient - graphs, max_model_len
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
+def test_the_releases_kvplan_plans_for_run_gdn_models_on_model_runner_v2(
+    release: str, tmp_path: Path
+) -> None:
+    # Why the `v1` row (0.29 on) has no transient: vllm#53183 (0.29.0) made Model Runner
+    # V2, whose graph profiler takes no long-context sample, the default for every
+    # model. 0.32 and 0.33 still ship the V1 runner and pick V2 for Qwen3.6-27B; 0.34
+    # ships only V2.
+    side = str(Path(__file__).with_name("vllm_runner_choice_side.py"))
+    path = str(ROOT / "examples/models/qwen3.6-27b")
+    answer = run_in_vllm(release, [side], {"path": path}, cache_root=tmp_path)
+    if release == "0.34":
+        assert answer["v1_runner_shipped"] is False, answer
+    else:
+        assert answer == {"v1_runner_shipped": True, "v2_by_default": True, "unsupported": []}
+    assert profile_rules(f"vllm-{release}").gdn_graph_transient_per_context_token == 0
