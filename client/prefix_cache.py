@@ -72,11 +72,13 @@ def what_if_line(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
     if not prefix_cache.HasField("what_if"):
         return ""
     answer = prefix_cache.what_if
+    n = answer.shared_prefix_tokens
     return (
-        f"shared prefix of {answer.shared_prefix_tokens:,} tokens: "
+        f"shared prefix of {n:,} tokens: "
         f"{answer.cached_tokens_prefix_stored:,} served from cache after a request of "
-        f"exactly those tokens, {answer.cached_tokens_prefix_diverges:,} after one that "
-        "went on with other text"
+        "exactly those tokens; after one that went on with other text, first request: "
+        f"{answer.cached_tokens_prefix_diverges:,} of {n:,} tokens from cache; the next "
+        f"one: {answer.cached_tokens_next_request:,}"
     )
 
 

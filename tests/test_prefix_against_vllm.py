@@ -73,7 +73,8 @@ def test_qwen3_next_with_an_unmarked_eagle_drafter_under_0_32_keeps_part_of_a_pr
     drops its last matched block: a 4,000-token prompt repeated and continued keeps
     3,168 tokens (6 units of 528, one dropped), not 0, which is why the plugin says
     FEWER HITS rather than ZERO HITS; a prefix of a longer prompt gets nothing
-    (the Mamba groups hold its state only at its end). vLLM 0.32's manager agrees."""
+    (the Mamba groups hold its state only at its end), and the request after that one
+    3,168 again. vLLM 0.32's manager agrees."""
     request = qwen3_next(plan_pb2.SPEC_DECODE_METHOD_EAGLE, "vllm-0.32")
     setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
     f = facts(setup)
@@ -81,11 +82,13 @@ def test_qwen3_next_with_an_unmarked_eagle_drafter_under_0_32_keeps_part_of_a_pr
     answer = what_if(setup, f, 4000)
     unit = f.unit
     diverging = 4000 + DIVERGING_TAIL_UNITS * unit + 1
-    vllm = vllm_hits(
-        "0.32", request, [("first", 4000, 4000, unit), ("first", diverging, 4000, unit)]
-    )
-    assert vllm == [answer.prefix_stored, answer.prefix_diverges]
+    probes = [("first", 4000, 4000, unit), ("first", diverging, 4000, unit)]
+    vllm = vllm_hits("0.32", request, [*probes, ("later", diverging, 4000, unit)])
+    assert vllm == [answer.prefix_stored, answer.prefix_diverges, answer.next_request]
     assert answer.prefix_stored == 3168 and answer.prefix_diverges == 0
+    # The next request hits where the first kept its Mamba state: the junction,
+    # full attention's hit less the dropped block.
+    assert answer.next_request == 3168
 
 
 def test_later_requests_hit_at_the_shared_prefix_junction() -> None:
@@ -93,7 +96,8 @@ def test_later_requests_hit_at_the_shared_prefix_junction() -> None:
     first after the stored one hits nothing (the Mamba state is kept at the stored
     prompt's end only), but vLLM records where its groups' hits parted, keeps that
     request's Mamba state there, and the next one hits 3,696 tokens (7 units of
-    528). vLLM 0.33's manager agrees with cached_tokens_after_junction."""
+    528). vLLM 0.33's manager agrees with cached_tokens_after_junction and the
+    what-if's next request (PrefixCacheWhatIf.cached_tokens_next_request)."""
     request = qwen3_next(plan_pb2.SPEC_DECODE_METHOD_MTP, "vllm-0.33")
     setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
     unit = facts(setup).unit
@@ -102,7 +106,7 @@ def test_later_requests_hit_at_the_shared_prefix_junction() -> None:
     vllm = vllm_hits(
         "0.33", request, [("first", diverging, 4000, tail), ("later", diverging, 4000, tail)]
     )
-    first = what_if(setup, facts(setup), 4000).prefix_diverges
+    answer = what_if(setup, facts(setup), 4000)
     later = cached_tokens_after_junction(setup, 4000, diverging, 4000 + tail)
-    assert vllm == [first, later]
-    assert first == 0 and later == 3696
+    assert vllm == [answer.prefix_diverges, later] == [answer.prefix_diverges, answer.next_request]
+    assert answer.prefix_diverges == 0 and answer.next_request == 3696

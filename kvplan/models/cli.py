@@ -1076,7 +1076,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
                    if log.concurrency_len in (None, summary.max_model_len) else None, "x"),
         Comparison("CUDA-graph memory captured (after the KV cache)",
                    log.cuda_graph_gib, None, "GiB"),
-        Comparison("CUDA-graph estimate the release logged (kvplan's, from 0.21)",
+        Comparison("CUDA-graph estimate the release logged (kvplan's, from 0.20)",
                    log.cuda_graph_estimate_gib,
                    inputs.overhead.cudagraph_logged_bytes / GIB
                    if inputs.overhead is not None else None, "GiB"),

@@ -45,7 +45,7 @@ class ProfileRules:
     non_torch_single_gpu: int
     non_torch_tensor_parallel: int
     # CUDA-graph memory the release subtracts from the KV budget before allocating it
-    # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default since vLLM 0.21; 0.32-0.34
+    # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default since vLLM 0.20; 0.32-0.34
     # checked in their source). vLLM captures the two largest graphs of each mode and
     # extrapolates: the first capture + (n - 1) x the second's cost (0.32/0.33
     # gpu_model_runner.profile_cudagraph_memory; 0.34 measures PIECEWISE in full and
@@ -141,9 +141,10 @@ PROFILES: dict[str, ProfileRules] = {
     "v1-sort": ProfileRules(
         "vLLM V1 0.13-0.16 (sampler sorts)", _SORT_SAMPLER, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0
     ),
-    # V1 0.17 to 0.20: the Triton top-k/top-p kernel; the CUDA-graph estimate exists
-    # but is off by default.
-    "v1-0.20": ProfileRules("vLLM V1 0.17-0.20", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
+    # V1 0.17 to 0.19: the Triton top-k/top-p kernel; the CUDA-graph estimate is logged
+    # but not subtracted (0.19.0's own line: "To try it now, set
+    # VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1").
+    "v1-0.19": ProfileRules("vLLM V1 0.17-0.19", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
     # 0.26 to 0.28 on hybrid GDN models (Qwen3-Next, Qwen3.5 / 3.6): vllm#50780, the V1
     # runner's graph estimate counts a transient of its first FULL sample, about
     # 128 KiB per context token of that sample (the issue's measurement on
@@ -159,9 +160,13 @@ PROFILES: dict[str, ProfileRules] = {
         _FULL_GRAPH_TOKEN,
         gdn_graph_transient_per_context_token=128 * 1024,
     ),
-    # 0.21 onward, the releases kvplan plans for (0.32, 0.33, 0.34) among them.
+    # 0.20 to 0.25 and 0.29 onward, the releases kvplan plans for (0.32, 0.33, 0.34)
+    # among them. 0.20.0 already subtracts (the stock vllm/vllm-openai:v0.20.0 image, no
+    # environment override, prints "CUDA graph memory profiling is enabled ... equivalent
+    # to --gpu-memory-utilization=0.8878": a public log the code index found, id
+    # 51830815744), although the line names 0.21 as the default's first release.
     "v1": ProfileRules(
-        "vLLM >= 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, _PIECEWISE_GRAPH, _FULL_GRAPH_TOKEN
+        "vLLM >= 0.20", 16, _NON_TORCH_TP1, _NON_TORCH_TP, _PIECEWISE_GRAPH, _FULL_GRAPH_TOKEN
     ),
 }
 
@@ -192,8 +197,8 @@ def profile_rules(release: str) -> ProfileRules:
         return PROFILES["v1-sort-0.12"]
     if version < (0, 17, 0):
         return PROFILES["v1-sort"]
-    if version < (0, 21, 0):
-        return PROFILES["v1-0.20"]
+    if version < (0, 20, 0):
+        return PROFILES["v1-0.19"]
     return PROFILES["v1-0.26"] if (0, 26, 0) <= version < (0, 29, 0) else PROFILES["v1"]
 
 
@@ -211,7 +216,7 @@ OVERHEAD_FORMULA = (
     " (38 B on PyTorch's sort: vLLM 0.11.1-0.16, and <= 0.11.0 without FlashInfer));"
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
     " for MoE;  non_torch = 0.25 GiB (TP 1) / 2.07 GiB (TP > 1);"
-    " CUDA graphs (from vLLM 0.21) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
+    " CUDA graphs (from vLLM 0.20) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
     " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB)"
 )
 
@@ -313,7 +318,7 @@ class OverheadEstimate:
     # The estimate vLLM logs ("Estimated CUDA graph memory"), subtracted or not.
     cudagraph_logged_bytes: int = 0
     formula: str = OVERHEAD_FORMULA
-    release: str = "vLLM >= 0.21"
+    release: str = "vLLM >= 0.20"
 
     @property
     def total_bytes(self) -> int:

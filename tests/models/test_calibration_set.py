@@ -116,10 +116,23 @@ def test_the_logged_budget_reproduces_the_token_count_the_release_prints(
     assert printed_token_formula("0.19.0") == PER_GROUP_FORMULA
     assert printed_token_formula("0.34.1") == "int(concurrency x max_model_len)"
     assert printed_token_formula("0.11.0") is None
+    # vLLM 0.22 and 0.23 print the concurrency formula for hybrid models: no whole number
+    # of blocks (multiples of 16 tokens) gives the 0.23 record's count.
+    assert printed_token_formula("0.22.1") == printed_token_formula("0.23.0") == (
+        "int(concurrency x max_model_len)")  # fmt: skip
+    qwen35 = parse_log(
+        (ROOT / "tests/data/calibration/qwen3.5-4b-rtx4090d-selfllm-v0.23.log").read_text()
+    )
+    tokens = qwen35.kv_cache_tokens
+    assert (qwen35.release, tokens) == ("0.23.0", 235_706) and tokens is not None
+    assert tokens % 16 == 10 and qwen35.model_loading_gib == [8.61]
 
 
 def test_release_rows_and_the_v0_profile_length() -> None:
     assert cudagraph_estimate(profile_rules("0.19.0"), 1024, 8192) == 0
+    # 0.20.0 already subtracts its estimate (a stock v0.20.0 image's log prints the
+    # "CUDA graph memory profiling is enabled" line; weights.PROFILES says where).
+    assert profile_rules("0.20.0") is PROFILES["v1"] is profile_rules("0.21.0")
     newest = cudagraph_estimate(profile_rules(""), 1024, 8192)
     assert cudagraph_estimate(profile_rules("vllm-0.34"), 1024, 8192) == newest > 0
     assert profile_rules("v0") is PROFILES["v0"]
