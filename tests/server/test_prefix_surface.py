@@ -61,7 +61,8 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
             assert pc.what_if.cached_tokens_prefix_stored == answer.prefix_stored == 3168
             assert pc.what_if.cached_tokens_prefix_diverges == answer.prefix_diverges == 0
             assert summary(pc).startswith(
-                "prefix cache: hits in 528-token units; shared prefixes under 1,056 tokens"
+                "prefix cache: hits in 528-token units; a prompt sent again hits only from "
+                "1,056 tokens"
             )
             codes = {plan_pb2.WarningCode.Name(w.code) for w in response.diagnostics.warnings}
             assert {
