@@ -113,9 +113,11 @@ def build_plan_request(
     max_len_for_mamba = options.max_model_len if (options.max_model_len or 0) > 0 else None
     device_name, device_bytes = options.gpu or "", options.gpu_memory_bytes
     gpu_arch = ""  # an unlisted device (a size given): no kernel-specific padding
+    pcie_only = False  # unknown: planned as NVLink-connected (the larger non-torch figure)
     if options.gpu:
         with contextlib.suppress(UnknownGpu):
             gpu_arch = lookup_gpu(options.gpu).arch
+            pcie_only = lookup_gpu(options.gpu).pcie_only
     if options.gpu and device_bytes is None:
         # The catalog's driver figure travels with the name, so a server plans with the
         # same total as the CLI (DeviceRef.total_memory_bytes wins over its name table).
@@ -171,6 +173,7 @@ def build_plan_request(
         overhead = estimate_overhead(
             config, layers, tp, batched, max_num_seqs, release, options.flashinfer,
             max_model_len=options.max_model_len,  # None or -1 (auto): the model's
+            pcie_only_gpu=pcie_only,
         )  # fmt: skip
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,

@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from kvplan.gpus import lookup_gpu
 from kvplan.models import load_config
 from kvplan.models.calibrate import (
     PER_GROUP_FORMULA,
@@ -185,6 +186,17 @@ def test_the_sampler_phase_and_the_moe_workspace() -> None:
     assert (one.non_torch_bytes, one.cudagraph_bytes) == (round(0.25 * GIB), 0)
     assert one.cudagraph_logged_bytes > 0  # 0.19 logs its estimate without subtracting it
     assert estimate_overhead(llama, layers, 2, 8192, 1024).non_torch_bytes == round(2.07 * GIB)
+    # More than two GPUs of a part without NVLink: vLLM turns custom all-reduce off and
+    # the ranks all-reduce through NCCL over PCIe, which leaves the TP 1 figure (the
+    # L40S TP 4 record); two such GPUs keep custom all-reduce (no log says what they
+    # leave, so the TP figure stays), and a catalog part says whether it has NVLink.
+    pcie = {tp: estimate_overhead(llama, layers, tp, 8192, 1024, "0.19.0", pcie_only_gpu=True)
+            for tp in (1, 2, 4, 8)}  # fmt: skip
+    assert [pcie[tp].non_torch_bytes for tp in (1, 2, 4, 8)] == [
+        round(0.25 * GIB), round(2.07 * GIB), round(0.25 * GIB), round(0.25 * GIB)]  # fmt: skip
+    assert lookup_gpu("L40S").pcie_only and lookup_gpu("L4").pcie_only
+    assert not lookup_gpu("H100").pcie_only and not lookup_gpu("H100-NVL-94GB").pcie_only
+    assert not lookup_gpu("RTX-3090").pcie_only  # NVLink bridges, in pairs
     mixtral = load_config(str(ROOT / "examples/models/mixtral-8x7b-instruct/config.json"))
     moe = estimate_overhead(mixtral, import_layers(mixtral), 2, 8192, 1024, "0.19.0")
     workspace = 8192 * 2 * (3 * 14_336 // 2 + 4096) * 2
