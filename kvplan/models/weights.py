@@ -60,11 +60,12 @@ class ProfileRules:
     # (vLLM 0.19, H100, max_num_seqs 1,024) and 0.52 GiB with 51 + 35 to 256 (vLLM 0.21,
     # RTX A5000, max_num_seqs 256; LMCache#3430). The other 0.19 records logged
     # 0.57-1.69 GiB at 51 + 51 (kvplan 0.84): off by up to 0.85 GiB per worker (Llama at
-    # TP 2), and four PCIe L40S 2.73 at 51 + 35 (kvplan 0.52; all-reduce through NCCL
-    # inside the graphs). Within 0.4 GiB on every TP 1 log; a per-piece model (layers + 1
-    # graphs per PIECEWISE size) was tried and did no better (docs/capacity.md, "The
-    # CUDA-graph estimate"). The hybrid GDN models' profiling transient that 0.26-0.28
-    # count as graph memory (vllm#50780) is `gdn_graph_transient_per_context_token`.
+    # TP 2), and four PCIe L40S 2.73 at 51 + 35 (kvplan 0.52; its graphs all-reduce
+    # through NCCL, the cause not pinned). Within 0.4 GiB on every TP 1 log; a per-piece
+    # model (layers + 1 graphs per PIECEWISE size) was tried and did no better
+    # (docs/capacity.md, "The CUDA-graph estimate"). The hybrid GDN models' profiling
+    # transient that 0.26-0.28 count as graph memory (vllm#50780) is
+    # `gdn_graph_transient_per_context_token`.
     cudagraph_bytes_per_piecewise_graph: int
     cudagraph_bytes_per_full_graph_token: int
     # The sampler's peak per logit when FlashInfer is not installed, where the release
