@@ -252,9 +252,27 @@ def build_plan_request(
         overhead=overhead,
         non_kv_bytes=total_non_kv,
         non_kv_given=options.non_kv_bytes is not None,
-        notes=layers.notes,
+        notes=layers.notes + _graph_estimate_notes(tp, pcie_only, overhead),
     )
     return request, inputs
+
+
+def _graph_estimate_notes(
+    tp: int, pcie_only: bool, overhead: OverheadEstimate | None
+) -> tuple[str, ...]:
+    """What the plan cannot vouch for in the CUDA-graph estimate it subtracts: more than
+    two GPUs without NVLink, where vLLM's graphs all-reduce through NCCL and the one such
+    log estimated five times kvplan's figure (docs/capacity.md, "The CUDA-graph
+    estimate")."""
+    if overhead is None or not overhead.cudagraph_bytes or not (pcie_only and tp > 2):
+        return ()
+    return (
+        f"CUDA-graph estimate {overhead.cudagraph_bytes / GIB:.2f} GiB per worker: on "
+        "more than two GPUs without NVLink (custom all-reduce off) the one logged case, "
+        "4 x L40S at TP 4, estimated 2.73 GiB where kvplan says 0.52 for the same graph "
+        "counts; the KV budget may be about 2 GiB per worker smaller than planned "
+        "(--non-kv-bytes takes a measured figure)",
+    )
 
 
 def auto_fit_request(request: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:

@@ -286,6 +286,24 @@ def test_the_graph_estimate_against_every_logged_one(results: list[RecordResult]
         assert abs(row["predicted"] - row["measured"]) <= 0.4, (result.name, row)
 
 
+def test_a_plan_without_nvlink_at_tp_over_2_says_what_its_graph_estimate_misses() -> None:
+    # The non-torch rule takes 1.8 GiB off a plan for four L40S; the graph estimate the
+    # release subtracts from 0.20 is the part the L40S log shows five times too small,
+    # so the plan says so, and only where that case applies.
+    from kvplan.models.request import ModelPlanOptions, build_plan_request
+
+    config = load_config(str(ROOT / "examples/models/qwen2.5-72b-instruct/config.json"))
+
+    def notes(gpu: str, tp: int, release: str = "") -> list[str]:
+        options = ModelPlanOptions(tensor_parallel_size=tp, gpu=gpu, max_model_len=8192,
+                                   engine_release=release)  # fmt: skip
+        _, inputs = build_plan_request(config, options)
+        return [note for note in inputs.notes if note.startswith("CUDA-graph estimate")]
+
+    assert len(notes("L40S", 4)) == 1 and "2.73 GiB" in notes("L40S", 4)[0]
+    assert notes("L40S", 2) == notes("H100", 4) == notes("L40S", 4, "0.19.0") == []
+
+
 def test_plan_prints_both_token_counts_of_a_hybrid_model(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
