@@ -60,8 +60,12 @@ class ProfileRules:
     # (vLLM 0.19, H100, max_num_seqs 1,024) and 0.52 GiB with 51 + 35 to 256 (vLLM 0.21,
     # RTX A5000, max_num_seqs 256; LMCache#3430). The other 0.19 records logged
     # 0.57-1.69 GiB at 51 + 51 (kvplan 0.84): off by up to 0.85 GiB per worker (Llama at
-    # TP 2). The hybrid GDN models' profiling transient that 0.26-0.28 count as graph
-    # memory (vllm#50780) is `gdn_graph_transient_per_context_token`.
+    # TP 2), and four PCIe L40S 2.73 at 51 + 35 (kvplan 0.52; its graphs all-reduce
+    # through NCCL, the cause not pinned). Within 0.4 GiB on every TP 1 log; a per-piece
+    # model (layers + 1 graphs per PIECEWISE size) was tried and did no better
+    # (docs/capacity.md, "The CUDA-graph estimate"). The hybrid GDN models' profiling
+    # transient that 0.26-0.28 count as graph memory (vllm#50780) is
+    # `gdn_graph_transient_per_context_token`.
     cudagraph_bytes_per_piecewise_graph: int
     cudagraph_bytes_per_full_graph_token: int
     # The sampler's peak per logit when FlashInfer is not installed, where the release
@@ -202,6 +206,20 @@ def profile_rules(release: str) -> ProfileRules:
     return PROFILES["v1-0.26"] if (0, 26, 0) <= version < (0, 29, 0) else PROFILES["v1"]
 
 
+def non_torch_bytes(rules: ProfileRules, tensor_parallel_size: int, pcie_only_gpu: bool) -> int:
+    """The non-torch memory the profile run leaves per worker. At TP > 1 the
+    release's TP figure (0.19's H100 logs), except on more than two GPUs of a part
+    without NVLink (`GpuModel.pcie_only`): there vLLM turns custom all-reduce off (not
+    every pair has NVLink P2P: custom_all_reduce.py, 0.19 and 0.32-0.34), no symmetric-
+    memory communicator runs (its size table lists capabilities 9.0 and 10.x only) and
+    NCCL has no NVSwitch to build NVLink SHARP buffers on, so the ranks all-reduce
+    through NCCL over PCIe and the run leaves what one GPU does (the L40S TP 4 record:
+    about 0.25 GiB)."""
+    if tensor_parallel_size <= 1 or (pcie_only_gpu and tensor_parallel_size > 2):
+        return rules.non_torch_single_gpu
+    return rules.non_torch_tensor_parallel
+
+
 def sampler_bytes_per_logit(rules: ProfileRules, flashinfer: bool = True) -> int:
     """The dummy sampler's peak per logit, with FlashInfer installed (vLLM's wheels
     require it from 0.11, its images ship it) or not."""
@@ -215,7 +233,8 @@ OVERHEAD_FORMULA = (
     " x act_bytes, tokens x hidden x act_bytes + max_num_seqs x vocab x 16 B"
     " (38 B on PyTorch's sort: vLLM 0.11.1-0.16, and <= 0.11.0 without FlashInfer));"
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
-    " for MoE;  non_torch = 0.25 GiB (TP 1) / 2.07 GiB (TP > 1);"
+    " for MoE;  non_torch = 0.25 GiB (TP 1, and TP > 2 on GPUs without NVLink) /"
+    " 2.07 GiB (other TP > 1);"
     " CUDA graphs (from vLLM 0.20) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
     " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB)"
 )
@@ -964,6 +983,7 @@ def estimate_overhead(
     release: str = "",
     flashinfer: bool = True,
     max_model_len: int | None = None,
+    pcie_only_gpu: bool = False,
 ) -> OverheadEstimate:
     """The profile run's peak over the weights: a forward pass of
     `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
@@ -972,7 +992,8 @@ def estimate_overhead(
     The two do not overlap, so the peak is the larger. `release` picks the runtime
     allowances (`PROFILES`); `flashinfer` whether FlashInfer is installed (the
     sampler's path). `max_model_len` (default: the model's) bounds the context of the
-    graph estimate's long sample where a release has one (`gdn_graph_transient`)."""
+    graph estimate's long sample where a release has one (`gdn_graph_transient`);
+    `pcie_only_gpu` whether the GPU has no NVLink (`non_torch_bytes`)."""
     c = text_config(config, layers.architecture)
     hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
     act_bytes = layers.model_dtype.size_bytes
@@ -990,9 +1011,7 @@ def estimate_overhead(
         sampler += max_num_batched_tokens * per_token * act_bytes
     logits = max_num_seqs * c.integer("vocab_size")
     sampler += logits * sampler_bytes_per_logit(rules, flashinfer)
-    non_torch = (
-        rules.non_torch_tensor_parallel if tensor_parallel_size > 1 else rules.non_torch_single_gpu
-    )
+    non_torch = non_torch_bytes(rules, tensor_parallel_size, pcie_only_gpu)
     graphs = cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens)
     logged = cudagraph_estimate(PROFILES["v1"], max_num_seqs, max_num_batched_tokens)
     # The PIECEWISE samples run first and their warmups leave activations cached in
