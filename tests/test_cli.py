@@ -383,7 +383,7 @@ def test_plan_prints_the_prefix_cache_line_and_answers_a_shared_prefix(
     assert main([*argv, "vllm-0.32", "--shared-prefix", "4,000"]) == 0
     out = capsys.readouterr().out
     assert (
-        "prefix cache: hits in 528-token units; shared prefixes under 1,056 tokens never hit; "
+        "prefix cache: hits in 528-token units; a prompt sent again hits only from 1,056 tokens; "
         "the drafter's groups drop the last matched block (528 tokens)"
     ) in out
     assert "shared prefix of 4,000 tokens: 3,168 served from cache" in out

@@ -12,10 +12,11 @@ from pathlib import Path
 from kvplan.cli import load_request
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
-from kvplan.core.prefix_cache import cached_tokens_after_junction, facts
+from kvplan.core.prefix_cache import cached_tokens, cached_tokens_after_junction, facts
 from kvplan.core.prefix_warnings import DIVERGING_TAIL_UNITS, what_if
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2
+from tests.test_fuzz_finds import find
 from tests.vllm_envs import vllm_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Runs in the release's venv with the repository on sys.path: plans the request
 # with the release (which leaves its KV cache manager's arguments behind), then
 # asks that manager for hits: ["first", stored, n, tail] is the first request
-# sharing n tokens after a stored prompt, ["later", ...] the one after that.
+# sharing n tokens after a stored prompt, ["later", ...] the one after that,
+# ["min", stored, n, 1] one sharing n tokens and going on one, on a new manager.
 VLLM_SIDE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -37,6 +39,8 @@ out = []
 for which, stored, n, tail in payload["probes"]:
     if which == "first":
         out.append(prefix_probe.vllm_hits(stored, [n], tail)[0])
+    elif which == "min":
+        out.append(prefix_probe.vllm_min_hits([(stored, n)])[0])
     else:
         out.append(prefix_probe.vllm_later_hit(stored, n, tail))
 print(json.dumps(out))
@@ -110,3 +114,19 @@ def test_later_requests_hit_at_the_shared_prefix_junction() -> None:
     later = cached_tokens_after_junction(setup, 4000, diverging, 4000 + tail)
     assert vllm == [answer.prefix_diverges, later] == [answer.prefix_diverges, answer.next_request]
     assert answer.prefix_diverges == 0 and answer.next_request == 3696
+
+
+def test_the_minimum_prefix_is_the_first_prompt_that_hits_when_repeated() -> None:
+    """conformance/finds/prefix-mtp-reprefilled-tail-hybrid (fuzz seed 13, fuzzx/x0788,
+    vLLM 0.32): 1-token hit units beside a 288-token Mamba block, the draft drop and
+    a 2-token reprefilled tail. The old minimum (unit + drop + tail) said 4; a prompt
+    stored and repeated with one more token first hits at 578 (288 tokens), and
+    vLLM 0.32's own manager misses at 4 and at every length from 572 to 577."""
+    request = find("prefix-mtp-reprefilled-tail-hybrid", "vllm-0.32")
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    f = facts(setup)
+    assert f.min_shared_prefix == 578 and f.min_shared_prefix_exact
+    lengths = [4, *range(572, 579)]
+    vllm = vllm_hits("0.32", request, [("min", n, n, 1) for n in lengths])
+    assert vllm == [cached_tokens(setup, n, n, n + 1) for n in lengths]
+    assert vllm == [0] * 7 + [288]

@@ -84,8 +84,9 @@ def prefix_warnings(
             PlanWarning(
                 WarningCode.PREFIX_UNIDENTIFIED_DRAFTER,
                 "no KV cache group was identified as the drafter's, so every group drops "
-                f"its last matched block: shared prefixes under {_fmt(facts.min_shared_prefix)} "
-                "tokens never hit; knob: mark the drafter's layers is_draft (LayerSpec.is_draft)",
+                "its last matched block: a prompt sent again hits only from "
+                f"{_fmt(facts.min_shared_prefix)} tokens; knob: mark the drafter's layers "
+                "is_draft (LayerSpec.is_draft)",
             )
         )
     elif facts.drop_tokens:
@@ -108,8 +109,8 @@ def prefix_warnings(
         out.append(
             PlanWarning(
                 WarningCode.PREFIX_LARGE_HIT_UNIT,
-                f"prefix cache hits in {_fmt(facts.unit)}-token units: shared prefixes under "
-                f"{_fmt(facts.min_shared_prefix)} tokens never hit; {cause}",
+                f"prefix cache hits in {_fmt(facts.unit)}-token units: a prompt sent again "
+                f"hits only from {_fmt(facts.min_shared_prefix)} tokens; {cause}",
             )
         )
     repeated_only = _repeated_prompts_only(setup, facts)

@@ -61,8 +61,12 @@ class ProfileRules:
     # (vLLM 0.19, H100, max_num_seqs 1,024) and 0.52 GiB with 51 + 35 to 256 (vLLM 0.21,
     # RTX A5000, max_num_seqs 256; LMCache#3430). The other 0.19 records logged
     # 0.57-1.69 GiB at 51 + 51 (kvplan 0.84): off by up to 0.85 GiB per worker (Llama at
-    # TP 2). The hybrid GDN models' profiling transient that 0.26-0.28 count as graph
-    # memory (vllm#50780) is `gdn_graph_transient_per_context_token`.
+    # TP 2), and four PCIe L40S 2.73 at 51 + 35 (kvplan 0.52; its graphs all-reduce
+    # through NCCL, the cause not pinned). Within 0.4 GiB on every TP 1 log; a per-piece
+    # model (layers + 1 graphs per PIECEWISE size) was tried and did no better
+    # (docs/capacity.md, "The CUDA-graph estimate"). The hybrid GDN models' profiling
+    # transient that 0.26-0.28 count as graph memory (vllm#50780) is
+    # `gdn_graph_transient_per_context_token`.
     cudagraph_bytes_per_piecewise_graph: int
     cudagraph_bytes_per_full_graph_token: int
     # The sampler's peak per logit when FlashInfer is not installed, where the release
@@ -203,6 +207,20 @@ def profile_rules(release: str) -> ProfileRules:
     return PROFILES["v1-0.26"] if (0, 26, 0) <= version < (0, 29, 0) else PROFILES["v1"]
 
 
+def non_torch_bytes(rules: ProfileRules, tensor_parallel_size: int, pcie_only_gpu: bool) -> int:
+    """The non-torch memory the profile run leaves per worker. At TP > 1 the
+    release's TP figure (0.19's H100 logs), except on more than two GPUs of a part
+    without NVLink (`GpuModel.pcie_only`): there vLLM turns custom all-reduce off (not
+    every pair has NVLink P2P: custom_all_reduce.py, 0.19 and 0.32-0.34), no symmetric-
+    memory communicator runs (its size table lists capabilities 9.0 and 10.x only) and
+    NCCL has no NVSwitch to build NVLink SHARP buffers on, so the ranks all-reduce
+    through NCCL over PCIe and the run leaves what one GPU does (the L40S TP 4 record:
+    about 0.25 GiB)."""
+    if tensor_parallel_size <= 1 or (pcie_only_gpu and tensor_parallel_size > 2):
+        return rules.non_torch_single_gpu
+    return rules.non_torch_tensor_parallel
+
+
 def sampler_bytes_per_logit(rules: ProfileRules, flashinfer: bool = True) -> int:
     """The dummy sampler's peak per logit, with FlashInfer installed (vLLM's wheels
     require it from 0.11, its images ship it) or not."""
@@ -216,7 +234,8 @@ OVERHEAD_FORMULA = (
     " x act_bytes, tokens x hidden x act_bytes + max_num_seqs x vocab x 16 B"
     " (38 B on PyTorch's sort: vLLM 0.11.1-0.16, and <= 0.11.0 without FlashInfer));"
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
-    " for MoE;  non_torch = 0.25 GiB (TP 1) / 2.07 GiB (TP > 1);"
+    " for MoE;  non_torch = 0.25 GiB (TP 1, and TP > 2 on GPUs without NVLink) /"
+    " 2.07 GiB (other TP > 1);"
     " CUDA graphs (from vLLM 0.20) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
     " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB);"
     " a vision model: max(encoder inputs + encoder forward, inputs + embeddings + the above)"
@@ -259,21 +278,22 @@ def gdn_graph_transient(
 ) -> int:
     """The transient `rules`' release counts as CUDA-graph memory on a hybrid GDN model
     (vllm#50780), 0 where it has none. The V1 runner (0.26-0.28 gpu_model_runner.
-    profile_cudagraph_memory) runs its first FULL sample, the largest FULL size N, with
-    every request's context at min(max_model_len, max_num_batched_tokens // N);
-    `_dummy_run` makes that batch min(max_num_seqs, ceil(N / q)) requests of q query
-    tokens (1 + the drafter's tokens). The transient is that context times the
-    per-token figure."""
+    profile_cudagraph_memory) runs its first FULL sample, the largest FULL decode size N
+    (capture sizes from q to q x max_num_seqs, q = 1 + the drafter's tokens), with every
+    request's context at min(max_model_len, max_num_batched_tokens // N); `_dummy_run`
+    makes that batch min(max_num_seqs, ceil(N / q)) requests. The transient is that
+    context times the per-token figure. The capture sizes are the ones without a
+    drafter (`cudagraph_capture_sizes`)."""
     per_token = rules.gdn_graph_transient_per_context_token
     gdn = [layer for layer in layers.layers if layer.mamba_type == "GDN_ATTENTION"]
     if not per_token or not gdn:
         return 0
+    query_len = 1 + gdn[0].num_speculative_blocks
     full = [size for size in cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens)
-            if size <= max_num_seqs]  # fmt: skip
+            if query_len <= size <= query_len * max_num_seqs]  # fmt: skip
     largest_full = max(full, default=0)
     if not largest_full:
         return 0
-    query_len = 1 + gdn[0].num_speculative_blocks
     requests = min(max_num_seqs, -(-largest_full // query_len))
     context = min(max_model_len, max_num_batched_tokens // largest_full)
     return requests * context * per_token
@@ -968,6 +988,7 @@ def estimate_overhead(
     flashinfer: bool = True,
     max_model_len: int | None = None,
     multimodal: MultimodalOptions | None = None,
+    pcie_only_gpu: bool = False,
 ) -> OverheadEstimate:
     """The profile run's peak over the weights: a forward pass of
     `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
@@ -980,7 +1001,8 @@ def estimate_overhead(
     sets a multimodal model's encoder item count with `multimodal`, vLLM's flags
     (kvplan.models.encoder): its encoder runs first, so the peak is then the larger of
     its inputs plus its forward, and its inputs and embeddings plus the decoder's
-    phases, which run while the encoder cache holds them."""
+    phases, which run while the encoder cache holds them; `pcie_only_gpu` whether the
+    GPU has no NVLink (`non_torch_bytes`)."""
     c = text_config(config, layers.architecture)
     hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
     act_bytes = layers.model_dtype.size_bytes
@@ -998,9 +1020,7 @@ def estimate_overhead(
         sampler += max_num_batched_tokens * per_token * act_bytes
     logits = max_num_seqs * c.integer("vocab_size")
     sampler += logits * sampler_bytes_per_logit(rules, flashinfer)
-    non_torch = (
-        rules.non_torch_tensor_parallel if tensor_parallel_size > 1 else rules.non_torch_single_gpu
-    )
+    non_torch = non_torch_bytes(rules, tensor_parallel_size, pcie_only_gpu)
     graphs = cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens)
     logged = cudagraph_estimate(PROFILES["v1"], max_num_seqs, max_num_batched_tokens)
     # The PIECEWISE samples run first and their warmups leave activations cached in

@@ -151,7 +151,7 @@ def _codes(setup: PrefixCacheSetup, spec_decode: bool = True) -> dict[WarningCod
 def test_an_unidentified_drafter_names_is_draft() -> None:
     codes = _codes(_qwen_like(block_drop=True, flagged=False))
     assert "is_draft" in codes[WarningCode.PREFIX_UNIDENTIFIED_DRAFTER]
-    assert "4,192 tokens never hit" in codes[WarningCode.PREFIX_UNIDENTIFIED_DRAFTER]
+    assert "hits only from 4,192 tokens" in codes[WarningCode.PREFIX_UNIDENTIFIED_DRAFTER]
     assert WarningCode.PREFIX_DRAFT_DROP not in codes
 
 

@@ -20,6 +20,7 @@ from kvplan.models.weights import (
     profile_rules,
     sampler_bytes_per_logit,
 )
+from tests.vllm_envs import run_in_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,9 +108,91 @@ def test_the_context_of_the_long_sample() -> None:
     _, layers = _qwen36()
     # A short max_model_len caps each request's context: min(1,024, 32,768 // 256).
     assert gdn_graph_transient(rules, layers, 256, 32_768, 100) == 256 * 100 * per_token
-    # With a drafter of 3 tokens the FULL batch of 256 tokens is ceil(256 / 4) = 64
-    # requests (vLLM's _dummy_run), each with 32,768 // 256 = 128 tokens of context.
+    # With a drafter of 3 tokens the FULL decode sizes run to 4 x 256 tokens, capped at
+    # 512: that batch is 512 / 4 = 128 requests, each with 32,768 // 512 = 64 tokens of
+    # context (vLLM's dispatcher and _dummy_run; the side check below runs them).
     _, mtp = _qwen36(Speculative("mtp", 3))
-    assert gdn_graph_transient(rules, mtp, 256, 32_768, 32_768) == 64 * 128 * per_token
+    assert gdn_graph_transient(rules, mtp, 256, 32_768, 32_768) == 128 * 64 * per_token
     # A release whose estimate runs no long sample (Model Runner V2 from 0.29): nothing.
     assert gdn_graph_transient(profile_rules("vllm-0.33"), layers, 256, 32_768, 32_768) == 0
+
+
+# (max_num_seqs, max_num_batched_tokens, max_model_len, drafter tokens): vllm serve's
+# GPU default, vllm#50780's graph set (PIECEWISE=7, FULL=5: 16 sequences), a short
+# max_model_len that caps the context, and an MTP drafter of 3 tokens.
+GRAPH_PROFILE_CASES = [
+    (256, 8192, 32_768, 0),
+    (16, 32_768, 262_144, 0),
+    (256, 8192, 20, 0),
+    (256, 8192, 32_768, 3),
+    (64, 4096, 32_768, 1),
+]
+
+
+@pytest.mark.parametrize("release", ["0.33"])
+def test_the_long_sample_is_the_one_vllms_v1_profiler_takes(release: str) -> None:
+    # vLLM's own V1 profile_cudagraph_memory (0.33 still ships the V1 runner, with the
+    # same profiler as 0.26-0.28's but for a ROCm stream fix; 0.32's passes too): exactly
+    # one sample asks for a context, the first FULL one, and its requests x context is
+    # what kvplan charges per token.
+    script = str(Path(__file__).with_name("vllm_graph_profile_side.py"))
+    answers = run_in_vllm(release, [script], GRAPH_PROFILE_CASES, timeout=240)
+    rules = profile_rules("0.27.0")
+    per_token = rules.gdn_graph_transient_per_context_token
+    for (seqs, tokens, max_len, spec), samples in zip(GRAPH_PROFILE_CASES, answers, strict=True):
+        long = [sample for sample in samples if sample[3] is not None]
+        assert len(long) == 1, (release, seqs, samples)
+        mode, num_tokens, requests, context = long[0]
+        full = [sample for sample in samples if sample[0] == "FULL"]
+        assert mode == "FULL" and full[0] == long[0], samples
+        assert samples[0][0] == "PIECEWISE"  # the PIECEWISE samples run first
+        # The dispatcher's requests for that batch are _dummy_run's: ceil(N / q), capped.
+        assert requests == min(seqs, -(-num_tokens // (1 + spec))), long[0]
+        _, layers = _qwen36(Speculative("mtp", spec) if spec else None)
+        ours = gdn_graph_transient(rules, layers, seqs, tokens, max_len)
+        assert ours == requests * context * per_token, (release, seqs, tokens, long[0])
+
+
+def test_a_plan_for_a_0_27_engine_reserves_the_transient() -> None:
+    # The path `plan --model`, `capacity` and `calibrate` take: the release and the
+    # length reach the estimate, and the transient lands in the non-KV memory.
+    from kvplan.models.request import ModelPlanOptions, build_plan_request
+
+    config, layers = _qwen36()
+
+    def non_kv(release: str, max_model_len: int) -> int:
+        options = ModelPlanOptions(
+            gpu="H100",
+            max_model_len=max_model_len,
+            max_num_seqs=256,
+            max_num_batched_tokens=32_768,
+            engine_release=release,
+        )
+        return build_plan_request(config, options)[1].non_kv_bytes
+
+    rules = profile_rules("0.27.0")
+    graphs = cudagraph_estimate(rules, 256, 32_768)
+    # 256 requests x min(max_model_len, 32,768 // 256 = 128) tokens of context.
+    for max_model_len, context in ((8192, 128), (64, 64)):
+        transient = gdn_graph_transient(rules, layers, 256, 32_768, max_model_len)
+        assert transient == 256 * context * rules.gdn_graph_transient_per_context_token
+        added = non_kv("0.27.0", max_model_len) - non_kv("0.25.1", max_model_len)
+        assert added == transient - graphs, max_model_len
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
+def test_the_releases_kvplan_plans_for_run_gdn_models_on_model_runner_v2(
+    release: str, tmp_path: Path
+) -> None:
+    # Why the `v1` row (0.29 on) has no transient: vllm#53183 (0.29.0) made Model Runner
+    # V2, whose graph profiler takes no long-context sample, the default for every
+    # model. 0.32 and 0.33 still ship the V1 runner and pick V2 for Qwen3.6-27B; 0.34
+    # ships only V2.
+    side = str(Path(__file__).with_name("vllm_runner_choice_side.py"))
+    path = str(ROOT / "examples/models/qwen3.6-27b")
+    answer = run_in_vllm(release, [side], {"path": path}, cache_root=tmp_path)
+    if release == "0.34":
+        assert answer["v1_runner_shipped"] is False, answer
+    else:
+        assert answer == {"v1_runner_shipped": True, "v2_by_default": True, "unsupported": []}
+    assert profile_rules(f"vllm-{release}").gdn_graph_transient_per_context_token == 0

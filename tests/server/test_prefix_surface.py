@@ -69,7 +69,8 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
             # Mamba state) and the next one's hit are 3,168.
             assert pc.what_if.cached_tokens_next_request == answer.next_request == 3168
             assert summary(pc).startswith(
-                "prefix cache: hits in 528-token units; shared prefixes under 1,056 tokens"
+                "prefix cache: hits in 528-token units; a prompt sent again hits only from "
+                "1,056 tokens"
             )
             codes = {plan_pb2.WarningCode.Name(w.code) for w in response.diagnostics.warnings}
             assert {
