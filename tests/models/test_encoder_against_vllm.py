@@ -8,7 +8,8 @@ own code in the 0.32 CPU venv (tests/models/vllm_encoder_side.py):
   sizes (the peak does not grow with the depth, and grows linearly with the patches);
 * the embeddings they return (what the encoder cache holds through the decoder run);
 * the encoder budget and the number of items profiled (vLLM's
-  compute_mm_encoder_budget and MultiModalBudget._get_max_items) for 42 settings.
+  compute_mm_encoder_budget and MultiModalBudget._get_max_items) for 42 settings;
+* the flags, as vLLM's own argparse reads them (0.32 and 0.34).
 """
 
 from __future__ import annotations
@@ -18,8 +19,17 @@ import json
 import socket
 from pathlib import Path
 
+import pytest
+
+from kvplan.cli import build_parser
+from kvplan.models.cli import options_from_args
 from kvplan.models.config import HFConfig
-from kvplan.models.encoder import encoder_items, forward_peak_bytes, vision_tower
+from kvplan.models.encoder import (
+    MultimodalOptions,
+    encoder_items,
+    forward_peak_bytes,
+    vision_tower,
+)
 from tests.vllm_envs import run_in_vllm
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -109,3 +119,40 @@ def test_encoder_peak_outputs_and_budget_against_vllm(tmp_path: Path) -> None:
     ours = [list(encoder_items(tokens, limit, length, batched, seqs))
             for tokens, batched, seqs, length, limit in BUDGETS]  # fmt: skip
     assert answer["budgets"] == ours
+
+
+VLLM_FLAGS = """
+import json, sys
+from vllm.platforms import current_platform
+current_platform.device_type = "cpu"  # the CPU build names no device; argparse needs one
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+AsyncEngineArgs.add_cli_args(parser)
+answers = []
+for argv in json.load(sys.stdin):
+    args = parser.parse_args(["--model", "m", *argv])
+    answers.append([args.skip_mm_profiling, args.limit_mm_per_prompt, args.language_model_only])
+print(json.dumps(answers))
+"""
+FLAG_CASES = [
+    ["--skip-mm-profiling"],
+    ["--limit-mm-per-prompt", '{"image": 2, "video": 0}'],
+    ["--limit-mm-per-prompt", '{"image": {"count": 1}}'],
+    ["--language-model-only"],
+    ["--skip-mm-profiling", "--limit-mm-per-prompt", '{"image": 0}'],
+]
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.34"])
+def test_the_flags_parse_as_vllm_parses_them(release: str) -> None:
+    """vLLM's own argparse (AsyncEngineArgs.add_cli_args) and kvplan's read the same
+    multimodal flags to the same settings."""
+    theirs = run_in_vllm(release, ["-c", VLLM_FLAGS], FLAG_CASES)
+    parser = build_parser()
+    for argv, (skip, limits, text_only) in zip(FLAG_CASES, theirs, strict=True):
+        args = parser.parse_args(["plan", "--model", str(MODELS / "gemma-3-27b"), *argv])
+        ours = options_from_args(args).multimodal
+        counts = {key: value["count"] if isinstance(value, dict) else value
+                  for key, value in limits.items()}  # fmt: skip
+        assert ours == MultimodalOptions(bool(skip), counts, bool(text_only)), argv
