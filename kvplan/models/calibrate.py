@@ -17,6 +17,7 @@ single-group model both agree to within one request's rounding.
 from __future__ import annotations
 
 import ast
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,13 @@ _ACTUAL_CONSUMED = re.compile(r"([0-9.]+) GiB for consumed memory \(weights \+ n
 _NO_FLASHINFER = re.compile(
     r"FlashInfer is not available\. Falling back|FlashInfer top-p/top-k sampling unavailable"
 )
+# A multimodal model's profile run (vLLM 0.19-0.34's GPU model runner): "Encoder cache
+# will be initialized with a budget of 8192 tokens, and profiled with 32 image items of
+# the maximum feature size."
+_ENCODER = re.compile(
+    r"Encoder cache will be initialized with a budget of ([0-9]+) tokens, and profiled "
+    r"with ([0-9]+) (\w+) items"
+)
 _BLOCKS_V0 = re.compile(r"(?:^|[#\s])GPU blocks: ([0-9]+)")
 _CONFIG_FIELDS = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|[^,]*)")
 
@@ -119,6 +127,9 @@ class StartupLog:
     # Batch settings the engine's own lines state (scheduler, compile range, graph counts).
     max_num_batched_tokens: int | None = None
     max_num_seqs_from_graphs: int | None = None
+    # The encoder part of a multimodal model's profile run: budget (tokens), items
+    encoder_budget: int | None = None
+    encoder_items: int | None = None
 
 
 def parse_log(text: str) -> StartupLog:
@@ -152,6 +163,8 @@ def parse_log(text: str) -> StartupLog:
             log.engine = "v0"
         if _NO_FLASHINFER.search(line):
             log.flashinfer = False
+        if match := _ENCODER.search(line):
+            log.encoder_budget, log.encoder_items = int(match.group(1)), int(match.group(2))
         if match := _BLOCKS_V0.search(line):
             log.num_gpu_blocks = int(match.group(1))
         if match := _AVAILABLE.search(line):
@@ -245,6 +258,12 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
         out["block_size"] = int(args["block_size"])
     if not log.flashinfer:  # the sampler's fallback line
         out["no_flashinfer"] = True
+    for dest in ("skip_mm_profiling", "language_model_only"):  # a multimodal model's flags
+        if args.get(dest):
+            out[dest] = True
+    limits = args.get("limit_mm_per_prompt")
+    if isinstance(limits, dict):
+        out["limit_mm_per_prompt"] = json.dumps(limits)
     return out
 
 

@@ -22,6 +22,7 @@ from kvplan.models.chart import (
     write_chart,
 )
 from kvplan.models.config import HFConfig, ModelConfigError, load_config
+from kvplan.models.encoder import MultimodalOptions, parse_limit_mm_per_prompt
 from kvplan.models.fit import TP_CANDIDATES, catalog_name, explain_no_fit, name_gpus
 from kvplan.models.importer import Speculative
 from kvplan.models.request import (
@@ -169,6 +170,9 @@ MODEL_ONLY_OPTIONS = {
     "enable_prefix_caching": "--enable-prefix-caching / --disable-prefix-caching",
     "block_size": "--block-size",
     "non_kv_bytes": "--non-kv-bytes",
+    "skip_mm_profiling": "--skip-mm-profiling",
+    "limit_mm_per_prompt": "--limit-mm-per-prompt",
+    "language_model_only": "--language-model-only",
 }
 
 
@@ -247,6 +251,26 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         "--max-num-batched-tokens",
         type=parse_batch_tokens,
         help="tokens per step; default: vllm serve's for the device (2K/8K/16K by memory)",
+    )
+    parser.add_argument(
+        "--skip-mm-profiling",
+        action="store_true",
+        default=None,
+        help="a multimodal model: vLLM skips the vision encoder's profile run, so the "
+        "estimate leaves it out",
+    )
+    parser.add_argument(
+        "--limit-mm-per-prompt",
+        metavar="JSON",
+        help='items per prompt by modality, as vLLM takes it (\'{"image": 2, "video": 0}\'); '
+        "sets how many dummy items the encoder is profiled with; 0 for every modality "
+        "leaves the vision tower unloaded",
+    )
+    parser.add_argument(
+        "--language-model-only",
+        action="store_true",
+        default=None,
+        help="a multimodal model without its vision tower (every modality limit 0, as vLLM's)",
     )
     parser.add_argument(
         "--dtype",
@@ -372,6 +396,15 @@ def options_from_args(args: argparse.Namespace) -> ModelPlanOptions:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         max_num_seqs=args.max_num_seqs,
+        multimodal=MultimodalOptions(
+            skip_mm_profiling=bool(args.skip_mm_profiling),
+            limit_mm_per_prompt=(
+                parse_limit_mm_per_prompt(args.limit_mm_per_prompt)
+                if args.limit_mm_per_prompt is not None
+                else {}
+            ),
+            language_model_only=bool(args.language_model_only),
+        ),
     )
 
 
@@ -451,12 +484,22 @@ def non_kv_lines(inputs: ModelPlanInputs) -> list[str]:
         stages = "; per pipeline stage " + " / ".join(
             _gib(value) for value in weights.bytes_per_stage
         )
-    return [
+    lines = [
         f"    weights: {_gib(weights.bytes_per_worker)} ({weights.params.total / 1e9:,.2f}B "
         f"params, {quantization}{stages})",
         f"    activations + runtime: {_gib(overhead.total_bytes)} ({overhead.formula}); "
         "override with --non-kv-bytes",
     ]
+    encoder = overhead.encoder
+    if encoder is not None:  # what vLLM logs as "Encoder cache will be initialized ..."
+        lines.append(
+            f"    vision encoder profile: budget {encoder.encoder_budget:,} tokens, "
+            f"{encoder.items} {encoder.modality} item(s) of {encoder.tokens_per_item:,} tokens; "
+            f"its phase {_gib(encoder.encoder_phase_bytes)} (dummy inputs + forward), "
+            f"{_gib(encoder.held_bytes)} held through the decoder's "
+            "(--skip-mm-profiling leaves it out)"
+        )
+    return lines
 
 
 Planner = Callable[[plan_pb2.PlanRequest], plan_pb2.PlanResponse]
@@ -1082,6 +1125,14 @@ def calibrate_command(args: argparse.Namespace) -> int:
                    if inputs.overhead is not None else None, "GiB"),
     ]  # fmt: skip
     overhead = inputs.overhead
+    encoder = overhead.encoder if overhead is not None else None
+    if log.encoder_budget is not None:  # the log's "Encoder cache will be initialized" line
+        rows += [
+            Comparison("encoder budget of the profile run (tokens)", float(log.encoder_budget),
+                       _num(encoder.encoder_budget if encoder else None), "tokens"),
+            Comparison("encoder items profiled", _num(log.encoder_items),
+                       _num(encoder.items if encoder else None), "items"),
+        ]  # fmt: skip
     rows += component_rows(
         log, inputs.weights.bytes_per_worker if inputs.weights is not None else None,
         overhead.activation_peak_bytes if overhead is not None else None,

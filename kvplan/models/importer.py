@@ -777,6 +777,11 @@ def architecture_of(config: HFConfig) -> str:
 # Fields a published config may omit because its transformers config class fills them;
 # the importer fills exactly these (and says so), never anything else.
 _GEMMA3_TEXT_DEFAULTS: dict[str, object] = {
+    # Gemma3TextConfig's defaults (transformers 4.5x), which Gemma 3 4B's file relies on
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
     "max_position_embeddings": 131072,
     "vocab_size": 262208,
     "sliding_window_pattern": 6,

@@ -13,6 +13,7 @@ from typing import Any
 from kvplan.gpus import UnknownGpu, lookup_gpu
 from kvplan.models.block_sizes import block_size_problem, platform_of
 from kvplan.models.config import HFConfig, ModelConfigError
+from kvplan.models.encoder import MultimodalOptions, tower_built, vision_tower
 from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
 from kvplan.models.weights import (
     OverheadEstimate,
@@ -79,6 +80,9 @@ class ModelPlanOptions:
     # Decoder layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION lists them;
     # None: vLLM's own partition.
     pp_layer_partition: tuple[int, ...] | None = None
+    # vLLM's --skip-mm-profiling, --limit-mm-per-prompt and --language-model-only: the
+    # encoder's part of the profile run, and whether the vision tower is loaded.
+    multimodal: MultimodalOptions = field(default_factory=MultimodalOptions)
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,18 @@ def parse_speculative(text: str, draft_config: HFConfig | None = None) -> Specul
             f"speculative setting {text!r}: expected METHOD:TOKENS, e.g. mtp:1 or eagle3:3"
         )
     return Speculative(method.strip().lower(), int(tokens), draft_config)
+
+
+def _as_loaded(config: HFConfig, multimodal: MultimodalOptions) -> HFConfig:
+    """The config as vLLM builds the model: without the vision tower where every
+    modality it serves has a limit of 0 (vLLM's _mark_tower_model skips building and
+    loading it)."""
+    if vision_tower(config, 1) is None or tower_built(config, multimodal):
+        return config
+    data = {key: value for key, value in config.data.items() if key != "vision_config"}
+    loaded = HFConfig(data, config.path, config.source)
+    loaded.defaulted = config.defaulted
+    return loaded
 
 
 def build_plan_request(
@@ -167,13 +183,20 @@ def build_plan_request(
         total_non_kv = options.non_kv_bytes
     else:
         weights = estimate_weights(
-            config, layers, tp, pp, gpu_arch, options.quantization, options.pp_layer_partition
+            _as_loaded(config, options.multimodal),
+            layers,
+            tp,
+            pp,
+            gpu_arch,
+            options.quantization,
+            options.pp_layer_partition,
         )
         release = options.engine_release or options.engine_version
         overhead = estimate_overhead(
             config, layers, tp, batched, max_num_seqs, release, options.flashinfer,
             max_model_len=options.max_model_len,  # None or -1 (auto): the model's
             pcie_only_gpu=pcie_only,
+            multimodal=options.multimodal,
         )  # fmt: skip
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
@@ -252,7 +275,9 @@ def build_plan_request(
         overhead=overhead,
         non_kv_bytes=total_non_kv,
         non_kv_given=options.non_kv_bytes is not None,
-        notes=layers.notes + _graph_estimate_notes(tp, pcie_only, overhead),
+        notes=layers.notes
+        + _graph_estimate_notes(tp, pcie_only, overhead)
+        + _multimodal_notes(config, options, overhead is not None),
     )
     return request, inputs
 
@@ -273,6 +298,28 @@ def _graph_estimate_notes(
         "counts; the KV budget may be about 2 GiB per worker smaller than planned "
         "(--non-kv-bytes takes a measured figure)",
     )
+
+
+def _multimodal_notes(
+    config: HFConfig, options: ModelPlanOptions, estimated: bool
+) -> tuple[str, ...]:
+    """Said where the multimodal flags or a vision tower are not modelled, rather than
+    left silent."""
+    multimodal = options.multimodal
+    flags = multimodal != MultimodalOptions()
+    if config.sub("vision_config") is None:
+        if flags:
+            return (
+                "the model has no vision tower: --skip-mm-profiling, --limit-mm-per-prompt "
+                "and --language-model-only change nothing (vLLM ignores them too)",
+            )
+        return ()
+    if vision_tower(config, 1) is None and estimated:
+        return ("vLLM also loads and profiles this model's vision tower, which kvplan does "
+                "not estimate for this family (Gemma 3 and Qwen3.5 / 3.6 only): the non-KV "
+                "estimate leaves its weights and its encoder run out; --non-kv-bytes takes a "
+                "measured figure",)  # fmt: skip
+    return ()
 
 
 def auto_fit_request(request: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:

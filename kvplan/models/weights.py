@@ -17,6 +17,7 @@ from fnmatch import fnmatch
 from itertools import takewhile
 
 from kvplan.models.config import HFConfig, ModelConfigError
+from kvplan.models.encoder import EncoderProfile, MultimodalOptions, encoder_profile
 from kvplan.models.importer import ARCHITECTURES, ModelLayers, pipeline_stage_bounds, text_config
 
 GIB = 1 << 30
@@ -236,7 +237,8 @@ OVERHEAD_FORMULA = (
     " for MoE;  non_torch = 0.25 GiB (TP 1, and TP > 2 on GPUs without NVLink) /"
     " 2.07 GiB (other TP > 1);"
     " CUDA graphs (from vLLM 0.20) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
-    " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB)"
+    " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB);"
+    " a vision model: max(encoder inputs + encoder forward, inputs + embeddings + the above)"
 )
 
 # vLLM's default capture list (config/vllm.py `_set_cudagraph_sizes`, the same in
@@ -338,6 +340,8 @@ class OverheadEstimate:
     cudagraph_logged_bytes: int = 0
     formula: str = OVERHEAD_FORMULA
     release: str = "vLLM >= 0.20"
+    # A multimodal model's encoder run (in the activation peak), None where none runs.
+    encoder: EncoderProfile | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -984,6 +988,7 @@ def estimate_overhead(
     flashinfer: bool = True,
     max_model_len: int | None = None,
     pcie_only_gpu: bool = False,
+    multimodal: MultimodalOptions | None = None,
 ) -> OverheadEstimate:
     """The profile run's peak over the weights: a forward pass of
     `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
@@ -993,7 +998,11 @@ def estimate_overhead(
     allowances (`PROFILES`); `flashinfer` whether FlashInfer is installed (the
     sampler's path). `max_model_len` (default: the model's) bounds the context of the
     graph estimate's long sample where a release has one (`gdn_graph_transient`);
-    `pcie_only_gpu` whether the GPU has no NVLink (`non_torch_bytes`)."""
+    `pcie_only_gpu` whether the GPU has no NVLink (`non_torch_bytes`); `multimodal`,
+    vLLM's flags, sets a multimodal model's encoder item count (kvplan.models.encoder):
+    its encoder runs first, so the peak is then the larger of its inputs plus its
+    forward, and its inputs and embeddings plus the decoder's phases, which run while
+    the encoder cache holds them."""
     c = text_config(config, layers.architecture)
     hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
     act_bytes = layers.model_dtype.size_bytes
@@ -1024,4 +1033,16 @@ def estimate_overhead(
         max_model_len if max_model_len and max_model_len > 0 else layers.derived_max_model_len,
     )  # fmt: skip
     graphs, logged = max(graphs, transient), max(logged, transient)
-    return OverheadEstimate(max(forward, sampler), non_torch, graphs, logged, release=rules.name)
+    encoder = encoder_profile(
+        config,
+        tensor_parallel_size,
+        act_bytes,
+        max_model_len if max_model_len and max_model_len > 0 else layers.derived_max_model_len,
+        max_num_batched_tokens,
+        max_num_seqs,
+        multimodal or MultimodalOptions(),
+    )
+    peak = max(forward, sampler)
+    if encoder is not None:
+        peak = max(encoder.encoder_phase_bytes, encoder.held_bytes + peak)
+    return OverheadEstimate(peak, non_torch, graphs, logged, release=rules.name, encoder=encoder)

@@ -49,6 +49,7 @@ CASES: tuple[tuple[str, int, str], ...] = (
     ("phi-4", 2, "auto"),  # 10 KV heads: 5 per rank
     ("gemma-2-9b", 2, "auto"),
     ("gemma-3-27b", 2, "auto"),
+    ("gemma-3-4b", 1, "auto"),  # 4 KV heads x 256, heads and head size from the defaults
     ("gpt-oss-120b", 1, "auto"),
     ("gpt-oss-120b", 8, "fp8"),
     ("llama-4-defaults", 8, "auto"),

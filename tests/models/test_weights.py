@@ -26,6 +26,7 @@ PUBLISHED_PARAMS: dict[str, tuple[float, str]] = {
     "deepseek-v3": (671e9, "huggingface.co/deepseek-ai/DeepSeek-V3: 671B main model + 14B MTP"),
     "gemma-2-9b": (9.24e9, "huggingface.co/google/gemma-2-9b: 9.24B params (safetensors)"),
     "gemma-3-27b": (27.4e9, "huggingface.co/google/gemma-3-27b-it: 27B + 0.4B SigLIP vision"),
+    "gemma-3-4b": (4.3e9, "huggingface.co/google/gemma-3-4b-it: 4.3B params (safetensors)"),
     "gpt-oss-120b": (116.8e9, "openai gpt-oss model card: 116.83B total parameters"),
     "llama-3.1-8b": (8.03e9, "huggingface.co/meta-llama/Llama-3.1-8B-Instruct: 8.03B"),
     "mistral-7b-v0.3": (7.25e9, "huggingface.co/mistralai/Mistral-7B-Instruct-v0.3: 7.25B"),

@@ -1,0 +1,251 @@
+"""The vision encoder's part of vLLM's profile run (multimodal models).
+
+Before it sizes the KV cache, vLLM's GPU model runner (`profile_run`, 0.19-0.34) runs
+a multimodal model's encoder on a dummy batch of the modality with the most tokens per
+item, each item of the largest size, and keeps the embeddings in the encoder cache
+while the decoder's dummy forward and the sampler run; the dummy inputs stay on the
+device until the run ends. So the run's torch peak is the larger of
+
+* the dummy inputs plus the encoder forward's own peak, and
+* the dummy inputs plus the embeddings plus the decoder forward's or sampler's peak.
+
+The number of items is vLLM's `MultiModalBudget`: the encoder budget is
+`max(max_num_batched_tokens, tokens per item)` (the compute budget and the cache size
+start at `max_num_batched_tokens`, `compute_mm_encoder_budget`), and the profile runs
+`max(1, min(budget // tokens per item, max_num_seqs x items per prompt))` items, with
+items per prompt `max(1, min(limit, max_model_len // tokens per item))`; the limit is
+`--limit-mm-per-prompt`'s (999 when not given). `--skip-mm-profiling` skips this part;
+a limit of 0 for every modality of the tower (`--language-model-only` sets them all)
+skips it and leaves the tower unbuilt (`_mark_tower_model`), so its weights are not
+loaded either.
+
+The encoder peaks are per patch, counted the way vLLM's own towers allocate on a
+forward (tests/models/test_encoder_against_vllm.py runs them on the CPU):
+
+* Gemma 3 (SigLIP + Gemma3MultiModalProjector): the peak is in an encoder layer's MLP:
+  four hidden-size streams (the embeddings the encoder keeps, the layer's input, the
+  post-attention residual, the normed copy) and fc1's output and its GELU
+  (intermediate / TP each).
+* Qwen3.5 / 3.6 (Qwen3_VisionTransformer): the peak is at the attention's output
+  projection: the position embeddings, the layer's input, its normed copy and the
+  projection's output (hidden each), beside QKV (3 x hidden / TP), the contiguous Q/K
+  (2 / TP), the rotated Q/K (2 / TP) and the attention output (1 / TP); plus the rotary
+  cos/sin per patch (head_dim). The position ids are built on the host (vLLM keeps one
+  item's in a host-side cache) and their device copy is freed before the layers run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvplan.models.config import HFConfig, ModelConfigError
+
+# vLLM's limit per prompt for a modality --limit-mm-per-prompt does not name
+# (MultiModalConfig.get_limit_per_prompt, 0.32-0.34).
+DEFAULT_LIMIT_PER_PROMPT = 999
+
+# Qwen3.5 / 3.6's image processor (Qwen2VLImageProcessorFast, the checkpoints'
+# preprocessor_config.json: size.longest_edge 16,777,216 pixels, which config.json does
+# not carry): the largest image is 4,096 x 4,096 pixels, 256 x 256 patches of 16, 16,384
+# tokens after the 2 x 2 merge. Public startup logs of Qwen3.5 checkpoints print "Encoder
+# cache will be initialized with a budget of 16384 tokens, and profiled with 1 image
+# items" at 8,192 batched tokens: the image, not the video, is the profiled modality.
+QWEN3_VL_MAX_IMAGE_PIXELS = 16_777_216
+
+
+@dataclass(frozen=True)
+class MultimodalOptions:
+    """vLLM's multimodal flags that change the start-up profile."""
+
+    skip_mm_profiling: bool = False  # --skip-mm-profiling
+    # --limit-mm-per-prompt as vLLM takes it ({"image": 2, "video": 0}); absent: 999
+    limit_mm_per_prompt: Mapping[str, int] = field(default_factory=dict)
+    language_model_only: bool = False  # --language-model-only: every limit 0
+
+    def limit(self, modality: str) -> int:
+        if self.language_model_only:
+            return 0
+        return self.limit_mm_per_prompt.get(modality, DEFAULT_LIMIT_PER_PROMPT)
+
+
+def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
+    """`--limit-mm-per-prompt '{"image": 2, "video": 0}'` (vLLM's JSON form; a value
+    may also be an object with a `count`, as vLLM 0.32-0.34 accept)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ModelConfigError(
+            f"--limit-mm-per-prompt {text!r}: not JSON ({error.msg}); give e.g. "
+            '\'{"image": 2, "video": 0}\''
+        ) from None
+    if not isinstance(data, dict):
+        raise ModelConfigError(
+            f"--limit-mm-per-prompt {text!r}: expected a JSON object of modality: count"
+        )
+    limits = {}
+    for modality, value in data.items():
+        count = value.get("count") if isinstance(value, dict) else value
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ModelConfigError(
+                f"--limit-mm-per-prompt: {modality!r} must be a count >= 0, got {value!r}"
+            )
+        limits[str(modality)] = count
+    return limits
+
+
+@dataclass(frozen=True)
+class Tower:
+    """One vision tower as the profile run sees it: per item, per patch, per rank."""
+
+    modalities: tuple[str, ...]  # the limits that decide whether it is built
+    tokens_per_item: int  # embeddings per item of the largest size
+    patches_per_item: int
+    # the dummy pixels on the device, in the model dtype (vLLM's processor casts them)
+    input_elements_per_item: int
+    peak_elements_per_patch: int  # at the forward's peak, in the model dtype
+    output_hidden: int  # width of the embeddings handed to the decoder
+
+
+def _siglip_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    patch = vision.integer("patch_size")
+    size = vision.integer("image_size")
+    channels = vision.integer("num_channels", 3)
+    text = config.sub("text_config")
+    text_hidden = text.integer("hidden_size") if text is not None else width
+    return Tower(
+        modalities=("image",),
+        # Pan-and-scan is off by default: one crop, mm_tokens_per_image embeddings.
+        tokens_per_item=config.integer("mm_tokens_per_image", 256),
+        patches_per_item=(size // patch) ** 2,
+        input_elements_per_item=channels * size * size,
+        peak_elements_per_patch=4 * width + 2 * -(-inter // tp),
+        output_hidden=text_hidden,
+    )
+
+
+def _qwen3_vit_tower(vision: HFConfig, tp: int) -> Tower:
+    width = vision.integer("hidden_size")
+    heads = vision.integer("num_heads")
+    patch = vision.integer("patch_size")
+    merge = vision.integer("spatial_merge_size")
+    temporal = vision.integer("temporal_patch_size")
+    channels = vision.integer("in_channels", 3)
+    side = int(QWEN3_VL_MAX_IMAGE_PIXELS**0.5) // patch  # patches per side, largest image
+    patches = side * side
+    per_rank = -(-width // tp)
+    return Tower(
+        modalities=("image", "video"),
+        tokens_per_item=patches // (merge * merge),
+        patches_per_item=patches,
+        input_elements_per_item=patches * channels * temporal * patch * patch,
+        peak_elements_per_patch=4 * width + 8 * per_rank + width // heads,
+        output_hidden=vision.integer("out_hidden_size"),
+    )
+
+
+def forward_peak_bytes(tower: Tower, patches: int, dtype_bytes: int) -> int:
+    """The encoder forward's peak over its inputs and weights, for `patches` patches."""
+    return patches * tower.peak_elements_per_patch * dtype_bytes
+
+
+def vision_tower(config: HFConfig, tp: int) -> Tower | None:
+    """The tower of a multimodal checkpoint kvplan models, else None (text-only
+    models; a vision_config of another kind is an error, not a silent zero)."""
+    vision = config.sub("vision_config")
+    if vision is None:
+        return None
+    model_type = config.text("model_type", "")
+    if model_type == "gemma3" and vision.text("model_type", "") == "siglip_vision_model":
+        return _siglip_tower(config, vision, tp)
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
+        return _qwen3_vit_tower(vision, tp)
+    return None
+
+
+def tower_built(config: HFConfig, options: MultimodalOptions) -> bool:
+    """Whether vLLM builds (and loads) the tower: not when every modality it serves
+    has a limit of 0 (`--language-model-only`, `--limit-mm-per-prompt`)."""
+    tower = vision_tower(config, 1)
+    return tower is not None and any(options.limit(m) > 0 for m in tower.modalities)
+
+
+@dataclass(frozen=True)
+class EncoderProfile:
+    """What vLLM's profile run does with the encoder, per rank."""
+
+    modality: str
+    tokens_per_item: int
+    encoder_budget: int  # tokens: "Encoder cache will be initialized with a budget of"
+    items: int  # "... and profiled with N image items of the maximum feature size"
+    input_bytes: int  # the dummy batch on the device, held through the whole run
+    forward_peak_bytes: int  # the encoder forward's peak over its inputs
+    output_bytes: int  # embeddings kept in the encoder cache through the decoder run
+
+    @property
+    def encoder_phase_bytes(self) -> int:
+        return self.input_bytes + self.forward_peak_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Held while the decoder's forward and the sampler run."""
+        return self.input_bytes + self.output_bytes
+
+
+def encoder_items(
+    tokens_per_item: int, limit: int, max_model_len: int, max_num_batched_tokens: int,
+    max_num_seqs: int,
+) -> tuple[int, int]:  # fmt: skip
+    """(encoder budget in tokens, items the profile run encodes), as vLLM's
+    compute_mm_encoder_budget and MultiModalBudget._get_max_items (chunked prefill on,
+    as in V1)."""
+    budget = max(max_num_batched_tokens, tokens_per_item)
+    per_prompt = max(1, min(limit, max_model_len // tokens_per_item))
+    items = max(1, min(budget // tokens_per_item, max_num_seqs * per_prompt))
+    return budget, items
+
+
+def encoder_profile(
+    config: HFConfig,
+    tp: int,
+    dtype_bytes: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    options: MultimodalOptions,
+) -> EncoderProfile | None:
+    """The encoder part of the profile run, or None where vLLM runs none (a text
+    model, `--skip-mm-profiling`, every limit of the tower 0)."""
+    tower = vision_tower(config, tp)
+    if tower is None or options.skip_mm_profiling or not tower_built(config, options):
+        return None
+    # The profiled modality is the one with the most tokens per item: images for both
+    # towers (Qwen's two-frame video has fewer). With images off and video on, vLLM
+    # profiles a video, which is not modelled.
+    modality = tower.modalities[0]
+    if options.limit(modality) == 0:
+        raise ModelConfigError(
+            "--limit-mm-per-prompt: with images off, vLLM profiles the encoder with a video, "
+            "which kvplan does not estimate; pass --skip-mm-profiling or --non-kv-bytes"
+        )
+    budget, items = encoder_items(
+        tower.tokens_per_item,
+        options.limit(modality),
+        max_model_len,
+        max_num_batched_tokens,
+        max_num_seqs,
+    )
+    forward = forward_peak_bytes(tower, items * tower.patches_per_item, dtype_bytes)
+    outputs = items * tower.tokens_per_item * tower.output_hidden * dtype_bytes
+    return EncoderProfile(
+        modality,
+        tower.tokens_per_item,
+        budget,
+        items,
+        items * tower.input_elements_per_item * dtype_bytes,
+        forward,
+        outputs,
+    )

@@ -1,0 +1,154 @@
+"""The vision encoder's part of the profile run end to end: vLLM's multimodal flags
+(`--skip-mm-profiling`, `--limit-mm-per-prompt`, `--language-model-only`) through the
+CLI, the calibrate log reader and the request builder. The per-patch peaks and the item
+counts themselves are checked against vLLM's code in test_encoder_against_vllm.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvplan.cli import main
+from kvplan.models import load_config
+from kvplan.models.calibrate import parse_log, settings_from_log
+from kvplan.models.config import ModelConfigError
+from kvplan.models.encoder import (
+    MultimodalOptions,
+    encoder_profile,
+    parse_limit_mm_per_prompt,
+    tower_built,
+)
+from kvplan.models.request import ModelPlanOptions, build_plan_request
+
+MODELS = Path(__file__).parents[2] / "examples" / "models"
+EXAMPLES = Path(__file__).parents[2] / "examples"
+GEMMA = ["plan", "--model", str(MODELS / "gemma-3-27b"), "--gpu", "H100", "--max-model-len", "8K"]
+
+
+def _non_kv(capsys: pytest.CaptureFixture[str], *extra: str) -> int:
+    assert main([*GEMMA, *extra, "--json"]) == 0
+    return int(json.loads(capsys.readouterr().out)["workers"][0]["budget"]["non_kv_bytes"])
+
+
+def test_flags_change_the_estimate_as_vllm_profiles(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(GEMMA) == 0
+    out = capsys.readouterr().out
+    # H100 defaults: 8,192 batched tokens, 1,024 sequences; 256 tokens per image
+    assert "vision encoder profile: budget 8,192 tokens, 32 image item(s) of 256 tokens" in out
+    default = _non_kv(capsys)
+    skipped = _non_kv(capsys, "--skip-mm-profiling")
+    # Gemma 3 27B at 1,024 sequences: the sampler phase is the larger, so the encoder adds
+    # what it leaves held through it: 32 bf16 images of 3 x 896 x 896 and 32 x 256 x 5,376
+    # embeddings.
+    assert default - skipped == 32 * 3 * 896 * 896 * 2 + 32 * 256 * 5376 * 2
+    assert main([*GEMMA, "--skip-mm-profiling"]) == 0
+    assert "vision encoder profile" not in capsys.readouterr().out
+    # One image per prompt and one sequence: one image profiled.
+    one = ["--limit-mm-per-prompt", '{"image": 1}', "--max-num-seqs", "1"]
+    assert main([*GEMMA, *one]) == 0
+    assert "1 image item(s) of 256 tokens" in capsys.readouterr().out
+    # No image at all: no encoder run, and the tower is not loaded either.
+    text_only = _non_kv(capsys, "--language-model-only")
+    assert text_only == _non_kv(capsys, "--limit-mm-per-prompt", '{"image": 0}')
+    assert text_only == _non_kv(capsys, "--limit-mm-per-prompt", '{"image": {"count": 0}}')
+    assert text_only < skipped
+
+
+def test_language_model_only_drops_the_tower_weights() -> None:
+    config = load_config(str(MODELS / "qwen3.6-27b"))
+    _, full_inputs = build_plan_request(config, ModelPlanOptions(gpu="H100", max_model_len=8192))
+    text = ModelPlanOptions(
+        gpu="H100", max_model_len=8192, multimodal=MultimodalOptions(language_model_only=True)
+    )
+    _, text_inputs = build_plan_request(config, text)
+    assert full_inputs.weights is not None and text_inputs.weights is not None
+    vision = full_inputs.weights.params.vision
+    assert vision > 0 and text_inputs.weights.params.vision == 0
+    assert full_inputs.weights.bytes_per_worker - text_inputs.weights.bytes_per_worker == vision * 2
+    assert full_inputs.overhead is not None and full_inputs.overhead.encoder is not None
+    assert text_inputs.overhead is not None and text_inputs.overhead.encoder is None
+    assert not tower_built(config, MultimodalOptions(limit_mm_per_prompt={"image": 0, "video": 0}))
+    assert tower_built(config, MultimodalOptions(limit_mm_per_prompt={"image": 0}))
+
+
+def test_qwen_profiles_one_largest_image_where_the_encoder_is_the_larger_phase() -> None:
+    config = load_config(str(MODELS / "qwen3.6-27b"))
+    profile = encoder_profile(config, 2, 2, 262144, 8192, 2, MultimodalOptions())
+    assert profile is not None
+    # 4,096 x 4,096 pixels: 256 x 256 patches of 16, 16,384 tokens after the 2 x 2 merge
+    assert (profile.encoder_budget, profile.items, profile.tokens_per_item) == (16384, 1, 16384)
+    assert profile.input_bytes == 65536 * 3 * 2 * 16 * 16 * 2
+    _, inputs = build_plan_request(
+        config,
+        ModelPlanOptions(gpu_memory_bytes=24 << 30, tensor_parallel_size=2, max_model_len=262144,
+                         max_num_batched_tokens=8192, max_num_seqs=2),
+    )  # fmt: skip
+    assert inputs.overhead is not None
+    assert inputs.overhead.activation_peak_bytes == profile.encoder_phase_bytes
+    with pytest.raises(ModelConfigError, match="profiles the encoder with a video"):
+        encoder_profile(
+            config, 1, 2, 8192, 8192, 2, MultimodalOptions(limit_mm_per_prompt={"image": 0})
+        )
+
+
+def test_bad_limits_are_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    for text, message in (
+        ("image=2", "not JSON"),
+        ("[2]", "a JSON object"),
+        ('{"image": -1}', "'image' must be a count >= 0"),
+        ('{"image": true}', "'image' must be a count >= 0"),
+    ):
+        with pytest.raises(ModelConfigError, match=message):
+            parse_limit_mm_per_prompt(text)
+        assert main([*GEMMA, "--limit-mm-per-prompt", text]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_the_flags_beside_a_request_file_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    request = str(EXAMPLES / "gemma-3-27b.yaml")
+    for flags in (["--skip-mm-profiling"], ["--language-model-only"],
+                  ["--limit-mm-per-prompt", '{"image": 1}']):  # fmt: skip
+        assert main(["plan", request, *flags]) == 2
+        assert f"{flags[0]} applies to --model only" in capsys.readouterr().err
+
+
+def test_calibrate_reads_the_flags_from_the_log() -> None:
+    line = (
+        "(APIServer pid=1) INFO 04-22 16:06:59 [entrypoints/utils.py:233] non-default args: "
+        "{'model': 'google/gemma-3-4b-it', 'skip_mm_profiling': True, "
+        "'limit_mm_per_prompt': {'image': 2}, 'language_model_only': False}"
+    )
+    settings = settings_from_log(parse_log(line))
+    assert settings["skip_mm_profiling"] is True
+    assert "language_model_only" not in settings
+    assert json.loads(settings["limit_mm_per_prompt"]) == {"image": 2}
+
+
+def test_the_gemma_3_4b_record_logs_what_kvplan_profiles(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # vLLM 0.19 on an H100 (llm-d-planner's sweep): "Encoder cache will be initialized
+    # with a budget of 8192 tokens, and profiled with 32 image items".
+    record = Path(__file__).parents[1] / "data" / "calibration" / "gemma-3-4b-h100-llmd-v0.19.log"
+    args = ["calibrate", str(record), "--model", str(MODELS / "gemma-3-4b"), "--gpu", "H100"]
+    assert main([*args, "--json"]) == 0
+    rows = {row["figure"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+    budget = rows["encoder budget of the profile run (tokens)"]
+    items = rows["encoder items profiled"]
+    assert (budget["measured"], budget["predicted"]) == (8192, 8192)
+    assert (items["measured"], items["predicted"]) == (32, 32)
+
+
+def test_what_is_not_modelled_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    llama4 = ["plan", "--model", str(MODELS / "llama-4-defaults"), "--gpu", "H200", "-tp", "8"]
+    assert main([*llama4, "--max-model-len", "8K"]) == 0
+    assert "vision tower, which kvplan does not estimate for this family" in (
+        capsys.readouterr().out
+    )
+    text = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100"]
+    assert main([*text, "--max-model-len", "8K", "--skip-mm-profiling"]) == 0
+    assert "the model has no vision tower" in capsys.readouterr().out
+    assert main([*GEMMA]) == 0
+    assert "note: the model has no vision tower" not in capsys.readouterr().out

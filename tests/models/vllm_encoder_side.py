@@ -1,0 +1,194 @@
+"""Runs in a vLLM CPU venv: vLLM's own vision towers, run forward on the CPU with a
+dummy batch, and the peak of the memory their forward allocates; and vLLM's own encoder
+budget and dummy item count for the profile run.
+
+The towers are the modules the multimodal wrappers build (Gemma 3: SiglipVisionModel
+and Gemma3MultiModalProjector; Qwen3.5 / 3.6: Qwen3_VisionTransformer), with the
+config's widths and a reduced depth (every encoder layer holds the same activations,
+so the peak does not grow with the depth). Weights are uninitialised: the values do
+not change what is allocated. The peak is read from torch's profiler (profile_memory):
+every allocation and free of the CPU allocator in order, over the inputs already held.
+
+stdin: {"port": P, "towers": [{"kind": "siglip" | "qwen3_vit", "vision": {...},
+         "text_hidden": H, "mm_tokens_per_image": T, "depth": D, "items": N,
+         "grid": [t, h, w]}],
+        "budgets": [{"max_tokens_per_item": T, "max_num_batched_tokens": B,
+         "max_num_seqs": S, "max_model_len": L, "limit": M}]}
+stdout (last line): {"peaks": [bytes per tower case], "outputs": [bytes of the
+         embeddings returned], "budgets": [[encoder budget, items per batch], ...]}
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+import weakref
+
+import torch
+import vllm.config
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from vllm_model_side import join_one_rank_groups  # type: ignore[import-not-found]
+
+
+class LiveBytes(TorchDispatchMode):  # type: ignore[misc]
+    """Counts the bytes of every storage an op creates while the storage lives (freed
+    when its last tensor or view goes) and keeps the peak: the memory a forward pass
+    allocates, as a device allocator would see it, less kernels' private workspaces."""
+
+    def __init__(self, held: set[int]) -> None:
+        super().__init__()
+        self.held = held  # storages that exist before the run: weights, buffers, inputs
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key in self.live or key in self.held or storage.nbytes() == 0:
+                continue
+            self.live[key] = storage.nbytes()
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self._free, key)
+        return out
+
+
+def _peak_of(
+    run: object, modules: list[torch.nn.Module], inputs: list[torch.Tensor]
+) -> tuple[int, int]:
+    """(peak bytes `run` allocates over the weights, buffers and inputs that exist
+    before it, bytes its result holds)."""
+    tensors = [
+        *inputs,
+        *(t for module in modules for t in [*module.parameters(), *module.buffers()]),
+    ]
+    with LiveBytes({t.untyped_storage().data_ptr() for t in tensors}) as counter:
+        result = run()  # type: ignore[operator]
+    outputs = list(result) if isinstance(result, (list, tuple)) else [result]
+    held = sum(
+        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in outputs}.values()
+    )
+    return counter.peak, held
+
+
+def _siglip(case: dict[str, object]) -> tuple[int, int]:
+    from transformers import Gemma3Config  # type: ignore[import-not-found]
+    from vllm.model_executor.models.gemma3_mm import Gemma3MultiModalProjector
+    from vllm.model_executor.models.siglip import SiglipVisionModel
+
+    vision = {**case["vision"], "num_hidden_layers": case["depth"]}  # type: ignore[dict-item]
+    config = Gemma3Config(
+        text_config={"hidden_size": case["text_hidden"]},
+        vision_config=vision,
+        mm_tokens_per_image=case["mm_tokens_per_image"],
+    )
+    tower = SiglipVisionModel(config.vision_config, prefix="vision_tower")
+    projector = Gemma3MultiModalProjector(config)
+    size = config.vision_config.image_size
+    # in the model dtype, as vLLM's processor casts them (InputProcessingContext)
+    pixels = torch.zeros(int(case["items"]), 3, size, size)  # type: ignore[call-overload]
+
+    def run() -> torch.Tensor:
+        return projector(tower(pixels))
+
+    return _peak_of(run, [tower, projector], [pixels])
+
+
+def _qwen3_vit(case: dict[str, object]) -> tuple[int, int]:
+    from transformers import Qwen3_5VisionConfig
+    from vllm.model_executor.models import qwen3_vl
+    from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
+
+    # The CPU build has no pinned-memory allocator (host-side staging buffers, not
+    # the device memory measured here).
+    from vllm.utils import torch_utils
+
+    qwen3_vl.PIN_MEMORY = False
+    torch_utils.is_pin_memory_available = lambda: False
+    # The ViT enforces its rotary op's device kernel (flash-attn's, absent here): its
+    # PyTorch-native forward instead.
+    from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
+
+    ApplyRotaryEmb.forward_cuda = ApplyRotaryEmb.forward_native
+
+    vision: dict[str, int] = {**case["vision"], "depth": case["depth"]}  # type: ignore[dict-item]
+    tower = Qwen3_VisionTransformer(Qwen3_5VisionConfig(**vision), prefix="visual")
+    t, h, w = (int(size) for size in case["grid"])  # type: ignore[attr-defined]
+    items = int(case["items"])  # type: ignore[call-overload]
+    patch = vision["patch_size"]
+    channels = vision.get("in_channels", 3) * vision["temporal_patch_size"] * patch * patch
+    pixels = torch.zeros(items * t * h * w, channels)
+    grid = torch.tensor([[t, h, w]] * items)
+
+    def run() -> torch.Tensor:
+        return tower(pixels, grid_thw=grid)
+
+    return _peak_of(run, [tower], [pixels, grid])
+
+
+def _budget(case: dict[str, int]) -> list[int]:
+    """vLLM's encoder budget and profiled item count (compute_mm_encoder_budget and
+    MultiModalBudget._get_max_items) for one modality of `max_tokens_per_item`."""
+    from vllm.config import SchedulerConfig
+    from vllm.multimodal.encoder_budget import MultiModalBudget
+    from vllm.v1.core.encoder_cache_manager import compute_mm_encoder_budget
+
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=case["max_num_batched_tokens"],
+        max_num_seqs=case["max_num_seqs"],
+        max_model_len=case["max_model_len"],
+        is_encoder_decoder=False,
+    )
+    compute, cache = compute_mm_encoder_budget(scheduler, {"image": case["max_tokens_per_item"]})
+    budget = SimpleNamespace(
+        encoder_compute_budget=compute,
+        encoder_cache_size=cache,
+        mm_limits={"image": case["limit"]},
+        max_model_len=case["max_model_len"],
+        max_num_reqs=case["max_num_seqs"],
+        scheduler_config=scheduler,
+    )
+    budget.get_encoder_budget = lambda: MultiModalBudget.get_encoder_budget(budget)
+    _, items = MultiModalBudget._get_max_items(budget, "image", case["max_tokens_per_item"])
+    return [budget.get_encoder_budget(), items]
+
+
+def main() -> None:
+    payload = json.load(sys.stdin)
+    importlib.import_module("vllm.model_executor.models.siglip")
+    peaks, outputs = [], []
+    # Custom ops run their PyTorch-native forward: the CPU build has none of the CUDA
+    # kernels (rotary embedding's comes from flash-attn), so the attention phase's
+    # temporaries are the native ones.
+    config = vllm.config.VllmConfig(
+        device_config=vllm.config.DeviceConfig(device="cpu"),
+        compilation_config=vllm.config.CompilationConfig(custom_ops=["none"]),
+    )
+    torch.set_default_dtype(torch.bfloat16)
+    with vllm.config.set_current_vllm_config(config), torch.inference_mode():
+        join_one_rank_groups(int(payload["port"]))
+        for case in payload.get("towers", []):
+            peak, held = (_siglip if case["kind"] == "siglip" else _qwen3_vit)(case)
+            peaks.append(peak)
+            outputs.append(held)
+    torch.set_default_dtype(torch.float32)
+    budgets = [_budget(case) for case in payload.get("budgets", [])]
+    print(json.dumps({"peaks": peaks, "outputs": outputs, "budgets": budgets}))
+
+
+if __name__ == "__main__":
+    main()
