@@ -195,8 +195,8 @@ def build_plan_request(
         overhead = estimate_overhead(
             config, layers, tp, batched, max_num_seqs, release, options.flashinfer,
             max_model_len=options.max_model_len,  # None or -1 (auto): the model's
-            multimodal=options.multimodal,
             pcie_only_gpu=pcie_only,
+            multimodal=options.multimodal,
         )  # fmt: skip
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
@@ -276,10 +276,28 @@ def build_plan_request(
         non_kv_bytes=total_non_kv,
         non_kv_given=options.non_kv_bytes is not None,
         notes=layers.notes
-        + _multimodal_notes(config, options, overhead is not None)
-        + _graph_estimate_notes(tp, pcie_only, overhead),
+        + _graph_estimate_notes(tp, pcie_only, overhead)
+        + _multimodal_notes(config, options, overhead is not None),
     )
     return request, inputs
+
+
+def _graph_estimate_notes(
+    tp: int, pcie_only: bool, overhead: OverheadEstimate | None
+) -> tuple[str, ...]:
+    """What the plan cannot vouch for in the CUDA-graph estimate it subtracts: more than
+    two GPUs without NVLink, where vLLM's graphs all-reduce through NCCL and the one such
+    log estimated five times kvplan's figure (docs/capacity.md, "The CUDA-graph
+    estimate")."""
+    if overhead is None or not overhead.cudagraph_bytes or not (pcie_only and tp > 2):
+        return ()
+    return (
+        f"CUDA-graph estimate {overhead.cudagraph_bytes / GIB:.2f} GiB per worker: on "
+        "more than two GPUs without NVLink (custom all-reduce off) the one logged case, "
+        "4 x L40S at TP 4, estimated 2.73 GiB where kvplan says 0.52 for the same graph "
+        "counts; the KV budget may be about 2 GiB per worker smaller than planned "
+        "(--non-kv-bytes takes a measured figure)",
+    )
 
 
 def _multimodal_notes(
@@ -302,24 +320,6 @@ def _multimodal_notes(
                 "estimate leaves its weights and its encoder run out; --non-kv-bytes takes a "
                 "measured figure",)  # fmt: skip
     return ()
-
-
-def _graph_estimate_notes(
-    tp: int, pcie_only: bool, overhead: OverheadEstimate | None
-) -> tuple[str, ...]:
-    """What the plan cannot vouch for in the CUDA-graph estimate it subtracts: more than
-    two GPUs without NVLink, where vLLM's graphs all-reduce through NCCL and the one such
-    log estimated five times kvplan's figure (docs/capacity.md, "The CUDA-graph
-    estimate")."""
-    if overhead is None or not overhead.cudagraph_bytes or not (pcie_only and tp > 2):
-        return ()
-    return (
-        f"CUDA-graph estimate {overhead.cudagraph_bytes / GIB:.2f} GiB per worker: on "
-        "more than two GPUs without NVLink (custom all-reduce off) the one logged case, "
-        "4 x L40S at TP 4, estimated 2.73 GiB where kvplan says 0.52 for the same graph "
-        "counts; the KV budget may be about 2 GiB per worker smaller than planned "
-        "(--non-kv-bytes takes a measured figure)",
-    )
 
 
 def auto_fit_request(request: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:

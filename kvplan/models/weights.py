@@ -987,8 +987,8 @@ def estimate_overhead(
     release: str = "",
     flashinfer: bool = True,
     max_model_len: int | None = None,
-    multimodal: MultimodalOptions | None = None,
     pcie_only_gpu: bool = False,
+    multimodal: MultimodalOptions | None = None,
 ) -> OverheadEstimate:
     """The profile run's peak over the weights: a forward pass of
     `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
@@ -997,12 +997,12 @@ def estimate_overhead(
     The two do not overlap, so the peak is the larger. `release` picks the runtime
     allowances (`PROFILES`); `flashinfer` whether FlashInfer is installed (the
     sampler's path). `max_model_len` (default: the model's) bounds the context of the
-    graph estimate's long sample where a release has one (`gdn_graph_transient`), and
-    sets a multimodal model's encoder item count with `multimodal`, vLLM's flags
-    (kvplan.models.encoder): its encoder runs first, so the peak is then the larger of
-    its inputs plus its forward, and its inputs and embeddings plus the decoder's
-    phases, which run while the encoder cache holds them; `pcie_only_gpu` whether the
-    GPU has no NVLink (`non_torch_bytes`)."""
+    graph estimate's long sample where a release has one (`gdn_graph_transient`);
+    `pcie_only_gpu` whether the GPU has no NVLink (`non_torch_bytes`); `multimodal`,
+    vLLM's flags, sets a multimodal model's encoder item count (kvplan.models.encoder):
+    its encoder runs first, so the peak is then the larger of its inputs plus its
+    forward, and its inputs and embeddings plus the decoder's phases, which run while
+    the encoder cache holds them."""
     c = text_config(config, layers.architecture)
     hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
     act_bytes = layers.model_dtype.size_bytes
