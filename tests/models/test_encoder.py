@@ -126,13 +126,14 @@ def test_calibrate_reads_the_flags_from_the_log() -> None:
     assert json.loads(settings["limit_mm_per_prompt"]) == {"image": 2}
 
 
-def test_the_gemma_3_4b_record_logs_what_kvplan_profiles(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize("model", ["gemma-3-4b", "gemma-3-27b"])
+def test_the_gemma_3_records_log_what_kvplan_profiles(
+    model: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # vLLM 0.19 on an H100 (llm-d-planner's sweep): "Encoder cache will be initialized
     # with a budget of 8192 tokens, and profiled with 32 image items".
-    record = Path(__file__).parents[1] / "data" / "calibration" / "gemma-3-4b-h100-llmd-v0.19.log"
-    args = ["calibrate", str(record), "--model", str(MODELS / "gemma-3-4b"), "--gpu", "H100"]
+    record = Path(__file__).parents[1] / "data" / "calibration" / f"{model}-h100-llmd-v0.19.log"
+    args = ["calibrate", str(record), "--model", str(MODELS / model), "--gpu", "H100"]
     assert main([*args, "--json"]) == 0
     rows = {row["figure"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
     budget = rows["encoder budget of the profile run (tokens)"]
