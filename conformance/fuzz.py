@@ -2945,6 +2945,78 @@ def _fuzz_v(c: Cases, count: int) -> None:
         )
 
 
+def fuzz_j(c: Cases, count: int) -> None:
+    """vLLM's opt-in enable_mamba_shared_prefix_checkpoint on random Mamba hybrids:
+    Mamba blocks set or left to the engine's, attention (full or MLA) blocks at or
+    below them, a hash unit finer than both or unset, MTP / EAGLE / EAGLE3 drafters
+    of one to three tokens marked is_draft or not (or none), DCP, now and then a
+    sliding-window layer (which turns partial hash hits off), the option on in most
+    engines. The later-request probes check where it keeps a Mamba state at the
+    junction. Its own generator, like fuzz_c's: every other section's engines stay
+    as they were."""
+    shared = c.rng
+    c.rng = random.Random(f"fuzz_j {shared.getstate()[1][:8]}")
+    try:
+        _fuzz_j(c, count)
+    finally:
+        c.rng = shared
+
+
+def _fuzz_j(c: Cases, count: int) -> None:
+    rng = c.rng
+    for index in range(count):
+        mamba_block = c.pick([None, 32, 64, 64, 128, 256])
+        attention_block = c.pick(
+            [None] + [b for b in (16, 32, 64) if mamba_block is None or b <= mamba_block]
+        )
+        states = c.pick([SMALL_STATES, GDN_STATES])
+        layers: list[Layer] = [
+            mamba(f"model.layers.{i}.mixer", states, block=mamba_block)
+            for i in range(c.pick([1, 2, 3, 4]))
+        ]
+        kind = c.pick(["full", "full", "mla"])
+        heads, head = c.pick([(2, 256), (4, 128), (8, 64)])
+
+        def attention(name: str, draft: bool = False) -> Layer:
+            if kind == "mla":
+                return mla(name, block=attention_block, draft=draft)
+            return full(name, heads, head, block=attention_block, draft=draft)
+
+        layers += [attention(f"model.layers.a{i}.attn") for i in range(c.pick([1, 2]))]
+        window = c.pick([0, 0, 0, 0, 0, 64, 1024])
+        if window:
+            layers.append(sw("model.layers.s0.attn", window, heads, head, block=attention_block))
+        method = c.pick(["mtp", "mtp", "eagle", "eagle3", "none"])
+        tokens = c.pick([1, 1, 1, 2, 3]) if method != "none" else 0
+        draft = method != "none" and rng.random() < 0.7
+        if method != "none":
+            layers.append(attention("mtp.layers.0.attn", draft=draft))
+        dcp = c.pick([0, 0, 0, 0, 2])
+        req = request(
+            W(layers, 4 * GIB),
+            max_model_len=c.pick([4096, 8192]),
+            mamba_align=True,
+            method=method,
+            spec_tokens=tokens,
+            dcp=dcp,
+            tp=dcp,
+        )
+        unit = c.pick([None, 1, 2, 4, 8, 16])
+        if unit is not None:
+            req.options.prefix_match_unit = unit
+        checkpoint = rng.random() < 0.85
+        if checkpoint:
+            req.options.enable_mamba_shared_prefix_checkpoint = True
+        c.add(
+            "fuzzj",
+            f"j{index:04d}",
+            f"{len(layers)} layers, Mamba block {mamba_block}, {kind} block {attention_block}, "
+            f"window {window}, {method}x{tokens} draft {draft}, dcp {dcp}, unit {unit}, "
+            f"junction checkpoint {checkpoint}",
+            req,
+        )
+
+
 # Name -> (section, default case count), in the order they draw: a seed and the
 # same counts give the same engines.
 SECTIONS: dict[str, tuple[Callable[[Cases, int], None], int]] = {
@@ -2956,6 +3028,7 @@ SECTIONS: dict[str, tuple[Callable[[Cases, int], None], int]] = {
     "fuzz_z": (fuzz_z, 3000),
     "fuzz_c": (fuzz_c, 1500),
     "fuzz_v": (fuzz_v, 1000),
+    "fuzz_j": (fuzz_j, 500),
 }
 
 

@@ -2891,11 +2891,12 @@ def _layout_resolution(c: Cases) -> None:
     cat = "layout_resolution"
     rng = c.rng
     # Engines the other sections built (every path, HiSparse, DCP, pipeline); not
-    # fuzz_c's, which came later: a seed's sample stays what it was before them.
+    # fuzz_c's, fuzz_v's or fuzz_j's, which came later: a seed's sample stays what it
+    # was before them.
     base = [
         case
         for case in c.items
-        if case.category not in ("scenarios", "fuzzc", "fuzzv") and case.request.workers
+        if case.category not in ("scenarios", "fuzzc", "fuzzv", "fuzzj") and case.request.workers
     ]
     sample = rng.sample(base, min(160, len(base)))
     for case in sample:
@@ -3326,6 +3327,63 @@ def _block_sizes(c: Cases) -> None:
             )
 
 
+def _mamba_junction(c: Cases) -> None:
+    """vLLM's opt-in enable_mamba_shared_prefix_checkpoint on Mamba hybrids: a request
+    whose groups' hits part ends a chunk at that junction and keeps its Mamba state
+    there. It takes effect only with partial hash hits (prefix_match_unit finer than
+    the Mamba block), a drafter's group and no multi-module MTP tail: each shape
+    with and without those, so the later-request probes see it on and ignored. No
+    random draws: the sections after it are unchanged."""
+    cat = "mamba_junction"
+    shapes: dict[str, Callable[[bool], list[Layer]]] = {
+        # One block for every group: a junction lands on a Mamba block boundary.
+        "qwen35": lambda draft: qwen35(draft=draft),
+        # Mamba blocks coarser than the attention's: a junction can fall inside one.
+        "mamba64-full16": lambda draft: [
+            *[mamba(f"m.{i}", SMALL_STATES, block=64) for i in range(2)],
+            full("f.0", 2, 256, block=16),
+            full("mtp.layers.0.attn", 2, 256, block=16, draft=draft),
+        ],
+        "mamba128-full32": lambda draft: [
+            *[mamba(f"m.{i}", SMALL_STATES, block=128) for i in range(2)],
+            full("f.0", 4, 128, block=32),
+            full("mtp.layers.0.attn", 4, 128, block=32, draft=draft),
+        ],
+        "mamba64-mla16": lambda draft: [
+            *[mamba(f"m.{i}", SMALL_STATES, block=64) for i in range(2)],
+            mla("a.0", block=16),
+            mla("mtp.layers.0.attn", block=16, draft=draft),
+        ],
+    }
+    drafters = [
+        ("mtp-draft", "mtp", 1, True),
+        ("mtp-unmarked", "mtp", 1, False),
+        ("eagle-draft", "eagle", 1, True),
+        ("mtp2-draft", "mtp", 2, True),  # a multi-module tail: the checkpoint is off
+        ("none", "none", 0, False),
+    ]
+    for shape, layers in shapes.items():
+        for unit in (None, 4, 16):
+            for name, method, tokens, draft in drafters:
+                for dcp in (0, 2) if unit == 16 else (0,):
+                    req = request(
+                        W(layers(draft), 4 * GIB),
+                        mamba_align=True,
+                        method=method,
+                        spec_tokens=tokens,
+                        dcp=dcp,
+                        tp=dcp,
+                    )
+                    req.options.enable_mamba_shared_prefix_checkpoint = True
+                    c.add(
+                        cat,
+                        f"{shape}-unit{unit}-{name}-dcp{dcp}",
+                        f"{shape}, prefix_match_unit {unit}, {name}, DCP {dcp}, junction "
+                        "checkpoint on",
+                        _with_unit(req, unit),
+                    )
+
+
 def _with_unit(req: plan_pb2.PlanRequest, unit: int | None) -> plan_pb2.PlanRequest:
     if unit is not None:
         req.options.prefix_match_unit = unit
@@ -3356,6 +3414,7 @@ SECTIONS: tuple[Callable[[Cases], None], ...] = (
     _layout_resolution,  # after the sections whose engines it samples
     _fuzz_finds,
     _scenario_files,
+    _mamba_junction,  # draws nothing: the sections before it keep their engines
 )
 
 

@@ -156,21 +156,34 @@ def _mamba_block(arguments: Json) -> int:
     return 0
 
 
+def _junction_stops_exactly(manager: Any, arguments: Json) -> bool:
+    """The release's scheduler ends a chunk at the junction itself, not block-floored:
+    vLLM's opt-in enable_mamba_shared_prefix_checkpoint, where its manager takes it
+    (`mamba_shared_prefix_checkpoint`) and its hash block is finer than the
+    scheduler block (the scheduler's `mamba_partial_cache_hit`)."""
+    return bool(getattr(manager, "mamba_shared_prefix_checkpoint", False)) and (
+        arguments["hash_block_size"] < arguments["scheduler_block_size"]
+    )
+
+
 def _run(manager: Any, arguments: Json, request: Any, hit: int = 0, blocks: Any = None) -> None:
     """Prefill `request` from its hit as chunked prefill does (one scheduler block a
     step, a step ending where the scheduler ends one: the Mamba prefill checkpoint
-    and, block-floored, the shared-prefix junction), then finish it."""
+    and the shared-prefix junction, block-floored, or exactly where the junction
+    checkpoint is on and the junction within the prompt), then finish it."""
     total = request.num_tokens
     step = arguments["scheduler_block_size"]
     checkpoint = _mamba_checkpoint(manager, arguments, total)
     mamba_block = _mamba_block(arguments)
     junction = request.shared_prefix_boundary if mamba_block else 0
+    exact = _junction_stops_exactly(manager, arguments) and junction <= request.num_prompt_tokens
     done = hit
     while done < total:
         take = min(step - done % step, total - done)
         stops = [checkpoint]
         if done < junction < done + take:
-            stops.append(done + (junction - done) // mamba_block * mamba_block)
+            floored = done + (junction - done) // mamba_block * mamba_block
+            stops.append(junction if exact else floored)
         take = min([take] + [s - done for s in stops if done < s < done + take])
         adopted = (hit, blocks) if done == hit else (0, None)
         manager.new_step_starts()  # as each scheduler step does

@@ -682,11 +682,13 @@ def build_inputs(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None)
 
     # Given to the constructor, so that the release validates them as the engine's
     # arguments are (prefix_match_unit must be positive).
-    given: dict[str, int] = {}
+    given: dict[str, int | bool] = {}
     if o.HasField("num_gpu_blocks_override"):
         given["num_gpu_blocks_override"] = int(o.num_gpu_blocks_override)
     if o.HasField("prefix_match_unit"):
         given["prefix_match_unit"] = o.prefix_match_unit
+    if o.enable_mamba_shared_prefix_checkpoint:
+        given["enable_mamba_shared_prefix_checkpoint"] = True
     cache_config = CacheConfig(
         block_size=block_size,
         mamba_cache_mode="align" if align else "none",

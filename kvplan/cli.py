@@ -161,6 +161,8 @@ def prefix_cache_lines(diagnostics: plan_pb2.Diagnostics) -> list[str]:
 def _ask_shared_prefix(request: plan_pb2.PlanRequest, args: argparse.Namespace) -> None:
     if getattr(args, "shared_prefix", None) is not None:
         request.shared_prefix_tokens = args.shared_prefix
+    if getattr(args, "mamba_shared_prefix_checkpoint", False):
+        request.options.enable_mamba_shared_prefix_checkpoint = True
 
 
 def _plan_command(args: argparse.Namespace) -> int:
@@ -572,6 +574,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="what-if: how many of N tokens repeated from an earlier request this engine "
         "serves from its prefix cache (PlanRequest.shared_prefix_tokens)",
+    )
+    plan.add_argument(
+        "--mamba-shared-prefix-checkpoint",
+        action="store_true",
+        help="the engine runs with vLLM's --enable-mamba-shared-prefix-checkpoint "
+        "(options.enable_mamba_shared_prefix_checkpoint): Mamba state kept at the "
+        "shared-prefix junction, which the what-if's next request can hit",
     )
     add_model_options(plan, sweep=False)
     add_security_options(plan)

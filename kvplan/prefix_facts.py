@@ -165,6 +165,7 @@ def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> 
         block_drop=drafter_drops and lookahead == 0,
         hash_lookahead=lookahead,
         reprefill_tokens=max(0, spec_decode.prefill_lookahead_tokens - 1),
+        junction_checkpoint=options.mamba_shared_prefix_checkpoint,
     )
 
 

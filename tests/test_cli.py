@@ -557,3 +557,27 @@ def test_does_not_fit_under_a_fixed_kv_budget_names_the_flag_that_set_it(
     assert "fits here with --max-model-len 1584 or shorter" in err  # 99 x 16 tokens
     assert main([*args, "--num-gpu-blocks-override", "1"]) == 4
     assert "0 usable blocks (one is the null block)" in capsys.readouterr().err
+
+
+def test_plan_takes_the_mamba_junction_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--mamba-shared-prefix-checkpoint (vLLM's opt-in): the next request after the
+    first one sharing 100 tokens hits the Mamba state kept at the junction (96),
+    not block-floored (64). 64-token Mamba blocks, 16-token attention and hashes."""
+    from conformance.generate import GIB, SMALL_STATES, W, full, mamba
+    from conformance.generate import request as generated_request
+
+    layers = [
+        *[mamba(f"m.{i}", SMALL_STATES, block=64) for i in range(2)],
+        full("f.0", 2, 256, block=16),
+        full("mtp.layers.0.attn", 2, 256, block=16, draft=True),
+    ]
+    request = generated_request(W(layers, 4 * GIB), mamba_align=True, method="mtp")
+    path = tmp_path / "mamba.json"
+    path.write_text(json_format.MessageToJson(request))
+    argv = ["plan", str(path), "--engine-version", "vllm-0.33", "--shared-prefix", "100"]
+    assert main(argv) == 0
+    assert "first request: 0 of 100 tokens from cache; the next one: 64" in capsys.readouterr().out
+    assert main([*argv, "--mamba-shared-prefix-checkpoint"]) == 0
+    assert "first request: 0 of 100 tokens from cache; the next one: 96" in capsys.readouterr().out

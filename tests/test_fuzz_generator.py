@@ -28,8 +28,19 @@ SAMPLE = {
     "fuzz_z": 20,
     "fuzz_c": 100,
     "fuzz_v": 60,
+    "fuzz_j": 40,
 }
-FUZZ_CATEGORIES = {"fuzzw", "fuzzx", "fuzzy", "fuzzh", "fuzzl", "fuzzz", "fuzzc", "fuzzv"}
+FUZZ_CATEGORIES = {
+    "fuzzw",
+    "fuzzx",
+    "fuzzy",
+    "fuzzh",
+    "fuzzl",
+    "fuzzz",
+    "fuzzc",
+    "fuzzv",
+    "fuzzj",
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +61,7 @@ def test_the_sample_draws_every_section(fuzz_cases: list[Case]) -> None:
         "fuzzz": 20,
         "fuzzc": 100,
         "fuzzv": 60,
+        "fuzzj": 40,
     }
 
 
@@ -85,6 +97,17 @@ def test_fuzz_v_leaves_every_other_section_as_it_was() -> None:
         (case.id, case.request) for case in with_v if case.category != "fuzzv"
     ]
     assert sum(case.category == "fuzzv" for case in with_v) == 5
+
+
+def test_fuzz_j_leaves_every_other_section_as_it_was() -> None:
+    """fuzz_j, like fuzz_c, draws from a generator of its own."""
+    counts = {"fuzz_wide": 3, "fuzz_y": 3, "fuzz_c": 3, "fuzz_v": 3}
+    without = generate_cases(11, scenarios=False, fuzz=counts)
+    with_j = generate_cases(11, scenarios=False, fuzz={**counts, "fuzz_j": 5})
+    assert [(case.id, case.request) for case in without] == [
+        (case.id, case.request) for case in with_j if case.category != "fuzzj"
+    ]
+    assert sum(case.category == "fuzzj" for case in with_j) == 5
 
 
 def test_most_fuzz_v_engines_plan_under_0_34() -> None:

@@ -9,6 +9,8 @@ import json
 import subprocess
 from pathlib import Path
 
+from conformance.generate import GIB, SMALL_STATES, W, full, mamba
+from conformance.generate import request as generated_request
 from kvplan.cli import load_request
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
@@ -130,3 +132,70 @@ def test_the_minimum_prefix_is_the_first_prompt_that_hits_when_repeated() -> Non
     vllm = vllm_hits("0.32", request, [("min", n, n, 1) for n in lengths])
     assert vllm == [cached_tokens(setup, n, n, n + 1) for n in lengths]
     assert vllm == [0] * 7 + [288]
+
+
+def test_the_junction_checkpoint_lets_the_next_request_hit_inside_a_mamba_block() -> None:
+    """vLLM's opt-in enable_mamba_shared_prefix_checkpoint (conformance's
+    mamba_junction engines): 64-token Mamba blocks beside 16-token attention with an
+    MTP drafter marked is_draft, 16-token hashes, under 0.33. The first request
+    sharing 100 tokens of a longer stored prompt hits nothing; the next one hits the
+    Mamba state the first kept at its junction (96, full attention's match), where
+    without the option it is block-floored (64). vLLM 0.33's manager agrees with the
+    what-if's next request."""
+    layers = [
+        *[mamba(f"m.{i}", SMALL_STATES, block=64) for i in range(2)],
+        full("f.0", 2, 256, block=16),
+        full("mtp.layers.0.attn", 2, 256, block=16, draft=True),
+    ]
+    request = generated_request(W(layers, 4 * GIB), mamba_align=True, method="mtp")
+    request.options.engine_version = "vllm-0.33"
+    request.options.enable_mamba_shared_prefix_checkpoint = True
+    request.shared_prefix_tokens = 100
+    answer = plan_from_proto(request).diagnostics.prefix_cache.what_if
+    request.options.enable_mamba_shared_prefix_checkpoint = False
+    without = plan_from_proto(request).diagnostics.prefix_cache.what_if
+    request.options.enable_mamba_shared_prefix_checkpoint = True
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    unit, tail = facts(setup).unit, facts(setup).unit + setup.hash_lookahead
+    diverging = 100 + DIVERGING_TAIL_UNITS * unit + setup.hash_lookahead + 1
+    vllm = vllm_hits(
+        "0.33", request, [("first", diverging, 100, tail), ("later", diverging, 100, tail)]
+    )
+    assert vllm == [answer.cached_tokens_prefix_diverges, answer.cached_tokens_next_request]
+    assert answer.cached_tokens_prefix_diverges == 0
+    assert (answer.cached_tokens_next_request, without.cached_tokens_next_request) == (96, 64)
+
+
+# The vLLM plugin's engine options, read from each release's own CacheConfig with
+# the junction checkpoint asked for (on) and left at its default (off).
+PLUGIN_SIDE = """
+import json, sys
+from types import SimpleNamespace
+sys.path.insert(0, sys.argv[1])
+from vllm.config import CacheConfig, ParallelConfig
+from kvplan.client.vllm_plugin.engine import engine_options
+out = []
+for asked in ({"enable_mamba_shared_prefix_checkpoint": True}, {}):
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=4096),
+        cache_config=CacheConfig(**asked),
+        scheduler_config=SimpleNamespace(),
+        parallel_config=ParallelConfig(),
+    )
+    options = engine_options(config, "")
+    out.append(options.HasField("enable_mamba_shared_prefix_checkpoint")
+               and options.enable_mamba_shared_prefix_checkpoint)
+print(json.dumps(out))
+"""
+
+
+def test_the_plugin_reads_the_junction_checkpoint_from_every_release() -> None:
+    for release in ("0.32", "0.33", "0.34"):
+        result = subprocess.run(
+            [str(vllm_python(release)), "-c", PLUGIN_SIDE, str(REPO)],
+            capture_output=True,
+            text=True,
+            timeout=280,
+            check=True,
+        )
+        assert json.loads(result.stdout.strip().splitlines()[-1]) == [True, False], release

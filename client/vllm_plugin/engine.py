@@ -106,6 +106,8 @@ def engine_options(vllm_config: Any, engine_version: str) -> plan_pb2.EngineOpti
     unit = _int(getattr(cache, "prefix_match_unit", None))
     if unit is not None:
         options.prefix_match_unit = unit
+    if getattr(cache, "enable_mamba_shared_prefix_checkpoint", False):
+        options.enable_mamba_shared_prefix_checkpoint = True
     return options
 
 

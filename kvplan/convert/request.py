@@ -513,6 +513,7 @@ def _options_from_proto(
         ),
         extensible_kv_cache=extensible_kv_cache,
         hisparse=_hisparse_from_proto(options),
+        mamba_shared_prefix_checkpoint=options.enable_mamba_shared_prefix_checkpoint,
     )
 
 

@@ -75,6 +75,11 @@ class PrefixCacheSetup:
     # again (its lookahead less one): not cached, by a single group, or by the
     # groups that take the drop beside others.
     reprefill_tokens: int = 0
+    # vLLM's opt-in enable_mamba_shared_prefix_checkpoint: a request ends a prefill
+    # chunk exactly at its shared-prefix junction and keeps its Mamba state there
+    # (inside a block), not only block-floored. Takes effect where
+    # `junction_checkpoint_applies`.
+    junction_checkpoint: bool = False
 
 
 @dataclass(frozen=True)
@@ -240,6 +245,23 @@ def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
     )
 
 
+def junction_checkpoint_applies(setup: PrefixCacheSetup) -> bool:
+    """Whether the junction checkpoint is in effect: vLLM's KV cache manager takes
+    it only with partial hash hits (a Mamba state inside a block can be hit), some
+    group in the drafter's set (the flagged ones, or every group under the draft
+    drop when none is flagged), and no multi-module MTP reprefilled tail; its
+    scheduler stops a chunk at the junction only then, and only with a hash block
+    finer than the scheduler block."""
+    drafter = setup.block_drop or any(g.is_draft for g in setup.groups)
+    return (
+        setup.junction_checkpoint
+        and drafter
+        and setup.partial_hash_hits
+        and setup.reprefill_tokens == 0
+        and setup.hash_block < setup.scheduler_block
+    )
+
+
 def replay_boundaries(prompt_tokens: int, scheduler_block: int, dropping: bool) -> set[int]:
     """Where a later request repeating a stored prompt can resume: its last token
     is recomputed; with a drop, the block above each candidate is kept too."""
@@ -264,6 +286,7 @@ class _Stored:
         self.align = _alignment(setup)
         self.drops = set(_drop_groups(setup))
         self.prompt_tokens = prompt_tokens
+        self.junction = junction
         h = setup.hash_block
         hashed = max(0, prompt_tokens - setup.hash_lookahead) // h * h
         several = len(setup.groups) > 1
@@ -323,6 +346,16 @@ class _Stored:
             elif self.setup.partial_hash_hits and 0 < checkpoint <= self.prompt_tokens:
                 # A state inside a block: partial hash hits can land on it.
                 self.points[i].add(checkpoint)
+            junction = self.junction
+            if (
+                junction % b
+                and junction % self.setup.hash_block == 0
+                and junction <= self.prompt_tokens
+                and junction_checkpoint_applies(self.setup)
+            ):
+                # The opt-in checkpoint: a chunk ends at the junction itself, and its
+                # state is kept there (the caller drops it below the request's hit).
+                self.points[i].add(junction)
             return kept
         if self.align % b:
             return None
@@ -709,6 +742,7 @@ __all__ = [
     "facts",
     "first_hit_prefix",
     "hit_candidates",
+    "junction_checkpoint_applies",
     "lookup_order",
     "replay_boundaries",
 ]

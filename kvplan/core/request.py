@@ -120,6 +120,9 @@ class EngineOptions:
     extensible_kv_cache: bool = False
     # HiSparse sparse-MLA offloading (None: off); implies model runner V2.
     hisparse: HiSparseConfig | None = None
+    # vLLM's enable_mamba_shared_prefix_checkpoint: only the prefix-cache
+    # prediction reads it (kvplan.core.prefix_cache.PrefixCacheSetup).
+    mamba_shared_prefix_checkpoint: bool = False
 
     @property
     def mamba_align_mode(self) -> bool:

@@ -470,6 +470,7 @@ class EngineOptions(_message.Message):
     ENGINE_VERSION_FIELD_NUMBER: _builtins.int
     EXTENSIBLE_KV_CACHE_FIELD_NUMBER: _builtins.int
     HISPARSE_FIELD_NUMBER: _builtins.int
+    ENABLE_MAMBA_SHARED_PREFIX_CHECKPOINT_FIELD_NUMBER: _builtins.int
     max_model_len: _builtins.int
     """Longest request in tokens. -1 asks kvplan to fit the largest length the
     memory allows, up to `derived_max_model_len`.
@@ -530,6 +531,16 @@ class EngineOptions(_message.Message):
     vLLM's kv_cache_memory_bytes runs the classic cache too: say false (the vLLM
     plugin sends the engine's settled value). false = the classic cache.
     """
+    enable_mamba_shared_prefix_checkpoint: _builtins.bool
+    """vLLM's opt-in enable_mamba_shared_prefix_checkpoint (0.32, 0.33, 0.34; unset =
+    false, its default). A request whose groups' prefix-cache hits parted ends a
+    prefill chunk exactly at that shared-prefix junction and keeps its Mamba state
+    there, so the next request sharing the prefix can hit it (rather than the
+    Mamba block below). It takes effect only with partial hash hits (a Mamba
+    block coarser than the hash block), a drafter's group, and no multi-module MTP
+    tail; it changes PrefixCacheWhatIf.cached_tokens_next_request, not the plan
+    (docs/prefix-caching.md).
+    """
     @_builtins.property
     def parallel(self) -> Global___ParallelConfig: ...
     @_builtins.property
@@ -558,13 +569,16 @@ class EngineOptions(_message.Message):
         engine_version: _builtins.str = ...,
         extensible_kv_cache: _builtins.bool | None = ...,
         hisparse: Global___HiSparseConfig | None = ...,
+        enable_mamba_shared_prefix_checkpoint: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_layout", b"_layout", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "_use_v2_model_runner", b"_use_v2_model_runner", "derived_max_model_len", b"derived_max_model_len", "enable_prefix_caching", b"enable_prefix_caching", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "layout", b"layout", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_mamba_shared_prefix_checkpoint", b"_enable_mamba_shared_prefix_checkpoint", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_layout", b"_layout", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "_use_v2_model_runner", b"_use_v2_model_runner", "derived_max_model_len", b"derived_max_model_len", "enable_mamba_shared_prefix_checkpoint", b"enable_mamba_shared_prefix_checkpoint", "enable_prefix_caching", b"enable_prefix_caching", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "layout", b"layout", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_layout", b"_layout", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "_use_v2_model_runner", b"_use_v2_model_runner", "async_scheduling", b"async_scheduling", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "derived_max_model_len", b"derived_max_model_len", "disable_hybrid_kv_cache_manager", b"disable_hybrid_kv_cache_manager", "enable_prefix_caching", b"enable_prefix_caching", "engine_version", b"engine_version", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "layout", b"layout", "mamba_cache_mode", b"mamba_cache_mode", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "model_dtype", b"model_dtype", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len", "_enable_mamba_shared_prefix_checkpoint", b"_enable_mamba_shared_prefix_checkpoint", "_enable_prefix_caching", b"_enable_prefix_caching", "_extensible_kv_cache", b"_extensible_kv_cache", "_layout", b"_layout", "_num_gpu_blocks_override", b"_num_gpu_blocks_override", "_prefix_match_unit", b"_prefix_match_unit", "_use_v2_model_runner", b"_use_v2_model_runner", "async_scheduling", b"async_scheduling", "block_size", b"block_size", "cache_dtype", b"cache_dtype", "derived_max_model_len", b"derived_max_model_len", "disable_hybrid_kv_cache_manager", b"disable_hybrid_kv_cache_manager", "enable_mamba_shared_prefix_checkpoint", b"enable_mamba_shared_prefix_checkpoint", "enable_prefix_caching", b"enable_prefix_caching", "engine_version", b"engine_version", "extensible_kv_cache", b"extensible_kv_cache", "hisparse", b"hisparse", "layout", b"layout", "mamba_cache_mode", b"mamba_cache_mode", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "model_dtype", b"model_dtype", "num_gpu_blocks_override", b"num_gpu_blocks_override", "parallel", b"parallel", "prefix_match_unit", b"prefix_match_unit", "use_v2_model_runner", b"use_v2_model_runner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__derived_max_model_len: _TypeAlias = _typing.Literal["derived_max_model_len"]  # noqa: Y015
     _WhichOneofArgType__derived_max_model_len: _TypeAlias = _typing.Literal["_derived_max_model_len", b"_derived_max_model_len"]  # noqa: Y015
+    _WhichOneofReturnType__enable_mamba_shared_prefix_checkpoint: _TypeAlias = _typing.Literal["enable_mamba_shared_prefix_checkpoint"]  # noqa: Y015
+    _WhichOneofArgType__enable_mamba_shared_prefix_checkpoint: _TypeAlias = _typing.Literal["_enable_mamba_shared_prefix_checkpoint", b"_enable_mamba_shared_prefix_checkpoint"]  # noqa: Y015
     _WhichOneofReturnType__enable_prefix_caching: _TypeAlias = _typing.Literal["enable_prefix_caching"]  # noqa: Y015
     _WhichOneofArgType__enable_prefix_caching: _TypeAlias = _typing.Literal["_enable_prefix_caching", b"_enable_prefix_caching"]  # noqa: Y015
     _WhichOneofReturnType__extensible_kv_cache: _TypeAlias = _typing.Literal["extensible_kv_cache"]  # noqa: Y015
@@ -579,6 +593,8 @@ class EngineOptions(_message.Message):
     _WhichOneofArgType__use_v2_model_runner: _TypeAlias = _typing.Literal["_use_v2_model_runner", b"_use_v2_model_runner"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__derived_max_model_len) -> _WhichOneofReturnType__derived_max_model_len | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__enable_mamba_shared_prefix_checkpoint) -> _WhichOneofReturnType__enable_mamba_shared_prefix_checkpoint | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__enable_prefix_caching) -> _WhichOneofReturnType__enable_prefix_caching | None: ...
     @_typing.overload

@@ -5,6 +5,7 @@ conformance/prefix_probe.py (make conformance)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,6 +18,7 @@ from kvplan.core.prefix_cache import (
     cached_tokens,
     cached_tokens_after_junction,
     facts,
+    junction_checkpoint_applies,
     replay_boundaries,
 )
 
@@ -325,3 +327,33 @@ def test_a_dropping_group_outside_prefix_caching_takes_nothing_off_hits() -> Non
     assert f.drop_groups == (0,) and f.drop_tokens == 0
     assert f.min_shared_prefix == f.unit == 80
     assert cached_tokens(setup, 80, 80, 81) == 80
+
+
+def test_the_junction_checkpoint_keeps_mamba_state_inside_a_block() -> None:
+    """vLLM's opt-in enable_mamba_shared_prefix_checkpoint: 64-token Mamba blocks,
+    16-token attention (the drafter's) and hash blocks, one lookahead token. A
+    request sharing 100 tokens with a longer stored one hits nothing (Mamba state
+    only at the stored prompt's end); full attention matched 96, its junction. It
+    then keeps its Mamba state there with the checkpoint, block-floored to 64
+    without: the next request hits 96, or 64."""
+    groups = (CacheGroup(GroupKind.MAMBA, 64, False), CacheGroup(GroupKind.FULL, 16, True))
+    on = PrefixCacheSetup(True, groups, 64, 16, True, False, 1, junction_checkpoint=True)
+    off = replace(on, junction_checkpoint=False)
+    stored, request = 100 + 4 * 64 + 2, 100 + 64 + 1
+    assert junction_checkpoint_applies(on) and not junction_checkpoint_applies(off)
+    assert cached_tokens(on, 100, stored, request) == cached_tokens(off, 100, stored, request) == 0
+    assert cached_tokens_after_junction(on, 100, stored, request) == 96
+    assert cached_tokens_after_junction(off, 100, stored, request) == 64
+    # vLLM's manager and scheduler take it only with a drafter's group, partial hash
+    # hits finer than the scheduler block, and no multi-module MTP tail.
+    no_drafter = replace(on, groups=(groups[0], replace(groups[1], is_draft=False)))
+    for ignored in (
+        no_drafter,
+        replace(on, partial_hash_hits=False),
+        replace(on, hash_block=64),
+        replace(on, reprefill_tokens=1),
+    ):
+        assert not junction_checkpoint_applies(ignored), ignored
+    assert cached_tokens_after_junction(no_drafter, 100, stored, request) == 64
+    # The draft drop puts every group in the drafter's set when none is flagged.
+    assert junction_checkpoint_applies(replace(no_drafter, block_drop=True, hash_lookahead=0))
