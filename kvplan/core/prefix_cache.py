@@ -23,6 +23,8 @@ The model the facts describe (docs/prefix-caching.md):
 * A request whose groups' hits part records the longest as its shared-prefix
   junction and keeps its state there too: `cached_tokens_after_junction` is the
   hit of the request after it.
+* The minimum prefix (`facts().min_shared_prefix`, `first_hit_prefix`) is the
+  shortest prompt that, stored and sent again with one more token, hits.
 """
 
 from __future__ import annotations
