@@ -23,6 +23,8 @@ The model the facts describe (docs/prefix-caching.md):
 * A request whose groups' hits part records the longest as its shared-prefix
   junction and keeps its state there too: `cached_tokens_after_junction` is the
   hit of the request after it.
+* The minimum prefix (`facts().min_shared_prefix`, `first_hit_prefix`) is the
+  shortest prompt that, stored and sent again with one more token, hits.
 """
 
 from __future__ import annotations
@@ -195,13 +197,33 @@ def hit_candidates(setup: PrefixCacheSetup, start: int) -> Iterator[int]:
             yield n
 
 
+def _scan_horizon(setup: PrefixCacheSetup) -> int:
+    """Past this length a prompt stored and sent again hits, if ever, within one
+    more period: what a stored prompt keeps sits within a few scheduler blocks of
+    its end (the replay boundary, one lower under the drop, the Mamba checkpoint a
+    unit lower), except the window's first blocks and chunked-local chunks, and
+    every length the lookups read repeats with the scheduler block (the lcm of the
+    blocks) and the chunks. So a scan that reaches it without a hit gives up (a
+    one-token window beside other groups never hits) instead of running on."""
+    period = max(setup.scheduler_block, setup.hash_block, *(g.block_tokens for g in setup.groups))
+    windows = [g.window for g in setup.groups if g.kind is not GroupKind.MAMBA]
+    return (
+        _alignment(setup)
+        + _drop_tokens(setup)
+        + setup.hash_lookahead
+        + setup.reprefill_tokens
+        + max(windows, default=0)
+        + 4 * period
+    )
+
+
 def first_hit_prefix(
     setup: PrefixCacheSetup, limit: int = FIRST_HIT_SCAN_LIMIT
 ) -> tuple[int, bool]:
     """The shortest prompt that, stored and then repeated by a request one token
     longer, gets any hit, and True; or, where `limit` evaluations at the
-    `hit_candidates` found none, the shortest length not tried (every shorter one
-    misses) and False. (0, True) when prefix caching is off.
+    `hit_candidates` (or `_scan_horizon`) found none, the shortest length not tried
+    (every shorter one misses) and False. (0, True) when prefix caching is off.
 
     A hit is a positive multiple of the unit within the shared prefix, so the scan
     starts at one unit. The first hit is the unit plus the drop, the hash lookahead
@@ -212,9 +234,10 @@ def first_hit_prefix(
     Mamba block, the drop and a 2-token tail) first hits at 578."""
     if _why_off(setup) is not WhyOff.ON:
         return 0, True
+    horizon = _scan_horizon(setup)
     n = _alignment(setup)
     for count, n in enumerate(hit_candidates(setup, _alignment(setup))):
-        if count >= limit:
+        if count >= limit or n > horizon:
             return n, False
         if _first_request_hit(setup, n, n, n + 1):
             return n, True

@@ -1265,7 +1265,7 @@ class PrefixCacheDiagnostics(_message.Message):
     hit_unit_tokens: _builtins.int
     """every hit is a multiple of it (0: off)"""
     min_shared_prefix_tokens: _builtins.int
-    """shorter shared prefixes never hit (0: off)"""
+    """shortest prompt that hits when sent again (0: off)"""
     drop_tokens: _builtins.int
     """tokens the draft drop takes off a hit"""
     hash_block_tokens: _builtins.int

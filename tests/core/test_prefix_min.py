@@ -113,3 +113,19 @@ def test_the_scan_gives_up_with_a_length_every_shorter_prompt_misses_at() -> Non
     length, exact = first_hit_prefix(setup, limit=20)
     assert not exact and length > 80
     assert not any(cached_tokens(setup, n, n, n + 1) for n in range(1, length))
+
+
+@settings(max_examples=200, deadline=None)
+@given(engines_with_tails(), st.data())
+def test_no_prefix_of_a_stored_prompt_shorter_than_the_minimum_hits(
+    setup: PrefixCacheSetup, data: st.DataObject
+) -> None:
+    """What the plugin's ZERO HITS line rests on: where the minimum is longer than
+    max_model_len, no prompt an engine admits is long enough for any shared
+    prefix of it to hit."""
+    f = facts(setup)
+    if not f.on or not f.min_shared_prefix_exact or f.min_shared_prefix < 2:
+        return
+    stored = data.draw(st.integers(1, f.min_shared_prefix - 1))
+    shared = data.draw(st.integers(0, stored))
+    assert cached_tokens(setup, shared, stored, shared + 1) == 0
