@@ -83,6 +83,10 @@ class ModelPlanOptions:
     # vLLM's --skip-mm-profiling, --limit-mm-per-prompt and --language-model-only: the
     # encoder's part of the profile run, and whether the vision tower is loaded.
     multimodal: MultimodalOptions = field(default_factory=MultimodalOptions)
+    # vLLM's --disable-custom-all-reduce (`calibrate` also sets it where the log's own
+    # WARNING says vLLM turned custom all-reduce off): the non-torch figure is then
+    # what one GPU leaves (weights.py `custom_all_reduce_on`).
+    disable_custom_all_reduce: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,7 @@ def build_plan_request(
             max_model_len=options.max_model_len,  # None or -1 (auto): the model's
             pcie_only_gpu=pcie_only,
             multimodal=options.multimodal,
+            disable_custom_all_reduce=options.disable_custom_all_reduce,
         )  # fmt: skip
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
