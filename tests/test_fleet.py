@@ -6,6 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -17,6 +18,7 @@ from kvplan.client.fleet import (
     model_config_hash,
     runtime_matches,
 )
+from kvplan.gpus import lookup_gpu
 from kvplan.v1 import service_pb2
 
 GIB = 1 << 30
@@ -196,7 +198,6 @@ def test_the_plugin_and_the_cli_key_a_configuration_alike() -> None:
     """What the plugin reports under (from vLLM's settled config objects) and what
     `plan --model` asks for (from the same flags) are one key, flags set or not."""
     from kvplan.client.vllm_plugin.fleet import fingerprint as reported
-    from kvplan.gpus import lookup_gpu
     from kvplan.models.config import load_config
     from kvplan.models.encoder import MultimodalOptions
     from kvplan.models.fleet import fingerprint as asked
@@ -236,3 +237,59 @@ def test_the_plugin_and_the_cli_key_a_configuration_alike() -> None:
         assert key == config_key(theirs)
         keys.add(key)
     assert len(keys) == 2
+
+
+VLLM_MULTIMODAL = """
+import json, sys
+from types import SimpleNamespace
+from vllm.platforms import current_platform
+current_platform.device_type = "cpu"  # the CPU build names no device; argparse needs one
+from vllm.config.multimodal import MultiModalConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from kvplan.client.vllm_plugin.fleet import multimodal_settings
+parser = FlexibleArgumentParser()
+AsyncEngineArgs.add_cli_args(parser)
+answers = []
+for argv in json.load(sys.stdin):
+    args = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m", *argv]))
+    config = MultiModalConfig(
+        limit_per_prompt=args.limit_mm_per_prompt or {},
+        skip_mm_profiling=bool(args.skip_mm_profiling),
+        language_model_only=bool(args.language_model_only),
+    )
+    answers.append(multimodal_settings(SimpleNamespace(multimodal_config=config)))
+print(json.dumps(answers))
+"""
+MULTIMODAL_FLAGS = [
+    [],
+    ["--skip-mm-profiling"],
+    ["--limit-mm-per-prompt", '{"image": {"count": 2, "width": 64, "height": 64}, "video": 0}'],
+    ["--limit-mm-per-prompt", '{"image": 999}'],
+    ["--language-model-only"],
+]
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.34"])
+def test_the_plugin_reads_the_flags_from_vllms_own_config(
+    release: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flags through vLLM's argparse and MultiModalConfig, read by the plugin's own
+    code in the release's venv, give the fingerprint fields `plan --model` sends for
+    the same flags."""
+    from kvplan.cli import build_parser
+    from kvplan.models.cli import options_from_args
+    from kvplan.models.config import load_config
+    from kvplan.models.fleet import fingerprint as asked
+    from tests.vllm_envs import run_in_vllm
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]))
+    theirs = run_in_vllm(release, ["-c", VLLM_MULTIMODAL], MULTIMODAL_FLAGS)
+    model = Path(__file__).parents[1] / "examples" / "models" / "gemma-3-27b"
+    gemma, h100 = load_config(str(model)), lookup_gpu("H100")
+    parser = build_parser()
+    for argv, settings in zip(MULTIMODAL_FLAGS, theirs, strict=True):
+        options = options_from_args(parser.parse_args(["plan", "--model", str(model), *argv]))
+        ours = asked(gemma, options, h100, "vllm-0.33")
+        # a text-only engine (no multimodal config) sends none: Gemma 3 has one
+        assert settings and {name: getattr(ours, name) for name in settings} == settings, argv
