@@ -32,6 +32,20 @@ KEY_FIELDS = (
     "kv_cache_dtype",
     "quantization",
 )
+# Start-up settings that change what vLLM measures, added to the key after the fields
+# above existed: each joins the key's text only where it is set (not its default), so
+# a fingerprint without them -- every record reported before, and every engine on
+# vLLM's defaults -- keeps the key it had. A record reported before by an engine that
+# did set one is therefore under the defaults' key (docs/capacity.md, "Learn from the
+# fleet").
+SETTING_FIELDS = (
+    "disable_custom_all_reduce",
+    "skip_mm_profiling",
+    "limit_mm_per_prompt",
+    "language_model_only",
+)
+# vLLM's item count for a modality --limit-mm-per-prompt does not name (0.32-0.34)
+DEFAULT_MM_LIMIT = 999
 
 
 def model_config_hash(config: Mapping[str, Any]) -> str:
@@ -69,7 +83,40 @@ def normalized(fingerprint: service_pb2.ConfigFingerprint) -> service_pb2.Config
     quantization = fingerprint.quantization.strip().lower()
     out.quantization = "" if quantization in ("none", "auto") else quantization
     out.model_config_hash = fingerprint.model_config_hash.strip().lower()
+    # Custom all-reduce exists only in a TP group.
+    out.disable_custom_all_reduce = fingerprint.disable_custom_all_reduce and (
+        fingerprint.tensor_parallel_size > 1
+    )
+    if fingerprint.language_model_only:  # no tower: nothing left to profile or limit
+        out.skip_mm_profiling, out.limit_mm_per_prompt = False, ""
+    else:
+        out.limit_mm_per_prompt = mm_limits_text(fingerprint.limit_mm_per_prompt)
     return out
+
+
+def mm_limits_text(limits: str | Mapping[str, Any]) -> str:
+    """--limit-mm-per-prompt in one spelling: item counts by modality (a value may be
+    vLLM's {"count": N, ...} object; its size options are not kept), sorted, the default
+    count left out; "" where nothing differs from vLLM's default."""
+    parsed: Any = limits
+    if isinstance(limits, str):
+        if not limits.strip():
+            return ""
+        try:
+            parsed = json.loads(limits)
+        except json.JSONDecodeError:
+            return limits.strip()  # kept as given: still a distinct key
+    if not isinstance(parsed, Mapping):
+        return json.dumps(parsed, sort_keys=True)
+    counts: dict[str, int] = {}
+    for modality, value in parsed.items():
+        if isinstance(value, Mapping):
+            count: Any = value.get("count", DEFAULT_MM_LIMIT)
+        else:  # a count, or vLLM's own options object (its `count`)
+            count = getattr(value, "count", value)
+        if int(count) != DEFAULT_MM_LIMIT:
+            counts[str(modality)] = int(count)
+    return json.dumps(counts, sort_keys=True, separators=(",", ":")) if counts else ""
 
 
 _DTYPE_ALIASES = {
@@ -85,9 +132,13 @@ _DTYPE_ALIASES = {
 
 def config_key(fingerprint: service_pb2.ConfigFingerprint) -> str:
     """The record's key: a digest of the configuration fields (KEY_FIELDS) of the
-    normalized fingerprint. The runtime fields are kept with each engine instead."""
+    normalized fingerprint, and the start-up settings (SETTING_FIELDS) that are set.
+    The runtime fields are kept with each engine instead."""
     fields = normalized(fingerprint)
     text = "\n".join(f"{name}={getattr(fields, name)}" for name in KEY_FIELDS)
+    for name in SETTING_FIELDS:
+        if getattr(fields, name):
+            text += f"\n{name}={getattr(fields, name)}"
     return "cfg-" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

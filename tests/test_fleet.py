@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -9,9 +14,11 @@ from kvplan.client.fleet import (
     config_key,
     fleet_figures,
     gpu_name,
+    mm_limits_text,
     model_config_hash,
     runtime_matches,
 )
+from kvplan.gpus import lookup_gpu
 from kvplan.v1 import service_pb2
 
 GIB = 1 << 30
@@ -136,3 +143,153 @@ def test_figures_take_the_smallest_rank_of_any_engine() -> None:
     )
     assert "weights 15.00 GiB" in text and "activation" not in text
     assert "max_num_batched_tokens 4096" in text and "max_num_batched_tokens 8192" in text
+
+
+# The keys kvplan gave these two fingerprints before the start-up settings joined the
+# key (commit 2c7e10d's client/fleet.py): records kept under them must still be found.
+KEY_BEFORE_SETTINGS = {
+    1: "cfg-cc9e196dfa17636a5696bfeafb4aad87",
+    2: "cfg-0e73488e56599f98e8cd10779783803b",
+}
+
+
+def test_settings_left_at_their_defaults_keep_the_earlier_key() -> None:
+    for tp, key in KEY_BEFORE_SETTINGS.items():
+        assert config_key(fingerprint(tensor_parallel_size=tp)) == key
+        defaults = fingerprint(
+            tensor_parallel_size=tp,
+            skip_mm_profiling=False,
+            limit_mm_per_prompt='{"image": 999}',  # vLLM's default count, spelled out
+            language_model_only=False,
+        )
+        assert config_key(defaults) == key
+    # Custom all-reduce exists only in a TP group: the flag at TP 1 changes nothing.
+    assert config_key(fingerprint(disable_custom_all_reduce=True)) == KEY_BEFORE_SETTINGS[1]
+
+
+def test_each_start_up_setting_changes_the_key() -> None:
+    base = config_key(fingerprint(tensor_parallel_size=2))
+    keys = {
+        config_key(fingerprint(tensor_parallel_size=2, **setting))
+        for setting in (
+            {"disable_custom_all_reduce": True},
+            {"skip_mm_profiling": True},
+            {"limit_mm_per_prompt": '{"image": 2}'},
+            {"limit_mm_per_prompt": '{"image": 0, "video": 0}'},
+            {"language_model_only": True},
+        )
+    }
+    assert len(keys) == 5 and base not in keys
+
+
+def test_limit_spellings_and_language_model_only() -> None:
+    one = config_key(fingerprint(limit_mm_per_prompt='{"image": 2, "video": 999}'))
+    assert one == config_key(fingerprint(limit_mm_per_prompt='{"image":{"count":2,"width":64}}'))
+    assert mm_limits_text({"video": 0, "image": {"count": 2}}) == '{"image":2,"video":0}'
+    # Without the tower nothing is profiled: the other flags no longer matter.
+    text_only = config_key(fingerprint(language_model_only=True))
+    every_flag = fingerprint(
+        language_model_only=True, skip_mm_profiling=True, limit_mm_per_prompt='{"image": 3}'
+    )
+    assert text_only == config_key(every_flag)
+
+
+def test_the_plugin_and_the_cli_key_a_configuration_alike() -> None:
+    """What the plugin reports under (from vLLM's settled config objects) and what
+    `plan --model` asks for (from the same flags) are one key, flags set or not."""
+    from kvplan.client.vllm_plugin.fleet import fingerprint as reported
+    from kvplan.models.config import load_config
+    from kvplan.models.encoder import MultimodalOptions
+    from kvplan.models.fleet import fingerprint as asked
+    from kvplan.models.request import ModelPlanOptions
+
+    gemma = load_config(str(Path(__file__).parents[1] / "examples" / "models" / "gemma-3-27b"))
+    h100 = lookup_gpu("H100")
+
+    def vllm_config(disable: bool, limits: dict[str, Any], skip: bool) -> Any:
+        multimodal = SimpleNamespace(
+            skip_mm_profiling=skip,
+            # vLLM keeps each limit as an options object with its count
+            limit_per_prompt={key: SimpleNamespace(count=n) for key, n in limits.items()},
+            language_model_only=False,
+        )
+        return SimpleNamespace(
+            model_config=SimpleNamespace(
+                dtype="torch.bfloat16", quantization=None, model="g", multimodal_config=multimodal
+            ),
+            parallel_config=SimpleNamespace(
+                tensor_parallel_size=2, pipeline_parallel_size=1, disable_custom_all_reduce=disable
+            ),
+            cache_config=SimpleNamespace(cache_dtype="auto"),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
+            compilation_config=None,
+        )
+
+    keys = set()
+    for disable, limits, skip in ((False, {}, False), (True, {"image": 1}, True)):
+        ours = ModelPlanOptions(
+            tensor_parallel_size=2,
+            disable_custom_all_reduce=disable,
+            multimodal=MultimodalOptions(skip, limits),
+        )
+        theirs = reported(vllm_config(disable, limits, skip), gemma.data, "vllm-0.33", "H100")
+        key = config_key(asked(gemma, ours, h100, "vllm-0.33"))
+        assert key == config_key(theirs)
+        keys.add(key)
+    assert len(keys) == 2
+
+
+VLLM_MULTIMODAL = """
+import json, sys
+from types import SimpleNamespace
+from vllm.platforms import current_platform
+current_platform.device_type = "cpu"  # the CPU build names no device; argparse needs one
+from vllm.config.multimodal import MultiModalConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from kvplan.client.vllm_plugin.fleet import multimodal_settings
+parser = FlexibleArgumentParser()
+AsyncEngineArgs.add_cli_args(parser)
+answers = []
+for argv in json.load(sys.stdin):
+    args = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m", *argv]))
+    config = MultiModalConfig(
+        limit_per_prompt=args.limit_mm_per_prompt or {},
+        skip_mm_profiling=bool(args.skip_mm_profiling),
+        language_model_only=bool(args.language_model_only),
+    )
+    answers.append(multimodal_settings(SimpleNamespace(multimodal_config=config)))
+print(json.dumps(answers))
+"""
+MULTIMODAL_FLAGS = [
+    [],
+    ["--skip-mm-profiling"],
+    ["--limit-mm-per-prompt", '{"image": {"count": 2, "width": 64, "height": 64}, "video": 0}'],
+    ["--limit-mm-per-prompt", '{"image": 999}'],
+    ["--language-model-only"],
+]
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.34"])
+def test_the_plugin_reads_the_flags_from_vllms_own_config(
+    release: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flags through vLLM's argparse and MultiModalConfig, read by the plugin's own
+    code in the release's venv, give the fingerprint fields `plan --model` sends for
+    the same flags."""
+    from kvplan.cli import build_parser
+    from kvplan.models.cli import options_from_args
+    from kvplan.models.config import load_config
+    from kvplan.models.fleet import fingerprint as asked
+    from tests.vllm_envs import run_in_vllm
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]))
+    theirs = run_in_vllm(release, ["-c", VLLM_MULTIMODAL], MULTIMODAL_FLAGS)
+    model = Path(__file__).parents[1] / "examples" / "models" / "gemma-3-27b"
+    gemma, h100 = load_config(str(model)), lookup_gpu("H100")
+    parser = build_parser()
+    for argv, settings in zip(MULTIMODAL_FLAGS, theirs, strict=True):
+        options = options_from_args(parser.parse_args(["plan", "--model", str(model), *argv]))
+        ours = asked(gemma, options, h100, "vllm-0.33")
+        # a text-only engine (no multimodal config) sends none: Gemma 3 has one
+        assert settings and {name: getattr(ours, name) for name in settings} == settings, argv

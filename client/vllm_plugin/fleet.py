@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kvplan.client.fleet import config_key, fleet_figures, model_config_hash
+from kvplan.client.fleet import config_key, fleet_figures, mm_limits_text, model_config_hash
 from kvplan.client.planner import PlannerClient
 from kvplan.client.vllm_plugin.logs import log
 from kvplan.client.vllm_plugin.worker import report_measured, set_kv_cache_memory_bytes
@@ -63,6 +63,20 @@ def cuda_graphs(vllm_config: Any) -> str:
     return f"{name}:{size}" if name and size else name
 
 
+def multimodal_settings(model_config: Any) -> dict[str, Any]:
+    """A multimodal model's profiling flags as vLLM settled them (its MultiModalConfig,
+    0.32-0.34); none for a text-only model, which has no such config."""
+    multimodal = getattr(model_config, "multimodal_config", None)
+    if multimodal is None:
+        return {}
+    limits = getattr(multimodal, "limit_per_prompt", None) or {}
+    return {
+        "skip_mm_profiling": bool(getattr(multimodal, "skip_mm_profiling", False)),
+        "limit_mm_per_prompt": mm_limits_text(dict(limits)),
+        "language_model_only": bool(getattr(multimodal, "language_model_only", False)),
+    }
+
+
 def fingerprint(
     vllm_config: Any, config: dict[str, Any], engine_version: str, gpu_name: str
 ) -> service_pb2.ConfigFingerprint:
@@ -82,6 +96,8 @@ def fingerprint(
         max_num_batched_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens or 0),
         cuda_graphs=cuda_graphs(vllm_config),
         model=str(getattr(model, "model", ""))[:256],
+        disable_custom_all_reduce=bool(getattr(parallel, "disable_custom_all_reduce", False)),
+        **multimodal_settings(model),
     )
 
 

@@ -28,6 +28,11 @@ _RELEASE = re.compile(r"Initializing a V1 LLM engine \(v([0-9][^)]*)\)|version (
 _CONFIG_LINE = re.compile(r"Initializing a V1 LLM engine \(v[^)]*\) with config: (.*)$")
 _NON_DEFAULT = re.compile(r"non-default args: (\{.*\})\s*$")
 _LOADING = re.compile(r"Model loading took ([0-9.]+) GiB")
+# vLLM's own decision (custom_all_reduce.py, 0.19 and 0.32-0.34): "Custom allreduce is
+# disabled because it's not supported on more than two PCIe-only GPUs", "... because
+# your platform lacks GPU P2P capability or P2P test failed", "... due to an
+# unsupported world size"; not the INFO line of a build without the kernels.
+_CUSTOM_AR_OFF = re.compile(r"WARNING .*Custom allreduce is disabled (?:because|due to) (.*)$")
 _WEIGHTS_V0 = re.compile(r"Loading model weights took ([0-9.]+) GB")
 _AVAILABLE = re.compile(r"Available KV cache memory: ([0-9.]+) GiB")
 _TOKENS = re.compile(r"KV cache size: ([0-9,]+) tokens")
@@ -130,6 +135,8 @@ class StartupLog:
     # The encoder part of a multimodal model's profile run: budget (tokens), items
     encoder_budget: int | None = None
     encoder_items: int | None = None
+    # Why vLLM turned custom all-reduce off, where a worker's WARNING says so
+    custom_all_reduce_off: str | None = None
 
 
 def parse_log(text: str) -> StartupLog:
@@ -148,6 +155,8 @@ def parse_log(text: str) -> StartupLog:
                 parsed = {}
             if isinstance(parsed, dict):
                 log.non_default_args = parsed
+        if log.custom_all_reduce_off is None and (match := _CUSTOM_AR_OFF.search(line)):
+            log.custom_all_reduce_off = match.group(1).split(". To silence")[0].strip()
         if match := _LOADING.search(line) or _WEIGHTS_V0.search(line):
             log.model_loading_gib.append(float(match.group(1)))
         if match := _PROFILE_V0.search(line):
@@ -264,6 +273,12 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
     limits = args.get("limit_mm_per_prompt")
     if isinstance(limits, dict):
         out["limit_mm_per_prompt"] = json.dumps(limits)
+    # --disable-custom-all-reduce: the non-default args, the engine's config line, or
+    # vLLM's WARNING that it turned custom all-reduce off (a failed P2P probe included,
+    # which nothing else in a log shows).
+    flag = args.get("disable_custom_all_reduce", config.get("disable_custom_all_reduce"))
+    if flag in (True, "True") or log.custom_all_reduce_off is not None:
+        out["disable_custom_all_reduce"] = True
     return out
 
 

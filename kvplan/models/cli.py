@@ -173,6 +173,7 @@ MODEL_ONLY_OPTIONS = {
     "skip_mm_profiling": "--skip-mm-profiling",
     "limit_mm_per_prompt": "--limit-mm-per-prompt",
     "language_model_only": "--language-model-only",
+    "disable_custom_all_reduce": "--disable-custom-all-reduce",
 }
 
 
@@ -271,6 +272,13 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         action="store_true",
         default=None,
         help="a multimodal model without its vision tower (every modality limit 0, as vLLM's)",
+    )
+    parser.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        default=None,
+        help="vLLM's flag: the TP ranks all-reduce through NCCL only, and the non-KV "
+        "estimate reserves the TP 1 non-torch figure (0.25 GiB) instead of 2.07 GiB",
     )
     parser.add_argument(
         "--dtype",
@@ -405,6 +413,7 @@ def options_from_args(args: argparse.Namespace) -> ModelPlanOptions:
             ),
             language_model_only=bool(args.language_model_only),
         ),
+        disable_custom_all_reduce=bool(args.disable_custom_all_reduce),
     )
 
 

@@ -15,7 +15,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvplan.client.errors import PlannerError
-from kvplan.client.fleet import FleetFigures, config_key, fleet_figures, model_config_hash
+from kvplan.client.fleet import (
+    FleetFigures,
+    config_key,
+    fleet_figures,
+    mm_limits_text,
+    model_config_hash,
+)
 from kvplan.gpus import GpuModel, UnknownGpu, lookup_gpu
 from kvplan.models.config import HFConfig
 from kvplan.models.request import ModelPlanOptions
@@ -102,7 +108,23 @@ def fingerprint(
         kv_cache_dtype=options.kv_cache_dtype or "auto",
         quantization=_quantization(config, options),
         max_num_batched_tokens=options.max_num_batched_tokens or 0,
+        disable_custom_all_reduce=options.disable_custom_all_reduce,
+        **_multimodal_settings(config, options),
     )
+
+
+def _multimodal_settings(config: HFConfig, options: ModelPlanOptions) -> dict[str, Any]:
+    """The multimodal flags as the plugin reports them: only for a model with a vision
+    tower (vLLM keeps no multimodal config for a text-only model, whose flags change
+    nothing)."""
+    if config.sub("vision_config") is None:
+        return {}
+    multimodal = options.multimodal
+    return {
+        "skip_mm_profiling": multimodal.skip_mm_profiling,
+        "limit_mm_per_prompt": mm_limits_text(dict(multimodal.limit_mm_per_prompt)),
+        "language_model_only": multimodal.language_model_only,
+    }
 
 
 def memory_source(

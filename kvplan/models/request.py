@@ -18,6 +18,7 @@ from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_
 from kvplan.models.weights import (
     OverheadEstimate,
     WeightEstimate,
+    custom_all_reduce_on,
     estimate_overhead,
     estimate_weights,
 )
@@ -83,6 +84,10 @@ class ModelPlanOptions:
     # vLLM's --skip-mm-profiling, --limit-mm-per-prompt and --language-model-only: the
     # encoder's part of the profile run, and whether the vision tower is loaded.
     multimodal: MultimodalOptions = field(default_factory=MultimodalOptions)
+    # vLLM's --disable-custom-all-reduce (`calibrate` also sets it where the log's own
+    # WARNING says vLLM turned custom all-reduce off): the non-torch figure is then
+    # what one GPU leaves (weights.py `custom_all_reduce_on`).
+    disable_custom_all_reduce: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,7 @@ def build_plan_request(
             max_model_len=options.max_model_len,  # None or -1 (auto): the model's
             pcie_only_gpu=pcie_only,
             multimodal=options.multimodal,
+            disable_custom_all_reduce=options.disable_custom_all_reduce,
         )  # fmt: skip
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
@@ -276,24 +282,27 @@ def build_plan_request(
         non_kv_bytes=total_non_kv,
         non_kv_given=options.non_kv_bytes is not None,
         notes=layers.notes
-        + _graph_estimate_notes(tp, pcie_only, overhead)
+        + _graph_estimate_notes(
+            tp > 1 and not custom_all_reduce_on(tp, pcie_only, options.disable_custom_all_reduce),
+            overhead,
+        )
         + _multimodal_notes(config, options, overhead is not None),
     )
     return request, inputs
 
 
 def _graph_estimate_notes(
-    tp: int, pcie_only: bool, overhead: OverheadEstimate | None
+    nccl_all_reduce: bool, overhead: OverheadEstimate | None
 ) -> tuple[str, ...]:
-    """What the plan cannot vouch for in the CUDA-graph estimate it subtracts: more than
-    two GPUs without NVLink, where vLLM's graphs all-reduce through NCCL and the one such
-    log estimated five times kvplan's figure (docs/capacity.md, "The CUDA-graph
-    estimate")."""
-    if overhead is None or not overhead.cudagraph_bytes or not (pcie_only and tp > 2):
+    """What the plan cannot vouch for in the CUDA-graph estimate it subtracts: a TP group
+    without custom all-reduce (`nccl_all_reduce`), whose graphs all-reduce through NCCL;
+    the one such log (more than two GPUs without NVLink) estimated five times kvplan's
+    figure (docs/capacity.md, "The CUDA-graph estimate")."""
+    if overhead is None or not overhead.cudagraph_bytes or not nccl_all_reduce:
         return ()
     return (
-        f"CUDA-graph estimate {overhead.cudagraph_bytes / GIB:.2f} GiB per worker: on "
-        "more than two GPUs without NVLink (custom all-reduce off) the one logged case, "
+        f"CUDA-graph estimate {overhead.cudagraph_bytes / GIB:.2f} GiB per worker: with "
+        "custom all-reduce off the graphs all-reduce through NCCL; the one logged case, "
         "4 x L40S at TP 4, estimated 2.73 GiB where kvplan says 0.52 for the same graph "
         "counts; the KV budget may be about 2 GiB per worker smaller than planned "
         "(--non-kv-bytes takes a measured figure)",

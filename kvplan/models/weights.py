@@ -207,18 +207,39 @@ def profile_rules(release: str) -> ProfileRules:
     return PROFILES["v1-0.26"] if (0, 26, 0) <= version < (0, 29, 0) else PROFILES["v1"]
 
 
-def non_torch_bytes(rules: ProfileRules, tensor_parallel_size: int, pcie_only_gpu: bool) -> int:
-    """The non-torch memory the profile run leaves per worker. At TP > 1 the
-    release's TP figure (0.19's H100 logs), except on more than two GPUs of a part
-    without NVLink (`GpuModel.pcie_only`): there vLLM turns custom all-reduce off (not
-    every pair has NVLink P2P: custom_all_reduce.py, 0.19 and 0.32-0.34), no symmetric-
-    memory communicator runs (its size table lists capabilities 9.0 and 10.x only) and
-    NCCL has no NVSwitch to build NVLink SHARP buffers on, so the ranks all-reduce
-    through NCCL over PCIe and the run leaves what one GPU does (the L40S TP 4 record:
-    about 0.25 GiB)."""
-    if tensor_parallel_size <= 1 or (pcie_only_gpu and tensor_parallel_size > 2):
-        return rules.non_torch_single_gpu
-    return rules.non_torch_tensor_parallel
+# The TP group sizes vLLM's custom all-reduce accepts (CustomAllreduce
+# _SUPPORTED_WORLD_SIZES, the same in 0.32-0.34): any other size turns it off.
+CUSTOM_ALL_REDUCE_WORLD_SIZES = (2, 4, 6, 8, 16)
+
+
+def custom_all_reduce_on(
+    tensor_parallel_size: int, pcie_only_gpu: bool, disabled: bool = False
+) -> bool:
+    """Whether vLLM runs its custom all-reduce on a TP group, by the conditions kvplan
+    can know from its inputs (vLLM 0.32-0.34's CustomAllreduce and CudaCommunicator):
+    off at TP 1 (no group), with --disable-custom-all-reduce (`disabled`: no
+    communicator is built), at a TP size it does not support, and on more than two GPUs
+    of a part without NVLink (NVML reports no NVLink between the pairs). vLLM also
+    turns it off where its P2P probe fails (consumer GPUs without a bridge often do) or
+    the group spans nodes without MNNVL; kvplan cannot see either and assumes it on
+    (`calibrate` reads vLLM's own WARNING from a log)."""
+    if tensor_parallel_size <= 1 or disabled:
+        return False
+    if tensor_parallel_size not in CUSTOM_ALL_REDUCE_WORLD_SIZES:
+        return False
+    return not (pcie_only_gpu and tensor_parallel_size > 2)
+
+
+def non_torch_bytes(rules: ProfileRules, custom_all_reduce: bool) -> int:
+    """The non-torch memory the profile run leaves per worker: the release's TP figure
+    (0.19's H100 logs, custom all-reduce on) where vLLM runs custom all-reduce
+    (`custom_all_reduce_on`), else what one GPU leaves. Where it is off the ranks
+    all-reduce through NCCL, no symmetric-memory communicator runs on the parts kvplan's
+    logs come from (its size table lists capabilities 9.0 and 10.x only) and no
+    NVSwitch carries NVLink SHARP buffers: the logs without custom all-reduce leave
+    about the TP 1 figure (the L40S TP 4 record about 0.25 GiB, vllm#29070's four A30s
+    0.09 GiB)."""
+    return rules.non_torch_tensor_parallel if custom_all_reduce else rules.non_torch_single_gpu
 
 
 def sampler_bytes_per_logit(rules: ProfileRules, flashinfer: bool = True) -> int:
@@ -234,8 +255,8 @@ OVERHEAD_FORMULA = (
     " x act_bytes, tokens x hidden x act_bytes + max_num_seqs x vocab x 16 B"
     " (38 B on PyTorch's sort: vLLM 0.11.1-0.16, and <= 0.11.0 without FlashInfer));"
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
-    " for MoE;  non_torch = 0.25 GiB (TP 1, and TP > 2 on GPUs without NVLink) /"
-    " 2.07 GiB (other TP > 1);"
+    " for MoE;  non_torch = 2.07 GiB where vLLM runs custom all-reduce (TP 2, 4, 6, 8, 16;"
+    " not --disable-custom-all-reduce; not TP > 2 on GPUs without NVLink), else 0.25 GiB;"
     " CUDA graphs (from vLLM 0.20) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
     " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB);"
     " a vision model: max(encoder inputs + encoder forward, inputs + embeddings + the above)"
@@ -989,6 +1010,7 @@ def estimate_overhead(
     max_model_len: int | None = None,
     pcie_only_gpu: bool = False,
     multimodal: MultimodalOptions | None = None,
+    disable_custom_all_reduce: bool = False,
 ) -> OverheadEstimate:
     """The profile run's peak over the weights: a forward pass of
     `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
@@ -998,7 +1020,8 @@ def estimate_overhead(
     allowances (`PROFILES`); `flashinfer` whether FlashInfer is installed (the
     sampler's path). `max_model_len` (default: the model's) bounds the context of the
     graph estimate's long sample where a release has one (`gdn_graph_transient`);
-    `pcie_only_gpu` whether the GPU has no NVLink (`non_torch_bytes`); `multimodal`,
+    `pcie_only_gpu` whether the GPU has no NVLink and `disable_custom_all_reduce`
+    vLLM's flag (`custom_all_reduce_on`, `non_torch_bytes`); `multimodal`,
     vLLM's flags, sets a multimodal model's encoder item count (kvplan.models.encoder):
     its encoder runs first, so the peak is then the larger of its inputs plus its
     forward, and its inputs and embeddings plus the decoder's phases, which run while
@@ -1020,7 +1043,10 @@ def estimate_overhead(
         sampler += max_num_batched_tokens * per_token * act_bytes
     logits = max_num_seqs * c.integer("vocab_size")
     sampler += logits * sampler_bytes_per_logit(rules, flashinfer)
-    non_torch = non_torch_bytes(rules, tensor_parallel_size, pcie_only_gpu)
+    non_torch = non_torch_bytes(
+        rules,
+        custom_all_reduce_on(tensor_parallel_size, pcie_only_gpu, disable_custom_all_reduce),
+    )
     graphs = cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens)
     logged = cudagraph_estimate(PROFILES["v1"], max_num_seqs, max_num_batched_tokens)
     # The PIECEWISE samples run first and their warmups leave activations cached in

@@ -280,6 +280,10 @@ class ConfigFingerprint(_message.Message):
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
     CUDA_GRAPHS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    DISABLE_CUSTOM_ALL_REDUCE_FIELD_NUMBER: _builtins.int
+    SKIP_MM_PROFILING_FIELD_NUMBER: _builtins.int
+    LIMIT_MM_PER_PROMPT_FIELD_NUMBER: _builtins.int
+    LANGUAGE_MODEL_ONLY_FIELD_NUMBER: _builtins.int
     model_config_hash: _builtins.str
     """kvplan.client.fleet.model_config_hash of config.json"""
     engine_version: _builtins.str
@@ -300,6 +304,21 @@ class ConfigFingerprint(_message.Message):
     """runtime: the CUDA-graph mode and sizes; "" in a query: any"""
     model: _builtins.str
     """the model's name, for people (not in the key)"""
+    disable_custom_all_reduce: _builtins.bool
+    """Settings that change what vLLM measures at start, in the key only where set
+    (a fingerprint without them keeps the key it had before they existed):
+    --disable-custom-all-reduce (TP > 1 only)
+    """
+    skip_mm_profiling: _builtins.bool
+    """A multimodal model's profiling flags; a text-only model leaves them unset.
+    --skip-mm-profiling
+    """
+    limit_mm_per_prompt: _builtins.str
+    """--limit-mm-per-prompt as item counts by modality, JSON ({"image": 2}); "" = vLLM's
+    default (999 each)
+    """
+    language_model_only: _builtins.bool
+    """--language-model-only"""
     def __init__(
         self,
         *,
@@ -314,10 +333,14 @@ class ConfigFingerprint(_message.Message):
         max_num_batched_tokens: _builtins.int = ...,
         cuda_graphs: _builtins.str = ...,
         model: _builtins.str = ...,
+        disable_custom_all_reduce: _builtins.bool = ...,
+        skip_mm_profiling: _builtins.bool = ...,
+        limit_mm_per_prompt: _builtins.str = ...,
+        language_model_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_graphs", b"cuda_graphs", "dtype", b"dtype", "engine_version", b"engine_version", "gpu_name", b"gpu_name", "kv_cache_dtype", b"kv_cache_dtype", "max_num_batched_tokens", b"max_num_batched_tokens", "model", b"model", "model_config_hash", b"model_config_hash", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_graphs", b"cuda_graphs", "disable_custom_all_reduce", b"disable_custom_all_reduce", "dtype", b"dtype", "engine_version", b"engine_version", "gpu_name", b"gpu_name", "kv_cache_dtype", b"kv_cache_dtype", "language_model_only", b"language_model_only", "limit_mm_per_prompt", b"limit_mm_per_prompt", "max_num_batched_tokens", b"max_num_batched_tokens", "model", b"model", "model_config_hash", b"model_config_hash", "pipeline_parallel_size", b"pipeline_parallel_size", "quantization", b"quantization", "skip_mm_profiling", b"skip_mm_profiling", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -60,12 +60,14 @@ def test_the_settings_the_engine_states_in_its_own_lines() -> None:
     # The L40S record (vLLM 0.19.0): the utilization from the advice line (0.9 was the
     # default, so the non-default args do not name it), max_num_batched_tokens from the
     # compile range, max_num_seqs from FULL graphs stopping at 256 under PIECEWISE's 512,
-    # prefix caching from the engine's config line.
+    # prefix caching from the engine's config line, custom all-reduce off from vLLM's
+    # WARNING (more than two PCIe-only GPUs).
     log = parse_log((DATA / "qwen2.5-72b-l40s-tp4-v0.19.log").read_text())
     assert log.cudagraph_subtracted_fraction is None  # 0.19.0 logs it, does not subtract
     assert settings_from_log(log) == {
         "tp": 4, "pp": 1, "max_model_len": 8192, "max_num_batched_tokens": 2048,
         "max_num_seqs": 256, "gpu_memory_utilization": 0.9, "enable_prefix_caching": True,
+        "disable_custom_all_reduce": True,
     }  # fmt: skip
     # Equal largest sizes say nothing of max_num_seqs (the llm-d H100 records: 1,024).
     h100 = parse_log((DATA / "llama-3.1-8b-h100-tp1-llmd-v0.19.log").read_text())
@@ -161,3 +163,39 @@ def test_the_flashinfer_fallback_line_or_flag_plans_the_sort(
     without = activation(stripped)
     assert without["error"] < -0.4
     assert activation(stripped, "--no-flashinfer") == whole
+
+
+def test_custom_all_reduce_off_is_read_from_the_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vLLM's own WARNING (the L40S TP 4 record: more than two PCIe-only GPUs).
+    l40s = parse_log((DATA / "qwen2.5-72b-l40s-tp4-v0.19.log").read_text())
+    assert l40s.custom_all_reduce_off == "it's not supported on more than two PCIe-only GPUs"
+    assert settings_from_log(l40s)["disable_custom_all_reduce"] is True
+    # The engine's config line: False on the H100 TP 2 record, and its non-torch row
+    # is then the TP figure the log shows (2.07 GiB); the same log with the flag set in
+    # its config line, or in its non-default args, plans the TP 1 figure.
+    name = "llama-3.1-8b-h100-tp2-llmd-v0.19"
+    text = (DATA / f"{name}.log").read_text()
+    assert "disable_custom_all_reduce" not in settings_from_log(parse_log(text))
+    flagged = tmp_path / "config-line.log"
+    flagged.write_text(
+        text.replace("disable_custom_all_reduce=False", "disable_custom_all_reduce=True")
+    )
+    args_line = tmp_path / "non-default.log"
+    args_line.write_text(  # the flag as vllm serve lists it among its non-default args
+        text.replace("'tensor_parallel_size': 2,", "'tensor_parallel_size': 2, "
+                     "'disable_custom_all_reduce': True,", 1)
+    )  # fmt: skip
+    model = ["--model", str(ROOT / str(record(name)["model"])), "--gpu", "H100", "--json"]
+    model += [str(flag) for flag in record(name).get("flags", [])]  # type: ignore[attr-defined]
+
+    def non_torch(log: Path) -> float:
+        assert main(["calibrate", str(log), *model]) == 0
+        rows = {row["figure"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+        return float(rows["non-torch memory"]["predicted"])
+
+    assert round(non_torch(DATA / f"{name}.log"), 2) == 2.07
+    assert settings_from_log(parse_log(flagged.read_text()))["disable_custom_all_reduce"]
+    assert round(non_torch(flagged), 2) == 0.25
+    assert round(non_torch(args_line), 2) == 0.25

@@ -28,6 +28,7 @@ from kvplan.models.calibration_set import (
     table,
 )
 from kvplan.models.importer import import_layers
+from kvplan.models.request import ModelPlanOptions, build_plan_request
 from kvplan.models.weights import (
     PROFILES,
     count_params,
@@ -198,6 +199,30 @@ def test_the_sampler_phase_and_the_moe_workspace() -> None:
     assert lookup_gpu("L40S").pcie_only and lookup_gpu("L4").pcie_only
     assert not lookup_gpu("H100").pcie_only and not lookup_gpu("H100-NVL-94GB").pcie_only
     assert not lookup_gpu("RTX-3090").pcie_only  # NVLink bridges, in pairs
+    # vLLM's --disable-custom-all-reduce, and a TP size custom all-reduce does not take
+    # (2, 4, 6, 8, 16 only): the TP 1 figure on any GPU.
+    flagged = [
+        estimate_overhead(llama, layers, tp, 8192, 1024, "0.19.0", disable_custom_all_reduce=True)
+        for tp in (1, 2, 8)
+    ]
+    assert {estimate.non_torch_bytes for estimate in flagged} == {round(0.25 * GIB)}
+    assert estimate_overhead(llama, layers, 3, 8192, 1024).non_torch_bytes == round(0.25 * GIB)
+
+    # The plan says its graph estimate is unvouched-for wherever NCCL all-reduces in the
+    # graphs (custom all-reduce off at TP > 1), and only there (0.34's estimate).
+    def graph_note(gpu: str, tp: int, disable: bool = False) -> bool:
+        options = ModelPlanOptions(
+            tensor_parallel_size=tp,
+            gpu=gpu,
+            engine_version="vllm-0.34",
+            max_model_len=8192,
+            disable_custom_all_reduce=disable,
+        )
+        notes = build_plan_request(llama, options)[1].notes
+        return any("custom all-reduce off" in note for note in notes)
+
+    assert graph_note("L40S", 4) and graph_note("H100", 2, disable=True)
+    assert not graph_note("H100", 2) and not graph_note("L40S", 2) and not graph_note("H100", 1)
     mixtral = load_config(str(ROOT / "examples/models/mixtral-8x7b-instruct/config.json"))
     moe = estimate_overhead(mixtral, import_layers(mixtral), 2, 8192, 1024, "0.19.0")
     workspace = 8192 * 2 * (3 * 14_336 // 2 + 4096) * 2

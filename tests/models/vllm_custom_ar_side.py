@@ -1,11 +1,17 @@
-"""Runs inside a vLLM CPU venv (tests/models/test_non_torch_against_vllm.py): vLLM's
-own CustomAllreduce constructor, on stand-ins for the process group, NVML's NVLink
-answer and the device, says for each (world size, every pair NVLink-connected) whether
-it turns custom all-reduce off on the "more than two PCIe-only GPUs" rule or goes on
-to its P2P check (where, on a real node, it is enabled if P2P works).
+"""Runs inside a vLLM CPU venv (tests/models/test_non_torch_against_vllm.py): for each
+(world size, every pair NVLink-connected, `vllm serve` flags) what vLLM decides about
+custom all-reduce. The flags go through vLLM's own argparse and EngineArgs, then
+set_custom_all_reduce as its GPU worker calls it: where that leaves custom all-reduce
+disabled, the TP group's CudaCommunicator builds no CustomAllreduce ("off: flag").
+Otherwise vLLM's own CustomAllreduce constructor runs, on stand-ins for the process
+group, NVML's NVLink answer and the device, and says whether it turns custom
+all-reduce off (on the "more than two PCIe-only GPUs" rule, an unsupported world
+size, ...) or goes on to its P2P check (where, on a real node, it is enabled if P2P
+works).
 
-Stdin: [[world_size, fully_connected], ...]; stdout (last line): a JSON list of
-"off: not NVLink-connected" / "on to the P2P check" / "off: <other>" per case."""
+Stdin: [[world_size, fully_connected, [flag, ...]], ...]; stdout (last line): a JSON
+list of "off: flag" / "off: not NVLink-connected" / "on to the P2P check" /
+"off: <vLLM's warning>" per case."""
 
 from __future__ import annotations
 
@@ -14,6 +20,23 @@ import sys
 
 import torch
 import vllm.distributed.device_communicators.custom_all_reduce as car
+import vllm.distributed.parallel_state as parallel_state
+from vllm.platforms import current_platform
+
+current_platform.device_type = "cpu"  # the CPU build names no device; argparse needs one
+from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
+
+parser = FlexibleArgumentParser()
+AsyncEngineArgs.add_cli_args(parser)
+
+
+def enabled_by_flags(argv: list[str]) -> bool:
+    """What the GPU worker hands set_custom_all_reduce for these flags, and what the
+    TP group's CudaCommunicator then reads (_ENABLE_CUSTOM_ALL_REDUCE)."""
+    engine_args = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m", *argv]))
+    parallel_state.set_custom_all_reduce(not engine_args.disable_custom_all_reduce)
+    return bool(parallel_state._ENABLE_CUSTOM_ALL_REDUCE)
 
 
 class ReachedP2PCheck(Exception):
@@ -60,5 +83,12 @@ def decide(world_size: int, fully_connected: bool) -> str:
     return "off: " + "; ".join(warnings)
 
 
+def decide_with_flags(world_size: int, fully_connected: bool, argv: list[str]) -> str:
+    if not enabled_by_flags(argv):
+        return "off: flag"
+    return decide(world_size, fully_connected)
+
+
 cases = json.loads(sys.stdin.read())
-print(json.dumps([decide(int(size), bool(nvlink)) for size, nvlink in cases]))
+print(json.dumps([decide_with_flags(int(size), bool(nvlink), list(argv))
+                  for size, nvlink, argv in cases]))  # fmt: skip
