@@ -49,13 +49,13 @@ def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: 
 
 
 def summary(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
-    """e.g. "prefix cache: hits in 2,096-token units; shared prefixes under 4,192
-    tokens never hit; the drafter's groups drop the last matched block (2,096 tokens)"."""
+    """e.g. "prefix cache: hits in 2,096-token units; a prompt sent again hits only
+    from 4,192 tokens; the drafter's groups drop the last matched block (2,096 tokens)"."""
     if not prefix_cache.effectively_on:
         return f"prefix cache: no hit ever ({prefix_cache.off_detail or 'off'})"
     parts = [
         f"prefix cache: hits in {prefix_cache.hit_unit_tokens:,}-token units",
-        f"shared prefixes under {prefix_cache.min_shared_prefix_tokens:,} tokens never hit",
+        f"a prompt sent again hits only from {prefix_cache.min_shared_prefix_tokens:,} tokens",
     ]
     if prefix_cache.drop_tokens:
         parts.append(
@@ -72,11 +72,13 @@ def what_if_line(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
     if not prefix_cache.HasField("what_if"):
         return ""
     answer = prefix_cache.what_if
+    n = answer.shared_prefix_tokens
     return (
-        f"shared prefix of {answer.shared_prefix_tokens:,} tokens: "
+        f"shared prefix of {n:,} tokens: "
         f"{answer.cached_tokens_prefix_stored:,} served from cache after a request of "
-        f"exactly those tokens, {answer.cached_tokens_prefix_diverges:,} after one that "
-        "went on with other text"
+        "exactly those tokens; after one that went on with other text, first request: "
+        f"{answer.cached_tokens_prefix_diverges:,} of {n:,} tokens from cache; the next "
+        f"one: {answer.cached_tokens_next_request:,}"
     )
 
 
@@ -93,7 +95,8 @@ def zero_hit_reason(response: plan_pb2.PlanResponse) -> str:
         return pc.off_detail
     if pc.min_shared_prefix_tokens > response.max_model_len:
         return (
-            f"the shortest shared prefix that hits ({pc.min_shared_prefix_tokens:,} tokens) is "
+            f"the shortest prompt that hits when sent again ({pc.min_shared_prefix_tokens:,} "
+            "tokens) is "
             f"longer than max_model_len ({response.max_model_len:,}); knob: a smaller "
             "--block-size, or a longer --max-model-len"
         )

@@ -11,7 +11,11 @@ under and over each unit, multiples of it, and the draft block drop, and compare
 vLLM's hit length with kvplan.core.prefix_cache.cached_tokens. Where a Mamba or
 sliding-window group sits beside others it also measures the request after that
 one, once the first has recorded its shared-prefix junction and run ("later"
-probes, against cached_tokens_after_junction; --first-only skips them).
+probes, against cached_tokens_after_junction; --first-only skips them). For the
+minimum prefix (facts' min_shared_prefix) it stores a prompt of that many tokens,
+and of a few lengths below it, each on a new manager, and repeats it with one more
+token: vLLM must hit as kvplan says, so at the minimum and not below ("min"
+probes; --min-only runs these alone).
 
     python -m conformance.prefix_probe [--only ID] [--limit K] [--out FILE]
 """
@@ -39,6 +43,7 @@ from kvplan.core.prefix_cache import (
     PrefixCacheSetup,
     cached_tokens,
     cached_tokens_after_junction,
+    facts,
 )
 from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.prefix_facts import setup_from_plan
@@ -272,6 +277,77 @@ def vllm_later_hit(stored: int, n: int, tail: int) -> int | str:
     return int(later_hit)
 
 
+def vllm_min_hits(pairs: list[tuple[int, int]]) -> list[int | str]:
+    """For each (stored, shared): the hit the release's own manager gives a request
+    repeating the first `shared` tokens of a stored prompt of `stored` tokens and
+    going on one token, each on a new manager (the minimum probes); a failure of
+    vLLM's (_failure) in that probe's place."""
+    hits: list[int | str] = []
+    for stored, shared in pairs:
+        manager, arguments, hasher = _manager(stored, [stored])
+        try:
+            first = _request("stored", list(range(stored)), hasher)
+            manager.get_computed_blocks(first)
+            _run(manager, arguments, first)
+            probe = _request("probe", [*range(shared), 10**7], hasher)
+            _, hit, _ = manager.get_computed_blocks(probe)
+        except PoolTooSmall:
+            raise
+        except Exception as exc:  # vLLM's own: report, do not hide
+            hits.append(_failure(exc))
+            continue
+        hits.append(int(hit))
+    return hits
+
+
+def min_probe_lengths(setup: PrefixCacheSetup) -> list[int]:
+    """Prompt lengths the minimum probes store and repeat: the predicted minimum
+    (facts' min_shared_prefix, the first that hits), the two below it and one unit
+    below it (none where the scan gave up)."""
+    f = facts(setup)
+    if not f.on or not f.min_shared_prefix_exact:
+        return []
+    minimum = f.min_shared_prefix
+    return sorted({n for n in (minimum, minimum - 1, minimum - 2, minimum - f.unit) if n > 0})
+
+
+def _probe_min(
+    case_id: str,
+    setup: PrefixCacheSetup,
+    counts: dict[str, int],
+    disagreements: list[Json],
+    failure_classes: dict[str, int],
+) -> None:
+    """The minimum probes (vllm_min_hits at min_probe_lengths) against
+    cached_tokens: vLLM hits at the predicted minimum and at nothing below it."""
+    lengths = min_probe_lengths(setup)
+    try:
+        got = vllm_min_hits([(n, n) for n in lengths])
+    except PoolTooSmall as exc:
+        raise PoolTooSmall(f"{case_id} (minimum probes {lengths}): {exc}") from exc
+    for n, hit in zip(lengths, got, strict=True):
+        if isinstance(hit, str):
+            counts["lookup_crashes"] += 1
+            failure_classes[hit] = failure_classes.get(hit, 0) + 1
+            continue
+        want = cached_tokens(setup, n, n, n + 1)
+        counts["min_probes"] += 1
+        if want == hit:
+            counts["min_agree"] += 1
+        elif len(disagreements) < 2000:
+            disagreements.append(
+                {
+                    "id": case_id,
+                    "minimum": facts(setup).min_shared_prefix,
+                    "shared": n,
+                    "stored": n,
+                    "vllm": hit,
+                    "kvplan": want,
+                    "setup": repr(setup),
+                }
+            )
+
+
 def run(
     only: list[str],
     limit: int | None,
@@ -279,6 +355,8 @@ def run(
     scenarios: bool = True,
     fuzz: dict[str, int] | None = None,
     later: bool = True,
+    minimum: bool = True,
+    first: bool = True,
 ) -> Json:
     cases = generate_cases(seed, scenarios=scenarios, fuzz=fuzz)
     if only:
@@ -297,6 +375,10 @@ def run(
         "later_probes": 0,
         "later_agree": 0,
         "later_gain": 0,  # later probes where vLLM hits more than for the first request
+        # A prompt of the predicted minimum (and of a few lengths below it) stored,
+        # then repeated with one more token: vLLM hits at the minimum, not below.
+        "min_probes": 0,
+        "min_agree": 0,
     }
     # vLLM's own failures, by class (_failure): engines vLLM
     # cannot store a request for, and probes whose lookup raises. Reported, not compared.
@@ -327,7 +409,7 @@ def run(
             continue
         unit = max(setup.scheduler_block, *(g.block_tokens for g in setup.groups))
         stored = _STORED_UNITS * unit + unit // 2 + 1
-        lengths = probe_lengths(setup, stored)
+        lengths = probe_lengths(setup, stored) if first else []
         tail = unit + 1
         try:
             got = vllm_hits(stored, lengths, tail)
@@ -366,6 +448,8 @@ def run(
                 _probe_later(
                     case.id, setup, stored, (n, hit), tail, counts, disagreements, failure_classes
                 )
+        if minimum:
+            _probe_min(case.id, setup, counts, disagreements, failure_classes)
     return {
         "counts": counts,
         "disagreements": disagreements,
@@ -424,11 +508,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--first-only", action="store_true", help="skip the later requests (a quicker campaign)"
     )
+    parser.add_argument(
+        "--min-only",
+        action="store_true",
+        help="only the minimum probes (the predicted minimum prefix and below it)",
+    )
     add_fuzz_argument(parser)
     args = parser.parse_args(argv)
     start, cpu = time.perf_counter(), time.process_time()
     fuzz = fuzz_sections(args.fuzz)
-    result = run(args.only, args.limit, args.seed, not args.no_scenarios, fuzz, not args.first_only)
+    result = run(
+        args.only,
+        args.limit,
+        args.seed,
+        not args.no_scenarios,
+        fuzz,
+        later=not (args.first_only or args.min_only),
+        minimum=True,
+        first=not args.min_only,
+    )
     result["meta"] = {
         "vllm": driver.VLLM_VERSION,
         "seed": args.seed,
@@ -447,13 +545,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{c['crashed']} engines vLLM fails to store a request for, "
         f"{c['lookup_crashes']} lookups vLLM raises in; later requests (after the "
         f"junction is recorded): {c['later_probes']} probes, {c['later_agree']} agree, "
-        f"{c['later_gain']} hit more than the first "
-        f"({result['meta']['seconds']:.0f} s)"
+        f"{c['later_gain']} hit more than the first; minimum prefix: {c['min_probes']} "
+        f"probes, {c['min_agree']} agree ({result['meta']['seconds']:.0f} s)"
     )
     for failure, count in sorted(result["failure_classes"].items(), key=lambda kv: -kv[1]):
         print(f"  vLLM fails {count}x: {failure}")
     # vLLM crashing in its own lookup is reported, not failed on: it is vLLM's.
-    agree = c["agree"] == c["probes"] and c["later_agree"] == c["later_probes"]
+    agree = (
+        c["agree"] == c["probes"]
+        and c["later_agree"] == c["later_probes"]
+        and c["min_agree"] == c["min_probes"]
+    )
     return 0 if agree and not result["disagreements"] else 1
 
 

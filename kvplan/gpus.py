@@ -33,6 +33,14 @@ class GpuModel:
     source: str
     aliases: tuple[str, ...] = ()
     arch: str = ""  # "ampere", "ada", "hopper", "blackwell", "cdna": picks vLLM kernels
+    # The part has no NVLink at all, so GPUs of it talk over PCIe only. vLLM turns
+    # custom all-reduce off on more than two same-node GPUs unless NVML reports NVLink
+    # P2P between every pair (custom_all_reduce.py and platforms/cuda.py
+    # `is_fully_connected`, the same in 0.32-0.34; 0.19 logs the same WARNING), which
+    # on such a part is every TP > 2: kvplan then plans the TP 1 non-torch figure
+    # (weights.py `non_torch_bytes`). False where a part has NVLink (SXM boards, or
+    # bridges as on the H100 NVL and RTX 3090) or is not NVIDIA's.
+    pcie_only: bool = False
 
 
 CATALOG: tuple[GpuModel, ...] = (
@@ -130,6 +138,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "the code index; an AWS g6e L40S report gives 44.4 GiB); nvidia-smi says 46068MiB",
         aliases=("L40S",),
         arch="ada",
+        pcie_only=True,
     ),
     GpuModel(
         "L4-24GB",
@@ -140,6 +149,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "print 22.03-22.04 GiB; nvidia-smi says 23034MiB",
         aliases=("L4",),
         arch="ada",
+        pcie_only=True,
     ),
     GpuModel(
         "A10G-24GB",
@@ -151,6 +161,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "(github.com/modal-labs/modal-client/pull/2797)",
         aliases=("A10G", "A10G-24G"),
         arch="ampere",
+        pcie_only=True,
     ),
     GpuModel(
         "RTX-4090-24GB",
@@ -162,6 +173,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "(github.com/zai-org/CogVideo/issues/36)",
         aliases=("RTX-4090", "RTX4090"),
         arch="ada",
+        pcie_only=True,
     ),
     GpuModel(
         "RTX-3090-24GB",

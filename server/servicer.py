@@ -524,7 +524,10 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
     ) -> tuple[plan_pb2.PlanResponse, PlanParts]:
         """Planned now, and serialized: of a model planned before (by the same
         identity, as with reused plans) only the budgets are. `call.in_thread`: planned
-        in a thread, and serialized there, in pieces (a 52 MB plan: 1.1 s in one call)."""
+        in a thread, and serialized there, in pieces (a 52 MB plan: 1.1 s in one call).
+        A shared-prefix what-if is planned in a thread too: its simulation may take a
+        few hundred ms within its bound (docs/prefix-caching.md), which the event loop
+        must not wait out."""
         request, encoded, offloaded = call.request, call.encoded, call.in_thread
 
         def planned() -> tuple[plan_pb2.PlanResponse, PlanParts]:
@@ -540,7 +543,7 @@ class PlannerServicer(service_pb2_grpc.KVCachePlannerServicer):
             )
             return response, PlanParts.of(keys.plan_id, request.engine_id, serialized)
 
-        return await self._run(planned, offloaded)
+        return await self._run(planned, offloaded or request.HasField("shared_prefix_tokens"))
 
     def _offloaded(self, request: plan_pb2.PlanRequest) -> bool:
         """An engine over --offload-layers: its heavy steps run in a worker thread."""

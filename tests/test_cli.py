@@ -383,10 +383,17 @@ def test_plan_prints_the_prefix_cache_line_and_answers_a_shared_prefix(
     assert main([*argv, "vllm-0.32", "--shared-prefix", "4,000"]) == 0
     out = capsys.readouterr().out
     assert (
-        "prefix cache: hits in 528-token units; shared prefixes under 1,056 tokens never hit; "
+        "prefix cache: hits in 528-token units; a prompt sent again hits only from 1,056 tokens; "
         "the drafter's groups drop the last matched block (528 tokens)"
     ) in out
     assert "shared prefix of 4,000 tokens: 3,168 served from cache" in out
+    # 0.33: nothing for the first request after a longer stored one, 3,696 (the
+    # first's junction) for the next one.
+    assert main([*argv, "vllm-0.33", "--shared-prefix", "4000"]) == 0
+    assert (
+        "after one that went on with other text, first request: 0 of 4,000 tokens from "
+        "cache; the next one: 3,696"
+    ) in capsys.readouterr().out
     plan = plan_json("qwen3-next-80b-a3b-mtp.yaml", capsys, "--shared-prefix", "1000")
     assert plan.diagnostics.prefix_cache.what_if.shared_prefix_tokens == 1000
 

@@ -14,10 +14,11 @@ import pytest
 from kvplan.cli import load_request
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
-from kvplan.core.prefix_cache import cached_tokens_after_junction, facts
+from kvplan.core.prefix_cache import cached_tokens, cached_tokens_after_junction, facts
 from kvplan.core.prefix_warnings import DIVERGING_TAIL_UNITS, what_if
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2
+from tests.test_fuzz_finds import find
 from tests.vllm_envs import run_in_vllm, vllm_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Runs in the release's venv with the repository on sys.path: plans the request
 # with the release (which leaves its KV cache manager's arguments behind), then
 # asks that manager for hits: ["first", stored, n, tail] is the first request
-# sharing n tokens after a stored prompt, ["later", ...] the one after that.
+# sharing n tokens after a stored prompt, ["later", ...] the one after that,
+# ["min", stored, n, 1] one sharing n tokens and going on one, on a new manager.
 VLLM_SIDE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -39,6 +41,8 @@ out = []
 for which, stored, n, tail in payload["probes"]:
     if which == "first":
         out.append(prefix_probe.vllm_hits(stored, [n], tail)[0])
+    elif which == "min":
+        out.append(prefix_probe.vllm_min_hits([(stored, n)])[0])
     else:
         out.append(prefix_probe.vllm_later_hit(stored, n, tail))
 print(json.dumps(out))
@@ -75,7 +79,8 @@ def test_qwen3_next_with_an_unmarked_eagle_drafter_under_0_32_keeps_part_of_a_pr
     drops its last matched block: a 4,000-token prompt repeated and continued keeps
     3,168 tokens (6 units of 528, one dropped), not 0, which is why the plugin says
     FEWER HITS rather than ZERO HITS; a prefix of a longer prompt gets nothing
-    (the Mamba groups hold its state only at its end). vLLM 0.32's manager agrees."""
+    (the Mamba groups hold its state only at its end), and the request after that one
+    3,168 again. vLLM 0.32's manager agrees."""
     request = qwen3_next(plan_pb2.SPEC_DECODE_METHOD_EAGLE, "vllm-0.32")
     setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
     f = facts(setup)
@@ -83,11 +88,13 @@ def test_qwen3_next_with_an_unmarked_eagle_drafter_under_0_32_keeps_part_of_a_pr
     answer = what_if(setup, f, 4000)
     unit = f.unit
     diverging = 4000 + DIVERGING_TAIL_UNITS * unit + 1
-    vllm = vllm_hits(
-        "0.32", request, [("first", 4000, 4000, unit), ("first", diverging, 4000, unit)]
-    )
-    assert vllm == [answer.prefix_stored, answer.prefix_diverges]
+    probes = [("first", 4000, 4000, unit), ("first", diverging, 4000, unit)]
+    vllm = vllm_hits("0.32", request, [*probes, ("later", diverging, 4000, unit)])
+    assert vllm == [answer.prefix_stored, answer.prefix_diverges, answer.next_request]
     assert answer.prefix_stored == 3168 and answer.prefix_diverges == 0
+    # The next request hits where the first kept its Mamba state: the junction,
+    # full attention's hit less the dropped block.
+    assert answer.next_request == 3168
 
 
 def test_later_requests_hit_at_the_shared_prefix_junction() -> None:
@@ -95,7 +102,8 @@ def test_later_requests_hit_at_the_shared_prefix_junction() -> None:
     first after the stored one hits nothing (the Mamba state is kept at the stored
     prompt's end only), but vLLM records where its groups' hits parted, keeps that
     request's Mamba state there, and the next one hits 3,696 tokens (7 units of
-    528). vLLM 0.33's manager agrees with cached_tokens_after_junction."""
+    528). vLLM 0.33's manager agrees with cached_tokens_after_junction and the
+    what-if's next request (PrefixCacheWhatIf.cached_tokens_next_request)."""
     request = qwen3_next(plan_pb2.SPEC_DECODE_METHOD_MTP, "vllm-0.33")
     setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
     unit = facts(setup).unit
@@ -104,10 +112,26 @@ def test_later_requests_hit_at_the_shared_prefix_junction() -> None:
     vllm = vllm_hits(
         "0.33", request, [("first", diverging, 4000, tail), ("later", diverging, 4000, tail)]
     )
-    first = what_if(setup, facts(setup), 4000).prefix_diverges
+    answer = what_if(setup, facts(setup), 4000)
     later = cached_tokens_after_junction(setup, 4000, diverging, 4000 + tail)
-    assert vllm == [first, later]
-    assert first == 0 and later == 3696
+    assert vllm == [answer.prefix_diverges, later] == [answer.prefix_diverges, answer.next_request]
+    assert answer.prefix_diverges == 0 and answer.next_request == 3696
+
+
+def test_the_minimum_prefix_is_the_first_prompt_that_hits_when_repeated() -> None:
+    """conformance/finds/prefix-mtp-reprefilled-tail-hybrid (fuzz seed 13, fuzzx/x0788,
+    vLLM 0.32): 1-token hit units beside a 288-token Mamba block, the draft drop and
+    a 2-token reprefilled tail. The old minimum (unit + drop + tail) said 4; a prompt
+    stored and repeated with one more token first hits at 578 (288 tokens), and
+    vLLM 0.32's own manager misses at 4 and at every length from 572 to 577."""
+    request = find("prefix-mtp-reprefilled-tail-hybrid", "vllm-0.32")
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    f = facts(setup)
+    assert f.min_shared_prefix == 578 and f.min_shared_prefix_exact
+    lengths = [4, *range(572, 579)]
+    vllm = vllm_hits("0.32", request, [("min", n, n, 1) for n in lengths])
+    assert vllm == [cached_tokens(setup, n, n, n + 1) for n in lengths]
+    assert vllm == [0] * 7 + [288]
 
 
 # Runs in the release's venv: the later-request probe of one engine on a pool of

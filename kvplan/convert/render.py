@@ -29,6 +29,7 @@ from kvplan.core.prefix_warnings import (
     prefix_warnings,
     rule_is_exact,
     what_if,
+    what_if_step,
 )
 from kvplan.core.request import EngineRequest
 from kvplan.core.specs import (
@@ -429,10 +430,11 @@ def prefix_cache_diagnostics(
     return diagnostics.SerializeToString()
 
 
-# The what-if simulates one lookup per hit unit below N (kvplan.core.prefix_cache):
-# its work is bounded by answering at most this many units (gemma-3-27b, 16-token
-# units: 8,192 units in 29 ms; 250,000 in 559 ms).
-WHAT_IF_MAX_UNITS = 32_768
+# The what-if simulates the release's lookups (kvplan.core.prefix_cache), each
+# walking the prefix in its finest step (what_if_step: the hash block or a finer
+# group block), for the first request and the next one: its work is bounded by
+# answering at most this many steps. Measured figures: docs/prefix-caching.md.
+WHAT_IF_MAX_STEPS = 32_768
 
 
 def prefix_what_if_to_proto(
@@ -447,13 +449,14 @@ def prefix_what_if_to_proto(
         )
     setup = setup_from_plan(request, response)
     facts = prefix_facts(setup)
-    if facts.unit and shared_prefix // facts.unit > WHAT_IF_MAX_UNITS:
+    step = what_if_step(setup)
+    if facts.on and shared_prefix // step > WHAT_IF_MAX_STEPS:
         raise InvalidRequest(
-            f"shared_prefix_tokens {shared_prefix:,} spans {shared_prefix // facts.unit:,} "
-            f"hit units of {facts.unit:,} tokens; the what-if answers at most "
-            f"{WHAT_IF_MAX_UNITS:,} ({WHAT_IF_MAX_UNITS * facts.unit:,} tokens here); for "
-            "longer prefixes evaluate the rule Diagnostics.prefix_cache states "
-            "(kvplan.client.prefix_cache.cached_tokens)",
+            f"shared_prefix_tokens {shared_prefix:,} spans {shared_prefix // step:,} of the "
+            f"prefix-cache simulation's {step:,}-token steps (the finest block it walks); "
+            f"the what-if answers at most {WHAT_IF_MAX_STEPS:,} ({WHAT_IF_MAX_STEPS * step:,} "
+            "tokens here); for longer prefixes evaluate the rule Diagnostics.prefix_cache "
+            "states (kvplan.client.prefix_cache.cached_tokens)",
             field="shared_prefix_tokens",
         )
     answer = what_if(setup, facts, shared_prefix)
@@ -461,3 +464,4 @@ def prefix_what_if_to_proto(
     out.shared_prefix_tokens = answer.shared_prefix
     out.cached_tokens_prefix_stored = answer.prefix_stored
     out.cached_tokens_prefix_diverges = answer.prefix_diverges
+    out.cached_tokens_next_request = answer.next_request

@@ -27,6 +27,8 @@ The model the facts describe (docs/prefix-caching.md):
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -82,11 +84,15 @@ class PrefixCacheFacts:
     unit: int  # the engine's effective hit unit: every hit is a multiple (0: off)
     drop_groups: tuple[int, ...]  # indices of the groups that drop their last block
     drop_tokens: int  # tokens the drop takes off a hit (0: no drop)
-    min_shared_prefix: int  # the shortest shared prefix that can yield a hit (0: never)
+    # The shortest prompt that, stored and then repeated by a request one token
+    # longer, gets any hit (`first_hit_prefix`; 0: off). Where the scan gave up
+    # (`min_shared_prefix_exact` false): a length every shorter prompt misses at.
+    min_shared_prefix: int
     # Sliding-window / Mamba groups keep a stored request's state only near its
     # replay boundary (several groups, sparse retention): shorter shared prefixes
     # of that request do not hit.
     boundary_only: bool
+    min_shared_prefix_exact: bool = True
 
     @property
     def on(self) -> bool:
@@ -125,30 +131,100 @@ def _sparse_kinds() -> frozenset[GroupKind]:
     return frozenset({GroupKind.SLIDING_WINDOW, GroupKind.MAMBA})
 
 
-def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
-    cacheable = [i for i, g in enumerate(setup.groups) if g.prefix_cacheable]
-    why = WhyOff.ON
+def _why_off(setup: PrefixCacheSetup) -> WhyOff:
     if not setup.enabled:
-        why = WhyOff.DISABLED
-    elif not cacheable:
-        why = WhyOff.NO_CACHEABLE_GROUP
-    if why is not WhyOff.ON:
-        return PrefixCacheFacts(why, (), 0, (), 0, 0, False)
-    unit = _alignment(setup)
-    drops = _drop_groups(setup)
-    # A Mamba group's lookup takes no drop (its state sits at the hit itself); every
-    # other dropping group must match its drop past the hit, the widest one decides.
-    drop_tokens = min(
-        unit,
+        return WhyOff.DISABLED
+    if not any(g.prefix_cacheable for g in setup.groups):
+        return WhyOff.NO_CACHEABLE_GROUP
+    return WhyOff.ON
+
+
+def _drop_tokens(setup: PrefixCacheSetup) -> int:
+    """The tokens the drop takes off a hit. A Mamba group's lookup takes no drop
+    (its state sits at the hit itself); every other dropping group must match its
+    drop past the hit, the widest one decides."""
+    return min(
+        _alignment(setup),
         max(
             (
                 setup.groups[i].block_tokens
-                for i in drops
+                for i in _drop_groups(setup)
                 if setup.groups[i].kind is not GroupKind.MAMBA and setup.groups[i].prefix_cacheable
             ),
             default=0,
         ),
     )
+
+
+# How many shared-prefix lengths `first_hit_prefix` evaluates before it gives up
+# (x0788, a fuzz engine of 1-token units under a 288-token Mamba block, needs 575).
+FIRST_HIT_SCAN_LIMIT = 4_096
+
+
+def hit_candidates(setup: PrefixCacheSetup, start: int) -> Iterator[int]:
+    """The prompt lengths from `start` up at which a prompt stored and then repeated
+    (`first_hit_prefix`) can hit differently from one token shorter. Every length
+    the simulation reads is a multiple of a block, the hash block, the scheduler
+    block, the unit or a chunked-local chunk, counted from the prompt's end less a few tokens
+    (its last token, the hash lookahead, the reprefilled tail), so the hit changes
+    only where one of those moves; between them it stays."""
+    la, tail = setup.hash_lookahead, setup.reprefill_tokens
+    offsets = {0, 1, la - 1, la, la + 1, max(1, la), tail, tail + 1, tail + la}
+    moduli = {setup.hash_block, setup.scheduler_block, _alignment(setup)}
+    moduli |= {g.block_tokens for g in setup.groups}
+    # A chunked-local group's free blocks end at the chunk the request's last token is in.
+    moduli |= {g.window for g in setup.groups if g.kind is GroupKind.CHUNKED_LOCAL}
+    heap = [
+        (start + (offset - start) % m, m)
+        for m in sorted(x for x in moduli if x > 0)
+        for offset in sorted(offsets)
+    ]
+    heapq.heapify(heap)
+    yield start
+    last = start
+    while heap:
+        n, m = heapq.heappop(heap)
+        heapq.heappush(heap, (n + m, m))
+        if n > last:
+            last = n
+            yield n
+
+
+def first_hit_prefix(
+    setup: PrefixCacheSetup, limit: int = FIRST_HIT_SCAN_LIMIT
+) -> tuple[int, bool]:
+    """The shortest prompt that, stored and then repeated by a request one token
+    longer, gets any hit, and True; or, where `limit` evaluations at the
+    `hit_candidates` found none, the shortest length not tried (every shorter one
+    misses) and False. (0, True) when prefix caching is off.
+
+    A hit is a positive multiple of the unit within the shared prefix, so the scan
+    starts at one unit. The first hit is the unit plus the drop, the hash lookahead
+    and a multi-module MTP drafter's reprefilled tail where the drop applies, often
+    a token more (the stored prompt's last token is recomputed, so its state is
+    kept a unit lower), and far more where Mamba or sliding-window state is kept
+    only near a stored prompt's end: fuzz engine x0788 (1-token units, a 288-token
+    Mamba block, the drop and a 2-token tail) first hits at 578."""
+    if _why_off(setup) is not WhyOff.ON:
+        return 0, True
+    n = _alignment(setup)
+    for count, n in enumerate(hit_candidates(setup, _alignment(setup))):
+        if count >= limit:
+            return n, False
+        if _first_request_hit(setup, n, n, n + 1):
+            return n, True
+    return n, False  # pragma: no cover - the candidates never run out
+
+
+def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
+    cacheable = [i for i, g in enumerate(setup.groups) if g.prefix_cacheable]
+    why = _why_off(setup)
+    if why is not WhyOff.ON:
+        return PrefixCacheFacts(why, (), 0, (), 0, 0, False)
+    unit = _alignment(setup)
+    drops = _drop_groups(setup)
+    drop_tokens = _drop_tokens(setup)
+    first, exact = first_hit_prefix(setup)
     boundary_only = setup.retention_interval is not None and any(
         setup.groups[i].kind in _sparse_kinds() for i in cacheable
     )
@@ -158,13 +234,9 @@ def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
         unit=unit,
         drop_groups=drops,
         drop_tokens=drop_tokens,
-        # A multi-module MTP drafter's reprefilled tail is not cached where the drop
-        # applies: a stored prompt must be that much longer to hit.
-        min_shared_prefix=unit
-        + drop_tokens
-        + setup.hash_lookahead
-        + (setup.reprefill_tokens if drops else 0),
+        min_shared_prefix=first,
         boundary_only=boundary_only,
+        min_shared_prefix_exact=exact,
     )
 
 
@@ -265,6 +337,27 @@ class _Stored:
         kept = self.kept[group]
         return block < self.full[group] and (kept is None or block in kept)
 
+    def run(self, group: int) -> int:
+        """How many blocks from the first the group keeps without a gap."""
+        if self.kept[group] is None:
+            return self.full[group]
+        return self._run_by_blocks(group)
+
+    def _run_by_blocks(self, group: int) -> int:
+        blocks = 0
+        while self.has(group, blocks):
+            blocks += 1
+        return blocks
+
+    def states(self, group: int) -> set[int] | None:
+        """Where a Mamba group holds state (token positions: ends of kept blocks
+        and states inside a block); None when it keeps every block (dense)."""
+        kept = self.kept[group]
+        if kept is None:
+            return None
+        b = self.setup.groups[group].block_tokens
+        return {(j + 1) * b for j in kept if j < self.full[group]} | self.points[group]
+
 
 class _StoredTogether(_Stored):
     """Several stored prompts sharing a prefix: a block is kept if any keeps it."""
@@ -279,6 +372,17 @@ class _StoredTogether(_Stored):
 
     def has(self, group: int, block: int) -> bool:
         return any(p.has(group, block) for p in self.prompts)
+
+    def run(self, group: int) -> int:
+        if all(p.kept[group] is None for p in self.prompts):
+            return max(p.full[group] for p in self.prompts)
+        return self._run_by_blocks(group)
+
+    def states(self, group: int) -> set[int] | None:
+        each = [p.states(group) for p in self.prompts]
+        if any(s is None for s in each):
+            return None
+        return set().union(*(s for s in each if s is not None))
 
 
 def _mamba_checkpoint(setup: PrefixCacheSetup, mamba_block: int, prompt_tokens: int) -> int:
@@ -352,11 +456,77 @@ def _lookup(
         return _chunked_local_hit(stored, members, max_len, reach)
     if kind is GroupKind.SLIDING_WINDOW and len(stored.setup.groups) > 1:
         return _sliding_window_hit(stored, members, max_len, reach, dropping)
+    if kind is GroupKind.MAMBA:
+        hit = _mamba_hit(stored, members, max_len, reach)
+        if hit is not None:
+            return hit
+    elif _full_like(stored.setup.groups[members[0]]):
+        return _full_like_hit(stored, members, max_len, reach, dropping)
+    return _lookup_by_steps(stored, members, max_len, reach, dropping)
+
+
+def _lookup_by_steps(
+    stored: _Stored, members: list[int], max_len: int, reach: tuple[int, int], dropping: bool
+) -> int:
+    """`_lookup` by trying every aligned length from the top, one unit at a time:
+    the reference the shortcuts below are checked against, and the path of the
+    kinds they do not cover (one sliding-window group, dense Mamba retention)."""
     unit = stored.align
     x = max_len // unit * unit
     while x > 0 and not all(_accepts(stored, i, x, reach, dropping, max_len) for i in members):
         x -= unit
     return x
+
+
+def _full_like_hit(
+    stored: _Stored, members: list[int], max_len: int, reach: tuple[int, int], dropping: bool
+) -> int:
+    """`_lookup` for full attention and its kin, which keep every block up to where
+    a stored prompt is cached: the highest aligned length whose end (with the drop)
+    is a whole block within the kept run, or a stored prompt's last hash boundary
+    inside a block (partial hash hits), without trying every unit below."""
+    setup = stored.setup
+    b = setup.groups[members[0]].block_tokens
+    step = setup.hash_block if setup.partial_hash_hits else b
+    drop = step if dropping else 0
+    unit = stored.align
+    matched, hashed = reach
+    top = min(max_len + drop, matched, hashed)
+    run = min(stored.run(i) for i in members)
+    best = 0
+    end = min(top, run * b) // b * b
+    while end - drop > 0:
+        if end % step == 0 and (end - drop) % unit == 0:
+            best = end - drop
+            break
+        end -= b
+    tails = set.intersection(*(stored.tails[i] for i in members))
+    for end in tails:
+        x = end - drop
+        if x > best and end <= top and end % step == 0 and x % unit == 0 and end // b <= run:
+            best = x
+    return best
+
+
+def _mamba_hit(
+    stored: _Stored, members: list[int], max_len: int, reach: tuple[int, int]
+) -> int | None:
+    """`_lookup` for Mamba groups, which hold state at a few positions: the highest
+    aligned one every member accepts, trying only those (None under dense
+    retention: the caller steps)."""
+    states = stored.states(members[0])
+    if states is None:
+        return None
+    unit = stored.align
+    top = min(max_len, *reach)
+    for x in sorted(states, reverse=True):
+        if (
+            0 < x <= top
+            and x % unit == 0
+            and all(_accepts(stored, i, x, reach, False, max_len) for i in members)
+        ):
+            return x
+    return 0
 
 
 def _sliding_window_hit(
@@ -444,7 +614,16 @@ def cached_tokens(
     Several groups settle on one length by turns: each lookup may only lower the
     candidate, a dropping group drops once per candidate, and the turns repeat until
     none lowers it (once, for one full-attention group and one other)."""
-    if not facts(setup).on or request_tokens <= 1:
+    if _why_off(setup) is not WhyOff.ON:
+        return 0
+    return _first_request_hit(setup, shared_prefix, stored_tokens, request_tokens)
+
+
+def _first_request_hit(
+    setup: PrefixCacheSetup, shared_prefix: int, stored_tokens: int, request_tokens: int
+) -> int:
+    """`cached_tokens` of a setup with prefix caching on."""
+    if request_tokens <= 1:
         return 0
     reach = _reach(setup, shared_prefix, stored_tokens, request_tokens)
     return _settle(setup, _Stored(setup, stored_tokens), reach, request_tokens)[0]
@@ -460,7 +639,7 @@ def cached_tokens_after_junction(
     its sliding-window blocks at the junction as well. A later request of
     `request_tokens` sharing the same `shared_prefix` tokens with both (and going on
     differently from each) is looked up against them together."""
-    if not facts(setup).on or request_tokens <= 1:
+    if _why_off(setup) is not WhyOff.ON or request_tokens <= 1:
         return 0
     reach = _reach(setup, shared_prefix, stored_tokens, request_tokens)
     stored = _Stored(setup, stored_tokens)
@@ -519,6 +698,7 @@ def _settle(
 
 
 __all__ = [
+    "FIRST_HIT_SCAN_LIMIT",
     "CacheGroup",
     "GroupKind",
     "PrefixCacheFacts",
@@ -527,6 +707,8 @@ __all__ = [
     "cached_tokens",
     "cached_tokens_after_junction",
     "facts",
+    "first_hit_prefix",
+    "hit_candidates",
     "lookup_order",
     "replay_boundaries",
 ]

@@ -14,6 +14,7 @@ from kvplan.core.prefix_cache import (
     PrefixCacheSetup,
     WhyOff,
     cached_tokens,
+    cached_tokens_after_junction,
     lookup_order,
 )
 
@@ -83,8 +84,9 @@ def prefix_warnings(
             PlanWarning(
                 WarningCode.PREFIX_UNIDENTIFIED_DRAFTER,
                 "no KV cache group was identified as the drafter's, so every group drops "
-                f"its last matched block: shared prefixes under {_fmt(facts.min_shared_prefix)} "
-                "tokens never hit; knob: mark the drafter's layers is_draft (LayerSpec.is_draft)",
+                "its last matched block: a prompt sent again hits only from "
+                f"{_fmt(facts.min_shared_prefix)} tokens; knob: mark the drafter's layers "
+                "is_draft (LayerSpec.is_draft)",
             )
         )
     elif facts.drop_tokens:
@@ -107,8 +109,8 @@ def prefix_warnings(
         out.append(
             PlanWarning(
                 WarningCode.PREFIX_LARGE_HIT_UNIT,
-                f"prefix cache hits in {_fmt(facts.unit)}-token units: shared prefixes under "
-                f"{_fmt(facts.min_shared_prefix)} tokens never hit; {cause}",
+                f"prefix cache hits in {_fmt(facts.unit)}-token units: a prompt sent again "
+                f"hits only from {_fmt(facts.min_shared_prefix)} tokens; {cause}",
             )
         )
     repeated_only = _repeated_prompts_only(setup, facts)
@@ -148,6 +150,9 @@ class WhatIf:
     shared_prefix: int
     prefix_stored: int  # the earlier request was exactly the prefix
     prefix_diverges: int  # the earlier request went on with other tokens
+    # The request after the `prefix_diverges` one, sharing the prefix with both: it
+    # can also hit the state the first kept at its shared-prefix junction.
+    next_request: int
 
 
 # How far the earlier request of the diverging case goes past the shared prefix,
@@ -158,7 +163,8 @@ DIVERGING_TAIL_UNITS = 4
 def what_if(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_prefix: int) -> WhatIf:
     """Cached tokens of a request going one hit unit (and the hash lookahead) past
     `shared_prefix` tokens that repeat an earlier request's: one that was exactly
-    those tokens, and one that went on DIVERGING_TAIL_UNITS units past them."""
+    those tokens, and one that went on DIVERGING_TAIL_UNITS units past them; and,
+    after the latter, of the next such request (each going on differently)."""
     unit = max(facts.unit, 1)
     request = shared_prefix + unit + setup.hash_lookahead
     diverging = shared_prefix + DIVERGING_TAIL_UNITS * unit + setup.hash_lookahead + 1
@@ -166,7 +172,18 @@ def what_if(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_prefix: int
         shared_prefix=shared_prefix,
         prefix_stored=cached_tokens(setup, shared_prefix, shared_prefix, request),
         prefix_diverges=cached_tokens(setup, shared_prefix, diverging, request),
+        next_request=cached_tokens_after_junction(setup, shared_prefix, diverging, request),
     )
+
+
+def what_if_step(setup: PrefixCacheSetup) -> int:
+    """The finest step the what-if's simulation walks a prefix in: the hash block, or
+    a cacheable group's block where finer (a sliding window's run search, a
+    hidden-state cache's lookup). Its work grows with the shared prefix over this
+    step, not over the hit unit (a 1-token hidden-state group beside 96-token
+    attention: a 96-token unit, a 1-token step)."""
+    blocks = [g.block_tokens for g in setup.groups if g.prefix_cacheable]
+    return max(1, min([setup.hash_block, *blocks]))
 
 
 def boundary_block(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> int:
@@ -354,4 +371,5 @@ __all__ = [
     "rule_cached_tokens",
     "rule_is_exact",
     "what_if",
+    "what_if_step",
 ]

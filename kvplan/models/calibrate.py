@@ -35,18 +35,41 @@ _GRAPHS = re.compile(r"Graph capturing finished in [0-9.]+ secs?, took ([0-9.]+)
 _GRAPH_POOL = re.compile(r"CUDA graph pool memory: ([0-9.]+) GiB \(actual\), ([0-9.]+) GiB")
 _PROFILE_V0 = re.compile(r"kv_cache_size=([0-9.]+)GiB")  # V0 engine's profiling line
 _V0_FIELD = re.compile(r"(total_gpu_memory|peak_torch_memory|non_torch_memory)=([0-9.]+)GiB")
-# vLLM >= 0.21 subtract their CUDA-graph estimate from the KV budget and say so as a
+# vLLM >= 0.20 subtract their CUDA-graph estimate from the KV budget and say so as a
 # utilization: the difference of the two figures is the estimate over the total.
 _GRAPH_UTIL = re.compile(
     r"gpu-memory-utilization=([0-9.]+) is equivalent to --gpu-memory-utilization=([0-9.]+)"
 )
 _GRAPH_ESTIMATE = re.compile(r"Estimated CUDA graph memory: ([0-9.]+) GiB")
+# vLLM 0.19's advice line when it logs the graph estimate without subtracting it ("In
+# v0.19, CUDA graph memory profiling will be enabled by default ... increase
+# --gpu-memory-utilization from 0.9000 to 0.9616 to maintain ..."): the first figure is
+# the utilization the engine ran with.
+_GRAPH_ADVICE = re.compile(r"increase --gpu-memory-utilization from ([0-9.]+) to ([0-9.]+)")
 # V1's profiling summary (DEBUG) and its init snapshot: the parts of the non-KV memory.
 _PROFILE_V1 = re.compile(
     r"torch peak memory increase: ([0-9.]+)GiB; non-torch forward increase memory: "
     r"([0-9.]+)GiB; weights memory: ([0-9.]+)GiB"
 )
+# The newer summary (vLLM 0.32-0.34's MemoryProfilingResult): "Total non KV cache memory:
+# NGiB; torch peak memory increase: PGiB; total consumed (from mem_get_info): CGiB; weights
+# memory: WGiB." The non-KV total is the consumed memory (weights, non-torch and persistent
+# torch allocations) plus the transient peak above it; the non-torch part is at most C - W.
+_PROFILE_V1_CONSUMED = re.compile(
+    r"Total non KV cache memory: ([0-9.]+)GiB; torch peak memory increase: ([0-9.]+)GiB; "
+    r"total consumed \(from mem_get_info\): ([0-9.]+)GiB; weights memory: ([0-9.]+)GiB"
+)
 _INIT_TOTAL = re.compile(r"init memory snapshot: .*total_memory=([0-9.]+)GiB")
+# The batch settings the engine states: the scheduler's line, and the compile range the
+# profile run compiled ("compile range (1, 2048)": max_num_batched_tokens); the CUDA-graph
+# profile's counts ("PIECEWISE=51 (largest=512), FULL=35 (largest=256)"): FULL decode
+# graphs stop at max_num_seqs, so a largest FULL size below the largest PIECEWISE one is
+# max_num_seqs (rounded down to a capture size).
+_CHUNKED_PREFILL = re.compile(r"Chunked prefill is enabled with max_num_batched_tokens=(\d+)")
+_COMPILE_RANGE = re.compile(r"compile range \(1, (\d+)\)")
+_GRAPH_PROFILE_COUNTS = re.compile(
+    r"Profiling CUDA graph memory: PIECEWISE=\d+ \(largest=(\d+)\), FULL=\d+ \(largest=(\d+)\)"
+)
 # V1's account after graph capture (INFO, 0.10 onward): "Free memory on device (F/T GiB)
 # on startup. Desired GPU memory utilization is (U, X GiB). Actual usage is W GiB for
 # weight, A GiB for peak activation, N GiB for non-torch memory, and G GiB for CUDAGraph
@@ -56,6 +79,7 @@ _DESIRED = re.compile(r"Desired GPU memory utilization is \(([0-9.]+),")
 _ACTUAL_ACTIVATION = re.compile(r"([0-9.]+) GiB for peak activation")
 _ACTUAL_NON_TORCH = re.compile(r"([0-9.]+) GiB for non-torch memory")
 _ACTUAL_GRAPHS = re.compile(r"([0-9.]+) GiB for CUDAGraph memory")
+_ACTUAL_CONSUMED = re.compile(r"([0-9.]+) GiB for consumed memory \(weights \+ non-torch\)")
 # The V1 sampler's line when FlashInfer is not installed: "FlashInfer is not
 # available. Falling back to the PyTorch-native implementation" (0.10.2), "FlashInfer
 # top-p/top-k sampling unavailable: ...; falling back" (0.32-0.34).
@@ -92,6 +116,9 @@ class StartupLog:
     peak_torch_increase_gib: float | None = None  # V1: the profile run's activation peak
     non_torch_gib: float | None = None
     flashinfer: bool = True  # False where the sampler says FlashInfer is missing
+    # Batch settings the engine's own lines state (scheduler, compile range, graph counts).
+    max_num_batched_tokens: int | None = None
+    max_num_seqs_from_graphs: int | None = None
 
 
 def parse_log(text: str) -> StartupLog:
@@ -142,6 +169,17 @@ def parse_log(text: str) -> StartupLog:
         if match := _PROFILE_V1.search(line):
             log.peak_torch_increase_gib = float(match.group(1))
             log.non_torch_gib = float(match.group(2))
+        if match := _PROFILE_V1_CONSUMED.search(line):
+            non_kv, consumed, weights = (float(match.group(i)) for i in (1, 3, 4))
+            log.peak_torch_increase_gib = round(non_kv - consumed, 2)  # the transient peak
+            log.non_torch_gib = round(consumed - weights, 2)
+        if match := _GRAPH_ADVICE.search(line):
+            log.graph_line_utilization = float(match.group(1))
+        if match := _CHUNKED_PREFILL.search(line) or _COMPILE_RANGE.search(line):
+            log.max_num_batched_tokens = int(match.group(1))
+        if match := _GRAPH_PROFILE_COUNTS.search(line):
+            piecewise, full = int(match.group(1)), int(match.group(2))
+            log.max_num_seqs_from_graphs = full if full < piecewise else None
         if match := _INIT_TOTAL.search(line):
             log.total_gpu_gib = float(match.group(1))
         if match := _FREE_MEMORY.search(line):
@@ -154,6 +192,9 @@ def parse_log(text: str) -> StartupLog:
                 log.non_torch_gib = float(non_torch.group(1))
             if graphs := _ACTUAL_GRAPHS.search(line):
                 log.cuda_graph_gib = float(graphs.group(1))
+            if (together := _ACTUAL_CONSUMED.search(line)) and log.model_loading_gib:
+                # The later account: weights and non-torch as one figure.
+                log.non_torch_gib = round(float(together.group(1)) - log.model_loading_gib[0], 2)
         if match := _GRAPH_ESTIMATE.search(line):
             log.cuda_graph_estimate_gib = float(match.group(1))
         if match := _GRAPH_POOL.search(line):
@@ -183,6 +224,11 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
     for dest in ("gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs"):
         if dest in args:
             out[dest] = args[dest]
+    if "max_num_batched_tokens" not in out and log.max_num_batched_tokens is not None:
+        out["max_num_batched_tokens"] = log.max_num_batched_tokens  # the engine's own line
+    no_drafts = config.get("speculative_config", "None") == "None"  # drafts widen FULL graphs
+    if "max_num_seqs" not in out and log.max_num_seqs_from_graphs is not None and no_drafts:
+        out["max_num_seqs"] = log.max_num_seqs_from_graphs
     if "gpu_memory_utilization" not in out and log.graph_line_utilization is not None:
         # The engine restated the utilization it ran with (a release's own default).
         out["gpu_memory_utilization"] = log.graph_line_utilization
@@ -191,6 +237,10 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
         out["kv_cache_dtype"] = dtype
     if "enable_prefix_caching" in args:
         out["enable_prefix_caching"] = bool(args["enable_prefix_caching"])
+    elif config.get("enable_prefix_caching") in ("True", "False"):
+        # The engine's config line: what it ran with (a hybrid model's 0.10 engine turned
+        # it off itself).
+        out["enable_prefix_caching"] = config["enable_prefix_caching"] == "True"
     if "block_size" in args:
         out["block_size"] = int(args["block_size"])
     if not log.flashinfer:  # the sampler's fallback line
@@ -237,6 +287,14 @@ PRINTED_TOKEN_FORMULA: dict[str, str] = {
     "0.19": PER_GROUP_FORMULA,
     # club-3090#612 (vLLM 0.24.0, hybrid Qwen3.6): 567,978 tokens, no multiple of any
     # block size, = int(4.333 x 131,072): the concurrency formula.
+    # A Gemma 4 E4B log (vLLM 0.22.1, sliding and global groups; a public file the code
+    # index found, id 54492899325): 224,353 tokens, 1 over a multiple of 16, is
+    # int(6.85x x 32,768).
+    "0.22": CONCURRENCY_FORMULA,
+    # The qwen3.5-4b-rtx4090d-selfllm-v0.23 record (vLLM 0.23.0, hybrid GDN): 235,706
+    # tokens, 10 over a multiple of 16; a Qwen3.6-27B-NVFP4 log (0.23.1rc1, block 1,568,
+    # code index id 61544841280): 1,505,068 = int(5.74x x 262,144), 12 over one.
+    "0.23": CONCURRENCY_FORMULA,
     "0.24": CONCURRENCY_FORMULA,
     "0.32": CONCURRENCY_FORMULA,
     "0.33": CONCURRENCY_FORMULA,
@@ -312,7 +370,7 @@ def component_rows(
         if utilization is not None and log.available_kv_gib
         else None
     )
-    # The graph estimate counts only where the release subtracts it (>= 0.21 says so).
+    # The graph estimate counts only where the release subtracts it (>= 0.20 says so).
     subtracted = (
         log.cudagraph_subtracted_fraction * total / GIB
         if log.cudagraph_subtracted_fraction is not None

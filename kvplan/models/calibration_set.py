@@ -88,6 +88,11 @@ def _source(url: str) -> str:
     elif link.startswith("code-index:"):
         # A public repository's file the code index found without naming its repository.
         return f"public file, code index id {link.removeprefix('code-index:')}"
+    elif "/blob/" in link:
+        # A repository's file at a commit: owner/name path@commit.
+        repo, rest = link.split("github.com/")[1].split("/blob/", 1)
+        commit, path = rest.split("/", 1)
+        label = f"{repo} {path}@{commit[:7]}"
     elif "/issues/" in link or "/pull/" in link:
         kind = "/issues/" if "/issues/" in link else "/pull/"
         repo = link.split("github.com/")[1].split(kind)[0].split("/")[-1]

@@ -984,8 +984,9 @@ def add_calibrate_parser(commands: Any) -> None:
         "--no-flashinfer",
         action="store_true",
         help="the engine ran without FlashInfer (read from the log's sampler line when it is "
-        "quoted): vLLM <= 0.10 then sorts the logits in the profile run's sampler, 38 B per "
-        "logit where kvplan otherwise counts 16; 0.11 and later plan the same either way",
+        "quoted): vLLM <= 0.11.0 then sorts the logits in the profile run's sampler, 38 B per "
+        "logit where kvplan otherwise counts 16; 0.11.1-0.16 sort either way, and 0.17 and "
+        "later plan the same either way",
     )
     calibrate.add_argument("--json", action="store_true", help="the comparison as JSON")
 
@@ -1075,7 +1076,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
                    if log.concurrency_len in (None, summary.max_model_len) else None, "x"),
         Comparison("CUDA-graph memory captured (after the KV cache)",
                    log.cuda_graph_gib, None, "GiB"),
-        Comparison("CUDA-graph estimate the release logged (kvplan's, from 0.21)",
+        Comparison("CUDA-graph estimate the release logged (kvplan's, from 0.20)",
                    log.cuda_graph_estimate_gib,
                    inputs.overhead.cudagraph_logged_bytes / GIB
                    if inputs.overhead is not None else None, "GiB"),

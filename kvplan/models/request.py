@@ -73,7 +73,8 @@ class ModelPlanOptions:
     # for the V0 engine); "" = engine_version's, else the newest (weights.PROFILES).
     engine_release: str = ""
     # Whether FlashInfer is installed, as vLLM's wheels (from 0.11) and images have it:
-    # without it vLLM <= 0.10's sampler sorts (`calibrate` reads the log's fallback line).
+    # without it vLLM <= 0.11.0's sampler sorts (`calibrate` reads the log's fallback
+    # line); 0.11.1-0.16 sort either way.
     flashinfer: bool = True
     # Decoder layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION lists them;
     # None: vLLM's own partition.
@@ -112,9 +113,11 @@ def build_plan_request(
     max_len_for_mamba = options.max_model_len if (options.max_model_len or 0) > 0 else None
     device_name, device_bytes = options.gpu or "", options.gpu_memory_bytes
     gpu_arch = ""  # an unlisted device (a size given): no kernel-specific padding
+    pcie_only = False  # unknown: planned as NVLink-connected (the larger non-torch figure)
     if options.gpu:
         with contextlib.suppress(UnknownGpu):
             gpu_arch = lookup_gpu(options.gpu).arch
+            pcie_only = lookup_gpu(options.gpu).pcie_only
     if options.gpu and device_bytes is None:
         # The catalog's driver figure travels with the name, so a server plans with the
         # same total as the CLI (DeviceRef.total_memory_bytes wins over its name table).
@@ -168,8 +171,10 @@ def build_plan_request(
         )
         release = options.engine_release or options.engine_version
         overhead = estimate_overhead(
-            config, layers, tp, batched, max_num_seqs, release, options.flashinfer
-        )
+            config, layers, tp, batched, max_num_seqs, release, options.flashinfer,
+            max_model_len=options.max_model_len,  # None or -1 (auto): the model's
+            pcie_only_gpu=pcie_only,
+        )  # fmt: skip
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
             # As vLLM 0.34 counts it: the CUDA-graph estimate with the activation peak.
@@ -247,9 +252,27 @@ def build_plan_request(
         overhead=overhead,
         non_kv_bytes=total_non_kv,
         non_kv_given=options.non_kv_bytes is not None,
-        notes=layers.notes,
+        notes=layers.notes + _graph_estimate_notes(tp, pcie_only, overhead),
     )
     return request, inputs
+
+
+def _graph_estimate_notes(
+    tp: int, pcie_only: bool, overhead: OverheadEstimate | None
+) -> tuple[str, ...]:
+    """What the plan cannot vouch for in the CUDA-graph estimate it subtracts: more than
+    two GPUs without NVLink, where vLLM's graphs all-reduce through NCCL and the one such
+    log estimated five times kvplan's figure (docs/capacity.md, "The CUDA-graph
+    estimate")."""
+    if overhead is None or not overhead.cudagraph_bytes or not (pcie_only and tp > 2):
+        return ()
+    return (
+        f"CUDA-graph estimate {overhead.cudagraph_bytes / GIB:.2f} GiB per worker: on "
+        "more than two GPUs without NVLink (custom all-reduce off) the one logged case, "
+        "4 x L40S at TP 4, estimated 2.73 GiB where kvplan says 0.52 for the same graph "
+        "counts; the KV budget may be about 2 GiB per worker smaller than planned "
+        "(--non-kv-bytes takes a measured figure)",
+    )
 
 
 def auto_fit_request(request: plan_pb2.PlanRequest) -> plan_pb2.PlanRequest:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from itertools import takewhile
 
 from kvplan.models.config import HFConfig, ModelConfigError
 from kvplan.models.importer import ARCHITECTURES, ModelLayers, pipeline_stage_bounds, text_config
@@ -44,7 +45,7 @@ class ProfileRules:
     non_torch_single_gpu: int
     non_torch_tensor_parallel: int
     # CUDA-graph memory the release subtracts from the KV budget before allocating it
-    # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default since vLLM 0.21; 0.32-0.34
+    # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default since vLLM 0.20; 0.32-0.34
     # checked in their source). vLLM captures the two largest graphs of each mode and
     # extrapolates: the first capture + (n - 1) x the second's cost (0.32/0.33
     # gpu_model_runner.profile_cudagraph_memory; 0.34 measures PIECEWISE in full and
@@ -59,8 +60,12 @@ class ProfileRules:
     # (vLLM 0.19, H100, max_num_seqs 1,024) and 0.52 GiB with 51 + 35 to 256 (vLLM 0.21,
     # RTX A5000, max_num_seqs 256; LMCache#3430). The other 0.19 records logged
     # 0.57-1.69 GiB at 51 + 51 (kvplan 0.84): off by up to 0.85 GiB per worker (Llama at
-    # TP 2). Not modelled: the hybrid GDN models' profiling transient counted as graph
-    # memory from 0.26 (vllm#50780), for want of a log with a shipped config.
+    # TP 2), and four PCIe L40S 2.73 at 51 + 35 (kvplan 0.52; its graphs all-reduce
+    # through NCCL, the cause not pinned). Within 0.4 GiB on every TP 1 log; a per-piece
+    # model (layers + 1 graphs per PIECEWISE size) was tried and did no better
+    # (docs/capacity.md, "The CUDA-graph estimate"). The hybrid GDN models' profiling
+    # transient that 0.26-0.28 count as graph memory (vllm#50780) is
+    # `gdn_graph_transient_per_context_token`.
     cudagraph_bytes_per_piecewise_graph: int
     cudagraph_bytes_per_full_graph_token: int
     # The sampler's peak per logit when FlashInfer is not installed, where the release
@@ -71,6 +76,10 @@ class ProfileRules:
     # workspace manager (vllm#27532 calls it new, 2025-11) keeps it; before it, the
     # kernels' intermediate caches were freed with the forward pass.
     moe_workspace_held: bool = True
+    # Bytes per context token of the transient a hybrid GDN model's first FULL graph
+    # sample allocates, which the V1 runner's graph estimate counts (vllm#50780; 0 =
+    # none). `gdn_graph_transient` says which context that sample runs.
+    gdn_graph_transient_per_context_token: int = 0
 
 
 # The profile run samples every request with top-k and top-p. Without FlashInfer, V1
@@ -105,12 +114,10 @@ _NON_TORCH_V0_TP1 = round(0.35 * GIB)
 PROFILES: dict[str, ProfileRules] = {
     # V0 (vLLM <= 0.7, VLLM_USE_V1=0): graphs captured after the KV cache, outside it.
     "v0": ProfileRules("vLLM V0 engine", 16, _NON_TORCH_V0_TP1, _NON_TORCH_TP, 0, 0),
-    # V1 up to 0.10 (checked on 0.10.2's log): no MoE workspace manager yet; without
-    # FlashInfer (its wheel did not require it) the sampler sorts. 0.11 is not checked.
-    # Not modelled: from vllm#26859 (2025-10) to the Triton kernel (2026-02) releases
-    # sorted by default, FlashInfer installed or not (their rows keep 16 B).
+    # V1 up to 0.11.0 (checked on 0.10.2's log and 0.11.0's wheel): FlashInfer's sampler
+    # when it is installed, else the sort; no MoE workspace manager yet.
     "v1-0.10": ProfileRules(
-        "vLLM V1 <= 0.10",
+        "vLLM V1 <= 0.11.0",
         16,
         _NON_TORCH_TP1,
         _NON_TORCH_TP,
@@ -119,13 +126,65 @@ PROFILES: dict[str, ProfileRules] = {
         no_flashinfer_sampler_bytes_per_logit=_SORT_SAMPLER,
         moe_workspace_held=False,
     ),
-    # V1 before 0.21: the CUDA-graph estimate exists but is off by default.
-    "v1-0.20": ProfileRules("vLLM V1 < 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
-    # 0.21 onward, the releases kvplan plans for (0.32, 0.33, 0.34) among them.
+    # 0.11.1 to 0.16 sort the logits by default, FlashInfer installed or not: vllm#26859
+    # (2025-10) made FlashInfer's sampler opt-in (VLLM_USE_FLASHINFER_SAMPLER=1) and
+    # the Triton kernel (vllm#33538) first shipped in 0.17.0 (read in the wheels of
+    # 0.11.0, 0.11.1, 0.12.0, 0.13.0, 0.14.1, 0.15.1, 0.16.0 and 0.17.0). Their own PyTorch path
+    # holds 18 B per logit at the sort, as 0.32-0.34's does (measured the same way on
+    # 0.11.1's, 0.13.0's and 0.16.0's function). The fused-MoE kernels keep their
+    # scratch in the workspace manager from 0.13.0 (absent from 0.12.0's fused_moe).
+    "v1-sort-0.12": ProfileRules(
+        "vLLM V1 0.11.1-0.12 (sampler sorts)",
+        _SORT_SAMPLER,
+        _NON_TORCH_TP1,
+        _NON_TORCH_TP,
+        0,
+        0,
+        moe_workspace_held=False,
+    ),
+    "v1-sort": ProfileRules(
+        "vLLM V1 0.13-0.16 (sampler sorts)", _SORT_SAMPLER, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0
+    ),
+    # V1 0.17 to 0.19: the Triton top-k/top-p kernel; the CUDA-graph estimate is logged
+    # but not subtracted (0.19.0's own line: "To try it now, set
+    # VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1").
+    "v1-0.19": ProfileRules("vLLM V1 0.17-0.19", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
+    # 0.26 to 0.28 on hybrid GDN models (Qwen3-Next, Qwen3.5 / 3.6): vllm#50780, the V1
+    # runner's graph estimate counts a transient of its first FULL sample, about
+    # 128 KiB per context token of that sample (the issue's measurement on
+    # Qwen3.5-122B-A10B; the op that allocates it is not named there). 0.29 made Model
+    # Runner V2 the default for every model (vllm#53183), whose estimate runs no
+    # long-context sample (`gdn_graph_transient`).
+    "v1-0.26": ProfileRules(
+        "vLLM 0.26-0.28 (V1 runner)",
+        16,
+        _NON_TORCH_TP1,
+        _NON_TORCH_TP,
+        _PIECEWISE_GRAPH,
+        _FULL_GRAPH_TOKEN,
+        gdn_graph_transient_per_context_token=128 * 1024,
+    ),
+    # 0.20 to 0.25 and 0.29 onward, the releases kvplan plans for (0.32, 0.33, 0.34)
+    # among them. 0.20.0 already subtracts (the stock vllm/vllm-openai:v0.20.0 image, no
+    # environment override, prints "CUDA graph memory profiling is enabled ... equivalent
+    # to --gpu-memory-utilization=0.8878": a public log the code index found, id
+    # 51830815744), although the line names 0.21 as the default's first release.
     "v1": ProfileRules(
-        "vLLM >= 0.21", 16, _NON_TORCH_TP1, _NON_TORCH_TP, _PIECEWISE_GRAPH, _FULL_GRAPH_TOKEN
+        "vLLM >= 0.20", 16, _NON_TORCH_TP1, _NON_TORCH_TP, _PIECEWISE_GRAPH, _FULL_GRAPH_TOKEN
     ),
 }
+
+
+def _release_version(release: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of `0.19.0`, `vllm-0.33`, `v0.11.1rc2` (patch 0 where not
+    given); None where it does not parse."""
+    parts = release.removeprefix("vllm-").removeprefix("v").split(".")
+    try:
+        major, minor = int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+    patch = "".join(takewhile(str.isdigit, parts[2])) if len(parts) > 2 else ""
+    return major, minor, int(patch or 0)
 
 
 def profile_rules(release: str) -> ProfileRules:
@@ -133,14 +192,32 @@ def profile_rules(release: str) -> ProfileRules:
     "" or an unparseable release: the newest (what kvplan plans for)."""
     if release == "v0":
         return PROFILES["v0"]
-    parts = release.removeprefix("vllm-").removeprefix("v").split(".")
-    try:
-        version = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
+    version = _release_version(release)
+    if version is None:
         return PROFILES["v1"]
-    if version < (0, 11):
+    if version <= (0, 11, 0):
         return PROFILES["v1-0.10"]
-    return PROFILES["v1-0.20"] if version < (0, 21) else PROFILES["v1"]
+    if version < (0, 13, 0):
+        return PROFILES["v1-sort-0.12"]
+    if version < (0, 17, 0):
+        return PROFILES["v1-sort"]
+    if version < (0, 20, 0):
+        return PROFILES["v1-0.19"]
+    return PROFILES["v1-0.26"] if (0, 26, 0) <= version < (0, 29, 0) else PROFILES["v1"]
+
+
+def non_torch_bytes(rules: ProfileRules, tensor_parallel_size: int, pcie_only_gpu: bool) -> int:
+    """The non-torch memory the profile run leaves per worker. At TP > 1 the
+    release's TP figure (0.19's H100 logs), except on more than two GPUs of a part
+    without NVLink (`GpuModel.pcie_only`): there vLLM turns custom all-reduce off (not
+    every pair has NVLink P2P: custom_all_reduce.py, 0.19 and 0.32-0.34), no symmetric-
+    memory communicator runs (its size table lists capabilities 9.0 and 10.x only) and
+    NCCL has no NVSwitch to build NVLink SHARP buffers on, so the ranks all-reduce
+    through NCCL over PCIe and the run leaves what one GPU does (the L40S TP 4 record:
+    about 0.25 GiB)."""
+    if tensor_parallel_size <= 1 or (pcie_only_gpu and tensor_parallel_size > 2):
+        return rules.non_torch_single_gpu
+    return rules.non_torch_tensor_parallel
 
 
 def sampler_bytes_per_logit(rules: ProfileRules, flashinfer: bool = True) -> int:
@@ -154,10 +231,12 @@ def sampler_bytes_per_logit(rules: ProfileRules, flashinfer: bool = True) -> int
 OVERHEAD_FORMULA = (
     "activation_peak = max(tokens x (3 x hidden + max(attention_per_rank, mlp_per_rank))"
     " x act_bytes, tokens x hidden x act_bytes + max_num_seqs x vocab x 16 B"
-    " (38 B on PyTorch's sort, vLLM <= 0.10 without FlashInfer));"
+    " (38 B on PyTorch's sort: vLLM 0.11.1-0.16, and <= 0.11.0 without FlashInfer));"
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
-    " for MoE;  non_torch = 0.25 GiB (TP 1) / 2.07 GiB (TP > 1);"
-    " CUDA graphs (from vLLM 0.21) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
+    " for MoE;  non_torch = 0.25 GiB (TP 1, and TP > 2 on GPUs without NVLink) /"
+    " 2.07 GiB (other TP > 1);"
+    " CUDA graphs (from vLLM 0.20) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
+    " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB)"
 )
 
 # vLLM's default capture list (config/vllm.py `_set_cudagraph_sizes`, the same in
@@ -186,6 +265,36 @@ def cudagraph_estimate(rules: ProfileRules, max_num_seqs: int, max_num_batched_t
         len(piecewise) * rules.cudagraph_bytes_per_piecewise_graph
         + len(full) * largest_full * rules.cudagraph_bytes_per_full_graph_token
     )
+
+
+def gdn_graph_transient(
+    rules: ProfileRules,
+    layers: ModelLayers,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+) -> int:
+    """The transient `rules`' release counts as CUDA-graph memory on a hybrid GDN model
+    (vllm#50780), 0 where it has none. The V1 runner (0.26-0.28 gpu_model_runner.
+    profile_cudagraph_memory) runs its first FULL sample, the largest FULL decode size N
+    (capture sizes from q to q x max_num_seqs, q = 1 + the drafter's tokens), with every
+    request's context at min(max_model_len, max_num_batched_tokens // N); `_dummy_run`
+    makes that batch min(max_num_seqs, ceil(N / q)) requests. The transient is that
+    context times the per-token figure. The capture sizes are the ones without a
+    drafter (`cudagraph_capture_sizes`)."""
+    per_token = rules.gdn_graph_transient_per_context_token
+    gdn = [layer for layer in layers.layers if layer.mamba_type == "GDN_ATTENTION"]
+    if not per_token or not gdn:
+        return 0
+    query_len = 1 + gdn[0].num_speculative_blocks
+    full = [size for size in cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens)
+            if query_len <= size <= query_len * max_num_seqs]  # fmt: skip
+    largest_full = max(full, default=0)
+    if not largest_full:
+        return 0
+    requests = min(max_num_seqs, -(-largest_full // query_len))
+    context = min(max_model_len, max_num_batched_tokens // largest_full)
+    return requests * context * per_token
 
 
 @dataclass(frozen=True)
@@ -228,7 +337,7 @@ class OverheadEstimate:
     # The estimate vLLM logs ("Estimated CUDA graph memory"), subtracted or not.
     cudagraph_logged_bytes: int = 0
     formula: str = OVERHEAD_FORMULA
-    release: str = "vLLM >= 0.21"
+    release: str = "vLLM >= 0.20"
 
     @property
     def total_bytes(self) -> int:
@@ -873,6 +982,8 @@ def estimate_overhead(
     max_num_seqs: int = 256,
     release: str = "",
     flashinfer: bool = True,
+    max_model_len: int | None = None,
+    pcie_only_gpu: bool = False,
 ) -> OverheadEstimate:
     """The profile run's peak over the weights: a forward pass of
     `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
@@ -880,7 +991,9 @@ def estimate_overhead(
     `max_num_seqs` requests while the forward's last hidden states are still held.
     The two do not overlap, so the peak is the larger. `release` picks the runtime
     allowances (`PROFILES`); `flashinfer` whether FlashInfer is installed (the
-    sampler's path)."""
+    sampler's path). `max_model_len` (default: the model's) bounds the context of the
+    graph estimate's long sample where a release has one (`gdn_graph_transient`);
+    `pcie_only_gpu` whether the GPU has no NVLink (`non_torch_bytes`)."""
     c = text_config(config, layers.architecture)
     hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
     act_bytes = layers.model_dtype.size_bytes
@@ -898,9 +1011,17 @@ def estimate_overhead(
         sampler += max_num_batched_tokens * per_token * act_bytes
     logits = max_num_seqs * c.integer("vocab_size")
     sampler += logits * sampler_bytes_per_logit(rules, flashinfer)
-    non_torch = (
-        rules.non_torch_tensor_parallel if tensor_parallel_size > 1 else rules.non_torch_single_gpu
-    )
+    non_torch = non_torch_bytes(rules, tensor_parallel_size, pcie_only_gpu)
     graphs = cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens)
     logged = cudagraph_estimate(PROFILES["v1"], max_num_seqs, max_num_batched_tokens)
+    # The PIECEWISE samples run first and their warmups leave activations cached in
+    # torch's allocator; the FULL sample's transient reuses those before it draws new
+    # memory, so it shows in the estimate only past the graphs' own figure: the larger
+    # of the two (vllm#52872's 0.52 / 0.52 / 0.89 GiB at 2,048 / 4,096 / 8,192 batched
+    # tokens has that shape).
+    transient = gdn_graph_transient(
+        rules, layers, max_num_seqs, max_num_batched_tokens,
+        max_model_len if max_model_len and max_model_len > 0 else layers.derived_max_model_len,
+    )  # fmt: skip
+    graphs, logged = max(graphs, transient), max(logged, transient)
     return OverheadEstimate(max(forward, sampler), non_torch, graphs, logged, release=rules.name)

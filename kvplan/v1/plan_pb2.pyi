@@ -1163,6 +1163,7 @@ class PrefixCacheWhatIf(_message.Message):
     SHARED_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_PREFIX_STORED_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_PREFIX_DIVERGES_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_NEXT_REQUEST_FIELD_NUMBER: _builtins.int
     shared_prefix_tokens: _builtins.int
     """N"""
     cached_tokens_prefix_stored: _builtins.int
@@ -1171,7 +1172,18 @@ class PrefixCacheWhatIf(_message.Message):
     """
     cached_tokens_prefix_diverges: _builtins.int
     """The earlier request went on past the N tokens with other text (a shared
-    system prompt followed by different questions).
+    system prompt followed by different questions): the first request that
+    shares them after it.
+    """
+    cached_tokens_next_request: _builtins.int
+    """The request after that first one, sharing the same N tokens with both and
+    going on with text of its own. It can get more: the first request, once run,
+    keeps state the earlier one did not. Beside a Mamba or sliding-window group,
+    the state where its groups' hits parted (the shared-prefix junction:
+    Qwen3-Next + MTP under vLLM 0.33, N = 4,000: 0 for the first, 3,696 for this
+    one); under partial hash hits, its own last hash boundary. Where every group
+    is full attention hitting whole blocks it equals
+    cached_tokens_prefix_diverges.
     """
     def __init__(
         self,
@@ -1179,10 +1191,11 @@ class PrefixCacheWhatIf(_message.Message):
         shared_prefix_tokens: _builtins.int = ...,
         cached_tokens_prefix_stored: _builtins.int = ...,
         cached_tokens_prefix_diverges: _builtins.int = ...,
+        cached_tokens_next_request: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens_prefix_diverges", b"cached_tokens_prefix_diverges", "cached_tokens_prefix_stored", b"cached_tokens_prefix_stored", "shared_prefix_tokens", b"shared_prefix_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens_next_request", b"cached_tokens_next_request", "cached_tokens_prefix_diverges", b"cached_tokens_prefix_diverges", "cached_tokens_prefix_stored", b"cached_tokens_prefix_stored", "shared_prefix_tokens", b"shared_prefix_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -18,6 +18,7 @@ from kvplan.core.prefix_cache import (
     GroupKind,
     PrefixCacheSetup,
     cached_tokens,
+    cached_tokens_after_junction,
     facts,
 )
 from kvplan.core.prefix_warnings import (
@@ -27,6 +28,7 @@ from kvplan.core.prefix_warnings import (
     rule_cached_tokens,
     rule_is_exact,
     what_if,
+    what_if_step,
 )
 from kvplan.v1 import plan_pb2
 from tests.core.test_prefix_cache import setups
@@ -149,7 +151,7 @@ def _codes(setup: PrefixCacheSetup, spec_decode: bool = True) -> dict[WarningCod
 def test_an_unidentified_drafter_names_is_draft() -> None:
     codes = _codes(_qwen_like(block_drop=True, flagged=False))
     assert "is_draft" in codes[WarningCode.PREFIX_UNIDENTIFIED_DRAFTER]
-    assert "4,192 tokens never hit" in codes[WarningCode.PREFIX_UNIDENTIFIED_DRAFTER]
+    assert "hits only from 4,192 tokens" in codes[WarningCode.PREFIX_UNIDENTIFIED_DRAFTER]
     assert WarningCode.PREFIX_DRAFT_DROP not in codes
 
 
@@ -185,6 +187,42 @@ def test_what_if_separates_a_stored_prefix_from_a_diverging_one() -> None:
     assert answer.prefix_stored == cached_tokens(setup, 3 * 2096, 3 * 2096, 4 * 2096)
     # Mamba state only at the earlier request's end: a diverging one never hits here.
     assert answer.prefix_diverges == 0 < answer.prefix_stored
+    # The first diverging request's groups part at 3 units (full attention hits them,
+    # Mamba does not): it keeps its Mamba state there, and the next request hits all 3.
+    assert answer.next_request == 3 * 2096
+    assert answer.next_request == cached_tokens_after_junction(
+        setup, 3 * 2096, 3 * 2096 + 4 * 2096 + 1, 4 * 2096
+    )
+
+
+@settings(max_examples=_examples(300), deadline=None)
+@given(planned_setups(), st.integers(0, 1500))
+def test_the_next_request_never_gets_less_and_gains_only_from_kept_state(
+    setup: PrefixCacheSetup, shared: int
+) -> None:
+    """The next request can hit what the first one kept (Mamba / sliding-window state
+    at its junction, its last hash boundary under partial hash hits); where every
+    cacheable group is full attention hitting whole blocks, nothing new is kept."""
+    answer = what_if(setup, facts(setup), shared)
+    assert answer.next_request >= answer.prefix_diverges
+    whole_blocks_only = not setup.partial_hash_hits and all(
+        g.kind in (GroupKind.FULL, GroupKind.OTHER) for g in setup.groups if g.prefix_cacheable
+    )
+    if whole_blocks_only:
+        assert answer.next_request == answer.prefix_diverges
+
+
+def test_the_what_if_step_is_the_finest_block_the_simulation_walks() -> None:
+    attention = CacheGroup(GroupKind.FULL, 96, False)
+    hidden = CacheGroup(GroupKind.OTHER, 1, False)
+    window = CacheGroup(GroupKind.SLIDING_WINDOW, 96, False, window=1024)
+    # A 1-token hidden-state cache beside 96-token attention: 96-token hits, 1-token steps.
+    fine = PrefixCacheSetup(True, (attention, window, hidden), 96, 1, False, False)
+    assert facts(fine).unit == 96 and what_if_step(fine) == 1
+    # A finer group outside prefix caching is never looked up: the hash block decides.
+    outside = CacheGroup(GroupKind.OTHER, 1, False, prefix_cacheable=False)
+    coarse = PrefixCacheSetup(True, (attention, window, outside), 96, 96, False, False)
+    assert what_if_step(coarse) == 96
 
 
 def test_a_finer_dropping_window_needs_its_window_in_the_rule() -> None:

@@ -41,6 +41,8 @@ CASES: tuple[tuple[str, int, str], ...] = (
     ("llama-3.1-8b", 2, "fp8"),
     ("llama-3.1-8b", 16, "auto"),  # 8 KV heads over 16 ranks: 1 each, replicated
     ("qwen3-8b", 2, "auto"),
+    ("qwen2.5-7b-instruct", 2, "auto"),  # 4 KV heads: 2 per rank
+    ("qwen2.5-72b-instruct", 4, "auto"),
     ("qwen3-30b-a3b-base", 8, "auto"),  # 4 KV heads over 8 ranks
     ("mistral-7b-v0.3", 2, "auto"),
     ("mixtral-8x7b-instruct", 4, "auto"),

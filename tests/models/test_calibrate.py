@@ -56,6 +56,55 @@ def test_the_engine_config_line_and_the_one_line_capacity_format() -> None:
     assert settings_from_log(log) == {"tp": 4, "pp": 1, "max_model_len": 32_768}
 
 
+def test_the_settings_the_engine_states_in_its_own_lines() -> None:
+    # The L40S record (vLLM 0.19.0): the utilization from the advice line (0.9 was the
+    # default, so the non-default args do not name it), max_num_batched_tokens from the
+    # compile range, max_num_seqs from FULL graphs stopping at 256 under PIECEWISE's 512,
+    # prefix caching from the engine's config line.
+    log = parse_log((DATA / "qwen2.5-72b-l40s-tp4-v0.19.log").read_text())
+    assert log.cudagraph_subtracted_fraction is None  # 0.19.0 logs it, does not subtract
+    assert settings_from_log(log) == {
+        "tp": 4, "pp": 1, "max_model_len": 8192, "max_num_batched_tokens": 2048,
+        "max_num_seqs": 256, "gpu_memory_utilization": 0.9, "enable_prefix_caching": True,
+    }  # fmt: skip
+    # Equal largest sizes say nothing of max_num_seqs (the llm-d H100 records: 1,024).
+    h100 = parse_log((DATA / "llama-3.1-8b-h100-tp1-llmd-v0.19.log").read_text())
+    assert h100.max_num_seqs_from_graphs is None
+    # A speculative config widens FULL decode graphs: no max_num_seqs from them.
+    drafts = parse_log(
+        "INFO [core.py:105] Initializing a V1 LLM engine (v0.24.0) with config: model='m', "
+        "speculative_config=SpeculativeConfig(method='mtp', num_spec_tokens=3), "
+        "max_seq_len=4096\n"
+        "INFO [gpu_model_runner.py:5876] Profiling CUDA graph memory: PIECEWISE=5 "
+        "(largest=16), FULL=2 (largest=8)\n"
+    )
+    assert "max_num_seqs" not in settings_from_log(drafts)
+
+
+def test_the_newer_profiling_summary_and_post_capture_account() -> None:
+    # vLLM 0.32-0.34's summary (MemoryProfilingResult's format in their CPU venvs): the
+    # transient peak is the non-KV total less the consumed memory; non-torch is at most
+    # the consumed memory less the weights.
+    log = parse_log(
+        "DEBUG [gpu_worker.py:758] Memory profiling takes 2.50 seconds. Total non KV cache "
+        "memory: 17.50GiB; torch peak memory increase: 1.20GiB; total consumed (from "
+        "mem_get_info): 16.00GiB; weights memory: 15.30GiB.\n"
+    )
+    assert (log.peak_torch_increase_gib, log.non_torch_gib) == (1.5, 0.7)
+    # The later post-capture account, weights and non-torch as one figure (its line as
+    # club-3090#1087 quotes it; the loading line is made up for the subtraction).
+    account = parse_log(
+        "INFO [gpu_model_runner.py:5405] Model loading took 14.28 GiB memory and 6.3 seconds\n"
+        "(Worker_TP0 pid=223) INFO 08-22 04:42:13 [gpu_worker.py:789] Free memory on device "
+        "(30.27/31.4 GiB) on startup. Desired GPU memory utilization is (0.92, 28.88 GiB). "
+        "Actual usage is 15.03 GiB for consumed memory (weights + non-torch), 1.59 GiB for "
+        "peak activation, and 0.09 GiB for CUDAGraph memory.\n"
+    )
+    assert (account.total_gpu_gib, account.graph_line_utilization) == (31.4, 0.92)
+    assert (account.non_torch_gib, account.peak_torch_increase_gib) == (0.75, 1.59)
+    assert account.cuda_graph_gib == 0.09
+
+
 @pytest.mark.parametrize("name", [n for n in RECORDS if record(n)["config_known"]])
 def test_calibrate_prints_prediction_and_error_for_each_record(
     name: str, capsys: pytest.CaptureFixture[str]

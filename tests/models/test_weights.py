@@ -35,6 +35,14 @@ PUBLISHED_PARAMS: dict[str, tuple[float, str]] = {
         "huggingface.co/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16: 31.6B total parameters",
     ),
     "phi-4": (14.7e9, "huggingface.co/microsoft/phi-4: 14.7B params (safetensors)"),
+    "qwen2.5-7b-instruct": (
+        7.61e9,
+        "huggingface.co/Qwen/Qwen2.5-7B-Instruct: Number of Parameters 7.61B",
+    ),
+    "qwen2.5-72b-instruct": (
+        72.7e9,
+        "huggingface.co/Qwen/Qwen2.5-72B-Instruct: Number of Parameters 72.7B",
+    ),
     "qwen3-30b-a3b-base": (30.5e9, "huggingface.co/Qwen/Qwen3-30B-A3B-Base: 30.5B in total"),
     "qwen3-8b": (8.2e9, "huggingface.co/Qwen/Qwen3-8B: 8.2B"),
     "qwen3-next-80b-a3b": (80e9, "huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct: 80B total"),

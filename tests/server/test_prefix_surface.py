@@ -6,12 +6,16 @@ per-code metric."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
+from conformance.generate import W, full, hidden, sw
+from conformance.generate import request as generated_request
 from kvplan.cli import load_request
 from kvplan.client import AsyncPlannerClient, PlannerError
 from kvplan.client.prefix_cache import cached_tokens as client_cached_tokens
@@ -19,7 +23,7 @@ from kvplan.client.prefix_cache import summary
 from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import InvalidRequest
 from kvplan.core.prefix_cache import cached_tokens, facts
-from kvplan.core.prefix_warnings import what_if
+from kvplan.core.prefix_warnings import WhatIf, what_if
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.server.main import start_server
 from kvplan.v1 import plan_pb2
@@ -60,8 +64,13 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
             assert pc.what_if.shared_prefix_tokens == 4000
             assert pc.what_if.cached_tokens_prefix_stored == answer.prefix_stored == 3168
             assert pc.what_if.cached_tokens_prefix_diverges == answer.prefix_diverges == 0
+            # The next request after that first one: 0.32's draft drop takes a block
+            # off full attention's 3,696, so the first's junction (where it keeps its
+            # Mamba state) and the next one's hit are 3,168.
+            assert pc.what_if.cached_tokens_next_request == answer.next_request == 3168
             assert summary(pc).startswith(
-                "prefix cache: hits in 528-token units; shared prefixes under 1,056 tokens"
+                "prefix cache: hits in 528-token units; a prompt sent again hits only from "
+                "1,056 tokens"
             )
             codes = {plan_pb2.WarningCode.Name(w.code) for w in response.diagnostics.warnings}
             assert {
@@ -159,10 +168,43 @@ def test_prefix_caching_turned_off_on_purpose_draws_no_warning() -> None:
     assert summary(pc).startswith("prefix cache: no hit ever (prefix caching is disabled")
 
 
-def test_the_what_if_is_bounded_in_hit_units() -> None:
+async def test_the_next_request_is_answered_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under 0.33 the first request sharing a 4,000-token system prompt with an
+    earlier one gets nothing, the next one 3,696 tokens (7 units of 528) at the
+    first's junction, as vLLM 0.33's manager does (tests/test_prefix_against_vllm.py);
+    the simulation runs in a worker thread, not on the server's event loop."""
+    from kvplan.convert import render
+
+    threads: list[threading.Thread] = []
+
+    def recorded(*args: Any) -> WhatIf:
+        threads.append(threading.current_thread())
+        return what_if(*args)
+
+    monkeypatch.setattr(render, "what_if", recorded)
+    running = await start_server(TEST_SETTINGS)
+    try:
+        async with AsyncPlannerClient(f"127.0.0.1:{running.port}", timeout_s=30) as client:
+            qwen = _request("qwen3-next-80b-a3b-mtp.yaml", "qwen-33", "vllm-0.33")
+            await client.plan(qwen)
+            assert threads == []  # not asked, not simulated
+            qwen.shared_prefix_tokens = 4000
+            answer = (await client.plan(qwen)).response.diagnostics.prefix_cache.what_if
+            assert (answer.cached_tokens_prefix_diverges, answer.cached_tokens_next_request) == (
+                0,
+                3696,
+            )
+            assert len(threads) == 1 and threads[0] is not threading.main_thread()
+    finally:
+        await running.stop(0)
+
+
+def test_the_what_if_is_bounded_in_simulation_steps() -> None:
     from kvplan.convert import plan_from_proto
 
-    request = _request("llama-3.1-8b.yaml", "e", "")  # 16-token units
+    request = _request("llama-3.1-8b.yaml", "e", "")  # 16-token units and steps
     request.options.max_model_len = request.options.derived_max_model_len = 1 << 20
     for worker in request.workers:
         worker.memory.kv_cache_memory_bytes = 1 << 40
@@ -171,6 +213,18 @@ def test_the_what_if_is_bounded_in_hit_units() -> None:
     request.shared_prefix_tokens += 16
     with pytest.raises(InvalidRequest, match="at most 32,768") as refused:
         plan_from_proto(request)
+    assert refused.value.field == "shared_prefix_tokens"
+    # conformance's reference/r23b: a 1-token hidden-state cache beside 96-token
+    # attention. Its hits are in 96-token units but the simulation walks 1-token
+    # steps: bounded in units, 32,768 of them took 15.7 s; in steps, 32,768 tokens.
+    layers = [full("f.0", 1), sw("s.0", 1024, 1), hidden("h.0", 1, 24576)]
+    fine = generated_request(W(layers, 1 << 40), max_model_len=1 << 20)
+    fine.shared_prefix_tokens = 32_768
+    assert plan_from_proto(fine).diagnostics.prefix_cache.hit_unit_tokens == 96
+    fine.shared_prefix_tokens = 32_769 + 95
+    steps = "spans 32,864 of the prefix-cache simulation's 1-token steps"
+    with pytest.raises(InvalidRequest, match=steps) as refused:
+        plan_from_proto(fine)
     assert refused.value.field == "shared_prefix_tokens"
 
 
