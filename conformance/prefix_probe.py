@@ -17,7 +17,8 @@ and of a few lengths below it, each on a new manager, and repeats it with one mo
 token: vLLM must hit as kvplan says, so at the minimum and not below ("min"
 probes; --min-only runs these alone).
 
-    python -m conformance.prefix_probe [--only ID] [--limit K] [--out FILE]
+    python -m conformance.prefix_probe [--only ID] [--stride K --offset I] [--limit N]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from typing import Any
 
 from conformance import vllm_driver as driver
 from conformance.compare import for_release
-from conformance.generate import add_fuzz_argument, fuzz_sections, generate_cases
+from conformance.generate import (
+    add_fuzz_argument,
+    add_split_arguments,
+    check_split,
+    fuzz_sections,
+    generate_cases,
+    split_cases,
+)
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import PlanningError
@@ -357,10 +365,14 @@ def run(
     later: bool = True,
     minimum: bool = True,
     first: bool = True,
+    split: tuple[int, int] = (1, 0),
 ) -> Json:
+    """Probe the cases of `seed` (kept by `only`, then `split`: stride and offset,
+    generate.split_cases, then `limit`)."""
     cases = generate_cases(seed, scenarios=scenarios, fuzz=fuzz)
     if only:
         cases = [c for c in cases if any(s in c.id for s in only)]
+    cases = split_cases(cases, *split)
     if limit is not None:
         cases = cases[:limit]
     counts = {
@@ -514,7 +526,12 @@ def main(argv: list[str] | None = None) -> int:
         help="only the minimum probes (the predicted minimum prefix and below it)",
     )
     add_fuzz_argument(parser)
+    add_split_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        check_split(args.stride, args.offset)
+    except ValueError as error:
+        parser.error(str(error))
     start, cpu = time.perf_counter(), time.process_time()
     fuzz = fuzz_sections(args.fuzz)
     result = run(
@@ -526,10 +543,14 @@ def main(argv: list[str] | None = None) -> int:
         later=not (args.first_only or args.min_only),
         minimum=True,
         first=not args.min_only,
+        split=(args.stride, args.offset),
     )
     result["meta"] = {
         "vllm": driver.VLLM_VERSION,
         "seed": args.seed,
+        "fuzz": fuzz,
+        "stride": args.stride,
+        "offset": args.offset,
         "seconds": round(time.perf_counter() - start, 1),
         # This process's CPU time: on a shared machine the wall time says more
         # about the neighbours than about the probe.
