@@ -33,7 +33,15 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from conformance.generate import Case, add_fuzz_argument, fuzz_sections, generate_cases  # noqa: E402
+from conformance.generate import (  # noqa: E402
+    Case,
+    add_fuzz_argument,
+    add_split_arguments,
+    check_split,
+    fuzz_sections,
+    generate_cases,
+    split_cases,
+)
 from kvplan.v1 import plan_pb2  # noqa: E402
 
 Json = dict[str, Any]
@@ -739,12 +747,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--verbose-json", action="store_true", help="full results in json")
     add_fuzz_argument(parser)
+    add_split_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        check_split(args.stride, args.offset)
+    except ValueError as error:
+        parser.error(str(error))
 
     fuzz = fuzz_sections(args.fuzz)
     cases = generate_cases(args.seed, scenarios=not args.no_scenarios, fuzz=fuzz)
     if args.only:
         cases = [c for c in cases if any(s in c.id for s in args.only)]
+    cases = split_cases(cases, args.stride, args.offset)
     fn, error_type, entry = (None, None, "") if args.vllm_only else load_kvplan()
     kv = (fn, error_type) if fn is not None and error_type is not None else None
     if kv is None and not args.vllm_only:
@@ -758,6 +772,8 @@ def main(argv: list[str] | None = None) -> int:
         "cases": len(cases),
         "seed": args.seed,
         "fuzz": fuzz,
+        "stride": args.stride,
+        "offset": args.offset,
         "kvplan_entry": entry,
         "seconds": seconds,
         "vllm": VLLM_VERSION,

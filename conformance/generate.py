@@ -16,7 +16,7 @@ import argparse
 import json
 import random
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -3447,6 +3447,33 @@ def add_fuzz_argument(parser: argparse.ArgumentParser) -> None:
         metavar="SECTION[=COUNT]",
         help="add a wide random section of conformance/fuzz.py (repeatable; 'all')",
     )
+
+
+def add_split_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--stride K --offset I`: every K-th case from the I-th on (after --only), so
+    that K processes (or K runs one after another) with offsets 0..K-1 share a
+    campaign's engines between them, each engine in exactly one; one of them alone
+    is a 1/K sample spread over every section."""
+    parser.add_argument(
+        "--stride", type=int, default=1, metavar="K", help="take every K-th case (default 1)"
+    )
+    parser.add_argument(
+        "--offset", type=int, default=0, metavar="I", help="from the I-th case on (0 <= I < K)"
+    )
+
+
+def check_split(stride: int, offset: int) -> None:
+    """ValueError for a split that would drop or repeat cases (before any is drawn)."""
+    if stride < 1:
+        raise ValueError(f"--stride {stride}: a stride is 1 or more")
+    if not 0 <= offset < stride:
+        raise ValueError(f"--offset {offset}: an offset is 0 to stride - 1 ({stride - 1})")
+
+
+def split_cases(cases: Sequence[Case], stride: int, offset: int) -> list[Case]:
+    """`cases[offset::stride]` (check_split's split)."""
+    check_split(stride, offset)
+    return list(cases[offset::stride])
 
 
 def fuzz_sections(values: Iterable[str]) -> dict[str, int]:

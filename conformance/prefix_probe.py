@@ -17,13 +17,15 @@ and of a few lengths below it, each on a new manager, and repeats it with one mo
 token: vLLM must hit as kvplan says, so at the minimum and not below ("min"
 probes; --min-only runs these alone).
 
-    python -m conformance.prefix_probe [--only ID] [--limit K] [--out FILE]
+    python -m conformance.prefix_probe [--only ID] [--stride K --offset I] [--limit N]
+        [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import traceback
@@ -33,7 +35,14 @@ from typing import Any
 
 from conformance import vllm_driver as driver
 from conformance.compare import for_release
-from conformance.generate import add_fuzz_argument, fuzz_sections, generate_cases
+from conformance.generate import (
+    add_fuzz_argument,
+    add_split_arguments,
+    check_split,
+    fuzz_sections,
+    generate_cases,
+    split_cases,
+)
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import PlanningError
@@ -49,7 +58,6 @@ from kvplan.prefix_facts import setup_from_plan
 
 Json = dict[str, Any]
 _STORED_UNITS = 6  # the stored request spans this many scheduler blocks (+ a tail)
-_POOL_BLOCKS = 4096
 
 
 def probe_lengths(setup: PrefixCacheSetup, stored: int) -> list[int]:
@@ -96,12 +104,49 @@ def _failure(exc: Exception) -> str:
     return f"{type(exc).__name__} in {where}: {message}"[:200]
 
 
-def _pool_blocks(scheduler: Any, tokens: int) -> int:
-    """Blocks for the stored request and one probe in every group at once."""
-    per_request = sum(
-        -(-tokens // g.kv_cache_spec.block_size) + 1 for g in scheduler.kv_cache_groups
+class PoolTooSmall(RuntimeError):
+    """The probe's block pool cannot hold the requests it stores and runs: vLLM
+    could not allocate a step, or evicted a cached block to make room (a hit read
+    after that would be a smaller pool's, not the engine's). The harness's own
+    error, never counted as vLLM's."""
+
+
+def _pool_blocks(kv_cache_config: Any, requests: list[int], watermark: float) -> int:
+    """Blocks for `requests` (token counts) held at once in every group, as each
+    group's manager counts them (a block per started block, one more where a step
+    straddles a block, a Mamba group's speculative blocks), the null block, and the
+    watermark vLLM keeps free for waiting requests. Cached blocks of a finished
+    request stay in the pool, so the stored request counts while the next runs.
+    A larger pool only costs time: the manager builds every block (a floor of
+    4,096 blocks took 40% of a probe run, 3.8 of 9.4 s on 40 fuzz engines)."""
+    needed = 1 + sum(
+        -(-tokens // spec.block_size) + 1 + int(getattr(spec, "num_speculative_blocks", 0))
+        for tokens in requests
+        for group in kv_cache_config.kv_cache_groups
+        for spec in [group.kv_cache_spec]
     )
-    return max(_POOL_BLOCKS, 2 * per_request + 16)
+    if watermark:  # int(watermark * num_blocks) blocks stay free beside them
+        needed = math.ceil(needed / (1.0 - watermark)) + 1
+    return needed
+
+
+def _refuse_evictions(pool: Any) -> None:
+    """Make `pool` raise PoolTooSmall where it would evict a cached block to hand
+    it out: its `_maybe_evict_cached_block` sees the block just taken from the free
+    queue (no reference yet). vLLM's other calls to it (a Mamba checkpoint slot
+    overwritten, a partial block's hash replaced) are on blocks a request holds and
+    are the engine's own behaviour, left as they are."""
+    evict = pool._maybe_evict_cached_block
+
+    def evict_unless_for_room(block: Any) -> bool:
+        if block.ref_cnt == 0 and block.block_hash is not None:
+            raise PoolTooSmall(
+                f"the probe's pool of {pool.num_gpu_blocks} blocks evicted a cached "
+                "block to make room: _pool_blocks undercounts what these requests hold"
+            )
+        return bool(evict(block))
+
+    pool._maybe_evict_cached_block = evict_unless_for_room
 
 
 def _mamba_checkpoint(manager: Any, arguments: Json, stored: int) -> int:
@@ -129,18 +174,20 @@ def _mamba_checkpoint(manager: Any, arguments: Json, stored: int) -> int:
     return int(position(stored, unit, arguments["use_eagle"]))
 
 
-def _manager(stored: int, tail: int) -> tuple[Any, Json, Any]:
+def _manager(stored: int, requests: list[int]) -> tuple[Any, Json, Any]:
     """A new KV cache manager of the release's (driver.MANAGER_ARGUMENTS: the last
-    engine the driver started), its arguments and the request hasher."""
+    engine the driver started), its arguments and the request hasher. Its pool
+    holds `requests` (token counts: the stored request and any run after it) at
+    once, so nothing cached is evicted (_refuse_evictions makes sure)."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     arguments = dict(driver.MANAGER_ARGUMENTS)
     scheduler = arguments.pop("scheduler")
-    # Room for the stored request and two more, so nothing is evicted.
-    pool = _pool_blocks(scheduler, 4 * (stored + tail))
+    pool = _pool_blocks(scheduler, requests, float(arguments.get("watermark", 0.0)))
     arguments["kv_cache_config"] = replace(scheduler, num_blocks=pool)
     arguments["max_model_len"] = max(arguments["max_model_len"], 4 * stored)
     manager = KVCacheManager(**arguments)
+    _refuse_evictions(manager.block_pool)
     hasher = _hasher(arguments["hash_block_size"], arguments.get("num_hash_lookahead_tokens", 0))
     return manager, arguments, hasher
 
@@ -188,7 +235,10 @@ def _run(manager: Any, arguments: Json, request: Any, hit: int = 0, blocks: Any 
         adopted = (hit, blocks) if done == hit else (0, None)
         manager.new_step_starts()  # as each scheduler step does
         if manager.allocate_slots(request, take, adopted[0], adopted[1]) is None:
-            raise RuntimeError("the probe's block pool is too small")
+            raise PoolTooSmall(
+                f"the probe's pool of {manager.block_pool.num_gpu_blocks} blocks cannot "
+                f"take {take} more tokens of a {total}-token request at {done}"
+            )
         request.num_computed_tokens = done + take
         done += take
         manager.cache_blocks(request, done)
@@ -209,7 +259,7 @@ def vllm_hits(stored: int, lengths: list[int], tail: int) -> list[int | str]:
     engine the driver started) to the first request sharing each prefix after the
     stored one; where its lookup raises, the failure (_failure) in that probe's
     place. Storing the request raising propagates."""
-    manager, arguments, hasher = _manager(stored, tail)
+    manager, arguments, hasher = _manager(stored, [stored])
     first = _request("stored", list(range(stored)), hasher)
     manager.get_computed_blocks(first)
     _run(manager, arguments, first)
@@ -229,7 +279,7 @@ def vllm_later_hit(stored: int, n: int, tail: int) -> int | str:
     """The hit of the second request sharing `n` tokens with the stored one, after
     the first (looked up, its junction recorded, run and finished) on a new manager;
     each goes on with its own tokens. A failure of vLLM's: _failure."""
-    manager, arguments, hasher = _manager(stored, tail)
+    manager, arguments, hasher = _manager(stored, [stored, n + tail])
     prefix = list(range(n))
     try:
         stored_request = _request("stored", list(range(stored)), hasher)
@@ -241,6 +291,8 @@ def vllm_later_hit(stored: int, n: int, tail: int) -> int | str:
         _run(manager, arguments, first, int(hit), blocks)
         later = _request("later", prefix + [2 * 10**7 + i for i in range(tail)], hasher)
         _, later_hit, _ = manager.get_computed_blocks(later)
+    except PoolTooSmall:
+        raise
     except Exception as exc:  # vLLM's own: report, do not hide
         return _failure(exc)
     return int(later_hit)
@@ -253,13 +305,15 @@ def vllm_min_hits(pairs: list[tuple[int, int]]) -> list[int | str]:
     vLLM's (_failure) in that probe's place."""
     hits: list[int | str] = []
     for stored, shared in pairs:
-        manager, arguments, hasher = _manager(stored, 1)
+        manager, arguments, hasher = _manager(stored, [stored])
         try:
             first = _request("stored", list(range(stored)), hasher)
             manager.get_computed_blocks(first)
             _run(manager, arguments, first)
             probe = _request("probe", [*range(shared), 10**7], hasher)
             _, hit, _ = manager.get_computed_blocks(probe)
+        except PoolTooSmall:
+            raise
         except Exception as exc:  # vLLM's own: report, do not hide
             hits.append(_failure(exc))
             continue
@@ -288,7 +342,10 @@ def _probe_min(
     """The minimum probes (vllm_min_hits at min_probe_lengths) against
     cached_tokens: vLLM hits at the predicted minimum and at nothing below it."""
     lengths = min_probe_lengths(setup)
-    got = vllm_min_hits([(n, n) for n in lengths])
+    try:
+        got = vllm_min_hits([(n, n) for n in lengths])
+    except PoolTooSmall as exc:
+        raise PoolTooSmall(f"{case_id} (minimum probes {lengths}): {exc}") from exc
     for n, hit in zip(lengths, got, strict=True):
         if isinstance(hit, str):
             counts["lookup_crashes"] += 1
@@ -321,10 +378,14 @@ def run(
     later: bool = True,
     minimum: bool = True,
     first: bool = True,
+    split: tuple[int, int] = (1, 0),
 ) -> Json:
+    """Probe the cases of `seed` (kept by `only`, then `split`: stride and offset,
+    generate.split_cases, then `limit`)."""
     cases = generate_cases(seed, scenarios=scenarios, fuzz=fuzz)
     if only:
         cases = [c for c in cases if any(s in c.id for s in only)]
+    cases = split_cases(cases, *split)
     if limit is not None:
         cases = cases[:limit]
     counts = {
@@ -377,6 +438,8 @@ def run(
         tail = unit + 1
         try:
             got = vllm_hits(stored, lengths, tail)
+        except PoolTooSmall as exc:
+            raise PoolTooSmall(f"{case.id} (stored {stored} tokens): {exc}") from exc
         except Exception as exc:  # vLLM's own manager: report, do not hide
             counts["crashed"] += 1
             failure = _failure(exc)
@@ -433,7 +496,10 @@ def _probe_later(
     """The second request sharing `n` tokens (vllm_later_hit) against
     cached_tokens_after_junction. `shared`: (n, vLLM's hit for the first one)."""
     n, first_hit = shared
-    hit = vllm_later_hit(stored, n, tail)
+    try:
+        hit = vllm_later_hit(stored, n, tail)
+    except PoolTooSmall as exc:
+        raise PoolTooSmall(f"{case_id} (stored {stored}, shared {n} tokens): {exc}") from exc
     if isinstance(hit, str):
         counts["lookup_crashes"] += 1
         failure_classes[hit] = failure_classes.get(hit, 0) + 1
@@ -473,8 +539,13 @@ def main(argv: list[str] | None = None) -> int:
         help="only the minimum probes (the predicted minimum prefix and below it)",
     )
     add_fuzz_argument(parser)
+    add_split_arguments(parser)
     args = parser.parse_args(argv)
-    start = time.perf_counter()
+    try:
+        check_split(args.stride, args.offset)
+    except ValueError as error:
+        parser.error(str(error))
+    start, cpu = time.perf_counter(), time.process_time()
     fuzz = fuzz_sections(args.fuzz)
     result = run(
         args.only,
@@ -485,11 +556,18 @@ def main(argv: list[str] | None = None) -> int:
         later=not (args.first_only or args.min_only),
         minimum=True,
         first=not args.min_only,
+        split=(args.stride, args.offset),
     )
     result["meta"] = {
         "vllm": driver.VLLM_VERSION,
         "seed": args.seed,
+        "fuzz": fuzz,
+        "stride": args.stride,
+        "offset": args.offset,
         "seconds": round(time.perf_counter() - start, 1),
+        # This process's CPU time: on a shared machine the wall time says more
+        # about the neighbours than about the probe.
+        "cpu_seconds": round(time.process_time() - cpu, 1),
     }
     text = json.dumps(result, indent=1)
     if args.out:

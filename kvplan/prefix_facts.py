@@ -4,6 +4,7 @@ plain values."""
 
 from __future__ import annotations
 
+from kvplan.core.grouping import allocated_layer_spec
 from kvplan.core.prefix_cache import CacheGroup, GroupKind, PrefixCacheSetup
 from kvplan.core.request import EngineRequest
 from kvplan.core.specs import KVCacheSpec
@@ -90,8 +91,8 @@ def _scheduler_first_layers(response: plan_pb2.PlanResponse) -> list[int]:
 
 
 def _core_spec(request: EngineRequest, layer_name: str) -> KVCacheSpec | None:
-    """A layer's spec as the planner read it (searched only for groups of several
-    layer specs, which are rare: no per-plan index of every layer)."""
+    """A layer's spec as the request declares it (searched only for groups of
+    several layer specs, which are rare: no per-plan index of every layer)."""
     return next(
         (spec for worker in request.workers for name, spec in worker.layers if name == layer_name),
         None,
@@ -102,13 +103,17 @@ def _scheduler_view(
     group: plan_pb2.KVCacheGroup, first: int, request: EngineRequest
 ) -> tuple[spec_pb2.LayerSpec, bool]:
     """The spec the scheduler reads for `group` and whether it takes part in prefix
-    caching: its first layer's own (the core spec's `prefix_cacheable`) where the
-    group holds several layer specs, else the group's."""
+    caching: its first layer's own where the group holds several layer specs (the
+    core spec's `prefix_cacheable`, as the planner allocated the layer: a promoted
+    layer is its promotion's), else the group's."""
     if not group.layer_specs:
         return group.spec, bool(group.prefix_cacheable)
+    allocated = group.layer_specs[first]
     core = _core_spec(request, group.layer_names[first])
-    cacheable = core.prefix_cacheable if core is not None else bool(group.prefix_cacheable)
-    return group.layer_specs[first], cacheable
+    if core is None:
+        return allocated, bool(group.prefix_cacheable)
+    core = allocated_layer_spec(core, allocated.WhichOneof("kind") or "", request.rules)
+    return allocated, core.prefix_cacheable
 
 
 def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> PrefixCacheSetup:

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from conformance.fuzz import SECTIONS, parse_fuzz_sections
-from conformance.generate import Case, generate_cases
+from conformance.generate import Case, check_split, generate_cases, split_cases
 from kvplan.convert import plan_from_proto
 from kvplan.core.errors import ErrorCode, PlanningError
 from kvplan.v1 import plan_pb2
@@ -165,3 +165,30 @@ def test_fuzz_arguments_name_sections_and_counts() -> None:
         parse_fuzz_sections(["fuzz_q"])
     with pytest.raises(ValueError, match="0 or more"):
         parse_fuzz_sections(["fuzz_y=-1"])
+
+
+@pytest.mark.parametrize("stride", [1, 2, 3, 7])
+def test_stride_and_offset_split_a_campaign_into_disjoint_parts(
+    fuzz_cases: list[Case], stride: int
+) -> None:
+    """`--stride K --offset I` (compare.py, prefix_probe.py): K processes with offsets
+    0..K-1 together take every engine of the campaign exactly once, in order."""
+    parts = [split_cases(fuzz_cases, stride, offset) for offset in range(stride)]
+    ids = [case.id for part in parts for case in part]
+    assert sorted(ids) == sorted(case.id for case in fuzz_cases)
+    assert len(set(ids)) == len(ids)
+    assert all(
+        len(part) in (len(fuzz_cases) // stride, -(-len(fuzz_cases) // stride)) for part in parts
+    )
+    assert parts[0][1:2] == fuzz_cases[stride : stride + 1]
+
+
+@pytest.mark.parametrize(
+    ("stride", "offset", "message"),
+    [(0, 0, "a stride is 1 or more"), (2, 2, "offset is 0 to stride - 1"), (2, -1, "offset")],
+)
+def test_a_split_that_drops_or_repeats_engines_is_refused(
+    stride: int, offset: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_split(stride, offset)

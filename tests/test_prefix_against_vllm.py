@@ -9,6 +9,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from conformance.generate import GIB, SMALL_STATES, W, full, mamba
 from conformance.generate import request as generated_request
 from kvplan.cli import load_request
@@ -19,7 +21,7 @@ from kvplan.core.prefix_warnings import DIVERGING_TAIL_UNITS, what_if
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2
 from tests.test_fuzz_finds import find
-from tests.vllm_envs import vllm_python
+from tests.vllm_envs import run_in_vllm, vllm_python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -191,11 +193,66 @@ print(json.dumps(out))
 
 def test_the_plugin_reads_the_junction_checkpoint_from_every_release() -> None:
     for release in ("0.32", "0.33", "0.34"):
-        result = subprocess.run(
-            [str(vllm_python(release)), "-c", PLUGIN_SIDE, str(REPO)],
-            capture_output=True,
-            text=True,
-            timeout=280,
-            check=True,
-        )
-        assert json.loads(result.stdout.strip().splitlines()[-1]) == [True, False], release
+        assert run_in_vllm(release, ["-c", PLUGIN_SIDE, str(REPO)]) == [True, False], release
+
+
+# Runs in the release's venv: the later-request probe of one engine on a pool of
+# exactly the stored request's blocks (and the null block), on a pool of 2 blocks,
+# and on the pool the probe sizes.
+POOL_SIDE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from conformance import prefix_probe, vllm_driver
+from kvplan.gpus import GPU_MEMORY_BYTES
+from kvplan.v1 import plan_pb2
+payload = json.load(sys.stdin)
+request = plan_pb2.PlanRequest.FromString(bytes.fromhex(payload["request"]))
+assert vllm_driver.plan_with_vllm(request, GPU_MEMORY_BYTES)["ok"]
+stored, n, tail = payload["stored"], payload["shared"], payload["tail"]
+sized = prefix_probe._pool_blocks
+pools = {
+    "stored_only": lambda config, requests, watermark: 1 + sum(
+        -(-requests[0] // group.kv_cache_spec.block_size) for group in config.kv_cache_groups
+    ),
+    "two_blocks": lambda config, requests, watermark: 2,
+}
+out = {}
+for name, pool in pools.items():
+    prefix_probe._pool_blocks = pool
+    try:
+        out[name] = prefix_probe.vllm_later_hit(stored, n, tail)
+    except prefix_probe.PoolTooSmall as exc:
+        out[name] = "PoolTooSmall: " + str(exc)
+prefix_probe._pool_blocks = sized
+out["sized"] = prefix_probe.vllm_later_hit(stored, n, tail)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
+def test_the_probes_pool_refuses_to_evict_what_it_measures(release: str) -> None:
+    """The probe sizes its pool to the requests it holds (a larger one only costs
+    time). Where a pool cannot hold them, the release's manager would evict the
+    stored prompt's cached blocks to run the next request, or fail to allocate, and
+    the probe would read a smaller pool's hit: it stops with PoolTooSmall instead,
+    never counted as vLLM's failure (the eviction check hooks the release's block
+    pool, hence every release). On the pool it sizes, the hit is kvplan's."""
+    request = load_request(str(REPO / "examples" / "gemma-3-27b.yaml"))
+    request.options.max_model_len = 4096
+    request.options.engine_version = f"vllm-{release}"
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    unit = max(setup.scheduler_block, *(g.block_tokens for g in setup.groups))
+    stored, shared, tail = 6 * unit + unit // 2 + 1, 3 * unit, unit + 1
+    payload = {
+        "request": request.SerializeToString().hex(),
+        "stored": stored,
+        "shared": shared,
+        "tail": tail,
+    }
+    out = run_in_vllm(release, ["-c", POOL_SIDE, str(REPO)], payload)
+    assert out["stored_only"].startswith("PoolTooSmall: ")
+    assert "evicted a cached block" in out["stored_only"]
+    assert out["two_blocks"].startswith("PoolTooSmall: ")
+    assert "cannot take" in out["two_blocks"]
+    assert out["sized"] == cached_tokens_after_junction(setup, shared, stored, shared + tail)
+    assert out["sized"] > 0

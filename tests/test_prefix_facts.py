@@ -97,6 +97,30 @@ def test_a_groups_cacheability_is_its_first_layers_on_the_first_worker() -> None
     assert cached_tokens(setup, 16, 105, 16 + 17) == 0
 
 
+def test_a_promoted_first_layer_takes_part_as_allocated() -> None:
+    """conformance/finds/prefix-promoted-first-layer (fuzz seed 13, fuzzx/x0807,
+    vLLM 0.34): bounded-replay sliding-window MLA layers (which opt out of prefix
+    caching) beside MLA layers, the hybrid manager disabled. 0.34 allocates the
+    windows as MLA and drops the replay bound, so the one group's first layer on the
+    first worker, `model.layers.0.swa`, is an MLA layer there and cacheable. vLLM
+    0.34's manager hit 256, 1,024 and 1,536 tokens of shared prefixes of 256, 1,279
+    and 1,665 tokens of a stored 1,665-token prompt; kvplan, reading the layer as
+    declared, said 0 (39 of the 45 probes of x0282, x0391 and x0807 disagreed)."""
+    request = find("prefix-promoted-first-layer", "vllm-0.34")
+    response = plan_from_proto(request)
+    core = request_from_proto(request)
+    (group,) = response.groups
+    first = group.layer_names[0]
+    assert first == "model.layers.0.swa"
+    (declared,) = {spec for worker in core.workers for name, spec in worker.layers if name == first}
+    assert declared.kind == "sliding_window_mla" and not declared.prefix_cacheable
+    assert group.layer_specs[0].WhichOneof("kind") == "mla_attention"  # promoted
+    setup = setup_from_plan(core, response)
+    assert setup.groups[0].prefix_cacheable
+    for shared, vllm in ((256, 256), (1279, 1024), (1665, 1536)):
+        assert cached_tokens(setup, shared, 1665, shared + 257) == vllm
+
+
 @pytest.mark.parametrize(
     ("name", "shared", "stored", "vllm"),
     [

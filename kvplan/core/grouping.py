@@ -146,6 +146,34 @@ def _promotion_target(spec: KVCacheSpec) -> type[AttentionSpec] | None:
     return next((_PROMOTIONS[cls] for cls in type(spec).__mro__ if cls in _PROMOTIONS), None)
 
 
+def promoted_spec(spec: AttentionSpec, rules: RuleSet, **changes: Any) -> AttentionSpec:
+    """A local-attention layer allocated as full attention: its kind's promotion
+    target, without the window's trailing extension and, where the release drops
+    it, the replay bound (both mean nothing once every token keeps its block).
+    UnplannableSpecs where a field has no counterpart there."""
+    target = _promotion_target(spec)
+    if target is None:
+        raise UnplannableSpecs(f"{spec.kind} layers are not promoted to full allocation")
+    drop: tuple[str, ...] = ("extra_retained_tokens",)
+    if rules.promotion_drops_bounded_replay:
+        drop = (*drop, "bounded_replay")
+    return _replace_as(spec, target, drop=drop, **changes)
+
+
+def allocated_layer_spec(declared: KVCacheSpec, allocated_kind: str, rules: RuleSet) -> KVCacheSpec:
+    """A layer's `declared` spec as its plan allocated it, given the kind of the
+    spec it was allocated as (a planned group's per-layer spec): promoted
+    (promoted_spec) where that kind is its promotion target's, else as declared.
+    What such a layer does beyond its kind (opting out of prefix caching: a
+    bounded-replay window that vLLM 0.34 promotes to MLA does not) is the
+    promoted spec's."""
+    target = _promotion_target(declared)
+    if target is None or declared.kind == allocated_kind or target.kind != allocated_kind:
+        return declared
+    assert isinstance(declared, AttentionSpec)  # every promoted kind is attention
+    return promoted_spec(declared, rules)
+
+
 def promote_local_attention(specs: SpecDict, rules: RuleSet = KVPLAN) -> SpecDict:
     """Allocate sliding-window / chunked layers as full attention (compute is
     unchanged). Raises UnplannableSpecs if the result is still not one type."""
@@ -170,17 +198,8 @@ def promote_local_attention(specs: SpecDict, rules: RuleSet = KVPLAN) -> SpecDic
             if padded is not None:
                 rescaled = spec.unpadded_page_size_bytes * block_size // spec.block_size
                 padded = max(padded, rescaled)
-            # The window's trailing extension (and, where the release drops it,
-            # the replay bound) means nothing once every token keeps its block.
-            drop: tuple[str, ...] = ("extra_retained_tokens",)
-            if rules.promotion_drops_bounded_replay:
-                drop = (*drop, "bounded_replay")
-            promoted[name] = _replace_as(
-                spec,
-                target,
-                drop=drop,
-                block_size=block_size,
-                page_size_padded=padded,
+            promoted[name] = promoted_spec(
+                spec, rules, block_size=block_size, page_size_padded=padded
             )
     try:
         unified = is_uniform_spec(promoted, rules) or is_uniform_type(promoted)

@@ -10,10 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvplan.convert import plan_from_proto
-from kvplan.core.errors import ErrorCode
+from kvplan.core.dtypes import StorageDtype
+from kvplan.core.errors import ErrorCode, UnplannableSpecs
 from kvplan.core.extensible import blocks_within, mapped_bytes, segment_strides
+from kvplan.core.grouping import allocated_layer_spec
 from kvplan.core.layout import KVCacheLayout, TensorPlacement
 from kvplan.core.rules import RULE_SETS, DraftFlagRule, rule_set_for
+from kvplan.core.specs import MLAAttentionSpec, SlidingWindowMLASpec
 from kvplan.v1 import plan_pb2, spec_pb2
 from tests.core.builders import planning_error
 
@@ -273,3 +276,27 @@ def test_octave_quant_modes_are_new_in_0_33() -> None:
     assert error.field == "workers[0].layers[2].full_attention.attention.kv_quant_mode"
     request.options.engine_version = "vllm-0.33"
     assert plan_from_proto(request).rule_set == "vllm-0.33"
+
+
+def test_only_0_34_promotes_a_bounded_replay_window_and_its_layer_is_then_cacheable() -> None:
+    """promotion_drops_bounded_replay, through the one function both grouping and the
+    scheduler's view of a group (kvplan.prefix_facts) read a promoted layer with: a
+    bounded-replay sliding-window MLA layer (opted out of prefix caching) allocated
+    as MLA is an MLA layer, cacheable, under 0.34; 0.33's MLA spec has no replay
+    bound, so the promotion fails there as it does in vLLM 0.33 (a TypeError)."""
+    declared = SlidingWindowMLASpec(
+        block_size=64,
+        num_kv_heads=1,
+        head_size=576,
+        dtype=StorageDtype.BFLOAT16,
+        sliding_window=128,
+        bounded_replay=True,
+    )
+    assert not declared.prefix_cacheable
+    allocated = allocated_layer_spec(declared, "mla_attention", rule_set_for("vllm-0.34"))
+    assert type(allocated) is MLAAttentionSpec and allocated.prefix_cacheable
+    assert (
+        allocated_layer_spec(declared, "sliding_window_mla", rule_set_for("vllm-0.34")) is declared
+    )
+    with pytest.raises(UnplannableSpecs, match="bounded_replay has no counterpart"):
+        allocated_layer_spec(declared, "mla_attention", rule_set_for("vllm-0.33"))
