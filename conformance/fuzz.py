@@ -2329,6 +2329,20 @@ def _c_budget(c: Cases, worker: Any, mode: str, base: int) -> str:
     return name if worker.device.name else "u"
 
 
+def _on_own_generator(
+    c: Cases, name: str, section: Callable[[Cases, int], None], count: int
+) -> None:
+    """Run `section` on a generator of its own, seeded from the shared one's state
+    without drawing from it: the sections after it draw what they drew before it
+    existed, so `--fuzz all` keeps reproducing a seed's older engines."""
+    shared = c.rng
+    c.rng = random.Random(f"{name} {shared.getstate()[1][:8]}")
+    try:
+        section(c, count)
+    finally:
+        c.rng = shared
+
+
 def fuzz_c(c: Cases, count: int) -> None:
     """The fields, kinds and combinations no other section varies (found by listing
     every request field's values across the sections and scenarios): RSWA, cross,
@@ -2342,15 +2356,9 @@ def fuzz_c(c: Cases, count: int) -> None:
     middle or last; heterogeneous workers in one engine (each its own budget mode:
     bytes, utilization of a device by total or by name, free memory at its edge,
     measured bytes of the extensible cache); devices named instead of sized."""
-    # Its own generator, seeded from the shared one's state without drawing from it:
-    # the sections after it (conformance/generate.py's fixed ones) draw what they drew
-    # before fuzz_c existed, so `--fuzz all` keeps reproducing a seed's older engines.
-    shared = c.rng
-    c.rng = random.Random(f"fuzz_c {shared.getstate()[1][:8]}")
-    try:
-        _fuzz_c(c, count)
-    finally:
-        c.rng = shared
+    # Its own generator (the sections after it, conformance/generate.py's fixed ones,
+    # draw what they drew before fuzz_c existed).
+    _on_own_generator(c, "fuzz_c", _fuzz_c, count)
 
 
 def _fuzz_c(c: Cases, count: int) -> None:
@@ -2615,12 +2623,7 @@ def fuzz_v(c: Cases, count: int) -> None:
     model) marked is_draft; HiSparse. Budgets are sized from the engine's pages, a
     few at the edge. Its own generator, like fuzz_c's: every other section's engines
     stay as they were."""
-    shared = c.rng
-    c.rng = random.Random(f"fuzz_v {shared.getstate()[1][:8]}")
-    try:
-        _fuzz_v(c, count)
-    finally:
-        c.rng = shared
+    _on_own_generator(c, "fuzz_v", _fuzz_v, count)
 
 
 def _v_attention(c: Cases, layer: Layer, quant: tuple[str, int, int] | None, major: bool) -> None:
@@ -2954,12 +2957,7 @@ def fuzz_j(c: Cases, count: int) -> None:
     engines. The later-request probes check where it keeps a Mamba state at the
     junction. Its own generator, like fuzz_c's: every other section's engines stay
     as they were."""
-    shared = c.rng
-    c.rng = random.Random(f"fuzz_j {shared.getstate()[1][:8]}")
-    try:
-        _fuzz_j(c, count)
-    finally:
-        c.rng = shared
+    _on_own_generator(c, "fuzz_j", _fuzz_j, count)
 
 
 def _fuzz_j(c: Cases, count: int) -> None:
