@@ -269,9 +269,9 @@ async def test_fuzz_every_rpc_gets_an_explained_answer(tmp_path: Path) -> None:
     assert growth < 16 * 1024 * 1024, growth
     # The fuzz reached past validation: plans and leases were made.
     assert codes[("PlanKVCache", "OK")] > 50
-    # Leased plans were read back and renewed (3 to 7 renewals over recent changes:
-    # most renewals the fuzz sends are meant to be refused).
+    # Leased plans were read back and renewed (most renewals the fuzz sends are meant
+    # to be refused).
     assert codes[("GetPlan", "OK")] > 5
-    assert codes[("RenewLeases", "OK")] > 0
+    assert codes[("RenewLeases", "OK")] > 2
     assert codes[("ReleasePlan", "PERMISSION_DENIED")] > 10
     assert codes[("PlanKVCache", "UNAUTHENTICATED")] > 10
