@@ -642,7 +642,7 @@ def capacity_rows(
                     # Known before planning: a point that does not fit still shows it.
                     row["non_kv_bytes_per_worker"] = inputs.non_kv_bytes
                     response, summary, inputs = plan_built(request, inputs, planner)
-                    # The shortest shared prefix the prefix cache can hit (0: never).
+                    # The shortest prompt that hits when sent again (0: never).
                     row["min_cached_prefix"] = min_cached_prefix(response)
                     row["rule_set"] = response.rule_set  # the planner's (a server's)
                     row.update(
