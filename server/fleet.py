@@ -66,7 +66,13 @@ class FleetRecords:
             )
         for name in ("gpu_name", "dtype"):
             self._text(getattr(fingerprint, name), f"{where}.{name}", required=True)
-        for name in ("kv_cache_dtype", "quantization", "cuda_graphs", "model"):
+        for name in (
+            "kv_cache_dtype",
+            "quantization",
+            "cuda_graphs",
+            "model",
+            "limit_mm_per_prompt",
+        ):
             self._text(getattr(fingerprint, name), f"{where}.{name}", required=False)
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(fingerprint, name) < 1:

@@ -188,6 +188,10 @@ async def test_bad_reports_get_precise_statuses() -> None:
                 (report("a", [GIB], gpu_name="x" * 300), "RESOURCE_EXHAUSTED",
                  "fingerprint.gpu_name")
             )  # fmt: skip
+            cases.append(
+                (report("a", [GIB], limit_mm_per_prompt="{" * 300), "RESOURCE_EXHAUSTED",
+                 "fingerprint.limit_mm_per_prompt")
+            )  # fmt: skip
             cases.append((report("a", [GIB], tp=2), "INVALID_ARGUMENT", "workers"))
             cases.append((report("a", [GIB] * 16), "RESOURCE_EXHAUSTED",
                           "fingerprint.tensor_parallel_size"))  # fmt: skip
