@@ -67,12 +67,14 @@ _PROFILE_V1_CONSUMED = re.compile(
 )
 _INIT_TOTAL = re.compile(r"init memory snapshot: .*total_memory=([0-9.]+)GiB")
 # The batch settings the engine states: the scheduler's line, and the compile range the
-# profile run compiled ("compile range (1, 2048)": max_num_batched_tokens); the CUDA-graph
+# profile run compiled ("compile range (1, 2048)": max_num_batched_tokens; the scheduler's
+# line wins, and a split compile, "(1, 292)" then "(293, 8192)" where a TP 4 engine's
+# all-reduce fusion ends at 292 tokens, ends at the last range's end); the CUDA-graph
 # profile's counts ("PIECEWISE=51 (largest=512), FULL=35 (largest=256)"): FULL decode
 # graphs stop at max_num_seqs, so a largest FULL size below the largest PIECEWISE one is
 # max_num_seqs (rounded down to a capture size).
 _CHUNKED_PREFILL = re.compile(r"Chunked prefill is enabled with max_num_batched_tokens=(\d+)")
-_COMPILE_RANGE = re.compile(r"compile range \(1, (\d+)\)")
+_COMPILE_RANGE = re.compile(r"compile range \((\d+), (\d+)\)")
 _GRAPH_PROFILE_COUNTS = re.compile(
     r"Profiling CUDA graph memory: PIECEWISE=\d+ \(largest=(\d+)\), FULL=\d+ \(largest=(\d+)\)"
 )
@@ -141,6 +143,7 @@ class StartupLog:
 
 def parse_log(text: str) -> StartupLog:
     log = StartupLog()
+    scheduler_tokens: int | None = None  # the scheduler's own line, over compile ranges
     for line in text.splitlines():
         if not log.release and (match := _RELEASE.search(line)):
             log.release = match.group(1) or match.group(2)
@@ -197,8 +200,11 @@ def parse_log(text: str) -> StartupLog:
             log.non_torch_gib = round(consumed - weights, 2)
         if match := _GRAPH_ADVICE.search(line):
             log.graph_line_utilization = float(match.group(1))
-        if match := _CHUNKED_PREFILL.search(line) or _COMPILE_RANGE.search(line):
-            log.max_num_batched_tokens = int(match.group(1))
+        if match := _CHUNKED_PREFILL.search(line):
+            log.max_num_batched_tokens = scheduler_tokens = int(match.group(1))
+        elif (match := _COMPILE_RANGE.search(line)) and scheduler_tokens is None:
+            end = int(match.group(2))
+            log.max_num_batched_tokens = max(end, log.max_num_batched_tokens or 0)
         if match := _GRAPH_PROFILE_COUNTS.search(line):
             piecewise, full = int(match.group(1)), int(match.group(2))
             log.max_num_seqs_from_graphs = full if full < piecewise else None
@@ -254,6 +260,11 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
     if "gpu_memory_utilization" not in out and log.graph_line_utilization is not None:
         # The engine restated the utilization it ran with (a release's own default).
         out["gpu_memory_utilization"] = log.graph_line_utilization
+    # The model dtype the engine resolved ("dtype=torch.float32" on its config line, the
+    # non-default args' 'dtype'): a float32 run loads twice the bytes of its checkpoint.
+    model_dtype = str(args.get("dtype", config.get("dtype", "auto"))).removeprefix("torch.")
+    if model_dtype in ("bfloat16", "float16", "half", "float32", "float"):
+        out["dtype"] = model_dtype
     dtype = str(args.get("kv_cache_dtype", config.get("kv_cache_dtype", "auto")))
     if dtype and dtype != "auto":
         out["kv_cache_dtype"] = dtype

@@ -53,7 +53,8 @@ def test_the_engine_config_line_and_the_one_line_capacity_format() -> None:
     log = parse_log(text)
     assert log.release == "0.34.0" and log.cuda_graph_gib == 0.52
     assert log.kv_cache_tokens == 1_234_567 and log.max_concurrency == 37.68
-    assert settings_from_log(log) == {"tp": 4, "pp": 1, "max_model_len": 32_768}
+    assert settings_from_log(log) == {
+        "tp": 4, "pp": 1, "max_model_len": 32_768, "dtype": "bfloat16"}  # fmt: skip
 
 
 def test_the_settings_the_engine_states_in_its_own_lines() -> None:
@@ -66,8 +67,8 @@ def test_the_settings_the_engine_states_in_its_own_lines() -> None:
     assert log.cudagraph_subtracted_fraction is None  # 0.19.0 logs it, does not subtract
     assert settings_from_log(log) == {
         "tp": 4, "pp": 1, "max_model_len": 8192, "max_num_batched_tokens": 2048,
-        "max_num_seqs": 256, "gpu_memory_utilization": 0.9, "enable_prefix_caching": True,
-        "disable_custom_all_reduce": True,
+        "max_num_seqs": 256, "gpu_memory_utilization": 0.9, "dtype": "bfloat16",
+        "enable_prefix_caching": True, "disable_custom_all_reduce": True,
     }  # fmt: skip
     # Equal largest sizes say nothing of max_num_seqs (the llm-d H100 records: 1,024).
     h100 = parse_log((DATA / "llama-3.1-8b-h100-tp1-llmd-v0.19.log").read_text())
@@ -81,6 +82,33 @@ def test_the_settings_the_engine_states_in_its_own_lines() -> None:
         "(largest=16), FULL=2 (largest=8)\n"
     )
     assert "max_num_seqs" not in settings_from_log(drafts)
+
+
+def test_the_scheduler_line_and_a_split_compile_state_the_batched_tokens() -> None:
+    # Qwen2.5-7B at TP 4 (vLLM 0.19.0): the all-reduce fusion ends at 292 tokens, so the
+    # profile run compiles (1, 292) and (293, 8192) after the scheduler's 8,192. The
+    # first range is not max_num_batched_tokens (calibrate once refused the settings:
+    # 292 < max_num_seqs 1,024).
+    tp4 = parse_log((DATA / "qwen2.5-7b-instruct-h100-tp4-llmd-v0.19.log").read_text())
+    assert tp4.max_num_batched_tokens == 8192
+    split = "INFO [backends.py:372] Cache the graph of compile range ({}, {}) for later use\n"
+    # Without the scheduler's line, a split compile ends at its last range's end.
+    ranges = parse_log(split.format(1, 292) + split.format(293, 4096))
+    assert ranges.max_num_batched_tokens == 4096
+    assert parse_log(split.format(1, 2048)).max_num_batched_tokens == 2048
+
+
+def test_the_model_dtype_the_engine_ran_with() -> None:
+    # `--dtype float32` (the llm-d float32 record): the non-default args and the engine's
+    # config line both say it, and the weights are twice the checkpoint's bfloat16.
+    log = parse_log((DATA / "llama-3.1-8b-h100-float32-llmd-v0.19.log").read_text())
+    assert settings_from_log(log)["dtype"] == "float32" and log.model_loading_gib == [29.98]
+    half = parse_log(
+        "INFO [core.py:105] Initializing a V1 LLM engine (v0.19.0) with config: model='m', "
+        "dtype=torch.float16, max_seq_len=4096\n"
+    )
+    assert settings_from_log(half)["dtype"] == "float16"
+    assert "dtype" not in settings_from_log(parse_log("Model loading took 1.00 GiB memory\n"))
 
 
 def test_the_newer_profiling_summary_and_post_capture_account() -> None:
