@@ -129,6 +129,12 @@ def test_the_logged_budget_reproduces_the_token_count_the_release_prints(
     tokens = qwen35.kv_cache_tokens
     assert (qwen35.release, tokens) == ("0.23.0", 235_706) and tokens is not None
     assert tokens % 16 == 10 and qwen35.model_loading_gib == [8.61]
+    # The same model through AsyncLLMEngine on vLLM 0.22.0 (1,024 tokens, attention block
+    # 528): 163,225 is int(159.40 x 1,024), and a whole number of neither 16 nor 528.
+    v022 = parse_log((ROOT / "tests/data/calibration/qwen3.5-4b-asyncllm-v0.22.log").read_text())
+    assert v022.max_concurrency is not None and v022.concurrency_len == 1024
+    assert v022.kv_cache_tokens == int(v022.max_concurrency * 1024) == 163_225
+    assert 163_225 % 16 and 163_225 % 528 and v022.model_loading_gib == [8.61]
 
 
 def test_release_rows_and_the_v0_profile_length() -> None:
