@@ -28,6 +28,7 @@ PUBLISHED_PARAMS: dict[str, tuple[float, str]] = {
     "gemma-3-27b": (27.4e9, "huggingface.co/google/gemma-3-27b-it: 27B + 0.4B SigLIP vision"),
     "gemma-3-4b": (4.3e9, "huggingface.co/google/gemma-3-4b-it: 4.3B params (safetensors)"),
     "gpt-oss-120b": (116.8e9, "openai gpt-oss model card: 116.83B total parameters"),
+    "gpt-oss-20b": (20.91e9, "openai gpt-oss model card: 20.91B total parameters"),
     "llama-3.1-8b": (8.03e9, "huggingface.co/meta-llama/Llama-3.1-8B-Instruct: 8.03B"),
     "mistral-7b-v0.3": (7.25e9, "huggingface.co/mistralai/Mistral-7B-Instruct-v0.3: 7.25B"),
     "mixtral-8x7b-instruct": (46.7e9, "huggingface.co/mistralai/Mixtral-8x7B-v0.1: 46.7B"),
