@@ -61,14 +61,29 @@ class ProfileRules:
     # (vLLM 0.19, H100, max_num_seqs 1,024) and 0.52 GiB with 51 + 35 to 256 (vLLM 0.21,
     # RTX A5000, max_num_seqs 256; LMCache#3430). The other 0.19 records logged
     # 0.57-1.69 GiB at 51 + 51 (kvplan 0.84): off by up to 0.85 GiB per worker (Llama at
-    # TP 2), and four PCIe L40S 2.73 at 51 + 35 (kvplan 0.52; its graphs all-reduce
-    # through NCCL, the cause not pinned). Within 0.4 GiB on every TP 1 log; a per-piece
-    # model (layers + 1 graphs per PIECEWISE size) was tried and did no better
-    # (docs/capacity.md, "The CUDA-graph estimate"). The hybrid GDN models' profiling
-    # transient that 0.26-0.28 count as graph memory (vllm#50780) is
+    # TP 2). Within 0.4 GiB on every TP 1 log; a per-piece model (layers + 1 graphs per
+    # PIECEWISE size) was tried and did no better (docs/capacity.md, "The CUDA-graph
+    # estimate"). A TP group without custom all-reduce adds
+    # `cudagraph_bytes_per_nccl_all_reduce` per all-reduce captured. The hybrid GDN
+    # models' profiling transient that 0.26-0.28 count as graph memory (vllm#50780) is
     # `gdn_graph_transient_per_context_token`.
     cudagraph_bytes_per_piecewise_graph: int
     cudagraph_bytes_per_full_graph_token: int
+    # Where vLLM runs no custom all-reduce (`custom_all_reduce_on`), every TP all-reduce
+    # inside a captured graph is an NCCL kernel (pynccl, the dispatch's last resort in
+    # 0.19 and 0.32-0.34; FlashInfer's PCIe IPC all-reduce is opt-in, off by default).
+    # NCCL keeps state outside torch's allocator for each collective a graph captures
+    # (a persistent work plan per captured launch; NVIDIA/nccl#1234), which the graph
+    # estimate counts: it reads free device memory before and after each sample. Per
+    # all-reduce captured (`nccl_all_reduces_per_graph` x the graphs), fitted on the one
+    # dense log with the graph counts and the estimate printed: four PCIe L40S at TP 4,
+    # Qwen2.5-72B (161 all-reduces a graph, 51 PIECEWISE + 35 FULL graphs), 2.73 GiB
+    # logged against 0.52 for the graphs themselves: 167 KiB (166.9-167.7 within the
+    # log's rounding). The club-3090 logs of a 64-layer hybrid on four RTX 3090s
+    # (custom all-reduce off the same way) check it (docs/capacity.md). The figure
+    # depends on the driver and NCCL (vllm#5517: 3.81 GiB of graphs on A10G with CUDA
+    # 12.2 drivers, 1.14 with 12.4, nothing else changed); 0 = none counted.
+    cudagraph_bytes_per_nccl_all_reduce: int = 0
     # The sampler's peak per logit when FlashInfer is not installed, where the release
     # then sorts the logits with torch.sort (`_SORT_SAMPLER`); 0 = the default's figure
     # (from the Triton kernel, vllm#33538, the fallback is Triton, not a sort).
@@ -106,6 +121,7 @@ _NON_TORCH_TP1 = round(0.25 * GIB)
 _NON_TORCH_TP = round(2.07 * GIB)
 _PIECEWISE_GRAPH = round(7.1 * MIB)
 _FULL_GRAPH_TOKEN = round(19.6 * 1024)
+_NCCL_GRAPH_ALL_REDUCE = 167 * 1024
 # The V0 worker counts as non-torch everything the device has in use outside torch's
 # allocator after the profile run (mem_get_info's used bytes less torch's allocated),
 # so its figure includes the process's own CUDA context, which V1 leaves out (its
@@ -163,6 +179,7 @@ PROFILES: dict[str, ProfileRules] = {
         _NON_TORCH_TP,
         _PIECEWISE_GRAPH,
         _FULL_GRAPH_TOKEN,
+        cudagraph_bytes_per_nccl_all_reduce=_NCCL_GRAPH_ALL_REDUCE,
         gdn_graph_transient_per_context_token=128 * 1024,
     ),
     # 0.20 to 0.25 and 0.29 onward, the releases kvplan plans for (0.32, 0.33, 0.34)
@@ -171,7 +188,13 @@ PROFILES: dict[str, ProfileRules] = {
     # to --gpu-memory-utilization=0.8878": a public log the code index found, id
     # 51830815744), although the line names 0.21 as the default's first release.
     "v1": ProfileRules(
-        "vLLM >= 0.20", 16, _NON_TORCH_TP1, _NON_TORCH_TP, _PIECEWISE_GRAPH, _FULL_GRAPH_TOKEN
+        "vLLM >= 0.20",
+        16,
+        _NON_TORCH_TP1,
+        _NON_TORCH_TP,
+        _PIECEWISE_GRAPH,
+        _FULL_GRAPH_TOKEN,
+        cudagraph_bytes_per_nccl_all_reduce=_NCCL_GRAPH_ALL_REDUCE,
     ),
 }
 
@@ -258,6 +281,8 @@ OVERHEAD_FORMULA = (
     " for MoE;  non_torch = 2.07 GiB where vLLM runs custom all-reduce (TP 2, 4, 6, 8, 16;"
     " not --disable-custom-all-reduce; not TP > 2 on GPUs without NVLink), else 0.25 GiB;"
     " CUDA graphs (from vLLM 0.20) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
+    " (+ (n_piecewise + n_full) x (2 x layers + 1) x 167 KiB where TP > 1 runs without"
+    " custom all-reduce: NCCL's captured all-reduces)"
     " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB);"
     " a vision model: max(encoder inputs + encoder forward, inputs + embeddings + the above)"
 )
@@ -279,15 +304,52 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> l
     return sorted(sizes)
 
 
-def cudagraph_estimate(rules: ProfileRules, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """The CUDA-graph memory `rules`' release subtracts before sizing the KV cache."""
+def cudagraph_estimate(
+    rules: ProfileRules,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    nccl_all_reduces: int = 0,
+) -> int:
+    """The CUDA-graph memory `rules`' release subtracts before sizing the KV cache, with
+    `nccl_all_reduces` NCCL all-reduces in each graph (`nccl_all_reduces_per_graph`)."""
     piecewise = cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens)
     full = [size for size in piecewise if size <= max_num_seqs]
-    largest_full = max(full, default=0)
+    return graph_counts_estimate(rules, len(piecewise), len(full), max(full, default=0),
+                                 nccl_all_reduces)  # fmt: skip
+
+
+def graph_counts_estimate(
+    rules: ProfileRules,
+    piecewise_graphs: int,
+    full_graphs: int,
+    largest_full: int,
+    nccl_all_reduces: int = 0,
+) -> int:
+    """`cudagraph_estimate` for the graph counts a log prints ("Profiling CUDA graph
+    memory: PIECEWISE=N (largest=L), FULL=M (largest=K)"), which speculative decoding
+    and explicit capture sizes change. Every graph, PIECEWISE or FULL, runs the whole
+    forward, so each captures `nccl_all_reduces` all-reduces."""
+    if min(piecewise_graphs, full_graphs, largest_full, nccl_all_reduces) < 0:
+        raise ValueError("graph counts, sizes and all-reduces must be >= 0")
     return (
-        len(piecewise) * rules.cudagraph_bytes_per_piecewise_graph
-        + len(full) * largest_full * rules.cudagraph_bytes_per_full_graph_token
+        piecewise_graphs * rules.cudagraph_bytes_per_piecewise_graph
+        + full_graphs * largest_full * rules.cudagraph_bytes_per_full_graph_token
+        + (piecewise_graphs + full_graphs)
+        * nccl_all_reduces
+        * rules.cudagraph_bytes_per_nccl_all_reduce
     )
+
+
+def nccl_all_reduces_per_graph(decoder_layers: int, tensor_parallel_size: int,
+                               custom_all_reduce: bool) -> int:  # fmt: skip
+    """The NCCL all-reduces one captured graph holds: none at TP 1 or where vLLM runs
+    its custom all-reduce (`custom_all_reduce_on`); else two per decoder layer (the
+    row-parallel output of its attention or Mamba / GDN mixer, and of its MLP or MoE
+    block) and one for the vocab-parallel embedding. The LM head's logits are gathered
+    outside the graphs. A whole model's layers: at PP > 1 a stage holds fewer."""
+    if tensor_parallel_size <= 1 or custom_all_reduce:
+        return 0
+    return 2 * decoder_layers + 1
 
 
 def gdn_graph_transient(
@@ -363,6 +425,9 @@ class OverheadEstimate:
     release: str = "vLLM >= 0.20"
     # A multimodal model's encoder run (in the activation peak), None where none runs.
     encoder: EncoderProfile | None = None
+    # The part of `cudagraph_bytes` for NCCL all-reduces captured in the graphs (a TP
+    # group without custom all-reduce; `nccl_all_reduces_per_graph`).
+    cudagraph_nccl_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -1043,12 +1108,14 @@ def estimate_overhead(
         sampler += max_num_batched_tokens * per_token * act_bytes
     logits = max_num_seqs * c.integer("vocab_size")
     sampler += logits * sampler_bytes_per_logit(rules, flashinfer)
-    non_torch = non_torch_bytes(
-        rules,
-        custom_all_reduce_on(tensor_parallel_size, pcie_only_gpu, disable_custom_all_reduce),
+    custom_all_reduce = custom_all_reduce_on(
+        tensor_parallel_size, pcie_only_gpu, disable_custom_all_reduce
     )
-    graphs = cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens)
-    logged = cudagraph_estimate(PROFILES["v1"], max_num_seqs, max_num_batched_tokens)
+    non_torch = non_torch_bytes(rules, custom_all_reduce)
+    decoder_layers = layers.num_hidden_layers or c.integer("num_hidden_layers")
+    nccl = nccl_all_reduces_per_graph(decoder_layers, tensor_parallel_size, custom_all_reduce)
+    graphs = cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens, nccl)
+    logged = cudagraph_estimate(PROFILES["v1"], max_num_seqs, max_num_batched_tokens, nccl)
     # The PIECEWISE samples run first and their warmups leave activations cached in
     # torch's allocator; the FULL sample's transient reuses those before it draws new
     # memory, so it shows in the estimate only past the graphs' own figure: the larger
@@ -1058,6 +1125,7 @@ def estimate_overhead(
         rules, layers, max_num_seqs, max_num_batched_tokens,
         max_model_len if max_model_len and max_model_len > 0 else layers.derived_max_model_len,
     )  # fmt: skip
+    nccl_bytes = graphs - cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens)
     graphs, logged = max(graphs, transient), max(logged, transient)
     encoder = encoder_profile(
         config,
@@ -1071,4 +1139,5 @@ def estimate_overhead(
     peak = max(forward, sampler)
     if encoder is not None:
         peak = max(encoder.encoder_phase_bytes, encoder.held_bytes + peak)
-    return OverheadEstimate(peak, non_torch, graphs, logged, release=rules.name, encoder=encoder)
+    return OverheadEstimate(peak, non_torch, graphs, logged, release=rules.name, encoder=encoder,
+                            cudagraph_nccl_bytes=nccl_bytes)  # fmt: skip
