@@ -797,7 +797,8 @@ def _quantization(config: HFConfig, requested: str | None = None) -> tuple[str, 
             quant._where("quant_method"),
         )
     if method == "fp8":
-        return ("fp8", 1 + 4 / (128 * 128), False)
+        block = _fp8_block(quant)
+        return ("fp8", 1 + (4 / (block[0] * block[1]) if block else 0.0), False)
     if method in ("awq", "gptq"):
         bits = quant.integer("bits", 4)
         if bits != 4:
@@ -816,6 +817,39 @@ def _quantization(config: HFConfig, requested: str | None = None) -> tuple[str, 
         "mxfp4, compressed-tensors, modelopt); pass --non-kv-bytes",
         quant._where("quant_method"),
     )
+
+
+def _fp8_block(quant: HFConfig) -> tuple[int, int] | None:
+    """An fp8 checkpoint's `weight_block_size` (output rows, input columns per scale);
+    None: one scale per tensor."""
+    block = quant.items("weight_block_size")
+    if not block:
+        return None
+    if len(block) != 2 or not all(isinstance(side, int) and side > 0 for side in block):
+        raise ModelConfigError(f"expected two positive sizes, got {block!r}",
+                               quant._where("weight_block_size"))  # fmt: skip
+    return int(block[0]), int(block[1])
+
+
+# GPUs without fp8 tensor cores (compute capability below 8.9): vLLM serves fp8 weights
+# there through its Marlin weight-only kernel (0.32-0.34 fp8.py picks
+# MarlinFP8ScaledMMLinearKernel below 8.9).
+_FP8_MARLIN_ARCHS = frozenset({"ampere"})
+
+
+def _fp8_marlin_bytes(config: HFConfig, gpu_arch: str, model_dtype_bytes: int) -> float | None:
+    """Bytes per fp8 weight as a block-quantized fp8 checkpoint is held on a GPU that
+    runs it through Marlin, None elsewhere. vLLM's prepare_fp8_layer_for_marlin
+    (marlin_utils_fp8.py, 0.32-0.34) turns the block scales into group scales Marlin
+    reads: one per `block_k` input columns for every output row, in the model dtype,
+    replacing the float32 block scales after loading (so "Model loading took" counts
+    them): 1 + 2 / 128 bytes per weight for 128 x 128 blocks in bf16. A per-tensor
+    checkpoint gets one scale per output row (negligible)."""
+    quant = config.sub("quantization_config")
+    if gpu_arch not in _FP8_MARLIN_ARCHS or quant is None:
+        return None
+    block = _fp8_block(quant)
+    return None if block is None else 1 + model_dtype_bytes / block[1]
 
 
 def _modelopt(quant: HFConfig) -> tuple[str, float, bool]:
@@ -899,6 +933,44 @@ def _unquantized_parts(config: HFConfig, layers: ModelLayers) -> frozenset[str]:
         if hits == {True}:
             kept.add(part)
     return frozenset(kept)
+
+
+def _kept_modules_within(
+    config: HFConfig, layers: ModelLayers, kept: frozenset[str]
+) -> tuple[int, int]:
+    """Parameters the exclusion list keeps in the model dtype inside parts that are
+    otherwise quantized, as (per GDN layer, in the MTP modules): the GDN mixers'
+    `in_proj_a` / `in_proj_b` (hidden x value heads each; vLLM fuses them into
+    `in_proj_ba`, whose shards must agree) and the MTP `fc` (2 x hidden -> hidden).
+    Qwen's own fp8 checkpoints of Qwen3-Next and Qwen3.5 / 3.6 keep both in bf16 and
+    quantize the rest of the mixer and of the MTP layer."""
+    patterns = _excluded_patterns(config)
+    if not patterns:
+        return 0, 0
+    c = text_config(config, layers.architecture)
+    hidden = c.integer("hidden_size")
+    nested = ARCHITECTURES[layers.architecture][1]
+    root = "model.language_model.layers" if nested else "model.layers"
+    gdn = [layer.decoder_index for layer in layers.layers
+           if layer.mamba_type == "GDN_ATTENTION" and not layer.is_draft]  # fmt: skip
+    per_gdn_layer = 0
+    if gdn and "state_space" not in kept:
+        names = [f"{root}.{i}.linear_attn.in_proj_{side}" for i in (gdn[0], gdn[-1])
+                 for side in "ab"]  # fmt: skip
+        hits = {any(_matches(name, pattern) for pattern in patterns) for name in names}
+        if len(hits) > 1:
+            raise ModelConfigError(
+                f"keeps part of the GDN in_proj_a / in_proj_b only ({', '.join(names)}); the "
+                "estimate counts them for every layer: pass --non-kv-bytes",
+                "quantization_config",
+            )
+        if hits == {True}:
+            per_gdn_layer = 2 * hidden * c.integer("linear_num_value_heads")
+    fc = 0
+    mtp = layers.num_nextn_predict_layers
+    if mtp and "draft" not in kept and any(_matches("mtp.fc", pattern) for pattern in patterns):
+        fc = mtp * 2 * hidden * hidden
+    return per_gdn_layer, fc
 
 
 def _compressed_tensors(quant: HFConfig) -> tuple[str, float, bool]:
@@ -993,11 +1065,23 @@ def estimate_weights(
     params = count_params(config, layers)
     dtype_bytes = layers.model_dtype.size_bytes
     name, quant_bytes, experts_only = _quantization(config, quantization)
+    if name == "fp8":
+        quant_bytes = _fp8_marlin_bytes(config, gpu_arch, dtype_bytes) or quant_bytes
     tp = tensor_parallel_size
     router_bytes = params.router * dtype_bytes
     kept = (
         _unquantized_parts(config, layers) if name != "none" and not experts_only else frozenset()
     )
+    c = text_config(config, layers.architecture)
+    gdn_kept, fc_kept = _kept_modules_within(config, layers, kept) if kept else (0, 0)
+    gdn_params = _state_params(c, "GDN_ATTENTION") if gdn_kept else 0
+
+    def kept_within(part: ParamCount) -> int:
+        # The GDN layers a part holds, from its mixer parameters, and the MTP `fc` with
+        # the MTP modules.
+        layers_held = part.state_space // gdn_params if gdn_params else 0
+        return layers_held * gdn_kept + (fc_kept if part.draft else 0)
+
     if name == "none":
         total = params.total * dtype_bytes
     elif experts_only:
@@ -1007,9 +1091,9 @@ def estimate_weights(
         # Embeddings, the lm head and the routers stay in the model dtype, and what the
         # checkpoint's exclusion list names.
         unquantized = sum(getattr(params, part) for part in kept) - params.router
+        unquantized += kept_within(params)
         quantized = params.total - unquantized - params.router
         total = int(unquantized * dtype_bytes + quantized * quant_bytes) + router_bytes
-    c = text_config(config, layers.architecture)
     num_layers = c.integer("num_hidden_layers") if not layers.encoder_decoder else 1
     if layers.encoder_decoder and pipeline_parallel_size > 1:
         raise ModelConfigError("pipeline parallelism is not estimated for encoder-decoder models")
@@ -1030,6 +1114,7 @@ def estimate_weights(
             rank = -(-dense // tp) + experts + stage_router
         else:
             unquantized = sum(getattr(stage, part) for part in kept) - stage.router
+            unquantized += kept_within(stage)
             quantized = stage.total - unquantized - stage.router
             sharded = int(unquantized * dtype_bytes + quantized * quant_bytes)
             rank = -(-sharded // tp) + stage_router
