@@ -295,17 +295,19 @@ def _graph_estimate_notes(
     nccl_all_reduce: bool, overhead: OverheadEstimate | None
 ) -> tuple[str, ...]:
     """What the plan cannot vouch for in the CUDA-graph estimate it subtracts: a TP group
-    without custom all-reduce (`nccl_all_reduce`), whose graphs all-reduce through NCCL;
-    the one such log (more than two GPUs without NVLink) estimated five times kvplan's
-    figure (docs/capacity.md, "The CUDA-graph estimate")."""
+    without custom all-reduce (`nccl_all_reduce`), whose graphs all-reduce through NCCL.
+    The estimate counts NCCL's state per captured all-reduce at a figure fitted on one
+    log and checked on two more (docs/capacity.md, "The CUDA-graph estimate"); the
+    figure moves with the driver and NCCL."""
     if overhead is None or not overhead.cudagraph_bytes or not nccl_all_reduce:
         return ()
     return (
-        f"CUDA-graph estimate {overhead.cudagraph_bytes / GIB:.2f} GiB per worker: with "
-        "custom all-reduce off the graphs all-reduce through NCCL; the one logged case, "
-        "4 x L40S at TP 4, estimated 2.73 GiB where kvplan says 0.52 for the same graph "
-        "counts; the KV budget may be about 2 GiB per worker smaller than planned "
-        "(--non-kv-bytes takes a measured figure)",
+        f"CUDA-graph estimate {overhead.cudagraph_bytes / GIB:.2f} GiB per worker, of which "
+        f"{overhead.cudagraph_nccl_bytes / GIB:.2f} for the NCCL all-reduces the graphs "
+        "capture with custom all-reduce off: 167 KiB each, fitted on 4 x L40S at TP 4 "
+        "(2.73 GiB logged) and within 0.02 GiB of two RTX 3090 logs; older drivers cost "
+        "more (vllm#5517: 3.3 x on A10G with CUDA 12.2 drivers against 12.4), so the KV "
+        "budget may be smaller than planned (--non-kv-bytes takes a measured figure)",
     )
 
 

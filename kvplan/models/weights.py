@@ -61,14 +61,29 @@ class ProfileRules:
     # (vLLM 0.19, H100, max_num_seqs 1,024) and 0.52 GiB with 51 + 35 to 256 (vLLM 0.21,
     # RTX A5000, max_num_seqs 256; LMCache#3430). The other 0.19 records logged
     # 0.57-1.69 GiB at 51 + 51 (kvplan 0.84): off by up to 0.85 GiB per worker (Llama at
-    # TP 2), and four PCIe L40S 2.73 at 51 + 35 (kvplan 0.52; its graphs all-reduce
-    # through NCCL, the cause not pinned). Within 0.4 GiB on every TP 1 log; a per-piece
-    # model (layers + 1 graphs per PIECEWISE size) was tried and did no better
-    # (docs/capacity.md, "The CUDA-graph estimate"). The hybrid GDN models' profiling
-    # transient that 0.26-0.28 count as graph memory (vllm#50780) is
+    # TP 2). Within 0.4 GiB on every TP 1 log; a per-piece model (layers + 1 graphs per
+    # PIECEWISE size) was tried and did no better (docs/capacity.md, "The CUDA-graph
+    # estimate"). A TP group without custom all-reduce adds
+    # `cudagraph_bytes_per_nccl_all_reduce` per all-reduce captured. The hybrid GDN
+    # models' profiling transient that 0.26-0.28 count as graph memory (vllm#50780) is
     # `gdn_graph_transient_per_context_token`.
     cudagraph_bytes_per_piecewise_graph: int
     cudagraph_bytes_per_full_graph_token: int
+    # Where vLLM runs no custom all-reduce (`custom_all_reduce_on`), every TP all-reduce
+    # inside a captured graph is an NCCL kernel (pynccl, the dispatch's last resort in
+    # 0.19 and 0.32-0.34; FlashInfer's PCIe IPC all-reduce is opt-in, off by default).
+    # NCCL keeps state outside torch's allocator for each collective a graph captures
+    # (a persistent work plan per captured launch; NVIDIA/nccl#1234), which the graph
+    # estimate counts: it reads free device memory before and after each sample. Per
+    # all-reduce captured (`nccl_all_reduces_per_graph` x the graphs), fitted on the one
+    # dense log with the graph counts and the estimate printed: four PCIe L40S at TP 4,
+    # Qwen2.5-72B (161 all-reduces a graph, 51 PIECEWISE + 35 FULL graphs), 2.73 GiB
+    # logged against 0.52 for the graphs themselves: 167 KiB (166.9-167.7 within the
+    # log's rounding). The club-3090 logs of a 64-layer hybrid on four RTX 3090s
+    # (custom all-reduce off the same way) check it (docs/capacity.md). The figure
+    # depends on the driver and NCCL (vllm#5517: 3.81 GiB of graphs on A10G with CUDA
+    # 12.2 drivers, 1.14 with 12.4, nothing else changed); 0 = none counted.
+    cudagraph_bytes_per_nccl_all_reduce: int = 0
     # The sampler's peak per logit when FlashInfer is not installed, where the release
     # then sorts the logits with torch.sort (`_SORT_SAMPLER`); 0 = the default's figure
     # (from the Triton kernel, vllm#33538, the fallback is Triton, not a sort).
@@ -106,6 +121,7 @@ _NON_TORCH_TP1 = round(0.25 * GIB)
 _NON_TORCH_TP = round(2.07 * GIB)
 _PIECEWISE_GRAPH = round(7.1 * MIB)
 _FULL_GRAPH_TOKEN = round(19.6 * 1024)
+_NCCL_GRAPH_ALL_REDUCE = 167 * 1024
 # The V0 worker counts as non-torch everything the device has in use outside torch's
 # allocator after the profile run (mem_get_info's used bytes less torch's allocated),
 # so its figure includes the process's own CUDA context, which V1 leaves out (its
@@ -163,6 +179,7 @@ PROFILES: dict[str, ProfileRules] = {
         _NON_TORCH_TP,
         _PIECEWISE_GRAPH,
         _FULL_GRAPH_TOKEN,
+        cudagraph_bytes_per_nccl_all_reduce=_NCCL_GRAPH_ALL_REDUCE,
         gdn_graph_transient_per_context_token=128 * 1024,
     ),
     # 0.20 to 0.25 and 0.29 onward, the releases kvplan plans for (0.32, 0.33, 0.34)
@@ -171,7 +188,13 @@ PROFILES: dict[str, ProfileRules] = {
     # to --gpu-memory-utilization=0.8878": a public log the code index found, id
     # 51830815744), although the line names 0.21 as the default's first release.
     "v1": ProfileRules(
-        "vLLM >= 0.20", 16, _NON_TORCH_TP1, _NON_TORCH_TP, _PIECEWISE_GRAPH, _FULL_GRAPH_TOKEN
+        "vLLM >= 0.20",
+        16,
+        _NON_TORCH_TP1,
+        _NON_TORCH_TP,
+        _PIECEWISE_GRAPH,
+        _FULL_GRAPH_TOKEN,
+        cudagraph_bytes_per_nccl_all_reduce=_NCCL_GRAPH_ALL_REDUCE,
     ),
 }
 
@@ -258,6 +281,8 @@ OVERHEAD_FORMULA = (
     " for MoE;  non_torch = 2.07 GiB where vLLM runs custom all-reduce (TP 2, 4, 6, 8, 16;"
     " not --disable-custom-all-reduce; not TP > 2 on GPUs without NVLink), else 0.25 GiB;"
     " CUDA graphs (from vLLM 0.20) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
+    " (+ (n_piecewise + n_full) x (2 x layers + 1) x 167 KiB where TP > 1 runs without"
+    " custom all-reduce: NCCL's captured all-reduces)"
     " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB);"
     " a vision model: max(encoder inputs + encoder forward, inputs + embeddings + the above)"
 )
@@ -279,15 +304,52 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> l
     return sorted(sizes)
 
 
-def cudagraph_estimate(rules: ProfileRules, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """The CUDA-graph memory `rules`' release subtracts before sizing the KV cache."""
+def cudagraph_estimate(
+    rules: ProfileRules,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    nccl_all_reduces: int = 0,
+) -> int:
+    """The CUDA-graph memory `rules`' release subtracts before sizing the KV cache, with
+    `nccl_all_reduces` NCCL all-reduces in each graph (`nccl_all_reduces_per_graph`)."""
     piecewise = cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens)
     full = [size for size in piecewise if size <= max_num_seqs]
-    largest_full = max(full, default=0)
+    return graph_counts_estimate(rules, len(piecewise), len(full), max(full, default=0),
+                                 nccl_all_reduces)  # fmt: skip
+
+
+def graph_counts_estimate(
+    rules: ProfileRules,
+    piecewise_graphs: int,
+    full_graphs: int,
+    largest_full: int,
+    nccl_all_reduces: int = 0,
+) -> int:
+    """`cudagraph_estimate` for the graph counts a log prints ("Profiling CUDA graph
+    memory: PIECEWISE=N (largest=L), FULL=M (largest=K)"), which speculative decoding
+    and explicit capture sizes change. Every graph, PIECEWISE or FULL, runs the whole
+    forward, so each captures `nccl_all_reduces` all-reduces."""
+    if min(piecewise_graphs, full_graphs, largest_full, nccl_all_reduces) < 0:
+        raise ValueError("graph counts, sizes and all-reduces must be >= 0")
     return (
-        len(piecewise) * rules.cudagraph_bytes_per_piecewise_graph
-        + len(full) * largest_full * rules.cudagraph_bytes_per_full_graph_token
+        piecewise_graphs * rules.cudagraph_bytes_per_piecewise_graph
+        + full_graphs * largest_full * rules.cudagraph_bytes_per_full_graph_token
+        + (piecewise_graphs + full_graphs)
+        * nccl_all_reduces
+        * rules.cudagraph_bytes_per_nccl_all_reduce
     )
+
+
+def nccl_all_reduces_per_graph(decoder_layers: int, tensor_parallel_size: int,
+                               custom_all_reduce: bool) -> int:  # fmt: skip
+    """The NCCL all-reduces one captured graph holds: none at TP 1 or where vLLM runs
+    its custom all-reduce (`custom_all_reduce_on`); else two per decoder layer (the
+    row-parallel output of its attention or Mamba / GDN mixer, and of its MLP or MoE
+    block) and one for the vocab-parallel embedding. The LM head's logits are gathered
+    outside the graphs. A whole model's layers: at PP > 1 a stage holds fewer."""
+    if tensor_parallel_size <= 1 or custom_all_reduce:
+        return 0
+    return 2 * decoder_layers + 1
 
 
 def gdn_graph_transient(
@@ -363,6 +425,9 @@ class OverheadEstimate:
     release: str = "vLLM >= 0.20"
     # A multimodal model's encoder run (in the activation peak), None where none runs.
     encoder: EncoderProfile | None = None
+    # The part of `cudagraph_bytes` for NCCL all-reduces captured in the graphs (a TP
+    # group without custom all-reduce; `nccl_all_reduces_per_graph`).
+    cudagraph_nccl_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -732,7 +797,8 @@ def _quantization(config: HFConfig, requested: str | None = None) -> tuple[str, 
             quant._where("quant_method"),
         )
     if method == "fp8":
-        return ("fp8", 1 + 4 / (128 * 128), False)
+        block = _fp8_block(quant)
+        return ("fp8", 1 + (4 / (block[0] * block[1]) if block else 0.0), False)
     if method in ("awq", "gptq"):
         bits = quant.integer("bits", 4)
         if bits != 4:
@@ -751,6 +817,39 @@ def _quantization(config: HFConfig, requested: str | None = None) -> tuple[str, 
         "mxfp4, compressed-tensors, modelopt); pass --non-kv-bytes",
         quant._where("quant_method"),
     )
+
+
+def _fp8_block(quant: HFConfig) -> tuple[int, int] | None:
+    """An fp8 checkpoint's `weight_block_size` (output rows, input columns per scale);
+    None: one scale per tensor."""
+    block = quant.items("weight_block_size")
+    if not block:
+        return None
+    if len(block) != 2 or not all(isinstance(side, int) and side > 0 for side in block):
+        raise ModelConfigError(f"expected two positive sizes, got {block!r}",
+                               quant._where("weight_block_size"))  # fmt: skip
+    return int(block[0]), int(block[1])
+
+
+# GPUs without fp8 tensor cores (compute capability below 8.9): vLLM serves fp8 weights
+# there through its Marlin weight-only kernel (0.32-0.34 fp8.py picks
+# MarlinFP8ScaledMMLinearKernel below 8.9).
+_FP8_MARLIN_ARCHS = frozenset({"ampere"})
+
+
+def _fp8_marlin_bytes(config: HFConfig, gpu_arch: str, model_dtype_bytes: int) -> float | None:
+    """Bytes per fp8 weight as a block-quantized fp8 checkpoint is held on a GPU that
+    runs it through Marlin, None elsewhere. vLLM's prepare_fp8_layer_for_marlin
+    (marlin_utils_fp8.py, 0.32-0.34) turns the block scales into group scales Marlin
+    reads: one per `block_k` input columns for every output row, in the model dtype,
+    replacing the float32 block scales after loading (so "Model loading took" counts
+    them): 1 + 2 / 128 bytes per weight for 128 x 128 blocks in bf16. A per-tensor
+    checkpoint gets one scale per output row (negligible)."""
+    quant = config.sub("quantization_config")
+    if gpu_arch not in _FP8_MARLIN_ARCHS or quant is None:
+        return None
+    block = _fp8_block(quant)
+    return None if block is None else 1 + model_dtype_bytes / block[1]
 
 
 def _modelopt(quant: HFConfig) -> tuple[str, float, bool]:
@@ -834,6 +933,44 @@ def _unquantized_parts(config: HFConfig, layers: ModelLayers) -> frozenset[str]:
         if hits == {True}:
             kept.add(part)
     return frozenset(kept)
+
+
+def _kept_modules_within(
+    config: HFConfig, layers: ModelLayers, kept: frozenset[str]
+) -> tuple[int, int]:
+    """Parameters the exclusion list keeps in the model dtype inside parts that are
+    otherwise quantized, as (per GDN layer, in the MTP modules): the GDN mixers'
+    `in_proj_a` / `in_proj_b` (hidden x value heads each; vLLM fuses them into
+    `in_proj_ba`, whose shards must agree) and the MTP `fc` (2 x hidden -> hidden).
+    Qwen's own fp8 checkpoints of Qwen3-Next and Qwen3.5 / 3.6 keep both in bf16 and
+    quantize the rest of the mixer and of the MTP layer."""
+    patterns = _excluded_patterns(config)
+    if not patterns:
+        return 0, 0
+    c = text_config(config, layers.architecture)
+    hidden = c.integer("hidden_size")
+    nested = ARCHITECTURES[layers.architecture][1]
+    root = "model.language_model.layers" if nested else "model.layers"
+    gdn = [layer.decoder_index for layer in layers.layers
+           if layer.mamba_type == "GDN_ATTENTION" and not layer.is_draft]  # fmt: skip
+    per_gdn_layer = 0
+    if gdn and "state_space" not in kept:
+        names = [f"{root}.{i}.linear_attn.in_proj_{side}" for i in (gdn[0], gdn[-1])
+                 for side in "ab"]  # fmt: skip
+        hits = {any(_matches(name, pattern) for pattern in patterns) for name in names}
+        if len(hits) > 1:
+            raise ModelConfigError(
+                f"keeps part of the GDN in_proj_a / in_proj_b only ({', '.join(names)}); the "
+                "estimate counts them for every layer: pass --non-kv-bytes",
+                "quantization_config",
+            )
+        if hits == {True}:
+            per_gdn_layer = 2 * hidden * c.integer("linear_num_value_heads")
+    fc = 0
+    mtp = layers.num_nextn_predict_layers
+    if mtp and "draft" not in kept and any(_matches("mtp.fc", pattern) for pattern in patterns):
+        fc = mtp * 2 * hidden * hidden
+    return per_gdn_layer, fc
 
 
 def _compressed_tensors(quant: HFConfig) -> tuple[str, float, bool]:
@@ -928,11 +1065,23 @@ def estimate_weights(
     params = count_params(config, layers)
     dtype_bytes = layers.model_dtype.size_bytes
     name, quant_bytes, experts_only = _quantization(config, quantization)
+    if name == "fp8":
+        quant_bytes = _fp8_marlin_bytes(config, gpu_arch, dtype_bytes) or quant_bytes
     tp = tensor_parallel_size
     router_bytes = params.router * dtype_bytes
     kept = (
         _unquantized_parts(config, layers) if name != "none" and not experts_only else frozenset()
     )
+    c = text_config(config, layers.architecture)
+    gdn_kept, fc_kept = _kept_modules_within(config, layers, kept) if kept else (0, 0)
+    gdn_params = _state_params(c, "GDN_ATTENTION") if gdn_kept else 0
+
+    def kept_within(part: ParamCount) -> int:
+        # The GDN layers a part holds, from its mixer parameters, and the MTP `fc` with
+        # the MTP modules.
+        layers_held = part.state_space // gdn_params if gdn_params else 0
+        return layers_held * gdn_kept + (fc_kept if part.draft else 0)
+
     if name == "none":
         total = params.total * dtype_bytes
     elif experts_only:
@@ -942,9 +1091,9 @@ def estimate_weights(
         # Embeddings, the lm head and the routers stay in the model dtype, and what the
         # checkpoint's exclusion list names.
         unquantized = sum(getattr(params, part) for part in kept) - params.router
+        unquantized += kept_within(params)
         quantized = params.total - unquantized - params.router
         total = int(unquantized * dtype_bytes + quantized * quant_bytes) + router_bytes
-    c = text_config(config, layers.architecture)
     num_layers = c.integer("num_hidden_layers") if not layers.encoder_decoder else 1
     if layers.encoder_decoder and pipeline_parallel_size > 1:
         raise ModelConfigError("pipeline parallelism is not estimated for encoder-decoder models")
@@ -965,6 +1114,7 @@ def estimate_weights(
             rank = -(-dense // tp) + experts + stage_router
         else:
             unquantized = sum(getattr(stage, part) for part in kept) - stage.router
+            unquantized += kept_within(stage)
             quantized = stage.total - unquantized - stage.router
             sharded = int(unquantized * dtype_bytes + quantized * quant_bytes)
             rank = -(-sharded // tp) + stage_router
@@ -1043,12 +1193,14 @@ def estimate_overhead(
         sampler += max_num_batched_tokens * per_token * act_bytes
     logits = max_num_seqs * c.integer("vocab_size")
     sampler += logits * sampler_bytes_per_logit(rules, flashinfer)
-    non_torch = non_torch_bytes(
-        rules,
-        custom_all_reduce_on(tensor_parallel_size, pcie_only_gpu, disable_custom_all_reduce),
+    custom_all_reduce = custom_all_reduce_on(
+        tensor_parallel_size, pcie_only_gpu, disable_custom_all_reduce
     )
-    graphs = cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens)
-    logged = cudagraph_estimate(PROFILES["v1"], max_num_seqs, max_num_batched_tokens)
+    non_torch = non_torch_bytes(rules, custom_all_reduce)
+    decoder_layers = layers.num_hidden_layers or c.integer("num_hidden_layers")
+    nccl = nccl_all_reduces_per_graph(decoder_layers, tensor_parallel_size, custom_all_reduce)
+    graphs = cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens, nccl)
+    logged = cudagraph_estimate(PROFILES["v1"], max_num_seqs, max_num_batched_tokens, nccl)
     # The PIECEWISE samples run first and their warmups leave activations cached in
     # torch's allocator; the FULL sample's transient reuses those before it draws new
     # memory, so it shows in the estimate only past the graphs' own figure: the larger
@@ -1058,6 +1210,7 @@ def estimate_overhead(
         rules, layers, max_num_seqs, max_num_batched_tokens,
         max_model_len if max_model_len and max_model_len > 0 else layers.derived_max_model_len,
     )  # fmt: skip
+    nccl_bytes = graphs - cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens)
     graphs, logged = max(graphs, transient), max(logged, transient)
     encoder = encoder_profile(
         config,
@@ -1071,4 +1224,5 @@ def estimate_overhead(
     peak = max(forward, sampler)
     if encoder is not None:
         peak = max(encoder.encoder_phase_bytes, encoder.held_bytes + peak)
-    return OverheadEstimate(peak, non_torch, graphs, logged, release=rules.name, encoder=encoder)
+    return OverheadEstimate(peak, non_torch, graphs, logged, release=rules.name, encoder=encoder,
+                            cudagraph_nccl_bytes=nccl_bytes)  # fmt: skip

@@ -268,3 +268,48 @@ def test_modelopt_exclusions_leave_unquantized_what_vllm_does(tmp_path: Path) ->
         for part in ("attention", "state_space", "mlp", "vision"):
             assert len(set(theirs[part])) == 1, (ignore, part, theirs[part])  # whole parts
             assert (part in kept) == theirs[part][0], (ignore, part)
+
+
+def test_fp8_exclusions_leave_unquantized_what_vllm_does(tmp_path: Path) -> None:
+    """kvplan's bf16 modules of Qwen3.6-27B-FP8 (tests/data/checkpoints, its
+    quantization_config reconstructed from the checkpoint's file sizes) against vLLM
+    0.32's Fp8Config decision on the modules vLLM builds, target and MTP drafter: the
+    vision tower, every fused in_proj_ba and mtp.fc stay bf16; the fused in_proj_qkvz,
+    attention, MLP and the MTP layer are fp8."""
+    from kvplan.models.weights import _kept_modules_within, _unquantized_parts
+
+    checkpoint = Path(__file__).parents[2] / "tests" / "data" / "checkpoints" / "qwen3.6-27b-fp8"
+    config = load_config(str(checkpoint))
+    root = "language_model.model.layers"
+    target = {
+        "in_proj_ba": [f"{root}.0.linear_attn.in_proj_ba", f"{root}.62.linear_attn.in_proj_ba"],
+        "state_space": [f"{root}.0.linear_attn.in_proj_qkvz",
+                        f"{root}.62.linear_attn.in_proj_qkvz"],
+        "attention": [f"{root}.3.self_attn.qkv_proj", f"{root}.63.self_attn.o_proj"],
+        "mlp": [f"{root}.0.mlp.gate_up_proj", f"{root}.63.mlp.down_proj"],
+        "vision": ["visual.blocks.0.attn.qkv", "visual.blocks.26.mlp.linear_fc2",
+                   "visual.merger.linear_fc1"],
+    }  # fmt: skip
+    draft = {"fc": ["mtp.fc"], "draft": ["mtp.layers.0.self_attn.qkv_proj",
+                                         "mtp.layers.0.mlp.gate_up_proj"]}  # fmt: skip
+    payload = {
+        "quantization_config": config.raw("quantization_config", {}),
+        "target": [prefix for prefixes in target.values() for prefix in prefixes],
+        "draft": [prefix for prefixes in draft.values() for prefix in prefixes],
+    }
+    side = str(Path(__file__).with_name("vllm_fp8_quant_side.py"))
+    answers = run_in_vllm("0.32", [side], payload, cache_root=tmp_path)
+    theirs: dict[str, set[bool]] = {}
+    for parts, answer in ((target, answers["target"]), (draft, answers["draft"])):
+        flat = iter(answer)
+        for part, prefixes in parts.items():
+            theirs[part] = {next(flat) for _ in prefixes}
+    assert all(len(decisions) == 1 for decisions in theirs.values()), theirs  # whole parts
+    layers = import_layers(config, Deployment(speculative=Speculative("mtp", 1)))
+    kept = _unquantized_parts(config, layers)
+    per_gdn_layer, fc = _kept_modules_within(config, layers, kept)
+    ours = {part: part in kept for part in ("state_space", "attention", "mlp", "vision", "draft")}
+    ours |= {"in_proj_ba": per_gdn_layer > 0, "fc": fc > 0}
+    assert ours == {part: decisions.pop() for part, decisions in theirs.items()}
+    assert ours == {"in_proj_ba": True, "state_space": False, "attention": False, "mlp": False,
+                    "vision": True, "fc": True, "draft": False}  # fmt: skip

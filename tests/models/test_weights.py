@@ -11,7 +11,7 @@ import pytest
 from kvplan.cli import main
 from kvplan.gpus import CATALOG, GPU_MEMORY_BYTES, lookup_gpu
 from kvplan.models.config import HFConfig, load_config
-from kvplan.models.importer import Deployment, import_layers
+from kvplan.models.importer import Deployment, ModelLayers, import_layers
 from kvplan.models.weights import count_params, estimate_weights
 from server.devices import parse_inventory
 
@@ -166,3 +166,88 @@ def test_catalog_totals_are_cuda_figures_below_nvidia_smi(name: str) -> None:
     assert gpu.measured and "cuda" in gpu.source.lower()
     # The reservation is 0.4-4% of the board (616 MiB on an H200, ~1 GiB on a 24 GB card).
     assert 0.95 * smi < gpu.total_memory_bytes < smi, name
+
+
+_CHECKPOINTS = Path(__file__).parents[2] / "tests" / "data" / "checkpoints"
+_CALIBRATION = Path(__file__).parents[2] / "tests" / "data" / "calibration"
+
+
+def _qwen36_fp8() -> tuple[HFConfig, ModelLayers]:
+    from kvplan.models.request import parse_speculative
+
+    config = load_config(str(_CHECKPOINTS / "qwen3.6-27b-fp8"))
+    deployment = Deployment(tensor_parallel_size=2, kv_cache_dtype="fp8",
+                            speculative=parse_speculative("mtp:3"))  # fmt: skip
+    return config, import_layers(config, deployment)
+
+
+def test_the_qwen36_fp8_checkpoint_reconstruction_matches_its_file_sizes() -> None:
+    # tests/data/checkpoints/qwen3.6-27b-fp8/SOURCE.md: the byte sizes of the
+    # checkpoint's files in a public manifest. The vision tower is what its bf16 shard
+    # holds besides the two vocabulary tables (the rest is the file's header); a Gated
+    # DeltaNet layer's file has its in_proj_a / in_proj_b in bf16 and its other
+    # projections and MLP in fp8 with bf16 128 x 128 block scales.
+    config, layers = _qwen36_fp8()
+    params = count_params(config, layers)
+    c = config.sub("text_config")
+    assert c is not None
+    hidden, vocab = c.integer("hidden_size"), c.integer("vocab_size")
+    outside = 6_007_102_112 - 2 * vocab * hidden * 2
+    assert 0 <= outside - 2 * params.vision < 64 * 1024
+    ab = 2 * hidden * c.integer("linear_num_value_heads")
+    gdn = params.state_space // 48
+    mlp = params.mlp // 64
+    fp8 = gdn - ab + mlp
+    blocks = 2 * (80 * 40 + 48 * 40 + 40 * 48 + 3 * 136 * 40)  # qkv, z, out, MLP
+    conv_and_norms = 10240 * 4 * 2 + 2 * hidden * 2
+    layer_file = fp8 + 2 * ab + blocks + conv_and_norms
+    assert 0 <= 383_865_472 - layer_file < 8 * 1024  # the header and the small GDN tensors
+    assert 383_865_472 - (layer_file - ab) > 400_000  # in_proj_a / b in fp8 would not fit
+
+
+def test_qwen36_fp8_weights_against_the_logged_model_loading() -> None:
+    # club-3090#751: "Model loading took 14.68 GiB" per worker, Qwen3.6-27B-FP8 at TP 2 on
+    # two RTX 3090s (MTP loaded). What the checkpoint keeps in bf16 (the vision tower,
+    # every GDN in_proj_a / b, mtp.fc: +0.25 GiB) and the Marlin group scales Ampere's
+    # fp8 path holds (+0.18 GiB) take kvplan from 14.15 to 14.58 (-0.7%).
+    from kvplan.models.calibrate import parse_log
+
+    log = parse_log((_CALIBRATION / "qwen3.6-27b-fp8-rtx3090-tp2-club3090-751.log").read_text())
+    logged = log.model_loading_gib[0]
+    config, layers = _qwen36_fp8()
+    ampere = estimate_weights(config, layers, 2, 1, lookup_gpu("RTX-3090").arch, "fp8")
+    assert abs(ampere.bytes_per_worker / GIB - logged) < 0.01 * logged
+    # Each of the two corrections moves it, in the direction of the log.
+    hopper = estimate_weights(config, layers, 2, 1, lookup_gpu("H100").arch, "fp8")
+    every_linear = estimate_weights(load_config(str(MODELS / "qwen3.6-27b")), layers, 2, 1,
+                                    lookup_gpu("RTX-3090").arch, "fp8")  # fmt: skip
+    assert every_linear.bytes_per_worker < hopper.bytes_per_worker < ampere.bytes_per_worker
+    assert round(every_linear.bytes_per_worker / GIB, 2) == 14.15
+
+
+def test_fp8_marlin_scales_on_ampere_only_for_block_checkpoints() -> None:
+    # vLLM's Marlin fp8 path (below compute capability 8.9) turns 128 x 128 float32 block
+    # scales into one bf16 scale per 128 input columns of every output row.
+    config, layers = _qwen36_fp8()
+    ampere = estimate_weights(config, layers, 1, 1, "ampere", "fp8")
+    hopper = estimate_weights(config, layers, 1, 1, "hopper", "fp8")
+    unknown = estimate_weights(config, layers, 1, 1, "", "fp8")
+    assert unknown.bytes_per_worker == hopper.bytes_per_worker
+    kept = _qwen36_bf16_bytes(config, layers)
+    ratio = (ampere.bytes_total - kept) / (hopper.bytes_total - kept)
+    assert abs(ratio - (1 + 2 / 128) / (1 + 4 / (128 * 128))) < 1e-6
+    # An unquantized checkpoint quantized on load (--quantization fp8) has one scale per
+    # tensor: no group scales on Ampere either.
+    plain = load_config(str(MODELS / "qwen3.6-27b"))
+    assert (estimate_weights(plain, layers, 1, 1, "ampere", "fp8").bytes_per_worker
+            == estimate_weights(plain, layers, 1, 1, "hopper", "fp8").bytes_per_worker)  # fmt: skip
+
+
+def _qwen36_bf16_bytes(config: HFConfig, layers: ModelLayers) -> int:
+    """The bytes the Qwen3.6-27B-FP8 checkpoint keeps in bf16 (the whole model's)."""
+    params = count_params(config, layers)
+    c = config.sub("text_config")
+    assert c is not None
+    hidden = c.integer("hidden_size")
+    ab = 48 * 2 * hidden * c.integer("linear_num_value_heads")
+    return 2 * (params.embedding + params.vision + ab + 2 * hidden * hidden)
