@@ -17,7 +17,12 @@ from fnmatch import fnmatch
 from itertools import takewhile
 
 from kvplan.models.config import HFConfig, ModelConfigError
-from kvplan.models.encoder import EncoderProfile, MultimodalOptions, encoder_profile
+from kvplan.models.encoder import (
+    EncoderProfile,
+    MultimodalOptions,
+    deepstack_buffer_bytes,
+    encoder_profile,
+)
 from kvplan.models.importer import ARCHITECTURES, ModelLayers, pipeline_stage_bounds, text_config
 
 GIB = 1 << 30
@@ -260,6 +265,7 @@ OVERHEAD_FORMULA = (
     " CUDA graphs (from vLLM 0.20) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
     " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB);"
     " a vision model: max(encoder inputs + encoder forward, inputs + embeddings + the above)"
+    " (Qwen3-VL: + deepstack levels x max_num_batched_tokens x text hidden x act_bytes)"
 )
 
 # vLLM's default capture list (config/vllm.py `_set_cudagraph_sizes`, the same in
@@ -540,6 +546,7 @@ _PP_EMBEDDINGS_AT_THE_ENDS = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
     "Qwen3ForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
 })  # fmt: skip
 # Qwen3.5 / 3.6 build the embedding on every stage and the LM head on the last only
 # (a tied head shares the last stage's embedding).
@@ -633,15 +640,35 @@ def _qwen3_vision_params(vision: HFConfig) -> int:
     )  # fmt: skip
 
 
+def _qwen2_5_vision_params(vision: HFConfig) -> int:
+    """Qwen2.5-VL's windowed vision transformer (vLLM's Qwen2_5_VisionTransformer): a
+    Conv3d patch embedding without bias, per block two RMSNorms, a fused QKV and an
+    output projection and a gated MLP (all with biases), then the patch merger (an
+    RMSNorm and two linears over `spatial_merge_size`^2 patches into the text width)."""
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    patch = vision.integer("patch_size")
+    stem = vision.integer("in_channels", 3) * vision.integer("temporal_patch_size", 2)
+    stem = stem * patch * patch * width
+    block = 2 * width + 4 * width * width + 4 * width + 3 * width * inter + 2 * inter + width
+    merged = width * vision.integer("spatial_merge_size", 2) ** 2
+    out = vision.integer("out_hidden_size")
+    merger = width + merged * merged + merged + merged * out + out
+    return stem + vision.integer("depth") * block + merger
+
+
 def _vision_params(config: HFConfig, text_hidden: int) -> int:
     """A SigLIP vision tower (Gemma 3's `vision_config`) and its projection into the
     text model: per encoder layer Q/K/V/O and a two-matrix MLP (with biases), the
-    patch embedding and a position embedding per patch; or Qwen3.5 / 3.6's
-    (`_qwen3_vision_params`). Other vision towers are not counted (none of the
-    supported families has one)."""
+    patch embedding and a position embedding per patch; or Qwen3-VL's, which Qwen3.5 /
+    3.6 load too (`_qwen3_vision_params`); or Qwen2.5-VL's (`_qwen2_5_vision_params`).
+    Other vision towers are not counted (none of the supported families has one)."""
     vision = config.sub("vision_config")
-    if vision is not None and config.text("model_type", "") in ("qwen3_5", "qwen3_5_moe"):
+    model_type = config.text("model_type", "")
+    if vision is not None and model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_vl"):
         return _qwen3_vision_params(vision)
+    if vision is not None and model_type == "qwen2_5_vl":
+        return _qwen2_5_vision_params(vision)
     if vision is None or vision.text("model_type", "") != "siglip_vision_model":
         return 0
     width = vision.integer("hidden_size")
@@ -1071,4 +1098,8 @@ def estimate_overhead(
     peak = max(forward, sampler)
     if encoder is not None:
         peak = max(encoder.encoder_phase_bytes, encoder.held_bytes + peak)
+    # Qwen3-VL's deepstack buffers exist from the model's construction on.
+    peak += deepstack_buffer_bytes(
+        config, max_num_batched_tokens, act_bytes, multimodal or MultimodalOptions()
+    )
     return OverheadEstimate(peak, non_torch, graphs, logged, release=rules.name, encoder=encoder)

@@ -46,6 +46,15 @@ PUBLISHED_PARAMS: dict[str, tuple[float, str]] = {
     ),
     "qwen3-30b-a3b-base": (30.5e9, "huggingface.co/Qwen/Qwen3-30B-A3B-Base: 30.5B in total"),
     "qwen3-8b": (8.2e9, "huggingface.co/Qwen/Qwen3-8B: 8.2B"),
+    "qwen2.5-vl-7b-instruct": (
+        8.29e9,
+        "huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct: 8.29B params (safetensors), the ViT included",
+    ),
+    "qwen3-vl-8b-instruct": (
+        8.77e9,
+        "huggingface.co/Qwen/Qwen3-VL-8B-Instruct: 8.77B params (safetensors; LM Studio's card "
+        "for qwen/qwen3-vl-8b: 8.77B), the ViT and its deepstack mergers included",
+    ),
     "qwen3-next-80b-a3b": (80e9, "huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct: 80B total"),
     "whisper-small": (244e6, "huggingface.co/openai/whisper-small: 244M"),
 }
