@@ -43,6 +43,15 @@ forward (tests/models/test_encoder_against_vllm.py runs them on the CPU):
   tower keeps per grid in a cache (one item's, head_dim per patch) and concatenates per
   batch (head_dim per patch), and the window order and its inverse on the device (two
   int64 per merged token).
+* Llama 4 (Llama4VisionModel + Llama4MultiModalProjector): per tile of image_size
+  pixels, (image_size / patch)^2 patches and a CLS token; the peak is at the attention's
+  rotary, which vLLM runs in PyTorch on every platform (complex64): the tower's
+  pre-norm output (held by the tower until its encoder returns), the layer's input and
+  its normed copy (hidden each), beside QKV (3 / TP), the float32 copies of Q and K
+  (2 x 2 / TP), their rotated complex products (2 x 2 / TP) and the bf16 results
+  (2 / TP): 3 x hidden + 13 x hidden / TP per token. The largest image is a 16:1 strip of
+  `LLAMA4_MAX_TILES` tiles plus the global tile; each tile gives (image_size / patch)^2
+  x pixel_shuffle_ratio^2 embeddings.
 """
 
 from __future__ import annotations
@@ -69,6 +78,11 @@ QWEN3_VL_MAX_IMAGE_PIXELS = 16_777_216
 # preprocessor_config.json: max_pixels 12,845,056 with 14-pixel patches): 16,384 merged
 # tokens, a 3,584 x 3,584 image of 256 x 256 patches.
 QWEN2_5_VL_MAX_IMAGE_PIXELS = 12_845_056
+# Llama 4's image processor (Llama4ImageProcessorFast, the checkpoints'
+# preprocessor_config.json: max_patches 16, which config.json does not carry): vLLM's
+# dummy image is 16 tiles high and one wide, which the processor splits into 16 tiles
+# and a global one (Mllama4ProcessingInfo.get_image_size_with_most_features).
+LLAMA4_MAX_TILES = 16
 
 
 @dataclass(frozen=True)
@@ -220,6 +234,34 @@ def _qwen2_5_vit_tower(vision: HFConfig, tp: int) -> Tower:
     )
 
 
+def _llama4_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    patch = vision.integer("patch_size")
+    size = vision.integer("image_size")
+    channels = vision.integer("num_channels", 3)
+    ratio = vision.raw("pixel_shuffle_ratio", 0.5)
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+        raise ModelConfigError(
+            f"expected a ratio in (0, 1], got {ratio!r}", vision._where("pixel_shuffle_ratio")
+        )
+    text = config.sub("text_config")
+    text_hidden = text.integer("hidden_size") if text is not None else width
+    tiles = LLAMA4_MAX_TILES + 1  # the global tile
+    per_tile = (size // patch) ** 2
+    per_rank = -(-width // tp)
+    attention = 3 * width + 13 * per_rank
+    mlp = 3 * width + 2 * -(-inter // tp)  # fc1's output and its GELU
+    return Tower(
+        modalities=("image",),
+        tokens_per_item=tiles * (per_tile // round(1 / (ratio * ratio))),
+        patches_per_item=tiles * (per_tile + 1),  # + each tile's CLS token
+        input_elements_per_item=tiles * channels * size * size,
+        peak_elements_per_patch=max(attention, mlp),
+        output_hidden=text_hidden,
+    )
+
+
 def forward_peak_bytes(tower: Tower, items: int, patches_per_item: int, dtype_bytes: int) -> int:
     """The encoder forward's peak over its inputs and weights, for `items` items of
     `patches_per_item` patches each."""
@@ -242,6 +284,8 @@ def vision_tower(config: HFConfig, tp: int) -> Tower | None:
         return _qwen3_vit_tower(vision, tp)
     if model_type == "qwen2_5_vl":
         return _qwen2_5_vit_tower(vision, tp)
+    if model_type == "llama4":
+        return _llama4_tower(config, vision, tp)
     return None
 
 

@@ -657,18 +657,39 @@ def _qwen2_5_vision_params(vision: HFConfig) -> int:
     return stem + vision.integer("depth") * block + merger
 
 
+def _llama4_vision_params(vision: HFConfig, text_hidden: int) -> int:
+    """Llama 4's vision model (vLLM's Llama4VisionModel: an unfold patch embedding
+    without bias, a class embedding and a position embedding per patch and CLS, pre and
+    post LayerNorms, per layer Q/K/V/O and a two-matrix MLP with biases and two
+    LayerNorms, the pixel-shuffle adapter's two bias-free linears) and the projector
+    into the text width (Llama4MultiModalProjector, no bias)."""
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    patch = vision.integer("patch_size")
+    patches = (vision.integer("image_size") // patch) ** 2 + 1
+    stem = vision.integer("num_channels", 3) * patch * patch * width + width + patches * width
+    layer = 4 * width * width + 4 * width + 2 * width * inter + inter + width + 4 * width
+    projector_in = vision.integer("projector_input_dim")
+    adapter = inter * projector_in + projector_in * vision.integer("projector_output_dim")
+    projector = vision.integer("vision_output_dim") * text_hidden
+    return stem + 4 * width + vision.integer("num_hidden_layers") * layer + adapter + projector
+
+
 def _vision_params(config: HFConfig, text_hidden: int) -> int:
     """A SigLIP vision tower (Gemma 3's `vision_config`) and its projection into the
     text model: per encoder layer Q/K/V/O and a two-matrix MLP (with biases), the
     patch embedding and a position embedding per patch; or Qwen3-VL's, which Qwen3.5 /
-    3.6 load too (`_qwen3_vision_params`); or Qwen2.5-VL's (`_qwen2_5_vision_params`).
-    Other vision towers are not counted (none of the supported families has one)."""
+    3.6 load too (`_qwen3_vision_params`); Qwen2.5-VL's (`_qwen2_5_vision_params`);
+    Llama 4's (`_llama4_vision_params`). Other vision towers are not counted (none of
+    the supported families has one)."""
     vision = config.sub("vision_config")
     model_type = config.text("model_type", "")
     if vision is not None and model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_vl"):
         return _qwen3_vision_params(vision)
     if vision is not None and model_type == "qwen2_5_vl":
         return _qwen2_5_vision_params(vision)
+    if vision is not None and model_type == "llama4":
+        return _llama4_vision_params(vision, text_hidden)
     if vision is None or vision.text("model_type", "") != "siglip_vision_model":
         return 0
     width = vision.integer("hidden_size")
@@ -820,12 +841,15 @@ def _matches(name: str, pattern: str) -> bool:
 
 def _unquantized_parts(config: HFConfig, layers: ModelLayers) -> frozenset[str]:
     """The ParamCount parts a quantized checkpoint keeps in the model dtype: the
-    embeddings and LM head and the MoE routers always; the vision tower, MTP modules,
+    embeddings and LM head and the MoE routers always, and Llama 4's vision model and
+    projector (vLLM builds them with no quantization config); the vision tower, MTP modules,
     attention, GDN / Mamba mixers or MLPs when the exclusion list names them. A part
     is matched through the checkpoint names of its first and last layer; a list that
     excludes one of them only (part of a group) cannot be estimated per part."""
     patterns = _excluded_patterns(config)
     kept = {"embedding", "router"}
+    if config.text("model_type", "") == "llama4":
+        kept.add("vision")  # vLLM builds Llama 4's vision model and projector unquantized
     if not patterns:
         return frozenset(kept)
     nested = ARCHITECTURES[layers.architecture][1]
@@ -841,7 +865,7 @@ def _unquantized_parts(config: HFConfig, layers: ModelLayers) -> frozenset[str]:
         "state_space": [f"{root}.{i}.linear_attn.in_proj_qkv" for i in (state[:1] + state[-1:])],
         "mlp": [f"{root}.0.{mlp}", f"{root}.{count - 1}.{mlp}"],
     }
-    if _vision_params(config, c.integer("hidden_size")):
+    if _vision_params(config, c.integer("hidden_size")) and "vision" not in kept:
         representatives["vision"] = [
             "model.visual.blocks.0.attn.qkv",
             "model.visual.merger.linear_fc2",

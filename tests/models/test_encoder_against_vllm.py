@@ -7,7 +7,9 @@ own code in the 0.32 CPU venv (tests/models/vllm_encoder_side.py):
   counted while it lives, against kvplan's per-patch count, at two depths and two batch
   sizes (the peak does not grow with the depth, and grows linearly with the patches);
   likewise Qwen2.5-VL's Qwen2_5_VisionTransformer and Qwen3-VL's deepstack tower, at an
-  eighth of the shipped widths (the same head size) to keep the CPU run short;
+  eighth of the shipped widths (the same head size) to keep the CPU run short, and
+  Llama 4's Llama4VisionModel with its projector at Scout's widths, over one and two
+  tiles;
 * the embeddings they return (what the encoder cache holds through the decoder run);
 * the encoder budget and the number of items profiled (vLLM's
   compute_mm_encoder_budget and MultiModalBudget._get_max_items) for 42 settings;
@@ -93,6 +95,11 @@ def test_encoder_peak_outputs_and_budget_against_vllm(tmp_path: Path) -> None:
     v3 = _scaled(qwen3vl.data["vision_config"], hidden_size=144, intermediate_size=538,
                  num_heads=2, out_hidden_size=512, deepstack_visual_indexes=[0, 1])  # fmt: skip
     v3_late = {**v3, "deepstack_visual_indexes": [0, 2]}
+    scout = json.loads(
+        (Path(__file__).parents[1] / "data" / "llama-4-scout-vision.json").read_text()
+    )
+    llama4 = {"kind": "llama4", "vision": scout["vision_config"],
+              "text_hidden": scout["text_hidden_size"]}  # fmt: skip
     siglip = {
         "kind": "siglip",
         "vision": gemma.data["vision_config"],
@@ -114,6 +121,8 @@ def test_encoder_peak_outputs_and_budget_against_vllm(tmp_path: Path) -> None:
         {"kind": "qwen2_5_vit", "vision": v25, "depth": 3, "items": 2, "grid": [1, 12, 20]},
         {"kind": "qwen3_vl_vit", "vision": v3, "depth": 3, "items": 1, "grid": [1, 16, 16]},
         {"kind": "qwen3_vl_vit", "vision": v3_late, "depth": 3, "items": 2, "grid": [1, 12, 20]},
+        {**llama4, "depth": 2, "tiles": 1},  # Scout's widths: 24 x 24 patches + CLS a tile
+        {**llama4, "depth": 3, "tiles": 2},
     ]  # fmt: skip
     budgets = [
         dict(zip(("max_tokens_per_item", "max_num_batched_tokens", "max_num_seqs",
@@ -144,6 +153,14 @@ def test_encoder_peak_outputs_and_budget_against_vllm(tmp_path: Path) -> None:
 
     q25, q3 = scaled_tower(qwen25, v25), scaled_tower(qwen3vl, {**v3, "depth": 3})
     q3_late = scaled_tower(qwen3vl, {**v3_late, "depth": 3})
+    scout_text = {"hidden_size": scout["text_hidden_size"]}
+    scout_config = HFConfig(
+        {"model_type": "llama4", "vision_config": scout["vision_config"], "text_config": scout_text}
+    )
+    scout_tower = vision_tower(scout_config, 1)
+    assert scout_tower is not None
+    # 17 tiles (16 + the global one) of 24 x 24 patches shuffled to 144 embeddings each
+    assert scout_tower.tokens_per_item == 17 * 144
     expected_peaks = [
         forward_peak_bytes(gemma_tower, 1, 64 * 64, BF16),
         forward_peak_bytes(small_tower, 2, 32 * 32, BF16),
@@ -153,6 +170,8 @@ def test_encoder_peak_outputs_and_budget_against_vllm(tmp_path: Path) -> None:
         forward_peak_bytes(q25, 2, 12 * 20, BF16) + _qwen2_5_host_side(2, (1, 12, 20)),
         forward_peak_bytes(q3, 1, 16 * 16, BF16) + host_side(1, 16 * 16),
         forward_peak_bytes(q3_late, 2, 12 * 20, BF16) + host_side(2, 12 * 20),
+        forward_peak_bytes(scout_tower, 1, 24 * 24 + 1, BF16),  # a tile as the unit
+        forward_peak_bytes(scout_tower, 2, 24 * 24 + 1, BF16),
     ]
     assert answer["peaks"] == expected_peaks
     # The deepstack features held while the last block runs: both, then one.
@@ -168,6 +187,8 @@ def test_encoder_peak_outputs_and_budget_against_vllm(tmp_path: Path) -> None:
         2 * 12 * 20 // 4 * 448 * BF16,
         16 * 16 // 4 * (1 + 2) * 512 * BF16,  # the merger's and two deepstack levels'
         2 * 12 * 20 // 4 * (1 + 2) * 512 * BF16,
+        1 * 144 * scout["text_hidden_size"] * BF16,
+        2 * 144 * scout["text_hidden_size"] * BF16,
     ]
     assert q3.output_hidden == q3_late.output_hidden == 3 * 512
     ours = [list(encoder_items(tokens, limit, length, batched, seqs))

@@ -12,7 +12,7 @@ from kvplan.cli import main
 from kvplan.gpus import CATALOG, GPU_MEMORY_BYTES, lookup_gpu
 from kvplan.models.config import HFConfig, load_config
 from kvplan.models.importer import Deployment, import_layers
-from kvplan.models.weights import count_params, estimate_weights
+from kvplan.models.weights import _vision_params, count_params, estimate_weights
 from server.devices import parse_inventory
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -73,6 +73,36 @@ def test_weight_total_matches_the_published_count(model: str) -> None:
     published, _source = PUBLISHED_PARAMS[model]
     total = count_params(config, import_layers(config)).total
     assert abs(total - published) / published < 0.015, (model, total)
+
+
+def test_llama_4_vision_tower_matches_the_published_module_table() -> None:
+    """Llama 4 Scout's vision model and projector, counted from its vision_config,
+    against the per-module parameter table printed from the checkpoint's model
+    (tests/data/llama-4-scout-vision.json: layer 0's rows, 34 layers)."""
+    data = json.loads(
+        (Path(__file__).parents[1] / "data" / "llama-4-scout-vision.json").read_text()
+    )
+    rows = data["module_parameters"]
+    layer = sum(v for k, v in rows.items() if ".layers.0." in k)
+    rest = sum(v for k, v in rows.items() if ".layers.0." not in k)
+    published = rest + data["vision_config"]["num_hidden_layers"] * layer
+    config = HFConfig({"model_type": "llama4", "vision_config": data["vision_config"],
+                       "text_config": {"hidden_size": data["text_hidden_size"]}})  # fmt: skip
+    assert _vision_params(config, data["text_hidden_size"]) == published == 871_932_416
+
+
+def test_llama_4_vision_stays_unquantized() -> None:
+    # vLLM 0.32-0.34 build Llama4VisionModel and its projector with quant_config=None:
+    # an fp8 checkpoint's tower stays in bf16, whatever its exclusion list says.
+    raw = json.loads((MODELS / "llama-4-defaults" / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "ignored_layers": ["lm_head"]}
+    config = HFConfig(raw)
+    layers = import_layers(config)
+    params = count_params(config, layers)
+    fp8 = estimate_weights(config, layers, 1)
+    quantized = params.total - params.embedding - params.router - params.vision
+    kept = (params.embedding + params.router + params.vision) * 2
+    assert fp8.bytes_total == int(kept + quantized * (1 + 4 / (128 * 128)))
 
 
 def test_nemotron_relu2_experts_have_two_matrices() -> None:

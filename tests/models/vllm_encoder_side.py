@@ -203,6 +203,27 @@ def _qwen3_vl_vit(case: dict[str, object]) -> tuple[int, int]:
     return _peak_of(run, [tower], [pixels, grid_tensor])
 
 
+def _llama4(case: dict[str, object]) -> tuple[int, int]:
+    """Llama 4's vision model (Llama4VisionModel: patch unfold, encoder, pixel-shuffle
+    adapter) and its projector into the text width (Llama4MultiModalProjector), over
+    `tiles` tiles of image_size x image_size."""
+    from transformers import Llama4Config
+    from vllm.model_executor.models.mllama4 import Llama4MultiModalProjector, Llama4VisionModel
+
+    vision = {**case["vision"], "num_hidden_layers": case["depth"]}  # type: ignore[dict-item]
+    config = Llama4Config(text_config={"hidden_size": case["text_hidden"]},
+                          vision_config=vision)  # fmt: skip
+    tower = Llama4VisionModel(config.vision_config, prefix="vision_model")
+    projector = Llama4MultiModalProjector(config, prefix="multi_modal_projector")
+    size = config.vision_config.image_size
+    pixels = torch.zeros(int(case["tiles"]), 3, size, size)  # type: ignore[call-overload]
+
+    def run() -> torch.Tensor:
+        return projector(tower(pixels))
+
+    return _peak_of(run, [tower, projector], [pixels])
+
+
 def _budget(case: dict[str, int]) -> list[int]:
     """vLLM's encoder budget and profiled item count (compute_mm_encoder_budget and
     MultiModalBudget._get_max_items) for one modality of `max_tokens_per_item`."""
@@ -235,6 +256,7 @@ TOWERS = {
     "qwen3_vit": _qwen3_vit,
     "qwen2_5_vit": _qwen2_5_vit,
     "qwen3_vl_vit": _qwen3_vl_vit,
+    "llama4": _llama4,
 }
 
 
