@@ -32,11 +32,32 @@ forward (tests/models/test_encoder_against_vllm.py runs them on the CPU):
   (2 / TP), the rotated Q/K (2 / TP) and the attention output (1 / TP); plus the rotary
   cos/sin per patch (head_dim). The position ids are built on the host (vLLM keeps one
   item's in a host-side cache) and their device copy is freed before the layers run.
+* Qwen3-VL (the same Qwen3_VisionTransformer, with deepstack mergers): as Qwen3.5, plus
+  the deepstack features already taken (`out_hidden_size` per merged token each), which
+  the tower keeps until it concatenates them with the merger's output; the last block
+  runs with all of them held. Its embeddings are (1 + levels) x `out_hidden_size` wide.
+* Qwen2.5-VL (Qwen2_5_VisionTransformer, windowed attention): the peak is in a block's
+  gated MLP: four hidden-size streams (the layer's input, the attention output, the
+  post-attention residual, its normed copy) beside gate_up (2 x intermediate / TP) and
+  SiluAndMul's two outputs (intermediate / TP each); plus the rotary cos/sin, which the
+  tower keeps per grid in a cache (one item's, head_dim per patch) and concatenates per
+  batch (head_dim per patch), and the window order and its inverse on the device (two
+  int64 per merged token).
+* Llama 4 (Llama4VisionModel + Llama4MultiModalProjector): per tile of image_size
+  pixels, (image_size / patch)^2 patches and a CLS token; the peak is at the attention's
+  rotary, which vLLM runs in PyTorch on every platform (complex64): the tower's
+  pre-norm output (held by the tower until its encoder returns), the layer's input and
+  its normed copy (hidden each), beside QKV (3 / TP), the float32 copies of Q and K
+  (2 x 2 / TP), their rotated complex products (2 x 2 / TP) and the bf16 results
+  (2 / TP): 3 x hidden + 13 x hidden / TP per token. The largest image is a 16:1 strip of
+  `LLAMA4_MAX_TILES` tiles plus the global tile; each tile gives (image_size / patch)^2
+  x pixel_shuffle_ratio^2 embeddings.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -53,6 +74,15 @@ DEFAULT_LIMIT_PER_PROMPT = 999
 # cache will be initialized with a budget of 16384 tokens, and profiled with 1 image
 # items" at 8,192 batched tokens: the image, not the video, is the profiled modality.
 QWEN3_VL_MAX_IMAGE_PIXELS = 16_777_216
+# Qwen2.5-VL's image processor (Qwen2VLImageProcessor, the checkpoints'
+# preprocessor_config.json: max_pixels 12,845,056 with 14-pixel patches): 16,384 merged
+# tokens, a 3,584 x 3,584 image of 256 x 256 patches.
+QWEN2_5_VL_MAX_IMAGE_PIXELS = 12_845_056
+# Llama 4's image processor (Llama4ImageProcessorFast, the checkpoints'
+# preprocessor_config.json: max_patches 16, which config.json does not carry): vLLM's
+# dummy image is 16 tiles high and one wide, which the processor splits into 16 tiles
+# and a global one (Mllama4ProcessingInfo.get_image_size_with_most_features).
+LLAMA4_MAX_TILES = 16
 
 
 @dataclass(frozen=True)
@@ -106,6 +136,11 @@ class Tower:
     input_elements_per_item: int
     peak_elements_per_patch: int  # at the forward's peak, in the model dtype
     output_hidden: int  # width of the embeddings handed to the decoder
+    # Besides, at the peak: int64 index tensors on the device (Qwen2.5-VL's window order)
+    peak_index_bytes_per_patch: float = 0.0
+    # Held once per distinct grid, in the model dtype (Qwen2.5-VL's cos/sin cache); the
+    # profile's items are all of one size, so once per item's patches.
+    cached_elements_per_patch: int = 0
 
 
 def _siglip_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
@@ -127,6 +162,26 @@ def _siglip_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
     )
 
 
+def qwen_vl_image_patches(max_pixels: int, patch: int, merge: int) -> int:
+    """Patches of the largest image vLLM's Qwen2-VL processing info profiles
+    (get_image_size_with_most_features): max_pixels // (patch x merge)^2 merged tokens,
+    factored into the closest height x width pair with an aspect ratio <= 200 (fewer
+    tokens where no such pair exists)."""
+    unit_tokens = max_pixels // (patch * merge) ** 2
+    for tokens in range(unit_tokens, 0, -1):
+        height = next(d for d in range(math.isqrt(tokens), 0, -1) if tokens % d == 0)
+        if tokens // height / height <= 200:
+            return tokens * merge * merge
+    return merge * merge
+
+
+def _deepstack_held(vision: HFConfig) -> int:
+    """Deepstack features held while the last block runs: those of earlier blocks."""
+    depth = vision.integer("depth")
+    levels = [int(index) for index in vision.items("deepstack_visual_indexes") or []]
+    return sum(1 for index in levels if index < depth - 1)
+
+
 def _qwen3_vit_tower(vision: HFConfig, tp: int) -> Tower:
     width = vision.integer("hidden_size")
     heads = vision.integer("num_heads")
@@ -134,22 +189,86 @@ def _qwen3_vit_tower(vision: HFConfig, tp: int) -> Tower:
     merge = vision.integer("spatial_merge_size")
     temporal = vision.integer("temporal_patch_size")
     channels = vision.integer("in_channels", 3)
-    side = int(QWEN3_VL_MAX_IMAGE_PIXELS**0.5) // patch  # patches per side, largest image
-    patches = side * side
+    out = vision.integer("out_hidden_size")
+    levels = len(vision.items("deepstack_visual_indexes") or [])
+    patches = qwen_vl_image_patches(QWEN3_VL_MAX_IMAGE_PIXELS, patch, merge)
     per_rank = -(-width // tp)
+    # The held deepstack features are per merged token: out / merge^2 per patch.
+    held = _deepstack_held(vision) * out
     return Tower(
         modalities=("image", "video"),
         tokens_per_item=patches // (merge * merge),
         patches_per_item=patches,
         input_elements_per_item=patches * channels * temporal * patch * patch,
-        peak_elements_per_patch=4 * width + 8 * per_rank + width // heads,
-        output_hidden=vision.integer("out_hidden_size"),
+        peak_elements_per_patch=4 * width + 8 * per_rank + width // heads + held // (merge * merge),
+        output_hidden=(1 + levels) * out,
     )
 
 
-def forward_peak_bytes(tower: Tower, patches: int, dtype_bytes: int) -> int:
-    """The encoder forward's peak over its inputs and weights, for `patches` patches."""
-    return patches * tower.peak_elements_per_patch * dtype_bytes
+def _qwen2_5_vit_tower(vision: HFConfig, tp: int) -> Tower:
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    heads = vision.integer("num_heads")
+    patch = vision.integer("patch_size")
+    merge = vision.integer("spatial_merge_size")
+    temporal = vision.integer("temporal_patch_size")
+    channels = vision.integer("in_channels", 3)
+    patches = qwen_vl_image_patches(QWEN2_5_VL_MAX_IMAGE_PIXELS, patch, merge)
+    head_dim = width // heads
+    # The attention phase (the layer's input and the projection's output, beside QKV,
+    # the contiguous and the rotated Q/K and the attention output per rank) holds less
+    # than the MLP at every TP for the published widths; the larger is taken.
+    mlp = 4 * width + 4 * -(-inter // tp)
+    attention = 2 * width + 8 * -(-width // tp)
+    return Tower(
+        modalities=("image", "video"),
+        tokens_per_item=patches // (merge * merge),
+        patches_per_item=patches,
+        input_elements_per_item=patches * channels * temporal * patch * patch,
+        # cos and sin (head_dim / 2 each per patch: half the head rotates, two axes)
+        # in the batch's concatenation, and one item's in the per-grid cache
+        peak_elements_per_patch=max(mlp, attention) + head_dim,
+        output_hidden=vision.integer("out_hidden_size"),
+        peak_index_bytes_per_patch=2 * 8 / (merge * merge),
+        cached_elements_per_patch=head_dim,
+    )
+
+
+def _llama4_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    patch = vision.integer("patch_size")
+    size = vision.integer("image_size")
+    channels = vision.integer("num_channels", 3)
+    ratio = vision.raw("pixel_shuffle_ratio", 0.5)
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+        raise ModelConfigError(
+            f"expected a ratio in (0, 1], got {ratio!r}", vision._where("pixel_shuffle_ratio")
+        )
+    text = config.sub("text_config")
+    text_hidden = text.integer("hidden_size") if text is not None else width
+    tiles = LLAMA4_MAX_TILES + 1  # the global tile
+    per_tile = (size // patch) ** 2
+    per_rank = -(-width // tp)
+    attention = 3 * width + 13 * per_rank
+    mlp = 3 * width + 2 * -(-inter // tp)  # fc1's output and its GELU
+    return Tower(
+        modalities=("image",),
+        tokens_per_item=tiles * (per_tile // round(1 / (ratio * ratio))),
+        patches_per_item=tiles * (per_tile + 1),  # + each tile's CLS token
+        input_elements_per_item=tiles * channels * size * size,
+        peak_elements_per_patch=max(attention, mlp),
+        output_hidden=text_hidden,
+    )
+
+
+def forward_peak_bytes(tower: Tower, items: int, patches_per_item: int, dtype_bytes: int) -> int:
+    """The encoder forward's peak over its inputs and weights, for `items` items of
+    `patches_per_item` patches each."""
+    patches = items * patches_per_item
+    elements = patches * tower.peak_elements_per_patch
+    elements += patches_per_item * tower.cached_elements_per_patch
+    return elements * dtype_bytes + int(patches * tower.peak_index_bytes_per_patch)
 
 
 def vision_tower(config: HFConfig, tp: int) -> Tower | None:
@@ -161,9 +280,29 @@ def vision_tower(config: HFConfig, tp: int) -> Tower | None:
     model_type = config.text("model_type", "")
     if model_type == "gemma3" and vision.text("model_type", "") == "siglip_vision_model":
         return _siglip_tower(config, vision, tp)
-    if model_type in ("qwen3_5", "qwen3_5_moe"):
+    if model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_vl"):
         return _qwen3_vit_tower(vision, tp)
+    if model_type == "qwen2_5_vl":
+        return _qwen2_5_vit_tower(vision, tp)
+    if model_type == "llama4":
+        return _llama4_tower(config, vision, tp)
     return None
+
+
+def deepstack_buffer_bytes(config: HFConfig, max_num_batched_tokens: int, dtype_bytes: int,
+                           options: MultimodalOptions) -> int:  # fmt: skip
+    """Qwen3-VL's deepstack input buffers: one of max_num_batched_tokens x the text
+    width per level, allocated with the model where the tower is built
+    (Qwen3VLForConditionalGeneration.__init__), so held through the whole profile run
+    whether or not the encoder is profiled."""
+    vision = config.sub("vision_config")
+    text = config.sub("text_config")
+    if vision is None or text is None or config.text("model_type", "") != "qwen3_vl":
+        return 0
+    if not tower_built(config, options):
+        return 0
+    levels = len(vision.items("deepstack_visual_indexes") or [])
+    return levels * max_num_batched_tokens * text.integer("hidden_size") * dtype_bytes
 
 
 def tower_built(config: HFConfig, options: MultimodalOptions) -> bool:
@@ -238,7 +377,7 @@ def encoder_profile(
         max_num_batched_tokens,
         max_num_seqs,
     )
-    forward = forward_peak_bytes(tower, items * tower.patches_per_item, dtype_bytes)
+    forward = forward_peak_bytes(tower, items, tower.patches_per_item, dtype_bytes)
     outputs = items * tower.tokens_per_item * tower.output_hidden * dtype_bytes
     return EncoderProfile(
         modality,

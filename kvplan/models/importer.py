@@ -423,6 +423,12 @@ def _gemma3(b: _Builder) -> None:
     _gemma(b, 6, prefix)
 
 
+def _qwen_vl(b: _Builder) -> None:
+    """Qwen2.5-VL / Qwen3-VL: a Qwen2 / Qwen3 decoder (M-RoPE changes no KV shape)
+    under vLLM's `language_model.`, beside the vision tower (no KV cache)."""
+    _dense_decoder(b, "language_model.model.layers")
+
+
 def _llama4(b: _Builder) -> None:
     """Llama 4: RoPE layers use chunked local attention (`attention_chunk_size`); the
     NoPE layers (`no_rope_layers[i] == 0`, by default every 4th) attend globally."""
@@ -725,6 +731,9 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     "Qwen3_5MoeForCausalLM": (_qwen3_next, False),
     "Qwen3_5ForConditionalGeneration": (_qwen3_next, True),
     "Qwen3_5MoeForConditionalGeneration": (_qwen3_next, True),
+    # Qwen2.5-VL's published config keeps the text fields at the top level.
+    "Qwen2_5_VLForConditionalGeneration": (_qwen_vl, False),
+    "Qwen3VLForConditionalGeneration": (_qwen_vl, True),
     "JambaForCausalLM": (_jamba, False),
     "NemotronHForCausalLM": (_nemotron_h, False),
     "WhisperForConditionalGeneration": (_whisper, False),

@@ -327,9 +327,9 @@ def _multimodal_notes(
         return ()
     if vision_tower(config, 1) is None and estimated:
         return ("vLLM also loads and profiles this model's vision tower, which kvplan does "
-                "not estimate for this family (Gemma 3 and Qwen3.5 / 3.6 only): the non-KV "
-                "estimate leaves its weights and its encoder run out; --non-kv-bytes takes a "
-                "measured figure",)  # fmt: skip
+                "not estimate for this family (Gemma 3, Llama 4, Qwen2.5-VL, Qwen3-VL, "
+                "Qwen3.5 / 3.6 only): the non-KV estimate leaves its weights and its encoder "
+                "run out; --non-kv-bytes takes a measured figure",)  # fmt: skip
     return ()
 
 

@@ -17,7 +17,12 @@ from fnmatch import fnmatch
 from itertools import takewhile
 
 from kvplan.models.config import HFConfig, ModelConfigError
-from kvplan.models.encoder import EncoderProfile, MultimodalOptions, encoder_profile
+from kvplan.models.encoder import (
+    EncoderProfile,
+    MultimodalOptions,
+    deepstack_buffer_bytes,
+    encoder_profile,
+)
 from kvplan.models.importer import ARCHITECTURES, ModelLayers, pipeline_stage_bounds, text_config
 
 GIB = 1 << 30
@@ -285,6 +290,7 @@ OVERHEAD_FORMULA = (
     " custom all-reduce: NCCL's captured all-reduces)"
     " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB);"
     " a vision model: max(encoder inputs + encoder forward, inputs + embeddings + the above)"
+    " (Qwen3-VL: + deepstack levels x max_num_batched_tokens x text hidden x act_bytes)"
 )
 
 # vLLM's default capture list (config/vllm.py `_set_cudagraph_sizes`, the same in
@@ -605,6 +611,7 @@ _PP_EMBEDDINGS_AT_THE_ENDS = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
     "Qwen3ForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
 })  # fmt: skip
 # Qwen3.5 / 3.6 build the embedding on every stage and the LM head on the last only
 # (a tied head shares the last stage's embedding).
@@ -698,15 +705,56 @@ def _qwen3_vision_params(vision: HFConfig) -> int:
     )  # fmt: skip
 
 
+def _qwen2_5_vision_params(vision: HFConfig) -> int:
+    """Qwen2.5-VL's windowed vision transformer (vLLM's Qwen2_5_VisionTransformer): a
+    Conv3d patch embedding without bias, per block two RMSNorms, a fused QKV and an
+    output projection and a gated MLP (all with biases), then the patch merger (an
+    RMSNorm and two linears over `spatial_merge_size`^2 patches into the text width)."""
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    patch = vision.integer("patch_size")
+    stem = vision.integer("in_channels", 3) * vision.integer("temporal_patch_size", 2)
+    stem = stem * patch * patch * width
+    block = 2 * width + 4 * width * width + 4 * width + 3 * width * inter + 2 * inter + width
+    merged = width * vision.integer("spatial_merge_size", 2) ** 2
+    out = vision.integer("out_hidden_size")
+    merger = width + merged * merged + merged + merged * out + out
+    return stem + vision.integer("depth") * block + merger
+
+
+def _llama4_vision_params(vision: HFConfig, text_hidden: int) -> int:
+    """Llama 4's vision model (vLLM's Llama4VisionModel: an unfold patch embedding
+    without bias, a class embedding and a position embedding per patch and CLS, pre and
+    post LayerNorms, per layer Q/K/V/O and a two-matrix MLP with biases and two
+    LayerNorms, the pixel-shuffle adapter's two bias-free linears) and the projector
+    into the text width (Llama4MultiModalProjector, no bias)."""
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    patch = vision.integer("patch_size")
+    patches = (vision.integer("image_size") // patch) ** 2 + 1
+    stem = vision.integer("num_channels", 3) * patch * patch * width + width + patches * width
+    layer = 4 * width * width + 4 * width + 2 * width * inter + inter + width + 4 * width
+    projector_in = vision.integer("projector_input_dim")
+    adapter = inter * projector_in + projector_in * vision.integer("projector_output_dim")
+    projector = vision.integer("vision_output_dim") * text_hidden
+    return stem + 4 * width + vision.integer("num_hidden_layers") * layer + adapter + projector
+
+
 def _vision_params(config: HFConfig, text_hidden: int) -> int:
     """A SigLIP vision tower (Gemma 3's `vision_config`) and its projection into the
     text model: per encoder layer Q/K/V/O and a two-matrix MLP (with biases), the
-    patch embedding and a position embedding per patch; or Qwen3.5 / 3.6's
-    (`_qwen3_vision_params`). Other vision towers are not counted (none of the
-    supported families has one)."""
+    patch embedding and a position embedding per patch; or Qwen3-VL's, which Qwen3.5 /
+    3.6 load too (`_qwen3_vision_params`); Qwen2.5-VL's (`_qwen2_5_vision_params`);
+    Llama 4's (`_llama4_vision_params`). Other vision towers are not counted (none of
+    the supported families has one)."""
     vision = config.sub("vision_config")
-    if vision is not None and config.text("model_type", "") in ("qwen3_5", "qwen3_5_moe"):
+    model_type = config.text("model_type", "")
+    if vision is not None and model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_vl"):
         return _qwen3_vision_params(vision)
+    if vision is not None and model_type == "qwen2_5_vl":
+        return _qwen2_5_vision_params(vision)
+    if vision is not None and model_type == "llama4":
+        return _llama4_vision_params(vision, text_hidden)
     if vision is None or vision.text("model_type", "") != "siglip_vision_model":
         return 0
     width = vision.integer("hidden_size")
@@ -892,12 +940,15 @@ def _matches(name: str, pattern: str) -> bool:
 
 def _unquantized_parts(config: HFConfig, layers: ModelLayers) -> frozenset[str]:
     """The ParamCount parts a quantized checkpoint keeps in the model dtype: the
-    embeddings and LM head and the MoE routers always; the vision tower, MTP modules,
+    embeddings and LM head and the MoE routers always, and Llama 4's vision model and
+    projector (vLLM builds them with no quantization config); the vision tower, MTP modules,
     attention, GDN / Mamba mixers or MLPs when the exclusion list names them. A part
     is matched through the checkpoint names of its first and last layer; a list that
     excludes one of them only (part of a group) cannot be estimated per part."""
     patterns = _excluded_patterns(config)
     kept = {"embedding", "router"}
+    if config.text("model_type", "") == "llama4":
+        kept.add("vision")  # vLLM builds Llama 4's vision model and projector unquantized
     if not patterns:
         return frozenset(kept)
     nested = ARCHITECTURES[layers.architecture][1]
@@ -913,7 +964,7 @@ def _unquantized_parts(config: HFConfig, layers: ModelLayers) -> frozenset[str]:
         "state_space": [f"{root}.{i}.linear_attn.in_proj_qkv" for i in (state[:1] + state[-1:])],
         "mlp": [f"{root}.0.{mlp}", f"{root}.{count - 1}.{mlp}"],
     }
-    if _vision_params(config, c.integer("hidden_size")):
+    if _vision_params(config, c.integer("hidden_size")) and "vision" not in kept:
         representatives["vision"] = [
             "model.visual.blocks.0.attn.qkv",
             "model.visual.merger.linear_fc2",
@@ -1224,5 +1275,9 @@ def estimate_overhead(
     peak = max(forward, sampler)
     if encoder is not None:
         peak = max(encoder.encoder_phase_bytes, encoder.held_bytes + peak)
+    # Qwen3-VL's deepstack buffers exist from the model's construction on.
+    peak += deepstack_buffer_bytes(
+        config, max_num_batched_tokens, act_bytes, multimodal or MultimodalOptions()
+    )
     return OverheadEstimate(peak, non_torch, graphs, logged, release=rules.name, encoder=encoder,
                             cudagraph_nccl_bytes=nccl_bytes)  # fmt: skip

@@ -7,9 +7,10 @@ per rank, head size, dtype, window / chunk, Mamba state shapes and dtypes, in or
 Qwen3-Next's and Qwen3.5 / 3.6's module chain imports `compressed_tensors` and
 `torchvision`, which the CPU venvs do not install and the meta build does not use: the
 side process runs with the import stand-ins of tests/models/vllm_stubs on its path. For
-these GDN families the parameter count is compared too: the text model as vLLM builds
-it, plus a wrapper's vision tower built from `vision_config`, against `count_params`
-(which leaves out norms, convolution kernels and the GDN decay vectors: under 0.02%).
+these GDN families, and for Qwen2.5-VL and Qwen3-VL, the parameter count is compared
+too: the text model as vLLM builds it, plus a wrapper's vision tower built from
+`vision_config`, against `count_params` (which leaves out norms, convolution kernels,
+the GDN decay vectors and the text model's biases: under 0.02%).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ CASES: tuple[tuple[str, int, str], ...] = (
     ("qwen3.5-moe-35b-a3b-ornith", 4, "fp8"),  # replicated over 4 ranks
     ("qwen3-next-80b-a3b", 1, "auto"),
     ("qwen3-next-80b-a3b", 4, "fp8"),
+    ("qwen2.5-vl-7b-instruct", 1, "auto"),  # Qwen2.5-VL: a Qwen2 decoder + windowed ViT
+    ("qwen3-vl-8b-instruct", 1, "auto"),  # Qwen3-VL: a Qwen3 decoder + deepstack ViT
 )
 
 # Multimodal wrappers whose vLLM class needs processors the CPU venv cannot inspect: the
@@ -74,7 +77,17 @@ TEXT_ONLY = {
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
 }
+# The text model's own model_type where the wrapper's would make transformers build
+# the multimodal config (Qwen2.5-VL keeps its text fields at the top level).
+TEXT_MODEL_TYPE = {
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",
+    "Qwen3VLForConditionalGeneration": "qwen3",
+}
+# Wrappers whose vision tower is built beside the text model and counted.
+QWEN_VISION = ("Qwen3_5", "Qwen2_5_VL", "Qwen3VL")
 
 _KINDS = {
     "full_attention": "FullAttentionSpec",
@@ -95,8 +108,11 @@ def vllm_input(model: str, directory: Path) -> tuple[Path, bool]:
     architecture = raw["architectures"][0]
     renamed = architecture in TEXT_ONLY or architecture.startswith("Whisper")
     if architecture in TEXT_ONLY:
-        text = dict(raw["text_config"])
+        text = dict(raw.get("text_config", raw))
+        text.pop("vision_config", None)
         text["architectures"] = [TEXT_ONLY[architecture]]
+        if architecture in TEXT_MODEL_TYPE:
+            text["model_type"] = TEXT_MODEL_TYPE[architecture]
         raw = text
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(raw))
@@ -141,8 +157,9 @@ def vllm_specs(
         case = {"path": str(directory), "tp": tp, "max_model_len": length,
                 "kv_cache_dtype": kv_dtype}  # fmt: skip
         raw = json.loads((MODELS / model / "config.json").read_text())
-        if raw["architectures"][0].startswith("Qwen3_5"):
+        if raw["architectures"][0].startswith(QWEN_VISION):
             case["vision"] = raw["vision_config"]
+            case["vision_kind"] = raw["model_type"]
         cases.append(case)
     # vLLM's Llama layers with `is_causal: false` (encoder-only attention): no spec at all
     bidirectional = json.loads((MODELS / "llama-3.1-8b" / "config.json").read_text())
@@ -198,7 +215,8 @@ def test_gdn_family_parameters_match_vllm_model_code(
     compared = 0
     for (model, tp, _), theirs in zip(CASES, parameters, strict=False):
         config = load_config(str(MODELS / model))
-        if tp != 1 or not config.text("model_type").startswith(("qwen3_5", "qwen3_next")):
+        family = ("qwen3_5", "qwen3_next", "qwen2_5_vl", "qwen3_vl")
+        if tp != 1 or not config.text("model_type").startswith(family):
             continue
         text = config.sub("text_config") or config
         if text.has("num_experts"):
@@ -209,7 +227,7 @@ def test_gdn_family_parameters_match_vllm_model_code(
         ours = count_params(config, import_layers(config)).total
         assert 0 <= theirs - ours < 2e-4 * theirs, (engine_version, model, ours, theirs)
         compared += 1
-    assert compared == 3
+    assert compared == 5
 
 
 def test_every_shipped_config_is_compared_somewhere() -> None:

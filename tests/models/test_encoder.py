@@ -142,12 +142,23 @@ def test_the_gemma_3_records_log_what_kvplan_profiles(
     assert (items["measured"], items["predicted"]) == (32, 32)
 
 
-def test_what_is_not_modelled_is_said(capsys: pytest.CaptureFixture[str]) -> None:
-    llama4 = ["plan", "--model", str(MODELS / "llama-4-defaults"), "--gpu", "H200", "-tp", "8"]
-    assert main([*llama4, "--max-model-len", "8K"]) == 0
+def test_what_is_not_modelled_is_said(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # A vision tower of a kind kvplan has no model of (a Gemma 3 wrapper around a CLIP
+    # tower): said, not counted as nothing silently.
+    raw = json.loads((MODELS / "gemma-3-4b" / "config.json").read_text())
+    raw["vision_config"] = {**raw["vision_config"], "model_type": "clip_vision_model"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    other = ["plan", "--model", str(tmp_path), "--gpu", "H100", "--max-model-len", "8K"]
+    assert main(other) == 0
     assert "vision tower, which kvplan does not estimate for this family" in (
         capsys.readouterr().out
     )
+    # Llama 4's tower is modelled: the profile is printed, no such note.
+    llama4 = ["plan", "--model", str(MODELS / "llama-4-defaults"), "--gpu", "H200", "-tp", "8"]
+    assert main([*llama4, "--max-model-len", "8K"]) == 0
+    out = capsys.readouterr().out
+    assert "vision encoder profile: budget 8,192 tokens, 1 image item(s) of 4,352 tokens" in out
+    assert "does not estimate for this family" not in out
     text = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100"]
     assert main([*text, "--max-model-len", "8K", "--skip-mm-profiling"]) == 0
     assert "the model has no vision tower" in capsys.readouterr().out

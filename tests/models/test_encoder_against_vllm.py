@@ -6,6 +6,10 @@ own code in the 0.32 CPU venv (tests/models/vllm_encoder_side.py):
   shipped configs' widths and run on dummy pixels, every storage their ops create
   counted while it lives, against kvplan's per-patch count, at two depths and two batch
   sizes (the peak does not grow with the depth, and grows linearly with the patches);
+  likewise Qwen2.5-VL's Qwen2_5_VisionTransformer and Qwen3-VL's deepstack tower, at an
+  eighth of the shipped widths (the same head size) to keep the CPU run short, and
+  Llama 4's Llama4VisionModel with its projector at Scout's widths, over one and two
+  tiles;
 * the embeddings they return (what the encoder cache holds through the decoder run);
 * the encoder budget and the number of items profiled (vLLM's
   compute_mm_encoder_budget and MultiModalBudget._get_max_items) for 42 settings;
@@ -26,6 +30,7 @@ from kvplan.models.cli import options_from_args
 from kvplan.models.config import HFConfig
 from kvplan.models.encoder import (
     MultimodalOptions,
+    Tower,
     encoder_items,
     forward_peak_bytes,
     vision_tower,
@@ -59,8 +64,42 @@ BUDGETS = [
 ]
 
 
+def _scaled(vision: dict[str, object], **widths: object) -> dict[str, object]:
+    """A shipped vision_config at smaller widths (CPU time), its other fields kept."""
+    return {**vision, **widths}
+
+
+def _qwen2_5_host_side(items: int, grid: tuple[int, int, int]) -> int:
+    """What Qwen2.5-VL's ViT keeps on the host (which the CPU run counts too): one
+    grid's int64 window order in its per-grid cache (the batch's order and its inverse
+    go to the device, which kvplan counts), the int32 window boundaries (cached per
+    grid, padded: vLLM always pads to the next window; and the batch's, empty windows
+    dropped), cu_seqlens (items + 1), the grid's own (t entries) and two int32 maxima."""
+    t, h, w = grid
+    merged_h, merged_w = h // 2, w // 2
+    side = 112 // 2 // 14  # window_size // spatial_merge_size // patch_size, in tokens
+    padded = (merged_h // side + 1) * (merged_w // side + 1) * t
+    windows = -(-merged_h // side) * -(-merged_w // side) * t
+    tokens = t * merged_h * merged_w
+    return 8 * tokens + 4 * padded + 4 * (1 + items * windows) + 4 * (items + 1) + 4 * t + 8
+
+
 def test_encoder_peak_outputs_and_budget_against_vllm(tmp_path: Path) -> None:
     gemma, qwen = _config("gemma-3-27b"), _config("qwen3.6-27b")
+    qwen25, qwen3vl = _config("qwen2.5-vl-7b-instruct"), _config("qwen3-vl-8b-instruct")
+    # An eighth of the widths, the same head size (80 / 72) and ratios; the deepstack
+    # levels after blocks 0 and 1 of 3 (both held while the last block runs), or after
+    # 0 and 2 (one held: the last block's own is taken after it).
+    v25 = _scaled(qwen25.data["vision_config"], hidden_size=160, intermediate_size=428,
+                  num_heads=2, out_hidden_size=448)  # fmt: skip
+    v3 = _scaled(qwen3vl.data["vision_config"], hidden_size=144, intermediate_size=538,
+                 num_heads=2, out_hidden_size=512, deepstack_visual_indexes=[0, 1])  # fmt: skip
+    v3_late = {**v3, "deepstack_visual_indexes": [0, 2]}
+    scout = json.loads(
+        (Path(__file__).parents[1] / "data" / "llama-4-scout-vision.json").read_text()
+    )
+    llama4 = {"kind": "llama4", "vision": scout["vision_config"],
+              "text_hidden": scout["text_hidden_size"]}  # fmt: skip
     siglip = {
         "kind": "siglip",
         "vision": gemma.data["vision_config"],
@@ -78,6 +117,12 @@ def test_encoder_peak_outputs_and_budget_against_vllm(tmp_path: Path) -> None:
          "items": 2},
         {**vit, "depth": 2, "items": 1, "grid": [1, 32, 32]},
         {**vit, "depth": 3, "items": 2, "grid": [1, 16, 32]},
+        {"kind": "qwen2_5_vit", "vision": v25, "depth": 2, "items": 1, "grid": [1, 16, 16]},
+        {"kind": "qwen2_5_vit", "vision": v25, "depth": 3, "items": 2, "grid": [1, 12, 20]},
+        {"kind": "qwen3_vl_vit", "vision": v3, "depth": 3, "items": 1, "grid": [1, 16, 16]},
+        {"kind": "qwen3_vl_vit", "vision": v3_late, "depth": 3, "items": 2, "grid": [1, 12, 20]},
+        {**llama4, "depth": 2, "tiles": 1},  # Scout's widths: 24 x 24 patches + CLS a tile
+        {**llama4, "depth": 3, "tiles": 2},
     ]  # fmt: skip
     budgets = [
         dict(zip(("max_tokens_per_item", "max_num_batched_tokens", "max_num_seqs",
@@ -101,13 +146,36 @@ def test_encoder_peak_outputs_and_budget_against_vllm(tmp_path: Path) -> None:
     def host_side(items: int, patches_per_item: int) -> int:
         return 2 * 8 * patches_per_item + 4 * (items + 1) + 4
 
+    def scaled_tower(config: HFConfig, vision: dict[str, object]) -> Tower:
+        tower = vision_tower(HFConfig({**config.data, "vision_config": vision}), 1)
+        assert tower is not None
+        return tower
+
+    q25, q3 = scaled_tower(qwen25, v25), scaled_tower(qwen3vl, {**v3, "depth": 3})
+    q3_late = scaled_tower(qwen3vl, {**v3_late, "depth": 3})
+    scout_text = {"hidden_size": scout["text_hidden_size"]}
+    scout_config = HFConfig(
+        {"model_type": "llama4", "vision_config": scout["vision_config"], "text_config": scout_text}
+    )
+    scout_tower = vision_tower(scout_config, 1)
+    assert scout_tower is not None
+    # 17 tiles (16 + the global one) of 24 x 24 patches shuffled to 144 embeddings each
+    assert scout_tower.tokens_per_item == 17 * 144
     expected_peaks = [
-        forward_peak_bytes(gemma_tower, patches[0], BF16),
-        forward_peak_bytes(small_tower, patches[1], BF16),
-        forward_peak_bytes(qwen_tower, patches[2], BF16) + host_side(1, 32 * 32),
-        forward_peak_bytes(qwen_tower, patches[3], BF16) + host_side(2, 16 * 32),
+        forward_peak_bytes(gemma_tower, 1, 64 * 64, BF16),
+        forward_peak_bytes(small_tower, 2, 32 * 32, BF16),
+        forward_peak_bytes(qwen_tower, 1, 32 * 32, BF16) + host_side(1, 32 * 32),
+        forward_peak_bytes(qwen_tower, 2, 16 * 32, BF16) + host_side(2, 16 * 32),
+        forward_peak_bytes(q25, 1, 16 * 16, BF16) + _qwen2_5_host_side(1, (1, 16, 16)),
+        forward_peak_bytes(q25, 2, 12 * 20, BF16) + _qwen2_5_host_side(2, (1, 12, 20)),
+        forward_peak_bytes(q3, 1, 16 * 16, BF16) + host_side(1, 16 * 16),
+        forward_peak_bytes(q3_late, 2, 12 * 20, BF16) + host_side(2, 12 * 20),
+        forward_peak_bytes(scout_tower, 1, 24 * 24 + 1, BF16),  # a tile as the unit
+        forward_peak_bytes(scout_tower, 2, 24 * 24 + 1, BF16),
     ]
     assert answer["peaks"] == expected_peaks
+    # The deepstack features held while the last block runs: both, then one.
+    assert q3.peak_elements_per_patch - q3_late.peak_elements_per_patch == 512 // 4
     text_hidden = gemma.data["text_config"]["hidden_size"]
     out_hidden = qwen.data["vision_config"]["out_hidden_size"]
     assert answer["outputs"] == [
@@ -115,7 +183,14 @@ def test_encoder_peak_outputs_and_budget_against_vllm(tmp_path: Path) -> None:
         2 * 64 * text_hidden * BF16,
         patches[2] // 4 * out_hidden * BF16,
         patches[3] // 4 * out_hidden * BF16,
+        16 * 16 // 4 * 448 * BF16,
+        2 * 12 * 20 // 4 * 448 * BF16,
+        16 * 16 // 4 * (1 + 2) * 512 * BF16,  # the merger's and two deepstack levels'
+        2 * 12 * 20 // 4 * (1 + 2) * 512 * BF16,
+        1 * 144 * scout["text_hidden_size"] * BF16,
+        2 * 144 * scout["text_hidden_size"] * BF16,
     ]
+    assert q3.output_hidden == q3_late.output_hidden == 3 * 512
     ours = [list(encoder_items(tokens, limit, length, batched, seqs))
             for tokens, batched, seqs, length, limit in BUDGETS]  # fmt: skip
     assert answer["budgets"] == ours

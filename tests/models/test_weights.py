@@ -12,7 +12,7 @@ from kvplan.cli import main
 from kvplan.gpus import CATALOG, GPU_MEMORY_BYTES, lookup_gpu
 from kvplan.models.config import HFConfig, load_config
 from kvplan.models.importer import Deployment, ModelLayers, import_layers
-from kvplan.models.weights import count_params, estimate_weights
+from kvplan.models.weights import _vision_params, count_params, estimate_weights
 from server.devices import parse_inventory
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -47,6 +47,15 @@ PUBLISHED_PARAMS: dict[str, tuple[float, str]] = {
     ),
     "qwen3-30b-a3b-base": (30.5e9, "huggingface.co/Qwen/Qwen3-30B-A3B-Base: 30.5B in total"),
     "qwen3-8b": (8.2e9, "huggingface.co/Qwen/Qwen3-8B: 8.2B"),
+    "qwen2.5-vl-7b-instruct": (
+        8.29e9,
+        "huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct: 8.29B params (safetensors), the ViT included",
+    ),
+    "qwen3-vl-8b-instruct": (
+        8.77e9,
+        "huggingface.co/Qwen/Qwen3-VL-8B-Instruct: 8.77B params (safetensors; LM Studio's card "
+        "for qwen/qwen3-vl-8b: 8.77B), the ViT and its deepstack mergers included",
+    ),
     "qwen3-next-80b-a3b": (80e9, "huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct: 80B total"),
     "whisper-small": (244e6, "huggingface.co/openai/whisper-small: 244M"),
 }
@@ -65,6 +74,37 @@ def test_weight_total_matches_the_published_count(model: str) -> None:
     published, _source = PUBLISHED_PARAMS[model]
     total = count_params(config, import_layers(config)).total
     assert abs(total - published) / published < 0.015, (model, total)
+
+
+def test_llama_4_vision_tower_matches_the_published_module_table() -> None:
+    """Llama 4 Scout's vision model and projector, counted from its vision_config,
+    against the per-module parameter table printed from the checkpoint's model
+    (tests/data/llama-4-scout-vision.json: layer 0's rows, 34 layers)."""
+    data = json.loads(
+        (Path(__file__).parents[1] / "data" / "llama-4-scout-vision.json").read_text()
+    )
+    rows = data["module_parameters"]
+    layer = sum(v for k, v in rows.items() if ".layers.0." in k)
+    rest = sum(v for k, v in rows.items() if ".layers.0." not in k)
+    published = rest + data["vision_config"]["num_hidden_layers"] * layer
+    config = HFConfig({"model_type": "llama4", "vision_config": data["vision_config"],
+                       "text_config": {"hidden_size": data["text_hidden_size"]}})  # fmt: skip
+    assert _vision_params(config, data["text_hidden_size"]) == published == 871_932_416
+
+
+def test_llama_4_vision_stays_unquantized() -> None:
+    # vLLM 0.32-0.34 build Llama4VisionModel and its projector with quant_config=None:
+    # an fp8 checkpoint's tower stays in bf16, whatever its exclusion list says.
+    raw = json.loads((MODELS / "llama-4-defaults" / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "ignored_layers": ["lm_head"],
+                                  "weight_block_size": [128, 128]}  # fmt: skip
+    config = HFConfig(raw)
+    layers = import_layers(config)
+    params = count_params(config, layers)
+    fp8 = estimate_weights(config, layers, 1)
+    quantized = params.total - params.embedding - params.router - params.vision
+    kept = (params.embedding + params.router + params.vision) * 2
+    assert fp8.bytes_total == int(kept + quantized * (1 + 4 / (128 * 128)))
 
 
 def test_nemotron_relu2_experts_have_two_matrices() -> None:

@@ -140,6 +140,90 @@ def _qwen3_vit(case: dict[str, object]) -> tuple[int, int]:
     return _peak_of(run, [tower], [pixels, grid])
 
 
+def _no_device_kernels() -> None:
+    """The CPU build has no pinned-memory allocator (host-side staging buffers, not
+    the device memory measured here), and the Qwen ViTs enforce their rotary op's
+    device kernel (flash-attn's, absent here): its PyTorch-native forward instead."""
+    from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
+    from vllm.model_executor.models import qwen2_5_vl, qwen3_vl
+    from vllm.utils import torch_utils
+
+    qwen3_vl.PIN_MEMORY = False
+    qwen2_5_vl.PIN_MEMORY = False
+    torch_utils.PIN_MEMORY = False  # async_tensor_h2d's staging buffer (0.34)
+    torch_utils.is_pin_memory_available = lambda: False
+    ApplyRotaryEmb.forward_cuda = ApplyRotaryEmb.forward_native
+
+
+def _qwen_pixels(
+    case: dict[str, object], vision: dict[str, int]
+) -> tuple[torch.Tensor, list[list[int]]]:
+    """Dummy pixels (items x t x h x w patches, in the model dtype) and their grids."""
+    t, h, w = (int(size) for size in case["grid"])  # type: ignore[attr-defined]
+    items = int(case["items"])  # type: ignore[call-overload]
+    patch = vision["patch_size"]
+    channels = vision.get("in_channels", 3) * vision["temporal_patch_size"] * patch * patch
+    return torch.zeros(items * t * h * w, channels), [[t, h, w]] * items
+
+
+def _qwen2_5_vit(case: dict[str, object]) -> tuple[int, int]:
+    """Qwen2.5-VL's windowed ViT (Qwen2_5_VisionTransformer)."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (  # type: ignore[import-not-found]
+        Qwen2_5_VLVisionConfig,
+    )
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VisionTransformer
+
+    _no_device_kernels()
+    vision: dict[str, int] = {**case["vision"], "depth": case["depth"]}  # type: ignore[dict-item]
+    tower = Qwen2_5_VisionTransformer(Qwen2_5_VLVisionConfig(**vision), prefix="visual")
+    pixels, grid = _qwen_pixels(case, vision)
+
+    def run() -> torch.Tensor:
+        return tower(pixels, grid_thw=grid)
+
+    return _peak_of(run, [tower], [pixels])
+
+
+def _qwen3_vl_vit(case: dict[str, object]) -> tuple[int, int]:
+    """Qwen3-VL's ViT with its deepstack mergers (Qwen3_VisionTransformer)."""
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import (  # type: ignore[import-not-found]
+        Qwen3VLVisionConfig,
+    )
+    from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
+
+    _no_device_kernels()
+    vision: dict[str, int] = {**case["vision"], "depth": case["depth"]}  # type: ignore[dict-item]
+    tower = Qwen3_VisionTransformer(Qwen3VLVisionConfig(**vision), prefix="visual")
+    pixels, grid = _qwen_pixels(case, vision)
+    grid_tensor = torch.tensor(grid)
+
+    def run() -> torch.Tensor:
+        return tower(pixels, grid_thw=grid_tensor)
+
+    return _peak_of(run, [tower], [pixels, grid_tensor])
+
+
+def _llama4(case: dict[str, object]) -> tuple[int, int]:
+    """Llama 4's vision model (Llama4VisionModel: patch unfold, encoder, pixel-shuffle
+    adapter) and its projector into the text width (Llama4MultiModalProjector), over
+    `tiles` tiles of image_size x image_size."""
+    from transformers import Llama4Config
+    from vllm.model_executor.models.mllama4 import Llama4MultiModalProjector, Llama4VisionModel
+
+    vision = {**case["vision"], "num_hidden_layers": case["depth"]}  # type: ignore[dict-item]
+    config = Llama4Config(text_config={"hidden_size": case["text_hidden"]},
+                          vision_config=vision)  # fmt: skip
+    tower = Llama4VisionModel(config.vision_config, prefix="vision_model")
+    projector = Llama4MultiModalProjector(config, prefix="multi_modal_projector")
+    size = config.vision_config.image_size
+    pixels = torch.zeros(int(case["tiles"]), 3, size, size)  # type: ignore[call-overload]
+
+    def run() -> torch.Tensor:
+        return projector(tower(pixels))
+
+    return _peak_of(run, [tower, projector], [pixels])
+
+
 def _budget(case: dict[str, int]) -> list[int]:
     """vLLM's encoder budget and profiled item count (compute_mm_encoder_budget and
     MultiModalBudget._get_max_items) for one modality of `max_tokens_per_item`."""
@@ -167,6 +251,15 @@ def _budget(case: dict[str, int]) -> list[int]:
     return [budget.get_encoder_budget(), items]
 
 
+TOWERS = {
+    "siglip": _siglip,
+    "qwen3_vit": _qwen3_vit,
+    "qwen2_5_vit": _qwen2_5_vit,
+    "qwen3_vl_vit": _qwen3_vl_vit,
+    "llama4": _llama4,
+}
+
+
 def main() -> None:
     payload = json.load(sys.stdin)
     importlib.import_module("vllm.model_executor.models.siglip")
@@ -182,7 +275,7 @@ def main() -> None:
     with vllm.config.set_current_vllm_config(config), torch.inference_mode():
         join_one_rank_groups(int(payload["port"]))
         for case in payload.get("towers", []):
-            peak, held = (_siglip if case["kind"] == "siglip" else _qwen3_vit)(case)
+            peak, held = TOWERS[case["kind"]](case)
             peaks.append(peak)
             outputs.append(held)
     torch.set_default_dtype(torch.float32)

@@ -157,14 +157,25 @@ def spec_row(name: str, spec: object) -> list[object]:
     return row
 
 
-def vision_tower(vision: dict[str, object]) -> nn.Module:
-    """Qwen3.5 / 3.6's vision transformer (vLLM's Qwen3_VisionTransformer, what their
-    ConditionalGeneration wrappers build) on the meta device."""
-    config_class = importlib.import_module("transformers").Qwen3_5VisionConfig
+def vision_tower(vision: dict[str, object], kind: str = "qwen3_5") -> nn.Module:
+    """The vision transformer a Qwen ConditionalGeneration wrapper (its model_type,
+    `kind`) builds, on the meta device: Qwen3.5 / 3.6's and Qwen3-VL's
+    Qwen3_VisionTransformer (Qwen3-VL's with its deepstack mergers), Qwen2.5-VL's
+    Qwen2_5_VisionTransformer."""
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VisionTransformer
     from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
 
+    transformers = importlib.import_module("transformers")
     with torch.device("meta"):
-        return Qwen3_VisionTransformer(config_class(**vision), prefix="visual")
+        if kind == "qwen2_5_vl":
+            config = transformers.models.qwen2_5_vl.configuration_qwen2_5_vl
+            return Qwen2_5_VisionTransformer(config.Qwen2_5_VLVisionConfig(**vision),
+                                             prefix="visual")  # fmt: skip
+        if kind == "qwen3_vl":
+            config = transformers.models.qwen3_vl.configuration_qwen3_vl
+            return Qwen3_VisionTransformer(config.Qwen3VLVisionConfig(**vision), prefix="visual")
+        return Qwen3_VisionTransformer(transformers.Qwen3_5VisionConfig(**vision),
+                                       prefix="visual")  # fmt: skip
 
 
 PARAMETERS: list[int] = []  # each case's model: its parameters' element count
@@ -219,7 +230,9 @@ def specs_of(case: dict[str, object]) -> list[list[object]]:
         with torch.device("meta"):
             model = initialize_model(config)
         if "vision" in case:  # the multimodal wrapper's tower, built beside the text model
-            model = nn.ModuleList([model, vision_tower(case["vision"])])  # type: ignore[arg-type]
+            model = nn.ModuleList(
+                [model, vision_tower(case["vision"], str(case.get("vision_kind", "qwen3_5")))]  # type: ignore[arg-type]
+            )
     PARAMETERS.append(sum(parameter.numel() for parameter in model.parameters()))
     layers = get_layers_from_vllm_config(config, AttentionLayerBase)
     rows = []
