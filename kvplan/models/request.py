@@ -203,6 +203,7 @@ def build_plan_request(
             pcie_only_gpu=pcie_only,
             multimodal=options.multimodal,
             disable_custom_all_reduce=options.disable_custom_all_reduce,
+            gpu_arch=gpu_arch,
         )  # fmt: skip
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
