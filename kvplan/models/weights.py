@@ -284,6 +284,16 @@ def sampler_bytes_per_logit(rules: ProfileRules, flashinfer: bool = True) -> int
     return rules.sampler_bytes_per_logit
 
 
+# A pipeline stage's profile run (vLLM 0.19's gpu_model_runner.profile_run and
+# _dummy_run): only the last stage runs the dummy sampler (`is_last_rank`), and every
+# stage but the first keeps the tensors it receives, `make_empty_intermediate_tensors`
+# of max_num_batched_tokens rows: hidden states and residual (the Llama-style
+# families), zeros in the model dtype, held for the process. Llama-3.1-8B at PP 2
+# (0.19, H100): the last stage logs 2.01 GiB, 1.89 (its TP 1 figure) + 2 x 8,192 x
+# 4,096 x 2 B (0.125 GiB).
+_PP_RECEIVED_TENSORS = 2
+
+
 def triton_row_buffer_bytes(rules: ProfileRules, max_num_seqs: int, vocab: int) -> int:
     """The float32 row buffer `rules`' top-k/top-p kernel keeps (0 where it has none):
     one vocabulary row per program, min(next_pow2(min(SMs, requests)), SMs) rows, and
@@ -1163,6 +1173,8 @@ def estimate_overhead(
     multimodal: MultimodalOptions | None = None,
     disable_custom_all_reduce: bool = False,
     gpu_arch: str = "",
+    pipeline_stage: int = 0,
+    pipeline_parallel_size: int = 1,
 ) -> OverheadEstimate:
     """The profile run's peak over the weights: a forward pass of
     `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
@@ -1174,7 +1186,9 @@ def estimate_overhead(
     graph estimate's long sample where a release has one (`gdn_graph_transient`);
     `pcie_only_gpu` whether the GPU has no NVLink and `disable_custom_all_reduce`
     vLLM's flag (`custom_all_reduce_on`, `non_torch_bytes`); `gpu_arch` the catalog's
-    architecture ("": not known), which sizes cuBLAS's workspace; `multimodal`,
+    architecture ("": not known), which sizes cuBLAS's workspace; `pipeline_stage` of
+    `pipeline_parallel_size` the stage whose worker this is (`stage_activation_terms`);
+    `multimodal`,
     vLLM's flags, sets a multimodal model's encoder item count (kvplan.models.encoder):
     its encoder runs first, so the peak is then the larger of its inputs plus its
     forward, and its inputs and embeddings plus the decoder's phases, which run while
@@ -1228,8 +1242,11 @@ def estimate_overhead(
         max_num_seqs,
         multimodal or MultimodalOptions(),
     )
-    peak = max(forward, sampler)
-    if encoder is not None:
+    last_stage = pipeline_stage == pipeline_parallel_size - 1
+    peak = max(forward, sampler) if last_stage else forward
+    if encoder is not None:  # every stage profiles the encoder (no stage check)
         peak = max(encoder.encoder_phase_bytes, encoder.held_bytes + peak)
+    if pipeline_stage > 0:
+        peak += _PP_RECEIVED_TENSORS * max_num_batched_tokens * hidden * act_bytes
     peak += cublas_workspace_bytes(gpu_arch)
     return OverheadEstimate(peak, non_torch, graphs, logged, release=rules.name, encoder=encoder)

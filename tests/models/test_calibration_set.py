@@ -335,7 +335,9 @@ def test_the_graph_estimate_against_every_logged_one(results: list[RecordResult]
     # through NCCL inside the graphs) 2.73 where kvplan says 0.52; not held.
     logged = [(r, row) for r in results if (row := r.row(GRAPH_ESTIMATE)) is not None
               and row["measured"] is not None]  # fmt: skip
-    single = [(r, row) for r, row in logged if "tp2" not in r.name and "tp4" not in r.name]
+    # A pipeline stage's graphs cover its own layers only (not modelled apart).
+    single = [(r, row) for r, row in logged
+              if not any(split in r.name for split in ("tp2", "tp4", "pp2"))]  # fmt: skip
     assert len(single) == 11 and sum(r.meta.get("role") == "held-out" for r, _ in single) == 9
     for result, row in single:
         assert abs(row["predicted"] - row["measured"]) <= 0.4, (result.name, row)
