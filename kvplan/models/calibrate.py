@@ -35,6 +35,11 @@ _LOADING = re.compile(r"Model loading took ([0-9.]+) GiB")
 _CUSTOM_AR_OFF = re.compile(r"WARNING .*Custom allreduce is disabled (?:because|due to) (.*)$")
 _WEIGHTS_V0 = re.compile(r"Loading model weights took ([0-9.]+) GB")
 _AVAILABLE = re.compile(r"Available KV cache memory: ([0-9.]+) GiB")
+# The worker a line came from (vLLM 0.19 and 0.32-0.34 multiproc_executor names it
+# Worker[_DP<r>][_PP<r>][_PCP<r>][_TP<r>]...): its pipeline stage, 0 where none is named.
+_PP_STAGE = re.compile(r"^\(Worker\w*?_PP(\d+)")
+# 0.19's profiling summary (DEBUG), per worker: the non-KV total it subtracted.
+_NON_KV_TOTAL = re.compile(r"Total non KV cache memory: ([0-9.]+) ?GiB")
 _TOKENS = re.compile(r"KV cache size: ([0-9,]+) tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for ([0-9,]+) tokens per request: ([0-9.]+)x")
 _GRAPHS = re.compile(r"Graph capturing finished in [0-9.]+ secs?, took ([0-9.]+) GiB")
@@ -114,6 +119,14 @@ class StartupLog:
     non_default_args: dict[str, Any] = field(default_factory=dict)
     model_loading_gib: list[float] = field(default_factory=list)  # one per worker
     available_kv_gib: list[float] = field(default_factory=list)  # one per worker
+    # The pipeline stage of each printed figure above (V1: 0 without PP). vLLM prints
+    # its own worker's budget and sizes the cache from the smallest over all workers,
+    # which a stage that did not print it may hold.
+    available_kv_stage: list[int] = field(default_factory=list)
+    # Per pipeline stage, as its workers' profiling lines state them (V1).
+    stage_non_kv_gib: dict[int, float] = field(default_factory=dict)
+    stage_activation_gib: dict[int, float] = field(default_factory=dict)
+    stage_non_torch_gib: dict[int, float] = field(default_factory=dict)
     kv_cache_tokens: int | None = None
     num_gpu_blocks: int | None = None  # the V0 engine logged blocks, not tokens
     concurrency_len: int | None = None
@@ -164,6 +177,7 @@ def parse_log(text: str) -> StartupLog:
             log.model_loading_gib.append(float(match.group(1)))
         if match := _PROFILE_V0.search(line):
             log.available_kv_gib.append(float(match.group(1)))
+            log.available_kv_stage.append(0)
             log.engine = "v0"
             fields = dict(_V0_FIELD.findall(line))
             for name, attribute in (("total_gpu_memory", "total_gpu_gib"),
@@ -179,8 +193,13 @@ def parse_log(text: str) -> StartupLog:
             log.encoder_budget, log.encoder_items = int(match.group(1)), int(match.group(2))
         if match := _BLOCKS_V0.search(line):
             log.num_gpu_blocks = int(match.group(1))
+        stage_match = _PP_STAGE.search(line)
+        stage = int(stage_match.group(1)) if stage_match else 0
         if match := _AVAILABLE.search(line):
             log.available_kv_gib.append(float(match.group(1)))
+            log.available_kv_stage.append(stage)
+        if match := _NON_KV_TOTAL.search(line):
+            log.stage_non_kv_gib[stage] = float(match.group(1))
         if match := _TOKENS.search(line):
             log.kv_cache_tokens = int(match.group(1).replace(",", ""))
         if match := _CONCURRENCY.search(line):
@@ -194,6 +213,8 @@ def parse_log(text: str) -> StartupLog:
         if match := _PROFILE_V1.search(line):
             log.peak_torch_increase_gib = float(match.group(1))
             log.non_torch_gib = float(match.group(2))
+            log.stage_activation_gib[stage] = log.peak_torch_increase_gib
+            log.stage_non_torch_gib[stage] = log.non_torch_gib
         if match := _PROFILE_V1_CONSUMED.search(line):
             non_kv, consumed, weights = (float(match.group(i)) for i in (1, 3, 4))
             log.peak_torch_increase_gib = round(non_kv - consumed, 2)  # the transient peak
@@ -387,6 +408,29 @@ def format_comparisons(rows: list[Comparison]) -> str:
         cells[0] = line[0].ljust(widths[0])
         lines.append("  ".join(cells))
     return "\n".join(lines)
+
+
+def printed_stage(log: StartupLog) -> int:
+    """The pipeline stage whose budget the log's smallest printed "Available KV cache
+    memory" is (0 without PP, or where no worker is named)."""
+    if not log.available_kv_gib:
+        return 0
+    smallest = min(range(len(log.available_kv_gib)), key=log.available_kv_gib.__getitem__)
+    return log.available_kv_stage[smallest] if log.available_kv_stage else 0
+
+
+def engine_budget_gib(log: StartupLog, utilization: float | None) -> float | None:
+    """The budget vLLM sized the cache from: the smallest over its workers (0.19
+    kv_cache_utils.get_kv_cache_configs gives every worker the smallest block count).
+    A pipeline stage that did not print its budget still logs its non-KV total, so its
+    budget is utilization x total - that; the smallest of those and the printed ones."""
+    if not log.available_kv_gib:
+        return None
+    budgets = list(log.available_kv_gib)
+    if utilization is not None and log.total_gpu_gib is not None:
+        requested = utilization * log.total_gpu_gib
+        budgets += [requested - non_kv for non_kv in log.stage_non_kv_gib.values()]
+    return min(budgets)
 
 
 def component_rows(

@@ -1050,8 +1050,10 @@ def calibrate_command(args: argparse.Namespace) -> int:
         PER_GROUP_FORMULA,
         Comparison,
         component_rows,
+        engine_budget_gib,
         format_comparisons,
         parse_log,
+        printed_stage,
         printed_token_formula,
         profiled_tokens,
         settings_from_log,
@@ -1095,11 +1097,10 @@ def calibrate_command(args: argparse.Namespace) -> int:
             request, inputs = build_plan_request(config, options)
             response, summary, inputs = plan_built(request, inputs, _local_planner)
         given: plan_pb2.PlanResponse | None = None
-        if log.available_kv_gib:
+        budget = engine_budget_gib(log, options.gpu_memory_utilization)
+        if budget is not None:
             measured_budget = replace(
-                options,
-                gpu_memory_utilization=None,
-                kv_cache_memory_bytes=int(min(log.available_kv_gib) * GIB),
+                options, gpu_memory_utilization=None, kv_cache_memory_bytes=int(budget * GIB)
             )
             given = _local_planner(build_plan_request(config, measured_budget)[0])
     except (ModelConfigError, UnknownGpu, PlanningError) as error:
@@ -1111,13 +1112,19 @@ def calibrate_command(args: argparse.Namespace) -> int:
     worker = response.workers[0]
     groups = max(len(response.groups), 1)
     block = min((group.block_size for group in response.groups), default=16)
-    weights = inputs.weights.bytes_per_worker / GIB if inputs.weights is not None else None
+    # With PP the log prints its own stage's budget (0.19: the first stage's only), and
+    # kvplan plans one budget per stage: compare that stage with kvplan's for it.
+    stage = printed_stage(log)
+    staged = len(inputs.stage_overheads) > 1
+    stage_worker = response.workers[min(stage * (args.tp or 1), len(response.workers) - 1)]
+    weights_bytes = inputs.weights.stage_bytes(stage) if inputs.weights is not None else None
+    weights = weights_bytes / GIB if weights_bytes is not None else None
     rows = [
-        Comparison("model loading (weights) per worker", _first(log.model_loading_gib),
-                   weights, "GiB"),
+        Comparison("model loading (weights) per worker",
+                   _first(log.model_loading_gib), weights, "GiB"),
         Comparison("available KV cache memory per worker",
                    min(log.available_kv_gib) if log.available_kv_gib else None,
-                   summary.available_kv_bytes / GIB, "GiB"),
+                   stage_worker.budget.available_bytes / GIB, "GiB"),
         Comparison("KV cache tokens, " + CONCURRENCY_FORMULA,
                    _num(log.kv_cache_tokens), float(worker.kv_cache_size_tokens), "tokens"),
         Comparison("KV cache tokens, " + PER_GROUP_FORMULA,
@@ -1133,7 +1140,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
                    inputs.overhead.cudagraph_logged_bytes / GIB
                    if inputs.overhead is not None else None, "GiB"),
     ]  # fmt: skip
-    overhead = inputs.overhead
+    overhead = inputs.stage_overheads[stage] if staged else inputs.overhead
     encoder = overhead.encoder if overhead is not None else None
     if log.encoder_budget is not None:  # the log's "Encoder cache will be initialized" line
         rows += [
@@ -1142,8 +1149,14 @@ def calibrate_command(args: argparse.Namespace) -> int:
             Comparison("encoder items profiled", _num(log.encoder_items),
                        _num(encoder.items if encoder else None), "items"),
         ]  # fmt: skip
+    if staged:  # the printed stage's own profiling figures
+        log = replace(
+            log,
+            peak_torch_increase_gib=log.stage_activation_gib.get(stage),
+            non_torch_gib=log.stage_non_torch_gib.get(stage),
+        )
     rows += component_rows(
-        log, inputs.weights.bytes_per_worker if inputs.weights is not None else None,
+        log, weights_bytes,
         overhead.activation_peak_bytes if overhead is not None else None,
         overhead.non_torch_bytes if overhead is not None else None,
         overhead.cudagraph_bytes if overhead is not None else None,
@@ -1181,12 +1194,16 @@ def calibrate_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "release": log.release, "engine": log.engine, "settings_from_log": from_log,
+            "pipeline_stage": stage,
             "rows": [{"figure": r.figure, "measured": r.measured, "predicted": r.predicted,
                       "unit": r.unit, "error": r.error} for r in rows],
         }, indent=1))  # fmt: skip
         return 0
     print(f"vLLM {log.release or '(release not in the log)'}; settings from the log: "
           f"{from_log or 'none'}")  # fmt: skip
+    if staged:
+        print(f"pipeline stage {stage}: the stage whose budget the log printed; its weights, "
+              "activation and non-torch figures, beside kvplan's for that stage")  # fmt: skip
     print(format_comparisons(rows))
     return 0
 

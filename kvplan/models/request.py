@@ -100,6 +100,9 @@ class ModelPlanInputs:
     non_kv_bytes: int
     non_kv_given: bool
     notes: tuple[str, ...] = field(default=())
+    # One estimate per pipeline stage, first to last (`overhead` is the stage with the
+    # most memory outside the KV cache); empty where the non-KV memory was given.
+    stage_overheads: tuple[OverheadEstimate, ...] = ()
 
 
 def parse_speculative(text: str, draft_config: HFConfig | None = None) -> Speculative:
@@ -183,6 +186,7 @@ def build_plan_request(
             raise ModelConfigError(problem)
     weights: WeightEstimate | None = None
     overhead: OverheadEstimate | None = None
+    stage_overheads: tuple[OverheadEstimate, ...] = ()
     if options.non_kv_bytes is not None:
         non_kv = plan_pb2.NonKVMemory(weights_bytes=options.non_kv_bytes)
         total_non_kv = options.non_kv_bytes
@@ -197,20 +201,34 @@ def build_plan_request(
             options.pp_layer_partition,
         )
         release = options.engine_release or options.engine_version
-        overhead = estimate_overhead(
-            config, layers, tp, batched, max_num_seqs, release, options.flashinfer,
-            max_model_len=options.max_model_len,  # None or -1 (auto): the model's
-            pcie_only_gpu=pcie_only,
-            multimodal=options.multimodal,
-            disable_custom_all_reduce=options.disable_custom_all_reduce,
+        # Each pipeline stage profiles its own phases (only the last samples; the others
+        # keep what they receive): one estimate per stage.
+        stage_overheads = tuple(
+            estimate_overhead(
+                config, layers, tp, batched, max_num_seqs, release, options.flashinfer,
+                max_model_len=options.max_model_len,  # None or -1 (auto): the model's
+                pcie_only_gpu=pcie_only,
+                multimodal=options.multimodal,
+                disable_custom_all_reduce=options.disable_custom_all_reduce,
+                gpu_arch=gpu_arch,
+                pipeline_stage=stage,
+                pipeline_parallel_size=pp,
+            )
+            for stage in range(pp)
         )  # fmt: skip
+        # The stage with the most memory outside the KV cache is the one that limits it.
+        stage_non_kv = [
+            weights.stage_bytes(stage) + stage_overheads[stage].total_bytes for stage in range(pp)
+        ]
+        largest = stage_non_kv.index(max(stage_non_kv))
+        overhead = stage_overheads[largest]
         non_kv = plan_pb2.NonKVMemory(
             weights_bytes=weights.bytes_per_worker,
             # As vLLM 0.34 counts it: the CUDA-graph estimate with the activation peak.
             activation_peak_bytes=overhead.activation_peak_bytes + overhead.cudagraph_bytes,
             non_torch_bytes=overhead.non_torch_bytes,
         )
-        total_non_kv = weights.bytes_per_worker + overhead.total_bytes
+        total_non_kv = weights.stage_bytes(largest) + overhead.total_bytes
     max_model_len = options.max_model_len or layers.derived_max_model_len
     if max_model_len > layers.derived_max_model_len:
         raise ModelConfigError(
@@ -275,10 +293,16 @@ def build_plan_request(
         worker.memory.non_kv.CopyFrom(non_kv)
         if weights is not None:  # each stage holds its own layers and embeddings
             worker.memory.non_kv.weights_bytes = weights.stage_bytes(rank // tp)
+        if stage_overheads:  # and profiles its own phases
+            mine = stage_overheads[rank // tp]
+            worker.memory.non_kv.activation_peak_bytes = (
+                mine.activation_peak_bytes + mine.cudagraph_bytes
+            )
     inputs = ModelPlanInputs(
         layers=layers,
         weights=weights,
         overhead=overhead,
+        stage_overheads=stage_overheads,
         non_kv_bytes=total_non_kv,
         non_kv_given=options.non_kv_bytes is not None,
         notes=layers.notes

@@ -39,10 +39,10 @@ class ProfileRules:
 
     name: str
     # The dummy sampler run's peak per logit (max_num_seqs x vocab logits) on the
-    # release's default top-k/top-p path: 16 B, what vLLM 0.19 measured on its Triton
-    # kernel (its logs: FlashInfer's sampler "available but disabled by default").
-    # Assumed the same for FlashInfer's, the default from 0.21 (vllm#40376): no log
-    # with the activation peak checks it.
+    # release's default top-k/top-p path, with 16-bit model logits (a float32 model's
+    # adds 2 B). 0.17-0.19's Triton kernel: 14 B, read in 0.19.0's sampler and checked
+    # on its logs (`_TRITON_SAMPLER`). FlashInfer's, the default from 0.21
+    # (vllm#40376), is assumed at 16 B: no log with the activation peak checks it.
     sampler_bytes_per_logit: int
     # Memory outside torch's allocator that appears during the profile run (cuBLAS
     # workspaces and lazily loaded kernels; with TP > 1 also NCCL communicators and
@@ -101,6 +101,10 @@ class ProfileRules:
     # sample allocates, which the V1 runner's graph estimate counts (vllm#50780; 0 =
     # none). `gdn_graph_transient` says which context that sample runs.
     gdn_graph_transient_per_context_token: int = 0
+    # Whether the release's top-k/top-p kernel keeps a float32 row buffer of the
+    # vocabulary per program, one program per SM (0.17-0.19's Triton kernel,
+    # `triton_row_buffer_bytes`).
+    sampler_row_buffer: bool = False
 
 
 # The profile run samples every request with top-k and top-p. Without FlashInfer, V1
@@ -120,6 +124,28 @@ class ProfileRules:
 _SORT_HELD_PER_LOGIT = 18  # the CPU-measured part
 _CUDA_SORT_WORKSPACE_PER_LOGIT = 8 + 4 + 8
 _SORT_SAMPLER = _SORT_HELD_PER_LOGIT + _CUDA_SORT_WORKSPACE_PER_LOGIT
+# 0.17-0.19 (read in 0.19.0's wheel: gpu_model_runner._dummy_sampler_run, Sampler,
+# topk_topp_sampler, topk_topp_triton): with 8 or more requests the top-k/top-p masks
+# are applied in place by vllm#33538's Triton kernel, so nothing is sorted. At the
+# peak, `random_sample`, the run holds the model-dtype logits (2 B; the dummy run
+# keeps them), their float32 copy (4 B), the softmax probabilities (4 B) and the
+# exponential noise they are divided by (4 B): 14 B. A float32 model's peak is 2 B
+# more per logit, as its logits are (Llama-3.1-8B float32, 0.19, H100: 2.21 GiB is
+# 16.0 B per logit with the other terms; that the float32 copy is still made there is
+# read off that log, not off the code, where `.to(float32)` returns the tensor).
+_TRITON_SAMPLER = 2 + 4 + 4 + 4
+# The Triton kernel's float32 buffer of min(next_pow2(min(SMs, requests)), SMs) rows
+# of the vocabulary, cached for the process; taken at the H100 / H200's 132 SMs, the
+# parts of the logs (another part is off by its SM difference x vocab x 4 B: 10 SMs
+# of a 256K vocabulary are 0.01 GiB).
+_TRITON_SAMPLER_SMS = 132
+# PyTorch's cuBLAS workspace (CublasHandlePool.cpp `parseChosenWorkspaceSize`,
+# unified with cuBLASLt's), allocated through the caching allocator by the first GEMM
+# after the profile's baseline, so it is in the activation peak: 32 MiB on compute
+# capability 9, 10 and 12 (Hopper, Blackwell), 8 MiB + 128 KiB before. The 0.19 H100
+# logs leave 29-39 MiB above the sampler phase's tensors on every dense model.
+CUBLAS_WORKSPACE_HOPPER = 32 * MIB
+CUBLAS_WORKSPACE_OLDER = 8 * MIB + 128 * 1024
 
 
 _NON_TORCH_TP1 = round(0.25 * GIB)
@@ -170,7 +196,15 @@ PROFILES: dict[str, ProfileRules] = {
     # V1 0.17 to 0.19: the Triton top-k/top-p kernel; the CUDA-graph estimate is logged
     # but not subtracted (0.19.0's own line: "To try it now, set
     # VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1").
-    "v1-0.19": ProfileRules("vLLM V1 0.17-0.19", 16, _NON_TORCH_TP1, _NON_TORCH_TP, 0, 0),
+    "v1-0.19": ProfileRules(
+        "vLLM V1 0.17-0.19",
+        _TRITON_SAMPLER,
+        _NON_TORCH_TP1,
+        _NON_TORCH_TP,
+        0,
+        0,
+        sampler_row_buffer=True,
+    ),
     # 0.26 to 0.28 on hybrid GDN models (Qwen3-Next, Qwen3.5 / 3.6): vllm#50780, the V1
     # runner's graph estimate counts a transient of its first FULL sample, about
     # 128 KiB per context token of that sample (the issue's measurement on
@@ -278,10 +312,58 @@ def sampler_bytes_per_logit(rules: ProfileRules, flashinfer: bool = True) -> int
     return rules.sampler_bytes_per_logit
 
 
+# A pipeline stage's profile run (vLLM 0.19's gpu_model_runner.profile_run and
+# _dummy_run): only the last stage runs the dummy sampler (`is_last_rank`), and every
+# stage but the first keeps the tensors it receives, `make_empty_intermediate_tensors`
+# of max_num_batched_tokens rows: hidden states and residual (the Llama-style
+# families), zeros in the model dtype, held for the process. Llama-3.1-8B at PP 2
+# (0.19, H100): the last stage logs 2.01 GiB, 1.89 (its TP 1 figure) + 2 x 8,192 x
+# 4,096 x 2 B (0.125 GiB).
+_PP_RECEIVED_TENSORS = 2
+
+
+def triton_row_buffer_bytes(rules: ProfileRules, max_num_seqs: int, vocab: int) -> int:
+    """The float32 row buffer `rules`' top-k/top-p kernel keeps (0 where it has none):
+    one vocabulary row per program, min(next_pow2(min(SMs, requests)), SMs) rows, and
+    no kernel at all under 8 requests (the release then sorts a small batch in torch)."""
+    if not rules.sampler_row_buffer or max_num_seqs < 8:
+        return 0
+    programs = min(_TRITON_SAMPLER_SMS, max_num_seqs)
+    rows = min(1 << (programs - 1).bit_length(), _TRITON_SAMPLER_SMS)
+    return rows * vocab * 4
+
+
+def cublas_workspace_bytes(gpu_arch: str) -> int:
+    """PyTorch's cuBLAS workspace on a part of `gpu_arch` (the catalog's): 32 MiB on
+    Hopper and Blackwell, and where the part is not known; 8 MiB + 128 KiB on Ampere
+    and Ada."""
+    return CUBLAS_WORKSPACE_OLDER if gpu_arch in ("ampere", "ada") else CUBLAS_WORKSPACE_HOPPER
+
+
+def moe_workspace_per_token(c: HFConfig, tensor_parallel_size: int) -> int:
+    """Elements per batched token of the fused-MoE scratch vLLM's workspace manager
+    keeps (0.19's modular TritonExperts, `workspace_shapes` and
+    `_allocate_buffers`): workspace13, top_k x max(activation output, hidden), which
+    the output (hidden) shares, and workspace2, top_k x max(gate-up output, hidden).
+    The gate-up output is 2 x the expert size per rank for a gated activation, 1 x for
+    relu^2; the activation's output 1 x. Checked on 0.19's H100 logs: Mixtral-8x7B at
+    TP 2 672 MiB and Qwen3-30B-A3B 512 MiB above the dense terms, against 673 and 519."""
+    hidden = c.integer("hidden_size")
+    expert = c.integer("moe_intermediate_size") if c.has("moe_intermediate_size") else 0
+    expert = (expert or c.integer("intermediate_size")) // tensor_parallel_size
+    top_k = c.opt_integer("num_experts_per_tok") or c.opt_integer("moe_topk") or 1
+    gate_up = (_matrices(c) - 1) * expert
+    return top_k * (max(expert, hidden) + max(gate_up, hidden))
+
+
 OVERHEAD_FORMULA = (
-    "activation_peak = max(tokens x (3 x hidden + max(attention_per_rank, mlp_per_rank))"
-    " x act_bytes, tokens x hidden x act_bytes + max_num_seqs x vocab x 16 B"
-    " (38 B on PyTorch's sort: vLLM 0.11.1-0.16, and <= 0.11.0 without FlashInfer));"
+    "activation_peak = cuBLAS workspace (32 MiB; 8 MiB before Hopper) + max(tokens x"
+    " (3 x hidden + max(attention_per_rank, mlp_per_rank)) x act_bytes, (tokens + 2 x"
+    " max_num_seqs) x hidden x act_bytes [+ the fused-MoE workspace, tokens x top_k x"
+    " (max(expert/tp, hidden) + max(gate_up/tp, hidden)) x act_bytes, from 0.13, not with"
+    " MXFP4's monolithic kernels] + max_num_seqs x vocab x 16 B (14 B on vLLM 0.17-0.19's"
+    " Triton kernel, + 132 x vocab x 4 B of its row buffer; 38 B on PyTorch's sort: vLLM"
+    " 0.11.1-0.16, and <= 0.11.0 without FlashInfer; + 2 B with float32 logits));"
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
     " for MoE;  non_torch = 2.07 GiB where vLLM runs custom all-reduce (TP 2, 4, 6, 8, 16;"
     " not --disable-custom-all-reduce; not TP > 2 on GPUs without NVLink), else 0.25 GiB;"
@@ -1098,6 +1180,83 @@ def _mxfp4_experts_per_rank(c: HFConfig, tp: int, arch: str) -> int:
     return int((weights + biases) * c.integer("num_hidden_layers"))
 
 
+# PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp, the same in the
+# releases vLLM 0.19-0.34 ship; vLLM leaves expandable segments off): a request of
+# 10 MiB (kMinLargeAlloc) or more gets a new segment rounded up to 2 MiB (kRoundLarge),
+# and a block is split only where more than 1 MiB (kSmallSize) would remain
+# (`should_split`). A tensor within 1 MiB under a 2 MiB multiple so holds the whole
+# block, which torch counts as allocated and vLLM's "Model loading took" reads
+# (torch.cuda.max_memory_allocated right after a peak reset).
+_ALLOC_MIN_LARGE = 10 * MIB
+_ALLOC_ROUND_LARGE = 2 * MIB
+_ALLOC_SPLIT_REMAINDER = 1 * MIB
+
+
+def allocator_rounding_bytes(nbytes: int) -> int:
+    """What the caching allocator charges a fresh tensor of `nbytes` beyond its size."""
+    if nbytes < _ALLOC_MIN_LARGE:
+        return 0  # carved out of a 20 MiB segment and split: not modelled (small)
+    remainder = -nbytes % _ALLOC_ROUND_LARGE
+    return remainder if remainder <= _ALLOC_SPLIT_REMAINDER else 0
+
+
+_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py)
+
+
+def weight_rounding_bytes(
+    config: HFConfig, layers: ModelLayers, tp: int, start: int, end: int, stages: int
+) -> int:
+    """The caching allocator's rounding (`allocator_rounding_bytes`) over one rank's
+    weight tensors of decoder layers [start, end) of a `stages`-stage pipeline, as vLLM
+    builds them unquantized: the fused QKV and output projections, the fused gate-up
+    and down projections (per layer, or per MoE layer the experts' w13 and w2 stacks),
+    the vocab-parallel embedding on the first stage and the LM head on the last
+    (vocabulary padded to 64). Checked on vLLM 0.19's logs: Qwen2.5-7B 57 / 21.5 / 0.2
+    MiB at TP 1 / 2 / 4 against 54-64 / 15-25 / -9-1 MiB over the parameters, Phi-4
+    80 (77-87), Qwen2.5-72B 80 at TP 2 and 120 at TP 4 (78-88, 118-128), Llama-3.1-8B,
+    Qwen3-8B and Gemma 2 0-2 (within the logs' 0.01 GiB). 0 where the layout is not
+    this one (MLA, state-space layers, shared experts, interleaved or periodic MoE
+    layers, gated attention): not modelled there."""
+    c = text_config(config, layers.architecture)
+    if layers.encoder_decoder or any(layer.is_state for layer in layers.layers):
+        return 0
+    special = ("kv_lora_rank", "interleave_moe_layer_step", "expert_layer_period",
+               "n_shared_experts", "moe_shared_expert_intermediate_size")  # fmt: skip
+    if any(c.has(key) for key in special) or c.size_or_none("shared_expert_intermediate_size"):
+        return 0
+    if _GATED_ATTENTION.get(c.text("model_type", ""), False):
+        return 0
+    dtype = layers.model_dtype.size_bytes
+    hidden = c.integer("hidden_size")
+    heads = c.integer("num_attention_heads")
+    head_dim = c.integer("head_dim") if c.has("head_dim") else hidden // heads
+    kv_heads = c.integer("num_key_value_heads") if c.has("num_key_value_heads") else heads
+    q, kv = heads // tp * head_dim, max(1, kv_heads // tp) * head_dim
+    attention = allocator_rounding_bytes((q + 2 * kv) * hidden * dtype)
+    attention += allocator_rounding_bytes(q * hidden * dtype)
+    gate_up_matrices = _matrices(c) - 1
+
+    def mlp(size: int, count: int) -> int:
+        gate_up = count * gate_up_matrices * (size // tp) * hidden * dtype
+        down = count * hidden * (size // tp) * dtype
+        return allocator_rounding_bytes(gate_up) + allocator_rounding_bytes(down)
+
+    experts = _expert_count(c)
+    dense_first = c.integer("first_k_dense_replace", 0, minimum=0)
+    expert_size = c.size_or_none("moe_intermediate_size") or c.integer("intermediate_size")
+    dense_mlp = mlp(c.integer("intermediate_size"), 1)
+    total = 0
+    for layer in range(start, end):
+        moe = experts and layer >= dense_first
+        total += attention + (mlp(expert_size, experts) if moe else dense_mlp)
+    rows = -(-c.integer("vocab_size") // _VOCAB_PADDING) * _VOCAB_PADDING // tp
+    table = allocator_rounding_bytes(rows * hidden * dtype)
+    tied = c.flag("tie_word_embeddings", False)
+    first, last = start == 0, end == c.integer("num_hidden_layers")
+    total += table * first + table * (last and (not tied or stages > 1))
+    return total
+
+
 def estimate_weights(
     config: HFConfig,
     layers: ModelLayers,
@@ -1169,6 +1328,8 @@ def estimate_weights(
             quantized = stage.total - unquantized - stage.router
             sharded = int(unquantized * dtype_bytes + quantized * quant_bytes)
             rank = -(-sharded // tp) + stage_router
+        if name == "none":
+            rank += weight_rounding_bytes(config, layers, tp, start, end, len(bounds))
         per_stage.append(rank + rope)
     return WeightEstimate(params, name, total, max(per_stage), tuple(per_stage), rope)
 
@@ -1212,6 +1373,9 @@ def estimate_overhead(
     pcie_only_gpu: bool = False,
     multimodal: MultimodalOptions | None = None,
     disable_custom_all_reduce: bool = False,
+    gpu_arch: str = "",
+    pipeline_stage: int = 0,
+    pipeline_parallel_size: int = 1,
 ) -> OverheadEstimate:
     """The profile run's peak over the weights: a forward pass of
     `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
@@ -1222,7 +1386,10 @@ def estimate_overhead(
     sampler's path). `max_model_len` (default: the model's) bounds the context of the
     graph estimate's long sample where a release has one (`gdn_graph_transient`);
     `pcie_only_gpu` whether the GPU has no NVLink and `disable_custom_all_reduce`
-    vLLM's flag (`custom_all_reduce_on`, `non_torch_bytes`); `multimodal`,
+    vLLM's flag (`custom_all_reduce_on`, `non_torch_bytes`); `gpu_arch` the catalog's
+    architecture ("": not known), which sizes cuBLAS's workspace; `pipeline_stage` of
+    `pipeline_parallel_size` the stage whose worker this is (`stage_activation_terms`);
+    `multimodal`,
     vLLM's flags, sets a multimodal model's encoder item count (kvplan.models.encoder):
     its encoder runs first, so the peak is then the larger of its inputs plus its
     forward, and its inputs and embeddings plus the decoder's phases, which run while
@@ -1231,19 +1398,26 @@ def estimate_overhead(
     hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
     act_bytes = layers.model_dtype.size_bytes
     forward = max_num_batched_tokens * _per_token_activation(c, tensor_parallel_size) * act_bytes
-    sampler = max_num_batched_tokens * hidden * act_bytes
+    # The sampler phase holds the forward's hidden states, the requests' last hidden
+    # states (`_dummy_run` returns them indexed out) and the random stand-in
+    # `_dummy_sampler_run` computes the logits from.
+    sampler = (max_num_batched_tokens + 2 * max_num_seqs) * hidden * act_bytes
     rules = profile_rules(release)
-    if _expert_count(c) and rules.moe_workspace_held:
+    # MXFP4 experts run a monolithic kernel on Hopper and Blackwell (0.19's
+    # oracle/mxfp4.py prefers OAITritonMxfp4ExpertsMonolithic, and FlashInfer's
+    # TRT-LLM one), which takes no workspace from the manager.
+    monolithic_moe = _quantization(config)[0] == "mxfp4"
+    if _expert_count(c) and rules.moe_workspace_held and not monolithic_moe:
         # The fused-MoE kernels' scratch lives in vLLM's workspace manager, which keeps
         # it after the forward pass: it is still held while the sampler runs (where the
         # release has one: `moe_workspace_held`).
-        expert = c.integer("moe_intermediate_size") if c.has("moe_intermediate_size") else 0
-        expert = expert or c.integer("intermediate_size")
-        top_k = c.opt_integer("num_experts_per_tok") or c.opt_integer("moe_topk") or 1
-        per_token = top_k * (_matrices(c) * expert // tensor_parallel_size + hidden)
+        per_token = moe_workspace_per_token(c, tensor_parallel_size)
         sampler += max_num_batched_tokens * per_token * act_bytes
-    logits = max_num_seqs * c.integer("vocab_size")
-    sampler += logits * sampler_bytes_per_logit(rules, flashinfer)
+    vocab = c.integer("vocab_size")
+    logits = max_num_seqs * vocab
+    # The rules count 16-bit model logits; float32 ones hold 2 B more per logit.
+    per_logit = sampler_bytes_per_logit(rules, flashinfer) + max(act_bytes - 2, 0)
+    sampler += logits * per_logit + triton_row_buffer_bytes(rules, max_num_seqs, vocab)
     custom_all_reduce = custom_all_reduce_on(
         tensor_parallel_size, pcie_only_gpu, disable_custom_all_reduce
     )
@@ -1272,9 +1446,13 @@ def estimate_overhead(
         max_num_seqs,
         multimodal or MultimodalOptions(),
     )
-    peak = max(forward, sampler)
-    if encoder is not None:
+    last_stage = pipeline_stage == pipeline_parallel_size - 1
+    peak = max(forward, sampler) if last_stage else forward
+    if encoder is not None:  # every stage profiles the encoder (no stage check)
         peak = max(encoder.encoder_phase_bytes, encoder.held_bytes + peak)
+    if pipeline_stage > 0:
+        peak += _PP_RECEIVED_TENSORS * max_num_batched_tokens * hidden * act_bytes
+    peak += cublas_workspace_bytes(gpu_arch)
     # Qwen3-VL's deepstack buffers exist from the model's construction on.
     peak += deepstack_buffer_bytes(
         config, max_num_batched_tokens, act_bytes, multimodal or MultimodalOptions()

@@ -9,9 +9,18 @@ from pathlib import Path
 import pytest
 
 from kvplan.cli import main
-from kvplan.models.calibrate import parse_log, settings_from_log
+from kvplan.models import import_layers, load_config
+from kvplan.models.calibrate import (
+    engine_budget_gib,
+    parse_log,
+    printed_stage,
+    settings_from_log,
+)
+from kvplan.models.weights import estimate_overhead
 
 ROOT = Path(__file__).parents[2]
+GIB = 1 << 30
+MIB = 1 << 20
 DATA = ROOT / "tests" / "data" / "calibration"
 RECORDS = sorted(path.stem for path in DATA.glob("*.json"))
 
@@ -227,3 +236,43 @@ def test_custom_all_reduce_off_is_read_from_the_log(
     assert settings_from_log(parse_log(flagged.read_text()))["disable_custom_all_reduce"]
     assert round(non_torch(flagged), 2) == 0.25
     assert round(non_torch(args_line), 2) == 0.25
+
+
+def test_a_pipeline_log_is_compared_stage_by_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    # Llama-3.1-8B at PP 2 (vLLM 0.19, H100): only the first stage prints its budget;
+    # both stages log their non-KV total, and the engine sizes the cache from the
+    # smaller budget, the last stage's (0.95 x 79.19 - 9.6 = 65.63 GiB: 1,075,312 tokens).
+    name = "llama-3.1-8b-h100-pp2-llmd-v0.19"
+    log = parse_log((DATA / f"{name}.log").read_text())
+    assert (log.available_kv_gib, log.available_kv_stage) == ([66.54], [0])
+    assert log.stage_non_kv_gib == {0: 8.69, 1: 9.6}
+    assert log.stage_activation_gib == {0: 1.1, 1: 2.01}
+    assert log.stage_non_torch_gib == {0: 0.07, 1: 0.07}
+    assert printed_stage(log) == 0
+    assert engine_budget_gib(log, 0.95) == pytest.approx(0.95 * 79.19 - 9.6)
+    # kvplan plans each stage's own profile: the first runs no sampler, the last keeps
+    # the hidden states and residual it receives (2 x 8,192 x 4,096 x 2 B).
+    config = load_config(str(ROOT / "examples/models/llama-3.1-8b/config.json"))
+    layers = import_layers(config)
+    first, last = (
+        estimate_overhead(config, layers, 1, 8192, 1024, "0.19.0", gpu_arch="hopper",
+                          pipeline_stage=stage, pipeline_parallel_size=2)
+        for stage in (0, 1)
+    )  # fmt: skip
+    alone = estimate_overhead(config, layers, 1, 8192, 1024, "0.19.0", gpu_arch="hopper")
+    assert first.activation_peak_bytes == 8192 * (3 * 4096 + 3 * 14_336) * 2 + 32 * MIB
+    assert last.activation_peak_bytes == alone.activation_peak_bytes + 2 * 8192 * 4096 * 2
+    assert abs(last.activation_peak_bytes / GIB - log.stage_activation_gib[1]) <= 0.005
+    # calibrate compares the printed stage with kvplan's budget for that stage, and
+    # reproduces the tokens from the smaller budget.
+    meta = json.loads((DATA / f"{name}.json").read_text())
+    args = ["calibrate", str(DATA / f"{name}.log"), "--model", str(ROOT / meta["model"])]
+    assert main([*args, "--gpu", "H100", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["pipeline_stage"] == 0
+    rows = {row["figure"]: row for row in printed["rows"]}
+    available = rows["available KV cache memory per worker"]
+    assert available["measured"] == 66.54 and abs(available["error"]) <= 0.01
+    reproduced = rows["KV cache tokens from the logged budget, num_blocks // groups x block"]
+    assert abs(reproduced["error"]) <= 0.0001
+    assert rows["activation peak of the profile run"]["measured"] == 1.1

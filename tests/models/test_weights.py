@@ -12,11 +12,18 @@ from kvplan.cli import main
 from kvplan.gpus import CATALOG, GPU_MEMORY_BYTES, lookup_gpu
 from kvplan.models.config import HFConfig, load_config
 from kvplan.models.importer import Deployment, ModelLayers, import_layers
-from kvplan.models.weights import _vision_params, count_params, estimate_weights
+from kvplan.models.weights import (
+    _vision_params,
+    allocator_rounding_bytes,
+    count_params,
+    estimate_weights,
+    weight_rounding_bytes,
+)
 from server.devices import parse_inventory
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
 GIB = 2**30
+MIB = 2**20
 
 # Total parameters as each Hugging Face model card (or its safetensors index) publishes
 # them, for every shipped published config; the MTP / vision parts kvplan does not count
@@ -160,6 +167,42 @@ def test_gpt_oss_120b_on_one_hopper_gpu_as_vllm_loads_it() -> None:
     assert abs(triton.bytes_per_worker / GIB - 64.38) < 0.005 * 64.38
     marlin = estimate_weights(config, layers, 1, 1, "ampere")
     assert abs(marlin.bytes_per_worker / GIB - 65.9651) < 0.005 * 65.9651
+
+
+# "Model loading took X GiB" in vLLM 0.19's H100 logs (llm-d-planner d3121e0,
+# accuracy/results/v0.19.0/logs; printed to 0.01 GiB): per rank, unquantized bf16.
+LOGGED_WEIGHTS: tuple[tuple[str, int, float], ...] = (
+    ("qwen2.5-7b-instruct", 1, 14.25),  # qwen-qwen2-5-7b-instruct--h100-80gb--tp1pp1dp1--8192
+    ("qwen2.5-7b-instruct", 2, 7.12),  # ...--tp2pp1dp1--8192
+    ("qwen2.5-7b-instruct", 4, 3.55),  # ...--tp4pp1dp1--8192
+    ("qwen2.5-72b-instruct", 2, 67.80),  # qwen-qwen2-5-72b-instruc--h100-80gb--tp2pp1dp1--8192
+    ("phi-4", 1, 27.39),  # microsoft-phi-4--h100-80gb--tp1pp1dp1--8192
+    ("llama-3.1-8b", 1, 14.99),  # meta-llama-llama-3-1-8b---h100-80gb--tp1pp1dp1--8192
+    ("llama-3.1-8b", 2, 7.51),
+    ("llama-3.1-8b", 4, 3.77),
+    ("qwen3-8b", 1, 15.27),  # qwen-qwen3-8b--h100-80gb--tp1pp1dp1--8192
+    ("gemma-2-9b", 1, 17.22),  # google-gemma-2-9b-it--h100-80gb--tp1pp1dp1--8192
+)
+
+
+def test_the_caching_allocators_rounding_is_charged_as_vllm_reads_it() -> None:
+    # A fresh tensor of 10 MiB or more is charged its 2 MiB-rounded segment where at
+    # most 1 MiB would remain (PyTorch's should_split), else its own size.
+    assert allocator_rounding_bytes(9 * MIB + 1) == 0  # a 20 MiB segment, split
+    assert allocator_rounding_bytes(31 * MIB + MIB // 2) == MIB // 2  # Qwen2.5-7B's QKV
+    assert allocator_rounding_bytes(24 * MIB + MIB // 2) == 0  # 1.5 MiB remains: split
+    assert allocator_rounding_bytes(32 * MIB) == 0
+    # Qwen2.5-7B's figure is parameters + RoPE cache + 57 / 21.5 / 0.2 MiB at TP 1 / 2 / 4
+    # (its QKV, down projection and vocabulary tables sit just under 2 MiB multiples);
+    # Llama, Qwen3 and Gemma 2's tensors are 2 MiB multiples.
+    for model, tp, logged in LOGGED_WEIGHTS:
+        config = load_config(str(MODELS / model / "config.json"))
+        layers = import_layers(config, Deployment(tensor_parallel_size=tp))
+        estimate = estimate_weights(config, layers, tp, 1, "hopper")
+        assert abs(estimate.bytes_per_worker / GIB - logged) <= 0.005, (model, tp, estimate)
+    qwen = load_config(str(MODELS / "qwen2.5-7b-instruct" / "config.json"))
+    rounding = [weight_rounding_bytes(qwen, import_layers(qwen), tp, 0, 28, 1) for tp in (1, 2, 4)]
+    assert rounding == [57 * MIB, 21 * MIB + MIB // 2, MIB // 4]
 
 
 def test_one_figure_per_gpu_name_on_every_path() -> None:
