@@ -395,6 +395,8 @@ def prefix_rule_to_proto(
     out.hit_unit_tokens = facts.unit
     out.group_hit_unit_tokens.extend(facts.group_units)
     out.min_shared_prefix_tokens = facts.min_shared_prefix
+    out.min_any_hit_prefix_tokens = facts.min_any_hit_prefix
+    out.min_any_hit_stored_tokens = facts.min_any_hit_stored_tokens
     out.drop_group_ids.extend(group_ids[i] for i in facts.drop_groups)
     out.drop_tokens = facts.drop_tokens
     out.hash_block_tokens = setup.hash_block if facts.on else 0
