@@ -45,6 +45,11 @@ def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: 
         if last_boundary > window:
             return 0
         hit = max(0, min(hit, reach - unit, last_boundary - unit))
+        # Each further dropping window of its own spec takes a unit more while it
+        # is longer than the hit (the coordinator looks them up in turn).
+        for other in prefix_cache.further_drop_window_tokens:
+            if 0 < hit < other:
+                hit -= unit
     return hit
 
 

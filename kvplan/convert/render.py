@@ -24,6 +24,7 @@ from kvplan.core.prefix_warnings import (
     PrefixContext,
     boundary_block,
     drop_window,
+    drop_windows,
     mamba_checkpoint_strides,
     off_detail,
     prefix_warnings,
@@ -406,6 +407,7 @@ def prefix_rule_to_proto(
     out.boundary_block_tokens = boundary_block(setup, facts)
     out.mamba_checkpoint_tokens.extend(mamba_checkpoint_strides(setup, facts))
     out.drop_window_tokens = drop_window(setup, facts)
+    out.further_drop_window_tokens.extend(drop_windows(setup, facts)[1:])
 
 
 def prefix_cache_diagnostics(

@@ -1236,7 +1236,9 @@ class PrefixCacheDiagnostics(_message.Message):
           floor(N / c) * c - c when it is the same for every c in
           mamba_checkpoint_tokens (the Mamba prefill checkpoint; none when empty);
         then, w = drop_window_tokens, if that hit < w: 0 when
-        floor(N / s) * s - s > w, else min(hit, reach - u, floor(N / s) * s - s - u)
+        floor(N / s) * s - s > w, else min(hit, reach - u, floor(N / s) * s - s - u),
+        less u for each of further_drop_window_tokens, in order, still longer
+        than the hit
     (at least 0). client.prefix_cache.cached_tokens evaluates it.
     """
 
@@ -1260,6 +1262,7 @@ class PrefixCacheDiagnostics(_message.Message):
     DROP_WINDOW_TOKENS_FIELD_NUMBER: _builtins.int
     MIN_ANY_HIT_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
     MIN_ANY_HIT_STORED_TOKENS_FIELD_NUMBER: _builtins.int
+    FURTHER_DROP_WINDOW_TOKENS_FIELD_NUMBER: _builtins.int
     effectively_on: _builtins.bool
     off_reason: Global___PrefixCacheOffReason.ValueType
     off_detail: _builtins.str
@@ -1334,6 +1337,15 @@ class PrefixCacheDiagnostics(_message.Message):
         there is none or a sliding-window group keeps only replay boundaries.
         """
 
+    @_builtins.property
+    def further_drop_window_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With a draft drop: the windows (in whole blocks, tokens) of the other
+        dropping sliding-window groups finer than the hit unit, one per spec,
+        largest first, after drop_window_tokens; each takes a unit more off a hit
+        shorter than it (the rule above). Beside a rule_exact rule it changes no
+        answer (tests/core/test_prefix_warnings.py checks the rule for every N).
+        """
+
     def __init__(
         self,
         *,
@@ -1355,10 +1367,11 @@ class PrefixCacheDiagnostics(_message.Message):
         drop_window_tokens: _builtins.int = ...,
         min_any_hit_prefix_tokens: _builtins.int = ...,
         min_any_hit_stored_tokens: _builtins.int = ...,
+        further_drop_window_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["what_if", b"what_if"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_block_tokens", b"boundary_block_tokens", "boundary_only", b"boundary_only", "drop_group_ids", b"drop_group_ids", "drop_tokens", b"drop_tokens", "drop_window_tokens", b"drop_window_tokens", "effectively_on", b"effectively_on", "group_hit_unit_tokens", b"group_hit_unit_tokens", "hash_block_tokens", b"hash_block_tokens", "hash_lookahead_tokens", b"hash_lookahead_tokens", "hit_unit_tokens", b"hit_unit_tokens", "mamba_checkpoint_tokens", b"mamba_checkpoint_tokens", "min_any_hit_prefix_tokens", b"min_any_hit_prefix_tokens", "min_any_hit_stored_tokens", b"min_any_hit_stored_tokens", "min_shared_prefix_tokens", b"min_shared_prefix_tokens", "off_detail", b"off_detail", "off_reason", b"off_reason", "rule_exact", b"rule_exact", "what_if", b"what_if"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_block_tokens", b"boundary_block_tokens", "boundary_only", b"boundary_only", "drop_group_ids", b"drop_group_ids", "drop_tokens", b"drop_tokens", "drop_window_tokens", b"drop_window_tokens", "effectively_on", b"effectively_on", "further_drop_window_tokens", b"further_drop_window_tokens", "group_hit_unit_tokens", b"group_hit_unit_tokens", "hash_block_tokens", b"hash_block_tokens", "hash_lookahead_tokens", b"hash_lookahead_tokens", "hit_unit_tokens", b"hit_unit_tokens", "mamba_checkpoint_tokens", b"mamba_checkpoint_tokens", "min_any_hit_prefix_tokens", b"min_any_hit_prefix_tokens", "min_any_hit_stored_tokens", b"min_any_hit_stored_tokens", "min_shared_prefix_tokens", b"min_shared_prefix_tokens", "off_detail", b"off_detail", "off_reason", b"off_reason", "rule_exact", b"rule_exact", "what_if", b"what_if"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
