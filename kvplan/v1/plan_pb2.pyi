@@ -1317,7 +1317,9 @@ class PrefixCacheDiagnostics(_message.Message):
     min_shared_prefix_tokens.
     """
     min_any_hit_stored_tokens: _builtins.int
-    """A stored prompt length that gives that hit (Jamba: 81; 0: off)."""
+    """A stored prompt length that gives that hit (Jamba: 81; 0: off, or no hit
+    was seen).
+    """
     @_builtins.property
     def group_hit_unit_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """per group, by group_id (0: takes no part)"""
