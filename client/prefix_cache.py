@@ -45,18 +45,30 @@ def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: 
         if last_boundary > window:
             return 0
         hit = max(0, min(hit, reach - unit, last_boundary - unit))
+        # Each further dropping window of its own spec takes a unit more while it
+        # is longer than the hit (the coordinator looks them up in turn).
+        for other in prefix_cache.further_drop_window_tokens:
+            if 0 < hit < other:
+                hit -= unit
     return hit
 
 
 def summary(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
     """e.g. "prefix cache: hits in 2,096-token units; a prompt sent again hits only
-    from 4,192 tokens; the drafter's groups drop the last matched block (2,096 tokens)"."""
+    from 4,192 tokens; the drafter's groups drop the last matched block (2,096 tokens)";
+    where a shared prefix of a longer stored prompt hits lower, "...; a prompt sent
+    again hits only from 81 tokens; a shared prefix of a longer stored prompt from
+    80" (Jamba)."""
     if not prefix_cache.effectively_on:
         return f"prefix cache: no hit ever ({prefix_cache.off_detail or 'off'})"
-    parts = [
-        f"prefix cache: hits in {prefix_cache.hit_unit_tokens:,}-token units",
-        f"a prompt sent again hits only from {prefix_cache.min_shared_prefix_tokens:,} tokens",
-    ]
+    sent_again = prefix_cache.min_shared_prefix_tokens
+    reached = f"a prompt sent again hits only from {sent_again:,} tokens"
+    any_hit = prefix_cache.min_any_hit_prefix_tokens
+    if 0 < any_hit < sent_again:
+        # A longer stored prompt keeps its state further on (a server before the
+        # field leaves it 0: the sent-again figure alone).
+        reached += f"; a shared prefix of a longer stored prompt from {any_hit:,}"
+    parts = [f"prefix cache: hits in {prefix_cache.hit_unit_tokens:,}-token units", reached]
     if prefix_cache.drop_tokens:
         parts.append(
             f"the drafter's groups drop the last matched block ({prefix_cache.drop_tokens:,} "

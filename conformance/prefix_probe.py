@@ -15,7 +15,10 @@ probes, against cached_tokens_after_junction; --first-only skips them). For the
 minimum prefix (facts' min_shared_prefix) it stores a prompt of that many tokens,
 and of a few lengths below it, each on a new manager, and repeats it with one more
 token: vLLM must hit as kvplan says, so at the minimum and not below ("min"
-probes; --min-only runs these alone).
+probes; --min-only runs these alone). For the minimum shared prefix for any hit
+(facts' min_any_hit_prefix, M) it stores the prompt length kvplan says gives it and
+looks up M tokens of it, and M - 1 tokens of that and of stored lengths around it
+("any" probes, run beside the min probes).
 
     python -m conformance.prefix_probe [--only ID] [--stride K --offset I] [--limit N]
         [--out FILE]
@@ -52,6 +55,7 @@ from kvplan.core.prefix_cache import (
     cached_tokens,
     cached_tokens_after_junction,
     facts,
+    hit_candidates,
 )
 from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.prefix_facts import setup_from_plan
@@ -332,6 +336,73 @@ def min_probe_lengths(setup: PrefixCacheSetup) -> list[int]:
     return sorted({n for n in (minimum, minimum - 1, minimum - 2, minimum - f.unit) if n > 0})
 
 
+def any_hit_probe_pairs(setup: PrefixCacheSetup) -> list[tuple[int, int]]:
+    """(stored, shared) pairs the any-hit probes store and look up: the predicted
+    shortest shared prefix M for any hit (facts' min_any_hit_prefix) against the
+    stored length that gives it (S) and its neighbours; M - 1 against S, stored
+    lengths around it, M - 1 itself (sent again), a unit and a scheduler block
+    past S, and the first stored lengths past M - 1 where the hit can change
+    (`hit_candidates`): vLLM must hit at (S, M) and nowhere at M - 1. None where
+    the scan was not exact."""
+    f = facts(setup)
+    if not f.on or not f.min_any_hit_prefix_exact:
+        return []
+    minimum, at = f.min_any_hit_prefix, f.min_any_hit_stored_tokens
+    pairs = {(stored, minimum) for stored in (at - 1, at, at + 1) if stored >= minimum}
+    below = minimum - 1
+    if below > 0:
+        stored_lengths = {below, minimum, at - 2, at - 1, at, at + 1, at + 2}
+        stored_lengths |= {at + f.unit, at + setup.scheduler_block}
+        for count, stored in enumerate(hit_candidates(setup, below)):
+            if count >= 6:
+                break
+            stored_lengths.add(stored)
+        pairs |= {(stored, below) for stored in stored_lengths if stored >= below}
+    return sorted(pairs)
+
+
+def _probe_any(
+    case_id: str,
+    setup: PrefixCacheSetup,
+    counts: dict[str, int],
+    disagreements: list[Json],
+    failure_classes: dict[str, int],
+) -> None:
+    """The any-hit probes (vllm_min_hits at any_hit_probe_pairs) against
+    cached_tokens: vLLM hits at the predicted minimum for any hit with the stored
+    length kvplan names, and at nothing a token below it."""
+    pairs = any_hit_probe_pairs(setup)
+    try:
+        got = vllm_min_hits(pairs)
+    except PoolTooSmall as exc:
+        raise PoolTooSmall(f"{case_id} (any-hit probes {pairs}): {exc}") from exc
+    f = facts(setup)
+    minimum = f.min_any_hit_prefix
+    counts["any_lower_engines"] += bool(pairs) and minimum < f.min_shared_prefix
+    for (stored, shared), hit in zip(pairs, got, strict=True):
+        if isinstance(hit, str):
+            counts["lookup_crashes"] += 1
+            failure_classes[hit] = failure_classes.get(hit, 0) + 1
+            continue
+        want = cached_tokens(setup, shared, stored, shared + 1)
+        counts["any_probes"] += 1
+        counts["any_below"] += shared < minimum
+        if want == hit:
+            counts["any_agree"] += 1
+        elif len(disagreements) < 2000:
+            disagreements.append(
+                {
+                    "id": case_id,
+                    "any_hit_minimum": minimum,
+                    "shared": shared,
+                    "stored": stored,
+                    "vllm": hit,
+                    "kvplan": want,
+                    "setup": repr(setup),
+                }
+            )
+
+
 def _probe_min(
     case_id: str,
     setup: PrefixCacheSetup,
@@ -404,6 +475,13 @@ def run(
         # then repeated with one more token: vLLM hits at the minimum, not below.
         "min_probes": 0,
         "min_agree": 0,
+        # The shortest prefix shared with a stored prompt of any length that hits
+        # (min_any_hit_prefix), with the stored length that gives it, and a token
+        # below it with stored lengths around that one: vLLM hits as kvplan says.
+        "any_probes": 0,
+        "any_agree": 0,
+        "any_below": 0,  # any-hit probes a token below the minimum (kvplan: no hit)
+        "any_lower_engines": 0,  # engines probed whose any-hit minimum is below the other
     }
     # vLLM's own failures, by class (_failure): engines vLLM
     # cannot store a request for, and probes whose lookup raises. Reported, not compared.
@@ -475,6 +553,7 @@ def run(
                 )
         if minimum:
             _probe_min(case.id, setup, counts, disagreements, failure_classes)
+            _probe_any(case.id, setup, counts, disagreements, failure_classes)
     return {
         "counts": counts,
         "disagreements": disagreements,
@@ -580,7 +659,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{c['lookup_crashes']} lookups vLLM raises in; later requests (after the "
         f"junction is recorded): {c['later_probes']} probes, {c['later_agree']} agree, "
         f"{c['later_gain']} hit more than the first; minimum prefix: {c['min_probes']} "
-        f"probes, {c['min_agree']} agree ({result['meta']['seconds']:.0f} s)"
+        f"probes, {c['min_agree']} agree; any-hit minimum: {c['any_probes']} probes "
+        f"({c['any_below']} a token below it; {c['any_lower_engines']} engines where it is "
+        f"below the sent-again one), {c['any_agree']} agree "
+        f"({result['meta']['seconds']:.0f} s)"
     )
     for failure, count in sorted(result["failure_classes"].items(), key=lambda kv: -kv[1]):
         print(f"  vLLM fails {count}x: {failure}")
@@ -589,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         c["agree"] == c["probes"]
         and c["later_agree"] == c["later_probes"]
         and c["min_agree"] == c["min_probes"]
+        and c["any_agree"] == c["any_probes"]
     )
     return 0 if agree and not result["disagreements"] else 1
 

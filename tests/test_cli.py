@@ -398,6 +398,22 @@ def test_plan_prints_the_prefix_cache_line_and_answers_a_shared_prefix(
     assert plan.diagnostics.prefix_cache.what_if.shared_prefix_tokens == 1000
 
 
+def test_plan_says_where_a_shared_prefix_of_a_longer_stored_prompt_hits_lower(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Jamba: an 80-token prompt sent again keeps its Mamba state at 0 and misses;
+    80 shared tokens of an 81-token prompt hit 80 (PrefixCacheDiagnostics
+    .min_any_hit_prefix_tokens)."""
+    assert main(["plan", str(EXAMPLES / "jamba-mini.yaml")]) == 0
+    assert (
+        "prefix cache: hits in 80-token units; a prompt sent again hits only from 81 tokens; "
+        "a shared prefix of a longer stored prompt from 80"
+    ) in capsys.readouterr().out
+    pc = plan_json("jamba-mini.yaml", capsys).diagnostics.prefix_cache
+    assert (pc.min_shared_prefix_tokens, pc.min_any_hit_prefix_tokens) == (81, 80)
+    assert pc.min_any_hit_stored_tokens == 81
+
+
 def test_a_budget_below_the_non_kv_memory_is_said_in_positive_bytes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

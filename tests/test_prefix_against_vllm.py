@@ -136,6 +136,23 @@ def test_the_minimum_prefix_is_the_first_prompt_that_hits_when_repeated() -> Non
     assert vllm == [0] * 7 + [288]
 
 
+def test_a_shared_prefix_of_a_longer_stored_prompt_hits_below_the_sent_again_minimum() -> None:
+    """The same engine (x0788, vLLM 0.32): 576 tokens shared with a stored prompt of
+    578 hit 288, where a prompt sent again first hits at 578; 575 shared tokens hit
+    nothing, whatever the stored length around it (facts' min_any_hit_prefix and
+    min_any_hit_stored_tokens). vLLM 0.32's own manager agrees."""
+    request = find("prefix-mtp-reprefilled-tail-hybrid", "vllm-0.32")
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    f = facts(setup)
+    assert (f.min_any_hit_prefix, f.min_any_hit_stored_tokens) == (576, 578)
+    assert f.min_any_hit_prefix_exact
+    pairs = [(stored, 576) for stored in range(576, 582)]
+    pairs += [(stored, 575) for stored in (575, 576, 577, 578, 579, 580, 863, 864, 866)]
+    vllm = vllm_hits("0.32", request, [("min", stored, n, 1) for stored, n in pairs])
+    assert vllm == [cached_tokens(setup, n, stored, n + 1) for stored, n in pairs]
+    assert vllm[:6] == [0, 0, 288, 288, 288, 288] and not any(vllm[6:])
+
+
 def test_the_junction_checkpoint_lets_the_next_request_hit_inside_a_mamba_block() -> None:
     """vLLM's opt-in enable_mamba_shared_prefix_checkpoint (conformance's
     mamba_junction engines): 64-token Mamba blocks beside 16-token attention with an

@@ -24,6 +24,7 @@ from kvplan.core.prefix_warnings import (
     PrefixContext,
     boundary_block,
     drop_window,
+    drop_windows,
     mamba_checkpoint_strides,
     off_detail,
     prefix_warnings,
@@ -395,6 +396,8 @@ def prefix_rule_to_proto(
     out.hit_unit_tokens = facts.unit
     out.group_hit_unit_tokens.extend(facts.group_units)
     out.min_shared_prefix_tokens = facts.min_shared_prefix
+    out.min_any_hit_prefix_tokens = facts.min_any_hit_prefix
+    out.min_any_hit_stored_tokens = facts.min_any_hit_stored_tokens
     out.drop_group_ids.extend(group_ids[i] for i in facts.drop_groups)
     out.drop_tokens = facts.drop_tokens
     out.hash_block_tokens = setup.hash_block if facts.on else 0
@@ -404,6 +407,7 @@ def prefix_rule_to_proto(
     out.boundary_block_tokens = boundary_block(setup, facts)
     out.mamba_checkpoint_tokens.extend(mamba_checkpoint_strides(setup, facts))
     out.drop_window_tokens = drop_window(setup, facts)
+    out.further_drop_window_tokens.extend(drop_windows(setup, facts)[1:])
 
 
 def prefix_cache_diagnostics(

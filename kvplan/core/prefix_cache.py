@@ -24,7 +24,11 @@ The model the facts describe (docs/prefix-caching.md):
   junction and keeps its state there too: `cached_tokens_after_junction` is the
   hit of the request after it.
 * The minimum prefix (`facts().min_shared_prefix`, `first_hit_prefix`) is the
-  shortest prompt that, stored and sent again with one more token, hits.
+  shortest prompt that, stored and sent again with one more token, hits. The
+  minimum for any hit (`facts().min_any_hit_prefix`, `first_any_hit_prefix`) is
+  the shortest prefix shared with a stored prompt of any length (the request
+  going on with one token of its own) that hits: a longer stored prompt can keep
+  state lower than one sent again does.
 """
 
 from __future__ import annotations
@@ -100,6 +104,15 @@ class PrefixCacheFacts:
     # of that request do not hit.
     boundary_only: bool
     min_shared_prefix_exact: bool = True
+    # The shortest prefix that, shared with a stored prompt of any length (at least
+    # as long) and followed by one token of the request's own, gets any hit
+    # (`first_any_hit_prefix`; 0: off); at most `min_shared_prefix`. Where not
+    # exact: the shortest one a hit was found at (shorter ones not all ruled out),
+    # or the sent-again figure where that scan gave up.
+    min_any_hit_prefix: int = 0
+    min_any_hit_prefix_exact: bool = True
+    # A stored prompt length the any-hit minimum is reached with (0: off or none).
+    min_any_hit_stored_tokens: int = 0
 
     @property
     def on(self) -> bool:
@@ -244,6 +257,92 @@ def first_hit_prefix(
     return n, False  # pragma: no cover - the candidates never run out
 
 
+def _least_hit_prefix(setup: PrefixCacheSetup) -> int:
+    """No shared prefix shorter than this hits, whatever was stored: a hit is a
+    positive multiple of the unit, and every lookup but chunked local's (whose
+    blocks before the request's last chunk are free) lands within the hash blocks
+    the request shares, after their lookahead, with room for a dropping
+    full-attention group's drop (`_full_like_hit`)."""
+    unit = _alignment(setup)
+    cacheable = [g for g in setup.groups if g.prefix_cacheable]
+    if all(g.kind is GroupKind.CHUNKED_LOCAL for g in cacheable):
+        return unit
+    drops = set(_drop_groups(setup))
+    step = setup.hash_block if setup.partial_hash_hits else 0
+    drop = max(
+        (
+            step or g.block_tokens
+            for i, g in enumerate(setup.groups)
+            if i in drops and g.prefix_cacheable and _full_like(g)
+        ),
+        default=0,
+    )
+    return unit + drop + setup.hash_lookahead
+
+
+def _any_hit(setup: PrefixCacheSetup, shared_prefix: int, stored_tokens: int) -> bool:
+    """Whether a request of `shared_prefix` tokens of a stored prompt of
+    `stored_tokens` and one token of its own gets any hit."""
+    return _first_request_hit(setup, shared_prefix, stored_tokens, shared_prefix + 1) > 0
+
+
+def first_any_hit_prefix(
+    setup: PrefixCacheSetup, limit: int = FIRST_HIT_SCAN_LIMIT
+) -> tuple[int, int, bool]:
+    """The shortest prefix that, shared with a stored prompt of any length at least
+    as long (the request going on with one token of its own), gets any hit: (that
+    prefix, a stored length that gives it, True); (0, 0, True) when prefix caching
+    is off.
+
+    A stored prompt keeps state where it ended (the replay boundary, the Mamba
+    checkpoint, the block holding its last hash boundary): one longer than the
+    shared prefix can keep it lower than a prompt sent again does (Jamba: 80
+    shared tokens of an 81-token prompt hit 80, a prompt sent again first hits at
+    81). The scan rests on two properties of the simulation, held by the tests
+    against trying everything: for a stored length, a longer shared prefix never
+    turns a hit into none; and no prompt shorter than `first_hit_prefix`, nor one
+    more than `_scan_horizon` past the shared prefix, gives a hit a stored length
+    in between does not. So it starts from the sent-again minimum M (a stored
+    prompt of M tokens), tries each stored length that can change the hit
+    (`hit_candidates`) at one token below the best prefix so far, and where that
+    hits, bisects down to that length's own minimum. No prefix shorter than a unit
+    past the lookahead and a dropping full-attention group's drop hits
+    (`_least_hit_prefix`): the scan ends there. Where the sent-again scan gave up,
+    or `limit` evaluations here do, the flag is False."""
+    if _why_off(setup) is not WhyOff.ON:
+        return 0, 0, True
+    return _any_hit_below(setup, *first_hit_prefix(setup, limit), limit)
+
+
+def _any_hit_below(
+    setup: PrefixCacheSetup, sent_again: int, exact: bool, limit: int
+) -> tuple[int, int, bool]:
+    """`first_any_hit_prefix` from the sent-again minimum (`first_hit_prefix`)."""
+    best = sent_again
+    if not exact:
+        return best, 0, False
+    at, floor, horizon = best, _least_hit_prefix(setup), _scan_horizon(setup)
+    evaluations = 0
+    for stored in hit_candidates(setup, best):
+        if best <= floor or stored > best - 1 + horizon:
+            return best, at, True
+        if evaluations >= limit:
+            return best, at, False
+        evaluations += 1
+        if not _any_hit(setup, best - 1, stored):
+            continue
+        low, high = floor, best - 1  # high hits, every length below `low` misses
+        while low < high:
+            middle = (low + high) // 2
+            evaluations += 1
+            if _any_hit(setup, middle, stored):
+                high = middle
+            else:
+                low = middle + 1
+        best, at = high, stored
+    return best, at, False  # pragma: no cover - the candidates never run out
+
+
 def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
     cacheable = [i for i, g in enumerate(setup.groups) if g.prefix_cacheable]
     why = _why_off(setup)
@@ -253,6 +352,9 @@ def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
     drops = _drop_groups(setup)
     drop_tokens = _drop_tokens(setup)
     first, exact = first_hit_prefix(setup)
+    any_hit, any_hit_stored, any_hit_exact = _any_hit_below(
+        setup, first, exact, FIRST_HIT_SCAN_LIMIT
+    )
     boundary_only = setup.retention_interval is not None and any(
         setup.groups[i].kind in _sparse_kinds() for i in cacheable
     )
@@ -265,6 +367,9 @@ def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
         min_shared_prefix=first,
         boundary_only=boundary_only,
         min_shared_prefix_exact=exact,
+        min_any_hit_prefix=any_hit,
+        min_any_hit_prefix_exact=any_hit_exact,
+        min_any_hit_stored_tokens=any_hit_stored,
     )
 
 
@@ -763,6 +868,7 @@ __all__ = [
     "cached_tokens",
     "cached_tokens_after_junction",
     "facts",
+    "first_any_hit_prefix",
     "first_hit_prefix",
     "hit_candidates",
     "junction_checkpoint_applies",

@@ -208,26 +208,34 @@ def mamba_checkpoint_strides(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -
     return tuple(sorted({g.block_tokens for g in cacheable if g.kind is GroupKind.MAMBA}))
 
 
-def drop_window(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> int:
-    """A dropping sliding-window group whose block is finer than the hit unit: its
-    window in whole blocks, in tokens (the largest such; 0 when none). While the
-    others' hit is shorter, that group's lookup (the hit and one block past it,
+def drop_windows(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> tuple[int, ...]:
+    """Each dropping sliding-window spec whose block is finer than the hit unit: its
+    window in whole blocks, in tokens, largest first (empty when none). While the
+    others' hit is shorter, such a group's lookup (the hit and one block past it,
     against the window and the dropped block) finds no whole window: it runs from
     the first block, is cut to the unit, drops a block and is cut again, so the
-    hit falls a unit back."""
+    hit falls a unit back; the coordinator looks each spec up in turn, and each
+    whose window is still longer than the hit takes its unit too."""
     if not facts.on:
-        return 0
-    return max(
-        (
-            -(-(g.window - 1) // g.block_tokens) * g.block_tokens
-            for i, g in enumerate(setup.groups)
-            if i in facts.drop_groups
+        return ()
+    windows: dict[int, int] = {}
+    for i, g in enumerate(setup.groups):
+        if (
+            i in facts.drop_groups
             and g.prefix_cacheable
             and g.kind is GroupKind.SLIDING_WINDOW
             and g.block_tokens < facts.unit
-        ),
-        default=0,
-    )
+        ):
+            spec = g.spec_id if g.spec_id >= 0 else -1 - i
+            whole = -(-(g.window - 1) // g.block_tokens) * g.block_tokens
+            windows[spec] = max(windows.get(spec, 0), whole)
+    return tuple(sorted(windows.values(), reverse=True))
+
+
+def drop_window(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> int:
+    """The largest of `drop_windows` (0 when none): the one whose fall back the
+    rule takes first."""
+    return max(drop_windows(setup, facts), default=0)
 
 
 def _partial_hits_in_rule(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
@@ -346,7 +354,7 @@ def rule_cached_tokens(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_
     if len(checkpoints) == 1:
         kept.extend(checkpoints)
     hit = max((x for x in kept if 0 < x <= reach and x % unit == 0), default=0)
-    window = drop_window(setup, facts)
+    window, *further = drop_windows(setup, facts) or (0,)
     if hit and hit < window:
         # The finer window's lookup from the first block (hit / b + 1 blocks, short
         # of the window's blocks and the dropped one): a unit below the reach and
@@ -354,6 +362,11 @@ def rule_cached_tokens(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_
         if last_boundary > window:
             return 0
         hit = max(0, min(hit, reach - unit, last_boundary - unit))
+        # Each further such spec, looked up in its turn, takes a unit more while
+        # its window is longer than the hit.
+        for other in further:
+            if 0 < hit < other:
+                hit -= unit
     return hit
 
 
@@ -365,6 +378,7 @@ __all__ = [
     "WhatIf",
     "boundary_block",
     "drop_window",
+    "drop_windows",
     "mamba_checkpoint_strides",
     "off_detail",
     "prefix_warnings",

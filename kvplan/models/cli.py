@@ -644,6 +644,8 @@ def capacity_rows(
                     response, summary, inputs = plan_built(request, inputs, planner)
                     # The shortest prompt that hits when sent again (0: never).
                     row["min_cached_prefix"] = min_cached_prefix(response)
+                    # The shortest shared prefix of any stored prompt that hits.
+                    row["min_any_hit_prefix"] = min_any_hit_prefix(response)
                     row["rule_set"] = response.rule_set  # the planner's (a server's)
                     row.update(
                         kv_budget_bytes=summary.available_kv_bytes,
@@ -698,6 +700,11 @@ def min_cached_prefix(response: plan_pb2.PlanResponse) -> int:
     return int(response.diagnostics.prefix_cache.min_shared_prefix_tokens)
 
 
+def min_any_hit_prefix(response: plan_pb2.PlanResponse) -> int:
+    """docs/prefix-caching.md: PrefixCacheDiagnostics.min_any_hit_prefix_tokens."""
+    return int(response.diagnostics.prefix_cache.min_any_hit_prefix_tokens)
+
+
 _PRICE_COLUMNS = (("usd_per_hour", "USD/h"), ("kv_tokens_per_usd_hour", "tokens per USD/h"))
 
 
@@ -725,6 +732,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             return f"{value:,}" if isinstance(value, int) else str(value)
         if key == "min_cached_prefix" and value == 0:
             return "never"  # prefix caching off or nothing cacheable
+        lower = row.get("min_any_hit_prefix")
+        if key == "min_cached_prefix" and isinstance(lower, int) and 0 < lower < (value or 0):
+            return f"{value:,} ({lower:,})"  # a shared prefix of a longer stored prompt
         if value is None:
             return "-"
         if key == "usd_per_hour":
@@ -745,6 +755,11 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         "  ".join(text.rjust(width) for text, width in zip(line, widths, strict=True))
         for line in table
     ]
+    if any(cell(row, "min_cached_prefix").endswith(")") for row in rows):
+        out.append(
+            "min cached prefix: a prompt sent again; in brackets, where lower, a shared "
+            "prefix of a longer stored prompt"
+        )
     length_sweep = len({row.get("requested_max_model_len") for row in rows}) > 1
     for row in rows:
         name = _row_name(row, length_sweep)

@@ -1236,7 +1236,9 @@ class PrefixCacheDiagnostics(_message.Message):
           floor(N / c) * c - c when it is the same for every c in
           mamba_checkpoint_tokens (the Mamba prefill checkpoint; none when empty);
         then, w = drop_window_tokens, if that hit < w: 0 when
-        floor(N / s) * s - s > w, else min(hit, reach - u, floor(N / s) * s - s - u)
+        floor(N / s) * s - s > w, else min(hit, reach - u, floor(N / s) * s - s - u),
+        less u for each of further_drop_window_tokens, in order, still longer
+        than the hit
     (at least 0). client.prefix_cache.cached_tokens evaluates it.
     """
 
@@ -1258,6 +1260,9 @@ class PrefixCacheDiagnostics(_message.Message):
     BOUNDARY_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     MAMBA_CHECKPOINT_TOKENS_FIELD_NUMBER: _builtins.int
     DROP_WINDOW_TOKENS_FIELD_NUMBER: _builtins.int
+    MIN_ANY_HIT_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
+    MIN_ANY_HIT_STORED_TOKENS_FIELD_NUMBER: _builtins.int
+    FURTHER_DROP_WINDOW_TOKENS_FIELD_NUMBER: _builtins.int
     effectively_on: _builtins.bool
     off_reason: Global___PrefixCacheOffReason.ValueType
     off_detail: _builtins.str
@@ -1265,7 +1270,10 @@ class PrefixCacheDiagnostics(_message.Message):
     hit_unit_tokens: _builtins.int
     """every hit is a multiple of it (0: off)"""
     min_shared_prefix_tokens: _builtins.int
-    """shortest prompt that hits when sent again (0: off)"""
+    """The shortest prompt that, stored and sent again with more text, hits (0:
+    off); a shorter prefix of a longer stored prompt can hit from
+    min_any_hit_prefix_tokens.
+    """
     drop_tokens: _builtins.int
     """tokens the draft drop takes off a hit"""
     hash_block_tokens: _builtins.int
@@ -1295,6 +1303,23 @@ class PrefixCacheDiagnostics(_message.Message):
     than the hit unit, its window in whole blocks (tokens; 0: none). A hit
     shorter than it falls a unit back (the rule above).
     """
+    min_any_hit_prefix_tokens: _builtins.int
+    """The shortest shared prefix that gets any hit: the first N tokens of a stored
+    prompt of any length (N or longer), then the request's own text. At most
+    min_shared_prefix_tokens, and lower where a stored prompt keeps state only
+    near where it ended (a Mamba group's replay boundary or prefill checkpoint,
+    a sliding window's last blocks, the block holding its last hash boundary):
+    a longer stored prompt keeps it further on. Jamba (80-token blocks, no
+    drafter): 80, against 81 for a prompt sent again (80 shared tokens of an
+    81-token prompt hit 80). Every shorter prefix misses whatever was stored
+    (0: off), unless kvplan's scan stopped at its bound (one-token windows):
+    then it is the shortest prefix seen to hit, or where none was seen,
+    min_shared_prefix_tokens.
+    """
+    min_any_hit_stored_tokens: _builtins.int
+    """A stored prompt length that gives that hit (Jamba: 81; 0: off, or no hit
+    was seen).
+    """
     @_builtins.property
     def group_hit_unit_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """per group, by group_id (0: takes no part)"""
@@ -1312,6 +1337,15 @@ class PrefixCacheDiagnostics(_message.Message):
         """With a draft drop: the strides of the Mamba prefill checkpoint, one per
         distinct Mamba block (the hash block under partial hash hits); empty when
         there is none or a sliding-window group keeps only replay boundaries.
+        """
+
+    @_builtins.property
+    def further_drop_window_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """With a draft drop: the windows (in whole blocks, tokens) of the other
+        dropping sliding-window groups finer than the hit unit, one per spec,
+        largest first, after drop_window_tokens; each takes a unit more off a hit
+        shorter than it (the rule above). Beside a rule_exact rule it changes no
+        answer (tests/core/test_prefix_warnings.py checks the rule for every N).
         """
 
     def __init__(
@@ -1333,10 +1367,13 @@ class PrefixCacheDiagnostics(_message.Message):
         boundary_block_tokens: _builtins.int = ...,
         mamba_checkpoint_tokens: _abc.Iterable[_builtins.int] | None = ...,
         drop_window_tokens: _builtins.int = ...,
+        min_any_hit_prefix_tokens: _builtins.int = ...,
+        min_any_hit_stored_tokens: _builtins.int = ...,
+        further_drop_window_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["what_if", b"what_if"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_block_tokens", b"boundary_block_tokens", "boundary_only", b"boundary_only", "drop_group_ids", b"drop_group_ids", "drop_tokens", b"drop_tokens", "drop_window_tokens", b"drop_window_tokens", "effectively_on", b"effectively_on", "group_hit_unit_tokens", b"group_hit_unit_tokens", "hash_block_tokens", b"hash_block_tokens", "hash_lookahead_tokens", b"hash_lookahead_tokens", "hit_unit_tokens", b"hit_unit_tokens", "mamba_checkpoint_tokens", b"mamba_checkpoint_tokens", "min_shared_prefix_tokens", b"min_shared_prefix_tokens", "off_detail", b"off_detail", "off_reason", b"off_reason", "rule_exact", b"rule_exact", "what_if", b"what_if"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_block_tokens", b"boundary_block_tokens", "boundary_only", b"boundary_only", "drop_group_ids", b"drop_group_ids", "drop_tokens", b"drop_tokens", "drop_window_tokens", b"drop_window_tokens", "effectively_on", b"effectively_on", "further_drop_window_tokens", b"further_drop_window_tokens", "group_hit_unit_tokens", b"group_hit_unit_tokens", "hash_block_tokens", b"hash_block_tokens", "hash_lookahead_tokens", b"hash_lookahead_tokens", "hit_unit_tokens", b"hit_unit_tokens", "mamba_checkpoint_tokens", b"mamba_checkpoint_tokens", "min_any_hit_prefix_tokens", b"min_any_hit_prefix_tokens", "min_any_hit_stored_tokens", b"min_any_hit_stored_tokens", "min_shared_prefix_tokens", b"min_shared_prefix_tokens", "off_detail", b"off_detail", "off_reason", b"off_reason", "rule_exact", b"rule_exact", "what_if", b"what_if"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -307,3 +307,33 @@ def test_a_finer_window_beside_mamba_is_exact_while_its_fall_back_can_only_empty
         assert rule.rule_exact == exact and rule.drop_window_tokens > 0
         simulated = [cached_tokens(engine, n, n, n + 1) for n in ns]
         assert ([client_cached_tokens(rule, n) for n in ns] == simulated) == exact
+
+
+def test_each_dropping_window_of_its_own_spec_takes_its_unit_off_the_minimums_hit() -> None:
+    """Full attention (80-token blocks) beside three sliding-window specs of a
+    1,024-token window (48, 16 and 48-token blocks, the first and last the
+    drafter's): a 240-token unit. A 960-token prompt sent again (the minimum)
+    hits 240: full attention 960, the first dropping window falls back to 480,
+    the second to 240. The rule stated only one fall back (480); the plan now
+    names the second window (further_drop_window_tokens) and the client's rule
+    takes its unit too. Still an estimate elsewhere (rule_exact false)."""
+    groups = (
+        CacheGroup(GroupKind.FULL, 80, False, spec_id=0),
+        CacheGroup(GroupKind.SLIDING_WINDOW, 48, True, window=1024, spec_id=1),
+        CacheGroup(GroupKind.SLIDING_WINDOW, 16, False, window=1024, spec_id=2),
+        CacheGroup(GroupKind.SLIDING_WINDOW, 48, True, window=1024, spec_id=3),
+    )
+    setup = PrefixCacheSetup(True, groups, 240, 16, False, True)
+    f = facts(setup)
+    prefix_cache = plan_pb2.PrefixCacheDiagnostics()
+    prefix_rule_to_proto(setup, f, list(range(len(groups))), prefix_cache)
+    assert not prefix_cache.rule_exact and f.min_shared_prefix == 960
+    assert (prefix_cache.drop_window_tokens, list(prefix_cache.further_drop_window_tokens)) == (
+        1056,
+        [1056],
+    )
+    n = f.min_shared_prefix
+    assert cached_tokens(setup, n, n, n + 1) == 240
+    assert client_cached_tokens(prefix_cache, n) == rule_cached_tokens(setup, f, n) == 240
+    prefix_cache.ClearField("further_drop_window_tokens")  # a plan without the field
+    assert client_cached_tokens(prefix_cache, n) == 480

@@ -1,5 +1,6 @@
 """`kvplan capacity`'s minimum cacheable prefix column: the plan's
-PrefixCacheDiagnostics.min_shared_prefix_tokens for every row."""
+PrefixCacheDiagnostics.min_shared_prefix_tokens for every row, and
+min_any_hit_prefix_tokens in brackets where lower."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ def test_capacity_shows_the_minimum_cacheable_prefix(capsys: pytest.CaptureFixtu
     # hundreds of tokens; more TP shards split the state and lower it.
     minimums = [row["min_cached_prefix"] for row in rows]
     assert minimums[0] > minimums[1] >= 256, minimums
+    # A shared prefix of a longer stored prompt hits a token lower: the Mamba state
+    # a prompt keeps is a unit below its last token.
+    lower = [row["min_any_hit_prefix"] for row in rows]
+    assert lower == [m - 1 for m in minimums], (lower, minimums)
     assert main(base) == 0
     table = capsys.readouterr().out
-    assert "min cached prefix" in table and f"{minimums[0]:,}" in table
+    assert "min cached prefix" in table and f"{minimums[0]:,} ({lower[0]:,})" in table
+    assert "in brackets, where lower, a shared prefix of a longer stored prompt" in table

@@ -57,6 +57,9 @@ async def test_prefix_cache_facts_what_if_and_metric_through_the_server() -> Non
             assert pc.effectively_on and pc.hit_unit_tokens == f.unit == 528
             assert list(pc.group_hit_unit_tokens) == list(f.group_units)
             assert pc.min_shared_prefix_tokens == f.min_shared_prefix == 1056
+            # No shorter prefix of a longer stored prompt hits: one unit and the drop.
+            assert pc.min_any_hit_prefix_tokens == f.min_any_hit_prefix == 1056
+            assert pc.min_any_hit_stored_tokens == f.min_any_hit_stored_tokens == 1056
             assert list(pc.drop_group_ids) == [g.group_id for g in response.groups if g.is_draft]
             assert pc.drop_tokens == 528 and pc.rule_exact and pc.boundary_only
             assert pc.boundary_block_tokens == 528 and list(pc.mamba_checkpoint_tokens) == [528]
