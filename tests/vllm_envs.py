@@ -2,13 +2,14 @@
 builds them; `make test` does so first). A missing one fails the test, with how to
 build it: these checks are never skipped.
 
-`run_in_vllm` runs a script with a release's Python. With KVPLAN_VLLM_FORKSERVER=1 it
-goes through a fork server (tests/vllm_zygote.py): one long-lived process per release
-and import environment in each pytest worker, started at its first use, that has
-imported torch and vLLM once and forks a fresh child per script, so a script starts in
-well under a second instead of importing for 10-20 s. Without it (for now the default)
-each script gets a new interpreter; both give the script the same argv, stdin,
-environment and working directory, and the same exit code, stdout and stderr back."""
+`run_in_vllm` runs a script with a release's Python through a fork server
+(tests/vllm_zygote.py): one long-lived process per release and import environment in
+each pytest worker, started at its first use, that has imported torch and vLLM once and
+forks a fresh child per script, so a script starts in well under a second instead of
+importing for 10-20 s. KVPLAN_VLLM_FORKSERVER=0 gives each script a new interpreter
+instead; both give the script the same argv, stdin, environment and working directory,
+and the same exit code, stdout and stderr back (the two gave the same answer in every
+vLLM-side test, compared with KVPLAN_VLLM_RECORD)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ STUBS = Path(__file__).parent / "models" / "vllm_stubs"
 
 
 def forkserver_enabled() -> bool:
-    return os.environ.get("KVPLAN_VLLM_FORKSERVER", "0") != "0"
+    return os.environ.get("KVPLAN_VLLM_FORKSERVER", "1") != "0"
 
 
 def run_in_vllm(
@@ -118,7 +119,7 @@ def run_vllm_python(
 ) -> subprocess.CompletedProcess[str]:
     """`subprocess.run([vllm_python(release), *args], input=stdin, env=env,
     capture_output=True, text=True, timeout=timeout)`, through the release's fork server
-    with KVPLAN_VLLM_FORKSERVER=1."""
+    unless KVPLAN_VLLM_FORKSERVER=0."""
     python = vllm_python(release)
     if not forkserver_enabled():
         return subprocess.run(
