@@ -241,6 +241,7 @@ def test_the_plugin_and_the_cli_key_a_configuration_alike() -> None:
 
 VLLM_MULTIMODAL = """
 import json, sys
+sys.path.insert(0, sys.argv[1])  # the repository: the plugin's own code
 from types import SimpleNamespace
 from vllm.platforms import current_platform
 current_platform.device_type = "cpu"  # the CPU build names no device; argparse needs one
@@ -271,9 +272,7 @@ MULTIMODAL_FLAGS = [
 
 
 @pytest.mark.parametrize("release", ["0.32", "0.34"])
-def test_the_plugin_reads_the_flags_from_vllms_own_config(
-    release: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_plugin_reads_the_flags_from_vllms_own_config(release: str) -> None:
     """The flags through vLLM's argparse and MultiModalConfig, read by the plugin's own
     code in the release's venv, give the fingerprint fields `plan --model` sends for
     the same flags."""
@@ -283,8 +282,10 @@ def test_the_plugin_reads_the_flags_from_vllms_own_config(
     from kvplan.models.fleet import fingerprint as asked
     from tests.vllm_envs import run_in_vllm
 
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]))
-    theirs = run_in_vllm(release, ["-c", VLLM_MULTIMODAL], MULTIMODAL_FLAGS)
+    # The repository on sys.path from the script, as the other vLLM-side scripts put it
+    # (a PYTHONPATH of its own would need a fork server of its own).
+    repo = str(Path(__file__).parents[1])
+    theirs = run_in_vllm(release, ["-c", VLLM_MULTIMODAL, repo], MULTIMODAL_FLAGS)
     model = Path(__file__).parents[1] / "examples" / "models" / "gemma-3-27b"
     gemma, h100 = load_config(str(model)), lookup_gpu("H100")
     parser = build_parser()

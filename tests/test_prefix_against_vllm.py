@@ -5,8 +5,6 @@ one. A missing venv fails the test with how to build it."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from kvplan.core.prefix_warnings import DIVERGING_TAIL_UNITS, what_if
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2
 from tests.test_fuzz_finds import find
-from tests.vllm_envs import run_in_vllm, vllm_python
+from tests.vllm_envs import run_in_vllm
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,15 +52,11 @@ print(json.dumps(out))
 def vllm_hits(
     release: str, request: plan_pb2.PlanRequest, probes: list[tuple[str, int, int, int]]
 ) -> list[int]:
-    result = subprocess.run(
-        [str(vllm_python(release)), "-c", VLLM_SIDE, str(REPO)],
-        input=json.dumps({"request": request.SerializeToString().hex(), "probes": probes}),
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=True,
+    hits: list[int] = run_in_vllm(
+        release,
+        ["-c", VLLM_SIDE, str(REPO)],
+        {"request": request.SerializeToString().hex(), "probes": probes},
     )
-    hits: list[int] = json.loads(result.stdout.strip().splitlines()[-1])
     return hits
 
 

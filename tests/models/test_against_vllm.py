@@ -1,12 +1,10 @@
 """The importer against vLLM 0.33 on the CPU, in the vLLM venv: its state-shape
-calculators and spec pages, and its planner on every imported request. One subprocess
-answers both tests. A missing venv fails them with how to build it (make test
-builds every release's venv first)."""
+calculators and spec pages, and its planner on every imported request. One vLLM-side
+run (tests/vllm_envs.py's run_in_vllm) answers both tests. A missing venv fails them
+with how to build it (make test builds every release's venv first)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from kvplan.models import (
     load_config,
 )
 from tests.models.test_importer import EAGLE3_TEST_DRAFTER, NEMOTRON_H_TEST_CONFIG, domain
-from tests.vllm_envs import vllm_python
+from tests.vllm_envs import run_in_vllm
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
 
@@ -202,18 +200,13 @@ def request_cases() -> tuple[list[tuple[str, str]], list[str]]:
 
 @pytest.fixture(scope="module")
 def vllm_answers() -> dict[str, list[object]]:
-    python = vllm_python("0.33")
     calculators, _ = calculator_cases()
     _, requests = request_cases()
-    result = subprocess.run(
-        [str(python), "-c", VLLM_SIDE, str(MODELS.parents[1])],
-        input=json.dumps({"calculators": calculators, "requests": requests}),
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=True,
+    answers: dict[str, list[object]] = run_in_vllm(
+        "0.33",
+        ["-c", VLLM_SIDE, str(MODELS.parents[1])],
+        {"calculators": calculators, "requests": requests},
     )
-    answers: dict[str, list[object]] = json.loads(result.stdout.strip().splitlines()[-1])
     return answers
 
 
@@ -332,17 +325,12 @@ def release_request_cases(engine_version: str) -> tuple[list[str], list[str]]:
 @pytest.fixture(scope="module", params=RELEASES)
 def release_answers(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
     engine_version: str = request.param
-    python = vllm_python(engine_version.removeprefix("vllm-"))
     _, blobs = release_request_cases(engine_version)
-    result = subprocess.run(
-        [str(python), "-c", RELEASE_SIDE, str(MODELS.parents[1])],
-        input=json.dumps({"calculators": calculator_cases()[0], "requests": blobs}),
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=True,
+    answers: dict[str, object] = run_in_vllm(
+        engine_version.removeprefix("vllm-"),
+        ["-c", RELEASE_SIDE, str(MODELS.parents[1])],
+        {"calculators": calculator_cases()[0], "requests": blobs},
     )
-    answers: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
     return engine_version, answers
 
 
