@@ -53,6 +53,7 @@ CASES: tuple[tuple[str, int, str], ...] = (
     ("gemma-3-4b", 1, "auto"),  # 4 KV heads x 256, heads and head size from the defaults
     ("gpt-oss-120b", 1, "auto"),
     ("gpt-oss-120b", 8, "fp8"),
+    ("gpt-oss-20b", 2, "auto"),  # the llm-d calibration record's setting
     ("llama-4-defaults", 8, "auto"),
     ("deepseek-v3", 8, "auto"),  # MLA: one latent head on every rank
     ("deepseek-v3", 2, "fp8"),
