@@ -72,6 +72,15 @@ def probe_lengths(setup: PrefixCacheSetup, stored: int) -> list[int]:
     return sorted(n for n in points if 0 < n <= stored)
 
 
+def stored_and_tail(setup: PrefixCacheSetup) -> tuple[int, int]:
+    """The stored request's length (_STORED_UNITS of the coarsest unit and half of
+    one more, and a token: it ends inside a block) and the tokens a probe goes on
+    with after its shared prefix (a unit and a token, so its lookup reaches past
+    every unit boundary of the shared prefix)."""
+    unit = max(setup.scheduler_block, *(g.block_tokens for g in setup.groups))
+    return _STORED_UNITS * unit + unit // 2 + 1, unit + 1
+
+
 def _hasher(hash_block: int, lookahead: int) -> Any:
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
@@ -432,10 +441,8 @@ def run(
             # which a bare KVCacheManager does not have.
             counts["not_probed"] += 1
             continue
-        unit = max(setup.scheduler_block, *(g.block_tokens for g in setup.groups))
-        stored = _STORED_UNITS * unit + unit // 2 + 1
+        stored, tail = stored_and_tail(setup)
         lengths = probe_lengths(setup, stored) if first else []
-        tail = unit + 1
         try:
             got = vllm_hits(stored, lengths, tail)
         except PoolTooSmall as exc:
