@@ -43,6 +43,7 @@ from conformance.generate import (
     generate_cases,
     split_cases,
 )
+from conformance.prefix_lengths import block_by_block, probe_lengths, stored_and_tail
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import PlanningError
@@ -57,28 +58,6 @@ from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.prefix_facts import setup_from_plan
 
 Json = dict[str, Any]
-_STORED_UNITS = 6  # the stored request spans this many scheduler blocks (+ a tail)
-
-
-def probe_lengths(setup: PrefixCacheSetup, stored: int) -> list[int]:
-    """Shared-prefix lengths around every unit the rules name."""
-    units = {setup.scheduler_block, setup.hash_block}
-    units |= {g.block_tokens for g in setup.groups}
-    points = {1, stored - 1, stored}
-    for unit in units:
-        for k in (1, 2, 3, _STORED_UNITS - 1):
-            for delta in (-1, 0, 1):
-                points.add(k * unit + delta)
-    return sorted(n for n in points if 0 < n <= stored)
-
-
-def stored_and_tail(setup: PrefixCacheSetup) -> tuple[int, int]:
-    """The stored request's length (_STORED_UNITS of the coarsest unit and half of
-    one more, and a token: it ends inside a block) and the tokens a probe goes on
-    with after its shared prefix (a unit and a token, so its lookup reaches past
-    every unit boundary of the shared prefix)."""
-    unit = max(setup.scheduler_block, *(g.block_tokens for g in setup.groups))
-    return _STORED_UNITS * unit + unit // 2 + 1, unit + 1
 
 
 def _hasher(hash_block: int, lookahead: int) -> Any:
@@ -430,7 +409,7 @@ def run(
         if not v["ok"]:
             counts["refused"] += 1
             continue
-        setup = setup_from_plan(core, response)
+        setup = block_by_block(setup_from_plan(core, response))
         if not driver.MANAGER_ARGUMENTS.get("enable_caching"):
             counts["off"] += 1
             if setup.enabled:

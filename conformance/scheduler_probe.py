@@ -35,7 +35,7 @@ import copy
 import json
 import sys
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -51,51 +51,28 @@ from conformance.generate import (
     generate_cases,
     split_cases,
 )
+from conformance.prefix_lengths import (
+    DEFAULT_CHUNKS,
+    ChunkSpec,
+    parse_chunk,
+    probe_lengths,
+    stored_and_tail,
+)
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import PlanningError
-from kvplan.core.prefix_cache import PrefixCacheSetup, cached_tokens
+from kvplan.core.prefix_cache import (
+    PrefixCacheSetup,
+    cached_tokens,
+    cached_tokens_after_junction,
+)
 from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2
 
 Json = dict[str, Any]
-DEFAULT_CHUNKS = ("x0.5", "x1.37", "x3")
 _MAX_STEPS = 100_000  # a request that has not finished after this many steps is stuck
 _SAMPLED = 10**8  # made-up sampled and draft tokens: never a prompt token
-
-
-@dataclass(frozen=True)
-class ChunkSpec:
-    """A chunk size: `tokens`, or `blocks` of the engine's coarsest block."""
-
-    text: str
-    tokens: int = 0
-    blocks: float = 0.0
-
-    def for_unit(self, unit: int) -> int:
-        if self.tokens:
-            return self.tokens
-        return max(1, int(self.blocks * unit))
-
-
-def parse_chunk(text: str) -> ChunkSpec:
-    """`N` (tokens, N >= 1) or `xF` (F > 0 blocks); ValueError naming the spec."""
-    try:
-        if text.startswith("x"):
-            blocks = float(text[1:])
-            if blocks > 0:
-                return ChunkSpec(text, blocks=blocks)
-        else:
-            tokens = int(text)
-            if tokens >= 1:
-                return ChunkSpec(text, tokens=tokens)
-    except ValueError:
-        pass
-    raise ValueError(
-        f"--chunk {text!r}: a chunk is a token count of 1 or more (100) or a positive "
-        "multiple of the engine's coarsest block (x0.5, x1.37, x3)"
-    )
 
 
 class SchedulerEngineConfig(driver.PlannerConfig):
@@ -166,15 +143,21 @@ def _runner_output(scheduler_output: Any, sampled: dict[str, list[int]]) -> Any:
     return ModelRunnerOutput(**{k: v for k, v in values.items() if k in accepted})
 
 
-def _step(scheduler: Any, step: int) -> tuple[Any, list[str]]:
-    """One schedule() / update_from_output() round: each scheduled request that
-    reaches the end of its known tokens samples one made-up token (its drafts, if
-    it had any scheduled, all rejected); where the scheduler wants drafts and a
-    request goes on decoding, the drafter proposes the speculative config's
-    number of made-up tokens. The scheduler output and the ids that finished."""
+def _step(scheduler: Any, step: int) -> Any:
+    """One schedule() / update_from_output() round (_finish_step); the output."""
+    out = scheduler.schedule()
+    _finish_step(scheduler, out, step)
+    return out
+
+
+def _finish_step(scheduler: Any, out: Any, step: int) -> None:
+    """update_from_output() for a scheduled step, as a model runner would answer
+    it: each scheduled request that reaches the end of its known tokens samples one
+    made-up token (its drafts, if it had any scheduled, all rejected); where the
+    scheduler wants drafts and a request goes on decoding, the drafter proposes the
+    speculative config's number of made-up tokens."""
     from vllm.v1.outputs import DraftTokenIds
 
-    out = scheduler.schedule()
     sampled: dict[str, list[int]] = {}
     for req_id in out.num_scheduled_tokens:
         request = scheduler.requests[req_id]
@@ -182,16 +165,53 @@ def _step(scheduler: Any, step: int) -> tuple[Any, list[str]]:
         drafts = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
         if request.num_computed_tokens - drafts >= request.num_tokens:
             sampled[req_id] = [_SAMPLED + step]
-    before = set(scheduler.requests)
     scheduler.update_from_output(out, _runner_output(out, sampled))
-    finished = [r for r in before if r not in scheduler.requests]
     k = scheduler.num_spec_tokens
     wants_drafts = k and not getattr(out, "skip_drafts", False)
     going_on = [r for r in sampled if r in scheduler.requests]
     if wants_drafts and going_on:
         drafts_of = [[_SAMPLED + step + 1 + i for i in range(k)] for _ in going_on]
         scheduler.update_draft_token_ids(DraftTokenIds(going_on, drafts_of))
-    return out, finished
+
+
+def _run_to_end(scheduler: Any, request: Any, step: int, out: Any = None) -> tuple[int, list[int]]:
+    """Run the scheduler until `request` finishes (`out`: a step already scheduled
+    for it, finished first); the last step's number and the tokens each of its
+    prefill steps scheduled. SchedulerStalled where vLLM's own rules leave it no
+    token; PoolTooSmall where the pool does."""
+    chunks: list[int] = []
+    if out is not None:
+        chunks.append(out.num_scheduled_tokens.get(request.request_id, 0))
+        _finish_step(scheduler, out, step)
+    while request.request_id in scheduler.requests:
+        step += 1
+        if step > _MAX_STEPS:
+            raise probe.PoolTooSmall(f"a request did not finish in {_MAX_STEPS} steps")
+        prefilling = request.num_computed_tokens < request.num_prompt_tokens
+        out = _step(scheduler, step)
+        if not out.num_scheduled_tokens:
+            _raise_if_stalled(scheduler, request)
+            raise probe.PoolTooSmall(
+                f"the scheduler scheduled nothing at step {step} (a pool of "
+                f"{scheduler.kv_cache_manager.block_pool.num_gpu_blocks} blocks)"
+            )
+        if prefilling:
+            chunks.append(out.num_scheduled_tokens.get(request.request_id, 0))
+    return step, chunks
+
+
+def _first_step_hit(scheduler: Any, request: Any) -> tuple[int, Any]:
+    """Submit `request` and schedule one step: the tokens the scheduler took from
+    cache for it, and that step's output."""
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    new = [r for r in out.scheduled_new_reqs if r.req_id == request.request_id]
+    if not new:
+        raise probe.PoolTooSmall(
+            f"the scheduler did not admit {request.request_id} (a pool of "
+            f"{scheduler.kv_cache_manager.block_pool.num_gpu_blocks} blocks)"
+        )
+    return int(new[0].num_computed_tokens), out
 
 
 def _scheduler(stored: int, requests: list[int]) -> Any:
@@ -268,43 +288,34 @@ def _raise_if_stalled(scheduler: Any, request: Any) -> None:
         )
 
 
-def scheduler_hit(stored: int, shared: int, tail: int, max_tokens: int) -> Json:
+def scheduler_hit(
+    stored: int, shared: int, tail: int, max_tokens: int, later: bool = False
+) -> Json:
     """On a new scheduler: run a request of `stored` tokens to its end (chunked
     prefill, `max_tokens` sampled), then submit one repeating its first `shared`
-    tokens and going on `tail` tokens of its own; the tokens the scheduler took
-    from cache for it (`hit`), the stored request's steps and prefill chunks
-    (`steps`, `chunks`: its scheduled token counts). PoolTooSmall where the pool
-    cannot hold them (the harness's error); vLLM's own exceptions propagate."""
+    tokens and going on `tail` tokens of its own: the tokens the scheduler took
+    from cache for it (`hit`), and the stored request's steps and prefill chunks
+    (`steps`, `chunks`: the tokens each prefill step scheduled). `later`: that
+    request runs to its end too (from its hit, its shared-prefix junction recorded
+    by the scheduler), and a third sharing the same `shared` tokens and going on
+    differently from both is submitted: its hit (`later_hit`). PoolTooSmall where
+    the pool cannot hold them (the harness's error); SchedulerStalled and vLLM's
+    own exceptions propagate."""
     slack = 4 * (max_tokens + 2) * (1 + int(driver.ENGINE_CONFIG["config"].num_lookahead_tokens))
-    scheduler = _scheduler(stored, [stored + slack, shared + tail + slack])
+    held = [stored + slack, shared + tail + slack] + ([shared + tail + slack] if later else [])
+    scheduler = _scheduler(stored, held)
     first = _request("stored", list(range(stored)), max_tokens)
     scheduler.add_request(first)
-    chunks: list[int] = []
-    step = 0
-    while "stored" in scheduler.requests:
-        step += 1
-        if step > _MAX_STEPS:
-            raise probe.PoolTooSmall(f"the stored request did not finish in {_MAX_STEPS} steps")
-        prefilling = first.num_computed_tokens < stored
-        out, _ = _step(scheduler, step)
-        if not out.num_scheduled_tokens:
-            _raise_if_stalled(scheduler, first)
-            raise probe.PoolTooSmall(
-                f"the scheduler scheduled nothing at step {step} (a pool of "
-                f"{scheduler.kv_cache_manager.block_pool.num_gpu_blocks} blocks)"
-            )
-        if prefilling:
-            chunks.append(out.num_scheduled_tokens.get("stored", 0))
+    steps, chunks = _run_to_end(scheduler, first, 0)
     tokens = list(range(shared)) + [10**7 + i for i in range(tail)]
-    scheduler.add_request(_request("probe", tokens, max_tokens))
-    out = scheduler.schedule()
-    new = [r for r in out.scheduled_new_reqs if r.req_id == "probe"]
-    if not new:
-        raise probe.PoolTooSmall(
-            f"the scheduler did not admit the probe (a pool of "
-            f"{scheduler.kv_cache_manager.block_pool.num_gpu_blocks} blocks)"
-        )
-    return {"hit": int(new[0].num_computed_tokens), "steps": step, "chunks": chunks}
+    probe_request = _request("probe", tokens, max_tokens)
+    hit, out = _first_step_hit(scheduler, probe_request)
+    result: Json = {"hit": hit, "steps": steps, "chunks": chunks}
+    if later:
+        _run_to_end(scheduler, probe_request, steps + 1, out)
+        tokens = list(range(shared)) + [2 * 10**7 + i for i in range(tail)]
+        result["later_hit"], _ = _first_step_hit(scheduler, _request("later", tokens, max_tokens))
+    return result
 
 
 def _with_chunk(request: plan_pb2.PlanRequest, chunk: int) -> plan_pb2.PlanRequest:
@@ -345,6 +356,9 @@ def _new_counts() -> Json:
         "agree": 0,
         "differ_from_block_by_block": 0,
         "multi_chunk_prefills": 0,
+        # The request after the first (its junction recorded, run to its end).
+        "later_probes": 0,
+        "later_agree": 0,
     }
 
 
@@ -424,16 +438,17 @@ def _probe_engine(
         counts[outcome] += 1
         return
     chunk = request.options.max_num_batched_tokens
-    stored, tail = probe.stored_and_tail(setup)
-    lengths = _spread(probe.probe_lengths(setup, stored), lengths_per_engine)
+    stored, tail = stored_and_tail(setup)
+    lengths = _spread(probe_lengths(setup, stored), lengths_per_engine)
     try:
         block_by_block = probe.vllm_hits(stored, lengths, tail)
     except Exception as exc:  # vLLM's own manager: report, do not hide
         block_by_block = [probe._failure(exc)] * len(lengths)
     measured: list[Json | str] = []
+    later = probe._later_is_probed(setup)
     try:
         for n in lengths:
-            measured.append(scheduler_hit(stored, n, tail, max_tokens))
+            measured.append(scheduler_hit(stored, n, tail, max_tokens, later))
     except probe.PoolTooSmall as exc:
         raise probe.PoolTooSmall(f"{case_id} (chunk {chunk}, stored {stored}): {exc}") from exc
     except Exception as exc:  # vLLM's own scheduler: report, do not hide
@@ -449,6 +464,24 @@ def _probe_engine(
         counts["multi_chunk_prefills"] += len(got["chunks"]) > 1
         counts["agree"] += got["hit"] == want
         counts["differ_from_block_by_block"] += got["hit"] != manager_hit
+        if later:
+            want_later = cached_tokens_after_junction(setup, n, stored, n + tail)
+            counts["later_probes"] += 1
+            counts["later_agree"] += got["later_hit"] == want_later
+            if got["later_hit"] != want_later and len(disagreements) < 2000:
+                disagreements.append(
+                    {
+                        "id": case_id,
+                        "later": True,
+                        "chunk": chunk,
+                        "chunk_spec": spec.text,
+                        "shared": n,
+                        "stored": stored,
+                        "scheduler": got["later_hit"],
+                        "kvplan": want_later,
+                        "setup": repr(setup),
+                    }
+                )
         if got["hit"] != want and len(disagreements) < 2000:
             disagreements.append(
                 {
@@ -532,12 +565,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{c['probes']} probes ({c['multi_chunk_prefills']} stored in several chunks); "
             f"{c['probes'] - c['agree']} disagree with kvplan; "
             f"{c['differ_from_block_by_block']} differ from the block-by-block probe; "
+            f"later requests: {c['later_probes'] - c['later_agree']} disagree of "
+            f"{c['later_probes']}; "
             f"{c['off']} off, {c['refused']} refused by vLLM, {c['kvplan_refused']} by "
             f"kvplan, {c['not_probed']} not probed, {c['crashed']} vLLM fails in"
         )
         # The block-by-block probe prefills as no scheduler does: differing from it
         # is a measurement, not a failure (prefix_probe checks kvplan's rule for it).
-        agree = agree and c["agree"] == c["probes"]
+        agree = agree and c["agree"] == c["probes"] and c["later_agree"] == c["later_probes"]
     for failure, count in sorted(result["failure_classes"].items(), key=lambda kv: -kv[1]):
         print(f"  vLLM fails {count}x: {failure}")
     print(f"({result['meta']['seconds']:.0f} s, {result['meta']['cpu_seconds']:.0f} s CPU)")
