@@ -352,6 +352,7 @@ def _new_counts() -> Json:
         "off": 0,
         "not_probed": 0,
         "crashed": 0,
+        "stalled": 0,  # probes whose requests vLLM's scheduler never finishes
         "probes": 0,
         "agree": 0,
         "differ_from_block_by_block": 0,
@@ -448,17 +449,23 @@ def _probe_engine(
     later = probe._later_is_probed(setup)
     try:
         for n in lengths:
-            measured.append(scheduler_hit(stored, n, tail, max_tokens, later))
+            try:
+                measured.append(scheduler_hit(stored, n, tail, max_tokens, later))
+            except SchedulerStalled as exc:  # this probe's requests: vLLM's failure
+                measured.append(str(exc))
     except probe.PoolTooSmall as exc:
         raise probe.PoolTooSmall(f"{case_id} (chunk {chunk}, stored {stored}): {exc}") from exc
     except Exception as exc:  # vLLM's own scheduler: report, do not hide
-        failure = str(exc) if isinstance(exc, SchedulerStalled) else probe._failure(exc)
+        failure = probe._failure(exc)
         failure_classes[failure] = failure_classes.get(failure, 0) + 1
         counts["crashed"] += 1
         return
     counts["engines"] += 1
     for n, got, manager_hit in zip(lengths, measured, block_by_block, strict=True):
-        assert not isinstance(got, str)
+        if isinstance(got, str):
+            counts["stalled"] += 1
+            failure_classes[got] = failure_classes.get(got, 0) + 1
+            continue
         want = cached_tokens(setup, n, stored, n + tail)
         counts["probes"] += 1
         counts["multi_chunk_prefills"] += len(got["chunks"]) > 1
@@ -568,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
             f"later requests: {c['later_probes'] - c['later_agree']} disagree of "
             f"{c['later_probes']}; "
             f"{c['off']} off, {c['refused']} refused by vLLM, {c['kvplan_refused']} by "
-            f"kvplan, {c['not_probed']} not probed, {c['crashed']} vLLM fails in"
+            f"kvplan, {c['not_probed']} not probed, {c['crashed']} vLLM fails in, "
+            f"{c['stalled']} probes it stalls in"
         )
         # The block-by-block probe prefills as no scheduler does: differing from it
         # is a measurement, not a failure (prefix_probe checks kvplan's rule for it).

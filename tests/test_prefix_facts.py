@@ -219,3 +219,15 @@ def test_a_mamba_state_exists_only_where_a_prefill_chunk_ends(
     assert [p for p in range(1, 417) if chunks.is_end(p)] == chunk_ends
     assert cached_tokens(setup, 416, 417, 416 + 65) == hit
     assert cached_tokens(replace(setup, prefill_chunk_tokens=0), 416, 417, 416 + 65) == 384
+
+
+def test_the_client_rule_is_not_claimed_exact_where_chunk_ends_decide() -> None:
+    """The closed-form rule a client evaluates has no chunk ends: for the chunk find
+    (Mamba blocks coarser than the cache block) it is not claimed exact, as it is
+    when the prompt is prefilled block by block."""
+    request = find("prefix-mamba-state-at-chunk-ends", "vllm-0.34")
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    assert not rule_is_exact(setup, facts(setup))
+    stepped = replace(setup, prefill_chunk_tokens=0)
+    assert rule_is_exact(stepped, facts(stepped))
+    assert not plan_from_proto(request).diagnostics.prefix_cache.rule_exact
