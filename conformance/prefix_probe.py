@@ -46,6 +46,7 @@ from conformance.generate import (
     generate_cases,
     split_cases,
 )
+from conformance.prefix_lengths import block_by_block, probe_lengths, stored_and_tail
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
 from kvplan.core.errors import PlanningError
@@ -61,19 +62,6 @@ from kvplan.gpus import GPU_MEMORY_BYTES
 from kvplan.prefix_facts import setup_from_plan
 
 Json = dict[str, Any]
-_STORED_UNITS = 6  # the stored request spans this many scheduler blocks (+ a tail)
-
-
-def probe_lengths(setup: PrefixCacheSetup, stored: int) -> list[int]:
-    """Shared-prefix lengths around every unit the rules name."""
-    units = {setup.scheduler_block, setup.hash_block}
-    units |= {g.block_tokens for g in setup.groups}
-    points = {1, stored - 1, stored}
-    for unit in units:
-        for k in (1, 2, 3, _STORED_UNITS - 1):
-            for delta in (-1, 0, 1):
-                points.add(k * unit + delta)
-    return sorted(n for n in points if 0 < n <= stored)
 
 
 def _hasher(hash_block: int, lookahead: int) -> Any:
@@ -499,7 +487,7 @@ def run(
         if not v["ok"]:
             counts["refused"] += 1
             continue
-        setup = setup_from_plan(core, response)
+        setup = block_by_block(setup_from_plan(core, response))
         if not driver.MANAGER_ARGUMENTS.get("enable_caching"):
             counts["off"] += 1
             if setup.enabled:
@@ -510,10 +498,8 @@ def run(
             # which a bare KVCacheManager does not have.
             counts["not_probed"] += 1
             continue
-        unit = max(setup.scheduler_block, *(g.block_tokens for g in setup.groups))
-        stored = _STORED_UNITS * unit + unit // 2 + 1
+        stored, tail = stored_and_tail(setup)
         lengths = probe_lengths(setup, stored) if first else []
-        tail = unit + 1
         try:
             got = vllm_hits(stored, lengths, tail)
         except PoolTooSmall as exc:

@@ -1048,6 +1048,9 @@ _MANAGER_POOL_BLOCKS = 64
 
 # The arguments of the last KV cache manager started (and its full scheduler view).
 MANAGER_ARGUMENTS: Json = {}
+# The configuration of the last engine whose KV cache manager started (the
+# scheduler probe, conformance/scheduler_probe.py, starts vLLM's scheduler from it).
+ENGINE_CONFIG: Json = {}
 
 
 def _fixed_sink_manager() -> None:
@@ -1113,6 +1116,8 @@ def _start_kv_cache_manager(
     # from the same arguments, with a pool large enough for its requests.
     MANAGER_ARGUMENTS.clear()
     MANAGER_ARGUMENTS.update(kept, scheduler=scheduler)
+    ENGINE_CONFIG.clear()
+    ENGINE_CONFIG["config"] = cfg
 
 
 def plan_with_vllm(req: plan_pb2.PlanRequest, table: dict[str, int] | None = None) -> Json:

@@ -161,6 +161,11 @@ def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> 
         if drafter_drops and rules.lookahead_block_hashes and options.hisparse is None and enabled
         else 0
     )
+    # The engine's cache block once planned (vLLM's engine core sets it to the
+    # smallest prefix-cacheable group block): the scheduler aligns chunk ends to it.
+    blocks = [int(group.block_size) for group in response.groups]
+    cacheable = [b for b, (_, on) in zip(blocks, views, strict=True) if on]
+    split_block = min(cacheable or blocks or [0])
     return PrefixCacheSetup(
         enabled=enabled,
         groups=groups,
@@ -171,6 +176,10 @@ def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> 
         hash_lookahead=lookahead,
         reprefill_tokens=max(0, spec_decode.prefill_lookahead_tokens - 1),
         junction_checkpoint=options.mamba_shared_prefix_checkpoint,
+        prefill_chunk_tokens=max(
+            1, options.max_num_batched_tokens - spec_decode.step_draft_slots(rules)
+        ),
+        split_block=split_block,
     )
 
 

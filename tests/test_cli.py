@@ -579,8 +579,12 @@ def test_plan_takes_the_mamba_junction_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--mamba-shared-prefix-checkpoint (vLLM's opt-in): the next request after the
-    first one sharing 100 tokens hits the Mamba state kept at the junction (96),
-    not block-floored (64). 64-token Mamba blocks, 16-token attention and hashes."""
+    first one sharing 100 tokens hits the Mamba state kept at the junction (96).
+    Without it the first request's chunk stops at the junction floored to the
+    16-token cache block (96 too), so no state is written at the Mamba block's 64 in
+    the default 8,192-token chunks, and the next one hits 0 (64 in 40-token chunks,
+    which end at 64; vLLM 0.33's scheduler agrees: tests/test_scheduler_probe.py).
+    64-token Mamba blocks, 16-token attention and hashes."""
     from conformance.generate import GIB, SMALL_STATES, W, full, mamba
     from conformance.generate import request as generated_request
 
@@ -593,6 +597,10 @@ def test_plan_takes_the_mamba_junction_checkpoint(
     path = tmp_path / "mamba.json"
     path.write_text(json_format.MessageToJson(request))
     argv = ["plan", str(path), "--engine-version", "vllm-0.33", "--shared-prefix", "100"]
+    assert main(argv) == 0
+    assert "first request: 0 of 100 tokens from cache; the next one: 0" in capsys.readouterr().out
+    request.options.max_num_batched_tokens = 40
+    path.write_text(json_format.MessageToJson(request))
     assert main(argv) == 0
     assert "first request: 0 of 100 tokens from cache; the next one: 64" in capsys.readouterr().out
     assert main([*argv, "--mamba-shared-prefix-checkpoint"]) == 0

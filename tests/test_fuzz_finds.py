@@ -106,6 +106,9 @@ EXPECTED: dict[str, Mapping[str, object]] = {
     "prefix-first-layer-cacheable": {release: PLANS for release in RELEASES},
     "prefix-mtp-reprefilled-tail": {release: PLANS for release in RELEASES},
     "prefix-mtp-reprefilled-tail-hybrid": {release: PLANS for release in RELEASES},
+    # Found by the scheduler probe (chunked prefill); pinned in tests/test_prefix_facts.py
+    # and against each release's scheduler in tests/test_scheduler_probe.py.
+    "prefix-mamba-state-at-chunk-ends": {release: PLANS for release in RELEASES},
     # With the hybrid manager disabled vLLM 0.34 allocates bounded-replay sliding-window
     # MLA layers as MLA, dropping the replay bound; 0.32 / 0.33 cannot (their MLA spec
     # has no such field: a TypeError while grouping). Its prediction: test_prefix_facts.

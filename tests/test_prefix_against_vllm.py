@@ -11,6 +11,7 @@ import pytest
 
 from conformance.generate import GIB, SMALL_STATES, W, full, mamba
 from conformance.generate import request as generated_request
+from conformance.prefix_lengths import block_by_block
 from kvplan.cli import load_request
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
@@ -147,14 +148,10 @@ def test_a_shared_prefix_of_a_longer_stored_prompt_hits_below_the_sent_again_min
     assert vllm[:6] == [0, 0, 288, 288, 288, 288] and not any(vllm[6:])
 
 
-def test_the_junction_checkpoint_lets_the_next_request_hit_inside_a_mamba_block() -> None:
-    """vLLM's opt-in enable_mamba_shared_prefix_checkpoint (conformance's
-    mamba_junction engines): 64-token Mamba blocks beside 16-token attention with an
-    MTP drafter marked is_draft, 16-token hashes, under 0.33. The first request
-    sharing 100 tokens of a longer stored prompt hits nothing; the next one hits the
-    Mamba state the first kept at its junction (96, full attention's match), where
-    without the option it is block-floored (64). vLLM 0.33's manager agrees with the
-    what-if's next request."""
+def junction_engine() -> plan_pb2.PlanRequest:
+    """conformance's mamba_junction engines: 64-token Mamba blocks beside 16-token
+    attention with an MTP drafter marked is_draft, 16-token hashes, under 0.33,
+    the junction checkpoint asked for, the what-if for a 100-token shared prefix."""
     layers = [
         *[mamba(f"m.{i}", SMALL_STATES, block=64) for i in range(2)],
         full("f.0", 2, 256, block=16),
@@ -164,6 +161,20 @@ def test_the_junction_checkpoint_lets_the_next_request_hit_inside_a_mamba_block(
     request.options.engine_version = "vllm-0.33"
     request.options.enable_mamba_shared_prefix_checkpoint = True
     request.shared_prefix_tokens = 100
+    return request
+
+
+def test_the_junction_checkpoint_lets_the_next_request_hit_inside_a_mamba_block() -> None:
+    """vLLM's opt-in enable_mamba_shared_prefix_checkpoint (junction_engine). The
+    first request sharing 100 tokens of a longer stored prompt hits nothing; the
+    next one hits the Mamba state the first kept at its junction (96, full
+    attention's match). vLLM 0.33's manager, its prompts prefilled one scheduler
+    block a step, agrees with kvplan's prediction for that prefill. Without the
+    option the junction's chunk is floored to the 16-token cache block (96 too):
+    the state at 64 exists only where a chunk ends there, which the engine's
+    default 8,192-token chunks never do, so the what-if's next request hits 0
+    (tests/test_scheduler_probe.py measures both on the release's scheduler)."""
+    request = junction_engine()
     answer = plan_from_proto(request).diagnostics.prefix_cache.what_if
     request.options.enable_mamba_shared_prefix_checkpoint = False
     without = plan_from_proto(request).diagnostics.prefix_cache.what_if
@@ -174,9 +185,14 @@ def test_the_junction_checkpoint_lets_the_next_request_hit_inside_a_mamba_block(
     vllm = vllm_hits(
         "0.33", request, [("first", diverging, 100, tail), ("later", diverging, 100, tail)]
     )
+    stepped = block_by_block(setup)
+    assert vllm == [
+        cached_tokens(stepped, 100, diverging, 100 + tail),
+        cached_tokens_after_junction(stepped, 100, diverging, 100 + tail),
+    ]
     assert vllm == [answer.cached_tokens_prefix_diverges, answer.cached_tokens_next_request]
     assert answer.cached_tokens_prefix_diverges == 0
-    assert (answer.cached_tokens_next_request, without.cached_tokens_next_request) == (96, 64)
+    assert (answer.cached_tokens_next_request, without.cached_tokens_next_request) == (96, 0)
 
 
 # The vLLM plugin's engine options, read from each release's own CacheConfig with

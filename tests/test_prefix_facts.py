@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
-from kvplan.core.prefix_cache import cached_tokens, facts
+from kvplan.core.prefix_cache import PrefillChunks, cached_tokens, facts
 from kvplan.core.prefix_warnings import rule_is_exact, what_if
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2, spec_pb2
@@ -182,3 +184,50 @@ def test_a_uniform_group_of_circular_buffers_stays_out_of_prefix_caching() -> No
     setup = setup_from_plan(request_from_proto(request), response)
     assert not setup.groups[0].prefix_cacheable
     assert cached_tokens(setup, 16, 105, 16 + 17) == 0
+
+
+@pytest.mark.parametrize("engine_version", ["vllm-0.33", "vllm-0.34"])
+@pytest.mark.parametrize(
+    ("batched", "chunk_ends", "hit"),
+    [
+        # One chunk to the last 16-token position (416): no state at 384.
+        (8192, [416], 0),
+        # 87 tokens, cut to 80: 80, 160, ..., 400, then 416. 384 is skipped.
+        (87, [80, 160, 240, 320, 400, 416], 0),
+        # 192 tokens a chunk: 192, 384, then 416.
+        (192, [192, 384, 416], 384),
+        # 32 tokens a chunk: every 16-token boundary's multiple of 32, and 416.
+        (32, list(range(32, 417, 32)), 384),
+    ],
+)
+def test_a_mamba_state_exists_only_where_a_prefill_chunk_ends(
+    engine_version: str, batched: int, chunk_ends: list[int], hit: int
+) -> None:
+    """conformance/finds/prefix-mamba-state-at-chunk-ends (the scheduler probe, vLLM
+    0.33 and 0.34): 64-token Mamba blocks beside 16-token full attention and a
+    marked MTP drafter. vLLM's scheduler ends prefill chunks on the engine's cache
+    block (16, the smallest cacheable group block) and at the prompt's last
+    cacheable position, so the Mamba state at a stored 417-token prompt's replay
+    boundary (384) exists only where a chunk ends there: the release's own
+    scheduler gives a request sharing 416 tokens these hits
+    (tests/test_scheduler_probe.py); prefilled block by block, 384."""
+    request = find("prefix-mamba-state-at-chunk-ends", engine_version)
+    request.options.max_num_batched_tokens = batched
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    assert (setup.prefill_chunk_tokens, setup.split_block) == (batched, 16)
+    chunks = PrefillChunks(setup, 417)
+    assert [p for p in range(1, 417) if chunks.is_end(p)] == chunk_ends
+    assert cached_tokens(setup, 416, 417, 416 + 65) == hit
+    assert cached_tokens(replace(setup, prefill_chunk_tokens=0), 416, 417, 416 + 65) == 384
+
+
+def test_the_client_rule_is_not_claimed_exact_where_chunk_ends_decide() -> None:
+    """The closed-form rule a client evaluates has no chunk ends: for the chunk find
+    (Mamba blocks coarser than the cache block) it is not claimed exact, as it is
+    when the prompt is prefilled block by block."""
+    request = find("prefix-mamba-state-at-chunk-ends", "vllm-0.34")
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    assert not rule_is_exact(setup, facts(setup))
+    stepped = replace(setup, prefill_chunk_tokens=0)
+    assert rule_is_exact(stepped, facts(stepped))
+    assert not plan_from_proto(request).diagnostics.prefix_cache.rule_exact

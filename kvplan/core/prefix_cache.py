@@ -86,6 +86,14 @@ class PrefixCacheSetup:
     # (inside a block), not only block-floored. Takes effect where
     # `junction_checkpoint_applies`.
     junction_checkpoint: bool = False
+    # Chunked prefill (vLLM's scheduler in Mamba "align" mode): a Mamba state is
+    # written only where a prefill chunk ends. `prefill_chunk_tokens`: the tokens one
+    # request's prefill step may take (max_num_batched_tokens less the drafter's
+    # rows); `split_block`: the block the scheduler aligns chunk ends to (the
+    # engine's cache block: the smallest prefix-cacheable group block). 0: every
+    # block boundary ends a chunk (a prefill in scheduler-block steps).
+    prefill_chunk_tokens: int = 0
+    split_block: int = 0
 
 
 @dataclass(frozen=True)
@@ -415,6 +423,8 @@ class _Stored:
         self.drops = set(_drop_groups(setup))
         self.prompt_tokens = prompt_tokens
         self.junction = junction
+        # A Mamba state exists only where a prefill chunk of this prompt ended.
+        self.chunks = PrefillChunks(setup, prompt_tokens, computed_from, junction)
         h = setup.hash_block
         hashed = max(0, prompt_tokens - setup.hash_lookahead) // h * h
         several = len(setup.groups) > 1
@@ -464,14 +474,20 @@ class _Stored:
         b = g.block_tokens
         kept: set[int] = set()
         if g.kind is GroupKind.MAMBA:
+            written = self.chunks.is_end
             for bound in bounds:
                 block = bound // self.align * self.align // b - 1
-                if 0 <= block < full:
+                if 0 <= block < full and written((block + 1) * b):
                     kept.add(block)
             checkpoint = _mamba_checkpoint(self.setup, b, self.prompt_tokens)
             if checkpoint % b == 0 and 0 < checkpoint // b <= full:
-                kept.add(checkpoint // b - 1)
-            elif self.setup.partial_hash_hits and 0 < checkpoint <= self.prompt_tokens:
+                if written(checkpoint):
+                    kept.add(checkpoint // b - 1)
+            elif (
+                self.setup.partial_hash_hits
+                and 0 < checkpoint <= self.prompt_tokens
+                and written(checkpoint)
+            ):
                 # A state inside a block: partial hash hits can land on it.
                 self.points[i].add(checkpoint)
             junction = self.junction
@@ -480,6 +496,7 @@ class _Stored:
                 and junction % self.setup.hash_block == 0
                 and junction <= self.prompt_tokens
                 and junction_checkpoint_applies(self.setup)
+                and written(junction)
             ):
                 # The opt-in checkpoint: a chunk ends at the junction itself, and its
                 # state is kept there (the caller drops it below the request's hit).
@@ -544,6 +561,85 @@ class _StoredTogether(_Stored):
         if any(s is None for s in each):
             return None
         return set().union(*(s for s in each if s is not None))
+
+
+def _checkpoint_position(setup: PrefixCacheSetup, prompt_tokens: int, unit: int) -> int:
+    """vLLM's prefill checkpoint in `unit`s: the last one a replay of the prompt can
+    reach (its last token, or the lookahead, recomputed), one lower under the drop."""
+    if setup.block_drop:
+        return max(0, prompt_tokens // unit * unit - unit)
+    return max(0, (prompt_tokens - max(1, setup.hash_lookahead)) // unit * unit)
+
+
+class PrefillChunks:
+    """Where vLLM's scheduler ends the prefill chunks of a prompt in Mamba "align"
+    mode (its `_mamba_block_aligned_split`), from `start` (the tokens the request
+    got from cache): a chunk takes the step's budget, cut down to the split block
+    unless it ends the prompt, and stops early at the first of the prompt's
+    mandatory stops inside it: the next split-block boundary when it starts inside
+    one, the last cacheable split-block position, the last hash-block checkpoint
+    (partial hash hits) and the shared-prefix junction (block-floored, or exact
+    where the junction checkpoint applies). Between stops the ends are a regular
+    grid, which `is_end` walks stop by stop, not chunk by chunk."""
+
+    def __init__(
+        self, setup: PrefixCacheSetup, prompt_tokens: int, start: int = 0, junction: int = 0
+    ) -> None:
+        self.budget = setup.prefill_chunk_tokens
+        self.block = setup.split_block
+        self.prompt_tokens = prompt_tokens
+        self.start = start
+        stops: set[int] = set()
+        if self.budget and self.block:
+            last = _checkpoint_position(setup, prompt_tokens, self.block)
+            stops.add(last)
+            if setup.partial_hash_hits and setup.hash_block < setup.scheduler_block:
+                tail = _checkpoint_position(setup, prompt_tokens, setup.hash_block)
+                if last < tail:
+                    stops.add(tail)
+            if junction > start:
+                exact = junction_checkpoint_applies(setup) and junction <= prompt_tokens
+                # Floored in the chunk it falls in (an aligned one: an unaligned
+                # chunk stops at its block's end first).
+                floored = junction // self.block * self.block
+                stops.add(junction if exact else floored)
+        self.stops = sorted(x for x in stops if start < x < prompt_tokens)
+
+    def is_end(self, position: int) -> bool:
+        """Whether a prefill chunk ends at `position` (start < position < prompt)."""
+        if not (self.budget and self.block):
+            return True
+        if not self.start < position < self.prompt_tokens:
+            return False
+        c, total = self.block, self.prompt_tokens
+        if position in self.stops:
+            return True
+        if self.budget < c:
+            # No chunk reaches a boundary whole: each stops at the next one.
+            return position % c == 0
+        grid = self.budget // c * c
+        at = self.start
+        while at < position:
+            if at % c:  # a chunk starting inside a block stops at its boundary
+                end = min(-(-at // c) * c, *(x for x in self.stops if x > at), total)
+            else:
+                stop = min((x for x in self.stops if x > at), default=total)
+                # Regular chunks: `grid` each, while one does not reach the prompt's
+                # end (that one is not cut to the block) nor pass a stop.
+                steps = max(0, min((stop - at) // grid, (total - 1 - at - self.budget) // grid + 1))
+                if steps:
+                    if position <= at + steps * grid:
+                        return (position - at) % grid == 0
+                    at += steps * grid
+                    continue
+                end = min(at + self.budget, total)
+                if end < total:
+                    end = end // c * c
+                end = min([end, *(x for x in self.stops if at < x < end)])
+            if end == position:
+                return True
+            at = end
+        return False
 
 
 def _mamba_checkpoint(setup: PrefixCacheSetup, mamba_block: int, prompt_tokens: int) -> int:
@@ -862,6 +958,7 @@ __all__ = [
     "FIRST_HIT_SCAN_LIMIT",
     "CacheGroup",
     "GroupKind",
+    "PrefillChunks",
     "PrefixCacheFacts",
     "PrefixCacheSetup",
     "WhyOff",

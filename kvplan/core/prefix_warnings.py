@@ -300,8 +300,16 @@ def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
       window group takes part, or it is looked up after a dropping full-attention
       group (`_partial_hits_in_rule`);
     * a draft drop that comes with a multi-module MTP drafter's reprefilled tail
-      (the rule leaves the tail out)."""
+      (the rule leaves the tail out);
+    * a Mamba group whose block is coarser than the block the scheduler ends
+      prefill chunks on: its states exist only where a chunk ends, which depends on
+      the stored prompt's length and the chunk budget (`PrefillChunks`)."""
     if facts.drop_groups and setup.reprefill_tokens:
+        return False
+    if setup.prefill_chunk_tokens and any(
+        g.kind is GroupKind.MAMBA and g.prefix_cacheable and g.block_tokens > setup.split_block
+        for g in setup.groups
+    ):
         return False
     cacheable = [g for g in setup.groups if g.prefix_cacheable]
     sparse = [g for g in cacheable if g.kind in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA)]

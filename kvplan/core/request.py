@@ -88,6 +88,22 @@ class SpecDecode:
             return k + 1  # the lookahead: a bonus query plus one per draft token
         return k if self.uses_eagle or self.method == "draft_model" else 0
 
+    def step_draft_slots(self, rules: RuleSet) -> int:
+        """Query rows the drafter adds to a scheduler step per request (vLLM's
+        `max_num_new_slots_for_drafting`): a prefill chunk takes at most
+        max_num_batched_tokens less these. 0.32 counts as its VllmConfig check does;
+        later releases draft DFlash and DSpark in a pass of their own."""
+        if self.method == "none":
+            return 0
+        if rules.draft_slot_check is DraftSlotCheck.NEW_SLOTS_FOR_DRAFTING:
+            return self.batch_slots_for_drafting(rules)
+        if self.method in ("dflash", "dspark"):
+            return 0
+        k = self.num_speculative_tokens
+        if self.drafts_in_parallel:
+            return k if self.method == "draft_model" else k - 1
+        return 1 if self.method == "draft_model" else 0
+
     @property
     def prefill_lookahead_tokens(self) -> int:
         """Prefill tokens past the computed range that the drafter reads."""

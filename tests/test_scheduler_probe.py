@@ -1,0 +1,133 @@
+"""kvplan's prefix-cache prediction against each release's own v1 scheduler with
+chunked prefill, in that release's CPU venv (conformance/scheduler_probe.py's
+harness): a few engines and chunk sizes per release, where `make conformance`'s
+scheduler probe checks every generated one. A missing venv fails the test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conformance.prefix_lengths import parse_chunk, stored_and_tail
+from kvplan.cli import load_request
+from kvplan.convert import plan_from_proto
+from kvplan.convert.request import request_from_proto
+from kvplan.core.prefix_cache import cached_tokens, facts
+from kvplan.core.prefix_warnings import DIVERGING_TAIL_UNITS
+from kvplan.prefix_facts import setup_from_plan
+from kvplan.v1 import plan_pb2
+from tests.test_fuzz_finds import find
+from tests.test_prefix_against_vllm import junction_engine
+from tests.vllm_envs import run_in_vllm
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Runs in the release's venv: plans each request with the release (the driver keeps
+# its scheduler's configuration), then runs the release's Scheduler for each probe
+# (stored, shared, tail, later) on a new scheduler; the hit (with `later`, the
+# first request's and the next one's), or vLLM's failure as text.
+VLLM_SIDE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from conformance import scheduler_probe, vllm_driver
+from kvplan.gpus import GPU_MEMORY_BYTES
+from kvplan.v1 import plan_pb2
+out = []
+for engine in json.load(sys.stdin):
+    request = plan_pb2.PlanRequest.FromString(bytes.fromhex(engine["request"]))
+    assert vllm_driver.plan_with_vllm(request, GPU_MEMORY_BYTES)["ok"]
+    hits = []
+    for stored, shared, tail, later in engine["probes"]:
+        try:
+            got = scheduler_probe.scheduler_hit(stored, shared, tail, 2, later)
+        except scheduler_probe.SchedulerStalled as exc:
+            hits.append(str(exc))
+            continue
+        hits.append([got["hit"], got["later_hit"]] if later else got["hit"])
+    out.append(hits)
+print(json.dumps(out))
+"""
+
+CHUNK_FIND = "prefix-mamba-state-at-chunk-ends"
+# Engines and chunk sizes (max_num_batched_tokens) per release: the chunk find at
+# the default batch, a chunk not a multiple of the cache block and one of three
+# blocks; a Qwen3-Next-like hybrid (528-token blocks, MTP), Gemma 3's sliding
+# windows and gpt-oss with EAGLE3 (the draft drop under 0.32), each at two chunks.
+ENGINES = [
+    (f"find:{CHUNK_FIND}", ["8192", "87", "x3"]),
+    ("examples/qwen3-next-80b-a3b-mtp.yaml", ["x1.37", "8192"]),
+    ("examples/gemma-3-27b.yaml", ["x0.5", "x1.37"]),
+    ("examples/gpt-oss-20b-eagle3.yaml", ["x0.5", "x3"]),
+]
+
+
+def _request(source: str, engine_version: str) -> plan_pb2.PlanRequest:
+    if source.startswith("find:"):
+        return find(source.removeprefix("find:"), engine_version)
+    request = load_request(str(REPO / source))
+    request.options.engine_version = engine_version
+    if engine_version == "vllm-0.32":  # no is_draft there, as `make conformance` sends it
+        for worker in request.workers:
+            for layer in worker.layers:
+                layer.is_draft = False
+    return request
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
+def test_the_scheduler_serves_what_kvplan_predicts(release: str) -> None:
+    engines, predicted = [], []
+    for source, chunks in ENGINES:
+        base = _request(source, f"vllm-{release}")
+        for text in chunks:
+            request = plan_pb2.PlanRequest()
+            request.CopyFrom(base)
+            setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+            unit = max(setup.scheduler_block, *(g.block_tokens for g in setup.groups))
+            request.options.max_num_batched_tokens = parse_chunk(text).for_unit(unit)
+            setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+            stored, tail = stored_and_tail(setup)
+            # Just under the prompt (the replay boundary), the prompt again, a unit
+            # below, and a token under that.
+            shared = list(dict.fromkeys([stored - 1, stored, stored - unit, stored - unit - 1]))
+            probes = [(stored, n, tail, False) for n in shared]
+            engines.append({"request": request.SerializeToString().hex(), "probes": probes})
+            predicted.append([cached_tokens(setup, n, stored, n + tail) for n in shared])
+    measured = run_in_vllm(release, ["-c", VLLM_SIDE, str(REPO)], engines)
+    assert measured == predicted
+    # The chunk find: at the default batch the replay boundary's state is never
+    # written (one chunk to 416), at 3 blocks a chunk it is (192, 384, 416).
+    find_default, _, find_three_blocks = measured[:3]
+    if release != "0.32":  # 0.32 has no is_draft: its drop makes a different engine
+        assert find_default[0] == 0  # shares 416 of 417
+        assert find_three_blocks[0] == 384
+
+
+# (junction checkpoint asked for, max_num_batched_tokens) -> the first request's
+# hit and the next one's.
+JUNCTION_HITS = {
+    (True, 8192): [0, 96],  # one chunk to the junction (96): its state is kept
+    (False, 8192): [0, 0],  # the junction floored to the cache block (96): no 64
+    (False, 40): [0, 64],  # 32-token chunks end at 64 on the way
+}
+
+
+def test_the_next_request_hits_where_the_first_ones_chunks_ended() -> None:
+    """tests/test_prefix_against_vllm.py's junction_engine (vLLM 0.33): a request
+    sharing 100 tokens of a longer stored prompt, then the next one, on the
+    release's own scheduler; kvplan's what-if says the same."""
+    engines, answers = [], []
+    for checkpoint, batched in JUNCTION_HITS:
+        request = junction_engine()
+        request.options.enable_mamba_shared_prefix_checkpoint = checkpoint
+        request.options.max_num_batched_tokens = batched
+        setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+        unit, tail = facts(setup).unit, facts(setup).unit + setup.hash_lookahead
+        diverging = 100 + DIVERGING_TAIL_UNITS * unit + setup.hash_lookahead + 1
+        probes = [(diverging, 100, tail, True)]
+        engines.append({"request": request.SerializeToString().hex(), "probes": probes})
+        answer = plan_from_proto(request).diagnostics.prefix_cache.what_if
+        answers.append([[answer.cached_tokens_prefix_diverges, answer.cached_tokens_next_request]])
+    measured = run_in_vllm("0.33", ["-c", VLLM_SIDE, str(REPO)], engines)
+    assert measured == answers
+    assert measured == [[hits] for hits in JUNCTION_HITS.values()]
