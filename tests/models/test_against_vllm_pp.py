@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from kvplan.gpus import lookup_gpu
 from kvplan.models import Deployment, import_layers, load_config
 from kvplan.models.config import HFConfig, ModelConfigError
 from kvplan.models.importer import pipeline_stage_bounds, text_config
 from kvplan.models.weights import (
     _vision_params,
     count_params,
+    estimate_overhead,
     estimate_weights,
     rope_cache_bytes,
     stage_params,
@@ -166,9 +168,29 @@ def test_cli_plans_each_stage_with_its_own_weights(capsys: pytest.CaptureFixture
     workers = json.loads(capsys.readouterr().out)["workers"]
     non_kv = [int(worker["budget"]["non_kv_bytes"]) for worker in workers]
     config = load_config(str(MODELS / "llama-3.1-8b" / "config.json"))
-    split = estimate_weights(config, import_layers(config), 1, 2, pp_layer_partition=(20, 12))
-    # Each stage's worker carries its own weights; the runtime part is the same.
-    assert non_kv[0] - non_kv[1] == split.bytes_per_stage[0] - split.bytes_per_stage[1] > 0
+    layers = import_layers(config)
+    split = estimate_weights(config, layers, 1, 2, pp_layer_partition=(20, 12))
+    # Each stage's worker carries its own weights and its own runtime part: only the
+    # last stage samples, and it holds the hidden states it receives (vllm serve's
+    # H100 defaults: 8,192 batched tokens, 1,024 sequences).
+    h100 = lookup_gpu("H100")
+    runtime = [
+        estimate_overhead(
+            config,
+            layers,
+            1,
+            8192,
+            1024,
+            "",
+            max_model_len=8192,
+            gpu_arch=h100.arch,
+            pipeline_stage=stage,
+            pipeline_parallel_size=2,
+        ).total_bytes
+        for stage in range(2)
+    ]
+    assert non_kv == [split.bytes_per_stage[stage] + runtime[stage] for stage in range(2)]
+    assert split.bytes_per_stage[0] > split.bytes_per_stage[1] and runtime[1] > runtime[0]
     assert main([*model, "--pp-layer-partition", "20,11"]) == 2
     assert "VLLM_PP_LAYER_PARTITION 20,11 adds up to 31 layers" in capsys.readouterr().err
     request = str(Path(__file__).parents[2] / "examples" / "llama-3.1-8b.yaml")
