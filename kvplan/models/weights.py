@@ -1000,6 +1000,15 @@ def _modelopt(quant: HFConfig) -> tuple[str, float, bool]:
     )
 
 
+def _all_excluded(names: list[str], patterns: list[str], mixed: str) -> bool:
+    """Whether the exclusion `patterns` name every one of `names` (the representatives
+    of a part the estimate counts whole); `mixed` says what a split would mean."""
+    hits = {any(_matches(name, pattern) for pattern in patterns) for name in names}
+    if len(hits) > 1:
+        raise ModelConfigError(f"{mixed}: pass --non-kv-bytes", "quantization_config")
+    return hits == {True}
+
+
 def _excluded_patterns(config: HFConfig) -> list[str]:
     """The modules a checkpoint leaves unquantized: fp8's `ignored_layers` (else
     `modules_to_not_convert`), ModelOpt's `ignore` (else `exclude_modules`)."""
@@ -1056,14 +1065,9 @@ def _unquantized_parts(config: HFConfig, layers: ModelLayers) -> frozenset[str]:
     for part, names in representatives.items():
         if not names:
             continue
-        hits = {any(_matches(name, pattern) for pattern in patterns) for name in names}
-        if len(hits) > 1:
-            raise ModelConfigError(
-                f"excludes part of the {part} weights only ({names[0]} and {names[-1]} "
-                "differ); the estimate counts whole parts: pass --non-kv-bytes",
-                "quantization_config",
-            )
-        if hits == {True}:
+        mixed = (f"excludes part of the {part} weights only ({names[0]} and {names[-1]} "
+                 "differ); the estimate counts whole parts")  # fmt: skip
+        if _all_excluded(names, patterns, mixed):
             kept.add(part)
     return frozenset(kept)
 
@@ -1090,14 +1094,9 @@ def _kept_modules_within(
     if gdn and "state_space" not in kept:
         names = [f"{root}.{i}.linear_attn.in_proj_{side}" for i in (gdn[0], gdn[-1])
                  for side in "ab"]  # fmt: skip
-        hits = {any(_matches(name, pattern) for pattern in patterns) for name in names}
-        if len(hits) > 1:
-            raise ModelConfigError(
-                f"keeps part of the GDN in_proj_a / in_proj_b only ({', '.join(names)}); the "
-                "estimate counts them for every layer: pass --non-kv-bytes",
-                "quantization_config",
-            )
-        if hits == {True}:
+        mixed = (f"keeps part of the GDN in_proj_a / in_proj_b only ({', '.join(names)}); "
+                 "the estimate counts them for every layer")  # fmt: skip
+        if _all_excluded(names, patterns, mixed):
             per_gdn_layer = 2 * hidden * c.integer("linear_num_value_heads")
     fc = 0
     mtp = layers.num_nextn_predict_layers
