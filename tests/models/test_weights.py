@@ -10,7 +10,7 @@ import pytest
 
 from kvplan.cli import main
 from kvplan.gpus import CATALOG, GPU_MEMORY_BYTES, lookup_gpu
-from kvplan.models.config import HFConfig, load_config
+from kvplan.models.config import HFConfig, ModelConfigError, load_config
 from kvplan.models.importer import Deployment, ModelLayers, import_layers
 from kvplan.models.weights import (
     _vision_params,
@@ -334,3 +334,26 @@ def _qwen36_bf16_bytes(config: HFConfig, layers: ModelLayers) -> int:
     hidden = c.integer("hidden_size")
     ab = 48 * 2 * hidden * c.integer("linear_num_value_heads")
     return 2 * (params.embedding + params.vision + ab + 2 * hidden * hidden)
+
+
+@pytest.mark.parametrize(
+    ("ignored", "message"),
+    [
+        (["model.language_model.layers.0.linear_attn.in_proj_a"],
+         "keeps part of the GDN in_proj_a / in_proj_b only"),
+        (["lm_head", "model.layers.0.mlp.gate_proj"],
+         "excludes part of the mlp weights only"),
+    ],
+)  # fmt: skip
+def test_an_exclusion_list_that_splits_a_part_is_refused(ignored: list[str], message: str) -> None:
+    # The estimate counts a part (every layer's MLP, every GDN layer's in_proj_a / b)
+    # quantized or not as a whole; a list naming only some of it is refused with the
+    # field, the reason and the way out, rather than counted wrong.
+    raw = json.loads((MODELS / "qwen3.6-27b" / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                  "ignored_layers": ignored}  # fmt: skip
+    config = HFConfig(raw)
+    with pytest.raises(ModelConfigError) as error:
+        estimate_weights(config, import_layers(config), 1)
+    assert message in str(error.value) and "pass --non-kv-bytes" in str(error.value)
+    assert str(error.value).startswith("quantization_config: ")
