@@ -16,11 +16,22 @@ def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: 
     non-full-attention group; one-token
     windows; partial hash hits with a coarse full-attention group that keeps its
     last block, in some orders) an estimate: ask the server with
-    PlanRequest.shared_prefix_tokens."""
+    PlanRequest.shared_prefix_tokens. The KV cache manager's hit, less the
+    window the scheduler replays (`replay_tokens`, bounded replay)."""
+    unit = prefix_cache.hit_unit_tokens
+    if (
+        not prefix_cache.effectively_on
+        or not unit
+        or shared_prefix < prefix_cache.min_shared_prefix_tokens
+    ):
+        return 0
+    return max(0, _manager_hit(prefix_cache, shared_prefix) - prefix_cache.replay_tokens)
+
+
+def _manager_hit(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: int) -> int:
+    """`cached_tokens` before the scheduler's bounded replay."""
     n = shared_prefix
     unit = prefix_cache.hit_unit_tokens
-    if not prefix_cache.effectively_on or not unit or n < prefix_cache.min_shared_prefix_tokens:
-        return 0
     hash_block = prefix_cache.hash_block_tokens or unit
     hashed = max(0, n - prefix_cache.hash_lookahead_tokens) // hash_block * hash_block
     if not prefix_cache.drop_group_ids:
@@ -76,6 +87,11 @@ def summary(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
         )
     if prefix_cache.boundary_only:
         parts.append("Mamba / window state only where a request ended")
+    if prefix_cache.replay_tokens:
+        parts.append(
+            f"the scheduler recomputes the last {prefix_cache.replay_tokens:,} tokens of "
+            "every hit (bounded replay)"
+        )
     return "; ".join(parts)
 
 

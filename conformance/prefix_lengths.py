@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvplan.core.prefix_cache import PrefixCacheSetup
+from kvplan.core.prefix_cache import PrefixCacheSetup, manager_view
 
 _STORED_UNITS = 6  # the stored request spans this many scheduler blocks (+ a tail)
 DEFAULT_CHUNKS = ("x0.5", "x1.37", "x3")
@@ -29,8 +29,10 @@ def block_by_block(setup: PrefixCacheSetup) -> PrefixCacheSetup:
     a chunk ends at every scheduler block and at the scheduler's own stops), not in
     the engine's max_num_batched_tokens chunks: a Mamba state then exists at every
     block boundary. conformance/scheduler_probe.py checks the chunked prediction
-    against the release's own scheduler."""
-    return replace(setup, prefill_chunk_tokens=0)
+    against the release's own scheduler. It is the KV cache manager's hit
+    (`manager_view`): the bare manager this probe drives never replays a
+    bounded-replay window, which only the scheduler does."""
+    return replace(manager_view(setup), prefill_chunk_tokens=0)
 
 
 def stored_and_tail(setup: PrefixCacheSetup) -> tuple[int, int]:

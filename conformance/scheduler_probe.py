@@ -16,9 +16,10 @@ reads the tokens the scheduler took from cache for it in its first step (the
 scheduler's own lookup: NewRequestData.num_computed_tokens). Each (engine, chunk,
 N) runs on a new scheduler, so no probe sees another's cached state.
 
-The hit is compared with kvplan.core.prefix_cache.cached_tokens (prefix_probe's
-prediction for the same stored length, N and request) and with prefix_probe's
-block-by-block answer (its vllm_hits on the same engine).
+The hit is compared with kvplan.core.prefix_cache.cached_tokens of the plan's
+setup (for the same stored length, N and request: what the scheduler serves, after
+its bounded replay) and with prefix_probe's block-by-block answer (its vllm_hits
+on the same engine: the bare manager's hit, which no replay shortens).
 
     python -m conformance.scheduler_probe [--chunk SPEC ...] [--only ID]
         [--stride K --offset I] [--limit N] [--fuzz SECTION=COUNT] [--out FILE]

@@ -116,6 +116,19 @@ def _scheduler_view(
     return allocated, core.prefix_cacheable
 
 
+def _replay_window(spec: spec_pb2.LayerSpec) -> int:
+    """The tokens vLLM's scheduler recomputes at the end of a prefix hit for a group
+    whose spec it reads as `spec` (KVCacheSpec.prefix_replay_tokens): a
+    bounded-replay sliding-window MLA spec's window, else 0. A layer vLLM 0.34
+    promotes to MLA (disable_hybrid_kv_cache_manager) reads as MLA: no replay."""
+    if (
+        spec.WhichOneof("kind") != "sliding_window_mla"
+        or not spec.sliding_window_mla.bounded_replay
+    ):
+        return 0
+    return int(spec.sliding_window_mla.sliding_window)
+
+
 def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> PrefixCacheSetup:
     options = request.options
     dcp = options.decode_context_parallel_size
@@ -180,6 +193,8 @@ def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> 
             1, options.max_num_batched_tokens - spec_decode.step_draft_slots(rules)
         ),
         split_block=split_block,
+        # The planner refuses groups of different replay windows (vLLM asserts one).
+        replay_window=max((_replay_window(spec) for spec, _ in views), default=0),
     )
 
 

@@ -6,9 +6,11 @@ from dataclasses import replace
 
 import pytest
 
+from conformance.generate import GIB, W, mla, sw_mla
+from conformance.generate import request as engine
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
-from kvplan.core.prefix_cache import PrefillChunks, cached_tokens, facts
+from kvplan.core.prefix_cache import PrefillChunks, cached_tokens, facts, manager_view
 from kvplan.core.prefix_warnings import rule_is_exact, what_if
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2, spec_pb2
@@ -119,8 +121,43 @@ def test_a_promoted_first_layer_takes_part_as_allocated() -> None:
     assert group.layer_specs[0].WhichOneof("kind") == "mla_attention"  # promoted
     setup = setup_from_plan(core, response)
     assert setup.groups[0].prefix_cacheable
+    assert setup.replay_window == 0  # the promotion dropped the bound: nothing replays
     for shared, vllm in ((256, 256), (1279, 1024), (1665, 1536)):
         assert cached_tokens(setup, shared, 1665, shared + 257) == vllm
+
+
+def bounded_replay_engine(engine_version: str, window: int = 128) -> plan_pb2.PlanRequest:
+    """DeepSeek-V4.1-like: MLA layers beside bounded-replay sliding-window MLA
+    layers of a `window`-token window, 64-token blocks, the hybrid manager on (two
+    groups; the windows' opts out of prefix caching), prefix caching on."""
+    layers = [mla(f"m.{i}", block=64) for i in range(2)]
+    layers += [sw_mla(f"s.{i}", window, block=64, bounded_replay=True) for i in range(2)]
+    request = engine(W(layers, GIB), block_size=64, prefix_caching=True)
+    request.options.engine_version = engine_version
+    return request
+
+
+@pytest.mark.parametrize("engine_version", ["", "vllm-0.32", "vllm-0.33", "vllm-0.34"])
+def test_a_bounded_replay_window_is_taken_off_what_the_scheduler_serves(
+    engine_version: str,
+) -> None:
+    """The window of the groups whose spec the scheduler reads as bounded-replay
+    sliding-window MLA (KVCacheSpec.prefix_replay_tokens, in tokens) is the
+    setup's replay window; the manager's hit (manager_view) keeps it. Every
+    release replays alike (Scheduler._mark_prefix_replay in 0.32, 0.33, 0.34)."""
+    request = bounded_replay_engine(engine_version)
+    response = plan_from_proto(request)
+    setup = setup_from_plan(request_from_proto(request), response)
+    assert setup.replay_window == 128
+    assert [g.prefix_cacheable for g in setup.groups] == [True, False]
+    manager = manager_view(setup)
+    for shared in (64, 128, 192, 416):
+        hit = cached_tokens(manager, shared, 417, shared + 65)
+        assert hit == shared // 64 * 64
+        assert cached_tokens(setup, shared, 417, shared + 65) == max(0, hit - 128)
+    stated = response.diagnostics.prefix_cache
+    assert (stated.replay_tokens, stated.min_shared_prefix_tokens) == (128, 192)
+    assert facts(manager).min_shared_prefix == 64
 
 
 @pytest.mark.parametrize(

@@ -13,12 +13,13 @@ from conformance.prefix_lengths import parse_chunk, stored_and_tail
 from kvplan.cli import load_request
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
-from kvplan.core.prefix_cache import cached_tokens, facts
+from kvplan.core.prefix_cache import cached_tokens, facts, manager_view
 from kvplan.core.prefix_warnings import DIVERGING_TAIL_UNITS
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2
 from tests.test_fuzz_finds import find
 from tests.test_prefix_against_vllm import junction_engine
+from tests.test_prefix_facts import bounded_replay_engine
 from tests.vllm_envs import run_in_vllm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,3 +132,25 @@ def test_the_next_request_hits_where_the_first_ones_chunks_ended() -> None:
     measured = run_in_vllm("0.33", ["-c", VLLM_SIDE, str(REPO)], engines)
     assert measured == answers
     assert measured == [[hits] for hits in JUNCTION_HITS.values()]
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
+def test_the_scheduler_replays_a_bounded_window_off_the_managers_hit(release: str) -> None:
+    """tests/test_prefix_facts.py's bounded_replay_engine (a 128-token window, 64-token
+    blocks) on the release's own scheduler: after the KV cache manager's hit the
+    scheduler recomputes the window (Scheduler._mark_prefix_replay), so a hit of
+    the window or less is served as 0 and a longer one less the window, as
+    kvplan's cached_tokens says; the manager's own hit (manager_view, what the
+    block-by-block probe sees) is the window longer."""
+    request = bounded_replay_engine(f"vllm-{release}")
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    stored, tail = stored_and_tail(setup)
+    # One block, the window, a block past it, and the stored prompt less one.
+    shared = [64, 128, 192, stored - 1]
+    probes = [(stored, n, tail, False) for n in shared]
+    engines = [{"request": request.SerializeToString().hex(), "probes": probes}]
+    (measured,) = run_in_vllm(release, ["-c", VLLM_SIDE, str(REPO)], engines)
+    assert measured == [cached_tokens(setup, n, stored, n + tail) for n in shared]
+    manager = [cached_tokens(manager_view(setup), n, stored, n + tail) for n in shared]
+    assert measured == [max(0, hit - setup.replay_window) for hit in manager]
+    assert setup.replay_window == 128 and 0 in measured and max(measured) > 0

@@ -408,6 +408,7 @@ def prefix_rule_to_proto(
     out.mamba_checkpoint_tokens.extend(mamba_checkpoint_strides(setup, facts))
     out.drop_window_tokens = drop_window(setup, facts)
     out.further_drop_window_tokens.extend(drop_windows(setup, facts)[1:])
+    out.replay_tokens = facts.replay_tokens
 
 
 def prefix_cache_diagnostics(
@@ -428,6 +429,7 @@ def prefix_cache_diagnostics(
         spec_decode=request.spec_decode.uses_eagle,
         drafter_flagged=any(group.is_draft for group in response.groups),
         asked_off=asked_off,
+        promotion_drops_bounded_replay=request.rules.promotion_drops_bounded_replay,
     )
     for warning in prefix_warnings(setup, facts, context):
         diagnostics.warnings.add(code=_WARNINGS[warning.code], message=warning.message)

@@ -23,6 +23,7 @@ class WarningCode(Enum):
     PREFIX_LARGE_HIT_UNIT = "prefix_large_hit_unit"
     PREFIX_BOUNDARY_ONLY = "prefix_boundary_only"
     PREFIX_DRAFT_DROP = "prefix_draft_drop"
+    PREFIX_BOUNDED_REPLAY = "prefix_bounded_replay"
 
 
 @dataclass(frozen=True)

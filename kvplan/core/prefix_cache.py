@@ -23,6 +23,15 @@ The model the facts describe (docs/prefix-caching.md):
 * A request whose groups' hits part records the longest as its shared-prefix
   junction and keeps its state there too: `cached_tokens_after_junction` is the
   hit of the request after it.
+* Bounded replay (`replay_window`, DeepSeek-V4.1's sliding-window MLA layers,
+  which opt out of prefix caching): vLLM's scheduler, not its KV cache manager,
+  recomputes the last `replay_window` tokens of the manager's hit to rebuild
+  those layers' windows. A hit no longer than the window is recomputed whole and
+  dropped (0); a longer one serves all but the window (`served_after_replay`: an
+  8,192-token hit under a 256-token window serves 7,936, no block rounding). The
+  manager's own hit is that of `manager_view(setup)` (conformance/prefix_probe.py
+  checks it); `cached_tokens`, the facts and the what-if answer what the
+  scheduler serves.
 * The minimum prefix (`facts().min_shared_prefix`, `first_hit_prefix`) is the
   shortest prompt that, stored and sent again with one more token, hits. The
   minimum for any hit (`facts().min_any_hit_prefix`, `first_any_hit_prefix`) is
@@ -35,7 +44,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 
@@ -94,6 +103,11 @@ class PrefixCacheSetup:
     # block boundary ends a chunk (a prefill in scheduler-block steps).
     prefill_chunk_tokens: int = 0
     split_block: int = 0
+    # Bounded replay: the window (tokens) vLLM's scheduler recomputes at the end of
+    # the KV cache manager's hit (Scheduler.prefix_replay_tokens: the sliding window
+    # of the groups whose spec as the scheduler reads it is a bounded-replay
+    # sliding-window MLA spec; one window for all). 0: no such group.
+    replay_window: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,11 @@ class PrefixCacheFacts:
     min_any_hit_prefix_exact: bool = True
     # A stored prompt length the any-hit minimum is reached with (0: off or none).
     min_any_hit_stored_tokens: int = 0
+    # Bounded replay: the tokens the scheduler recomputes at the end of the KV
+    # cache manager's hit (`PrefixCacheSetup.replay_window`; 0: none). Every
+    # figure above but the minimums is the manager's hit; the minimums are those
+    # of a served hit (one longer than this window).
+    replay_tokens: int = 0
 
     @property
     def on(self) -> bool:
@@ -231,6 +250,7 @@ def _scan_horizon(setup: PrefixCacheSetup) -> int:
     return (
         _alignment(setup)
         + _drop_tokens(setup)
+        + setup.replay_window
         + setup.hash_lookahead
         + setup.reprefill_tokens
         + max(windows, default=0)
@@ -260,7 +280,7 @@ def first_hit_prefix(
     for count, n in enumerate(hit_candidates(setup, _alignment(setup))):
         if count >= limit or n > horizon:
             return n, False
-        if _first_request_hit(setup, n, n, n + 1):
+        if served_after_replay(setup, _first_request_hit(setup, n, n, n + 1)):
             return n, True
     return n, False  # pragma: no cover - the candidates never run out
 
@@ -290,8 +310,13 @@ def _least_hit_prefix(setup: PrefixCacheSetup) -> int:
 
 def _any_hit(setup: PrefixCacheSetup, shared_prefix: int, stored_tokens: int) -> bool:
     """Whether a request of `shared_prefix` tokens of a stored prompt of
-    `stored_tokens` and one token of its own gets any hit."""
-    return _first_request_hit(setup, shared_prefix, stored_tokens, shared_prefix + 1) > 0
+    `stored_tokens` and one token of its own gets any hit the scheduler serves."""
+    return (
+        served_after_replay(
+            setup, _first_request_hit(setup, shared_prefix, stored_tokens, shared_prefix + 1)
+        )
+        > 0
+    )
 
 
 def first_any_hit_prefix(
@@ -378,6 +403,7 @@ def facts(setup: PrefixCacheSetup) -> PrefixCacheFacts:
         min_any_hit_prefix=any_hit,
         min_any_hit_prefix_exact=any_hit_exact,
         min_any_hit_stored_tokens=any_hit_stored,
+        replay_tokens=setup.replay_window,
     )
 
 
@@ -861,19 +887,47 @@ def lookup_order(setup: PrefixCacheSetup) -> list[tuple[list[int], bool]]:
     return _spec_groups(setup)
 
 
+def manager_view(setup: PrefixCacheSetup) -> PrefixCacheSetup:
+    """`setup` as vLLM's KV cache manager sees it: without the scheduler's bounded
+    replay, so `cached_tokens` and `facts` of it are the manager's own hit (what
+    conformance/prefix_probe.py compares with the bare manager)."""
+    return replace(setup, replay_window=0)
+
+
+def served_after_replay(setup: PrefixCacheSetup, manager_hit: int) -> int:
+    """The tokens vLLM's scheduler takes from cache for a KV cache manager hit of
+    `manager_hit` tokens: the hit less the bounded-replay window it recomputes (its
+    `_mark_prefix_replay`; a hit no longer than the window is dropped first, as it
+    would save nothing), never rounded to a block. The hit itself where no group
+    replays."""
+    return max(0, manager_hit - setup.replay_window)
+
+
+def reported_after_replay(setup: PrefixCacheSetup, manager_hit: int) -> int:
+    """The cached tokens vLLM reports for such a hit (its prefill stats: the
+    request's usage `cached_tokens` and the prefix-cache hit metrics): the
+    manager's hit, replayed window included, once it is longer than the window;
+    0 when the scheduler dropped it."""
+    return manager_hit if manager_hit > setup.replay_window else 0
+
+
 def cached_tokens(
     setup: PrefixCacheSetup, shared_prefix: int, stored_tokens: int, request_tokens: int
 ) -> int:
     """Tokens of a request of `request_tokens` served from cache when its first
     `shared_prefix` tokens repeat a stored, fully prefilled prompt of
-    `stored_tokens` (and the rest differ).
+    `stored_tokens` (and the rest differ): the scheduler's figure, after its
+    bounded replay (`served_after_replay`); the KV cache manager's hit is that of
+    `manager_view(setup)`.
 
     Several groups settle on one length by turns: each lookup may only lower the
     candidate, a dropping group drops once per candidate, and the turns repeat until
     none lowers it (once, for one full-attention group and one other)."""
     if _why_off(setup) is not WhyOff.ON:
         return 0
-    return _first_request_hit(setup, shared_prefix, stored_tokens, request_tokens)
+    return served_after_replay(
+        setup, _first_request_hit(setup, shared_prefix, stored_tokens, request_tokens)
+    )
 
 
 def _first_request_hit(
@@ -895,14 +949,18 @@ def cached_tokens_after_junction(
     the settled one); that request, run and stored, then keeps its Mamba state and
     its sliding-window blocks at the junction as well. A later request of
     `request_tokens` sharing the same `shared_prefix` tokens with both (and going on
-    differently from each) is looked up against them together."""
+    differently from each) is looked up against them together. Served after the
+    scheduler's bounded replay, as `cached_tokens`; the first request adopts the
+    manager's whole hit (the replay recomputes its tail without storing it again)."""
     if _why_off(setup) is not WhyOff.ON or request_tokens <= 1:
         return 0
     reach = _reach(setup, shared_prefix, stored_tokens, request_tokens)
     stored = _Stored(setup, stored_tokens)
     hit, junction = _settle(setup, stored, reach, request_tokens)
     first = _Stored(setup, request_tokens, junction=junction, computed_from=hit)
-    return _settle(setup, _StoredTogether([stored, first]), reach, request_tokens)[0]
+    return served_after_replay(
+        setup, _settle(setup, _StoredTogether([stored, first]), reach, request_tokens)[0]
+    )
 
 
 def _reach(
@@ -970,5 +1028,8 @@ __all__ = [
     "hit_candidates",
     "junction_checkpoint_applies",
     "lookup_order",
+    "manager_view",
     "replay_boundaries",
+    "reported_after_replay",
+    "served_after_replay",
 ]

@@ -16,6 +16,7 @@ from kvplan.core.prefix_cache import (
     cached_tokens,
     cached_tokens_after_junction,
     lookup_order,
+    served_after_replay,
 )
 
 # A hit unit from here up is worth a warning: a system prompt or a chat turn is
@@ -50,6 +51,9 @@ class PrefixContext:
     drafter_flagged: bool  # some group was identified as the drafter's
     asked_off: bool = False  # the request itself turned prefix caching off
     why_off_detail: str = ""
+    # The release allocates bounded-replay windows as MLA (no replay) under
+    # --disable-hybrid-kv-cache-manager (RuleSet.promotion_drops_bounded_replay).
+    promotion_drops_bounded_replay: bool = False
 
 
 def _fmt(tokens: int) -> str:
@@ -113,6 +117,8 @@ def prefix_warnings(
                 f"hits only from {_fmt(facts.min_shared_prefix)} tokens; {cause}",
             )
         )
+    if facts.replay_tokens:
+        out.append(PlanWarning(WarningCode.PREFIX_BOUNDED_REPLAY, _bounded_replay(facts, context)))
     repeated_only = _repeated_prompts_only(setup, facts)
     if repeated_only:
         out.append(PlanWarning(WarningCode.PREFIX_BOUNDARY_ONLY, repeated_only))
@@ -142,6 +148,26 @@ def _repeated_prompts_only(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> 
         f"{_fmt(min(windows))}-token sliding window): sliding-window groups keep a "
         f"request's blocks only near where it ended; knob: {HYBRID_MANAGER_SWITCH} keeps "
         "every layer's whole context, at full attention's KV memory per token"
+    )
+
+
+def _bounded_replay(facts: PrefixCacheFacts, context: PrefixContext) -> str:
+    """The scheduler's bounded replay, in words, with the knob where the release
+    has one."""
+    window = _fmt(facts.replay_tokens)
+    knob = (
+        f"{HYBRID_MANAGER_SWITCH} allocates the windows as full MLA, which replays "
+        "nothing, at full attention's KV memory per token"
+        if context.promotion_drops_bounded_replay
+        else "none (the model's sliding-window MLA layers declare it; this release "
+        "refuses to allocate them as full MLA)"
+    )
+    return (
+        f"vLLM's scheduler recomputes the last {window} tokens of every prefix-cache hit "
+        f"(bounded replay of the sliding-window MLA layers): hits of {window} tokens or "
+        f"fewer serve nothing and longer ones {window} fewer (vLLM still reports the "
+        f"whole hit as cached); a prompt sent again is served from "
+        f"{_fmt(facts.min_shared_prefix)} tokens; knob: {knob}"
     )
 
 
@@ -339,11 +365,17 @@ def rule_cached_tokens(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_
     """The closed-form rule the PlanResponse states (PrefixCacheDiagnostics) for a
     request continuing an earlier one that was exactly `shared_prefix` tokens:
     exact where `rule_is_exact` (tests/core/test_prefix_warnings.py checks it
-    against `cached_tokens`), an estimate elsewhere. Mirrors
+    against `cached_tokens`), an estimate elsewhere: the KV cache manager's hit,
+    less the scheduler's bounded-replay window (`served_after_replay`). Mirrors
     kvplan.client.prefix_cache.cached_tokens term for term."""
-    n, unit = shared_prefix, facts.unit
-    if not facts.on or n < facts.min_shared_prefix:
+    if not facts.on or shared_prefix < facts.min_shared_prefix:
         return 0
+    return served_after_replay(setup, _rule_manager_hit(setup, facts, shared_prefix))
+
+
+def _rule_manager_hit(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_prefix: int) -> int:
+    """`rule_cached_tokens` before the bounded replay: the KV cache manager's hit."""
+    n, unit = shared_prefix, facts.unit
     h = setup.hash_block
     hashed = max(0, n - setup.hash_lookahead) // h * h
     if not facts.drop_groups:

@@ -235,6 +235,11 @@ class _WarningCodeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WarningCo
     """
     WARNING_CODE_PREFIX_DRAFT_DROP: _WarningCode.ValueType  # 64
     """the drafter's drop takes a block off every hit"""
+    WARNING_CODE_PREFIX_BOUNDED_REPLAY: _WarningCode.ValueType  # 65
+    """The scheduler recomputes the last window of every hit (bounded replay of
+    sliding-window MLA layers): hits up to the window serve nothing, longer ones
+    the window less.
+    """
 
 class WarningCode(_WarningCode, metaclass=_WarningCodeEnumTypeWrapper): ...
 
@@ -268,6 +273,11 @@ prompts hit (Mamba groups; sliding windows under 8,192 tokens).
 """
 WARNING_CODE_PREFIX_DRAFT_DROP: WarningCode.ValueType  # 64
 """the drafter's drop takes a block off every hit"""
+WARNING_CODE_PREFIX_BOUNDED_REPLAY: WarningCode.ValueType  # 65
+"""The scheduler recomputes the last window of every hit (bounded replay of
+sliding-window MLA layers): hits up to the window serve nothing, longer ones
+the window less.
+"""
 Global___WarningCode: _TypeAlias = WarningCode  # noqa: Y015
 
 class _PrefixCacheOffReason:
@@ -1239,7 +1249,8 @@ class PrefixCacheDiagnostics(_message.Message):
         floor(N / s) * s - s > w, else min(hit, reach - u, floor(N / s) * s - s - u),
         less u for each of further_drop_window_tokens, in order, still longer
         than the hit
-    (at least 0). client.prefix_cache.cached_tokens evaluates it.
+    (at least 0), then less replay_tokens (at least 0).
+    client.prefix_cache.cached_tokens evaluates it.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1263,6 +1274,7 @@ class PrefixCacheDiagnostics(_message.Message):
     MIN_ANY_HIT_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
     MIN_ANY_HIT_STORED_TOKENS_FIELD_NUMBER: _builtins.int
     FURTHER_DROP_WINDOW_TOKENS_FIELD_NUMBER: _builtins.int
+    REPLAY_TOKENS_FIELD_NUMBER: _builtins.int
     effectively_on: _builtins.bool
     off_reason: Global___PrefixCacheOffReason.ValueType
     off_detail: _builtins.str
@@ -1320,6 +1332,15 @@ class PrefixCacheDiagnostics(_message.Message):
     """A stored prompt length that gives that hit (Jamba: 81; 0: off, or no hit
     was seen).
     """
+    replay_tokens: _builtins.int
+    """Bounded replay (DeepSeek-V4.1 sliding-window MLA layers): after the KV cache
+    manager's hit, vLLM's scheduler recomputes its last replay_tokens tokens to
+    rebuild those layers' windows, so it serves max(0, hit - replay_tokens), not
+    rounded to a block (the rule above, the what-if and the two minimums are
+    that served figure; hit_unit_tokens and drop_tokens are the manager's). vLLM
+    still reports the whole hit as cached (usage cached_tokens) once it is
+    longer than the window. 0: no such group.
+    """
     @_builtins.property
     def group_hit_unit_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """per group, by group_id (0: takes no part)"""
@@ -1370,10 +1391,11 @@ class PrefixCacheDiagnostics(_message.Message):
         min_any_hit_prefix_tokens: _builtins.int = ...,
         min_any_hit_stored_tokens: _builtins.int = ...,
         further_drop_window_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        replay_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["what_if", b"what_if"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_block_tokens", b"boundary_block_tokens", "boundary_only", b"boundary_only", "drop_group_ids", b"drop_group_ids", "drop_tokens", b"drop_tokens", "drop_window_tokens", b"drop_window_tokens", "effectively_on", b"effectively_on", "further_drop_window_tokens", b"further_drop_window_tokens", "group_hit_unit_tokens", b"group_hit_unit_tokens", "hash_block_tokens", b"hash_block_tokens", "hash_lookahead_tokens", b"hash_lookahead_tokens", "hit_unit_tokens", b"hit_unit_tokens", "mamba_checkpoint_tokens", b"mamba_checkpoint_tokens", "min_any_hit_prefix_tokens", b"min_any_hit_prefix_tokens", "min_any_hit_stored_tokens", b"min_any_hit_stored_tokens", "min_shared_prefix_tokens", b"min_shared_prefix_tokens", "off_detail", b"off_detail", "off_reason", b"off_reason", "rule_exact", b"rule_exact", "what_if", b"what_if"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_block_tokens", b"boundary_block_tokens", "boundary_only", b"boundary_only", "drop_group_ids", b"drop_group_ids", "drop_tokens", b"drop_tokens", "drop_window_tokens", b"drop_window_tokens", "effectively_on", b"effectively_on", "further_drop_window_tokens", b"further_drop_window_tokens", "group_hit_unit_tokens", b"group_hit_unit_tokens", "hash_block_tokens", b"hash_block_tokens", "hash_lookahead_tokens", b"hash_lookahead_tokens", "hit_unit_tokens", b"hit_unit_tokens", "mamba_checkpoint_tokens", b"mamba_checkpoint_tokens", "min_any_hit_prefix_tokens", b"min_any_hit_prefix_tokens", "min_any_hit_stored_tokens", b"min_any_hit_stored_tokens", "min_shared_prefix_tokens", b"min_shared_prefix_tokens", "off_detail", b"off_detail", "off_reason", b"off_reason", "replay_tokens", b"replay_tokens", "rule_exact", b"rule_exact", "what_if", b"what_if"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

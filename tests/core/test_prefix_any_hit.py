@@ -32,7 +32,7 @@ def small_setups(draw: st.DrawFn) -> PrefixCacheSetup:
     up to past the scan's horizon can be tried: one to three groups of every kind
     (one-token windows too), groups of one spec, groups out of prefix caching, the
     draft drop or hash lookahead, a multi-module MTP tail, partial hash hits where
-    vLLM allows them, sparse or dense retention."""
+    vLLM allows them, sparse or dense retention, the scheduler's bounded replay."""
     count = draw(st.integers(1, 3))
     groups: list[CacheGroup] = []
     for index in range(count):
@@ -76,6 +76,7 @@ def small_setups(draw: st.DrawFn) -> PrefixCacheSetup:
         hash_lookahead=0 if drop else draw(st.sampled_from([0, 1])),
         retention_interval=draw(st.sampled_from([0, 0, None])),
         reprefill_tokens=draw(st.sampled_from([0, 0, 1, 2])) if drop else 0,
+        replay_window=draw(st.sampled_from([0, 0, 0, 1, 2, 5])),
     )
 
 

@@ -59,8 +59,9 @@ def planned_setups(draw: st.DrawFn) -> PrefixCacheSetup:
     of full attention, sliding window (one-token windows too), Mamba and the other
     kinds looked up as full attention, with blocks that need not divide each other,
     groups of one spec, groups that take no part in prefix caching, the draft drop or
-    hash lookahead, and partial hash hits where vLLM allows them (a Mamba block
-    coarser than the hash block, any sliding window's block the hash block)."""
+    hash lookahead, partial hash hits where vLLM allows them (a Mamba block
+    coarser than the hash block, any sliding window's block the hash block), and
+    the scheduler's bounded replay."""
     count = draw(st.integers(1, 4))
     groups: list[CacheGroup] = []
     for index in range(count):
@@ -105,6 +106,9 @@ def planned_setups(draw: st.DrawFn) -> PrefixCacheSetup:
         block_drop=drop,
         # vLLM hashes the drafter's lookahead or drops a block, never both.
         hash_lookahead=0 if drop else draw(st.sampled_from([0, 1])),
+        # Bounded replay (a DeepSeek-V4.1 window beside the groups), not a multiple
+        # of the unit too.
+        replay_window=draw(st.sampled_from([0, 0, 0, 16, 100, 128])),
     )
 
 
