@@ -349,6 +349,16 @@ def any_hit_probe_pairs(setup: PrefixCacheSetup) -> list[tuple[int, int]]:
     return sorted(pairs)
 
 
+def _vllm_raised(hit: int | str, counts: dict[str, int], failure_classes: dict[str, int]) -> bool:
+    """Whether vLLM's lookup raised (`hit` is then its failure class): counted as
+    vLLM's failure, never as a probe."""
+    if not isinstance(hit, str):
+        return False
+    counts["lookup_crashes"] += 1
+    failure_classes[hit] = failure_classes.get(hit, 0) + 1
+    return True
+
+
 def _probe_any(
     case_id: str,
     setup: PrefixCacheSetup,
@@ -368,9 +378,7 @@ def _probe_any(
     minimum = f.min_any_hit_prefix
     counts["any_lower_engines"] += bool(pairs) and minimum < f.min_shared_prefix
     for (stored, shared), hit in zip(pairs, got, strict=True):
-        if isinstance(hit, str):
-            counts["lookup_crashes"] += 1
-            failure_classes[hit] = failure_classes.get(hit, 0) + 1
+        if _vllm_raised(hit, counts, failure_classes):
             continue
         want = cached_tokens(setup, shared, stored, shared + 1)
         counts["any_probes"] += 1
@@ -406,9 +414,7 @@ def _probe_min(
     except PoolTooSmall as exc:
         raise PoolTooSmall(f"{case_id} (minimum probes {lengths}): {exc}") from exc
     for n, hit in zip(lengths, got, strict=True):
-        if isinstance(hit, str):
-            counts["lookup_crashes"] += 1
-            failure_classes[hit] = failure_classes.get(hit, 0) + 1
+        if _vllm_raised(hit, counts, failure_classes):
             continue
         want = cached_tokens(setup, n, n, n + 1)
         counts["min_probes"] += 1
@@ -512,10 +518,8 @@ def run(
             continue
         counts["engines"] += 1
         for n, hit in zip(lengths, got, strict=True):
-            if isinstance(hit, str):
-                counts["lookup_crashes"] += 1
-                failure_classes[hit] = failure_classes.get(hit, 0) + 1
-                if failure_classes[hit] == 1:
+            if _vllm_raised(hit, counts, failure_classes):
+                if failure_classes[str(hit)] == 1:
                     crashes.append({"id": case.id, "shared": n, "stored": stored, "error": hit})
                 continue
             want = cached_tokens(setup, n, stored, n + tail)
@@ -565,9 +569,7 @@ def _probe_later(
         hit = vllm_later_hit(stored, n, tail)
     except PoolTooSmall as exc:
         raise PoolTooSmall(f"{case_id} (stored {stored}, shared {n} tokens): {exc}") from exc
-    if isinstance(hit, str):
-        counts["lookup_crashes"] += 1
-        failure_classes[hit] = failure_classes.get(hit, 0) + 1
+    if _vllm_raised(hit, counts, failure_classes):
         return
     want = cached_tokens_after_junction(setup, n, stored, n + tail)
     counts["later_probes"] += 1
