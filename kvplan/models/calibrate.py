@@ -34,7 +34,9 @@ _LOADING = re.compile(r"Model loading took ([0-9.]+) GiB")
 # unsupported world size"; not the INFO line of a build without the kernels.
 _CUSTOM_AR_OFF = re.compile(r"WARNING .*Custom allreduce is disabled (?:because|due to) (.*)$")
 _WEIGHTS_V0 = re.compile(r"Loading model weights took ([0-9.]+) GB")
-_AVAILABLE = re.compile(r"Available KV cache memory: ([0-9.]+) GiB")
+# Negative where the engine had no room left for the cache (it then refuses to start:
+# "No available memory for the cache blocks").
+_AVAILABLE = re.compile(r"Available KV cache memory: (-?[0-9.]+) GiB")
 # The worker a line came from (vLLM 0.19 and 0.32-0.34 multiproc_executor names it
 # Worker[_DP<r>][_PP<r>][_PCP<r>][_TP<r>]...): its pipeline stage, 0 where none is named.
 _PP_STAGE = re.compile(r"^\(Worker\w*?_PP(\d+)")

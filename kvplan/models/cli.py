@@ -1105,6 +1105,12 @@ def calibrate_command(args: argparse.Namespace) -> int:
             block_size_ran=from_log.get("block_size", 0) == args.block_size,  # the log ran it
         )
         request, inputs = build_plan_request(config, options)
+        budget = engine_budget_gib(log, options.gpu_memory_utilization)
+        if budget is not None and budget <= 0:
+            # The engine had no room for the cache (its log prints a budget <= 0 and it
+            # refused to start): nothing to plan; the estimate's parts are compared.
+            return _calibrate_no_room(args, log, from_log, inputs, gpu.total_memory_bytes,
+                                      options.gpu_memory_utilization)  # fmt: skip
         try:
             response, summary, inputs = plan_built(request, inputs, _local_planner)
         except PlanningError:  # a log of an engine that refused its length: same budget
@@ -1112,7 +1118,6 @@ def calibrate_command(args: argparse.Namespace) -> int:
             request, inputs = build_plan_request(config, options)
             response, summary, inputs = plan_built(request, inputs, _local_planner)
         given: plan_pb2.PlanResponse | None = None
-        budget = engine_budget_gib(log, options.gpu_memory_utilization)
         if budget is not None:
             measured_budget = replace(
                 options, gpu_memory_utilization=None, kv_cache_memory_bytes=int(budget * GIB)
@@ -1219,6 +1224,66 @@ def calibrate_command(args: argparse.Namespace) -> int:
     if staged:
         print(f"pipeline stage {stage}: the stage whose budget the log printed; its weights, "
               "activation and non-torch figures, beside kvplan's for that stage")  # fmt: skip
+    print(format_comparisons(rows))
+    return 0
+
+
+def _calibrate_no_room(
+    args: argparse.Namespace,
+    log: Any,
+    from_log: dict[str, Any],
+    inputs: Any,
+    device_bytes: int,
+    utilization: float | None,
+) -> int:
+    """calibrate on the log of an engine whose budget was <= 0: kvplan's available KV
+    memory is utilization x total less its non-KV estimate (negative too), beside the
+    logged one, and the estimate's parts beside the log's."""
+    from kvplan.models.calibrate import Comparison, component_rows, format_comparisons
+
+    overhead, weights = inputs.overhead, inputs.weights
+    weights_bytes = weights.stage_bytes(0) if weights is not None else None
+    parts: list[int | None] = [weights_bytes, None, None, None]
+    if overhead is not None:
+        parts[1:] = [overhead.activation_peak_bytes, overhead.non_torch_bytes,
+                     overhead.cudagraph_bytes]  # fmt: skip
+    available = (
+        (utilization * device_bytes - sum(parts)) / GIB  # type: ignore[arg-type]
+        if utilization is not None and None not in parts
+        else None
+    )
+    rows = [
+        Comparison("model loading (weights) per worker", _first(log.model_loading_gib),
+                   weights_bytes / GIB if weights_bytes is not None else None, "GiB"),
+        Comparison("available KV cache memory per worker", min(log.available_kv_gib),
+                   available, "GiB"),
+        Comparison("CUDA-graph estimate the release logged (kvplan's, from 0.20)",
+                   log.cuda_graph_estimate_gib,
+                   overhead.cudagraph_logged_bytes / GIB if overhead is not None else None,
+                   "GiB"),
+    ]  # fmt: skip
+    encoder = overhead.encoder if overhead is not None else None
+    if log.encoder_budget is not None:
+        rows += [
+            Comparison("encoder budget of the profile run (tokens)", float(log.encoder_budget),
+                       _num(encoder.encoder_budget if encoder else None), "tokens"),
+            Comparison("encoder items profiled", _num(log.encoder_items),
+                       _num(encoder.items if encoder else None), "items"),
+        ]  # fmt: skip
+    rows += component_rows(log, weights_bytes, parts[1], parts[2], parts[3], device_bytes,
+                           utilization)  # fmt: skip
+    if args.json:
+        print(json.dumps({
+            "release": log.release, "engine": log.engine, "settings_from_log": from_log,
+            "pipeline_stage": 0, "no_room_for_the_cache": True,
+            "rows": [{"figure": r.figure, "measured": r.measured, "predicted": r.predicted,
+                      "unit": r.unit, "error": r.error} for r in rows],
+        }, indent=1))  # fmt: skip
+        return 0
+    print(
+        f"vLLM {log.release or '(release not in the log)'}; settings from the log: "
+        f"{from_log or 'none'}; the engine had no room for the KV cache (budget <= 0)"
+    )
     print(format_comparisons(rows))
     return 0
 

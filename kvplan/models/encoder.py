@@ -37,12 +37,24 @@ forward (tests/models/test_encoder_against_vllm.py runs them on the CPU):
   the tower keeps until it concatenates them with the merger's output; the last block
   runs with all of them held. Its embeddings are (1 + levels) x `out_hidden_size` wide.
 * Qwen2.5-VL (Qwen2_5_VisionTransformer, windowed attention): the peak is in a block's
-  gated MLP: four hidden-size streams (the layer's input, the attention output, the
-  post-attention residual, its normed copy) beside gate_up (2 x intermediate / TP) and
-  SiluAndMul's two outputs (intermediate / TP each); plus the rotary cos/sin, which the
-  tower keeps per grid in a cache (one item's, head_dim per patch) and concatenates per
-  batch (head_dim per patch), and the window order and its inverse on the device (two
-  int64 per merged token).
+  gated MLP, at its down projection: four hidden-size streams (the layer's input, the
+  attention output, the post-attention residual, its normed copy) beside gate_up
+  (2 x intermediate / TP), SiluAndMul's output (intermediate / TP) and the projection's
+  output (hidden). On a CUDA engine SiluAndMul is one kernel with one output: with
+  vLLM's custom ops off (its default under torch.compile) the op's native forward is
+  itself compiled (`CustomOp.maybe_compile`, `SiluAndMul(compile_native=True)`,
+  vllm#32806, 0.32-0.34's activation.py), and with them on it is the CUDA kernel; the
+  eager PyTorch form, silu(gate) and the product alive together, is the CPU's. Plus the
+  rotary cos/sin, which the tower keeps per grid in a cache (one item's, head_dim per
+  patch) and concatenates per batch (head_dim per patch), and the window order and its
+  inverse on the device (two int64 per merged token).
+  Its profiled item is a video, not an image, whenever video is allowed: vLLM picks the
+  modality with the most tokens per item, ties to the later name
+  (`MultiModalBudget.get_modality_with_max_tokens`), and Qwen2-VL's processing info
+  sizes the dummy video as frames of the largest image, as many as max_model_len holds,
+  at most 14 (`get_num_frames_with_most_features`, `_MAX_FRAMES_PER_VIDEO`), two frames
+  a temporal patch: 7 x 16,384 = 114,688 tokens from a 114,688-token max_model_len on,
+  never fewer than the image's 16,384.
 * Llama 4 (Llama4VisionModel + Llama4MultiModalProjector): per tile of image_size
   pixels, (image_size / patch)^2 patches and a CLS token; the peak is at the attention's
   rotary, which vLLM runs in PyTorch on every platform (complex64): the tower's
@@ -78,6 +90,10 @@ QWEN3_VL_MAX_IMAGE_PIXELS = 16_777_216
 # preprocessor_config.json: max_pixels 12,845,056 with 14-pixel patches): 16,384 merged
 # tokens, a 3,584 x 3,584 image of 256 x 256 patches.
 QWEN2_5_VL_MAX_IMAGE_PIXELS = 12_845_056
+# The most frames of the dummy video vLLM's Qwen2-VL / Qwen2.5-VL processing info profiles
+# (qwen2_vl.py `_MAX_FRAMES_PER_VIDEO`, 0.32-0.34; the 0.23.0 log of Qwen2.5-VL-7B prints
+# its 7 x 16,384 = 114,688 tokens).
+QWEN2_VL_MAX_FRAMES_PER_VIDEO = 14
 # Llama 4's image processor (Llama4ImageProcessorFast, the checkpoints'
 # preprocessor_config.json: max_patches 16, which config.json does not carry): vLLM's
 # dummy image is 16 tiles high and one wide, which the processor splits into 16 tiles
@@ -141,6 +157,9 @@ class Tower:
     # Held once per distinct grid, in the model dtype (Qwen2.5-VL's cos/sin cache); the
     # profile's items are all of one size, so once per item's patches.
     cached_elements_per_patch: int = 0
+    # Frames per temporal patch where vLLM profiles a video of the largest image's frames
+    # (Qwen2.5-VL: 2); 0 where the image is the profiled item whatever the limits.
+    video_temporal_patch: int = 0
 
 
 def _siglip_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
@@ -217,8 +236,11 @@ def _qwen2_5_vit_tower(vision: HFConfig, tp: int) -> Tower:
     head_dim = width // heads
     # The attention phase (the layer's input and the projection's output, beside QKV,
     # the contiguous and the rotated Q/K and the attention output per rank) holds less
-    # than the MLP at every TP for the published widths; the larger is taken.
-    mlp = 4 * width + 4 * -(-inter // tp)
+    # than the MLP at every TP for the published widths; the larger is taken. The MLP's
+    # peak is at the down projection on a CUDA engine (SiluAndMul one output, above):
+    # the four streams and the projection's output beside gate_up and the activation.
+    per_rank_inter = -(-inter // tp)
+    mlp = 5 * width + 3 * per_rank_inter
     attention = 2 * width + 8 * -(-width // tp)
     return Tower(
         modalities=("image", "video"),
@@ -231,6 +253,7 @@ def _qwen2_5_vit_tower(vision: HFConfig, tp: int) -> Tower:
         output_hidden=vision.integer("out_hidden_size"),
         peak_index_bytes_per_patch=2 * 8 / (merge * merge),
         cached_elements_per_patch=head_dim,
+        video_temporal_patch=temporal,
     )
 
 
@@ -361,30 +384,43 @@ def encoder_profile(
     tower = vision_tower(config, tp)
     if tower is None or options.skip_mm_profiling or not tower_built(config, options):
         return None
-    # The profiled modality is the one with the most tokens per item: images for both
-    # towers (Qwen's two-frame video has fewer). With images off and video on, vLLM
-    # profiles a video, which is not modelled.
-    modality = tower.modalities[0]
-    if options.limit(modality) == 0:
+    # The profiled modality is the one with the most tokens per item, a tie to the later
+    # name (vLLM's get_modality_with_max_tokens): Qwen2.5-VL's video whenever video is
+    # allowed; the image for the other towers (Qwen3-VL's video processor sizes its
+    # dummy video below the image, and Qwen3.5 logs print "1 image items"). With images
+    # off and video on, those towers profile a video, which is not modelled.
+    modality, tokens, patches = tower.modalities[0], tower.tokens_per_item, tower.patches_per_item
+    input_elements = tower.input_elements_per_item
+    if tower.video_temporal_patch and options.limit("video") > 0:
+        temporal_patches = qwen2_vl_video_temporal_patches(
+            tower.tokens_per_item, tower.video_temporal_patch, max_model_len
+        )
+        modality, tokens = "video", temporal_patches * tower.tokens_per_item
+        patches = temporal_patches * tower.patches_per_item
+        input_elements = temporal_patches * tower.input_elements_per_item
+    elif options.limit(modality) == 0:
         raise ModelConfigError(
             "--limit-mm-per-prompt: with images off, vLLM profiles the encoder with a video, "
             "which kvplan does not estimate; pass --skip-mm-profiling or --non-kv-bytes"
         )
     budget, items = encoder_items(
-        tower.tokens_per_item,
-        options.limit(modality),
-        max_model_len,
-        max_num_batched_tokens,
-        max_num_seqs,
+        tokens, options.limit(modality), max_model_len, max_num_batched_tokens, max_num_seqs
     )
-    forward = forward_peak_bytes(tower, items, tower.patches_per_item, dtype_bytes)
-    outputs = items * tower.tokens_per_item * tower.output_hidden * dtype_bytes
+    forward = forward_peak_bytes(tower, items, patches, dtype_bytes)
+    outputs = items * tokens * tower.output_hidden * dtype_bytes
     return EncoderProfile(
-        modality,
-        tower.tokens_per_item,
-        budget,
-        items,
-        items * tower.input_elements_per_item * dtype_bytes,
-        forward,
-        outputs,
+        modality, tokens, budget, items, items * input_elements * dtype_bytes, forward, outputs
     )
+
+
+def qwen2_vl_video_temporal_patches(image_tokens: int, temporal: int, max_model_len: int) -> int:
+    """Temporal patches of the dummy video vLLM's Qwen2-VL processing info profiles
+    (one video: get_num_frames_with_most_features): the most frames of the largest image
+    whose tokens (frames padded to `temporal`, each temporal patch an image's tokens)
+    fit max_model_len, at least 1 and at most QWEN2_VL_MAX_FRAMES_PER_VIDEO."""
+    frames = 1
+    while frames < QWEN2_VL_MAX_FRAMES_PER_VIDEO:
+        if -(-(frames + 1) // temporal) * image_tokens > max_model_len:
+            break
+        frames += 1
+    return -(-frames // temporal)

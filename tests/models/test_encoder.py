@@ -18,6 +18,7 @@ from kvplan.models.encoder import (
     MultimodalOptions,
     encoder_profile,
     parse_limit_mm_per_prompt,
+    qwen2_vl_video_temporal_patches,
     tower_built,
 )
 from kvplan.models.request import ModelPlanOptions, build_plan_request
@@ -95,6 +96,54 @@ def test_qwen_profiles_one_largest_image_where_the_encoder_is_the_larger_phase()
         encoder_profile(
             config, 1, 2, 8192, 8192, 2, MultimodalOptions(limit_mm_per_prompt={"image": 0})
         )
+
+
+def test_qwen2_5_vl_profiles_a_video_of_the_largest_frames() -> None:
+    """vLLM picks the modality with the most tokens per item, a tie to "video"
+    (get_modality_with_max_tokens), and Qwen2-VL's processing info makes the dummy video
+    as many frames of the largest image as max_model_len holds, at most 14, two frames a
+    temporal patch (qwen2_vl.py, 0.32): the 0.23.0 A100 log of Qwen2.5-VL-7B prints "a
+    budget of 114688 tokens, and profiled with 1 video items" at max_model_len 128,000."""
+    config = load_config(str(MODELS / "qwen2.5-vl-7b-instruct"))
+    image = 16384  # 256 x 256 patches of 14 (max_pixels 12,845,056), merged 2 x 2
+    # (max_model_len, temporal patches): 1 frame at least, padded to 2; 14 frames at most
+    for length, temporal in ((4096, 1), (16384, 1), (32767, 1), (32768, 2), (114688, 7),
+                             (128000, 7), (1 << 20, 7)):  # fmt: skip
+        assert qwen2_vl_video_temporal_patches(image, 2, length) == temporal, length
+    profile = encoder_profile(config, 1, 2, 128000, 2048, 256, MultimodalOptions())
+    assert profile is not None
+    assert (profile.modality, profile.encoder_budget, profile.items) == ("video", 114688, 1)
+    patches = 7 * 256 * 256
+    assert profile.input_bytes == patches * 3 * 2 * 14 * 14 * 2
+    # At the down projection: 5 x 1,280 + 3 x 3,420, the cos/sin of the batch and of the
+    # grid's cache (80 each), the window order and its inverse (4 B a patch)
+    assert profile.forward_peak_bytes == patches * ((5 * 1280 + 3 * 3420 + 2 * 80) * 2 + 4)
+    assert profile.output_bytes == 114688 * 3584 * 2
+    # The image alone where video is off; a video of one temporal patch ties the image
+    images = MultimodalOptions(limit_mm_per_prompt={"video": 0})
+    only_image = encoder_profile(config, 1, 2, 128000, 2048, 256, images)
+    assert only_image is not None and only_image.modality == "image"
+    assert only_image.tokens_per_item == image
+    short = encoder_profile(config, 1, 2, 8192, 2048, 256, MultimodalOptions())
+    assert short is not None and (short.modality, short.tokens_per_item) == ("video", image)
+    videos = MultimodalOptions(limit_mm_per_prompt={"image": 0})
+    assert encoder_profile(config, 1, 2, 128000, 2048, 256, videos) == profile
+
+
+def test_calibrate_compares_the_parts_of_an_engine_with_no_room_for_the_cache(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    record = Path(__file__).parents[1] / "data" / "calibration"
+    log = str(record / "qwen2.5-vl-7b-instruct-a100-v0.23.log")
+    model = str(MODELS / "qwen2.5-vl-7b-instruct")
+    assert parse_log(Path(log).read_text(encoding="utf-8")).available_kv_gib == [-14.28]
+    assert main(["calibrate", log, "--model", model, "--gpu", "A100-80GB", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["no_room_for_the_cache"] is True
+    rows = {row["figure"]: row for row in result["rows"]}
+    available = rows["available KV cache memory per worker"]
+    assert available["measured"] == -14.28 and available["predicted"] < 0
+    assert rows["encoder items profiled"]["predicted"] == 1
 
 
 def test_bad_limits_are_errors(capsys: pytest.CaptureFixture[str]) -> None:

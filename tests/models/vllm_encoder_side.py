@@ -155,6 +155,21 @@ def _no_device_kernels() -> None:
     ApplyRotaryEmb.forward_cuda = ApplyRotaryEmb.forward_native
 
 
+def _one_output_silu_and_mul() -> None:
+    """SiluAndMul as a CUDA engine runs it: one kernel, one output tensor (the CUDA op,
+    or with custom ops off its native forward compiled by torch.compile, vLLM's
+    `SiluAndMul(compile_native=True)`). The CPU's eager native form keeps silu(gate)
+    beside the product; this stand-in computes the same values in its one output."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    def one_output(x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        out = torch.sigmoid(x[..., :d])
+        return out.mul_(x[..., :d]).mul_(x[..., d:])
+
+    SiluAndMul.forward_native = staticmethod(one_output)
+
+
 def _qwen_pixels(
     case: dict[str, object], vision: dict[str, int]
 ) -> tuple[torch.Tensor, list[list[int]]]:
@@ -174,6 +189,7 @@ def _qwen2_5_vit(case: dict[str, object]) -> tuple[int, int]:
     from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VisionTransformer
 
     _no_device_kernels()
+    _one_output_silu_and_mul()
     vision: dict[str, int] = {**case["vision"], "depth": case["depth"]}  # type: ignore[dict-item]
     tower = Qwen2_5_VisionTransformer(Qwen2_5_VLVisionConfig(**vision), prefix="visual")
     pixels, grid = _qwen_pixels(case, vision)
