@@ -95,19 +95,46 @@ def summary(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
     return "; ".join(parts)
 
 
+def reported_cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, served: int) -> int:
+    """What vLLM's own figures count for a request served `served` tokens from
+    cache: its usage `cached_tokens` and its prefix-cache hit metric take the KV
+    cache manager's hit, before the scheduler recomputes the bounded-replay window
+    (Scheduler.schedule records the hit, then _mark_prefix_replay rewinds it), and
+    0 where the scheduler dropped a hit no longer than the window. So the served
+    figure plus `replay_tokens` once anything is served
+    (kvplan.core.prefix_cache.reported_after_replay)."""
+    return served + prefix_cache.replay_tokens if served else 0
+
+
 def what_if_line(prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> str:
-    """The answer to PlanRequest.shared_prefix_tokens, in words ("" when not asked)."""
+    """The answer to PlanRequest.shared_prefix_tokens, in words ("" when not asked).
+    Where bounded replay serves less than vLLM's hit metric will count for the
+    same three requests (`reported_cached_tokens`), it says that too: an operator
+    would otherwise read the metric as kvplan being wrong by the window."""
     if not prefix_cache.HasField("what_if"):
         return ""
     answer = prefix_cache.what_if
     n = answer.shared_prefix_tokens
-    return (
+    line = (
         f"shared prefix of {n:,} tokens: "
         f"{answer.cached_tokens_prefix_stored:,} served from cache after a request of "
         "exactly those tokens; after one that went on with other text, first request: "
         f"{answer.cached_tokens_prefix_diverges:,} of {n:,} tokens from cache; the next "
         f"one: {answer.cached_tokens_next_request:,}"
     )
+    served = [
+        answer.cached_tokens_prefix_stored,
+        answer.cached_tokens_prefix_diverges,
+        answer.cached_tokens_next_request,
+    ]
+    counted = [reported_cached_tokens(prefix_cache, figure) for figure in served]
+    if counted != served:  # bounded replay, and some hit served
+        line += (
+            f" (vLLM's prefix-cache hit metric and usage cached_tokens count "
+            f"{' / '.join(f'{c:,}' for c in counted)}: the {prefix_cache.replay_tokens:,} "
+            "tokens the scheduler recomputes included)"
+        )
+    return line
 
 
 def zero_hit_reason(response: plan_pb2.PlanResponse) -> str:
@@ -154,6 +181,7 @@ __all__ = [
     "cached_tokens",
     "degraded_reason",
     "repeated_prompts_only_reason",
+    "reported_cached_tokens",
     "summary",
     "what_if_line",
     "zero_hit_reason",

@@ -11,6 +11,16 @@ import itertools
 import json
 import os
 from pathlib import Path
+from typing import Any
+
+from conformance.scheduler_known import (
+    FIRST,
+    KNOWN_OPEN,
+    LATER,
+    chunk_figures,
+    known_by_engine,
+    unexpected_disagreements,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -27,6 +37,106 @@ def _campaign(reports: list[Path]) -> list[str]:
         for seed, fuzz in sorted(campaigns, key=str)
     )
     return [f"Fuzz campaign (conformance/fuzz.py): {described}.", ""]
+
+
+def _release(path: Path) -> str:
+    return path.stem.removeprefix("scheduler-vllm-")
+
+
+def scheduler_section(reports: list[Path], link_dir: Path) -> list[str]:
+    """conformance/scheduler_probe.py's reports (scheduler-vllm-<release>.json): per
+    release and chunk spec the probes and disagreements (first and later requests),
+    how many of those are of a known open class (conformance/scheduler_known.py) and
+    how many are not (each fails `make conformance`), the probes vLLM stalls in and
+    the engines it fails on; then the known classes by engine, the unexpected
+    disagreements and vLLM's failures by class. No lines without reports."""
+    if not reports:
+        return []
+    loaded = {_release(path): json.loads(path.read_text()) for path in reports}
+    lines = [
+        "",
+        "## Prefix caching against vLLM's scheduler (chunked prefill)",
+        "",
+        "`conformance/scheduler_probe.py` drives each release's v1 `Scheduler` with",
+        "chunked prefill at each chunk size (`max_num_batched_tokens`: N tokens, or xF",
+        "of the engine's coarsest block) and compares the tokens it serves from cache",
+        "with kvplan's prediction, for the request sharing a prefix of a stored one",
+        "(first) and, on Mamba / sliding-window hybrids, the request after it (later).",
+        "A disagreement of a known open class (`conformance/scheduler_known.py`,",
+        "docs/prefix-caching.md) is listed and does not fail `make conformance`; any",
+        "other (unexpected) does. Stalls (vLLM's scheduler never finishes a request)",
+        "and vLLM failures (engines its scheduler raises on) are vLLM's own.",
+        "",
+    ]
+    sampled = {
+        f"every {meta['stride']}-th engine from offset {meta['offset']}"
+        for meta in (report["meta"] for report in loaded.values())
+        if meta.get("stride", 1) > 1
+    }
+    if sampled:
+        lines += [f"Engines: {'; '.join(sorted(sampled))} (`--stride`, `--offset`).", ""]
+    lines += [
+        "| vLLM | chunk | engines | probes | disagree | later probes | disagree later "
+        "| known open | unexpected | stalls | vLLM failures | wall s (all chunks) | report |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for path in reports:
+        report = loaded[_release(path)]
+        meta = report["meta"]
+        for i, f in enumerate(chunk_figures(report)):
+            wall = f"{meta['seconds']:.1f}" if i == 0 else ""  # one run for all its chunks
+            lines.append(
+                f"| {meta['vllm']} | {f.chunk} | {f.engines} | {f.probes} | {f.disagree_first} "
+                f"| {f.later_probes} | {f.disagree_later} | {f.known_first + f.known_later} "
+                f"| {f.unexpected} | {f.stalls} | {f.vllm_failures} | {wall} "
+                f"| [{path.name}]({(link_dir / path.name).as_posix()}) |"
+            )
+    lines += ["", "### Known open classes (not failing `make conformance`)", ""]
+    by_release = {release: known_by_engine(report) for release, report in loaded.items()}
+    for entry in KNOWN_OPEN:
+        lines.append(f"- `{entry.name}`: {entry.reason}.")
+        seen = False
+        for release, by_class in by_release.items():
+            for engine, probes in sorted(by_class.get(entry.name, {}).items()):
+                seen = True
+                detail = ", ".join(f"{key} {count}" for key, count in sorted(probes.items()))
+                lines.append(f"  - vLLM {release}, `{engine}`: {detail}")
+        if not seen:
+            lines.append("  - no longer disagrees in these reports: delete the entry if fixed")
+    unexpected = _unexpected_records(loaded)
+    failing = {r: unexpected_disagreements(report) for r, report in loaded.items()}
+    lines += ["", "### Unexpected disagreements (failing `make conformance`)", ""]
+    if not any(failing.values()):
+        lines.append("none")
+    for release, count in failing.items():
+        if count:
+            lines.append(f"- vLLM {release}: {count} probes")
+            lines += [f"  - {line}" for line in unexpected.get(release, [])[:20]]
+    lines += ["", "### vLLM's own failures (scheduler probe, over all chunk sizes)", ""]
+    failures = [
+        f"- vLLM {release}: {count}x {failure}"
+        for release, report in loaded.items()
+        for failure, count in sorted(
+            report.get("failure_classes", {}).items(), key=lambda kv: (-kv[1], kv[0])
+        )
+    ]
+    lines += failures or ["none"]
+    return lines
+
+
+def _unexpected_records(loaded: dict[str, Any]) -> dict[str, list[str]]:
+    """Per release, the recorded disagreements of no known class, one line each."""
+    out: dict[str, list[str]] = {}
+    for release, report in loaded.items():
+        for r in report.get("disagreements", []):
+            if r.get("known") is None:
+                request = LATER if r.get("later") else FIRST
+                out.setdefault(release, []).append(
+                    f"`{r['id']}` chunk {r['chunk_spec']} ({r['chunk']} tokens), {request} "
+                    f"request, {r['shared']} of {r['stored']} shared: the scheduler serves "
+                    f"{r['scheduler']}, kvplan says {r['kvplan']}"
+                )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 deviations[key] = deviations.get(key, 0) + 1
     lines += ["", "## Documented deviations", ""]
     lines += [f"- {key} ({count} cases)" for key, count in sorted(deviations.items())] or ["none"]
+    lines += scheduler_section(sorted(args.reports.glob("scheduler-vllm-*.json")), link_dir)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -8,9 +8,16 @@ import pytest
 
 from conformance.generate import GIB, W, mla, sw_mla
 from conformance.generate import request as engine
+from kvplan.client.prefix_cache import reported_cached_tokens, what_if_line
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
-from kvplan.core.prefix_cache import PrefillChunks, cached_tokens, facts, manager_view
+from kvplan.core.prefix_cache import (
+    PrefillChunks,
+    cached_tokens,
+    facts,
+    manager_view,
+    reported_after_replay,
+)
 from kvplan.core.prefix_warnings import rule_is_exact, what_if
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2, spec_pb2
@@ -158,6 +165,43 @@ def test_a_bounded_replay_window_is_taken_off_what_the_scheduler_serves(
     stated = response.diagnostics.prefix_cache
     assert (stated.replay_tokens, stated.min_shared_prefix_tokens) == (128, 192)
     assert facts(manager).min_shared_prefix == 64
+
+
+@pytest.mark.parametrize("shared", [128, 192, 416])
+def test_the_what_if_says_what_vllms_hit_metric_counts_under_bounded_replay(
+    shared: int,
+) -> None:
+    """vLLM's usage cached_tokens and prefix-cache hit metric take the KV cache
+    manager's hit, before the scheduler's replay (reported_after_replay): the
+    what-if line says what they will count beside what is served, each the
+    manager's hit of the same request (0 where the scheduler drops it: 128)."""
+    request = bounded_replay_engine("vllm-0.34")
+    request.shared_prefix_tokens = shared
+    response = plan_from_proto(request)
+    setup = setup_from_plan(request_from_proto(request), response)
+    stated = response.diagnostics.prefix_cache
+    answer = stated.what_if
+    served = [
+        answer.cached_tokens_prefix_stored,
+        answer.cached_tokens_prefix_diverges,
+        answer.cached_tokens_next_request,
+    ]
+    manager = what_if(manager_view(setup), facts(manager_view(setup)), shared)
+    counted = [
+        reported_after_replay(setup, hit)
+        for hit in (manager.prefix_stored, manager.prefix_diverges, manager.next_request)
+    ]
+    assert [reported_cached_tokens(stated, n) for n in served] == counted
+    assert counted[0] == (shared // 64 * 64 if shared > 128 else 0)
+    listed = " / ".join(f"{c:,}" for c in counted)
+    said = f"count {listed}: the 128 tokens the scheduler recomputes" in what_if_line(stated)
+    assert said == (shared > 128)  # where nothing is served both figures are 0
+    # Without bounded replay the line says nothing of it (it would be the same).
+    request = bounded_replay_engine("vllm-0.34")
+    del request.workers[0].layers[2:]
+    request.shared_prefix_tokens = shared
+    plain = plan_from_proto(request).diagnostics.prefix_cache
+    assert plain.replay_tokens == 0 and "recomputes" not in what_if_line(plain)
 
 
 @pytest.mark.parametrize(
