@@ -343,7 +343,7 @@ def _layer_types(b: _Builder, count: int) -> list[str] | None:
 
 
 def _dense_decoder(b: _Builder, prefix: str = "model.layers") -> None:
-    """Llama / Mistral / Mixtral / Qwen2-3 (+MoE) / Phi-3: one attention layer
+    """Llama / Mistral / Mixtral / Qwen2-3 (+MoE) / Phi-3 / Granite: one attention layer
     per decoder layer; `layer_types` marks sliding layers, else a set `sliding_window`
     applies to every layer (Qwen only with `use_sliding_window`)."""
     count = b.config.integer("num_hidden_layers")
@@ -718,6 +718,9 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     "Qwen3ForCausalLM": (_dense_decoder, False),
     "Qwen3MoeForCausalLM": (_dense_decoder, False),
     "Phi3ForCausalLM": (_dense_decoder, False),
+    # Granite 3.x: Llama's layers; its embedding, residual, attention and logit
+    # multipliers scale activations, not memory (vLLM's granite.py).
+    "GraniteForCausalLM": (_dense_decoder, False),
     "GptOssForCausalLM": (_gpt_oss, False),
     "Gemma2ForCausalLM": (_gemma2, False),
     "Gemma3ForCausalLM": (_gemma3, False),

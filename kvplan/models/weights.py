@@ -644,12 +644,24 @@ def _whisper_params(c: HFConfig) -> ParamCount:
     return ParamCount(embedding, encoder + decoder, mlp=0, state_space=0, draft=0)
 
 
+_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py)
+
+
+def padded_vocab(vocab: int) -> int:
+    """The rows vLLM builds for a vocab-parallel embedding or LM head: the vocabulary
+    rounded up to `_VOCAB_PADDING` (`pad_vocab_size` in vLLM's
+    vocab_parallel_embedding.py), then split over the TP ranks. Granite 3.3's 49,159
+    tokens become 49,216 rows; the other shipped decoder-only vocabularies are
+    multiples of 64 (Whisper's token table is a plain `nn.Embedding`: not padded)."""
+    return -(-vocab // _VOCAB_PADDING) * _VOCAB_PADDING
+
+
 def count_params(config: HFConfig, layers: ModelLayers) -> ParamCount:
     c = text_config(config, layers.architecture)
     if layers.encoder_decoder:
         return _whisper_params(c)
     hidden = c.integer("hidden_size")
-    vocab = c.integer("vocab_size")
+    vocab = padded_vocab(c.integer("vocab_size"))
     tied = c.flag("tie_word_embeddings", False)
     embedding = vocab * hidden * (1 if tied else 2)
     attention = mlp = state = draft = 0
@@ -684,15 +696,15 @@ def count_params(config: HFConfig, layers: ModelLayers) -> ParamCount:
 
 
 # Families whose vLLM model builds the embeddings only on the first pipeline stage and
-# the LM head only on the last (LlamaModel, Qwen2Model and DeepSeek-V2's `is_first_rank`
-# / `is_last_rank` checks, and the models built on them); with tied embeddings the
+# the LM head only on the last (LlamaModel, Qwen2Model, GraniteModel and DeepSeek-V2's
+# `is_first_rank` / `is_last_rank` checks, and the models built on them); with tied embeddings the
 # last stage builds its own copy for the head. Every other family builds both on every
 # stage (vLLM 0.32-0.34: Mixtral, Qwen3-MoE, Gemma 2 / 3, gpt-oss, Qwen3-Next,
 # Nemotron-H, Jamba). tests/models/test_against_vllm_pp.py counts vLLM's own modules.
 _PP_EMBEDDINGS_AT_THE_ENDS = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
-    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+    "Qwen3ForCausalLM", "GraniteForCausalLM", "Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
 })  # fmt: skip
 # Qwen3.5 / 3.6 build the embedding on every stage and the LM head on the last only
@@ -738,7 +750,7 @@ def stage_params(
         return [count_params(config, layers)]
     c = text_config(config, layers.architecture)
     total = count_params(config, layers)
-    table = c.integer("vocab_size") * c.integer("hidden_size")
+    table = padded_vocab(c.integer("vocab_size")) * c.integer("hidden_size")
     per_layer = _decoder_layer_params(c, layers)
     vision = _vision_params(config, c.integer("hidden_size"))
     stages = []
@@ -1199,9 +1211,6 @@ def allocator_rounding_bytes(nbytes: int) -> int:
     return remainder if remainder <= _ALLOC_SPLIT_REMAINDER else 0
 
 
-_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE (vocab_parallel_embedding.py)
-
-
 def weight_rounding_bytes(
     config: HFConfig, layers: ModelLayers, tp: int, start: int, end: int, stages: int
 ) -> int:
@@ -1248,7 +1257,7 @@ def weight_rounding_bytes(
     for layer in range(start, end):
         moe = experts and layer >= dense_first
         total += attention + (mlp(expert_size, experts) if moe else dense_mlp)
-    rows = -(-c.integer("vocab_size") // _VOCAB_PADDING) * _VOCAB_PADDING // tp
+    rows = padded_vocab(c.integer("vocab_size")) // tp
     table = allocator_rounding_bytes(rows * hidden * dtype)
     tied = c.flag("tie_word_embeddings", False)
     first, last = start == 0, end == c.integer("num_hidden_layers")

@@ -48,6 +48,7 @@ CASES: tuple[tuple[str, int, str], ...] = (
     ("mistral-7b-v0.3", 2, "auto"),
     ("mixtral-8x7b-instruct", 4, "auto"),
     ("phi-4", 2, "auto"),  # 10 KV heads: 5 per rank
+    ("granite-3.3-8b-instruct", 2, "auto"),  # Granite 3.x: Llama's layers, 4 KV heads a rank
     ("gemma-2-9b", 2, "auto"),
     ("gemma-3-27b", 2, "auto"),
     ("gemma-3-4b", 1, "auto"),  # 4 KV heads x 256, heads and head size from the defaults

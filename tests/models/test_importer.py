@@ -79,6 +79,7 @@ def test_every_shipped_config_has_a_source_note() -> None:
         ("mixtral-8x7b-instruct", 32, 8, 4096 // 32),
         ("qwen3-30b-a3b-base", 48, 4, 128),
         ("phi-4", 40, 10, 5120 // 40),
+        ("granite-3.3-8b-instruct", 40, 8, 4096 // 32),
     ],
 )
 def test_dense_models_register_one_full_attention_layer_per_decoder_layer(

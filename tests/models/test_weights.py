@@ -44,6 +44,11 @@ PUBLISHED_PARAMS: dict[str, tuple[float, str]] = {
         "huggingface.co/nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16: 31.6B total parameters",
     ),
     "phi-4": (14.7e9, "huggingface.co/microsoft/phi-4: 14.7B params (safetensors)"),
+    "granite-3.3-8b-instruct": (
+        8_170_864_640,
+        "a public table of Granite sizes (code index id 68624493177): Granite 3 8B, "
+        "'same arch as granite-3.3-8b', 8,170,864,640 parameters",
+    ),
     "qwen2.5-7b-instruct": (
         7.61e9,
         "huggingface.co/Qwen/Qwen2.5-7B-Instruct: Number of Parameters 7.61B",
@@ -182,6 +187,7 @@ LOGGED_WEIGHTS: tuple[tuple[str, int, float], ...] = (
     ("llama-3.1-8b", 4, 3.77),
     ("qwen3-8b", 1, 15.27),  # qwen-qwen3-8b--h100-80gb--tp1pp1dp1--8192
     ("gemma-2-9b", 1, 17.22),  # google-gemma-2-9b-it--h100-80gb--tp1pp1dp1--8192
+    ("granite-3.3-8b-instruct", 1, 15.25),  # ibm-granite-granite-3-3---h100-80gb--tp1pp1dp1--8192
 )
 
 
