@@ -503,7 +503,11 @@ class _Stored:
             written = self.chunks.is_end
             for bound in bounds:
                 block = bound // self.align * self.align // b - 1
-                if 0 <= block < full and written((block + 1) * b):
+                # vLLM keys a kept block with the state at its end once a chunk
+                # passes it, whatever state its last chunk inside it wrote
+                # (MambaManager.cache_blocks: a block is real where some chunk
+                # ended in it); a block no chunk ended in is null and uncached.
+                if 0 <= block < full and self.chunks.ends_within(block * b, (block + 1) * b):
                     kept.add(block)
             checkpoint = _mamba_checkpoint(self.setup, b, self.prompt_tokens)
             if checkpoint % b == 0 and 0 < checkpoint // b <= full:
@@ -630,6 +634,46 @@ class PrefillChunks:
                 floored = junction // self.block * self.block
                 stops.add(junction if exact else floored)
         self.stops = sorted(x for x in stops if start < x < prompt_tokens)
+
+    def ends_within(self, low: int, high: int) -> bool:
+        """Whether a prefill chunk ends in (`low`, `high`] (and inside the prompt):
+        as `is_end` at some position there, without asking every one."""
+        low, high = max(low, self.start), min(high, self.prompt_tokens - 1)
+        if low >= high:
+            return False
+        if not (self.budget and self.block) or any(low < x <= high for x in self.stops):
+            return True
+        c = self.block
+        if self.budget < c:
+            return high // c * c > low
+        return self._first_end_after(low) <= high
+
+    def _first_end_after(self, position: int) -> int:
+        """The first chunk end past `position` (the prompt's end where none is
+        before it), walked as `is_end` walks: stop by stop, a regular run of
+        chunks at a time."""
+        c, total = self.block, self.prompt_tokens
+        grid = self.budget // c * c
+        at = self.start
+        while at < total:
+            if at % c:
+                end = min(-(-at // c) * c, *(x for x in self.stops if x > at), total)
+            else:
+                stop = min((x for x in self.stops if x > at), default=total)
+                steps = max(0, min((stop - at) // grid, (total - 1 - at - self.budget) // grid + 1))
+                if steps:
+                    if position < at + steps * grid:
+                        return at + ((position - at) // grid + 1) * grid
+                    at += steps * grid
+                    continue
+                end = min(at + self.budget, total)
+                if end < total:
+                    end = end // c * c
+                end = min([end, *(x for x in self.stops if at < x < end)])
+            if end > position:
+                return end
+            at = end
+        return total
 
     def is_end(self, position: int) -> bool:
         """Whether a prefill chunk ends at `position` (start < position < prompt)."""
