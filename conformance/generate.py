@@ -3277,6 +3277,28 @@ def _block_sizes(c: Cases) -> None:
                     prefix_caching=caching,
                 ),
             )
+    # Mamba beside a bounded-replay window: the scheduler's Mamba align split measures
+    # a request's first chunk from the KV cache manager's hit, not from where the
+    # replay rewinds it to; later requests see the state the first one's chunks left.
+    for mamba_block in (64, 128):
+        c.add(
+            cat,
+            f"replay-window-mamba{mamba_block}",
+            f"Mamba {mamba_block} beside MLA and a bounded-replay SW-MLA window of 128, "
+            "64-token attention blocks",
+            request(
+                W(
+                    [
+                        *[mamba(f"a.{i}", block=mamba_block) for i in range(2)],
+                        mla("m.0", block=64),
+                        sw_mla("s.0", 128, block=64, bounded_replay=True),
+                    ],
+                    GIB,
+                ),
+                mamba_align=True,
+                prefix_caching=True,
+            ),
+        )
     # A hybrid MTP with a lookahead over the scheduler block (kvplan's own rules flag
     # the drafter's group, which then takes the check: D1).
     c.add(
