@@ -2189,6 +2189,36 @@ def _mamba(c: Cases) -> None:
             mamba_align=True,
         ),
     )
+    # Hybrids whose Mamba layers have prefill checkpoint blocks: the scheduler lets a
+    # prompt's last chunk run past the checkpoint where it tests the backend can
+    # export it there (against the cache block), the manager writes it only where
+    # its own test passes (against the Mamba block).
+    for mamba_block, attention_block, unit in ((64, 16, None), (256, 16, 8)):
+        hybrid = request(
+            W(
+                [
+                    *[
+                        mamba(
+                            f"a.{i}",
+                            block=mamba_block,
+                            checkpoint_alignment=16,
+                            checkpoint_blocks=1,
+                        )
+                        for i in range(2)
+                    ],
+                    full("f.0", 2, 256, block=attention_block),
+                ],
+                GIB,
+            ),
+            mamba_align=True,
+        )
+        c.add(
+            cat,
+            f"checkpoint-alignment-hybrid-{mamba_block}-{attention_block}-unit{unit}",
+            f"Mamba {mamba_block} with prefill checkpoint blocks (alignment 16) beside "
+            f"{attention_block}-token full attention, prefix_match_unit {unit}",
+            _with_unit(hybrid, unit),
+        )
     c.add(
         cat,
         "padded-below",
