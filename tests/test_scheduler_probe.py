@@ -211,3 +211,60 @@ def test_a_mamba_block_a_chunk_ended_inside_is_kept_at_its_end(release: str) -> 
     # first request's chunks end at 80, 160, 176 and 240, none at 128.
     first = PrefillChunks(setup, 191 + tail, 0, 176)
     assert [p for p in range(1, 191 + tail) if first.is_end(p)] == [80, 160, 176, 240]
+
+
+def checkpoint_hybrid_engine(engine_version: str, batched: int) -> plan_pb2.PlanRequest:
+    """conformance's mamba/checkpoint-alignment-hybrid-64-16-unitNone: two 64-token
+    Mamba layers with a prefill checkpoint block (alignment 16) beside 16-token full
+    attention, under `engine_version` at `batched` tokens a step."""
+    layers = [
+        *[
+            mamba(f"m.{i}", SMALL_STATES, block=64, checkpoint_alignment=16, checkpoint_blocks=1)
+            for i in range(2)
+        ],
+        full("f.0", 2, 256, block=16),
+    ]
+    request = generated_request(W(layers, 4 * GIB), mamba_align=True, batched=batched)
+    request.options.engine_version = engine_version
+    return request
+
+
+# max_num_batched_tokens -> the hits of a request sharing 416 tokens of the stored
+# 417-token prompt, then of the next one.
+CHECKPOINT_HITS = {
+    8192: [416, 416],  # one chunk from 0: both tests pass, the state at 416 is written
+    87: [0, 0],  # the last chunk 400 -> 417 runs past 416, the manager writes nothing
+    192: [384, 384],  # 384 -> 417 likewise; the chunk ending at 384 left its state
+}
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
+def test_a_last_chunk_that_can_export_the_checkpoint_is_not_stopped_there(release: str) -> None:
+    """Mamba layers with prefill checkpoint blocks: the scheduler lets a prompt's
+    last chunk run past the checkpoint (416 of 417 tokens) where it judges the
+    backend can export the state inside it (Scheduler._mamba_block_aligned_split,
+    is_mamba_prefill_checkpoint_valid against the 16-token cache block); the Mamba
+    manager has it written only where the same test passes against the 64-token
+    Mamba block (MambaManager._needs_internal_checkpoint): from 0, not from 400 or
+    384 (the checkpoint's column, 5, is not past the chunk's initial one, 6 or 5).
+    kvplan said 416 at every chunk size, as if the chunk stopped at 416."""
+    engines, predicted = [], []
+    for batched in CHECKPOINT_HITS:
+        request = checkpoint_hybrid_engine(f"vllm-{release}", batched)
+        setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+        assert setup.mamba_checkpoint_alignment == 16
+        stored, tail = stored_and_tail(setup)
+        assert stored == 417
+        probes = [(stored, 416, tail, True)]
+        engines.append({"request": request.SerializeToString().hex(), "probes": probes})
+        predicted.append(
+            [
+                [
+                    cached_tokens(setup, 416, stored, 416 + tail),
+                    cached_tokens_after_junction(setup, 416, stored, 416 + tail),
+                ]
+            ]
+        )
+    measured = run_in_vllm(release, ["-c", VLLM_SIDE, str(REPO)], engines)
+    assert measured == predicted
+    assert measured == [[hits] for hits in CHECKPOINT_HITS.values()]

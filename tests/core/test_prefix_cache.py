@@ -373,13 +373,15 @@ def test_a_chunk_ends_within_a_span_where_is_end_finds_one(
 ) -> None:
     """`PrefillChunks.ends_within` (which Mamba blocks a chunk ended inside, so vLLM
     keeps them) walks the chunks as `is_end` does: it finds a chunk end in a span
-    exactly where asking `is_end` at each position there would."""
+    exactly where asking `is_end` at each position there would, the internal
+    prefill checkpoint's last chunk included."""
     setup = replace(
         setup,
         prefill_chunk_tokens=budget,
         split_block=block,
         partial_hash_hits=data.draw(st.booleans()),
         junction_checkpoint=data.draw(st.booleans()),
+        mamba_checkpoint_alignment=data.draw(st.sampled_from([0, 1, 16])),
     )
     start = data.draw(st.integers(0, prompt - 1))
     junction = data.draw(st.integers(0, prompt))
