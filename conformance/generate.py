@@ -2189,6 +2189,36 @@ def _mamba(c: Cases) -> None:
             mamba_align=True,
         ),
     )
+    # Hybrids whose Mamba layers have prefill checkpoint blocks: the scheduler lets a
+    # prompt's last chunk run past the checkpoint where it tests the backend can
+    # export it there (against the cache block), the manager writes it only where
+    # its own test passes (against the Mamba block).
+    for mamba_block, attention_block, unit in ((64, 16, None), (256, 16, 8)):
+        hybrid = request(
+            W(
+                [
+                    *[
+                        mamba(
+                            f"a.{i}",
+                            block=mamba_block,
+                            checkpoint_alignment=16,
+                            checkpoint_blocks=1,
+                        )
+                        for i in range(2)
+                    ],
+                    full("f.0", 2, 256, block=attention_block),
+                ],
+                GIB,
+            ),
+            mamba_align=True,
+        )
+        c.add(
+            cat,
+            f"checkpoint-alignment-hybrid-{mamba_block}-{attention_block}-unit{unit}",
+            f"Mamba {mamba_block} with prefill checkpoint blocks (alignment 16) beside "
+            f"{attention_block}-token full attention, prefix_match_unit {unit}",
+            _with_unit(hybrid, unit),
+        )
     c.add(
         cat,
         "padded-below",
@@ -3277,6 +3307,28 @@ def _block_sizes(c: Cases) -> None:
                     prefix_caching=caching,
                 ),
             )
+    # Mamba beside a bounded-replay window: the scheduler's Mamba align split measures
+    # a request's first chunk from the KV cache manager's hit, not from where the
+    # replay rewinds it to; later requests see the state the first one's chunks left.
+    for mamba_block in (64, 128):
+        c.add(
+            cat,
+            f"replay-window-mamba{mamba_block}",
+            f"Mamba {mamba_block} beside MLA and a bounded-replay SW-MLA window of 128, "
+            "64-token attention blocks",
+            request(
+                W(
+                    [
+                        *[mamba(f"a.{i}", block=mamba_block) for i in range(2)],
+                        mla("m.0", block=64),
+                        sw_mla("s.0", 128, block=64, bounded_replay=True),
+                    ],
+                    GIB,
+                ),
+                mamba_align=True,
+                prefix_caching=True,
+            ),
+        )
     # A hybrid MTP with a lookahead over the scheduler block (kvplan's own rules flag
     # the drafter's group, which then takes the check: D1).
     c.add(

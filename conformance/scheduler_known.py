@@ -56,42 +56,14 @@ KNOWN_OPEN: tuple[KnownOpen, ...] = (
         reason=(
             "three MTP modules, 1-token hash blocks, 288-token Mamba and attention "
             "blocks, the 1,873-token prompt sent again: the scheduler hits 1,728 at "
-            "every chunk size, kvplan and the block-by-block manager 1,870; the "
-            "scheduler's allocations reserve the drafter's 3 lookahead slots and cache "
-            "once per step inside allocate_slots (not modelled)"
+            "every chunk size, kvplan and the block-by-block manager 1,870; each "
+            "cache_blocks after a decode step re-keys full attention's partial tail "
+            "block (1,870 -> 1,871 -> 1,872) as the sampled tokens extend the hashes, "
+            "so the resent prompt finds only whole blocks (not modelled: the setup "
+            "would need the stored request's sampled tokens)"
         ),
         engines=("fuzz_finds/prefix-mtp-reprefilled-tail-hybrid",),
         requests=frozenset({FIRST, LATER}),
-    ),
-    KnownOpen(
-        name="mamba-later-requests-x1.37",
-        reason=(
-            "Mamba hybrids' request after the first (its junction recorded) at chunks "
-            "of 1.37 coarsest blocks: the scheduler hits a Mamba state (e.g. 128 of "
-            "191 shared tokens) at no chunk end kvplan derives for the first request; "
-            "another of the scheduler's stops is not modelled yet"
-        ),
-        engines=(
-            "mamba_junction/*",
-            "fuzzj/*",
-            "fuzz_finds/prefix-drafter-on-last-stage",
-        ),
-        requests=frozenset({LATER}),
-        chunks=("x1.37",),
-    ),
-    KnownOpen(
-        name="mamba-first-request-inside-chunk-x1.37",
-        reason=(
-            "the same Mamba x1.37 class's first-request probe (docs/prefix-caching.md: "
-            '"and one first", like fuzz seed 13\'s fuzzj/j0006): 2,048-token Mamba '
-            "blocks, the 13,313-token prompt stored in 2,804-token chunks (ends 11,216 "
-            "and 13,312), its first 13,312 tokens sent again: the scheduler (and the "
-            "block-by-block manager) hit 12,288, a Mamba state inside a chunk, kvplan 0; "
-            "the chunk model takes states only at chunk ends"
-        ),
-        engines=("fuzz_finds/prefix-drafter-on-last-stage",),
-        requests=frozenset({FIRST}),
-        chunks=("x1.37",),
     ),
 )
 

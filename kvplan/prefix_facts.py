@@ -129,6 +129,20 @@ def _replay_window(spec: spec_pb2.LayerSpec) -> int:
     return int(spec.sliding_window_mla.sliding_window)
 
 
+def _mamba_checkpoint_alignment(specs: list[spec_pb2.LayerSpec]) -> int:
+    """The alignment (tokens) of the Mamba prefill checkpoint a backend can export
+    inside a prompt's last chunk, as vLLM's scheduler reads it: the first Mamba
+    group's `prefill_checkpoint_alignment`, where every Mamba group has prefill
+    checkpoint blocks (Scheduler.mamba_has_prefill_checkpoint_blocks); else 0."""
+    mambas = [spec.mamba for spec in specs if spec.WhichOneof("kind") == "mamba"]
+    if not mambas or any(m.num_prefill_checkpoint_blocks == 0 for m in mambas):
+        return 0
+    first = mambas[0]
+    if not first.HasField("prefill_checkpoint_alignment"):
+        return 0  # vLLM's validity test fails without an alignment
+    return int(first.prefill_checkpoint_alignment)
+
+
 def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> PrefixCacheSetup:
     options = request.options
     dcp = options.decode_context_parallel_size
@@ -195,6 +209,7 @@ def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> 
         split_block=split_block,
         # The planner refuses groups of different replay windows (vLLM asserts one).
         replay_window=max((_replay_window(spec) for spec, _ in views), default=0),
+        mamba_checkpoint_alignment=_mamba_checkpoint_alignment([spec for spec, _ in views]),
     )
 
 

@@ -9,11 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from conformance.generate import GIB, SMALL_STATES, W, full, mamba
+from conformance.generate import request as generated_request
 from conformance.prefix_lengths import parse_chunk, stored_and_tail
 from kvplan.cli import load_request
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
-from kvplan.core.prefix_cache import cached_tokens, facts, manager_view
+from kvplan.core.prefix_cache import (
+    PrefillChunks,
+    cached_tokens,
+    cached_tokens_after_junction,
+    facts,
+    manager_view,
+)
 from kvplan.core.prefix_warnings import DIVERGING_TAIL_UNITS
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2
@@ -154,3 +162,109 @@ def test_the_scheduler_replays_a_bounded_window_off_the_managers_hit(release: st
     manager = [cached_tokens(manager_view(setup), n, stored, n + tail) for n in shared]
     assert measured == [max(0, hit - setup.replay_window) for hit in manager]
     assert setup.replay_window == 128 and 0 in measured and max(measured) > 0
+
+
+def unmarked_junction_engine(engine_version: str, batched: int) -> plan_pb2.PlanRequest:
+    """conformance's mamba_junction/mamba64-full16-unitNone-none engine: two 64-token
+    Mamba blocks beside 16-token full attention, no drafter (so no junction
+    checkpoint: the junction's chunk is floored to the 16-token cache block),
+    under `engine_version` at `batched` tokens a step."""
+    layers = [
+        *[mamba(f"m.{i}", SMALL_STATES, block=64) for i in range(2)],
+        full("f.0", 2, 256, block=16),
+    ]
+    request = generated_request(W(layers, 4 * GIB), mamba_align=True, batched=batched)
+    request.options.engine_version = engine_version
+    request.options.enable_mamba_shared_prefix_checkpoint = True
+    return request
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
+def test_a_mamba_block_a_chunk_ended_inside_is_kept_at_its_end(release: str) -> None:
+    """The next request after one that started from no Mamba hit (seed 13's
+    fuzzj/j0023 and mamba_junction engines at x1.37 chunks): 87-token steps end
+    the first request's chunks on the 16-token cache block (80, 160, the junction
+    176, 240), never on the 64-token Mamba block. vLLM keeps the block holding
+    the junction's floor (176 floored to the 64-token Mamba block: the block over
+    64..128) and keys it at its end as soon as a chunk passes it, and that block
+    is a real one because a chunk (80) ended inside it (MambaManager.cache_blocks
+    over reachable_block_mask): the next request hits 128 at 191 shared tokens
+    and 256 at 319 (junctions 176, 304); at 192 and 320 a chunk ends at the
+    junction itself. kvplan said 0 at 191 and 319 when it asked for a chunk
+    ending exactly at the block's end."""
+    request = unmarked_junction_engine(f"vllm-{release}", 87)
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    stored, tail = stored_and_tail(setup)
+    shared = [191, 192, 319, 320]
+    probes = [(stored, n, tail, True) for n in shared]
+    engines = [{"request": request.SerializeToString().hex(), "probes": probes}]
+    (measured,) = run_in_vllm(release, ["-c", VLLM_SIDE, str(REPO)], engines)
+    assert measured == [
+        [
+            cached_tokens(setup, n, stored, n + tail),
+            cached_tokens_after_junction(setup, n, stored, n + tail),
+        ]
+        for n in shared
+    ]
+    assert measured == [[0, 128], [0, 192], [0, 256], [0, 320]]
+    # 191 shared: full attention matches 176 (the junction), Mamba nothing; the
+    # first request's chunks end at 80, 160, 176 and 240, none at 128.
+    first = PrefillChunks(setup, 191 + tail, 0, 176)
+    assert [p for p in range(1, 191 + tail) if first.is_end(p)] == [80, 160, 176, 240]
+
+
+def checkpoint_hybrid_engine(engine_version: str, batched: int) -> plan_pb2.PlanRequest:
+    """conformance's mamba/checkpoint-alignment-hybrid-64-16-unitNone: two 64-token
+    Mamba layers with a prefill checkpoint block (alignment 16) beside 16-token full
+    attention, under `engine_version` at `batched` tokens a step."""
+    layers = [
+        *[
+            mamba(f"m.{i}", SMALL_STATES, block=64, checkpoint_alignment=16, checkpoint_blocks=1)
+            for i in range(2)
+        ],
+        full("f.0", 2, 256, block=16),
+    ]
+    request = generated_request(W(layers, 4 * GIB), mamba_align=True, batched=batched)
+    request.options.engine_version = engine_version
+    return request
+
+
+# max_num_batched_tokens -> the hits of a request sharing 416 tokens of the stored
+# 417-token prompt, then of the next one.
+CHECKPOINT_HITS = {
+    8192: [416, 416],  # one chunk from 0: both tests pass, the state at 416 is written
+    87: [0, 0],  # the last chunk 400 -> 417 runs past 416, the manager writes nothing
+    192: [384, 384],  # 384 -> 417 likewise; the chunk ending at 384 left its state
+}
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
+def test_a_last_chunk_that_can_export_the_checkpoint_is_not_stopped_there(release: str) -> None:
+    """Mamba layers with prefill checkpoint blocks: the scheduler lets a prompt's
+    last chunk run past the checkpoint (416 of 417 tokens) where it judges the
+    backend can export the state inside it (Scheduler._mamba_block_aligned_split,
+    is_mamba_prefill_checkpoint_valid against the 16-token cache block); the Mamba
+    manager has it written only where the same test passes against the 64-token
+    Mamba block (MambaManager._needs_internal_checkpoint): from 0, not from 400 or
+    384 (the checkpoint's column, 5, is not past the chunk's initial one, 6 or 5).
+    kvplan said 416 at every chunk size, as if the chunk stopped at 416."""
+    engines, predicted = [], []
+    for batched in CHECKPOINT_HITS:
+        request = checkpoint_hybrid_engine(f"vllm-{release}", batched)
+        setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+        assert setup.mamba_checkpoint_alignment == 16
+        stored, tail = stored_and_tail(setup)
+        assert stored == 417
+        probes = [(stored, 416, tail, True)]
+        engines.append({"request": request.SerializeToString().hex(), "probes": probes})
+        predicted.append(
+            [
+                [
+                    cached_tokens(setup, 416, stored, 416 + tail),
+                    cached_tokens_after_junction(setup, 416, stored, 416 + tail),
+                ]
+            ]
+        )
+    measured = run_in_vllm(release, ["-c", VLLM_SIDE, str(REPO)], engines)
+    assert measured == predicted
+    assert measured == [[hits] for hits in CHECKPOINT_HITS.values()]

@@ -108,6 +108,11 @@ class PrefixCacheSetup:
     # of the groups whose spec as the scheduler reads it is a bounded-replay
     # sliding-window MLA spec; one window for all). 0: no such group.
     replay_window: int = 0
+    # Mamba prefill checkpoint blocks (every Mamba group has them): the alignment
+    # (tokens) of the checkpoint a backend can export inside a prompt's last chunk,
+    # so the scheduler need not stop the chunk there (vLLM's "internal checkpoint",
+    # is_mamba_prefill_checkpoint_valid); 0: none, the chunk stops there.
+    mamba_checkpoint_alignment: int = 0
 
 
 @dataclass(frozen=True)
@@ -503,7 +508,11 @@ class _Stored:
             written = self.chunks.is_end
             for bound in bounds:
                 block = bound // self.align * self.align // b - 1
-                if 0 <= block < full and written((block + 1) * b):
+                # vLLM keys a kept block with the state at its end once a chunk
+                # passes it, whatever state its last chunk inside it wrote
+                # (MambaManager.cache_blocks: a block is real where some chunk
+                # ended in it); a block no chunk ended in is null and uncached.
+                if 0 <= block < full and self.chunks.ends_within(block * b, (block + 1) * b):
                     kept.add(block)
             checkpoint = _mamba_checkpoint(self.setup, b, self.prompt_tokens)
             if checkpoint % b == 0 and 0 < checkpoint // b <= full:
@@ -516,6 +525,11 @@ class _Stored:
             ):
                 # A state inside a block: partial hash hits can land on it.
                 self.points[i].add(checkpoint)
+            internal = self.chunks.internal_checkpoint(b)
+            if internal and internal % b == 0 and internal // b <= full:
+                kept.add(internal // b - 1)
+            elif internal and self.setup.partial_hash_hits:
+                self.points[i].add(internal)  # written inside the last chunk
             junction = self.junction
             if (
                 junction % b
@@ -597,6 +611,25 @@ def _checkpoint_position(setup: PrefixCacheSetup, prompt_tokens: int, unit: int)
     return max(0, (prompt_tokens - max(1, setup.hash_lookahead)) // unit * unit)
 
 
+def _checkpoint_exportable(
+    start: int, end: int, checkpoint: int, hash_block: int, mamba_block: int, alignment: int
+) -> bool:
+    """Whether a prompt's last chunk from `start` to `end` can have the backend
+    export the Mamba state at `checkpoint` inside it (vLLM's
+    is_mamba_prefill_checkpoint_valid): the chunk starts on a hash block, ends at
+    least two `mamba_block` columns past its initial state's, starts a hash block
+    or more below the checkpoint, and reaches it in whole `alignment`s."""
+    initial_column = (start - 1) // mamba_block
+    checkpoint_column = -(-end // mamba_block) - 2
+    return (
+        start % hash_block == 0
+        and checkpoint_column > initial_column
+        and start + hash_block <= checkpoint
+        and start < checkpoint < end
+        and (checkpoint - start) % alignment == 0
+    )
+
+
 class PrefillChunks:
     """Where vLLM's scheduler ends the prefill chunks of a prompt in Mamba "align"
     mode (its `_mamba_block_aligned_split`), from `start` (the tokens the request
@@ -605,8 +638,12 @@ class PrefillChunks:
     mandatory stops inside it: the next split-block boundary when it starts inside
     one, the last cacheable split-block position, the last hash-block checkpoint
     (partial hash hits) and the shared-prefix junction (block-floored, or exact
-    where the junction checkpoint applies). Between stops the ends are a regular
-    grid, which `is_end` walks stop by stop, not chunk by chunk."""
+    where the junction checkpoint applies). With Mamba prefill checkpoint blocks
+    (`mamba_checkpoint_alignment`) the chunk that reaches the prompt's end skips
+    all but the junction where the backend can export the prompt's checkpoint
+    inside it, which the scheduler tests against the split block. Between stops
+    the ends are a regular grid, which `is_end` walks stop by stop, not chunk by
+    chunk."""
 
     def __init__(
         self, setup: PrefixCacheSetup, prompt_tokens: int, start: int = 0, junction: int = 0
@@ -615,7 +652,21 @@ class PrefillChunks:
         self.block = setup.split_block
         self.prompt_tokens = prompt_tokens
         self.start = start
+        self.hash_block = setup.hash_block
+        self.alignment = setup.mamba_checkpoint_alignment
+        # The scheduler's (and the Mamba manager's) checkpoint unit, and the
+        # prompt's checkpoint as each computes it (the manager never drops a block).
+        unit = (
+            setup.hash_block
+            if setup.partial_hash_hits and setup.hash_block < setup.scheduler_block
+            else setup.scheduler_block
+        )
+        self.scheduler_checkpoint = _checkpoint_position(setup, prompt_tokens, unit)
+        self.manager_checkpoint = _checkpoint_position(
+            replace(setup, block_drop=False), prompt_tokens, unit
+        )
         stops: set[int] = set()
+        junction_stops: set[int] = set()
         if self.budget and self.block:
             last = _checkpoint_position(setup, prompt_tokens, self.block)
             stops.add(last)
@@ -628,8 +679,86 @@ class PrefillChunks:
                 # Floored in the chunk it falls in (an aligned one: an unaligned
                 # chunk stops at its block's end first).
                 floored = junction // self.block * self.block
-                stops.add(junction if exact else floored)
-        self.stops = sorted(x for x in stops if start < x < prompt_tokens)
+                junction_stops.add(junction if exact else floored)
+        self.stops = sorted(x for x in stops | junction_stops if start < x < prompt_tokens)
+        self.junction_stops = sorted(x for x in junction_stops if start < x < prompt_tokens)
+        # The internal checkpoint applies only with whole blocks a chunk (a
+        # narrower budget is left to the plain walk).
+        self.internal = bool(self.alignment and self.budget and self.block <= self.budget)
+        self.final_start = self._walk(prompt_tokens - 1)[1] if self.internal else -1
+
+    def _exports_internally(self, at: int) -> bool:
+        """Whether the scheduler lets the chunk from `at` run to the prompt's end
+        past the checkpoint stops (its use_internal_checkpoint)."""
+        return (
+            self.internal
+            and at + self.budget >= self.prompt_tokens
+            and _checkpoint_exportable(
+                at,
+                self.prompt_tokens,
+                self.scheduler_checkpoint,
+                self.hash_block,
+                self.block,
+                self.alignment,
+            )
+        )
+
+    def internal_checkpoint(self, mamba_block: int) -> int:
+        """Where the Mamba manager has the backend write the prompt's checkpoint
+        inside its last chunk (MambaManager._needs_internal_checkpoint, tested
+        against the group's own block), kept as the prompt's checkpoint; 0: none."""
+        at, total = self.final_start, self.prompt_tokens
+        if at < self.start or -(-total // mamba_block) - 2 < 0:
+            return 0
+        exported = _checkpoint_exportable(
+            at, total, self.manager_checkpoint, self.hash_block, mamba_block, self.alignment
+        )
+        return self.manager_checkpoint if exported else 0
+
+    def ends_within(self, low: int, high: int) -> bool:
+        """Whether a prefill chunk ends in (`low`, `high`] (and inside the prompt):
+        as `is_end` at some position there, without asking every one."""
+        low, high = max(low, self.start), min(high, self.prompt_tokens - 1)
+        if low >= high:
+            return False
+        if not (self.budget and self.block):
+            return True
+        if not self.internal and any(low < x <= high for x in self.stops):
+            return True
+        c = self.block
+        if self.budget < c:
+            return high // c * c > low
+        return self._walk(low)[0] <= high
+
+    def _walk(self, position: int) -> tuple[int, int]:
+        """The first chunk end past `position` (the prompt's end where none is
+        before it) and where that chunk starts, walked as `is_end` walks: stop by
+        stop, a regular run of chunks at a time."""
+        c, total = self.block, self.prompt_tokens
+        grid = self.budget // c * c
+        at = self.start
+        while at < total:
+            if self._exports_internally(at):
+                end = min([total, *(x for x in self.junction_stops if at < x < total)])
+            elif at % c:
+                end = min(-(-at // c) * c, *(x for x in self.stops if x > at), total)
+            else:
+                stop = min((x for x in self.stops if x > at), default=total)
+                steps = max(0, min((stop - at) // grid, (total - 1 - at - self.budget) // grid + 1))
+                if steps:
+                    if position < at + steps * grid:
+                        end = at + ((position - at) // grid + 1) * grid
+                        return end, end - grid
+                    at += steps * grid
+                    continue
+                end = min(at + self.budget, total)
+                if end < total:
+                    end = end // c * c
+                end = min([end, *(x for x in self.stops if at < x < end)])
+            if end > position:
+                return end, at
+            at = end
+        return total, at
 
     def is_end(self, position: int) -> bool:
         """Whether a prefill chunk ends at `position` (start < position < prompt)."""
@@ -637,6 +766,8 @@ class PrefillChunks:
             return True
         if not self.start < position < self.prompt_tokens:
             return False
+        if self.internal:
+            return self._walk(position - 1)[0] == position
         c, total = self.block, self.prompt_tokens
         if position in self.stops:
             return True

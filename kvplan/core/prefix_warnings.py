@@ -329,8 +329,13 @@ def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
       (the rule leaves the tail out);
     * a Mamba group whose block is coarser than the block the scheduler ends
       prefill chunks on: its states exist only where a chunk ends, which depends on
-      the stored prompt's length and the chunk budget (`PrefillChunks`)."""
+      the stored prompt's length and the chunk budget (`PrefillChunks`);
+    * Mamba prefill checkpoint blocks under the draft drop: the state the backend
+      writes inside a prompt's last chunk sits at the checkpoint without the drop
+      (the Mamba manager's), not where the rule puts it."""
     if facts.drop_groups and setup.reprefill_tokens:
+        return False
+    if setup.mamba_checkpoint_alignment and setup.block_drop:
         return False
     if setup.prefill_chunk_tokens and any(
         g.kind is GroupKind.MAMBA and g.prefix_cacheable and g.block_tokens > setup.split_block

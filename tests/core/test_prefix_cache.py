@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvplan.core.prefix_cache import (
     CacheGroup,
     GroupKind,
+    PrefillChunks,
     PrefixCacheSetup,
     WhyOff,
     cached_tokens,
@@ -357,3 +358,35 @@ def test_the_junction_checkpoint_keeps_mamba_state_inside_a_block() -> None:
     assert cached_tokens_after_junction(no_drafter, 100, stored, request) == 64
     # The draft drop puts every group in the drafter's set when none is flagged.
     assert junction_checkpoint_applies(replace(no_drafter, block_drop=True, hash_lookahead=0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    setups(),
+    st.sampled_from([1, 4, 16, 64]),
+    st.integers(1, 300),
+    st.integers(2, 900),
+    st.data(),
+)
+def test_a_chunk_ends_within_a_span_where_is_end_finds_one(
+    setup: PrefixCacheSetup, block: int, budget: int, prompt: int, data: st.DataObject
+) -> None:
+    """`PrefillChunks.ends_within` (which Mamba blocks a chunk ended inside, so vLLM
+    keeps them) walks the chunks as `is_end` does: it finds a chunk end in a span
+    exactly where asking `is_end` at each position there would, the internal
+    prefill checkpoint's last chunk included."""
+    setup = replace(
+        setup,
+        prefill_chunk_tokens=budget,
+        split_block=block,
+        partial_hash_hits=data.draw(st.booleans()),
+        junction_checkpoint=data.draw(st.booleans()),
+        mamba_checkpoint_alignment=data.draw(st.sampled_from([0, 1, 16])),
+    )
+    start = data.draw(st.integers(0, prompt - 1))
+    junction = data.draw(st.integers(0, prompt))
+    chunks = PrefillChunks(setup, prompt, start, junction)
+    ends = [p for p in range(1, prompt + 1) if chunks.is_end(p)]
+    low = data.draw(st.integers(-2, prompt + 2))
+    high = data.draw(st.integers(low, prompt + 3))
+    assert chunks.ends_within(low, high) == any(low < p <= high for p in ends)
