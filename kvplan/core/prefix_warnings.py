@@ -488,8 +488,8 @@ def _rule_manager_hit(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_p
         base = n - 1 if facts.boundary_only else n
         hit = max(0, min(base, cached, hashed) // unit * unit)
         boundary = (n - 1) // unit * unit  # the stored request's replay boundary
-        window = shortest_window(setup, facts)
-        if window and hit < boundary and boundary > window:
+        short = shortest_window(setup, facts)
+        if short and hit < boundary and boundary > short:
             # Lookahead hashes hold the hit below the boundary, where the windows'
             # kept blocks (anchored there) no longer reach back to the first block.
             return 0
@@ -501,8 +501,8 @@ def _rule_manager_hit(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_p
         hit = resend if coarse and reach % coarse else reach
         # Every window block kept (dense retention): a hit shorter than a finer
         # dropping window still falls a unit back per such spec.
-        for window in windows:
-            if 0 < hit < window:
+        for drop_window_tokens in windows:
+            if 0 < hit < drop_window_tokens:
                 hit -= unit
         return max(0, hit)
     # Window / Mamba state only where the stored request was kept: its replay
