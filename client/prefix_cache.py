@@ -11,13 +11,14 @@ from kvplan.v1 import plan_pb2
 def cached_tokens(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: int) -> int:
     """Tokens served from cache when a request repeats all `shared_prefix` tokens
     of an earlier request that was exactly those tokens and goes on past them.
-    Exact when `prefix_cache.rule_exact`; else (a draft drop beside a sliding-window
-    group finer than the hit unit, of a window of two units or more, and another
-    non-full-attention group; one-token
-    windows; partial hash hits with a coarse full-attention group that keeps its
-    last block, in some orders) an estimate: ask the server with
-    PlanRequest.shared_prefix_tokens. The KV cache manager's hit, less the
-    window the scheduler replays (`replay_tokens`, bounded replay)."""
+    Exact when `prefix_cache.rule_exact`; else (the cases PrefixCacheDiagnostics
+    .rule_exact lists in proto/kvplan/v1/plan.proto: the coordinator's turns
+    between a finer dropping window and other non-full-attention groups, one-token
+    windows, some partial hash hits, Mamba states only where prefill chunks end,
+    ...) an estimate: ask the server with PlanRequest.shared_prefix_tokens. The KV
+    cache manager's hit, less the window the scheduler replays (`replay_tokens`,
+    bounded replay). A plan from a server before a field leaves it 0, which drops
+    that term."""
     unit = prefix_cache.hit_unit_tokens
     if (
         not prefix_cache.effectively_on
@@ -34,12 +35,33 @@ def _manager_hit(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: i
     unit = prefix_cache.hit_unit_tokens
     hash_block = prefix_cache.hash_block_tokens or unit
     hashed = max(0, n - prefix_cache.hash_lookahead_tokens) // hash_block * hash_block
+    # A coarse full-attention block that keeps its last block is landed inside only
+    # at the stored request's last hash boundary short of its last token.
+    resend = max(0, min(n - 1, hashed) // unit * unit)
+    coarse = prefix_cache.coarse_block_tokens
+    # What the stored request's groups cache: all but a reprefilled tail.
+    cached = n - prefix_cache.reprefill_tokens
+    shortest_window = prefix_cache.shortest_window_tokens
     if not prefix_cache.drop_group_ids:
         base = n - 1 if prefix_cache.boundary_only else n
-        return max(0, min(base, hashed) // unit * unit)
-    reach = (min(n, hashed) - prefix_cache.drop_tokens) // unit * unit
+        hit = max(0, min(base, cached, hashed) // unit * unit)
+        boundary = (n - 1) // unit * unit  # the stored request's replay boundary
+        if shortest_window and hit < boundary and boundary > shortest_window:
+            # Lookahead hashes hold the hit below the boundary, where the windows'
+            # kept blocks (anchored there) no longer reach back to the first block.
+            return 0
+        return resend if coarse and hit % coarse else hit
+    # The dropped block must be matched too.
+    reach = (min(cached, hashed) - prefix_cache.drop_tokens) // unit * unit
+    drop_windows = [prefix_cache.drop_window_tokens, *prefix_cache.further_drop_window_tokens]
     if not prefix_cache.boundary_only:
-        return max(0, reach)
+        hit = resend if coarse and reach % coarse else reach
+        # Every window block kept (dense retention): each finer dropping window
+        # still longer than the hit takes a unit off it.
+        for drop_window in drop_windows:
+            if 0 < hit < drop_window:
+                hit -= unit
+        return max(0, hit)
     # State kept only at the stored request's replay boundaries (one lower under
     # the drop) and at its Mamba prefill checkpoint.
     stride = prefix_cache.boundary_block_tokens or unit
@@ -48,6 +70,10 @@ def _manager_hit(prefix_cache: plan_pb2.PrefixCacheDiagnostics, shared_prefix: i
     checkpoints = {n // c * c - c for c in prefix_cache.mamba_checkpoint_tokens if c}
     if len(checkpoints) == 1:
         kept.extend(checkpoints)
+    if reach < last_boundary <= shortest_window:
+        # Every window still holds the stored request's first block at its last
+        # boundary, so every block below it: the reach (under the tail) lands.
+        kept.append(reach)
     hit = max((x for x in kept if 0 < x <= reach and x % unit == 0), default=0)
     window = prefix_cache.drop_window_tokens
     if hit and hit < window:

@@ -6,11 +6,13 @@ from dataclasses import replace
 
 import pytest
 
-from conformance.generate import GIB, W, mla, sw_mla
+from conformance.generate import GIB, W, generate_cases, mla, sw_mla
 from conformance.generate import request as engine
+from kvplan.client.prefix_cache import cached_tokens as client_cached_tokens
 from kvplan.client.prefix_cache import reported_cached_tokens, what_if_line
 from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
+from kvplan.core.errors import PlanningError
 from kvplan.core.prefix_cache import (
     PrefillChunks,
     cached_tokens,
@@ -21,6 +23,7 @@ from kvplan.core.prefix_cache import (
 from kvplan.core.prefix_warnings import rule_is_exact, what_if
 from kvplan.prefix_facts import setup_from_plan
 from kvplan.v1 import plan_pb2, spec_pb2
+from tests.core.test_prefix_warnings import rule_check_lengths
 from tests.test_fuzz_finds import find
 
 
@@ -228,11 +231,28 @@ def test_a_multi_module_mtp_drafters_reprefilled_tail_is_not_cached(
     )
     unit = max(setup.scheduler_block, *(g.block_tokens for g in setup.groups))
     assert cached_tokens(setup, shared, stored, shared + unit + 1) == vllm
-    # The closed-form rule leaves the tail out: not claimed exact. The minimum
+    # The closed-form rule counts the single group's hit from N less the tail
+    # (reprefill_tokens) and is exact; beside Mamba, under partial hash hits, the
+    # dropping 288-token group also loses the block holding the prompt's last
+    # hash boundary, and lands on whole blocks only: not the rule's. The minimum
     # prefix is the first prompt that hits when sent again (vLLM 0.32 agrees for
     # the hybrid: tests/test_prefix_against_vllm.py).
     f = facts(setup)
-    assert not rule_is_exact(setup, f)
+    prefix_cache = plan_from_proto(request).diagnostics.prefix_cache
+    assert prefix_cache.reprefill_tokens == setup.reprefill_tokens
+    assert (
+        rule_is_exact(setup, f)
+        == prefix_cache.rule_exact
+        == (name == "prefix-mtp-reprefilled-tail")
+    )
+    if prefix_cache.rule_exact:
+        assert client_cached_tokens(prefix_cache, stored) == cached_tokens(
+            setup, stored, stored, stored + 1
+        )
+        assert all(
+            client_cached_tokens(prefix_cache, n) == cached_tokens(setup, n, n, n + 1)
+            for n in range(4 * f.unit)
+        )
     minimum = f.min_shared_prefix
     assert f.min_shared_prefix_exact
     assert (
@@ -312,3 +332,30 @@ def test_the_client_rule_is_not_claimed_exact_where_chunk_ends_decide() -> None:
     stepped = replace(setup, prefill_chunk_tokens=0)
     assert rule_is_exact(stepped, facts(stepped))
     assert not plan_from_proto(request).diagnostics.prefix_cache.rule_exact
+
+
+def test_the_client_rule_is_the_simulation_on_every_conformance_engine_it_says_exact() -> None:
+    """Every engine `make conformance` plans (generated cases, scenario files,
+    fuzz finds), under its own rule set: where the plan says rule_exact, the
+    client's rule on the rendered diagnostics is the core's simulation for every
+    N below 600 and around each unit, the minimum, the drop and the replay window
+    up to 12 units."""
+    exact = estimates = 0
+    for case in generate_cases():
+        try:
+            response = plan_from_proto(case.request)
+        except PlanningError:
+            continue
+        prefix_cache = response.diagnostics.prefix_cache
+        if not prefix_cache.effectively_on:
+            continue
+        if not prefix_cache.rule_exact:
+            estimates += 1
+            continue
+        exact += 1
+        setup = setup_from_plan(request_from_proto(case.request), response)
+        for n in rule_check_lengths(prefix_cache, 600):
+            expected = cached_tokens(setup, n, n, n + 1)
+            assert client_cached_tokens(prefix_cache, n) == expected, (case.id, n)
+    # 909 exact and 82 estimates when written.
+    assert exact >= 900 and estimates <= 90, (exact, estimates)

@@ -23,12 +23,15 @@ from kvplan.core.prefix_cache import facts as prefix_facts
 from kvplan.core.prefix_warnings import (
     PrefixContext,
     boundary_block,
+    coarse_block,
     drop_window,
     drop_windows,
     mamba_checkpoint_strides,
     off_detail,
     prefix_warnings,
+    reprefill_tail,
     rule_is_exact,
+    shortest_window,
     what_if,
     what_if_step,
 )
@@ -409,6 +412,9 @@ def prefix_rule_to_proto(
     out.drop_window_tokens = drop_window(setup, facts)
     out.further_drop_window_tokens.extend(drop_windows(setup, facts)[1:])
     out.replay_tokens = facts.replay_tokens
+    out.reprefill_tokens = reprefill_tail(setup, facts)
+    out.shortest_window_tokens = shortest_window(setup, facts)
+    out.coarse_block_tokens = coarse_block(setup, facts)
 
 
 def prefix_cache_diagnostics(

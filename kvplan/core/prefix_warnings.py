@@ -5,6 +5,7 @@ kvplan shows it")."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvplan.core.diagnostics import PlanWarning, WarningCode
@@ -264,48 +265,129 @@ def drop_window(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> int:
     return max(drop_windows(setup, facts), default=0)
 
 
+def reprefill_tail(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> int:
+    """The tokens at a stored prompt's end a multi-module MTP drafter may prefill
+    again, where they are not cached: by a single group, or by a cacheable group
+    that drops beside others (0 otherwise, and 0 without such a drafter). Those
+    groups cache a stored prompt of N tokens only up to N less these, so the
+    rule's hit counts from there; groups that keep their last block beside
+    others cache the whole prompt."""
+    cacheable_drop = any(setup.groups[i].prefix_cacheable for i in facts.drop_groups)
+    single = len(setup.groups) == 1
+    return setup.reprefill_tokens if facts.on and (single or cacheable_drop) else 0
+
+
+def shortest_window(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> int:
+    """Where a stored request keeps sliding-window state only near its end and no
+    Mamba group takes part: the shortest window of the cacheable sliding-window
+    groups in whole blocks (tokens; 0 otherwise). A stored request whose last
+    replay boundary is within it keeps every window block below that boundary,
+    so a hit below the boundary (the reprefilled tail holds the reach there)
+    still lands."""
+    cacheable = [g for g in setup.groups if g.prefix_cacheable]
+    if not facts.on or not facts.boundary_only:
+        return 0
+    if any(g.kind is GroupKind.MAMBA for g in cacheable):
+        return 0
+    return min(
+        (
+            -(-(g.window - 1) // g.block_tokens) * g.block_tokens
+            for g in cacheable
+            if g.kind is GroupKind.SLIDING_WINDOW
+        ),
+        default=0,
+    )
+
+
+def _coarse_groups(setup: PrefixCacheSetup, facts: PrefixCacheFacts, dropping: bool) -> list[int]:
+    """Under partial hash hits, the cacheable full-attention-like groups whose block
+    is coarser than the hash block that drop their last block (`dropping`) or keep
+    it: their indices."""
+    if not setup.partial_hash_hits or not facts.on:
+        return []
+    return [
+        i
+        for i, g in enumerate(setup.groups)
+        if g.prefix_cacheable
+        and g.kind in (GroupKind.FULL, GroupKind.OTHER)
+        and g.block_tokens != setup.hash_block
+        and (i in facts.drop_groups) == dropping
+    ]
+
+
+def coarse_block(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> int:
+    """Under partial hash hits, where nothing in the lookup drops and state is kept
+    past a stored request's end (not boundary-only): the lcm of the blocks of the
+    coarse groups that keep their last block (0: none, or elsewhere). vLLM's
+    full-attention lookup lands inside one of its blocks only at a stored
+    request's last hash boundary short of its last token, so a hit that is not a
+    multiple of this falls back to that boundary (the rule's
+    floor(min(N - 1, hashed) / u) * u)."""
+    if facts.drop_tokens or facts.boundary_only:
+        return 0
+    blocks = [setup.groups[i].block_tokens for i in _coarse_groups(setup, facts, False)]
+    return math.lcm(*blocks) if blocks else 0
+
+
 def _partial_hits_in_rule(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
     """Whether the rule's terms cover where partial hash hits let full attention
     land. vLLM's full-attention lookup lands inside one of its blocks only at a
     stored request's last hash boundary (its last token but one for a resend; the
     whole prompt for a dropping group, whose dropped hash block must end there).
     A coarse group (a block coarser than the hash block) that keeps its block
-    then hits either the match or that boundary, or a multiple of its block,
-    which the diagnostics do not state. The rule's answer is still the hit where:
+    then hits either the match or that boundary, or a multiple of its block.
+    The rule's answer is still the hit where:
 
-    * nothing drops and a Mamba / window group holds state only at the stored
-      request's end (the hit is the resend's boundary, which every group takes);
+    * nothing in the lookup drops: the hit is the match where it is a multiple of
+      every such block (`coarse_block`), else the resend's boundary, which every
+      group takes (a Mamba / window group holding state only at the stored
+      request's end takes nothing else);
     * something drops, and every coarse group that keeps its block is looked up
       before each dropping full-attention group: those coarse groups hit one hash
       block below the match or higher, the dropping group then cuts the hit to the
-      rule's reach, and Mamba / window state is kept no higher than that. Looked up
-      after a dropping group, a coarse group would cut the hit to its block."""
+      rule's reach, and Mamba / window state is kept no higher than that.
+
+    Not where such a coarse group is looked up after a dropping full-attention
+    group: it cuts the hit to its block, the dropping group's next turn drops
+    again, and the turns go on to the highest length both take, which only the
+    simulation follows. Nor where a dropping coarse group meets a multi-module MTP
+    drafter's reprefilled tail: whenever the tail reaches into the block holding
+    the stored prompt's last hash boundary, the group does not cache that
+    boundary and lands on its whole blocks only."""
     if not setup.partial_hash_hits or not facts.on:
         return True
-    drops = set(facts.drop_groups)
+    if reprefill_tail(setup, facts) and _coarse_groups(setup, facts, True):
+        return False
+    keeps = set(_coarse_groups(setup, facts, False))
     order = lookup_order(setup)
     keeps_coarse = [
-        position
-        for position, (ids, _) in enumerate(order)
-        if any(
-            setup.groups[i].kind in (GroupKind.FULL, GroupKind.OTHER)
-            and setup.groups[i].block_tokens != setup.hash_block
-            and i not in drops
-            for i in ids
-        )
+        position for position, (ids, _) in enumerate(order) if any(i in keeps for i in ids)
     ]
-    if not keeps_coarse:
+    if not keeps_coarse or not facts.drop_tokens:
         return True
-    if not drops:
-        return facts.boundary_only
-    if not facts.boundary_only and not facts.drop_tokens:
-        return False  # only groups outside the lookup drop: the coarse groups decide
     dropping_full = [
         position
         for position, (ids, dropping) in enumerate(order)
         if dropping and setup.groups[ids[0]].kind in (GroupKind.FULL, GroupKind.OTHER)
     ]
     return max(keeps_coarse) < min(dropping_full, default=len(order))
+
+
+def _lookahead_below_mamba(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
+    """Whether lookahead hashes of several tokens (a multi-module MTP drafter, vLLM
+    0.33+) can hold a hit below a stored request's replay boundary where a Mamba
+    group holds no state the rule states: its prefill checkpoint sits at the
+    hashed length floored to its block, which is the hit only where that block is
+    the hit unit (or partial hash hits land on hash blocks); and beside a
+    sliding-window group, whose kept blocks the rule follows only without Mamba
+    (`shortest_window`)."""
+    cacheable = [g for g in setup.groups if g.prefix_cacheable]
+    mamba = [g for g in cacheable if g.kind is GroupKind.MAMBA]
+    if not mamba:
+        return False
+    if any(g.kind is GroupKind.SLIDING_WINDOW for g in cacheable):
+        return True
+    return not setup.partial_hash_hits and any(g.block_tokens != facts.unit for g in mamba)
 
 
 def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
@@ -319,36 +401,54 @@ def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
       do not follow;
     * a window of one token (fuzz engines): under vLLM's sparse retention it keeps
       none or one block of a stored prompt, and the coordinator's turns decide;
-    * retention other than vLLM's (`retention_interval` not 0: a modelling option,
-      no plan uses it) with sliding-window or Mamba groups;
+    * retention every k tokens (`retention_interval` k > 0: a modelling option,
+      no plan uses it) with sliding-window or Mamba groups; dense retention
+      (None) keeps every block, and the rule covers it;
     * partial hash hits with a full-attention-like group whose block is coarser than
-      the hash block and that keeps its block, where nothing drops and no Mamba /
-      window group takes part, or it is looked up after a dropping full-attention
-      group (`_partial_hits_in_rule`);
-    * a draft drop that comes with a multi-module MTP drafter's reprefilled tail
-      (the rule leaves the tail out);
-    * a Mamba group whose block is coarser than the block the scheduler ends
-      prefill chunks on: its states exist only where a chunk ends, which depends on
-      the stored prompt's length and the chunk budget (`PrefillChunks`);
+      the hash block and that keeps its block, looked up after a dropping
+      full-attention group; or a dropping such group under a multi-module MTP
+      drafter's reprefilled tail (`_partial_hits_in_rule`);
+    * a reprefilled tail beside a dropping sliding-window group finer than the
+      hit unit, with state kept only near a stored request's end: the tail can
+      hold the hit at the replay boundary below the last, where the window's
+      fall back lands on blocks the rule does not follow;
+    * lookahead hashes of several tokens (vLLM 0.33+'s multi-module MTP) with
+      state kept only near a stored request's end, beside a Mamba group whose
+      block is not the hit unit or beside Mamba and sliding-window groups
+      together (`_lookahead_below_mamba`);
+    * a Mamba group whose block, or the hit unit, is coarser than the block the
+      scheduler ends prefill chunks on: its states exist only where a chunk ends,
+      which depends on the stored prompt's length and the chunk budget
+      (`PrefillChunks`). A 16-token Mamba block beside 32-token full attention
+      (conformance reference/r17): a 51-token prompt is prefilled to 48 in one
+      chunk, no state is written at the unit boundary 32, and it hits 0.
     * Mamba prefill checkpoint blocks under the draft drop: the state the backend
       writes inside a prompt's last chunk sits at the checkpoint without the drop
       (the Mamba manager's), not where the rule puts it."""
-    if facts.drop_groups and setup.reprefill_tokens:
-        return False
     if setup.mamba_checkpoint_alignment and setup.block_drop:
         return False
     if setup.prefill_chunk_tokens and any(
-        g.kind is GroupKind.MAMBA and g.prefix_cacheable and g.block_tokens > setup.split_block
+        g.kind is GroupKind.MAMBA
+        and g.prefix_cacheable
+        and max(g.block_tokens, facts.unit) > setup.split_block
         for g in setup.groups
     ):
         return False
     cacheable = [g for g in setup.groups if g.prefix_cacheable]
     sparse = [g for g in cacheable if g.kind in (GroupKind.SLIDING_WINDOW, GroupKind.MAMBA)]
-    if sparse and setup.retention_interval != 0:
+    if sparse and setup.retention_interval not in (0, None):
         return False
     if not _partial_hits_in_rule(setup, facts):
         return False
     if any(g.kind is GroupKind.SLIDING_WINDOW and g.window <= 1 for g in sparse):
+        return False
+    if facts.boundary_only and setup.hash_lookahead > 1 and _lookahead_below_mamba(setup, facts):
+        return False
+    if facts.boundary_only and reprefill_tail(setup, facts) and drop_windows(setup, facts):
+        # The tail can hold the reach below the last replay boundary, to the one
+        # below it, whose window blocks may still reach the first block when the
+        # last one's do not: the finer window's fall back then lands where the
+        # rule's terms (anchored at the last boundary) say 0.
         return False
     finer = facts.drop_groups and any(
         g.kind is GroupKind.SLIDING_WINDOW and g.block_tokens < facts.unit for g in sparse
@@ -383,13 +483,33 @@ def _rule_manager_hit(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_p
     n, unit = shared_prefix, facts.unit
     h = setup.hash_block
     hashed = max(0, n - setup.hash_lookahead) // h * h
+    # Where the hit lands inside a coarse block that keeps its last block: only at
+    # the stored request's last hash boundary short of its last token.
+    resend = max(0, min(n - 1, hashed) // unit * unit)
+    coarse = coarse_block(setup, facts)
+    # What the stored request's groups cache: all but a reprefilled tail.
+    cached = n - reprefill_tail(setup, facts)
     if not facts.drop_groups:
         base = n - 1 if facts.boundary_only else n
-        return max(0, min(base, hashed) // unit * unit)
+        hit = max(0, min(base, cached, hashed) // unit * unit)
+        boundary = (n - 1) // unit * unit  # the stored request's replay boundary
+        short = shortest_window(setup, facts)
+        if short and hit < boundary and boundary > short:
+            # Lookahead hashes hold the hit below the boundary, where the windows'
+            # kept blocks (anchored there) no longer reach back to the first block.
+            return 0
+        return resend if coarse and hit % coarse else hit
     # The dropped block must be matched too, and hits stay whole units.
-    reach = (min(n, hashed) - facts.drop_tokens) // unit * unit
+    reach = (min(cached, hashed) - facts.drop_tokens) // unit * unit
+    windows = drop_windows(setup, facts) or (0,)
     if not facts.boundary_only:
-        return max(0, reach)
+        hit = resend if coarse and reach % coarse else reach
+        # Every window block kept (dense retention): a hit shorter than a finer
+        # dropping window still falls a unit back per such spec.
+        for drop_window_tokens in windows:
+            if 0 < hit < drop_window_tokens:
+                hit -= unit
+        return max(0, hit)
     # Window / Mamba state only where the stored request was kept: its replay
     # boundaries (one boundary lower under the drop) and its Mamba checkpoint.
     s = boundary_block(setup, facts)
@@ -398,8 +518,12 @@ def _rule_manager_hit(setup: PrefixCacheSetup, facts: PrefixCacheFacts, shared_p
     checkpoints = {n // c * c - c for c in mamba_checkpoint_strides(setup, facts)}
     if len(checkpoints) == 1:
         kept.extend(checkpoints)
+    if reach < last_boundary <= shortest_window(setup, facts):
+        # Every window still holds the stored request's first block at its last
+        # boundary: it keeps every block below, and the reach lands.
+        kept.append(reach)
     hit = max((x for x in kept if 0 < x <= reach and x % unit == 0), default=0)
-    window, *further = drop_windows(setup, facts) or (0,)
+    window, *further = windows
     if hit and hit < window:
         # The finer window's lookup from the first block (hit / b + 1 blocks, short
         # of the window's blocks and the dropped one): a unit below the reach and
@@ -422,13 +546,16 @@ __all__ = [
     "PrefixContext",
     "WhatIf",
     "boundary_block",
+    "coarse_block",
     "drop_window",
     "drop_windows",
     "mamba_checkpoint_strides",
     "off_detail",
     "prefix_warnings",
+    "reprefill_tail",
     "rule_cached_tokens",
     "rule_is_exact",
+    "shortest_window",
     "what_if",
     "what_if_step",
 ]

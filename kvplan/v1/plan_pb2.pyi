@@ -1235,16 +1235,25 @@ class PrefixCacheDiagnostics(_message.Message):
     ask with PlanRequest.shared_prefix_tokens), with u = hit_unit_tokens:
       0 if not effectively_on or N < min_shared_prefix_tokens; else, with
       hashed = floor((N - hash_lookahead_tokens) / hash_block_tokens) * hash_block_tokens,
-      reach = floor((min(N, hashed) - drop_tokens) / u) * u,
-      no drop_group_ids:  boundary_only: floor(min(N - 1, hashed) / u) * u
-                          otherwise:     floor(min(N, hashed) / u) * u
-      drop_group_ids, not boundary_only: reach
+      cached = N - reprefill_tokens,
+      resend = floor(min(N - 1, hashed) / u) * u,
+      k = coarse_block_tokens (the hit is resend instead where k > 0 and the hit
+        is not a multiple of k: the two lines marked [k]),
+      reach = floor((min(cached, hashed) - drop_tokens) / u) * u,
+      no drop_group_ids: floor(min(b, cached, hashed) / u) * u   [k], with b = N - 1
+        where boundary_only, else N; but 0 where that is below
+        floor((N - 1) / u) * u and that boundary is longer than a nonzero
+        shortest_window_tokens
+      drop_group_ids, not boundary_only: reach   [k], less u if shorter than
+        drop_window_tokens, then less u for each of further_drop_window_tokens,
+        in order, still longer than the hit (dense retention)
       drop_group_ids and boundary_only: the largest of these kept states that is
         positive, a multiple of u and at most reach (0 if none), with
         s = boundary_block_tokens:
           floor(N / s) * s - s and floor((N - 1) / s) * s - s (replay boundaries),
           floor(N / c) * c - c when it is the same for every c in
-          mamba_checkpoint_tokens (the Mamba prefill checkpoint; none when empty);
+          mamba_checkpoint_tokens (the Mamba prefill checkpoint; none when empty),
+          reach, when reach < floor(N / s) * s - s <= shortest_window_tokens;
         then, w = drop_window_tokens, if that hit < w: 0 when
         floor(N / s) * s - s > w, else min(hit, reach - u, floor(N / s) * s - s - u),
         less u for each of further_drop_window_tokens, in order, still longer
@@ -1275,6 +1284,9 @@ class PrefixCacheDiagnostics(_message.Message):
     MIN_ANY_HIT_STORED_TOKENS_FIELD_NUMBER: _builtins.int
     FURTHER_DROP_WINDOW_TOKENS_FIELD_NUMBER: _builtins.int
     REPLAY_TOKENS_FIELD_NUMBER: _builtins.int
+    REPREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    SHORTEST_WINDOW_TOKENS_FIELD_NUMBER: _builtins.int
+    COARSE_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     effectively_on: _builtins.bool
     off_reason: Global___PrefixCacheOffReason.ValueType
     off_detail: _builtins.str
@@ -1299,11 +1311,15 @@ class PrefixCacheDiagnostics(_message.Message):
     """The rule above is exact for every N: all but a draft drop beside a
     sliding-window group whose block is smaller than the hit unit and whose
     window is two units or more, together with another group that is not full
-    attention; windows of one token; and partial
-    hash hits where a full-attention group with blocks coarser than the hash
-    block keeps its last block (does not drop) and is looked up after a dropping
-    full-attention group, or nothing drops and no Mamba / window group takes
-    part (there the what-if is exact).
+    attention; windows of one token; partial hash hits where a full-attention
+    group with blocks coarser than the hash block keeps its last block (does
+    not drop) and is looked up after a dropping full-attention group, or drops
+    beside a reprefilled tail (reprefill_tokens); a reprefilled tail beside a
+    finer dropping window where state is kept only near a stored request's
+    end; lookahead hashes of several tokens beside a Mamba group whose block is
+    not the hit unit, or beside both Mamba and sliding-window groups; and Mamba
+    blocks or hit units coarser than the block prefill chunks end on (there the
+    what-if is exact).
     """
     boundary_block_tokens: _builtins.int
     """The stride of a stored request's replay boundaries (the scheduler block):
@@ -1340,6 +1356,36 @@ class PrefixCacheDiagnostics(_message.Message):
     that served figure; hit_unit_tokens and drop_tokens are the manager's). vLLM
     still reports the whole hit as cached (usage cached_tokens) once it is
     longer than the window. 0: no such group.
+    """
+    reprefill_tokens: _builtins.int
+    """A multi-module MTP drafter's reprefilled tail: the last tokens of a stored
+    prompt (the drafter's prefill lookahead less one) that vLLM does not cache in
+    a single group, nor in a group that drops beside others; the rule above
+    counts those groups' hits from N less these (cached). 0: no such drafter,
+    or only groups outside prefix caching drop. A one-group MLA engine of
+    64-token blocks, 64 MTP modules, vLLM 0.32: 63, and a 417-token prompt sent
+    again hits 256, not 320.
+    """
+    shortest_window_tokens: _builtins.int
+    """Where a stored request keeps sliding-window state only near its end
+    (boundary_only) and no Mamba group takes part: the shortest window of the
+    cacheable sliding-window groups, in whole blocks (tokens; 0 otherwise).
+    Those groups keep a window of blocks ending at the stored request's last
+    replay boundary; while the boundary is within this, the kept blocks reach
+    back to the first one, so a hit below the boundary still lands (a
+    reprefilled tail or lookahead hashes of several tokens can hold it there);
+    past it, such a hit gets nothing. The rule's "reach" kept state and its
+    0 below the boundary.
+    """
+    coarse_block_tokens: _builtins.int
+    """Partial hash hits, nothing in the lookup dropping, state kept past a stored
+    request's end (not boundary_only): the lcm of the blocks of the
+    full-attention groups coarser than the hash block (0: none, or elsewhere).
+    vLLM's full-attention lookup lands inside one of its blocks only at a
+    stored request's last hash boundary short of its last token, so a hit that
+    is not a multiple of it is that boundary instead (the rule's resend). Full
+    attention of 48-token blocks beside a Mamba group outside prefix caching,
+    1-token hash blocks: a 100-token prompt sent again hits 99, 96 one hits 96.
     """
     @_builtins.property
     def group_hit_unit_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -1392,10 +1438,13 @@ class PrefixCacheDiagnostics(_message.Message):
         min_any_hit_stored_tokens: _builtins.int = ...,
         further_drop_window_tokens: _abc.Iterable[_builtins.int] | None = ...,
         replay_tokens: _builtins.int = ...,
+        reprefill_tokens: _builtins.int = ...,
+        shortest_window_tokens: _builtins.int = ...,
+        coarse_block_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["what_if", b"what_if"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_block_tokens", b"boundary_block_tokens", "boundary_only", b"boundary_only", "drop_group_ids", b"drop_group_ids", "drop_tokens", b"drop_tokens", "drop_window_tokens", b"drop_window_tokens", "effectively_on", b"effectively_on", "further_drop_window_tokens", b"further_drop_window_tokens", "group_hit_unit_tokens", b"group_hit_unit_tokens", "hash_block_tokens", b"hash_block_tokens", "hash_lookahead_tokens", b"hash_lookahead_tokens", "hit_unit_tokens", b"hit_unit_tokens", "mamba_checkpoint_tokens", b"mamba_checkpoint_tokens", "min_any_hit_prefix_tokens", b"min_any_hit_prefix_tokens", "min_any_hit_stored_tokens", b"min_any_hit_stored_tokens", "min_shared_prefix_tokens", b"min_shared_prefix_tokens", "off_detail", b"off_detail", "off_reason", b"off_reason", "replay_tokens", b"replay_tokens", "rule_exact", b"rule_exact", "what_if", b"what_if"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_block_tokens", b"boundary_block_tokens", "boundary_only", b"boundary_only", "coarse_block_tokens", b"coarse_block_tokens", "drop_group_ids", b"drop_group_ids", "drop_tokens", b"drop_tokens", "drop_window_tokens", b"drop_window_tokens", "effectively_on", b"effectively_on", "further_drop_window_tokens", b"further_drop_window_tokens", "group_hit_unit_tokens", b"group_hit_unit_tokens", "hash_block_tokens", b"hash_block_tokens", "hash_lookahead_tokens", b"hash_lookahead_tokens", "hit_unit_tokens", b"hit_unit_tokens", "mamba_checkpoint_tokens", b"mamba_checkpoint_tokens", "min_any_hit_prefix_tokens", b"min_any_hit_prefix_tokens", "min_any_hit_stored_tokens", b"min_any_hit_stored_tokens", "min_shared_prefix_tokens", b"min_shared_prefix_tokens", "off_detail", b"off_detail", "off_reason", b"off_reason", "replay_tokens", b"replay_tokens", "reprefill_tokens", b"reprefill_tokens", "rule_exact", b"rule_exact", "shortest_window_tokens", b"shortest_window_tokens", "what_if", b"what_if"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

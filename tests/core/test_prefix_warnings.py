@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -112,13 +113,41 @@ def planned_setups(draw: st.DrawFn) -> PrefixCacheSetup:
     )
 
 
+@st.composite
+def rule_engines(draw: st.DrawFn) -> PrefixCacheSetup:
+    """The engines the client's rule is checked on: `planned_setups` and
+    test_prefix_cache's `setups` (dense retention too, the drop beside lookahead
+    hashes), with a multi-module MTP drafter's lookahead hashes of several tokens
+    where nothing drops (vLLM 0.33+: its lookahead), and its reprefilled tail (the
+    lookahead less one, or any) or none."""
+    setup = draw(st.one_of(planned_setups(), setups()))
+    lookahead = setup.hash_lookahead
+    if not setup.block_drop:
+        lookahead = draw(st.sampled_from([lookahead, lookahead, 2, 3, 5]))
+    tail = draw(st.sampled_from([0, 0, 1, 2, 5, max(0, lookahead - 1)]))
+    return replace(setup, hash_lookahead=lookahead, reprefill_tokens=tail)
+
+
+def rule_check_lengths(prefix_cache: plan_pb2.PrefixCacheDiagnostics, below: int) -> list[int]:
+    """Every N below `below`, and N around the lengths the rule turns at further on:
+    each of 12 units (and the units past the minimum), the minimum, the drop, the
+    replay window and the boundary stride, just under, at and just over each."""
+    unit = prefix_cache.hit_unit_tokens or 1
+    low = prefix_cache.min_shared_prefix_tokens
+    marks = [low, prefix_cache.drop_tokens, prefix_cache.replay_tokens]
+    marks += [k * unit for k in range(1, 13)] + [low + k * unit for k in range(1, 13)]
+    marks += [k * prefix_cache.boundary_block_tokens for k in range(1, 13)]
+    near = {m + d for m in marks for d in range(-2, 3)}
+    return sorted(set(range(below)) | {n for n in near if n >= 0})
+
+
 # Engines whose stated rule was checked for every N up to this many tokens.
 RULE_CHECK_TOKENS = 1_200
 rule_checks = {"engines": 0, "exact": 0, "with_drop_and_sparse": 0}
 
 
 @settings(max_examples=_examples(150), deadline=None)
-@given(planned_setups(), st.integers(1, 64))
+@given(rule_engines(), st.integers(1, 64))
 def test_the_clients_rule_is_the_simulation_for_every_n_where_it_says_exact(
     setup: PrefixCacheSetup, tail: int
 ) -> None:
@@ -127,11 +156,11 @@ def test_the_clients_rule_is_the_simulation_for_every_n_where_it_says_exact(
     prefix_rule_to_proto(setup, f, list(range(len(setup.groups))), prefix_cache)
     rule_checks["engines"] += 1
     if not prefix_cache.rule_exact:
-        return  # a draft drop beside a finer sliding window: the what-if answers
+        return  # an estimate: the what-if answers
     rule_checks["exact"] += 1
     if f.drop_groups and f.boundary_only:
         rule_checks["with_drop_and_sparse"] += 1
-    for n in range(RULE_CHECK_TOKENS):
+    for n in rule_check_lengths(prefix_cache, RULE_CHECK_TOKENS):
         expected = cached_tokens(setup, n, n, n + tail)
         assert client_cached_tokens(prefix_cache, n) == expected, n
         assert rule_cached_tokens(setup, f, n) == expected, n
@@ -341,3 +370,77 @@ def test_each_dropping_window_of_its_own_spec_takes_its_unit_off_the_minimums_hi
     assert client_cached_tokens(prefix_cache, n) == rule_cached_tokens(setup, f, n) == 240
     prefix_cache.ClearField("further_drop_window_tokens")  # a plan without the field
     assert client_cached_tokens(prefix_cache, n) == 480
+
+
+def _every_n_agrees(setup: PrefixCacheSetup, prefix_cache: plan_pb2.PrefixCacheDiagnostics) -> bool:
+    ns = rule_check_lengths(prefix_cache, 1_500)
+    return all(
+        client_cached_tokens(prefix_cache, n) == cached_tokens(setup, n, n, n + 1) for n in ns
+    )
+
+
+def test_dense_retention_takes_the_finer_dropping_windows_fall_back_too() -> None:
+    # Every window block kept (retention_interval None, a modelling option): full
+    # attention of 64-token blocks beside a dropping 1,024-token window of 16-token
+    # blocks. A hit shorter than the window still falls a unit back (128 -> 64 at
+    # N = 145), which the rule took only for state kept near a prompt's end.
+    groups = (
+        CacheGroup(GroupKind.FULL, 64, False, spec_id=0),
+        CacheGroup(GroupKind.SLIDING_WINDOW, 16, True, window=1024, spec_id=1),
+    )
+    setup = PrefixCacheSetup(True, groups, 64, 16, False, True, retention_interval=None)
+    prefix_cache = _client_rule(setup)
+    assert prefix_cache.rule_exact and not prefix_cache.boundary_only
+    assert prefix_cache.drop_window_tokens == 1024
+    assert cached_tokens(setup, 145, 145, 146) == client_cached_tokens(prefix_cache, 145) == 64
+    assert (
+        cached_tokens(setup, 1100, 1100, 1101) == client_cached_tokens(prefix_cache, 1100) == 1024
+    )
+    assert _every_n_agrees(setup, prefix_cache)
+
+
+def test_a_reprefilled_tail_is_counted_off_the_groups_that_do_not_cache_it() -> None:
+    # A multi-module MTP drafter (2 tokens prefilled again) under the draft drop:
+    # the dropping full-attention groups cache a stored prompt only up to N - 2, so
+    # a 49-token prompt sent again reaches 16, below its last replay boundary (32).
+    # The 64-token window beside them still holds the prompt's first block there,
+    # so every block below it, and 16 lands. At N = 97 the reach (64) is below the
+    # boundary (80) too, but the window no longer holds the first block: 0.
+    groups = (
+        CacheGroup(GroupKind.FULL, 16, True, spec_id=0),
+        CacheGroup(GroupKind.FULL, 16, True, spec_id=0),
+        CacheGroup(GroupKind.SLIDING_WINDOW, 16, False, window=64, spec_id=2),
+    )
+    setup = PrefixCacheSetup(True, groups, 16, 16, False, True, reprefill_tokens=2)
+    prefix_cache = _client_rule(setup)
+    assert prefix_cache.rule_exact and prefix_cache.reprefill_tokens == 2
+    assert prefix_cache.shortest_window_tokens == 64
+    assert cached_tokens(setup, 49, 49, 50) == client_cached_tokens(prefix_cache, 49) == 16
+    assert cached_tokens(setup, 97, 97, 98) == client_cached_tokens(prefix_cache, 97) == 0
+    assert _every_n_agrees(setup, prefix_cache)
+    prefix_cache.shortest_window_tokens = 0  # a plan without the field
+    assert client_cached_tokens(prefix_cache, 49) == 0
+    prefix_cache.reprefill_tokens = 0
+    assert client_cached_tokens(prefix_cache, 97) == 80
+    # Without the drop the groups beside others cache the whole prompt: no tail.
+    keeps = replace(setup, block_drop=False)
+    assert _client_rule(keeps).reprefill_tokens == 0
+
+
+def test_partial_hash_hits_with_nothing_dropping_land_inside_a_coarse_block_at_the_resend() -> None:
+    # Full attention of 48-token blocks beside a Mamba group outside prefix caching,
+    # 1-token hash blocks: full attention lands inside a block only at the stored
+    # prompt's last hash boundary short of its last token. A 100-token prompt sent
+    # again hits 99; a 96-token one, a whole block, hits 96.
+    groups = (
+        CacheGroup(GroupKind.FULL, 48, False),
+        CacheGroup(GroupKind.MAMBA, 48, False, prefix_cacheable=False),
+    )
+    setup = PrefixCacheSetup(True, groups, 48, 1, True, False)
+    prefix_cache = _client_rule(setup)
+    assert prefix_cache.rule_exact and prefix_cache.coarse_block_tokens == 48
+    assert [client_cached_tokens(prefix_cache, n) for n in (96, 97, 100)] == [96, 96, 99]
+    assert [cached_tokens(setup, n, n, n + 1) for n in (96, 97, 100)] == [96, 96, 99]
+    assert _every_n_agrees(setup, prefix_cache)
+    prefix_cache.coarse_block_tokens = 0  # a plan without the field
+    assert client_cached_tokens(prefix_cache, 100) == 100
