@@ -138,10 +138,12 @@ def build_plan_request(
     device_name, device_bytes = options.gpu or "", options.gpu_memory_bytes
     gpu_arch = ""  # an unlisted device (a size given): no kernel-specific padding
     pcie_only = False  # unknown: planned as NVLink-connected (the larger non-torch figure)
+    gpu_sms = 0  # unknown: the sampler's row buffer at an H100's SM count
     if options.gpu:
         with contextlib.suppress(UnknownGpu):
             gpu_arch = lookup_gpu(options.gpu).arch
             pcie_only = lookup_gpu(options.gpu).pcie_only
+            gpu_sms = lookup_gpu(options.gpu).sm_count
     if options.gpu and device_bytes is None:
         # The catalog's driver figure travels with the name, so a server plans with the
         # same total as the CLI (DeviceRef.total_memory_bytes wins over its name table).
@@ -213,6 +215,7 @@ def build_plan_request(
                 gpu_arch=gpu_arch,
                 pipeline_stage=stage,
                 pipeline_parallel_size=pp,
+                gpu_sms=gpu_sms,
             )
             for stage in range(pp)
         )  # fmt: skip
