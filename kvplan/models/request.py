@@ -193,6 +193,7 @@ def build_plan_request(
         non_kv = plan_pb2.NonKVMemory(weights_bytes=options.non_kv_bytes)
         total_non_kv = options.non_kv_bytes
     else:
+        release = options.engine_release or options.engine_version
         weights = estimate_weights(
             _as_loaded(config, options.multimodal),
             layers,
@@ -201,8 +202,8 @@ def build_plan_request(
             gpu_arch,
             options.quantization,
             options.pp_layer_partition,
+            release,
         )
-        release = options.engine_release or options.engine_version
         # Each pipeline stage profiles its own phases (only the last samples; the others
         # keep what they receive): one estimate per stage.
         stage_overheads = tuple(

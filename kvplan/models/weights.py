@@ -996,18 +996,48 @@ def _fp8_block(quant: HFConfig) -> tuple[int, int] | None:
 # there through its Marlin weight-only kernel (0.32-0.34 fp8.py picks
 # MarlinFP8ScaledMMLinearKernel below 8.9).
 _FP8_MARLIN_ARCHS = frozenset({"ampere"})
+# Ada (8.9) has fp8 tensor cores, and its block-fp8 linear kernel depends on the
+# release. 0.17.0-0.19.0: MarlinFP8ScaledMMLinearKernel.is_supported
+# (kernels/linear/scaled_mm/marlin.py) refuses capability 8.9 and above unless
+# VLLM_TEST_FORCE_FP8_MARLIN is set, so the block scales stay (W8A8BlockFp8LinearOp).
+# 0.32-0.34: Marlin's is_supported has no upper bound, and in
+# kernels/linear/__init__.py `_POSSIBLE_FP8_BLOCK_KERNELS` every CUDA kernel ahead of
+# it needs Hopper, Blackwell or 12.x (FlashInfer's and DeepGEMM's block GEMMs,
+# CUTLASS's block kernel, B12x), so Ada's linear layers run Marlin. Their fp8 MoE
+# oracle (fused_moe/oracle/fp8.py `_get_priority_backends`) lists TRITON before MARLIN
+# and TritonExperts takes block fp8 from 8.9, so experts keep the block layout. Not
+# read: 0.20-0.31 (planned with the block figure, as 0.19).
+_FP8_MARLIN_ON_ADA_FROM = (0, 32, 0)
 
 
-def _fp8_marlin_bytes(config: HFConfig, gpu_arch: str, model_dtype_bytes: int) -> float | None:
+def _fp8_runs_marlin(c: HFConfig, gpu_arch: str, release: str) -> bool:
+    """Whether vLLM `release` serves a block-fp8 checkpoint's weights through Marlin on
+    a GPU of `gpu_arch`: always below capability 8.9; on Ada from 0.32 ("" or an
+    unparseable release: the newest), for a model without experts (an MoE model's
+    experts keep the block layout there, and its linear layers' Marlin scales are not
+    counted apart)."""
+    if gpu_arch in _FP8_MARLIN_ARCHS:
+        return True
+    if gpu_arch != "ada" or release == "v0" or _expert_count(c):
+        return False
+    version = _release_version(release)
+    return version is None or version >= _FP8_MARLIN_ON_ADA_FROM
+
+
+def _fp8_marlin_bytes(
+    config: HFConfig, text: HFConfig, gpu_arch: str, model_dtype_bytes: int, release: str = ""
+) -> float | None:
     """Bytes per fp8 weight as a block-quantized fp8 checkpoint is held on a GPU that
-    runs it through Marlin, None elsewhere. vLLM's prepare_fp8_layer_for_marlin
+    runs it through Marlin (`_fp8_runs_marlin`, on its text config `text`), None
+    elsewhere. vLLM's
+    prepare_fp8_layer_for_marlin
     (marlin_utils_fp8.py, 0.32-0.34) turns the block scales into group scales Marlin
     reads: one per `block_k` input columns for every output row, in the model dtype,
     replacing the float32 block scales after loading (so "Model loading took" counts
     them): 1 + 2 / 128 bytes per weight for 128 x 128 blocks in bf16. A per-tensor
     checkpoint gets one scale per output row (negligible)."""
     quant = config.sub("quantization_config")
-    if gpu_arch not in _FP8_MARLIN_ARCHS or quant is None:
+    if quant is None or not _fp8_runs_marlin(text, gpu_arch, release):
         return None
     block = _fp8_block(quant)
     return None if block is None else 1 + model_dtype_bytes / block[1]
@@ -1292,18 +1322,22 @@ def estimate_weights(
     gpu_arch: str = "",
     quantization: str | None = None,
     pp_layer_partition: tuple[int, ...] | None = None,
+    release: str = "",
 ) -> WeightEstimate:
     """Bytes per worker: embeddings, LM head, attention, MLP and mixers shard over TP
     (vocab-parallel embeddings, column/row-parallel projections), routers are
     replicated on every rank. Each pipeline stage holds its decoder layers (vLLM's
     partition, or `pp_layer_partition` as VLLM_PP_LAYER_PARTITION gives it) and the
     embeddings where the family builds them (`stage_params`). MXFP4 experts are
-    padded per rank for the GPU's (`gpu_arch`) MoE kernel."""
+    padded per rank for the GPU's (`gpu_arch`) MoE kernel; block-fp8 weights take
+    Marlin's layout where `release` runs them through it (`_fp8_runs_marlin`)."""
     params = count_params(config, layers)
     dtype_bytes = layers.model_dtype.size_bytes
     name, quant_bytes, experts_only = _quantization(config, quantization)
     if name == "fp8":
-        quant_bytes = _fp8_marlin_bytes(config, gpu_arch, dtype_bytes) or quant_bytes
+        text = text_config(config, layers.architecture)
+        marlin = _fp8_marlin_bytes(config, text, gpu_arch, dtype_bytes, release)
+        quant_bytes = marlin or quant_bytes
     tp = tensor_parallel_size
     router_bytes = params.router * dtype_bytes
     kept = (
