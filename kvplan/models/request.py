@@ -203,6 +203,7 @@ def build_plan_request(
             options.quantization,
             options.pp_layer_partition,
             release,
+            max_num_batched_tokens=batched,
         )
         # Each pipeline stage profiles its own phases (only the last samples; the others
         # keep what they receive): one estimate per stage.

@@ -391,7 +391,8 @@ OVERHEAD_FORMULA = (
     " custom all-reduce: NCCL's captured all-reduces)"
     " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB);"
     " a vision model: max(encoder inputs + encoder forward, inputs + embeddings + the above)"
-    " (Qwen3-VL: + deepstack levels x max_num_batched_tokens x text hidden x act_bytes)"
+    " (Qwen3-VL's deepstack levels x max_num_batched_tokens x text hidden x act_bytes are"
+    " built with the model: in the weights)"
 )
 
 # vLLM's default capture list (config/vllm.py `_set_cudagraph_sizes`, the same in
@@ -516,6 +517,9 @@ class WeightEstimate:
     # One rank of each pipeline stage, first to last (one entry without PP).
     bytes_per_stage: tuple[int, ...] = ()
     rope_cache_bytes: int = 0  # in every rank's figure (RoPE cos/sin caches)
+    # Buffers the model allocates when it is built, so "Model loading took" counts them
+    # (in every rank's figure): Qwen3-VL's deepstack input buffers.
+    model_buffer_bytes: int = 0
 
     def stage_bytes(self, stage: int) -> int:
         return self.bytes_per_stage[stage] if self.bytes_per_stage else self.bytes_per_worker
@@ -1323,6 +1327,7 @@ def estimate_weights(
     quantization: str | None = None,
     pp_layer_partition: tuple[int, ...] | None = None,
     release: str = "",
+    max_num_batched_tokens: int = 0,
 ) -> WeightEstimate:
     """Bytes per worker: embeddings, LM head, attention, MLP and mixers shard over TP
     (vocab-parallel embeddings, column/row-parallel projections), routers are
@@ -1330,7 +1335,10 @@ def estimate_weights(
     partition, or `pp_layer_partition` as VLLM_PP_LAYER_PARTITION gives it) and the
     embeddings where the family builds them (`stage_params`). MXFP4 experts are
     padded per rank for the GPU's (`gpu_arch`) MoE kernel; block-fp8 weights take
-    Marlin's layout where `release` runs them through it (`_fp8_runs_marlin`)."""
+    Marlin's layout where `release` runs them through it (`_fp8_runs_marlin`). With
+    `max_num_batched_tokens`, the buffers the model allocates when it is built, which
+    vLLM's "Model loading took" counts: Qwen3-VL's deepstack input buffers
+    (`deepstack_buffer_bytes`; `config` as loaded, without a tower vLLM skips)."""
     params = count_params(config, layers)
     dtype_bytes = layers.model_dtype.size_bytes
     name, quant_bytes, experts_only = _quantization(config, quantization)
@@ -1374,6 +1382,11 @@ def estimate_weights(
     ]
     experts_all_layers = _mxfp4_experts_per_rank(c, tp, gpu_arch) if experts_only else 0
     rope = rope_cache_bytes(config, layers)
+    # Built in Qwen3VLForConditionalGeneration.__init__ (0.19.0 and 0.32-0.34), inside
+    # the runner's load_model: in the weights figure, and in the profile's baseline,
+    # not its peak. Every stage builds the wrapper.
+    buffers = deepstack_buffer_bytes(config, max_num_batched_tokens, dtype_bytes,
+                                     MultimodalOptions())  # fmt: skip
     per_stage = []
     for (start, end), stage in zip(bounds, stage_params(config, layers, bounds), strict=True):
         stage_router = stage.router * dtype_bytes
@@ -1391,8 +1404,8 @@ def estimate_weights(
             rank = -(-sharded // tp) + stage_router
         if name == "none":
             rank += weight_rounding_bytes(config, layers, tp, start, end, len(bounds))
-        per_stage.append(rank + rope)
-    return WeightEstimate(params, name, total, max(per_stage), tuple(per_stage), rope)
+        per_stage.append(rank + rope + buffers)
+    return WeightEstimate(params, name, total, max(per_stage), tuple(per_stage), rope, buffers)
 
 
 def _per_token_activation(c: HFConfig, tp: int) -> int:
@@ -1518,9 +1531,7 @@ def estimate_overhead(
     if pipeline_stage > 0:
         peak += _PP_RECEIVED_TENSORS * max_num_batched_tokens * hidden * act_bytes
     peak += cublas_workspace_bytes(gpu_arch)
-    # Qwen3-VL's deepstack buffers exist from the model's construction on.
-    peak += deepstack_buffer_bytes(
-        config, max_num_batched_tokens, act_bytes, multimodal or MultimodalOptions()
-    )
+    # Qwen3-VL's deepstack buffers are built with the model: in the weights figure
+    # (`estimate_weights`), not the profile's peak.
     return OverheadEstimate(peak, non_torch, graphs, logged, release=rules.name, encoder=encoder,
                             cudagraph_nccl_bytes=nccl_bytes)  # fmt: skip

@@ -10,9 +10,11 @@ from kvplan.gpus import lookup_gpu
 from kvplan.models import load_config
 from kvplan.models.calibration_set import ROOT
 from kvplan.models.importer import Deployment, import_layers
+from kvplan.models.request import ModelPlanOptions, build_plan_request
 from kvplan.models.weights import (
     PROFILES,
     estimate_overhead,
+    estimate_weights,
     float32_logits_saving,
     profile_rules,
     triton_row_buffer_bytes,
@@ -94,3 +96,25 @@ def test_float32_logits_are_the_samplers_float32_copy() -> None:
     logits = 1024 * LLAMA_VOCAB * (PROFILES["v1-0.19"].sampler_bytes_per_logit - 2)
     assert estimate.activation_peak_bytes == hidden + logits + 132 * LLAMA_VOCAB * 4 + 32 * MIB
     assert PROFILES["v1-0.19"].sampler_bytes_per_logit - 2 == 12
+
+
+def test_qwen3_vl_deepstack_buffers_are_in_the_weights() -> None:
+    """vLLM 0.19.0 and 0.34 qwen3_vl.py `Qwen3VLForConditionalGeneration.__init__`
+    allocates one zeros buffer of max_num_batched_tokens x the text hidden size per
+    deepstack level while the runner's load_model builds the model, so "Model loading
+    took" (DeviceMemoryProfiler around load_model) counts it and the profile's
+    baseline holds it: the weights, not the activation peak. Qwen3-VL-8B: 3 levels x
+    8,192 x 4,096 x 2 B = 192 MiB on every stage."""
+    config = load_config(str(ROOT / "examples/models/qwen3-vl-8b-instruct/config.json"))
+    layers = import_layers(config)
+    plain = estimate_weights(config, layers, 1)
+    held = estimate_weights(config, layers, 1, max_num_batched_tokens=8192)
+    assert held.model_buffer_bytes == 3 * 8192 * 4096 * 2 == 192 * MIB
+    assert held.bytes_per_worker - plain.bytes_per_worker == 192 * MIB
+    staged = estimate_weights(config, layers, 1, 2, max_num_batched_tokens=8192)
+    unstaged = estimate_weights(config, layers, 1, 2)
+    added = [b - a for a, b in zip(unstaged.bytes_per_stage, staged.bytes_per_stage, strict=True)]
+    assert added == [192 * MIB, 192 * MIB]
+    # A plan passes its batched tokens to the weights, which carry the buffers.
+    plan = build_plan_request(config, ModelPlanOptions(gpu="H100", max_num_batched_tokens=8192))[1]
+    assert plan.weights is not None and plan.weights.model_buffer_bytes == 192 * MIB
