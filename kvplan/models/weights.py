@@ -1001,9 +1001,10 @@ def _fp8_block(quant: HFConfig) -> tuple[int, int] | None:
 # MarlinFP8ScaledMMLinearKernel below 8.9).
 _FP8_MARLIN_ARCHS = frozenset({"ampere"})
 # Ada (8.9) has fp8 tensor cores, and its block-fp8 linear kernel depends on the
-# release. 0.17.0-0.19.0: MarlinFP8ScaledMMLinearKernel.is_supported
-# (kernels/linear/scaled_mm/marlin.py) refuses capability 8.9 and above unless
-# VLLM_TEST_FORCE_FP8_MARLIN is set, so the block scales stay (W8A8BlockFp8LinearOp).
+# release. 0.17.0-0.18.0 (fp8.py Fp8LinearMethod.__init__: `use_marlin` only below
+# 8.9) and 0.19.0 (kernels/linear/scaled_mm/marlin.py
+# MarlinFP8ScaledMMLinearKernel.is_supported refuses 8.9 and above) keep the block
+# scales unless VLLM_TEST_FORCE_FP8_MARLIN is set (W8A8BlockFp8LinearOp).
 # 0.32-0.34: Marlin's is_supported has no upper bound, and in
 # kernels/linear/__init__.py `_POSSIBLE_FP8_BLOCK_KERNELS` every CUDA kernel ahead of
 # it needs Hopper, Blackwell or 12.x (FlashInfer's and DeepGEMM's block GEMMs,
