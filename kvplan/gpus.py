@@ -41,6 +41,13 @@ class GpuModel:
     # (weights.py `non_torch_bytes`). False where a part has NVLink (SXM boards, or
     # bridges as on the H100 NVL and RTX 3090) or is not NVIDIA's.
     pcie_only: bool = False
+    # Streaming multiprocessors, torch's `multi_processor_count` (NVIDIA's published
+    # figure for the part; 0 = not listed). vLLM 0.17-0.19's Triton top-k/top-p kernel
+    # sizes its cached row buffer by it (topk_topp_triton.py
+    # `apply_top_k_top_p_triton`, through `current_platform.num_compute_units`), so
+    # the sampler's activation term depends on the part (weights.py
+    # `triton_row_buffer_bytes`).
+    sm_count: int = 0
 
 
 CATALOG: tuple[GpuModel, ...] = (
@@ -52,6 +59,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "0.01 GiB): github.com/TianheWu/CoSeR/issues/10; nvidia-smi says 40960MiB",
         aliases=("A100-40G", "A100-SXM4-40GB"),
         arch="ampere",
+        sm_count=108,
     ),
     GpuModel(
         "A100-80GB",
@@ -62,6 +70,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "github.com/HiDream-ai/VAREdit/issues/6; nvidia-smi says 81920MiB",
         aliases=("A100", "A100-SXM4-80GB", "A800-80GB"),
         arch="ampere",
+        sm_count=108,
     ),
     GpuModel(
         "H100-80GB",
@@ -72,6 +81,9 @@ CATALOG: tuple[GpuModel, ...] = (
         "v0.19.0/logs; nvidia-smi says 81559MiB (the driver's reservation included)",
         aliases=("H100", "H100-SXM", "H100-SXM-80GB", "H100-PCIE-80GB", "H800-80GB"),
         arch="hopper",
+        # the SXM part; the H100 PCIe alias has 114 (18 rows fewer in the 0.17-0.19
+        # sampler buffer: 11 MB at a 152K vocabulary)
+        sm_count=132,
     ),
     GpuModel(
         "H100-NVL-94GB",
@@ -82,6 +94,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "Hopper reports print 93.10); nvidia-smi on 'NVIDIA H100 NVL' says 95830MiB",
         aliases=("H100-NVL", "H100-94GB"),
         arch="hopper",
+        sm_count=132,
     ),
     GpuModel(
         "H200-141GB",
@@ -91,6 +104,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "150,109,880,320 B; nvidia-smi: 143771MiB, 616 MiB of it reserved by the driver",
         aliases=("H200",),
         arch="hopper",
+        sm_count=132,
     ),
     GpuModel(
         "H20-96GB",
@@ -100,6 +114,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "(seen on GH200), not read off an H20; no CUDA total found (nvidia-smi's figure)",
         aliases=("H20",),
         arch="hopper",
+        sm_count=78,
     ),
     GpuModel(
         "GH200-96GB",
@@ -109,6 +124,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "this overstates it by the driver's reservation",
         aliases=("GH200",),
         arch="hopper",
+        sm_count=132,
     ),
     GpuModel(
         "B200-180GB",
@@ -120,6 +136,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "says 183359MiB",
         aliases=("B200",),
         arch="blackwell",
+        sm_count=148,
     ),
     GpuModel(
         "B300-288GB",
@@ -139,6 +156,7 @@ CATALOG: tuple[GpuModel, ...] = (
         aliases=("L40S",),
         arch="ada",
         pcie_only=True,
+        sm_count=142,
     ),
     GpuModel(
         "L4-24GB",
@@ -150,6 +168,7 @@ CATALOG: tuple[GpuModel, ...] = (
         aliases=("L4",),
         arch="ada",
         pcie_only=True,
+        sm_count=58,
     ),
     GpuModel(
         "A10G-24GB",
@@ -162,6 +181,7 @@ CATALOG: tuple[GpuModel, ...] = (
         aliases=("A10G", "A10G-24G"),
         arch="ampere",
         pcie_only=True,
+        sm_count=80,
     ),
     GpuModel(
         "RTX-4090-24GB",
@@ -174,6 +194,7 @@ CATALOG: tuple[GpuModel, ...] = (
         aliases=("RTX-4090", "RTX4090"),
         arch="ada",
         pcie_only=True,
+        sm_count=128,
     ),
     GpuModel(
         "RTX-3090-24GB",
@@ -184,6 +205,7 @@ CATALOG: tuple[GpuModel, ...] = (
         "nvidia-smi says 24576MiB",
         aliases=("RTX-3090", "RTX3090"),
         arch="ampere",
+        sm_count=82,
     ),
     GpuModel(
         "MI300X-192GB",

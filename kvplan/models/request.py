@@ -138,10 +138,12 @@ def build_plan_request(
     device_name, device_bytes = options.gpu or "", options.gpu_memory_bytes
     gpu_arch = ""  # an unlisted device (a size given): no kernel-specific padding
     pcie_only = False  # unknown: planned as NVLink-connected (the larger non-torch figure)
+    gpu_sms = 0  # unknown: the sampler's row buffer at an H100's SM count
     if options.gpu:
         with contextlib.suppress(UnknownGpu):
             gpu_arch = lookup_gpu(options.gpu).arch
             pcie_only = lookup_gpu(options.gpu).pcie_only
+            gpu_sms = lookup_gpu(options.gpu).sm_count
     if options.gpu and device_bytes is None:
         # The catalog's driver figure travels with the name, so a server plans with the
         # same total as the CLI (DeviceRef.total_memory_bytes wins over its name table).
@@ -191,6 +193,7 @@ def build_plan_request(
         non_kv = plan_pb2.NonKVMemory(weights_bytes=options.non_kv_bytes)
         total_non_kv = options.non_kv_bytes
     else:
+        release = options.engine_release or options.engine_version
         weights = estimate_weights(
             _as_loaded(config, options.multimodal),
             layers,
@@ -199,8 +202,9 @@ def build_plan_request(
             gpu_arch,
             options.quantization,
             options.pp_layer_partition,
+            release,
+            max_num_batched_tokens=batched,
         )
-        release = options.engine_release or options.engine_version
         # Each pipeline stage profiles its own phases (only the last samples; the others
         # keep what they receive): one estimate per stage.
         stage_overheads = tuple(
@@ -213,6 +217,7 @@ def build_plan_request(
                 gpu_arch=gpu_arch,
                 pipeline_stage=stage,
                 pipeline_parallel_size=pp,
+                gpu_sms=gpu_sms,
             )
             for stage in range(pp)
         )  # fmt: skip

@@ -39,10 +39,13 @@ class ProfileRules:
 
     name: str
     # The dummy sampler run's peak per logit (max_num_seqs x vocab logits) on the
-    # release's default top-k/top-p path, with 16-bit model logits (a float32 model's
-    # adds 2 B). 0.17-0.19's Triton kernel: 14 B, read in 0.19.0's sampler and checked
-    # on its logs (`_TRITON_SAMPLER`). FlashInfer's, the default from 0.21
-    # (vllm#40376), is assumed at 16 B: no log with the activation peak checks it.
+    # release's default top-k/top-p path, with 16-bit model logits: those 2 B are held
+    # beside the sampler's float32 copy (`float32_logits_saving`). 0.17-0.19's Triton
+    # kernel: 14 B, read in 0.19.0's sampler and checked on its logs (`_TRITON_SAMPLER`).
+    # FlashInfer's, the default from 0.21 (vllm#40376), is assumed at 16 B: the V1
+    # runner's `flashinfer_sample` (0.19.0) holds 14 B through FlashInfer 0.6.6-0.7.2's
+    # `top_k_top_p_sampling_from_logits`, but 0.29+ sample in Model Runner V2, whose
+    # path is not read (docs/capacity.md, "What the sampler terms rest on").
     sampler_bytes_per_logit: int
     # Memory outside torch's allocator that appears during the profile run (cuBLAS
     # workspaces and lazily loaded kernels; with TP > 1 also NCCL communicators and
@@ -129,16 +132,16 @@ _SORT_SAMPLER = _SORT_HELD_PER_LOGIT + _CUDA_SORT_WORKSPACE_PER_LOGIT
 # are applied in place by vllm#33538's Triton kernel, so nothing is sorted. At the
 # peak, `random_sample`, the run holds the model-dtype logits (2 B; the dummy run
 # keeps them), their float32 copy (4 B), the softmax probabilities (4 B) and the
-# exponential noise they are divided by (4 B): 14 B. A float32 model's peak is 2 B
-# more per logit, as its logits are (Llama-3.1-8B float32, 0.19, H100: 2.21 GiB is
-# 16.0 B per logit with the other terms; that the float32 copy is still made there is
-# read off that log, not off the code, where `.to(float32)` returns the tensor).
+# exponential noise they are divided by (4 B): 14 B. A float32 model's logits are
+# that float32 copy (`Sampler.forward`'s `.to(torch.float32)` returns the tensor it is
+# given, and compute_logits returns the model dtype): 2 B less (`float32_logits_saving`).
 _TRITON_SAMPLER = 2 + 4 + 4 + 4
 # The Triton kernel's float32 buffer of min(next_pow2(min(SMs, requests)), SMs) rows
-# of the vocabulary, cached for the process; taken at the H100 / H200's 132 SMs, the
-# parts of the logs (another part is off by its SM difference x vocab x 4 B: 10 SMs
-# of a 256K vocabulary are 0.01 GiB).
-_TRITON_SAMPLER_SMS = 132
+# of the vocabulary, cached for the process (0.17.0-0.19.0 topk_topp_triton.py
+# `apply_top_k_top_p_triton`: `num_compute_units`, which CudaPlatform answers with
+# torch's `multi_processor_count`). SMs is the part's (gpus.py `sm_count`); where the
+# part is not known, the H100 / H200's 132, the parts of the logs.
+_DEFAULT_SAMPLER_SMS = 132
 # PyTorch's cuBLAS workspace (CublasHandlePool.cpp `parseChosenWorkspaceSize`,
 # unified with cuBLASLt's), allocated through the caching allocator by the first GEMM
 # after the profile's baseline, so it is in the activation peak: 32 MiB on compute
@@ -322,15 +325,29 @@ def sampler_bytes_per_logit(rules: ProfileRules, flashinfer: bool = True) -> int
 _PP_RECEIVED_TENSORS = 2
 
 
-def triton_row_buffer_bytes(rules: ProfileRules, max_num_seqs: int, vocab: int) -> int:
+def triton_row_buffer_bytes(
+    rules: ProfileRules, max_num_seqs: int, vocab: int, gpu_sms: int = 0
+) -> int:
     """The float32 row buffer `rules`' top-k/top-p kernel keeps (0 where it has none):
-    one vocabulary row per program, min(next_pow2(min(SMs, requests)), SMs) rows, and
-    no kernel at all under 8 requests (the release then sorts a small batch in torch)."""
+    one vocabulary row per program, min(next_pow2(min(SMs, requests)), SMs) rows with
+    SMs the part's streaming multiprocessors (`gpu_sms`; 0: not known, 132), and no
+    kernel at all under 8 requests (the release then sorts a small batch in torch)."""
     if not rules.sampler_row_buffer or max_num_seqs < 8:
         return 0
-    programs = min(_TRITON_SAMPLER_SMS, max_num_seqs)
-    rows = min(1 << (programs - 1).bit_length(), _TRITON_SAMPLER_SMS)
+    sms = gpu_sms if gpu_sms > 0 else _DEFAULT_SAMPLER_SMS
+    programs = min(sms, max_num_seqs)
+    rows = min(1 << (programs - 1).bit_length(), sms)
     return rows * vocab * 4
+
+
+def float32_logits_saving(act_bytes: int) -> int:
+    """Bytes per logit a float32 model's sampler holds fewer than the rules' figure,
+    which counts 16-bit model logits beside their float32 copy: compute_logits returns
+    the model dtype, and `Sampler.forward` (v1/sample/sampler.py, 0.11-0.19 and the V1
+    sampler of 0.32-0.34) casts with `.to(torch.float32)`, which returns float32 logits
+    themselves, so no copy is made: 2 B (the model-dtype 2 B go, the copy's 4 B
+    stay)."""
+    return 2 if act_bytes == 4 else 0
 
 
 def cublas_workspace_bytes(gpu_arch: str) -> int:
@@ -362,8 +379,10 @@ OVERHEAD_FORMULA = (
     " max_num_seqs) x hidden x act_bytes [+ the fused-MoE workspace, tokens x top_k x"
     " (max(expert/tp, hidden) + max(gate_up/tp, hidden)) x act_bytes, from 0.13, not with"
     " MXFP4's monolithic kernels] + max_num_seqs x vocab x 16 B (14 B on vLLM 0.17-0.19's"
-    " Triton kernel, + 132 x vocab x 4 B of its row buffer; 38 B on PyTorch's sort: vLLM"
-    " 0.11.1-0.16, and <= 0.11.0 without FlashInfer; + 2 B with float32 logits));"
+    " Triton kernel, + min(next_pow2(min(SMs, max_num_seqs)), SMs) x vocab x 4 B of its"
+    " row buffer, SMs the GPU's (132 when not known); 38 B on PyTorch's sort: vLLM"
+    " 0.11.1-0.16, and <= 0.11.0 without FlashInfer; - 2 B with float32 logits, which are"
+    " the sampler's float32 copy));"
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
     " for MoE;  non_torch = 2.07 GiB where vLLM runs custom all-reduce (TP 2, 4, 6, 8, 16;"
     " not --disable-custom-all-reduce; not TP > 2 on GPUs without NVLink), else 0.25 GiB;"
@@ -372,7 +391,8 @@ OVERHEAD_FORMULA = (
     " custom all-reduce: NCCL's captured all-reduces)"
     " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB);"
     " a vision model: max(encoder inputs + encoder forward, inputs + embeddings + the above)"
-    " (Qwen3-VL: + deepstack levels x max_num_batched_tokens x text hidden x act_bytes)"
+    " (Qwen3-VL's deepstack levels x max_num_batched_tokens x text hidden x act_bytes are"
+    " built with the model: in the weights)"
 )
 
 # vLLM's default capture list (config/vllm.py `_set_cudagraph_sizes`, the same in
@@ -497,6 +517,9 @@ class WeightEstimate:
     # One rank of each pipeline stage, first to last (one entry without PP).
     bytes_per_stage: tuple[int, ...] = ()
     rope_cache_bytes: int = 0  # in every rank's figure (RoPE cos/sin caches)
+    # Buffers the model allocates when it is built, so "Model loading took" counts them
+    # (in every rank's figure): Qwen3-VL's deepstack input buffers.
+    model_buffer_bytes: int = 0
 
     def stage_bytes(self, stage: int) -> int:
         return self.bytes_per_stage[stage] if self.bytes_per_stage else self.bytes_per_worker
@@ -977,18 +1000,49 @@ def _fp8_block(quant: HFConfig) -> tuple[int, int] | None:
 # there through its Marlin weight-only kernel (0.32-0.34 fp8.py picks
 # MarlinFP8ScaledMMLinearKernel below 8.9).
 _FP8_MARLIN_ARCHS = frozenset({"ampere"})
+# Ada (8.9) has fp8 tensor cores, and its block-fp8 linear kernel depends on the
+# release. 0.17.0-0.18.0 (fp8.py Fp8LinearMethod.__init__: `use_marlin` only below
+# 8.9) and 0.19.0 (kernels/linear/scaled_mm/marlin.py
+# MarlinFP8ScaledMMLinearKernel.is_supported refuses 8.9 and above) keep the block
+# scales unless VLLM_TEST_FORCE_FP8_MARLIN is set (W8A8BlockFp8LinearOp).
+# 0.32-0.34: Marlin's is_supported has no upper bound, and in
+# kernels/linear/__init__.py `_POSSIBLE_FP8_BLOCK_KERNELS` every CUDA kernel ahead of
+# it needs Hopper, Blackwell or 12.x (FlashInfer's and DeepGEMM's block GEMMs,
+# CUTLASS's block kernel, B12x), so Ada's linear layers run Marlin. Their fp8 MoE
+# oracle (fused_moe/oracle/fp8.py `_get_priority_backends`) lists TRITON before MARLIN
+# and TritonExperts takes block fp8 from 8.9, so experts keep the block layout. Not
+# read: 0.20-0.31 (planned with the block figure, as 0.19).
+_FP8_MARLIN_ON_ADA_FROM = (0, 32, 0)
 
 
-def _fp8_marlin_bytes(config: HFConfig, gpu_arch: str, model_dtype_bytes: int) -> float | None:
+def _fp8_runs_marlin(c: HFConfig, gpu_arch: str, release: str) -> bool:
+    """Whether vLLM `release` serves a block-fp8 checkpoint's weights through Marlin on
+    a GPU of `gpu_arch`: always below capability 8.9; on Ada from 0.32 ("" or an
+    unparseable release: the newest), for a model without experts (an MoE model's
+    experts keep the block layout there, and its linear layers' Marlin scales are not
+    counted apart)."""
+    if gpu_arch in _FP8_MARLIN_ARCHS:
+        return True
+    if gpu_arch != "ada" or release == "v0" or _expert_count(c):
+        return False
+    version = _release_version(release)
+    return version is None or version >= _FP8_MARLIN_ON_ADA_FROM
+
+
+def _fp8_marlin_bytes(
+    config: HFConfig, text: HFConfig, gpu_arch: str, model_dtype_bytes: int, release: str = ""
+) -> float | None:
     """Bytes per fp8 weight as a block-quantized fp8 checkpoint is held on a GPU that
-    runs it through Marlin, None elsewhere. vLLM's prepare_fp8_layer_for_marlin
+    runs it through Marlin (`_fp8_runs_marlin`, on its text config `text`), None
+    elsewhere. vLLM's
+    prepare_fp8_layer_for_marlin
     (marlin_utils_fp8.py, 0.32-0.34) turns the block scales into group scales Marlin
     reads: one per `block_k` input columns for every output row, in the model dtype,
     replacing the float32 block scales after loading (so "Model loading took" counts
     them): 1 + 2 / 128 bytes per weight for 128 x 128 blocks in bf16. A per-tensor
     checkpoint gets one scale per output row (negligible)."""
     quant = config.sub("quantization_config")
-    if gpu_arch not in _FP8_MARLIN_ARCHS or quant is None:
+    if quant is None or not _fp8_runs_marlin(text, gpu_arch, release):
         return None
     block = _fp8_block(quant)
     return None if block is None else 1 + model_dtype_bytes / block[1]
@@ -1273,18 +1327,26 @@ def estimate_weights(
     gpu_arch: str = "",
     quantization: str | None = None,
     pp_layer_partition: tuple[int, ...] | None = None,
+    release: str = "",
+    max_num_batched_tokens: int = 0,
 ) -> WeightEstimate:
     """Bytes per worker: embeddings, LM head, attention, MLP and mixers shard over TP
     (vocab-parallel embeddings, column/row-parallel projections), routers are
     replicated on every rank. Each pipeline stage holds its decoder layers (vLLM's
     partition, or `pp_layer_partition` as VLLM_PP_LAYER_PARTITION gives it) and the
     embeddings where the family builds them (`stage_params`). MXFP4 experts are
-    padded per rank for the GPU's (`gpu_arch`) MoE kernel."""
+    padded per rank for the GPU's (`gpu_arch`) MoE kernel; block-fp8 weights take
+    Marlin's layout where `release` runs them through it (`_fp8_runs_marlin`). With
+    `max_num_batched_tokens`, the buffers the model allocates when it is built, which
+    vLLM's "Model loading took" counts: Qwen3-VL's deepstack input buffers
+    (`deepstack_buffer_bytes`; `config` as loaded, without a tower vLLM skips)."""
     params = count_params(config, layers)
     dtype_bytes = layers.model_dtype.size_bytes
     name, quant_bytes, experts_only = _quantization(config, quantization)
     if name == "fp8":
-        quant_bytes = _fp8_marlin_bytes(config, gpu_arch, dtype_bytes) or quant_bytes
+        text = text_config(config, layers.architecture)
+        marlin = _fp8_marlin_bytes(config, text, gpu_arch, dtype_bytes, release)
+        quant_bytes = marlin or quant_bytes
     tp = tensor_parallel_size
     router_bytes = params.router * dtype_bytes
     kept = (
@@ -1321,6 +1383,11 @@ def estimate_weights(
     ]
     experts_all_layers = _mxfp4_experts_per_rank(c, tp, gpu_arch) if experts_only else 0
     rope = rope_cache_bytes(config, layers)
+    # Built in Qwen3VLForConditionalGeneration.__init__ (0.19.0 and 0.32-0.34), inside
+    # the runner's load_model: in the weights figure, and in the profile's baseline,
+    # not its peak. Every stage builds the wrapper.
+    buffers = deepstack_buffer_bytes(config, max_num_batched_tokens, dtype_bytes,
+                                     MultimodalOptions())  # fmt: skip
     per_stage = []
     for (start, end), stage in zip(bounds, stage_params(config, layers, bounds), strict=True):
         stage_router = stage.router * dtype_bytes
@@ -1338,8 +1405,8 @@ def estimate_weights(
             rank = -(-sharded // tp) + stage_router
         if name == "none":
             rank += weight_rounding_bytes(config, layers, tp, start, end, len(bounds))
-        per_stage.append(rank + rope)
-    return WeightEstimate(params, name, total, max(per_stage), tuple(per_stage), rope)
+        per_stage.append(rank + rope + buffers)
+    return WeightEstimate(params, name, total, max(per_stage), tuple(per_stage), rope, buffers)
 
 
 def _per_token_activation(c: HFConfig, tp: int) -> int:
@@ -1384,6 +1451,7 @@ def estimate_overhead(
     gpu_arch: str = "",
     pipeline_stage: int = 0,
     pipeline_parallel_size: int = 1,
+    gpu_sms: int = 0,
 ) -> OverheadEstimate:
     """The profile run's peak over the weights: a forward pass of
     `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
@@ -1395,7 +1463,9 @@ def estimate_overhead(
     graph estimate's long sample where a release has one (`gdn_graph_transient`);
     `pcie_only_gpu` whether the GPU has no NVLink and `disable_custom_all_reduce`
     vLLM's flag (`custom_all_reduce_on`, `non_torch_bytes`); `gpu_arch` the catalog's
-    architecture ("": not known), which sizes cuBLAS's workspace; `pipeline_stage` of
+    architecture ("": not known), which sizes cuBLAS's workspace, and `gpu_sms` its
+    streaming multiprocessors (0: not known), which size 0.17-0.19's sampler row
+    buffer (`triton_row_buffer_bytes`); `pipeline_stage` of
     `pipeline_parallel_size` the stage whose worker this is (`stage_activation_terms`);
     `multimodal`,
     vLLM's flags, sets a multimodal model's encoder item count (kvplan.models.encoder):
@@ -1423,9 +1493,10 @@ def estimate_overhead(
         sampler += max_num_batched_tokens * per_token * act_bytes
     vocab = c.integer("vocab_size")
     logits = max_num_seqs * vocab
-    # The rules count 16-bit model logits; float32 ones hold 2 B more per logit.
-    per_logit = sampler_bytes_per_logit(rules, flashinfer) + max(act_bytes - 2, 0)
-    sampler += logits * per_logit + triton_row_buffer_bytes(rules, max_num_seqs, vocab)
+    # The rules count 16-bit model logits beside their float32 copy; float32 logits
+    # are that copy.
+    per_logit = sampler_bytes_per_logit(rules, flashinfer) - float32_logits_saving(act_bytes)
+    sampler += logits * per_logit + triton_row_buffer_bytes(rules, max_num_seqs, vocab, gpu_sms)
     custom_all_reduce = custom_all_reduce_on(
         tensor_parallel_size, pcie_only_gpu, disable_custom_all_reduce
     )
@@ -1461,9 +1532,7 @@ def estimate_overhead(
     if pipeline_stage > 0:
         peak += _PP_RECEIVED_TENSORS * max_num_batched_tokens * hidden * act_bytes
     peak += cublas_workspace_bytes(gpu_arch)
-    # Qwen3-VL's deepstack buffers exist from the model's construction on.
-    peak += deepstack_buffer_bytes(
-        config, max_num_batched_tokens, act_bytes, multimodal or MultimodalOptions()
-    )
+    # Qwen3-VL's deepstack buffers are built with the model: in the weights figure
+    # (`estimate_weights`), not the profile's peak.
     return OverheadEstimate(peak, non_torch, graphs, logged, release=rules.name, encoder=encoder,
                             cudagraph_nccl_bytes=nccl_bytes)  # fmt: skip

@@ -363,3 +363,29 @@ def test_an_exclusion_list_that_splits_a_part_is_refused(ignored: list[str], mes
         estimate_weights(config, import_layers(config), 1)
     assert message in str(error.value) and "pass --non-kv-bytes" in str(error.value)
     assert str(error.value).startswith("quantization_config: ")
+
+
+def test_fp8_marlin_on_ada_from_0_32_for_dense_models() -> None:
+    """Ada (8.9) has fp8 tensor cores. vLLM 0.17.0-0.19.0's
+    kernels/linear/scaled_mm/marlin.py `MarlinFP8ScaledMMLinearKernel.is_supported`
+    refuses capability 8.9 and above, so the block scales stay; 0.32-0.34's has no
+    upper bound and every kernel ahead of it in kernels/linear/__init__.py
+    `_POSSIBLE_FP8_BLOCK_KERNELS` needs capability 9.0, 10.x or 12.x, so Ada's linear
+    layers hold Marlin's group scales, 1 + 2/128 B per weight in bf16 as on Ampere. An
+    MoE model's experts keep the block layout there (fused_moe/oracle/fp8.py lists
+    TRITON ahead of MARLIN, and TritonExperts takes block fp8 from 8.9)."""
+    config, layers = _qwen36_fp8()
+    ampere = estimate_weights(config, layers, 1, 1, "ampere", "fp8")
+    hopper = estimate_weights(config, layers, 1, 1, "hopper", "fp8")
+    for release in ("", "vllm-0.32", "0.33.0", "vllm-0.34"):
+        ada = estimate_weights(config, layers, 1, 1, "ada", "fp8", release=release)
+        assert ada.bytes_per_worker == ampere.bytes_per_worker, release
+    for release in ("0.19.0", "0.17.0", "v0"):
+        ada = estimate_weights(config, layers, 1, 1, "ada", "fp8", release=release)
+        assert ada.bytes_per_worker == hopper.bytes_per_worker, release
+    # DeepSeek V3 (block fp8 experts): Triton experts on Ada keep the block figure.
+    deepseek = load_config(str(MODELS / "deepseek-v3"))
+    moe_layers = import_layers(deepseek)
+    ada_moe = estimate_weights(deepseek, moe_layers, 8, 1, "ada", release="vllm-0.34")
+    hopper_moe = estimate_weights(deepseek, moe_layers, 8, 1, "hopper")
+    assert ada_moe.bytes_per_worker == hopper_moe.bytes_per_worker
