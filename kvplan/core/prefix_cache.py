@@ -642,7 +642,7 @@ class PrefillChunks:
     (`mamba_checkpoint_alignment`) the chunk that reaches the prompt's end skips
     all but the junction where the backend can export the prompt's checkpoint
     inside it, which the scheduler tests against the split block. Between stops
-    the ends are a regular grid, which `is_end` walks stop by stop, not chunk by
+    the ends are a regular grid, which `_walk` walks stop by stop, not chunk by
     chunk."""
 
     def __init__(
@@ -732,8 +732,8 @@ class PrefillChunks:
 
     def _walk(self, position: int) -> tuple[int, int]:
         """The first chunk end past `position` (the prompt's end where none is
-        before it) and where that chunk starts, walked as `is_end` walks: stop by
-        stop, a regular run of chunks at a time."""
+        before it) and where that chunk starts, walked stop by stop, a regular run
+        of chunks at a time (not chunk by chunk)."""
         c, total = self.block, self.prompt_tokens
         grid = self.budget // c * c
         at = self.start
@@ -766,37 +766,10 @@ class PrefillChunks:
             return True
         if not self.start < position < self.prompt_tokens:
             return False
-        if self.internal:
-            return self._walk(position - 1)[0] == position
-        c, total = self.block, self.prompt_tokens
-        if position in self.stops:
-            return True
-        if self.budget < c:
+        if self.budget < self.block:
             # No chunk reaches a boundary whole: each stops at the next one.
-            return position % c == 0
-        grid = self.budget // c * c
-        at = self.start
-        while at < position:
-            if at % c:  # a chunk starting inside a block stops at its boundary
-                end = min(-(-at // c) * c, *(x for x in self.stops if x > at), total)
-            else:
-                stop = min((x for x in self.stops if x > at), default=total)
-                # Regular chunks: `grid` each, while one does not reach the prompt's
-                # end (that one is not cut to the block) nor pass a stop.
-                steps = max(0, min((stop - at) // grid, (total - 1 - at - self.budget) // grid + 1))
-                if steps:
-                    if position <= at + steps * grid:
-                        return (position - at) % grid == 0
-                    at += steps * grid
-                    continue
-                end = min(at + self.budget, total)
-                if end < total:
-                    end = end // c * c
-                end = min([end, *(x for x in self.stops if at < x < end)])
-            if end == position:
-                return True
-            at = end
-        return False
+            return position in self.stops or position % self.block == 0
+        return self._walk(position - 1)[0] == position
 
 
 def _mamba_checkpoint(setup: PrefixCacheSetup, mamba_block: int, prompt_tokens: int) -> int:

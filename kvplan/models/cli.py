@@ -10,7 +10,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvplan.gpus import CATALOG, GpuModel, UnknownGpu, lookup_gpu
 from kvplan.models.chart import (
@@ -36,6 +36,10 @@ from kvplan.models.request import (
     summarize,
 )
 from kvplan.v1 import plan_pb2, service_pb2
+
+if TYPE_CHECKING:
+    from kvplan.models.calibrate import Comparison, StartupLog
+    from kvplan.models.weights import OverheadEstimate
 
 GIB = 1 << 30
 _UNITS = {
@@ -1161,14 +1165,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
                    if inputs.overhead is not None else None, "GiB"),
     ]  # fmt: skip
     overhead = inputs.stage_overheads[stage] if staged else inputs.overhead
-    encoder = overhead.encoder if overhead is not None else None
-    if log.encoder_budget is not None:  # the log's "Encoder cache will be initialized" line
-        rows += [
-            Comparison("encoder budget of the profile run (tokens)", float(log.encoder_budget),
-                       _num(encoder.encoder_budget if encoder else None), "tokens"),
-            Comparison("encoder items profiled", _num(log.encoder_items),
-                       _num(encoder.items if encoder else None), "items"),
-        ]  # fmt: skip
+    rows += _encoder_rows(log, overhead)
     if staged:  # the printed stage's own profiling figures
         log = replace(
             log,
@@ -1262,14 +1259,7 @@ def _calibrate_no_room(
                    overhead.cudagraph_logged_bytes / GIB if overhead is not None else None,
                    "GiB"),
     ]  # fmt: skip
-    encoder = overhead.encoder if overhead is not None else None
-    if log.encoder_budget is not None:
-        rows += [
-            Comparison("encoder budget of the profile run (tokens)", float(log.encoder_budget),
-                       _num(encoder.encoder_budget if encoder else None), "tokens"),
-            Comparison("encoder items profiled", _num(log.encoder_items),
-                       _num(encoder.items if encoder else None), "items"),
-        ]  # fmt: skip
+    rows += _encoder_rows(log, overhead)
     rows += component_rows(log, weights_bytes, parts[1], parts[2], parts[3], device_bytes,
                            utilization)  # fmt: skip
     if args.json:
@@ -1286,6 +1276,22 @@ def _calibrate_no_room(
     )
     print(format_comparisons(rows))
     return 0
+
+
+def _encoder_rows(log: StartupLog, overhead: OverheadEstimate | None) -> list[Comparison]:
+    """The profile run's encoder budget and items beside the log's "Encoder cache
+    will be initialized" line, where the log has one."""
+    from kvplan.models.calibrate import Comparison
+
+    if log.encoder_budget is None:
+        return []
+    encoder = overhead.encoder if overhead is not None else None
+    return [
+        Comparison("encoder budget of the profile run (tokens)", float(log.encoder_budget),
+                   _num(encoder.encoder_budget if encoder else None), "tokens"),
+        Comparison("encoder items profiled", _num(log.encoder_items),
+                   _num(encoder.items if encoder else None), "items"),
+    ]  # fmt: skip
 
 
 def _first(values: Sequence[float]) -> float | None:
