@@ -285,6 +285,104 @@ def _llama4_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
     )
 
 
+def best_grid_resolution(height: int, width: int, pinpoints: list[tuple[int, int]]) -> tuple[int, int]:
+    """The (height, width) pinpoint an image of height x width is resized to: the most
+    of the image kept at the pinpoint's scale, then the least padding (transformers'
+    `select_best_resolution`, which vLLM's LLaVA-Next processing info calls)."""
+    best, kept_best, wasted_best = pinpoints[0], -1, math.inf
+    for pin_height, pin_width in pinpoints:
+        scale = min(pin_width / width, pin_height / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        wasted = pin_width * pin_height - kept
+        if kept > kept_best or (kept == kept_best and wasted < wasted_best):
+            best, kept_best, wasted_best = (pin_height, pin_width), kept, wasted
+    return best
+
+
+def llava_next_image_tokens(height: int, width: int, pinpoints: list[tuple[int, int]],
+                            tile: int, grid: int, base_tokens: int) -> int:  # fmt: skip
+    """Embeddings of one image under LLaVA-Next's anyres layout (vLLM's
+    LlavaNextProcessingInfo.get_num_image_tokens): the base tile's, then the grid's
+    patches with the padding rows or columns removed, plus one newline per row."""
+    pin_height, pin_width = best_grid_resolution(height, width, pinpoints)
+    rows, cols = grid * (pin_height // tile), grid * (pin_width // tile)
+    if width / height > cols / rows:
+        kept = int(round(height * (cols / width), 7))
+        rows -= 2 * ((rows - kept) // 2)
+    else:
+        kept = int(round(width * (rows / height), 7))
+        cols -= 2 * ((cols - kept) // 2)
+    return rows * cols + rows + base_tokens
+
+
+def _llava_next_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
+    """LLaVA-Next (Granite Vision) over a SigLIP tower. vLLM's profile item is the image of
+    the pinpoint with the most embeddings (`get_image_size_with_most_features`); the
+    processor cuts it into one base tile plus the pinpoint's grid of image_size tiles,
+    and the tower encodes every tile."""
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    patch = vision.integer("patch_size")
+    size = vision.integer("image_size")
+    channels = vision.integer("num_channels", 3)
+    text = config.sub("text_config")
+    text_hidden = text.integer("hidden_size") if text is not None else width
+    grid = size // patch
+    # 'default' drops the first embedding (CLIP's class token; vLLM's
+    # get_num_selected_vision_tokens drops it from SigLIP's patches too), 'full' none
+    strategy = config.text("vision_feature_select_strategy", "default")
+    base = grid * grid - (1 if strategy == "default" else 0)
+    pinpoints = [_pinpoint(config, item) for item in config.items("image_grid_pinpoints") or []]
+    if not pinpoints:
+        raise ModelConfigError("required for LLaVA-Next's anyres layout", "image_grid_pinpoints")
+    tokens, tiles = 0, 0
+    for pin_height, pin_width in pinpoints:
+        count = llava_next_image_tokens(pin_height, pin_width, pinpoints, size, grid, base)
+        if count > tokens:
+            best = best_grid_resolution(pin_height, pin_width, pinpoints)
+            tokens, tiles = count, 1 + (best[0] // size) * (best[1] // size)
+    built = llava_vision_layers(config, vision)
+    # With a list of feature layers vLLM's SigLIP encoder keeps every layer's output
+    # (`return_all_hidden_states`): at the last layer's MLP the embeddings and the
+    # earlier outputs (built in all, the last the layer's input), the post-attention
+    # residual and its normed copy, beside fc1's output and its GELU. With one feature
+    # layer the Gemma 3 count applies (four streams).
+    streams = built + 2 if isinstance(config.raw("vision_feature_layer", -2), list) else 4
+    return Tower(
+        modalities=("image",),
+        tokens_per_item=tokens,
+        patches_per_item=tiles * grid * grid,
+        input_elements_per_item=tiles * channels * size * size,
+        peak_elements_per_patch=streams * width + 2 * -(-inter // tp),
+        output_hidden=text_hidden,
+    )
+
+
+def _pinpoint(config: HFConfig, item: object) -> tuple[int, int]:
+    if (
+        not isinstance(item, list) or len(item) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in item)
+    ):  # fmt: skip
+        raise ModelConfigError(
+            f"expected [height, width] pairs, got {item!r}", config._where("image_grid_pinpoints")
+        )
+    return item[0], item[1]
+
+
+def llava_vision_layers(config: HFConfig, vision: HFConfig) -> int:
+    """The SigLIP layers vLLM builds for a LLaVA model: up to the deepest feature layer
+    (`_get_num_hidden_layers`: a negative index counts from the end, -1 the last)."""
+    count = vision.integer("num_hidden_layers")
+    raw = config.raw("vision_feature_layer", -2)
+    indexes = raw if isinstance(raw, list) else [raw]
+    if not indexes or not all(isinstance(i, int) and not isinstance(i, bool) for i in indexes):
+        raise ModelConfigError(
+            f"expected a layer index or a list of them, got {raw!r}",
+            config._where("vision_feature_layer"),
+        )
+    return max(index + count + 1 if index < 0 else index for index in indexes)
+
+
 def forward_peak_bytes(tower: Tower, items: int, patches_per_item: int, dtype_bytes: int) -> int:
     """The encoder forward's peak over its inputs and weights, for `items` items of
     `patches_per_item` patches each."""
@@ -309,6 +407,8 @@ def vision_tower(config: HFConfig, tp: int) -> Tower | None:
         return _qwen2_5_vit_tower(vision, tp)
     if model_type == "llama4":
         return _llama4_tower(config, vision, tp)
+    if model_type == "llava_next" and vision.text("model_type", "") == "siglip_vision_model":
+        return _llava_next_tower(config, vision, tp)
     return None
 
 

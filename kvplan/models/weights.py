@@ -22,6 +22,7 @@ from kvplan.models.encoder import (
     MultimodalOptions,
     deepstack_buffer_bytes,
     encoder_profile,
+    llava_vision_layers,
 )
 from kvplan.models.importer import ARCHITECTURES, ModelLayers, pipeline_stage_bounds, text_config
 
@@ -729,6 +730,7 @@ _PP_EMBEDDINGS_AT_THE_ENDS = frozenset({
     "Qwen3ForCausalLM", "GraniteForCausalLM", "Llama4ForCausalLM",
     "Llama4ForConditionalGeneration", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+    "LlavaNextForConditionalGeneration",
 })  # fmt: skip
 # Qwen3.5 / 3.6 build the embedding on every stage and the LM head on the last only
 # (a tied head shares the last stage's embedding).
@@ -857,6 +859,25 @@ def _llama4_vision_params(vision: HFConfig, text_hidden: int) -> int:
     return stem + 4 * width + vision.integer("num_hidden_layers") * layer + adapter + projector
 
 
+def _llava_next_vision_params(config: HFConfig, vision: HFConfig, text_hidden: int) -> int:
+    """LLaVA-Next's SigLIP tower and projector as vLLM builds them (llava_next.py,
+    `init_vision_tower_for_llava`): the encoder layers up to the deepest feature layer
+    only, no post-layernorm (`require_post_norm=False`) and no pooling head; per layer
+    Q/K/V/O and fc1 / fc2 with biases and two LayerNorms; the patch convolution and a
+    position embedding per patch; the two-layer projector from the concatenated feature
+    layers (biases on), and the image-newline vector."""
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    layer = 4 * width * width + 2 * width * inter + 9 * width + inter
+    patch = vision.integer("patch_size")
+    patches = (vision.integer("image_size") // patch) ** 2
+    stem = vision.integer("num_channels", 3) * patch * patch * width + width + patches * width
+    raw = config.raw("vision_feature_layer", -2)
+    features = len(raw) if isinstance(raw, list) else 1
+    projector = features * width * text_hidden + text_hidden * text_hidden + 2 * text_hidden
+    return llava_vision_layers(config, vision) * layer + stem + projector + text_hidden
+
+
 def _vision_params(config: HFConfig, text_hidden: int) -> int:
     """A SigLIP vision tower (Gemma 3's `vision_config`) and its projection into the
     text model: per encoder layer Q/K/V/O and a two-matrix MLP (with biases), the
@@ -872,6 +893,8 @@ def _vision_params(config: HFConfig, text_hidden: int) -> int:
         return _qwen2_5_vision_params(vision)
     if vision is not None and model_type == "llama4":
         return _llama4_vision_params(vision, text_hidden)
+    if vision is not None and model_type == "llava_next":
+        return _llava_next_vision_params(config, vision, text_hidden)
     if vision is None or vision.text("model_type", "") != "siglip_vision_model":
         return 0
     width = vision.integer("hidden_size")
