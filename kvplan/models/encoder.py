@@ -342,18 +342,23 @@ def _llava_next_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
             best = best_grid_resolution(pin_height, pin_width, pinpoints)
             tokens, tiles = count, 1 + (best[0] // size) * (best[1] // size)
     built = llava_vision_layers(config, vision)
-    # With a list of feature layers vLLM's SigLIP encoder keeps every layer's output
+    mlp = 2 * -(-inter // tp)  # fc1's output and its GELU
+    raw = config.raw("vision_feature_layer", -2)
+    # With one feature layer the Gemma 3 count applies: four streams at a layer's MLP.
+    # With a list vLLM's SigLIP encoder keeps every layer's output
     # (`return_all_hidden_states`): at the last layer's MLP the embeddings and the
-    # earlier outputs (built in all, the last the layer's input), the post-attention
-    # residual and its normed copy, beside fc1's output and its GELU. With one feature
-    # layer the Gemma 3 count applies (four streams).
-    streams = built + 2 if isinstance(config.raw("vision_feature_layer", -2), list) else 4
+    # earlier outputs (`built` in all, the last the layer's input), the post-attention
+    # residual and its normed copy; after the last layer the whole pool (built + 1)
+    # beside the selected layers' concatenation. The larger moment is the peak.
+    peak = 4 * width + mlp
+    if isinstance(raw, list):
+        peak = max((built + 2) * width + mlp, (built + 1 + len(raw)) * width)
     return Tower(
         modalities=("image",),
         tokens_per_item=tokens,
         patches_per_item=tiles * grid * grid,
         input_elements_per_item=tiles * channels * size * size,
-        peak_elements_per_patch=streams * width + 2 * -(-inter // tp),
+        peak_elements_per_patch=peak,
         output_hidden=text_hidden,
     )
 
