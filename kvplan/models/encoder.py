@@ -64,6 +64,13 @@ forward (tests/models/test_encoder_against_vllm.py runs them on the CPU):
   (2 / TP): 3 x hidden + 13 x hidden / TP per token. The largest image is a 16:1 strip of
   `LLAMA4_MAX_TILES` tiles plus the global tile; each tile gives (image_size / patch)^2
   x pixel_shuffle_ratio^2 embeddings.
+* LLaVA-Next over SigLIP (Granite Vision): the profiled image is the grid pinpoint with
+  the most embeddings (the base tile's, the unpadded grid's and a newline per row); the
+  tower runs on its base tile and every grid tile. With a list of feature layers the
+  SigLIP encoder keeps every layer's output, so at the last built layer's MLP it holds
+  those (built in all, the last the layer's input), the post-attention residual and
+  its normed copy beside fc1's output and its GELU; after the last layer the pool and
+  the selected layers' concatenation (the larger moment is taken).
 """
 
 from __future__ import annotations
@@ -285,7 +292,9 @@ def _llama4_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
     )
 
 
-def best_grid_resolution(height: int, width: int, pinpoints: list[tuple[int, int]]) -> tuple[int, int]:
+def best_grid_resolution(
+    height: int, width: int, pinpoints: list[tuple[int, int]]
+) -> tuple[int, int]:
     """The (height, width) pinpoint an image of height x width is resized to: the most
     of the image kept at the pinpoint's scale, then the least padding (transformers'
     `select_best_resolution`, which vLLM's LLaVA-Next processing info calls)."""
@@ -385,7 +394,8 @@ def llava_vision_layers(config: HFConfig, vision: HFConfig) -> int:
             f"expected a layer index or a list of them, got {raw!r}",
             config._where("vision_feature_layer"),
         )
-    return max(index + count + 1 if index < 0 else index for index in indexes)
+    layers = [int(index) for index in indexes]
+    return max(index + count + 1 if index < 0 else index for index in layers)
 
 
 def forward_peak_bytes(tower: Tower, items: int, patches_per_item: int, dtype_bytes: int) -> int:

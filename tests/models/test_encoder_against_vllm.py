@@ -275,7 +275,7 @@ def test_llava_next_tower_against_vllm(tmp_path: Path) -> None:
     ours = [vision_tower(config(case), 1) for case in towers]
     assert all(tower is not None for tower in ours)
     expected = [
-        forward_peak_bytes(tower, case["tiles"], 27 * 27, BF16)  # type: ignore[union-attr,arg-type]
+        forward_peak_bytes(tower, case["tiles"], 27 * 27, BF16)  # type: ignore[arg-type]
         for tower, case in zip(ours, towers, strict=True)
     ]
     assert answer["peaks"] == expected

@@ -666,3 +666,41 @@ def test_registration_table_matches_the_core_rule_sets() -> None:
         registration = REGISTRATIONS[version]
         assert registration.default_block_size == rules.default_block_size, version
         assert registration.marks_draft_layers == rules.has_field(FIELD_IS_DRAFT), version
+
+
+GRANITE_VISION = Path(__file__).parents[1] / "data" / "checkpoints" / "granite-vision-3.3-2b"
+
+
+def test_llava_next_granite_vision_by_hand() -> None:
+    """Granite Vision 3.3 2B: the Granite text model's 40 layers of 8 KV heads x 64 (2,048 /
+    32), and the SigLIP tower of 27 layers (1,152 wide, MLP 4,304, 27 x 27 patches of 14
+    pixels) with its projector from four concatenated feature layers, counted by hand."""
+    config = load_config(str(GRANITE_VISION))
+    layers = import_layers(config)
+    assert layers.architecture == "LlavaNextForConditionalGeneration"
+    assert layers.model_type == "granite"
+    assert [(x.num_kv_heads, x.head_size, x.kind) for x in layers.layers] == [
+        (8, 64, "full_attention")
+    ] * 40
+    w, inter, text = 1152, 4304, 2048
+    layer = 4 * w * w + 4 * w + 2 * 2 * w + w * inter + inter + inter * w + w
+    stem = 3 * 14 * 14 * w + w + 27 * 27 * w
+    projector = 4 * w * text + text + text * text + text
+    assert count_params(config, layers).vision == 27 * layer + stem + projector + text
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"vision_config": {"model_type": "clip_vision_model"}}, "SigLIP tower only"),
+        ({"text_config": {"model_type": "qwen2"}}, "'qwen2' text model is not supported"),
+    ],
+)
+def test_llava_next_other_towers_and_text_models_are_refused(
+    change: dict[str, dict[str, object]], match: str
+) -> None:
+    raw = json.loads((GRANITE_VISION / "config.json").read_text())
+    for key, fields in change.items():
+        raw[key] = {**raw[key], **fields}
+    with pytest.raises(UnsupportedModel, match=match):
+        import_layers(HFConfig(raw))

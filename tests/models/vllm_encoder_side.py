@@ -26,6 +26,7 @@ import json
 import os
 import sys
 from types import SimpleNamespace
+from typing import Any
 
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
@@ -259,7 +260,7 @@ def _stand_in_mistral_common() -> None:
     sys.meta_path.insert(0, Finder())
 
 
-def _llava_next_config(case: dict[str, object]) -> object:
+def _llava_next_config(case: dict[str, object]) -> Any:
     from transformers import LlavaNextConfig
 
     return LlavaNextConfig(
@@ -314,7 +315,7 @@ def llava_next_facts(case: dict[str, object]) -> list[int]:
     LlavaNextProcessingInfo.get_num_image_tokens over the pinpoints, as its
     get_image_size_with_most_features does, with the config standing in for the
     processor context."""
-    from transformers.models.llava_next.modeling_llava_next import (
+    from transformers.models.llava_next.modeling_llava_next import (  # type: ignore[import-not-found]
         get_anyres_image_grid_shape,
     )
     from vllm.model_executor.models.llava_next import LlavaNextProcessingInfo
@@ -324,12 +325,16 @@ def llava_next_facts(case: dict[str, object]) -> list[int]:
     with torch.device("meta"):
         tower, projector = _llava_next_modules(case)
     params = sum(p.numel() for m in (tower, projector) for p in m.parameters())
-    info = SimpleNamespace(get_hf_config=lambda: config,
-                           get_vision_encoder_info=lambda: get_vision_encoder_info(config))  # fmt: skip
+    encoder_info = get_vision_encoder_info(config)
+    info = SimpleNamespace(
+        get_hf_config=lambda: config, get_vision_encoder_info=lambda: encoder_info
+    )
     info._get_num_unpadded_features = lambda **kw: (
         LlavaNextProcessingInfo._get_num_unpadded_features(info, **kw)
     )
-    info.get_num_image_tokens = lambda **kw: LlavaNextProcessingInfo.get_num_image_tokens(info, **kw)
+    info.get_num_image_tokens = lambda **kw: LlavaNextProcessingInfo.get_num_image_tokens(
+        info, **kw
+    )
     largest = LlavaNextProcessingInfo.get_image_size_with_most_features(info)
     tokens = info.get_num_image_tokens(image_width=largest.width, image_height=largest.height)
     size = config.vision_config.image_size
