@@ -748,6 +748,9 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     "LlavaNextForConditionalGeneration": (_llava_next, True),
     "DeepseekV2ForCausalLM": (_deepseek, False),
     "DeepseekV3ForCausalLM": (_deepseek, False),
+    # Kimi-VL: a MoonViT tower before a DeepSeek-V3-style MLA / MoE text model, which
+    # vLLM builds from `text_config` as DeepseekV2ForCausalLM (kimi_vl.py).
+    "KimiVLForConditionalGeneration": (_deepseek, True),
     "Qwen3NextForCausalLM": (_qwen3_next, False),
     "Qwen3_5ForCausalLM": (_qwen3_next, False),
     "Qwen3_5MoeForCausalLM": (_qwen3_next, False),
@@ -761,7 +764,7 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     "WhisperForConditionalGeneration": (_whisper, False),
 }
 ENCODER_DECODER = {"WhisperForConditionalGeneration"}
-_MLA = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+_MLA = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiVLForConditionalGeneration"}
 # Families whose vLLM decoder layers read `is_causal` (false: bidirectional attention,
 # vLLM's EncoderOnlyAttention, which registers no cache layer).
 _READS_IS_CAUSAL = {

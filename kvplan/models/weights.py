@@ -730,7 +730,7 @@ _PP_EMBEDDINGS_AT_THE_ENDS = frozenset({
     "Qwen3ForCausalLM", "GraniteForCausalLM", "Llama4ForCausalLM",
     "Llama4ForConditionalGeneration", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-    "LlavaNextForConditionalGeneration",
+    "LlavaNextForConditionalGeneration", "KimiVLForConditionalGeneration",
 })  # fmt: skip
 # Qwen3.5 / 3.6 build the embedding on every stage and the LM head on the last only
 # (a tied head shares the last stage's embedding).
@@ -878,6 +878,24 @@ def _llava_next_vision_params(config: HFConfig, vision: HFConfig, text_hidden: i
     return llava_vision_layers(config, vision) * layer + stem + projector + text_hidden
 
 
+def _moonvit_params(vision: HFConfig, text_hidden: int) -> int:
+    """Kimi-VL's MoonViT and projector as vLLM builds them (moonvit.py, kimi_vl.py): the
+    patch convolution with its bias and a learnable init_pos_emb_height x width position
+    grid; per layer two LayerNorms, the fused QKV and the output projection with biases
+    and the two-matrix MLP with biases; the final LayerNorm; the projector's LayerNorm
+    and its two linears from the merged patches (hidden x the merge kernel's area)."""
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    patch = vision.integer("patch_size")
+    layer = 4 * width * width + 2 * width * inter + 9 * width + inter
+    positions = vision.integer("init_pos_emb_height") * vision.integer("init_pos_emb_width")
+    stem = 3 * patch * patch * width + width + positions * width
+    kernel = [int(k) for k in vision.items("merge_kernel_size") or [2, 2]]
+    merged = width * kernel[0] * kernel[1]
+    projector = 2 * width + merged * merged + merged + merged * text_hidden + text_hidden
+    return vision.integer("num_hidden_layers") * layer + stem + 2 * width + projector
+
+
 def _vision_params(config: HFConfig, text_hidden: int) -> int:
     """A SigLIP vision tower (Gemma 3's `vision_config`) and its projection into the
     text model: per encoder layer Q/K/V/O and a two-matrix MLP (with biases), the
@@ -895,6 +913,8 @@ def _vision_params(config: HFConfig, text_hidden: int) -> int:
         return _llama4_vision_params(vision, text_hidden)
     if vision is not None and model_type == "llava_next":
         return _llava_next_vision_params(config, vision, text_hidden)
+    if vision is not None and model_type == "kimi_vl":
+        return _moonvit_params(vision, text_hidden)
     if vision is None or vision.text("model_type", "") != "siglip_vision_model":
         return 0
     width = vision.integer("hidden_size")
