@@ -71,6 +71,13 @@ forward (tests/models/test_encoder_against_vllm.py runs them on the CPU):
   those (built in all, the last the layer's input), the post-attention residual and
   its normed copy beside fc1's output and its GELU; after the last layer the pool and
   the selected layers' concatenation (the larger moment is taken).
+* Kimi-VL (MoonViT + KimiVLMultiModalProjector): vLLM's 1,024-pixel dummy image scaled
+  to the processor's patch limit and padded to the merge kernel; every image's patches
+  in one packed sequence. The peak is at a block's 2D rotary, run in PyTorch: the patch
+  embeddings, the block's input and its normed copy beside QKV, Q's and K's float32
+  copies, their complex64 products and the results (3 x hidden + 13 x hidden / TP), plus
+  the batch's complex64 rotary factors; the 512 x 512 rotary table the first forward
+  builds is kept through the rest of the run.
 """
 
 from __future__ import annotations
@@ -106,6 +113,18 @@ QWEN2_VL_MAX_FRAMES_PER_VIDEO = 14
 # dummy image is 16 tiles high and one wide, which the processor splits into 16 tiles
 # and a global one (Mllama4ProcessingInfo.get_image_size_with_most_features).
 LLAMA4_MAX_TILES = 16
+# Kimi-VL: vLLM's dummy image is 1,024 x 1,024 pixels (kimi_vl.py `MaxImageTokenMeta`),
+# which the image processor scales down to at most `in_token_limit` 14-pixel patches
+# (KimiVLImageProcessor, the checkpoint's preprocessor_config.json: 4,096; config.json
+# does not carry it) before padding to the 2 x 2 merge: 66 x 66 patches, 1,089 tokens.
+# The 0.19 log's "budget of 8192 tokens, and profiled with 7 image items" pins the
+# limit to 4,081-4,606 (1,025-1,170 tokens an image).
+KIMI_VL_DUMMY_IMAGE = 1024
+KIMI_VL_IN_TOKEN_LIMIT = 4096
+# MoonViT's 2D rotary table (moonvit.py Rope2DPosEmb(head_dim, 512, 512)): complex64,
+# head_dim / 2 per position of a 512 x 512 grid, built on the device by the first
+# encoder forward (a cached property) and kept.
+MOONVIT_ROPE_GRID = 512
 
 
 @dataclass(frozen=True)
@@ -159,11 +178,14 @@ class Tower:
     input_elements_per_item: int
     peak_elements_per_patch: int  # at the forward's peak, in the model dtype
     output_hidden: int  # width of the embeddings handed to the decoder
-    # Besides, at the peak: int64 index tensors on the device (Qwen2.5-VL's window order)
+    # Besides, at the peak, bytes outside the model dtype: int64 index tensors
+    # (Qwen2.5-VL's window order), complex64 rotary factors (MoonViT's)
     peak_index_bytes_per_patch: float = 0.0
     # Held once per distinct grid, in the model dtype (Qwen2.5-VL's cos/sin cache); the
     # profile's items are all of one size, so once per item's patches.
     cached_elements_per_patch: int = 0
+    # Allocated by the first encoder forward and kept (MoonViT's rotary table), bytes
+    persistent_bytes: int = 0
     # Frames per temporal patch where vLLM profiles a video of the largest image's frames
     # (Qwen2.5-VL: 2); 0 where the image is the profiled item whatever the limits.
     video_temporal_patch: int = 0
@@ -398,6 +420,49 @@ def llava_vision_layers(config: HFConfig, vision: HFConfig) -> int:
     return max(index + count + 1 if index < 0 else index for index in layers)
 
 
+def _kimi_vl_image_patches(patch: int, kernel: tuple[int, int]) -> tuple[int, int]:
+    """(patch rows, patch columns) of vLLM's dummy Kimi-VL image after the processor's
+    scaling to KIMI_VL_IN_TOKEN_LIMIT patches and padding to the merge kernel
+    (KimiVLProcessingInfo.get_num_image_tokens)."""
+    height = width = KIMI_VL_DUMMY_IMAGE
+    if (width // patch) * (height // patch) > KIMI_VL_IN_TOKEN_LIMIT:
+        scale = math.sqrt(KIMI_VL_IN_TOKEN_LIMIT / ((width // patch) * (height // patch)))
+        width, height = int(width * scale), int(height * scale)
+    unit_h, unit_w = kernel[0] * patch, kernel[1] * patch
+    rows = (height + (unit_h - height % unit_h) % unit_h) // patch
+    cols = (width + (unit_w - width % unit_w) % unit_w) // patch
+    return rows, cols
+
+
+def _moonvit_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
+    """Kimi-VL's MoonViT: every image's patches packed into one sequence. The peak is at
+    a block's 2D rotary, which vLLM runs in PyTorch (moonvit.py `apply_rope`): the
+    patch embeddings (held by the tower's forward while its encoder runs), the block's
+    input and its normed copy (hidden each), beside the fused QKV (3 / TP), Q's and K's
+    float32 copies (2 x 2 / TP), their complex64 products (2 x 2 / TP) and the results
+    in the model dtype (2 / TP); plus the batch's rotary factors (head_dim / 2 complex64
+    per patch) and the 512 x 512 rotary table the first forward builds and keeps."""
+    width = vision.integer("hidden_size")
+    heads = vision.integer("num_attention_heads")
+    patch = vision.integer("patch_size")
+    kernel_raw = [int(k) for k in vision.items("merge_kernel_size") or [2, 2]]
+    kernel = (kernel_raw[0], kernel_raw[1])
+    text = config.sub("text_config")
+    text_hidden = text.integer("hidden_size") if text is not None else width
+    rows, cols = _kimi_vl_image_patches(patch, kernel)
+    head_dim = width // heads
+    return Tower(
+        modalities=("image",),
+        tokens_per_item=rows * cols // (kernel[0] * kernel[1]),
+        patches_per_item=rows * cols,
+        input_elements_per_item=rows * cols * 3 * patch * patch,
+        peak_elements_per_patch=3 * width + 13 * -(-width // tp),
+        output_hidden=text_hidden,
+        peak_index_bytes_per_patch=head_dim // 2 * 8,
+        persistent_bytes=MOONVIT_ROPE_GRID * MOONVIT_ROPE_GRID * head_dim // 2 * 8,
+    )
+
+
 def forward_peak_bytes(tower: Tower, items: int, patches_per_item: int, dtype_bytes: int) -> int:
     """The encoder forward's peak over its inputs and weights, for `items` items of
     `patches_per_item` patches each."""
@@ -424,6 +489,8 @@ def vision_tower(config: HFConfig, tp: int) -> Tower | None:
         return _llama4_tower(config, vision, tp)
     if model_type == "llava_next" and vision.text("model_type", "") == "siglip_vision_model":
         return _llava_next_tower(config, vision, tp)
+    if model_type == "kimi_vl":
+        return _moonvit_tower(config, vision, tp)
     return None
 
 
@@ -461,15 +528,17 @@ class EncoderProfile:
     input_bytes: int  # the dummy batch on the device, held through the whole run
     forward_peak_bytes: int  # the encoder forward's peak over its inputs
     output_bytes: int  # embeddings kept in the encoder cache through the decoder run
+    # what the first encoder forward allocates and keeps (MoonViT's rotary table)
+    persistent_bytes: int = 0
 
     @property
     def encoder_phase_bytes(self) -> int:
-        return self.input_bytes + self.forward_peak_bytes
+        return self.input_bytes + self.forward_peak_bytes + self.persistent_bytes
 
     @property
     def held_bytes(self) -> int:
         """Held while the decoder's forward and the sampler run."""
-        return self.input_bytes + self.output_bytes
+        return self.input_bytes + self.output_bytes + self.persistent_bytes
 
 
 def encoder_items(
@@ -524,7 +593,14 @@ def encoder_profile(
     forward = forward_peak_bytes(tower, items, patches, dtype_bytes)
     outputs = items * tokens * tower.output_hidden * dtype_bytes
     return EncoderProfile(
-        modality, tokens, budget, items, items * input_elements * dtype_bytes, forward, outputs
+        modality,
+        tokens,
+        budget,
+        items,
+        items * input_elements * dtype_bytes,
+        forward,
+        outputs,
+        tower.persistent_bytes,
     )
 
 

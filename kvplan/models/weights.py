@@ -878,6 +878,34 @@ def _llava_next_vision_params(config: HFConfig, vision: HFConfig, text_hidden: i
     return llava_vision_layers(config, vision) * layer + stem + projector + text_hidden
 
 
+def replicated_params(config: HFConfig, layers: ModelLayers, stage_layers: int) -> int:
+    """Parameters vLLM builds whole on every tensor-parallel rank, besides the MoE
+    routers: MLA's down projections (deepseek_v2.py: `kv_a_proj_with_mqa` and, with a
+    `q_lora_rank`, `q_a_proj`, fused as DeepSeekV2FusedQkvAProjLinear with
+    `disable_tp=True`; ReplicatedLinear otherwise), per MLA layer of the stage; and
+    Kimi-VL's MoonViT parts outside its parallel linears' sharded weights (moonvit.py,
+    kimi_vl.py: the patch convolution, the position grid, the LayerNorms, the biases of
+    the row-parallel `wo` and `fc1`, and the projector's ReplicatedLinear layers).
+    Counted for unquantized checkpoints."""
+    c = text_config(config, layers.architecture)
+    whole = 0
+    if c.has("kv_lora_rank"):
+        hidden = c.integer("hidden_size")
+        latent = c.integer("kv_lora_rank") + c.integer("qk_rope_head_dim")
+        q_rank = c.size_or_none("q_lora_rank")
+        whole += stage_layers * hidden * (latent + (q_rank or 0))
+    vision = config.sub("vision_config")
+    if vision is not None and config.text("model_type", "") == "kimi_vl":
+        width = vision.integer("hidden_size")
+        inter = vision.integer("intermediate_size")
+        # sharded: the QKV, output and MLP matrices and the column-parallel biases (QKV,
+        # fc0); the row-parallel ones' biases (wo, fc1) and the LayerNorms stay whole
+        layer = 4 * width * width + 2 * width * inter + 3 * width + inter
+        parallel = vision.integer("num_hidden_layers") * layer
+        whole += _moonvit_params(vision, c.integer("hidden_size")) - parallel
+    return whole
+
+
 def _moonvit_params(vision: HFConfig, text_hidden: int) -> int:
     """Kimi-VL's MoonViT and projector as vLLM builds them (moonvit.py, kimi_vl.py): the
     patch convolution with its bias and a learnable init_pos_emb_height x width position
@@ -1435,7 +1463,10 @@ def estimate_weights(
     for (start, end), stage in zip(bounds, stage_params(config, layers, bounds), strict=True):
         stage_router = stage.router * dtype_bytes
         if name == "none":
-            rank = -(-(stage.total - stage.router) * dtype_bytes // tp) + stage_router
+            # What vLLM builds unsharded besides the routers (`replicated_params`).
+            kept_whole = replicated_params(config, layers, end - start) if tp > 1 else 0
+            sharded = (stage.total - stage.router - kept_whole) * dtype_bytes
+            rank = -(-sharded // tp) + stage_router + kept_whole * dtype_bytes
         elif experts_only:
             dense = (stage.total - stage.mlp - stage.router) * dtype_bytes
             experts = experts_all_layers * (end - start) // num_layers

@@ -28,7 +28,7 @@ from kvplan.models import (
     load_config,
 )
 from kvplan.models.importer import ModelLayers
-from kvplan.models.weights import count_params, estimate_weights
+from kvplan.models.weights import count_params, estimate_weights, replicated_params
 from kvplan.v1 import plan_pb2
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -704,3 +704,38 @@ def test_llava_next_other_towers_and_text_models_are_refused(
         raw[key] = {**raw[key], **fields}
     with pytest.raises(UnsupportedModel, match=match):
         import_layers(HFConfig(raw))
+
+
+KIMI_VL = Path(__file__).parents[1] / "data" / "checkpoints" / "kimi-vl-a3b-instruct"
+
+
+def test_kimi_vl_mla_layers_moonvit_and_what_stays_whole() -> None:
+    """Kimi-VL-A3B: DeepSeek's MLA layers (one 512 + 64 latent head, block 64) from
+    `text_config`; MoonViT and its projector counted from the shapes vLLM 0.19's log
+    prints as it loads them; at TP 2 the MLA down projections and MoonViT's parts
+    outside its parallel linears stay whole on each rank."""
+    config = load_config(str(KIMI_VL))
+    layers = import_layers(config)
+    assert layers.architecture == "KimiVLForConditionalGeneration"
+    assert layers.block_size == 64
+    assert [(x.kind, x.num_kv_heads, x.head_size) for x in layers.layers] == [
+        ("mla_attention", 1, 576)
+    ] * 27
+    w, inter, text = 1152, 4304, 2048
+    block = (3 * w * w + 3 * w) + (w * w + w) + (inter * w + inter) + (w * inter + w) + 4 * w
+    tower = 27 * block + 2 * w + 64 * 64 * w + w * 3 * 14 * 14 + w
+    projector = 2 * w + 4608 * 4608 + 4608 + text * 4608 + text
+    assert count_params(config, layers).vision == tower + projector
+    whole = replicated_params(config, layers, 27)
+    # the stem, the final LayerNorm, the projector; per block two LayerNorms and the
+    # row-parallel wo's and fc1's biases
+    outside = 2 * w + 64 * 64 * w + w * 3 * 14 * 14 + w + projector + 27 * 6 * w
+    assert whole == 27 * text * (512 + 64) + outside
+    one, two = estimate_weights(config, layers, 1), estimate_weights(config, layers, 2)
+    params = count_params(config, layers)
+    sharded = (params.total - params.router - whole) * 2
+    assert (
+        two.bytes_per_worker
+        == -(-sharded // 2) + (params.router + whole) * 2 + two.rope_cache_bytes
+    )
+    assert one.bytes_per_worker == params.total * 2 + one.rope_cache_bytes
