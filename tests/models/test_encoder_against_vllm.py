@@ -291,3 +291,42 @@ def test_llava_next_tower_against_vllm(tmp_path: Path) -> None:
     # The shipped pinpoints: the 3,840 x 384 strip, ten tiles and the base one, 8,289
     # embeddings (the encoder budget the 0.19 log prints).
     assert answer["llava_next"][0][1:] == [8289, 11]
+
+
+KIMI_VL = Path(__file__).parents[1] / "data" / "checkpoints" / "kimi-vl-a3b-instruct"
+
+
+def test_moonvit_tower_against_vllm(tmp_path: Path) -> None:
+    """Kimi-VL's MoonViT and projector against vLLM 0.32's own modules at an eighth of
+    the widths (the same head size, 72; CPU time): the forward's peak over one image of
+    16 x 16 patches at depth 2 and two of 12 x 20 at depth 3, with the rotary table
+    built beforehand, equals kvplan's per-patch count (`forward_peak_bytes`, plus the
+    sequence boundaries' few bytes); the table
+    itself is kvplan's `persistent_bytes`; the projector's output is a text-width row
+    per merged 2 x 2 patch."""
+    kimi = json.loads((KIMI_VL / "config.json").read_text())
+    small = {**kimi["vision_config"], "hidden_size": 144, "intermediate_size": 538,
+             "num_attention_heads": 2}  # fmt: skip
+    base = {"kind": "moonvit", "vision": small, "text_hidden": 256}
+    towers = [
+        {**base, "depth": 2, "items": 1, "grid": [16, 16]},
+        {**base, "depth": 3, "items": 2, "grid": [12, 20]},
+    ]
+    answer = run_in_vllm("0.32", [str(SIDE)], {"port": _port(), "towers": towers},
+                         cache_root=tmp_path, timeout=280)  # fmt: skip
+    config = HFConfig({**kimi, "vision_config": small,
+                       "text_config": {**kimi["text_config"], "hidden_size": 256}})  # fmt: skip
+    tower = vision_tower(config, 1)
+    assert tower is not None
+    # Besides, the packed sequence's boundaries, (items + 1) int64 lengths and int32
+    # cu_seqlens (bytes; not modelled).
+    assert answer["peaks"] == [
+        forward_peak_bytes(tower, 1, 16 * 16, BF16) + 2 * 12,
+        forward_peak_bytes(tower, 2, 12 * 20, BF16) + 3 * 12,
+    ]
+    assert answer["tables"] == [tower.persistent_bytes] * 2
+    assert answer["outputs"] == [16 * 16 // 4 * 256 * BF16, 2 * 12 * 20 // 4 * 256 * BF16]
+    # The shipped config: vLLM's dummy image is 66 x 66 patches, 1,089 embeddings.
+    shipped = vision_tower(HFConfig(kimi), 1)
+    assert shipped is not None
+    assert (shipped.patches_per_item, shipped.tokens_per_item) == (66 * 66, 1089)

@@ -309,6 +309,42 @@ def _llava_next(case: dict[str, object]) -> tuple[int, int]:
     return _peak_of(run, [tower, projector], [pixels])
 
 
+def _moonvit(case: dict[str, object]) -> tuple[int, int]:
+    """Kimi-VL's MoonViT (MoonVitPretrainedModel) and KimiVLMultiModalProjector over
+    `items` images of `grid` patches, packed as the processor packs them ((patches, 3,
+    14, 14) pixels and a grid per image). The rotary table (a cached property the first
+    forward builds) is built before the run, so the peak is the forward's own; its size
+    comes back as the output's last entry."""
+    from vllm.model_executor.models.kimi_vl import KimiVLMultiModalProjector
+    from vllm.model_executor.models.moonvit import MoonVitPretrainedModel
+    from vllm.transformers_utils.configs.kimi_vl import KimiVLConfig
+
+    vision = {**case["vision"], "num_hidden_layers": case["depth"]}  # type: ignore[dict-item]
+    config = KimiVLConfig(vision_config=vision, text_config={"hidden_size": case["text_hidden"]})
+    tower = MoonVitPretrainedModel(config.vision_config, prefix="vision_tower")
+    projector = KimiVLMultiModalProjector(config, prefix="multi_modal_projector")
+    # The table's device is the platform's device type, read at import (empty on the
+    # CPU build; "cuda" on a GPU, where the table is device memory).
+    tower.encoder.rope_2d.device = "cpu"
+    table = tower.encoder.rope_2d.precomputed_freqs_cis
+    grid_shape = [int(n) for n in case["grid"]]  # type: ignore[attr-defined]
+    rows, cols = grid_shape[0], grid_shape[1]
+    items = int(case["items"])  # type: ignore[call-overload]
+    patch = config.vision_config.patch_size
+    pixels = torch.zeros(items * rows * cols, 3, patch, patch)
+    grid = torch.tensor([[rows, cols]] * items)
+
+    def run() -> torch.Tensor:
+        return projector(torch.cat(tower(pixels, grid)))
+
+    peak, held = _peak_of(run, [tower, projector], [pixels, grid, table])
+    TABLES.append(table.untyped_storage().nbytes())
+    return peak, held
+
+
+TABLES: list[int] = []
+
+
 def llava_next_facts(case: dict[str, object]) -> list[int]:
     """[parameters of the tower, projector and image_newline as vLLM builds them, the
     most embeddings of one image and the tiles of that image]: vLLM's
@@ -377,6 +413,7 @@ TOWERS = {
     "qwen3_vl_vit": _qwen3_vl_vit,
     "llama4": _llama4,
     "llava_next": _llava_next,
+    "moonvit": _moonvit,
 }
 
 
@@ -402,7 +439,7 @@ def main() -> None:
     torch.set_default_dtype(torch.float32)
     budgets = [_budget(case) for case in payload.get("budgets", [])]
     print(json.dumps({"peaks": peaks, "outputs": outputs, "budgets": budgets,
-                      "llava_next": facts}))  # fmt: skip
+                      "llava_next": facts, "tables": TABLES}))  # fmt: skip
 
 
 if __name__ == "__main__":
