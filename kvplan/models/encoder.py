@@ -64,6 +64,20 @@ forward (tests/models/test_encoder_against_vllm.py runs them on the CPU):
   (2 / TP): 3 x hidden + 13 x hidden / TP per token. The largest image is a 16:1 strip of
   `LLAMA4_MAX_TILES` tiles plus the global tile; each tile gives (image_size / patch)^2
   x pixel_shuffle_ratio^2 embeddings.
+* LLaVA-Next over SigLIP (Granite Vision): the profiled image is the grid pinpoint with
+  the most embeddings (the base tile's, the unpadded grid's and a newline per row); the
+  tower runs on its base tile and every grid tile. With a list of feature layers the
+  SigLIP encoder keeps every layer's output, so at the last built layer's MLP it holds
+  those (built in all, the last the layer's input), the post-attention residual and
+  its normed copy beside fc1's output and its GELU; after the last layer the pool and
+  the selected layers' concatenation (the larger moment is taken).
+* Kimi-VL (MoonViT + KimiVLMultiModalProjector): vLLM's 1,024-pixel dummy image scaled
+  to the processor's patch limit and padded to the merge kernel; every image's patches
+  in one packed sequence. The peak is at a block's 2D rotary, run in PyTorch: the patch
+  embeddings, the block's input and its normed copy beside QKV, Q's and K's float32
+  copies, their complex64 products and the results (3 x hidden + 13 x hidden / TP), plus
+  the batch's complex64 rotary factors; the 512 x 512 rotary table the first forward
+  builds is kept through the rest of the run.
 """
 
 from __future__ import annotations
@@ -99,6 +113,18 @@ QWEN2_VL_MAX_FRAMES_PER_VIDEO = 14
 # dummy image is 16 tiles high and one wide, which the processor splits into 16 tiles
 # and a global one (Mllama4ProcessingInfo.get_image_size_with_most_features).
 LLAMA4_MAX_TILES = 16
+# Kimi-VL: vLLM's dummy image is 1,024 x 1,024 pixels (kimi_vl.py `MaxImageTokenMeta`),
+# which the image processor scales down to at most `in_token_limit` 14-pixel patches
+# (KimiVLImageProcessor, the checkpoint's preprocessor_config.json: 4,096; config.json
+# does not carry it) before padding to the 2 x 2 merge: 66 x 66 patches, 1,089 tokens.
+# The 0.19 log's "budget of 8192 tokens, and profiled with 7 image items" pins the
+# limit to 4,081-4,606 (1,025-1,170 tokens an image).
+KIMI_VL_DUMMY_IMAGE = 1024
+KIMI_VL_IN_TOKEN_LIMIT = 4096
+# MoonViT's 2D rotary table (moonvit.py Rope2DPosEmb(head_dim, 512, 512)): complex64,
+# head_dim / 2 per position of a 512 x 512 grid, built on the device by the first
+# encoder forward (a cached property) and kept.
+MOONVIT_ROPE_GRID = 512
 
 
 @dataclass(frozen=True)
@@ -152,11 +178,14 @@ class Tower:
     input_elements_per_item: int
     peak_elements_per_patch: int  # at the forward's peak, in the model dtype
     output_hidden: int  # width of the embeddings handed to the decoder
-    # Besides, at the peak: int64 index tensors on the device (Qwen2.5-VL's window order)
+    # Besides, at the peak, bytes outside the model dtype: int64 index tensors
+    # (Qwen2.5-VL's window order), complex64 rotary factors (MoonViT's)
     peak_index_bytes_per_patch: float = 0.0
     # Held once per distinct grid, in the model dtype (Qwen2.5-VL's cos/sin cache); the
     # profile's items are all of one size, so once per item's patches.
     cached_elements_per_patch: int = 0
+    # Allocated by the first encoder forward and kept (MoonViT's rotary table), bytes
+    persistent_bytes: int = 0
     # Frames per temporal patch where vLLM profiles a video of the largest image's frames
     # (Qwen2.5-VL: 2); 0 where the image is the profiled item whatever the limits.
     video_temporal_patch: int = 0
@@ -285,6 +314,155 @@ def _llama4_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
     )
 
 
+def best_grid_resolution(
+    height: int, width: int, pinpoints: list[tuple[int, int]]
+) -> tuple[int, int]:
+    """The (height, width) pinpoint an image of height x width is resized to: the most
+    of the image kept at the pinpoint's scale, then the least padding (transformers'
+    `select_best_resolution`, which vLLM's LLaVA-Next processing info calls)."""
+    best, kept_best, wasted_best = pinpoints[0], -1, math.inf
+    for pin_height, pin_width in pinpoints:
+        scale = min(pin_width / width, pin_height / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        wasted = pin_width * pin_height - kept
+        if kept > kept_best or (kept == kept_best and wasted < wasted_best):
+            best, kept_best, wasted_best = (pin_height, pin_width), kept, wasted
+    return best
+
+
+def llava_next_image_tokens(height: int, width: int, pinpoints: list[tuple[int, int]],
+                            tile: int, grid: int, base_tokens: int) -> int:  # fmt: skip
+    """Embeddings of one image under LLaVA-Next's anyres layout (vLLM's
+    LlavaNextProcessingInfo.get_num_image_tokens): the base tile's, then the grid's
+    patches with the padding rows or columns removed, plus one newline per row."""
+    pin_height, pin_width = best_grid_resolution(height, width, pinpoints)
+    rows, cols = grid * (pin_height // tile), grid * (pin_width // tile)
+    if width / height > cols / rows:
+        kept = int(round(height * (cols / width), 7))
+        rows -= 2 * ((rows - kept) // 2)
+    else:
+        kept = int(round(width * (rows / height), 7))
+        cols -= 2 * ((cols - kept) // 2)
+    return rows * cols + rows + base_tokens
+
+
+def _llava_next_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
+    """LLaVA-Next (Granite Vision) over a SigLIP tower. vLLM's profile item is the image of
+    the pinpoint with the most embeddings (`get_image_size_with_most_features`); the
+    processor cuts it into one base tile plus the pinpoint's grid of image_size tiles,
+    and the tower encodes every tile."""
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    patch = vision.integer("patch_size")
+    size = vision.integer("image_size")
+    channels = vision.integer("num_channels", 3)
+    text = config.sub("text_config")
+    text_hidden = text.integer("hidden_size") if text is not None else width
+    grid = size // patch
+    # 'default' drops the first embedding (CLIP's class token; vLLM's
+    # get_num_selected_vision_tokens drops it from SigLIP's patches too), 'full' none
+    strategy = config.text("vision_feature_select_strategy", "default")
+    base = grid * grid - (1 if strategy == "default" else 0)
+    pinpoints = [_pinpoint(config, item) for item in config.items("image_grid_pinpoints") or []]
+    if not pinpoints:
+        raise ModelConfigError("required for LLaVA-Next's anyres layout", "image_grid_pinpoints")
+    tokens, tiles = 0, 0
+    for pin_height, pin_width in pinpoints:
+        count = llava_next_image_tokens(pin_height, pin_width, pinpoints, size, grid, base)
+        if count > tokens:
+            best = best_grid_resolution(pin_height, pin_width, pinpoints)
+            tokens, tiles = count, 1 + (best[0] // size) * (best[1] // size)
+    built = llava_vision_layers(config, vision)
+    mlp = 2 * -(-inter // tp)  # fc1's output and its GELU
+    raw = config.raw("vision_feature_layer", -2)
+    # With one feature layer the Gemma 3 count applies: four streams at a layer's MLP.
+    # With a list vLLM's SigLIP encoder keeps every layer's output
+    # (`return_all_hidden_states`): at the last layer's MLP the embeddings and the
+    # earlier outputs (`built` in all, the last the layer's input), the post-attention
+    # residual and its normed copy; after the last layer the whole pool (built + 1)
+    # beside the selected layers' concatenation. The larger moment is the peak.
+    peak = 4 * width + mlp
+    if isinstance(raw, list):
+        peak = max((built + 2) * width + mlp, (built + 1 + len(raw)) * width)
+    return Tower(
+        modalities=("image",),
+        tokens_per_item=tokens,
+        patches_per_item=tiles * grid * grid,
+        input_elements_per_item=tiles * channels * size * size,
+        peak_elements_per_patch=peak,
+        output_hidden=text_hidden,
+    )
+
+
+def _pinpoint(config: HFConfig, item: object) -> tuple[int, int]:
+    if (
+        not isinstance(item, list) or len(item) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in item)
+    ):  # fmt: skip
+        raise ModelConfigError(
+            f"expected [height, width] pairs, got {item!r}", config._where("image_grid_pinpoints")
+        )
+    return item[0], item[1]
+
+
+def llava_vision_layers(config: HFConfig, vision: HFConfig) -> int:
+    """The SigLIP layers vLLM builds for a LLaVA model: up to the deepest feature layer
+    (`_get_num_hidden_layers`: a negative index counts from the end, -1 the last)."""
+    count = vision.integer("num_hidden_layers")
+    raw = config.raw("vision_feature_layer", -2)
+    indexes = raw if isinstance(raw, list) else [raw]
+    if not indexes or not all(isinstance(i, int) and not isinstance(i, bool) for i in indexes):
+        raise ModelConfigError(
+            f"expected a layer index or a list of them, got {raw!r}",
+            config._where("vision_feature_layer"),
+        )
+    layers = [int(index) for index in indexes]
+    return max(index + count + 1 if index < 0 else index for index in layers)
+
+
+def _kimi_vl_image_patches(patch: int, kernel: tuple[int, int]) -> tuple[int, int]:
+    """(patch rows, patch columns) of vLLM's dummy Kimi-VL image after the processor's
+    scaling to KIMI_VL_IN_TOKEN_LIMIT patches and padding to the merge kernel
+    (KimiVLProcessingInfo.get_num_image_tokens)."""
+    height = width = KIMI_VL_DUMMY_IMAGE
+    if (width // patch) * (height // patch) > KIMI_VL_IN_TOKEN_LIMIT:
+        scale = math.sqrt(KIMI_VL_IN_TOKEN_LIMIT / ((width // patch) * (height // patch)))
+        width, height = int(width * scale), int(height * scale)
+    unit_h, unit_w = kernel[0] * patch, kernel[1] * patch
+    rows = (height + (unit_h - height % unit_h) % unit_h) // patch
+    cols = (width + (unit_w - width % unit_w) % unit_w) // patch
+    return rows, cols
+
+
+def _moonvit_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
+    """Kimi-VL's MoonViT: every image's patches packed into one sequence. The peak is at
+    a block's 2D rotary, which vLLM runs in PyTorch (moonvit.py `apply_rope`): the
+    patch embeddings (held by the tower's forward while its encoder runs), the block's
+    input and its normed copy (hidden each), beside the fused QKV (3 / TP), Q's and K's
+    float32 copies (2 x 2 / TP), their complex64 products (2 x 2 / TP) and the results
+    in the model dtype (2 / TP); plus the batch's rotary factors (head_dim / 2 complex64
+    per patch) and the 512 x 512 rotary table the first forward builds and keeps."""
+    width = vision.integer("hidden_size")
+    heads = vision.integer("num_attention_heads")
+    patch = vision.integer("patch_size")
+    kernel_raw = [int(k) for k in vision.items("merge_kernel_size") or [2, 2]]
+    kernel = (kernel_raw[0], kernel_raw[1])
+    text = config.sub("text_config")
+    text_hidden = text.integer("hidden_size") if text is not None else width
+    rows, cols = _kimi_vl_image_patches(patch, kernel)
+    head_dim = width // heads
+    return Tower(
+        modalities=("image",),
+        tokens_per_item=rows * cols // (kernel[0] * kernel[1]),
+        patches_per_item=rows * cols,
+        input_elements_per_item=rows * cols * 3 * patch * patch,
+        peak_elements_per_patch=3 * width + 13 * -(-width // tp),
+        output_hidden=text_hidden,
+        peak_index_bytes_per_patch=head_dim // 2 * 8,
+        persistent_bytes=MOONVIT_ROPE_GRID * MOONVIT_ROPE_GRID * head_dim // 2 * 8,
+    )
+
+
 def forward_peak_bytes(tower: Tower, items: int, patches_per_item: int, dtype_bytes: int) -> int:
     """The encoder forward's peak over its inputs and weights, for `items` items of
     `patches_per_item` patches each."""
@@ -309,6 +487,10 @@ def vision_tower(config: HFConfig, tp: int) -> Tower | None:
         return _qwen2_5_vit_tower(vision, tp)
     if model_type == "llama4":
         return _llama4_tower(config, vision, tp)
+    if model_type == "llava_next" and vision.text("model_type", "") == "siglip_vision_model":
+        return _llava_next_tower(config, vision, tp)
+    if model_type == "kimi_vl":
+        return _moonvit_tower(config, vision, tp)
     return None
 
 
@@ -346,15 +528,17 @@ class EncoderProfile:
     input_bytes: int  # the dummy batch on the device, held through the whole run
     forward_peak_bytes: int  # the encoder forward's peak over its inputs
     output_bytes: int  # embeddings kept in the encoder cache through the decoder run
+    # what the first encoder forward allocates and keeps (MoonViT's rotary table)
+    persistent_bytes: int = 0
 
     @property
     def encoder_phase_bytes(self) -> int:
-        return self.input_bytes + self.forward_peak_bytes
+        return self.input_bytes + self.forward_peak_bytes + self.persistent_bytes
 
     @property
     def held_bytes(self) -> int:
         """Held while the decoder's forward and the sampler run."""
-        return self.input_bytes + self.output_bytes
+        return self.input_bytes + self.output_bytes + self.persistent_bytes
 
 
 def encoder_items(
@@ -409,7 +593,14 @@ def encoder_profile(
     forward = forward_peak_bytes(tower, items, patches, dtype_bytes)
     outputs = items * tokens * tower.output_hidden * dtype_bytes
     return EncoderProfile(
-        modality, tokens, budget, items, items * input_elements * dtype_bytes, forward, outputs
+        modality,
+        tokens,
+        budget,
+        items,
+        items * input_elements * dtype_bytes,
+        forward,
+        outputs,
+        tower.persistent_bytes,
     )
 
 

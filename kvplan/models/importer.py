@@ -708,6 +708,22 @@ def _eagle_drafter(b: _Builder, draft: HFConfig) -> None:
     b.layers.extend(drafter.layers)
 
 
+# LLaVA-Next text models whose layers are Llama's (vLLM's LlavaNext builds `text_config`
+# with init_vllm_registered_model); other text models and non-SigLIP towers are refused.
+_LLAVA_NEXT_TEXT = frozenset({"granite", "llama", "mistral"})
+
+
+def _llava_next(b: _Builder) -> None:
+    model_type = b.config.text("model_type", "")
+    if model_type not in _LLAVA_NEXT_TEXT:
+        raise UnsupportedModel(
+            f"LLaVA-Next over a {model_type!r} text model is not supported; supported: "
+            + ", ".join(sorted(_LLAVA_NEXT_TEXT)),
+            b.config._where("model_type"),
+        )
+    _dense_decoder(b)
+
+
 # Architecture name (config "architectures"[0]) -> builder, and whether its text config
 # is nested under "text_config".
 ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
@@ -727,8 +743,14 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     "Gemma3ForConditionalGeneration": (_gemma3, True),
     "Llama4ForConditionalGeneration": (_llama4, True),
     "Llama4ForCausalLM": (_llama4, False),
+    # LLaVA-Next (Granite Vision): a SigLIP tower and projector before a Llama-layered
+    # text model, which vLLM builds from `text_config`'s own architecture.
+    "LlavaNextForConditionalGeneration": (_llava_next, True),
     "DeepseekV2ForCausalLM": (_deepseek, False),
     "DeepseekV3ForCausalLM": (_deepseek, False),
+    # Kimi-VL: a MoonViT tower before a DeepSeek-V3-style MLA / MoE text model, which
+    # vLLM builds from `text_config` as DeepseekV2ForCausalLM (kimi_vl.py).
+    "KimiVLForConditionalGeneration": (_deepseek, True),
     "Qwen3NextForCausalLM": (_qwen3_next, False),
     "Qwen3_5ForCausalLM": (_qwen3_next, False),
     "Qwen3_5MoeForCausalLM": (_qwen3_next, False),
@@ -742,7 +764,7 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     "WhisperForConditionalGeneration": (_whisper, False),
 }
 ENCODER_DECODER = {"WhisperForConditionalGeneration"}
-_MLA = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+_MLA = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiVLForConditionalGeneration"}
 # Families whose vLLM decoder layers read `is_causal` (false: bidirectional attention,
 # vLLM's EncoderOnlyAttention, which registers no cache layer).
 _READS_IS_CAUSAL = {
@@ -933,6 +955,15 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
         builder.notes.append(
             "omitted in the config, filled with the family's transformers defaults: "
             + ", ".join(f"{key}={text.data[key]}" for key in text.defaulted)
+        )
+    vision = config.sub("vision_config")
+    if architecture == "LlavaNextForConditionalGeneration" and (
+        vision is None or vision.text("model_type", "") != "siglip_vision_model"
+    ):
+        raise UnsupportedModel(
+            "LLaVA-Next is supported with a SigLIP tower only (Granite Vision); its vision "
+            "weights and encoder profile are not estimated for another",
+            "vision_config.model_type",
         )
     build(builder)
     if speculative is not None and speculative.draft_config is not None:

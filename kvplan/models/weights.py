@@ -22,6 +22,7 @@ from kvplan.models.encoder import (
     MultimodalOptions,
     deepstack_buffer_bytes,
     encoder_profile,
+    llava_vision_layers,
 )
 from kvplan.models.importer import ARCHITECTURES, ModelLayers, pipeline_stage_bounds, text_config
 
@@ -729,6 +730,7 @@ _PP_EMBEDDINGS_AT_THE_ENDS = frozenset({
     "Qwen3ForCausalLM", "GraniteForCausalLM", "Llama4ForCausalLM",
     "Llama4ForConditionalGeneration", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+    "LlavaNextForConditionalGeneration", "KimiVLForConditionalGeneration",
 })  # fmt: skip
 # Qwen3.5 / 3.6 build the embedding on every stage and the LM head on the last only
 # (a tied head shares the last stage's embedding).
@@ -857,6 +859,71 @@ def _llama4_vision_params(vision: HFConfig, text_hidden: int) -> int:
     return stem + 4 * width + vision.integer("num_hidden_layers") * layer + adapter + projector
 
 
+def _llava_next_vision_params(config: HFConfig, vision: HFConfig, text_hidden: int) -> int:
+    """LLaVA-Next's SigLIP tower and projector as vLLM builds them (llava_next.py,
+    `init_vision_tower_for_llava`): the encoder layers up to the deepest feature layer
+    only, no post-layernorm (`require_post_norm=False`) and no pooling head; per layer
+    Q/K/V/O and fc1 / fc2 with biases and two LayerNorms; the patch convolution and a
+    position embedding per patch; the two-layer projector from the concatenated feature
+    layers (biases on), and the image-newline vector."""
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    layer = 4 * width * width + 2 * width * inter + 9 * width + inter
+    patch = vision.integer("patch_size")
+    patches = (vision.integer("image_size") // patch) ** 2
+    stem = vision.integer("num_channels", 3) * patch * patch * width + width + patches * width
+    raw = config.raw("vision_feature_layer", -2)
+    features = len(raw) if isinstance(raw, list) else 1
+    projector = features * width * text_hidden + text_hidden * text_hidden + 2 * text_hidden
+    return llava_vision_layers(config, vision) * layer + stem + projector + text_hidden
+
+
+def replicated_params(config: HFConfig, layers: ModelLayers, stage_layers: int) -> int:
+    """Parameters vLLM builds whole on every tensor-parallel rank, besides the MoE
+    routers: MLA's down projections (deepseek_v2.py: `kv_a_proj_with_mqa` and, with a
+    `q_lora_rank`, `q_a_proj`, fused as DeepSeekV2FusedQkvAProjLinear with
+    `disable_tp=True`; ReplicatedLinear otherwise), per MLA layer of the stage; and
+    Kimi-VL's MoonViT parts outside its parallel linears' sharded weights (moonvit.py,
+    kimi_vl.py: the patch convolution, the position grid, the LayerNorms, the biases of
+    the row-parallel `wo` and `fc1`, and the projector's ReplicatedLinear layers).
+    Counted for unquantized checkpoints."""
+    c = text_config(config, layers.architecture)
+    whole = 0
+    if c.has("kv_lora_rank"):
+        hidden = c.integer("hidden_size")
+        latent = c.integer("kv_lora_rank") + c.integer("qk_rope_head_dim")
+        q_rank = c.size_or_none("q_lora_rank")
+        whole += stage_layers * hidden * (latent + (q_rank or 0))
+    vision = config.sub("vision_config")
+    if vision is not None and config.text("model_type", "") == "kimi_vl":
+        width = vision.integer("hidden_size")
+        inter = vision.integer("intermediate_size")
+        # sharded: the QKV, output and MLP matrices and the column-parallel biases (QKV,
+        # fc0); the row-parallel ones' biases (wo, fc1) and the LayerNorms stay whole
+        layer = 4 * width * width + 2 * width * inter + 3 * width + inter
+        parallel = vision.integer("num_hidden_layers") * layer
+        whole += _moonvit_params(vision, c.integer("hidden_size")) - parallel
+    return whole
+
+
+def _moonvit_params(vision: HFConfig, text_hidden: int) -> int:
+    """Kimi-VL's MoonViT and projector as vLLM builds them (moonvit.py, kimi_vl.py): the
+    patch convolution with its bias and a learnable init_pos_emb_height x width position
+    grid; per layer two LayerNorms, the fused QKV and the output projection with biases
+    and the two-matrix MLP with biases; the final LayerNorm; the projector's LayerNorm
+    and its two linears from the merged patches (hidden x the merge kernel's area)."""
+    width = vision.integer("hidden_size")
+    inter = vision.integer("intermediate_size")
+    patch = vision.integer("patch_size")
+    layer = 4 * width * width + 2 * width * inter + 9 * width + inter
+    positions = vision.integer("init_pos_emb_height") * vision.integer("init_pos_emb_width")
+    stem = 3 * patch * patch * width + width + positions * width
+    kernel = [int(k) for k in vision.items("merge_kernel_size") or [2, 2]]
+    merged = width * kernel[0] * kernel[1]
+    projector = 2 * width + merged * merged + merged + merged * text_hidden + text_hidden
+    return vision.integer("num_hidden_layers") * layer + stem + 2 * width + projector
+
+
 def _vision_params(config: HFConfig, text_hidden: int) -> int:
     """A SigLIP vision tower (Gemma 3's `vision_config`) and its projection into the
     text model: per encoder layer Q/K/V/O and a two-matrix MLP (with biases), the
@@ -872,6 +939,10 @@ def _vision_params(config: HFConfig, text_hidden: int) -> int:
         return _qwen2_5_vision_params(vision)
     if vision is not None and model_type == "llama4":
         return _llama4_vision_params(vision, text_hidden)
+    if vision is not None and model_type == "llava_next":
+        return _llava_next_vision_params(config, vision, text_hidden)
+    if vision is not None and model_type == "kimi_vl":
+        return _moonvit_params(vision, text_hidden)
     if vision is None or vision.text("model_type", "") != "siglip_vision_model":
         return 0
     width = vision.integer("hidden_size")
@@ -1392,7 +1463,10 @@ def estimate_weights(
     for (start, end), stage in zip(bounds, stage_params(config, layers, bounds), strict=True):
         stage_router = stage.router * dtype_bytes
         if name == "none":
-            rank = -(-(stage.total - stage.router) * dtype_bytes // tp) + stage_router
+            # What vLLM builds unsharded besides the routers (`replicated_params`).
+            kept_whole = replicated_params(config, layers, end - start) if tp > 1 else 0
+            sharded = (stage.total - stage.router - kept_whole) * dtype_bytes
+            rank = -(-sharded // tp) + stage_router + kept_whole * dtype_bytes
         elif experts_only:
             dense = (stage.total - stage.mlp - stage.router) * dtype_bytes
             experts = experts_all_layers * (end - start) // num_layers

@@ -333,3 +333,78 @@ def test_fp8_exclusions_leave_unquantized_what_vllm_does(tmp_path: Path) -> None
     assert ours == {part: decisions.pop() for part, decisions in theirs.items()}
     assert ours == {"in_proj_ba": True, "state_space": False, "attention": False, "mlp": False,
                     "vision": True, "fc": True, "draft": False}  # fmt: skip
+
+
+# Checkpoint configs (tests/data/checkpoints) whose whole vLLM wrapper builds on the CPU:
+# LLaVA-Next needs no processor to build, so its tower, projector and language model
+# are vLLM's own (llava.py imports pixtral.py, whose `mistral_common` import gets the
+# stand-ins of tests/models/vllm_stubs; the SigLIP path uses none of it).
+CHECKPOINTS = Path(__file__).parents[1] / "data" / "checkpoints"
+WHOLE_WRAPPER = """
+import runpy, sys
+sys.path.insert(0, {models!r})
+import vllm_encoder_side
+vllm_encoder_side._stand_in_mistral_common()
+runpy.run_path({side!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
+def test_llava_next_wrapper_matches_vllm_model_code(release: str, tmp_path: Path) -> None:
+    """Granite Vision 3.3 2B as vLLM builds LlavaNextForConditionalGeneration on the
+    meta device: every cache layer's spec, and the parameters, which are kvplan's
+    count plus the text model's RMSNorm weights count_params leaves out (2 per layer
+    and the final one, 2,048 each)."""
+    directory = CHECKPOINTS / "granite-vision-3.3-2b"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = WHOLE_WRAPPER.format(models=str(SIDE.parent), side=str(SIDE))
+    case = {"path": str(directory), "tp": 1, "max_model_len": 8192, "kv_cache_dtype": "auto"}
+    answer = run_in_vllm(release, ["-c", code], {"port": port, "cases": [case]},
+                         cache_root=tmp_path)  # fmt: skip
+    config = load_config(str(directory))
+    layers = import_layers(config).layers
+    theirs = answer["specs"][0]
+    assert [row(layer) for layer in layers] == [spec[1:] for spec in theirs]
+    assert [layer.name for layer in layers] == [
+        spec[0].removeprefix("language_model.") for spec in theirs
+    ]
+    text = config.sub("text_config")
+    assert text is not None
+    norms = (2 * text.integer("num_hidden_layers") + 1) * text.integer("hidden_size")
+    assert answer["parameters"] == [count_params(config, import_layers(config)).total + norms]
+
+
+@pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
+def test_kimi_vl_wrapper_matches_vllm_model_code(release: str, tmp_path: Path) -> None:
+    """Kimi-VL-A3B as vLLM builds KimiVLForConditionalGeneration on the meta device
+    (MoonViT, the projector and DeepseekV2ForCausalLM from `text_config`): every cache
+    layer's spec (MLA: one 576-wide latent head), and the parameters: the routed
+    experts are stood in (added back: 26 MoE layers x 64 x 3 x 2,048 x 1,408), and what
+    count_params leaves out is the text model's RMSNorms (two a layer, MLA's
+    `kv_a_layernorm` and the final one) and the routers' `e_score_correction_bias`."""
+    directory = CHECKPOINTS / "kimi-vl-a3b-instruct"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = WHOLE_WRAPPER.format(models=str(SIDE.parent), side=str(SIDE))
+    case = {"path": str(directory), "tp": 1, "max_model_len": 8192, "kv_cache_dtype": "auto"}
+    answer = run_in_vllm(release, ["-c", code], {"port": port, "cases": [case]},
+                         cache_root=tmp_path)  # fmt: skip
+    config = load_config(str(directory))
+    layers = import_layers(config).layers
+    theirs = answer["specs"][0]
+    assert [row(layer) for layer in layers] == [spec[1:] for spec in theirs]
+    assert [layer.name for layer in layers] == [
+        spec[0].removeprefix("language_model.") for spec in theirs
+    ]
+    text = config.sub("text_config")
+    assert text is not None
+    count, hidden = text.integer("num_hidden_layers"), text.integer("hidden_size")
+    moe_layers = count - text.integer("first_k_dense_replace")
+    experts = text.integer("n_routed_experts")
+    routed = moe_layers * experts * 3 * hidden * text.integer("moe_intermediate_size")
+    norms = count * (2 * hidden + text.integer("kv_lora_rank")) + hidden
+    ours = count_params(config, import_layers(config)).total
+    assert answer["parameters"] == [ours - routed + norms + moe_layers * experts]

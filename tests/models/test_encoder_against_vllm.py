@@ -35,6 +35,7 @@ from kvplan.models.encoder import (
     forward_peak_bytes,
     vision_tower,
 )
+from kvplan.models.weights import _llava_next_vision_params
 from tests.vllm_envs import run_in_vllm
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -231,3 +232,101 @@ def test_the_flags_parse_as_vllm_parses_them(release: str) -> None:
         counts = {key: value["count"] if isinstance(value, dict) else value
                   for key, value in limits.items()}  # fmt: skip
         assert ours == MultimodalOptions(bool(skip), counts, bool(text_only)), argv
+
+
+GRANITE_VISION = Path(__file__).parents[1] / "data" / "checkpoints" / "granite-vision-3.3-2b"
+
+
+def test_llava_next_tower_against_vllm(tmp_path: Path) -> None:
+    """LLaVA-Next (Granite Vision's wrapper) against vLLM 0.32's own modules: the SigLIP
+    tower init_vision_tower_for_llava builds and LlavaMultiModalProjector, run over two
+    and three tiles with a list of feature layers (every layer's output held) at an
+    eighth of the shipped widths (CPU time); their parameters (the tower built to the
+    deepest feature layer only); and the largest image's embeddings and tiles as
+    LlavaNextProcessingInfo counts them, for the shipped pinpoints and a smaller set."""
+    granite = json.loads((GRANITE_VISION / "config.json").read_text())
+    small = {**granite["vision_config"], "hidden_size": 144, "intermediate_size": 538,
+             "num_attention_heads": 2, "num_hidden_layers": 5}  # fmt: skip
+    base = {"kind": "llava_next", "vision": small, "text_hidden": 256, "strategy": "full",
+            "pinpoints": granite["image_grid_pinpoints"]}  # fmt: skip
+    towers = [
+        {**base, "feature_layers": [-4, -2, -1], "tiles": 2},  # all five layers built
+        {**base, "feature_layers": [-5, -2], "tiles": 3},  # four of five built
+    ]
+    shipped = {**base, "vision": granite["vision_config"],
+               "text_hidden": granite["text_config"]["hidden_size"],
+               "feature_layers": granite["vision_feature_layer"]}  # fmt: skip
+    few = {**towers[1], "strategy": "default", "pinpoints": [[384, 768], [768, 768], [1152, 384]]}
+    answer = run_in_vllm(
+        "0.32", [str(SIDE)],
+        {"port": _port(), "towers": towers, "llava_next": [shipped, towers[0], few]},
+        cache_root=tmp_path, timeout=280,
+    )  # fmt: skip
+
+    def config(case: dict[str, object]) -> HFConfig:
+        return HFConfig({
+            **granite, "vision_config": case["vision"],
+            "text_config": {**granite["text_config"], "hidden_size": case["text_hidden"]},
+            "vision_feature_layer": case["feature_layers"],
+            "vision_feature_select_strategy": case["strategy"],
+            "image_grid_pinpoints": case["pinpoints"],
+        })  # fmt: skip
+
+    ours = [vision_tower(config(case), 1) for case in towers]
+    assert all(tower is not None for tower in ours)
+    expected = [
+        forward_peak_bytes(tower, case["tiles"], 27 * 27, BF16)  # type: ignore[arg-type]
+        for tower, case in zip(ours, towers, strict=True)
+    ]
+    assert answer["peaks"] == expected
+    assert answer["outputs"] == [case["tiles"] * 27 * 27 * 256 * BF16 for case in towers]
+    for case, (params, tokens, tiles) in zip((shipped, towers[0], few), answer["llava_next"],
+                                             strict=True):  # fmt: skip
+        c = config(case)
+        tower = vision_tower(c, 1)
+        assert tower is not None
+        assert (tower.tokens_per_item, tower.patches_per_item) == (tokens, tiles * 27 * 27)
+        hidden = c.sub("text_config").integer("hidden_size")  # type: ignore[union-attr]
+        assert _llava_next_vision_params(c, c.sub("vision_config"), hidden) == params  # type: ignore[arg-type]
+    # The shipped pinpoints: the 3,840 x 384 strip, ten tiles and the base one, 8,289
+    # embeddings (the encoder budget the 0.19 log prints).
+    assert answer["llava_next"][0][1:] == [8289, 11]
+
+
+KIMI_VL = Path(__file__).parents[1] / "data" / "checkpoints" / "kimi-vl-a3b-instruct"
+
+
+def test_moonvit_tower_against_vllm(tmp_path: Path) -> None:
+    """Kimi-VL's MoonViT and projector against vLLM 0.32's own modules at an eighth of
+    the widths (the same head size, 72; CPU time): the forward's peak over one image of
+    16 x 16 patches at depth 2 and two of 12 x 20 at depth 3, with the rotary table
+    built beforehand, equals kvplan's per-patch count (`forward_peak_bytes`, plus the
+    sequence boundaries' few bytes); the table
+    itself is kvplan's `persistent_bytes`; the projector's output is a text-width row
+    per merged 2 x 2 patch."""
+    kimi = json.loads((KIMI_VL / "config.json").read_text())
+    small = {**kimi["vision_config"], "hidden_size": 144, "intermediate_size": 538,
+             "num_attention_heads": 2}  # fmt: skip
+    base = {"kind": "moonvit", "vision": small, "text_hidden": 256}
+    towers = [
+        {**base, "depth": 2, "items": 1, "grid": [16, 16]},
+        {**base, "depth": 3, "items": 2, "grid": [12, 20]},
+    ]
+    answer = run_in_vllm("0.32", [str(SIDE)], {"port": _port(), "towers": towers},
+                         cache_root=tmp_path, timeout=280)  # fmt: skip
+    config = HFConfig({**kimi, "vision_config": small,
+                       "text_config": {**kimi["text_config"], "hidden_size": 256}})  # fmt: skip
+    tower = vision_tower(config, 1)
+    assert tower is not None
+    # Besides, the packed sequence's boundaries, (items + 1) int64 lengths and int32
+    # cu_seqlens (bytes; not modelled).
+    assert answer["peaks"] == [
+        forward_peak_bytes(tower, 1, 16 * 16, BF16) + 2 * 12,
+        forward_peak_bytes(tower, 2, 12 * 20, BF16) + 3 * 12,
+    ]
+    assert answer["tables"] == [tower.persistent_bytes] * 2
+    assert answer["outputs"] == [16 * 16 // 4 * 256 * BF16, 2 * 12 * 20 // 4 * 256 * BF16]
+    # The shipped config: vLLM's dummy image is 66 x 66 patches, 1,089 embeddings.
+    shipped = vision_tower(HFConfig(kimi), 1)
+    assert shipped is not None
+    assert (shipped.patches_per_item, shipped.tokens_per_item) == (66 * 66, 1089)

@@ -28,7 +28,7 @@ from kvplan.models import (
     load_config,
 )
 from kvplan.models.importer import ModelLayers
-from kvplan.models.weights import count_params, estimate_weights
+from kvplan.models.weights import count_params, estimate_weights, replicated_params
 from kvplan.v1 import plan_pb2
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -666,3 +666,76 @@ def test_registration_table_matches_the_core_rule_sets() -> None:
         registration = REGISTRATIONS[version]
         assert registration.default_block_size == rules.default_block_size, version
         assert registration.marks_draft_layers == rules.has_field(FIELD_IS_DRAFT), version
+
+
+GRANITE_VISION = Path(__file__).parents[1] / "data" / "checkpoints" / "granite-vision-3.3-2b"
+
+
+def test_llava_next_granite_vision_by_hand() -> None:
+    """Granite Vision 3.3 2B: the Granite text model's 40 layers of 8 KV heads x 64 (2,048 /
+    32), and the SigLIP tower of 27 layers (1,152 wide, MLP 4,304, 27 x 27 patches of 14
+    pixels) with its projector from four concatenated feature layers, counted by hand."""
+    config = load_config(str(GRANITE_VISION))
+    layers = import_layers(config)
+    assert layers.architecture == "LlavaNextForConditionalGeneration"
+    assert layers.model_type == "granite"
+    assert [(x.num_kv_heads, x.head_size, x.kind) for x in layers.layers] == [
+        (8, 64, "full_attention")
+    ] * 40
+    w, inter, text = 1152, 4304, 2048
+    layer = 4 * w * w + 4 * w + 2 * 2 * w + w * inter + inter + inter * w + w
+    stem = 3 * 14 * 14 * w + w + 27 * 27 * w
+    projector = 4 * w * text + text + text * text + text
+    assert count_params(config, layers).vision == 27 * layer + stem + projector + text
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"vision_config": {"model_type": "clip_vision_model"}}, "SigLIP tower only"),
+        ({"text_config": {"model_type": "qwen2"}}, "'qwen2' text model is not supported"),
+    ],
+)
+def test_llava_next_other_towers_and_text_models_are_refused(
+    change: dict[str, dict[str, object]], match: str
+) -> None:
+    raw = json.loads((GRANITE_VISION / "config.json").read_text())
+    for key, fields in change.items():
+        raw[key] = {**raw[key], **fields}
+    with pytest.raises(UnsupportedModel, match=match):
+        import_layers(HFConfig(raw))
+
+
+KIMI_VL = Path(__file__).parents[1] / "data" / "checkpoints" / "kimi-vl-a3b-instruct"
+
+
+def test_kimi_vl_mla_layers_moonvit_and_what_stays_whole() -> None:
+    """Kimi-VL-A3B: DeepSeek's MLA layers (one 512 + 64 latent head, block 64) from
+    `text_config`; MoonViT and its projector counted from the shapes vLLM 0.19's log
+    prints as it loads them; at TP 2 the MLA down projections and MoonViT's parts
+    outside its parallel linears stay whole on each rank."""
+    config = load_config(str(KIMI_VL))
+    layers = import_layers(config)
+    assert layers.architecture == "KimiVLForConditionalGeneration"
+    assert layers.block_size == 64
+    assert [(x.kind, x.num_kv_heads, x.head_size) for x in layers.layers] == [
+        ("mla_attention", 1, 576)
+    ] * 27
+    w, inter, text = 1152, 4304, 2048
+    block = (3 * w * w + 3 * w) + (w * w + w) + (inter * w + inter) + (w * inter + w) + 4 * w
+    tower = 27 * block + 2 * w + 64 * 64 * w + w * 3 * 14 * 14 + w
+    projector = 2 * w + 4608 * 4608 + 4608 + text * 4608 + text
+    assert count_params(config, layers).vision == tower + projector
+    whole = replicated_params(config, layers, 27)
+    # the stem, the final LayerNorm, the projector; per block two LayerNorms and the
+    # row-parallel wo's and fc1's biases
+    outside = 2 * w + 64 * 64 * w + w * 3 * 14 * 14 + w + projector + 27 * 6 * w
+    assert whole == 27 * text * (512 + 64) + outside
+    one, two = estimate_weights(config, layers, 1), estimate_weights(config, layers, 2)
+    params = count_params(config, layers)
+    sharded = (params.total - params.router - whole) * 2
+    assert (
+        two.bytes_per_worker
+        == -(-sharded // 2) + (params.router + whole) * 2 + two.rope_cache_bytes
+    )
+    assert one.bytes_per_worker == params.total * 2 + one.rope_cache_bytes

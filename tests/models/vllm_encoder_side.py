@@ -21,10 +21,12 @@ stdout (last line): {"peaks": [bytes per tower case], "outputs": [bytes of the
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import json
 import os
 import sys
 from types import SimpleNamespace
+from typing import Any
 
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
@@ -240,6 +242,143 @@ def _llama4(case: dict[str, object]) -> tuple[int, int]:
     return _peak_of(run, [tower, projector], [pixels])
 
 
+def _stand_in_mistral_common() -> None:
+    """vLLM's llava.py imports pixtral.py, which imports `mistral_common` (not in the
+    CPU venvs) for Pixtral's processor; the SigLIP path never uses it. Inert stand-ins
+    from tests/models/vllm_stubs (its placeholder modules), for this process only."""
+    import importlib.machinery
+
+    import compressed_tensors as stubs  # type: ignore[import-not-found]  # the stand-in
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: object = None,
+                      target: object = None) -> importlib.machinery.ModuleSpec | None:  # fmt: skip
+            if fullname == "mistral_common" or fullname.startswith("mistral_common."):
+                return importlib.machinery.ModuleSpec(fullname, stubs._Loader(), is_package=True)
+            return None
+
+    sys.meta_path.insert(0, Finder())
+
+
+def _llava_next_config(case: dict[str, object]) -> Any:
+    from transformers import LlavaNextConfig
+
+    return LlavaNextConfig(
+        text_config={"model_type": "granite", "hidden_size": case["text_hidden"]},
+        vision_config=case["vision"],
+        vision_feature_layer=case["feature_layers"],
+        vision_feature_select_strategy=case["strategy"],
+        image_grid_pinpoints=case["pinpoints"],
+        multimodal_projector_bias=True,
+    )
+
+
+def _llava_next_modules(case: dict[str, object]) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """LLaVA-Next's tower and projector as LlavaNextForConditionalGeneration builds them."""
+    _stand_in_mistral_common()
+    from vllm.model_executor.models.llava import (
+        LlavaMultiModalProjector,
+        init_vision_tower_for_llava,
+    )
+
+    config = _llava_next_config(case)
+    tower = init_vision_tower_for_llava(config, None, require_post_norm=False,
+                                        prefix="vision_tower")  # fmt: skip
+    width = config.vision_config.hidden_size * len(case["feature_layers"])  # type: ignore[arg-type]
+    projector = LlavaMultiModalProjector(
+        vision_hidden_size=width,
+        text_hidden_size=config.text_config.hidden_size,
+        projector_hidden_act=config.projector_hidden_act,
+        multimodal_projector_bias=True,
+    )
+    return tower, projector
+
+
+def _llava_next(case: dict[str, object]) -> tuple[int, int]:
+    """The SigLIP tower over `tiles` tiles with the selected layers concatenated (the
+    wrapper's _image_pixels_to_features), then the projector."""
+    tower, projector = _llava_next_modules(case)
+    size = int(case["vision"]["image_size"])  # type: ignore[index]
+    pixels = torch.zeros(int(case["tiles"]), 3, size, size)  # type: ignore[call-overload]
+
+    def run() -> torch.Tensor:
+        features = tower(pixels, select_layers=case["feature_layers"],
+                         feature_select_strategy=case["strategy"])  # fmt: skip
+        return projector(features)
+
+    return _peak_of(run, [tower, projector], [pixels])
+
+
+def _moonvit(case: dict[str, object]) -> tuple[int, int]:
+    """Kimi-VL's MoonViT (MoonVitPretrainedModel) and KimiVLMultiModalProjector over
+    `items` images of `grid` patches, packed as the processor packs them ((patches, 3,
+    14, 14) pixels and a grid per image). The rotary table (a cached property the first
+    forward builds) is built before the run, so the peak is the forward's own; its size
+    comes back as the output's last entry."""
+    from vllm.model_executor.models.kimi_vl import KimiVLMultiModalProjector
+    from vllm.model_executor.models.moonvit import MoonVitPretrainedModel
+    from vllm.transformers_utils.configs.kimi_vl import KimiVLConfig
+
+    vision = {**case["vision"], "num_hidden_layers": case["depth"]}  # type: ignore[dict-item]
+    config = KimiVLConfig(vision_config=vision, text_config={"hidden_size": case["text_hidden"]})
+    tower = MoonVitPretrainedModel(config.vision_config, prefix="vision_tower")
+    projector = KimiVLMultiModalProjector(config, prefix="multi_modal_projector")
+    # The table's device is the platform's device type, read at import (empty on the
+    # CPU build; "cuda" on a GPU, where the table is device memory).
+    tower.encoder.rope_2d.device = "cpu"
+    table = tower.encoder.rope_2d.precomputed_freqs_cis
+    grid_shape = [int(n) for n in case["grid"]]  # type: ignore[attr-defined]
+    rows, cols = grid_shape[0], grid_shape[1]
+    items = int(case["items"])  # type: ignore[call-overload]
+    patch = config.vision_config.patch_size
+    pixels = torch.zeros(items * rows * cols, 3, patch, patch)
+    grid = torch.tensor([[rows, cols]] * items)
+
+    def run() -> torch.Tensor:
+        return projector(torch.cat(tower(pixels, grid)))
+
+    peak, held = _peak_of(run, [tower, projector], [pixels, grid, table])
+    TABLES.append(table.untyped_storage().nbytes())
+    return peak, held
+
+
+TABLES: list[int] = []
+
+
+def llava_next_facts(case: dict[str, object]) -> list[int]:
+    """[parameters of the tower, projector and image_newline as vLLM builds them, the
+    most embeddings of one image and the tiles of that image]: vLLM's
+    LlavaNextProcessingInfo.get_num_image_tokens over the pinpoints, as its
+    get_image_size_with_most_features does, with the config standing in for the
+    processor context."""
+    from transformers.models.llava_next.modeling_llava_next import (  # type: ignore[import-not-found]
+        get_anyres_image_grid_shape,
+    )
+    from vllm.model_executor.models.llava_next import LlavaNextProcessingInfo
+    from vllm.model_executor.models.vision import get_vision_encoder_info
+
+    config = _llava_next_config(case)
+    with torch.device("meta"):
+        tower, projector = _llava_next_modules(case)
+    params = sum(p.numel() for m in (tower, projector) for p in m.parameters())
+    encoder_info = get_vision_encoder_info(config)
+    info = SimpleNamespace(
+        get_hf_config=lambda: config, get_vision_encoder_info=lambda: encoder_info
+    )
+    info._get_num_unpadded_features = lambda **kw: (
+        LlavaNextProcessingInfo._get_num_unpadded_features(info, **kw)
+    )
+    info.get_num_image_tokens = lambda **kw: LlavaNextProcessingInfo.get_num_image_tokens(
+        info, **kw
+    )
+    largest = LlavaNextProcessingInfo.get_image_size_with_most_features(info)
+    tokens = info.get_num_image_tokens(image_width=largest.width, image_height=largest.height)
+    size = config.vision_config.image_size
+    rows, cols = get_anyres_image_grid_shape((largest.height, largest.width),
+                                             config.image_grid_pinpoints, size)  # fmt: skip
+    return [params + config.text_config.hidden_size, tokens, 1 + rows * cols]
+
+
 def _budget(case: dict[str, int]) -> list[int]:
     """vLLM's encoder budget and profiled item count (compute_mm_encoder_budget and
     MultiModalBudget._get_max_items) for one modality of `max_tokens_per_item`."""
@@ -273,6 +412,8 @@ TOWERS = {
     "qwen2_5_vit": _qwen2_5_vit,
     "qwen3_vl_vit": _qwen3_vl_vit,
     "llama4": _llama4,
+    "llava_next": _llava_next,
+    "moonvit": _moonvit,
 }
 
 
@@ -294,9 +435,11 @@ def main() -> None:
             peak, held = TOWERS[case["kind"]](case)
             peaks.append(peak)
             outputs.append(held)
+        facts = [llava_next_facts(case) for case in payload.get("llava_next", [])]
     torch.set_default_dtype(torch.float32)
     budgets = [_budget(case) for case in payload.get("budgets", [])]
-    print(json.dumps({"peaks": peaks, "outputs": outputs, "budgets": budgets}))
+    print(json.dumps({"peaks": peaks, "outputs": outputs, "budgets": budgets,
+                      "llava_next": facts, "tables": TABLES}))  # fmt: skip
 
 
 if __name__ == "__main__":
