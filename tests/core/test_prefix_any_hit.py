@@ -152,11 +152,16 @@ def test_no_shared_prefix_below_the_minimum_hits_with_any_stored_length(
 def test_a_longer_shared_prefix_of_one_stored_prompt_never_loses_the_hit(
     setup: PrefixCacheSetup, data: st.DataObject
 ) -> None:
-    """What the scan's bisection rests on: for one stored prompt, hitting is
-    monotone in the shared length."""
+    """(P1) What the scan's bisection rests on: for one stored prompt, the KV
+    cache manager's hit never falls as the shared length grows, so neither does
+    the served one (the manager's less the replay window) nor hitting at all."""
     stored = data.draw(st.integers(1, 3 * max(64, setup.scheduler_block)))
     shorter = data.draw(st.integers(0, stored))
     longer = data.draw(st.integers(shorter, stored))
+    manager = prefix_cache.manager_view(setup)
+    assert cached_tokens(manager, shorter, stored, shorter + 1) <= cached_tokens(
+        manager, longer, stored, longer + 1
+    )
     if _hits(setup, shorter, stored):
         assert _hits(setup, longer, stored)
 
@@ -267,7 +272,7 @@ def test_h_a_stored_prompt_a_horizon_past_the_shared_prefix_keeps_there_what_any
     shared = data.draw(_shared(horizon, setup))
     length = shared + horizon + data.draw(_near(horizon, setup))
     stored = prefix_cache._Stored(setup, length)
-    endless = tuple(
+    endless: tuple[object, ...] = tuple(
         (
             frozenset(range(shared // g.block_tokens)) if stored.kept[i] is None else frozenset(),
             frozenset(),
