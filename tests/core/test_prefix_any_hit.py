@@ -166,7 +166,7 @@ def test_a_longer_shared_prefix_of_one_stored_prompt_never_loses_the_hit(
         assert _hits(setup, longer, stored)
 
 
-# The steps of the scan's proof (docs/prefix-caching.md, "Why the any-hit scan is
+# The steps of the scan's proof (docs/prefix-caching.md, "Why the scan is
 # exact"), each against the simulation: what a stored prompt keeps is read only up
 # to the shared prefix (R), is the same for every stored length a horizon past it
 # (H), changes only at `hit_candidates` (C), and no lookup lands below
