@@ -243,13 +243,21 @@ def hit_candidates(setup: PrefixCacheSetup, start: int) -> Iterator[int]:
 
 
 def _scan_horizon(setup: PrefixCacheSetup) -> int:
-    """Past this length a prompt stored and sent again hits, if ever, within one
-    more period: what a stored prompt keeps sits within a few scheduler blocks of
-    its end (the replay boundary, one lower under the drop, the Mamba checkpoint a
-    unit lower), except the window's first blocks and chunked-local chunks, and
-    every length the lookups read repeats with the scheduler block (the lcm of the
-    blocks) and the chunks. So a scan that reaches it without a hit gives up (a
-    one-token window beside other groups never hits) instead of running on."""
+    """How far past a shared prefix P the scans look at stored lengths.
+
+    For the any-hit scan it is proven enough (docs/prefix-caching.md, "Why the
+    scan is exact", lemma H, tested in tests/core/test_prefix_any_hit.py): what a
+    stored prompt of S tokens keeps sits near S (its replay boundaries, at least
+    S less two scheduler blocks, floored to the unit; the window's blocks below
+    them; the Mamba checkpoint a unit lower; the block of its last hash
+    boundary), except for the groups that keep every block, whose run reaches
+    S less the lookahead, a hash block, the tail and a scheduler block. So past
+    P + the unit + the widest window + lookahead + tail + three periods, a prompt
+    keeps within P what an endless one does and every such S gives P one hit;
+    this adds the drop, the replay window and a fourth period. For a prompt sent
+    again (`first_hit_prefix`) the states it keeps move with it: past the horizon
+    a scan that found no hit gives up instead of running on (a one-token window
+    beside other groups never hits) and says so."""
     period = max(setup.scheduler_block, setup.hash_block, *(g.block_tokens for g in setup.groups))
     windows = [g.window for g in setup.groups if g.kind is not GroupKind.MAMBA]
     return (
@@ -336,17 +344,20 @@ def first_any_hit_prefix(
     checkpoint, the block holding its last hash boundary): one longer than the
     shared prefix can keep it lower than a prompt sent again does (Jamba: 80
     shared tokens of an 81-token prompt hit 80, a prompt sent again first hits at
-    81). The scan rests on two properties of the simulation, held by the tests
-    against trying everything: for a stored length, a longer shared prefix never
-    turns a hit into none; and no prompt shorter than `first_hit_prefix`, nor one
-    more than `_scan_horizon` past the shared prefix, gives a hit a stored length
-    in between does not. So it starts from the sent-again minimum M (a stored
-    prompt of M tokens), tries each stored length that can change the hit
-    (`hit_candidates`) at one token below the best prefix so far, and where that
-    hits, bisects down to that length's own minimum. No prefix shorter than a unit
-    past the lookahead and a dropping full-attention group's drop hits
-    (`_least_hit_prefix`): the scan ends there. Where the sent-again scan gave up,
-    or `limit` evaluations here do, the flag is False."""
+    81). The scan starts from the sent-again minimum M (a stored prompt of M
+    tokens), tries each stored length that can change the hit (`hit_candidates`)
+    at one token below the best prefix so far, and where that hits, bisects down to
+    that length's own minimum; it ends at `_least_hit_prefix` or a horizon
+    (`_scan_horizon`) past the best. It is exact by lemmas each tested against the
+    simulation (docs/prefix-caching.md, "Why the scan is exact"): for one stored
+    prompt a longer shared prefix never lowers the hit (P1; so no prompt shorter
+    than M hits at all), the hit reads what the stored prompt keeps within the
+    shared prefix alone (R), which is the same for every stored length past the
+    horizon (H) and changes only at the candidates (C), and nothing below the
+    floor hits (F). P1 is proven for one group, for two specs with full attention
+    first (one turn) and for full-attention specs beside one other spec that does
+    not drop; elsewhere the tests hold it. Where the sent-again scan gave up, or
+    `limit` evaluations here do, the flag is False."""
     if _why_off(setup) is not WhyOff.ON:
         return 0, 0, True
     return _any_hit_below(setup, *first_hit_prefix(setup, limit), limit)
