@@ -80,6 +80,7 @@ from kvplan.v1 import plan_pb2
 Json = dict[str, Any]
 _MAX_STEPS = 100_000  # a request that has not finished after this many steps is stuck
 _SAMPLED = 10**8  # made-up sampled and draft tokens: never a prompt token
+_TAIL = 10**7  # a probe's own tokens after its shared prefix: 10**7 + i, 2 * 10**7 + i
 
 
 class SchedulerEngineConfig(driver.PlannerConfig):
@@ -308,19 +309,23 @@ def scheduler_hit(
     differently from both is submitted: its hit (`later_hit`). PoolTooSmall where
     the pool cannot hold them (the harness's error); SchedulerStalled and vLLM's
     own exceptions propagate."""
+    if stored >= _TAIL or tail >= _TAIL:
+        # Every prompt token stays below 3 * _TAIL < _SAMPLED: a sampled token equal
+        # to one of the next request's own would let it match past the prompt.
+        raise ValueError(f"token ids overlap: stored {stored}, tail {tail}")
     slack = 4 * (max_tokens + 2) * (1 + int(driver.ENGINE_CONFIG["config"].num_lookahead_tokens))
     held = [stored + slack, shared + tail + slack] + ([shared + tail + slack] if later else [])
     scheduler = _scheduler(stored, held)
     first = _request("stored", list(range(stored)), max_tokens)
     scheduler.add_request(first)
     steps, chunks = _run_to_end(scheduler, first, 0)
-    tokens = list(range(shared)) + [10**7 + i for i in range(tail)]
+    tokens = list(range(shared)) + [_TAIL + i for i in range(tail)]
     probe_request = _request("probe", tokens, max_tokens)
     hit, out = _first_step_hit(scheduler, probe_request)
     result: Json = {"hit": hit, "steps": steps, "chunks": chunks}
     if later:
         _run_to_end(scheduler, probe_request, steps + 1, out)
-        tokens = list(range(shared)) + [2 * 10**7 + i for i in range(tail)]
+        tokens = list(range(shared)) + [2 * _TAIL + i for i in range(tail)]
         result["later_hit"], _ = _first_step_hit(scheduler, _request("later", tokens, max_tokens))
     return result
 
@@ -448,6 +453,9 @@ def _probe_engine(
     if outcome != "ok" or setup is None:
         counts[outcome] += 1
         return
+    # kvplan's figure for a stored request of this probe's output length (the plan
+    # states the one for its hash lookahead or more, which every longer output has).
+    setup = replace(setup, stored_output_tokens=max_tokens)
     chunk = request.options.max_num_batched_tokens
     stored, tail = stored_and_tail(setup)
     lengths = _spread(probe_lengths(setup, stored), lengths_per_engine)
