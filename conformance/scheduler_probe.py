@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     if unexpected:
         print(
             f"{unexpected} disagreements outside the known open classes "
-            f"({', '.join(k.name for k in KNOWN_OPEN)}: conformance/scheduler_known.py)"
+            f"({', '.join(k.name for k in KNOWN_OPEN) or 'none'}: conformance/scheduler_known.py)"
         )
     return 1 if unexpected else 0
 
