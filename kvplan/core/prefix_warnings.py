@@ -296,6 +296,12 @@ def _partial_hits_in_rule(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> b
     ]
     if not keeps_coarse:
         return True
+    if setup.hash_lookahead >= 2 and setup.stored_output_tokens:
+        # The stored request's output moves that boundary's key past where a
+        # prompt reaches, for some prompt lengths (prefix_cache._tail_survives): the
+        # coarse group then falls back to its whole blocks, which the rule's terms
+        # do not state.
+        return False
     if not drops:
         return facts.boundary_only
     if not facts.boundary_only and not facts.drop_tokens:
@@ -324,7 +330,8 @@ def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
     * partial hash hits with a full-attention-like group whose block is coarser than
       the hash block and that keeps its block, where nothing drops and no Mamba /
       window group takes part, or it is looked up after a dropping full-attention
-      group (`_partial_hits_in_rule`);
+      group, or under a hash lookahead of 2 or more once the stored request
+      generated output, which moves that block's key (`_partial_hits_in_rule`);
     * a draft drop that comes with a multi-module MTP drafter's reprefilled tail
       (the rule leaves the tail out);
     * a Mamba group whose block is coarser than the block the scheduler ends

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -341,3 +342,22 @@ def test_each_dropping_window_of_its_own_spec_takes_its_unit_off_the_minimums_hi
     assert client_cached_tokens(prefix_cache, n) == rule_cached_tokens(setup, f, n) == 240
     prefix_cache.ClearField("further_drop_window_tokens")  # a plan without the field
     assert client_cached_tokens(prefix_cache, n) == 480
+
+
+def test_the_rule_is_an_estimate_where_output_moves_a_partial_tail() -> None:
+    """The reprefilled-tail hybrid's shape (288-token Mamba and full attention,
+    1-token hash blocks, 3 lookahead tokens): stored without output the rule states
+    the simulation's 1,870 for a 1,873-token prompt sent again; after output (the
+    plan's figure) full attention falls back to whole blocks, 1,728, and the rule,
+    which keeps 1,870, says it is an estimate."""
+    groups = (
+        CacheGroup(GroupKind.MAMBA, 288, False, spec_id=0),
+        CacheGroup(GroupKind.FULL, 288, False, spec_id=1),
+    )
+    silent = PrefixCacheSetup(True, groups, 288, 1, True, False, hash_lookahead=3)
+    decoded = replace(silent, stored_output_tokens=3)
+    assert rule_is_exact(silent, facts(silent))
+    assert rule_cached_tokens(silent, facts(silent), 1_873) == 1_870
+    assert cached_tokens(silent, 1_873, 1_873, 1_874) == 1_870
+    assert not rule_is_exact(decoded, facts(decoded))
+    assert cached_tokens(decoded, 1_873, 1_873, 1_874) == 1_728
