@@ -388,10 +388,14 @@ def run(
     split: tuple[int, int] = (1, 0),
     max_tokens: int = 2,
     lengths_per_engine: int | None = None,
+    output_sensitive: bool = False,
 ) -> Json:
     """Probe the cases of `seed` (kept by `only`, `split`, then `limit`) at each
     chunk size; counts per chunk spec. `lengths_per_engine` keeps that many of
-    prefix_probe's shared lengths, spread over them (None: all)."""
+    prefix_probe's shared lengths, spread over them (None: all). `output_sensitive`
+    keeps the engines whose plan has a hash lookahead or partial hash hits, the
+    only ones where the stored request's output can move a key (others are not
+    counted)."""
     cases = generate_cases(seed, scenarios=scenarios, fuzz=fuzz)
     if only:
         cases = [c for c in cases if any(s in c.id for s in only)]
@@ -404,6 +408,10 @@ def run(
     for case in cases:
         request = for_release(case.request, driver.ENGINE_VERSION)
         outcome, setup = _plans(request)
+        if output_sensitive and not (
+            setup is not None and (setup.hash_lookahead or setup.partial_hash_hits)
+        ):
+            continue
         if outcome != "ok" or setup is None:
             for spec in chunks:
                 counts[spec.text][outcome] += 1
@@ -556,6 +564,12 @@ def main(argv: list[str] | None = None) -> int:
         "--max-tokens", type=int, default=2, help="tokens the stored request generates"
     )
     parser.add_argument(
+        "--output-sensitive",
+        action="store_true",
+        help="only engines whose plan has a hash lookahead or partial hash hits (where "
+        "the stored request's output can move a key)",
+    )
+    parser.add_argument(
         "--lengths",
         type=int,
         help="shared lengths per engine and chunk, spread over prefix_probe's (default all)",
@@ -584,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         split=(args.stride, args.offset),
         max_tokens=args.max_tokens,
         lengths_per_engine=args.lengths,
+        output_sensitive=args.output_sensitive,
     )
     result["meta"] = {
         "vllm": driver.VLLM_VERSION,
@@ -593,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         "offset": args.offset,
         "chunks": [c.text for c in chunks],
         "max_tokens": args.max_tokens,
+        "output_sensitive": args.output_sensitive,
         "seconds": round(time.perf_counter() - start, 1),
         "cpu_seconds": round(time.process_time() - cpu, 1),
     }
