@@ -80,6 +80,7 @@ from kvplan.v1 import plan_pb2
 Json = dict[str, Any]
 _MAX_STEPS = 100_000  # a request that has not finished after this many steps is stuck
 _SAMPLED = 10**8  # made-up sampled and draft tokens: never a prompt token
+_TAIL = 10**7  # a probe's own tokens after its shared prefix: 10**7 + i, 2 * 10**7 + i
 
 
 class SchedulerEngineConfig(driver.PlannerConfig):
@@ -308,19 +309,23 @@ def scheduler_hit(
     differently from both is submitted: its hit (`later_hit`). PoolTooSmall where
     the pool cannot hold them (the harness's error); SchedulerStalled and vLLM's
     own exceptions propagate."""
+    if stored >= _TAIL or tail >= _TAIL:
+        # Every prompt token stays below 3 * _TAIL < _SAMPLED: a sampled token equal
+        # to one of the next request's own would let it match past the prompt.
+        raise ValueError(f"token ids overlap: stored {stored}, tail {tail}")
     slack = 4 * (max_tokens + 2) * (1 + int(driver.ENGINE_CONFIG["config"].num_lookahead_tokens))
     held = [stored + slack, shared + tail + slack] + ([shared + tail + slack] if later else [])
     scheduler = _scheduler(stored, held)
     first = _request("stored", list(range(stored)), max_tokens)
     scheduler.add_request(first)
     steps, chunks = _run_to_end(scheduler, first, 0)
-    tokens = list(range(shared)) + [10**7 + i for i in range(tail)]
+    tokens = list(range(shared)) + [_TAIL + i for i in range(tail)]
     probe_request = _request("probe", tokens, max_tokens)
     hit, out = _first_step_hit(scheduler, probe_request)
     result: Json = {"hit": hit, "steps": steps, "chunks": chunks}
     if later:
         _run_to_end(scheduler, probe_request, steps + 1, out)
-        tokens = list(range(shared)) + [2 * 10**7 + i for i in range(tail)]
+        tokens = list(range(shared)) + [2 * _TAIL + i for i in range(tail)]
         result["later_hit"], _ = _first_step_hit(scheduler, _request("later", tokens, max_tokens))
     return result
 
@@ -383,10 +388,14 @@ def run(
     split: tuple[int, int] = (1, 0),
     max_tokens: int = 2,
     lengths_per_engine: int | None = None,
+    output_sensitive: bool = False,
 ) -> Json:
     """Probe the cases of `seed` (kept by `only`, `split`, then `limit`) at each
     chunk size; counts per chunk spec. `lengths_per_engine` keeps that many of
-    prefix_probe's shared lengths, spread over them (None: all)."""
+    prefix_probe's shared lengths, spread over them (None: all). `output_sensitive`
+    keeps the engines whose plan has a hash lookahead or partial hash hits, the
+    only ones where the stored request's output can move a key (others are not
+    counted)."""
     cases = generate_cases(seed, scenarios=scenarios, fuzz=fuzz)
     if only:
         cases = [c for c in cases if any(s in c.id for s in only)]
@@ -399,6 +408,10 @@ def run(
     for case in cases:
         request = for_release(case.request, driver.ENGINE_VERSION)
         outcome, setup = _plans(request)
+        if output_sensitive and not (
+            setup is not None and (setup.hash_lookahead or setup.partial_hash_hits)
+        ):
+            continue
         if outcome != "ok" or setup is None:
             for spec in chunks:
                 counts[spec.text][outcome] += 1
@@ -448,6 +461,9 @@ def _probe_engine(
     if outcome != "ok" or setup is None:
         counts[outcome] += 1
         return
+    # kvplan's figure for a stored request of this probe's output length (the plan
+    # states the one for its hash lookahead or more, which every longer output has).
+    setup = replace(setup, stored_output_tokens=max_tokens)
     chunk = request.options.max_num_batched_tokens
     stored, tail = stored_and_tail(setup)
     lengths = _spread(probe_lengths(setup, stored), lengths_per_engine)
@@ -548,6 +564,12 @@ def main(argv: list[str] | None = None) -> int:
         "--max-tokens", type=int, default=2, help="tokens the stored request generates"
     )
     parser.add_argument(
+        "--output-sensitive",
+        action="store_true",
+        help="only engines whose plan has a hash lookahead or partial hash hits (where "
+        "the stored request's output can move a key)",
+    )
+    parser.add_argument(
         "--lengths",
         type=int,
         help="shared lengths per engine and chunk, spread over prefix_probe's (default all)",
@@ -576,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         split=(args.stride, args.offset),
         max_tokens=args.max_tokens,
         lengths_per_engine=args.lengths,
+        output_sensitive=args.output_sensitive,
     )
     result["meta"] = {
         "vllm": driver.VLLM_VERSION,
@@ -585,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         "offset": args.offset,
         "chunks": [c.text for c in chunks],
         "max_tokens": args.max_tokens,
+        "output_sensitive": args.output_sensitive,
         "seconds": round(time.perf_counter() - start, 1),
         "cpu_seconds": round(time.process_time() - cpu, 1),
     }
@@ -612,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     if unexpected:
         print(
             f"{unexpected} disagreements outside the known open classes "
-            f"({', '.join(k.name for k in KNOWN_OPEN)}: conformance/scheduler_known.py)"
+            f"({', '.join(k.name for k in KNOWN_OPEN) or 'none'}: conformance/scheduler_known.py)"
         )
     return 1 if unexpected else 0
 

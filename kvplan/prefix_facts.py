@@ -210,6 +210,10 @@ def setup_from_plan(request: EngineRequest, response: plan_pb2.PlanResponse) -> 
         # The planner refuses groups of different replay windows (vLLM asserts one).
         replay_window=max((_replay_window(spec) for spec, _ in views), default=0),
         mamba_checkpoint_alignment=_mamba_checkpoint_alignment([spec for spec, _ in views]),
+        # The figures are for a stored request that generated output, as real ones
+        # do: at least its hash lookahead, past which more output changes nothing
+        # (the partial-tail key stops at the prompt's last token but one).
+        stored_output_tokens=lookahead,
     )
 
 

@@ -5,6 +5,7 @@ scheduler probe checks every generated one. A missing venv fails the test."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from kvplan.convert import plan_from_proto
 from kvplan.convert.request import request_from_proto
 from kvplan.core.prefix_cache import (
     PrefillChunks,
+    PrefixCacheSetup,
     cached_tokens,
     cached_tokens_after_junction,
     facts,
@@ -34,8 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Runs in the release's venv: plans each request with the release (the driver keeps
 # its scheduler's configuration), then runs the release's Scheduler for each probe
-# (stored, shared, tail, later) on a new scheduler; the hit (with `later`, the
-# first request's and the next one's), or vLLM's failure as text.
+# (stored, shared, tail, later) on a new scheduler, the stored request generating
+# the engine's "max_tokens" (2 if absent); the hit (with `later`, the first
+# request's and the next one's), or vLLM's failure as text.
 VLLM_SIDE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -49,7 +52,9 @@ for engine in json.load(sys.stdin):
     hits = []
     for stored, shared, tail, later in engine["probes"]:
         try:
-            got = scheduler_probe.scheduler_hit(stored, shared, tail, 2, later)
+            got = scheduler_probe.scheduler_hit(
+                stored, shared, tail, engine.get("max_tokens", 2), later
+            )
         except scheduler_probe.SchedulerStalled as exc:
             hits.append(str(exc))
             continue
@@ -268,3 +273,60 @@ def test_a_last_chunk_that_can_export_the_checkpoint_is_not_stopped_there(releas
     measured = run_in_vllm(release, ["-c", VLLM_SIDE, str(REPO)], engines)
     assert measured == predicted
     assert measured == [[hits] for hits in CHECKPOINT_HITS.values()]
+
+
+REPREFILLED_TAIL_HYBRID = "prefix-mtp-reprefilled-tail-hybrid"
+OUTPUTS = [1, 16, 300]  # under, past and far past the hash lookahead (3 tokens from 0.33)
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
+def test_a_stored_requests_output_moves_full_attentions_partial_tail(release: str) -> None:
+    """conformance/finds/prefix-mtp-reprefilled-tail-hybrid (three MTP modules,
+    1-token hash blocks, 3 hash lookahead tokens, 288-token Mamba and attention
+    blocks, a 1,873-token prompt) on the release's own scheduler, the stored
+    request generating 1, 16 or 300 tokens (300 fill the attention block the prompt
+    ends in and the next). Each sampled token extends the request's hashes and the
+    scheduler's next cache_blocks keys full attention's partial tail block at the
+    new boundary (FullAttentionManager._cache_partial_tail_block), dropping the key
+    at 1,870 a resent prompt would reach: it gets the whole blocks, 1,728, at every
+    output length, as kvplan's cached_tokens says for the stored output; the bare
+    manager, which stores without sampling (manager_view), keeps 1,870. 0.32 hashes
+    without lookahead, so no output moves a key (and its scheduler stalls on that
+    find): the chunk find there, whose figures no output changes."""
+    if release == "0.32":
+        request = find(CHUNK_FIND, "vllm-0.32")
+    else:
+        request = find(REPREFILLED_TAIL_HYBRID, f"vllm-{release}")
+    setup = setup_from_plan(request_from_proto(request), plan_from_proto(request))
+    stored, tail = stored_and_tail(setup)
+    unit = max(setup.scheduler_block, *(g.block_tokens for g in setup.groups))
+    shared = [stored, stored - 1, stored - unit]
+    probes = [(stored, n, tail, True) for n in shared]
+    hex_request = request.SerializeToString().hex()
+    engines = [{"request": hex_request, "max_tokens": m, "probes": probes} for m in OUTPUTS]
+
+    def figures(output: PrefixCacheSetup) -> list[list[int]]:
+        return [
+            [
+                cached_tokens(output, n, stored, n + tail),
+                cached_tokens_after_junction(output, n, stored, n + tail),
+            ]
+            for n in shared
+        ]
+
+    predicted = [figures(replace(setup, stored_output_tokens=m)) for m in OUTPUTS]
+    measured = run_in_vllm(release, ["-c", VLLM_SIDE, str(REPO)], engines)
+    assert measured == predicted
+    # The plan's figure is the one for every output of at least the hash lookahead.
+    assert setup.stored_output_tokens == setup.hash_lookahead
+    long_enough = [m >= setup.hash_lookahead for m in OUTPUTS]
+    assert [hits for hits, ok in zip(measured, long_enough, strict=True) if ok] == [
+        figures(setup)
+    ] * sum(long_enough)
+    resent = [hits[0] for hits in measured]
+    manager = cached_tokens(manager_view(setup), stored, stored, stored + tail)
+    if release == "0.32":
+        assert setup.hash_lookahead == 0 and resent == [[manager, manager]] * len(OUTPUTS)
+    else:
+        assert stored == 1_873 and setup.hash_lookahead == 3 and manager == 1_870
+        assert resent == [[1_728, 1_728]] * len(OUTPUTS)

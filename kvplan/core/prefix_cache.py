@@ -113,6 +113,14 @@ class PrefixCacheSetup:
     # so the scheduler need not stop the chunk there (vLLM's "internal checkpoint",
     # is_mamba_prefill_checkpoint_valid); 0: none, the chunk stops there.
     mamba_checkpoint_alignment: int = 0
+    # The tokens a stored request generated before the next request is looked up
+    # (0: stored without sampling, as the bare KV cache manager stores a prompt).
+    # Each token it samples extends its hashes (they fill its hash lookahead), and
+    # the scheduler's next `cache_blocks` moves full attention's partial-tail key
+    # with them (`_tail_survives`). The plan's figure is for a request that
+    # generated at least its hash lookahead (prefix_facts.setup_from_plan): every
+    # longer output gives the same figure.
+    stored_output_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -492,7 +500,11 @@ class _Stored:
                 # the whole prompt), not at the boundaries before it in the block.
                 limit = prompt_tokens if i in self.drops else prompt_tokens - 1
                 boundary = min(limit // h * h, hashed)
-                if boundary % g.block_tokens and computed_from < boundary <= cacheable:
+                if (
+                    boundary % g.block_tokens
+                    and computed_from < boundary <= cacheable
+                    and _tail_survives(setup, prompt_tokens, limit, boundary)
+                ):
                     self.tails[i].add(boundary)
             self.full.append(full)
             kept = self._kept(i, g, full, bounds)
@@ -612,6 +624,27 @@ class _StoredTogether(_Stored):
         if any(s is None for s in each):
             return None
         return set().union(*(s for s in each if s is not None))
+
+
+def _tail_survives(setup: PrefixCacheSetup, prompt_tokens: int, limit: int, boundary: int) -> bool:
+    """Whether full attention's partial-tail key at `boundary` (the prompt's last
+    hash boundary its own hashes reach) is still there after the stored request
+    generated `setup.stored_output_tokens` tokens.
+
+    vLLM keys the block at the request's last hash boundary up to `limit` (the
+    prompt's last token but one; FullAttentionManager._cache_partial_tail_block:
+    `min(token_limit // hash, len(request.block_hashes))`), and each `cache_blocks`
+    after a decode step keys it again as the sampled tokens extend the request's
+    hashes: a boundary inside the block replaces the older key
+    (BlockPool.cache_partial_block removes a shorter one), a boundary at the
+    block's end caches it whole, which drops its partial keys too
+    (BlockPool.cache_full_blocks, the partial-to-full promotion). Either new key's
+    hash covers sampled tokens (its lookahead reaches past the prompt), which no
+    request repeating the prompt has. So the tail survives only where the output
+    moves the request's last boundary below `limit` no further."""
+    h = setup.hash_block
+    extended = max(0, prompt_tokens + setup.stored_output_tokens - setup.hash_lookahead)
+    return min(limit // h * h, extended // h * h) == boundary
 
 
 def _checkpoint_position(setup: PrefixCacheSetup, prompt_tokens: int, unit: int) -> int:
@@ -1005,8 +1038,10 @@ def lookup_order(setup: PrefixCacheSetup) -> list[tuple[list[int], bool]]:
 def manager_view(setup: PrefixCacheSetup) -> PrefixCacheSetup:
     """`setup` as vLLM's KV cache manager sees it: without the scheduler's bounded
     replay, so `cached_tokens` and `facts` of it are the manager's own hit (what
-    conformance/prefix_probe.py compares with the bare manager)."""
-    return replace(setup, replay_window=0)
+    conformance/prefix_probe.py compares with the bare manager), and for a stored
+    prompt that generated nothing (the bare manager stores one without sampling,
+    so its partial-tail keys never move: `_tail_survives`)."""
+    return replace(setup, replay_window=0, stored_output_tokens=0)
 
 
 def served_after_replay(setup: PrefixCacheSetup, manager_hit: int) -> int:

@@ -363,7 +363,15 @@ def _partial_hits_in_rule(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> b
     keeps_coarse = [
         position for position, (ids, _) in enumerate(order) if any(i in keeps for i in ids)
     ]
-    if not keeps_coarse or not facts.drop_tokens:
+    if not keeps_coarse:
+        return True
+    if setup.hash_lookahead >= 2 and setup.stored_output_tokens:
+        # The stored request's output moves that boundary's key past where a
+        # prompt reaches, for some prompt lengths (prefix_cache._tail_survives): the
+        # coarse group then falls back to its whole blocks, which the rule's terms
+        # do not state.
+        return False
+    if not facts.drop_tokens:
         return True
     dropping_full = [
         position
@@ -407,7 +415,9 @@ def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
     * partial hash hits with a full-attention-like group whose block is coarser than
       the hash block and that keeps its block, looked up after a dropping
       full-attention group; or a dropping such group under a multi-module MTP
-      drafter's reprefilled tail (`_partial_hits_in_rule`);
+      drafter's reprefilled tail; or any such group under a hash lookahead of 2 or
+      more once the stored request generated output, which moves that block's key
+      (`_partial_hits_in_rule`);
     * a reprefilled tail beside a dropping sliding-window group finer than the
       hit unit, with state kept only near a stored request's end: the tail can
       hold the hit at the replay boundary below the last, where the window's

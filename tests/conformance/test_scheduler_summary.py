@@ -10,9 +10,12 @@ from typing import Any
 
 import pytest
 
-from conformance import summary
+from conformance import scheduler_known, summary
 from conformance.scheduler_known import (
+    FIRST,
     KNOWN_OPEN,
+    LATER,
+    KnownOpen,
     chunk_figures,
     classify,
     known_by_engine,
@@ -23,7 +26,23 @@ from conformance.scheduler_known import (
 REPO = Path(__file__).resolve().parents[2]
 HYBRID = "fuzz_finds/prefix-mtp-reprefilled-tail-hybrid"
 MAMBA = "mamba_junction/qwen35-b64-h16-mtp-off"
+# A made-up open class: none is open now, and the machinery must still work when one is.
+OPEN = "fuzz/f100"
+SAMPLE_CLASS = KnownOpen(
+    name="sample-open-class",
+    reason="a made-up class for these tests",
+    engines=(OPEN,),
+    requests=frozenset({FIRST, LATER}),
+)
 Json = dict[str, Any]
+
+
+@pytest.fixture
+def sample_class(monkeypatch: pytest.MonkeyPatch) -> KnownOpen:
+    """KNOWN_OPEN holding SAMPLE_CLASS alone, for the probe's classification and
+    the summary."""
+    monkeypatch.setattr(scheduler_known, "KNOWN_OPEN", (SAMPLE_CLASS,))
+    return SAMPLE_CLASS
 
 
 def _record(case_id: str, chunk: str, later: bool, scheduler: int = 128, kvplan: int = 0) -> Json:
@@ -44,9 +63,9 @@ def _record(case_id: str, chunk: str, later: bool, scheduler: int = 128, kvplan:
 @pytest.mark.parametrize(
     ("case_id", "chunk", "later", "expected"),
     [
-        # The MTP hybrid disagrees at every chunk, first and later requests.
-        (HYBRID, "x1.37", False, "prefix-mtp-reprefilled-tail-hybrid"),
-        (HYBRID, "8192", True, "prefix-mtp-reprefilled-tail-hybrid"),
+        # The MTP hybrid's re-keyed partial tail is modelled: no longer known.
+        (HYBRID, "x1.37", False, None),
+        (HYBRID, "8192", True, None),
         # Mamba hybrids' kept blocks a chunk ended inside are modelled (99b9670):
         # none of their probes is known any more, first or later, at any chunk.
         (MAMBA, "x1.37", True, None),
@@ -69,6 +88,26 @@ def test_a_disagreement_is_known_only_as_its_class_names_it(
     case_id: str, chunk: str, later: bool, expected: str | None
 ) -> None:
     assert known_class(_record(case_id, chunk, later)) == expected
+
+
+def test_none_is_open_now() -> None:
+    assert KNOWN_OPEN == ()
+
+
+@pytest.mark.parametrize(
+    ("case_id", "chunk", "later", "expected"),
+    [
+        (OPEN, "x1.37", False, "sample-open-class"),
+        (OPEN, "8192", True, "sample-open-class"),
+        (OPEN + "-2", "8192", False, None),  # exact ids
+        (HYBRID, "8192", False, None),
+    ],
+)
+def test_an_open_class_covers_its_engines_alone(
+    sample_class: KnownOpen, case_id: str, chunk: str, later: bool, expected: str | None
+) -> None:
+    assert known_class(_record(case_id, chunk, later)) == expected
+    assert known_class(_record(case_id, chunk, later), known=()) is None
 
 
 def _counts(**given: int) -> Json:
@@ -100,12 +139,12 @@ def _report(records: list[Json], chunks: tuple[str, ...] = ("x1.37", "8192"), **
     }
 
 
-def test_known_disagreements_do_not_fail_the_run_others_do() -> None:
+def test_known_disagreements_do_not_fail_the_run_others_do(sample_class: KnownOpen) -> None:
     known = [
-        _record(HYBRID, "x1.37", False, 1728, 1870),
-        _record(HYBRID, "8192", True, 1728, 1870),
-        _record(HYBRID, "x1.37", True, 1728, 1870),
-        _record(HYBRID, "x1.37", True, 1728, 1870),
+        _record(OPEN, "x1.37", False, 1728, 1870),
+        _record(OPEN, "8192", True, 1728, 1870),
+        _record(OPEN, "x1.37", True, 1728, 1870),
+        _record(OPEN, "x1.37", True, 1728, 1870),
     ]
     report = _report(known)
     assert [f.known_first + f.known_later for f in chunk_figures(report)] == [3, 1]
@@ -154,12 +193,14 @@ def _write(tmp_path: Path, release: str, report: Json) -> None:
     (tmp_path / f"scheduler-vllm-{release}.json").write_text(json.dumps(report))
 
 
-def test_the_summary_shows_figures_per_release_and_chunk(tmp_path: Path) -> None:
+def test_the_summary_shows_figures_per_release_and_chunk(
+    tmp_path: Path, sample_class: KnownOpen
+) -> None:
     _write(
         tmp_path,
         "0.34",
         _report(
-            [_record(HYBRID, "x1.37", False, 1728, 1870), _record(HYBRID, "x1.37", True)],
+            [_record(OPEN, "x1.37", False, 1728, 1870), _record(OPEN, "x1.37", True)],
             stride=8,
         ),
     )
@@ -185,12 +226,14 @@ def test_the_summary_shows_figures_per_release_and_chunk(tmp_path: Path) -> None
     ]
     assert "Engines: every 8-th engine from offset 0" in text
     # The known classes, by engine, under their reasons.
-    assert f"  - vLLM 0.34, `{HYBRID}`: x1.37 first 1, x1.37 later 1" in text
+    assert f"  - vLLM 0.34, `{OPEN}`: x1.37 first 1, x1.37 later 1" in text
     assert "### Unexpected disagreements (failing `make conformance`)\n\nnone" in text
     assert "- vLLM 0.33: 4x SchedulerStalled: nothing scheduled" in text
 
 
-def test_the_summary_lists_unexpected_disagreements_and_fixed_classes(tmp_path: Path) -> None:
+def test_the_summary_lists_unexpected_disagreements_and_fixed_classes(
+    tmp_path: Path, sample_class: KnownOpen
+) -> None:
     _write(tmp_path, "0.34", _report([_record("fuzz/f230", "8192", True, 64, 96)]))
     out = tmp_path / "summary.md"
     summary.main(["--reports", str(tmp_path), "--out", str(out)])
@@ -201,22 +244,31 @@ def test_the_summary_lists_unexpected_disagreements_and_fixed_classes(tmp_path: 
         "the scheduler serves 64, kvplan says 96"
     ) in text
     # A listed class no run disagrees in any more is pointed out (fixed?).
-    assert text.count("no longer disagrees in these reports") == len(KNOWN_OPEN)
+    assert text.count("no longer disagrees in these reports") == 1
 
 
-def test_known_by_engine_counts_per_chunk_and_request() -> None:
+def test_the_summary_says_when_no_class_is_open(tmp_path: Path) -> None:
+    _write(tmp_path, "0.34", _report([_record(HYBRID, "8192", False, 1728, 1870)]))
+    out = tmp_path / "summary.md"
+    summary.main(["--reports", str(tmp_path), "--out", str(out)])
+    text = out.read_text()
+    assert "### Known open classes (not failing `make conformance`)\n\nnone" in text
+    # The modelled hybrid's disagreement, were there one, would fail the run.
+    assert "- vLLM 0.34: 1 probes" in text
+
+
+def test_known_by_engine_counts_per_chunk_and_request(sample_class: KnownOpen) -> None:
     report = _report(
         [
-            _record(HYBRID, "x1.37", True),
-            _record(HYBRID, "x1.37", True),
-            _record(HYBRID, "8192", False),
-            _record(HYBRID, "8192", True),
+            _record(OPEN, "x1.37", True),
+            _record(OPEN, "x1.37", True),
+            _record(OPEN, "8192", False),
+            _record(OPEN, "8192", True),
+            _record(HYBRID, "8192", True),  # of no class: not listed
         ]
     )
     assert known_by_engine(report) == {
-        "prefix-mtp-reprefilled-tail-hybrid": {
-            HYBRID: {"x1.37 later": 2, "8192 first": 1, "8192 later": 1}
-        },
+        "sample-open-class": {OPEN: {"x1.37 later": 2, "8192 first": 1, "8192 later": 1}},
     }
 
 

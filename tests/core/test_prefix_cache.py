@@ -390,3 +390,74 @@ def test_a_chunk_ends_within_a_span_where_is_end_finds_one(
     low = data.draw(st.integers(-2, prompt + 2))
     high = data.draw(st.integers(low, prompt + 3))
     assert chunks.ends_within(low, high) == any(low < p <= high for p in ends)
+
+
+@st.composite
+def partial_hash_setups(draw: st.DrawFn) -> PrefixCacheSetup:
+    """Mamba beside full attention with finer hash blocks (partial hash hits), and
+    a hash lookahead (a multi-module MTP drafter's) of 0 to 4 tokens."""
+    block = draw(st.sampled_from([16, 64, 288]))
+    hash_block = draw(st.sampled_from([h for h in (1, 4, 16) if block % h == 0]))
+    return PrefixCacheSetup(
+        True,
+        (
+            CacheGroup(GroupKind.MAMBA, block, False, spec_id=0),
+            CacheGroup(GroupKind.FULL, block, False, spec_id=1),
+        ),
+        block,
+        hash_block,
+        True,
+        False,
+        hash_lookahead=draw(st.integers(0, 4)),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(partial_hash_setups(), st.integers(2, 2000), st.integers(0, 2000), st.integers(1, 400))
+def test_a_stored_requests_output_only_takes_hits_away_and_settles_at_the_lookahead(
+    setup: PrefixCacheSetup, stored: int, shared: int, output: int
+) -> None:
+    """Sampled tokens only move full attention's partial-tail key away from where
+    a prompt can reach it: an output never adds a hit, every output of at least the
+    hash lookahead gives the same figure (the plan's), and without a lookahead of 2
+    or more (the key already at the prompt's last token but one) none changes it."""
+    shared = min(shared, stored)
+
+    def hit(tokens: int) -> tuple[int, int]:
+        after = replace(setup, stored_output_tokens=tokens)
+        return (
+            cached_tokens(after, shared, stored, shared + 65),
+            cached_tokens_after_junction(after, shared, stored, shared + 65),
+        )
+
+    silent, decoded = hit(0), hit(output)
+    assert all(d <= s for d, s in zip(decoded, silent, strict=True))
+    if output >= setup.hash_lookahead:
+        assert decoded == hit(setup.hash_lookahead) == hit(output + 1_000)
+    if setup.hash_lookahead <= 1:
+        assert decoded == silent
+
+
+def test_output_moves_the_partial_tail_past_a_resent_prompts_reach() -> None:
+    """The reprefilled-tail hybrid's figures (1-token hash blocks, 3 lookahead
+    tokens, 288-token Mamba and attention blocks, a 1,873-token prompt sent again):
+    stored without sampling (the bare manager) it hits 1,870, after any output only
+    full attention's whole blocks, 1,728 (vLLM 0.33 and 0.34's scheduler,
+    tests/test_scheduler_probe.py)."""
+    setup = PrefixCacheSetup(
+        True,
+        (
+            CacheGroup(GroupKind.MAMBA, 288, False, spec_id=0),
+            CacheGroup(GroupKind.FULL, 288, False, spec_id=1),
+        ),
+        288,
+        1,
+        True,
+        False,
+        hash_lookahead=3,
+    )
+    hits = [
+        cached_tokens(replace(setup, stored_output_tokens=d), 1_873, 1_873, 1_873 + 289)
+        for d in (0, 1, 2, 3, 64, 300)
+    ]
+    assert hits == [1_870, 1_728, 1_728, 1_728, 1_728, 1_728]

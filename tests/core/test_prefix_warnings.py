@@ -444,3 +444,22 @@ def test_partial_hash_hits_with_nothing_dropping_land_inside_a_coarse_block_at_t
     assert _every_n_agrees(setup, prefix_cache)
     prefix_cache.coarse_block_tokens = 0  # a plan without the field
     assert client_cached_tokens(prefix_cache, 100) == 100
+
+
+def test_the_rule_is_an_estimate_where_output_moves_a_partial_tail() -> None:
+    """The reprefilled-tail hybrid's shape (288-token Mamba and full attention,
+    1-token hash blocks, 3 lookahead tokens): stored without output the rule states
+    the simulation's 1,870 for a 1,873-token prompt sent again; after output (the
+    plan's figure) full attention falls back to whole blocks, 1,728, and the rule,
+    which keeps 1,870, says it is an estimate."""
+    groups = (
+        CacheGroup(GroupKind.MAMBA, 288, False, spec_id=0),
+        CacheGroup(GroupKind.FULL, 288, False, spec_id=1),
+    )
+    silent = PrefixCacheSetup(True, groups, 288, 1, True, False, hash_lookahead=3)
+    decoded = replace(silent, stored_output_tokens=3)
+    assert rule_is_exact(silent, facts(silent))
+    assert rule_cached_tokens(silent, facts(silent), 1_873) == 1_870
+    assert cached_tokens(silent, 1_873, 1_873, 1_874) == 1_870
+    assert not rule_is_exact(decoded, facts(decoded))
+    assert cached_tokens(decoded, 1_873, 1_873, 1_874) == 1_728
