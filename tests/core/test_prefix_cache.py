@@ -461,3 +461,29 @@ def test_output_moves_the_partial_tail_past_a_resent_prompts_reach() -> None:
         for d in (0, 1, 2, 3, 64, 300)
     ]
     assert hits == [1_870, 1_728, 1_728, 1_728, 1_728, 1_728]
+
+
+def test_the_internal_checkpoint_under_the_draft_drop_is_a_block_lower() -> None:
+    """Fuzz seed 21's `fuzzx/x0901` under vLLM 0.32 (its scheduler served 2,880):
+    three Mamba groups and full attention of 576-token blocks, the draft drop, Mamba
+    prefill checkpoint blocks (alignment 64), a 3,745-token prompt prefilled in one
+    8,192-token chunk. The coordinator sets the Mamba managers'
+    drop_eagle_checkpoint_block under the drop, so the backend's internal checkpoint
+    is the dropped one, 2,880 (3,456 less a block), where a resend lands; kvplan said
+    0 when it took the manager's checkpoint without the drop (3,456)."""
+    mamba = CacheGroup(GroupKind.MAMBA, 576, False, spec_id=0)
+    groups = (mamba, mamba, mamba, CacheGroup(GroupKind.FULL, 576, False, spec_id=1))
+    setup = PrefixCacheSetup(
+        True,
+        groups,
+        576,
+        576,
+        False,
+        True,
+        prefill_chunk_tokens=8192,
+        split_block=576,
+        mamba_checkpoint_alignment=64,
+        stored_output_tokens=2,
+    )
+    assert cached_tokens(setup, 3_744, 3_745, 3_745) == 2_880
+    assert cached_tokens(setup, 3_745, 3_745, 3_746) == 2_880
