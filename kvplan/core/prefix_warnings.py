@@ -432,9 +432,9 @@ def rule_is_exact(setup: PrefixCacheSetup, facts: PrefixCacheFacts) -> bool:
       (`PrefillChunks`). A 16-token Mamba block beside 32-token full attention
       (conformance reference/r17): a 51-token prompt is prefilled to 48 in one
       chunk, no state is written at the unit boundary 32, and it hits 0.
-    * Mamba prefill checkpoint blocks under the draft drop: the state the backend
-      writes inside a prompt's last chunk sits at the checkpoint without the drop
-      (the Mamba manager's), not where the rule puts it."""
+    * Mamba prefill checkpoint blocks under the draft drop: whether the backend
+      writes the (dropped) checkpoint inside a prompt's last chunk depends on where
+      that chunk starts, which the rule's terms do not state."""
     if setup.mamba_checkpoint_alignment and setup.block_drop:
         return False
     if setup.prefill_chunk_tokens and any(
