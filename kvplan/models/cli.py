@@ -1209,12 +1209,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
             )
         )
     if args.json:
-        print(json.dumps({
-            "release": log.release, "engine": log.engine, "settings_from_log": from_log,
-            "pipeline_stage": stage,
-            "rows": [{"figure": r.figure, "measured": r.measured, "predicted": r.predicted,
-                      "unit": r.unit, "error": r.error} for r in rows],
-        }, indent=1))  # fmt: skip
+        _print_comparisons_json(log, from_log, stage, rows)
         return 0
     print(f"vLLM {log.release or '(release not in the log)'}; settings from the log: "
           f"{from_log or 'none'}")  # fmt: skip
@@ -1263,12 +1258,7 @@ def _calibrate_no_room(
     rows += component_rows(log, weights_bytes, parts[1], parts[2], parts[3], device_bytes,
                            utilization)  # fmt: skip
     if args.json:
-        print(json.dumps({
-            "release": log.release, "engine": log.engine, "settings_from_log": from_log,
-            "pipeline_stage": 0, "no_room_for_the_cache": True,
-            "rows": [{"figure": r.figure, "measured": r.measured, "predicted": r.predicted,
-                      "unit": r.unit, "error": r.error} for r in rows],
-        }, indent=1))  # fmt: skip
+        _print_comparisons_json(log, from_log, 0, rows, no_room_for_the_cache=True)
         return 0
     print(
         f"vLLM {log.release or '(release not in the log)'}; settings from the log: "
@@ -1276,6 +1266,25 @@ def _calibrate_no_room(
     )
     print(format_comparisons(rows))
     return 0
+
+
+def _print_comparisons_json(
+    log: StartupLog,
+    from_log: dict[str, Any],
+    stage: int,
+    rows: Sequence[Comparison],
+    **extra: bool,
+) -> None:
+    """calibrate --json: the log's release and settings, the stage compared, each row."""
+    rows_json = [
+        {"figure": r.figure, "measured": r.measured, "predicted": r.predicted,
+         "unit": r.unit, "error": r.error}
+        for r in rows
+    ]  # fmt: skip
+    print(json.dumps({
+        "release": log.release, "engine": log.engine, "settings_from_log": from_log,
+        "pipeline_stage": stage, **extra, "rows": rows_json,
+    }, indent=1))  # fmt: skip
 
 
 def _encoder_rows(log: StartupLog, overhead: OverheadEstimate | None) -> list[Comparison]:

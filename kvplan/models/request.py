@@ -141,9 +141,8 @@ def build_plan_request(
     gpu_sms = 0  # unknown: the sampler's row buffer at an H100's SM count
     if options.gpu:
         with contextlib.suppress(UnknownGpu):
-            gpu_arch = lookup_gpu(options.gpu).arch
-            pcie_only = lookup_gpu(options.gpu).pcie_only
-            gpu_sms = lookup_gpu(options.gpu).sm_count
+            listed = lookup_gpu(options.gpu)
+            gpu_arch, pcie_only, gpu_sms = listed.arch, listed.pcie_only, listed.sm_count
     if options.gpu and device_bytes is None:
         # The catalog's driver figure travels with the name, so a server plans with the
         # same total as the CLI (DeviceRef.total_memory_bytes wins over its name table).

@@ -349,13 +349,10 @@ runpy.run_path({side!r}, run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
-def test_llava_next_wrapper_matches_vllm_model_code(release: str, tmp_path: Path) -> None:
-    """Granite Vision 3.3 2B as vLLM builds LlavaNextForConditionalGeneration on the
-    meta device: every cache layer's spec, and the parameters, which are kvplan's
-    count plus the text model's RMSNorm weights count_params leaves out (2 per layer
-    and the final one, 2,048 each)."""
-    directory = CHECKPOINTS / "granite-vision-3.3-2b"
+def _whole_wrapper_parameters(release: str, directory: Path, tmp_path: Path) -> list[int]:
+    """Build the checkpoint's whole wrapper with vLLM's model code on the meta device
+    (TP 1, 8,192 tokens), check every cache layer's spec and name against kvplan's
+    import, and return vLLM's parameter count."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -363,17 +360,29 @@ def test_llava_next_wrapper_matches_vllm_model_code(release: str, tmp_path: Path
     case = {"path": str(directory), "tp": 1, "max_model_len": 8192, "kv_cache_dtype": "auto"}
     answer = run_in_vllm(release, ["-c", code], {"port": port, "cases": [case]},
                          cache_root=tmp_path)  # fmt: skip
-    config = load_config(str(directory))
-    layers = import_layers(config).layers
+    layers = import_layers(load_config(str(directory))).layers
     theirs = answer["specs"][0]
     assert [row(layer) for layer in layers] == [spec[1:] for spec in theirs]
     assert [layer.name for layer in layers] == [
         spec[0].removeprefix("language_model.") for spec in theirs
     ]
+    parameters: list[int] = answer["parameters"]
+    return parameters
+
+
+@pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
+def test_llava_next_wrapper_matches_vllm_model_code(release: str, tmp_path: Path) -> None:
+    """Granite Vision 3.3 2B as vLLM builds LlavaNextForConditionalGeneration on the
+    meta device: every cache layer's spec, and the parameters, which are kvplan's
+    count plus the text model's RMSNorm weights count_params leaves out (2 per layer
+    and the final one, 2,048 each)."""
+    directory = CHECKPOINTS / "granite-vision-3.3-2b"
+    parameters = _whole_wrapper_parameters(release, directory, tmp_path)
+    config = load_config(str(directory))
     text = config.sub("text_config")
     assert text is not None
     norms = (2 * text.integer("num_hidden_layers") + 1) * text.integer("hidden_size")
-    assert answer["parameters"] == [count_params(config, import_layers(config)).total + norms]
+    assert parameters == [count_params(config, import_layers(config)).total + norms]
 
 
 @pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
@@ -385,20 +394,8 @@ def test_kimi_vl_wrapper_matches_vllm_model_code(release: str, tmp_path: Path) -
     count_params leaves out is the text model's RMSNorms (two a layer, MLA's
     `kv_a_layernorm` and the final one) and the routers' `e_score_correction_bias`."""
     directory = CHECKPOINTS / "kimi-vl-a3b-instruct"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    code = WHOLE_WRAPPER.format(models=str(SIDE.parent), side=str(SIDE))
-    case = {"path": str(directory), "tp": 1, "max_model_len": 8192, "kv_cache_dtype": "auto"}
-    answer = run_in_vllm(release, ["-c", code], {"port": port, "cases": [case]},
-                         cache_root=tmp_path)  # fmt: skip
+    parameters = _whole_wrapper_parameters(release, directory, tmp_path)
     config = load_config(str(directory))
-    layers = import_layers(config).layers
-    theirs = answer["specs"][0]
-    assert [row(layer) for layer in layers] == [spec[1:] for spec in theirs]
-    assert [layer.name for layer in layers] == [
-        spec[0].removeprefix("language_model.") for spec in theirs
-    ]
     text = config.sub("text_config")
     assert text is not None
     count, hidden = text.integer("num_hidden_layers"), text.integer("hidden_size")
@@ -407,4 +404,4 @@ def test_kimi_vl_wrapper_matches_vllm_model_code(release: str, tmp_path: Path) -
     routed = moe_layers * experts * 3 * hidden * text.integer("moe_intermediate_size")
     norms = count * (2 * hidden + text.integer("kv_lora_rank")) + hidden
     ours = count_params(config, import_layers(config)).total
-    assert answer["parameters"] == [ours - routed + norms + moe_layers * experts]
+    assert parameters == [ours - routed + norms + moe_layers * experts]
