@@ -144,6 +144,13 @@ class StartupLog:
     total_gpu_gib: float | None = None
     peak_torch_gib: float | None = None
     peak_torch_increase_gib: float | None = None  # V1: the profile run's activation peak
+    # The post-capture account's "peak activation" in its 0.27+ form (the one with
+    # "consumed memory (weights + non-torch)"): there vLLM prints the transient peak
+    # plus the CUDA-graph estimate it subtracted (0.27.0-0.34 gpu_worker
+    # `peak_activation_memory = transient_peak_headroom + cudagraph_memory_estimate_applied`;
+    # 0.20-0.26 print the torch peak alone, in the "for weight" form). The activation
+    # peak is that less the estimate where the log states the estimate.
+    account_peak_with_graph_estimate_gib: float | None = None
     non_torch_gib: float | None = None
     flashinfer: bool = True  # False where the sampler says FlashInfer is missing
     # Batch settings the engine's own lines state (scheduler, compile range, graph counts).
@@ -237,7 +244,10 @@ def parse_log(text: str) -> StartupLog:
             log.total_gpu_gib = float(match.group(2))
             if desired := _DESIRED.search(line):
                 log.graph_line_utilization = float(desired.group(1))
-            if activation := _ACTUAL_ACTIVATION.search(line):
+            activation = _ACTUAL_ACTIVATION.search(line)
+            if activation and _ACTUAL_CONSUMED.search(line):
+                log.account_peak_with_graph_estimate_gib = float(activation.group(1))
+            elif activation:
                 log.peak_torch_increase_gib = float(activation.group(1))
             if non_torch := _ACTUAL_NON_TORCH.search(line):
                 log.non_torch_gib = float(non_torch.group(1))
@@ -251,6 +261,10 @@ def parse_log(text: str) -> StartupLog:
         if match := _GRAPH_POOL.search(line):
             log.cuda_graph_gib = float(match.group(1))
             log.cuda_graph_estimate_gib = float(match.group(2))
+    account = log.account_peak_with_graph_estimate_gib
+    if account is not None and log.cuda_graph_estimate_gib is not None:
+        # The estimate line (printed before the account) says what the account adds.
+        log.peak_torch_increase_gib = round(account - log.cuda_graph_estimate_gib, 2)
     return log
 
 
@@ -364,6 +378,10 @@ PRINTED_TOKEN_FORMULA: dict[str, str] = {
     # code index id 61544841280): 1,505,068 = int(5.74x x 262,144), 12 over one.
     "0.23": CONCURRENCY_FORMULA,
     "0.24": CONCURRENCY_FORMULA,
+    # 0.31.0's wheel: `get_kv_cache_capacity` (kv_cache_utils.py), as in 0.32-0.34; the
+    # llama-3.1-8b-a100-v0.31 record's 460,496 tokens = int(3.51x x 131,072) to the
+    # printed concurrency's rounding (one group: both formulas agree there).
+    "0.31": CONCURRENCY_FORMULA,
     "0.32": CONCURRENCY_FORMULA,
     "0.33": CONCURRENCY_FORMULA,
     "0.34": CONCURRENCY_FORMULA,
@@ -477,6 +495,13 @@ def component_rows(
         Comparison("GPU total (CUDA's, as the engine saw it)", log.total_gpu_gib,
                    device_bytes / GIB, "GiB"),
         Comparison("activation peak of the profile run", activation, gib(activation_bytes),
+                   "GiB"),
+        # Where the 0.27+ account's figure cannot be split (no estimate line quoted), it
+        # is compared whole with kvplan's activation peak plus graph estimate.
+        Comparison("activation peak + CUDA-graph estimate (0.27+ account)",
+                   log.account_peak_with_graph_estimate_gib if activation is None else None,
+                   gib(activation_bytes + cudagraph_bytes)
+                   if activation_bytes is not None and cudagraph_bytes is not None else None,
                    "GiB"),
         Comparison("non-torch memory", log.non_torch_gib, gib(non_torch_bytes), "GiB"),
         Comparison("CUDA-graph estimate subtracted", subtracted, gib(cudagraph_bytes), "GiB"),

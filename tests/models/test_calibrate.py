@@ -120,6 +120,16 @@ def test_the_model_dtype_the_engine_ran_with() -> None:
     assert "dtype" not in settings_from_log(parse_log("Model loading took 1.00 GiB memory\n"))
 
 
+def account_line() -> str:
+    """The 0.27+ post-capture account as club-3090#1087 quotes it (RTX 5090s)."""
+    return (
+        "(Worker_TP0 pid=223) INFO 08-22 04:42:13 [gpu_worker.py:789] Free memory on device "
+        "(30.27/31.4 GiB) on startup. Desired GPU memory utilization is (0.92, 28.88 GiB). "
+        "Actual usage is 15.03 GiB for consumed memory (weights + non-torch), 1.59 GiB for "
+        "peak activation, and 0.09 GiB for CUDAGraph memory.\n"
+    )
+
+
 def test_the_newer_profiling_summary_and_post_capture_account() -> None:
     # vLLM 0.32-0.34's summary (MemoryProfilingResult's format in their CPU venvs): the
     # transient peak is the non-KV total less the consumed memory; non-torch is at most
@@ -134,14 +144,18 @@ def test_the_newer_profiling_summary_and_post_capture_account() -> None:
     # club-3090#1087 quotes it; the loading line is made up for the subtraction).
     account = parse_log(
         "INFO [gpu_model_runner.py:5405] Model loading took 14.28 GiB memory and 6.3 seconds\n"
-        "(Worker_TP0 pid=223) INFO 08-22 04:42:13 [gpu_worker.py:789] Free memory on device "
-        "(30.27/31.4 GiB) on startup. Desired GPU memory utilization is (0.92, 28.88 GiB). "
-        "Actual usage is 15.03 GiB for consumed memory (weights + non-torch), 1.59 GiB for "
-        "peak activation, and 0.09 GiB for CUDAGraph memory.\n"
+        + account_line()
     )
     assert (account.total_gpu_gib, account.graph_line_utilization) == (31.4, 0.92)
-    assert (account.non_torch_gib, account.peak_torch_increase_gib) == (0.75, 1.59)
+    # That form's "peak activation" is the transient peak plus the graph estimate vLLM
+    # subtracted (0.27.0-0.34 gpu_worker `peak_activation_memory`): not the activation
+    # peak itself until the log states the estimate (the pool line, printed before).
+    assert account.non_torch_gib == 0.75 and account.peak_torch_increase_gib is None
+    assert account.account_peak_with_graph_estimate_gib == 1.59
     assert account.cuda_graph_gib == 0.09
+    pool = "CUDA graph pool memory: 0.09 GiB (actual), 0.13 GiB (estimated), difference\n"
+    split = parse_log(pool + "INFO Model loading took 14.28 GiB memory\n" + account_line())
+    assert split.peak_torch_increase_gib == 1.46 and split.cuda_graph_estimate_gib == 0.13
 
 
 @pytest.mark.parametrize("name", [n for n in RECORDS if record(n)["config_known"]])

@@ -172,6 +172,20 @@ def test_the_post_capture_account_is_read() -> None:
     assert (log.total_gpu_gib, log.graph_line_utilization) == (139.81, 0.9)
     assert (log.peak_torch_increase_gib, log.non_torch_gib, log.cuda_graph_gib) == (
         5.58, 1.38, 2.37)  # fmt: skip
+    assert log.account_peak_with_graph_estimate_gib is None
+    # The 0.27+ form (vLLM 0.31.0 on an A100): "peak activation" there is the transient
+    # peak plus the graph estimate vLLM subtracted, 0.92 x 79.25 - 15.26 - 1.44 = 56.21
+    # GiB being the logged budget; without the estimate line it is not split.
+    text = (ROOT / "tests/data/calibration/llama-3.1-8b-a100-v0.31.log").read_text()
+    v031 = parse_log(text)
+    assert v031.account_peak_with_graph_estimate_gib == 1.44
+    assert v031.peak_torch_increase_gib is None
+    assert (v031.total_gpu_gib, v031.non_torch_gib, v031.cuda_graph_gib) == (79.25, 0.26, 0.23)
+    assert round(0.92 * 79.25 - 15.26 - 1.44, 2) == v031.available_kv_gib[0] == 56.21
+    # With the pool line (printed before the account), the estimate is taken out.
+    pool = "CUDA graph pool memory: 0.23 GiB (actual), 0.3 GiB (estimated), difference: 0.07\n"
+    split = parse_log(pool + text)
+    assert split.cuda_graph_estimate_gib == 0.3 and split.peak_torch_increase_gib == 1.14
 
 
 def test_a_v1_profiling_summary_and_the_graph_lines_are_read() -> None:
