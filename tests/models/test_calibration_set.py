@@ -154,7 +154,7 @@ def test_where_the_formulas_part_the_marked_one_is_the_logged_count(
     results: list[RecordResult],
 ) -> None:
     # Given the log's own budget, the two formulas part on a record with several
-    # KV-cache groups (Gemma 2 / 3 and gpt-oss on 0.19 by up to 0.4%, Qwen3-Next on 0.10.2
+    # KV-cache groups (Gemma 2 / 3 and gpt-oss on 0.19 by 0.09-0.17%, Qwen3-Next on 0.10.2
     # and Qwen3.6 on 0.24 by 3-4x); there, the one PRINTED_TOKEN_FORMULA marks for the
     # record's release is the nearer to what the log printed.
     parted: dict[str, list[str]] = {PER_GROUP_FORMULA: [], CONCURRENCY_FORMULA: []}
@@ -172,7 +172,7 @@ def test_where_the_formulas_part_the_marked_one_is_the_logged_count(
             continue  # one group, or groups whose formulas agree to 0.05%
         assert abs(predicted - logged) < abs(theirs["predicted"] - logged), (result.name, marked)
         parted[marked].append(result.name)
-    assert len(parted[PER_GROUP_FORMULA]) >= 7, parted  # 0.19's hybrids, 0.10.2's Qwen3-Next
+    assert len(parted[PER_GROUP_FORMULA]) >= 8, parted  # 0.19's seven, 0.10.2's Qwen3-Next
     assert len(parted[CONCURRENCY_FORMULA]) >= 2, parted  # 0.24's Qwen3.6 records
 
 
