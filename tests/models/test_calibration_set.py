@@ -150,6 +150,31 @@ def test_the_logged_budget_reproduces_the_token_count_the_release_prints(
     assert 163_225 % 16 and 163_225 % 528 and v022.model_loading_gib == [8.61]
 
 
+def test_the_print_changed_between_0_20_0_and_0_20_2() -> None:
+    # One hybrid setup (Qwen3.6-35B-A3B with MTP: 4 KV-cache groups of 2,128-token
+    # blocks, 262,144 tokens) on 0.20.0 and on 0.20.2: the first prints a whole number of
+    # blocks, the second int(max_concurrency x max_model_len), as the wheels'
+    # _report_kv_cache_config says (0.20.1 and 0.20.2 share one body).
+    def read(release: str) -> tuple[str, int, float]:
+        name = f"qwen3.6-35b-a3b-nvfp4-mtp-v{release}.log"
+        log = parse_log((ROOT / "tests/data/calibration" / name).read_text())
+        assert log.kv_cache_tokens is not None and log.max_concurrency is not None
+        assert log.concurrency_len == 262_144
+        return log.release, log.kv_cache_tokens, log.max_concurrency
+
+    release, tokens, concurrency = read("0.20.0")
+    assert (release, tokens) == ("0.20.0", 1_581_104)
+    assert printed_token_formula(release) == PER_GROUP_FORMULA
+    assert tokens % 2128 == 0 and tokens // 2128 == 743
+    assert concurrency * 262_144 > 3 * tokens  # the concurrency formula's 5.73M
+    release, tokens, concurrency = read("0.20.2")
+    assert (release, tokens) == ("0.20.2", 5_747_892)
+    assert printed_token_formula(release) == CONCURRENCY_FORMULA
+    assert tokens % 2128 and tokens % 16
+    # The printed concurrency has two decimals: the count lies within its rounding.
+    assert (concurrency - 0.005) * 262_144 <= tokens <= (concurrency + 0.005) * 262_144
+
+
 def test_where_the_formulas_part_the_marked_one_is_the_logged_count(
     results: list[RecordResult],
 ) -> None:
