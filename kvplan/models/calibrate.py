@@ -7,11 +7,12 @@ GiB, available KV cache memory per worker, the KV cache size in tokens, the maxi
 concurrency and the CUDA-graph memory. Settings the log lacks (the GPU, always; the model
 config) come from the command line in vLLM's flag names.
 
-vLLM 0.32-0.34 print the token count as `int(max_concurrency x max_model_len)`
-(`get_kv_cache_capacity`, group-aware: for a hybrid model it counts the tokens of
-concurrent max-length requests, state pages included). `num_blocks // groups x
-block_size` is printed beside it as the per-group block count in tokens; for a
-single-group model both agree to within one request's rounding.
+vLLM from 0.20.1 prints the token count as `int(max_concurrency x max_model_len)`
+(group-aware: for a hybrid model it counts the tokens of concurrent max-length
+requests, state pages included); up to 0.20.0 it printed `num_blocks // groups x
+block_size`, the per-group block count in tokens. Both are printed, the release's own
+marked (PRINTED_TOKEN_FORMULA); for a single-group model they agree to within one
+request's rounding.
 """
 
 from __future__ import annotations
@@ -351,47 +352,54 @@ def profiled_tokens(log: StartupLog, max_model_len: int | None) -> int | None:
     return max(max_model_len, V0_MIN_BATCHED_TOKENS)
 
 
-# The formula behind "GPU KV cache size: N tokens", by release. vLLM 0.32-0.34
-# (checked in their CPU venvs, v1/core/kv_cache_utils.py) print
-# int(max_concurrency x max_model_len); earlier V1 releases printed
-# num_blocks // len(kv_cache_groups) x min block size (the V1 kv_cache_utils.py of
-# the decode-context-parallel era, multiplied by dcp_world_size; 0.19 by its log). For one KV-cache
-# group the two agree; for a hybrid model they differ (state pages count in the
-# first, each group's blocks are divided out in the second).
+# The formula behind "GPU KV cache size: N tokens", by release, read from each release's
+# vllm/v1/core/kv_cache_utils.py (every V1 wheel from 0.8.0 to 0.31.0 on PyPI, and
+# 0.32-0.34 in their CPU venvs; docs/capacity.md names the function per range):
+# - 0.8.0-0.9.0.1 support one KV-cache group only and print num_blocks x block_size
+#   (_get_kv_cache_config_uniform_type): the per-group count with one group.
+# - 0.9.1-0.20.0 print num_blocks // number of groups x the smallest block size (the
+#   uniform-page-size path from 0.9.1; get_kv_cache_config_from_groups in 0.11.0,
+#   _report_kv_cache_config from 0.11.1), times the decode (and from 0.12 prefill)
+#   context-parallel size.
+# - 0.20.1 onward print int(max_concurrency x max_model_len) (_report_kv_cache_config,
+#   get_kv_cache_capacity from 0.24): 0.20.0 and 0.20.1 differ, so 0.20 is keyed by patch.
+# For one KV-cache group the two agree to within one request's rounding; for a hybrid
+# model they differ (state pages count in the second, each group's blocks are divided out
+# in the first). The Qwen3-Next record (0.10.2, 4 groups of 544-token blocks): 973,760 =
+# 7,162 blocks // 4 x 544; gemma-2-9b (0.19.0, two groups): 168,880 = 16 x 10,555 blocks,
+# while 20.60x x 8,192 is 168,755; club-3090#612 (0.24.0, hybrid Qwen3.6): 567,978, no
+# multiple of any block size, = int(4.333 x 131,072).
 CONCURRENCY_FORMULA = "int(concurrency x max_model_len)"
 PER_GROUP_FORMULA = "num_blocks // groups x block"
 PRINTED_TOKEN_FORMULA: dict[str, str] = {
-    # The Qwen3-Next calibration record (vLLM 0.10.2, 4 groups of 544-token blocks):
-    # 973,760 tokens = 7,162 blocks // 4 x 544.
-    "0.10": PER_GROUP_FORMULA,
-    # The gemma-2-9b calibration record (vLLM 0.19.0, two groups): 168,880 tokens =
-    # 16 x 10,555 blocks, while 20.60x concurrency x 8,192 is 168,755.
-    "0.19": PER_GROUP_FORMULA,
-    # club-3090#612 (vLLM 0.24.0, hybrid Qwen3.6): 567,978 tokens, no multiple of any
-    # block size, = int(4.333 x 131,072): the concurrency formula.
-    # A Gemma 4 E4B log (vLLM 0.22.1, sliding and global groups; a public file the code
-    # index found, id 54492899325): 224,353 tokens, 1 over a multiple of 16, is
-    # int(6.85x x 32,768).
-    "0.22": CONCURRENCY_FORMULA,
-    # The qwen3.5-4b-rtx4090d-selfllm-v0.23 record (vLLM 0.23.0, hybrid GDN): 235,706
-    # tokens, 10 over a multiple of 16; a Qwen3.6-27B-NVFP4 log (0.23.1rc1, block 1,568,
-    # code index id 61544841280): 1,505,068 = int(5.74x x 262,144), 12 over one.
-    "0.23": CONCURRENCY_FORMULA,
-    "0.24": CONCURRENCY_FORMULA,
-    # 0.31.0's wheel: `get_kv_cache_capacity` (kv_cache_utils.py), as in 0.32-0.34; the
-    # llama-3.1-8b-a100-v0.31 record's 460,496 tokens = int(3.51x x 131,072) to the
-    # printed concurrency's rounding (one group: both formulas agree there).
-    "0.31": CONCURRENCY_FORMULA,
-    "0.32": CONCURRENCY_FORMULA,
-    "0.33": CONCURRENCY_FORMULA,
-    "0.34": CONCURRENCY_FORMULA,
+    **{f"0.{minor}": PER_GROUP_FORMULA for minor in range(8, 20)},
+    "0.20.0": PER_GROUP_FORMULA,
+    "0.20.1": CONCURRENCY_FORMULA,
+    "0.20.2": CONCURRENCY_FORMULA,
+    **{f"0.{minor}": CONCURRENCY_FORMULA for minor in range(21, 35)},
 }
 
 
 def printed_token_formula(release: str) -> str | None:
-    """Which formula this release prints, where checked; None where not."""
-    minor = ".".join(release.split(".")[:2])
-    return PRINTED_TOKEN_FORMULA.get(minor)
+    """Which formula this release prints (its patch release's entry, else its minor
+    series'); None where not checked (V0, or a release after 0.34). A release
+    candidate or dev build counts as its release: 0.23.1rc1 as 0.23."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", release)
+    if match is None:
+        return None
+    major, minor, patch = match.groups()
+    series = f"{major}.{minor}"
+    if patch is not None and f"{series}.{patch}" in PRINTED_TOKEN_FORMULA:
+        return PRINTED_TOKEN_FORMULA[f"{series}.{patch}"]
+    return PRINTED_TOKEN_FORMULA.get(series)
+
+
+def printed_token_releases(formula: str) -> tuple[str, str]:
+    """The first and last release (as PRINTED_TOKEN_FORMULA keys them) printing this
+    formula: the bounds `plan --model` names."""
+    ordered = sorted(PRINTED_TOKEN_FORMULA, key=lambda key: tuple(map(int, key.split("."))))
+    keys = [key for key in ordered if PRINTED_TOKEN_FORMULA[key] == formula]
+    return keys[0], keys[-1]
 
 
 @dataclass(frozen=True)

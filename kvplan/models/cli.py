@@ -13,6 +13,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvplan.gpus import CATALOG, GpuModel, UnknownGpu, lookup_gpu
+from kvplan.models.calibrate import (
+    CONCURRENCY_FORMULA,
+    PER_GROUP_FORMULA,
+    printed_token_releases,
+)
 from kvplan.models.chart import (
     ChartUnavailable,
     apply_prices,
@@ -468,10 +473,13 @@ def format_capacity(summary: CapacitySummary, inputs: ModelPlanInputs, gpu: GpuM
     )
     if len(summary.groups) > 1:
         smallest = min(group.block_size for group in summary.groups)
+        # The release bounds come from the one per-release table calibrate marks by.
+        first, _ = printed_token_releases(CONCURRENCY_FORMULA)
+        _, last = printed_token_releases(PER_GROUP_FORMULA)
         lines.append(
-            f'    vLLM\'s "GPU KV cache size" line: {summary.kv_cache_tokens:,} tokens from 0.24 '
-            f"(int(max concurrency x max_model_len)), {summary.per_group_tokens:,} up to 0.19 "
-            f"(num_blocks // {len(summary.groups)} groups x {smallest})"
+            f'    vLLM\'s "GPU KV cache size" line: {summary.kv_cache_tokens:,} tokens from '
+            f"{first} (int(max concurrency x max_model_len)), {summary.per_group_tokens:,} "
+            f"up to {last} (num_blocks // {len(summary.groups)} groups x {smallest})"
         )
     if summary.auto_fit_max_model_len is not None:
         lines.append(f"    auto-fit max_model_len: {summary.auto_fit_max_model_len:,} tokens")

@@ -397,8 +397,8 @@ class CapacitySummary:
 
     @property
     def per_group_tokens(self) -> int:
-        """The "GPU KV cache size" vLLM printed up to 0.19 (and 0.10): num_blocks // groups
-        x the smallest block; `kv_cache_tokens` is what 0.24 and 0.32-0.34 print
+        """The "GPU KV cache size" vLLM printed up to 0.20.0: num_blocks // groups x the
+        smallest block; `kv_cache_tokens` is what 0.20.1 and later print
         (int(max_concurrency x max_model_len)). They differ for several KV-cache groups
         (calibrate.PRINTED_TOKEN_FORMULA says which release prints which)."""
         if not self.groups:

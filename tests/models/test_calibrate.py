@@ -11,9 +11,13 @@ import pytest
 from kvplan.cli import main
 from kvplan.models import import_layers, load_config
 from kvplan.models.calibrate import (
+    CONCURRENCY_FORMULA,
+    PER_GROUP_FORMULA,
     engine_budget_gib,
     parse_log,
     printed_stage,
+    printed_token_formula,
+    printed_token_releases,
     settings_from_log,
 )
 from kvplan.models.weights import estimate_overhead
@@ -290,3 +294,42 @@ def test_a_pipeline_log_is_compared_stage_by_stage(capsys: pytest.CaptureFixture
     reproduced = rows["KV cache tokens from the logged budget, num_blocks // groups x block"]
     assert abs(reproduced["error"]) <= 0.0001
     assert rows["activation peak of the profile run"]["measured"] == 1.1
+
+
+# Every V1 release on PyPI from 0.8.0 to 0.34.0 and the "GPU KV cache size" formula its
+# wheel's vllm/v1/core/kv_cache_utils.py computes (read per wheel; docs/capacity.md names
+# the function per range). Written out here, not derived from PRINTED_TOKEN_FORMULA, so
+# a wrong key there fails.
+PER_GROUP_RELEASES = [
+    "0.8.0", "0.8.1", "0.8.2", "0.8.3", "0.8.4", "0.8.5", "0.8.5.post1", "0.9.0", "0.9.0.1",
+    "0.9.1", "0.9.2", "0.10.0", "0.10.1", "0.10.1.1", "0.10.2", "0.11.0", "0.11.1",
+    "0.11.2", "0.12.0", "0.13.0", "0.14.0", "0.14.1", "0.15.0", "0.15.1", "0.16.0",
+    "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0",
+]  # fmt: skip
+CONCURRENCY_RELEASES = [
+    "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0",
+    "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
+    "0.32.0", "0.33.0", "0.34.0",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("release", "formula"),
+    [(release, PER_GROUP_FORMULA) for release in PER_GROUP_RELEASES]
+    + [(release, CONCURRENCY_FORMULA) for release in CONCURRENCY_RELEASES],
+)
+def test_each_release_prints_the_formula_its_source_computes(release: str, formula: str) -> None:
+    assert printed_token_formula(release) == formula
+
+
+def test_releases_outside_the_checked_ones_have_no_formula() -> None:
+    # V0 (0.7 and before), a 0.20 log without its patch release (0.20.0 and 0.20.1 differ)
+    # and releases after 0.34: not read, so calibrate holds a record to both.
+    for release in ("0.7.3", "0.20", "0.35.0", "V0 engine", ""):
+        assert printed_token_formula(release) is None, release
+    # A release candidate or dev build counts as its release.
+    assert printed_token_formula("0.23.1rc1") == CONCURRENCY_FORMULA
+    assert printed_token_formula("0.20.0rc2") == PER_GROUP_FORMULA
+    # The bounds plan --model names.
+    assert printed_token_releases(PER_GROUP_FORMULA) == ("0.8", "0.20.0")
+    assert printed_token_releases(CONCURRENCY_FORMULA) == ("0.20.1", "0.34")

@@ -12,6 +12,7 @@ import pytest
 from kvplan.gpus import lookup_gpu
 from kvplan.models import load_config
 from kvplan.models.calibrate import (
+    CONCURRENCY_FORMULA,
     PER_GROUP_FORMULA,
     parse_log,
     printed_token_formula,
@@ -131,7 +132,6 @@ def test_the_logged_budget_reproduces_the_token_count_the_release_prints(
     assert checked >= 10  # the 0.19 records and Qwen3-Next's 0.10.2 (4 groups)
     assert printed_token_formula("0.19.0") == PER_GROUP_FORMULA
     assert printed_token_formula("0.34.1") == "int(concurrency x max_model_len)"
-    assert printed_token_formula("0.11.0") is None
     # vLLM 0.22 and 0.23 print the concurrency formula for hybrid models: no whole number
     # of blocks (multiples of 16 tokens) gives the 0.23 record's count.
     assert printed_token_formula("0.22.1") == printed_token_formula("0.23.0") == (
@@ -148,6 +148,57 @@ def test_the_logged_budget_reproduces_the_token_count_the_release_prints(
     assert v022.max_concurrency is not None and v022.concurrency_len == 1024
     assert v022.kv_cache_tokens == int(v022.max_concurrency * 1024) == 163_225
     assert 163_225 % 16 and 163_225 % 528 and v022.model_loading_gib == [8.61]
+
+
+def test_the_print_changed_between_0_20_0_and_0_20_2() -> None:
+    # One hybrid setup (Qwen3.6-35B-A3B with MTP: 4 KV-cache groups of 2,128-token
+    # blocks, 262,144 tokens) on 0.20.0 and on 0.20.2: the first prints a whole number of
+    # blocks, the second int(max_concurrency x max_model_len), as the wheels'
+    # _report_kv_cache_config says (0.20.1 and 0.20.2 share one body).
+    def read(release: str) -> tuple[str, int, float]:
+        name = f"qwen3.6-35b-a3b-nvfp4-mtp-v{release}.log"
+        log = parse_log((ROOT / "tests/data/calibration" / name).read_text())
+        assert log.kv_cache_tokens is not None and log.max_concurrency is not None
+        assert log.concurrency_len == 262_144
+        return log.release, log.kv_cache_tokens, log.max_concurrency
+
+    release, tokens, concurrency = read("0.20.0")
+    assert (release, tokens) == ("0.20.0", 1_581_104)
+    assert printed_token_formula(release) == PER_GROUP_FORMULA
+    assert tokens % 2128 == 0 and tokens // 2128 == 743
+    assert concurrency * 262_144 > 3 * tokens  # the concurrency formula's 5.73M
+    release, tokens, concurrency = read("0.20.2")
+    assert (release, tokens) == ("0.20.2", 5_747_892)
+    assert printed_token_formula(release) == CONCURRENCY_FORMULA
+    assert tokens % 2128 and tokens % 16
+    # The printed concurrency has two decimals: the count lies within its rounding.
+    assert (concurrency - 0.005) * 262_144 <= tokens <= (concurrency + 0.005) * 262_144
+
+
+def test_where_the_formulas_part_the_marked_one_is_the_logged_count(
+    results: list[RecordResult],
+) -> None:
+    # Given the log's own budget, the two formulas part on a record with several
+    # KV-cache groups (Gemma 2 / 3 and gpt-oss on 0.19 by 0.09-0.17%, Qwen3-Next on 0.10.2
+    # and Qwen3.6 on 0.24 by 3-4x); there, the one PRINTED_TOKEN_FORMULA marks for the
+    # record's release is the nearer to what the log printed.
+    parted: dict[str, list[str]] = {PER_GROUP_FORMULA: [], CONCURRENCY_FORMULA: []}
+    for result in results:
+        marked = printed_token_formula(result.release)
+        if marked is None:
+            continue
+        other = CONCURRENCY_FORMULA if marked == PER_GROUP_FORMULA else PER_GROUP_FORMULA
+        mine = result.row("KV cache tokens from the logged budget, " + marked)
+        theirs = result.row("KV cache tokens from the logged budget, " + other)
+        if mine is None or theirs is None or mine["measured"] is None:
+            continue
+        logged, predicted = mine["measured"], mine["predicted"]
+        if abs(predicted - theirs["predicted"]) <= 0.0005 * logged:
+            continue  # one group, or groups whose formulas agree to 0.05%
+        assert abs(predicted - logged) < abs(theirs["predicted"] - logged), (result.name, marked)
+        parted[marked].append(result.name)
+    assert len(parted[PER_GROUP_FORMULA]) >= 8, parted  # 0.19's seven, 0.10.2's Qwen3-Next
+    assert len(parted[CONCURRENCY_FORMULA]) >= 2, parted  # 0.24's Qwen3.6 records
 
 
 def test_release_rows_and_the_v0_profile_length() -> None:
@@ -464,7 +515,7 @@ def test_plan_prints_both_token_counts_of_a_hybrid_model(
     assert main(args) == 0
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if '"GPU KV cache size" line' in line)
-    assert f"{logged:,} up to 0.19 (num_blocks // 4 groups x 544)" in line
+    assert f"{logged:,} up to 0.20.0 (num_blocks // 4 groups x 544)" in line
     assert main([*args, "--json"]) == 0
     capacity = json.loads(capsys.readouterr().out)["capacity"]
-    assert f"{capacity['kv_cache_tokens']:,} tokens from 0.24" in line
+    assert f"{capacity['kv_cache_tokens']:,} tokens from 0.20.1" in line
