@@ -389,6 +389,11 @@ PRINTED_TOKEN_FORMULA: dict[str, str] = {
     # code index id 61544841280): 1,505,068 = int(5.74x x 262,144), 12 over one.
     "0.23": CONCURRENCY_FORMULA,
     "0.24": CONCURRENCY_FORMULA,
+    # The 0.24.0-0.29.0 and 0.31.0 wheels (v1/core/kv_cache_utils.py): the line prints
+    # get_kv_cache_capacity's int(max_concurrency x max_model_len). A Qwen3.5-4B log on
+    # one L4 with 0.29.0 (code index id 69494016274): 267,842 tokens at 8.17x x 32,768,
+    # which kvplan's layers give from its logged 9.1 GiB to the token.
+    **{f"0.{minor}": CONCURRENCY_FORMULA for minor in (25, 26, 27, 28, 29, 31)},
     "0.32": CONCURRENCY_FORMULA,
     "0.33": CONCURRENCY_FORMULA,
     "0.34": CONCURRENCY_FORMULA,

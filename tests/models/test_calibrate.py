@@ -146,6 +146,34 @@ def test_a_hybrid_models_prefix_caching_default_follows_the_release(
         assert rows[figure]["measured"] == 235_706 and rows[figure]["predicted"] == tokens
 
 
+def test_a_029_hybrid_log_prints_the_concurrency_formula_with_prefix_caching(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Qwen/Qwen3.5-4B on one L4, `vllm/vllm-openai:v0.29.0-cu129`, 32,768 tokens: a lab's
+    # findings (a public file the code index found, id 69494016274) quote vLLM's account
+    # with its line wrapped, and the concurrency; they state 267,842 tokens measured.
+    # 0.29 prints int(max_concurrency x max_model_len) and turns prefix caching on for a
+    # hybrid model: two state blocks per GDN group ('align'), 267,842 from the logged
+    # 9.1 GiB to the token; without prefix caching it would be 280,017.
+    log = tmp_path / "l4.log"
+    log.write_text(
+        "Free memory on device (21.84/22.03 GiB) on startup.\n"
+        "Desired GPU memory utilization is (0.92, 20.27 GiB).\n"
+        "Actual usage is 9.01 GiB for consumed memory (weights + non-torch),\n"
+        "2.17 GiB for peak activation, and 0.24 GiB for CUDAGraph memory.\n"
+        "Available KV cache memory: 9.1 GiB\n"
+        "Maximum concurrency for 32,768 tokens per request: 8.17x\n"
+    )
+    args = ["calibrate", str(log), "--model", str(ROOT / "examples/models/qwen3.5-4b")]
+    args += ["--gpu", "L4", "--release", "0.29.0", "--max-model-len", "32768", "--json"]
+    figure = "KV cache tokens from the logged budget, int(concurrency x max_model_len)"
+    for extra, tokens in (([], 267_842), (["--no-enable-prefix-caching"], 280_017)):
+        assert main([*args, *extra]) == 0
+        rows = {row["figure"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+        assert rows[figure]["predicted"] == tokens
+        assert rows["maximum concurrency at 32,768 tokens"]["measured"] == 8.17
+
+
 def test_the_model_dtype_the_engine_ran_with() -> None:
     # `--dtype float32` (the llm-d float32 record): the non-default args and the engine's
     # config line both say it, and the weights are twice the checkpoint's bfloat16.
