@@ -341,13 +341,13 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
 # neither the command nor the engine's config line says: `ModelConfig.
 # is_prefix_caching_supported` answers False for the "hybrid" attention type in the
 # 0.19.0-0.25.1 wheels ("Hybrid models do not support prefix caching since the feature
-# is still experimental") and True from 0.26.0 (read in the 0.26-0.31 wheels and the
-# 0.32-0.34 CPU venvs). Off, each request holds one state block per Mamba group (vLLM's
+# is still experimental") and True from 0.26.0 (read in every 0.26.0-0.31.0 wheel and
+# the 0.32-0.34 CPU venvs). Off, each request holds one state block per Mamba group (vLLM's
 # mamba_cache_mode "none") instead of two ("align"), which is what the 0.23 record
 # qwen3.5-4b-rtx4090d-selfllm-v0.23 prints: 235,706 tokens = int(633 / 11 x 4,096).
 HYBRID_PREFIX_CACHING: dict[str, bool] = {
     **{f"0.{minor}": False for minor in range(19, 26)},
-    **{f"0.{minor}": True for minor in range(26, 35) if minor != 30},
+    **{f"0.{minor}": True for minor in range(26, 35)},
 }
 
 

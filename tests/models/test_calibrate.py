@@ -131,7 +131,11 @@ def test_a_hybrid_models_prefix_caching_default_follows_the_release(
     # wheels' is_prefix_caching_supported), 0.26+ on.
     assert [hybrid_prefix_caching_default(r) for r in ("0.19.1", "0.23.0", "0.25.1")] == [
         False, False, False]  # fmt: skip
-    assert [hybrid_prefix_caching_default(r) for r in ("0.26.0", "0.34.0")] == [True, True]
+    assert [hybrid_prefix_caching_default(r) for r in ("0.26.0", "0.30.0", "0.34.0")] == [
+        True,
+        True,
+        True,
+    ]
     assert hybrid_prefix_caching_default("0.10.2") is None
     # Off, a request of 4,096 tokens holds 8 attention blocks of 528 tokens and one state
     # block in each of the 3 GDN groups: the logged 10.21 GiB (633 blocks) gives the
