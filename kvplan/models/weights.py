@@ -603,6 +603,7 @@ def gdn_graph_transient(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     max_model_len: int,
+    release: str = "",
 ) -> int:
     """The transient `rules`' release counts as CUDA-graph memory on a hybrid GDN model
     (vllm#50780), 0 where it has none. The V1 runner (0.26-0.28 gpu_model_runner.
@@ -611,13 +612,15 @@ def gdn_graph_transient(
     request's context at min(max_model_len, max_num_batched_tokens // N); `_dummy_run`
     makes that batch min(max_num_seqs, ceil(N / q)) requests. The transient is that
     context times the per-token figure. The capture sizes are the ones without a
-    drafter (`cudagraph_capture_sizes`)."""
+    drafter (`cudagraph_capture_sizes`, `release`'s: 0.26-0.28 add no off-grid
+    max_num_seqs, so their largest FULL size is the grid's)."""
     per_token = rules.gdn_graph_transient_per_context_token
     gdn = [layer for layer in layers.layers if layer.mamba_type == "GDN_ATTENTION"]
     if not per_token or not gdn:
         return 0
     query_len = 1 + gdn[0].num_speculative_blocks
-    full = [size for size in cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens)
+    sizes = cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens, release)
+    full = [size for size in sizes
             if query_len <= size <= query_len * max_num_seqs]  # fmt: skip
     largest_full = max(full, default=0)
     if not largest_full:
@@ -1732,6 +1735,7 @@ def estimate_overhead(
     transient = gdn_graph_transient(
         rules, layers, max_num_seqs, max_num_batched_tokens,
         max_model_len if max_model_len and max_model_len > 0 else layers.derived_max_model_len,
+        release,
     )  # fmt: skip
     nccl_bytes = graphs - cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens, 0,
                                              *sizes)  # fmt: skip

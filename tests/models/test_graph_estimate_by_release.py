@@ -23,6 +23,7 @@ from kvplan.models.weights import (
     cudagraph_estimate,
     default_runner_is_v2,
     estimate_overhead,
+    gdn_graph_transient,
     graph_estimate_runs,
     runner_model,
 )
@@ -237,3 +238,17 @@ def test_0_32_and_0_33_pick_v2_as_kvplan_does(release: str, model: str, tmp_path
         f"vllm-{release}", runner_model(config, import_layers(config, Deployment()))
     )
     assert answer["v2_by_default"] is ours is True, answer
+
+
+def test_the_gdn_long_sample_takes_the_releases_largest_full_size() -> None:
+    # 0.26-0.28's V1 profiler runs its long sample at the largest FULL capture size;
+    # those releases add no off-grid max_num_seqs (0.31 does), so with 100 sequences
+    # that size is the grid's 96: 96 requests x (32,768 // 96 = 341) context tokens.
+    config = load_config(str(ROOT / "examples/models/qwen3.6-27b"))
+    layers = import_layers(config, Deployment())
+    rules = PROFILES["v1-0.26"]
+    per_token = rules.gdn_graph_transient_per_context_token
+    assert gdn_graph_transient(rules, layers, 100, 32_768, 262_144, "0.27.0") == (
+        96 * (32_768 // 96) * per_token
+    )
+    assert gdn_graph_transient(rules, layers, 100, 32_768, 262_144) == 100 * 327 * per_token
