@@ -166,6 +166,13 @@ class StartupLog:
     encoder_items: int | None = None
     # Why vLLM turned custom all-reduce off, where a worker's WARNING says so
     custom_all_reduce_off: str | None = None
+    # The model runner, by the module a line names: V1's gpu_model_runner.py, Model
+    # Runner V2's gpu/model_runner.py ("[model_runner.py:N]"); None where no line says
+    # (and on the V0 engine, whose own runner module is also model_runner.py).
+    model_runner_v2: bool | None = None
+
+
+_RUNNER_MODULE = re.compile(r"\[((?:gpu_)?model_runner\.py):\d+\]")
 
 
 def parse_log(text: str) -> StartupLog:
@@ -205,6 +212,8 @@ def parse_log(text: str) -> StartupLog:
             log.engine = "v0"
         if _NO_FLASHINFER.search(line):
             log.flashinfer = False
+        if match := _RUNNER_MODULE.search(line):
+            log.model_runner_v2 = match.group(1) == "model_runner.py"
         if match := _ENCODER.search(line):
             log.encoder_budget, log.encoder_items = int(match.group(1)), int(match.group(2))
         if match := _BLOCKS_V0.search(line):
@@ -272,6 +281,8 @@ def parse_log(text: str) -> StartupLog:
     if account is not None and log.cuda_graph_estimate_gib is not None:
         # The estimate line (printed before the account) says what the account adds.
         log.peak_torch_increase_gib = round(account - log.cuda_graph_estimate_gib, 2)
+    if log.engine == "v0":
+        log.model_runner_v2 = None
     return log
 
 

@@ -1125,6 +1125,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
             engine_release="v0" if log.engine == "v0" else log.release,
             flashinfer=not (args.no_flashinfer or from_log.get("no_flashinfer")),
             block_size_ran=from_log.get("block_size", 0) == args.block_size,  # the log ran it
+            use_v2_model_runner=log.model_runner_v2,  # the runner the log's lines name
         )
         request, inputs = build_plan_request(config, options)
         budget = engine_budget_gib(log, options.gpu_memory_utilization)
