@@ -22,6 +22,8 @@ from kvplan.models.encoder import (
     MultimodalOptions,
     deepstack_buffer_bytes,
     encoder_profile,
+    is_llava_tower,
+    llava_feature_layers,
     llava_vision_layers,
 )
 from kvplan.models.importer import ARCHITECTURES, ModelLayers, pipeline_stage_bounds, text_config
@@ -730,7 +732,8 @@ _PP_EMBEDDINGS_AT_THE_ENDS = frozenset({
     "Qwen3ForCausalLM", "GraniteForCausalLM", "Llama4ForCausalLM",
     "Llama4ForConditionalGeneration", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-    "LlavaNextForConditionalGeneration", "KimiVLForConditionalGeneration",
+    "LlavaNextForConditionalGeneration", "LlavaForConditionalGeneration",
+    "KimiVLForConditionalGeneration",
 })  # fmt: skip
 # Qwen3.5 / 3.6 build the embedding on every stage and the LM head on the last only
 # (a tied head shares the last stage's embedding).
@@ -859,23 +862,40 @@ def _llama4_vision_params(vision: HFConfig, text_hidden: int) -> int:
     return stem + 4 * width + vision.integer("num_hidden_layers") * layer + adapter + projector
 
 
-def _llava_next_vision_params(config: HFConfig, vision: HFConfig, text_hidden: int) -> int:
-    """LLaVA-Next's SigLIP tower and projector as vLLM builds them (llava_next.py,
-    `init_vision_tower_for_llava`): the encoder layers up to the deepest feature layer
-    only, no post-layernorm (`require_post_norm=False`) and no pooling head; per layer
-    Q/K/V/O and fc1 / fc2 with biases and two LayerNorms; the patch convolution and a
-    position embedding per patch; the two-layer projector from the concatenated feature
-    layers (biases on), and the image-newline vector."""
+def _llava_tower_stem_params(vision: HFConfig) -> int:
+    """The tower's parameters outside its encoder layers, by family (vLLM's siglip.py /
+    clip.py embeddings; no post-layernorm, `require_post_norm=False`, and no pooling
+    head): SigLIP's patch convolution with a bias and a position embedding per patch;
+    CLIP's convolution without a bias, its class embedding, a position embedding per
+    patch and for the class token, and its pre-layernorm (`pre_layrnorm`)."""
+    width = vision.integer("hidden_size")
+    patch = vision.integer("patch_size")
+    patches = (vision.integer("image_size") // patch) ** 2
+    conv = vision.integer("num_channels", 3) * patch * patch * width
+    if vision.text("model_type", "") == "clip_vision_model":
+        return conv + width + (patches + 1) * width + 2 * width
+    return conv + width + patches * width
+
+
+def _llava_vision_params(config: HFConfig, vision: HFConfig, text_hidden: int) -> int:
+    """A LLaVA wrapper's tower and projector as vLLM builds them (llava.py
+    `init_vision_tower_for_llava`, llava_next.py): the encoder layers up to the deepest
+    feature layer only, per layer Q/K/V/O and fc1 / fc2 with biases and two LayerNorms
+    (SigLIP and CLIP alike); the stem (`_llava_tower_stem_params`); the two-layer
+    projector from the concatenated feature layers (LLaVA-Next with a list; one layer's
+    width otherwise), with biases unless `multimodal_projector_bias` is false; and
+    LLaVA-Next's image-newline vector."""
     width = vision.integer("hidden_size")
     inter = vision.integer("intermediate_size")
     layer = 4 * width * width + 2 * width * inter + 9 * width + inter
-    patch = vision.integer("patch_size")
-    patches = (vision.integer("image_size") // patch) ** 2
-    stem = vision.integer("num_channels", 3) * patch * patch * width + width + patches * width
-    raw = config.raw("vision_feature_layer", -2)
-    features = len(raw) if isinstance(raw, list) else 1
-    projector = features * width * text_hidden + text_hidden * text_hidden + 2 * text_hidden
-    return llava_vision_layers(config, vision) * layer + stem + projector + text_hidden
+    features = llava_feature_layers(config)
+    bias = 2 * text_hidden if config.flag("multimodal_projector_bias", True) else 0
+    projector = features * width * text_hidden + text_hidden * text_hidden + bias
+    newline = text_hidden if config.text("model_type", "") == "llava_next" else 0
+    return (
+        llava_vision_layers(config, vision) * layer + _llava_tower_stem_params(vision)
+        + projector + newline
+    )  # fmt: skip
 
 
 def replicated_params(config: HFConfig, layers: ModelLayers, stage_layers: int) -> int:
@@ -939,8 +959,8 @@ def _vision_params(config: HFConfig, text_hidden: int) -> int:
         return _qwen2_5_vision_params(vision)
     if vision is not None and model_type == "llama4":
         return _llama4_vision_params(vision, text_hidden)
-    if vision is not None and model_type == "llava_next":
-        return _llava_next_vision_params(config, vision, text_hidden)
+    if vision is not None and is_llava_tower(config):
+        return _llava_vision_params(config, vision, text_hidden)
     if vision is not None and model_type == "kimi_vl":
         return _moonvit_params(vision, text_hidden)
     if vision is None or vision.text("model_type", "") != "siglip_vision_model":

@@ -25,7 +25,7 @@ import pytest
 
 from kvplan.models import Deployment, import_layers, load_config
 from kvplan.models.config import HFConfig, ModelConfigError
-from kvplan.models.importer import Speculative
+from kvplan.models.importer import Speculative, text_config
 from kvplan.models.layers import ImportedLayer
 from kvplan.models.weights import count_params
 from tests.vllm_envs import run_in_vllm
@@ -349,15 +349,17 @@ runpy.run_path({side!r}, run_name="__main__")
 """
 
 
-def _whole_wrapper_parameters(release: str, directory: Path, tmp_path: Path) -> list[int]:
+def _whole_wrapper_parameters(release: str, directory: Path, tmp_path: Path,
+                              max_model_len: int = 8192) -> list[int]:  # fmt: skip
     """Build the checkpoint's whole wrapper with vLLM's model code on the meta device
-    (TP 1, 8,192 tokens), check every cache layer's spec and name against kvplan's
-    import, and return vLLM's parameter count."""
+    (TP 1, 8,192 tokens unless the model is shorter), check every cache layer's spec and
+    name against kvplan's import, and return vLLM's parameter count."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     code = WHOLE_WRAPPER.format(models=str(SIDE.parent), side=str(SIDE))
-    case = {"path": str(directory), "tp": 1, "max_model_len": 8192, "kv_cache_dtype": "auto"}
+    case = {"path": str(directory), "tp": 1, "max_model_len": max_model_len,
+            "kv_cache_dtype": "auto"}  # fmt: skip
     answer = run_in_vllm(release, ["-c", code], {"port": port, "cases": [case]},
                          cache_root=tmp_path)  # fmt: skip
     layers = import_layers(load_config(str(directory))).layers
@@ -383,6 +385,29 @@ def test_llava_next_wrapper_matches_vllm_model_code(release: str, tmp_path: Path
     assert text is not None
     norms = (2 * text.integer("num_hidden_layers") + 1) * text.integer("hidden_size")
     assert parameters == [count_params(config, import_layers(config)).total + norms]
+
+
+@pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
+@pytest.mark.parametrize("name", ["llava-v1.6-mistral-7b-hf", "llava-1.5-7b-hf"])
+def test_clip_llava_wrappers_match_vllm_model_code(name: str, release: str,
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    """LLaVA-Next over CLIP and Mistral 7B (llava-v1.6-mistral-7b-hf) and LLaVA 1.5 over
+    CLIP and Vicuna 7B (llava-1.5-7b-hf, LlavaForConditionalGeneration) as vLLM builds
+    them on the meta device from the published files, whose text_config names no widths
+    (transformers' MistralConfig / LlamaConfig fill them, as kvplan's defaults do): every
+    cache layer's spec (Mistral's "sliding_window": null: full attention), and the
+    parameters, which are kvplan's count plus the text model's RMSNorm weights (two a
+    layer and the final one, 4,096 each); the CLIP tower's 23 of 24 layers, its class
+    and position embeddings and pre-layernorm are in kvplan's count."""
+    directory = CHECKPOINTS / name
+    config = load_config(str(directory))
+    layers = import_layers(config)
+    length = min(8192, layers.derived_max_model_len)  # LLaVA 1.5's Vicuna: 4,096
+    parameters = _whole_wrapper_parameters(release, directory, tmp_path, length)
+    text = text_config(config, layers.architecture)
+    norms = (2 * text.integer("num_hidden_layers") + 1) * text.integer("hidden_size")
+    assert parameters == [count_params(config, layers).total + norms]
+    assert {layer.kind for layer in layers.layers} == {"full_attention"}
 
 
 @pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])

@@ -261,20 +261,34 @@ def _stand_in_mistral_common() -> None:
 
 
 def _llava_next_config(case: dict[str, object]) -> Any:
-    from transformers import LlavaNextConfig
+    """LlavaNextConfig, or LlavaConfig where the case's "wrapper" is "llava" (LLaVA
+    1.5); the tower is SigLIP or CLIP by the vision dict's model_type."""
+    from transformers import LlavaConfig, LlavaNextConfig
 
-    return LlavaNextConfig(
-        text_config={"model_type": "granite", "hidden_size": case["text_hidden"]},
-        vision_config=case["vision"],
-        vision_feature_layer=case["feature_layers"],
-        vision_feature_select_strategy=case["strategy"],
-        image_grid_pinpoints=case["pinpoints"],
-        multimodal_projector_bias=True,
-    )
+    common = {
+        "text_config": {"model_type": "granite", "hidden_size": case["text_hidden"]},
+        "vision_config": case["vision"],
+        "vision_feature_layer": case["feature_layers"],
+        "vision_feature_select_strategy": case["strategy"],
+        "multimodal_projector_bias": True,
+    }
+    if case.get("wrapper") == "llava":
+        return LlavaConfig(**common)
+    return LlavaNextConfig(**common, image_grid_pinpoints=case["pinpoints"])
+
+
+def _select_layers(case: dict[str, object]) -> list[int] | None:
+    """What the wrapper passes as `select_layers`: LLaVA-Next's list of feature layers
+    (None for a single index); LLaVA 1.5 never passes one."""
+    layers = case["feature_layers"]
+    if case.get("wrapper") == "llava" or not isinstance(layers, list):
+        return None
+    return layers
 
 
 def _llava_next_modules(case: dict[str, object]) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """LLaVA-Next's tower and projector as LlavaNextForConditionalGeneration builds them."""
+    """The tower and projector as LlavaNextForConditionalGeneration (or
+    LlavaForConditionalGeneration) builds them."""
     _stand_in_mistral_common()
     from vllm.model_executor.models.llava import (
         LlavaMultiModalProjector,
@@ -284,7 +298,8 @@ def _llava_next_modules(case: dict[str, object]) -> tuple[torch.nn.Module, torch
     config = _llava_next_config(case)
     tower = init_vision_tower_for_llava(config, None, require_post_norm=False,
                                         prefix="vision_tower")  # fmt: skip
-    width = config.vision_config.hidden_size * len(case["feature_layers"])  # type: ignore[arg-type]
+    selected = _select_layers(case)
+    width = config.vision_config.hidden_size * (len(selected) if selected else 1)
     projector = LlavaMultiModalProjector(
         vision_hidden_size=width,
         text_hidden_size=config.text_config.hidden_size,
@@ -295,14 +310,14 @@ def _llava_next_modules(case: dict[str, object]) -> tuple[torch.nn.Module, torch
 
 
 def _llava_next(case: dict[str, object]) -> tuple[int, int]:
-    """The SigLIP tower over `tiles` tiles with the selected layers concatenated (the
+    """The tower over `tiles` tiles with the selected layers concatenated (the
     wrapper's _image_pixels_to_features), then the projector."""
     tower, projector = _llava_next_modules(case)
     size = int(case["vision"]["image_size"])  # type: ignore[index]
     pixels = torch.zeros(int(case["tiles"]), 3, size, size)  # type: ignore[call-overload]
 
     def run() -> torch.Tensor:
-        features = tower(pixels, select_layers=case["feature_layers"],
+        features = tower(pixels, select_layers=_select_layers(case),
                          feature_select_strategy=case["strategy"])  # fmt: skip
         return projector(features)
 
@@ -346,14 +361,16 @@ TABLES: list[int] = []
 
 
 def llava_next_facts(case: dict[str, object]) -> list[int]:
-    """[parameters of the tower, projector and image_newline as vLLM builds them, the
-    most embeddings of one image and the tiles of that image]: vLLM's
+    """[parameters of the tower, projector and (LLaVA-Next's) image_newline as vLLM
+    builds them, the most embeddings of one image and the tiles of that image]: vLLM's
     LlavaNextProcessingInfo.get_num_image_tokens over the pinpoints, as its
-    get_image_size_with_most_features does, with the config standing in for the
-    processor context."""
+    get_image_size_with_most_features does (LLaVA 1.5: LlavaProcessingInfo's
+    get_max_image_tokens, one tile), with the config standing in for the processor
+    context."""
     from transformers.models.llava_next.modeling_llava_next import (  # type: ignore[import-not-found]
         get_anyres_image_grid_shape,
     )
+    from vllm.model_executor.models.llava import LlavaProcessingInfo
     from vllm.model_executor.models.llava_next import LlavaNextProcessingInfo
     from vllm.model_executor.models.vision import get_vision_encoder_info
 
@@ -365,6 +382,14 @@ def llava_next_facts(case: dict[str, object]) -> list[int]:
     info = SimpleNamespace(
         get_hf_config=lambda: config, get_vision_encoder_info=lambda: encoder_info
     )
+    if case.get("wrapper") == "llava":
+        info.get_image_size_with_most_features = lambda: (
+            LlavaProcessingInfo.get_image_size_with_most_features(info)
+        )
+        info.get_num_image_tokens = lambda **kw: LlavaProcessingInfo.get_num_image_tokens(
+            info, **kw
+        )
+        return [params, LlavaProcessingInfo.get_max_image_tokens(info), 1]
     info._get_num_unpadded_features = lambda **kw: (
         LlavaNextProcessingInfo._get_num_unpadded_features(info, **kw)
     )
