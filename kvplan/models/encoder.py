@@ -193,6 +193,10 @@ class Tower:
     # Frames per temporal patch where vLLM profiles a video of the largest image's frames
     # (Qwen2.5-VL: 2); 0 where the image is the profiled item whatever the limits.
     video_temporal_patch: int = 0
+    # Moments after the tower that may hold more than its own peak, in the model dtype:
+    # (elements per item, elements once) each (LLaVA's projector and LLaVA-Next's anyres
+    # merge, `_llava_after_tower`). The forward's peak is the largest moment.
+    after_tower: tuple[tuple[int, int], ...] = ()
 
 
 def _siglip_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
@@ -458,7 +462,43 @@ def _llava_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
         input_elements_per_item=tiles * channels * size * size,
         peak_elements_per_patch=peak,
         output_hidden=text_hidden,
+        after_tower=_llava_after_tower(
+            config, width, text_hidden, tp, (tiles, sequence, base), tokens
+        ),
     )
+
+
+def _llava_after_tower(
+    config: HFConfig, width: int, text_hidden: int, tp: int, tiles: tuple[int, int, int],
+    tokens: int,
+) -> tuple[tuple[int, int], ...]:  # fmt: skip
+    """The wrappers' moments after the tower (`tiles`: tiles per item, positions and
+    selected embeddings per tile), per item and once:
+
+    * the projector, over every item's tiles at once: the features it reads (the last
+      layer's output, of which the strategy's selection is a view; with a list, the
+      selected layers' concatenation), linear_1's output and its GELU, or at linear_2
+      the GELU and the output (column- then row-parallel: linear_1's output is the
+      rank's share; the all-reduce's copy is not counted, as in the towers);
+    * LLaVA-Next's merge (`_merge_image_patch_embeddings`, one item after another): every
+      item's projected tiles (held until the last is merged), the merged items so far,
+      and for the item being merged its unpadded grid with a newline per row beside the
+      base tile's and the grid's concatenation (the finished item): at the last item,
+      items x (projected + merged) + the grid with its newlines.
+
+    With the published widths the tower's peak is the larger for llava-v1.6-mistral /
+    vicuna (text width 4 to 5 x the tower's) and LLaVA 1.5 at TP 1; the merge is the
+    larger for a 7,168-wide text model over CLIP (llava-v1.6-34b's Yi)."""
+    count, sequence, selected = tiles
+    features = sequence * width
+    if _selects_layers(config):
+        features = selected * width * llava_feature_layers(config)
+    shard = -(-text_hidden // tp)
+    projector = count * (features + selected * max(2 * shard, shard + text_hidden))
+    if config.text("model_type", "") != "llava_next":
+        return ((projector, 0),)
+    merge = (count * selected + tokens) * text_hidden
+    return ((projector, 0), (merge, (tokens - selected) * text_hidden))
 
 
 def _pinpoint(config: HFConfig, item: object) -> tuple[int, int]:
@@ -536,7 +576,9 @@ def forward_peak_bytes(tower: Tower, items: int, patches_per_item: int, dtype_by
     patches = items * patches_per_item
     elements = patches * tower.peak_elements_per_patch
     elements += patches_per_item * tower.cached_elements_per_patch
-    return elements * dtype_bytes + int(patches * tower.peak_index_bytes_per_patch)
+    in_tower = elements * dtype_bytes + int(patches * tower.peak_index_bytes_per_patch)
+    after = max((items * per_item + once for per_item, once in tower.after_tower), default=0)
+    return max(in_tower, after * dtype_bytes)
 
 
 def vision_tower(config: HFConfig, tp: int) -> Tower | None:

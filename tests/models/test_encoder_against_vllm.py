@@ -21,7 +21,9 @@ from __future__ import annotations
 import itertools
 import json
 import socket
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +35,7 @@ from kvplan.models.encoder import (
     Tower,
     encoder_items,
     forward_peak_bytes,
+    llava_next_image_tokens,
     vision_tower,
 )
 from kvplan.models.weights import _llava_vision_params
@@ -241,6 +244,13 @@ def test_the_flags_parse_as_vllm_parses_them(release: str) -> None:
 GRANITE_VISION = Path(__file__).parents[1] / "data" / "checkpoints" / "granite-vision-3.3-2b"
 
 
+def _tower_only(tower: Tower | None) -> Tower:
+    """The tower's own moments: what a run of the tower and projector over tiles (not
+    whole images) is compared with."""
+    assert tower is not None
+    return replace(tower, after_tower=())
+
+
 def test_llava_next_tower_against_vllm(tmp_path: Path) -> None:
     """LLaVA-Next (Granite Vision's wrapper) against vLLM 0.32's own modules: the SigLIP
     tower init_vision_tower_for_llava builds and LlavaMultiModalProjector, run over two
@@ -276,10 +286,11 @@ def test_llava_next_tower_against_vllm(tmp_path: Path) -> None:
             "image_grid_pinpoints": case["pinpoints"],
         })  # fmt: skip
 
-    ours = [vision_tower(config(case), 1) for case in towers]
-    assert all(tower is not None for tower in ours)
+    # the tower and projector over tiles; the moments after them, per image, are
+    # test_llava_image_path_against_vllm's
+    ours = [_tower_only(vision_tower(config(case), 1)) for case in towers]
     expected = [
-        forward_peak_bytes(tower, case["tiles"], 27 * 27, BF16)  # type: ignore[arg-type]
+        forward_peak_bytes(tower, case["tiles"], 27 * 27, BF16)
         for tower, case in zip(ours, towers, strict=True)
     ]
     assert answer["peaks"] == expected
@@ -383,17 +394,17 @@ def test_clip_llava_towers_against_vllm(tmp_path: Path) -> None:
             del raw["image_grid_pinpoints"]
         return HFConfig(raw)
 
-    ours = [vision_tower(config(case), 1) for case in towers]
+    ours = [_tower_only(vision_tower(config(case), 1)) for case in towers]
     sequence = 24 * 24 + 1  # a tile's patches and CLIP's class token
     expected = [
-        forward_peak_bytes(tower, case["tiles"], sequence, BF16)  # type: ignore[arg-type]
+        forward_peak_bytes(tower, case["tiles"], sequence, BF16)
         for tower, case in zip(ours, towers, strict=True)
     ]
     assert answer["peaks"] == expected
     # one feature layer: 4 x 128 + 3 x 512 per position; the list, at the fourth layer's
     # MLP: the embeddings and three layers' outputs in the pool, the residual and its
     # normed copy (6 x 128) beside QuickGELU's three (3 x 512)
-    assert [t.peak_elements_per_patch for t in ours if t is not None] == [2048, 2304, 2048]
+    assert [t.peak_elements_per_patch for t in ours] == [2048, 2304, 2048]
     # the projector's output: every position but the class token, 256 wide
     assert answer["outputs"] == [case["tiles"] * 576 * 256 * BF16 for case in towers]
     for case, (params, tokens, tiles) in zip(facts, answer["llava_next"], strict=True):
@@ -407,3 +418,82 @@ def test_clip_llava_towers_against_vllm(tmp_path: Path) -> None:
     # 48 x 48 + 48 newlines); LLaVA 1.5: one tile's 576.
     assert answer["llava_next"][0][1:] == [2928, 5]
     assert answer["llava_next"][1][1:] == [576, 1]
+
+
+def test_llava_image_path_against_vllm(tmp_path: Path) -> None:
+    """The whole image path of vLLM 0.32's LLaVA wrappers on the CPU (the wrapper's own
+    _process_image_input: tower, projector and LLaVA-Next's anyres merge with the newline
+    vector) over one and two largest images, at an eighth of the towers' widths, against
+    kvplan's forward peak (the larger of the tower's and the moments after it) and the
+    embeddings returned. Text widths 4 x the tower's (llava-v1.6-mistral's 4,096 over
+    1,024: the tower's peak), 8 x (the merge's: the projected tiles, the merged images
+    and the grid being merged), and for LLaVA 1.5 4 x and 16 x (the projector's);
+    Granite Vision's SigLIP with its feature list and `full` strategy under a 2,048-wide
+    text model (the merge's)."""
+    mistral = json.loads((LLAVA_MISTRAL / "config.json").read_text())
+    granite = json.loads((GRANITE_VISION / "config.json").read_text())
+    clip = {**mistral["vision_config"], "hidden_size": 128, "intermediate_size": 512,
+            "num_attention_heads": 2, "num_hidden_layers": 4}  # fmt: skip
+    siglip = {**granite["vision_config"], "hidden_size": 144, "intermediate_size": 538,
+              "num_attention_heads": 2, "num_hidden_layers": 5}  # fmt: skip
+    cases: list[dict[str, Any]] = [
+        *({"vision": clip, "text_hidden": hidden, "strategy": "default", "items": items,
+           "pinpoints": mistral["image_grid_pinpoints"], "feature_layers": -2}
+          for hidden, items in ((512, 2), (1024, 1), (1024, 2))),
+        *({"vision": clip, "text_hidden": hidden, "strategy": "default", "items": 2,
+           "feature_layers": -2, "wrapper": "llava", "pinpoints": []}
+          for hidden in (512, 2048)),
+        {"vision": siglip, "text_hidden": 2048, "strategy": "full", "items": 1,
+         "pinpoints": granite["image_grid_pinpoints"], "feature_layers": [-4, -2, -1]},
+    ]  # fmt: skip
+
+    def config(case: dict[str, Any]) -> HFConfig:
+        raw = {**(granite if case["vision"] is siglip else mistral),
+               "vision_config": case["vision"],
+               "vision_feature_layer": case["feature_layers"],
+               "vision_feature_select_strategy": case["strategy"]}  # fmt: skip
+        raw["text_config"] = {**raw["text_config"], "hidden_size": case["text_hidden"]}
+        if case.get("wrapper") == "llava":
+            raw = {**raw, "model_type": "llava",
+                   "architectures": ["LlavaForConditionalGeneration"]}  # fmt: skip
+            del raw["image_grid_pinpoints"]
+        return HFConfig(raw)
+
+    towers: list[Tower] = []
+    for case in cases:
+        tower = vision_tower(config(case), 1)
+        assert tower is not None
+        towers.append(tower)
+        size = case["vision"]["image_size"]
+        case["tiles"] = tower.input_elements_per_item // (3 * size * size)
+        sequence = tower.patches_per_item // case["tiles"]  # a tile's positions
+        # the largest image: the pinpoint with the most embeddings (LLaVA 1.5: one tile)
+        pinpoints = [tuple(p) for p in case["pinpoints"]] or [(size, size)]
+        grid = size // case["vision"]["patch_size"]
+        base = sequence - (case["strategy"] == "default")
+        case["image"] = max(pinpoints, key=lambda p: llava_next_image_tokens(
+            p[0], p[1], pinpoints, size, grid, base))  # fmt: skip
+        case["kind"] = "llava_embed"
+    assert [case["tiles"] for case in cases] == [5, 5, 5, 1, 1, 11]
+    answer = run_in_vllm(
+        "0.32", [str(SIDE)], {"port": _port(), "towers": cases},
+        cache_root=tmp_path, timeout=280,
+    )  # fmt: skip
+    ours = [
+        forward_peak_bytes(tower, case["items"], tower.patches_per_item, BF16)
+        for tower, case in zip(towers, cases, strict=True)
+    ]
+    assert answer["peaks"] == ours
+    assert answer["outputs"] == [
+        case["items"] * tower.tokens_per_item * case["text_hidden"] * BF16
+        for tower, case in zip(towers, cases, strict=True)
+    ]
+    # which moment is the peak: the tower's, the merge's (twice), the tower's, the
+    # projector's, the merge's
+    in_tower = [
+        case["items"] * tower.patches_per_item * tower.peak_elements_per_patch * BF16
+        for tower, case in zip(towers, cases, strict=True)
+    ]
+    assert [peak == tower for peak, tower in zip(ours, in_tower, strict=True)] == [
+        True, False, False, True, False, False
+    ]  # fmt: skip

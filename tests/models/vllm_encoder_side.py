@@ -324,6 +324,42 @@ def _llava_next(case: dict[str, object]) -> tuple[int, int]:
     return _peak_of(run, [tower, projector], [pixels])
 
 
+def _llava_embed(case: dict[str, object]) -> tuple[int, int]:
+    """The whole image path of the profile run: the wrapper's own _process_image_input
+    (LlavaNextForConditionalGeneration's tower, projector and anyres merge with the
+    image_newline; LlavaForConditionalGeneration's tower and projector) over `items`
+    images of the largest size, `tiles` tiles each. The wrapper object is made without
+    its __init__ (no language model) and given the modules it would build."""
+    _stand_in_mistral_common()
+    from vllm.model_executor.models.llava import LlavaForConditionalGeneration
+    from vllm.model_executor.models.llava_next import LlavaNextForConditionalGeneration
+
+    llava = case.get("wrapper") == "llava"
+    cls = LlavaForConditionalGeneration if llava else LlavaNextForConditionalGeneration
+    tower, projector = _llava_next_modules(case)
+    config = _llava_next_config(case)
+    model = cls.__new__(cls)
+    torch.nn.Module.__init__(model)
+    model.config = config
+    model.vision_tower = tower
+    model.multi_modal_projector = projector
+    model.image_newline = torch.nn.Parameter(torch.zeros(config.text_config.hidden_size))
+    model.select_layers = _select_layers(case)
+    size = config.vision_config.image_size
+    items, tiles = int(case["items"]), int(case["tiles"])  # type: ignore[call-overload]
+    shape = (items, 3, size, size) if llava else (items, tiles, 3, size, size)
+    pixels = torch.zeros(*shape)
+    # the largest image's size, as the processor passes it (kept on the host)
+    sizes = torch.tensor([case["image"]] * items)
+
+    def run() -> object:
+        return model._process_image_input(
+            {"type": "pixel_values", "pixel_values": pixels, "image_sizes": sizes}
+        )
+
+    return _peak_of(run, [model], [pixels, sizes])
+
+
 def _moonvit(case: dict[str, object]) -> tuple[int, int]:
     """Kimi-VL's MoonViT (MoonVitPretrainedModel) and KimiVLMultiModalProjector over
     `items` images of `grid` patches, packed as the processor packs them ((patches, 3,
@@ -438,6 +474,7 @@ TOWERS = {
     "qwen3_vl_vit": _qwen3_vl_vit,
     "llama4": _llama4,
     "llava_next": _llava_next,
+    "llava_embed": _llava_embed,
     "moonvit": _moonvit,
 }
 
