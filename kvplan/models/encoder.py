@@ -354,15 +354,33 @@ def llava_next_image_tokens(height: int, width: int, pinpoints: list[tuple[int, 
     return rows * cols + rows + base_tokens
 
 
-# The vision towers vLLM's `init_vision_tower_for_llava` builds for the LLaVA wrappers
-# kvplan models, by vision_config model_type: whether each tile's sequence starts with a
-# class token (CLIPVisionEmbeddings prepends one; SigLIP's has none). Every other
-# difference between the families is in the config (widths, hidden_act) or in the stem
-# (`_llava_tower_stem_params` in weights.py). Pixtral towers are not modelled.
-LLAVA_TOWERS: dict[str, bool] = {"siglip_vision_model": False, "clip_vision_model": True}
+@dataclass(frozen=True)
+class LlavaTowerFamily:
+    """What differs between the towers vLLM's `init_vision_tower_for_llava` builds
+    (siglip.py, clip.py); the encoder layers are alike (Q/K/V/O and fc1 / fc2 with
+    biases, two LayerNorms), and neither builds a post-layernorm
+    (`require_post_norm=False`) or SigLIP's pooling head."""
+
+    class_token: bool  # CLIPVisionEmbeddings prepends one to every tile's patches
+    conv_bias: bool  # the patch convolution's bias (SigLIP's; CLIP's has none)
+    pre_norm: bool  # CLIP's `pre_layrnorm` over the embeddings
+    default_act: str  # the vision config class's hidden_act
+
+
+# By vision_config model_type; Pixtral towers are not modelled.
+LLAVA_TOWERS: dict[str, LlavaTowerFamily] = {
+    "siglip_vision_model": LlavaTowerFamily(False, True, False, "gelu_pytorch_tanh"),
+    "clip_vision_model": LlavaTowerFamily(True, False, True, "quick_gelu"),
+}
 # The wrappers (config model_type): LLaVA-Next tiles an image (anyres) and adds a newline
 # vector; LLaVA 1.5 encodes one image_size tile and concatenates no feature layers.
 LLAVA_WRAPPERS = ("llava_next", "llava")
+
+
+def llava_tower_kind(vision: HFConfig) -> str:
+    """The tower's model_type; LlavaConfig / LlavaNextConfig build a CLIP tower from a
+    vision_config that names none."""
+    return vision.text("model_type", "clip_vision_model")
 
 
 def is_llava_tower(config: HFConfig) -> bool:
@@ -371,7 +389,7 @@ def is_llava_tower(config: HFConfig) -> bool:
     return (
         config.text("model_type", "") in LLAVA_WRAPPERS
         and vision is not None
-        and vision.text("model_type", "") in LLAVA_TOWERS
+        and llava_tower_kind(vision) in LLAVA_TOWERS
     )
 
 
@@ -395,12 +413,12 @@ def activation_streams(vision: HFConfig) -> int:
     not compiled): x * sigmoid(1.702 * x) holds fc1's output x, then the sigmoid and the
     product (or the scaled copy) beside it. A GELU (`gelu`, `gelu_pytorch_tanh`,
     SigLIP's default) is one op: fc1's output and its own."""
-    default = "quick_gelu" if _is_clip(vision) else "gelu_pytorch_tanh"
+    default = llava_tower_family(vision).default_act
     return 3 if vision.text("hidden_act", default) == "quick_gelu" else 2
 
 
-def _is_clip(vision: HFConfig) -> bool:
-    return LLAVA_TOWERS.get(vision.text("model_type", ""), False)
+def llava_tower_family(vision: HFConfig) -> LlavaTowerFamily:
+    return LLAVA_TOWERS[llava_tower_kind(vision)]
 
 
 def _llava_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
@@ -421,7 +439,7 @@ def _llava_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
 
     text_hidden = text_config(config, architecture_of(config)).integer("hidden_size")
     grid = size // patch
-    sequence = grid * grid + (1 if _is_clip(vision) else 0)  # per tile
+    sequence = grid * grid + llava_tower_family(vision).class_token  # per tile
     # 'default' drops the first embedding (CLIP's class token; vLLM's
     # get_num_selected_vision_tokens drops one of SigLIP's patches too), 'full' none
     strategy = config.text("vision_feature_select_strategy", "default")

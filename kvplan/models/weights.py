@@ -24,6 +24,7 @@ from kvplan.models.encoder import (
     encoder_profile,
     is_llava_tower,
     llava_feature_layers,
+    llava_tower_family,
     llava_vision_layers,
 )
 from kvplan.models.importer import ARCHITECTURES, ModelLayers, pipeline_stage_bounds, text_config
@@ -863,18 +864,16 @@ def _llama4_vision_params(vision: HFConfig, text_hidden: int) -> int:
 
 
 def _llava_tower_stem_params(vision: HFConfig) -> int:
-    """The tower's parameters outside its encoder layers, by family (vLLM's siglip.py /
-    clip.py embeddings; no post-layernorm, `require_post_norm=False`, and no pooling
-    head): SigLIP's patch convolution with a bias and a position embedding per patch;
-    CLIP's convolution without a bias, its class embedding, a position embedding per
-    patch and for the class token, and its pre-layernorm (`pre_layrnorm`)."""
+    """The tower's parameters outside its encoder layers (vLLM's siglip.py / clip.py
+    embeddings), by family (encoder.LLAVA_TOWERS): the patch convolution (SigLIP's with
+    a bias), a position embedding per patch and for CLIP's class token, CLIP's class
+    embedding and its pre-layernorm (`pre_layrnorm`)."""
+    family = llava_tower_family(vision)
     width = vision.integer("hidden_size")
     patch = vision.integer("patch_size")
-    patches = (vision.integer("image_size") // patch) ** 2
-    conv = vision.integer("num_channels", 3) * patch * patch * width
-    if vision.text("model_type", "") == "clip_vision_model":
-        return conv + width + (patches + 1) * width + 2 * width
-    return conv + width + patches * width
+    positions = (vision.integer("image_size") // patch) ** 2 + family.class_token
+    conv = vision.integer("num_channels", 3) * patch * patch * width + family.conv_bias * width
+    return conv + positions * width + family.class_token * width + family.pre_norm * 2 * width
 
 
 def _llava_vision_params(config: HFConfig, vision: HFConfig, text_hidden: int) -> int:

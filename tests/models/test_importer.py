@@ -753,6 +753,17 @@ def test_clip_llava_checkpoints_by_hand(
     assert tower.peak_elements_per_patch == 4 * w + 3 * inter
 
 
+def test_a_llava_vision_config_without_a_model_type_is_clip() -> None:
+    """LlavaNextConfig builds a CLIPVisionConfig from a vision_config that names no
+    model_type, and so does kvplan: the same tower, weights and profile."""
+    raw = json.loads((CHECKPOINTS / "llava-v1.6-mistral-7b-hf" / "config.json").read_text())
+    unnamed = {**raw, "vision_config": {key: value for key, value in raw["vision_config"].items()
+                                        if key != "model_type"}}  # fmt: skip
+    named, bare = HFConfig(raw), HFConfig(unnamed)
+    assert count_params(bare, import_layers(bare)) == count_params(named, import_layers(named))
+    assert vision_tower(bare, 1) == vision_tower(named, 1)
+
+
 KIMI_VL = Path(__file__).parents[1] / "data" / "checkpoints" / "kimi-vl-a3b-instruct"
 
 
