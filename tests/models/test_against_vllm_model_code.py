@@ -388,18 +388,28 @@ def test_llava_next_wrapper_matches_vllm_model_code(release: str, tmp_path: Path
 
 
 @pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
-@pytest.mark.parametrize("name", ["llava-v1.6-mistral-7b-hf", "llava-1.5-7b-hf"])
+@pytest.mark.parametrize("name", ["llava-v1.6-mistral-7b-hf", "llava-1.5-7b-hf", "vicuna-next"])
 def test_clip_llava_wrappers_match_vllm_model_code(name: str, release: str,
                                                    tmp_path: Path) -> None:  # fmt: skip
     """LLaVA-Next over CLIP and Mistral 7B (llava-v1.6-mistral-7b-hf) and LLaVA 1.5 over
     CLIP and Vicuna 7B (llava-1.5-7b-hf, LlavaForConditionalGeneration) as vLLM builds
     them on the meta device from the published files, whose text_config names no widths
-    (transformers' MistralConfig / LlamaConfig fill them, as kvplan's defaults do): every
-    cache layer's spec (Mistral's "sliding_window": null: full attention), and the
-    parameters, which are kvplan's count plus the text model's RMSNorm weights (two a
-    layer and the final one, 4,096 each); the CLIP tower's 23 of 24 layers, its class
-    and position embeddings and pre-layernorm are in kvplan's count."""
+    (transformers' MistralConfig / LlamaConfig fill them, as kvplan's defaults do); and
+    LLaVA-Next over CLIP and a Llama-class text model ("vicuna-next": the first file
+    with the second's Vicuna text_config, as llava-v1.6-vicuna-7b-hf pairs them; no
+    stored corpus holds that file). Every cache layer's spec (Mistral's
+    "sliding_window": null: full attention), and the parameters, which are kvplan's
+    count plus the text model's RMSNorm weights (two a layer and the final one, 4,096
+    each); the CLIP tower's 23 of 24 layers, its class and position embeddings and
+    pre-layernorm are in kvplan's count."""
     directory = CHECKPOINTS / name
+    if name == "vicuna-next":
+        wrapper = json.loads((CHECKPOINTS / "llava-v1.6-mistral-7b-hf" / "config.json").read_text())
+        vicuna = json.loads((CHECKPOINTS / "llava-1.5-7b-hf" / "config.json").read_text())
+        directory = tmp_path / name
+        directory.mkdir()
+        raw = {**wrapper, "text_config": vicuna["text_config"]}
+        (directory / "config.json").write_text(json.dumps(raw))
     config = load_config(str(directory))
     layers = import_layers(config)
     length = min(8192, layers.derived_max_model_len)  # LLaVA 1.5's Vicuna: 4,096
