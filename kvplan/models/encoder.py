@@ -466,9 +466,7 @@ def _llava_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
     # earlier outputs (`built` in all, the last the layer's input), the post-attention
     # residual and its normed copy; after the last layer the whole pool (built + 1)
     # beside the selected layers' concatenation. The larger moment is the peak. The
-    # projector (the features, linear_1's output and its GELU: width + 2 x the text
-    # width) and LLaVA-Next's unpadding merge after it hold less for the published
-    # widths.
+    # projector's and LLaVA-Next's merge's moments follow the tower (`after_tower`).
     peak = 4 * width + mlp
     if _selects_layers(config):
         features = llava_feature_layers(config)

@@ -968,7 +968,7 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
     # names none (ModelArchConfigConvertorBase.get_torch_dtype, 0.32-0.34):
     # llava-v1.6-mistral-7b-hf runs in its root float16, not its text bfloat16.
     named = config.has("torch_dtype") or config.has("dtype")
-    checkpoint_dtype = config.dtype() if named or text is config else text.dtype()
+    checkpoint_dtype = config.dtype() if named else text.dtype()
     model_dtype = serving_dtype(checkpoint_dtype)
     if deployment.dtype != "auto":
         model_dtype = HFConfig({"torch_dtype": deployment.dtype}, "--dtype").dtype()

@@ -948,8 +948,9 @@ def _vision_params(config: HFConfig, text_hidden: int) -> int:
     text model: per encoder layer Q/K/V/O and a two-matrix MLP (with biases), the
     patch embedding and a position embedding per patch; or Qwen3-VL's, which Qwen3.5 /
     3.6 load too (`_qwen3_vision_params`); Qwen2.5-VL's (`_qwen2_5_vision_params`);
-    Llama 4's (`_llama4_vision_params`). Other vision towers are not counted (none of
-    the supported families has one)."""
+    Llama 4's (`_llama4_vision_params`); a LLaVA wrapper's SigLIP or CLIP tower
+    (`_llava_vision_params`); Kimi-VL's MoonViT (`_moonvit_params`). Other vision towers
+    are not counted (none of the supported families has one)."""
     vision = config.sub("vision_config")
     model_type = config.text("model_type", "")
     if vision is not None and model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_vl"):
