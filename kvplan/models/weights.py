@@ -904,8 +904,8 @@ def replicated_params(config: HFConfig, layers: ModelLayers, stage_layers: int) 
     `disable_tp=True`; ReplicatedLinear otherwise), per MLA layer of the stage; and
     Kimi-VL's MoonViT parts outside its parallel linears' sharded weights (moonvit.py,
     kimi_vl.py: the patch convolution, the position grid, the LayerNorms, the biases of
-    the row-parallel `wo` and `fc1`, and the projector's ReplicatedLinear layers).
-    Counted for unquantized checkpoints."""
+    the row-parallel `wo` and `fc1`, and the projector's ReplicatedLinear layers); and a
+    LLaVA tower's (`_llava_whole_params`). Counted for unquantized checkpoints."""
     c = text_config(config, layers.architecture)
     whole = 0
     if c.has("kv_lora_rank"):
@@ -922,7 +922,23 @@ def replicated_params(config: HFConfig, layers: ModelLayers, stage_layers: int) 
         layer = 4 * width * width + 2 * width * inter + 3 * width + inter
         parallel = vision.integer("num_hidden_layers") * layer
         whole += _moonvit_params(vision, c.integer("hidden_size")) - parallel
+    if vision is not None and is_llava_tower(config):
+        whole += _llava_whole_params(config, vision, c.integer("hidden_size"))
     return whole
+
+
+def _llava_whole_params(config: HFConfig, vision: HFConfig, text_hidden: int) -> int:
+    """A LLaVA tower's parameters vLLM keeps whole on every tensor-parallel rank (its
+    tower shards across the TP group unless `mm_encoder_tp_mode` is "data", which kvplan
+    does not read): the stem (the patch convolution, position and class embeddings and
+    CLIP's pre-layernorm are plain modules), per built layer the two LayerNorms and the
+    row-parallel biases (out_proj, fc2), the projector's row-parallel linear_2 bias and
+    LLaVA-Next's newline vector. 1,345,536 parameters for llava-v1.6-mistral-7b-hf."""
+    width = vision.integer("hidden_size")
+    layers = llava_vision_layers(config, vision) * 6 * width
+    bias = text_hidden if config.flag("multimodal_projector_bias", True) else 0
+    newline = text_hidden if config.text("model_type", "") == "llava_next" else 0
+    return _llava_tower_stem_params(vision) + layers + bias + newline
 
 
 def _moonvit_params(vision: HFConfig, text_hidden: int) -> int:
