@@ -343,7 +343,7 @@ def _layer_types(b: _Builder, count: int) -> list[str] | None:
 
 
 def _dense_decoder(b: _Builder, prefix: str = "model.layers") -> None:
-    """Llama / Mistral / Mixtral / Qwen2-3 (+MoE) / Phi-3 / Granite: one attention layer
+    """Llama / Mistral / Mixtral / Qwen2-3 (+MoE) / Phi-3 / Granite / Gemma: one attention layer
     per decoder layer; `layer_types` marks sliding layers, else a set `sliding_window`
     applies to every layer (Qwen only with `use_sliding_window`)."""
     count = b.config.integer("num_hidden_layers")
@@ -738,6 +738,9 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     # multipliers scale activations, not memory (vLLM's granite.py).
     "GraniteForCausalLM": (_dense_decoder, False),
     "GptOssForCausalLM": (_gpt_oss, False),
+    # Gemma (1): Llama's layer layout, every layer full attention (vLLM's gemma.py); its
+    # 256-wide heads come from `head_dim`, its tied LM head from the family default.
+    "GemmaForCausalLM": (_dense_decoder, False),
     "Gemma2ForCausalLM": (_gemma2, False),
     "Gemma3ForCausalLM": (_gemma3, False),
     "Gemma3ForConditionalGeneration": (_gemma3, True),
@@ -825,6 +828,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
     "Gemma3ForConditionalGeneration": _GEMMA3_TEXT_DEFAULTS,
     "Gemma3ForCausalLM": _GEMMA3_TEXT_DEFAULTS,
     "Gemma2ForCausalLM": {"tie_word_embeddings": True},
+    "GemmaForCausalLM": {"tie_word_embeddings": True},  # GemmaConfig's default
 }
 
 

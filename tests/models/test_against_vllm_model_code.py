@@ -409,3 +409,22 @@ def test_kimi_vl_wrapper_matches_vllm_model_code(release: str, tmp_path: Path) -
     norms = count * (2 * hidden + text.integer("kv_lora_rank")) + hidden
     ours = count_params(config, import_layers(config)).total
     assert parameters == [ours - routed + norms + moe_layers * experts]
+
+
+# Text-only checkpoints of families imported from the llm-d-planner records, built whole
+# by vLLM: (directory, parameters vLLM builds that count_params leaves out).
+def _rms_norms(config: HFConfig) -> int:
+    """Two RMSNorm weights a decoder layer and the final one, `hidden_size` each."""
+    return (2 * config.integer("num_hidden_layers") + 1) * config.integer("hidden_size")
+
+
+@pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
+def test_gemma_matches_vllm_model_code(release: str, tmp_path: Path) -> None:
+    """Gemma 7B as vLLM builds GemmaForCausalLM on the meta device: every cache layer's
+    spec (28 full-attention layers of 16 x 256 KV heads) and the parameters, kvplan's
+    count (the tied embedding once, 256-wide heads over a 3,072-wide model, the gated
+    GELU MLP) plus the RMSNorm weights count_params leaves out."""
+    directory = CHECKPOINTS / "gemma-7b"
+    parameters = _whole_wrapper_parameters(release, directory, tmp_path)
+    config = load_config(str(directory))
+    assert parameters == [count_params(config, import_layers(config)).total + _rms_norms(config)]
