@@ -733,6 +733,9 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     "Qwen2ForCausalLM": (_dense_decoder, False),
     "Qwen3ForCausalLM": (_dense_decoder, False),
     "Qwen3MoeForCausalLM": (_dense_decoder, False),
+    # Qwen1.5-MoE / Qwen2-MoE: Qwen2's attention (QKV biases) over routed experts and one
+    # gated shared expert (`shared_expert_intermediate_size`; vLLM's qwen2_moe.py).
+    "Qwen2MoeForCausalLM": (_dense_decoder, False),
     "Phi3ForCausalLM": (_dense_decoder, False),
     # Granite 3.x: Llama's layers; its embedding, residual, attention and logit
     # multipliers scale activations, not memory (vLLM's granite.py).

@@ -428,3 +428,22 @@ def test_gemma_matches_vllm_model_code(release: str, tmp_path: Path) -> None:
     parameters = _whole_wrapper_parameters(release, directory, tmp_path)
     config = load_config(str(directory))
     assert parameters == [count_params(config, import_layers(config)).total + _rms_norms(config)]
+
+
+@pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
+def test_qwen2_moe_matches_vllm_model_code(release: str, tmp_path: Path) -> None:
+    """Qwen1.5-MoE-A2.7B as vLLM builds Qwen2MoeForCausalLM on the meta device: every
+    cache layer's spec and the parameters. The routed experts are stood in (added back:
+    24 layers x 60 x 3 x 2,048 x 1,408); what count_params leaves out is the RMSNorms,
+    Qwen2's QKV biases and the shared expert's one-output gate (`shared_expert_gate`)."""
+    directory = CHECKPOINTS / "qwen1.5-moe-a2.7b"
+    parameters = _whole_wrapper_parameters(release, directory, tmp_path)
+    config = load_config(str(directory))
+    count, hidden = config.integer("num_hidden_layers"), config.integer("hidden_size")
+    experts = config.integer("num_experts")
+    routed = count * experts * 3 * hidden * config.integer("moe_intermediate_size")
+    head_dim = hidden // config.integer("num_attention_heads")
+    heads = config.integer("num_attention_heads") + 2 * config.integer("num_key_value_heads")
+    biases = count * heads * head_dim
+    ours = count_params(config, import_layers(config)).total
+    assert parameters == [ours - routed + _rms_norms(config) + biases + count * hidden]
