@@ -737,6 +737,10 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     # gated shared expert (`shared_expert_intermediate_size`; vLLM's qwen2_moe.py).
     "Qwen2MoeForCausalLM": (_dense_decoder, False),
     "Phi3ForCausalLM": (_dense_decoder, False),
+    # Phi-1 / 1.5 / 2: one full-attention layer per decoder layer (parallel attention and
+    # MLP, LayerNorms, biases, a partial rotary embedding: no cache difference; vLLM's
+    # phi.py); its two-matrix MLP is in weights.py's `_TWO_MATRIX_MLP`.
+    "PhiForCausalLM": (_dense_decoder, False),
     # Granite 3.x: Llama's layers; its embedding, residual, attention and logit
     # multipliers scale activations, not memory (vLLM's granite.py).
     "GraniteForCausalLM": (_dense_decoder, False),

@@ -587,10 +587,18 @@ def _expert_count(c: HFConfig) -> int:
     return 0
 
 
+# Families (model_type) whose MLP is one up and one down projection, no gate: Phi-1 /
+# 1.5 / 2's fc1 and fc2 (vLLM's PhiMLP, `n_inner` wide, else 4 x hidden: the published
+# Phi configs' `intermediate_size`).
+_TWO_MATRIX_MLP = frozenset({"phi"})
+
+
 def _matrices(c: HFConfig) -> int:
     """Gated MLPs (SiLU/GELU) hold gate, up and down; Nemotron-H's relu^2 MLPs and
-    experts only up and down (vLLM's NemotronHMLP / its experts)."""
-    return 2 if c.has("mlp_hidden_act") and c.text("mlp_hidden_act") == "relu2" else 3
+    experts and the `_TWO_MATRIX_MLP` families only up and down (vLLM's NemotronHMLP /
+    its experts, PhiMLP)."""
+    relu2 = c.has("mlp_hidden_act") and c.text("mlp_hidden_act") == "relu2"
+    return 2 if relu2 or c.text("model_type", "") in _TWO_MATRIX_MLP else 3
 
 
 def _mlp_params(c: HFConfig, layer: int) -> tuple[int, int]:

@@ -353,15 +353,18 @@ runpy.run_path({side!r}, run_name="__main__")
 """
 
 
-def _whole_wrapper_parameters(release: str, directory: Path, tmp_path: Path) -> list[int]:
+def _whole_wrapper_parameters(
+    release: str, directory: Path, tmp_path: Path, max_model_len: int = 8192
+) -> list[int]:
     """Build the checkpoint's whole wrapper with vLLM's model code on the meta device
-    (TP 1, 8,192 tokens), check every cache layer's spec and name against kvplan's
-    import, and return vLLM's parameter count."""
+    (TP 1, 8,192 tokens unless the model is shorter), check every cache layer's spec
+    and name against kvplan's import, and return vLLM's parameter count."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     code = WHOLE_WRAPPER.format(models=str(SIDE.parent), side=str(SIDE))
-    case = {"path": str(directory), "tp": 1, "max_model_len": 8192, "kv_cache_dtype": "auto"}
+    case = {"path": str(directory), "tp": 1, "max_model_len": max_model_len,
+            "kv_cache_dtype": "auto"}  # fmt: skip
     answer = run_in_vllm(release, ["-c", code], {"port": port, "cases": [case]},
                          cache_root=tmp_path)  # fmt: skip
     layers = import_layers(load_config(str(directory))).layers
@@ -447,3 +450,21 @@ def test_qwen2_moe_matches_vllm_model_code(release: str, tmp_path: Path) -> None
     biases = count * heads * head_dim
     ours = count_params(config, import_layers(config)).total
     assert parameters == [ours - routed + _rms_norms(config) + biases + count * hidden]
+
+
+@pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
+def test_phi_matches_vllm_model_code(release: str, tmp_path: Path) -> None:
+    """Phi-2 as vLLM builds PhiForCausalLM on the meta device: every cache layer's spec
+    and the parameters, kvplan's count (a two-matrix MLP: fc1 and fc2) plus what it
+    leaves out: per layer a LayerNorm's weight and bias and the biases of the QKV,
+    output, fc1 and fc2 projections; the final LayerNorm. vLLM 0.32-0.34 have no phi.py:
+    the registry maps PhiForCausalLM to the Transformers backend, whose LM head has no
+    bias; 0.19's phi.py (the calibration record's release, read in its wheel) builds
+    the same modules with a 51,200-element bias on the LM head as well."""
+    directory = CHECKPOINTS / "phi-2"
+    parameters = _whole_wrapper_parameters(release, directory, tmp_path, max_model_len=2048)
+    config = load_config(str(directory))
+    hidden, ffn = config.integer("hidden_size"), config.integer("intermediate_size")
+    per_layer = 2 * hidden + 3 * hidden + hidden + ffn + hidden
+    left_out = config.integer("num_hidden_layers") * per_layer + 2 * hidden
+    assert parameters == [count_params(config, import_layers(config)).total + left_out]
