@@ -331,6 +331,10 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
         out["enable_prefix_caching"] = config["enable_prefix_caching"] == "True"
     if "block_size" in args:
         out["block_size"] = int(args["block_size"])
+    # --quantization as the command gave it (the non-default args only: the engine's
+    # config line names the kernel's method, e.g. gptq_marlin for a gptq checkpoint).
+    if args.get("quantization"):
+        out["quantization"] = str(args["quantization"])
     if not log.flashinfer:  # the sampler's fallback line
         out["no_flashinfer"] = True
     for dest in ("skip_mm_profiling", "language_model_only"):  # a multimodal model's flags

@@ -344,7 +344,7 @@ def _layer_types(b: _Builder, count: int) -> list[str] | None:
 
 
 def _dense_decoder(b: _Builder, prefix: str = "model.layers") -> None:
-    """Llama / Mistral / Mixtral / Qwen2-3 (+MoE) / Phi-3 / Granite: one attention layer
+    """Llama / Mistral / Mixtral / Qwen2-3 (+MoE) / Phi-3 / Granite / Gemma: one attention layer
     per decoder layer; `layer_types` marks sliding layers, else a set `sliding_window`
     applies to every layer (Qwen only with `use_sliding_window`)."""
     count = b.config.integer("num_hidden_layers")
@@ -736,11 +736,21 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     "Qwen2ForCausalLM": (_dense_decoder, False),
     "Qwen3ForCausalLM": (_dense_decoder, False),
     "Qwen3MoeForCausalLM": (_dense_decoder, False),
+    # Qwen1.5-MoE / Qwen2-MoE: Qwen2's attention (QKV biases) over routed experts and one
+    # gated shared expert (`shared_expert_intermediate_size`; vLLM's qwen2_moe.py).
+    "Qwen2MoeForCausalLM": (_dense_decoder, False),
     "Phi3ForCausalLM": (_dense_decoder, False),
+    # Phi-1 / 1.5 / 2: one full-attention layer per decoder layer (parallel attention and
+    # MLP, LayerNorms, biases, a partial rotary embedding: no cache difference; vLLM's
+    # phi.py); its two-matrix MLP is in weights.py's `_TWO_MATRIX_MLP`.
+    "PhiForCausalLM": (_dense_decoder, False),
     # Granite 3.x: Llama's layers; its embedding, residual, attention and logit
     # multipliers scale activations, not memory (vLLM's granite.py).
     "GraniteForCausalLM": (_dense_decoder, False),
     "GptOssForCausalLM": (_gpt_oss, False),
+    # Gemma (1): Llama's layer layout, every layer full attention (vLLM's gemma.py); its
+    # 256-wide heads come from `head_dim`, its tied LM head from the family default.
+    "GemmaForCausalLM": (_dense_decoder, False),
     "Gemma2ForCausalLM": (_gemma2, False),
     "Gemma3ForCausalLM": (_gemma3, False),
     "Gemma3ForConditionalGeneration": (_gemma3, True),
@@ -830,6 +840,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
     "Gemma3ForConditionalGeneration": _GEMMA3_TEXT_DEFAULTS,
     "Gemma3ForCausalLM": _GEMMA3_TEXT_DEFAULTS,
     "Gemma2ForCausalLM": {"tie_word_embeddings": True},
+    "GemmaForCausalLM": {"tie_word_embeddings": True},  # GemmaConfig's default
 }
 # The LLaVA wrappers' text_config is built by the text model_type's config class
 # (LlavaConfig / LlavaNextConfig: CONFIG_MAPPING[model_type], "llama" when unnamed), and

@@ -729,10 +729,18 @@ def _expert_count(c: HFConfig) -> int:
     return 0
 
 
+# Families (model_type) whose MLP is one up and one down projection, no gate: Phi-1 /
+# 1.5 / 2's fc1 and fc2 (vLLM's PhiMLP, `n_inner` wide, else 4 x hidden: the published
+# Phi configs' `intermediate_size`).
+_TWO_MATRIX_MLP = frozenset({"phi"})
+
+
 def _matrices(c: HFConfig) -> int:
     """Gated MLPs (SiLU/GELU) hold gate, up and down; Nemotron-H's relu^2 MLPs and
-    experts only up and down (vLLM's NemotronHMLP / its experts)."""
-    return 2 if c.has("mlp_hidden_act") and c.text("mlp_hidden_act") == "relu2" else 3
+    experts and the `_TWO_MATRIX_MLP` families only up and down (vLLM's NemotronHMLP /
+    its experts, PhiMLP)."""
+    relu2 = c.has("mlp_hidden_act") and c.text("mlp_hidden_act") == "relu2"
+    return 2 if relu2 or c.text("model_type", "") in _TWO_MATRIX_MLP else 3
 
 
 def _mlp_params(c: HFConfig, layer: int) -> tuple[int, int]:
@@ -1174,7 +1182,11 @@ def rope_cache_bytes(config: HFConfig, layers: ModelLayers) -> int:
     return entries * dims * dtype_bytes
 
 
-_INT4_BYTES = 0.5 + 4 / 128  # 4-bit weights + an fp16 scale and zero per 128-group
+# 4-bit weights + per 128-group an fp16 scale and a 4-bit zero point, packed eight to an
+# int32 (vLLM 0.19's gptq_marlin / awq_marlin `create_weights`: `qzeros` is int32 of
+# output / 8 per group, and a symmetric GPTQ checkpoint builds it too; the Machete and
+# Marlin repacks keep both sizes). RedHatAI's GPTQ Llama 3.1 8B logs 5.38 GiB on 0.19.
+_INT4_BYTES = 0.5 + 2.5 / 128
 
 
 def _quantization(config: HFConfig, requested: str | None = None) -> tuple[str, float, bool]:

@@ -23,6 +23,11 @@ from tests.models.test_importer import EAGLE3_TEST_DRAFTER, NEMOTRON_H_TEST_CONF
 from tests.vllm_envs import run_in_vllm
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
+# Checkpoint configs (tests/data/checkpoints) of families imported for calibration
+# records and not among the shipped examples, planned here too (Phi-2 at its 2,048
+# positions).
+CHECKPOINTS = Path(__file__).parents[1] / "data" / "checkpoints"
+PLANNED_CHECKPOINTS = {"gemma-7b": 8192, "qwen1.5-moe-a2.7b": 8192, "phi-2": 2048}
 
 # Both vLLM-side scripts: each calculator case answered with vLLM's own figure.
 CALCULATOR_CASES = """
@@ -147,7 +152,9 @@ def request_cases() -> tuple[list[tuple[str, str]], list[str]]:
 
     names: list[tuple[str, str]] = []
     blobs: list[str] = []
-    for directory in sorted(MODELS.iterdir()):
+    planned = [(directory, 8192) for directory in sorted(MODELS.iterdir())]
+    planned += [(CHECKPOINTS / name, length) for name, length in PLANNED_CHECKPOINTS.items()]
+    for directory, length in planned:
         config = load_config(str(directory))
         mtp = Speculative("mtp", 1)
         for tp, spec, kv in (
@@ -159,7 +166,7 @@ def request_cases() -> tuple[list[tuple[str, str]], list[str]]:
             options = ModelPlanOptions(
                 tensor_parallel_size=tp,
                 kv_cache_dtype=kv,
-                max_model_len=8192,
+                max_model_len=length,
                 gpu_memory_bytes=1 << 40,  # room for every model: the plan, not the fit
                 non_kv_bytes=1 << 30,
                 speculative=spec,
@@ -221,6 +228,7 @@ def test_imported_requests_plan_the_same_in_vllm(vllm_answers: dict[str, list[ob
     groups, blocks, tensors and capacity, no error on either side."""
     names, _ = request_cases()
     assert len(names) >= 3 * len(list(MODELS.iterdir()))
+    assert {name for name, _ in names} >= set(PLANNED_CHECKPOINTS)
     for name, outcome in zip(names, vllm_answers["plans"], strict=True):
         assert isinstance(outcome, dict)
         assert outcome["ok"], name

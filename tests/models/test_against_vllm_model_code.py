@@ -474,3 +474,59 @@ def test_kimi_vl_wrapper_matches_vllm_model_code(release: str, tmp_path: Path) -
     norms = count * (2 * hidden + text.integer("kv_lora_rank")) + hidden
     ours = count_params(config, import_layers(config)).total
     assert parameters == [ours - routed + norms + moe_layers * experts]
+
+
+# Text-only checkpoints of families imported from the llm-d-planner records, built whole
+# by vLLM: (directory, parameters vLLM builds that count_params leaves out).
+def _rms_norms(config: HFConfig) -> int:
+    """Two RMSNorm weights a decoder layer and the final one, `hidden_size` each."""
+    return (2 * config.integer("num_hidden_layers") + 1) * config.integer("hidden_size")
+
+
+@pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
+def test_gemma_matches_vllm_model_code(release: str, tmp_path: Path) -> None:
+    """Gemma 7B as vLLM builds GemmaForCausalLM on the meta device: every cache layer's
+    spec (28 full-attention layers of 16 x 256 KV heads) and the parameters, kvplan's
+    count (the tied embedding once, 256-wide heads over a 3,072-wide model, the gated
+    GELU MLP) plus the RMSNorm weights count_params leaves out."""
+    directory = CHECKPOINTS / "gemma-7b"
+    parameters = _whole_wrapper_parameters(release, directory, tmp_path)
+    config = load_config(str(directory))
+    assert parameters == [count_params(config, import_layers(config)).total + _rms_norms(config)]
+
+
+@pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
+def test_qwen2_moe_matches_vllm_model_code(release: str, tmp_path: Path) -> None:
+    """Qwen1.5-MoE-A2.7B as vLLM builds Qwen2MoeForCausalLM on the meta device: every
+    cache layer's spec and the parameters. The routed experts are stood in (added back:
+    24 layers x 60 x 3 x 2,048 x 1,408); what count_params leaves out is the RMSNorms,
+    Qwen2's QKV biases and the shared expert's one-output gate (`shared_expert_gate`)."""
+    directory = CHECKPOINTS / "qwen1.5-moe-a2.7b"
+    parameters = _whole_wrapper_parameters(release, directory, tmp_path)
+    config = load_config(str(directory))
+    count, hidden = config.integer("num_hidden_layers"), config.integer("hidden_size")
+    experts = config.integer("num_experts")
+    routed = count * experts * 3 * hidden * config.integer("moe_intermediate_size")
+    head_dim = hidden // config.integer("num_attention_heads")
+    heads = config.integer("num_attention_heads") + 2 * config.integer("num_key_value_heads")
+    biases = count * heads * head_dim
+    ours = count_params(config, import_layers(config)).total
+    assert parameters == [ours - routed + _rms_norms(config) + biases + count * hidden]
+
+
+@pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
+def test_phi_matches_vllm_model_code(release: str, tmp_path: Path) -> None:
+    """Phi-2 as vLLM builds PhiForCausalLM on the meta device: every cache layer's spec
+    and the parameters, kvplan's count (a two-matrix MLP: fc1 and fc2) plus what it
+    leaves out: per layer a LayerNorm's weight and bias and the biases of the QKV,
+    output, fc1 and fc2 projections; the final LayerNorm. vLLM 0.32-0.34 have no phi.py:
+    the registry maps PhiForCausalLM to the Transformers backend, whose LM head has no
+    bias; 0.19's phi.py (the calibration record's release, read in its wheel) builds
+    the same modules with a 51,200-element bias on the LM head as well."""
+    directory = CHECKPOINTS / "phi-2"
+    parameters = _whole_wrapper_parameters(release, directory, tmp_path, max_model_len=2048)
+    config = load_config(str(directory))
+    hidden, ffn = config.integer("hidden_size"), config.integer("intermediate_size")
+    per_layer = 2 * hidden + 3 * hidden + hidden + ffn + hidden
+    left_out = config.integer("num_hidden_layers") * per_layer + 2 * hidden
+    assert parameters == [count_params(config, import_layers(config)).total + left_out]

@@ -98,6 +98,17 @@ def test_the_settings_the_engine_states_in_its_own_lines() -> None:
     assert "max_num_seqs" not in settings_from_log(drafts)
 
 
+def test_quantization_is_read_from_the_command_not_the_engine_line() -> None:
+    # `--quantization fp8` on an unquantized Llama-3.1-8B: the non-default args name it.
+    qfp8 = parse_log((DATA / "llama-3.1-8b-h100-qfp8-llmd-v0.19.log").read_text())
+    assert settings_from_log(qfp8)["quantization"] == "fp8"
+    # A GPTQ checkpoint: the engine line says quantization=gptq_marlin (the kernel's
+    # method, not a --quantization the checkpoint would accept), the command nothing.
+    gptq = parse_log((DATA / "llama-3.1-8b-w4a16-h100-fp16-llmd-v0.19.log").read_text())
+    assert gptq.engine_config.get("quantization") == "gptq_marlin"
+    assert "quantization" not in settings_from_log(gptq)
+
+
 def test_the_scheduler_line_and_a_split_compile_state_the_batched_tokens() -> None:
     # Qwen2.5-7B at TP 4 (vLLM 0.19.0): the all-reduce fusion ends at 292 tokens, so the
     # profile run compiles (1, 292) and (293, 8192) after the scheduler's 8,192. The

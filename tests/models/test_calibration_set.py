@@ -427,18 +427,29 @@ def test_the_graph_estimate_reproduces_the_two_logged_estimates_it_was_set_from(
 
 
 def test_the_graph_estimate_against_every_logged_one(results: list[RecordResult]) -> None:
-    # Every record whose release logs its estimate, at TP 1: within 0.4 GiB per worker
-    # (twenty-two records, twenty held out; docs/capacity.md "The CUDA-graph estimate").
+    # Every record whose release logs its estimate, at TP 1: within 0.4 GiB per worker but
+    # two (thirty-five records, thirty-two held out; docs/capacity.md "The CUDA-graph
+    # estimate").
     # With custom all-reduce on, the TP > 1 logs move with the interconnect, not the
     # model: Llama-3.1-8B on H100s logs 0.84 / 1.69 / 0.57 GiB at TP 1 / 2 / 4; not held.
     logged = [(r, row) for r in results if (row := r.row(GRAPH_ESTIMATE)) is not None
               and row["measured"] is not None]  # fmt: skip
     # A pipeline stage's graphs cover its own layers only (not modelled apart).
     single = [(r, row) for r, row in logged
-              if not any(split in r.name for split in ("tp2", "tp4", "pp2"))]  # fmt: skip
-    assert len(single) == 22 and sum(r.meta.get("role") == "held-out" for r, _ in single) == 20
-    for result, row in single:
-        assert abs(row["predicted"] - row["measured"]) <= 0.4, (result.name, row)
+              if not any(split in r.name for split in ("tp2", "tp4", "pp2", "pp4"))]  # fmt: skip
+    assert len(single) == 35 and sum(r.meta.get("role") == "held-out" for r, _ in single) == 32
+    # Two held-out logs are outside the band, and are reported, not fitted:
+    # DeepSeek-V2-Lite (MLA and MoE, 27 layers) logs 1.39 GiB against 0.84 (two more MoE
+    # logs are the lowest rows, Qwen3-30B-A3B -0.40 and Kimi-VL-A3B -0.35; Qwen1.5-MoE is
+    # +0.02), and Granite 3.1 2B logs 1.60 where its real capture took 0.84 (the (n - 1)
+    # multiplier over one noisy sample; the Granite 3.1 / 3.3 8B log 0.74).
+    outside = {result.name: row["predicted"] - row["measured"] for result, row in single
+               if abs(row["predicted"] - row["measured"]) > 0.4}  # fmt: skip
+    assert sorted(outside) == [
+        "deepseek-v2-lite-chat-h100-llmd-v0.19",
+        "granite-3.1-2b-h100-llmd-v0.19",
+    ], outside
+    assert all(-0.8 <= gap < -0.4 for gap in outside.values()), outside
     # Four PCIe L40S (custom all-reduce off: NCCL all-reduces in every graph) set the
     # NCCL term: 2.73 GiB logged, 0.52 without it.
     l40s = [row for r, row in logged if r.name == "qwen2.5-72b-l40s-tp4-v0.19"]

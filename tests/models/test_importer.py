@@ -471,7 +471,9 @@ def test_deepseek_fp8_and_awq_int4_weights(tmp_path: Path) -> None:
     raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
     awq = estimate_weights(HFConfig(raw), layers, 8)
     assert awq.quantization == "awq-int4"
-    assert awq.bytes_total == int(unquantized * 2 + (params.total - unquantized) * (0.5 + 4 / 128))
+    # 4-bit weights, an fp16 scale and a 4-bit zero point per 128-group
+    int4 = 0.5 + 2.5 / 128
+    assert awq.bytes_total == int(unquantized * 2 + (params.total - unquantized) * int4)
     raw["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     gptq = estimate_weights(HFConfig(raw), layers, 8)
     assert (gptq.quantization, gptq.bytes_total) == ("gptq-int4", awq.bytes_total)

@@ -134,7 +134,7 @@ def install_stand_ins() -> None:
     mla = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
     setattr(mla, "get_mla_prefill_backend", lambda *args, **kwargs: NoKernels)  # noqa: B010
     for name in ("gpt_oss", "jamba", "llama4", "nemotron_h", "qwen3_moe", "mixtral", "deepseek_v2",
-                 "qwen3_next"):  # fmt: skip
+                 "qwen3_next", "qwen2_moe"):  # fmt: skip
         module = importlib.import_module("vllm.model_executor.models." + name)
         if hasattr(module, "FusedMoEFactory"):
             setattr(module, "FusedMoEFactory", _no_experts)  # noqa: B010
