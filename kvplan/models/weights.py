@@ -151,9 +151,9 @@ _TRITON_SAMPLER = 2 + 4 + 4 + 4
 # forward_native". FlashInfer's sampler is the default on CUDA from 0.21 (vllm#40376;
 # `VLLM_USE_FLASHINFER_SAMPLER` unset reads as on), so the first pass runs
 # `flashinfer_sample` on the float32 logits with the top-k as a tensor:
-# `top_k_top_p_sampling_from_logits` (FlashInfer 0.6.8.post1, 0.6.12, 0.6.16.post3,
-# 0.6.18 and 0.7.0.post1 alike, the versions 0.20-0.31 pin) takes its top-k-first path
-# without the integer-k fast path, `top_k_mask_logits` writes a float32 masked copy
+# `top_k_top_p_sampling_from_logits` (alike in FlashInfer 0.6.8.post1 to 0.7.2.post1,
+# every version 0.20-0.33 pin) takes its top-k-first path without the integer-k fast
+# path (0.6.14 on; an integer k only), `top_k_mask_logits` writes a float32 masked copy
 # (`torch.empty_like`) and `torch.softmax` the probabilities: 2 + 4 + 4 + 4 = 14 B (and
 # a cached 1 MiB row-state buffer, not counted). The second pass falls back to
 # `forward_native` (FlashInfer takes no generators): the Triton masks in place, the

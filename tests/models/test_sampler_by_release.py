@@ -218,3 +218,22 @@ def test_model_runner_v2s_dummy_sampling_in_the_venvs(
     flashinfer_adds = 4 + 4
     assert round(fused["held"]) + flashinfer_adds == rules.mrv2_sampler_bytes_per_logit + (
         logits_bytes - 2)  # fmt: skip
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33"])
+@pytest.mark.parametrize("model", ["mixtral-8x7b-instruct", "gpt-oss-20b", "llama-3.1-8b"])
+def test_the_runner_choice_matches_vllms_own_in_the_venvs(
+    release: str, model: str, tmp_path: Path
+) -> None:
+    """vLLM's own `VllmConfig.use_v2_model_runner` on the config (Triton taken as present,
+    as on CUDA): a MoE model, a quantized MoE one and a dense one all get Model Runner V2,
+    as `model_runner_v2` says from 0.29 (0.28 would have kept the first two on V1)."""
+    side = str(Path(__file__).with_name("vllm_runner_choice_side.py"))
+    path = str(ROOT / "examples/models" / model)
+    answer = run_in_vllm(release, [side], {"path": path}, cache_root=tmp_path)
+    config = load_config(path)
+    layers = import_layers(config)
+    assert answer["v2_by_default"] is model_runner_v2(f"vllm-{release}", config, layers) is True
+    assert answer["unsupported"] == []
+    on_0_28 = model_runner_v2("0.28.0", config, layers)
+    assert on_0_28 is (model == "llama-3.1-8b"), model
