@@ -29,6 +29,9 @@ _RELEASE = re.compile(r"Initializing a V1 LLM engine \(v([0-9][^)]*)\)|version (
 _CONFIG_LINE = re.compile(r"Initializing a V1 LLM engine \(v[^)]*\) with config: (.*)$")
 _NON_DEFAULT = re.compile(r"non-default args: (\{.*\})\s*$")
 _LOADING = re.compile(r"Model loading took ([0-9.]+) GiB")
+# The API server's line with the length the engine resolved (model.py, 0.19-0.34):
+# "Using max model len 4096".
+_MAX_MODEL_LEN = re.compile(r"Using max model len ([0-9]+)")
 # vLLM's own decision (custom_all_reduce.py, 0.19 and 0.32-0.34): "Custom allreduce is
 # disabled because it's not supported on more than two PCIe-only GPUs", "... because
 # your platform lacks GPU P2P capability or P2P test failed", "... due to an
@@ -131,6 +134,7 @@ class StartupLog:
     stage_activation_gib: dict[int, float] = field(default_factory=dict)
     stage_non_torch_gib: dict[int, float] = field(default_factory=dict)
     kv_cache_tokens: int | None = None
+    max_model_len: int | None = None  # the API server's "Using max model len" line
     num_gpu_blocks: int | None = None  # the V0 engine logged blocks, not tokens
     concurrency_len: int | None = None
     max_concurrency: float | None = None
@@ -162,6 +166,13 @@ class StartupLog:
     encoder_items: int | None = None
     # Why vLLM turned custom all-reduce off, where a worker's WARNING says so
     custom_all_reduce_off: str | None = None
+    # The model runner, by the module a line names: V1's gpu_model_runner.py, Model
+    # Runner V2's gpu/model_runner.py ("[model_runner.py:N]"); None where no line says
+    # (and on the V0 engine, whose own runner module is also model_runner.py).
+    model_runner_v2: bool | None = None
+
+
+_RUNNER_MODULE = re.compile(r"\[((?:gpu_)?model_runner\.py):\d+\]")
 
 
 def parse_log(text: str) -> StartupLog:
@@ -183,6 +194,8 @@ def parse_log(text: str) -> StartupLog:
                 log.non_default_args = parsed
         if log.custom_all_reduce_off is None and (match := _CUSTOM_AR_OFF.search(line)):
             log.custom_all_reduce_off = match.group(1).split(". To silence")[0].strip()
+        if match := _MAX_MODEL_LEN.search(line):
+            log.max_model_len = int(match.group(1))
         if match := _LOADING.search(line) or _WEIGHTS_V0.search(line):
             log.model_loading_gib.append(float(match.group(1)))
         if match := _PROFILE_V0.search(line):
@@ -199,6 +212,8 @@ def parse_log(text: str) -> StartupLog:
             log.engine = "v0"
         if _NO_FLASHINFER.search(line):
             log.flashinfer = False
+        if match := _RUNNER_MODULE.search(line):
+            log.model_runner_v2 = match.group(1) == "model_runner.py"
         if match := _ENCODER.search(line):
             log.encoder_budget, log.encoder_items = int(match.group(1)), int(match.group(2))
         if match := _BLOCKS_V0.search(line):
@@ -266,6 +281,8 @@ def parse_log(text: str) -> StartupLog:
     if account is not None and log.cuda_graph_estimate_gib is not None:
         # The estimate line (printed before the account) says what the account adds.
         log.peak_torch_increase_gib = round(account - log.cuda_graph_estimate_gib, 2)
+    if log.engine == "v0":
+        log.model_runner_v2 = None
     return log
 
 
@@ -284,7 +301,7 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
         value = args.get(key, config.get(key))
         if value is not None and integer(value) is not None:
             out[dest] = integer(value)
-    length = args.get("max_model_len", config.get("max_seq_len"))
+    length = args.get("max_model_len", config.get("max_seq_len", log.max_model_len))
     if length is not None and integer(length) is not None:
         out["max_model_len"] = integer(length)
     for dest in ("gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs"):
@@ -329,6 +346,25 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
     if flag in (True, "True") or log.custom_all_reduce_off is not None:
         out["disable_custom_all_reduce"] = True
     return out
+
+
+# Whether a hybrid model (attention beside Mamba / GDN state) gets prefix caching when
+# neither the command nor the engine's config line says: `ModelConfig.
+# is_prefix_caching_supported` answers False for the "hybrid" attention type in the
+# 0.19.0-0.25.1 wheels ("Hybrid models do not support prefix caching since the feature
+# is still experimental") and True from 0.26.0 (read in every 0.26.0-0.31.0 wheel and
+# the 0.32-0.34 CPU venvs). Off, each request holds one state block per Mamba group (vLLM's
+# mamba_cache_mode "none") instead of two ("align"), which is what the 0.23 record
+# qwen3.5-4b-rtx4090d-selfllm-v0.23 prints: 235,706 tokens = int(633 / 11 x 4,096).
+HYBRID_PREFIX_CACHING: dict[str, bool] = {
+    **{f"0.{minor}": False for minor in range(19, 26)},
+    **{f"0.{minor}": True for minor in range(26, 35)},
+}
+
+
+def hybrid_prefix_caching_default(release: str) -> bool | None:
+    """The release's prefix-caching default for a hybrid model, where checked."""
+    return HYBRID_PREFIX_CACHING.get(".".join(release.split(".")[:2]))
 
 
 # V0's scheduler (vLLM <= 0.7 and VLLM_USE_V1=0): without chunked prefill a step

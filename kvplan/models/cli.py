@@ -29,7 +29,7 @@ from kvplan.models.chart import (
 from kvplan.models.config import HFConfig, ModelConfigError, load_config
 from kvplan.models.encoder import MultimodalOptions, parse_limit_mm_per_prompt
 from kvplan.models.fit import TP_CANDIDATES, catalog_name, explain_no_fit, name_gpus
-from kvplan.models.importer import Speculative
+from kvplan.models.importer import Speculative, import_layers
 from kvplan.models.request import (
     CapacitySummary,
     ModelPlanInputs,
@@ -1079,6 +1079,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         component_rows,
         engine_budget_gib,
         format_comparisons,
+        hybrid_prefix_caching_default,
         parse_log,
         printed_stage,
         printed_token_formula,
@@ -1106,6 +1107,15 @@ def calibrate_command(args: argparse.Namespace) -> int:
         if not args.model:
             raise ModelConfigError("give --model CONFIG: the log does not carry the config")
         config = load_config(args.model)
+        release_default = hybrid_prefix_caching_default(log.release)
+        # Neither the command nor the log says: the release's default for a hybrid model
+        # (kvplan's own default, on, is 0.26+'s).
+        if (
+            args.enable_prefix_caching is None
+            and release_default is not None
+            and any(layer.is_state for layer in import_layers(config).layers)
+        ):
+            args.enable_prefix_caching = release_default
         gpu = gpu_or_size(args.gpu)
         options = replace(
             options_from_args(args),
@@ -1115,6 +1125,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
             engine_release="v0" if log.engine == "v0" else log.release,
             flashinfer=not (args.no_flashinfer or from_log.get("no_flashinfer")),
             block_size_ran=from_log.get("block_size", 0) == args.block_size,  # the log ran it
+            use_v2_model_runner=log.model_runner_v2,  # the runner the log's lines name
         )
         request, inputs = build_plan_request(config, options)
         budget = engine_budget_gib(log, options.gpu_memory_utilization)

@@ -88,6 +88,10 @@ class ModelPlanOptions:
     # WARNING says vLLM turned custom all-reduce off): the non-torch figure is then
     # what one GPU leaves (weights.py `custom_all_reduce_on`).
     disable_custom_all_reduce: bool = False
+    # vLLM's model runner (True: Model Runner V2; None: the release's default for the
+    # model, weights.py `default_runner_is_v2`): whether a CUDA-graph estimate runs
+    # before the cache is sized (`calibrate` takes it from the log's module names).
+    use_v2_model_runner: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,13 @@ def build_plan_request(
                 pipeline_stage=stage,
                 pipeline_parallel_size=pp,
                 gpu_sms=gpu_sms,
+                quantization=options.quantization,
+                use_v2_model_runner=options.use_v2_model_runner,
+                # vLLM 0.34 settles its extensible cache off for either setting.
+                extensible_kv_cache=False
+                if options.num_gpu_blocks_override is not None
+                or options.kv_cache_memory_bytes is not None
+                else None,
             )
             for stage in range(pp)
         )  # fmt: skip

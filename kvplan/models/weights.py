@@ -54,11 +54,17 @@ class ProfileRules:
     non_torch_single_gpu: int
     non_torch_tensor_parallel: int
     # CUDA-graph memory the release subtracts from the KV budget before allocating it
-    # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default since vLLM 0.20; 0.32-0.34
-    # checked in their source). vLLM captures the two largest graphs of each mode and
-    # extrapolates: the first capture + (n - 1) x the second's cost (0.32/0.33
-    # gpu_model_runner.profile_cudagraph_memory; 0.34 measures PIECEWISE in full and
-    # extrapolates FULL alone). A FULL (decode) graph's cost grows with its batch, a
+    # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default from vLLM 0.20.0; read in
+    # the 0.20.0-0.31.0 wheels and the 0.32-0.34 venvs). The V1 runner
+    # (gpu_model_runner.profile_cudagraph_memory, the same from 0.20 to 0.33) captures
+    # the two largest sizes of each mode into a throwaway pool and reports the larger
+    # first capture + (n - 1) x the second capture's cost, per mode. Model Runner V2
+    # measures nothing before 0.29 (`return 0`: `graph_estimate_runs`); from 0.29
+    # (gpu/cudagraph_utils.py) it runs one throwaway `capture_model()`, every PIECEWISE
+    # size measured whole, FULL sampled on the two largest and extrapolated the same
+    # way; 0.34 skips it under the extensible KV cache. Either way the graphs counted
+    # are every PIECEWISE size and every FULL size up to max_num_seqs
+    # (`cudagraph_capture_sizes`). A FULL (decode) graph's cost grows with its batch, a
     # PIECEWISE one's hardly: logs of a hybrid 27B model whose graphs stop at 16 tokens
     # estimate 23-35 MiB per PIECEWISE graph (club-3090#104 and #127, gpustack/runner#251:
     # 0.13 GiB for 5, 0.17 for 5, 0.36 for 16). So the estimate is modelled as
@@ -109,7 +115,7 @@ class ProfileRules:
     # `triton_row_buffer_bytes`).
     sampler_row_buffer: bool = False
     # Model Runner V2's dummy sampler run (vllm/v1/worker/gpu/), where the release makes
-    # it the default for the model (`runs_model_runner_v2`): its peak per logit with
+    # it the default for the model (`default_runner_is_v2`): its peak per logit with
     # 16-bit logits (`_MRV2_SAMPLER_*`), 0 where the release defaults to V1 for every
     # model. Its dummy requests are never added, so they are greedy with no top-k, top-p
     # or logprobs; what is held differs by release.
@@ -263,7 +269,8 @@ PROFILES: dict[str, ProfileRules] = {
     # the default's first release. The rows below differ in the sampler (read in each
     # release's source: the comments above `_V1_TWO_PASS_SAMPLER` and `_MRV2_SAMPLER_*`)
     # and, 0.26-0.28, the GDN graph transient. Which runner a model gets is
-    # `runs_model_runner_v2`'s.
+    # `default_runner_is_v2`'s; on Model Runner V2 before 0.29, and under 0.34's
+    # extensible cache, no graph estimate is made at all (`graph_estimate_runs`).
     # 0.20-0.21: the V1 runner for every model (VLLM_USE_V2_MODEL_RUNNER defaults to 0).
     # 0.20 samples once with the Triton kernel (FlashInfer's sampler still opt-in),
     # 0.21 twice (`_V1_TWO_PASS_SAMPLER`): 14 B and the row buffer either way.
@@ -378,60 +385,6 @@ def profile_rules(release: str) -> ProfileRules:
     return PROFILES["v1-0.32"] if version < (0, 33, 0) else PROFILES["v1"]
 
 
-# The architectures each release makes Model Runner V2's default for (vllm/config/
-# vllm.py `DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES`, read in the 0.22.0-0.28.0 wheels;
-# 0.25.1 and 0.27.1 as their .0).
-_MRV2_ARCHITECTURES: dict[tuple[int, int], frozenset[str]] = {
-    (0, 22): frozenset({"Qwen3ForCausalLM"}),
-    (0, 23): frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}),
-    (0, 24): frozenset({"Qwen3ForCausalLM", "DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM",
-                        "GraniteMoeForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"}),
-    (0, 25): frozenset({"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM"}),
-    (0, 26): frozenset({"DeepseekV2ForCausalLM", "GraniteMoeForCausalLM", "InklingForCausalLM",
-                        "InklingForConditionalGeneration", "LongcatFlashNgramForCausalLM",
-                        "Qwen2MoeForCausalLM"}),
-    (0, 27): frozenset({"DeepseekV2ForCausalLM", "GraniteMoeForCausalLM", "InklingForCausalLM",
-                        "InklingForConditionalGeneration", "KimiK3ForConditionalGeneration",
-                        "LongcatFlashNgramForCausalLM", "Qwen2MoeForCausalLM"}),
-    (0, 28): frozenset({"DeepseekV2ForCausalLM", "DeepseekV4ForCausalLM",
-                        "GraniteMoeForCausalLM", "InklingForCausalLM",
-                        "InklingForConditionalGeneration", "KimiK3ForConditionalGeneration",
-                        "LongcatFlashNgramForCausalLM", "Qwen2MoeForCausalLM"}),
-}  # fmt: skip
-
-
-def runs_model_runner_v2(
-    release: str, architecture: str, moe: bool, quantized: bool, hybrid: bool,
-    attention_free: bool = False,
-) -> bool:  # fmt: skip
-    """Whether `release` runs a generative model on Model Runner V2 by default
-    (VLLM_USE_V2_MODEL_RUNNER unset; vllm/config/vllm.py `use_v2_model_runner` and
-    `_is_default_v2_model_runner_model`, read in each wheel): never up to 0.21 (the
-    variable defaults to 0); 0.22-0.23 for the listed architectures, dense and without a
-    quantization_config; 0.24 for the listed ones; 0.25-0.26 for every model that is
-    neither hybrid nor attention-free and is dense or listed; 0.27-0.28 the same, a
-    listed hybrid too; from 0.29 for every model ("" and unparseable releases: the
-    newest). `moe` is vLLM's `is_moe` (an expert count), `quantized` its `is_quantized`
-    (the config has a quantization_config), `hybrid` a model with state layers. The
-    fallbacks for features kvplan does not plan (speculative methods MRV2 lacks,
-    sequence parallelism, custom logits processors, prompt embeds) are not modelled."""
-    version = _release_version(release) if release not in ("", "v0") else None
-    if release == "v0":
-        return False
-    if version is None or version >= (0, 29, 0):
-        return True
-    listed = architecture in _MRV2_ARCHITECTURES.get(version[:2], frozenset())
-    if version < (0, 22, 0):
-        return False
-    if version < (0, 24, 0):
-        return listed and not moe and not quantized and not hybrid
-    if version < (0, 25, 0):
-        return listed
-    if attention_free or (hybrid and (version < (0, 27, 0) or not listed)):
-        return False
-    return listed or not moe
-
-
 # The TP group sizes vLLM's custom all-reduce accepts (CustomAllreduce
 # _SUPPORTED_WORLD_SIZES, the same in 0.32-0.34): any other size turns it off.
 CUSTOM_ALL_REDUCE_WORLD_SIZES = (2, 4, 6, 8, 16)
@@ -503,22 +456,6 @@ def triton_row_buffer_bytes(
     return rows * vocab * 4
 
 
-def model_runner_v2(release: str, config: HFConfig, layers: ModelLayers) -> bool:
-    """`runs_model_runner_v2` for a model as kvplan imports it: its architecture,
-    vLLM's `is_moe` (an expert count in the text config), `is_quantized` (a
-    quantization_config) and `is_hybrid` (state layers beside attention)."""
-    c = text_config(config, layers.architecture)
-    states = [layer.is_state for layer in layers.layers]
-    return runs_model_runner_v2(
-        release,
-        layers.architecture,
-        moe=_expert_count(c) > 0,
-        quantized=config.sub("quantization_config") is not None,
-        hybrid=any(states) and not all(states),
-        attention_free=bool(states) and all(states),
-    )
-
-
 def mrv2_sampler_bytes(rules: ProfileRules, max_num_seqs: int, vocab: int, act_bytes: int) -> int:
     """Model Runner V2's dummy sampler at its peak: `rules`' bytes per logit, which count
     16-bit logits, plus 2 per logit for float32 ones (MRV2 keeps the model-dtype logits
@@ -583,7 +520,8 @@ OVERHEAD_FORMULA = (
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
     " for MoE;  non_torch = 2.07 GiB where vLLM runs custom all-reduce (TP 2, 4, 6, 8, 16;"
     " not --disable-custom-all-reduce; not TP > 2 on GPUs without NVLink), else 0.25 GiB;"
-    " CUDA graphs (from vLLM 0.20) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
+    " CUDA graphs (from vLLM 0.20; 0 on Model Runner V2 before 0.29 and under 0.34's"
+    " extensible cache) = n_piecewise x 7.1 MiB + n_full x largest_full x 19.6 KiB"
     " (+ (n_piecewise + n_full) x (2 x layers + 1) x 167 KiB where TP > 1 runs without"
     " custom all-reduce: NCCL's captured all-reduces)"
     " (0.26-0.28 with GDN layers: at least the first FULL sample's context x 128 KiB);"
@@ -592,21 +530,145 @@ OVERHEAD_FORMULA = (
     " built with the model: in the weights)"
 )
 
-# vLLM's default capture list (config/vllm.py `_set_cudagraph_sizes`, the same in
-# 0.32-0.34): 1, 2, 4, multiples of 8 below 256, then of 16, up to
-# min(2 x max_num_seqs, 512) and no further than max_num_batched_tokens, plus
-# max_num_batched_tokens and max_num_seqs themselves where they are within that cap.
-# FULL graphs (uniform decode, FULL_AND_PIECEWISE, the default mode) stop at
-# max_num_seqs. Not modelled: speculative decoding's decode sizes (multiples of the
-# query length) and data-centre Blackwell's 1,024 cap.
+# vLLM's default capture list (config/vllm.py `_set_cudagraph_sizes`, read in the 0.20.0
+# to 0.31.0 wheels and the 0.32-0.34 venvs): 1, 2, 4, multiples of 8 below 256, then of
+# 16, up to min(2 x max_num_seqs, the platform cap, max_num_batched_tokens); the cap is
+# 512, and 1,024 on data-centre Blackwell (`is_device_capability_family(100)`: B200,
+# B300; from 0.28.0). Appended where within that cap: max_num_batched_tokens (from
+# 0.20.1; 0.20.0 has the grid only) and max_num_seqs (from 0.31.0, its
+# `uniform_decode_sizes`). FULL graphs (uniform decode, FULL_AND_PIECEWISE, the default
+# mode) stop at max_num_seqs, under either model runner (V1's CudagraphDispatcher keys;
+# V2's `CudaGraphManager._init_candidates`). Not modelled: speculative decoding's
+# decode sizes (multiples of the query length).
 _DEFAULT_MAX_CAPTURE = 512
+_BLACKWELL_MAX_CAPTURE = 1024
 
 
-def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
-    largest = min(2 * max_num_seqs, _DEFAULT_MAX_CAPTURE, max_num_batched_tokens)
-    grid = [1, 2, 4, *range(8, 256, 8), *range(256, _DEFAULT_MAX_CAPTURE + 1, 16)]
-    sizes = {size for size in [*grid, max_num_batched_tokens, max_num_seqs] if size <= largest}
-    return sorted(sizes)
+def cudagraph_capture_sizes(
+    max_num_seqs: int, max_num_batched_tokens: int, release: str = "", gpu_arch: str = ""
+) -> list[int]:
+    """The PIECEWISE capture sizes `release` (kvplan's newest where "" or unparsed)
+    captures on a part of `gpu_arch` (the catalog's; "blackwell" is B200 / B300)."""
+    version = _release_version(release) if release not in ("", "v0") else None
+
+    def since(first: tuple[int, int, int]) -> bool:  # kvplan's newest has every rule
+        return version is None or version >= first
+
+    cap = _DEFAULT_MAX_CAPTURE
+    if gpu_arch == "blackwell" and since((0, 28, 0)):
+        cap = _BLACKWELL_MAX_CAPTURE
+    largest = min(2 * max_num_seqs, cap, max_num_batched_tokens)
+    grid = [1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)]
+    extra = []
+    if since((0, 20, 1)):
+        extra.append(max_num_batched_tokens)
+    if since((0, 31, 0)):
+        extra.append(max_num_seqs)
+    return sorted({size for size in [*grid, *extra] if size <= largest})
+
+
+# Model Runner V2's default (VllmConfig.use_v2_model_runner with
+# VLLM_USE_V2_MODEL_RUNNER unset; read in each wheel's config/vllm.py): none before
+# 0.22; then `_is_default_v2_model_runner_model`, a generating model of a listed
+# architecture (0.22-0.24) or, from 0.25, any dense one; from 0.29 every model (vllm
+# #53183), on CUDA. The lists, by the release that changed them:
+_V2_LIST_0_23 = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"})
+_V2_MOE_0_24 = frozenset({"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM"})
+_V2_LIST_0_26 = _V2_MOE_0_24 | {
+    "InklingForCausalLM",
+    "InklingForConditionalGeneration",
+    "LongcatFlashNgramForCausalLM",
+}
+_V2_LIST_0_27 = _V2_LIST_0_26 | {"KimiK3ForConditionalGeneration"}
+_V2_DEFAULT_ARCHITECTURES: tuple[tuple[tuple[int, int, int], frozenset[str]], ...] = (
+    ((0, 22, 0), frozenset({"Qwen3ForCausalLM"})),
+    ((0, 23, 0), _V2_LIST_0_23),
+    ((0, 24, 0), _V2_LIST_0_23 | _V2_MOE_0_24),
+    ((0, 25, 0), _V2_MOE_0_24),  # with any dense model
+    ((0, 26, 0), _V2_LIST_0_26),
+    ((0, 27, 0), _V2_LIST_0_27),
+    ((0, 28, 0), _V2_LIST_0_27 | {"DeepseekV4ForCausalLM"}),
+)
+
+
+@dataclass(frozen=True)
+class RunnerModel:
+    """What a release's runner default reads of the model (vLLM's ModelConfig)."""
+
+    architecture: str  # the config's architectures[0]
+    moe: bool  # is_moe
+    quantized: bool  # is_quantized: the checkpoint's method or --quantization
+    state_layers: bool  # Mamba / GDN mixers (has_inner_state)
+    attention_layers: bool  # with state layers: is_hybrid; without any: attention-free
+
+
+def runner_model(
+    config: HFConfig, layers: ModelLayers, quantization: str | None = None
+) -> RunnerModel:
+    c = text_config(config, layers.architecture)
+    state = any(layer.is_state for layer in layers.layers)
+    return RunnerModel(
+        layers.architecture,
+        bool(_expert_count(c)),
+        _quantization(config, quantization)[0] != "none",
+        state,
+        any(not layer.is_state for layer in layers.layers),
+    )
+
+
+def default_runner_is_v2(release: str, model: RunnerModel) -> bool:
+    """Whether `release` runs `model` on Model Runner V2 by default (kvplan's newest
+    where the release is "" or does not parse: V2). What kvplan cannot see is left
+    out: the features that send an engine back to V1 (an ngram or suffix drafter,
+    custom logits processors, prompt embeds, DBO, ...; ROCm's exclusions; no Triton)."""
+    version = _release_version(release) if release not in ("", "v0") else None
+    if version is None:
+        return release != "v0"
+    if version < (0, 22, 0):
+        return False  # VLLM_USE_V2_MODEL_RUNNER defaults to 0
+    if version >= (0, 29, 0):
+        return True
+    listed = [names for since, names in _V2_DEFAULT_ARCHITECTURES if since <= version][-1]
+    in_list = model.architecture in listed
+    hybrid = model.state_layers and model.attention_layers
+    attention_free = not model.attention_layers
+    if version < (0, 24, 0):
+        # 0.22 / 0.23: listed, dense and unquantized (0.22 also refuses Mamba state).
+        return in_list and not model.moe and not model.quantized and not model.state_layers
+    if version < (0, 25, 0):
+        return in_list
+    if attention_free or (hybrid and (version < (0, 27, 0) or not in_list)):
+        return False  # 0.25 / 0.26 refuse every hybrid, 0.27 / 0.28 the unlisted ones
+    return in_list or not model.moe
+
+
+def graph_estimate_runs(
+    release: str, use_v2_model_runner: bool, extensible_kv_cache: bool | None = None
+) -> bool:
+    """Whether `release`'s `profile_cudagraph_memory` measures anything on the runner
+    (vLLM >= 0.20 subtracts what it returns; 0.18-0.19 log it; 0.17 and the V0 engine
+    have none). The V1 runner's measures (two captures per mode, extrapolated). Model
+    Runner V2's returns 0 before 0.29 (gpu/model_runner.py: `return 0`, "TBD whether
+    we keep this API"): those engines subtract nothing for graphs. From 0.29 V2
+    measures one throwaway `capture_model()` pass (gpu/cudagraph_utils.py
+    `profile_cudagraph_memory`). 0.34 returns 0 under the extensible KV cache (on
+    unless `num_gpu_blocks_override` or `kv_cache_memory_bytes` is set:
+    `extensible_kv_cache` None), which sizes the cache after the real capture instead
+    (extensible_kv_cache.py `measure_kv_cache_bytes`)."""
+    if release == "v0":
+        return False
+    version = _release_version(release)
+    if version is None:
+        return True  # kvplan's own rules: 0.33's, no extensible cache
+    if version < (0, 18, 0):
+        return False  # profile_cudagraph_memory first ships in 0.18.0
+    if not use_v2_model_runner:
+        return True
+    if version < (0, 29, 0):
+        return False
+    if version >= (0, 34, 0):
+        return extensible_kv_cache is False
+    return True
 
 
 def cudagraph_estimate(
@@ -614,10 +676,13 @@ def cudagraph_estimate(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     nccl_all_reduces: int = 0,
+    release: str = "",
+    gpu_arch: str = "",
 ) -> int:
     """The CUDA-graph memory `rules`' release subtracts before sizing the KV cache, with
-    `nccl_all_reduces` NCCL all-reduces in each graph (`nccl_all_reduces_per_graph`)."""
-    piecewise = cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens)
+    `nccl_all_reduces` NCCL all-reduces in each graph (`nccl_all_reduces_per_graph`),
+    for the capture sizes of `release` on `gpu_arch` (`cudagraph_capture_sizes`)."""
+    piecewise = cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens, release, gpu_arch)
     full = [size for size in piecewise if size <= max_num_seqs]
     return graph_counts_estimate(rules, len(piecewise), len(full), max(full, default=0),
                                  nccl_all_reduces)  # fmt: skip
@@ -663,6 +728,7 @@ def gdn_graph_transient(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     max_model_len: int,
+    release: str = "",
 ) -> int:
     """The transient `rules`' release counts as CUDA-graph memory on a hybrid GDN model
     (vllm#50780), 0 where it has none. The V1 runner (0.26-0.28 gpu_model_runner.
@@ -671,13 +737,15 @@ def gdn_graph_transient(
     request's context at min(max_model_len, max_num_batched_tokens // N); `_dummy_run`
     makes that batch min(max_num_seqs, ceil(N / q)) requests. The transient is that
     context times the per-token figure. The capture sizes are the ones without a
-    drafter (`cudagraph_capture_sizes`)."""
+    drafter (`cudagraph_capture_sizes`, `release`'s: 0.26-0.28 add no off-grid
+    max_num_seqs, so their largest FULL size is the grid's)."""
     per_token = rules.gdn_graph_transient_per_context_token
     gdn = [layer for layer in layers.layers if layer.mamba_type == "GDN_ATTENTION"]
     if not per_token or not gdn:
         return 0
     query_len = 1 + gdn[0].num_speculative_blocks
-    full = [size for size in cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens)
+    sizes = cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens, release)
+    full = [size for size in sizes
             if query_len <= size <= query_len * max_num_seqs]  # fmt: skip
     largest_full = max(full, default=0)
     if not largest_full:
@@ -1722,6 +1790,9 @@ def estimate_overhead(
     pipeline_stage: int = 0,
     pipeline_parallel_size: int = 1,
     gpu_sms: int = 0,
+    use_v2_model_runner: bool | None = None,
+    extensible_kv_cache: bool | None = None,
+    quantization: str | None = None,
 ) -> OverheadEstimate:
     """The profile run's peak over the weights: a forward pass of
     `max_num_batched_tokens` tokens (what the engine profiles; the V0 engine without
@@ -1735,7 +1806,11 @@ def estimate_overhead(
     vLLM's flag (`custom_all_reduce_on`, `non_torch_bytes`); `gpu_arch` the catalog's
     architecture ("": not known), which sizes cuBLAS's workspace, and `gpu_sms` its
     streaming multiprocessors (0: not known), which size 0.17-0.19's sampler row
-    buffer (`triton_row_buffer_bytes`); `pipeline_stage` of
+    buffer (`triton_row_buffer_bytes`); `use_v2_model_runner` the runner (None: the
+    release's default for the model, `default_runner_is_v2`, which reads vLLM's
+    --quantization, `quantization`) and `extensible_kv_cache` vLLM 0.34's cache (None:
+    on), which decide whether a graph estimate runs at all (`graph_estimate_runs`);
+    `pipeline_stage` of
     `pipeline_parallel_size` the stage whose worker this is (`stage_activation_terms`);
     `multimodal`,
     vLLM's flags, sets a multimodal model's encoder item count (kvplan.models.encoder):
@@ -1747,7 +1822,12 @@ def estimate_overhead(
     act_bytes = layers.model_dtype.size_bytes
     forward = max_num_batched_tokens * _per_token_activation(c, tensor_parallel_size) * act_bytes
     rules = profile_rules(release)
-    mrv2 = bool(rules.mrv2_sampler_bytes_per_logit) and model_runner_v2(release, config, layers)
+    if use_v2_model_runner is None:
+        use_v2_model_runner = default_runner_is_v2(release, runner_model(config, layers,
+                                                                         quantization))  # fmt: skip
+    # Model Runner V2's sampler where the release has a figure for it (0.22 on; an engine
+    # forced onto V2 before that is planned with the V1 runner's).
+    mrv2 = bool(rules.mrv2_sampler_bytes_per_logit) and use_v2_model_runner
     # The sampler phase holds the forward's hidden states, the requests' last hidden
     # states (`_dummy_run` returns them indexed out) and, on the V1 runner, the random
     # stand-in `_dummy_sampler_run` computes the logits from (Model Runner V2 computes
@@ -1779,8 +1859,10 @@ def estimate_overhead(
     non_torch = non_torch_bytes(rules, custom_all_reduce)
     decoder_layers = layers.num_hidden_layers or c.integer("num_hidden_layers")
     nccl = nccl_all_reduces_per_graph(decoder_layers, tensor_parallel_size, custom_all_reduce)
-    graphs = cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens, nccl)
-    logged = cudagraph_estimate(PROFILES["v1"], max_num_seqs, max_num_batched_tokens, nccl)
+    sizes = (release, gpu_arch)  # the release's capture list on this part
+    graphs = cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens, nccl, *sizes)
+    logged = cudagraph_estimate(PROFILES["v1"], max_num_seqs, max_num_batched_tokens, nccl,
+                                *sizes)  # fmt: skip
     # The PIECEWISE samples run first and their warmups leave activations cached in
     # torch's allocator; the FULL sample's transient reuses those before it draws new
     # memory, so it shows in the estimate only past the graphs' own figure: the larger
@@ -1789,9 +1871,15 @@ def estimate_overhead(
     transient = gdn_graph_transient(
         rules, layers, max_num_seqs, max_num_batched_tokens,
         max_model_len if max_model_len and max_model_len > 0 else layers.derived_max_model_len,
+        release,
     )  # fmt: skip
-    nccl_bytes = graphs - cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens)
+    nccl_bytes = graphs - cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens, 0,
+                                             *sizes)  # fmt: skip
     graphs, logged = max(graphs, transient), max(logged, transient)
+    if not graph_estimate_runs(release, use_v2_model_runner, extensible_kv_cache):
+        # Model Runner V2 before 0.29, and 0.34's extensible cache: nothing is measured
+        # before the cache is sized, so nothing is subtracted or logged.
+        graphs = logged = nccl_bytes = 0
     encoder = encoder_profile(
         config,
         tensor_parallel_size,

@@ -10,7 +10,7 @@ side process runs with the import stand-ins of tests/models/vllm_stubs on its pa
 these GDN families, and for Qwen2.5-VL and Qwen3-VL, the parameter count is compared
 too: the text model as vLLM builds it, plus a wrapper's vision tower built from
 `vision_config`, against `count_params` (which leaves out norms, convolution kernels,
-the GDN decay vectors and the text model's biases: under 0.02%).
+the GDN decay vectors and the text model's biases: under 0.025%).
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ CASES: tuple[tuple[str, int, str], ...] = (
     ("whisper-small", 2, "auto"),
     ("qwen3.6-27b", 1, "auto"),  # GDN + gated attention, fp32 SSM state from its config
     ("qwen3.6-27b", 2, "fp8"),
+    ("qwen3.5-4b", 1, "auto"),  # the dense 4B: tied embeddings, 24-block vision tower
+    ("qwen3.5-4b", 4, "fp8"),  # 4 KV heads, 32 GDN value heads over 4 ranks
     ("qwen3.5-moe-35b-a3b-ornith", 1, "auto"),  # Qwen3.5 / 3.6 MoE: 2 KV heads
     ("qwen3.5-moe-35b-a3b-ornith", 4, "fp8"),  # replicated over 4 ranks
     ("qwen3-next-80b-a3b", 1, "auto"),
@@ -227,9 +229,11 @@ def test_gdn_family_parameters_match_vllm_model_code(
                 * text.integer("moe_intermediate_size")
             )  # fmt: skip
         ours = count_params(config, import_layers(config)).total
-        assert 0 <= theirs - ours < 2e-4 * theirs, (engine_version, model, ours, theirs)
+        # What count_params leaves out is at most 0.025%: Qwen3.5-4B's norms (173,568),
+        # GDN convolution kernels (786,432) and decay vectors (1,536), 0.021%, the most.
+        assert 0 <= theirs - ours < 2.5e-4 * theirs, (engine_version, model, ours, theirs)
         compared += 1
-    assert compared == 5
+    assert compared == 6
 
 
 def test_every_shipped_config_is_compared_somewhere() -> None:

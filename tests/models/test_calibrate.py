@@ -14,6 +14,7 @@ from kvplan.models.calibrate import (
     CONCURRENCY_FORMULA,
     PER_GROUP_FORMULA,
     engine_budget_gib,
+    hybrid_prefix_caching_default,
     parse_log,
     printed_stage,
     printed_token_formula,
@@ -109,6 +110,76 @@ def test_the_scheduler_line_and_a_split_compile_state_the_batched_tokens() -> No
     ranges = parse_log(split.format(1, 292) + split.format(293, 4096))
     assert ranges.max_num_batched_tokens == 4096
     assert parse_log(split.format(1, 2048)).max_num_batched_tokens == 2048
+
+
+def test_the_api_servers_length_line_states_max_model_len() -> None:
+    # The self-llm tutorial's lines (vLLM 0.23.0): no engine-config line, but the API
+    # server's "Using max model len 4096" (the command's --max-model-len).
+    log = parse_log((DATA / "qwen3.5-4b-rtx4090d-selfllm-v0.23.log").read_text())
+    assert log.max_model_len == 4096 and settings_from_log(log)["max_model_len"] == 4096
+    # The engine-config line, where there is one, and the non-default args come first.
+    line = "INFO [model.py:1745] Using max model len 8192\n"
+    config = "INFO [core.py:113] Initializing a V1 LLM engine (v0.23.0) with config: "
+    config += "max_seq_len=4096\n"
+    assert settings_from_log(parse_log(line + config))["max_model_len"] == 4096
+
+
+def test_a_hybrid_models_prefix_caching_default_follows_the_release(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # vLLM 0.19.0-0.25.1 turn prefix caching off for a hybrid model unless told (the
+    # wheels' is_prefix_caching_supported), 0.26+ on.
+    assert [hybrid_prefix_caching_default(r) for r in ("0.19.1", "0.23.0", "0.25.1")] == [
+        False, False, False]  # fmt: skip
+    assert [hybrid_prefix_caching_default(r) for r in ("0.26.0", "0.30.0", "0.34.0")] == [
+        True,
+        True,
+        True,
+    ]
+    assert hybrid_prefix_caching_default("0.10.2") is None
+    # Off, a request of 4,096 tokens holds 8 attention blocks of 528 tokens and one state
+    # block in each of the 3 GDN groups: the logged 10.21 GiB (633 blocks) gives the
+    # printed 235,706 = int(633 / 11 x 4,096) tokens; with prefix caching ('align': two
+    # state blocks a group, 14 a request) 185,197.
+    name = "qwen3.5-4b-rtx4090d-selfllm-v0.23"
+    data = record(name)
+    flags = data["flags"]
+    assert isinstance(flags, list) and "--enable-prefix-caching" not in flags
+    args = ["calibrate", str(DATA / f"{name}.log"), "--model", str(ROOT / str(data["model"]))]
+    args += ["--gpu", str(data["gpu"]), *flags, "--json"]
+    figure = "KV cache tokens from the logged budget, int(concurrency x max_model_len)"
+    for extra, tokens in (([], 235_706), (["--enable-prefix-caching"], 185_197)):
+        assert main([*args, *extra]) == 0
+        rows = {row["figure"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+        assert rows[figure]["measured"] == 235_706 and rows[figure]["predicted"] == tokens
+
+
+def test_a_029_hybrid_log_prints_the_concurrency_formula_with_prefix_caching(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Qwen/Qwen3.5-4B on one L4, `vllm/vllm-openai:v0.29.0-cu129`, 32,768 tokens: a lab's
+    # findings (a public file the code index found, id 69494016274) quote vLLM's account
+    # with its line wrapped, and the concurrency; they state 267,842 tokens measured.
+    # 0.29 prints int(max_concurrency x max_model_len) and turns prefix caching on for a
+    # hybrid model: two state blocks per GDN group ('align'), 267,842 from the logged
+    # 9.1 GiB to the token; without prefix caching it would be 280,017.
+    log = tmp_path / "l4.log"
+    log.write_text(
+        "Free memory on device (21.84/22.03 GiB) on startup.\n"
+        "Desired GPU memory utilization is (0.92, 20.27 GiB).\n"
+        "Actual usage is 9.01 GiB for consumed memory (weights + non-torch),\n"
+        "2.17 GiB for peak activation, and 0.24 GiB for CUDAGraph memory.\n"
+        "Available KV cache memory: 9.1 GiB\n"
+        "Maximum concurrency for 32,768 tokens per request: 8.17x\n"
+    )
+    args = ["calibrate", str(log), "--model", str(ROOT / "examples/models/qwen3.5-4b")]
+    args += ["--gpu", "L4", "--release", "0.29.0", "--max-model-len", "32768", "--json"]
+    figure = "KV cache tokens from the logged budget, int(concurrency x max_model_len)"
+    for extra, tokens in (([], 267_842), (["--no-enable-prefix-caching"], 280_017)):
+        assert main([*args, *extra]) == 0
+        rows = {row["figure"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+        assert rows[figure]["predicted"] == tokens
+        assert rows["maximum concurrency at 32,768 tokens"]["measured"] == 8.17
 
 
 def test_the_model_dtype_the_engine_ran_with() -> None:

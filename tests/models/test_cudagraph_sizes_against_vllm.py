@@ -43,7 +43,7 @@ print(json.dumps(out))
 def test_capture_sizes_are_the_release_defaults(release: str) -> None:
     answers = run_in_vllm(release, ["-c", VLLM_SIDE], CASES, timeout=240)
     for (seqs, tokens), (theirs, decode) in zip(CASES, answers, strict=True):
-        ours = cudagraph_capture_sizes(seqs, tokens)
+        ours = cudagraph_capture_sizes(seqs, tokens, f"vllm-{release}")
         assert ours == theirs, (release, seqs, tokens)
         if decode is not None:  # the FULL (uniform decode) graphs, where the release splits
             assert [size for size in ours if size <= seqs] == decode, (release, seqs, tokens)

@@ -86,10 +86,18 @@ def test_the_gdn_graph_transient_is_counted_on_0_26_to_0_28_only() -> None:
         estimate = estimate_overhead(config, layers, 1, 32_768, 256, release, max_model_len=32_768)
         expected = 256 * 128 * per_token if counted else graphs
         assert estimate.cudagraph_bytes == estimate.cudagraph_logged_bytes == expected, release
-    # A model without GDN layers has none, whatever the release.
+    # A model without GDN layers has none, whatever the release: on the V1 runner its
+    # graphs alone; by default 0.26 runs a dense model on Model Runner V2, whose
+    # estimate before 0.29 is 0 (weights.graph_estimate_runs).
     llama = load_config(str(ROOT / "examples/models/llama-3.1-8b/config.json"))
-    dense = estimate_overhead(llama, import_layers(llama), 1, 32_768, 256, "0.26.0")
+    dense = estimate_overhead(
+        llama, import_layers(llama), 1, 32_768, 256, "0.26.0", use_v2_model_runner=False
+    )
     assert dense.cudagraph_bytes == graphs
+    assert (
+        estimate_overhead(llama, import_layers(llama), 1, 32_768, 256, "0.26.0").cudagraph_bytes
+        == 0
+    )
 
 
 def test_the_transient_shows_past_the_graphs_as_vllm_52872_logged() -> None:

@@ -3,33 +3,28 @@ as each release's own source has it (the 0.20.0-0.31.0 wheels from PyPI, the 0.3
 CPU venvs, FlashInfer's sampling.py in the wheels its pins name; weights.py's comments
 above `_V1_TWO_PASS_SAMPLER` and `_MRV2_SAMPLER_*` and docs/capacity.md, "What the
 sampler terms rest on", say where). Model Runner V2's Sampler is also run in the
-0.32-0.34 venvs on the dummy batch with every allocation counted."""
+0.32-0.34 venvs on the dummy batch with every allocation counted. Which runner a model
+gets is `default_runner_is_v2`'s (tests/models/test_graph_estimate_by_release.py)."""
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 import pytest
 
 from kvplan.models import load_config
-from kvplan.models.calibrate import parse_log
 from kvplan.models.importer import Deployment, import_layers
 from kvplan.models.weights import (
     PROFILES,
     estimate_overhead,
     float32_logits_saving,
-    model_runner_v2,
     mrv2_sampler_bytes,
     profile_rules,
-    runs_model_runner_v2,
     triton_row_buffer_bytes,
 )
 from tests.vllm_envs import run_in_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
-RECORDS = ROOT / "tests" / "data" / "calibration"
 MIB = 1 << 20
 LLAMA_VOCAB = 128_256
 
@@ -87,75 +82,6 @@ def test_the_rows_follow_the_releases() -> None:
     assert profile_rules("0.26.0") is PROFILES["v1-0.26"] is profile_rules("0.28.0")
     assert profile_rules("0.29.0") is PROFILES["v1-0.32"] is profile_rules("vllm-0.32")
     assert profile_rules("vllm-0.33") is PROFILES["v1"] is profile_rules("vllm-0.34")
-
-
-@pytest.mark.parametrize(
-    ("release", "architecture", "moe", "quantized", "hybrid", "expected"),
-    [
-        # VLLM_USE_V2_MODEL_RUNNER defaults to 0 up to 0.21.
-        ("0.21.0", "Qwen3ForCausalLM", False, False, False, False),
-        # 0.22: DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES = {Qwen3ForCausalLM}, dense and
-        # without a quantization_config only.
-        ("0.22.0", "Qwen3ForCausalLM", False, False, False, True),
-        ("0.22.0", "Qwen3ForCausalLM", False, True, False, False),
-        ("0.22.0", "LlamaForCausalLM", False, False, False, False),
-        ("0.22.0", "Qwen2ForCausalLM", False, False, False, False),
-        # 0.23 adds Llama and Mistral.
-        ("0.23.0", "LlamaForCausalLM", False, False, False, True),
-        ("0.23.0", "Qwen2_5_VLForConditionalGeneration", False, False, False, False),
-        # 0.24: six listed architectures, MoE and quantized ones too.
-        ("0.24.0", "Qwen2MoeForCausalLM", True, False, False, True),
-        ("0.24.0", "LlamaForCausalLM", False, True, False, True),
-        ("0.24.0", "Qwen2ForCausalLM", False, False, False, False),
-        # 0.25-0.26: every dense model that is not hybrid, and the listed MoE ones.
-        ("0.25.0", "Qwen2ForCausalLM", False, True, False, True),
-        ("0.25.0", "MixtralForCausalLM", True, False, False, False),
-        ("0.25.0", "Qwen3_5ForConditionalGeneration", False, False, True, False),
-        ("0.26.0", "Qwen3MoeForCausalLM", True, False, False, False),
-        # 0.27-0.28: a listed hybrid too; other hybrids stay on V1.
-        ("0.27.0", "Qwen3_5ForConditionalGeneration", False, False, True, False),
-        ("0.28.0", "DeepseekV4ForCausalLM", True, False, False, True),
-        ("0.28.0", "GptOssForCausalLM", True, True, False, False),
-        # 0.29 on: every model (vllm#53183).
-        ("0.29.0", "MixtralForCausalLM", True, True, True, True),
-        ("vllm-0.34", "Qwen3_5ForConditionalGeneration", False, False, True, True),
-        ("", "GptOssForCausalLM", True, True, False, True),
-    ],
-)
-def test_which_runner_a_release_gives_a_model(
-    release: str, architecture: str, moe: bool, quantized: bool, hybrid: bool, expected: bool
-) -> None:
-    assert runs_model_runner_v2(release, architecture, moe, quantized, hybrid) is expected
-
-
-def test_each_logged_runner_is_the_one_kvplan_picks() -> None:
-    """Every record from 0.20 on with a model config whose log names the runner's file
-    (`[gpu_model_runner.py:` the V1 runner, `[model_runner.py:` Model Runner V2): 0.21's
-    Qwen3-8B, 0.22's Qwen2.5-7B and 0.23's Qwen2.5-VL on V1, 0.24's Qwen3.6-27B-FP8 (a
-    hybrid) on V1, 0.31's Llama 3.1 8B on MRV2."""
-    checked: dict[str, bool] = {}
-    for meta_path in sorted(RECORDS.glob("*.json")):
-        meta = json.loads(meta_path.read_text())
-        if not meta.get("model"):
-            continue
-        text = meta_path.with_suffix(".log").read_text()
-        flags = meta.get("flags", [])
-        release = flags[flags.index("--release") + 1] if "--release" in flags else ""
-        release = release or parse_log(text).release
-        files = set(re.findall(r"\[(gpu_model_runner|model_runner)\.py:", text))
-        minor = re.match(r"v?0\.(\d+)\.", release + ".")
-        if minor is None or int(minor.group(1)) < 20 or len(files) != 1:
-            continue
-        config = load_config(str(ROOT / meta["model"]))
-        checked[meta_path.stem] = model_runner_v2(release, config, import_layers(config))
-        assert checked[meta_path.stem] == (files == {"model_runner"}), meta_path.stem
-    assert checked == {
-        "llama-3.1-8b-a100-v0.31": True,
-        "qwen2.5-7b-instruct-async-v0.22": False,
-        "qwen2.5-vl-7b-instruct-a100-v0.23": False,
-        "qwen3-8b-rtxa5000-lmcache3430-v0.21": False,
-        "qwen3.6-27b-fp8-rtx3090-tp2-club3090-751": False,
-    }
 
 
 def test_the_sampler_phase_through_the_estimate() -> None:
@@ -218,22 +144,3 @@ def test_model_runner_v2s_dummy_sampling_in_the_venvs(
     flashinfer_adds = 4 + 4
     assert round(fused["held"]) + flashinfer_adds == rules.mrv2_sampler_bytes_per_logit + (
         logits_bytes - 2)  # fmt: skip
-
-
-@pytest.mark.parametrize("release", ["0.32", "0.33"])
-@pytest.mark.parametrize("model", ["mixtral-8x7b-instruct", "gpt-oss-20b", "llama-3.1-8b"])
-def test_the_runner_choice_matches_vllms_own_in_the_venvs(
-    release: str, model: str, tmp_path: Path
-) -> None:
-    """vLLM's own `VllmConfig.use_v2_model_runner` on the config (Triton taken as present,
-    as on CUDA): a MoE model, a quantized MoE one and a dense one all get Model Runner V2,
-    as `model_runner_v2` says from 0.29 (0.28 would have kept the first two on V1)."""
-    side = str(Path(__file__).with_name("vllm_runner_choice_side.py"))
-    path = str(ROOT / "examples/models" / model)
-    answer = run_in_vllm(release, [side], {"path": path}, cache_root=tmp_path)
-    config = load_config(path)
-    layers = import_layers(config)
-    assert answer["v2_by_default"] is model_runner_v2(f"vllm-{release}", config, layers) is True
-    assert answer["unsupported"] == []
-    on_0_28 = model_runner_v2("0.28.0", config, layers)
-    assert on_0_28 is (model == "llama-3.1-8b"), model
