@@ -64,13 +64,17 @@ forward (tests/models/test_encoder_against_vllm.py runs them on the CPU):
   (2 / TP): 3 x hidden + 13 x hidden / TP per token. The largest image is a 16:1 strip of
   `LLAMA4_MAX_TILES` tiles plus the global tile; each tile gives (image_size / patch)^2
   x pixel_shuffle_ratio^2 embeddings.
-* LLaVA-Next over SigLIP (Granite Vision): the profiled image is the grid pinpoint with
-  the most embeddings (the base tile's, the unpadded grid's and a newline per row); the
-  tower runs on its base tile and every grid tile. With a list of feature layers the
-  SigLIP encoder keeps every layer's output, so at the last built layer's MLP it holds
-  those (built in all, the last the layer's input), the post-attention residual and
-  its normed copy beside fc1's output and its GELU; after the last layer the pool and
-  the selected layers' concatenation (the larger moment is taken).
+* LLaVA-Next over SigLIP (Granite Vision) or CLIP (llava-hf's v1.6 checkpoints), and
+  LLaVA 1.5 over CLIP: the profiled image is the grid pinpoint with the most embeddings
+  (the base tile's, the unpadded grid's and a newline per row; LLaVA 1.5: one tile); the
+  tower runs on its base tile and every grid tile, a CLIP tile a class token longer than
+  its patches. With one feature layer the peak is at a layer's MLP as Gemma 3's: four
+  streams beside fc1's output and its activation's (CLIP's QuickGELU in its PyTorch
+  form: three MLP-wide tensors). With a list of feature layers the encoder keeps every
+  layer's output, so at the last built layer's MLP it holds those (built in all, the
+  last the layer's input), the post-attention residual and its normed copy beside the
+  MLP's; after the last layer the pool and the selected layers' concatenation (the
+  larger moment is taken).
 * Kimi-VL (MoonViT + KimiVLMultiModalProjector): vLLM's 1,024-pixel dummy image scaled
   to the processor's patch limit and padded to the merge kernel; every image's patches
   in one packed sequence. The peak is at a block's 2D rotary, run in PyTorch: the patch
@@ -189,6 +193,10 @@ class Tower:
     # Frames per temporal patch where vLLM profiles a video of the largest image's frames
     # (Qwen2.5-VL: 2); 0 where the image is the profiled item whatever the limits.
     video_temporal_patch: int = 0
+    # Moments after the tower that may hold more than its own peak, in the model dtype:
+    # (elements per item, elements once) each (LLaVA's projector and LLaVA-Next's anyres
+    # merge, `_llava_after_tower`). The forward's peak is the largest moment.
+    after_tower: tuple[tuple[int, int], ...] = ()
 
 
 def _siglip_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
@@ -346,52 +354,167 @@ def llava_next_image_tokens(height: int, width: int, pinpoints: list[tuple[int, 
     return rows * cols + rows + base_tokens
 
 
-def _llava_next_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
-    """LLaVA-Next (Granite Vision) over a SigLIP tower. vLLM's profile item is the image of
-    the pinpoint with the most embeddings (`get_image_size_with_most_features`); the
-    processor cuts it into one base tile plus the pinpoint's grid of image_size tiles,
-    and the tower encodes every tile."""
+@dataclass(frozen=True)
+class LlavaTowerFamily:
+    """What differs between the towers vLLM's `init_vision_tower_for_llava` builds
+    (siglip.py, clip.py); the encoder layers are alike (Q/K/V/O and fc1 / fc2 with
+    biases, two LayerNorms), and neither builds a post-layernorm
+    (`require_post_norm=False`) or SigLIP's pooling head."""
+
+    class_token: bool  # CLIPVisionEmbeddings prepends one to every tile's patches
+    conv_bias: bool  # the patch convolution's bias (SigLIP's; CLIP's has none)
+    pre_norm: bool  # CLIP's `pre_layrnorm` over the embeddings
+    default_act: str  # the vision config class's hidden_act
+
+
+# By vision_config model_type; Pixtral towers are not modelled.
+LLAVA_TOWERS: dict[str, LlavaTowerFamily] = {
+    "siglip_vision_model": LlavaTowerFamily(False, True, False, "gelu_pytorch_tanh"),
+    "clip_vision_model": LlavaTowerFamily(True, False, True, "quick_gelu"),
+}
+# The wrappers (config model_type): LLaVA-Next tiles an image (anyres) and adds a newline
+# vector; LLaVA 1.5 encodes one image_size tile and concatenates no feature layers.
+LLAVA_WRAPPERS = ("llava_next", "llava")
+
+
+def llava_tower_kind(vision: HFConfig) -> str:
+    """The tower's model_type; LlavaConfig / LlavaNextConfig build a CLIP tower from a
+    vision_config that names none."""
+    return vision.text("model_type", "clip_vision_model")
+
+
+def is_llava_tower(config: HFConfig) -> bool:
+    """A LLaVA / LLaVA-Next wrapper over a tower kvplan models (SigLIP or CLIP)."""
+    vision = config.sub("vision_config")
+    return (
+        config.text("model_type", "") in LLAVA_WRAPPERS
+        and vision is not None
+        and llava_tower_kind(vision) in LLAVA_TOWERS
+    )
+
+
+def _selects_layers(config: HFConfig) -> bool:
+    """Whether the wrapper runs its tower with `select_layers`: LLaVA-Next with a list of
+    feature layers (Granite Vision). LLaVA 1.5 never passes it, so its tower returns the
+    deepest built layer whatever the config lists."""
+    raw = config.raw("vision_feature_layer", -2)
+    return config.text("model_type", "") == "llava_next" and isinstance(raw, list)
+
+
+def llava_feature_layers(config: HFConfig) -> int:
+    """How many encoder layers' outputs the projector takes, concatenated."""
+    return len(config.items("vision_feature_layer") or []) if _selects_layers(config) else 1
+
+
+def activation_streams(vision: HFConfig) -> int:
+    """Intermediate-width tensors alive at the tower MLP's activation. CLIP's
+    `quick_gelu` (vLLM's QuickGELU, CLIPVisionConfig's default) runs its PyTorch form
+    with vLLM's custom ops off (the default under torch.compile; the tower itself is
+    not compiled): x * sigmoid(1.702 * x) holds fc1's output x, then the sigmoid and the
+    product (or the scaled copy) beside it. A GELU (`gelu`, `gelu_pytorch_tanh`,
+    SigLIP's default) is one op: fc1's output and its own."""
+    default = llava_tower_family(vision).default_act
+    return 3 if vision.text("hidden_act", default) == "quick_gelu" else 2
+
+
+def llava_tower_family(vision: HFConfig) -> LlavaTowerFamily:
+    return LLAVA_TOWERS[llava_tower_kind(vision)]
+
+
+def _llava_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
+    """LLaVA-Next (Granite Vision over SigLIP; the llava-hf v1.6 checkpoints over CLIP)
+    and LLaVA 1.5 (CLIP). LLaVA-Next's profile item is the image of the pinpoint with
+    the most embeddings (`get_image_size_with_most_features`); the processor cuts it
+    into one base tile plus the pinpoint's grid of image_size tiles, and the tower
+    encodes every tile. LLaVA 1.5's is one image_size tile. CLIP's tiles are a class
+    token longer than their patches."""
     width = vision.integer("hidden_size")
     inter = vision.integer("intermediate_size")
     patch = vision.integer("patch_size")
     size = vision.integer("image_size")
     channels = vision.integer("num_channels", 3)
-    text = config.sub("text_config")
-    text_hidden = text.integer("hidden_size") if text is not None else width
+    # The text width with the text model_type's defaults (llava-hf's files omit it);
+    # imported here, as the importer imports this module.
+    from kvplan.models.importer import architecture_of, text_config
+
+    text_hidden = text_config(config, architecture_of(config)).integer("hidden_size")
     grid = size // patch
+    sequence = grid * grid + llava_tower_family(vision).class_token  # per tile
     # 'default' drops the first embedding (CLIP's class token; vLLM's
-    # get_num_selected_vision_tokens drops it from SigLIP's patches too), 'full' none
+    # get_num_selected_vision_tokens drops one of SigLIP's patches too), 'full' none
     strategy = config.text("vision_feature_select_strategy", "default")
-    base = grid * grid - (1 if strategy == "default" else 0)
-    pinpoints = [_pinpoint(config, item) for item in config.items("image_grid_pinpoints") or []]
-    if not pinpoints:
-        raise ModelConfigError("required for LLaVA-Next's anyres layout", "image_grid_pinpoints")
-    tokens, tiles = 0, 0
-    for pin_height, pin_width in pinpoints:
-        count = llava_next_image_tokens(pin_height, pin_width, pinpoints, size, grid, base)
-        if count > tokens:
-            best = best_grid_resolution(pin_height, pin_width, pinpoints)
-            tokens, tiles = count, 1 + (best[0] // size) * (best[1] // size)
+    base = sequence - (1 if strategy == "default" else 0)
+    tokens, tiles = base, 1
+    if config.text("model_type", "") == "llava_next":
+        pinpoints = [_pinpoint(config, item) for item in config.items("image_grid_pinpoints") or []]
+        if not pinpoints:
+            raise ModelConfigError(
+                "required for LLaVA-Next's anyres layout", "image_grid_pinpoints"
+            )
+        tokens = 0
+        for pin_height, pin_width in pinpoints:
+            count = llava_next_image_tokens(pin_height, pin_width, pinpoints, size, grid, base)
+            if count > tokens:
+                best = best_grid_resolution(pin_height, pin_width, pinpoints)
+                tokens, tiles = count, 1 + (best[0] // size) * (best[1] // size)
     built = llava_vision_layers(config, vision)
-    mlp = 2 * -(-inter // tp)  # fc1's output and its GELU
-    raw = config.raw("vision_feature_layer", -2)
-    # With one feature layer the Gemma 3 count applies: four streams at a layer's MLP.
-    # With a list vLLM's SigLIP encoder keeps every layer's output
+    mlp = activation_streams(vision) * -(-inter // tp)  # fc1's output and the activation's
+    # With one feature layer, four streams at a layer's MLP (Gemma 3's count): the
+    # embeddings the encoder's pool keeps, the layer's input, the post-attention residual
+    # and its normed copy. With a list vLLM's encoder keeps every layer's output
     # (`return_all_hidden_states`): at the last layer's MLP the embeddings and the
     # earlier outputs (`built` in all, the last the layer's input), the post-attention
     # residual and its normed copy; after the last layer the whole pool (built + 1)
-    # beside the selected layers' concatenation. The larger moment is the peak.
+    # beside the selected layers' concatenation. The larger moment is the peak. The
+    # projector's and LLaVA-Next's merge's moments follow the tower (`after_tower`).
     peak = 4 * width + mlp
-    if isinstance(raw, list):
-        peak = max((built + 2) * width + mlp, (built + 1 + len(raw)) * width)
+    if _selects_layers(config):
+        features = llava_feature_layers(config)
+        peak = max((built + 2) * width + mlp, (built + 1 + features) * width)
     return Tower(
         modalities=("image",),
         tokens_per_item=tokens,
-        patches_per_item=tiles * grid * grid,
+        patches_per_item=tiles * sequence,
         input_elements_per_item=tiles * channels * size * size,
         peak_elements_per_patch=peak,
         output_hidden=text_hidden,
+        after_tower=_llava_after_tower(
+            config, width, text_hidden, tp, (tiles, sequence, base), tokens
+        ),
     )
+
+
+def _llava_after_tower(
+    config: HFConfig, width: int, text_hidden: int, tp: int, tiles: tuple[int, int, int],
+    tokens: int,
+) -> tuple[tuple[int, int], ...]:  # fmt: skip
+    """The wrappers' moments after the tower (`tiles`: tiles per item, positions and
+    selected embeddings per tile), per item and once:
+
+    * the projector, over every item's tiles at once: the features it reads (the last
+      layer's output, of which the strategy's selection is a view; with a list, the
+      selected layers' concatenation), linear_1's output and its GELU, or at linear_2
+      the GELU and the output (column- then row-parallel: linear_1's output is the
+      rank's share; the all-reduce's copy is not counted, as in the towers);
+    * LLaVA-Next's merge (`_merge_image_patch_embeddings`, one item after another): every
+      item's projected tiles (held until the last is merged), the merged items so far,
+      and for the item being merged its unpadded grid with a newline per row beside the
+      base tile's and the grid's concatenation (the finished item): at the last item,
+      items x (projected + merged) + the grid with its newlines.
+
+    With the published widths the tower's peak is the larger for llava-v1.6-mistral /
+    vicuna (text width 4 to 5 x the tower's) and LLaVA 1.5 at TP 1; the merge is the
+    larger for a 7,168-wide text model over CLIP (llava-v1.6-34b's Yi)."""
+    count, sequence, selected = tiles
+    features = sequence * width
+    if _selects_layers(config):
+        features = selected * width * llava_feature_layers(config)
+    shard = -(-text_hidden // tp)
+    projector = count * (features + selected * max(2 * shard, shard + text_hidden))
+    if config.text("model_type", "") != "llava_next":
+        return ((projector, 0),)
+    merge = (count * selected + tokens) * text_hidden
+    return ((projector, 0), (merge, (tokens - selected) * text_hidden))
 
 
 def _pinpoint(config: HFConfig, item: object) -> tuple[int, int]:
@@ -406,7 +529,7 @@ def _pinpoint(config: HFConfig, item: object) -> tuple[int, int]:
 
 
 def llava_vision_layers(config: HFConfig, vision: HFConfig) -> int:
-    """The SigLIP layers vLLM builds for a LLaVA model: up to the deepest feature layer
+    """The SigLIP / CLIP layers vLLM builds for a LLaVA model: up to the deepest feature layer
     (`_get_num_hidden_layers`: a negative index counts from the end, -1 the last)."""
     count = vision.integer("num_hidden_layers")
     raw = config.raw("vision_feature_layer", -2)
@@ -469,7 +592,9 @@ def forward_peak_bytes(tower: Tower, items: int, patches_per_item: int, dtype_by
     patches = items * patches_per_item
     elements = patches * tower.peak_elements_per_patch
     elements += patches_per_item * tower.cached_elements_per_patch
-    return elements * dtype_bytes + int(patches * tower.peak_index_bytes_per_patch)
+    in_tower = elements * dtype_bytes + int(patches * tower.peak_index_bytes_per_patch)
+    after = max((items * per_item + once for per_item, once in tower.after_tower), default=0)
+    return max(in_tower, after * dtype_bytes)
 
 
 def vision_tower(config: HFConfig, tp: int) -> Tower | None:
@@ -487,8 +612,8 @@ def vision_tower(config: HFConfig, tp: int) -> Tower | None:
         return _qwen2_5_vit_tower(vision, tp)
     if model_type == "llama4":
         return _llama4_tower(config, vision, tp)
-    if model_type == "llava_next" and vision.text("model_type", "") == "siglip_vision_model":
-        return _llava_next_tower(config, vision, tp)
+    if is_llava_tower(config):
+        return _llava_tower(config, vision, tp)
     if model_type == "kimi_vl":
         return _moonvit_tower(config, vision, tp)
     return None

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvplan.models.config import HFConfig, ModelConfigError
+from kvplan.models.encoder import LLAVA_TOWERS, is_llava_tower
 from kvplan.models.layers import Dtype, ImportedLayer, StateTensor, kv_storage_dtype
 from kvplan.v1 import spec_pb2
 
@@ -708,17 +709,19 @@ def _eagle_drafter(b: _Builder, draft: HFConfig) -> None:
     b.layers.extend(drafter.layers)
 
 
-# LLaVA-Next text models whose layers are Llama's (vLLM's LlavaNext builds `text_config`
-# with init_vllm_registered_model); other text models and non-SigLIP towers are refused.
-_LLAVA_NEXT_TEXT = frozenset({"granite", "llama", "mistral"})
+# LLaVA / LLaVA-Next text models whose layers are Llama's (vLLM's wrappers build
+# `text_config` with init_vllm_registered_model); other text models, and towers other
+# than SigLIP and CLIP (encoder.LLAVA_TOWERS), are refused.
+_LLAVA_TEXT = frozenset({"granite", "llama", "mistral"})
+_LLAVA = frozenset({"LlavaNextForConditionalGeneration", "LlavaForConditionalGeneration"})
 
 
-def _llava_next(b: _Builder) -> None:
-    model_type = b.config.text("model_type", "")
-    if model_type not in _LLAVA_NEXT_TEXT:
+def _llava(b: _Builder) -> None:
+    model_type = b.config.text("model_type", "llama")
+    if model_type not in _LLAVA_TEXT:
         raise UnsupportedModel(
-            f"LLaVA-Next over a {model_type!r} text model is not supported; supported: "
-            + ", ".join(sorted(_LLAVA_NEXT_TEXT)),
+            f"LLaVA over a {model_type!r} text model is not supported; supported: "
+            + ", ".join(sorted(_LLAVA_TEXT)),
             b.config._where("model_type"),
         )
     _dense_decoder(b)
@@ -743,9 +746,11 @@ ARCHITECTURES: dict[str, tuple[Callable[[_Builder], None], bool]] = {
     "Gemma3ForConditionalGeneration": (_gemma3, True),
     "Llama4ForConditionalGeneration": (_llama4, True),
     "Llama4ForCausalLM": (_llama4, False),
-    # LLaVA-Next (Granite Vision): a SigLIP tower and projector before a Llama-layered
-    # text model, which vLLM builds from `text_config`'s own architecture.
-    "LlavaNextForConditionalGeneration": (_llava_next, True),
+    # LLaVA-Next (Granite Vision over SigLIP; llava-hf's v1.6 checkpoints over CLIP) and
+    # LLaVA 1.5 (CLIP): a tower and projector before a Llama-layered text model, which
+    # vLLM builds from `text_config`'s own architecture.
+    "LlavaNextForConditionalGeneration": (_llava, True),
+    "LlavaForConditionalGeneration": (_llava, True),
     "DeepseekV2ForCausalLM": (_deepseek, False),
     "DeepseekV3ForCausalLM": (_deepseek, False),
     # Kimi-VL: a MoonViT tower before a DeepSeek-V3-style MLA / MoE text model, which
@@ -826,6 +831,33 @@ FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
     "Gemma3ForCausalLM": _GEMMA3_TEXT_DEFAULTS,
     "Gemma2ForCausalLM": {"tie_word_embeddings": True},
 }
+# The LLaVA wrappers' text_config is built by the text model_type's config class
+# (LlavaConfig / LlavaNextConfig: CONFIG_MAPPING[model_type], "llama" when unnamed), and
+# llava-hf's files keep only what differs from it (llava-v1.6-mistral-7b-hf names no
+# widths or depth). MistralConfig's and LlamaConfig's defaults (transformers 4.4x-5.x);
+# Llama's num_key_value_heads defaults to the head count, as kvplan reads an absent one.
+_LLAVA_TEXT_DEFAULTS: dict[str, dict[str, object]] = {
+    "mistral": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+        "tie_word_embeddings": False,
+    },
+    "llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    },
+}
 
 
 def text_config(config: HFConfig, architecture: str) -> HFConfig:
@@ -840,6 +872,10 @@ def text_config(config: HFConfig, architecture: str) -> HFConfig:
         text = sub
     defaults = FAMILY_DEFAULTS.get(architecture, {})
     missing = {key: value for key, value in defaults.items() if not text.has(key)}
+    if architecture in _LLAVA:
+        # only what the file leaves out: a null (Mistral's "sliding_window": null) stays
+        defaults = _LLAVA_TEXT_DEFAULTS.get(text.text("model_type", "llama"), {})
+        missing = {key: value for key, value in defaults.items() if key not in text.data}
     if missing:
         text = HFConfig({**text.data, **missing}, text.path, text.source)
         text.defaulted = tuple(sorted(missing))
@@ -928,9 +964,11 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
                 f"{architecture} has no MTP layers; MTP import is supported for "
                 + ", ".join(sorted(_MTP_CAPABLE))
             )
-    checkpoint_dtype = (
-        text.dtype() if (text.has("torch_dtype") or text.has("dtype")) else config.dtype()
-    )
+    # vLLM reads the root config's dtype first, the text config's only where the root
+    # names none (ModelArchConfigConvertorBase.get_torch_dtype, 0.32-0.34):
+    # llava-v1.6-mistral-7b-hf runs in its root float16, not its text bfloat16.
+    named = config.has("torch_dtype") or config.has("dtype")
+    checkpoint_dtype = config.dtype() if named else text.dtype()
     model_dtype = serving_dtype(checkpoint_dtype)
     if deployment.dtype != "auto":
         model_dtype = HFConfig({"torch_dtype": deployment.dtype}, "--dtype").dtype()
@@ -956,13 +994,12 @@ def import_layers(config: HFConfig, deployment: Deployment = Deployment()) -> Mo
             "omitted in the config, filled with the family's transformers defaults: "
             + ", ".join(f"{key}={text.data[key]}" for key in text.defaulted)
         )
-    vision = config.sub("vision_config")
-    if architecture == "LlavaNextForConditionalGeneration" and (
-        vision is None or vision.text("model_type", "") != "siglip_vision_model"
-    ):
+    if architecture in _LLAVA and not is_llava_tower(config):
         raise UnsupportedModel(
-            "LLaVA-Next is supported with a SigLIP tower only (Granite Vision); its vision "
-            "weights and encoder profile are not estimated for another",
+            "LLaVA is supported with a SigLIP or CLIP tower ("
+            + ", ".join(LLAVA_TOWERS)
+            + "); the vision weights and encoder profile of "
+            "another (Pixtral's) are not estimated",
             "vision_config.model_type",
         )
     build(builder)

@@ -22,6 +22,9 @@ from kvplan.models.encoder import (
     MultimodalOptions,
     deepstack_buffer_bytes,
     encoder_profile,
+    is_llava_tower,
+    llava_feature_layers,
+    llava_tower_family,
     llava_vision_layers,
 )
 from kvplan.models.importer import ARCHITECTURES, ModelLayers, pipeline_stage_bounds, text_config
@@ -994,7 +997,8 @@ _PP_EMBEDDINGS_AT_THE_ENDS = frozenset({
     "Qwen3ForCausalLM", "GraniteForCausalLM", "Llama4ForCausalLM",
     "Llama4ForConditionalGeneration", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-    "LlavaNextForConditionalGeneration", "KimiVLForConditionalGeneration",
+    "LlavaNextForConditionalGeneration", "LlavaForConditionalGeneration",
+    "KimiVLForConditionalGeneration",
 })  # fmt: skip
 # Qwen3.5 / 3.6 build the embedding on every stage and the LM head on the last only
 # (a tied head shares the last stage's embedding).
@@ -1123,23 +1127,38 @@ def _llama4_vision_params(vision: HFConfig, text_hidden: int) -> int:
     return stem + 4 * width + vision.integer("num_hidden_layers") * layer + adapter + projector
 
 
-def _llava_next_vision_params(config: HFConfig, vision: HFConfig, text_hidden: int) -> int:
-    """LLaVA-Next's SigLIP tower and projector as vLLM builds them (llava_next.py,
-    `init_vision_tower_for_llava`): the encoder layers up to the deepest feature layer
-    only, no post-layernorm (`require_post_norm=False`) and no pooling head; per layer
-    Q/K/V/O and fc1 / fc2 with biases and two LayerNorms; the patch convolution and a
-    position embedding per patch; the two-layer projector from the concatenated feature
-    layers (biases on), and the image-newline vector."""
+def _llava_tower_stem_params(vision: HFConfig) -> int:
+    """The tower's parameters outside its encoder layers (vLLM's siglip.py / clip.py
+    embeddings), by family (encoder.LLAVA_TOWERS): the patch convolution (SigLIP's with
+    a bias), a position embedding per patch and for CLIP's class token, CLIP's class
+    embedding and its pre-layernorm (`pre_layrnorm`)."""
+    family = llava_tower_family(vision)
+    width = vision.integer("hidden_size")
+    patch = vision.integer("patch_size")
+    positions = (vision.integer("image_size") // patch) ** 2 + family.class_token
+    conv = vision.integer("num_channels", 3) * patch * patch * width + family.conv_bias * width
+    return conv + positions * width + family.class_token * width + family.pre_norm * 2 * width
+
+
+def _llava_vision_params(config: HFConfig, vision: HFConfig, text_hidden: int) -> int:
+    """A LLaVA wrapper's tower and projector as vLLM builds them (llava.py
+    `init_vision_tower_for_llava`, llava_next.py): the encoder layers up to the deepest
+    feature layer only, per layer Q/K/V/O and fc1 / fc2 with biases and two LayerNorms
+    (SigLIP and CLIP alike); the stem (`_llava_tower_stem_params`); the two-layer
+    projector from the concatenated feature layers (LLaVA-Next with a list; one layer's
+    width otherwise), with biases unless `multimodal_projector_bias` is false; and
+    LLaVA-Next's image-newline vector."""
     width = vision.integer("hidden_size")
     inter = vision.integer("intermediate_size")
     layer = 4 * width * width + 2 * width * inter + 9 * width + inter
-    patch = vision.integer("patch_size")
-    patches = (vision.integer("image_size") // patch) ** 2
-    stem = vision.integer("num_channels", 3) * patch * patch * width + width + patches * width
-    raw = config.raw("vision_feature_layer", -2)
-    features = len(raw) if isinstance(raw, list) else 1
-    projector = features * width * text_hidden + text_hidden * text_hidden + 2 * text_hidden
-    return llava_vision_layers(config, vision) * layer + stem + projector + text_hidden
+    features = llava_feature_layers(config)
+    bias = 2 * text_hidden if config.flag("multimodal_projector_bias", True) else 0
+    projector = features * width * text_hidden + text_hidden * text_hidden + bias
+    newline = text_hidden if config.text("model_type", "") == "llava_next" else 0
+    return (
+        llava_vision_layers(config, vision) * layer + _llava_tower_stem_params(vision)
+        + projector + newline
+    )  # fmt: skip
 
 
 def replicated_params(config: HFConfig, layers: ModelLayers, stage_layers: int) -> int:
@@ -1149,8 +1168,8 @@ def replicated_params(config: HFConfig, layers: ModelLayers, stage_layers: int) 
     `disable_tp=True`; ReplicatedLinear otherwise), per MLA layer of the stage; and
     Kimi-VL's MoonViT parts outside its parallel linears' sharded weights (moonvit.py,
     kimi_vl.py: the patch convolution, the position grid, the LayerNorms, the biases of
-    the row-parallel `wo` and `fc1`, and the projector's ReplicatedLinear layers).
-    Counted for unquantized checkpoints."""
+    the row-parallel `wo` and `fc1`, and the projector's ReplicatedLinear layers); and a
+    LLaVA tower's (`_llava_whole_params`). Counted for unquantized checkpoints."""
     c = text_config(config, layers.architecture)
     whole = 0
     if c.has("kv_lora_rank"):
@@ -1167,7 +1186,23 @@ def replicated_params(config: HFConfig, layers: ModelLayers, stage_layers: int) 
         layer = 4 * width * width + 2 * width * inter + 3 * width + inter
         parallel = vision.integer("num_hidden_layers") * layer
         whole += _moonvit_params(vision, c.integer("hidden_size")) - parallel
+    if vision is not None and is_llava_tower(config):
+        whole += _llava_whole_params(config, vision, c.integer("hidden_size"))
     return whole
+
+
+def _llava_whole_params(config: HFConfig, vision: HFConfig, text_hidden: int) -> int:
+    """A LLaVA tower's parameters vLLM keeps whole on every tensor-parallel rank (its
+    tower shards across the TP group unless `mm_encoder_tp_mode` is "data", which kvplan
+    does not read): the stem (the patch convolution, position and class embeddings and
+    CLIP's pre-layernorm are plain modules), per built layer the two LayerNorms and the
+    row-parallel biases (out_proj, fc2), the projector's row-parallel linear_2 bias and
+    LLaVA-Next's newline vector. 1,345,536 parameters for llava-v1.6-mistral-7b-hf."""
+    width = vision.integer("hidden_size")
+    layers = llava_vision_layers(config, vision) * 6 * width
+    bias = text_hidden if config.flag("multimodal_projector_bias", True) else 0
+    newline = text_hidden if config.text("model_type", "") == "llava_next" else 0
+    return _llava_tower_stem_params(vision) + layers + bias + newline
 
 
 def _moonvit_params(vision: HFConfig, text_hidden: int) -> int:
@@ -1193,8 +1228,9 @@ def _vision_params(config: HFConfig, text_hidden: int) -> int:
     text model: per encoder layer Q/K/V/O and a two-matrix MLP (with biases), the
     patch embedding and a position embedding per patch; or Qwen3-VL's, which Qwen3.5 /
     3.6 load too (`_qwen3_vision_params`); Qwen2.5-VL's (`_qwen2_5_vision_params`);
-    Llama 4's (`_llama4_vision_params`). Other vision towers are not counted (none of
-    the supported families has one)."""
+    Llama 4's (`_llama4_vision_params`); a LLaVA wrapper's SigLIP or CLIP tower
+    (`_llava_vision_params`); Kimi-VL's MoonViT (`_moonvit_params`). Other vision towers
+    are not counted (none of the supported families has one)."""
     vision = config.sub("vision_config")
     model_type = config.text("model_type", "")
     if vision is not None and model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_vl"):
@@ -1203,8 +1239,8 @@ def _vision_params(config: HFConfig, text_hidden: int) -> int:
         return _qwen2_5_vision_params(vision)
     if vision is not None and model_type == "llama4":
         return _llama4_vision_params(vision, text_hidden)
-    if vision is not None and model_type == "llava_next":
-        return _llava_next_vision_params(config, vision, text_hidden)
+    if vision is not None and is_llava_tower(config):
+        return _llava_vision_params(config, vision, text_hidden)
     if vision is not None and model_type == "kimi_vl":
         return _moonvit_params(vision, text_hidden)
     if vision is None or vision.text("model_type", "") != "siglip_vision_model":

@@ -25,9 +25,9 @@ import pytest
 
 from kvplan.models import Deployment, import_layers, load_config
 from kvplan.models.config import HFConfig, ModelConfigError
-from kvplan.models.importer import Speculative
+from kvplan.models.importer import Speculative, text_config
 from kvplan.models.layers import ImportedLayer
-from kvplan.models.weights import count_params
+from kvplan.models.weights import count_params, replicated_params
 from tests.vllm_envs import run_in_vllm
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -353,18 +353,22 @@ runpy.run_path({side!r}, run_name="__main__")
 """
 
 
-def _whole_wrapper_parameters(release: str, directory: Path, tmp_path: Path) -> list[int]:
+def _whole_wrapper_parameters(release: str, directory: Path, tmp_path: Path,
+                              max_model_len: int = 8192, tp: int = 1) -> list[int]:  # fmt: skip
     """Build the checkpoint's whole wrapper with vLLM's model code on the meta device
-    (TP 1, 8,192 tokens), check every cache layer's spec and name against kvplan's
-    import, and return vLLM's parameter count."""
+    (TP 1 unless given: one rank's modules; 8,192 tokens unless the model is shorter),
+    check every cache layer's spec and name against kvplan's import, and return vLLM's
+    parameter count."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     code = WHOLE_WRAPPER.format(models=str(SIDE.parent), side=str(SIDE))
-    case = {"path": str(directory), "tp": 1, "max_model_len": 8192, "kv_cache_dtype": "auto"}
+    case = {"path": str(directory), "tp": tp, "max_model_len": max_model_len,
+            "kv_cache_dtype": "auto"}  # fmt: skip
     answer = run_in_vllm(release, ["-c", code], {"port": port, "cases": [case]},
                          cache_root=tmp_path)  # fmt: skip
-    layers = import_layers(load_config(str(directory))).layers
+    deployment = Deployment(tensor_parallel_size=tp)
+    layers = import_layers(load_config(str(directory)), deployment).layers
     theirs = answer["specs"][0]
     assert [row(layer) for layer in layers] == [spec[1:] for spec in theirs]
     assert [layer.name for layer in layers] == [
@@ -387,6 +391,67 @@ def test_llava_next_wrapper_matches_vllm_model_code(release: str, tmp_path: Path
     assert text is not None
     norms = (2 * text.integer("num_hidden_layers") + 1) * text.integer("hidden_size")
     assert parameters == [count_params(config, import_layers(config)).total + norms]
+
+
+@pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
+@pytest.mark.parametrize("name", ["llava-v1.6-mistral-7b-hf", "llava-1.5-7b-hf", "vicuna-next"])
+def test_clip_llava_wrappers_match_vllm_model_code(name: str, release: str,
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    """LLaVA-Next over CLIP and Mistral 7B (llava-v1.6-mistral-7b-hf) and LLaVA 1.5 over
+    CLIP and Vicuna 7B (llava-1.5-7b-hf, LlavaForConditionalGeneration) as vLLM builds
+    them on the meta device from the published files, whose text_config names no widths
+    (transformers' MistralConfig / LlamaConfig fill them, as kvplan's defaults do); and
+    LLaVA-Next over CLIP and a Llama-class text model ("vicuna-next": the first file
+    with the second's Vicuna text_config, as llava-v1.6-vicuna-7b-hf pairs them; no
+    stored corpus holds that file). Every cache layer's spec (Mistral's
+    "sliding_window": null: full attention), and the parameters, which are kvplan's
+    count plus the text model's RMSNorm weights (two a layer and the final one, 4,096
+    each); the CLIP tower's 23 of 24 layers, its class and position embeddings and
+    pre-layernorm are in kvplan's count."""
+    directory = CHECKPOINTS / name
+    if name == "vicuna-next":
+        wrapper = json.loads((CHECKPOINTS / "llava-v1.6-mistral-7b-hf" / "config.json").read_text())
+        vicuna = json.loads((CHECKPOINTS / "llava-1.5-7b-hf" / "config.json").read_text())
+        directory = tmp_path / name
+        directory.mkdir()
+        raw = {**wrapper, "text_config": vicuna["text_config"]}
+        (directory / "config.json").write_text(json.dumps(raw))
+    config = load_config(str(directory))
+    layers = import_layers(config)
+    length = min(8192, layers.derived_max_model_len)  # LLaVA 1.5's Vicuna: 4,096
+    parameters = _whole_wrapper_parameters(release, directory, tmp_path, length)
+    text = text_config(config, layers.architecture)
+    norms = (2 * text.integer("num_hidden_layers") + 1) * text.integer("hidden_size")
+    assert parameters == [count_params(config, layers).total + norms]
+    assert {layer.kind for layer in layers.layers} == {"full_attention"}
+
+
+@pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])
+@pytest.mark.parametrize(
+    ("name", "whole"),
+    [("llava-v1.6-mistral-7b-hf", 1_345_536), ("llava-1.5-7b-hf", 1_341_440),
+     ("granite-vision-3.3-2b", 1_709_056)],
+)  # fmt: skip
+def test_llava_wrappers_at_tp_2_match_vllm_model_code(name: str, whole: int, release: str,
+                                                      tmp_path: Path) -> None:  # fmt: skip
+    """One rank of the LLaVA wrappers at TP 2 as vLLM builds it on the meta device: the
+    text model, the tower and the projector shard, and what stays whole on each rank
+    (`replicated_params`: the tower's stem, its LayerNorms and row-parallel biases, the
+    projector's linear_2 bias, LLaVA-Next's newline; CLIP's 1,196,032-parameter stem is
+    most of it) is counted once, beside the text model's RMSNorms, which kvplan leaves
+    out and vLLM keeps whole too."""
+    directory = CHECKPOINTS / name
+    config = load_config(str(directory))
+    layers = import_layers(config, Deployment(tensor_parallel_size=2))
+    length = min(8192, layers.derived_max_model_len)
+    parameters = _whole_wrapper_parameters(release, directory, tmp_path, length, tp=2)
+    text = text_config(config, layers.architecture)
+    norms = (2 * text.integer("num_hidden_layers") + 1) * text.integer("hidden_size")
+    kept = replicated_params(config, layers, text.integer("num_hidden_layers"))
+    assert kept == whole
+    total = count_params(config, layers).total
+    assert (total - kept) % 2 == 0
+    assert parameters == [(total - kept) // 2 + kept + norms]
 
 
 @pytest.mark.parametrize("release", [r.removeprefix("vllm-") for r in RELEASES])

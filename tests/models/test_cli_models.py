@@ -412,3 +412,29 @@ def test_a_logged_block_size_is_taken_as_run(
     # The same size given for a deployment is checked.
     plan = ["plan", "--model", model, "--gpu", "H100", "--max-model-len", "8K"]
     assert "--block-size 8: no attention backend" in _refused(capsys, *plan, "--block-size", "8")
+
+
+CHECKPOINTS = Path(__file__).parents[1] / "data" / "checkpoints"
+
+
+@pytest.mark.parametrize(
+    ("name", "length", "items", "tokens"),
+    [("llava-v1.6-mistral-7b-hf", 32768, 2, 2928), ("llava-1.5-7b-hf", 4096, 14, 576)],
+)
+def test_clip_llava_checkpoints_plan_on_one_h100(
+    name: str, length: int, items: int, tokens: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """llava-hf's CLIP LLaVA-Next and LLaVA 1.5 plan on one H100 at their own length with
+    the estimated non-KV memory (weights, the decoder's and the encoder's profile): a
+    7B model leaves most of the card to the KV cache, and the encoder is profiled with
+    8,192 // tokens per image items at 8,192 batched tokens (the budgets of
+    test_encoder_against_vllm.py check the count against vLLM's own functions)."""
+    args = ["plan", "--model", str(CHECKPOINTS / name), "--gpu", "H100", "--json"]
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["capacity"]["max_model_len"] == length
+    budget = plan["workers"][0]["budget"]
+    assert 14 * 2**30 < int(budget["non_kv_bytes"]) < 20 * 2**30
+    assert main(args[:-1]) == 0
+    out = capsys.readouterr().out
+    assert f"budget 8,192 tokens, {items} image item(s) of {tokens:,} tokens" in out

@@ -12,7 +12,7 @@ own code in the 0.32 CPU venv (tests/models/vllm_encoder_side.py):
   tiles;
 * the embeddings they return (what the encoder cache holds through the decoder run);
 * the encoder budget and the number of items profiled (vLLM's
-  compute_mm_encoder_budget and MultiModalBudget._get_max_items) for 42 settings;
+  compute_mm_encoder_budget and MultiModalBudget._get_max_items) for 46 settings;
 * the flags, as vLLM's own argparse reads them (0.32 and 0.34).
 """
 
@@ -21,7 +21,9 @@ from __future__ import annotations
 import itertools
 import json
 import socket
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,9 +35,10 @@ from kvplan.models.encoder import (
     Tower,
     encoder_items,
     forward_peak_bytes,
+    llava_next_image_tokens,
     vision_tower,
 )
-from kvplan.models.weights import _llava_next_vision_params
+from kvplan.models.weights import _llava_vision_params
 from tests.vllm_envs import run_in_vllm
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -62,6 +65,10 @@ BUDGETS = [
     (16384, 65536, 1, 262144, 2),
     (1200, 8192, 1024, 32768, 3),
     (1200, 2048, 1, 1024, 999),
+    (2928, 8192, 256, 32768, 999),  # llava-v1.6-mistral-7b-hf's 672 x 672 image: 2 items
+    (2928, 2048, 256, 32768, 1),  # fewer batched tokens than one image: the image's
+    (576, 8192, 256, 4096, 999),  # LLaVA 1.5's 336 x 336 image: 14 items
+    (576, 8192, 4, 4096, 2),  # four requests of two images: 8
 ]
 
 
@@ -130,7 +137,7 @@ def test_encoder_peak_outputs_and_budget_against_vllm(tmp_path: Path) -> None:
                   "max_model_len", "limit"), case, strict=True))
         for case in BUDGETS
     ]  # fmt: skip
-    assert len(budgets) == 42
+    assert len(budgets) == 46
     answer = run_in_vllm(
         "0.32", [str(SIDE)], {"port": _port(), "towers": towers, "budgets": budgets},
         cache_root=tmp_path, timeout=280,
@@ -237,6 +244,13 @@ def test_the_flags_parse_as_vllm_parses_them(release: str) -> None:
 GRANITE_VISION = Path(__file__).parents[1] / "data" / "checkpoints" / "granite-vision-3.3-2b"
 
 
+def _tower_only(tower: Tower | None) -> Tower:
+    """The tower's own moments: what a run of the tower and projector over tiles (not
+    whole images) is compared with."""
+    assert tower is not None
+    return replace(tower, after_tower=())
+
+
 def test_llava_next_tower_against_vllm(tmp_path: Path) -> None:
     """LLaVA-Next (Granite Vision's wrapper) against vLLM 0.32's own modules: the SigLIP
     tower init_vision_tower_for_llava builds and LlavaMultiModalProjector, run over two
@@ -272,10 +286,11 @@ def test_llava_next_tower_against_vllm(tmp_path: Path) -> None:
             "image_grid_pinpoints": case["pinpoints"],
         })  # fmt: skip
 
-    ours = [vision_tower(config(case), 1) for case in towers]
-    assert all(tower is not None for tower in ours)
+    # the tower and projector over tiles; the moments after them, per image, are
+    # test_llava_image_path_against_vllm's
+    ours = [_tower_only(vision_tower(config(case), 1)) for case in towers]
     expected = [
-        forward_peak_bytes(tower, case["tiles"], 27 * 27, BF16)  # type: ignore[arg-type]
+        forward_peak_bytes(tower, case["tiles"], 27 * 27, BF16)
         for tower, case in zip(ours, towers, strict=True)
     ]
     assert answer["peaks"] == expected
@@ -287,7 +302,7 @@ def test_llava_next_tower_against_vllm(tmp_path: Path) -> None:
         assert tower is not None
         assert (tower.tokens_per_item, tower.patches_per_item) == (tokens, tiles * 27 * 27)
         hidden = c.sub("text_config").integer("hidden_size")  # type: ignore[union-attr]
-        assert _llava_next_vision_params(c, c.sub("vision_config"), hidden) == params  # type: ignore[arg-type]
+        assert _llava_vision_params(c, c.sub("vision_config"), hidden) == params  # type: ignore[arg-type]
     # The shipped pinpoints: the 3,840 x 384 strip, ten tiles and the base one, 8,289
     # embeddings (the encoder budget the 0.19 log prints).
     assert answer["llava_next"][0][1:] == [8289, 11]
@@ -330,3 +345,155 @@ def test_moonvit_tower_against_vllm(tmp_path: Path) -> None:
     shipped = vision_tower(HFConfig(kimi), 1)
     assert shipped is not None
     assert (shipped.patches_per_item, shipped.tokens_per_item) == (66 * 66, 1089)
+
+
+LLAVA_MISTRAL = Path(__file__).parents[1] / "data" / "checkpoints" / "llava-v1.6-mistral-7b-hf"
+LLAVA_1_5 = Path(__file__).parents[1] / "data" / "checkpoints" / "llava-1.5-7b-hf"
+
+
+def test_clip_llava_towers_against_vllm(tmp_path: Path) -> None:
+    """LLaVA-Next and LLaVA 1.5 over CLIP against vLLM 0.32's own modules: the
+    CLIPVisionModel init_vision_tower_for_llava builds (to the deepest feature layer, no
+    post-layernorm) and LlavaMultiModalProjector, run on the CPU at an eighth of
+    llava-v1.6-mistral-7b-hf's tower widths (128 wide, MLP 512, two heads of 64, four
+    layers; 336-pixel tiles of 24 x 24 patches and the class token), with one feature
+    layer over two tiles, a list of them over three (every layer's output held), and
+    LLaVA 1.5's wrapper over two images. The peak is at a layer's QuickGELU, whose
+    PyTorch form (vLLM's custom ops off) holds three MLP-wide tensors. Then the
+    parameters (tower, projector, newline) and the largest image's embeddings and tiles
+    as LlavaNextProcessingInfo / LlavaProcessingInfo count them, for the shipped files
+    and the scaled cases."""
+    mistral = json.loads((LLAVA_MISTRAL / "config.json").read_text())
+    llava = json.loads((LLAVA_1_5 / "config.json").read_text())
+    small = {**mistral["vision_config"], "hidden_size": 128, "intermediate_size": 512,
+             "num_attention_heads": 2, "num_hidden_layers": 4}  # fmt: skip
+    base = {"kind": "llava_next", "vision": small, "text_hidden": 256, "strategy": "default",
+            "pinpoints": mistral["image_grid_pinpoints"], "feature_layers": -2}  # fmt: skip
+    towers = [
+        {**base, "tiles": 2},  # three of four layers built
+        {**base, "feature_layers": [-3, -1], "tiles": 3},  # all four, two concatenated
+        {**base, "wrapper": "llava", "tiles": 2},  # LLaVA 1.5: two one-tile images
+    ]
+    shipped_next = {**base, "vision": mistral["vision_config"], "text_hidden": 4096}
+    shipped_llava = {**base, "wrapper": "llava", "vision": llava["vision_config"],
+                     "text_hidden": 4096}  # fmt: skip
+    facts = [shipped_next, shipped_llava, *towers]
+    answer = run_in_vllm(
+        "0.32", [str(SIDE)], {"port": _port(), "towers": towers, "llava_next": facts},
+        cache_root=tmp_path, timeout=280,
+    )  # fmt: skip
+
+    def config(case: dict[str, object]) -> HFConfig:
+        raw = {**mistral, "vision_config": case["vision"],
+               "text_config": {**mistral["text_config"], "hidden_size": case["text_hidden"]},
+               "vision_feature_layer": case["feature_layers"],
+               "vision_feature_select_strategy": case["strategy"]}  # fmt: skip
+        if case.get("wrapper") == "llava":
+            raw = {**raw, "model_type": "llava",
+                   "architectures": ["LlavaForConditionalGeneration"]}  # fmt: skip
+            del raw["image_grid_pinpoints"]
+        return HFConfig(raw)
+
+    ours = [_tower_only(vision_tower(config(case), 1)) for case in towers]
+    sequence = 24 * 24 + 1  # a tile's patches and CLIP's class token
+    expected = [
+        forward_peak_bytes(tower, case["tiles"], sequence, BF16)
+        for tower, case in zip(ours, towers, strict=True)
+    ]
+    assert answer["peaks"] == expected
+    # one feature layer: 4 x 128 + 3 x 512 per position; the list, at the fourth layer's
+    # MLP: the embeddings and three layers' outputs in the pool, the residual and its
+    # normed copy (6 x 128) beside QuickGELU's three (3 x 512)
+    assert [t.peak_elements_per_patch for t in ours] == [2048, 2304, 2048]
+    # the projector's output: every position but the class token, 256 wide
+    assert answer["outputs"] == [case["tiles"] * 576 * 256 * BF16 for case in towers]
+    for case, (params, tokens, tiles) in zip(facts, answer["llava_next"], strict=True):
+        c = config(case)
+        tower = vision_tower(c, 1)
+        assert tower is not None
+        assert (tower.tokens_per_item, tower.patches_per_item) == (tokens, tiles * sequence)
+        hidden = c.sub("text_config").integer("hidden_size")  # type: ignore[union-attr]
+        assert _llava_vision_params(c, c.sub("vision_config"), hidden) == params  # type: ignore[arg-type]
+    # The shipped pinpoints: 672 x 672, the base tile and four, 2,928 embeddings (576 +
+    # 48 x 48 + 48 newlines); LLaVA 1.5: one tile's 576.
+    assert answer["llava_next"][0][1:] == [2928, 5]
+    assert answer["llava_next"][1][1:] == [576, 1]
+
+
+def test_llava_image_path_against_vllm(tmp_path: Path) -> None:
+    """The whole image path of vLLM 0.32's LLaVA wrappers on the CPU (the wrapper's own
+    _process_image_input: tower, projector and LLaVA-Next's anyres merge with the newline
+    vector) over one and two largest images, at an eighth of the towers' widths, against
+    kvplan's forward peak (the larger of the tower's and the moments after it) and the
+    embeddings returned. Text widths 4 x the tower's (llava-v1.6-mistral's 4,096 over
+    1,024: the tower's peak), 8 x (the merge's: the projected tiles, the merged images
+    and the grid being merged), and for LLaVA 1.5 4 x and 16 x (the projector's);
+    Granite Vision's SigLIP with its feature list and `full` strategy under a 2,048-wide
+    text model (the merge's)."""
+    mistral = json.loads((LLAVA_MISTRAL / "config.json").read_text())
+    granite = json.loads((GRANITE_VISION / "config.json").read_text())
+    clip = {**mistral["vision_config"], "hidden_size": 128, "intermediate_size": 512,
+            "num_attention_heads": 2, "num_hidden_layers": 4}  # fmt: skip
+    siglip = {**granite["vision_config"], "hidden_size": 144, "intermediate_size": 538,
+              "num_attention_heads": 2, "num_hidden_layers": 5}  # fmt: skip
+    cases: list[dict[str, Any]] = [
+        *({"vision": clip, "text_hidden": hidden, "strategy": "default", "items": items,
+           "pinpoints": mistral["image_grid_pinpoints"], "feature_layers": -2}
+          for hidden, items in ((512, 2), (1024, 1), (1024, 2))),
+        *({"vision": clip, "text_hidden": hidden, "strategy": "default", "items": 2,
+           "feature_layers": -2, "wrapper": "llava", "pinpoints": []}
+          for hidden in (512, 2048)),
+        {"vision": siglip, "text_hidden": 2048, "strategy": "full", "items": 1,
+         "pinpoints": granite["image_grid_pinpoints"], "feature_layers": [-4, -2, -1]},
+    ]  # fmt: skip
+
+    def config(case: dict[str, Any]) -> HFConfig:
+        raw = {**(granite if case["vision"] is siglip else mistral),
+               "vision_config": case["vision"],
+               "vision_feature_layer": case["feature_layers"],
+               "vision_feature_select_strategy": case["strategy"]}  # fmt: skip
+        raw["text_config"] = {**raw["text_config"], "hidden_size": case["text_hidden"]}
+        if case.get("wrapper") == "llava":
+            raw = {**raw, "model_type": "llava",
+                   "architectures": ["LlavaForConditionalGeneration"]}  # fmt: skip
+            del raw["image_grid_pinpoints"]
+        return HFConfig(raw)
+
+    towers: list[Tower] = []
+    for case in cases:
+        tower = vision_tower(config(case), 1)
+        assert tower is not None
+        towers.append(tower)
+        size = case["vision"]["image_size"]
+        case["tiles"] = tower.input_elements_per_item // (3 * size * size)
+        sequence = tower.patches_per_item // case["tiles"]  # a tile's positions
+        # the largest image: the pinpoint with the most embeddings (LLaVA 1.5: one tile)
+        pinpoints = [tuple(p) for p in case["pinpoints"]] or [(size, size)]
+        grid = size // case["vision"]["patch_size"]
+        base = sequence - (case["strategy"] == "default")
+        case["image"] = max(pinpoints, key=lambda p: llava_next_image_tokens(
+            p[0], p[1], pinpoints, size, grid, base))  # fmt: skip
+        case["kind"] = "llava_embed"
+    assert [case["tiles"] for case in cases] == [5, 5, 5, 1, 1, 11]
+    answer = run_in_vllm(
+        "0.32", [str(SIDE)], {"port": _port(), "towers": cases},
+        cache_root=tmp_path, timeout=280,
+    )  # fmt: skip
+    ours = [
+        forward_peak_bytes(tower, case["items"], tower.patches_per_item, BF16)
+        for tower, case in zip(towers, cases, strict=True)
+    ]
+    assert answer["peaks"] == ours
+    assert answer["outputs"] == [
+        case["items"] * tower.tokens_per_item * case["text_hidden"] * BF16
+        for tower, case in zip(towers, cases, strict=True)
+    ]
+    # which moment is the peak: the tower's, the merge's (twice), the tower's, the
+    # projector's, the merge's
+    in_tower = [
+        case["items"] * tower.patches_per_item * tower.peak_elements_per_patch * BF16
+        for tower, case in zip(towers, cases, strict=True)
+    ]
+    assert [peak == tower for peak, tower in zip(ours, in_tower, strict=True)] == [
+        True, False, False, True, False, False
+    ]  # fmt: skip

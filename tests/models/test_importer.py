@@ -27,6 +27,7 @@ from kvplan.models import (
     import_layers,
     load_config,
 )
+from kvplan.models.encoder import vision_tower
 from kvplan.models.importer import ModelLayers
 from kvplan.models.weights import count_params, estimate_weights, replicated_params
 from kvplan.v1 import plan_pb2
@@ -692,7 +693,7 @@ def test_llava_next_granite_vision_by_hand() -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"vision_config": {"model_type": "clip_vision_model"}}, "SigLIP tower only"),
+        ({"vision_config": {"model_type": "pixtral"}}, "SigLIP or CLIP tower"),
         ({"text_config": {"model_type": "qwen2"}}, "'qwen2' text model is not supported"),
     ],
 )
@@ -704,6 +705,63 @@ def test_llava_next_other_towers_and_text_models_are_refused(
         raw[key] = {**raw[key], **fields}
     with pytest.raises(UnsupportedModel, match=match):
         import_layers(HFConfig(raw))
+
+
+CHECKPOINTS = Path(__file__).parents[1] / "data" / "checkpoints"
+
+
+@pytest.mark.parametrize(
+    ("name", "architecture", "text_ffn", "kv_heads", "tokens", "tiles"),
+    [
+        # 672 x 672: the base tile and 2 x 2, 576 + 48 x 48 + 48 newlines
+        ("llava-v1.6-mistral-7b-hf", "LlavaNextForConditionalGeneration", 14336, 8, 2928, 5),
+        ("llava-1.5-7b-hf", "LlavaForConditionalGeneration", 11008, 32, 576, 1),
+    ],
+)
+def test_clip_llava_checkpoints_by_hand(
+    name: str, architecture: str, text_ffn: int, kv_heads: int, tokens: int, tiles: int
+) -> None:
+    """llava-hf's LLaVA-Next (Mistral 7B) and LLaVA 1.5 (Vicuna 7B) over CLIP ViT-L/14-336:
+    32 full-attention layers of 128-wide heads from the text model's defaults (the files
+    name no widths; Mistral's "sliding_window": null stays null), served in the root
+    config's float16 as vLLM does; the CLIP tower to layer 23 of 24 (-2) counted by hand:
+    per layer Q/K/V/O and fc1 / fc2 with biases and two LayerNorms, the bias-free patch
+    convolution, the class embedding, 577 position embeddings, the pre-layernorm; the
+    projector 1,024 -> 4,096 -> 4,096 with biases, and LLaVA-Next's newline vector."""
+    config = load_config(str(CHECKPOINTS / name))
+    layers = import_layers(config)
+    assert layers.architecture == architecture
+    assert layers.model_dtype.value == "float16"
+    assert [(x.num_kv_heads, x.head_size, x.kind, x.sliding_window) for x in layers.layers] == [
+        (kv_heads, 128, "full_attention", None)
+    ] * 32
+    assert any("hidden_size=4096" in note and "num_hidden_layers=32" in note
+               for note in layers.notes)  # fmt: skip
+    w, inter, text, vocab = 1024, 4096, 4096, 32064
+    layer = 4 * w * w + 3 * w + w + 2 * 2 * w + w * inter + inter + inter * w + w
+    stem = 3 * 14 * 14 * w + w + 577 * w + 2 * w
+    projector = w * text + text + text * text + text
+    newline = text if architecture.startswith("LlavaNext") else 0
+    params = count_params(config, layers)
+    assert params.vision == 23 * layer + stem + projector + newline
+    attention = 32 * (text * 128 * (32 + 2 * kv_heads) + 32 * 128 * text)
+    assert params.total == params.vision + 2 * vocab * text + attention + 32 * 3 * text * text_ffn
+    tower = vision_tower(config, 1)
+    assert tower is not None
+    assert (tower.tokens_per_item, tower.patches_per_item) == (tokens, tiles * 577)
+    # a layer's QuickGELU in its PyTorch form: four 1,024-wide streams, three 4,096-wide
+    assert tower.peak_elements_per_patch == 4 * w + 3 * inter
+
+
+def test_a_llava_vision_config_without_a_model_type_is_clip() -> None:
+    """LlavaNextConfig builds a CLIPVisionConfig from a vision_config that names no
+    model_type, and so does kvplan: the same tower, weights and profile."""
+    raw = json.loads((CHECKPOINTS / "llava-v1.6-mistral-7b-hf" / "config.json").read_text())
+    unnamed = {**raw, "vision_config": {key: value for key, value in raw["vision_config"].items()
+                                        if key != "model_type"}}  # fmt: skip
+    named, bare = HFConfig(raw), HFConfig(unnamed)
+    assert count_params(bare, import_layers(bare)) == count_params(named, import_layers(named))
+    assert vision_tower(bare, 1) == vision_tower(named, 1)
 
 
 KIMI_VL = Path(__file__).parents[1] / "data" / "checkpoints" / "kimi-vl-a3b-instruct"

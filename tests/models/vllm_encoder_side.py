@@ -261,20 +261,34 @@ def _stand_in_mistral_common() -> None:
 
 
 def _llava_next_config(case: dict[str, object]) -> Any:
-    from transformers import LlavaNextConfig
+    """LlavaNextConfig, or LlavaConfig where the case's "wrapper" is "llava" (LLaVA
+    1.5); the tower is SigLIP or CLIP by the vision dict's model_type."""
+    from transformers import LlavaConfig, LlavaNextConfig
 
-    return LlavaNextConfig(
-        text_config={"model_type": "granite", "hidden_size": case["text_hidden"]},
-        vision_config=case["vision"],
-        vision_feature_layer=case["feature_layers"],
-        vision_feature_select_strategy=case["strategy"],
-        image_grid_pinpoints=case["pinpoints"],
-        multimodal_projector_bias=True,
-    )
+    common = {
+        "text_config": {"model_type": "granite", "hidden_size": case["text_hidden"]},
+        "vision_config": case["vision"],
+        "vision_feature_layer": case["feature_layers"],
+        "vision_feature_select_strategy": case["strategy"],
+        "multimodal_projector_bias": True,
+    }
+    if case.get("wrapper") == "llava":
+        return LlavaConfig(**common)
+    return LlavaNextConfig(**common, image_grid_pinpoints=case["pinpoints"])
+
+
+def _select_layers(case: dict[str, object]) -> list[int] | None:
+    """What the wrapper passes as `select_layers`: LLaVA-Next's list of feature layers
+    (None for a single index); LLaVA 1.5 never passes one."""
+    layers = case["feature_layers"]
+    if case.get("wrapper") == "llava" or not isinstance(layers, list):
+        return None
+    return layers
 
 
 def _llava_next_modules(case: dict[str, object]) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """LLaVA-Next's tower and projector as LlavaNextForConditionalGeneration builds them."""
+    """The tower and projector as LlavaNextForConditionalGeneration (or
+    LlavaForConditionalGeneration) builds them."""
     _stand_in_mistral_common()
     from vllm.model_executor.models.llava import (
         LlavaMultiModalProjector,
@@ -284,7 +298,8 @@ def _llava_next_modules(case: dict[str, object]) -> tuple[torch.nn.Module, torch
     config = _llava_next_config(case)
     tower = init_vision_tower_for_llava(config, None, require_post_norm=False,
                                         prefix="vision_tower")  # fmt: skip
-    width = config.vision_config.hidden_size * len(case["feature_layers"])  # type: ignore[arg-type]
+    selected = _select_layers(case)
+    width = config.vision_config.hidden_size * (len(selected) if selected else 1)
     projector = LlavaMultiModalProjector(
         vision_hidden_size=width,
         text_hidden_size=config.text_config.hidden_size,
@@ -295,18 +310,54 @@ def _llava_next_modules(case: dict[str, object]) -> tuple[torch.nn.Module, torch
 
 
 def _llava_next(case: dict[str, object]) -> tuple[int, int]:
-    """The SigLIP tower over `tiles` tiles with the selected layers concatenated (the
+    """The tower over `tiles` tiles with the selected layers concatenated (the
     wrapper's _image_pixels_to_features), then the projector."""
     tower, projector = _llava_next_modules(case)
     size = int(case["vision"]["image_size"])  # type: ignore[index]
     pixels = torch.zeros(int(case["tiles"]), 3, size, size)  # type: ignore[call-overload]
 
     def run() -> torch.Tensor:
-        features = tower(pixels, select_layers=case["feature_layers"],
+        features = tower(pixels, select_layers=_select_layers(case),
                          feature_select_strategy=case["strategy"])  # fmt: skip
         return projector(features)
 
     return _peak_of(run, [tower, projector], [pixels])
+
+
+def _llava_embed(case: dict[str, object]) -> tuple[int, int]:
+    """The whole image path of the profile run: the wrapper's own _process_image_input
+    (LlavaNextForConditionalGeneration's tower, projector and anyres merge with the
+    image_newline; LlavaForConditionalGeneration's tower and projector) over `items`
+    images of the largest size, `tiles` tiles each. The wrapper object is made without
+    its __init__ (no language model) and given the modules it would build."""
+    _stand_in_mistral_common()
+    from vllm.model_executor.models.llava import LlavaForConditionalGeneration
+    from vllm.model_executor.models.llava_next import LlavaNextForConditionalGeneration
+
+    llava = case.get("wrapper") == "llava"
+    cls = LlavaForConditionalGeneration if llava else LlavaNextForConditionalGeneration
+    tower, projector = _llava_next_modules(case)
+    config = _llava_next_config(case)
+    model = cls.__new__(cls)
+    torch.nn.Module.__init__(model)
+    model.config = config
+    model.vision_tower = tower
+    model.multi_modal_projector = projector
+    model.image_newline = torch.nn.Parameter(torch.zeros(config.text_config.hidden_size))
+    model.select_layers = _select_layers(case)
+    size = config.vision_config.image_size
+    items, tiles = int(case["items"]), int(case["tiles"])  # type: ignore[call-overload]
+    shape = (items, 3, size, size) if llava else (items, tiles, 3, size, size)
+    pixels = torch.zeros(*shape)
+    # the largest image's size, as the processor passes it (kept on the host)
+    sizes = torch.tensor([case["image"]] * items)
+
+    def run() -> object:
+        return model._process_image_input(
+            {"type": "pixel_values", "pixel_values": pixels, "image_sizes": sizes}
+        )
+
+    return _peak_of(run, [model], [pixels, sizes])
 
 
 def _moonvit(case: dict[str, object]) -> tuple[int, int]:
@@ -346,14 +397,16 @@ TABLES: list[int] = []
 
 
 def llava_next_facts(case: dict[str, object]) -> list[int]:
-    """[parameters of the tower, projector and image_newline as vLLM builds them, the
-    most embeddings of one image and the tiles of that image]: vLLM's
+    """[parameters of the tower, projector and (LLaVA-Next's) image_newline as vLLM
+    builds them, the most embeddings of one image and the tiles of that image]: vLLM's
     LlavaNextProcessingInfo.get_num_image_tokens over the pinpoints, as its
-    get_image_size_with_most_features does, with the config standing in for the
-    processor context."""
+    get_image_size_with_most_features does (LLaVA 1.5: LlavaProcessingInfo's
+    get_max_image_tokens, one tile), with the config standing in for the processor
+    context."""
     from transformers.models.llava_next.modeling_llava_next import (  # type: ignore[import-not-found]
         get_anyres_image_grid_shape,
     )
+    from vllm.model_executor.models.llava import LlavaProcessingInfo
     from vllm.model_executor.models.llava_next import LlavaNextProcessingInfo
     from vllm.model_executor.models.vision import get_vision_encoder_info
 
@@ -365,6 +418,14 @@ def llava_next_facts(case: dict[str, object]) -> list[int]:
     info = SimpleNamespace(
         get_hf_config=lambda: config, get_vision_encoder_info=lambda: encoder_info
     )
+    if case.get("wrapper") == "llava":
+        info.get_image_size_with_most_features = lambda: (
+            LlavaProcessingInfo.get_image_size_with_most_features(info)
+        )
+        info.get_num_image_tokens = lambda **kw: LlavaProcessingInfo.get_num_image_tokens(
+            info, **kw
+        )
+        return [params, LlavaProcessingInfo.get_max_image_tokens(info), 1]
     info._get_num_unpadded_features = lambda **kw: (
         LlavaNextProcessingInfo._get_num_unpadded_features(info, **kw)
     )
@@ -413,6 +474,7 @@ TOWERS = {
     "qwen3_vl_vit": _qwen3_vl_vit,
     "llama4": _llama4,
     "llava_next": _llava_next,
+    "llava_embed": _llava_embed,
     "moonvit": _moonvit,
 }
 
