@@ -170,8 +170,9 @@ _TRITON_SAMPLER = 2 + 4 + 4 + 4
 # kernel's row buffer allocated then and cached. The peak is 14 B + the row buffer.
 _V1_TWO_PASS_SAMPLER = 2 + 4 + 4 + 4
 # Model Runner V2 (v1/worker/gpu/model_runner.py `_dummy_sampler_run`, the same function
-# in 0.22.0-0.34.0) computes the logits from the requests' own hidden states (no random
-# stand-in) and calls its Sampler with `InputBatch.make_dummy`, whose requests were never
+# in 0.22.0-0.32, which 0.33-0.34 extend by a pass) computes the logits from the
+# requests' own hidden states (no random stand-in) and calls its Sampler with
+# `InputBatch.make_dummy`, whose first-pass requests were never
 # added: temperature 0 (SamplingStates' zeroed buffers), top-k = vocab, top-p 1, no
 # logprobs or penalties, so the pass is greedy and `gumbel_sample` takes the argmax.
 # - 0.22-0.25: `apply_sampling_params` first copies the logits to float32
