@@ -167,7 +167,9 @@ _TRITON_SAMPLER = 2 + 4 + 4 + 4
 # a cached 1 MiB row-state buffer, not counted). The second pass falls back to
 # `forward_native` (FlashInfer takes no generators): the Triton masks in place, the
 # softmax and `random_sample`'s exponential noise, 14 B as in 0.19, with the Triton
-# kernel's row buffer allocated then and cached. The peak is 14 B + the row buffer.
+# kernel's row buffer allocated then and cached. The peak is 14 B + the row buffer. Run
+# in the 0.32 / 0.33 venvs (tests/models/test_sampler_by_release.py): 6.00 B per logit
+# held at FlashInfer's call, 16.06 at the second pass with 256 requests and 132 rows.
 _V1_TWO_PASS_SAMPLER = 2 + 4 + 4 + 4
 # Model Runner V2 (v1/worker/gpu/model_runner.py `_dummy_sampler_run`, the same function
 # in 0.22.0-0.32, which 0.33-0.34 extend by a pass) computes the logits from the

@@ -144,3 +144,32 @@ def test_model_runner_v2s_dummy_sampling_in_the_venvs(
     flashinfer_adds = 4 + 4
     assert round(fused["held"]) + flashinfer_adds == rules.mrv2_sampler_bytes_per_logit + (
         logits_bytes - 2)  # fmt: skip
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_v1_runners_two_dummy_passes_in_the_venvs(
+    release: str, dtype: str, tmp_path: Path
+) -> None:
+    """The V1 runner's `Sampler` and `TopKTopPSampler.forward_cuda` on the profile's dummy
+    batch (256 requests of a 151,936-token vocabulary), every allocation of vLLM's Python
+    code counted: the first pass hands FlashInfer's sampler the float32 logits with 6 B
+    per logit held (4 with float32 logits, which are that copy), to which FlashInfer's
+    masked copy and probabilities add 8; the second, with a generator, holds 14 B (12)
+    and the Triton wrapper's row buffer, 132 rows on an H100 (132 x 4 / 256 B per
+    logit here)."""
+    side = str(Path(__file__).with_name("vllm_v1_sampler_side.py"))
+    payload = {"rows": 256, "vocab": 151_936, "dtype": dtype}
+    answer = run_in_vllm(release, [side], payload, cache_root=tmp_path)
+    saving = float32_logits_saving(4 if dtype == "float32" else 2)
+    rules = profile_rules(f"vllm-{release}")
+    (fused,) = answer["calls"]
+    assert fused["dtype"] == "torch.float32"
+    # (The per-request tensors, k, p, the temperature and the sampled ids, add under
+    # 0.001 B per logit.)
+    assert fused["held"] + 4 + 4 == pytest.approx(rules.sampler_bytes_per_logit - saving, abs=1e-3)
+    assert answer["row_buffer_rows"] == [132]
+    row_buffer = triton_row_buffer_bytes(rules, 256, 151_936, 132) / (256 * 151_936)
+    first, second = answer["passes"]
+    assert first == pytest.approx(rules.sampler_bytes_per_logit - saving - 8, abs=1e-3)
+    assert second == pytest.approx(rules.sampler_bytes_per_logit - saving + row_buffer, abs=1e-3)
