@@ -42,14 +42,13 @@ class ProfileRules:
     records set them and which only check them)."""
 
     name: str
-    # The dummy sampler run's peak per logit (max_num_seqs x vocab logits) on the
-    # release's default top-k/top-p path, with 16-bit model logits: those 2 B are held
-    # beside the sampler's float32 copy (`float32_logits_saving`). 0.17-0.19's Triton
-    # kernel: 14 B, read in 0.19.0's sampler and checked on its logs (`_TRITON_SAMPLER`).
-    # FlashInfer's, the default from 0.21 (vllm#40376), is assumed at 16 B: the V1
-    # runner's `flashinfer_sample` (0.19.0) holds 14 B through FlashInfer 0.6.6-0.7.2's
-    # `top_k_top_p_sampling_from_logits`, but 0.29+ sample in Model Runner V2, whose
-    # path is not read (docs/capacity.md, "What the sampler terms rest on").
+    # The V1 model runner's dummy sampler run: its peak per logit (max_num_seqs x vocab
+    # logits) on the release's default top-k/top-p path, with 16-bit model logits: those
+    # 2 B are held beside the sampler's float32 copy (`float32_logits_saving`).
+    # 0.17-0.20's Triton kernel: 14 B, read in 0.19.0's sampler and checked on its logs
+    # (`_TRITON_SAMPLER`); 0.21-0.33 sample twice, FlashInfer's and then the Triton
+    # path, 14 B each (`_V1_TWO_PASS_SAMPLER`). Model Runner V2 has its own figure
+    # (`mrv2_sampler_bytes_per_logit`; docs/capacity.md, "What the sampler terms rest on").
     sampler_bytes_per_logit: int
     # Memory outside torch's allocator that appears during the profile run (cuBLAS
     # workspaces and lazily loaded kernels; with TP > 1 also NCCL communicators and
@@ -114,10 +113,19 @@ class ProfileRules:
     # sample allocates, which the V1 runner's graph estimate counts (vllm#50780; 0 =
     # none). `gdn_graph_transient` says which context that sample runs.
     gdn_graph_transient_per_context_token: int = 0
-    # Whether the release's top-k/top-p kernel keeps a float32 row buffer of the
-    # vocabulary per program, one program per SM (0.17-0.19's Triton kernel,
+    # Whether the V1 runner's top-k/top-p kernel keeps a float32 row buffer of the
+    # vocabulary per program, one program per SM (the Triton kernel of 0.17 onward,
     # `triton_row_buffer_bytes`).
     sampler_row_buffer: bool = False
+    # Model Runner V2's dummy sampler run (vllm/v1/worker/gpu/), where the release makes
+    # it the default for the model (`default_runner_is_v2`): its peak per logit with
+    # 16-bit logits (`_MRV2_SAMPLER_*`), 0 where the release defaults to V1 for every
+    # model. Its dummy requests are never added, so they are greedy with no top-k, top-p
+    # or logprobs; what is held differs by release.
+    mrv2_sampler_bytes_per_logit: int = 0
+    # Whether MRV2's peak is its Gumbel-max pass (`gumbel_sample`), which adds an int64
+    # argmax and a float32 maximum per 1,024-logit block of each row (`_GUMBEL_BLOCK`).
+    mrv2_gumbel_blocks: bool = False
 
 
 # The profile run samples every request with top-k and top-p. Without FlashInfer, V1
@@ -146,6 +154,48 @@ _SORT_SAMPLER = _SORT_HELD_PER_LOGIT + _CUDA_SORT_WORKSPACE_PER_LOGIT
 # that float32 copy (`Sampler.forward`'s `.to(torch.float32)` returns the tensor it is
 # given, and compute_logits returns the model dtype): 2 B less (`float32_logits_saving`).
 _TRITON_SAMPLER = 2 + 4 + 4 + 4
+# 0.21-0.33's V1 runner (read in the 0.21.0-0.31.0 wheels and the 0.32 / 0.33 venvs:
+# gpu_model_runner._dummy_sampler_run, the same function in all of them) samples the
+# dummy batch twice, the second time with one request's generator set, "to warm
+# forward_native". FlashInfer's sampler is the default on CUDA from 0.21 (vllm#40376;
+# `VLLM_USE_FLASHINFER_SAMPLER` unset reads as on), so the first pass runs
+# `flashinfer_sample` on the float32 logits with the top-k as a tensor:
+# `top_k_top_p_sampling_from_logits` (alike in FlashInfer 0.6.8.post1 to 0.7.2.post1,
+# every version 0.20-0.33 pin) takes its top-k-first path without the integer-k fast
+# path (0.6.14 on; an integer k only), `top_k_mask_logits` writes a float32 masked copy
+# (`torch.empty_like`) and `torch.softmax` the probabilities: 2 + 4 + 4 + 4 = 14 B (and
+# a cached 1 MiB row-state buffer, not counted). The second pass falls back to
+# `forward_native` (FlashInfer takes no generators): the Triton masks in place, the
+# softmax and `random_sample`'s exponential noise, 14 B as in 0.19, with the Triton
+# kernel's row buffer allocated then and cached. The peak is 14 B + the row buffer. Run
+# in the 0.32 / 0.33 venvs (tests/models/test_sampler_by_release.py): 6.00 B per logit
+# held at FlashInfer's call, 16.06 at the second pass with 256 requests and 132 rows.
+_V1_TWO_PASS_SAMPLER = 2 + 4 + 4 + 4
+# Model Runner V2 (v1/worker/gpu/model_runner.py `_dummy_sampler_run`, the same function
+# in 0.22.0-0.32, which 0.33-0.34 extend by a pass) computes the logits from the
+# requests' own hidden states (no random stand-in) and calls its Sampler with
+# `InputBatch.make_dummy`, whose first-pass requests were never
+# added: temperature 0 (SamplingStates' zeroed buffers), top-k = vocab, top-p 1, no
+# logprobs or penalties, so the pass is greedy and `gumbel_sample` takes the argmax.
+# - 0.22-0.25: `apply_sampling_params` first copies the logits to float32
+#   (`torch.empty_like(..., dtype=float32).copy_`): 2 + 4 = 6 B.
+# - 0.26: the copy is made only to return raw logprobs; 0.27 skips the processing when no
+#   request needs it (`_requires_logits_processing`), 0.28-0.34 the same by
+#   `needs_logits_processing`: the model-dtype logits alone, 2 B.
+# - 0.33-0.34 then run a second pass with `SamplingParams.for_sampler_warmup()` added to
+#   every request (top-k 50, top-p 0.9, min-p, penalties, logit bias, 5 logprobs): the
+#   float32 copy (4 B) beside the logits (2 B), then FlashInfer's fused sampler (no
+#   request greedy or seeded; FlashInfer 0.7.2.post1 / 0.7.3's top-k-first path as
+#   above: masked copy 4 B + probabilities 4 B): 14 B, the larger pass. Run on the CPU
+#   in the 0.32-0.34 venvs (tests/models/test_sampler_by_release.py): 2.01 B per logit
+#   at the default pass, 6.00 held when FlashInfer's sampler is called.
+_MRV2_SAMPLER_FLOAT32_COPY = 2 + 4
+_MRV2_SAMPLER_GREEDY = 2
+_MRV2_SAMPLER_WARMUP_PASS = 2 + 4 + 4 + 4
+# `gumbel_sample`'s per-row block results: an int64 index and a float32 (float64 with
+# use_fp64_gumbel) maximum per 1,024 logits (BLOCK_SIZE, 0.22.0-0.34.0).
+_GUMBEL_BLOCK = 1024
+_GUMBEL_BLOCK_BYTES = 8 + 4
 # The Triton kernel's float32 buffer of min(next_pow2(min(SMs, requests)), SMs) rows
 # of the vocabulary, cached for the process (0.17.0-0.19.0 topk_topp_triton.py
 # `apply_top_k_top_p_triton`: `num_compute_units`, which CudaPlatform answers with
@@ -218,37 +268,88 @@ PROFILES: dict[str, ProfileRules] = {
         0,
         sampler_row_buffer=True,
     ),
-    # 0.26 to 0.28 on hybrid GDN models (Qwen3-Next, Qwen3.5 / 3.6): vllm#50780, the V1
-    # runner's graph estimate counts a transient of its first FULL sample, about
-    # 128 KiB per context token of that sample (the issue's measurement on
-    # Qwen3.5-122B-A10B; the op that allocates it is not named there). 0.29 made Model
-    # Runner V2 the default for every model (vllm#53183), whose estimate runs no
-    # long-context sample (`gdn_graph_transient`).
+    # From 0.20 the release subtracts its CUDA-graph estimate: 0.20.0 already does (the
+    # stock vllm/vllm-openai:v0.20.0 image, no environment override, prints "CUDA graph
+    # memory profiling is enabled ... equivalent to --gpu-memory-utilization=0.8878": a
+    # public log the code index found, id 51830815744), although the line names 0.21 as
+    # the default's first release. The rows below differ in the sampler (read in each
+    # release's source: the comments above `_V1_TWO_PASS_SAMPLER` and `_MRV2_SAMPLER_*`)
+    # and, 0.26-0.28, the GDN graph transient. Which runner a model gets is
+    # `default_runner_is_v2`'s; on Model Runner V2 before 0.29, and under 0.34's
+    # extensible cache, no graph estimate is made at all (`graph_estimate_runs`).
+    # 0.20-0.21: the V1 runner for every model (VLLM_USE_V2_MODEL_RUNNER defaults to 0).
+    # 0.20 samples once with the Triton kernel (FlashInfer's sampler still opt-in),
+    # 0.21 twice (`_V1_TWO_PASS_SAMPLER`): 14 B and the row buffer either way.
+    "v1-0.21": ProfileRules(
+        "vLLM 0.20-0.21",
+        _TRITON_SAMPLER,
+        _NON_TORCH_TP1,
+        _NON_TORCH_TP,
+        _PIECEWISE_GRAPH,
+        _FULL_GRAPH_TOKEN,
+        cudagraph_bytes_per_nccl_all_reduce=_NCCL_GRAPH_ALL_REDUCE,
+        sampler_row_buffer=True,
+    ),
+    # 0.22-0.25: MRV2 the default for some models; its sampler copies the logits to
+    # float32 first.
+    "v1-0.25": ProfileRules(
+        "vLLM 0.22-0.25",
+        _V1_TWO_PASS_SAMPLER,
+        _NON_TORCH_TP1,
+        _NON_TORCH_TP,
+        _PIECEWISE_GRAPH,
+        _FULL_GRAPH_TOKEN,
+        cudagraph_bytes_per_nccl_all_reduce=_NCCL_GRAPH_ALL_REDUCE,
+        sampler_row_buffer=True,
+        mrv2_sampler_bytes_per_logit=_MRV2_SAMPLER_FLOAT32_COPY,
+        mrv2_gumbel_blocks=True,
+    ),
+    # 0.26 to 0.28 on hybrid GDN models (Qwen3-Next, Qwen3.5 / 3.6), which stay on the V1
+    # runner there: vllm#50780, the V1 runner's graph estimate counts a transient of its
+    # first FULL sample, about 128 KiB per context token of that sample (the issue's
+    # measurement on Qwen3.5-122B-A10B; the op that allocates it is not named there).
+    # 0.29 made Model Runner V2 the default for every model (vllm#53183), whose estimate
+    # runs no long-context sample (`gdn_graph_transient`).
     "v1-0.26": ProfileRules(
-        "vLLM 0.26-0.28 (V1 runner)",
-        16,
+        "vLLM 0.26-0.28",
+        _V1_TWO_PASS_SAMPLER,
         _NON_TORCH_TP1,
         _NON_TORCH_TP,
         _PIECEWISE_GRAPH,
         _FULL_GRAPH_TOKEN,
         cudagraph_bytes_per_nccl_all_reduce=_NCCL_GRAPH_ALL_REDUCE,
         gdn_graph_transient_per_context_token=128 * 1024,
+        sampler_row_buffer=True,
+        mrv2_sampler_bytes_per_logit=_MRV2_SAMPLER_GREEDY,
+        mrv2_gumbel_blocks=True,
     ),
-    # 0.20 to 0.25 and 0.29 onward, the releases kvplan plans for (0.32, 0.33, 0.34)
-    # among them (on Model Runner V2 before 0.29, and under 0.34's extensible cache, no
-    # graph estimate is made at all: `graph_estimate_runs`). 0.20.0 already subtracts
-    # (the stock vllm/vllm-openai:v0.20.0 image, no environment override, prints "CUDA
-    # graph memory profiling is enabled ... equivalent to
-    # --gpu-memory-utilization=0.8878": a public log the code index found, id
-    # 51830815744), although the line names 0.21 as the default's first release.
-    "v1": ProfileRules(
-        "vLLM >= 0.20",
-        16,
+    # 0.29-0.32: MRV2 for every model; one greedy pass on the model-dtype logits.
+    "v1-0.32": ProfileRules(
+        "vLLM 0.29-0.32",
+        _V1_TWO_PASS_SAMPLER,
         _NON_TORCH_TP1,
         _NON_TORCH_TP,
         _PIECEWISE_GRAPH,
         _FULL_GRAPH_TOKEN,
         cudagraph_bytes_per_nccl_all_reduce=_NCCL_GRAPH_ALL_REDUCE,
+        sampler_row_buffer=True,
+        mrv2_sampler_bytes_per_logit=_MRV2_SAMPLER_GREEDY,
+        mrv2_gumbel_blocks=True,
+    ),
+    # 0.33 onward, the newest (what kvplan plans for where no release is named): MRV2's
+    # second, warm-up-parameter pass through FlashInfer's sampler. 0.34 has no V1
+    # runner left (gpu_model_runner.py is gone from its wheel); 0.33's V1 fields apply
+    # only where a feature forces it.
+    "v1": ProfileRules(
+        "vLLM >= 0.33",
+        _V1_TWO_PASS_SAMPLER,
+        _NON_TORCH_TP1,
+        _NON_TORCH_TP,
+        _PIECEWISE_GRAPH,
+        _FULL_GRAPH_TOKEN,
+        cudagraph_bytes_per_nccl_all_reduce=_NCCL_GRAPH_ALL_REDUCE,
+        sampler_row_buffer=True,
+        mrv2_sampler_bytes_per_logit=_MRV2_SAMPLER_WARMUP_PASS,
     ),
 }
 
@@ -281,7 +382,13 @@ def profile_rules(release: str) -> ProfileRules:
         return PROFILES["v1-sort"]
     if version < (0, 20, 0):
         return PROFILES["v1-0.19"]
-    return PROFILES["v1-0.26"] if (0, 26, 0) <= version < (0, 29, 0) else PROFILES["v1"]
+    if version < (0, 22, 0):
+        return PROFILES["v1-0.21"]
+    if version < (0, 26, 0):
+        return PROFILES["v1-0.25"]
+    if version < (0, 29, 0):
+        return PROFILES["v1-0.26"]
+    return PROFILES["v1-0.32"] if version < (0, 33, 0) else PROFILES["v1"]
 
 
 # The TP group sizes vLLM's custom all-reduce accepts (CustomAllreduce
@@ -340,10 +447,13 @@ _PP_RECEIVED_TENSORS = 2
 def triton_row_buffer_bytes(
     rules: ProfileRules, max_num_seqs: int, vocab: int, gpu_sms: int = 0
 ) -> int:
-    """The float32 row buffer `rules`' top-k/top-p kernel keeps (0 where it has none):
-    one vocabulary row per program, min(next_pow2(min(SMs, requests)), SMs) rows with
-    SMs the part's streaming multiprocessors (`gpu_sms`; 0: not known, 132), and no
-    kernel at all under 8 requests (the release then sorts a small batch in torch)."""
+    """The float32 row buffer `rules`' top-k/top-p kernel keeps on the V1 runner (0 where
+    it has none): one vocabulary row per program, min(next_pow2(min(SMs, requests)), SMs)
+    rows with SMs the part's streaming multiprocessors (`gpu_sms`; 0: not known, 132),
+    and no kernel at all under 8 requests (0.17-0.30 then sort a small batch in torch;
+    0.31-0.33's `apply_top_k_top_p` takes Triton at any size, a buffer of at most 8 rows
+    that is not counted). The allocation is the same in every wheel from 0.17.0 to
+    0.33 (`apply_top_k_top_p_triton`)."""
     if not rules.sampler_row_buffer or max_num_seqs < 8:
         return 0
     sms = gpu_sms if gpu_sms > 0 else _DEFAULT_SAMPLER_SMS
@@ -352,13 +462,28 @@ def triton_row_buffer_bytes(
     return rows * vocab * 4
 
 
+def mrv2_sampler_bytes(rules: ProfileRules, max_num_seqs: int, vocab: int, act_bytes: int) -> int:
+    """Model Runner V2's dummy sampler at its peak: `rules`' bytes per logit, which count
+    16-bit logits, plus 2 per logit for float32 ones (MRV2 keeps the model-dtype logits
+    and its float32 copy is `torch.empty_like(...).copy_`, a new tensor whatever the
+    dtype: 0.33's venv holds 4.01 B per logit at the default pass and 8.00 before
+    FlashInfer's with float32 logits, against 2.01 and 6.00 with bf16), and the Gumbel
+    pass's per-block results where that pass is the peak."""
+    per_logit = rules.mrv2_sampler_bytes_per_logit + (2 if act_bytes == 4 else 0)
+    total = max_num_seqs * vocab * per_logit
+    if rules.mrv2_gumbel_blocks:
+        total += max_num_seqs * -(-vocab // _GUMBEL_BLOCK) * _GUMBEL_BLOCK_BYTES
+    return total
+
+
 def float32_logits_saving(act_bytes: int) -> int:
     """Bytes per logit a float32 model's sampler holds fewer than the rules' figure,
     which counts 16-bit model logits beside their float32 copy: compute_logits returns
-    the model dtype, and `Sampler.forward` (v1/sample/sampler.py, 0.11-0.19 and the V1
-    sampler of 0.32-0.34) casts with `.to(torch.float32)`, which returns float32 logits
-    themselves, so no copy is made: 2 B (the model-dtype 2 B go, the copy's 4 B
-    stay)."""
+    the model dtype, and the V1 runner's `Sampler.forward` (v1/sample/sampler.py,
+    0.11-0.33; 0.34 has no V1 sampler) casts with `.to(torch.float32)`, which returns
+    float32 logits themselves, so no copy is made: 2 B (the model-dtype 2 B go, the
+    copy's 4 B stay). FlashInfer's pass (0.21-0.33) takes those float32 logits as they
+    are. Model Runner V2 is the other way round (`mrv2_sampler_bytes`)."""
     return 2 if act_bytes == 4 else 0
 
 
@@ -390,11 +515,14 @@ OVERHEAD_FORMULA = (
     " (3 x hidden + max(attention_per_rank, mlp_per_rank)) x act_bytes, (tokens + 2 x"
     " max_num_seqs) x hidden x act_bytes [+ the fused-MoE workspace, tokens x top_k x"
     " (max(expert/tp, hidden) + max(gate_up/tp, hidden)) x act_bytes, from 0.13, not with"
-    " MXFP4's monolithic kernels] + max_num_seqs x vocab x 16 B (14 B on vLLM 0.17-0.19's"
-    " Triton kernel, + min(next_pow2(min(SMs, max_num_seqs)), SMs) x vocab x 4 B of its"
-    " row buffer, SMs the GPU's (132 when not known); 38 B on PyTorch's sort: vLLM"
-    " 0.11.1-0.16, and <= 0.11.0 without FlashInfer; - 2 B with float32 logits, which are"
-    " the sampler's float32 copy));"
+    " MXFP4's monolithic kernels] + max_num_seqs x vocab x B, the V1 runner's B: 14 from"
+    " vLLM 0.17 (its Triton kernel, + min(next_pow2(min(SMs, max_num_seqs)), SMs) x vocab"
+    " x 4 B of row buffer, SMs the GPU's, 132 when not known), 38 on PyTorch's sort"
+    " (0.11.1-0.16, and <= 0.11.0 without FlashInfer), 16 on FlashInfer's (<= 0.11.0),"
+    " - 2 with float32 logits, which are the sampler's float32 copy; on Model Runner V2"
+    " (its default models from 0.22, every model from 0.29) the requests' hidden states"
+    " once (tokens + max_num_seqs), B 6 (0.22-0.25) / 2 (0.26-0.32) + 12 B per"
+    " 1,024-logit block, 14 (from 0.33), + 2 with float32 logits, no row buffer);"
     " mlp_per_rank = matrices x ffn / tp, or top_k x (matrices x expert_ffn / tp + hidden)"
     " for MoE;  non_torch = 2.07 GiB where vLLM runs custom all-reduce (TP 2, 4, 6, 8, 16;"
     " not --disable-custom-all-reduce; not TP > 2 on GPUs without NVLink), else 0.25 GiB;"
@@ -1744,11 +1872,18 @@ def estimate_overhead(
     hidden = c.integer("hidden_size") if c.has("hidden_size") else c.integer("d_model")
     act_bytes = layers.model_dtype.size_bytes
     forward = max_num_batched_tokens * _per_token_activation(c, tensor_parallel_size) * act_bytes
-    # The sampler phase holds the forward's hidden states, the requests' last hidden
-    # states (`_dummy_run` returns them indexed out) and the random stand-in
-    # `_dummy_sampler_run` computes the logits from.
-    sampler = (max_num_batched_tokens + 2 * max_num_seqs) * hidden * act_bytes
     rules = profile_rules(release)
+    if use_v2_model_runner is None:
+        use_v2_model_runner = default_runner_is_v2(release, runner_model(config, layers,
+                                                                         quantization))  # fmt: skip
+    # Model Runner V2's sampler where the release has a figure for it (0.22 on; an engine
+    # forced onto V2 before that is planned with the V1 runner's).
+    mrv2 = bool(rules.mrv2_sampler_bytes_per_logit) and use_v2_model_runner
+    # The sampler phase holds the forward's hidden states, the requests' last hidden
+    # states (`_dummy_run` returns them indexed out) and, on the V1 runner, the random
+    # stand-in `_dummy_sampler_run` computes the logits from (Model Runner V2 computes
+    # them from the requests' own).
+    sampler = (max_num_batched_tokens + (1 if mrv2 else 2) * max_num_seqs) * hidden * act_bytes
     # MXFP4 experts run a monolithic kernel on Hopper and Blackwell (0.19's
     # oracle/mxfp4.py prefers OAITritonMxfp4ExpertsMonolithic, and FlashInfer's
     # TRT-LLM one), which takes no workspace from the manager.
@@ -1761,10 +1896,14 @@ def estimate_overhead(
         sampler += max_num_batched_tokens * per_token * act_bytes
     vocab = c.integer("vocab_size")
     logits = max_num_seqs * vocab
-    # The rules count 16-bit model logits beside their float32 copy; float32 logits
-    # are that copy.
-    per_logit = sampler_bytes_per_logit(rules, flashinfer) - float32_logits_saving(act_bytes)
-    sampler += logits * per_logit + triton_row_buffer_bytes(rules, max_num_seqs, vocab, gpu_sms)
+    if mrv2:
+        sampler += mrv2_sampler_bytes(rules, max_num_seqs, vocab, act_bytes)
+    else:
+        # The rules count 16-bit model logits beside their float32 copy; float32 logits
+        # are that copy.
+        per_logit = sampler_bytes_per_logit(rules, flashinfer) - float32_logits_saving(act_bytes)
+        sampler += logits * per_logit
+        sampler += triton_row_buffer_bytes(rules, max_num_seqs, vocab, gpu_sms)
     custom_all_reduce = custom_all_reduce_on(
         tensor_parallel_size, pcie_only_gpu, disable_custom_all_reduce
     )
@@ -1788,9 +1927,6 @@ def estimate_overhead(
     nccl_bytes = graphs - cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens, 0,
                                              *sizes)  # fmt: skip
     graphs, logged = max(graphs, transient), max(logged, transient)
-    if use_v2_model_runner is None:
-        use_v2_model_runner = default_runner_is_v2(release, runner_model(config, layers,
-                                                                         quantization))  # fmt: skip
     if not graph_estimate_runs(release, use_v2_model_runner, extensible_kv_cache):
         # Model Runner V2 before 0.29, and 0.34's extensible cache: nothing is measured
         # before the cache is sized, so nothing is subtracted or logged.

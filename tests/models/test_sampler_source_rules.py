@@ -54,15 +54,19 @@ def test_the_triton_row_buffer_follows_the_gpus_sm_count(
     assert triton_row_buffer_bytes(rules, requests, LLAMA_VOCAB, sms) == rows * LLAMA_VOCAB * 4
 
 
-def test_the_row_buffer_is_only_0_17_to_0_19s_and_needs_8_requests() -> None:
-    """topk_topp_sampler.py `apply_top_k_top_p` (0.17.0-0.19.0) takes the Triton kernel
-    only from 8 rows; under that it sorts in torch, and other releases have no such
-    buffer. An unknown part plans at an H100's 132 SMs."""
+def test_the_row_buffer_is_the_v1_runners_from_0_17_and_needs_8_requests() -> None:
+    """topk_topp_sampler.py `apply_top_k_top_p` (0.17.0-0.30.0) takes the Triton kernel
+    only from 8 rows; under that it sorts in torch. The V1 runner keeps the buffer in
+    every release from 0.17 that has one (0.20 samples with Triton, 0.21-0.33's second
+    dummy pass too: tests/models/test_sampler_by_release.py); the sort releases have
+    none. An unknown part plans at an H100's 132 SMs."""
     rules = profile_rules("0.17.0")
     assert triton_row_buffer_bytes(rules, 7, LLAMA_VOCAB, 132) == 0
     assert triton_row_buffer_bytes(rules, 1024, LLAMA_VOCAB) == 132 * LLAMA_VOCAB * 4
-    for release in ("0.16.0", "0.20.0", "vllm-0.34"):
-        assert triton_row_buffer_bytes(profile_rules(release), 1024, LLAMA_VOCAB, 142) == 0
+    assert triton_row_buffer_bytes(profile_rules("0.16.0"), 1024, LLAMA_VOCAB, 142) == 0
+    for release in ("0.20.0", "0.21.0", "0.25.0", "0.28.0", "vllm-0.33"):
+        rows = triton_row_buffer_bytes(profile_rules(release), 1024, LLAMA_VOCAB, 142)
+        assert rows == 142 * LLAMA_VOCAB * 4, release
 
 
 def test_an_l40s_plans_its_own_row_buffer() -> None:
