@@ -239,7 +239,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         "--gpu-memory-utilization",
         type=parse_fraction,
         help="0.9 or 90%%; default: the release's (0.92; vllm-0.34's extensible cache "
-        "reserves at 1.0)",
+        "reserves at 1.0 and keeps what is free after warm-up)",
     )
     parser.add_argument(
         "--kv-cache-dtype", help="auto (the model's dtype), fp8, fp8_e4m3, fp8_e5m2, bfloat16"

@@ -246,7 +246,7 @@ def build_plan_request(
                 gpu_sms=gpu_sms,
                 quantization=options.quantization,
                 use_v2_model_runner=options.use_v2_model_runner,
-                extensible_kv_cache=extensible,
+                extensible_kv_cache=extensible_setting(options),
             )
             for stage in range(pp)
         )  # fmt: skip
@@ -363,12 +363,12 @@ def build_plan_request(
 EXTENSIBLE_RELEASE = "vllm-0.34"  # the release whose cache is extensible by default
 
 
-def extensible_cache_on(options: ModelPlanOptions) -> bool:
-    """Whether the engine runs vLLM 0.34's extensible KV cache, as its config settles
-    it (vllm/config/vllm.py `_resolve_extensible_kv_cache`): on by default on CUDA and
-    ROCm (every catalog GPU), off with --kv-cache-memory-bytes or
-    --num-gpu-blocks-override, which asking for it explicitly contradicts (vLLM's
-    ValueError). Other releases have none."""
+def extensible_setting(options: ModelPlanOptions) -> bool | None:
+    """vLLM 0.34's extensible KV cache as the flags leave it (vllm/config/vllm.py
+    `_resolve_extensible_kv_cache`): False where --kv-cache-memory-bytes,
+    --num-gpu-blocks-override or --no-enable-extensible-kv-cache turn it off, None for
+    the release's default (on on CUDA and ROCm: every catalog GPU). Asking for it with
+    a fixed size is vLLM's ValueError, and outside 0.34 kvplan's refusal."""
     fixed = (
         "--kv-cache-memory-bytes"
         if options.kv_cache_memory_bytes is not None
@@ -376,21 +376,28 @@ def extensible_cache_on(options: ModelPlanOptions) -> bool:
         if options.num_gpu_blocks_override is not None
         else None
     )
-    if options.engine_version != EXTENSIBLE_RELEASE:
-        if options.extensible_kv_cache:
-            raise ModelConfigError(
-                "--enable-extensible-kv-cache: only vLLM 0.34 has the extensible KV cache "
-                "(--engine-version vllm-0.34)"
-            )
-        return False
+    if options.extensible_kv_cache and options.engine_version != EXTENSIBLE_RELEASE:
+        raise ModelConfigError(
+            "--enable-extensible-kv-cache: only vLLM 0.34 has the extensible KV cache "
+            "(--engine-version vllm-0.34)"
+        )
     if options.extensible_kv_cache and fixed is not None:
         raise ModelConfigError(
             f"--enable-extensible-kv-cache: it sizes the KV cache from measured memory, "
             f"which {fixed} overrides (vLLM 0.34 refuses both)"
         )
-    if options.extensible_kv_cache is None:
-        return fixed is None
-    return options.extensible_kv_cache
+    if fixed is not None or options.extensible_kv_cache is False:
+        return False
+    return None if options.extensible_kv_cache is None else True
+
+
+def extensible_cache_on(options: ModelPlanOptions) -> bool:
+    """Whether the plan follows vLLM 0.34's extensible cache: the 0.34 rules
+    (--engine-version vllm-0.34), and the flags leave it on. (A profile release of 0.34
+    under kvplan's own rules, as `calibrate` plans a 0.34 log, only drops the graph
+    estimate: `graph_estimate_runs`.)"""
+    setting = extensible_setting(options)
+    return options.engine_version == EXTENSIBLE_RELEASE and setting is not False
 
 
 def cache_sizing(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,12 @@ from kvplan.models.extensible import (
     STARTUP_RESERVED_SEVERAL_GPUS_BYTES,
     measured_kv_cache_bytes,
 )
-from kvplan.models.request import ModelPlanOptions, build_plan_request, extensible_cache_on
+from kvplan.models.request import (
+    ModelPlanOptions,
+    build_plan_request,
+    extensible_cache_on,
+    extensible_setting,
+)
 from tests.vllm_envs import run_in_vllm
 
 ROOT = Path(__file__).parents[2]
@@ -254,6 +260,20 @@ def test_when_the_cache_is_extensible(options: ModelPlanOptions, on: bool) -> No
     assert extensible_cache_on(options) is on
 
 
+def test_a_0_34_profile_under_kvplans_rules_keeps_its_graphs_unestimated() -> None:
+    # `calibrate` of a 0.34 log plans with kvplan's own rules and 0.34's profile: no
+    # extensible plan (those rules have none), and, as before, no graph estimate, which
+    # 0.34 skips unless the flags turn its cache off.
+    config = load_config(str(MODELS / "llama-3.1-8b"))
+    options = ModelPlanOptions(engine_release="0.34.0", gpu="H100-80GB")
+    assert extensible_setting(options) is None and not extensible_cache_on(options)
+    _, inputs = build_plan_request(config, options)
+    assert inputs.overhead is not None and inputs.overhead.cudagraph_bytes == 0
+    assert inputs.final_sizings == ()
+    _, off = build_plan_request(config, replace(options, kv_cache_memory_bytes=GIB))
+    assert off.overhead is not None and off.overhead.cudagraph_bytes > 0
+
+
 def test_asking_for_it_where_vllm_refuses() -> None:
     for options in (
         ModelPlanOptions(
@@ -280,3 +300,32 @@ def test_pipeline_stages_are_sized_each() -> None:
         last.kv_cache_bytes,
     ]
     assert inputs.final_kv_cache_bytes == min(first.kv_cache_bytes, last.kv_cache_bytes)
+
+
+VLLM_FLAG_SIDE = """
+import json, sys
+from vllm.platforms import current_platform
+current_platform.device_type = "cpu"  # the CPU build names no device; argparse needs one
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+AsyncEngineArgs.add_cli_args(parser)
+print(json.dumps([parser.parse_args(["--model", "m", *argv]).enable_extensible_kv_cache
+                  for argv in json.load(sys.stdin)]))
+"""
+FLAG_CASES = [[], ["--enable-extensible-kv-cache"], ["--no-enable-extensible-kv-cache"]]
+
+
+def test_the_flag_parses_as_vllm_0_34_parses_it(tmp_path: Path) -> None:
+    from kvplan.cli import build_parser
+    from kvplan.models.cli import options_from_args
+
+    theirs = run_in_vllm("0.34", ["-c", VLLM_FLAG_SIDE], FLAG_CASES, cache_root=tmp_path)
+    parser = build_parser()
+    ours = [
+        options_from_args(
+            parser.parse_args(["plan", "--model", str(MODELS / "llama-3.1-8b"), *argv])
+        ).extensible_kv_cache
+        for argv in FLAG_CASES
+    ]
+    assert ours == theirs == [None, True, False]
