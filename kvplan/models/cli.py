@@ -738,7 +738,7 @@ def capacity_rows(
                             error="; ".join(line.strip() for line in why.where),
                             fits_from_tp=why.smallest_tp,
                             fits_on=why.gpus,
-                            fits_max_model_len=error.details.get("estimated_max_model_len") or None,
+                            fits_max_model_len=why.max_model_len,
                         )
                 except ModelConfigError as error:
                     row.update(status="error", error=str(error))

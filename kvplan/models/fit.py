@@ -120,6 +120,9 @@ class NoFit:
     where: list[str]  # where the memory went, one line each
     smallest_tp: int | None  # on the same GPU, with every other setting unchanged
     gpus: list[str]  # catalog GPUs that hold it at the same TP
+    # The longest max_model_len that fits here (None: none, or not known); for vLLM
+    # 0.34's extensible cache, after warm-up.
+    max_model_len: int | None = None
 
     def lines(self) -> list[str]:
         out = list(self.where)
@@ -192,4 +195,5 @@ def explain_no_fit(
             planner,
         )
     ]
-    return NoFit(where, smallest, holders)
+    fitting = longest if isinstance(longest, int) and longest > 0 else None
+    return NoFit(where, smallest, holders, fitting)

@@ -329,3 +329,21 @@ def test_the_flag_parses_as_vllm_0_34_parses_it(tmp_path: Path) -> None:
         for argv in FLAG_CASES
     ]
     assert ours == theirs == [None, True, False]
+
+
+def test_a_no_fit_names_the_length_that_fits_after_warm_up() -> None:
+    # Llama-3.1-8B at 131,072 tokens on one L4: vLLM 0.34 refuses on the reservation
+    # first; the length offered is the one that also fits the final size after warm-up.
+    from kvplan.cli import main as cli
+
+    args = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "L4", "--tp", "1"]
+    (row,) = json.loads(_run([*args, "--engine-version", "vllm-0.34", "--json"]))
+    assert row["status"] == "does not fit"
+    fits = row["fits_max_model_len"]
+    assert "after it (vLLM 0.34)" in row["error"]
+    plan = ["plan", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "L4", "--json"]
+    plan += ["--engine-version", "vllm-0.34", "--max-model-len"]
+    fitted = json.loads(_run([*plan, str(fits)]))
+    assert fitted["plan_stage"] == "PLAN_STAGE_EXTENSIBLE_FINAL"
+    assert fitted["capacity"]["reserved_kv_cache_tokens"] > fitted["capacity"]["kv_cache_tokens"]
+    assert cli([*plan, str(fits + 1)]) != 0  # refused after warm-up
