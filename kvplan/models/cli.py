@@ -531,7 +531,8 @@ def final_sizing_lines(inputs: ModelPlanInputs) -> list[str]:
         f"    final KV cache after warm-up (vLLM 0.34): min({budget}, {device}) - "
         f"{_gib(sizing.transient_bytes)} transient peak = {_gib(sizing.kv_cache_bytes)}, "
         f"bound by {bound}; in use: weights + non-torch + {_gib(sizing.graph_bytes)} CUDA "
-        "graphs (captured, estimated); margin = max(1 GiB, 0.75 x transient)"
+        f"graphs (captured, estimated); margin = max({sizing.margin_floor_bytes / GIB:g} GiB, "
+        "0.75 x transient)"
     ]
 
 

@@ -117,6 +117,7 @@ class FinalSizing:
     graph_bytes: int  # the captured CUDA graphs in non_kv_used (estimated)
     transient_bytes: int  # the transient peak kept free (the activation-peak estimate)
     margin_bytes: int  # max(floor, 0.75 x transient): vLLM's, exact
+    margin_floor_bytes: int  # 1 GiB on CUDA, 3 GiB on ROCm
     kv_cache_bytes: int  # the rule's result: what the cache may take
     # What a budget of all the start-up free memory would give (vLLM's comparison for
     # its warning on 0.7 < utilization < 1.0).
@@ -179,6 +180,7 @@ def final_sizing(
         graph_bytes=graph_bytes,
         transient_bytes=transient_bytes,
         margin_bytes=kv_cache_margin_bytes(transient_bytes, platform),
+        margin_floor_bytes=KV_CACHE_MARGIN_FLOOR_BYTES[platform],
         kv_cache_bytes=rule(requested),
         unbounded_kv_cache_bytes=rule(init_free),
     )
