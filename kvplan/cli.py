@@ -96,6 +96,12 @@ def _stage_note(response: plan_pb2.PlanResponse) -> str:
     return ""
 
 
+_EXTENSIBLE_STAGES = (
+    plan_pb2.PLAN_STAGE_EXTENSIBLE_RESERVATION,
+    plan_pb2.PLAN_STAGE_EXTENSIBLE_FINAL,
+)
+
+
 def format_report(response: plan_pb2.PlanResponse) -> str:
     """A readable report of a plan."""
     diagnostics = response.diagnostics
@@ -125,6 +131,8 @@ def format_report(response: plan_pb2.PlanResponse) -> str:
         mode = _enum(budget, "mode", "BUDGET_MODE_").lower()
         device = worker.device_uuid or "-"
         available = _gib(budget.available_bytes)
+        if response.plan_stage in _EXTENSIBLE_STAGES:
+            mode += ", reservation before warm-up"
         lines.append(
             f"rank {worker.rank} ({device}): budget {mode}, available {available}"
             + (
@@ -285,6 +293,11 @@ def _plan_model_command(args: argparse.Namespace) -> int:
     if args.json:
         out = json_format.MessageToDict(response, preserving_proto_field_name=True)
         out["capacity"] = summary.as_dict()
+        if inputs.final_sizings:
+            # vLLM 0.34's extensible cache: num_blocks / capacity are the final size after
+            # warm-up, estimated term by term here (one entry per pipeline stage);
+            # reserved_num_blocks and capacity.reserved_* the reservation before it.
+            out["extensible_final_sizing"] = [sizing.as_dict() for sizing in inputs.final_sizings]
         out["memory_source"] = source.as_dict()
         print(json.dumps(out, indent=1))
     else:

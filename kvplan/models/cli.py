@@ -183,6 +183,7 @@ MODEL_ONLY_OPTIONS = {
     "limit_mm_per_prompt": "--limit-mm-per-prompt",
     "language_model_only": "--language-model-only",
     "disable_custom_all_reduce": "--disable-custom-all-reduce",
+    "enable_extensible_kv_cache": "--enable-extensible-kv-cache / --no-enable-extensible-kv-cache",
 }
 
 
@@ -238,7 +239,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         "--gpu-memory-utilization",
         type=parse_fraction,
         help="0.9 or 90%%; default: the release's (0.92; vllm-0.34's extensible cache "
-        "reserves at 1.0)",
+        "reserves at 1.0 and keeps what is free after warm-up)",
     )
     parser.add_argument(
         "--kv-cache-dtype", help="auto (the model's dtype), fp8, fp8_e4m3, fp8_e5m2, bfloat16"
@@ -288,6 +289,15 @@ def add_model_options(parser: argparse.ArgumentParser, *, sweep: bool) -> None:
         default=None,
         help="vLLM's flag: the TP ranks all-reduce through NCCL only, and the non-KV "
         "estimate reserves the TP 1 non-torch figure (0.25 GiB) instead of 2.07 GiB",
+    )
+    parser.add_argument(
+        "--enable-extensible-kv-cache",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM 0.34's flag (default: on, unless --kv-cache-memory-bytes or "
+        "--num-gpu-blocks-override): the cache is reserved at utilization 1.0 and sized "
+        "again after warm-up and CUDA-graph capture, which the tokens report; --no-... "
+        "sizes it once, as 0.33 does (utilization 0.92, graphs estimated beforehand)",
     )
     parser.add_argument(
         "--dtype",
@@ -423,6 +433,7 @@ def options_from_args(args: argparse.Namespace) -> ModelPlanOptions:
             language_model_only=bool(args.language_model_only),
         ),
         disable_custom_all_reduce=bool(args.disable_custom_all_reduce),
+        extensible_kv_cache=args.enable_extensible_kv_cache,
     )
 
 
@@ -466,11 +477,20 @@ def format_capacity(summary: CapacitySummary, inputs: ModelPlanInputs, gpu: GpuM
             f"    one {summary.max_model_len:,}-token request holds "
             f"{summary.needed_per_request_bytes:,} B of blocks ({average:,.0f} B per token)"
         )
+    what = "KV budget per worker"
+    if summary.reserved_num_blocks is not None:
+        what = "KV cache per worker after warm-up (vLLM 0.34's final size, estimated)"
     lines.append(
-        f"    {_gib(summary.available_kv_bytes)} KV budget per worker: {summary.num_blocks:,} "
+        f"    {_gib(summary.available_kv_bytes)} {what}: {summary.num_blocks:,} "
         f"blocks, {summary.kv_cache_tokens:,} tokens, max concurrency "
         f"{summary.max_concurrency:.2f}x at {summary.max_model_len:,} tokens"
     )
+    if summary.reserved_num_blocks is not None and summary.reserved_kv_bytes is not None:
+        lines.append(
+            f'    reserved before warm-up (the cap; vLLM\'s "Available KV cache memory"): '
+            f"{_gib(summary.reserved_kv_bytes)}, {summary.reserved_num_blocks:,} blocks, "
+            f"{summary.reserved_kv_cache_tokens or 0:,} tokens"
+        )
     if len(summary.groups) > 1:
         smallest = min(group.block_size for group in summary.groups)
         # The release bounds come from the one per-release table calibrate marks by.
@@ -493,10 +513,36 @@ def format_capacity(summary: CapacitySummary, inputs: ModelPlanInputs, gpu: GpuM
     return "\n".join(lines)
 
 
+def final_sizing_lines(inputs: ModelPlanInputs) -> list[str]:
+    """vLLM 0.34's final size of an extensible cache, term by term (the limiting
+    stage's)."""
+    if not inputs.final_sizings:
+        return []
+    sizing = min(inputs.final_sizings, key=lambda each: each.kv_cache_bytes)
+    used = _gib(sizing.non_kv_used_bytes)
+    budget = f"{_gib(sizing.requested_bytes)} requested ({sizing.utilization:g} x total) - {used}"
+    device = (
+        f"{_gib(sizing.init_free_bytes)} free at start (total - "
+        f"{_gib(sizing.startup_reserved_bytes)} CUDA context, assumed) - {used} - "
+        f"{_gib(sizing.margin_bytes)} margin"
+    )
+    bound = "the utilization" if sizing.bound_by_utilization else "the device"
+    return [
+        f"    final KV cache after warm-up (vLLM 0.34): min({budget}, {device}) - "
+        f"{_gib(sizing.transient_bytes)} transient peak = {_gib(sizing.kv_cache_bytes)}, "
+        f"bound by {bound}; in use: weights + non-torch + {_gib(sizing.graph_bytes)} CUDA "
+        f"graphs (captured, estimated); margin = max({sizing.margin_floor_bytes / GIB:g} GiB, "
+        "0.75 x transient)"
+    ]
+
+
 def non_kv_lines(inputs: ModelPlanInputs) -> list[str]:
     """The non-KV memory per worker: given, or the estimate with its formula."""
     if inputs.non_kv_given:
-        return [f"    non-KV memory (given): {_gib(inputs.non_kv_bytes)}"]
+        return [
+            f"    non-KV memory (given): {_gib(inputs.non_kv_bytes)}",
+            *final_sizing_lines(inputs),
+        ]
     assert inputs.weights is not None and inputs.overhead is not None
     weights, overhead = inputs.weights, inputs.overhead
     quantization = weights.quantization if weights.quantization != "none" else "unquantized"
@@ -511,6 +557,7 @@ def non_kv_lines(inputs: ModelPlanInputs) -> list[str]:
         f"    activations + runtime: {_gib(overhead.total_bytes)} ({overhead.formula}); "
         "override with --non-kv-bytes",
     ]
+    lines += final_sizing_lines(inputs)
     encoder = overhead.encoder
     if encoder is not None:  # what vLLM logs as "Encoder cache will be initialized ..."
         lines.append(
@@ -547,7 +594,8 @@ def plan_built(
     check_device_holds(response, inputs)
     pages = state_pages_per_request(inputs.layers)
     drafts = frozenset(layer.name for layer in inputs.layers.layers if layer.is_draft)
-    return response, summarize(response, fitted, pages, drafts), inputs
+    summary = summarize(response, fitted, pages, drafts, inputs.final_kv_cache_bytes)
+    return response, summary, inputs
 
 
 _FIXED_SIZE_MODES = {
@@ -669,6 +717,14 @@ def capacity_rows(
                         max_model_len=summary.max_model_len,
                         auto_fit_max_model_len=summary.auto_fit_max_model_len,
                     )
+                    if summary.reserved_num_blocks is not None:
+                        # vLLM 0.34's extensible cache: the columns above are its final
+                        # size after warm-up; the reservation before it is the cap.
+                        row.update(
+                            kv_sizing="final after warm-up (estimated)",
+                            reserved_kv_budget_bytes=summary.reserved_kv_bytes,
+                            reserved_kv_cache_tokens=summary.reserved_kv_cache_tokens,
+                        )
                 except PlanningError as error:
                     if error.code != "RESOURCE_EXHAUSTED":
                         row.update(status="error", error=error.message)
@@ -683,7 +739,7 @@ def capacity_rows(
                             error="; ".join(line.strip() for line in why.where),
                             fits_from_tp=why.smallest_tp,
                             fits_on=why.gpus,
-                            fits_max_model_len=error.details.get("estimated_max_model_len") or None,
+                            fits_max_model_len=why.max_model_len,
                         )
                 except ModelConfigError as error:
                     row.update(status="error", error=str(error))
@@ -955,11 +1011,20 @@ def capacity_command(args: argparse.Namespace) -> int:
         print(format_csv(rows), end="")
     else:
         print(format_table(rows))
+        if any("reserved_kv_cache_tokens" in row for row in rows):
+            print(EXTENSIBLE_TABLE_NOTE)
         print(planned_by_line(rows, args.target))
     if args.chart:
         write_chart(rows, args.chart, model_title(args.model), chart_subtitle(args, lengths))
         print(f"chart written to {args.chart}", file=sys.stderr)
     return 0
+
+
+EXTENSIBLE_TABLE_NOTE = (
+    "KV budget and tokens: vLLM 0.34's extensible KV cache after warm-up and CUDA-graph "
+    "capture (estimated, below the reservation made before warm-up: "
+    "reserved_kv_cache_tokens in --json / --csv)"
+)
 
 
 def planned_by_line(rows: Sequence[dict[str, Any]], target: str | None) -> str:

@@ -14,7 +14,13 @@ from dataclasses import dataclass, replace
 
 from kvplan.gpus import CATALOG, GpuModel, UnknownGpu, lookup_gpu
 from kvplan.models.config import HFConfig, ModelConfigError
-from kvplan.models.request import ModelPlanInputs, ModelPlanOptions, build_plan_request
+from kvplan.models.request import (
+    ModelPlanInputs,
+    ModelPlanOptions,
+    auto_fit_request,
+    build_plan_request,
+    extensible_cache_on,
+)
 from kvplan.v1 import plan_pb2
 
 GIB = 1 << 30
@@ -31,7 +37,7 @@ def default_utilization(options: ModelPlanOptions) -> float:
     cache reserves the whole device)."""
     if options.gpu_memory_utilization is not None:
         return options.gpu_memory_utilization
-    return 1.0 if options.engine_version == "vllm-0.34" else 0.92
+    return 1.0 if extensible_cache_on(options) else 0.92
 
 
 def catalog_name(gpu: GpuModel) -> str | None:
@@ -85,9 +91,28 @@ def _utilization_budget(
             f"  the non-KV memory alone exceeds it by {_gib(inputs.non_kv_bytes - usable)}:"
             " nothing is left for the KV cache"
         )
+    elif inputs.final_kv_cache_bytes is not None:
+        # vLLM 0.34's extensible cache: the reservation is only the cap.
+        sizing = min(inputs.final_sizings, key=lambda each: each.kv_cache_bytes)
+        where.append(
+            f"  {_gib(usable - inputs.non_kv_bytes)} reserved for the KV cache before warm-up; "
+            f"after it (vLLM 0.34) {_gib(sizing.kv_cache_bytes)} once the CUDA graphs "
+            f"({_gib(sizing.graph_bytes)}), the margin ({_gib(sizing.margin_bytes)}) and the "
+            f"CUDA context ({_gib(sizing.startup_reserved_bytes)}, assumed) are taken, {short}"
+        )
     else:
         where.append(f"  {_gib(usable - inputs.non_kv_bytes)} left for the KV cache, {short}")
     return where
+
+
+def _final_auto_fit(config: HFConfig, options: ModelPlanOptions, planner: Planner) -> int | None:
+    """The longest max_model_len a final extensible plan holds (None: none)."""
+    from kvplan.core.errors import PlanningError
+
+    try:
+        return planner(auto_fit_request(build_plan_request(config, options)[0])).max_model_len
+    except (PlanningError, ModelConfigError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -95,6 +120,9 @@ class NoFit:
     where: list[str]  # where the memory went, one line each
     smallest_tp: int | None  # on the same GPU, with every other setting unchanged
     gpus: list[str]  # catalog GPUs that hold it at the same TP
+    # The longest max_model_len that fits here (None: none, or not known); for vLLM
+    # 0.34's extensible cache, after warm-up.
+    max_model_len: int | None = None
 
     def lines(self) -> list[str]:
         out = list(self.where)
@@ -141,6 +169,10 @@ def explain_no_fit(
         )
     else:
         where += _utilization_budget(options, gpu, inputs, short)
+    if inputs is not None and inputs.final_sizings and isinstance(longest, int):
+        # vLLM 0.34 refuses on the reservation first; the length that also fits after
+        # warm-up is what auto-fit settles on then.
+        longest = _final_auto_fit(config, options, planner) or 0
     if isinstance(longest, int) and longest > 0:
         where.append(f"  fits here with --max-model-len {longest} or shorter (or auto)")
     tp = options.tensor_parallel_size
@@ -163,4 +195,5 @@ def explain_no_fit(
             planner,
         )
     ]
-    return NoFit(where, smallest, holders)
+    fitting = longest if isinstance(longest, int) and longest > 0 else None
+    return NoFit(where, smallest, holders, fitting)

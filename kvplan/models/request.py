@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from kvplan.gpus import UnknownGpu, lookup_gpu
 from kvplan.models.block_sizes import block_size_problem, platform_of
 from kvplan.models.config import HFConfig, ModelConfigError
 from kvplan.models.encoder import MultimodalOptions, tower_built, vision_tower
+from kvplan.models.extensible import (
+    FinalSizing,
+    final_sizing,
+    final_sizing_note,
+    utilization_warning_note,
+)
 from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
 from kvplan.models.weights import (
     OverheadEstimate,
@@ -92,6 +99,10 @@ class ModelPlanOptions:
     # model, weights.py `default_runner_is_v2`): whether a CUDA-graph estimate runs
     # before the cache is sized (`calibrate` takes it from the log's module names).
     use_v2_model_runner: bool | None = None
+    # vLLM 0.34's --[no-]enable-extensible-kv-cache (None: the release's default, on
+    # unless --kv-cache-memory-bytes or --num-gpu-blocks-override): whether the cache is
+    # sized again after warm-up (`cache_sizing`).
+    extensible_kv_cache: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,17 @@ class ModelPlanInputs:
     # One estimate per pipeline stage, first to last (`overhead` is the stage with the
     # most memory outside the KV cache); empty where the non-KV memory was given.
     stage_overheads: tuple[OverheadEstimate, ...] = ()
+    # vLLM 0.34's extensible cache: each pipeline stage's final size after warm-up
+    # (the plan's num_blocks; the request's budget is the reservation). Empty where
+    # the release sizes the cache once.
+    final_sizings: tuple[FinalSizing, ...] = ()
+
+    @property
+    def final_kv_cache_bytes(self) -> int | None:
+        """The smallest worker's final KV cache bytes (None: sized once)."""
+        if not self.final_sizings:
+            return None
+        return min(sizing.kv_cache_bytes for sizing in self.final_sizings)
 
 
 def parse_speculative(text: str, draft_config: HFConfig | None = None) -> Speculative:
@@ -189,6 +211,7 @@ def build_plan_request(
         )
         if problem:
             raise ModelConfigError(problem)
+    extensible = extensible_cache_on(options)
     weights: WeightEstimate | None = None
     overhead: OverheadEstimate | None = None
     stage_overheads: tuple[OverheadEstimate, ...] = ()
@@ -223,11 +246,7 @@ def build_plan_request(
                 gpu_sms=gpu_sms,
                 quantization=options.quantization,
                 use_v2_model_runner=options.use_v2_model_runner,
-                # vLLM 0.34 settles its extensible cache off for either setting.
-                extensible_kv_cache=False
-                if options.num_gpu_blocks_override is not None
-                or options.kv_cache_memory_bytes is not None
-                else None,
+                extensible_kv_cache=extensible_setting(options),
             )
             for stage in range(pp)
         )  # fmt: skip
@@ -269,6 +288,8 @@ def build_plan_request(
         f"KV_CACHE_DTYPE_{options.kv_cache_dtype.upper()}"
     )
     opts.max_num_batched_tokens = batched
+    if options.engine_version == EXTENSIBLE_RELEASE and not extensible:
+        opts.extensible_kv_cache = False  # as vLLM settles it: the classic cache
     if options.num_gpu_blocks_override is not None:
         opts.num_gpu_blocks_override = options.num_gpu_blocks_override
     opts.parallel.tensor_parallel_size = tp
@@ -294,6 +315,11 @@ def build_plan_request(
         layers.layer_protos(layers.stage_layers(stage, pp, options.pp_layer_partition))
         for stage in range(pp)
     ]
+    final = (
+        cache_sizing(options, device_bytes, gpu_arch, weights, stage_overheads, total_non_kv)
+        if extensible
+        else ()
+    )
     for rank in range(tp * pp):
         worker = request.workers.add(rank=rank)
         worker.layers.extend(stages[rank // tp])  # ranks: TP innermost, then PP stage
@@ -313,6 +339,8 @@ def build_plan_request(
             worker.memory.non_kv.activation_peak_bytes = (
                 mine.activation_peak_bytes + mine.cudagraph_bytes
             )
+        if final:  # the planner's final plan: the blocks these bytes map
+            worker.memory.measured_kv_cache_bytes = final[rank // tp].kv_cache_bytes
     inputs = ModelPlanInputs(
         layers=layers,
         weights=weights,
@@ -320,7 +348,9 @@ def build_plan_request(
         stage_overheads=stage_overheads,
         non_kv_bytes=total_non_kv,
         non_kv_given=options.non_kv_bytes is not None,
+        final_sizings=final,
         notes=layers.notes
+        + _final_sizing_notes(final, options.non_kv_bytes is not None)
         + _graph_estimate_notes(
             tp > 1 and not custom_all_reduce_on(tp, pcie_only, options.disable_custom_all_reduce),
             overhead,
@@ -328,6 +358,98 @@ def build_plan_request(
         + _multimodal_notes(config, options, overhead is not None),
     )
     return request, inputs
+
+
+EXTENSIBLE_RELEASE = "vllm-0.34"  # the release whose cache is extensible by default
+
+
+def extensible_setting(options: ModelPlanOptions) -> bool | None:
+    """vLLM 0.34's extensible KV cache as the flags leave it (vllm/config/vllm.py
+    `_resolve_extensible_kv_cache`): False where --kv-cache-memory-bytes,
+    --num-gpu-blocks-override or --no-enable-extensible-kv-cache turn it off, None for
+    the release's default (on on CUDA and ROCm: every catalog GPU). Asking for it with
+    a fixed size is vLLM's ValueError, and outside 0.34 kvplan's refusal."""
+    fixed = (
+        "--kv-cache-memory-bytes"
+        if options.kv_cache_memory_bytes is not None
+        else "--num-gpu-blocks-override"
+        if options.num_gpu_blocks_override is not None
+        else None
+    )
+    if options.extensible_kv_cache and options.engine_version != EXTENSIBLE_RELEASE:
+        raise ModelConfigError(
+            "--enable-extensible-kv-cache: only vLLM 0.34 has the extensible KV cache "
+            "(--engine-version vllm-0.34)"
+        )
+    if options.extensible_kv_cache and fixed is not None:
+        raise ModelConfigError(
+            f"--enable-extensible-kv-cache: it sizes the KV cache from measured memory, "
+            f"which {fixed} overrides (vLLM 0.34 refuses both)"
+        )
+    if fixed is not None or options.extensible_kv_cache is False:
+        return False
+    return None if options.extensible_kv_cache is None else True
+
+
+def extensible_cache_on(options: ModelPlanOptions) -> bool:
+    """Whether the plan follows vLLM 0.34's extensible cache: the 0.34 rules
+    (--engine-version vllm-0.34), and the flags leave it on. (A profile release of 0.34
+    under kvplan's own rules, as `calibrate` plans a 0.34 log, only drops the graph
+    estimate: `graph_estimate_runs`.)"""
+    setting = extensible_setting(options)
+    return options.engine_version == EXTENSIBLE_RELEASE and setting is not False
+
+
+def cache_sizing(
+    options: ModelPlanOptions,
+    device_bytes: int | None,
+    gpu_arch: str,
+    weights: WeightEstimate | None,
+    stage_overheads: tuple[OverheadEstimate, ...],
+    given_non_kv: int,
+) -> tuple[FinalSizing, ...]:
+    """vLLM 0.34's extensible cache: each pipeline stage's final size after warm-up
+    (kvplan/models/extensible.py), from the device total, the utilization (1.0 unset)
+    and the non-KV estimate of the stage: its weights, non-torch memory and captured
+    CUDA graphs in use, its activation peak kept free. A given --non-kv-bytes is taken
+    as everything in use outside the cache, with no transient beyond it. Empty without
+    a device size (the planner refuses utilization planning then)."""
+    if device_bytes is None:
+        return ()
+    utilization = options.gpu_memory_utilization or 1.0
+    sizing = partial(
+        final_sizing,
+        total_bytes=device_bytes,
+        utilization=utilization,
+        tensor_parallel_size=options.tensor_parallel_size,
+        pipeline_parallel_size=options.pipeline_parallel_size,
+        platform=platform_of(gpu_arch),
+    )
+    if weights is None:
+        given = sizing(non_kv_used_bytes=given_non_kv, graph_bytes=0, transient_bytes=0)
+        return (given,) * options.pipeline_parallel_size
+    return tuple(
+        sizing(
+            non_kv_used_bytes=weights.stage_bytes(stage)
+            + overhead.non_torch_bytes
+            + overhead.cudagraph_captured_bytes,
+            graph_bytes=overhead.cudagraph_captured_bytes,
+            transient_bytes=overhead.activation_peak_bytes,
+        )
+        for stage, overhead in enumerate(stage_overheads)
+    )
+
+
+def _final_sizing_notes(final: tuple[FinalSizing, ...], given: bool) -> tuple[str, ...]:
+    """What the final size assumes, and vLLM 0.34's warning on a utilization just
+    under 1.0 where it applies."""
+    if not final:
+        return ()
+    limiting = min(final, key=lambda sizing: sizing.kv_cache_bytes)
+    notes = [final_sizing_note(limiting, given)]
+    if limiting.utilization_warning():
+        notes.append(utilization_warning_note(limiting))
+    return tuple(notes)
 
 
 def _graph_estimate_notes(
@@ -403,8 +525,16 @@ class CapacitySummary:
     kv_cache_tokens: int
     max_concurrency: float
     max_model_len: int
+    # The KV cache bytes the tokens come from: the budget, or for vLLM 0.34's extensible
+    # cache the final size estimated after warm-up (`ModelPlanInputs.final_sizings`).
     available_kv_bytes: int
     auto_fit_max_model_len: int | None = None
+    # vLLM 0.34's extensible cache: the reservation made before warm-up (its budget,
+    # "Available KV cache memory"; its blocks, the cap; its tokens at max_model_len),
+    # which the final figures above stay under. None where the cache is sized once.
+    reserved_kv_bytes: int | None = None
+    reserved_num_blocks: int | None = None
+    reserved_kv_cache_tokens: int | None = None
 
     @property
     def per_group_tokens(self) -> int:
@@ -437,7 +567,10 @@ def summarize(
     auto_fit: plan_pb2.PlanResponse | None = None,
     state_pages_per_request: int = 1,
     draft_layer_names: frozenset[str] = frozenset(),
+    final_kv_bytes: int | None = None,
 ) -> CapacitySummary:
+    """The capacity a plan gives. `final_kv_bytes`: the final size of vLLM 0.34's
+    extensible cache (`ModelPlanInputs.final_kv_cache_bytes`), for a final plan."""
     groups: list[GroupCapacity] = []
     per_token = per_request = 0
     for group in response.groups:
@@ -470,6 +603,21 @@ def summarize(
             )
         )
     worker = response.workers[0]
+    # A final extensible plan: the reservation it stays under.
+    final = response.plan_stage == plan_pb2.PLAN_STAGE_EXTENSIBLE_FINAL
+    reserved_bytes: int | None = None
+    reserved_blocks: int | None = None
+    reserved_tokens: int | None = None
+    if final and final_kv_bytes is not None:
+        reserved_bytes = worker.budget.available_bytes
+        reserved_blocks = response.reserved_num_blocks
+        blocks_per_request = worker.blocks_per_request
+        # vLLM's int(max concurrency x max_model_len), at the reservation's blocks.
+        reserved_tokens = (
+            int(reserved_blocks / blocks_per_request * response.max_model_len)
+            if blocks_per_request
+            else 0
+        )
     return CapacitySummary(
         groups=tuple(groups),
         kv_bytes_per_token=per_token,
@@ -479,8 +627,15 @@ def summarize(
         kv_cache_tokens=worker.kv_cache_size_tokens,
         max_concurrency=worker.max_concurrency,
         max_model_len=response.max_model_len,
-        available_kv_bytes=worker.budget.available_bytes,
+        available_kv_bytes=(
+            final_kv_bytes
+            if final and final_kv_bytes is not None
+            else worker.budget.available_bytes
+        ),
         auto_fit_max_model_len=auto_fit.max_model_len if auto_fit is not None else None,
+        reserved_kv_bytes=reserved_bytes,
+        reserved_num_blocks=reserved_blocks,
+        reserved_kv_cache_tokens=reserved_tokens,
     )
 
 

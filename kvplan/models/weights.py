@@ -810,6 +810,10 @@ class OverheadEstimate:
     # The part of `cudagraph_bytes` for NCCL all-reduces captured in the graphs (a TP
     # group without custom all-reduce; `nccl_all_reduces_per_graph`).
     cudagraph_nccl_bytes: int = 0
+    # The graphs the engine goes on to capture, by the same per-graph costs, whether or
+    # not the release subtracts an estimate first: what vLLM 0.34's extensible cache
+    # finds used after capture (kvplan/models/extensible.py).
+    cudagraph_captured_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -1927,6 +1931,7 @@ def estimate_overhead(
     nccl_bytes = graphs - cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens, 0,
                                              *sizes)  # fmt: skip
     graphs, logged = max(graphs, transient), max(logged, transient)
+    captured = graphs
     if not graph_estimate_runs(release, use_v2_model_runner, extensible_kv_cache):
         # Model Runner V2 before 0.29, and 0.34's extensible cache: nothing is measured
         # before the cache is sized, so nothing is subtracted or logged.
@@ -1950,4 +1955,5 @@ def estimate_overhead(
     # Qwen3-VL's deepstack buffers are built with the model: in the weights figure
     # (`estimate_weights`), not the profile's peak.
     return OverheadEstimate(peak, non_torch, graphs, logged, release=rules.name, encoder=encoder,
-                            cudagraph_nccl_bytes=nccl_bytes)  # fmt: skip
+                            cudagraph_nccl_bytes=nccl_bytes,
+                            cudagraph_captured_bytes=captured)  # fmt: skip

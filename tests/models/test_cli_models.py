@@ -275,8 +275,11 @@ def test_serve_defaults_follow_the_device() -> None:
         # 0.32 / 0.33: 0.92 x total - 20 GiB over 2 MiB blocks (16 tokens);
         ("vllm-0.32", 16, (-(-85_029_615_042 * 92 // 100) - 20 * 2**30) // (16 * 131_072)),
         ("vllm-0.33", 16, (-(-85_029_615_042 * 92 // 100) - 20 * 2**30) // (16 * 131_072)),
-        # 0.34: the extensible cache reserves at utilization 1.0, 64-token blocks of 8 MiB.
-        ("vllm-0.34", 64, (85_029_615_042 - 20 * 2**30) // (64 * 131_072)),
+        # 0.34: the extensible cache reserves at utilization 1.0, 64-token blocks of 8 MiB,
+        # then keeps what is free after warm-up: the total less the given non-KV memory,
+        # the 0.51 GiB taken before the worker starts and the 1 GiB margin floor, mapped
+        # per layer in 2 MiB granules (8 blocks of 256 KiB per layer each).
+        ("vllm-0.34", 64, (85_029_615_042 - round(0.51 * 2**30) - 21 * 2**30) // (64 << 20) * 8),
     ],
 )
 def test_model_plans_with_a_release(
@@ -291,6 +294,10 @@ def test_model_plans_with_a_release(
     assert plan["rule_set"] == engine_version
     assert plan["groups"][0]["block_size"] == block
     assert int(plan["num_blocks"]) == blocks
+    if engine_version == "vllm-0.34":  # the reservation before warm-up is the cap
+        reserved = (85_029_615_042 - 20 * 2**30) // (64 * 131_072)
+        assert int(plan["reserved_num_blocks"]) == reserved
+        assert plan["plan_stage"] == "PLAN_STAGE_EXTENSIBLE_FINAL"
     capacity = ["capacity", "--model", str(MODELS / "llama-3.1-8b"), "--gpu", "H100", "--tp"]
     assert main([*capacity, "1", "--json", "--engine-version", engine_version]) == 0
     assert json.loads(capsys.readouterr().out)
