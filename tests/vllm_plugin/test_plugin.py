@@ -96,7 +96,7 @@ class Server:
         self.process = subprocess.Popen(
             [str(Path(sys.executable).parent / "kvplan"), "serve", "--host", "127.0.0.1",
              "--port", str(self.port), "--metrics-port", "0", "--devices", "1xH100-80GB",
-             "--store", "memory", "--lease-ttl-s", str(lease_ttl_s), *flags],
+             "--store", "memory", "--lease-ttl-s", str(lease_ttl_s), "--grace-s", "1", *flags],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )  # fmt: skip
         # An operator's token (the first line of the token file) reads the devices.
@@ -120,8 +120,10 @@ class Server:
 
     def close(self) -> None:
         self.client.close()
+        # A call still open (a plugin's stream) holds the drain for the 1 s grace; the
+        # wait leaves room for that on a loaded 2-core runner.
         self.process.terminate()
-        self.process.wait(timeout=10)
+        self.process.wait(timeout=30)
 
 
 class EngineHost:
