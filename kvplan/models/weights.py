@@ -65,7 +65,11 @@ class ProfileRules:
     # measures nothing before 0.29 (`return 0`: `graph_estimate_runs`); from 0.29
     # (gpu/cudagraph_utils.py) it runs one throwaway `capture_model()`, every PIECEWISE
     # size measured whole, FULL sampled on the two largest and extrapolated the same
-    # way; 0.34 skips it under the extensible KV cache. Either way the graphs counted
+    # way (the pass's whole drop, less the two FULL samples, plus the first and
+    # (n_full - 1) x the second, at least 1 MiB); 0.34 skips it under the extensible KV
+    # cache. kvplan prices V2's estimate with the V1 costs below: V2's two logs need a
+    # second FULL sample no rule from the source gives (docs/capacity.md, "Model
+    # Runner V2's estimate, from its source"). Either way the graphs counted
     # are every PIECEWISE size and every FULL size up to max_num_seqs
     # (`cudagraph_capture_sizes`). A FULL (decode) graph's cost grows with its batch, a
     # PIECEWISE one's hardly: logs of a hybrid 27B model whose graphs stop at 16 tokens
