@@ -38,14 +38,14 @@ class GpuModel:
     # P2P between every pair (custom_all_reduce.py and platforms/cuda.py
     # `is_fully_connected`, the same in 0.32-0.34; 0.19 logs the same WARNING), which
     # on such a part is every TP > 2: kvplan then plans the TP 1 non-torch figure
-    # (weights.py `non_torch_bytes`). False where a part has NVLink (SXM boards, or
+    # (profiling.py `non_torch_bytes`). False where a part has NVLink (SXM boards, or
     # bridges as on the H100 NVL and RTX 3090) or is not NVIDIA's.
     pcie_only: bool = False
     # Streaming multiprocessors, torch's `multi_processor_count` (NVIDIA's published
     # figure for the part; 0 = not listed). vLLM 0.17-0.19's Triton top-k/top-p kernel
     # sizes its cached row buffer by it (topk_topp_triton.py
     # `apply_top_k_top_p_triton`, through `current_platform.num_compute_units`), so
-    # the sampler's activation term depends on the part (weights.py
+    # the sampler's activation term depends on the part (profiling.py
     # `triton_row_buffer_bytes`).
     sm_count: int = 0
 

@@ -17,7 +17,7 @@ What is estimated, and by what:
 * the memory free at the worker's start (`init_free_memory`): the device total less
   `startup_reserved_bytes` (the CUDA context and, on several GPUs, the communicators),
   read off public startup logs, not measured on the device that will run;
-* the captured CUDA graphs: kvplan's graph estimate (weights.py `cudagraph_estimate`,
+* the captured CUDA graphs: kvplan's graph estimate (profiling.py `cudagraph_estimate`,
   the per-graph costs of the release's capture list), which 0.34 never subtracts before
   sizing an extensible cache but then measures in the device's used memory;
 * the transient peak kept free: kvplan's activation-peak estimate (the profile run's

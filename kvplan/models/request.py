@@ -22,10 +22,10 @@ from kvplan.models.extensible import (
     utilization_warning_note,
 )
 from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
+from kvplan.models.profiling import custom_all_reduce_on
 from kvplan.models.weights import (
     OverheadEstimate,
     WeightEstimate,
-    custom_all_reduce_on,
     estimate_overhead,
     estimate_weights,
 )
@@ -79,7 +79,7 @@ class ModelPlanOptions:
     num_gpu_blocks_override: int | None = None
     max_num_seqs: int | None = None  # None: vllm serve's default for the device
     # The release whose start-up profile the non-KV estimate follows ("0.19.0", "v0"
-    # for the V0 engine); "" = engine_version's, else the newest (weights.PROFILES).
+    # for the V0 engine); "" = engine_version's, else the newest (profiling.PROFILES).
     engine_release: str = ""
     # Whether FlashInfer is installed, as vLLM's wheels (from 0.11) and images have it:
     # without it vLLM <= 0.11.0's sampler sorts (`calibrate` reads the log's fallback
@@ -93,10 +93,10 @@ class ModelPlanOptions:
     multimodal: MultimodalOptions = field(default_factory=MultimodalOptions)
     # vLLM's --disable-custom-all-reduce (`calibrate` also sets it where the log's own
     # WARNING says vLLM turned custom all-reduce off): the non-torch figure is then
-    # what one GPU leaves (weights.py `custom_all_reduce_on`).
+    # what one GPU leaves (profiling.py `custom_all_reduce_on`).
     disable_custom_all_reduce: bool = False
     # vLLM's model runner (True: Model Runner V2; None: the release's default for the
-    # model, weights.py `default_runner_is_v2`): whether a CUDA-graph estimate runs
+    # model, profiling.py `default_runner_is_v2`): whether a CUDA-graph estimate runs
     # before the cache is sized (`calibrate` takes it from the log's module names).
     use_v2_model_runner: bool | None = None
     # vLLM 0.34's --[no-]enable-extensible-kv-cache (None: the release's default, on

@@ -30,17 +30,16 @@ from kvplan.models.calibration_set import (
     table,
 )
 from kvplan.models.importer import Deployment, import_layers
-from kvplan.models.request import ModelPlanOptions, build_plan_request
-from kvplan.models.weights import (
+from kvplan.models.profiling import (
     PROFILES,
-    count_params,
     cudagraph_capture_sizes,
     cudagraph_estimate,
-    estimate_overhead,
     graph_counts_estimate,
     nccl_all_reduces_per_graph,
     profile_rules,
 )
+from kvplan.models.request import ModelPlanOptions, build_plan_request
+from kvplan.models.weights import count_params, estimate_overhead
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -204,7 +203,7 @@ def test_where_the_formulas_part_the_marked_one_is_the_logged_count(
 def test_release_rows_and_the_v0_profile_length() -> None:
     assert cudagraph_estimate(profile_rules("0.19.0"), 1024, 8192) == 0
     # 0.20.0 already subtracts its estimate (a stock v0.20.0 image's log prints the
-    # "CUDA graph memory profiling is enabled" line; weights.PROFILES says where).
+    # "CUDA graph memory profiling is enabled" line; profiling.PROFILES says where).
     assert profile_rules("0.20.0") is PROFILES["v1-0.21"] is profile_rules("0.21.0")
     newest = cudagraph_estimate(profile_rules(""), 1024, 8192)
     # The rows from 0.20 differ in the sampler only (and 0.26-0.28 in the GDN transient):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvplan.models.weights import cudagraph_capture_sizes
+from kvplan.models.profiling import cudagraph_capture_sizes
 from tests.vllm_envs import run_in_vllm
 
 # (max_num_seqs, max_num_batched_tokens): vllm serve's defaults by device class, the

@@ -21,8 +21,8 @@ from kvplan.models.encoder import (
     qwen2_vl_video_temporal_patches,
     tower_built,
 )
+from kvplan.models.profiling import CUBLAS_WORKSPACE_HOPPER
 from kvplan.models.request import ModelPlanOptions, build_plan_request
-from kvplan.models.weights import CUBLAS_WORKSPACE_HOPPER
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
 EXAMPLES = Path(__file__).parents[2] / "examples"

@@ -16,17 +16,16 @@ import pytest
 from kvplan.models.calibrate import parse_log
 from kvplan.models.config import HFConfig, load_config
 from kvplan.models.importer import Deployment, ModelLayers, import_layers
-from kvplan.models.weights import (
+from kvplan.models.profiling import (
     PROFILES,
     RunnerModel,
     cudagraph_capture_sizes,
     cudagraph_estimate,
     default_runner_is_v2,
-    estimate_overhead,
     gdn_graph_transient,
     graph_estimate_runs,
-    runner_model,
 )
+from kvplan.models.weights import estimate_overhead, runner_model
 from tests.vllm_envs import run_in_vllm
 
 ROOT = Path(__file__).resolve().parents[2]

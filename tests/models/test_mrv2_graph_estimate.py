@@ -17,8 +17,9 @@ import pytest
 
 from kvplan.models.config import load_config
 from kvplan.models.importer import Deployment, import_layers, text_config
+from kvplan.models.profiling import cudagraph_capture_sizes
 from kvplan.models.request import ModelPlanOptions, build_plan_request
-from kvplan.models.weights import _per_token_activation, cudagraph_capture_sizes
+from kvplan.models.weights import _per_token_activation
 from tests.vllm_envs import run_in_vllm
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The custom all-reduce rule kvplan's non-torch figure follows (weights.py
+"""The custom all-reduce rule kvplan's non-torch figure follows (profiling.py
 `custom_all_reduce_on`, `non_torch_bytes`), from vLLM's own argparse, worker switch and
 CustomAllreduce constructor in each release's CPU venv (tests/models/vllm_custom_ar_side.py):
 --disable-custom-all-reduce builds none; a TP size outside 2, 4, 6, 8, 16 and more than
@@ -13,7 +13,7 @@ import pytest
 from kvplan.cli import build_parser
 from kvplan.gpus import CATALOG
 from kvplan.models.cli import options_from_args
-from kvplan.models.weights import PROFILES, custom_all_reduce_on, non_torch_bytes
+from kvplan.models.profiling import PROFILES, custom_all_reduce_on, non_torch_bytes
 from tests.vllm_envs import run_in_vllm
 
 SIDE = Path(__file__).parent / "vllm_custom_ar_side.py"

@@ -1,5 +1,5 @@
 """Release-specific transients of the start-up profile that kvplan counts in the
-memory outside the KV cache (weights.PROFILES): the sampler's sort in the releases
+memory outside the KV cache (profiling.PROFILES): the sampler's sort in the releases
 that sort by default (vLLM 0.11.1-0.16), and the hybrid GDN models' transient that the
 V1 runner's CUDA-graph estimate counts (0.26-0.28, vllm#50780)."""
 
@@ -11,15 +11,14 @@ import pytest
 
 from kvplan.models.config import HFConfig, load_config
 from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
-from kvplan.models.weights import (
+from kvplan.models.profiling import (
     _SORT_SAMPLER,
-    GIB,
     cudagraph_estimate,
-    estimate_overhead,
     gdn_graph_transient,
     profile_rules,
     sampler_bytes_per_logit,
 )
+from kvplan.models.weights import GIB, estimate_overhead
 from tests.vllm_envs import run_in_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +87,7 @@ def test_the_gdn_graph_transient_is_counted_on_0_26_to_0_28_only() -> None:
         assert estimate.cudagraph_bytes == estimate.cudagraph_logged_bytes == expected, release
     # A model without GDN layers has none, whatever the release: on the V1 runner its
     # graphs alone; by default 0.26 runs a dense model on Model Runner V2, whose
-    # estimate before 0.29 is 0 (weights.graph_estimate_runs).
+    # estimate before 0.29 is 0 (profiling.graph_estimate_runs).
     llama = load_config(str(ROOT / "examples/models/llama-3.1-8b/config.json"))
     dense = estimate_overhead(
         llama, import_layers(llama), 1, 32_768, 256, "0.26.0", use_v2_model_runner=False

@@ -1,14 +1,14 @@
 """The dummy sampler's PyTorch top-k/top-p path (what vLLM runs without FlashInfer
 where no Triton kernel replaces it), run in each release's CPU venv with every tensor
 vLLM's code allocates counted while it lives. kvplan's sort-path figure is this part
-plus torch.sort's CUDA workspace, which a CPU run cannot show (weights.py says where
+plus torch.sort's CUDA workspace, which a CPU run cannot show (profiling.py says where
 that comes from)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvplan.models import weights
+from kvplan.models import profiling
 from tests.vllm_envs import run_in_vllm
 
 # Counts the bytes of the tensors alive (by storage) after each aten op: the model-dtype
@@ -72,7 +72,7 @@ def test_sort_path_holds_what_kvplan_counts(release: str) -> None:
     measured = run_in_vllm(release, ["-c", VLLM_SIDE], timeout=240)
     # What vLLM's code holds when torch.sort returns, per logit (a few bytes of k, p
     # and the temperature spread over 1.2M logits are below a rounding).
-    assert round(measured["at_sort"]) == weights._SORT_HELD_PER_LOGIT, (release, measured)
+    assert round(measured["at_sort"]) == profiling._SORT_HELD_PER_LOGIT, (release, measured)
     # No later step (the masks, softmax of the sorted values, the scatter back) holds
     # as much as the sort with its CUDA workspace.
-    assert measured["peak"] < weights._SORT_SAMPLER, (release, measured)
+    assert measured["peak"] < profiling._SORT_SAMPLER, (release, measured)

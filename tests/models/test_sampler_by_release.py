@@ -1,6 +1,6 @@
 """The profile run's sampler phase from vLLM 0.20 on, per release and per model runner,
 as each release's own source has it (the 0.20.0-0.31.0 wheels from PyPI, the 0.32-0.34
-CPU venvs, FlashInfer's sampling.py in the wheels its pins name; weights.py's comments
+CPU venvs, FlashInfer's sampling.py in the wheels its pins name; profiling.py's comments
 above `_V1_TWO_PASS_SAMPLER` and `_MRV2_SAMPLER_*` and docs/capacity.md, "What the
 sampler terms rest on", say where). Model Runner V2's Sampler is also run in the
 0.32-0.34 venvs on the dummy batch with every allocation counted. Which runner a model
@@ -14,14 +14,14 @@ import pytest
 
 from kvplan.models import load_config
 from kvplan.models.importer import Deployment, import_layers
-from kvplan.models.weights import (
+from kvplan.models.profiling import (
     PROFILES,
-    estimate_overhead,
     float32_logits_saving,
     mrv2_sampler_bytes,
     profile_rules,
     triton_row_buffer_bytes,
 )
+from kvplan.models.weights import estimate_overhead
 from tests.vllm_envs import run_in_vllm
 
 ROOT = Path(__file__).resolve().parents[2]

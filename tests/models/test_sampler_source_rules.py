@@ -10,15 +10,14 @@ from kvplan.gpus import lookup_gpu
 from kvplan.models import load_config
 from kvplan.models.calibration_set import ROOT
 from kvplan.models.importer import Deployment, import_layers
-from kvplan.models.request import ModelPlanOptions, build_plan_request
-from kvplan.models.weights import (
+from kvplan.models.profiling import (
     PROFILES,
-    estimate_overhead,
-    estimate_weights,
     float32_logits_saving,
     profile_rules,
     triton_row_buffer_bytes,
 )
+from kvplan.models.request import ModelPlanOptions, build_plan_request
+from kvplan.models.weights import estimate_overhead, estimate_weights
 
 MIB = 1 << 20
 LLAMA_VOCAB = 128_256
