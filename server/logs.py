@@ -10,14 +10,19 @@ Records are formatted and written by a thread of their own (`LogWriter`), never
 on the event loop: a log consumer that stops reading (a full pipe) cannot stall
 the RPCs, as a blocking write on the loop did. The queue is bounded; when it is
 full a record is dropped, counted, and the count reported in the next line that
-gets through. Records still queued are written at exit.
+gets through. Records still queued are written at exit, for at most
+`EXIT_FLUSH_S`: a reader that stopped reading must not keep the process from
+exiting, so the log thread writes to its own duplicate of the stderr descriptor
+(a write blocked there holds no lock the interpreter's exit needs).
 """
 
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import logging
+import os
 import queue
 import re
 import sys
@@ -84,6 +89,7 @@ def json_formatter() -> logging.Formatter:
 
 
 QUEUED_RECORDS = 10_000  # records waiting for the log thread, at most
+EXIT_FLUSH_S = 5.0  # how long exit waits for the queued records to be written
 
 
 class RecordQueue(Protocol):
@@ -107,8 +113,10 @@ class LogWriter:
         formatter: logging.Formatter,
         capacity: int = QUEUED_RECORDS,
         interval_s: float = 0.05,
+        owns_stream: bool = False,
     ) -> None:
         self._stream = stream
+        self._owns_stream = owns_stream  # closed when the thread ends
         self._formatter = formatter
         self._capacity = capacity
         self._interval_s = interval_s
@@ -125,10 +133,16 @@ class LogWriter:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        """Write what is queued and end the thread."""
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Write what is queued and end the thread; False if it is still writing
+        after `timeout_s` (a stream nobody reads: the thread, a daemon, is left)."""
         self._stopping.set()
-        self._thread.join()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            return False
+        if self._owns_stream:
+            self._stream.close()
+        return True
 
     def _run(self) -> None:
         while not self._stopping.wait(self._interval_s):
@@ -207,8 +221,20 @@ _writer: LogWriter | None = None
 def _stop_writer() -> None:
     global _writer
     if _writer is not None:
-        _writer.stop()  # writes what is still queued
+        _writer.stop(EXIT_FLUSH_S)  # writes what is still queued, if it can
         _writer = None
+
+
+def _own_stderr() -> TextIO:
+    """A stream of the log thread's own on stderr's descriptor. Through sys.stderr a
+    write blocked on a full pipe would hold its buffer's lock, which the interpreter
+    takes to flush sys.stderr at exit: the process could never end. sys.stderr itself
+    where it has no descriptor (a test's capture)."""
+    try:
+        descriptor = os.dup(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return sys.stderr
+    return open(descriptor, "w", encoding="utf-8", errors="backslashreplace", closefd=True)
 
 
 atexit.register(_stop_writer)
@@ -224,7 +250,9 @@ def configure_logging(log_format: str, level: str) -> None:
     logging.logMultiprocessing = False
     global _writer
     _stop_writer()
-    _writer = LogWriter(sys.stderr, json_formatter() if log_format == "json" else TextFormatter())
+    stream = _own_stderr()
+    formatter = json_formatter() if log_format == "json" else TextFormatter()
+    _writer = LogWriter(stream, formatter, owns_stream=stream is not sys.stderr)
     _writer.start()
     handler = OffLoopHandler(_writer)
     # On the caller's side: the request id lives in the call's context.

@@ -168,10 +168,11 @@ def test_client_needs_only_grpcio_and_protobuf(tmp_path: Path) -> None:
     ]
 
 
-def test_a_log_reader_that_stops_reading_stalls_no_rpc() -> None:
+def test_a_log_reader_that_stops_reading_stalls_no_rpc_nor_the_exit() -> None:
     """stderr is a pipe nobody reads: once it is full, writing a log line blocks.
     The writing is the log thread's, so the server keeps answering (and drops log
-    records once its queue is full, counting them)."""
+    records once its queue is full, counting them), and SIGTERM still ends it: exit
+    waits for the blocked writer for logs.EXIT_FLUSH_S, not for ever."""
     port, metrics_port = _free_port(), _free_port()
     env = {**os.environ, "KVPLAN_PORT": str(port), "KVPLAN_STORE": "memory"}
     process = subprocess.Popen(
@@ -190,9 +191,13 @@ def test_a_log_reader_that_stops_reading_stalls_no_rpc() -> None:
             for index in range(2000):
                 stub.PlanKVCache(engine_request(f"quiet-reader-{index}"), timeout=5)
             assert stub.PlanKVCache(engine_request("after"), timeout=5).num_blocks > 0
+        process.send_signal(signal.SIGTERM)
+        # No call in flight: the drain ends at once, then at most EXIT_FLUSH_S (5 s).
+        assert process.wait(timeout=30) == 0
     finally:
-        process.kill()
-        process.wait(timeout=10)
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
         if process.stderr:
             process.stderr.close()
 

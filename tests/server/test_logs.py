@@ -10,6 +10,7 @@ import queue
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -128,3 +129,28 @@ def test_a_broken_stream_loses_lines_not_the_log_thread() -> None:
     writer.stop()  # the thread survived the broken write and writes the next line
     assert stream.getvalue().splitlines()[-1].endswith(" written")
     assert "lost" not in stream.getvalue()
+
+
+def test_stop_gives_up_on_a_write_that_never_returns() -> None:
+    class Stuck(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered = threading.Event()
+            self.release = threading.Event()
+
+        def write(self, text: str) -> int:
+            self.entered.set()
+            self.release.wait(30)  # a full pipe nobody reads
+            return super().write(text)
+
+    stream = Stuck()
+    writer = LogWriter(stream, TextFormatter(), interval_s=0.01)
+    writer.put_nowait(_record("blocked"))
+    writer.start()
+    assert stream.entered.wait(10)
+    started = time.monotonic()
+    assert writer.stop(timeout_s=0.2) is False  # exit is not held up
+    assert time.monotonic() - started < 5
+    stream.release.set()
+    assert writer.stop(timeout_s=10) is True  # the line goes out once the reader reads
+    assert stream.getvalue().endswith(" blocked\n")

@@ -21,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,18 +94,20 @@ class Server:
         self.addr = f"127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLAN_")}
         flags = ["--token-file", str(token_file)] if token_file else []
+        # The server's log goes to a file: a pipe nobody reads fills up and drops lines.
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
         self.process = subprocess.Popen(
             [str(Path(sys.executable).parent / "kvplan"), "serve", "--host", "127.0.0.1",
              "--port", str(self.port), "--metrics-port", "0", "--devices", "1xH100-80GB",
              "--store", "memory", "--lease-ttl-s", str(lease_ttl_s), "--grace-s", "1", *flags],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env=env, stdout=subprocess.DEVNULL, stderr=self.log,
         )  # fmt: skip
         # An operator's token (the first line of the token file) reads the devices.
         token = token_file.read_text().split()[0] if token_file else None
         self.client = PlannerClient(self.addr, timeout_s=10, security=ChannelSecurity(token=token))
         deadline = time.monotonic() + 30
         while True:
-            assert self.process.poll() is None, self.process.stderr.read()  # type: ignore[union-attr]
+            assert self.process.poll() is None, self.log_text()
             try:
                 self.uuid = self.client.list_devices(timeout_s=0.5).devices[0].uuid
                 return
@@ -120,10 +123,16 @@ class Server:
 
     def close(self) -> None:
         self.client.close()
-        # A call still open (a plugin's stream) holds the drain for the 1 s grace; the
-        # wait leaves room for that on a loaded 2-core runner.
+        # A call still open (a plugin's stream) holds the drain for the 1 s grace.
         self.process.terminate()
-        self.process.wait(timeout=30)
+        try:
+            assert self.process.wait(timeout=30) == 0, self.log_text()
+        finally:
+            self.log.close()
+
+    def log_text(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-4000:]
 
 
 class EngineHost:
