@@ -230,6 +230,7 @@ def build_plan_request(
             options.pp_layer_partition,
             release,
             max_num_batched_tokens=batched,
+            flashinfer=options.flashinfer,
         )
         # Each pipeline stage profiles its own phases (only the last samples; the others
         # keep what they receive): one estimate per stage.

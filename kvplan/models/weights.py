@@ -133,7 +133,8 @@ class WeightEstimate:
     bytes_per_stage: tuple[int, ...] = ()
     rope_cache_bytes: int = 0  # in every rank's figure (RoPE cos/sin caches)
     # Buffers the model allocates when it is built, so "Model loading took" counts them
-    # (in every rank's figure): Qwen3-VL's deepstack input buffers.
+    # (in every rank's figure): Qwen3-VL's deepstack input buffers, vLLM 0.19's FlashInfer
+    # MLA workspace.
     model_buffer_bytes: int = 0
 
     def stage_bytes(self, stage: int) -> int:
@@ -999,6 +1000,48 @@ def allocator_rounding_bytes(nbytes: int) -> int:
     return remainder if remainder <= _ALLOC_SPLIT_REMAINDER else 0
 
 
+# vLLM 0.19.0's v1/attention/backends/mla/flashinfer_mla.py allocates a 128 MiB FlashInfer
+# workspace (`g_fi_workspace`, torch.zeros on "cuda") when the module is imported, and
+# the CUDA platform imports it while the first MLA layer picks its backend
+# (platforms/cuda.py `get_valid_backends` loads every candidate class; FLASHINFER_MLA
+# is one on every CUDA GPU, only then refused on compute capability below 10): inside
+# load_model, on every rank, whatever the TP size, and kept. Without FlashInfer the
+# import fails before it. vLLM 0.32-0.34 allocate it lazily, at the first FlashInfer
+# MLA decode (`_fi_workspace`), so not there; 0.20-0.31 not read (planned as 0.19).
+FLASHINFER_MLA_IMPORT_WORKSPACE = 128 * MIB
+_FLASHINFER_MLA_LAZY_FROM = (0, 32, 0)
+
+
+def mla_import_workspace_bytes(
+    config: HFConfig, layers: ModelLayers, gpu_arch: str, release: str, flashinfer: bool = True
+) -> int:
+    """The FlashInfer MLA workspace vLLM 0.19-0.31 allocate on importing the backend,
+    on CUDA GPUs with FlashInfer installed, for a model with MLA layers."""
+    c = text_config(config, layers.architecture)
+    version = release_version(release)
+    if not flashinfer or not c.has("kv_lora_rank") or gpu_arch == "cdna":
+        return 0
+    if release == "v0" or version is None or version >= _FLASHINFER_MLA_LAZY_FROM:
+        return 0
+    return FLASHINFER_MLA_IMPORT_WORKSPACE if version >= (0, 19, 0) else 0
+
+
+def _mla_rounding_bytes(c: HFConfig, tp: int, dtype: int) -> int:
+    """The allocator's rounding over one rank's MLA projections (DeepseekV2MLAAttention
+    in vLLM 0.19.0 / 0.32): q_proj or the fused q_a / kv_a projection with q_b_proj,
+    kv_a_proj_with_mqa (replicated), kv_b_proj and o_proj."""
+    hidden, heads = c.integer("hidden_size"), c.integer("num_attention_heads") // tp
+    kv_lora, rope = c.integer("kv_lora_rank"), c.integer("qk_rope_head_dim")
+    nope, v_dim = c.integer("qk_nope_head_dim"), c.integer("v_head_dim")
+    q_lora = c.opt_integer("q_lora_rank")
+    sizes = [heads * (nope + v_dim) * kv_lora, hidden * heads * v_dim]
+    if q_lora:
+        sizes += [(q_lora + kv_lora + rope) * hidden, heads * (nope + rope) * q_lora]
+    else:
+        sizes += [heads * (nope + rope) * hidden, (kv_lora + rope) * hidden]
+    return sum(allocator_rounding_bytes(size * dtype) for size in sizes)
+
+
 def weight_rounding_bytes(
     config: HFConfig, layers: ModelLayers, tp: int, start: int, end: int, stages: int
 ) -> int:
@@ -1011,14 +1054,22 @@ def weight_rounding_bytes(
     MiB at TP 1 / 2 / 4 against 54-64 / 15-25 / -9-1 MiB over the parameters, Phi-4
     80 (77-87), Qwen2.5-72B 80 at TP 2 and 120 at TP 4 (78-88, 118-128), Llama-3.1-8B,
     Qwen3-8B and Gemma 2 0-2 (within the logs' 0.01 GiB). 0 where the layout is not
-    this one (MLA, state-space layers, shared experts, interleaved or periodic MoE
-    layers, gated attention): not modelled there."""
+    this one (state-space layers, shared experts beside GQA, interleaved or periodic MoE
+    layers, gated attention): not modelled there. DeepSeek's MLA layers with their
+    `n_shared_experts` are (`_mla_rounding_bytes`, the shared experts as one MLP of
+    `n_shared_experts x moe_intermediate_size`): DeepSeek-V2-Lite's 11 MiB shared-expert
+    down projection holds 12 MiB in each of its 26 MoE layers, which vLLM 0.5.0's
+    "Loading model weights took 29.3010 GB" (vllm#4650) shows beside the parameters,
+    norms and RoPE cache, to 0.05 MiB."""
     c = text_config(config, layers.architecture)
     if layers.encoder_decoder or any(layer.is_state for layer in layers.layers):
         return 0
-    special = ("kv_lora_rank", "interleave_moe_layer_step", "expert_layer_period",
-               "n_shared_experts", "moe_shared_expert_intermediate_size")  # fmt: skip
+    mla = c.has("kv_lora_rank")
+    special = ("interleave_moe_layer_step", "expert_layer_period",
+               "moe_shared_expert_intermediate_size")  # fmt: skip
     if any(c.has(key) for key in special) or c.size_or_none("shared_expert_intermediate_size"):
+        return 0
+    if c.has("n_shared_experts") and not mla:
         return 0
     if _GATED_ATTENTION.get(c.text("model_type", ""), False):
         return 0
@@ -1028,8 +1079,11 @@ def weight_rounding_bytes(
     head_dim = c.integer("head_dim") if c.has("head_dim") else hidden // heads
     kv_heads = c.integer("num_key_value_heads") if c.has("num_key_value_heads") else heads
     q, kv = heads // tp * head_dim, max(1, kv_heads // tp) * head_dim
-    attention = allocator_rounding_bytes((q + 2 * kv) * hidden * dtype)
-    attention += allocator_rounding_bytes(q * hidden * dtype)
+    if mla:
+        attention = _mla_rounding_bytes(c, tp, dtype)
+    else:
+        attention = allocator_rounding_bytes((q + 2 * kv) * hidden * dtype)
+        attention += allocator_rounding_bytes(q * hidden * dtype)
     gate_up_matrices = _matrices(c) - 1
 
     def mlp(size: int, count: int) -> int:
@@ -1041,10 +1095,12 @@ def weight_rounding_bytes(
     dense_first = c.integer("first_k_dense_replace", 0, minimum=0)
     expert_size = c.size_or_none("moe_intermediate_size") or c.integer("intermediate_size")
     dense_mlp = mlp(c.integer("intermediate_size"), 1)
+    shared = c.integer("n_shared_experts", 0, minimum=0) if mla else 0
+    shared_mlp = mlp(shared * expert_size, 1) if shared else 0
     total = 0
     for layer in range(start, end):
         moe = experts and layer >= dense_first
-        total += attention + (mlp(expert_size, experts) if moe else dense_mlp)
+        total += attention + (mlp(expert_size, experts) + shared_mlp if moe else dense_mlp)
     rows = padded_vocab(c.integer("vocab_size")) // tp
     table = allocator_rounding_bytes(rows * hidden * dtype)
     tied = c.flag("tie_word_embeddings", False)
@@ -1063,6 +1119,7 @@ def estimate_weights(
     pp_layer_partition: tuple[int, ...] | None = None,
     release: str = "",
     max_num_batched_tokens: int = 0,
+    flashinfer: bool = True,
 ) -> WeightEstimate:
     """Bytes per worker: embeddings, LM head, attention, MLP and mixers shard over TP
     (vocab-parallel embeddings, column/row-parallel projections), routers are
@@ -1073,7 +1130,9 @@ def estimate_weights(
     Marlin's layout where `release` runs them through it (`_fp8_runs_marlin`). With
     `max_num_batched_tokens`, the buffers the model allocates when it is built, which
     vLLM's "Model loading took" counts: Qwen3-VL's deepstack input buffers
-    (`deepstack_buffer_bytes`; `config` as loaded, without a tower vLLM skips)."""
+    (`deepstack_buffer_bytes`; `config` as loaded, without a tower vLLM skips), and
+    on an MLA model the FlashInfer workspace vLLM 0.19 allocates on importing its MLA
+    backend (`mla_import_workspace_bytes`; `flashinfer`: whether it is installed)."""
     params = count_params(config, layers)
     dtype_bytes = layers.model_dtype.size_bytes
     name, quant_bytes, experts_only = _quantization(config, quantization)
@@ -1122,6 +1181,7 @@ def estimate_weights(
     # not its peak. Every stage builds the wrapper.
     buffers = deepstack_buffer_bytes(config, max_num_batched_tokens, dtype_bytes,
                                      MultimodalOptions())  # fmt: skip
+    buffers += mla_import_workspace_bytes(config, layers, gpu_arch, release, flashinfer)
     per_stage = []
     for (start, end), stage in zip(bounds, stage_params(config, layers, bounds), strict=True):
         stage_router = stage.router * dtype_bytes

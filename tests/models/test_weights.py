@@ -392,3 +392,39 @@ def test_fp8_marlin_on_ada_from_0_32_for_dense_models() -> None:
     ada_moe = estimate_weights(deepseek, moe_layers, 8, 1, "ada", release="vllm-0.34")
     hopper_moe = estimate_weights(deepseek, moe_layers, 8, 1, "hopper")
     assert ada_moe.bytes_per_worker == hopper_moe.bytes_per_worker
+
+
+CHECKPOINTS = Path(__file__).parents[2] / "tests" / "data" / "checkpoints"
+
+
+def test_mla_models_count_vllm_019s_flashinfer_workspace_and_their_rounding() -> None:
+    # vLLM 0.19.0 imports flashinfer_mla.py while the first MLA layer picks its backend,
+    # and the module allocates 128 MiB on the device: on every rank, at any TP size.
+    deepseek = load_config(str(CHECKPOINTS / "deepseek-v2-lite-chat" / "config.json"))
+    kimi = load_config(str(CHECKPOINTS / "kimi-vl-a3b-instruct" / "config.json"))
+    llama = load_config(str(MODELS / "llama-3.1-8b" / "config.json"))
+
+    def weights(config: HFConfig, tp: int, release: str, flashinfer: bool = True) -> int:
+        layers = import_layers(config, Deployment(tensor_parallel_size=tp))
+        return estimate_weights(config, layers, tp, 1, "hopper", release=release,
+                                flashinfer=flashinfer).bytes_per_worker  # fmt: skip
+
+    for config, tp in ((deepseek, 1), (kimi, 1), (kimi, 2)):
+        with_it = weights(config, tp, "0.19.0")
+        assert with_it - weights(config, tp, "0.19.0", flashinfer=False) == 128 * MIB
+        assert with_it - weights(config, tp, "0.33.0") == 128 * MIB  # lazy from 0.32
+    assert weights(llama, 1, "0.19.0") == weights(llama, 1, "0.19.0", flashinfer=False)
+    # DeepSeek-V2-Lite's 11 MiB shared-expert down projection holds a 12 MiB block in
+    # each of its 26 MoE layers (TP 2: the 11 MiB gate-up), its dense layer's 85.5 MiB
+    # gate-up 86: vLLM 0.5.0 logged 29.3010 GiB for it (vllm#4650), parameters, norms
+    # and the 20 MiB RoPE cache + 26.7 MiB.
+    deepseek_layers = import_layers(deepseek)
+    assert weight_rounding_bytes(deepseek, deepseek_layers, 1, 0, 27, 1) == 26 * MIB + MIB // 2
+    kimi_layers = import_layers(kimi)
+    assert weight_rounding_bytes(kimi, kimi_layers, 2, 0, 27, 1) == 26 * MIB
+    # The 0.19 logs' "Model loading took" (29.43; 30.74 / 15.53 at TP 1 / 2): DeepSeek to
+    # the printed 0.01 GiB; Kimi-VL 0.01-0.02 under (20 MiB segments not modelled).
+    for config, tp, logged, slack in ((deepseek, 1, 29.43, 0.005), (kimi, 1, 30.74, 0.015),
+                                      (kimi, 2, 15.53, 0.02)):  # fmt: skip
+        estimate = weights(config, tp, "0.19.0") / GIB
+        assert -slack <= estimate - logged <= 0.005, (tp, estimate)
