@@ -1000,30 +1000,35 @@ def allocator_rounding_bytes(nbytes: int) -> int:
     return remainder if remainder <= _ALLOC_SPLIT_REMAINDER else 0
 
 
-# vLLM 0.19.0's v1/attention/backends/mla/flashinfer_mla.py allocates a 128 MiB FlashInfer
+# vLLM's v1/attention/backends/mla/flashinfer_mla.py allocates a 128 MiB FlashInfer
 # workspace (`g_fi_workspace`, torch.zeros on "cuda") when the module is imported, and
 # the CUDA platform imports it while the first MLA layer picks its backend
 # (platforms/cuda.py `get_valid_backends` loads every candidate class; FLASHINFER_MLA
-# is one on every CUDA GPU, only then refused on compute capability below 10): inside
+# is one on every CUDA GPU, only then refused below compute capability 10): inside
 # load_model, on every rank, whatever the TP size, and kept. Without FlashInfer the
-# import fails before it. vLLM 0.32-0.34 allocate it lazily, at the first FlashInfer
-# MLA decode (`_fi_workspace`), so not there; 0.20-0.31 not read (planned as 0.19).
+# import fails before it. Read in the wheels: get_valid_backends from 0.12.0 (0.10.2
+# and 0.11.0 import only the backend they pick, FlashInfer MLA on Hopper never), the
+# import-time buffer up to 0.24.0, allocated lazily from 0.25.0 (`_fi_workspace`, at
+# the first FlashInfer MLA decode, as in 0.32-0.34's venvs).
 FLASHINFER_MLA_IMPORT_WORKSPACE = 128 * MIB
-_FLASHINFER_MLA_LAZY_FROM = (0, 32, 0)
+_FLASHINFER_MLA_IMPORTED_FROM = (0, 12, 0)
+_FLASHINFER_MLA_LAZY_FROM = (0, 25, 0)
 
 
 def mla_import_workspace_bytes(
     config: HFConfig, layers: ModelLayers, gpu_arch: str, release: str, flashinfer: bool = True
 ) -> int:
-    """The FlashInfer MLA workspace vLLM 0.19-0.31 allocate on importing the backend,
+    """The FlashInfer MLA workspace vLLM 0.12-0.24 allocate on importing the backend,
     on CUDA GPUs with FlashInfer installed, for a model with MLA layers."""
     c = text_config(config, layers.architecture)
     version = release_version(release)
     if not flashinfer or not c.has("kv_lora_rank") or gpu_arch == "cdna":
         return 0
-    if release == "v0" or version is None or version >= _FLASHINFER_MLA_LAZY_FROM:
+    if release == "v0" or version is None:
         return 0
-    return FLASHINFER_MLA_IMPORT_WORKSPACE if version >= (0, 19, 0) else 0
+    if _FLASHINFER_MLA_IMPORTED_FROM <= version < _FLASHINFER_MLA_LAZY_FROM:
+        return FLASHINFER_MLA_IMPORT_WORKSPACE
+    return 0
 
 
 def _mla_rounding_bytes(c: HFConfig, tp: int, dtype: int) -> int:

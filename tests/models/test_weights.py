@@ -398,8 +398,9 @@ CHECKPOINTS = Path(__file__).parents[2] / "tests" / "data" / "checkpoints"
 
 
 def test_mla_models_count_vllm_019s_flashinfer_workspace_and_their_rounding() -> None:
-    # vLLM 0.19.0 imports flashinfer_mla.py while the first MLA layer picks its backend,
-    # and the module allocates 128 MiB on the device: on every rank, at any TP size.
+    # vLLM 0.12-0.24 import flashinfer_mla.py while the first MLA layer picks its
+    # backend, and the module allocates 128 MiB on the device: on every rank, at any TP
+    # size (read in the wheels; 0.11 picks without importing it, 0.25 on allocate lazily).
     deepseek = load_config(str(CHECKPOINTS / "deepseek-v2-lite-chat" / "config.json"))
     kimi = load_config(str(CHECKPOINTS / "kimi-vl-a3b-instruct" / "config.json"))
     llama = load_config(str(MODELS / "llama-3.1-8b" / "config.json"))
@@ -412,7 +413,9 @@ def test_mla_models_count_vllm_019s_flashinfer_workspace_and_their_rounding() ->
     for config, tp in ((deepseek, 1), (kimi, 1), (kimi, 2)):
         with_it = weights(config, tp, "0.19.0")
         assert with_it - weights(config, tp, "0.19.0", flashinfer=False) == 128 * MIB
-        assert with_it - weights(config, tp, "0.33.0") == 128 * MIB  # lazy from 0.32
+        assert with_it - weights(config, tp, "0.25.0") == 128 * MIB  # lazy from 0.25
+        assert weights(config, tp, "0.12.0") == weights(config, tp, "0.24.0") == with_it
+        assert weights(config, tp, "0.11.0") == weights(config, tp, "0.33.0")
     assert weights(llama, 1, "0.19.0") == weights(llama, 1, "0.19.0", flashinfer=False)
     # DeepSeek-V2-Lite's 11 MiB shared-expert down projection holds a 12 MiB block in
     # each of its 26 MoE layers (TP 2: the 11 MiB gate-up), its dense layer's 85.5 MiB
