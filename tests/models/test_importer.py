@@ -29,7 +29,12 @@ from kvplan.models import (
 )
 from kvplan.models.encoder import vision_tower
 from kvplan.models.importer import ModelLayers
-from kvplan.models.weights import count_params, estimate_weights, replicated_params
+from kvplan.models.weights import (
+    count_params,
+    estimate_weights,
+    replicated_params,
+    weight_rounding_bytes,
+)
 from kvplan.v1 import plan_pb2
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
@@ -794,8 +799,14 @@ def test_kimi_vl_mla_layers_moonvit_and_what_stays_whole() -> None:
     one, two = estimate_weights(config, layers, 1), estimate_weights(config, layers, 2)
     params = count_params(config, layers)
     sharded = (params.total - params.router - whole) * 2
+    # and what the caching allocator rounds up: the shared experts' 11 MiB gate-up
+    # projections hold 12 MiB blocks at TP 2 (26 MiB over 26 MoE layers)
+    rounding = weight_rounding_bytes(config, layers, 2, 0, 27, 1)
+    assert rounding == 26 * 2**20
     assert (
         two.bytes_per_worker
-        == -(-sharded // 2) + (params.router + whole) * 2 + two.rope_cache_bytes
+        == -(-sharded // 2) + (params.router + whole) * 2 + two.rope_cache_bytes + rounding
     )
-    assert one.bytes_per_worker == params.total * 2 + one.rope_cache_bytes
+    rounding_tp1 = weight_rounding_bytes(config, layers, 1, 0, 27, 1)
+    assert rounding_tp1 == 26 * 2**20  # the 11 MiB down projections at TP 1
+    assert one.bytes_per_worker == params.total * 2 + one.rope_cache_bytes + rounding_tp1
