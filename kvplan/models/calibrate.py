@@ -112,6 +112,52 @@ _ENCODER = re.compile(
     r"Encoder cache will be initialized with a budget of ([0-9]+) tokens, and profiled "
     r"with ([0-9]+) (\w+) items"
 )
+# The MoE backend vLLM ran MXFP4 experts with, where the log names it (it sets their
+# padding, weights.mxfp4_moe_backend): quantization/mxfp4.py's "Using Marlin backend" /
+# "Using Triton backend" (0.10.2-0.18; the source tag keeps XPU's attention line "Using
+# Triton backend." out) and its FlashInfer lines, fused_moe/oracle/mxfp4.py's "Using
+# 'TRITON' Mxfp4 MoE backend." (0.19-0.34), and the Marlin fallback's WARNING from
+# marlin_utils_fp4.py ("... leveraging the Marlin kernel", vllm#23278 on 0.10.1).
+_MXFP4_SOURCE_LINE = re.compile(
+    r"mxfp4\.py:\d+\] (?:\[get_mxfp4_backend_with_lora\] )?Using (Triton|Marlin) backend\s*$"
+)
+_MXFP4_FLASHINFER_LINE = re.compile(
+    r"Using FlashInfer MXFP4 (?:MXFP8 )?(?:BF16 )?(TRTLLM|CUTLASS)?"
+)
+_MXFP4_ORACLE_LINE = re.compile(r"Using '(\w+)' Mxfp4 MoE backend")
+_FP4_MARLIN_WARNING = re.compile(
+    r"marlin_utils_fp4\.py:\d+\] .*Weight-only FP4 compression will be used leveraging "
+    r"the Marlin kernel"
+)
+# The oracle's backend names (0.19-0.34) kvplan plans a layout for.
+_MXFP4_ORACLE_BACKENDS = {
+    "TRITON": "triton",
+    "TRITON_UNFUSED": "triton",
+    "MARLIN": "marlin",
+    "BATCHED_MARLIN": "marlin",
+    "FLASHINFER_TRTLLM_MXFP4_BF16": "flashinfer-trtllm",
+    "FLASHINFER_TRTLLM_MXFP4_MXFP8": "flashinfer-trtllm",
+    "FLASHINFER_CUTLASS_MXFP4_BF16": "flashinfer-cutlass",
+    "FLASHINFER_CUTLASS_MXFP4_MXFP8": "flashinfer-cutlass",
+}
+
+
+def mxfp4_backend_in_line(line: str) -> str | None:
+    """The MXFP4 MoE backend a vLLM log line says it chose (kvplan's name), or None."""
+    if match := _MXFP4_SOURCE_LINE.search(line):
+        return match.group(1).lower()
+    if _FP4_MARLIN_WARNING.search(line):
+        return "marlin"
+    if match := _MXFP4_ORACLE_LINE.search(line):
+        return _MXFP4_ORACLE_BACKENDS.get(match.group(1))
+    if "mxfp4.py:" in line and (match := _MXFP4_FLASHINFER_LINE.search(line)):
+        # 0.10.2-0.18: SM90's BF16 and SM100's MXFP8 CUTLASS run FlashInfer's CUTLASS
+        # kernel, SM100's BF16 and MXFP8 TRT-LLM its TRT-LLM one.
+        cutlass = match.group(1) == "CUTLASS" or "for SM90" in line
+        return "flashinfer-cutlass" if cutlass else "flashinfer-trtllm"
+    return None
+
+
 _BLOCKS_V0 = re.compile(r"(?:^|[#\s])GPU blocks: ([0-9]+)")
 _CONFIG_FIELDS = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|[^,]*)")
 
@@ -158,6 +204,7 @@ class StartupLog:
     account_peak_with_graph_estimate_gib: float | None = None
     non_torch_gib: float | None = None
     flashinfer: bool = True  # False where the sampler says FlashInfer is missing
+    mxfp4_backend: str | None = None  # the MXFP4 MoE backend a line names (kvplan's name)
     # Batch settings the engine's own lines state (scheduler, compile range, graph counts).
     max_num_batched_tokens: int | None = None
     max_num_seqs_from_graphs: int | None = None
@@ -212,6 +259,8 @@ def parse_log(text: str) -> StartupLog:
             log.engine = "v0"
         if _NO_FLASHINFER.search(line):
             log.flashinfer = False
+        if log.mxfp4_backend is None:
+            log.mxfp4_backend = mxfp4_backend_in_line(line)
         if match := _RUNNER_MODULE.search(line):
             log.model_runner_v2 = match.group(1) == "model_runner.py"
         if match := _ENCODER.search(line):
@@ -337,6 +386,8 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
         out["quantization"] = str(args["quantization"])
     if not log.flashinfer:  # the sampler's fallback line
         out["no_flashinfer"] = True
+    if log.mxfp4_backend is not None:  # the MoE backend's own line
+        out["mxfp4_backend"] = log.mxfp4_backend
     for dest in ("skip_mm_profiling", "language_model_only"):  # a multimodal model's flags
         if args.get(dest):
             out[dest] = True

@@ -1189,6 +1189,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
             gpu_memory_bytes=gpu.total_memory_bytes,
             engine_release="v0" if log.engine == "v0" else log.release,
             flashinfer=not (args.no_flashinfer or from_log.get("no_flashinfer")),
+            mxfp4_backend=from_log.get("mxfp4_backend"),  # the log's MoE backend line
             block_size_ran=from_log.get("block_size", 0) == args.block_size,  # the log ran it
             use_v2_model_runner=log.model_runner_v2,  # the runner the log's lines name
         )

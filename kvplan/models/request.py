@@ -85,6 +85,9 @@ class ModelPlanOptions:
     # without it vLLM <= 0.11.0's sampler sorts (`calibrate` reads the log's fallback
     # line); 0.11.1-0.16 sort either way.
     flashinfer: bool = True
+    # The MoE backend a log says vLLM ran MXFP4 experts with (`calibrate`; weights.py
+    # `mxfp4_moe_backend`'s names); None: the release's default for the GPU.
+    mxfp4_backend: str | None = None
     # Decoder layers per pipeline stage, as vLLM's VLLM_PP_LAYER_PARTITION lists them;
     # None: vLLM's own partition.
     pp_layer_partition: tuple[int, ...] | None = None
@@ -231,6 +234,7 @@ def build_plan_request(
             release,
             max_num_batched_tokens=batched,
             flashinfer=options.flashinfer,
+            mxfp4_backend=options.mxfp4_backend,
         )
         # Each pipeline stage profiles its own phases (only the last samples; the others
         # keep what they receive): one estimate per stage.

@@ -934,16 +934,62 @@ def _compressed_tensors(quant: HFConfig) -> tuple[str, float, bool]:
     return (f"compressed-tensors-w{bits}", bits / 8 + scale, False)
 
 
-# vLLM pads each rank's MXFP4 expert shapes to its MoE kernel's tile (vLLM 0.34
-# fused_moe/oracle/mxfp4.py, mxfp4_round_up_hidden_size_and_intermediate_size):
-# (hidden alignment, per-rank intermediate alignment) by the backend the GPU selects.
-_MXFP4_ALIGNMENT: dict[str, tuple[int, int]] = {
-    "hopper": (1, 64),  # Triton (matmul_ogs): intermediate to 64, then its layout below
-    "ampere": (256, 128),  # no FP4 compute: Marlin weight-only, hidden to 256
-    "ada": (256, 128),  # Marlin as well
-    "blackwell": (256, 128),  # FlashInfer TRT-LLM
-    "cdna": (256, 256),  # ROCm: both to 256
+# The MoE kernel vLLM runs MXFP4 experts with by default, by GPU and release (read in
+# the wheels' quantization/mxfp4.py `get_mxfp4_backend`, 0.10.2-0.18.0, and
+# fused_moe/oracle/mxfp4.py's backend priority, 0.19.0-0.34). Triton needs
+# `triton_kernels`, which no release lists in its Requires-Dist: up to 0.11.2
+# `has_triton_kernels()` finds only an installed copy, so Hopper falls back to Marlin
+# (vllm#23278, 0.10.1 on an H100: Marlin's WARNING); from 0.12.0 the wheel vendors one
+# (vllm/third_party/triton_kernels, the fallback `has_triton_kernels()` also accepts),
+# and Triton, ahead of Marlin from 9.0, is Hopper's (vllm#33155, 0.14.1: "Using Triton
+# backend"; the 0.19 record: "Using 'TRITON' Mxfp4 MoE backend"). Below 9.0 Triton is
+# refused (Marlin); on Blackwell (10.x) FlashInfer's TRT-LLM kernel comes first where
+# FlashInfer is installed (kvplan's default; a pinned dependency from 0.11.1).
+MXFP4_TRITON_ON_HOPPER_FROM = (0, 12, 0)
+# vLLM's _swizzle_mxfp4 keeps Triton's experts unswizzled (strided, no layout padding)
+# on Hopper under torch < 2.8.1: 0.10.2 and 0.11.0 pin torch 2.8.0, 0.11.1 pins 2.9.0.
+# Only a log that says Triton (an installed triton_kernels) reaches this.
+MXFP4_SWIZZLED_ON_HOPPER_FROM = (0, 11, 1)
+_MXFP4_ARCH_BACKEND: dict[str, str] = {
+    "ampere": "marlin",  # no FP4 compute: Marlin weight-only
+    "ada": "marlin",
+    "blackwell": "flashinfer-trtllm",
+    "cdna": "rocm",
 }
+# vLLM pads each rank's MXFP4 expert shapes to its MoE kernel's tile (vLLM 0.34
+# fused_moe/oracle/mxfp4.py, mxfp4_round_up_hidden_size_and_intermediate_size; Marlin's
+# the same in 0.10.2's create_weights): (hidden alignment, per-rank intermediate
+# alignment) by backend. "triton" then takes triton_kernels' Hopper layout below.
+_MXFP4_ALIGNMENT: dict[str, tuple[int, int]] = {
+    "triton": (1, 64),  # Triton (matmul_ogs): intermediate to 64
+    "triton-strided": (1, 64),  # the same, unswizzled (also a GPU kvplan does not know)
+    "marlin": (256, 128),  # Marlin weight-only: hidden to 256
+    "flashinfer-trtllm": (256, 128),
+    "flashinfer-cutlass": (128, 128),
+    "rocm": (256, 256),  # ROCm: both to 256
+}
+
+
+def mxfp4_moe_backend(gpu_arch: str, release: str, logged: str | None = None) -> str:
+    """The MoE backend vLLM `release` runs MXFP4 experts with on a GPU of `gpu_arch`:
+    the one its log named (`logged`, read by `calibrate`), else the release's default
+    (`MXFP4_TRITON_ON_HOPPER_FROM`; "" or an unparseable release is the newest)."""
+    version = release_version(release)
+    if gpu_arch == "cdna" and logged in (None, "triton"):
+        return "rocm"  # ROCm's padding applies to its Triton kernel too
+    if gpu_arch != "hopper":
+        # kvplan models triton_kernels' swizzled layout on Hopper only.
+        return (
+            "triton-strided"
+            if logged == "triton"
+            else logged or _MXFP4_ARCH_BACKEND.get(gpu_arch, "triton-strided")
+        )
+    if logged is None:
+        vendored = version is None or version >= MXFP4_TRITON_ON_HOPPER_FROM
+        return "triton" if vendored else "marlin"
+    if logged == "triton" and version is not None and version < MXFP4_SWIZZLED_ON_HOPPER_FROM:
+        return "triton-strided"
+    return logged
 
 
 def _round_up(value: int, alignment: int) -> int:
@@ -965,16 +1011,17 @@ def _hopper_mx_layout_bytes(k: int, n: int) -> int:
     return values + scales
 
 
-def _mxfp4_experts_per_rank(c: HFConfig, tp: int, arch: str) -> int:
+def _mxfp4_experts_per_rank(c: HFConfig, tp: int, backend: str) -> int:
     """Bytes of one rank's MXFP4 experts, all layers: fused gate_up + down in e2m1 with
-    an e8m0 scale per 32, padded as the GPU's kernel wants, plus bf16 biases (gpt-oss)."""
-    hidden_align, inter_align = _MXFP4_ALIGNMENT.get(arch, (1, 64))
+    an e8m0 scale per 32, padded as the `backend`'s kernel wants (`mxfp4_moe_backend`),
+    plus bf16 biases (gpt-oss)."""
+    hidden_align, inter_align = _MXFP4_ALIGNMENT[backend]
     hidden = _round_up(c.integer("hidden_size"), hidden_align)
     inter = _round_up(-(-c.integer("intermediate_size") // tp), inter_align)
     experts = _expert_count(c)
     biases = experts * (2 * inter + hidden) * 2
     weights: float = experts * 3 * inter * hidden * (0.5 + 1 / 32)
-    if arch == "hopper":  # gate_up (k = hidden, n = 2 x inter) and down (k = inter)
+    if backend == "triton":  # gate_up (k = hidden, n = 2 x inter) and down (k = inter)
         gate_up = _hopper_mx_layout_bytes(hidden, 2 * inter)
         weights = experts * (gate_up + _hopper_mx_layout_bytes(inter, hidden))
     return int((weights + biases) * c.integer("num_hidden_layers"))
@@ -1125,13 +1172,15 @@ def estimate_weights(
     release: str = "",
     max_num_batched_tokens: int = 0,
     flashinfer: bool = True,
+    mxfp4_backend: str | None = None,
 ) -> WeightEstimate:
     """Bytes per worker: embeddings, LM head, attention, MLP and mixers shard over TP
     (vocab-parallel embeddings, column/row-parallel projections), routers are
     replicated on every rank. Each pipeline stage holds its decoder layers (vLLM's
     partition, or `pp_layer_partition` as VLLM_PP_LAYER_PARTITION gives it) and the
     embeddings where the family builds them (`stage_params`). MXFP4 experts are
-    padded per rank for the GPU's (`gpu_arch`) MoE kernel; block-fp8 weights take
+    padded per rank for the MoE kernel `release` runs on the GPU (`gpu_arch`), or the
+    `mxfp4_backend` a log named (`mxfp4_moe_backend`); block-fp8 weights take
     Marlin's layout where `release` runs them through it (`_fp8_runs_marlin`). With
     `max_num_batched_tokens`, the buffers the model allocates when it is built, which
     vLLM's "Model loading took" counts: Qwen3-VL's deepstack input buffers
@@ -1179,7 +1228,8 @@ def estimate_weights(
         pipeline_stage_bounds(num_layers, stage, pipeline_parallel_size, pp_layer_partition)
         for stage in range(pipeline_parallel_size)
     ]
-    experts_all_layers = _mxfp4_experts_per_rank(c, tp, gpu_arch) if experts_only else 0
+    backend = mxfp4_moe_backend(gpu_arch, release, mxfp4_backend)
+    experts_all_layers = _mxfp4_experts_per_rank(c, tp, backend) if experts_only else 0
     rope = rope_cache_bytes(config, layers)
     # Built in Qwen3VLForConditionalGeneration.__init__ (0.19.0 and 0.32-0.34), inside
     # the runner's load_model: in the weights figure, and in the profile's baseline,

@@ -21,7 +21,7 @@ from kvplan.models.calibrate import (
     printed_token_releases,
     settings_from_log,
 )
-from kvplan.models.weights import estimate_overhead
+from kvplan.models.weights import estimate_overhead, estimate_weights
 
 ROOT = Path(__file__).parents[2]
 GIB = 1 << 30
@@ -415,3 +415,67 @@ def test_releases_outside_the_checked_ones_have_no_formula() -> None:
     # The bounds plan --model names.
     assert printed_token_releases(PER_GROUP_FORMULA) == ("0.8", "0.20.0")
     assert printed_token_releases(CONCURRENCY_FORMULA) == ("0.20.1", "0.34")
+
+
+# Lines copied verbatim from two public H100 logs of gpt-oss-120b at TP 1.
+VLLM_23278 = (  # https://github.com/vllm-project/vllm/issues/23278 (vLLM 0.10.1)
+    "(APIServer pid=5710) INFO 08-20 18:03:40 [api_server.py:1805] vLLM API server version 0.10.1\n"
+    "(EngineCore_0 pid=5839) WARNING 08-20 18:04:08 [marlin_utils_fp4.py:196] Your GPU does "
+    "not have native support for FP4 computation but FP4 quantization is being used. "
+    "Weight-only FP4 compression will be used leveraging the Marlin kernel. This may degrade "
+    "performance for compute-heavy workloads.\n"
+    "(EngineCore_0 pid=5839) INFO 08-20 18:04:10 [gpu_model_runner.py:2007] Model loading "
+    "took 65.9651 GiB and 12.799889 seconds\n"
+)
+VLLM_33155 = (  # https://github.com/vllm-project/vllm/issues/33155 (vLLM 0.14.1)
+    "^[[0;36m(EngineCore_DP0 pid=70073)^[[0;0m INFO 01-27 00:31:44 [mxfp4.py:165] Using "
+    "Triton backend\n"
+    "^[[0;36m(EngineCore_DP0 pid=70073)^[[0;0m INFO 01-27 00:31:59 [gpu_model_runner.py:3905] "
+    "Model loading took 64.38 GiB memory and 14.380607 seconds\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "release", "backend", "other"),
+    [(VLLM_23278, "0.10.1", "marlin", "0.14.1"), (VLLM_33155, "0.14.1", "triton", "0.11.2")],
+)
+def test_the_mxfp4_backend_a_log_names_sets_the_experts_layout(
+    text: str, release: str, backend: str, other: str
+) -> None:
+    # Each log's backend line is read, and it wins over the release's default: planned
+    # as the other release (whose default is the other backend), the weights still
+    # follow the line, within 0.5% of what the log loaded.
+    log = parse_log(text)
+    assert log.mxfp4_backend == backend
+    assert settings_from_log(log)["mxfp4_backend"] == backend
+    config = load_config(str(ROOT / "examples/models/gpt-oss-120b/config.json"))
+    layers = import_layers(config)
+    for planned_release in (release, other):
+        weights = estimate_weights(config, layers, 1, 1, "hopper", release=planned_release,
+                                   mxfp4_backend=log.mxfp4_backend)  # fmt: skip
+        logged = log.model_loading_gib[0]
+        assert abs(weights.bytes_per_worker / GIB - logged) < 0.005 * logged, planned_release
+
+
+def test_only_the_mxfp4_records_name_an_mxfp4_backend() -> None:
+    # Every record's log: the gpt-oss-20b one names its backend (0.19's oracle line,
+    # "Using 'TRITON' Mxfp4 MoE backend."); no other line of any record is taken for one.
+    named = {name: parse_log((DATA / f"{name}.log").read_text()).mxfp4_backend for name in RECORDS}
+    assert named.pop("gpt-oss-20b-h100-tp2-llmd-v0.19") == "triton"
+    assert set(named.values()) == {None}
+
+
+def test_calibrate_plans_the_backend_the_log_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vllm#23278's lines without its version line: kvplan would plan the newest
+    # release's Hopper default (Triton, 64.21 GiB); the Marlin WARNING makes it Marlin's
+    # layout, what the log loaded.
+    log = tmp_path / "vllm-23278.log"
+    log.write_text("".join(VLLM_23278.splitlines(True)[1:]))
+    model = str(ROOT / "examples/models/gpt-oss-120b")
+    assert main(["calibrate", str(log), "--model", model, "--gpu", "H100", "--json"]) == 0
+    rows = {row["figure"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+    weights = rows["model loading (weights) per worker"]
+    assert weights["measured"] == 65.9651
+    assert abs(weights["error"]) < 0.005

@@ -17,9 +17,11 @@ from kvplan.models.weights import (
     allocator_rounding_bytes,
     count_params,
     estimate_weights,
+    mxfp4_moe_backend,
     weight_rounding_bytes,
 )
 from server.devices import parse_inventory
+from tests.vllm_envs import run_in_vllm
 
 MODELS = Path(__file__).parents[2] / "examples" / "models"
 GIB = 2**30
@@ -431,3 +433,58 @@ def test_mla_models_count_vllm_019s_flashinfer_workspace_and_their_rounding() ->
                                       (kimi, 2, 15.53, 0.02)):  # fmt: skip
         estimate = weights(config, tp, "0.19.0") / GIB
         assert -slack <= estimate - logged <= 0.005, (tp, estimate)
+
+
+# The MXFP4 backend by release (weights.mxfp4_moe_backend), read in the wheels: up to
+# 0.11.2 `has_triton_kernels()` looks for an installed triton_kernels only (no release
+# lists it in Requires-Dist), so Hopper gets Marlin; from 0.12.0 the wheel vendors
+# vllm/third_party/triton_kernels and Hopper gets Triton. The releases of the two logs
+# below, and the first and last each side of the change.
+@pytest.mark.parametrize(
+    ("release", "backend"),
+    [("0.10.1", "marlin"), ("0.11.2", "marlin"), ("0.12.0", "triton"), ("0.14.1", "triton"),
+     ("0.19.0", "triton"), ("vllm-0.34", "triton"), ("", "triton")],
+)  # fmt: skip
+def test_hoppers_mxfp4_backend_follows_the_release(release: str, backend: str) -> None:
+    assert mxfp4_moe_backend("hopper", release) == backend
+    # Below 9.0 Triton is refused in every release: Marlin.
+    assert mxfp4_moe_backend("ampere", release) == mxfp4_moe_backend("ada", release) == "marlin"
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
+def test_the_releases_own_oracle_puts_triton_first_on_hopper(release: str, tmp_path: Path) -> None:
+    # The release's MXFP4 oracle with a CUDA platform of each capability stood in
+    # (vllm_mxfp4_backend_side.py): on 9.0 only FlashInfer's TRT-LLM (10.x) and AITER
+    # (ROCm) backends come before TRITON, whose device gate admits 9.0 and whose
+    # triton_kernels the wheel vendors; 8.0 and 8.9 are outside that gate.
+    side = str(Path(__file__).with_name("vllm_mxfp4_backend_side.py"))
+    capabilities = [[8, 0], [8, 9], [9, 0]]
+    answer = run_in_vllm(release, [side], {"capabilities": capabilities}, cache_root=tmp_path)
+    assert answer["vendored_triton_kernels"] and answer["has_triton_kernels"], answer
+    hopper = answer["by_capability"]["9.0"]
+    ahead = hopper["priority"][: hopper["priority"].index("TRITON")]
+    assert ahead and all(name.startswith(("FLASHINFER_TRTLLM_", "AITER_")) for name in ahead)
+    assert hopper["priority"].index("TRITON") < hopper["priority"].index("MARLIN")
+    assert hopper["triton_device"] is True
+    assert mxfp4_moe_backend("hopper", f"vllm-{release}") == "triton"
+    for older in ("8.0", "8.9"):
+        assert answer["by_capability"][older]["triton_device"] is False
+    assert mxfp4_moe_backend("ampere", f"vllm-{release}") == "marlin"
+
+
+def test_gpt_oss_120b_on_one_h100_by_release() -> None:
+    # The two H100 logs of gpt-oss-120b at TP 1 with their releases' default backends:
+    # vLLM 0.10.1, Marlin, "Model loading took 65.9651 GiB" (vllm#23278); 0.14.1,
+    # Triton, "Model loading took 64.38 GiB" (vllm#33155). kvplan: 65.93 and 64.21.
+    config = load_config(str(MODELS / "gpt-oss-120b" / "config.json"))
+    layers = import_layers(config)
+    for release, logged in (("0.10.1", 65.9651), ("0.14.1", 64.38)):
+        weights = estimate_weights(config, layers, 1, 1, "hopper", release=release)
+        assert abs(weights.bytes_per_worker / GIB - logged) < 0.005 * logged, release
+    # A log naming Triton on 0.10.2-0.11.0 (an installed triton_kernels under their
+    # pinned torch 2.8.0): vLLM keeps the experts unswizzled, 60.80 GiB.
+    strided = estimate_weights(config, layers, 1, 1, "hopper", release="0.11.0",
+                               mxfp4_backend="triton")  # fmt: skip
+    unpadded = estimate_weights(config, layers, 1, 1, "", release="0.11.0")
+    assert strided.bytes_per_worker == unpadded.bytes_per_worker
+    assert strided.bytes_per_worker < weights.bytes_per_worker
