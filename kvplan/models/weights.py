@@ -1014,12 +1014,16 @@ def _hopper_mx_layout_bytes(k: int, n: int) -> int:
 def _mxfp4_experts_per_rank(c: HFConfig, tp: int, backend: str) -> int:
     """Bytes of one rank's MXFP4 experts, all layers: fused gate_up + down in e2m1 with
     an e8m0 scale per 32, padded as the `backend`'s kernel wants (`mxfp4_moe_backend`),
-    plus bf16 biases (gpt-oss)."""
+    plus the biases (gpt-oss; float32 under Triton, else bf16)."""
     hidden_align, inter_align = _MXFP4_ALIGNMENT[backend]
     hidden = _round_up(c.integer("hidden_size"), hidden_align)
     inter = _round_up(-(-c.integer("intermediate_size") // tp), inter_align)
     experts = _expert_count(c)
-    biases = experts * (2 * inter + hidden) * 2
+    # The Triton path converts the biases to float32 for triton_kernels (the bf16
+    # parameters replaced: 0.12-0.34's mxfp4 process_weights_after_loading); the
+    # other kernels keep them in bf16.
+    bias_bytes = 4 if backend in ("triton", "triton-strided") else 2
+    biases = experts * (2 * inter + hidden) * bias_bytes
     weights: float = experts * 3 * inter * hidden * (0.5 + 1 / 32)
     if backend == "triton":  # gate_up (k = hidden, n = 2 x inter) and down (k = inter)
         gate_up = _hopper_mx_layout_bytes(hidden, 2 * inter)

@@ -469,7 +469,7 @@ def test_calibrate_plans_the_backend_the_log_names(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # vllm#23278's lines without its version line: kvplan would plan the newest
-    # release's Hopper default (Triton, 64.21 GiB); the Marlin WARNING makes it Marlin's
+    # release's Hopper default (Triton, 64.28 GiB); the Marlin WARNING makes it Marlin's
     # layout, what the log loaded.
     log = tmp_path / "vllm-23278.log"
     log.write_text("".join(VLLM_23278.splitlines(True)[1:]))

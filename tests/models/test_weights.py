@@ -168,7 +168,8 @@ def test_gpt_oss_120b_on_one_hopper_gpu_as_vllm_loads_it() -> None:
     # H100, Triton MoE backend: "Model loading took 64.38 GiB" (vLLM 0.14.1,
     # github.com/vllm-project/vllm/issues/33155): the Hopper MX layout pads each
     # expert's packed bytes to 64 along K and its outputs to 256 (2,880 -> 3,072 for
-    # the down projection, 5,760 -> 5,888 for gate_up); unpadded it would be 60.80.
+    # the down projection, 5,760 -> 5,888 for gate_up); unpadded it would be 60.87
+    # (the biases in float32 either way).
     # The Marlin fallback the same GPU took in vLLM 0.10.1 (hidden to 256, intermediate
     # to 128): "Model loading took 65.9651 GiB" (github.com/vllm-project/vllm/issues/23278).
     config = load_config(str(MODELS / "gpt-oss-120b" / "config.json"))
@@ -475,14 +476,14 @@ def test_the_releases_own_oracle_puts_triton_first_on_hopper(release: str, tmp_p
 def test_gpt_oss_120b_on_one_h100_by_release() -> None:
     # The two H100 logs of gpt-oss-120b at TP 1 with their releases' default backends:
     # vLLM 0.10.1, Marlin, "Model loading took 65.9651 GiB" (vllm#23278); 0.14.1,
-    # Triton, "Model loading took 64.38 GiB" (vllm#33155). kvplan: 65.93 and 64.21.
+    # Triton, "Model loading took 64.38 GiB" (vllm#33155). kvplan: 65.93 and 64.28.
     config = load_config(str(MODELS / "gpt-oss-120b" / "config.json"))
     layers = import_layers(config)
     for release, logged in (("0.10.1", 65.9651), ("0.14.1", 64.38)):
         weights = estimate_weights(config, layers, 1, 1, "hopper", release=release)
         assert abs(weights.bytes_per_worker / GIB - logged) < 0.005 * logged, release
     # A log naming Triton on 0.10.2-0.11.0 (an installed triton_kernels under their
-    # pinned torch 2.8.0): vLLM keeps the experts unswizzled, 60.80 GiB.
+    # pinned torch 2.8.0): vLLM keeps the experts unswizzled, 60.87 GiB.
     strided = estimate_weights(config, layers, 1, 1, "hopper", release="0.11.0",
                                mxfp4_backend="triton")  # fmt: skip
     unpadded = estimate_weights(config, layers, 1, 1, "", release="0.11.0")
