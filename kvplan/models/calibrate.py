@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvplan.models.profiling import release_version
+
 GIB = 1 << 30
 
 _RELEASE = re.compile(r"Initializing a V1 LLM engine \(v([0-9][^)]*)\)|version ([0-9]+\.[0-9]+\S*)")
@@ -310,7 +312,8 @@ def parse_log(text: str) -> StartupLog:
             if desired := _DESIRED.search(line):
                 log.graph_line_utilization = float(desired.group(1))
             activation = _ACTUAL_ACTIVATION.search(line)
-            if activation and _ACTUAL_CONSUMED.search(line):
+            together = _ACTUAL_CONSUMED.search(line)
+            if activation and together:
                 log.account_peak_with_graph_estimate_gib = float(activation.group(1))
             elif activation:
                 log.peak_torch_increase_gib = float(activation.group(1))
@@ -318,7 +321,7 @@ def parse_log(text: str) -> StartupLog:
                 log.non_torch_gib = float(non_torch.group(1))
             if graphs := _ACTUAL_GRAPHS.search(line):
                 log.cuda_graph_gib = float(graphs.group(1))
-            if (together := _ACTUAL_CONSUMED.search(line)) and log.model_loading_gib:
+            if together and log.model_loading_gib:
                 # The later account: weights and non-torch as one figure.
                 log.non_torch_gib = round(float(together.group(1)) - log.model_loading_gib[0], 2)
         if match := _GRAPH_ESTIMATE.search(line):
@@ -411,15 +414,20 @@ def settings_from_log(log: StartupLog) -> dict[str, Any]:
 # the 0.32-0.34 CPU venvs). Off, each request holds one state block per Mamba group (vLLM's
 # mamba_cache_mode "none") instead of two ("align"), which is what the 0.23 record
 # qwen3.5-4b-rtx4090d-selfllm-v0.23 prints: 235,706 tokens = int(633 / 11 x 4,096).
-HYBRID_PREFIX_CACHING: dict[str, bool] = {
-    **{f"0.{minor}": False for minor in range(19, 26)},
-    **{f"0.{minor}": True for minor in range(26, 35)},
-}
+HYBRID_PREFIX_CACHING_CHECKED = ((0, 19), (0, 34))  # the minor releases read
+HYBRID_PREFIX_CACHING_FROM = (0, 26)
 
 
 def hybrid_prefix_caching_default(release: str) -> bool | None:
-    """The release's prefix-caching default for a hybrid model, where checked."""
-    return HYBRID_PREFIX_CACHING.get(".".join(release.split(".")[:2]))
+    """The release's prefix-caching default for a hybrid model, where checked (None
+    outside `HYBRID_PREFIX_CACHING_CHECKED` or for a release that does not parse)."""
+    version = release_version(release)
+    if version is None:
+        return None
+    first, last = HYBRID_PREFIX_CACHING_CHECKED
+    if not first <= version[:2] <= last:
+        return None
+    return version[:2] >= HYBRID_PREFIX_CACHING_FROM
 
 
 # V0's scheduler (vLLM <= 0.7 and VLLM_USE_V1=0): without chunked prefill a step

@@ -13,11 +13,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvplan.gpus import CATALOG, GpuModel, UnknownGpu, lookup_gpu
-from kvplan.models.calibrate import (
-    CONCURRENCY_FORMULA,
-    PER_GROUP_FORMULA,
-    printed_token_releases,
-)
 from kvplan.models.chart import (
     ChartUnavailable,
     apply_prices,
@@ -492,8 +487,15 @@ def format_capacity(summary: CapacitySummary, inputs: ModelPlanInputs, gpu: GpuM
             f"{summary.reserved_kv_cache_tokens or 0:,} tokens"
         )
     if len(summary.groups) > 1:
+        # calibrate is imported here only: plan --model and capacity need it for this
+        # line alone. The release bounds come from the one table calibrate marks by.
+        from kvplan.models.calibrate import (
+            CONCURRENCY_FORMULA,
+            PER_GROUP_FORMULA,
+            printed_token_releases,
+        )
+
         smallest = min(group.block_size for group in summary.groups)
-        # The release bounds come from the one per-release table calibrate marks by.
         first, _ = printed_token_releases(CONCURRENCY_FORMULA)
         _, last = printed_token_releases(PER_GROUP_FORMULA)
         lines.append(
@@ -516,9 +518,9 @@ def format_capacity(summary: CapacitySummary, inputs: ModelPlanInputs, gpu: GpuM
 def final_sizing_lines(inputs: ModelPlanInputs) -> list[str]:
     """vLLM 0.34's final size of an extensible cache, term by term (the limiting
     stage's)."""
-    if not inputs.final_sizings:
+    sizing = inputs.limiting_sizing
+    if sizing is None:
         return []
-    sizing = min(inputs.final_sizings, key=lambda each: each.kv_cache_bytes)
     used = _gib(sizing.non_kv_used_bytes)
     budget = f"{_gib(sizing.requested_bytes)} requested ({sizing.utilization:g} x total) - {used}"
     device = (

@@ -199,14 +199,26 @@ class Tower:
     after_tower: tuple[tuple[int, int], ...] = ()
 
 
+def _text_hidden(config: HFConfig, fallback: int) -> int:
+    """The text model's hidden size the projector maps into (`fallback` without a
+    `text_config`)."""
+    text = config.sub("text_config")
+    return text.integer("hidden_size") if text is not None else fallback
+
+
+def moonvit_merge_kernel(vision: HFConfig) -> tuple[int, int]:
+    """MoonViT's patch merge kernel (rows, columns); 2 x 2 by default."""
+    rows, cols = (int(k) for k in vision.items("merge_kernel_size") or [2, 2])
+    return rows, cols
+
+
 def _siglip_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
     width = vision.integer("hidden_size")
     inter = vision.integer("intermediate_size")
     patch = vision.integer("patch_size")
     size = vision.integer("image_size")
     channels = vision.integer("num_channels", 3)
-    text = config.sub("text_config")
-    text_hidden = text.integer("hidden_size") if text is not None else width
+    text_hidden = _text_hidden(config, width)
     return Tower(
         modalities=("image",),
         # Pan-and-scan is off by default: one crop, mm_tokens_per_image embeddings.
@@ -305,8 +317,7 @@ def _llama4_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
         raise ModelConfigError(
             f"expected a ratio in (0, 1], got {ratio!r}", vision._where("pixel_shuffle_ratio")
         )
-    text = config.sub("text_config")
-    text_hidden = text.integer("hidden_size") if text is not None else width
+    text_hidden = _text_hidden(config, width)
     tiles = LLAMA4_MAX_TILES + 1  # the global tile
     per_tile = (size // patch) ** 2
     per_rank = -(-width // tp)
@@ -548,12 +559,13 @@ def _kimi_vl_image_patches(patch: int, kernel: tuple[int, int]) -> tuple[int, in
     scaling to KIMI_VL_IN_TOKEN_LIMIT patches and padding to the merge kernel
     (KimiVLProcessingInfo.get_num_image_tokens)."""
     height = width = KIMI_VL_DUMMY_IMAGE
-    if (width // patch) * (height // patch) > KIMI_VL_IN_TOKEN_LIMIT:
-        scale = math.sqrt(KIMI_VL_IN_TOKEN_LIMIT / ((width // patch) * (height // patch)))
+    patches = (width // patch) * (height // patch)
+    if patches > KIMI_VL_IN_TOKEN_LIMIT:
+        scale = math.sqrt(KIMI_VL_IN_TOKEN_LIMIT / patches)
         width, height = int(width * scale), int(height * scale)
-    unit_h, unit_w = kernel[0] * patch, kernel[1] * patch
-    rows = (height + (unit_h - height % unit_h) % unit_h) // patch
-    cols = (width + (unit_w - width % unit_w) % unit_w) // patch
+    # Padded up to whole merge kernels.
+    rows = -(-height // (kernel[0] * patch)) * kernel[0]
+    cols = -(-width // (kernel[1] * patch)) * kernel[1]
     return rows, cols
 
 
@@ -568,10 +580,8 @@ def _moonvit_tower(config: HFConfig, vision: HFConfig, tp: int) -> Tower:
     width = vision.integer("hidden_size")
     heads = vision.integer("num_attention_heads")
     patch = vision.integer("patch_size")
-    kernel_raw = [int(k) for k in vision.items("merge_kernel_size") or [2, 2]]
-    kernel = (kernel_raw[0], kernel_raw[1])
-    text = config.sub("text_config")
-    text_hidden = text.integer("hidden_size") if text is not None else width
+    kernel = moonvit_merge_kernel(vision)
+    text_hidden = _text_hidden(config, width)
     rows, cols = _kimi_vl_image_patches(patch, kernel)
     head_dim = width // heads
     return Tower(

@@ -126,10 +126,7 @@ class FinalSizing:
     @property
     def bound_by_utilization(self) -> bool:
         """The budget, not the device's headroom, decides the size."""
-        return (
-            self.requested_bytes - self.non_kv_used_bytes
-            <= self.init_free_bytes - self.non_kv_used_bytes - self.margin_bytes
-        )
+        return self.requested_bytes <= self.init_free_bytes - self.margin_bytes
 
     @property
     def withheld_bytes(self) -> int:

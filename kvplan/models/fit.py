@@ -91,9 +91,8 @@ def _utilization_budget(
             f"  the non-KV memory alone exceeds it by {_gib(inputs.non_kv_bytes - usable)}:"
             " nothing is left for the KV cache"
         )
-    elif inputs.final_kv_cache_bytes is not None:
+    elif (sizing := inputs.limiting_sizing) is not None:
         # vLLM 0.34's extensible cache: the reservation is only the cap.
-        sizing = min(inputs.final_sizings, key=lambda each: each.kv_cache_bytes)
         where.append(
             f"  {_gib(usable - inputs.non_kv_bytes)} reserved for the KV cache before warm-up; "
             f"after it (vLLM 0.34) {_gib(sizing.kv_cache_bytes)} once the CUDA graphs "

@@ -44,7 +44,8 @@ class Registration:
     * the default attention block: vLLM 0.32 / 0.33 16 tokens, 0.34 64
       (`CacheConfig.DEFAULT_BLOCK_SIZE`, which FlashAttention keeps as its preference);
     * whether a layer spec carries `is_draft` (vLLM 0.33 and later; 0.32 finds draft
-      groups from the spec marker and the trailing layer instead).
+      groups from the spec marker and the trailing layer instead);
+    * whether the release has the extensible KV cache (vLLM 0.34, sized after warm-up).
 
     What does not differ for the imported families (read in each release's model code):
     KV-head sharding, state shapes, the Mamba dtype rules, the hybrid block alignment
@@ -55,6 +56,7 @@ class Registration:
     engine_version: str
     default_block_size: int
     marks_draft_layers: bool
+    extensible_kv_cache: bool = False
 
 
 # One entry per rule set of kvplan/core/rules.py (the client imports this module
@@ -63,7 +65,9 @@ REGISTRATIONS: dict[str, Registration] = {
     "": Registration("", default_block_size=16, marks_draft_layers=True),  # as vLLM 0.33
     "vllm-0.32": Registration("vllm-0.32", default_block_size=16, marks_draft_layers=False),
     "vllm-0.33": Registration("vllm-0.33", default_block_size=16, marks_draft_layers=True),
-    "vllm-0.34": Registration("vllm-0.34", default_block_size=64, marks_draft_layers=True),
+    "vllm-0.34": Registration(
+        "vllm-0.34", default_block_size=64, marks_draft_layers=True, extensible_kv_cache=True
+    ),
 }
 
 
@@ -881,12 +885,13 @@ def text_config(config: HFConfig, architecture: str) -> HFConfig:
         if sub is None:
             raise ModelConfigError("required for this architecture", "text_config")
         text = sub
-    defaults = FAMILY_DEFAULTS.get(architecture, {})
-    missing = {key: value for key, value in defaults.items() if not text.has(key)}
     if architecture in _LLAVA:
         # only what the file leaves out: a null (Mistral's "sliding_window": null) stays
         defaults = _LLAVA_TEXT_DEFAULTS.get(text.text("model_type", "llama"), {})
         missing = {key: value for key, value in defaults.items() if key not in text.data}
+    else:
+        defaults = FAMILY_DEFAULTS.get(architecture, {})
+        missing = {key: value for key, value in defaults.items() if not text.has(key)}
     if missing:
         text = HFConfig({**text.data, **missing}, text.path, text.source)
         text.defaulted = tuple(sorted(missing))

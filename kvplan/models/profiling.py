@@ -492,7 +492,7 @@ def cudagraph_capture_sizes(
 ) -> list[int]:
     """The PIECEWISE capture sizes `release` (kvplan's newest where "" or unparsed)
     captures on a part of `gpu_arch` (the catalog's; "blackwell" is B200 / B300)."""
-    version = release_version(release) if release not in ("", "v0") else None
+    version = release_version(release)  # None for "" and "v0"
 
     def since(first: tuple[int, int, int]) -> bool:  # kvplan's newest has every rule
         return version is None or version >= first
@@ -550,7 +550,7 @@ def default_runner_is_v2(release: str, model: RunnerModel) -> bool:
     where the release is "" or does not parse: V2). What kvplan cannot see is left
     out: the features that send an engine back to V1 (an ngram or suffix drafter,
     custom logits processors, prompt embeds, DBO, ...; ROCm's exclusions; no Triton)."""
-    version = release_version(release) if release not in ("", "v0") else None
+    version = release_version(release)  # None for "" and "v0"
     if version is None:
         return release != "v0"
     if version < (0, 22, 0):
@@ -658,6 +658,7 @@ def gdn_graph_transient(
     max_num_batched_tokens: int,
     max_model_len: int,
     release: str = "",
+    gpu_arch: str = "",
 ) -> int:
     """The transient `rules`' release counts as CUDA-graph memory on a hybrid GDN model
     (vllm#50780), 0 where it has none. The V1 runner (0.26-0.28 gpu_model_runner.
@@ -666,14 +667,15 @@ def gdn_graph_transient(
     request's context at min(max_model_len, max_num_batched_tokens // N); `_dummy_run`
     makes that batch min(max_num_seqs, ceil(N / q)) requests. The transient is that
     context times the per-token figure. The capture sizes are the ones without a
-    drafter (`cudagraph_capture_sizes`, `release`'s: 0.26-0.28 add no off-grid
-    max_num_seqs, so their largest FULL size is the grid's)."""
+    drafter (`cudagraph_capture_sizes`, `release`'s on `gpu_arch`, the estimate's own
+    list: 0.26-0.28 add no off-grid max_num_seqs, so their largest FULL size is the
+    grid's)."""
     per_token = rules.gdn_graph_transient_per_context_token
     gdn = [layer for layer in layers.layers if layer.mamba_type == "GDN_ATTENTION"]
     if not per_token or not gdn:
         return 0
     query_len = 1 + gdn[0].num_speculative_blocks
-    sizes = cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens, release)
+    sizes = cudagraph_capture_sizes(max_num_seqs, max_num_batched_tokens, release, gpu_arch)
     full = [size for size in sizes
             if query_len <= size <= query_len * max_num_seqs]  # fmt: skip
     largest_full = max(full, default=0)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -21,7 +22,13 @@ from kvplan.models.extensible import (
     final_sizing_note,
     utilization_warning_note,
 )
-from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
+from kvplan.models.importer import (
+    REGISTRATIONS,
+    Deployment,
+    ModelLayers,
+    Speculative,
+    import_layers,
+)
 from kvplan.models.profiling import custom_all_reduce_on
 from kvplan.models.weights import (
     OverheadEstimate,
@@ -127,11 +134,21 @@ class ModelPlanInputs:
     final_sizings: tuple[FinalSizing, ...] = ()
 
     @property
+    def limiting_sizing(self) -> FinalSizing | None:
+        """The stage whose final size is the smallest, which the cache takes (None:
+        sized once)."""
+        return limiting_sizing(self.final_sizings)
+
+    @property
     def final_kv_cache_bytes(self) -> int | None:
         """The smallest worker's final KV cache bytes (None: sized once)."""
-        if not self.final_sizings:
-            return None
-        return min(sizing.kv_cache_bytes for sizing in self.final_sizings)
+        sizing = self.limiting_sizing
+        return sizing.kv_cache_bytes if sizing is not None else None
+
+
+def limiting_sizing(final: Sequence[FinalSizing]) -> FinalSizing | None:
+    """The final sizing with the fewest KV cache bytes (None where there is none)."""
+    return min(final, key=lambda sizing: sizing.kv_cache_bytes, default=None)
 
 
 def parse_speculative(text: str, draft_config: HFConfig | None = None) -> Speculative:
@@ -215,6 +232,7 @@ def build_plan_request(
         if problem:
             raise ModelConfigError(problem)
     extensible = extensible_cache_on(options)
+    extensible_flags = extensible_setting(options)  # as the flags leave it, per stage below
     weights: WeightEstimate | None = None
     overhead: OverheadEstimate | None = None
     stage_overheads: tuple[OverheadEstimate, ...] = ()
@@ -251,7 +269,7 @@ def build_plan_request(
                 gpu_sms=gpu_sms,
                 quantization=options.quantization,
                 use_v2_model_runner=options.use_v2_model_runner,
-                extensible_kv_cache=extensible_setting(options),
+                extensible_kv_cache=extensible_flags,
             )
             for stage in range(pp)
         )  # fmt: skip
@@ -293,7 +311,7 @@ def build_plan_request(
         f"KV_CACHE_DTYPE_{options.kv_cache_dtype.upper()}"
     )
     opts.max_num_batched_tokens = batched
-    if options.engine_version == EXTENSIBLE_RELEASE and not extensible:
+    if release_has_extensible_cache(options.engine_version) and not extensible:
         opts.extensible_kv_cache = False  # as vLLM settles it: the classic cache
     if options.num_gpu_blocks_override is not None:
         opts.num_gpu_blocks_override = options.num_gpu_blocks_override
@@ -365,7 +383,11 @@ def build_plan_request(
     return request, inputs
 
 
-EXTENSIBLE_RELEASE = "vllm-0.34"  # the release whose cache is extensible by default
+def release_has_extensible_cache(engine_version: str) -> bool:
+    """Whether the engine rule set has vLLM 0.34's extensible KV cache (its
+    registration's flag, which mirrors `RuleSet.extensible_kv_cache`)."""
+    registration = REGISTRATIONS.get(engine_version)
+    return registration is not None and registration.extensible_kv_cache
 
 
 def extensible_setting(options: ModelPlanOptions) -> bool | None:
@@ -381,7 +403,7 @@ def extensible_setting(options: ModelPlanOptions) -> bool | None:
         if options.num_gpu_blocks_override is not None
         else None
     )
-    if options.extensible_kv_cache and options.engine_version != EXTENSIBLE_RELEASE:
+    if options.extensible_kv_cache and not release_has_extensible_cache(options.engine_version):
         raise ModelConfigError(
             "--enable-extensible-kv-cache: only vLLM 0.34 has the extensible KV cache "
             "(--engine-version vllm-0.34)"
@@ -402,7 +424,7 @@ def extensible_cache_on(options: ModelPlanOptions) -> bool:
     under kvplan's own rules, as `calibrate` plans a 0.34 log, only drops the graph
     estimate: `graph_estimate_runs`.)"""
     setting = extensible_setting(options)
-    return options.engine_version == EXTENSIBLE_RELEASE and setting is not False
+    return release_has_extensible_cache(options.engine_version) and setting is not False
 
 
 def cache_sizing(
@@ -448,9 +470,9 @@ def cache_sizing(
 def _final_sizing_notes(final: tuple[FinalSizing, ...], given: bool) -> tuple[str, ...]:
     """What the final size assumes, and vLLM 0.34's warning on a utilization just
     under 1.0 where it applies."""
-    if not final:
+    limiting = limiting_sizing(final)
+    if limiting is None:
         return ()
-    limiting = min(final, key=lambda sizing: sizing.kv_cache_bytes)
     notes = [final_sizing_note(limiting, given)]
     if limiting.utilization_warning():
         notes.append(utilization_warning_note(limiting))

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fnmatch import fnmatch
 
+from kvplan.gpus import MIB
 from kvplan.models.config import HFConfig, ModelConfigError
 from kvplan.models.encoder import (
     EncoderProfile,
@@ -27,6 +28,7 @@ from kvplan.models.encoder import (
     llava_feature_layers,
     llava_tower_family,
     llava_vision_layers,
+    moonvit_merge_kernel,
 )
 from kvplan.models.importer import ARCHITECTURES, ModelLayers, pipeline_stage_bounds, text_config
 from kvplan.models.profiling import (
@@ -47,10 +49,6 @@ from kvplan.models.profiling import (
     sampler_bytes_per_logit,
     triton_row_buffer_bytes,
 )
-
-GIB = 1 << 30
-MIB = 1 << 20
-
 
 # A pipeline stage's profile run (vLLM 0.19's gpu_model_runner.profile_run and
 # _dummy_run): only the last stage runs the dummy sampler (`is_last_rank`), and every
@@ -577,7 +575,7 @@ def _moonvit_params(vision: HFConfig, text_hidden: int) -> int:
     layer = 4 * width * width + 2 * width * inter + 9 * width + inter
     positions = vision.integer("init_pos_emb_height") * vision.integer("init_pos_emb_width")
     stem = 3 * patch * patch * width + width + positions * width
-    kernel = [int(k) for k in vision.items("merge_kernel_size") or [2, 2]]
+    kernel = moonvit_merge_kernel(vision)
     merged = width * kernel[0] * kernel[1]
     projector = 2 * width + merged * merged + merged + merged * text_hidden + text_hidden
     return vision.integer("num_hidden_layers") * layer + stem + 2 * width + projector
@@ -975,15 +973,12 @@ def mxfp4_moe_backend(gpu_arch: str, release: str, logged: str | None = None) ->
     the one its log named (`logged`, read by `calibrate`), else the release's default
     (`MXFP4_TRITON_ON_HOPPER_FROM`; "" or an unparseable release is the newest)."""
     version = release_version(release)
-    if gpu_arch == "cdna" and logged in (None, "triton"):
-        return "rocm"  # ROCm's padding applies to its Triton kernel too
     if gpu_arch != "hopper":
-        # kvplan models triton_kernels' swizzled layout on Hopper only.
-        return (
-            "triton-strided"
-            if logged == "triton"
-            else logged or _MXFP4_ARCH_BACKEND.get(gpu_arch, "triton-strided")
-        )
+        if logged == "triton":
+            # ROCm's padding applies to its Triton kernel too; elsewhere kvplan models
+            # triton_kernels' swizzled layout on Hopper only.
+            return "rocm" if gpu_arch == "cdna" else "triton-strided"
+        return logged or _MXFP4_ARCH_BACKEND.get(gpu_arch, "triton-strided")
     if logged is None:
         vendored = version is None or version >= MXFP4_TRITON_ON_HOPPER_FROM
         return "triton" if vendored else "marlin"
@@ -1075,7 +1070,7 @@ def mla_import_workspace_bytes(
     version = release_version(release)
     if not flashinfer or not c.has("kv_lora_rank") or gpu_arch == "cdna":
         return 0
-    if release == "v0" or version is None:
+    if version is None:
         return 0
     if _FLASHINFER_MLA_IMPORTED_FROM <= version < _FLASHINFER_MLA_LAZY_FROM:
         return FLASHINFER_MLA_IMPORT_WORKSPACE
@@ -1089,7 +1084,7 @@ def _mla_rounding_bytes(c: HFConfig, tp: int, dtype: int) -> int:
     hidden, heads = c.integer("hidden_size"), c.integer("num_attention_heads") // tp
     kv_lora, rope = c.integer("kv_lora_rank"), c.integer("qk_rope_head_dim")
     nope, v_dim = c.integer("qk_nope_head_dim"), c.integer("v_head_dim")
-    q_lora = c.opt_integer("q_lora_rank")
+    q_lora = c.size_or_none("q_lora_rank")
     sizes = [heads * (nope + v_dim) * kv_lora, hidden * heads * v_dim]
     if q_lora:
         sizes += [(q_lora + kv_lora + rope) * hidden, heads * (nope + rope) * q_lora]
@@ -1151,8 +1146,8 @@ def weight_rounding_bytes(
     dense_first = c.integer("first_k_dense_replace", 0, minimum=0)
     expert_size = c.size_or_none("moe_intermediate_size") or c.integer("intermediate_size")
     dense_mlp = mlp(c.integer("intermediate_size"), 1)
-    shared = c.integer("n_shared_experts", 0, minimum=0) if mla else 0
-    shared_mlp = mlp(shared * expert_size, 1) if shared else 0
+    # Non-MLA layouts with shared experts returned above.
+    shared_mlp = mlp(c.integer("n_shared_experts", 0, minimum=0) * expert_size, 1)
     total = 0
     for layer in range(start, end):
         moe = experts and layer >= dense_first
@@ -1403,7 +1398,7 @@ def estimate_overhead(
     transient = gdn_graph_transient(
         rules, layers, max_num_seqs, max_num_batched_tokens,
         max_model_len if max_model_len and max_model_len > 0 else layers.derived_max_model_len,
-        release,
+        *sizes,
     )  # fmt: skip
     nccl_bytes = graphs - cudagraph_estimate(rules, max_num_seqs, max_num_batched_tokens, 0,
                                              *sizes)  # fmt: skip

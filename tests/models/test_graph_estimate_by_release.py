@@ -251,3 +251,9 @@ def test_the_gdn_long_sample_takes_the_releases_largest_full_size() -> None:
         96 * (32_768 // 96) * per_token
     )
     assert gdn_graph_transient(rules, layers, 100, 32_768, 262_144) == 100 * 327 * per_token
+    # On B200 / B300 0.28 captures to 1,024 (512 elsewhere): with 1,024 sequences the
+    # long sample runs 1,024 requests, each at min(40, 32,768 // 1,024) context tokens,
+    # the capture list the graph estimate itself uses on that part.
+    on_blackwell = gdn_graph_transient(rules, layers, 1024, 32_768, 40, "0.28.0", "blackwell")
+    assert on_blackwell == 1024 * 32 * per_token
+    assert gdn_graph_transient(rules, layers, 1024, 32_768, 40, "0.28.0") == 512 * 40 * per_token

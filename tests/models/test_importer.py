@@ -674,6 +674,7 @@ def test_registration_table_matches_the_core_rule_sets() -> None:
         registration = REGISTRATIONS[version]
         assert registration.default_block_size == rules.default_block_size, version
         assert registration.marks_draft_layers == rules.has_field(FIELD_IS_DRAFT), version
+        assert registration.extensible_kv_cache == rules.extensible_kv_cache, version
 
 
 GRANITE_VISION = Path(__file__).parents[1] / "data" / "checkpoints" / "granite-vision-3.3-2b"

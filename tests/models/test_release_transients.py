@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvplan.gpus import GIB
 from kvplan.models.config import HFConfig, load_config
 from kvplan.models.importer import Deployment, ModelLayers, Speculative, import_layers
 from kvplan.models.profiling import (
@@ -18,7 +19,7 @@ from kvplan.models.profiling import (
     profile_rules,
     sampler_bytes_per_logit,
 )
-from kvplan.models.weights import GIB, estimate_overhead
+from kvplan.models.weights import estimate_overhead
 from tests.vllm_envs import run_in_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
